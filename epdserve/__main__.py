@@ -1,0 +1,3 @@
+from epdserve.cli import main
+
+main()

@@ -1,0 +1,37 @@
+"""The ``epdserve`` command: one sub-command per job.
+
+Each sub-command lives in its own module, which provides ``add_arguments(parser)`` and
+``run(args) -> int``; this file only dispatches, importing just the chosen module so that
+a bench client never loads torch. Every role (router, worker, bench client) starts from
+this same entry point on any host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "serve": ("epdserve.serving.launcher", "start a router and its workers (colocated or PD)"),
+    "worker": ("epdserve.serving.worker", "run one engine worker (colocated, prefill or decode)"),
+    "router": ("epdserve.serving.router", "run the OpenAI-compatible router alone"),
+    "bench": ("epdserve.bench.run", "send a seeded workload to an OpenAI-compatible server"),
+    "compare": ("epdserve.bench.compare", "run the same trace against each deployment"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run ``epdserve COMMAND [options]``; exits with the command's status (2 on bad usage)."""
+    argv = sys.argv[1:] if argv is None else argv
+    top = argparse.ArgumentParser(prog="epdserve", description=__doc__.splitlines()[0])
+    top.add_argument("command", choices=list(COMMANDS), help="; ".join(
+        f"{name}: {text}" for name, (_, text) in COMMANDS.items()))
+    if not argv or argv[0] not in COMMANDS:
+        top.parse_args(argv[:1])  # prints usage and exits 2 (or 0 for --help)
+        return
+    module_name, help_text = COMMANDS[argv[0]]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"epdserve {argv[0]}", description=help_text)
+    module.add_arguments(parser)
+    sys.exit(module.run(parser.parse_args(argv[1:])))

@@ -1,0 +1,166 @@
+"""Typed messages between the router and its workers.
+
+Every message is one ZeroMQ frame holding a msgpack map with a ``type`` field; it is
+validated by pydantic on receipt, so a frame that is not our wire format (a pickle,
+garbage, a wrong field) raises :class:`ProtocolError` and is never deserialised into
+code. Tensors never travel in these frames: KV blocks go through ``epdserve.transfer``
+and only their descriptor (a small map) rides here.
+
+Sockets (one direction each, so neither side blocks on the other):
+
+* the router binds one PULL socket (``events``); every worker connects a PUSH to it and
+  sends :class:`Hello` once, then :class:`Stats`, :class:`Output` and :class:`Error`;
+* every worker binds one PULL socket (``cmd``); the router connects a PUSH to it on
+  ``Hello`` and sends :class:`AddRequest`, :class:`Abort`, :class:`ReleaseKV`,
+  :class:`Shutdown`.
+
+Times in ``timings`` are durations in milliseconds (``*_ms``) or byte counts
+(``*_bytes``) so that they stay meaningful across hosts.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+Role = Literal["colocated", "prefill", "decode"]
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid epdserve message."""
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParams(_Msg):
+    """Per-request sampling settings, as in the OpenAI API (vLLM's meanings).
+
+    ``max_tokens`` counts generated tokens; ``top_k`` = -1 disables top-k;
+    ``temperature`` = 0 means greedy; ``seed`` makes sampling reproducible.
+    """
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+
+
+class KVDescriptor(_Msg):
+    """Where a request's exported KV cache lies, and its layout.
+
+    ``kind`` = "shm": ``name`` is a file in /dev/shm holding one wire frame (see
+    ``epdserve.transfer.wire``); ``num_tokens`` is how many prompt positions it covers;
+    ``nbytes`` the payload size in bytes.
+    """
+
+    kind: Literal["shm"] = "shm"
+    name: str
+    num_tokens: int
+    nbytes: int
+
+
+class Hello(_Msg):
+    type: Literal["hello"] = "hello"
+    worker_id: str
+    role: Role
+    addr: str
+    model: str
+    kv_layout: dict
+    blocks_total: int
+
+
+class Stats(_Msg):
+    type: Literal["stats"] = "stats"
+    worker_id: str
+    blocks_total: int
+    blocks_in_use: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+
+
+class Output(_Msg):
+    """New tokens of one request from one engine step.
+
+    A prefill worker sends exactly one: the first token, ``kv`` set unless the request
+    already finished. ``finish_reason`` is "stop" (EOS / stop token), "length"
+    (``max_tokens``) or "abort"; ``timings`` are filled on the last output of a worker.
+    """
+
+    type: Literal["output"] = "output"
+    worker_id: str
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    kv: KVDescriptor | None = None
+    timings: dict[str, float] = {}
+
+
+class Error(_Msg):
+    type: Literal["error"] = "error"
+    worker_id: str
+    request_id: str
+    message: str
+
+
+class AddRequest(_Msg):
+    """Start a request. For a decode worker, ``kv`` and ``first_token`` are set."""
+
+    type: Literal["add"] = "add"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    kv: KVDescriptor | None = None
+    first_token: int | None = None
+
+
+class Abort(_Msg):
+    type: Literal["abort"] = "abort"
+    request_id: str
+
+
+class ReleaseKV(_Msg):
+    """Tell a prefill worker that an exported KV cache will not be imported."""
+
+    type: Literal["release_kv"] = "release_kv"
+    request_id: str
+
+
+class Shutdown(_Msg):
+    type: Literal["shutdown"] = "shutdown"
+
+
+Message = Annotated[
+    Union[Hello, Stats, Output, Error, AddRequest, Abort, ReleaseKV, Shutdown],
+    Field(discriminator="type"),
+]
+_adapter: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+def encode(msg: _Msg) -> bytes:
+    """Serialise a message to one msgpack frame."""
+    return msgpack.packb(msg.model_dump(exclude_defaults=False), use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message:
+    """Parse and validate one frame.
+
+    Raises:
+        ProtocolError: the bytes are not msgpack, or not a known, well-formed message.
+    """
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"frame is not msgpack ({len(frame)} bytes): {exc}") from None
+    try:
+        return _adapter.validate_python(obj)
+    except ValidationError as exc:
+        raise ProtocolError(f"invalid message: {exc.errors()[:3]}") from None
