@@ -1,0 +1,125 @@
+"""Turn a stream of generated token ids into a stream of text, and stop at stop strings.
+
+:class:`IncrementalDetokenizer` decodes as vLLM does: it decodes a short window of ids
+(the last few already-emitted ones as a prefix, plus the new ones) and emits only what
+the new ids add, holding text back while it ends in an incomplete UTF-8 character
+(``'\\ufffd'``). The window starts on the prompt's last tokens, so the first generated
+token gets its leading space right with SentencePiece-style tokenizers.
+
+:class:`StopMatcher` finds stop strings in that text: it truncates before the first
+match (the stop string itself is not emitted) and holds back any tail that could still
+be the start of a stop string.
+
+:class:`TextStream` chains the two; the router feeds it each worker output.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT_CHAR = "\ufffd"
+PROMPT_CONTEXT_TOKENS = 5  # as vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
+
+
+class IncrementalDetokenizer:
+    """Incremental decoding of generated ids with a Hugging Face tokenizer.
+
+    ``prompt_ids`` only provide decoding context; their text is never emitted.
+    Special tokens are skipped (vLLM's default).
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        self.prefix_offset = 0           # start of the decoding window
+        self.read_offset = len(self.ids)  # ids before this are already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _step(self, final: bool) -> str:
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and (final or not new_text.endswith(REPLACEMENT_CHAR)):
+            delta = new_text[len(prefix_text):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return delta
+        return ""
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append generated ids; return the text they complete (maybe "")."""
+        self.ids.extend(token_ids)
+        return self._step(final=False) if token_ids else ""
+
+    def flush(self) -> str:
+        """Return text still held back (an incomplete character decodes as '\\ufffd')."""
+        if self.read_offset == len(self.ids):
+            return ""
+        return self._step(final=True)
+
+
+class StopMatcher:
+    """Stop-string matching over a text stream.
+
+    ``stops`` are the stop strings (empty ones are ignored). After a match, :attr:`stopped`
+    is True and nothing more is emitted.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""  # text held back: it may be the start of a stop string
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Add text; return what is safe to emit now."""
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        buf = self.pending + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self.pending = True, ""
+            return buf[:min(hits)]
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
+        self.pending = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold]
+
+    def flush(self) -> str:
+        """At the end of generation: the held-back text (it did not become a stop string)."""
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out
+
+
+class TextStream:
+    """Generated ids in, emitted text out, with stop strings applied.
+
+    ``add(ids)`` returns the new text; once :attr:`stopped` is True (a stop string was
+    found) the caller should end the request with finish reason "stop". ``finish()``
+    returns the held-back text when generation ends for another reason.
+    :attr:`text` is everything emitted so far.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str]):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.matcher = StopMatcher(stops)
+        self.text = ""
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.stopped
+
+    def add(self, token_ids: list[int]) -> str:
+        out = self.matcher.feed(self.detok.add(token_ids))
+        self.text += out
+        return out
+
+    def finish(self) -> str:
+        out = self.matcher.feed(self.detok.flush()) if not self.stopped else ""
+        out += self.matcher.flush()
+        self.text += out
+        return out

@@ -1,0 +1,85 @@
+"""Prometheus metrics of the router, in a registry of its own (not the global default),
+so that several routers can live in one process (tests).
+
+Names follow vLLM's ``vllm:*`` metrics with the ``epdserve:`` prefix. Times are in
+seconds, sizes in bytes. Per-worker gauges carry ``worker`` and ``role`` labels and are
+set from the workers' :class:`~epdserve.serving.protocol.Stats`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# vLLM's buckets.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+KV_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                      1.0, 2.5, 5.0, 10.0)
+KV_BYTES_BUCKETS = tuple(float(4 ** k * 1024) for k in range(0, 12))  # 1 KiB .. 4 GiB
+
+
+class RouterMetrics:
+    """All router metrics; :meth:`render` gives the Prometheus text exposition."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        wl = ["worker", "role"]
+        self.kv_blocks_in_use = Gauge("epdserve:kv_blocks_in_use", "KV cache blocks in use.", wl, registry=r)
+        self.kv_blocks_total = Gauge("epdserve:kv_blocks_total", "KV cache blocks in the pool.", wl, registry=r)
+        self.num_requests_running = Gauge("epdserve:num_requests_running",
+                                          "Requests in the worker's running batch.", wl, registry=r)
+        self.num_requests_waiting = Gauge("epdserve:num_requests_waiting",
+                                          "Requests waiting in the worker's queue.", wl, registry=r)
+        self.num_preemptions = Gauge("epdserve:num_preemptions", "Preemptions so far (worker-reported).",
+                                     wl, registry=r)
+        self.request_success = Counter("epdserve:request_success_total",
+                                       "Finished requests by finish reason (abort = client went away).",
+                                       ["finish_reason"], registry=r)
+        self.request_failure = Counter("epdserve:request_failure_total",
+                                       "Requests that failed after admission (worker error, timeout, no worker).",
+                                       registry=r)
+        self.bad_request = Counter("epdserve:bad_request_total", "Requests answered with HTTP 400.", registry=r)
+        self.prompt_tokens = Counter("epdserve:prompt_tokens_total", "Prefilled prompt tokens.", registry=r)
+        self.generation_tokens = Counter("epdserve:generation_tokens_total", "Generated tokens.", registry=r)
+        self.ttft = Histogram("epdserve:time_to_first_token_seconds",
+                              "Arrival at the router to the first token back from a worker.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("epdserve:e2e_request_latency_seconds",
+                             "Arrival at the router to the last token.", buckets=E2E_BUCKETS, registry=r)
+        self.kv_transfer_seconds = Histogram("epdserve:kv_transfer_seconds",
+                                             "KV export + router hop + KV import, per PD request.",
+                                             buckets=KV_SECONDS_BUCKETS, registry=r)
+        self.kv_transfer_bytes = Histogram("epdserve:kv_transfer_bytes", "KV cache bytes per PD request.",
+                                           buckets=KV_BYTES_BUCKETS, registry=r)
+
+    def set_worker(self, worker: str, role: str, *, blocks_in_use: int, blocks_total: int,
+                   num_running: int, num_waiting: int, num_preemptions: int) -> None:
+        """Update one worker's gauges (from its Stats)."""
+        self.kv_blocks_in_use.labels(worker, role).set(blocks_in_use)
+        self.kv_blocks_total.labels(worker, role).set(blocks_total)
+        self.num_requests_running.labels(worker, role).set(num_running)
+        self.num_requests_waiting.labels(worker, role).set(num_waiting)
+        self.num_preemptions.labels(worker, role).set(num_preemptions)
+
+    def finished(self, *, finish_reason: str, prompt_tokens: int, output_tokens: int,
+                 ttft_s: float | None, e2e_s: float, kv_transfer_s: float | None,
+                 kv_bytes: float | None) -> None:
+        """Record one request that ended without an error."""
+        self.request_success.labels(finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        self.e2e.observe(e2e_s)
+        if kv_transfer_s is not None:
+            self.kv_transfer_seconds.observe(kv_transfer_s)
+        if kv_bytes is not None:
+            self.kv_transfer_bytes.observe(kv_bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,288 @@
+"""The OpenAI HTTP API as epdserve speaks it: request models, response builders, errors.
+
+Only what the router serves: ``/v1/chat/completions`` (text messages) and
+``/v1/completions`` (a string prompt or a list of token ids), one choice (``n`` = 1).
+Unknown request fields are accepted and ignored, as vLLM does.
+
+Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``. Every
+malformed request (bad JSON, failed validation, unknown model, prompt too long) is an
+HTTP **400** with type ``invalid_request_error``. OpenAI answers 404 for an unknown
+model; we answer 400 like vLLM's older releases, so that a client sees one status for
+every request it must fix.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class APIError(Exception):
+    """An error answered to the client with an OpenAI-style body.
+
+    ``status`` is the HTTP status (400 for a request the client must fix, 500/503 for
+    ours); ``param`` names the offending request field, if one does.
+    """
+
+    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------------------- requests
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Req):
+    include_usage: bool = False
+
+
+class TextPart(_Req):
+    """A text content part; image and audio parts are not supported (yet)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Req):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"only text content parts are supported, got type {kind!r}")
+        return v
+
+    def as_template_dict(self) -> dict:
+        """The message as a chat template expects it: text parts joined with newlines."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        out = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class _SamplingFields(_Req):
+    """Fields shared by chat and completions. ``max_tokens`` None = the endpoint's default."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = []
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int = 1
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive_max_tokens(cls, v):
+        if v is not None and v < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {v}")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _single_choice(cls, v):
+        if v != 1:
+            raise ValueError(f"n must be 1 (only one choice per request is supported), got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v == 0:
+            return -1
+        if v < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {v}")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, v):
+        if not v:
+            raise ValueError("messages must contain at least one message")
+        return v
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _positive_max_completion_tokens(cls, v):
+        if v is not None and v < 1:
+            raise ValueError(f"max_completion_tokens must be at least 1, got {v}")
+        return v
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` if given (OpenAI's newer name), else ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int]
+
+    def requested_max_tokens(self) -> int:
+        """OpenAI's legacy default for completions is 16 tokens."""
+        return 16 if self.max_tokens is None else self.max_tokens
+
+
+# --------------------------------------------------------------------------- responses
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_completion(request_id: str, model: str, created: int, text: str,
+                    finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict:
+    """A whole ``chat.completion`` object."""
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_chunk(request_id: str, model: str, created: int, delta: dict,
+               finish_reason: str | None = None, include_usage: bool = False) -> dict:
+    """One ``chat.completion.chunk``; ``usage`` is null on every chunk when the client asked
+    for usage (OpenAI's shape), then comes in :func:`usage_chunk`."""
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def text_completion(request_id: str, model: str, created: int, text: str,
+                    finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict:
+    """A whole ``text_completion`` object."""
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(request_id: str, model: str, created: int, text: str,
+                     finish_reason: str | None = None, include_usage: bool = False) -> dict:
+    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(request_id: str, model: str, created: int, obj: str,
+                prompt_tokens: int, completion_tokens: int) -> dict:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+# ------------------------------------------------------------------------------ errors
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A short, readable message for a pydantic/FastAPI validation error, and its param."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    msg = str(first.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "request body"
+    text = f"{where}: {msg}"
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return text, param
+
+
+def install_error_handlers(app: FastAPI, on_bad_request=None) -> None:
+    """Make every error an OpenAI-style JSON body: validation errors and invalid JSON → 400
+    (not FastAPI's 422), :class:`APIError` → its status, HTTP errors (404 route, 405) →
+    their status, anything else → 500. ``on_bad_request()`` is called for each 400."""
+
+    def bad(status: int) -> None:
+        if status == 400 and on_bad_request is not None:
+            on_bad_request()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        bad(400)
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        bad(exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
+        bad(exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), type=kind, code=exc.status_code),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                       type="internal_server_error"), status_code=500)

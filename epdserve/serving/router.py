@@ -1,0 +1,726 @@
+"""The router: an OpenAI-compatible HTTP front that drives colocated or PD workers.
+
+It tokenizes each request once, picks a worker per role (least outstanding requests,
+then fewest outstanding tokens), sends it an :class:`~epdserve.serving.protocol.AddRequest`
+and streams the worker's outputs back as text.
+
+* **colocated**: one colocated worker produces every token.
+* **pd**: a prefill worker returns the first token and a KV descriptor; the first token
+  goes to the client at once, then the router hands the descriptor and the first token
+  to a decode worker, which streams tokens 2..n.
+
+One background task reads the events socket (a ZeroMQ PULL every worker pushes to) and
+puts each output into its request's :class:`asyncio.Queue`; ``Hello`` registers a worker
+(the router then connects a PUSH to its command socket), ``Stats`` update its state and
+the Prometheus gauges.
+
+Every request ends in :meth:`Generation.close`, whatever happened (finished, stop string,
+client gone, worker error): the worker that still holds it gets ``Abort``, and a prefill
+worker whose exported KV was not handed over gets ``ReleaseKV``.
+
+Run alone with ``epdserve router`` (workers started elsewhere connect to ``--events``);
+``epdserve serve`` starts it together with its workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from epdserve.serving import openai_api as api
+from epdserve.serving import protocol as P
+from epdserve.serving.detokenizer import TextStream
+from epdserve.serving.metrics import RouterMetrics
+
+log = logging.getLogger("epdserve.router")
+
+MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode")}
+MAX_EVENT_BYTES = 16 << 20  # a worker frame larger than this is dropped by ZeroMQ
+
+
+class WorkerFailed(Exception):
+    """A request that a worker rejected (``status`` 400) or that was lost with its
+    worker (500): it ends with an error, never a hang."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+    def api_error(self) -> api.APIError:
+        kind = "invalid_request_error" if self.status == 400 else "internal_server_error"
+        return api.APIError(str(self), status=self.status, type=kind)
+
+
+@dataclass
+class WorkerState:
+    """What the router knows of one worker. ``outstanding`` maps request ids it holds to
+    their token count (prompt + max_tokens); ``last_seen`` is a ``time.monotonic()``."""
+
+    worker_id: str
+    role: str
+    addr: str
+    model: str
+    sock: zmq.Socket
+    blocks_total: int = 0
+    blocks_in_use: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    dead: str | None = None  # why it is considered gone
+    outstanding: dict[str, int] = field(default_factory=dict)
+
+    def send(self, msg) -> None:
+        """Queue one command for the worker without blocking.
+
+        Raises:
+            WorkerFailed: the worker's command queue is full (it stopped reading).
+        """
+        try:
+            self.sock.send(P.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            raise WorkerFailed(f"worker {self.worker_id} is not accepting commands") from None
+
+    def as_json(self, now: float) -> dict:
+        return {"worker_id": self.worker_id, "role": self.role, "addr": self.addr,
+                "state": "dead" if self.dead else "ready", "dead_reason": self.dead,
+                "blocks_in_use": self.blocks_in_use, "blocks_total": self.blocks_total,
+                "num_running": self.num_running, "num_waiting": self.num_waiting,
+                "outstanding": len(self.outstanding),
+                "outstanding_tokens": sum(self.outstanding.values()),
+                "last_seen_s_ago": round(now - self.last_seen, 3)}
+
+
+class Generation:
+    """One request's trip through the workers.
+
+    :meth:`start` picks the first worker and sends it the request (raises
+    :class:`~epdserve.serving.openai_api.APIError` 503 if no worker of the role is live);
+    :meth:`tokens` yields ``(token_ids, finish_reason or None)``; :meth:`close` must be
+    called on every outcome and is idempotent. Times are ``time.monotonic()`` seconds.
+    """
+
+    def __init__(self, router: "Router", request_id: str, prompt_ids: list[int],
+                 sampling: P.SamplingParams, t_arrival: float):
+        self.router = router
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.worker: WorkerState | None = None  # holds the request now
+        self.worker_done = False                 # ... and has finished it
+        self.prefill_worker: WorkerState | None = None
+        self.decode_worker: WorkerState | None = None
+        self.kv_pending = False                  # KV exported, not yet handed to a decode worker
+        self.closed = False
+        self.t_arrival = t_arrival
+        self.t_dispatch: float | None = None
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self.output_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.timings: dict[str, float] = {}
+
+    # -- dispatch
+    def _add(self, worker: WorkerState, **kw) -> None:
+        msg = P.AddRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
+                           sampling=self.sampling, **kw)
+        self.worker, self.worker_done = worker, False
+        worker.outstanding[self.request_id] = len(self.prompt_ids) + self.sampling.max_tokens
+        worker.send(msg)
+
+    def start(self) -> None:
+        """Send the request to its first worker (colocated or prefill)."""
+        router = self.router
+        router.requests[self.request_id] = self
+        role = "colocated" if router.mode == "colocated" else "prefill"
+        worker = router.pick(role)
+        if role == "prefill":
+            self.prefill_worker = worker
+        self.t_dispatch = time.monotonic()
+        self._add(worker)
+
+    async def _next(self) -> P.Output:
+        """The next Output of the current worker.
+
+        Raises:
+            WorkerFailed: the worker sent Error (400), died or went silent (500).
+        """
+        router, worker = self.router, self.worker
+        silent_since = time.monotonic()
+        while True:
+            try:
+                msg, t_recv = await asyncio.wait_for(self.queue.get(), 1.0)
+            except asyncio.TimeoutError:
+                now = time.monotonic()
+                if worker.dead:
+                    raise WorkerFailed(f"worker {worker.worker_id} died ({worker.dead})") from None
+                if now - silent_since > router.request_timeout_s:
+                    raise WorkerFailed(f"no output from worker {worker.worker_id} for "
+                                       f"{router.request_timeout_s:.0f} s") from None
+                continue
+            if msg.worker_id != worker.worker_id:
+                continue  # a late message of a worker we left
+            if isinstance(msg, P.Error):
+                self.worker_done = True
+                raise WorkerFailed(f"worker {worker.worker_id} rejected the request: {msg.message}", 400)
+            if msg.finished:
+                self.worker_done = True
+            self._merge_timings(worker.role, msg.timings)
+            return msg
+
+    def _merge_timings(self, role: str, timings: dict[str, float]) -> None:
+        for key, value in timings.items():
+            if key == "queue_ms" and role != "colocated":
+                key = f"{role}_queue_ms"
+            self.timings[key] = value
+
+    async def tokens(self) -> AsyncIterator[tuple[list[int], str | None]]:
+        """Yield each worker output's ``(token_ids, finish_reason)``; the reason is None
+        until the last one. Call :meth:`start` first.
+
+        Raises:
+            WorkerFailed: see :meth:`_next`; also if no decode worker is live.
+        """
+        out = await self._next()
+        self.t_first = time.monotonic()
+        if self.router.mode == "pd":
+            if out.finished or out.kv is None:
+                self.worker = None
+                self.router.release_kv(self.prefill_worker, self.request_id)
+                if not out.finished:
+                    raise WorkerFailed(f"prefill worker {self.prefill_worker.worker_id} sent no KV")
+                yield out.token_ids, out.finish_reason or "stop"
+                return
+            self.worker, self.kv_pending = None, True
+            yield out.token_ids, None  # the first token reaches the client before the handoff
+            try:
+                decode = self.router.pick("decode")
+            except api.APIError as exc:
+                raise WorkerFailed(exc.message, 503) from None
+            self.decode_worker = decode
+            self._add(decode, kv=out.kv, first_token=out.token_ids[-1])
+            self.kv_pending = False
+            self.timings["router_hop_ms"] = (time.monotonic() - self.t_first) * 1000
+            out = await self._next()
+        while True:
+            yield out.token_ids, (out.finish_reason or "stop") if out.finished else None
+            if out.finished:
+                return
+            out = await self._next()
+
+    def close(self) -> None:
+        """Free the request everywhere: Abort to the worker that still holds it,
+        ReleaseKV to a prefill worker whose KV was not handed over. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.t_end = time.monotonic()
+        router = self.router
+        router.requests.pop(self.request_id, None)
+        worker = self.worker
+        if worker is not None and not self.worker_done:
+            worker.outstanding.pop(self.request_id, None)
+            router.send_quietly(worker, P.Abort(request_id=self.request_id))
+            if worker is self.prefill_worker:  # its KV may be exported already
+                self.kv_pending = True
+        if self.kv_pending:
+            router.release_kv(self.prefill_worker, self.request_id)
+            self.kv_pending = False
+
+    def trace(self) -> dict:
+        """The request's trace record (one JSON line); times in ms as seen by the router."""
+        t = self.timings
+        rec = {"request_id": self.request_id, "mode": self.router.mode,
+               "prompt_tokens": len(self.prompt_ids), "output_tokens": self.output_tokens,
+               "max_tokens": self.sampling.max_tokens, "finish_reason": self.finish_reason,
+               "error": self.error,
+               "prefill_worker": self.prefill_worker.worker_id if self.prefill_worker else None,
+               "decode_worker": self.decode_worker.worker_id if self.decode_worker else None,
+               "router_queue_ms": _ms(self.t_arrival, self.t_dispatch)}
+        if self.router.mode == "colocated":
+            rec["worker"] = getattr(self.worker, "worker_id", None)
+            rec.update(kv_bytes=0.0, kv_transfer_ms=0.0)  # no handoff: zero, as bench expects
+        rec.update(t)
+        if self.router.mode == "pd":
+            queues = [t[k] for k in ("prefill_queue_ms", "decode_queue_ms") if k in t]
+            if queues:
+                rec["queue_ms"] = sum(queues)
+            if "kv_export_ms" in t and "kv_import_ms" in t:
+                rec["kv_transfer_ms"] = t["kv_export_ms"] + t.get("router_hop_ms", 0.0) + t["kv_import_ms"]
+        rec["ttft_ms"] = _ms(self.t_arrival, self.t_first)
+        rec["e2e_ms"] = _ms(self.t_arrival, self.t_end)
+        return rec
+
+
+def _ms(t0: float | None, t1: float | None) -> float | None:
+    return None if t0 is None or t1 is None else round((t1 - t0) * 1000, 3)
+
+
+class Router:
+    """Workers, in-flight requests and the events socket.
+
+    ``mode`` is "colocated" or "pd"; ``model`` a :class:`~epdserve.model.loader.ModelInfo`;
+    ``events_addr`` the ZeroMQ address the PULL socket binds (``tcp://...`` or
+    ``ipc://...``). A worker silent for ``worker_timeout_s`` seconds is considered dead;
+    a request with no output for ``request_timeout_s`` seconds fails.
+    """
+
+    def __init__(self, mode: str, model, tokenizer, events_addr: str, *, trace_file: str | None = None,
+                 worker_timeout_s: float = 60.0, request_timeout_s: float = 600.0):
+        if mode not in MODE_ROLES:
+            raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
+        self.mode = mode
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.events_addr = events_addr
+        self.trace_file = trace_file
+        self.worker_timeout_s = worker_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.workers: dict[str, WorkerState] = {}
+        self.requests: dict[str, Generation] = {}
+        self.metrics = RouterMetrics()
+        self._actx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
+        self._pull: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
+
+    # -- lifecycle
+    def bind(self) -> None:
+        """Bind the events socket (idempotent). Raises zmq.ZMQError if the address is taken."""
+        if self._pull is None:
+            self._pull = self._actx.socket(zmq.PULL)
+            self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
+            self._pull.setsockopt(zmq.LINGER, 0)
+            self._pull.bind(self.events_addr)
+
+    async def start(self) -> None:
+        self.bind()
+        self._task = asyncio.create_task(self._events_loop(), name="epdserve-router-events")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for w in self.workers.values():
+            w.sock.close(linger=0)
+        if self._pull is not None:
+            self._pull.close(linger=0)
+            self._pull = None
+
+    def shutdown_workers(self) -> None:
+        """Ask every live worker to exit (used by the launcher that owns them)."""
+        for w in self.workers.values():
+            if not w.dead:
+                self.send_quietly(w, P.Shutdown())
+
+    # -- workers
+    def live(self, w: WorkerState) -> bool:
+        return w.dead is None
+
+    def ready(self) -> bool:
+        """True when every role the mode needs has a live worker."""
+        return all(any(w.role == role and self.live(w) for w in self.workers.values())
+                   for role in MODE_ROLES[self.mode])
+
+    def pick(self, role: str) -> WorkerState:
+        """The live worker of ``role`` with the fewest outstanding requests (then tokens).
+
+        Raises:
+            APIError: 503, no live worker of that role.
+        """
+        candidates = [w for w in self.workers.values() if w.role == role and self.live(w)]
+        if not candidates:
+            raise api.APIError(f"no live {role} worker", status=503, type="service_unavailable")
+        return min(candidates, key=lambda w: (len(w.outstanding), sum(w.outstanding.values())))
+
+    def mark_dead(self, worker_id: str, reason: str) -> None:
+        """Declare a worker gone: its requests fail at once and it is never picked again."""
+        w = self.workers.get(worker_id)
+        if w is None or w.dead:
+            return
+        w.dead = reason
+        log.error("worker %s (%s) is gone: %s", worker_id, w.role, reason)
+
+    def send_quietly(self, w: WorkerState, msg) -> None:
+        try:
+            w.send(msg)
+        except WorkerFailed as exc:
+            log.warning("could not send %s to %s: %s", msg.type, w.worker_id, exc)
+
+    def release_kv(self, w: WorkerState | None, request_id: str) -> None:
+        if w is not None:
+            self.send_quietly(w, P.ReleaseKV(request_id=request_id))
+
+    async def _events_loop(self) -> None:
+        last_check = time.monotonic()
+        while True:
+            if await self._pull.poll(500):
+                frame = await self._pull.recv()
+                try:
+                    self._on_message(P.decode(frame), time.monotonic())
+                except P.ProtocolError as exc:
+                    log.warning("dropped a bad frame on the events socket: %s", exc)
+                except Exception:
+                    log.exception("error handling a worker message")
+            now = time.monotonic()
+            if now - last_check > 1.0:
+                last_check = now
+                for w in self.workers.values():
+                    if not w.dead and now - w.last_seen > self.worker_timeout_s:
+                        self.mark_dead(w.worker_id, f"silent for {self.worker_timeout_s:.0f} s")
+
+    def _on_message(self, msg, now: float) -> None:
+        if isinstance(msg, P.Hello):
+            self._on_hello(msg)
+            return
+        w = self.workers.get(msg.worker_id)
+        if w is None:
+            log.debug("message from unknown worker %s ignored", msg.worker_id)
+            return
+        w.last_seen = now
+        if isinstance(msg, P.Stats):
+            w.blocks_total, w.blocks_in_use = msg.blocks_total, msg.blocks_in_use
+            w.num_running, w.num_waiting, w.num_preemptions = msg.num_running, msg.num_waiting, msg.num_preemptions
+            self.metrics.set_worker(w.worker_id, w.role, blocks_in_use=msg.blocks_in_use,
+                                    blocks_total=msg.blocks_total, num_running=msg.num_running,
+                                    num_waiting=msg.num_waiting, num_preemptions=msg.num_preemptions)
+        elif isinstance(msg, (P.Output, P.Error)):
+            if isinstance(msg, P.Error) or msg.finished or msg.kv is not None:
+                w.outstanding.pop(msg.request_id, None)
+            gen = self.requests.get(msg.request_id)
+            if gen is not None:
+                gen.queue.put_nowait((msg, now))
+            elif isinstance(msg, P.Output) and msg.kv is not None:
+                self.release_kv(w, msg.request_id)  # its client left before the KV arrived
+
+    def _on_hello(self, msg: P.Hello) -> None:
+        old = self.workers.get(msg.worker_id)
+        if old is not None:
+            old.sock.close(linger=0)
+            old.dead = old.dead or "restarted"
+        if msg.model != self.model.name:
+            log.warning("worker %s serves model %r, router serves %r", msg.worker_id, msg.model, self.model.name)
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(msg.addr)
+        self.workers[msg.worker_id] = WorkerState(worker_id=msg.worker_id, role=msg.role, addr=msg.addr,
+                                                  model=msg.model, sock=sock, blocks_total=msg.blocks_total)
+        self.metrics.set_worker(msg.worker_id, msg.role, blocks_in_use=0, blocks_total=msg.blocks_total,
+                                num_running=0, num_waiting=0, num_preemptions=0)
+        log.info("worker %s (%s) said hello from %s", msg.worker_id, msg.role, msg.addr)
+
+    # -- requests
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model.name, self.model.source, str(self.model.path)):
+            raise api.APIError(f"The model `{model}` does not exist (this server serves "
+                               f"`{self.model.name}`).", param="model", code="model_not_found")
+
+    def prompt_ids(self, body) -> list[int]:
+        """Token ids of a chat or completion request.
+
+        Raises:
+            APIError: 400, empty prompt, bad token ids, or a chat template failure.
+        """
+        if isinstance(body, api.ChatCompletionRequest):
+            from epdserve.model.tokenizer import chat_prompt_ids
+            try:
+                ids = chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in body.messages])
+            except ValueError as exc:
+                raise api.APIError(str(exc), param="messages") from None
+            param = "messages"
+        elif isinstance(body.prompt, str):
+            ids = self.tokenizer(body.prompt).input_ids
+            param = "prompt"
+        else:
+            ids, param = list(body.prompt), "prompt"
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise api.APIError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})",
+                                   param="prompt")
+        if not ids:
+            raise api.APIError("the prompt is empty", param=param)
+        return ids
+
+    def max_tokens(self, body, n_prompt: int) -> int:
+        """``max_tokens`` checked against the context window (default: what is left of it).
+
+        Raises:
+            APIError: 400 when the prompt plus max_tokens exceed ``max_model_len``.
+        """
+        limit = self.model.max_model_len
+        requested = body.requested_max_tokens()
+        if requested is None:
+            if n_prompt >= limit:
+                raise api.APIError(f"This model's maximum context length is {limit} tokens. However, "
+                                   f"your request has {n_prompt} input tokens. Please reduce the "
+                                   f"length of the input.", param="messages", code="context_length_exceeded")
+            return limit - n_prompt
+        if n_prompt + requested > limit:
+            raise api.APIError(f"This model's maximum context length is {limit} tokens. However, you "
+                               f"requested {n_prompt + requested} tokens ({n_prompt} in the prompt, "
+                               f"{requested} in the completion). Please reduce the length of the "
+                               f"prompt or completion.", param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def finish(self, gen: Generation) -> None:
+        """Record a request that has ended: metrics and the trace line."""
+        gen.close()
+        if gen.error is not None:
+            self.metrics.request_failure.inc()
+        else:
+            t = gen.timings
+            kv_ms = None
+            if "kv_export_ms" in t and "kv_import_ms" in t:
+                kv_ms = t["kv_export_ms"] + t.get("router_hop_ms", 0.0) + t["kv_import_ms"]
+            self.metrics.finished(
+                finish_reason=gen.finish_reason or "abort", prompt_tokens=len(gen.prompt_ids),
+                output_tokens=gen.output_tokens,
+                ttft_s=None if gen.t_first is None else gen.t_first - gen.t_arrival,
+                e2e_s=gen.t_end - gen.t_arrival,
+                kv_transfer_s=None if kv_ms is None else kv_ms / 1000,
+                kv_bytes=t.get("kv_bytes") if kv_ms is not None else None)
+        if self.trace_file:
+            try:
+                with open(self.trace_file, "a") as f:
+                    f.write(json.dumps(gen.trace()) + "\n")
+            except OSError as exc:
+                log.warning("cannot write trace %s: %s", self.trace_file, exc)
+
+    async def texts(self, gen: Generation, stream: TextStream) -> AsyncIterator[tuple[str, str | None]]:
+        """Yield ``(new_text, finish_reason or None)``; stops at a stop string."""
+        async for ids, finish in gen.tokens():
+            gen.output_tokens += len(ids)
+            delta = stream.add(ids)
+            if stream.stopped:
+                gen.finish_reason = "stop"
+                yield delta, "stop"
+                return
+            if finish is not None:
+                gen.finish_reason = finish
+                yield delta + stream.finish(), finish
+                return
+            if delta:
+                yield delta, None
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream that notices a client going away even while no token
+    flows, and always closes its generator (whose ``finally`` frees the request)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream():
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def listen():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        tasks = [asyncio.create_task(stream()), asyncio.create_task(listen())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.body_iterator.aclose()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(router: Router) -> FastAPI:
+    """The FastAPI app of ``router``; its lifespan starts and stops the events task."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="epdserve", lifespan=lifespan)
+    app.state.router = router
+    api.install_error_handlers(app, on_bad_request=router.metrics.bad_request.inc)
+
+    async def serve(http_request: Request, body, kind: str):
+        t_arrival = time.monotonic()
+        router.check_model(body.model)
+        prompt_ids = router.prompt_ids(body)
+        sampling = P.SamplingParams(
+            max_tokens=router.max_tokens(body, len(prompt_ids)), temperature=body.temperature,
+            top_p=body.top_p, top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos,
+            stop_token_ids=body.stop_token_ids)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        gen = Generation(router, rid, prompt_ids, sampling, t_arrival)
+        text = TextStream(router.tokenizer, prompt_ids, body.stop_list)
+        try:
+            gen.start()
+        except BaseException as exc:
+            gen.close()
+            router.requests.pop(rid, None)
+            if isinstance(exc, WorkerFailed):
+                raise exc.api_error() from None
+            raise
+        if body.stream:
+            return SSEResponse(stream_events(gen, text, body, kind))
+        return await complete(http_request, gen, text, kind)
+
+    async def stream_events(gen: Generation, text: TextStream, body, kind: str):
+        model, created, usage = router.model.name, api.now_s(), body.include_usage
+        rid = gen.request_id
+        try:
+            if kind == "chat":
+                yield api.sse(api.chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                                             include_usage=usage))
+            async for delta, finish in router.texts(gen, text):
+                if kind == "chat":
+                    chunk = api.chat_chunk(rid, model, created, {"content": delta} if delta else {},
+                                           finish, include_usage=usage)
+                else:
+                    chunk = api.completion_chunk(rid, model, created, delta, finish, include_usage=usage)
+                yield api.sse(chunk)
+            if usage:
+                obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+                yield api.sse(api.usage_chunk(rid, model, created, obj, len(gen.prompt_ids), gen.output_tokens))
+            yield api.SSE_DONE
+        except WorkerFailed as exc:
+            gen.error = str(exc)
+            err = exc.api_error()
+            yield api.sse(api.error_body(err.message, type=err.type, code=err.status))
+            yield api.SSE_DONE
+        finally:
+            router.finish(gen)
+
+    async def complete(http_request: Request, gen: Generation, text: TextStream, kind: str):
+        async def collect():
+            parts = [delta async for delta, _ in router.texts(gen, text)]
+            return "".join(parts)
+
+        task = asyncio.create_task(collect())
+        watch = asyncio.create_task(_wait_disconnect(http_request))
+        try:
+            await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                return Response(status_code=499)  # the client is gone; nobody reads this
+            try:
+                out = task.result()
+            except WorkerFailed as exc:
+                gen.error = str(exc)
+                raise exc.api_error() from None
+        finally:
+            for t in (task, watch):
+                t.cancel()
+            await asyncio.gather(task, watch, return_exceptions=True)
+            router.finish(gen)
+        build = api.chat_completion if kind == "chat" else api.text_completion
+        return JSONResponse(build(gen.request_id, router.model.name, api.now_s(), out,
+                                  gen.finish_reason, len(gen.prompt_ids), gen.output_tokens))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: api.ChatCompletionRequest, request: Request):
+        return await serve(request, body, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest, request: Request):
+        return await serve(request, body, "completion")
+
+    @app.get("/v1/models")
+    async def models():
+        m = router.model
+        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": api.now_s(),
+                                            "owned_by": "epdserve", "root": m.source,
+                                            "max_model_len": m.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        now = time.monotonic()
+        ok = router.ready()
+        body = {"status": "ok" if ok else "unavailable", "mode": router.mode, "model": router.model.name,
+                "needs": list(MODE_ROLES[router.mode]),
+                "workers": [w.as_json(now) for w in router.workers.values()]}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type=router.metrics.content_type)
+
+    return app
+
+
+# ------------------------------------------------------------------------ sub-command
+
+def add_router_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``epdserve router`` and ``epdserve serve``."""
+    parser.add_argument("--mode", choices=list(MODE_ROLES), default="colocated",
+                        help="colocated: one worker role; pd: prefill and decode workers")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
+    parser.add_argument("--trace-file", default=None, help="append one JSON line per finished request")
+    parser.add_argument("--worker-timeout", type=float, default=60.0,
+                        help="seconds without any message after which a worker counts as dead")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds without output after which a request fails")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_router_options(parser)
+    parser.add_argument("--events", default="tcp://127.0.0.1:5557",
+                        help="ZeroMQ address the router binds for worker events (workers' --router)")
+
+
+def build_router(args: argparse.Namespace, events_addr: str) -> Router:
+    """Resolve the model, load its tokenizer and make a Router from parsed options.
+
+    Raises:
+        ModelLoadError: the model cannot be found or read.
+    """
+    from epdserve.model.loader import resolve_model
+    from epdserve.model.tokenizer import load_tokenizer
+
+    model = resolve_model(args.model)
+    return Router(args.mode, model, load_tokenizer(model.path), events_addr, trace_file=args.trace_file,
+                  worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``epdserve router``: serve HTTP; workers started elsewhere connect to ``--events``."""
+    import uvicorn
+
+    setup_logging(args.log_level)
+    router = build_router(args, args.events)
+    app = create_app(router)
+    log.info("router (%s, %s) on http://%s:%d; waiting for workers on %s", args.mode, router.model.name,
+             args.host, args.port, args.events)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

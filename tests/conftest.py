@@ -1,0 +1,126 @@
+"""Shared fixtures: the model's tokenizer, and real deployments started with
+``epdserve serve`` (a session-scoped PD one and a colocated one), each on a free port,
+stopped at the end of the session even when tests fail."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+READY = re.compile(r"epdserve serve: ready at (http://\S+)")
+STARTUP_TIMEOUT_S = float(os.environ.get("EPDSERVE_TEST_STARTUP_TIMEOUT", "300"))
+
+
+@pytest.fixture(scope="session")
+def model_info():
+    from epdserve.model.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_info):
+    from epdserve.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(model_info.path)
+
+
+@dataclass
+class Deployment:
+    """A running ``epdserve serve``: ``url`` (no trailing slash), its log and trace files."""
+
+    mode: str
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    trace_path: Path
+
+    def openai(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300, **kw)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the launcher (it stops its workers), SIGKILL its group if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def start_deployment(mode: str, directory: Path, *extra: str) -> Deployment:
+    """Start ``epdserve serve --mode MODE --port 0`` and wait for its URL and /health.
+
+    Raises:
+        RuntimeError: it exited or did not become healthy in time (the log tail says why).
+    """
+    log_path, trace_path = directory / f"serve-{mode}.log", directory / f"trace-{mode}.jsonl"
+    argv = [sys.executable, "-m", "epdserve", "serve", "--mode", mode, "--host", "127.0.0.1",
+            "--port", "0", "--trace-file", str(trace_path), *extra]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    dep = Deployment(mode, "", proc, log_path, trace_path)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not dep.url:
+            match = READY.search(dep.log_tail(10**9))
+            if match:
+                dep.url = match.group(1)
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"epdserve serve --mode {mode} exited with {proc.returncode}:\n{dep.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"epdserve serve --mode {mode} not ready in {STARTUP_TIMEOUT_S:.0f} s:\n"
+                                   f"{dep.log_tail()}")
+            time.sleep(0.3)
+        while httpx.get(dep.url + "/health", timeout=10).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"/health of {mode} never returned 200:\n{dep.log_tail()}")
+            time.sleep(0.3)
+        return dep
+    except BaseException:
+        _stop(proc)
+        raise
+
+
+def _deployment_fixture(mode: str, tmp_path_factory):
+    dep = start_deployment(mode, tmp_path_factory.mktemp(f"serve-{mode}"))
+    try:
+        yield dep
+    finally:
+        _stop(dep.proc)
+
+
+@pytest.fixture(scope="session")
+def pd_server(tmp_path_factory):
+    yield from _deployment_fixture("pd", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def colocated_server(tmp_path_factory):
+    yield from _deployment_fixture("colocated", tmp_path_factory)
+
+
+@pytest.fixture(params=["pd", "colocated"])
+def server(request):
+    """Each test using it runs once against each deployment."""
+    return request.getfixturevalue(f"{request.param}_server")
