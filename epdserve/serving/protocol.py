@@ -25,6 +25,8 @@ from typing import Annotated, Literal, Union
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from epdserve.engine.request import SamplingParams
+
 Role = Literal["colocated", "prefill", "decode"]
 
 
@@ -34,22 +36,6 @@ class ProtocolError(ValueError):
 
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class SamplingParams(_Msg):
-    """Per-request sampling settings, as in the OpenAI API (vLLM's meanings).
-
-    ``max_tokens`` counts generated tokens; ``top_k`` = -1 disables top-k;
-    ``temperature`` = 0 means greedy; ``seed`` makes sampling reproducible.
-    """
-
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = []
 
 
 class KVDescriptor(_Msg):

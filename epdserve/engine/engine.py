@@ -1,0 +1,233 @@
+"""The engine loop of one worker: requests in, one scheduled forward pass per step, tokens out.
+
+Roles (see DESIGN.md): ``colocated`` prefills and decodes; ``prefill`` stops after the
+first token and exports the prompt's KV blocks; ``decode`` imports those blocks with the
+first token and generates the rest. The engine is synchronous and single-threaded; the
+worker process around it does the I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from epdserve.engine import runner
+from epdserve.engine.block_pool import BlockPool
+from epdserve.engine.request import SamplingParams, Sequence
+from epdserve.engine.sampler import sample
+from epdserve.engine.scheduler import Scheduler, SchedulerConfig
+from epdserve.model.llama import LlamaModel
+
+ROLES = ("colocated", "prefill", "decode")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings. ``kv_cache_memory_mb`` sizes the block pool (MiB) unless
+    ``num_kv_blocks`` fixes the block count (as vLLM's ``num_gpu_blocks_override``);
+    ``max_num_batched_tokens`` defaults to the context window (no chunking needed)."""
+
+    role: str = "colocated"
+    block_size: int = 16
+    kv_cache_memory_mb: int = 1024
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = False
+    dtype: str = "float32"
+
+
+@dataclass
+class StepOutput:
+    """One request's result of a step.
+
+    ``token_ids``: tokens generated this step (one, or none for an abort).
+    ``finished``/``finish_reason``: "stop" (EOS or a stop token), "length" (max_tokens or
+    the context window), "abort". ``kv_block_ids``: for a prefill-role hand-off (finished
+    False), the blocks holding the prompt's KV; they stay allocated until
+    :meth:`LLMEngine.release_kv`. ``timings``: ms, on the request's last output.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    kv_block_ids: list[int] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class LLMEngine:
+    """A paged-KV engine over one :class:`LlamaModel`.
+
+    Raises (constructor): ``ValueError`` for an unknown role or dtype, or a budget too
+    small for one block; ``ModelLoadError`` for a model that cannot be loaded.
+    """
+
+    def __init__(self, model_dir: str, config: EngineConfig = EngineConfig()):
+        if config.role not in ROLES:
+            raise ValueError(f"unknown role {config.role!r} (choose from {', '.join(ROLES)})")
+        if config.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {config.dtype!r} (choose from {', '.join(DTYPES)})")
+        self.config = config
+        self.model = LlamaModel.load(model_dir, DTYPES[config.dtype])
+        mc = self.model.config
+        self.max_model_len = mc.max_position_embeddings
+        block_bytes = config.block_size * mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize)
+        num_blocks = config.num_kv_blocks or config.kv_cache_memory_mb * 2**20 // block_bytes
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens or self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill), self.pool)
+        self.seqs: dict[str, Sequence] = {}
+        self.exported: dict[str, list[int]] = {}
+
+    def kv_layout(self) -> dict:
+        """What a peer must match to exchange KV blocks with this engine."""
+        mc = self.model.config
+        return {"num_layers": mc.num_hidden_layers, "num_kv_heads": mc.num_key_value_heads,
+                "head_dim": mc.head_dim, "block_size": self.config.block_size,
+                "dtype": self.config.dtype}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    kv: torch.Tensor | None = None, first_token: int | None = None) -> None:
+        """Queue a request. A decode-role request brings ``kv [layers, 2, n_blocks,
+        block_size, kv_heads, head_dim]`` (the prompt's KV blocks) and ``first_token``.
+
+        Raises:
+            ValueError: duplicate id, empty or out-of-vocabulary prompt, prompt plus
+                ``max_tokens`` over the context window or the whole KV pool, or KV of the
+                wrong shape or dtype.
+        """
+        if request_id in self.seqs or request_id in self.exported:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        total = n + sampling.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) plus max_tokens ({sampling.max_tokens}) is "
+                             f"{total} tokens, over the context window of {self.max_model_len}")
+        if self.pool.blocks_for(total) > self.pool.num_blocks:
+            raise ValueError(f"request needs {self.pool.blocks_for(total)} KV blocks but the "
+                             f"whole pool has {self.pool.num_blocks}")
+        if (kv is None) != (first_token is None) or (kv is not None) != (self.config.role == "decode"):
+            raise ValueError(f"a {self.config.role} worker needs kv and first_token "
+                             f"{'set' if self.config.role == 'decode' else 'unset'}")
+        seq = Sequence(request_id, prompt_token_ids, sampling, kv, first_token)
+        if kv is not None:
+            expected = self._block_shape(self.pool.blocks_for(n))
+            if tuple(kv.shape) != expected or kv.dtype != self.kv_cache.dtype:
+                raise ValueError(f"KV of shape {tuple(kv.shape)} {kv.dtype}, expected "
+                                 f"{expected} {self.kv_cache.dtype}")
+            seq.num_computed_tokens = n  # the prompt's K/V arrives with the request
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks (and any exported blocks). True if it existed."""
+        found = self.release_kv(request_id)
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+        return found or seq is not None
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks of a prefill hand-off once they have been copied out."""
+        blocks = self.exported.pop(request_id, None)
+        if blocks is not None:
+            self.pool.free(blocks)
+        return blocks is not None
+
+    def read_kv(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy blocks out of the cache into ``out [layers, 2, len(block_ids), block_size,
+        kv_heads, head_dim]`` (allocated when None) and return it."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        if out is None:
+            return self.kv_cache.index_select(2, index)
+        return torch.index_select(self.kv_cache, 2, index, out=out)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict:
+        """Block and queue counts (what a worker reports to the router)."""
+        return {"blocks_total": self.pool.num_blocks, "blocks_in_use": self.pool.num_in_use,
+                "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "num_preemptions": self.scheduler.num_preemptions}
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run one forward pass, sample, and return the new tokens."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        now = time.perf_counter()
+        for seq in batch.seqs:
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+            if seq.pending_kv is not None:
+                self._import_kv(seq)
+        logits, sampled = runner.run(self.model, batch, self.kv_cache)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+        seqs = [batch.seqs[i] for i in sampled]
+        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        return [self._append(seq, token) for seq, token in zip(seqs, tokens)]
+
+    def _block_shape(self, num_blocks: int) -> tuple[int, ...]:
+        shape = list(self.kv_cache.shape)
+        shape[2] = num_blocks
+        return tuple(shape)
+
+    def _import_kv(self, seq: Sequence) -> None:
+        start = time.perf_counter()
+        kv = seq.pending_kv
+        index = torch.tensor(seq.block_table[: kv.shape[2]], dtype=torch.long)
+        self.kv_cache.index_copy_(2, index, kv.to(self.kv_cache.dtype))
+        seq.pending_kv = None
+        seq.timings["kv_import_ms"] = (time.perf_counter() - start) * 1e3
+
+    def _append(self, seq: Sequence, token: int) -> StepOutput:
+        seq.token_ids.append(token)
+        seq.num_output_tokens += 1
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        p = seq.sampling
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.model.config.eos_token_ids):
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        out = StepOutput(seq.request_id, [token], finished=reason is not None, finish_reason=reason)
+        if reason is None and self.config.role == "prefill":
+            # Hand-off: keep the prompt's blocks (not the first token's, which has no K/V
+            # yet) until the worker has copied them out.
+            keep = self.pool.blocks_for(seq.num_prompt_tokens)
+            out.kv_block_ids = seq.block_table[:keep]
+            self.exported[seq.request_id] = out.kv_block_ids
+            self.pool.free(seq.block_table[keep:])
+            seq.block_table = []
+        if reason is not None or out.kv_block_ids is not None:
+            self.scheduler.remove(seq)
+            del self.seqs[seq.request_id]
+            out.timings = self._timings(seq, now)
+        return out
+
+    def _timings(self, seq: Sequence, now: float) -> dict[str, float]:
+        t = dict(seq.timings)
+        t["queue_ms"] = (seq.first_scheduled - seq.arrival) * 1e3
+        if self.config.role == "decode":
+            t["decode_ms"] = (now - seq.first_scheduled) * 1e3
+        else:
+            t["prefill_ms"] = (seq.first_token_time - seq.first_scheduled) * 1e3
+            if self.config.role == "colocated":
+                t["decode_ms"] = (now - seq.first_token_time) * 1e3
+        return t

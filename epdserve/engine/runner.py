@@ -1,0 +1,56 @@
+"""Turn a scheduled batch into the model's input tensors and run it."""
+
+from __future__ import annotations
+
+import torch
+
+from epdserve.engine.scheduler import ScheduledBatch
+from epdserve.model.llama import AttentionMetadata, LlamaModel, PrefillSeq
+
+
+def prepare(batch: ScheduledBatch, block_size: int) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
+    """Flatten ``batch`` into ``input_ids [T]`` and its :class:`AttentionMetadata`.
+
+    Returns also the indices (into ``batch.seqs``) of the sequences that get a new token
+    this step: those whose every known token has K/V after the step (a prefill chunk
+    that is not the last one samples nothing).
+    """
+    input_ids, positions, slots, prefills = [], [], [], []
+    decode_rows, decode_tables, decode_lens, logits_rows, sampled = [], [], [], [], []
+    row = 0
+    for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+        start = seq.num_computed_tokens
+        pos = torch.arange(start, start + n)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        input_ids.extend(seq.token_ids[start:start + n])
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        if n == 1:
+            decode_rows.append(row)
+            decode_tables.append(seq.block_table)
+            decode_lens.append(start + 1)
+        else:
+            prefills.append(PrefillSeq(start=row, q_len=n, ctx_len=start + n,
+                                       block_table=table[: -(-(start + n) // block_size)]))
+        row += n
+        if start + n == len(seq):
+            logits_rows.append(row - 1)
+            sampled.append(index)
+    width = max((len(t) for t in decode_tables), default=0)
+    meta = AttentionMetadata(
+        positions=torch.cat(positions),
+        slot_mapping=torch.cat(slots),
+        prefills=prefills,
+        decode_rows=torch.tensor(decode_rows, dtype=torch.long),
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                                         dtype=torch.long).view(len(decode_tables), width),
+        decode_ctx_lens=torch.tensor(decode_lens, dtype=torch.long),
+        logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+    )
+    return torch.tensor(input_ids, dtype=torch.long), meta, sampled
+
+
+def run(model: LlamaModel, batch: ScheduledBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """One forward pass: returns ``(logits [S, vocab], indices of sampled sequences)``."""
+    input_ids, meta, sampled = prepare(batch, kv_cache.shape[3])
+    return model.forward(input_ids, meta, kv_cache), sampled

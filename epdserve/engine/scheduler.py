@@ -1,0 +1,120 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+Each step first gives every running sequence its next tokens (one for a decode, the next
+chunk for a chunked prefill), preempting the newest running sequences by recompute when
+blocks run out, then admits waiting sequences while ``max_num_seqs``,
+``max_num_batched_tokens`` and free blocks allow (the policy of vLLM's v1 scheduler,
+without priorities).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from epdserve.engine.block_pool import BlockPool
+from epdserve.engine.request import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``max_num_batched_tokens``: tokens per step; without ``enable_chunked_prefill`` a
+    prompt is prefilled whole, so it must be at least the context window."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = False
+
+
+@dataclass
+class ScheduledBatch:
+    """Sequences for one step and how many new tokens of each to compute."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; allocates blocks from ``pool``."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool):
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop ``seq`` from the queues and free its blocks (finish or abort)."""
+        if seq.status == Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == Status.WAITING:
+            self.waiting.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.status = Status.FINISHED
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick the next step's work; never raises for lack of blocks."""
+        batch = ScheduledBatch([], [])
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        for seq in list(self.running):
+            if seq.status != Status.RUNNING or budget == 0:
+                continue
+            n = min(seq.num_new_tokens, budget)
+            while not self._grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status == Status.RUNNING:
+                batch.seqs.append(seq)
+                batch.num_tokens.append(n)
+                budget -= n
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = seq.num_new_tokens
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self._grow(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Give ``seq`` blocks for ``n`` more tokens; False if too few are free."""
+        need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+        if need > self.pool.num_free:
+            return False
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute policy: drop the KV, keep the tokens; the sequence re-enters prefill
+        # with prompt + generated tokens when blocks free up.
+        self.running.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.pending_kv = None
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

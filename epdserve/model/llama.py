@@ -1,0 +1,221 @@
+"""Llama-family decoder (llama, mistral, qwen2) over a paged KV cache, in plain PyTorch.
+
+One forward pass runs a whole engine step: the new tokens of every scheduled sequence
+are flattened into one ``[T]`` batch (prefill chunks and decode tokens mixed), the
+linear layers run on all ``T`` rows at once, and attention runs per prefill sequence and
+batched over decode sequences, reading earlier positions from the paged KV cache.
+The maths follows transformers' ``modeling_llama`` (RMSNorm, rotate-half RoPE,
+grouped-query attention, SwiGLU MLP) so that greedy tokens match it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from epdserve.model.config import ModelConfig
+from epdserve.model.loader import ModelLoadError
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence with ``q_len`` new tokens at rows ``[start, start + q_len)`` of the
+    batch; ``ctx_len`` positions (cached + new) are attended; ``block_table [n_blocks]``."""
+
+    start: int
+    q_len: int
+    ctx_len: int
+    block_table: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's ``T`` tokens sit in the batch and in the KV cache.
+
+    ``positions [T]`` token positions; ``slot_mapping [T]`` flat KV slot (block id ×
+    block_size + offset) each new token's K/V is written to; ``prefills`` the sequences
+    with more than one new token; ``decode_rows [B]`` rows of one-token sequences,
+    ``decode_block_tables [B, max_blocks]`` (padded with 0) and ``decode_ctx_lens [B]``;
+    ``logits_rows [S]`` the rows whose next-token logits are wanted.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    prefills: list[PrefillSeq]
+    decode_rows: torch.Tensor
+    decode_block_tables: torch.Tensor
+    decode_ctx_lens: torch.Tensor
+    logits_rows: torch.Tensor
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim / 2]`` with optional scaling.
+
+    "linear" divides positions by ``factor``; "llama3" rescales low frequencies as in
+    transformers' ``_compute_llama3_parameters`` (Llama 3.1 paper, section 3.3).
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    middle = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(middle, smoothed, out)
+
+
+class LlamaModel:
+    """Weights and forward pass. Build with :meth:`load`.
+
+    The KV cache is owned by the caller: ``kv_cache [layers, 2, num_blocks, block_size,
+    kv_heads, head_dim]`` (see :meth:`allocate_kv_cache`).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.config = config
+        self.dtype = dtype
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            # Fused projections: one matmul for Q, K and V and one for gate and up.
+            qkv = torch.cat([weights[attn + n + "_proj.weight"] for n in "qkv"])
+            bias = None
+            if attn + "q_proj.bias" in weights:  # qwen2
+                bias = torch.cat([weights[attn + n + "_proj.bias"] for n in "qkv"])
+            self.layers.append({
+                "input_norm": weights[p + "input_layernorm.weight"],
+                "post_norm": weights[p + "post_attention_layernorm.weight"],
+                "qkv": qkv,
+                "qkv_bias": bias,
+                "o": weights[attn + "o_proj.weight"],
+                "gate_up": torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
+                "down": weights[p + "mlp.down_proj.weight"],
+            })
+        inv_freq = rope_inv_freq(config)
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "LlamaModel":
+        """Load ``model_dir`` (Hugging Face layout) into ``dtype`` tensors.
+
+        Raises:
+            ModelLoadError: a weight file is corrupt or a tensor is missing.
+        """
+        from safetensors.torch import load_file
+
+        config = ModelConfig.from_dir(model_dir)
+        weights = {}
+        for file in sorted(Path(model_dir).glob("*.safetensors")):
+            try:
+                part = load_file(str(file))
+            except Exception as exc:
+                raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from None
+            weights.update({k: v.to(dtype) for k, v in part.items()})
+        try:
+            return cls(config, weights, dtype)
+        except KeyError as exc:
+            raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+        c = self.config
+        return torch.zeros(c.num_hidden_layers, 2, num_blocks, block_size,
+                           c.num_key_value_heads, c.head_dim, dtype=self.dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers' LlamaRMSNorm (float32 variance).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run one step; writes the new tokens' K/V into ``kv_cache``.
+
+        Args:
+            input_ids: ``[T]`` token ids.
+            meta: batch layout (see :class:`AttentionMetadata`).
+            kv_cache: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
+        Returns:
+            Logits ``[S, vocab]`` (float32) for ``meta.logits_rows``.
+        """
+        c = self.config
+        n_q, n_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        x = self.embed[input_ids]
+        cos = self.cos[meta.positions].unsqueeze(1)
+        sin = self.sin[meta.positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer["input_norm"])
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+            q = self._rope(q.view(-1, n_q, d), cos, sin)
+            k = self._rope(k.view(-1, n_kv, d), cos, sin)
+            v = v.view(-1, n_kv, d)
+            k_cache = kv_cache[i, 0].view(-1, n_kv, d)
+            v_cache = kv_cache[i, 1].view(-1, n_kv, d)
+            k_cache[meta.slot_mapping] = k
+            v_cache[meta.slot_mapping] = v
+            attn = self._attention(q, k, v, kv_cache[i], meta)
+            x = x + F.linear(attn.reshape(-1, n_q * d), layer["o"])
+            h = self._rms_norm(x, layer["post_norm"])
+            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+        x = self._rms_norm(x[meta.logits_rows], self.norm)
+        return F.linear(x, self.lm_head).float()
+
+    def _attention(self, q, k, v, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention output ``[T, heads, head_dim]`` for every row of the batch."""
+        out = torch.empty_like(q)
+        block_size = layer_cache.shape[2]
+        for seq in meta.prefills:
+            rows = slice(seq.start, seq.start + seq.q_len)
+            qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            if seq.ctx_len == seq.q_len:  # nothing cached: attend to this step's K/V
+                ks, vs, mask, causal = k[rows], v[rows], None, True
+            else:
+                ks, vs = (layer_cache[j][seq.block_table].flatten(0, 1)[: seq.ctx_len] for j in (0, 1))
+                offset = seq.ctx_len - seq.q_len
+                q_pos = torch.arange(seq.q_len).unsqueeze(1) + offset
+                mask, causal = torch.arange(seq.ctx_len).unsqueeze(0) <= q_pos, False
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=causal, enable_gqa=True)
+            out[rows] = o[0].transpose(0, 1)
+        if len(meta.decode_rows):
+            tables = meta.decode_block_tables
+            batch, max_ctx = tables.shape[0], tables.shape[1] * block_size
+            ks, vs = (layer_cache[j][tables].flatten(1, 2) for j in (0, 1))  # [B, ctx, Hkv, D]
+            mask = torch.arange(max_ctx).unsqueeze(0) < meta.decode_ctx_lens.unsqueeze(1)
+            qs = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(1, 2), vs.transpose(1, 2),
+                attn_mask=mask[:, None, None, :], enable_gqa=True)
+            out[meta.decode_rows] = o.squeeze(2)
+        return out

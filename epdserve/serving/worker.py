@@ -1,0 +1,231 @@
+"""One engine worker process (``epdserve worker``): colocated, prefill or decode.
+
+It binds a PULL socket for the router's commands, connects a PUSH socket to the router's
+events address, says :class:`~epdserve.serving.protocol.Hello`, then loops: drain
+commands, run one engine step if there is work, publish the new tokens, report
+:class:`~epdserve.serving.protocol.Stats`. A prefill worker writes each hand-off's KV
+blocks to shared memory and owns that segment until the decode worker has taken it
+(the decode worker unlinks it), the router releases it, or ``--kv-ttl`` passes. The same
+command runs alone on another host, so a launcher, Ray or Kubernetes can place it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+import traceback
+
+import zmq
+
+from epdserve.engine.engine import DTYPES, ROLES, EngineConfig, LLMEngine, StepOutput
+from epdserve.model.loader import ModelLoadError, resolve_model
+from epdserve.serving import protocol as P
+from epdserve.transfer import shm
+from epdserve.transfer.wire import TensorHeader, WireError
+
+log = logging.getLogger("epdserve.worker")
+STATS_INTERVAL_S = 0.5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", choices=ROLES, required=True)
+    parser.add_argument("--router", required=True, help="router events address, e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--bind", required=True, help="address for this worker's command socket")
+    parser.add_argument("--worker-id", required=True)
+    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--cores", default=None, help="CPU cores to pin to, e.g. 0,1 (default: all allowed)")
+    add_engine_arguments(parser)
+    parser.add_argument("--kv-ttl", type=float, default=120.0,
+                        help="seconds a prefill worker keeps an exported KV segment nobody took")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by ``worker`` and ``serve``."""
+    parser.add_argument("--kv-cache-memory-mb", type=int, default=1024, help="KV cache budget per worker (MiB)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--enable-chunked-prefill", action="store_true")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+
+
+def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
+    return EngineConfig(role=role, block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_chunked_prefill=args.enable_chunked_prefill, dtype=args.dtype)
+
+
+def pin_to_cores(spec: str | None) -> list[int]:
+    """Pin this process (and torch's thread pool) to ``spec`` ("0,1"); returns the cores.
+
+    Raises:
+        ValueError: a core that is not a number or not available to this process.
+    """
+    import torch
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec is None:
+        cores = allowed
+    else:
+        try:
+            cores = sorted({int(c) for c in spec.split(",")})
+        except ValueError:
+            raise ValueError(f"--cores {spec!r}: expected comma-separated core numbers") from None
+        if not set(cores) <= set(allowed):
+            raise ValueError(f"--cores {spec!r}: available cores are {allowed}")
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    return cores
+
+
+class Worker:
+    """The command/step/publish loop around one :class:`LLMEngine`."""
+
+    def __init__(self, engine: LLMEngine, worker_id: str, cmd: zmq.Socket, events: zmq.Socket, kv_ttl: float):
+        self.engine = engine
+        self.worker_id = worker_id
+        self.role = engine.config.role
+        self.cmd = cmd
+        self.events = events
+        self.kv_ttl = kv_ttl
+        self.exports: dict[str, tuple[str, float]] = {}  # request id -> (segment, created)
+        self.last_stats: dict | None = None
+        self.last_stats_time = 0.0
+        self.running = True
+
+    def send(self, msg) -> None:
+        self.events.send(P.encode(msg))
+
+    def loop(self) -> None:
+        while self.running:
+            busy = self.engine.has_unfinished()
+            if self.cmd.poll(0 if busy else 100):
+                self.drain_commands()
+            if self.engine.has_unfinished():
+                self.step()
+            self.report_stats()
+            self.expire_exports()
+        for name, _ in self.exports.values():
+            shm.remove(name)
+
+    def drain_commands(self) -> None:
+        while True:
+            try:
+                frame = self.cmd.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = P.decode(frame)
+            except P.ProtocolError as exc:
+                log.warning("%s: rejected a frame that is not an epdserve message: %s", self.worker_id, exc)
+                continue
+            self.handle(msg)
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, P.AddRequest):
+            self.add(msg)
+        elif isinstance(msg, P.Abort):
+            self.engine.abort(msg.request_id)
+            self.release(msg.request_id)
+        elif isinstance(msg, P.ReleaseKV):
+            self.release(msg.request_id)
+        elif isinstance(msg, P.Shutdown):
+            self.running = False
+        else:
+            log.warning("%s: unexpected %s message", self.worker_id, msg.type)
+
+    def add(self, msg: P.AddRequest) -> None:
+        try:
+            kv = None
+            if msg.kv is not None:
+                header, kv = shm.read(msg.kv.name)
+                if header.layout != self.engine.kv_layout():
+                    raise ValueError(f"KV layout {header.layout} does not match this worker's "
+                                     f"{self.engine.kv_layout()}")
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, kv, msg.first_token)
+        except (ValueError, WireError) as exc:
+            self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id, message=str(exc)))
+
+    def release(self, request_id: str) -> None:
+        name, _ = self.exports.pop(request_id, (None, 0.0))
+        if name is not None:
+            shm.remove(name)
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            # A bug must not hang clients: fail what is in flight, keep serving.
+            log.error("%s: engine step failed:\n%s", self.worker_id, traceback.format_exc())
+            for request_id in list(self.engine.seqs):
+                self.engine.abort(request_id)
+                self.send(P.Error(worker_id=self.worker_id, request_id=request_id,
+                                  message="internal error in the engine step"))
+            return
+        for out in outputs:
+            kv = self.export(out) if out.kv_block_ids is not None else None
+            self.send(P.Output(worker_id=self.worker_id, request_id=out.request_id, token_ids=out.token_ids,
+                               finished=out.finished, finish_reason=out.finish_reason, kv=kv,
+                               timings=out.timings))
+
+    def export(self, out: StepOutput) -> P.KVDescriptor:
+        start = time.perf_counter()
+        ids = out.kv_block_ids
+        layout = self.engine.kv_layout()
+        shape = list(self.engine.kv_cache.shape)
+        shape[2] = len(ids)
+        header = TensorHeader(dtype=layout["dtype"], shape=shape, layout=layout,
+                              num_tokens=len(ids) * layout["block_size"])
+        name = shm.new_name()
+        nbytes = shm.write(name, header, lambda view: self.engine.read_kv(ids, out=view))
+        self.engine.release_kv(out.request_id)
+        self.exports[out.request_id] = (name, time.monotonic())
+        out.timings["kv_export_ms"] = (time.perf_counter() - start) * 1e3
+        out.timings["kv_bytes"] = float(nbytes)
+        return P.KVDescriptor(name=name, num_tokens=header.num_tokens, nbytes=nbytes)
+
+    def report_stats(self) -> None:
+        stats = self.engine.stats()
+        now = time.monotonic()
+        if stats != self.last_stats or now - self.last_stats_time > STATS_INTERVAL_S:
+            self.send(P.Stats(worker_id=self.worker_id, **stats))
+            self.last_stats, self.last_stats_time = stats, now
+
+    def expire_exports(self) -> None:
+        if not self.exports:
+            return
+        now = time.monotonic()
+        for request_id, (name, created) in list(self.exports.items()):
+            if now - created > self.kv_ttl:
+                log.warning("%s: KV of %s not taken within %.0f s; freed", self.worker_id, request_id, self.kv_ttl)
+                self.release(request_id)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the worker; returns 0 on shutdown, 2 on a bad option or model."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cores = pin_to_cores(args.cores)
+        info = resolve_model(args.model)
+        engine = LLMEngine(str(info.path), engine_config(args, args.role))
+    except (ValueError, ModelLoadError) as exc:
+        print(f"epdserve worker: error: {exc}", flush=True)
+        return 2
+    ctx = zmq.Context()
+    cmd = ctx.socket(zmq.PULL)
+    cmd.bind(args.bind)
+    events = ctx.socket(zmq.PUSH)
+    events.setsockopt(zmq.LINGER, 1000)
+    events.connect(args.router)
+    worker = Worker(engine, args.worker_id, cmd, events, args.kv_ttl)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
+    worker.send(P.Hello(worker_id=args.worker_id, role=args.role, addr=args.bind, model=info.name,
+                        kv_layout=engine.kv_layout(), blocks_total=engine.pool.num_blocks))
+    log.info("%s: %s worker on cores %s, %d KV blocks of %d tokens, listening on %s",
+             args.worker_id, args.role, cores, engine.pool.num_blocks, engine.config.block_size, args.bind)
+    worker.loop()
+    ctx.destroy(linger=1000)
+    return 0
