@@ -1,0 +1,280 @@
+"""Async streaming client: send a trace to an OpenAI-compatible server on schedule and
+record, per request, when every piece of generated text arrived.
+
+Each request is sent at its ``offset_s`` after a common start (``time.perf_counter``),
+as ``POST /v1/chat/completions`` (a single user message) or ``POST /v1/completions``,
+with ``stream: true``, ``stream_options.include_usage`` and vLLM's ``ignore_eos`` (so
+output lengths are as asked). Server-sent events are read line by line; the times kept
+are the ones the metrics of DESIGN.md need (see :class:`RequestRecord`):
+
+* ``t0`` — just before the request is sent;
+* the arrival of every chunk that carries generated text (a non-empty
+  ``choices[0].delta.content``, or ``choices[0].text`` for completions);
+* the arrival of the last data chunk before ``[DONE]`` (text, finish or usage chunk — as
+  vLLM ``bench serve`` takes its latency).
+
+A request fails — and the message is kept — on a connection error or timeout, an HTTP
+status other than 200, an ``error`` event in the stream, a stream that ends without
+``[DONE]``, or a stream without any generated text (its TTFT would be undefined).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from tqdm import tqdm
+
+from epdserve.bench.workload import Request
+
+
+class ClientError(RuntimeError):
+    """The run could not start; the message says why in one line."""
+
+
+class ServerUnreachable(ClientError):
+    """The server did not answer at all; the message names the URL."""
+
+
+class WarmupFailed(ClientError):
+    """The unmeasured warm-up request failed (wrong model name, endpoint, server error)."""
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request. Times are seconds (``time.perf_counter``).
+
+    ``index``: position in the trace; ``start_s``: t0 relative to the run's start;
+    ``chunk_times_s``: arrival of each text-carrying chunk, relative to t0;
+    ``last_chunk_s``: arrival of the last data chunk, relative to t0 (None if none came);
+    ``end_s``: when the request finished (success or failure), relative to the run's start;
+    ``usage_prompt_tokens`` / ``usage_completion_tokens``: the server's usage (None if not
+    sent); ``expected_prompt_tokens``: the trace's ``prompt_tokens``;
+    ``request_id``: the response ``id`` (the server-side request id).
+    """
+
+    index: int
+    kind: str = "chat"
+    offset_s: float = 0.0
+    max_tokens: int = 0
+    expected_prompt_tokens: int = 0
+    start_s: float = 0.0
+    chunk_times_s: list[float] = field(default_factory=list)
+    last_chunk_s: float | None = None
+    end_s: float = 0.0
+    usage_prompt_tokens: int | None = None
+    usage_completion_tokens: int | None = None
+    request_id: str | None = None
+    success: bool = False
+    error: str = ""
+
+    @property
+    def ttft_s(self) -> float | None:
+        """First text-carrying chunk − t0 (s), or None without text."""
+        return self.chunk_times_s[0] if self.chunk_times_s else None
+
+    @property
+    def itls_s(self) -> list[float]:
+        """Gaps between consecutive text-carrying chunks (s)."""
+        t = self.chunk_times_s
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def e2el_s(self) -> float | None:
+        """Last chunk − t0 (s), or None if no chunk came."""
+        return self.last_chunk_s
+
+    @property
+    def output_tokens(self) -> int:
+        """usage.completion_tokens when the server sent it, else the text-chunk count."""
+        if self.usage_completion_tokens is not None:
+            return self.usage_completion_tokens
+        return len(self.chunk_times_s)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """usage.prompt_tokens (what the server processed, chat template included) when
+        sent, else the trace's expected count."""
+        if self.usage_prompt_tokens is not None:
+            return self.usage_prompt_tokens
+        return self.expected_prompt_tokens
+
+
+def _url(base_url: str, path: str) -> str:
+    return base_url.rstrip("/") + path
+
+
+def make_client(num_requests: int = 100, timeout_s: float = 600.0) -> httpx.AsyncClient:
+    """One HTTP client for the whole run: a connection per in-flight request (no queueing
+    in the client), ``timeout_s`` per read, and no proxy from the environment."""
+    limits = httpx.Limits(max_connections=max(100, num_requests),
+                          max_keepalive_connections=max(100, num_requests))
+    timeout = httpx.Timeout(timeout_s, connect=30.0)
+    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+
+async def fetch_model_name(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model id of ``GET /v1/models``.
+
+    Raises:
+        ServerUnreachable: no answer, an HTTP error, or no models listed.
+    """
+    url = _url(base_url, "/v1/models")
+    try:
+        response = await client.get(url, timeout=10.0)
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise ServerUnreachable(f"cannot reach server at {url}: "
+                                f"{type(exc).__name__} {exc}".rstrip()) from None
+    if response.status_code != 200:
+        raise ServerUnreachable(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ServerUnreachable(f"{url}: no model id in {response.text[:200]!r}") from None
+
+
+def request_body(req: Request, model: str, endpoint: str = "chat", temperature: float = 0.0,
+                 ignore_eos: bool = True) -> dict:
+    """The JSON body for ``req`` (``endpoint`` "chat" or "completions")."""
+    body = {"model": model, "max_tokens": req.max_tokens, "temperature": temperature,
+            "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": ignore_eos}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    return body
+
+
+def _error_text(obj) -> str:
+    """The message of an OpenAI-style error body ``{"error": {"message": ...}}``, or the
+    body itself as JSON when it has another shape (e.g. FastAPI's ``{"detail": ...}``)."""
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])
+    if isinstance(err, str) and err:
+        return err
+    return json.dumps(obj)
+
+
+async def send_one(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord,
+                   run_start: float, endpoint: str = "chat") -> RequestRecord:
+    """POST ``body`` to ``url`` now and fill ``record`` from the stream (see module doc)."""
+    t0 = time.perf_counter()
+    record.start_s = t0 - run_start
+    done = False
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                try:
+                    text = _error_text(json.loads(text))
+                except ValueError:
+                    pass
+                record.error = f"HTTP {response.status_code}: {text[:500]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, "event:" lines
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                now = time.perf_counter()
+                try:
+                    obj = json.loads(data)
+                except ValueError:
+                    record.error = f"bad stream chunk: {data[:200]!r}"
+                    return record
+                if not isinstance(obj, dict):
+                    record.error = f"bad stream chunk: {data[:200]!r}"
+                    return record
+                if "error" in obj and obj["error"]:
+                    record.error = f"error event: {_error_text(obj)[:500]}"
+                    return record
+                record.last_chunk_s = now - t0
+                if obj.get("id") and record.request_id is None:
+                    record.request_id = str(obj["id"])
+                choices = obj.get("choices") or []
+                if choices:
+                    choice = choices[0] or {}
+                    text = ((choice.get("delta") or {}).get("content") if endpoint == "chat"
+                            else choice.get("text"))
+                    if text:
+                        record.chunk_times_s.append(now - t0)
+                usage = obj.get("usage")
+                if usage:
+                    record.usage_prompt_tokens = usage.get("prompt_tokens")
+                    record.usage_completion_tokens = usage.get("completion_tokens")
+        if not done:
+            record.error = "stream ended before [DONE]"
+        elif not record.chunk_times_s:
+            record.error = "stream carried no generated text"
+        else:
+            record.success = True
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    finally:
+        record.end_s = time.perf_counter() - run_start
+    return record
+
+
+WARMUP_PROMPT = "Say hello."
+WARMUP_MAX_TOKENS = 4
+
+
+async def warm_up(client: httpx.AsyncClient, url: str, model: str, num: int,
+                  endpoint: str = "chat") -> None:
+    """Send ``num`` short requests one after another, unmeasured (first-call costs such as
+    lazy initialisation stay out of the results; a wrong model name or endpoint shows up
+    before the run instead of as N failures).
+
+    Raises:
+        WarmupFailed: a warm-up request failed; the message is the server's.
+    """
+    req = Request(offset_s=0.0, prompt=WARMUP_PROMPT, max_tokens=WARMUP_MAX_TOKENS,
+                  kind="chat", prompt_tokens=0)
+    for _ in range(num):
+        record = await send_one(client, url, request_body(req, model, endpoint), RequestRecord(-1),
+                                time.perf_counter(), endpoint)
+        if not record.success:
+            raise WarmupFailed(f"warm-up request to {url} failed: {record.error}")
+
+
+async def run_trace(base_url: str, model: str, requests: list[Request], endpoint: str = "chat",
+                    temperature: float = 0.0, ignore_eos: bool = True, progress: bool = True,
+                    timeout_s: float = 600.0, warmup: int = 1) -> list[RequestRecord]:
+    """Send ``warmup`` unmeasured requests, then every request of the trace at its offset
+    after a common start; return the records in trace order.
+
+    Raises:
+        ServerUnreachable: the server does not answer ``GET /v1/models`` before the run.
+        WarmupFailed: a warm-up request failed.
+    """
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    url = _url(base_url, path)
+    bodies = [request_body(r, model, endpoint, temperature, ignore_eos) for r in requests]
+    async with make_client(len(requests), timeout_s) as client:
+        await fetch_model_name(client, base_url)  # fail fast, one line, if nobody answers
+        await warm_up(client, url, model, warmup, endpoint)
+        bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
+        run_start = time.perf_counter()
+
+        async def scheduled(i: int, req: Request) -> RequestRecord:
+            delay = run_start + req.offset_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            record = RequestRecord(index=i, kind=req.kind, offset_s=req.offset_s,
+                                   max_tokens=req.max_tokens,
+                                   expected_prompt_tokens=req.prompt_tokens)
+            await send_one(client, url, bodies[i], record, run_start, endpoint)
+            bar.update(1)
+            return record
+
+        try:
+            return list(await asyncio.gather(*(scheduled(i, r) for i, r in enumerate(requests))))
+        finally:
+            bar.close()

@@ -1,0 +1,113 @@
+"""Benchmark metrics from the client's per-request records (definitions of DESIGN.md).
+
+Per request, with t0 = just before the HTTP request was sent:
+
+* TTFT = first text-carrying chunk − t0;
+* ITL = every gap between consecutive text-carrying chunks, pooled over requests
+  (a chunk that carries several tokens is one gap, as in vLLM ``bench serve``);
+* TPOT = (E2EL − TTFT) / (output_tokens − 1), only for output_tokens > 1;
+* E2EL = last chunk − t0.
+
+Run-wide: ``duration`` is first send → last completion (s); throughputs divide by it;
+goodput counts completed requests meeting every SLO given (TTFT, TPOT, E2EL, in ms; a
+one-token request has TPOT 0 for this test, as in vLLM).
+
+The result dict uses vLLM ``bench serve`` field names: aggregates in milliseconds
+(``mean_ttft_ms``, ``median_ttft_ms``, ``std_ttft_ms``, ``p90/p95/p99_ttft_ms`` and the same
+for tpot, itl, e2el; percentiles by ``numpy.percentile``, linear; std with ddof 0), and, as
+vLLM does, raw per-request arrays in trace order with times in **seconds**: ``ttfts``,
+``itls`` (a list per request), ``e2els``, ``input_lens``, ``output_lens``, ``errors``, plus
+``request_ids``, ``start_offsets`` (actual send time after the run's start, s) and
+``kinds``. A failed request has ``ttft``/``e2el`` 0 and output length 0 there, as in vLLM;
+an empty set of values gives 0.0 aggregates, also as in vLLM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from epdserve.bench.client import RequestRecord
+
+PERCENTILES = (90, 95, 99)
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+def tpot_s(record: RequestRecord) -> float | None:
+    """(E2EL − TTFT) / (output_tokens − 1) in seconds; None when output_tokens <= 1."""
+    n = record.output_tokens
+    if not record.success or n <= 1:
+        return None
+    return (record.e2el_s - record.ttft_s) / (n - 1)
+
+
+def summarize(name: str, values_s: list[float]) -> dict:
+    """``mean/median/std/p90/p95/p99_{name}_ms`` of ``values_s`` (seconds in, ms out)."""
+    ms = np.asarray(values_s, dtype=float) * 1000.0
+    if ms.size == 0:
+        ms = np.zeros(1)
+    out = {f"mean_{name}_ms": float(np.mean(ms)),
+           f"median_{name}_ms": float(np.median(ms)),
+           f"std_{name}_ms": float(np.std(ms))}
+    for p in PERCENTILES:
+        out[f"p{p}_{name}_ms"] = float(np.percentile(ms, p))
+    return out
+
+
+def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
+    """True when a completed request is within every SLO (ms) in ``slos_ms``."""
+    if not record.success:
+        return False
+    values_ms = {"ttft": record.ttft_s * 1000.0, "e2el": record.e2el_s * 1000.0,
+                 "tpot": (tpot_s(record) or 0.0) * 1000.0}
+    return all(values_ms[k] <= v for k, v in slos_ms.items())
+
+
+def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = None) -> dict:
+    """The result dict (see the module doc) for ``records``, in trace order.
+
+    ``slos_ms``: optional SLOs, keys among ttft, tpot, e2el, values in ms; when given,
+    ``request_goodput`` = completed requests meeting all of them / duration (req/s),
+    else ``request_goodput`` is None.
+    """
+    ok = [r for r in records if r.success]
+    if records:
+        duration = max(r.end_s for r in records) - min(r.start_s for r in records)
+    else:
+        duration = 0.0
+    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
+    total_in = sum(r.prompt_tokens for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    result = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": per_s(len(ok)),
+        "output_throughput": per_s(total_out),
+        "total_token_throughput": per_s(total_in + total_out),
+    }
+    if slos_ms:
+        unknown = set(slos_ms) - set(SLO_METRICS)
+        if unknown:
+            raise ValueError(f"unknown SLO metric(s) {sorted(unknown)}; use {SLO_METRICS}")
+        result["request_goodput"] = per_s(sum(meets_slos(r, slos_ms) for r in ok))
+        result["goodput_slos_ms"] = dict(slos_ms)
+    else:
+        result["request_goodput"] = None
+    result.update(summarize("ttft", [r.ttft_s for r in ok]))
+    result.update(summarize("tpot", [t for t in map(tpot_s, ok) if t is not None]))
+    result.update(summarize("itl", [g for r in ok for g in r.itls_s]))
+    result.update(summarize("e2el", [r.e2el_s for r in ok]))
+    result.update({
+        "input_lens": [r.prompt_tokens for r in records],
+        "output_lens": [r.output_tokens if r.success else 0 for r in records],
+        "ttfts": [r.ttft_s if r.success else 0.0 for r in records],
+        "itls": [r.itls_s if r.success else [] for r in records],
+        "e2els": [r.e2el_s if r.success else 0.0 for r in records],
+        "errors": [r.error for r in records],
+        "request_ids": [r.request_id for r in records],
+        "start_offsets": [r.start_s for r in records],
+        "kinds": [r.kind for r in records],
+    })
+    return result

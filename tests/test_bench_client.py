@@ -1,0 +1,360 @@
+"""The bench client and ``epdserve bench`` against a stub OpenAI-compatible server.
+
+The stub (this file run as a script, in its own process, on a free 127.0.0.1 port) streams
+fixed chunks with known sleeps, so TTFT/ITL/E2EL are known to within scheduling noise:
+
+* a role chunk with empty content at once (must not count as the first token);
+* ``STUB_TTFT_S`` later the text "Hello", then every ``STUB_ITL_S`` " big" and " world";
+* a finish chunk, a usage chunk (prompt_tokens 42, completion_tokens 4: " big" stands for
+  two tokens) and ``[DONE]``.
+
+A prompt containing FAIL400 gets HTTP 400; one containing FAILSTREAM gets one text chunk
+and then an error event. ``GET /log`` lists what arrived (``time.monotonic()`` and body).
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from epdserve.bench import client, metrics, workload
+from epdserve.bench.run import add_arguments, bench
+
+STUB_TTFT_S = 0.20
+STUB_ITL_S = 0.10
+STUB_PROMPT_TOKENS = 42
+STUB_COMPLETION_TOKENS = 4
+# Send-time tolerance of the replay test. Typical errors measured on the shared 2-core
+# machine are 1-5 ms, with outliers near 9 ms on the server side, so 5 ms would flake.
+TOLERANCE_S = 0.020
+
+
+# ---------------------------------------------------------------------------------------
+# The stub server
+
+
+def stub_app(mode: str = "colocated", trace_file: str | None = None):
+    import asyncio
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+    log: list[dict] = []
+    counter = iter(range(1, 10**9))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
+
+    @app.get("/log")
+    async def get_log():
+        return log
+
+    @app.post("/reset")
+    async def reset():
+        log.clear()
+        return {}
+
+    async def completion(request: Request, chat: bool):
+        t = time.monotonic()
+        body = await request.json()
+        log.append({"t": t, "body": body})
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        rid = f"req-{next(counter)}"
+        if body["model"] != "stub-model":
+            return JSONResponse({"error": {"message": f"model {body['model']!r} does not exist",
+                                           "code": 404}}, status_code=404)
+        if "FAIL400" in prompt:
+            return JSONResponse({"error": {"message": "stub rejects FAIL400", "code": 400}},
+                                status_code=400)
+
+        def chunk(text=None, finish=None, usage=None, role=False):
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else (
+                    {"content": text} if text is not None else {})
+                choices = [{"index": 0, "delta": delta, "finish_reason": finish}]
+            else:
+                choices = [{"index": 0, "text": text or "", "finish_reason": finish}]
+            obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                   "model": body["model"], "choices": [] if usage else choices}
+            if usage:
+                obj["usage"] = usage
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def stream():
+            if chat:
+                yield chunk(role=True)
+            await asyncio.sleep(STUB_TTFT_S)
+            yield chunk("Hello")
+            if "FAILSTREAM" in prompt:
+                yield 'data: {"error": {"message": "stub engine died", "code": 500}}\n\n'
+                yield "data: [DONE]\n\n"
+                return
+            for text in (" big", " world"):
+                await asyncio.sleep(STUB_ITL_S)
+                yield chunk(text)
+            yield chunk(finish="length")
+            yield chunk(usage={"prompt_tokens": STUB_PROMPT_TOKENS,
+                               "completion_tokens": STUB_COMPLETION_TOKENS,
+                               "total_tokens": STUB_PROMPT_TOKENS + STUB_COMPLETION_TOKENS})
+            yield "data: [DONE]\n\n"
+            if trace_file:  # the router's per-request trace line
+                pd = mode != "colocated"
+                line = {"request_id": rid, "prompt_tokens": STUB_PROMPT_TOKENS,
+                        "output_tokens": STUB_COMPLETION_TOKENS, "queue_ms": 1.0,
+                        "prefill_ms": 1000 * STUB_TTFT_S, "kv_bytes": 4096 if pd else 0,
+                        "kv_transfer_ms": 2.5 if pd else 0.0, "decode_ms": 2000 * STUB_ITL_S,
+                        "e2e_ms": 1000 * (STUB_TTFT_S + 2 * STUB_ITL_S)}
+                with open(trace_file, "a") as f:
+                    f.write(json.dumps(line) + "\n")
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await completion(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await completion(request, chat=False)
+
+    return app
+
+
+def serve_stub() -> None:
+    """Take ``epdserve serve``'s options (--mode, --host, --port, --trace-file); bind the
+    port (0: a free one, printed first), serve until SIGTERM."""
+    import socket
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="colocated")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--trace-file", default=None)
+    args = parser.parse_args()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(128)
+    print(sock.getsockname()[1], flush=True)
+    app = stub_app(args.mode, args.trace_file)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+class Stub:
+    """The stub server as a subprocess in its own process group."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, __file__], stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        self.port = int(self.proc.stdout.readline())
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(self.url + "/health", trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise
+            time.sleep(0.05)
+
+    def log(self) -> list[dict]:
+        return httpx.get(self.url + "/log", trust_env=False).json()
+
+    def reset(self) -> None:
+        httpx.post(self.url + "/reset", trust_env=False)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def stub():
+    server = Stub()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+
+
+def bench_args(*extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--base-url", "http://unused", "--disable-tqdm", *extra])
+
+
+def req(offset: float, prompt: str, max_tokens: int = 4, kind: str = "chat") -> workload.Request:
+    return workload.Request(offset_s=offset, prompt=prompt, max_tokens=max_tokens, kind=kind,
+                            prompt_tokens=len(prompt.split()))
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "epdserve", "bench", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------
+# Tests
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_latencies_follow_the_stubs_sleeps(stub, endpoint):
+    trace = [req(0.0, "one two three"), req(0.05, "four five six"), req(0.1, "seven eight")]
+    result = bench(stub.url, trace, bench_args("--endpoint", endpoint))
+    assert result["completed"] == 3 and result["failed"] == 0
+    assert result["model_id"] == "stub-model"
+    # TTFT: the empty role chunk does not count; the first text comes after STUB_TTFT_S.
+    for ttft in result["ttfts"]:
+        assert STUB_TTFT_S - 0.005 <= ttft <= STUB_TTFT_S + 0.15
+    for gaps in result["itls"]:
+        assert len(gaps) == 2  # three text chunks, one of them carrying two tokens
+        for g in gaps:
+            assert STUB_ITL_S - 0.02 <= g <= STUB_ITL_S + 0.15
+    for e2el in result["e2els"]:
+        assert STUB_TTFT_S + 2 * STUB_ITL_S - 0.01 <= e2el <= STUB_TTFT_S + 2 * STUB_ITL_S + 0.3
+    # Token counts come from usage, not from the chunk count.
+    assert result["output_lens"] == [STUB_COMPLETION_TOKENS] * 3
+    assert result["input_lens"] == [STUB_PROMPT_TOKENS] * 3
+    assert result["total_output_tokens"] == 3 * STUB_COMPLETION_TOKENS
+    # TPOT = (E2EL - TTFT) / (4 - 1) ~ 2 * ITL / 3.
+    assert 2 * STUB_ITL_S / 3 - 0.01 <= result["median_tpot_ms"] / 1000 <= 2 * STUB_ITL_S / 3 + 0.1
+    assert result["request_ids"][0].startswith("req-")
+    assert len(set(result["request_ids"])) == 3
+    # Bodies as the contract asks.
+    bodies = [x["body"] for x in stub.log()[-3:]]
+    for body in bodies:
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert body["ignore_eos"] is True and body["temperature"] == 0
+        assert body["max_tokens"] == 4 and body["model"] == "stub-model"
+        assert ("messages" in body) == (endpoint == "chat")
+
+
+def test_http_400_and_error_events_are_failures_with_messages(stub):
+    trace = [req(0.0, "fine"), req(0.0, "please FAIL400"), req(0.0, "please FAILSTREAM")]
+    result = bench(stub.url, trace, bench_args("--goodput", "ttft:10000"))
+    assert result["completed"] == 1 and result["failed"] == 2
+    assert result["errors"][0] == ""
+    assert result["errors"][1].startswith("HTTP 400") and "FAIL400" in result["errors"][1]
+    assert "stub engine died" in result["errors"][2]
+    assert result["output_lens"] == [STUB_COMPLETION_TOKENS, 0, 0]
+    # Only the completed request counts, in throughput and goodput.
+    assert result["request_goodput"] == pytest.approx(1 / result["duration"])
+    assert result["request_throughput"] == pytest.approx(1 / result["duration"])
+
+
+def test_replayed_trace_sends_identical_requests_at_the_same_offsets(stub, tmp_path):
+    tok = workload.load_tokenizer_for(None)
+    trace = workload.synthetic(tok, num_prompts=8, input_len=(5, 40), output_len=(2, 6),
+                               request_rate=8.0, seed=3)
+    path = tmp_path / "trace.jsonl"
+    workload.save_trace(trace, path)
+    runs = []
+    for _ in range(2):
+        stub.reset()
+        replay = workload.load_trace(path)
+        assert replay == trace
+        result = bench(stub.url, replay, bench_args())
+        # The client's own t0s are on schedule ...
+        late = [a - r.offset_s for a, r in zip(result["start_offsets"], replay)]
+        assert all(-0.001 <= x < TOLERANCE_S for x in late), late
+        log = sorted(stub.log(), key=lambda x: x["t"])
+        assert log[0]["body"]["messages"][0]["content"] == client.WARMUP_PROMPT
+        runs.append(log[1:])  # the warm-up request is not part of the trace
+    # ... and so is what the server sees: same bodies, same offsets, run after run.
+    first, second = runs
+    assert [x["body"] for x in first] == [x["body"] for x in second]
+    expected = sorted(r.offset_s for r in trace)
+    for log in runs:
+        seen = [x["t"] - log[0]["t"] for x in log]
+        for got, want in zip(seen, expected):
+            assert abs(got - want) < TOLERANCE_S, (seen, expected)
+    drift = [abs((a["t"] - first[0]["t"]) - (b["t"] - second[0]["t"]))
+             for a, b in zip(first, second)]
+    assert max(drift) < TOLERANCE_S, drift
+
+
+def test_cli_writes_result_json(stub, tmp_path):
+    trace = [req(0.0, "alpha beta"), req(0.1, "gamma FAIL400")]
+    trace_file, out = tmp_path / "t.jsonl", tmp_path / "out" / "result.json"
+    workload.save_trace(trace, trace_file)
+    proc = run_cli("--base-url", stub.url, "--trace", str(trace_file), "--disable-tqdm",
+                   "--goodput", "ttft:5000", "tpot:1000", "--result-file", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["completed"] == 1 and result["failed"] == 1
+    for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput",
+                "request_goodput", "mean_ttft_ms", "median_itl_ms", "p99_e2el_ms", "std_tpot_ms",
+                "p90_ttft_ms", "p95_itl_ms", "ttfts", "itls", "e2els", "input_lens",
+                "output_lens", "errors", "request_ids", "start_offsets"):
+        assert key in result, key
+    assert "Failed requests" in proc.stdout and "HTTP 400" in proc.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--input-len", "5:2"], "5:2"),
+    (["--output-len", "x:3"], "x:3"),
+    (["--request-rate", "-1"], "-1"),
+    (["--goodput", "ttfx:5"], "ttfx:5"),
+    (["--trace", "/nonexistent/trace.jsonl"], "/nonexistent/trace.jsonl"),
+])
+def test_cli_bad_values_exit_2_with_one_message(args, needle):
+    proc = run_cli("--base-url", "http://127.0.0.1:9", *args)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_malformed_trace_line_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    good = json.dumps({"offset_s": 0, "prompt": "hi", "max_tokens": 2, "kind": "chat",
+                       "prompt_tokens": 1})
+    path.write_text(good + "\n{not json\n")
+    proc = run_cli("--base-url", "http://127.0.0.1:9", "--trace", str(path))
+    assert proc.returncode == 2
+    assert f"{path}:2" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_failed_warmup_stops_before_the_run(stub, tmp_path):
+    path = tmp_path / "t.jsonl"
+    workload.save_trace([req(0.0, "hi")], path)
+    stub.reset()
+    proc = run_cli("--base-url", stub.url, "--model", "nope", "--trace", str(path))
+    assert proc.returncode == 1
+    assert "'nope' does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert len(stub.log()) == 1  # only the warm-up was sent
+
+
+def test_cli_unreachable_server_is_one_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    workload.save_trace([req(0.0, "hi")], path)
+    proc = run_cli("--base-url", "http://127.0.0.1:9", "--trace", str(path), "--disable-tqdm")
+    assert proc.returncode == 1
+    assert "http://127.0.0.1:9" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+if __name__ == "__main__":
+    serve_stub()

@@ -1,0 +1,134 @@
+"""Metric formulas (DESIGN.md, vLLM ``bench serve`` names) on hand-computed records.
+
+Records (times in s; chunk times relative to t0, start/end relative to the run start):
+
+* r0: sent at 0.0, text chunks at 0.1, 0.3 (carries two tokens), 0.4, last chunk (usage)
+  at 0.45; usage 10 prompt / 4 completion tokens.
+  TTFT 100 ms, ITLs 200 and 100 ms, E2EL 450 ms, TPOT (450 − 100) / 3 = 116.67 ms.
+* r1: sent at 0.5, one text chunk at 0.2, last chunk at 0.25; usage 20 / 1.
+  TTFT 200 ms, no ITL, E2EL 250 ms, no TPOT (one output token).
+* r2: sent at 1.0, chunks at 0.3, 0.35, 0.45, 0.5, no usage: 4 output tokens (chunks),
+  30 prompt tokens (the trace's count). TTFT 300, ITLs 50, 100, 50, E2EL 500,
+  TPOT (500 − 300) / 3 = 66.67 ms.
+* r3: sent at 1.2, failed with HTTP 500 at 2.0.
+
+Duration = 2.0 − 0.0 = 2 s; 3 completed, 1 failed; 60 input and 9 output tokens.
+"""
+
+import math
+
+import pytest
+
+from epdserve.bench.client import RequestRecord
+from epdserve.bench.metrics import compute, tpot_s
+
+
+def records() -> list[RequestRecord]:
+    return [
+        RequestRecord(index=0, start_s=0.0, chunk_times_s=[0.1, 0.3, 0.4], last_chunk_s=0.45,
+                      end_s=0.45, usage_prompt_tokens=10, usage_completion_tokens=4,
+                      expected_prompt_tokens=7, request_id="a", success=True),
+        RequestRecord(index=1, start_s=0.5, chunk_times_s=[0.2], last_chunk_s=0.25, end_s=0.75,
+                      usage_prompt_tokens=20, usage_completion_tokens=1,
+                      expected_prompt_tokens=17, request_id="b", success=True),
+        RequestRecord(index=2, start_s=1.0, chunk_times_s=[0.3, 0.35, 0.45, 0.5],
+                      last_chunk_s=0.5, end_s=1.5, expected_prompt_tokens=30, request_id="c",
+                      success=True, kind="long"),
+        RequestRecord(index=3, start_s=1.2, end_s=2.0, expected_prompt_tokens=40,
+                      error="HTTP 500: boom"),
+    ]
+
+
+approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-9)  # noqa: E731
+
+
+def test_throughputs_and_counts():
+    r = compute(records())
+    assert r["duration"] == approx(2.0)
+    assert (r["completed"], r["failed"]) == (3, 1)
+    assert r["total_input_tokens"] == 60
+    assert r["total_output_tokens"] == 9
+    assert r["request_throughput"] == approx(1.5)
+    assert r["output_throughput"] == approx(4.5)
+    assert r["total_token_throughput"] == approx(34.5)
+    assert r["request_goodput"] is None
+
+
+def test_ttft_from_first_text_chunk():
+    r = compute(records())
+    assert r["mean_ttft_ms"] == approx(200.0)
+    assert r["median_ttft_ms"] == approx(200.0)
+    assert r["std_ttft_ms"] == approx(math.sqrt(20000 / 3))
+    assert r["p90_ttft_ms"] == approx(280.0)  # linear: 200 + 0.8 * 100
+    assert r["p95_ttft_ms"] == approx(290.0)
+    assert r["p99_ttft_ms"] == approx(298.0)
+
+
+def test_itl_pooled_over_requests_and_multi_token_chunk_is_one_gap():
+    r = compute(records())
+    # pooled gaps: 200, 100 (r0), none (r1), 50, 100, 50 (r2)
+    assert r["mean_itl_ms"] == approx(100.0)
+    assert r["median_itl_ms"] == approx(100.0)
+    assert r["std_itl_ms"] == approx(math.sqrt(3000))
+    assert r["p90_itl_ms"] == approx(160.0)
+    assert r["p95_itl_ms"] == approx(180.0)
+    assert r["p99_itl_ms"] == approx(196.0)
+    assert r["itls"][0] == [approx(0.2), approx(0.1)]
+    assert r["itls"][1] == [] and r["itls"][3] == []
+
+
+def test_tpot_skips_single_token_requests():
+    recs = records()
+    assert tpot_s(recs[0]) == approx(0.35 / 3)
+    assert tpot_s(recs[1]) is None
+    assert tpot_s(recs[3]) is None
+    r = compute(recs)
+    assert r["mean_tpot_ms"] == approx((350 / 3 + 200 / 3) / 2)
+    assert r["median_tpot_ms"] == approx((350 / 3 + 200 / 3) / 2)
+    assert r["std_tpot_ms"] == approx(25.0)
+    assert r["p90_tpot_ms"] == approx(200 / 3 + 0.9 * 50)
+
+
+def test_e2el_from_last_chunk():
+    r = compute(records())
+    assert r["mean_e2el_ms"] == approx(400.0)
+    assert r["median_e2el_ms"] == approx(450.0)
+    assert r["p90_e2el_ms"] == approx(490.0)
+    assert r["p99_e2el_ms"] == approx(499.0)
+
+
+def test_raw_arrays_in_trace_order_in_seconds():
+    r = compute(records())
+    assert r["ttfts"] == [approx(0.1), approx(0.2), approx(0.3), 0.0]
+    assert r["e2els"] == [approx(0.45), approx(0.25), approx(0.5), 0.0]
+    assert r["output_lens"] == [4, 1, 4, 0]
+    assert r["input_lens"] == [10, 20, 30, 40]  # usage when sent, else the trace's count
+    assert r["errors"] == ["", "", "", "HTTP 500: boom"]
+    assert r["request_ids"] == ["a", "b", "c", None]
+    assert r["start_offsets"] == [0.0, 0.5, 1.0, 1.2]
+    assert r["kinds"] == ["chat", "chat", "long", "chat"]
+
+
+@pytest.mark.parametrize("slos, good", [
+    ({"ttft": 250}, 2),                 # r2's 300 ms TTFT misses
+    ({"ttft": 250, "tpot": 100}, 1),    # r0's 116.7 ms TPOT misses; r1 (one token) passes
+    ({"ttft": 1000, "e2el": 460}, 2),   # r2's 500 ms E2EL misses
+    ({"ttft": 300, "tpot": 120, "e2el": 500}, 3),  # bounds are inclusive
+    ({"e2el": 1}, 0),
+])
+def test_goodput_counts_completed_requests_meeting_every_slo(slos, good):
+    r = compute(records(), slos)
+    assert r["request_goodput"] == approx(good / 2.0)
+
+
+def test_unknown_slo_is_rejected():
+    with pytest.raises(ValueError, match="ttfx"):
+        compute(records(), {"ttfx": 1})
+
+
+def test_all_failed_gives_zero_aggregates_not_a_crash():
+    r = compute([records()[3]])
+    assert (r["completed"], r["failed"]) == (0, 1)
+    assert r["duration"] == approx(0.8)
+    assert r["mean_ttft_ms"] == 0.0 and r["p99_itl_ms"] == 0.0
+    assert r["request_throughput"] == 0.0
