@@ -49,11 +49,60 @@ class Deployment:
 
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300, **kw)
 
+    def generate(self, kind: str, prompt, *, stream: bool, model: str | None = None, **params) -> "Result":
+        """One request through the ``openai`` package: ``kind`` "chat" (``prompt`` = messages)
+        or "completion" (a string or token ids); ``params`` go to ``create`` (use
+        ``extra_body`` for ``ignore_eos``). Streams ask for usage."""
+        client = self.openai()
+        model = model or client.models.list().data[0].id
+        if kind == "chat":
+            create, kw = client.chat.completions.create, {"messages": prompt}
+        else:
+            create, kw = client.completions.create, {"prompt": prompt}
+        if not stream:
+            resp = create(model=model, stream=False, **kw, **params)
+            choice = resp.choices[0]
+            text = choice.message.content if kind == "chat" else choice.text
+            return Result(resp.id, text, choice.finish_reason, resp.usage, 1)
+        chunks = list(create(model=model, stream=True, stream_options={"include_usage": True}, **kw, **params))
+        pieces, finish = [], None
+        for c in chunks:
+            if c.choices:
+                piece = c.choices[0].delta.content if kind == "chat" else c.choices[0].text
+                pieces.append(piece or "")
+                finish = c.choices[0].finish_reason or finish
+        assert len({c.id for c in chunks}) == 1, "every chunk carries the same id"
+        return Result(chunks[0].id, "".join(pieces), finish, chunks[-1].usage, len(chunks))
+
+    def trace(self, request_id: str, timeout: float = 10.0) -> dict:
+        """The trace record of ``request_id`` (waits for it to be written)."""
+        import json
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.trace_path.exists():
+                for line in self.trace_path.read_text().splitlines():
+                    rec = json.loads(line)
+                    if rec["request_id"] == request_id:
+                        return rec
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no trace record for {request_id} in {self.trace_path}")
+            time.sleep(0.1)
+
     def log_tail(self, n: int = 4000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-n:]
         except OSError:
             return ""
+
+
+@dataclass
+class Result:
+    id: str
+    text: str
+    finish_reason: str | None
+    usage: object  # openai's CompletionUsage
+    num_chunks: int
 
 
 def _stop(proc: subprocess.Popen) -> None:

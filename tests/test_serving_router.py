@@ -143,6 +143,9 @@ class RouterHarness:
         self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
         for i, role in enumerate(roles):
             self.add_worker(role, f"{role}-{roles[:i].count(role)}")
+        while len(self.router.workers) < len(roles):  # every hello arrived
+            assert time.monotonic() < deadline, "fake workers did not say hello"
+            time.sleep(0.02)
         return self
 
     def add_worker(self, role: str, wid: str) -> FakeWorker:
@@ -364,11 +367,12 @@ def test_health_waits_for_every_role(model_info, tokenizer, tmp_path):
 
 def test_least_outstanding_worker_is_picked(harness, tokenizer, model_info):
     h = harness("colocated", ["colocated", "colocated"], step_s=0.05)
-    body = {"prompt": "Hi", "max_tokens": 30, "stream": True}
+    body = {"prompt": "Hi", "max_tokens": 400, "stream": True}
     with httpx.Client(timeout=30) as c, c.stream("POST", h.url + "/v1/completions", json=body) as r1, \
             c.stream("POST", h.url + "/v1/completions", json=body) as r2:
-        next(r1.iter_lines())
-        next(r2.iter_lines())
+        lines1, lines2 = r1.iter_lines(), r2.iter_lines()  # (dropping an iterator closes the stream)
+        next(lines1)
+        next(lines2)
         held = sorted(len(s.outstanding) for s in h.router.workers.values())
         assert held == [1, 1]
     h.wait_idle()

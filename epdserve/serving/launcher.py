@@ -155,12 +155,19 @@ def run(args: argparse.Namespace) -> int:
     """``epdserve serve``: returns 0 after a clean stop, 1 if a worker died or never came up."""
     import uvicorn
 
+    from epdserve.model.loader import ModelLoadError
+
     setup_logging(args.log_level)
     cores = ([int(c) for c in args.cores.split(",")] if args.cores else sorted(os.sched_getaffinity(0)))
     plan = plan_workers(args.mode, cores)
     tmp = tempfile.mkdtemp(prefix="epdserve-")  # mode 0700: only we can reach the sockets
     events = f"ipc://{tmp}/events"
-    router = build_router(args, events)  # resolves (and converts) the model once, before workers start
+    try:
+        router = build_router(args, events)  # resolves (and converts) the model once, before workers start
+    except ModelLoadError as exc:
+        print(f"epdserve serve: error: {exc}", file=sys.stderr)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return 2
     children = Children()
     stopped = False
 

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -543,8 +544,11 @@ class SSEResponse(StreamingResponse):
         finally:
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
             await self.body_iterator.aclose()
+        for exc in results:
+            if isinstance(exc, Exception) and not isinstance(exc, OSError):
+                log.error("stream failed: %s: %s", type(exc).__name__, exc)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -580,12 +584,10 @@ def create_app(router: Router) -> FastAPI:
         text = TextStream(router.tokenizer, prompt_ids, body.stop_list)
         try:
             gen.start()
-        except BaseException as exc:
-            gen.close()
-            router.requests.pop(rid, None)
-            if isinstance(exc, WorkerFailed):
-                raise exc.api_error() from None
-            raise
+        except (api.APIError, WorkerFailed) as exc:
+            gen.error = str(exc)
+            router.finish(gen)
+            raise exc.api_error() if isinstance(exc, WorkerFailed) else exc from None
         if body.stream:
             return SSEResponse(stream_events(gen, text, body, kind))
         return await complete(http_request, gen, text, kind)
@@ -717,8 +719,14 @@ def run(args: argparse.Namespace) -> int:
     """``epdserve router``: serve HTTP; workers started elsewhere connect to ``--events``."""
     import uvicorn
 
+    from epdserve.model.loader import ModelLoadError
+
     setup_logging(args.log_level)
-    router = build_router(args, args.events)
+    try:
+        router = build_router(args, args.events)
+    except ModelLoadError as exc:
+        print(f"epdserve router: error: {exc}", file=sys.stderr)
+        return 2
     app = create_app(router)
     log.info("router (%s, %s) on http://%s:%d; waiting for workers on %s", args.mode, router.model.name,
              args.host, args.port, args.events)
