@@ -119,6 +119,33 @@ def test_stop_kills_the_whole_group_even_if_a_child_ignores_sigterm(tmp_path):
             pass
 
 
+def test_ctrl_c_during_a_run_stops_the_server(tmp_path):
+    port = free_port()
+    script = (
+        "import sys, argparse\n"
+        "from pathlib import Path\n"
+        "from epdserve.bench import compare, workload\n"
+        "p = argparse.ArgumentParser(); compare.add_arguments(p)\n"
+        f"args = p.parse_args(['--port', '{port}', '--disable-tqdm'])\n"
+        "trace = [workload.Request(60.0, 'late', 4, 'chat', 1)]\n"
+        f"compare.run_config('colocated', trace, args, Path({str(tmp_path)!r}),"
+        f" serve={STUB!r})\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if "healthy" in line:
+                break
+        assert not compare.port_is_free(port)
+        time.sleep(0.3)  # into the run
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+        assert proc.returncode != 0
+        assert compare.port_is_free(port)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_server_trace_summary_filters_to_this_runs_ids(tmp_path):
     path = tmp_path / "t.jsonl"
     rows = [{"request_id": f"r{i}", "kv_bytes": 100 * i, "kv_transfer_ms": float(i),

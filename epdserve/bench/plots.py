@@ -76,9 +76,9 @@ def plot_itl_over_time(entries: list[dict], long_offsets_s: list[float],
     """Each ITL gap at the time (s since start) it ended, one colour per configuration,
     with the long-prompt send times as dashed vertical lines."""
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    for e in entries:
+    for e, marker in zip(entries, "o^sDv<>" * 4):
         t, g = itl_times(e["result"])
-        ax.scatter(t, g, s=4, alpha=0.5, label=e["name"])
+        ax.scatter(t, g, s=5, alpha=0.5, marker=marker, label=e["name"])
     for k, x in enumerate(long_offsets_s):
         ax.axvline(x, color="red", linestyle="--", linewidth=1,
                    label="long prompt sent" if k == 0 else None)

@@ -8,8 +8,6 @@ after the first (its value / the first's; "—" where undefined).
 
 from __future__ import annotations
 
-import json
-
 # (label, where, key, format): where is "result" (bench result) or "server" (trace summary).
 ROWS = [
     ("TTFT p50 (ms)", "result", "median_ttft_ms", "{:.1f}"),
@@ -72,14 +70,37 @@ def markdown_table(entries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def workload_lines(spec: dict, summary: dict) -> list[str]:
+    """Markdown bullets describing the trace: how it was made (``spec``, from
+    :func:`epdserve.bench.workload.build_from_args`) and what it holds (``summary``, from
+    :func:`epdserve.bench.workload.describe`)."""
+    fmt = lambda v: f"{v[0]}:{v[1]}" if isinstance(v, list) else str(v)  # noqa: E731
+    params = ", ".join(f"{k}={fmt(v)}" for k, v in spec.items() if k != "source")
+    lines = [f"- generator: {spec.get('source', '?')}" + (f" ({params})" if params else ""),
+             f"- {summary['num_requests']} requests, sent over "
+             f"{summary['duration_of_arrivals_s']:.1f} s"]
+    for kind in ("chat", "long"):
+        k = summary.get(kind)
+        if k:
+            line = (f"- {kind}: {k['count']} requests, prompt {k['prompt_tokens'][0]}–"
+                    f"{k['prompt_tokens'][1]} tokens ({k['total_prompt_tokens']:,} in all), "
+                    f"output {k['max_tokens'][0]}–{k['max_tokens'][1]} tokens "
+                    f"({k['total_max_tokens']:,} in all)")
+            if k.get("offsets_s"):
+                line += ", sent at " + ", ".join(f"{x:.1f}" for x in k["offsets_s"]) + " s"
+            lines.append(line)
+    lines.append("- prompt token counts are of the message text; the server adds its chat "
+                 "template")
+    return lines
+
+
 def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dict) -> str:
     """``compare.md``: the table, the workload, and each configuration's server summary."""
     parts = ["# epdserve compare", "", markdown_table(entries), "",
              "Ratios are each configuration's value divided by the first's. Latencies are "
              "client-side (TTFT, ITL, TPOT, E2EL as in DESIGN.md); KV rows come from the "
              "server trace (mean per request).", "", "## Workload", "",
-             "```json", json.dumps({"generator": workload_spec, "trace": trace_summary},
-                                   indent=2), "```", ""]
+             *workload_lines(workload_spec, trace_summary), ""]
     for e in entries:
         parts += [f"## {e['name']}", ""]
         r = e["result"]
@@ -88,11 +109,37 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
         errors = [x for x in r.get("errors", []) if x]
         if errors:
             parts.append(f"- first error: `{errors[0]}`")
-        if e.get("server"):
-            parts.append("- server trace: " + ", ".join(
-                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                for k, v in e["server"].items()))
+        srv = e.get("server") or {}
+        if srv:
+            parts.append(f"- server trace: {srv['num_records']} records, "
+                         f"{srv['matched_client_requests']} joined with the client's by "
+                         f"request id" + (f", {srv['malformed_lines']} malformed lines"
+                                          if srv.get("malformed_lines") else ""))
         else:
             parts.append("- server trace: none")
         parts.append("")
+    stages = server_table_markdown(entries)
+    if stages:
+        parts += ["## Server-side stages (per request, from the server trace)", "", stages, ""]
     return "\n".join(parts)
+
+
+def server_table_markdown(entries: list[dict]) -> str:
+    """Mean and p95 of each server-trace field (ms or bytes per request) per configuration,
+    as markdown; '' when no configuration has a server trace."""
+    from epdserve.bench.server_trace import FIELDS
+
+    present = [f for f in FIELDS if any(f"mean_{f}" in (e.get("server") or {}) for e in entries)]
+    if not present:
+        return ""
+    header = ["Field"] + [f"{e['name']} {s}" for e in entries for s in ("mean", "p95")]
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join(["---", *["---:"] * (len(header) - 1)]) + "|"]
+    for f in present:
+        cells = []
+        for e in entries:
+            for s in ("mean", "p95"):
+                v = (e.get("server") or {}).get(f"{s}_{f}")
+                cells.append("—" if v is None else f"{v:,.1f}")
+        lines.append("| " + " | ".join([f, *cells]) + " |")
+    return "\n".join(lines)
