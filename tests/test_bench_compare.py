@@ -69,7 +69,8 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
     assert set(saved[0]) == {"name", "result", "server"}
     md = (tmp_path / "compare.md").read_text()
     assert "| Metric | colocated | pd | pd/colocated |" in md
-    assert "KV bytes/req" in md and '"long"' in md
+    assert "KV bytes/req" in md and "- long: 1 requests" in md
+    assert "| kv_bytes | 0.0 | 0.0 | 4,096.0 | 4,096.0 |" in md  # server-stage table
     for f in files:
         assert f.stat().st_size > 0
     for png in ("ttft_cdf.png", "itl_cdf.png", "itl_over_time.png"):
