@@ -238,6 +238,8 @@ class Generation:
             router.send_quietly(worker, P.Abort(request_id=self.request_id))
             if worker is self.prefill_worker:  # its KV may be exported already
                 self.kv_pending = True
+        if self.decode_worker is not None and self.error is not None:
+            self.kv_pending = True  # the decode worker may have failed before importing the KV
         if self.kv_pending:
             router.release_kv(self.prefill_worker, self.request_id)
             self.kv_pending = False
