@@ -99,10 +99,11 @@ def test_pd_handoff_in_process_matches_colocated(model_dir, prompts, reference):
 
 def test_preemption_under_tiny_pool_completes_with_same_tokens(model_dir, prompts):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    chosen = [p for p in prompts if 30 < len(p) < 150]
+    # Five 31-token prompts fill 10 blocks of 16; each needs a third block after one
+    # token, so running sequences must be preempted and recomputed.
+    chosen = [p[:31] for p in prompts if len(p) >= 31][:5]
     roomy = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=64))
     expected = generate(roomy, chosen, params)
-    # 10 blocks of 16 tokens: any one request fits, all of them together do not.
     tiny = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, num_kv_blocks=10))
     assert generate(tiny, chosen, params) == expected
     assert tiny.stats()["num_preemptions"] > 0
