@@ -43,13 +43,13 @@ class ModelConfig:
         cfg = json.loads(path.read_text())
         if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(f"{path}: unsupported architecture {cfg.get('model_type')!r}")
-        scaling = cfg.get("rope_scaling")
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("linear", "llama3", "default"):
-                raise ModelLoadError(f"{path}: unsupported rope_scaling type {kind!r}"
-                                     " (supported: linear, llama3)")
-            scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+        # transformers 5 writes "rope_parameters" (theta included); 4.x "rope_scaling".
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("linear", "llama3", "default"):
+            raise ModelLoadError(f"{path}: unsupported RoPE scaling type {kind!r}"
+                                 " (supported: linear, llama3)")
+        scaling = None if kind == "default" else {**rope, "rope_type": kind}
         eos = cfg.get("eos_token_id", [])
         heads = cfg["num_attention_heads"]
         return cls(
@@ -63,7 +63,7 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]),
             rope_scaling=scaling,
