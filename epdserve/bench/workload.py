@@ -157,15 +157,17 @@ def synthetic(tokenizer, num_prompts: int = 50, input_len: tuple[int, int] = (10
 
 # Defaults of `make demo`, sized for a 2-core CPU running SmolLM2-135M in float32
 # (measured: prefill ~240 tok/s per core, a decode step ~75 ms at batch 1 and ~150 ms at
-# batch 8 on one core): 30 chat requests at 0.3 req/s arrive over ~100 s and keep both
-# deployments below saturation; the 3 long prompts (~3 s of prefill on two cores, ~7 s on
-# one) land at 1/4, 1/2 and 3/4 of the chat arrival window, while chat requests decode.
-DEMO_DEFAULTS = dict(num_chat=30, chat_input_len=(100, 300), chat_output_len=(32, 64),
-                     chat_rate=0.3, num_long=3, long_input_len=1600, long_output_len=16)
+# batch 8 on one core; a 2-thread engine sharing its cores with the router and client is
+# slower still): 24 chat requests at 0.25 req/s arrive over ~95 s, asking for ~90 prompt
+# tokens/s in all, below either deployment's prefill capacity; the 3 long prompts (~4 s of
+# prefill on two cores, ~7 s on one) land at 1/4, 1/2 and 3/4 of the chat arrival window,
+# while chat requests decode.
+DEMO_DEFAULTS = dict(num_chat=24, chat_input_len=(50, 250), chat_output_len=(32, 64),
+                     chat_rate=0.25, num_long=3, long_input_len=1600, long_output_len=16)
 
 
-def demo(tokenizer, num_chat: int = 30, chat_input_len: tuple[int, int] = (100, 300),
-         chat_output_len: tuple[int, int] = (32, 64), chat_rate: float = 0.3,
+def demo(tokenizer, num_chat: int = 24, chat_input_len: tuple[int, int] = (50, 250),
+         chat_output_len: tuple[int, int] = (32, 64), chat_rate: float = 0.25,
          num_long: int = 3, long_input_len: int = 1600, long_output_len: int = 16,
          seed: int = 0) -> list[Request]:
     """The demo load: ``num_chat`` chat requests (uniform lengths, Poisson at ``chat_rate``
@@ -327,14 +329,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "synt
     g.add_argument("--workload", choices=["synthetic", "demo"], default=default,
                    help=f"trace generator (default {default})")
     g.add_argument("--num-prompts", type=positive_int, default=None,
-                   help="requests (synthetic, default 50) or chat requests (demo, default 30)")
+                   help="requests (synthetic, default 50) or chat requests (demo, default 24)")
     g.add_argument("--input-len", type=parse_range, default=None, metavar="MIN:MAX",
-                   help="prompt tokens, uniform (synthetic default 100:400, demo 100:300)")
+                   help="prompt tokens, uniform (synthetic default 100:400, demo 50:250)")
     g.add_argument("--output-len", type=parse_range, default=None, metavar="MIN:MAX",
                    help="output tokens, uniform (synthetic default 64:128, demo 32:64)")
     g.add_argument("--request-rate", type=parse_rate, default=None, metavar="R",
                    help="Poisson arrival rate in req/s, inf = all at once "
-                        "(synthetic default inf, demo default 0.3)")
+                        "(synthetic default inf, demo default 0.25)")
     g.add_argument("--num-long", type=nonnegative_int, default=DEMO_DEFAULTS["num_long"],
                    help="demo: long prompts (default %(default)s)")
     g.add_argument("--long-input-len", type=positive_int,
