@@ -1,16 +1,26 @@
 """``epdserve serve``: start a router and its workers on this host, and stop them together.
 
-* colocated: one colocated worker on every core this process may use;
-* pd: a prefill worker on the first half of the cores and a decode worker on the rest
-  (on a one-core machine both share it).
+Placement (:func:`plan_workers`), over the cores this process may use (or ``--cores``):
+
+* colocated, ``--workers N``: the cores are split among the N replicas;
+* pd, ``--prefill-workers X --decode-workers Y``: prefill workers get the first half of
+  the cores and decode workers the rest (on a one-core machine both share it), split
+  among the workers of each role.
+
+Splitting C cores among N workers: if N <= C, contiguous groups of near-equal size;
+if N > C, worker i gets core i mod C alone, so workers share cores round-robin. The
+placement is logged, printed with the URL, and shown per worker in ``/health``.
 
 Workers are ``python -m epdserve worker ...`` subprocesses talking to the router over
-ZeroMQ ipc sockets in a private temporary directory. The router (uvicorn) runs in this
-process; the URL is printed (``epdserve serve: ready at http://HOST:PORT``) once every
-worker has said hello. Every worker is stopped when the launcher exits (normal exit,
-SIGTERM/SIGINT, atexit) and is killed by the kernel if the launcher dies abruptly
-(``PR_SET_PDEATHSIG``); if a worker dies, the launcher logs it and shuts the whole
-deployment down with exit status 1.
+ZeroMQ ipc sockets in a private temporary directory (``--events`` may put the router's
+events socket on TCP instead, so that workers started by hand can join). The router
+(uvicorn) runs in this process; the URL is printed (``epdserve serve: ready at
+http://HOST:PORT``) once every worker has said hello. Every worker is stopped when the
+launcher exits (normal exit, SIGTERM/SIGINT, atexit) and is killed by the kernel if the
+launcher dies abruptly (``PR_SET_PDEATHSIG``). A worker that dies is marked down in the
+router at once and restarted with the same id and address after a backoff (1 s, doubled
+while it keeps dying within a minute, at most 30 s); one that exits with status 2 (bad
+option, model, or refused by the router) is not restarted.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from epdserve.serving.router import Router, add_router_options, build_router, cr
 log = logging.getLogger("epdserve.launcher")
 
 PR_SET_PDEATHSIG = 1
+EXIT_CONFIG = 2  # a worker's exit status for a bad option or model, or a refusal: no restart
+RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap; doubled while a worker dies within a minute
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,21 +59,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-chunked-prefill", action="store_true", help="passed to each worker")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds to wait for every worker's hello")
+    parser.add_argument("--workers", type=int, default=1, help="colocated: number of worker replicas")
+    parser.add_argument("--prefill-workers", type=int, default=1, help="pd: number of prefill workers")
+    parser.add_argument("--decode-workers", type=int, default=1, help="pd: number of decode workers")
+    parser.add_argument("--events", default=None,
+                        help="ZeroMQ address of the router's events socket (default: ipc in a private "
+                             "directory); e.g. tcp://127.0.0.1:5557 to let other workers join")
 
 
-def plan_workers(mode: str, cores: list[int]) -> list[tuple[str, str, list[int]]]:
-    """``(role, worker_id, cores)`` for each worker of ``mode``.
+def split_cores(cores: list[int], n: int) -> list[list[int]]:
+    """Cores of each of ``n`` workers: contiguous near-equal groups if ``n <= len(cores)``,
+    else worker i gets ``cores[i % len(cores)]`` (round-robin sharing)."""
+    if n <= len(cores):
+        size, extra = divmod(len(cores), n)
+        starts = [i * size + min(i, extra) for i in range(n + 1)]
+        return [cores[starts[i]:starts[i + 1]] for i in range(n)]
+    return [[cores[i % len(cores)]] for i in range(n)]
+
+
+def plan_workers(mode: str, cores: list[int], *, workers: int = 1, prefill: int = 1,
+                 decode: int = 1) -> list[tuple[str, str, list[int]]]:
+    """``(role, worker_id, cores)`` for each worker of ``mode`` (placement rule: module doc).
 
     Raises:
-        ValueError: no cores, or an unknown mode.
+        ValueError: no cores, a worker count below 1, or an unknown mode.
     """
     if not cores:
         raise ValueError("no CPU cores to place workers on")
+    if min(workers, prefill, decode) < 1:
+        raise ValueError("every worker count must be at least 1")
     if mode == "colocated":
-        return [("colocated", "colocated-0", cores)]
+        return [("colocated", f"colocated-{i}", c) for i, c in enumerate(split_cores(cores, workers))]
     if mode == "pd":
         half = max(1, len(cores) // 2)
-        return [("prefill", "prefill-0", cores[:half]), ("decode", "decode-0", cores[half:] or cores)]
+        return ([("prefill", f"prefill-{i}", c) for i, c in enumerate(split_cores(cores[:half], prefill))]
+                + [("decode", f"decode-{i}", c) for i, c in enumerate(split_cores(cores[half:] or cores, decode))])
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -92,20 +124,45 @@ def worker_command(args: argparse.Namespace, role: str, worker_id: str, cores: l
 
 
 class Children:
-    """The worker subprocesses; :meth:`stop` (idempotent) terminates them, then kills
-    whatever is still alive after ``grace_s`` seconds."""
+    """The worker subprocesses. :meth:`watch` reports the ones that exited and restarts
+    them after a backoff; :meth:`stop` (idempotent) terminates them, then kills whatever is
+    still alive after ``grace_s`` seconds. ``env`` is added to each worker's environment."""
 
-    def __init__(self):
+    def __init__(self, env: dict[str, str]):
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.argv: dict[str, list[str]] = {}
+        self.started: dict[str, float] = {}  # worker id -> time.monotonic() of its start
+        self.backoff: dict[str, float] = {}  # worker id -> its last restart delay (s)
+        self.due: dict[str, float] = {}      # worker id -> when to restart it
 
     def start(self, worker_id: str, argv: list[str]) -> None:
         parent = os.getpid()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.procs[worker_id] = subprocess.Popen(argv, env=env, preexec_fn=lambda: _die_with_parent(parent))
+        self.argv[worker_id] = argv
+        self.procs[worker_id] = subprocess.Popen(argv, env=self.env, preexec_fn=lambda: _die_with_parent(parent))
+        self.started[worker_id] = time.monotonic()
         log.info("started worker %s (pid %d): %s", worker_id, self.procs[worker_id].pid, " ".join(argv[3:]))
 
-    def exited(self) -> list[tuple[str, subprocess.Popen]]:
-        return [(wid, p) for wid, p in self.procs.items() if p.poll() is not None]
+    def watch(self) -> list[tuple[str, subprocess.Popen]]:
+        """Workers that exited since the last call; restart those whose backoff is over.
+        A worker that exited with EXIT_CONFIG is reported and not restarted."""
+        now, exited = time.monotonic(), []
+        for wid, p in self.procs.items():
+            if wid in self.due or p.poll() is None or wid in self.backoff and self.backoff[wid] < 0:
+                continue
+            exited.append((wid, p))
+            if p.returncode == EXIT_CONFIG:
+                self.backoff[wid] = -1.0  # given up
+                continue
+            first, cap = RESTART_BACKOFF_S
+            quick = now - self.started[wid] < 60.0
+            self.backoff[wid] = min(cap, 2 * self.backoff[wid]) if quick and wid in self.backoff else first
+            self.due[wid] = now + self.backoff[wid]
+        for wid, when in list(self.due.items()):
+            if now >= when:
+                del self.due[wid]
+                self.start(wid, self.argv[wid])
+        return exited
 
     def stop(self, grace_s: float = 10.0) -> None:
         for p in self.procs.values():
@@ -122,22 +179,27 @@ class Children:
 
 
 async def _supervise(server, router: Router, children: Children, args, placement: str) -> int:
-    """Run uvicorn, announce the URL once every worker said hello, and stop everything
-    when a worker dies (returns 1) or a signal arrives (returns 0)."""
+    """Run uvicorn, announce the URL once every worker said hello, mark dead workers down
+    (they are restarted), and stop everything when a worker exits with EXIT_CONFIG or the
+    workers do not come up in time (returns 1), or a signal arrives (returns 0)."""
     serve_task = asyncio.create_task(server.serve())
     rc = 0
     announced = False
     deadline = time.monotonic() + args.startup_timeout
     while not serve_task.done():
-        for wid, proc in children.exited():
-            msg = f"epdserve serve: worker {wid} (pid {proc.pid}) exited with code {proc.returncode}; stopping"
+        for wid, proc in children.watch():
+            fatal = proc.returncode == EXIT_CONFIG
+            msg = (f"epdserve serve: worker {wid} (pid {proc.pid}) exited with code {proc.returncode}; "
+                   + ("stopping (its configuration is wrong)" if fatal else "restarting it"))
             log.error(msg)
             print(msg, file=sys.stderr, flush=True)
             router.mark_dead(wid, f"process exited with code {proc.returncode}")
-            rc, server.should_exit = 1, True
+            if fatal:
+                rc, server.should_exit = 1, True
         if rc:
             break
-        if not announced and server.started and all(w in router.workers for w in children.procs):
+        if not announced and server.started and all(w in router.workers and router.live(router.workers[w])
+                                                     for w in children.procs):
             port = server.servers[0].sockets[0].getsockname()[1]
             print(f"epdserve serve: ready at http://{args.host}:{port} (mode {args.mode}, model "
                   f"{router.model.name}; {placement})", flush=True)
@@ -152,23 +214,30 @@ async def _supervise(server, router: Router, children: Children, args, placement
 
 
 def run(args: argparse.Namespace) -> int:
-    """``epdserve serve``: returns 0 after a clean stop, 1 if a worker died or never came up."""
+    """``epdserve serve``: returns 0 after a clean stop, 1 if a worker exited with status 2 or
+    the workers never came up, 2 on a bad option or model."""
     import uvicorn
 
     from epdserve.model.loader import ModelLoadError
 
     setup_logging(args.log_level)
     cores = ([int(c) for c in args.cores.split(",")] if args.cores else sorted(os.sched_getaffinity(0)))
-    plan = plan_workers(args.mode, cores)
+    try:
+        plan = plan_workers(args.mode, cores, workers=args.workers, prefill=args.prefill_workers,
+                            decode=args.decode_workers)
+    except ValueError as exc:
+        print(f"epdserve serve: error: {exc}", file=sys.stderr)
+        return 2
     tmp = tempfile.mkdtemp(prefix="epdserve-")  # mode 0700: only we can reach the sockets
-    events = f"ipc://{tmp}/events"
+    events = args.events or f"ipc://{tmp}/events"
     try:
         router = build_router(args, events)  # resolves (and converts) the model once, before workers start
     except ModelLoadError as exc:
         print(f"epdserve serve: error: {exc}", file=sys.stderr)
         shutil.rmtree(tmp, ignore_errors=True)
         return 2
-    children = Children()
+    # The token goes to workers by environment, not argv, which any local user can read.
+    children = Children({"EPDSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else {})
     stopped = False
 
     def cleanup() -> None:
@@ -191,13 +260,14 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    placement = ", ".join(f"{wid} on cores {','.join(map(str, c))}" for _, wid, c in plan)
+    log.info("placement: %s", placement)
     try:
         for role, wid, wcores in plan:
             children.start(wid, worker_command(args, role, wid, wcores, events, f"ipc://{tmp}/{wid}"))
         config = uvicorn.Config(create_app(router), host=args.host, port=args.port, log_level="warning",
                                 lifespan="on", timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
-        placement = ", ".join(f"{wid} on cores {','.join(map(str, c))}" for _, wid, c in plan)
         return asyncio.run(_supervise(server, router, children, args, placement))
     finally:
         cleanup()

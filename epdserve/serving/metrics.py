@@ -29,6 +29,7 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         wl = ["worker", "role"]
+        self.worker_up = Gauge("epdserve:worker_up", "1 if the worker is up, 0 if down or refused.", wl, registry=r)
         self.kv_blocks_in_use = Gauge("epdserve:kv_blocks_in_use", "KV cache blocks in use.", wl, registry=r)
         self.kv_blocks_total = Gauge("epdserve:kv_blocks_total", "KV cache blocks in the pool.", wl, registry=r)
         self.num_requests_running = Gauge("epdserve:num_requests_running",

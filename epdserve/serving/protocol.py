@@ -9,10 +9,11 @@ and only their descriptor (a small map) rides here.
 Sockets (one direction each, so neither side blocks on the other):
 
 * the router binds one PULL socket (``events``); every worker connects a PUSH to it and
-  sends :class:`Hello` once, then :class:`Stats`, :class:`Output` and :class:`Error`;
+  sends :class:`Hello` once, then :class:`Stats`, :class:`Output` and :class:`Error`
+  (a second PUSH of its heartbeat thread sends :class:`Heartbeat`);
 * every worker binds one PULL socket (``cmd``); the router connects a PUSH to it on
   ``Hello`` and sends :class:`AddRequest`, :class:`Abort`, :class:`ReleaseKV`,
-  :class:`Shutdown`.
+  :class:`Shutdown`, or only :class:`Refused` if it turns the worker away.
 
 Times in ``timings`` are durations in milliseconds (``*_ms``) or byte counts
 (``*_bytes``) so that they stay meaningful across hosts.
@@ -39,27 +40,45 @@ class _Msg(BaseModel):
 
 
 class KVDescriptor(_Msg):
-    """Where a request's exported KV cache lies, and its layout.
+    """Where a request's exported KV cache lies (see ``epdserve.transfer.handoff``).
 
-    ``kind`` = "shm": ``name`` is a file in /dev/shm holding one wire frame (see
-    ``epdserve.transfer.wire``); ``num_tokens`` is how many prompt positions it covers;
-    ``nbytes`` the payload size in bytes.
+    ``name`` is a file in the /dev/shm of host ``host_id`` holding one wire frame (see
+    ``epdserve.transfer.wire``) of ``nbytes`` bytes; ``num_tokens`` is how many prompt
+    positions it covers; ``addr`` (``tcp://HOST:PORT``, or None) is the prefill worker's
+    KV socket that serves the same frame to a decode worker on another host.
     """
 
     kind: Literal["shm"] = "shm"
     name: str
     num_tokens: int
     nbytes: int
+    host_id: str
+    addr: str | None = None
 
 
 class Hello(_Msg):
+    """A worker's first message. ``fingerprint`` identifies its weights and ``auth`` is the
+    HMAC of ``worker_id`` under the deployment's token (see ``epdserve.serving.handshake``);
+    ``cores`` are the CPU cores it is pinned to."""
+
     type: Literal["hello"] = "hello"
     worker_id: str
     role: Role
     addr: str
     model: str
+    fingerprint: str
     kv_layout: dict
     blocks_total: int
+    cores: list[int] = []
+    auth: str = ""
+
+
+class Heartbeat(_Msg):
+    """Sent every 0.5 s (``worker.HEARTBEAT_INTERVAL_S``) by a worker thread of its own, even while the
+    engine is busy in a long step, so that silence means the worker is gone."""
+
+    type: Literal["heartbeat"] = "heartbeat"
+    worker_id: str
 
 
 class Stats(_Msg):
@@ -124,8 +143,16 @@ class Shutdown(_Msg):
     type: Literal["shutdown"] = "shutdown"
 
 
+class Refused(_Msg):
+    """The router will not use this worker (incompatible model or KV layout, bad auth);
+    the worker exits with status 2."""
+
+    type: Literal["refused"] = "refused"
+    reason: str
+
+
 Message = Annotated[
-    Union[Hello, Stats, Output, Error, AddRequest, Abort, ReleaseKV, Shutdown],
+    Union[Hello, Heartbeat, Stats, Output, Error, AddRequest, Abort, ReleaseKV, Shutdown, Refused],
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)

@@ -11,8 +11,15 @@ and streams the worker's outputs back as text.
 
 One background task reads the events socket (a ZeroMQ PULL every worker pushes to) and
 puts each output into its request's :class:`asyncio.Queue`; ``Hello`` registers a worker
-(the router then connects a PUSH to its command socket), ``Stats`` update its state and
-the Prometheus gauges.
+(the router then connects a PUSH to its command socket) unless
+:func:`~epdserve.serving.handshake.refusal` finds it incompatible (it then gets only
+``Refused``), ``Stats`` update its state and the Prometheus gauges.
+
+Worker states: "up"; "down" once :meth:`Router.mark_dead` is called (by the launcher's
+process watch, or here after ``worker_timeout_s`` without any message, heartbeats
+included); "refused". A down worker comes back up by saying Hello again (a restart). The
+requests a worker holds fail at once when it goes down, except those that have produced
+nothing yet (queued or prefilling): they are sent to another live worker of the role.
 
 Every request ends in :meth:`Generation.close`, whatever happened (finished, stop string,
 client gone, worker error): the worker that still holds it gets ``Abort``, and a prefill
@@ -29,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -43,6 +51,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
 from epdserve.serving.detokenizer import TextStream
+from epdserve.serving.handshake import KV_PEER_ROLES, model_fingerprint, model_kv_shape, refusal
 from epdserve.serving.metrics import RouterMetrics
 
 log = logging.getLogger("epdserve.router")
@@ -74,6 +83,8 @@ class WorkerState:
     addr: str
     model: str
     sock: zmq.Socket
+    kv_layout: dict = field(default_factory=dict)
+    cores: list[int] = field(default_factory=list)
     blocks_total: int = 0
     blocks_in_use: int = 0
     num_running: int = 0
@@ -95,8 +106,8 @@ class WorkerState:
             raise WorkerFailed(f"worker {self.worker_id} is not accepting commands") from None
 
     def as_json(self, now: float) -> dict:
-        return {"worker_id": self.worker_id, "role": self.role, "addr": self.addr,
-                "state": "dead" if self.dead else "ready", "dead_reason": self.dead,
+        return {"worker_id": self.worker_id, "role": self.role, "addr": self.addr, "cores": self.cores,
+                "state": "down" if self.dead else "up", "reason": self.dead,
                 "blocks_in_use": self.blocks_in_use, "blocks_total": self.blocks_total,
                 "num_running": self.num_running, "num_waiting": self.num_waiting,
                 "outstanding": len(self.outstanding),
@@ -147,12 +158,34 @@ class Generation:
         """Send the request to its first worker (colocated or prefill)."""
         router = self.router
         router.requests[self.request_id] = self
-        role = "colocated" if router.mode == "colocated" else "prefill"
-        worker = router.pick(role)
-        if role == "prefill":
-            self.prefill_worker = worker
         self.t_dispatch = time.monotonic()
+        self._dispatch(router.pick("colocated" if router.mode == "colocated" else "prefill"))
+
+    def _dispatch(self, worker: WorkerState) -> None:
+        if worker.role == "prefill":
+            self.prefill_worker = worker
         self._add(worker)
+
+    async def _first(self) -> P.Output:
+        """The first output; if the worker dies before it, the request goes to another
+        live worker of the role (nothing reached the client yet, so nothing is repeated).
+
+        Raises:
+            WorkerFailed: as :meth:`_next`; 503 if no other worker of the role is live.
+        """
+        while True:
+            try:
+                return await self._next()
+            except WorkerFailed as exc:
+                dead = self.worker
+                if not dead.dead:
+                    raise
+                try:
+                    worker = self.router.pick(dead.role)
+                except api.APIError:
+                    raise WorkerFailed(f"{exc}; no other live {dead.role} worker to retry on", 503) from None
+                log.warning("%s: %s; retrying on %s", self.request_id, exc, worker.worker_id)
+                self._dispatch(worker)
 
     async def _next(self) -> P.Output:
         """The next Output of the current worker.
@@ -164,12 +197,13 @@ class Generation:
         silent_since = time.monotonic()
         while True:
             try:
-                msg, t_recv = await asyncio.wait_for(self.queue.get(), 1.0)
+                msg = await asyncio.wait_for(self.queue.get(), 1.0)
             except asyncio.TimeoutError:
-                now = time.monotonic()
+                msg = None
+            if msg is None:  # a tick, or mark_dead waking us up
                 if worker.dead:
                     raise WorkerFailed(f"worker {worker.worker_id} died ({worker.dead})") from None
-                if now - silent_since > router.request_timeout_s:
+                if time.monotonic() - silent_since > router.request_timeout_s:
                     raise WorkerFailed(f"no output from worker {worker.worker_id} for "
                                        f"{router.request_timeout_s:.0f} s") from None
                 continue
@@ -196,7 +230,7 @@ class Generation:
         Raises:
             WorkerFailed: see :meth:`_next`; also if no decode worker is live.
         """
-        out = await self._next()
+        out = await self._first()
         self.t_first = time.monotonic()
         if self.router.mode == "pd":
             if out.finished or out.kv is None:
@@ -279,11 +313,13 @@ class Router:
     ``mode`` is "colocated" or "pd"; ``model`` a :class:`~epdserve.model.loader.ModelInfo`;
     ``events_addr`` the ZeroMQ address the PULL socket binds (``tcp://...`` or
     ``ipc://...``). A worker silent for ``worker_timeout_s`` seconds is considered dead;
-    a request with no output for ``request_timeout_s`` seconds fails.
+    a request with no output for ``request_timeout_s`` seconds fails. ``auth_token``: if
+    set, a worker's Hello must carry its HMAC (see ``epdserve.serving.handshake``).
     """
 
     def __init__(self, mode: str, model, tokenizer, events_addr: str, *, trace_file: str | None = None,
-                 worker_timeout_s: float = 60.0, request_timeout_s: float = 600.0):
+                 worker_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
+                 auth_token: str | None = None):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
         self.mode = mode
@@ -294,7 +330,11 @@ class Router:
         self.trace_file = trace_file
         self.worker_timeout_s = worker_timeout_s
         self.request_timeout_s = request_timeout_s
+        self.auth_token = auth_token
+        self.fingerprint = model_fingerprint(model.path)
+        self.kv_shape = model_kv_shape(model.path)
         self.workers: dict[str, WorkerState] = {}
+        self.refused: dict[str, dict] = {}  # worker id -> its /health entry
         self.requests: dict[str, Generation] = {}
         self.metrics = RouterMetrics()
         self._actx = zmq.asyncio.Context()
@@ -354,12 +394,20 @@ class Router:
         return min(candidates, key=lambda w: (len(w.outstanding), sum(w.outstanding.values())))
 
     def mark_dead(self, worker_id: str, reason: str) -> None:
-        """Declare a worker gone: its requests fail at once and it is never picked again."""
+        """Declare a worker down until it says Hello again: it is not picked, and the
+        requests it holds are woken at once to fail (or, before their first output, to
+        be retried elsewhere)."""
         w = self.workers.get(worker_id)
         if w is None or w.dead:
             return
         w.dead = reason
-        log.error("worker %s (%s) is gone: %s", worker_id, w.role, reason)
+        log.error("worker %s (%s) is down: %s", worker_id, w.role, reason)
+        self.metrics.worker_up.labels(worker_id, w.role).set(0)
+        for request_id in w.outstanding:
+            gen = self.requests.get(request_id)
+            if gen is not None:
+                gen.queue.put_nowait(None)
+        w.outstanding.clear()
 
     def send_quietly(self, w: WorkerState, msg) -> None:
         try:
@@ -398,6 +446,8 @@ class Router:
             log.debug("message from unknown worker %s ignored", msg.worker_id)
             return
         w.last_seen = now
+        if isinstance(msg, P.Heartbeat):
+            return
         if isinstance(msg, P.Stats):
             w.blocks_total, w.blocks_in_use = msg.blocks_total, msg.blocks_in_use
             w.num_running, w.num_waiting, w.num_preemptions = msg.num_running, msg.num_waiting, msg.num_preemptions
@@ -409,25 +459,48 @@ class Router:
                 w.outstanding.pop(msg.request_id, None)
             gen = self.requests.get(msg.request_id)
             if gen is not None:
-                gen.queue.put_nowait((msg, now))
+                gen.queue.put_nowait(msg)
             elif isinstance(msg, P.Output) and msg.kv is not None:
                 self.release_kv(w, msg.request_id)  # its client left before the KV arrived
 
     def _on_hello(self, msg: P.Hello) -> None:
+        """Register (or re-register, after a restart) a worker, or refuse it."""
         old = self.workers.get(msg.worker_id)
         if old is not None:
+            self.mark_dead(msg.worker_id, "restarted")
             old.sock.close(linger=0)
-            old.dead = old.dead or "restarted"
-        if msg.model != self.model.name:
-            log.warning("worker %s serves model %r, router serves %r", msg.worker_id, msg.model, self.model.name)
+        if old is not None and old.role != msg.role:  # the id now names another role
+            self.metrics.worker_up.labels(msg.worker_id, old.role).set(0)
+        peer_role = KV_PEER_ROLES.get(msg.role) if self.mode == "pd" else None
+        peers = [(w.worker_id, w.kv_layout) for w in self.workers.values()
+                 if w.role == peer_role and self.live(w) and w.worker_id != msg.worker_id]
+        if msg.role not in MODE_ROLES[self.mode]:
+            reason = f"worker {msg.worker_id} has role {msg.role}, a {self.mode} router uses {MODE_ROLES[self.mode]}"
+        else:
+            reason = refusal(msg, fingerprint=self.fingerprint, kv_shape=self.kv_shape,
+                             auth_token=self.auth_token, peers=peers)
         sock = self._ctx.socket(zmq.PUSH)
+        if reason is not None:
+            self.workers.pop(msg.worker_id, None)
+            self.refused[msg.worker_id] = {"worker_id": msg.worker_id, "role": msg.role, "addr": msg.addr,
+                                           "cores": msg.cores, "state": "refused", "reason": reason}
+            self.metrics.worker_up.labels(msg.worker_id, msg.role).set(0)
+            log.error("refused worker %s (%s) from %s: %s", msg.worker_id, msg.role, msg.addr, reason)
+            sock.setsockopt(zmq.LINGER, 2000)  # deliver Refused, but never block the router for long
+            sock.connect(msg.addr)
+            sock.send(P.encode(P.Refused(reason=reason)), zmq.NOBLOCK)
+            sock.close()
+            return
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(msg.addr)
+        self.refused.pop(msg.worker_id, None)
         self.workers[msg.worker_id] = WorkerState(worker_id=msg.worker_id, role=msg.role, addr=msg.addr,
-                                                  model=msg.model, sock=sock, blocks_total=msg.blocks_total)
+                                                  model=msg.model, sock=sock, kv_layout=msg.kv_layout,
+                                                  cores=msg.cores, blocks_total=msg.blocks_total)
         self.metrics.set_worker(msg.worker_id, msg.role, blocks_in_use=0, blocks_total=msg.blocks_total,
                                 num_running=0, num_waiting=0, num_preemptions=0)
-        log.info("worker %s (%s) said hello from %s", msg.worker_id, msg.role, msg.addr)
+        self.metrics.worker_up.labels(msg.worker_id, msg.role).set(1)
+        log.info("worker %s (%s) is up: hello from %s, cores %s", msg.worker_id, msg.role, msg.addr, msg.cores)
 
     # -- requests
     def check_model(self, model: str | None) -> None:
@@ -666,7 +739,7 @@ def create_app(router: Router) -> FastAPI:
         ok = router.ready()
         body = {"status": "ok" if ok else "unavailable", "mode": router.mode, "model": router.model.name,
                 "needs": list(MODE_ROLES[router.mode]),
-                "workers": [w.as_json(now) for w in router.workers.values()]}
+                "workers": [w.as_json(now) for w in router.workers.values()] + list(router.refused.values())}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -686,11 +759,14 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
     parser.add_argument("--trace-file", default=None, help="append one JSON line per finished request")
-    parser.add_argument("--worker-timeout", type=float, default=60.0,
-                        help="seconds without any message after which a worker counts as dead")
+    parser.add_argument("--worker-timeout", type=float, default=5.0,
+                        help="seconds without any message (workers send a heartbeat every 0.5 s) "
+                             "after which a worker counts as down")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds without output after which a request fails")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--auth-token", default=os.environ.get("EPDSERVE_AUTH_TOKEN"),
+                        help="shared secret workers must prove in their hello (default: $EPDSERVE_AUTH_TOKEN)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -710,7 +786,8 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
 
     model = resolve_model(args.model)
     return Router(args.mode, model, load_tokenizer(model.path), events_addr, trace_file=args.trace_file,
-                  worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout)
+                  worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout,
+                  auth_token=args.auth_token)
 
 
 def setup_logging(level: str) -> None:

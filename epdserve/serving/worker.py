@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 import signal
+import threading
 import time
 import traceback
 
@@ -23,11 +24,13 @@ import zmq
 from epdserve.engine.engine import DTYPES, ROLES, EngineConfig, LLMEngine, StepOutput
 from epdserve.model.loader import ModelLoadError, resolve_model
 from epdserve.serving import protocol as P
+from epdserve.serving.handshake import auth_tag, model_fingerprint
 from epdserve.transfer import shm
 from epdserve.transfer.wire import TensorHeader, WireError
 
 log = logging.getLogger("epdserve.worker")
 STATS_INTERVAL_S = 0.5
+HEARTBEAT_INTERVAL_S = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--kv-ttl", type=float, default=120.0,
                         help="seconds a prefill worker keeps an exported KV segment nobody took")
+    parser.add_argument("--auth-token", default=os.environ.get("EPDSERVE_AUTH_TOKEN"),
+                        help="shared secret proving this worker to the router (default: $EPDSERVE_AUTH_TOKEN)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +100,7 @@ class Worker:
         self.last_stats: dict | None = None
         self.last_stats_time = 0.0
         self.running = True
+        self.exit_code = 0
 
     def send(self, msg) -> None:
         self.events.send(P.encode(msg))
@@ -134,6 +140,10 @@ class Worker:
             self.release(msg.request_id)
         elif isinstance(msg, P.Shutdown):
             self.running = False
+        elif isinstance(msg, P.Refused):
+            log.error("%s: the router refused this worker: %s", self.worker_id, msg.reason)
+            print(f"epdserve worker: refused by the router: {msg.reason}", flush=True)
+            self.running, self.exit_code = False, 2
         else:
             log.warning("%s: unexpected %s message", self.worker_id, msg.type)
 
@@ -204,8 +214,26 @@ class Worker:
                 self.release(request_id)
 
 
+def heartbeat(ctx: zmq.Context, router: str, worker_id: str, stop: threading.Event) -> None:
+    """Thread body: send Heartbeat every HEARTBEAT_INTERVAL_S until ``stop`` is set. Its own
+    socket (ZeroMQ sockets are not thread-safe), and torch releases the GIL in long engine
+    steps, so a worker busy for seconds still shows it is alive."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 4)  # a router that is away gets a few, not a backlog
+    sock.connect(router)
+    frame = P.encode(P.Heartbeat(worker_id=worker_id))
+    while not stop.wait(HEARTBEAT_INTERVAL_S):
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+    sock.close()
+
+
 def run(args: argparse.Namespace) -> int:
-    """Start the worker; returns 0 on shutdown, 2 on a bad option or model."""
+    """Start the worker; returns 0 on shutdown, 2 on a bad option or model or when the
+    router refuses it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cores = pin_to_cores(args.cores)
@@ -223,9 +251,19 @@ def run(args: argparse.Namespace) -> int:
     worker = Worker(engine, args.worker_id, cmd, events, args.kv_ttl)
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
     worker.send(P.Hello(worker_id=args.worker_id, role=args.role, addr=args.bind, model=info.name,
-                        kv_layout=engine.kv_layout(), blocks_total=engine.pool.num_blocks))
+                        fingerprint=model_fingerprint(info.path), kv_layout=engine.kv_layout(),
+                        blocks_total=engine.pool.num_blocks, cores=cores,
+                        auth=auth_tag(args.auth_token, args.worker_id)))
     log.info("%s: %s worker on cores %s, %d KV blocks of %d tokens, listening on %s",
              args.worker_id, args.role, cores, engine.pool.num_blocks, engine.config.block_size, args.bind)
-    worker.loop()
+    stop = threading.Event()
+    beat = threading.Thread(target=heartbeat, args=(ctx, args.router, args.worker_id, stop),
+                            name="epdserve-heartbeat", daemon=True)
+    beat.start()
+    try:
+        worker.loop()
+    finally:
+        stop.set()
+        beat.join()
     ctx.destroy(linger=1000)
-    return 0
+    return worker.exit_code
