@@ -94,9 +94,11 @@ class LLMEngine:
                 "dtype": self.config.dtype}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    kv: torch.Tensor | None = None, first_token: int | None = None) -> None:
+                    kv: torch.Tensor | None = None, first_token: int | None = None,
+                    timings: dict[str, float] | None = None) -> None:
         """Queue a request. A decode-role request brings ``kv [layers, 2, n_blocks,
         block_size, kv_heads, head_dim]`` (the prompt's KV blocks) and ``first_token``.
+        ``timings`` (e.g. the KV fetch's) are reported with the request's own.
 
         Raises:
             ValueError: duplicate id, empty or out-of-vocabulary prompt, prompt plus
@@ -122,6 +124,7 @@ class LLMEngine:
             raise ValueError(f"a {self.config.role} worker needs kv and first_token "
                              f"{'set' if self.config.role == 'decode' else 'unset'}")
         seq = Sequence(request_id, prompt_token_ids, sampling, kv, first_token)
+        seq.timings.update(timings or {})
         if kv is not None:
             expected = self._block_shape(self.pool.blocks_for(n))
             if tuple(kv.shape) != expected or kv.dtype != self.kv_cache.dtype:

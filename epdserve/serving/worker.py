@@ -25,8 +25,8 @@ from epdserve.engine.engine import DTYPES, ROLES, EngineConfig, LLMEngine, StepO
 from epdserve.model.loader import ModelLoadError, resolve_model
 from epdserve.serving import protocol as P
 from epdserve.serving.handshake import auth_tag, model_fingerprint
-from epdserve.transfer import shm
-from epdserve.transfer.wire import TensorHeader, WireError
+from epdserve.transfer import handoff
+from epdserve.transfer.wire import WireError
 
 log = logging.getLogger("epdserve.worker")
 STATS_INTERVAL_S = 0.5
@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--kv-ttl", type=float, default=120.0,
                         help="seconds a prefill worker keeps an exported KV segment nobody took")
+    parser.add_argument("--kv-transport", choices=handoff.TRANSPORTS, default="auto",
+                        help="KV hand-off: shared memory on the same host, TCP otherwise (auto), or one of them")
+    parser.add_argument("--kv-bind", default="tcp://127.0.0.1:0",
+                        help="address a prefill worker serves KV on over TCP (port 0: any free port)")
+    parser.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                        help="seconds a decode worker waits for a KV fetch over TCP")
     parser.add_argument("--auth-token", default=os.environ.get("EPDSERVE_AUTH_TOKEN"),
                         help="shared secret proving this worker to the router (default: $EPDSERVE_AUTH_TOKEN)")
 
@@ -89,14 +95,15 @@ def pin_to_cores(spec: str | None) -> list[int]:
 class Worker:
     """The command/step/publish loop around one :class:`LLMEngine`."""
 
-    def __init__(self, engine: LLMEngine, worker_id: str, cmd: zmq.Socket, events: zmq.Socket, kv_ttl: float):
+    def __init__(self, engine: LLMEngine, worker_id: str, cmd: zmq.Socket, events: zmq.Socket,
+                 exporter: handoff.Exporter, importer: handoff.Importer):
         self.engine = engine
         self.worker_id = worker_id
         self.role = engine.config.role
         self.cmd = cmd
         self.events = events
-        self.kv_ttl = kv_ttl
-        self.exports: dict[str, tuple[str, float]] = {}  # request id -> (segment, created)
+        self.exporter = exporter
+        self.importer = importer
         self.last_stats: dict | None = None
         self.last_stats_time = 0.0
         self.running = True
@@ -114,8 +121,7 @@ class Worker:
                 self.step()
             self.report_stats()
             self.expire_exports()
-        for name, _ in self.exports.values():
-            shm.remove(name)
+        self.exporter.close()
 
     def drain_commands(self) -> None:
         while True:
@@ -149,20 +155,17 @@ class Worker:
 
     def add(self, msg: P.AddRequest) -> None:
         try:
-            kv = None
+            kv, timings = None, {}
             if msg.kv is not None:
-                header, kv = shm.read(msg.kv.name)
-                if header.layout != self.engine.kv_layout():
-                    raise ValueError(f"KV layout {header.layout} does not match this worker's "
-                                     f"{self.engine.kv_layout()}")
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, kv, msg.first_token)
+                # Blocks the loop for up to --kv-transfer-timeout when the KV comes over TCP.
+                kv, timings = self.importer.take(msg.request_id, msg.kv, self.engine.kv_layout())
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, kv, msg.first_token,
+                                    timings=timings)
         except (ValueError, WireError) as exc:
             self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id, message=str(exc)))
 
     def release(self, request_id: str) -> None:
-        name, _ = self.exports.pop(request_id, (None, 0.0))
-        if name is not None:
-            shm.remove(name)
+        self.exporter.release(request_id)
 
     def step(self) -> None:
         try:
@@ -182,20 +185,7 @@ class Worker:
                                timings=out.timings))
 
     def export(self, out: StepOutput) -> P.KVDescriptor:
-        start = time.perf_counter()
-        ids = out.kv_block_ids
-        layout = self.engine.kv_layout()
-        shape = list(self.engine.kv_cache.shape)
-        shape[2] = len(ids)
-        header = TensorHeader(dtype=layout["dtype"], shape=shape, layout=layout,
-                              num_tokens=len(ids) * layout["block_size"])
-        name = shm.new_name()
-        nbytes = shm.write(name, header, lambda view: self.engine.read_kv(ids, out=view))
-        self.engine.release_kv(out.request_id)
-        self.exports[out.request_id] = (name, time.monotonic())
-        out.timings["kv_export_ms"] = (time.perf_counter() - start) * 1e3
-        out.timings["kv_bytes"] = float(nbytes)
-        return P.KVDescriptor(name=name, num_tokens=header.num_tokens, nbytes=nbytes)
+        return self.exporter.export(out)
 
     def report_stats(self) -> None:
         stats = self.engine.stats()
@@ -205,13 +195,9 @@ class Worker:
             self.last_stats, self.last_stats_time = stats, now
 
     def expire_exports(self) -> None:
-        if not self.exports:
-            return
-        now = time.monotonic()
-        for request_id, (name, created) in list(self.exports.items()):
-            if now - created > self.kv_ttl:
-                log.warning("%s: KV of %s not taken within %.0f s; freed", self.worker_id, request_id, self.kv_ttl)
-                self.release(request_id)
+        for request_id in self.exporter.expire():
+            log.warning("%s: KV of %s not taken within %.0f s; freed", self.worker_id, request_id,
+                        self.exporter.ttl_s)
 
 
 def heartbeat(ctx: zmq.Context, router: str, worker_id: str, stop: threading.Event) -> None:
@@ -248,7 +234,15 @@ def run(args: argparse.Namespace) -> int:
     events = ctx.socket(zmq.PUSH)
     events.setsockopt(zmq.LINGER, 1000)
     events.connect(args.router)
-    worker = Worker(engine, args.worker_id, cmd, events, args.kv_ttl)
+    try:
+        kv_bind = args.kv_bind if args.role == "prefill" and args.kv_transport != "shm" else None
+        exporter = handoff.Exporter(engine, args.kv_ttl, ctx, kv_bind)
+    except zmq.ZMQError as exc:
+        print(f"epdserve worker: error: --kv-bind {args.kv_bind}: {exc}", flush=True)
+        ctx.destroy(linger=0)
+        return 2
+    importer = handoff.Importer(ctx, args.kv_transport, args.kv_transfer_timeout)
+    worker = Worker(engine, args.worker_id, cmd, events, exporter, importer)
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
     worker.send(P.Hello(worker_id=args.worker_id, role=args.role, addr=args.bind, model=info.name,
                         fingerprint=model_fingerprint(info.path), kv_layout=engine.kv_layout(),

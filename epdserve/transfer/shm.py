@@ -46,12 +46,11 @@ def write(name: str, header: TensorHeader, fill) -> int:
     return size
 
 
-def read(name: str) -> tuple[TensorHeader, torch.Tensor]:
-    """Map and unlink ``/dev/shm/name``; return its header and payload tensor (a view of
-    the mapping, freed when the tensor is).
+def open_segment(name: str) -> mmap.mmap:
+    """Map and unlink ``/dev/shm/name``; the mapping keeps the memory until it is freed.
 
     Raises:
-        WireError: a name that is not ours, a missing file, or a malformed frame.
+        WireError: a name that is not ours, or a missing file.
     """
     if not _NAME.fullmatch(name):
         raise WireError(f"refusing shared-memory name {name!r}")
@@ -59,15 +58,24 @@ def read(name: str) -> tuple[TensorHeader, torch.Tensor]:
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        raise WireError(f"KV segment {name} is gone (expired or released)") from None
+        raise WireError(f"KV segment {name} is gone (expired, released or already taken)") from None
     try:
         size = os.fstat(fd).st_size
         # Private (copy-on-write) mapping: writable for torch, never written back.
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
-    return parse(mm)
+
+
+def read(name: str) -> tuple[TensorHeader, torch.Tensor]:
+    """Map and unlink ``/dev/shm/name``; return its header and payload tensor (a view of
+    the mapping, freed when the tensor is).
+
+    Raises:
+        WireError: a name that is not ours, a missing file, or a malformed frame.
+    """
+    return parse(open_segment(name))
 
 
 def remove(name: str) -> None:

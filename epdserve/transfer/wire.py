@@ -9,6 +9,7 @@ frame whose magic, header or size is wrong raises :class:`WireError`.
 from __future__ import annotations
 
 import struct
+import warnings
 
 import msgpack
 import torch
@@ -61,7 +62,8 @@ def header_bytes(header: TensorHeader) -> bytes:
 
 def parse(buffer) -> tuple[TensorHeader, torch.Tensor]:
     """Validate a frame in ``buffer`` (bytes, mmap, memoryview) and return its header and
-    a tensor viewing the payload (no copy; it keeps ``buffer`` alive).
+    a tensor viewing the payload (no copy; it keeps ``buffer`` alive; read-only when
+    ``buffer`` is).
 
     Raises:
         WireError: bad magic, header, dtype, or a size that does not match the shape.
@@ -86,5 +88,9 @@ def parse(buffer) -> tuple[TensorHeader, torch.Tensor]:
     dtype = dtype_of(header)
     if nbytes == 0:
         return header, torch.empty(header.shape, dtype=dtype)
-    tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=start)
+    with warnings.catch_warnings():
+        # A received ZeroMQ message is read-only; the tensor is only ever read (copied into
+        # the KV cache), so torch's warning about non-writable buffers does not apply.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=start)
     return header, tensor.view(header.shape)

@@ -1,0 +1,131 @@
+"""KV hand-off across hosts over TCP (ZeroMQ): a prefill worker serves the frames it wrote
+to /dev/shm (:mod:`epdserve.transfer.shm`) to decode workers that cannot map them.
+
+Exchange (one per hand-off, nothing is ever unpickled):
+
+* the decode worker's DEALER sends one frame, msgpack ``{"request_id": str, "name": str}``;
+* the prefill worker's ROUTER answers ``[b"ok", frame]`` (the segment's bytes, one wire
+  frame, sent from the mapping without a copy, after which the segment is unlinked) or
+  ``[b"error", utf-8 message]``.
+
+The receiver caps the reply at the size the descriptor announced and parses it with
+:func:`epdserve.transfer.wire.parse`, so a reply that is not our frame raises
+:class:`~epdserve.transfer.wire.WireError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import msgpack
+import torch
+import zmq
+
+from epdserve.transfer import shm
+from epdserve.transfer.wire import TensorHeader, WireError, parse
+
+log = logging.getLogger("epdserve.transfer.tcp")
+MAX_REQUEST_BYTES = 4096
+POLL_MS = 100
+
+
+class KVServer:
+    """A thread with its own ROUTER socket bound at ``bind`` (``tcp://HOST:PORT``; port
+    ``*`` or 0 picks a free one, see :attr:`addr`) that sends a segment to whoever names
+    it with the request id ``allowed(request_id, name)`` accepts.
+
+    A thread rather than the worker loop because a CPU prefill step of a long prompt takes
+    seconds and a fetch served between steps would wait that long; the thread only reads
+    files (torch releases the GIL while the engine computes) and touches no engine state.
+
+    Raises (constructor): ``zmq.ZMQError`` if ``bind`` cannot be bound.
+    """
+
+    def __init__(self, ctx: zmq.Context, bind: str, allowed: Callable[[str, str], bool]):
+        if bind.startswith("tcp://") and bind.endswith(":0"):
+            bind = bind[:-1] + "*"
+        self.allowed = allowed
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self.sock.bind(bind)
+        self.addr: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="epdserve-kv-server", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and close the socket (within ``POLL_MS``)."""
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(POLL_MS):
+                self._serve_one()
+        self.sock.close()
+
+    def _serve_one(self) -> None:
+        parts = self.sock.recv_multipart()
+        if len(parts) != 2:
+            log.warning("dropped a KV request of %d frames", len(parts))
+            return
+        identity, body = parts
+        try:
+            request_id, name = _parse_request(body)
+            if not self.allowed(request_id, name):
+                raise WireError(f"no KV segment {name} for request {request_id}")
+            segment = shm.open_segment(name)
+        except WireError as exc:
+            self.sock.send_multipart([identity, b"error", str(exc).encode()])
+            return
+        # copy=False: libzmq sends straight from the mapping, which pyzmq keeps alive until sent.
+        self.sock.send_multipart([identity, b"ok", segment], copy=False)
+
+
+def _parse_request(body: bytes) -> tuple[str, str]:
+    try:
+        req = msgpack.unpackb(body, raw=False)
+    except Exception:  # msgpack raises several unrelated types
+        raise WireError("KV request is not msgpack") from None
+    if (not isinstance(req, dict) or set(req) != {"request_id", "name"}
+            or not all(isinstance(v, str) for v in req.values())):
+        raise WireError("KV request must be {request_id: str, name: str}")
+    return req["request_id"], req["name"]
+
+
+def fetch(ctx: zmq.Context, addr: str, request_id: str, name: str, nbytes: int,
+          timeout_s: float) -> tuple[TensorHeader, torch.Tensor]:
+    """Fetch segment ``name`` of ``request_id`` (a frame of ``nbytes`` bytes) from the KV
+    server at ``addr``; returns its header and payload tensor (a read-only view of the
+    received message, no copy). Blocks at most ``timeout_s`` seconds.
+
+    A fresh socket per fetch, so a late reply to an earlier, timed-out fetch can never be
+    taken for this one.
+
+    Raises:
+        WireError: no complete reply within ``timeout_s``, an error reply, or a reply that
+            is not a frame of ``nbytes`` bytes.
+    """
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max(nbytes, MAX_REQUEST_BYTES))
+    try:
+        sock.connect(addr)
+        sock.send(msgpack.packb({"request_id": request_id, "name": name}, use_bin_type=True))
+        if not sock.poll(timeout_s * 1000):
+            raise WireError(f"no KV from {addr} for request {request_id} within {timeout_s:g} s")
+        parts = sock.recv_multipart(copy=False)
+    finally:
+        sock.close()
+    status = parts[0].bytes if parts else b""
+    if len(parts) != 2 or status not in (b"ok", b"error"):
+        raise WireError(f"KV reply from {addr} is not [status, body] ({len(parts)} frames)")
+    if status == b"error":
+        raise WireError(f"KV server {addr}: {parts[1].bytes[:500].decode(errors='replace')}")
+    frame = parts[1].buffer
+    if len(frame) != nbytes:
+        raise WireError(f"KV reply from {addr} is {len(frame)} bytes, expected {nbytes}")
+    return parse(frame)
