@@ -1,12 +1,14 @@
 """Shared fixtures: the model's tokenizer, and real deployments started with
-``epdserve serve`` (a session-scoped PD one and a colocated one), each on a free port,
-stopped at the end of the session even when tests fail."""
+``epdserve serve`` (session-scoped: a 1P1D one, a colocated one, and a 2P2D one with its
+events socket on TCP and an auth token, for the multi-worker and fault tests), each on a
+free port, stopped at the end of the session even when tests fail."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +20,13 @@ import pytest
 
 READY = re.compile(r"epdserve serve: ready at (http://\S+)")
 STARTUP_TIMEOUT_S = float(os.environ.get("EPDSERVE_TEST_STARTUP_TIMEOUT", "300"))
+AUTH_TOKEN = "test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +52,22 @@ class Deployment:
     proc: subprocess.Popen
     log_path: Path
     trace_path: Path
+    events: str | None = None  # the router's events address when given on the command line
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def worker_pid(self, worker_id: str) -> int:
+        """Pid of the launcher's child process running ``worker_id``."""
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            for pid in (task / "children").read_text().split():
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except FileNotFoundError:
+                    continue
+                if worker_id.encode() in argv:
+                    return int(pid)
+        raise LookupError(f"no process for worker {worker_id}")
 
     def openai(self, **kw):
         import openai
@@ -116,8 +141,9 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-def start_deployment(mode: str, directory: Path, *extra: str) -> Deployment:
-    """Start ``epdserve serve --mode MODE --port 0`` and wait for its URL and /health.
+def start_deployment(mode: str, directory: Path, *extra: str, env: dict | None = None) -> Deployment:
+    """Start ``epdserve serve --mode MODE --port 0`` and wait for its URL and /health
+    (``env`` is added to its environment).
 
     Raises:
         RuntimeError: it exited or did not become healthy in time (the log tail says why).
@@ -126,8 +152,10 @@ def start_deployment(mode: str, directory: Path, *extra: str) -> Deployment:
     argv = [sys.executable, "-m", "epdserve", "serve", "--mode", mode, "--host", "127.0.0.1",
             "--port", "0", "--trace-file", str(trace_path), *extra]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    dep = Deployment(mode, "", proc, log_path, trace_path)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, **(env or {})))
+    events = extra[extra.index("--events") + 1] if "--events" in extra else None
+    dep = Deployment(mode, "", proc, log_path, trace_path, events)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not dep.url:
@@ -167,6 +195,20 @@ def pd_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def colocated_server(tmp_path_factory):
     yield from _deployment_fixture("colocated", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def xpyd_server(tmp_path_factory):
+    """2 prefill + 2 decode workers sharing the 2 cores, small KV pools, events on TCP (so
+    tests can start extra workers and send frames to it), workers proven by AUTH_TOKEN."""
+    dep = start_deployment("pd", tmp_path_factory.mktemp("serve-2p2d"), "--prefill-workers", "2",
+                           "--decode-workers", "2", "--kv-cache-memory-mb", "128",
+                           "--events", f"tcp://127.0.0.1:{free_port()}",
+                           env={"EPDSERVE_AUTH_TOKEN": AUTH_TOKEN})
+    try:
+        yield dep
+    finally:
+        _stop(dep.proc)
 
 
 @pytest.fixture(params=["pd", "colocated"])

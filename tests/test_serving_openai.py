@@ -50,7 +50,7 @@ def test_models_health_metrics(server, model_info):
     roles = sorted(w["role"] for w in health.json()["workers"])
     assert roles == (["decode", "prefill"] if server.mode == "pd" else ["colocated"])
     for w in health.json()["workers"]:
-        assert w["state"] == "ready" and w["blocks_total"] > 0
+        assert w["state"] == "up" and w["cores"] and w["blocks_total"] > 0
     metrics = httpx.get(server.url + "/metrics")
     assert metrics.status_code == 200
     for w in health.json()["workers"]:

@@ -738,7 +738,7 @@ def create_app(router: Router) -> FastAPI:
         now = time.monotonic()
         ok = router.ready()
         body = {"status": "ok" if ok else "unavailable", "mode": router.mode, "model": router.model.name,
-                "needs": list(MODE_ROLES[router.mode]),
+                "needs": list(MODE_ROLES[router.mode]), "requests_in_flight": len(router.requests),
                 "workers": [w.as_json(now) for w in router.workers.values()] + list(router.refused.values())}
         return JSONResponse(body, status_code=200 if ok else 503)
 
