@@ -22,7 +22,7 @@ def generate_all(dep, prompts: list[str]) -> list:
 
 def test_2p2d_matches_colocated_and_spreads(xpyd_server, colocated_server):
     health = xpyd_server.health()
-    workers = {w["worker_id"]: w for w in health["workers"]}
+    workers = {w["worker_id"]: w for w in health["workers"] if w["state"] != "refused"}
     assert set(workers) == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
     # The placement rule on 2 cores: prefill workers share core 0, decode workers core 1.
     assert [workers[w]["cores"] for w in ("prefill-0", "prefill-1", "decode-0", "decode-1")] == [[0], [0], [1], [1]]
