@@ -1,0 +1,116 @@
+"""The internal channels refuse what they must: a pickle frame on the router's events
+socket or a worker's command socket is logged and dropped, never unpickled; a worker
+whose KV layout cannot exchange blocks with the deployment's, or without the auth token,
+is refused at Hello (it exits with status 2, /health lists it as refused with the reason)
+and never routed to; internal sockets default to 127.0.0.1. The 2P2D deployment keeps
+serving throughout."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import subprocess
+import sys
+
+import httpx
+import zmq
+
+from conftest import AUTH_TOKEN
+
+
+class Exploit:
+    """Unpickling this creates ``path``: proof that someone unpickled it."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def assert_serves(dep) -> None:
+    r = httpx.post(dep.url + "/v1/completions", json={"prompt": "The sky is", "max_tokens": 3,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def wait_log(dep, text: str, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while text not in dep.log_tail(10**7):
+        assert time.monotonic() < deadline, f"{text!r} not in the log"
+        time.sleep(0.1)
+
+
+def test_pickle_frames_rejected(xpyd_server, tmp_path):
+    dep = xpyd_server
+    marker = tmp_path / "unpickled"
+    frame = pickle.dumps(Exploit(str(marker)))
+    worker_addr = next(w["addr"] for w in dep.health()["workers"] if w["worker_id"] == "decode-1")
+    ctx = zmq.Context()
+    try:
+        for addr in (dep.events, worker_addr):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(addr)
+            sock.send(frame)
+            sock.close()
+    finally:
+        ctx.term()
+    wait_log(dep, "dropped a bad frame on the events socket: frame is not msgpack")
+    wait_log(dep, "decode-1: rejected a frame that is not an epdserve message")
+    assert not marker.exists()
+    assert all(w["state"] == "up" for w in dep.health()["workers"] if w["worker_id"].startswith("decode"))
+    assert_serves(dep)
+
+
+def start_worker(dep, tmp_path, worker_id: str, token: str, *extra: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "epdserve", "worker", "--role", "decode", "--router", dep.events,
+            "--bind", f"ipc://{tmp_path}/{worker_id}", "--worker-id", worker_id, "--cores", "1",
+            "--kv-cache-memory-mb", "32", *extra]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, EPDSERVE_AUTH_TOKEN=token))
+
+
+def test_incompatible_workers_refused(xpyd_server, tmp_path):
+    dep = xpyd_server
+    procs = {"rogue-layout": start_worker(dep, tmp_path, "rogue-layout", AUTH_TOKEN, "--block-size", "32"),
+             "rogue-auth": start_worker(dep, tmp_path, "rogue-auth", "wrong-token")}
+    try:
+        outs = {wid: p.communicate(timeout=180)[0] for wid, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for wid, p in procs.items():
+        assert p.returncode == 2, outs[wid]
+        assert "refused by the router" in outs[wid]
+    refused = {w["worker_id"]: w for w in dep.health()["workers"] if w["state"] == "refused"}
+    layout = refused["rogue-layout"]["reason"]
+    assert "'block_size': 32" in layout and "'block_size': 16" in layout and "prefill-" in layout
+    assert "auth token" in refused["rogue-auth"]["reason"]
+    log = dep.log_tail(10**7)
+    assert "refused worker rogue-layout" in log and "refused worker rogue-auth" in log
+    assert 'epdserve:worker_up{role="decode",worker="rogue-layout"} 0.0' in httpx.get(dep.url + "/metrics").text
+    for _ in range(4):  # with two live decode workers, none of these may land on a refused one
+        assert_serves(dep)
+    assert dep.health()["status"] == "ok"
+
+
+def test_internal_sockets_default_to_loopback():
+    from epdserve.serving import launcher, router, worker
+
+    for module in (launcher, router):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        args = parser.parse_args([])
+        assert args.host == "127.0.0.1"
+        assert args.events is None or args.events.startswith("tcp://127.0.0.1:")  # serve: private ipc
+    parser = argparse.ArgumentParser()
+    worker.add_arguments(parser)
+    args = parser.parse_args(["--role", "decode", "--router", "x", "--bind", "y", "--worker-id", "z"])
+    assert all(v.startswith("tcp://127.0.0.1:") for k, v in vars(args).items()
+               if k.endswith("bind") and k != "bind" and isinstance(v, str))
