@@ -21,7 +21,7 @@ import zmq
 
 from epdserve.serving.protocol import KVDescriptor
 from epdserve.transfer import handoff, shm, tcp
-from epdserve.transfer.wire import TensorHeader, WireError
+from epdserve.transfer.wire import TensorHeader, TensorSpec, WireError
 
 LAYOUT = {"num_layers": 2, "num_kv_heads": 3, "head_dim": 8, "block_size": 4, "dtype": "float32"}
 
@@ -36,9 +36,10 @@ def ctx():
 def _segment(request_id: str = "r1") -> tuple[str, torch.Tensor, int]:
     """A /dev/shm frame of random KV (2 blocks); returns its name, the tensor and file size."""
     kv = torch.randn(2, 2, 2, 4, 3, 8)
-    header = TensorHeader(dtype="float32", shape=list(kv.shape), num_tokens=8, layout=LAYOUT)
+    header = TensorHeader(tensors=[TensorSpec(name="kv", dtype="float32", shape=list(kv.shape))],
+                          num_tokens=8, layout=LAYOUT)
     name = shm.new_name()
-    nbytes = shm.write(name, header, lambda view: view.copy_(kv))
+    nbytes = shm.write(name, header, lambda views: views["kv"].copy_(kv))
     return name, kv, nbytes
 
 
@@ -51,7 +52,7 @@ def test_frame_over_tcp_equals_shm_frame(ctx):
             tcp.fetch(ctx, server.addr, "other-request", name, nbytes, timeout_s=5)
         header, got = tcp.fetch(ctx, server.addr, "r1", name, nbytes, timeout_s=5)
         assert header.layout == LAYOUT and header.num_tokens == 8
-        assert torch.equal(got, kv)
+        assert torch.equal(got["kv"], kv)
         assert len(on_disk) == nbytes
         assert not (shm.SHM_DIR / name).exists(), "a served segment is unlinked"
         with pytest.raises(WireError, match="gone"):
@@ -110,7 +111,7 @@ def test_importer_picks_the_transport(ctx, transport, host, tcp_used):
     try:
         host_id = handoff.host_id() if host == "same" else "another-host"
         desc = KVDescriptor(name=name, num_tokens=8, nbytes=nbytes, host_id=host_id, addr=server.addr)
-        got, timings = handoff.Importer(ctx, transport, 5).take("r1", desc, LAYOUT)
+        got, timings = handoff.Importer(ctx, transport, 5).take("r1", desc, LAYOUT, torch.float32)
         assert torch.equal(got, kv)
         assert timings["kv_tcp"] == float(tcp_used) and timings["kv_fetch_ms"] >= 0
     finally:
@@ -123,12 +124,12 @@ def test_importer_refuses_shm_from_another_host_and_a_wrong_layout(ctx):
     try:
         desc = KVDescriptor(name=name, num_tokens=8, nbytes=nbytes, host_id="another-host", addr=None)
         with pytest.raises(WireError, match="another host"):
-            handoff.Importer(ctx, "shm", 5).take("r1", desc, LAYOUT)
+            handoff.Importer(ctx, "shm", 5).take("r1", desc, LAYOUT, torch.float32)
         with pytest.raises(WireError, match="serves no TCP address"):
-            handoff.Importer(ctx, "auto", 5).take("r1", desc, LAYOUT)
+            handoff.Importer(ctx, "auto", 5).take("r1", desc, LAYOUT, torch.float32)
         desc = desc.model_copy(update={"host_id": handoff.host_id()})
         with pytest.raises(ValueError, match="layout"):
-            handoff.Importer(ctx, "auto", 5).take("r1", desc, dict(LAYOUT, block_size=16))
+            handoff.Importer(ctx, "auto", 5).take("r1", desc, dict(LAYOUT, block_size=16), torch.float32)
     finally:
         shm.remove(name)
 

@@ -25,7 +25,7 @@ from epdserve.engine.engine import DTYPES, ROLES, EngineConfig, LLMEngine, StepO
 from epdserve.model.loader import ModelLoadError, resolve_model
 from epdserve.serving import protocol as P
 from epdserve.serving.handshake import auth_tag, model_fingerprint
-from epdserve.transfer import handoff
+from epdserve.transfer import handoff, kv_codec
 from epdserve.transfer.wire import WireError
 
 log = logging.getLogger("epdserve.worker")
@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address a prefill worker serves KV on over TCP (port 0: any free port)")
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                         help="seconds a decode worker waits for a KV fetch over TCP")
+    parser.add_argument("--kv-transfer-dtype", choices=kv_codec.TRANSFER_DTYPES, default="none",
+                        help="how a prefill worker sends KV: as cached, bf16, or int8 with per-token, per-head scales")
     parser.add_argument("--auth-token", default=os.environ.get("EPDSERVE_AUTH_TOKEN"),
                         help="shared secret proving this worker to the router (default: $EPDSERVE_AUTH_TOKEN)")
 
@@ -158,7 +160,8 @@ class Worker:
             kv, timings = None, {}
             if msg.kv is not None:
                 # Blocks the loop for up to --kv-transfer-timeout when the KV comes over TCP.
-                kv, timings = self.importer.take(msg.request_id, msg.kv, self.engine.kv_layout())
+                kv, timings = self.importer.take(msg.request_id, msg.kv, self.engine.kv_layout(),
+                                                 self.engine.kv_cache.dtype)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, kv, msg.first_token,
                                     timings=timings)
         except (ValueError, WireError) as exc:
@@ -236,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     events.connect(args.router)
     try:
         kv_bind = args.kv_bind if args.role == "prefill" and args.kv_transport != "shm" else None
-        exporter = handoff.Exporter(engine, args.kv_ttl, ctx, kv_bind)
+        exporter = handoff.Exporter(engine, args.kv_ttl, ctx, kv_bind, args.kv_transfer_dtype)
     except zmq.ZMQError as exc:
         print(f"epdserve worker: error: --kv-bind {args.kv_bind}: {exc}", flush=True)
         ctx.destroy(linger=0)

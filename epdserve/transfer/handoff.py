@@ -1,11 +1,13 @@
 """One request's KV blocks from a prefill worker to a decode worker, end to end.
 
-The prefill side (:class:`Exporter`) always writes the blocks as one wire frame to
+The prefill side (:class:`Exporter`) always writes the blocks (converted as
+``--kv-transfer-dtype`` says, see :mod:`epdserve.transfer.kv_codec`) as one wire frame to
 /dev/shm and, unless the transport is ``shm``, also serves that frame over TCP
 (:class:`epdserve.transfer.tcp.KVServer`). Its :class:`~epdserve.serving.protocol.KVDescriptor`
 names the segment, the host it lies on (:func:`host_id`) and the TCP address. The decode
 side (:class:`Importer`) maps the segment when it lies on its own host and the transport
-allows it, and fetches it over TCP otherwise (transport ``auto``, the default).
+allows it, and fetches it over TCP otherwise (transport ``auto``, the default), and
+converts the blocks to its own cache dtype, which may differ from the prefill side's.
 
 The prefill side owns a segment until the decode side takes it (mapping and TCP serving
 both unlink it), the router releases it, or its TTL passes.
@@ -24,7 +26,7 @@ import zmq
 
 from epdserve.engine.engine import LLMEngine, StepOutput
 from epdserve.serving.protocol import KVDescriptor
-from epdserve.transfer import shm, tcp
+from epdserve.transfer import kv_codec, shm, tcp
 from epdserve.transfer.wire import TensorHeader, WireError
 
 TRANSPORTS = ("auto", "shm", "tcp")
@@ -50,14 +52,19 @@ def host_id() -> str:
 class Exporter:
     """Prefill side. ``bind``: the TCP address to serve frames on (``tcp://HOST:PORT``,
     port 0 = any free one), or None for shared memory only. ``ttl_s``: seconds a segment
-    nobody took is kept.
+    nobody took is kept. ``transfer_dtype``: one of ``kv_codec.TRANSFER_DTYPES``.
 
-    Raises (constructor): ``zmq.ZMQError`` if ``bind`` cannot be bound.
+    Raises (constructor): ``zmq.ZMQError`` if ``bind`` cannot be bound; ``ValueError``
+    for an unknown ``transfer_dtype``.
     """
 
-    def __init__(self, engine: LLMEngine, ttl_s: float, ctx: zmq.Context, bind: str | None):
+    def __init__(self, engine: LLMEngine, ttl_s: float, ctx: zmq.Context, bind: str | None,
+                 transfer_dtype: str = "none"):
+        if transfer_dtype not in kv_codec.TRANSFER_DTYPES:
+            raise ValueError(f"unknown KV transfer dtype {transfer_dtype!r}")
         self.engine = engine
         self.ttl_s = ttl_s
+        self.transfer_dtype = transfer_dtype
         self.host = host_id()
         self.segments: dict[str, tuple[str, float]] = {}  # request id -> (segment, created)
         self.server = tcp.KVServer(ctx, bind, self._owns) if bind else None
@@ -78,10 +85,17 @@ class Exporter:
         layout = self.engine.kv_layout()
         shape = list(self.engine.kv_cache.shape)
         shape[2] = len(ids)
-        header = TensorHeader(dtype=layout["dtype"], shape=shape, layout=layout,
-                              num_tokens=len(ids) * layout["block_size"])
+        header = TensorHeader(tensors=kv_codec.specs(shape, self.engine.kv_cache.dtype, self.transfer_dtype),
+                              layout=layout, num_tokens=len(ids) * layout["block_size"])
+
+        def fill(views: dict[str, torch.Tensor]) -> None:
+            if self.transfer_dtype == "none":  # straight from the cache into the frame: one copy
+                self.engine.read_kv(ids, out=views["kv"])
+            else:
+                kv_codec.encode(self.engine.read_kv(ids), views)
+
         name = shm.new_name()
-        nbytes = shm.write(name, header, lambda view: self.engine.read_kv(ids, out=view))
+        nbytes = shm.write(name, header, fill)
         self.engine.release_kv(out.request_id)
         self.segments[out.request_id] = (name, time.monotonic())
         out.timings["kv_export_ms"] = (time.perf_counter() - start) * 1e3
@@ -123,26 +137,34 @@ class Importer:
         self.timeout_s = timeout_s
         self.host = host_id()
 
-    def take(self, request_id: str, desc: KVDescriptor, layout: dict) -> tuple[torch.Tensor, dict[str, float]]:
+    def take(self, request_id: str, desc: KVDescriptor, layout: dict,
+             dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, float]]:
         """Get the KV blocks ``desc`` describes as a tensor ``[layers, 2, n_blocks,
-        block_size, kv_heads, head_dim]`` and timings ``kv_fetch_ms`` (ms) and ``kv_tcp``
-        (1.0 if it came over TCP, else 0.0). Blocks up to ``timeout_s`` on TCP.
+        block_size, kv_heads, head_dim]`` of ``dtype``, and timings ``kv_fetch_ms`` (ms,
+        fetch or map plus conversion) and ``kv_tcp`` (1.0 if it came over TCP, else 0.0).
+        Blocks up to ``timeout_s`` on TCP.
 
         Raises:
             WireError: the segment is gone, unreachable, malformed, on another host while
                 the transport is "shm", or without a TCP address while TCP is needed.
-            ValueError: its KV layout differs from ``layout``.
+            ValueError: its KV layout differs from ``layout`` (in anything but the dtype).
         """
         start = time.perf_counter()
         use_tcp = self.transport == "tcp" or (self.transport == "auto" and desc.host_id != self.host)
         if use_tcp:
             if desc.addr is None:
                 raise WireError("the KV lies on another host and its prefill worker serves no TCP address")
-            header, kv = tcp.fetch(self.ctx, desc.addr, request_id, desc.name, desc.nbytes, self.timeout_s)
+            header, tensors = tcp.fetch(self.ctx, desc.addr, request_id, desc.name, desc.nbytes, self.timeout_s)
         else:
             if desc.host_id != self.host:
                 raise WireError("the KV lies on another host and --kv-transport is shm")
-            header, kv = shm.read(desc.name)
-        if header.layout != layout:
+            header, tensors = shm.read(desc.name)
+        if _without_dtype(header.layout) != _without_dtype(layout):
             raise ValueError(f"KV layout {header.layout} does not match this worker's {layout}")
+        kv = kv_codec.decode(tensors, dtype)
         return kv, {"kv_fetch_ms": (time.perf_counter() - start) * 1e3, "kv_tcp": float(use_tcp)}
+
+
+def _without_dtype(layout: dict) -> dict:
+    # Peers may keep their caches in different dtypes: the blocks are converted on import.
+    return {k: v for k, v in layout.items() if k != "dtype"}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from epdserve.transfer.wire import TensorHeader, WireError, header_bytes, parse, payload_nbytes
+from epdserve.transfer.wire import TensorHeader, WireError, frame_size, header_bytes, parse
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"epdserve-kv-[0-9a-f]{32}")
@@ -28,19 +28,19 @@ def new_name() -> str:
 
 
 def write(name: str, header: TensorHeader, fill) -> int:
-    """Create ``/dev/shm/name`` holding a frame with ``header``; ``fill(tensor)`` writes
-    the payload into a tensor of ``header.shape`` viewing the file. Returns the file size
-    in bytes."""
+    """Create ``/dev/shm/name`` holding a frame with ``header``; ``fill(tensors)`` writes
+    the tensors (a dict by name of tensors viewing the file). Returns the file size in
+    bytes."""
     prefix = header_bytes(header)
-    size = len(prefix) + payload_nbytes(header)
+    size = frame_size(header)
     fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size) as mm:
             mm[: len(prefix)] = prefix
-            _, view = parse(mm)
-            fill(view)
-            del view
+            _, views = parse(mm)
+            fill(views)
+            del views
     finally:
         os.close(fd)
     return size
@@ -68,9 +68,9 @@ def open_segment(name: str) -> mmap.mmap:
         path.unlink(missing_ok=True)
 
 
-def read(name: str) -> tuple[TensorHeader, torch.Tensor]:
-    """Map and unlink ``/dev/shm/name``; return its header and payload tensor (a view of
-    the mapping, freed when the tensor is).
+def read(name: str) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
+    """Map and unlink ``/dev/shm/name``; return its header and tensors by name (views of
+    the mapping, freed when the last tensor is).
 
     Raises:
         WireError: a name that is not ours, a missing file, or a malformed frame.

@@ -97,9 +97,9 @@ def _parse_request(body: bytes) -> tuple[str, str]:
 
 
 def fetch(ctx: zmq.Context, addr: str, request_id: str, name: str, nbytes: int,
-          timeout_s: float) -> tuple[TensorHeader, torch.Tensor]:
+          timeout_s: float) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
     """Fetch segment ``name`` of ``request_id`` (a frame of ``nbytes`` bytes) from the KV
-    server at ``addr``; returns its header and payload tensor (a read-only view of the
+    server at ``addr``; returns its header and tensors by name (read-only views of the
     received message, no copy). Blocks at most ``timeout_s`` seconds.
 
     A fresh socket per fetch, so a late reply to an earlier, timed-out fetch can never be

@@ -1,9 +1,10 @@
 """The wire format for tensors between workers: a validated header, then raw bytes.
 
-A frame is ``MAGIC (4 bytes) | header length (uint32, little-endian) | msgpack header |
-zero padding to a 64-byte boundary | payload``. The header names the payload's dtype and
-shape and the KV layout it was cut from; nothing in a frame is ever unpickled, and a
-frame whose magic, header or size is wrong raises :class:`WireError`.
+A frame is ``MAGIC (4 bytes) | header length (uint32, little-endian) | msgpack header |``
+then each tensor the header lists, in order, each starting at a 64-byte boundary of the
+frame (zero padding between). The header names every tensor's dtype and shape and the KV
+layout they were cut from; nothing in a frame is ever unpickled, and a frame whose magic,
+header or size is wrong raises :class:`WireError`.
 """
 
 from __future__ import annotations
@@ -26,47 +27,74 @@ class WireError(ValueError):
     """Bytes that are not a well-formed epdserve tensor frame."""
 
 
-class TensorHeader(BaseModel):
-    """``shape`` of the payload (KV blocks: ``[layers, 2, n_blocks, block_size, kv_heads,
-    head_dim]``), its ``dtype`` name, and ``num_tokens`` positions that are valid."""
+class TensorSpec(BaseModel):
+    """One tensor of a frame: its ``name`` (unique in the frame), ``dtype`` name and ``shape``."""
 
     model_config = ConfigDict(extra="forbid")
 
+    name: str
     dtype: str
     shape: list[int]
+
+
+class TensorHeader(BaseModel):
+    """The frame's ``tensors`` (for KV see :mod:`epdserve.transfer.kv_codec`), the
+    ``num_tokens`` positions that are valid, and the ``layout`` of the sender's KV cache."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensors: list[TensorSpec]
     num_tokens: int
     layout: dict
 
 
-def dtype_of(header: TensorHeader) -> torch.dtype:
-    if header.dtype not in DTYPES:
-        raise WireError(f"unsupported dtype {header.dtype!r}")
-    return DTYPES[header.dtype]
+def dtype_of(spec: TensorSpec) -> torch.dtype:
+    if spec.dtype not in DTYPES:
+        raise WireError(f"unsupported dtype {spec.dtype!r}")
+    return DTYPES[spec.dtype]
 
 
-def payload_nbytes(header: TensorHeader) -> int:
+def nbytes_of(spec: TensorSpec) -> int:
     count = 1
-    for d in header.shape:
+    for d in spec.shape:
         if d < 0:
-            raise WireError(f"negative dimension in shape {header.shape}")
+            raise WireError(f"negative dimension in shape {spec.shape}")
         count *= d
-    return count * dtype_of(header).itemsize
+    return count * dtype_of(spec).itemsize
+
+
+def _align(n: int) -> int:
+    return n + (-n % ALIGN)
+
+
+def _offsets(header: TensorHeader, start: int) -> tuple[list[int], int]:
+    """Byte offset of each tensor when the first may start at ``start``; and the frame size."""
+    offsets, end = [], start
+    for spec in header.tensors:
+        offsets.append(_align(end))
+        end = offsets[-1] + nbytes_of(spec)
+    return offsets, end
 
 
 def header_bytes(header: TensorHeader) -> bytes:
-    """Magic, length, msgpack header and padding: everything before the payload."""
+    """Magic, length and msgpack header: everything before the first tensor's padding."""
     body = msgpack.packb(header.model_dump(), use_bin_type=True)
-    prefix = _PREFIX.pack(MAGIC, len(body)) + body
-    return prefix + b"\0" * (-len(prefix) % ALIGN)
+    return _PREFIX.pack(MAGIC, len(body)) + body
 
 
-def parse(buffer) -> tuple[TensorHeader, torch.Tensor]:
+def frame_size(header: TensorHeader) -> int:
+    """The size in bytes of a frame with ``header``."""
+    return _offsets(header, len(header_bytes(header)))[1]
+
+
+def parse(buffer) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
     """Validate a frame in ``buffer`` (bytes, mmap, memoryview) and return its header and
-    a tensor viewing the payload (no copy; it keeps ``buffer`` alive; read-only when
-    ``buffer`` is).
+    its tensors by name, each viewing ``buffer`` (no copy; they keep it alive; read-only
+    when ``buffer`` is).
 
     Raises:
-        WireError: bad magic, header, dtype, or a size that does not match the shape.
+        WireError: bad magic, header, dtype, duplicate names, or a size that does not
+            match the shapes.
     """
     view = memoryview(buffer)
     if len(view) < _PREFIX.size:
@@ -81,16 +109,21 @@ def parse(buffer) -> tuple[TensorHeader, torch.Tensor]:
         header = TensorHeader.model_validate(msgpack.unpackb(view[_PREFIX.size:end], raw=False))
     except (ValidationError, ValueError, msgpack.UnpackException) as exc:
         raise WireError(f"invalid frame header: {exc}") from None
-    start = end + (-end % ALIGN)
-    nbytes = payload_nbytes(header)
-    if start + nbytes != len(view):
-        raise WireError(f"payload is {len(view) - start} bytes, header says {nbytes}")
-    dtype = dtype_of(header)
+    if len({spec.name for spec in header.tensors}) != len(header.tensors):
+        raise WireError("duplicate tensor names in the frame header")
+    offsets, size = _offsets(header, end)
+    if size != len(view):
+        raise WireError(f"frame is {len(view)} bytes, its header says {size}")
+    return header, {spec.name: _tensor(buffer, spec, offset) for spec, offset in zip(header.tensors, offsets)}
+
+
+def _tensor(buffer, spec: TensorSpec, offset: int) -> torch.Tensor:
+    dtype, nbytes = dtype_of(spec), nbytes_of(spec)
     if nbytes == 0:
-        return header, torch.empty(header.shape, dtype=dtype)
+        return torch.empty(spec.shape, dtype=dtype)
     with warnings.catch_warnings():
         # A received ZeroMQ message is read-only; the tensor is only ever read (copied into
         # the KV cache), so torch's warning about non-writable buffers does not apply.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=start)
-    return header, tensor.view(header.shape)
+        tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+    return tensor.view(spec.shape)

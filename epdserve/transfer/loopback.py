@@ -1,0 +1,46 @@
+"""PD in one process: a prefill engine and a decode engine joined by the real KV hand-off
+(:class:`~epdserve.transfer.handoff.Exporter` → descriptor → :class:`~epdserve.transfer.handoff.Importer`),
+without the router and worker processes. For benchmarks and tests of the transfer path.
+"""
+
+from __future__ import annotations
+
+from epdserve.engine.engine import LLMEngine, StepOutput
+from epdserve.engine.request import SamplingParams
+from epdserve.transfer.handoff import Exporter, Importer
+
+
+def _first_output(engine: LLMEngine, request_id: str) -> StepOutput:
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id:
+                return out
+
+
+def generate_pd(prefill: LLMEngine, decode: LLMEngine, exporter: Exporter, importer: Importer,
+                request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> tuple[list[int], dict]:
+    """Run one request through ``prefill`` (role prefill, whose ``exporter`` writes its KV)
+    and ``decode`` (role decode, whose ``importer`` takes it); the engines must be idle.
+    Returns the generated token ids and the merged timings of both sides (ms, bytes).
+
+    Raises:
+        ValueError, WireError: as :meth:`LLMEngine.add_request` and :meth:`Importer.take`.
+    """
+    prefill.add_request(request_id, prompt_ids, sampling)
+    out = _first_output(prefill, request_id)
+    tokens = list(out.token_ids)
+    if out.finished:
+        return tokens, out.timings
+    desc = exporter.export(out)
+    try:
+        kv, timings = importer.take(request_id, desc, decode.kv_layout(), decode.kv_cache.dtype)
+    finally:
+        exporter.release(request_id)
+    decode.add_request(request_id, prompt_ids, sampling, kv, tokens[-1], timings=timings)
+    del kv  # the engine holds it until the import; then the mapping can go
+    merged = dict(out.timings)
+    while decode.has_unfinished():
+        for step_out in decode.step():
+            tokens += step_out.token_ids
+            merged.update(step_out.timings)
+    return tokens, merged
