@@ -10,7 +10,8 @@ from epdserve.engine.request import SamplingParams
 from epdserve.transfer.handoff import Exporter, Importer
 
 
-def _first_output(engine: LLMEngine, request_id: str) -> StepOutput:
+def first_output(engine: LLMEngine, request_id: str) -> StepOutput:
+    """Step ``engine`` until it outputs for ``request_id``; returns that output."""
     while True:
         for out in engine.step():
             if out.request_id == request_id:
@@ -27,7 +28,7 @@ def generate_pd(prefill: LLMEngine, decode: LLMEngine, exporter: Exporter, impor
         ValueError, WireError: as :meth:`LLMEngine.add_request` and :meth:`Importer.take`.
     """
     prefill.add_request(request_id, prompt_ids, sampling)
-    out = _first_output(prefill, request_id)
+    out = first_output(prefill, request_id)
     tokens = list(out.token_ids)
     if out.finished:
         return tokens, out.timings
