@@ -70,7 +70,7 @@ def states(dep) -> dict[str, str]:
 
 def outstanding(dep, role: str) -> dict[str, int]:
     return {w["worker_id"]: w["outstanding"] for w in dep.health()["workers"]
-            if w["role"] == role and w["state"] != "refused"}  # refused: workers other tests started
+            if w["role"] == role and w["state"] != "refused"}  # refused ones hold nothing
 
 
 def all_up(dep) -> bool:

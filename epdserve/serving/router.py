@@ -483,7 +483,9 @@ class Router:
         if reason is not None:
             self.workers.pop(msg.worker_id, None)
             self.refused[msg.worker_id] = {"worker_id": msg.worker_id, "role": msg.role, "addr": msg.addr,
-                                           "cores": msg.cores, "state": "refused", "reason": reason}
+                                           "cores": msg.cores, "state": "refused", "reason": reason,
+                                           "blocks_in_use": 0, "blocks_total": 0, "num_running": 0,
+                                           "num_waiting": 0, "outstanding": 0, "outstanding_tokens": 0}
             self.metrics.worker_up.labels(msg.worker_id, msg.role).set(0)
             log.error("refused worker %s (%s) from %s: %s", msg.worker_id, msg.role, msg.addr, reason)
             sock.setsockopt(zmq.LINGER, 2000)  # deliver Refused, but never block the router for long
