@@ -106,3 +106,14 @@ def uncompressed(engines, tokenizer):
 def test_pd_hand_off(engines, tokenizer, uncompressed, transfer_dtype, decode_dtype):
     tokens = _run(engines, tokenizer, transfer_dtype, decode_dtype)
     assert [t[0] for t in tokens] == [t[0] for t in uncompressed], "the first token comes from the same prefill"
+
+
+def test_read_kv_copies_runs_of_blocks_in_order(engines, uncompressed):
+    made, _ = engines
+    prefill = made[("prefill", "float32")]  # its first blocks hold the KV of the hand-offs before
+    ids = [2, 3, 0, 1, 7, 8, 4]
+    expected = prefill.kv_cache.index_select(2, torch.tensor(ids))
+    assert expected.abs().sum() > 0
+    assert torch.equal(prefill.read_kv(ids), expected)
+    out = torch.empty(expected.shape, dtype=torch.bfloat16)
+    assert torch.equal(prefill.read_kv(ids, out=out), expected.to(torch.bfloat16))

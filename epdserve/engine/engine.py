@@ -151,11 +151,15 @@ class LLMEngine:
 
     def read_kv(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy blocks out of the cache into ``out [layers, 2, len(block_ids), block_size,
-        kv_heads, head_dim]`` (allocated when None) and return it."""
-        index = torch.tensor(block_ids, dtype=torch.long)
+        kv_heads, head_dim]`` (any float dtype; allocated in the cache's when None) and
+        return it."""
         if out is None:
-            return self.kv_cache.index_select(2, index)
-        return torch.index_select(self.kv_cache, 2, index, out=out)
+            out = torch.empty(self._block_shape(len(block_ids)), dtype=self.kv_cache.dtype)
+        # One strided copy per run of consecutive blocks: faster than index_select, and
+        # index_select's threaded path stalls for seconds on a busy machine.
+        for pos, start, n in _block_runs(block_ids):
+            out[:, :, pos:pos + n].copy_(self.kv_cache[:, :, start:start + n])
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -192,8 +196,8 @@ class LLMEngine:
     def _import_kv(self, seq: Sequence) -> None:
         start = time.perf_counter()
         kv = seq.pending_kv
-        index = torch.tensor(seq.block_table[: kv.shape[2]], dtype=torch.long)
-        self.kv_cache.index_copy_(2, index, kv.to(self.kv_cache.dtype))
+        for pos, start, n in _block_runs(seq.block_table[: kv.shape[2]]):
+            self.kv_cache[:, :, start:start + n].copy_(kv[:, :, pos:pos + n])
         seq.pending_kv = None
         seq.timings["kv_import_ms"] = (time.perf_counter() - start) * 1e3
 
@@ -234,3 +238,15 @@ class LLMEngine:
             if self.config.role == "colocated":
                 t["decode_ms"] = (now - seq.first_token_time) * 1e3
         return t
+
+
+def _block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(position in block_ids, first block id, length)`` of each run of consecutive ids:
+    [7, 8, 9, 3, 4] → [(0, 7, 3), (3, 3, 2)]."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, block in enumerate(block_ids):
+        if runs and block == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((pos, block, 1))
+    return runs

@@ -89,10 +89,10 @@ class Exporter:
                               layout=layout, num_tokens=len(ids) * layout["block_size"])
 
         def fill(views: dict[str, torch.Tensor]) -> None:
-            if self.transfer_dtype == "none":  # straight from the cache into the frame: one copy
-                self.engine.read_kv(ids, out=views["kv"])
-            else:
+            if "scales" in views:
                 kv_codec.encode(self.engine.read_kv(ids), views)
+            else:  # none, bf16: straight from the cache into the frame, one (casting) copy
+                self.engine.read_kv(ids, out=views["kv"])
 
         name = shm.new_name()
         nbytes = shm.write(name, header, fill)
