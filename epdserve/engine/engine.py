@@ -196,8 +196,8 @@ class LLMEngine:
     def _import_kv(self, seq: Sequence) -> None:
         start = time.perf_counter()
         kv = seq.pending_kv
-        for pos, start, n in _block_runs(seq.block_table[: kv.shape[2]]):
-            self.kv_cache[:, :, start:start + n].copy_(kv[:, :, pos:pos + n])
+        for pos, block, n in _block_runs(seq.block_table[: kv.shape[2]]):
+            self.kv_cache[:, :, block:block + n].copy_(kv[:, :, pos:pos + n])
         seq.pending_kv = None
         seq.timings["kv_import_ms"] = (time.perf_counter() - start) * 1e3
 
