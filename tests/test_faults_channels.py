@@ -1,6 +1,7 @@
 """The internal channels refuse what they must: a pickle frame on the router's events
 socket or a worker's command socket is logged and dropped, never unpickled; a worker
-whose KV layout cannot exchange blocks with the deployment's, or without the auth token,
+with other weights, or whose KV layout cannot exchange blocks with the deployment's, or
+without the auth token,
 is refused at Hello (it exits with status 2, /health lists it as refused with the reason)
 and never routed to; internal sockets default to 127.0.0.1. The 2P2D deployment keeps
 serving throughout."""
@@ -8,6 +9,7 @@ serving throughout."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import subprocess
@@ -74,10 +76,24 @@ def start_worker(dep, tmp_path, worker_id: str, token: str, *extra: str) -> subp
                             env=dict(os.environ, EPDSERVE_AUTH_TOKEN=token))
 
 
-def test_incompatible_workers_refused(xpyd_server, tmp_path):
+def other_model(model_info, directory) -> str:
+    """The served model's files with another rope_theta: same shapes, other weights' meaning."""
+    directory.mkdir()
+    for f in model_info.path.iterdir():
+        if f.name != "config.json":
+            (directory / f.name).symlink_to(f)
+    config = json.loads((model_info.path / "config.json").read_text())
+    config["rope_theta"] = config.get("rope_theta", 10000.0) * 2
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def test_incompatible_workers_refused(xpyd_server, model_info, tmp_path):
     dep = xpyd_server
     procs = {"rogue-layout": start_worker(dep, tmp_path, "rogue-layout", AUTH_TOKEN, "--block-size", "32"),
-             "rogue-auth": start_worker(dep, tmp_path, "rogue-auth", "wrong-token")}
+             "rogue-auth": start_worker(dep, tmp_path, "rogue-auth", "wrong-token"),
+             "rogue-model": start_worker(dep, tmp_path, "rogue-model", AUTH_TOKEN, "--model",
+                                         other_model(model_info, tmp_path / "model"))}
     try:
         outs = {wid: p.communicate(timeout=180)[0] for wid, p in procs.items()}
     finally:
@@ -92,8 +108,9 @@ def test_incompatible_workers_refused(xpyd_server, tmp_path):
     layout = refused["rogue-layout"]["reason"]
     assert "'block_size': 32" in layout and "'block_size': 16" in layout and "prefill-" in layout
     assert "auth token" in refused["rogue-auth"]["reason"]
+    assert "fingerprint" in refused["rogue-model"]["reason"]
     log = dep.log_tail(10**7)
-    assert "refused worker rogue-layout" in log and "refused worker rogue-auth" in log
+    assert all(f"refused worker {wid}" in log for wid in procs)
     assert 'epdserve:worker_up{role="decode",worker="rogue-layout"} 0.0' in httpx.get(dep.url + "/metrics").text
     for _ in range(4):  # with two live decode workers, none of these may land on a refused one
         assert_serves(dep)
