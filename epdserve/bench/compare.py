@@ -130,12 +130,26 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def serve_flags(name: str) -> list[str] | None:
+    """``epdserve serve`` flags of a configuration name, or None for an unknown name:
+    ``colocated`` and ``pd`` (1P1D) as they are, ``colocated-N`` for N replicas, ``XpYd``
+    for X prefill and Y decode workers (the field's xPyD notation)."""
+    if name in ("colocated", "pd"):
+        return ["--mode", name]
+    if m := re.fullmatch(r"colocated-([1-9][0-9]*)", name):
+        return ["--mode", "colocated", "--workers", m[1]]
+    if m := re.fullmatch(r"([1-9][0-9]*)p([1-9][0-9]*)d", name):
+        return ["--mode", "pd", "--prefill-workers", m[1], "--decode-workers", m[2]]
+    return None
+
+
 def parse_configs(text: str) -> list[str]:
-    """argparse type for ``--configs``: comma-separated unique names (letters, digits,
-    ``-``, ``_``)."""
+    """argparse type for ``--configs``: comma-separated unique names that
+    :func:`serve_flags` knows."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names or any(not re.fullmatch(r"[A-Za-z0-9_-]+", n) for n in names):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected names like colocated,pd")
+    if not names or any(serve_flags(n) is None for n in names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected names like colocated,pd,colocated-2,2p1d")
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"{text!r}: a configuration is named twice")
     return names
@@ -155,8 +169,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_workload_arguments(parser, default="demo")
     add_client_arguments(parser)
     parser.add_argument("--configs", type=parse_configs, default=["colocated", "pd"],
-                        help="deployments to compare, in order (default colocated,pd); the "
-                             "first is the baseline of the ratio column")
+                        help="deployments to compare, in order (default colocated,pd): colocated, "
+                             "colocated-N (N replicas), pd, XpYd (X prefill, Y decode workers); "
+                             "the first is the baseline of the ratio column")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="model directory or GGUF for the servers (default: the default "
                              "model); also sizes the prompts unless --tokenizer is given")
@@ -175,7 +190,7 @@ def server_command(name: str, port: int, trace_file: Path, model: str | None,
                    serve: list[str] = SERVE) -> list[str]:
     """The ``epdserve serve`` command line of one configuration (``serve``: the program
     and sub-command that take the serve options; any stand-in with the same options)."""
-    cmd = [*serve, "--mode", name, "--host", "127.0.0.1",
+    cmd = [*serve, *serve_flags(name), "--host", "127.0.0.1",
            "--port", str(port), "--trace-file", str(trace_file)]
     if model:
         cmd += ["--model", model]

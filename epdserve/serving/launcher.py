@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None, help="passed to each worker")
     parser.add_argument("--dtype", default=None, help="passed to each worker")
     parser.add_argument("--enable-chunked-prefill", action="store_true", help="passed to each worker")
+    parser.add_argument("--kv-transport", default=None, help="passed to each worker (auto|shm|tcp)")
+    parser.add_argument("--kv-transfer-dtype", default=None, help="passed to each worker (none|bf16|int8)")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds to wait for every worker's hello")
     parser.add_argument("--workers", type=int, default=1, help="colocated: number of worker replicas")
@@ -114,7 +116,8 @@ def worker_command(args: argparse.Namespace, role: str, worker_id: str, cores: l
                    events: str, cmd: str) -> list[str]:
     argv = [sys.executable, "-m", "epdserve", "worker", "--role", role, "--router", events,
             "--bind", cmd, "--worker-id", worker_id, "--cores", ",".join(map(str, cores))]
-    for opt in ("model", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "block_size", "dtype"):
+    for opt in ("model", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "block_size", "dtype",
+                "kv_transport", "kv_transfer_dtype"):
         value = getattr(args, opt)
         if value is not None:
             argv += ["--" + opt.replace("_", "-"), str(value)]

@@ -187,15 +187,22 @@ def chat_completion(request_id: str, model: str, created: int, text: str,
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chat_chunk(request_id: str, model: str, created: int, delta: dict,
-               finish_reason: str | None = None, include_usage: bool = False) -> dict:
-    """One ``chat.completion.chunk``; ``usage`` is null on every chunk when the client asked
-    for usage (OpenAI's shape), then comes in :func:`usage_chunk`."""
-    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+def _chunk(request_id: str, model: str, created: int, obj: str, content: dict,
+           finish_reason: str | None, include_usage: bool) -> dict:
+    # usage is null on every chunk when the client asked for it (OpenAI's shape); the
+    # numbers come in usage_chunk at the end.
+    chunk = {"id": request_id, "object": obj, "created": created, "model": model,
+             "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}]}
     if include_usage:
         chunk["usage"] = None
     return chunk
+
+
+def chat_chunk(request_id: str, model: str, created: int, delta: dict,
+               finish_reason: str | None = None, include_usage: bool = False) -> dict:
+    """One ``chat.completion.chunk`` carrying ``delta``."""
+    return _chunk(request_id, model, created, "chat.completion.chunk", {"delta": delta},
+                  finish_reason, include_usage)
 
 
 def text_completion(request_id: str, model: str, created: int, text: str,
@@ -208,11 +215,9 @@ def text_completion(request_id: str, model: str, created: int, text: str,
 
 def completion_chunk(request_id: str, model: str, created: int, text: str,
                      finish_reason: str | None = None, include_usage: bool = False) -> dict:
-    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
+    """One streamed ``text_completion`` chunk carrying ``text``."""
+    return _chunk(request_id, model, created, "text_completion", {"text": text},
+                  finish_reason, include_usage)
 
 
 def usage_chunk(request_id: str, model: str, created: int, obj: str,

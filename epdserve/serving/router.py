@@ -296,11 +296,19 @@ class Generation:
             queues = [t[k] for k in ("prefill_queue_ms", "decode_queue_ms") if k in t]
             if queues:
                 rec["queue_ms"] = sum(queues)
-            if "kv_export_ms" in t and "kv_import_ms" in t:
-                rec["kv_transfer_ms"] = t["kv_export_ms"] + t.get("router_hop_ms", 0.0) + t["kv_import_ms"]
+            if kv_transfer_ms(t) is not None:
+                rec["kv_transfer_ms"] = kv_transfer_ms(t)
         rec["ttft_ms"] = _ms(self.t_arrival, self.t_first)
         rec["e2e_ms"] = _ms(self.t_arrival, self.t_end)
         return rec
+
+
+def kv_transfer_ms(t: dict[str, float]) -> float | None:
+    """A PD hand-off's time in ms: prefill-side export + router hop + decode-side fetch
+    (shm map or TCP) + import; None when the request had no hand-off."""
+    if "kv_export_ms" not in t or "kv_import_ms" not in t:
+        return None
+    return t["kv_export_ms"] + t.get("router_hop_ms", 0.0) + t.get("kv_fetch_ms", 0.0) + t["kv_import_ms"]
 
 
 def _ms(t0: float | None, t1: float | None) -> float | None:
@@ -564,9 +572,7 @@ class Router:
             self.metrics.request_failure.inc()
         else:
             t = gen.timings
-            kv_ms = None
-            if "kv_export_ms" in t and "kv_import_ms" in t:
-                kv_ms = t["kv_export_ms"] + t.get("router_hop_ms", 0.0) + t["kv_import_ms"]
+            kv_ms = kv_transfer_ms(t)
             self.metrics.finished(
                 finish_reason=gen.finish_reason or "abort", prompt_tokens=len(gen.prompt_ids),
                 output_tokens=gen.output_tokens,
