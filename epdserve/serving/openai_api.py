@@ -20,7 +20,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -105,11 +105,12 @@ class _SamplingFields(_Req):
     ignore_eos: bool = False
     n: int = 1
 
-    @field_validator("max_tokens")
+    # check_fields=False: max_completion_tokens exists on chat requests only.
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
-    def _positive_max_tokens(cls, v):
+    def _at_least_one(cls, v, info: ValidationInfo):
         if v is not None and v < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {v}")
+            raise ValueError(f"{info.field_name} must be at least 1, got {v}")
         return v
 
     @field_validator("n")
@@ -151,12 +152,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("messages must contain at least one message")
         return v
 
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _positive_max_completion_tokens(cls, v):
-        if v is not None and v < 1:
-            raise ValueError(f"max_completion_tokens must be at least 1, got {v}")
-        return v
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` if given (OpenAI's newer name), else ``max_tokens``."""
