@@ -135,7 +135,7 @@ class Generation:
         self.worker_done = False                 # ... and has finished it
         self.prefill_worker: WorkerState | None = None
         self.decode_worker: WorkerState | None = None
-        self.kv_pending = False                  # KV exported, not yet handed to a decode worker
+        self.kv_pending = False                  # KV exported, not yet imported by a decode worker
         self.closed = False
         self.t_arrival = t_arrival
         self.t_dispatch: float | None = None
@@ -248,9 +248,12 @@ class Generation:
                 raise WorkerFailed(exc.message, 503) from None
             self.decode_worker = decode
             self._add(decode, kv=out.kv, first_token=out.token_ids[-1])
-            self.kv_pending = False
             self.timings["router_hop_ms"] = (time.monotonic() - self.t_first) * 1000
             out = await self._next()
+            # The decode worker imports the KV before its first step, so its first output
+            # means the prefill worker's copy is no longer needed.
+            self.router.release_kv(self.prefill_worker, self.request_id)
+            self.kv_pending = False
         while True:
             yield out.token_ids, (out.finish_reason or "stop") if out.finished else None
             if out.finished:
@@ -272,8 +275,6 @@ class Generation:
             router.send_quietly(worker, P.Abort(request_id=self.request_id))
             if worker is self.prefill_worker:  # its KV may be exported already
                 self.kv_pending = True
-        if self.decode_worker is not None and self.error is not None:
-            self.kv_pending = True  # the decode worker may have failed before importing the KV
         if self.kv_pending:
             router.release_kv(self.prefill_worker, self.request_id)
             self.kv_pending = False
