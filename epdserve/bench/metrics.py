@@ -66,8 +66,9 @@ def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = Non
     """The result dict (see the module doc) for ``records``, in trace order.
 
     ``slos_ms``: optional SLOs, keys among ttft, tpot, e2el, values in ms; when given,
-    ``request_goodput`` = completed requests meeting all of them / duration (req/s),
-    else ``request_goodput`` is None.
+    ``request_goodput`` = completed requests meeting all of them / duration (req/s) and
+    ``slo_attainment`` = those requests / all requests of the run (failed ones miss),
+    else both are None.
     """
     ok = [r for r in records if r.success]
     if records:
@@ -91,10 +92,15 @@ def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = Non
         unknown = set(slos_ms) - set(SLO_METRICS)
         if unknown:
             raise ValueError(f"unknown SLO metric(s) {sorted(unknown)}; use {SLO_METRICS}")
-        result["request_goodput"] = per_s(sum(meets_slos(r, slos_ms) for r in ok))
+        good = sum(meets_slos(r, slos_ms) for r in ok)
+        result["request_goodput"] = per_s(good)
+        # Failed requests count as misses (DistServe's attainment is over all requests),
+        # so a server that drops requests cannot look better than one that serves them.
+        result["slo_attainment"] = good / len(records) if records else 0.0
         result["goodput_slos_ms"] = dict(slos_ms)
     else:
         result["request_goodput"] = None
+        result["slo_attainment"] = None
     result.update(summarize("ttft", [r.ttft_s for r in ok]))
     result.update(summarize("tpot", [t for t in map(tpot_s, ok) if t is not None]))
     result.update(summarize("itl", [g for r in ok for g in r.itls_s]))
