@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from epdserve.bench import client, metrics, workload
+from epdserve.bench import client, datasets, metrics, workload
 from epdserve.bench.run import add_arguments, bench
 
 STUB_TTFT_S = 0.20
@@ -267,7 +267,7 @@ def test_http_400_and_error_events_are_failures_with_messages(stub):
 
 def test_replayed_trace_sends_identical_requests_at_the_same_offsets(stub, tmp_path):
     tok = workload.load_tokenizer_for(None)
-    trace = workload.synthetic(tok, num_prompts=8, input_len=(5, 40), output_len=(2, 6),
+    trace = datasets.synthetic(tok, num_prompts=8, input_len=(5, 40), output_len=(2, 6),
                                request_rate=8.0, seed=3)
     path = tmp_path / "trace.jsonl"
     workload.save_trace(trace, path)
@@ -351,7 +351,7 @@ def test_cli_unreachable_server_is_one_line(tmp_path):
     path = tmp_path / "t.jsonl"
     workload.save_trace([req(0.0, "hi")], path)
     proc = run_cli("--base-url", "http://127.0.0.1:9", "--trace", str(path), "--disable-tqdm")
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert "http://127.0.0.1:9" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from epdserve.bench import workload
+from epdserve.bench import datasets, workload
 from epdserve.bench.workload import Request, TraceError
 
 
@@ -16,7 +16,7 @@ def tok():
 
 
 def test_synthetic_prompts_have_the_exact_token_count_and_ranges(tok):
-    trace = workload.synthetic(tok, num_prompts=12, input_len=(1, 300), output_len=(5, 9),
+    trace = datasets.synthetic(tok, num_prompts=12, input_len=(1, 300), output_len=(5, 9),
                                request_rate=4.0, seed=1)
     assert len(trace) == 12
     for r in trace:
@@ -27,9 +27,9 @@ def test_synthetic_prompts_have_the_exact_token_count_and_ranges(tok):
 
 
 def test_same_seed_same_trace_other_seed_other_trace(tok):
-    a = workload.synthetic(tok, 5, (10, 50), (2, 4), 2.0, seed=7)
-    b = workload.synthetic(tok, 5, (10, 50), (2, 4), 2.0, seed=7)
-    c = workload.synthetic(tok, 5, (10, 50), (2, 4), 2.0, seed=8)
+    a = datasets.synthetic(tok, 5, (10, 50), (2, 4), 2.0, seed=7)
+    b = datasets.synthetic(tok, 5, (10, 50), (2, 4), 2.0, seed=7)
+    c = datasets.synthetic(tok, 5, (10, 50), (2, 4), 2.0, seed=8)
     assert a == b and a != c
 
 
@@ -42,7 +42,7 @@ def test_poisson_gaps_have_mean_one_over_rate_and_inf_sends_all_at_once():
 
 
 def test_demo_defaults_long_prompts_arrive_during_the_chat_stream(tok):
-    trace = workload.demo(tok)
+    trace = datasets.demo(tok)
     chat = [r for r in trace if r.kind == "chat"]
     long = [r for r in trace if r.kind == "long"]
     assert len(chat) == 24 and len(long) == 3
@@ -60,7 +60,7 @@ def test_demo_defaults_long_prompts_arrive_during_the_chat_stream(tok):
 
 
 def test_save_load_round_trip(tok, tmp_path):
-    trace = workload.demo(tok, num_chat=4, chat_rate=2.0, num_long=1, long_input_len=50)
+    trace = datasets.demo(tok, num_chat=4, chat_rate=2.0, num_long=1, long_input_len=50)
     path = tmp_path / "t.jsonl"
     workload.save_trace(trace, path)
     assert workload.load_trace(path) == trace
@@ -100,7 +100,7 @@ def test_missing_and_empty_trace_files(tmp_path):
 
 def test_bad_generator_settings_are_trace_errors(tok):
     with pytest.raises(TraceError, match="5:2"):
-        workload.synthetic(tok, 2, (5, 2), (1, 2), 1.0)
+        datasets.synthetic(tok, 2, (5, 2), (1, 2), 1.0)
     with pytest.raises(TraceError, match="-1"):
-        workload.synthetic(tok, 2, (5, 6), (1, 2), -1.0)
+        datasets.synthetic(tok, 2, (5, 6), (1, 2), -1.0)
     assert Request(0.0, "x", 1, "chat", 1).kind == "chat"

@@ -43,6 +43,25 @@ class WarmupFailed(ClientError):
     """The unmeasured warm-up request failed (wrong model name, endpoint, server error)."""
 
 
+class UnsupportedWorkload(ClientError):
+    """The trace asks for something this client cannot send (images, for now)."""
+
+
+def check_sendable(requests: list[Request]) -> None:
+    """Refuse a trace with images: no server here takes them yet (EPD does not exist), and
+    sending the text alone would measure another workload than the one asked for.
+
+    Raises:
+        UnsupportedWorkload: some request carries images.
+    """
+    with_images = sum(1 for r in requests if r.images)
+    if with_images:
+        raise UnsupportedWorkload(
+            f"{with_images} of {len(requests)} requests carry images, and this client cannot "
+            f"send images yet (no server with vision support exists here); use "
+            f"--images-per-request 0 or a trace without images")
+
+
 @dataclass
 class RequestRecord:
     """What the client saw of one request. Times are seconds (``time.perf_counter``).
@@ -246,14 +265,24 @@ async def warm_up(client: httpx.AsyncClient, url: str, model: str, num: int,
 
 async def run_trace(base_url: str, model: str, requests: list[Request], endpoint: str = "chat",
                     temperature: float = 0.0, ignore_eos: bool = True, progress: bool = True,
-                    timeout_s: float = 600.0, warmup: int = 1) -> list[RequestRecord]:
+                    timeout_s: float = 600.0, warmup: int = 1,
+                    max_concurrency: int | None = None) -> list[RequestRecord]:
     """Send ``warmup`` unmeasured requests, then every request of the trace at its offset
     after a common start; return the records in trace order.
 
+    ``max_concurrency``: at most this many requests in flight; a request due while all
+    slots are busy waits for one and is sent (t0) when it gets it — vLLM ``bench
+    serve``'s semantics, so with every offset 0 this is a closed loop of C clients.
+
     Raises:
+        UnsupportedWorkload: the trace carries images.
         ServerUnreachable: the server does not answer ``GET /v1/models`` before the run.
         WarmupFailed: a warm-up request failed.
     """
+    check_sendable(requests)
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency {max_concurrency}: must be >= 1")
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     url = _url(base_url, path)
     bodies = [request_body(r, model, endpoint, temperature, ignore_eos) for r in requests]
@@ -270,7 +299,11 @@ async def run_trace(base_url: str, model: str, requests: list[Request], endpoint
             record = RequestRecord(index=i, kind=req.kind, offset_s=req.offset_s,
                                    max_tokens=req.max_tokens,
                                    expected_prompt_tokens=req.prompt_tokens)
-            await send_one(client, url, bodies[i], record, run_start, endpoint)
+            if slots is None:
+                await send_one(client, url, bodies[i], record, run_start, endpoint)
+            else:
+                async with slots:
+                    await send_one(client, url, bodies[i], record, run_start, endpoint)
             bar.update(1)
             return record
 

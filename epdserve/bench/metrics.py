@@ -18,11 +18,14 @@ for tpot, itl, e2el; percentiles by ``numpy.percentile``, linear; std with ddof 
 vLLM does, raw per-request arrays in trace order with times in **seconds**: ``ttfts``,
 ``itls`` (a list per request), ``e2els``, ``input_lens``, ``output_lens``, ``errors``, plus
 ``request_ids``, ``start_offsets`` (actual send time after the run's start, s) and
-``kinds``. A failed request has ``ttft``/``e2el`` 0 and output length 0 there, as in vLLM;
+``kinds``. ``error_counts`` counts failed requests by kind of error (:func:`error_kind`).
+A failed request has ``ttft``/``e2el`` 0 and output length 0 there, as in vLLM;
 an empty set of values gives 0.0 aggregates, also as in vLLM.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 
@@ -60,6 +63,21 @@ def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
     values_ms = {"ttft": record.ttft_s * 1000.0, "e2el": record.e2el_s * 1000.0,
                  "tpot": (tpot_s(record) or 0.0) * 1000.0}
     return all(values_ms[k] <= v for k, v in slos_ms.items())
+
+
+# Names for httpx exceptions an operator recognises; other exceptions keep their class name.
+_EXCEPTION_KINDS = {"ConnectError": "connection refused", "ReadError": "connection reset",
+                    "RemoteProtocolError": "connection reset", "WriteError": "connection reset",
+                    "ReadTimeout": "timeout", "WriteTimeout": "timeout",
+                    "ConnectTimeout": "timeout", "PoolTimeout": "timeout"}
+
+
+def error_kind(error: str) -> str:
+    """A short class of a client error message (see :mod:`epdserve.bench.client`):
+    "HTTP 400", "error event", "connection reset", "timeout", "stream ended before
+    [DONE]", ...; the part before the first ": " otherwise."""
+    head = error.split(": ", 1)[0]
+    return _EXCEPTION_KINDS.get(head, head)
 
 
 def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = None) -> dict:
@@ -112,6 +130,8 @@ def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = Non
         "itls": [r.itls_s if r.success else [] for r in records],
         "e2els": [r.e2el_s if r.success else 0.0 for r in records],
         "errors": [r.error for r in records],
+        "error_counts": dict(Counter(error_kind(r.error) for r in records
+                                     if not r.success).most_common()),
         "request_ids": [r.request_id for r in records],
         "start_offsets": [r.start_s for r in records],
         "kinds": [r.kind for r in records],

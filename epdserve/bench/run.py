@@ -2,13 +2,20 @@
 summary and write the result JSON (vLLM ``bench serve`` field names, see
 :mod:`epdserve.bench.metrics`).
 
-Example::
+Examples::
 
     epdserve bench --base-url http://127.0.0.1:8000 --workload demo --result-file out.json
+    epdserve bench --base-url http://127.0.0.1:8000 --sweep --goodput ttft:2000 tpot:200 \
+        --sweep-rates 0.25:4 --sweep-iters 4 --result-file sweep/sweep.json
 
-Exit status: 0 when the run finished (failed requests are counted in the result, not in
-the status), 1 when the server cannot be reached or the warm-up request fails, 2 for a
-bad option or trace file, 130 on Ctrl-C.
+``--sweep`` re-times the same trace (same prompts, offsets rescaled) at request rates
+chosen by bisection (:mod:`epdserve.bench.sweep`) and writes the points, the highest rate
+meeting the SLO target and ``goodput_vs_rate.png`` next to the result file.
+
+Exit status: 0 when the run finished (failed requests are counted in the result and
+summary, not in the status), 1 when the warm-up request fails or the server stops
+answering, 2 for a bad option, trace or dataset file, an unreachable server or a workload
+the client cannot send, 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from epdserve.bench import client, metrics, workload
+from epdserve.bench import client, metrics, sweep, workload
 
 
 def parse_goodput(text: str) -> tuple[str, float]:
@@ -61,6 +68,12 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
                    help="per-read timeout of a request in seconds (default 600)")
     g.add_argument("--warmup", type=workload.nonnegative_int, default=1, metavar="N",
                    help="short unmeasured requests sent before the run (default 1)")
+    g.add_argument("--warmup-requests", type=workload.nonnegative_int, default=0, metavar="K",
+                   help="the first K requests of the trace are sent as scheduled but left "
+                        "out of the results (default 0)")
+    g.add_argument("--max-concurrency", type=workload.positive_int, default=None, metavar="C",
+                   help="at most C requests in flight; later ones wait for a slot (with "
+                        "--request-rate inf: a closed loop of C clients)")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
@@ -71,17 +84,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_workload_arguments(parser)
     add_client_arguments(parser)
     parser.add_argument("--result-file", default=None, metavar="FILE",
-                        help="write the result JSON here (default: not written)")
+                        help="write the result JSON here (default: not written; needed "
+                             "with --sweep)")
+    sw = parser.add_argument_group("goodput sweep")
+    sw.add_argument("--sweep", action="store_true",
+                   help="find the highest request rate meeting --goodput for a share "
+                        "--goodput-target of requests (bisection on rate)")
+    sw.add_argument("--goodput-target", type=parse_share, default=0.9, metavar="F",
+                   help="share of requests that must meet every SLO (default 0.9)")
+    sw.add_argument("--sweep-rates", type=parse_rates, default=(0.25, 4.0), metavar="LO:HI",
+                   help="request rates (req/s) bracketing the search (default 0.25:4)")
+    sw.add_argument("--sweep-iters", type=workload.nonnegative_int, default=4, metavar="N",
+                   help="bisection steps after LO and HI (default 4)")
+
+
+def parse_share(text: str) -> float:
+    """argparse type for a share in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a share in (0, 1], e.g. 0.9")
+    return value
+
+
+def parse_rates(text: str) -> tuple[float, float]:
+    """argparse type for ``LO:HI`` request rates, 0 < LO < HI, both finite (req/s)."""
+    lo, sep, hi = text.partition(":")
+    try:
+        rates = (float(lo), float(hi))
+    except ValueError:
+        rates = (math.nan, math.nan)
+    if not sep or not (0 < rates[0] < rates[1] < math.inf):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LO:HI req/s with 0 < LO < HI")
+    return rates
+
+
+def _rate_field(rate: float | None, requests: list[workload.Request]) -> float | str:
+    """vLLM's ``request_rate``: the asked rate, "inf" for all at once; when none was asked
+    (a replayed trace, the demo's default), the trace's mean arrival rate."""
+    if rate is None:
+        span = max(r.offset_s for r in requests) - min(r.offset_s for r in requests)
+        rate = (len(requests) - 1) / span if span > 0 else math.inf
+    return "inf" if math.isinf(rate) else rate
 
 
 def bench(base_url: str, requests: list[workload.Request], args: argparse.Namespace,
-          model: str | None = None) -> dict:
+          model: str | None = None, request_rate: float | None = None) -> dict:
     """Run ``requests`` against ``base_url`` with the client options in ``args`` and return
-    the result dict (metrics plus run settings).
+    the result dict: metrics (:func:`epdserve.bench.metrics.compute`) over every request
+    but the first ``args.warmup_requests``, plus the run's settings under vLLM's names
+    (``request_rate``: ``request_rate`` if given, else ``args.request_rate``, else the
+    trace's mean rate; ``burstiness``, ``max_concurrency``, ``ramp_up_*``).
 
     Raises:
-        client.ClientError: the server does not answer, or the warm-up failed.
+        client.ClientError: the server does not answer, the warm-up failed, or the trace
+            cannot be sent (images).
+        workload.TraceError: ``--warmup-requests`` leaves no request to measure.
     """
+    skip = getattr(args, "warmup_requests", 0)
+    if skip >= len(requests):
+        raise workload.TraceError(f"--warmup-requests {skip}: the trace has only "
+                                  f"{len(requests)} requests, none would be measured")
+    concurrency = getattr(args, "max_concurrency", None)
+
     async def go() -> tuple[str, list[client.RequestRecord]]:
         name = model
         if name is None:
@@ -90,23 +157,36 @@ def bench(base_url: str, requests: list[workload.Request], args: argparse.Namesp
         records = await client.run_trace(
             base_url, name, requests, endpoint=args.endpoint, temperature=args.temperature,
             ignore_eos=args.ignore_eos, progress=not args.disable_tqdm,
-            timeout_s=args.request_timeout, warmup=args.warmup)
+            timeout_s=args.request_timeout, warmup=args.warmup, max_concurrency=concurrency)
         return name, records
 
+    client.check_sendable(requests)  # before any connection: it is the trace's fault
     name, records = asyncio.run(go())
+    ramp = (getattr(args, "ramp_up_start_rps", None), getattr(args, "ramp_up_end_rps", None))
     result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"),
               "backend": "openai-chat" if args.endpoint == "chat" else "openai",
-              "base_url": base_url, "model_id": name, "num_prompts": len(requests),
+              "endpoint_type": "openai-chat" if args.endpoint == "chat" else "openai",
+              "base_url": base_url, "model_id": name, "num_prompts": len(requests) - skip,
+              "request_rate": _rate_field(request_rate or getattr(args, "request_rate", None),
+                                          requests),
+              "burstiness": getattr(args, "burstiness", 1.0), "max_concurrency": concurrency,
               "endpoint": args.endpoint, "temperature": args.temperature,
-              "ignore_eos": args.ignore_eos}
-    result.update(metrics.compute(records, dict(args.goodput) if args.goodput else None))
+              "ignore_eos": args.ignore_eos, "read_timeout": args.request_timeout,
+              "warmup_requests": skip}
+    if ramp[0] is not None and request_rate is None:
+        result.update(ramp_up_strategy="linear", ramp_up_start_rps=ramp[0],
+                      ramp_up_end_rps=ramp[1])
+    result.update(metrics.compute(records[skip:], dict(args.goodput) if args.goodput else None))
     return result
 
 
 def summary_lines(result: dict) -> list[str]:
     """A short human-readable table of a result dict."""
+    failed = f"{result['failed']}"
+    if result.get("error_counts"):
+        failed += " (" + ", ".join(f"{k} x{n}" for k, n in result["error_counts"].items()) + ")"
     rows = [("Successful requests", f"{result['completed']}"),
-            ("Failed requests", f"{result['failed']}"),
+            ("Failed requests", failed),
             ("Benchmark duration (s)", f"{result['duration']:.2f}"),
             ("Total input tokens", f"{result['total_input_tokens']}"),
             ("Total generated tokens", f"{result['total_output_tokens']}"),
@@ -115,12 +195,14 @@ def summary_lines(result: dict) -> list[str]:
             ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.2f}")]
     if result.get("request_goodput") is not None:
         rows.append(("Request goodput (req/s)", f"{result['request_goodput']:.2f}"))
+        rows.append(("SLO attainment", f"{result['slo_attainment']:.1%}"))
     for key, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
         rows.append((f"{title} mean / p50 / p99 (ms)",
                      f"{result[f'mean_{key}_ms']:.1f} / {result[f'median_{key}_ms']:.1f} / "
                      f"{result[f'p99_{key}_ms']:.1f}"))
     width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v:>22}" for k, v in rows]
+    lines = [f"{k:<{width}}  {v:>22}" if len(v) <= 22 else f"{k:<{width}}  {v}"
+             for k, v in rows]
     errors = [e for e in result.get("errors", []) if e]
     if errors:
         lines.append(f"First error: {errors[0]}")
@@ -133,20 +215,63 @@ def write_json(data, path: str | Path) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def sweep_table(result: dict) -> list[str]:
+    """One line per measured rate of a :func:`sweep.find_max_goodput_rate` result."""
+    lines = [f"{'rate':>8} {'attain':>7} {'thru':>7} {'goodput':>8} {'p99 TTFT':>9} "
+             f"{'p99 TPOT':>9} {'failed':>6}   (req/s, ms)"]
+    for p in result["points"]:
+        lines.append(f"{p['rate']:>8.3f} {p['slo_attainment']:>7.1%} "
+                     f"{p['request_throughput']:>7.3f} {p['request_goodput']:>8.3f} "
+                     f"{p['p99_ttft_ms']:>9.1f} {p['p99_tpot_ms']:>9.1f} {p['failed']:>6}")
+    best = result["max_rate"]
+    lines.append(f"Max rate with >= {result['target_share']:.0%} of requests within SLOs: "
+                 + (f"{best:.3f} req/s" if best is not None else "none (even the lowest "
+                    "rate misses; lower --sweep-rates)")
+                 + (" (the highest rate tried: raise --sweep-rates)"
+                    if best is not None and result["bracket"][1] is None else ""))
+    return lines
+
+
+def run_sweep(args: argparse.Namespace, requests: list[workload.Request], spec: dict) -> dict:
+    """Bisect on rate with the trace re-timed at each rate; write JSON and plot."""
+    def measure(rate: float) -> dict:
+        return bench(args.base_url, workload.retime(requests, rate, args.seed), args,
+                     model=args.model, request_rate=rate)
+
+    lo, hi = args.sweep_rates
+    result = sweep.find_max_goodput_rate(measure, args.goodput_target, lo, hi,
+                                         args.sweep_iters, progress=not args.disable_tqdm)
+    result.update(goodput_slos_ms=dict(args.goodput), workload=spec,
+                  sweep_rates=[lo, hi], sweep_iters=args.sweep_iters)
+    return result
+
+
 def run(args: argparse.Namespace) -> int:
-    try:
-        requests, spec = workload.build_from_args(args)
-    except workload.TraceError as exc:
-        print(f"epdserve bench: error: {exc}", file=sys.stderr)
+    if args.sweep and not (args.goodput and args.result_file):
+        print("epdserve bench: error: --sweep needs --goodput KEY:MS ... and --result-file",
+              file=sys.stderr)
         return 2
     try:
-        result = bench(args.base_url, requests, args, model=args.model)
+        requests, spec = workload.build_from_args(args)
+        if args.sweep:
+            result = run_sweep(args, requests, spec)
+        else:
+            result = bench(args.base_url, requests, args, model=args.model)
+    except (workload.TraceError, client.UnsupportedWorkload, client.ServerUnreachable) as exc:
+        print(f"epdserve bench: error: {exc}", file=sys.stderr)
+        return 2
     except client.ClientError as exc:
         print(f"epdserve bench: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("epdserve bench: interrupted", file=sys.stderr)
         return 130
+    if args.sweep:
+        print("\n".join(sweep_table(result)))
+        write_json(result, args.result_file)
+        png = sweep.plot(result, Path(args.result_file).with_name("goodput_vs_rate.png"))
+        print(f"result written to {args.result_file}, plot to {png}")
+        return 0
     result["workload"] = spec
     print("\n".join(summary_lines(result)))
     if args.result_file:

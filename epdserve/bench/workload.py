@@ -1,23 +1,26 @@
 """Request traces: what to send, and when.
 
 A trace is a list of :class:`Request` — send time after the start of the run
-(``offset_s``, seconds), prompt text, ``max_tokens``, and ``kind`` ("chat" or "long") —
-plus the prompt length in tokens it was built to have (``prompt_tokens``, counted on the
-text content alone with the model's tokenizer; the server adds its chat-template tokens
-on top). Every generator is seeded and deterministic: the same arguments and tokenizer
-give the same trace, byte for byte.
+(``offset_s``, seconds), prompt text, ``max_tokens``, ``kind`` ("chat" or "long"), the
+prompt length in tokens it was built to have (``prompt_tokens``, counted on the text
+content alone with the model's tokenizer; the server adds its chat-template tokens on
+top), and the images it carries (``images``: sizes only, for EPD workloads). Every
+generator is seeded and deterministic: the same arguments and tokenizer give the same
+trace, byte for byte.
 
-Generators:
+Generators (:mod:`epdserve.bench.datasets`): synthetic chat, shared prefixes, chat with
+long-prompt bursts (the demo), ShareGPT files; their lengths come from
+:func:`draw_lengths` (uniform over an inclusive range, or a normal or lognormal clipped to
+it, or fixed).
 
-* :func:`synthetic` — ``num_prompts`` requests, input and output lengths drawn uniformly
-  from inclusive ranges, Poisson arrivals at ``request_rate`` req/s (exponential gaps, as
-  vLLM ``bench serve`` with burstiness 1; ``inf`` sends everything at t = 0).
-* :func:`demo` — the load of ``make demo``: short chat requests at a steady Poisson rate
-  plus a few long prompts that arrive while the chat requests are decoding, the case in
-  which colocated serving stalls every decode behind a long prefill and PD does not.
+Arrivals (:func:`arrival_offsets`, vLLM ``bench serve`` semantics): gamma-distributed
+gaps with mean 1/rate and shape ``burstiness`` (1 = Poisson), optionally with the rate
+rising linearly from request to request (vLLM's linear ramp-up); rate ``inf`` sends
+everything at t = 0. A cap on requests in flight is the client's (``--max-concurrency``).
 
 Traces are saved and loaded as JSON lines, one request per line (:func:`save_trace`,
-:func:`load_trace`), so a run can be replayed exactly.
+:func:`load_trace`), so a run can be replayed exactly; :func:`retime` re-spaces a trace
+for another rate (the goodput sweep).
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 KINDS = ("chat", "long")
+LENGTH_DISTRIBUTIONS = ("uniform", "normal", "lognormal")
 
 
 class TraceError(ValueError):
@@ -43,7 +48,9 @@ class Request:
 
     ``offset_s``: send time in seconds after the start of the run; ``prompt``: the user
     message text; ``max_tokens``: tokens to generate; ``kind``: "chat" or "long";
-    ``prompt_tokens``: token count of ``prompt`` aimed for (text only, no template).
+    ``prompt_tokens``: token count of ``prompt`` aimed for (text only, no template);
+    ``images``: one ``{"width": W, "height": H}`` (pixels) per image sent with the
+    prompt, empty for text-only requests.
     """
 
     offset_s: float
@@ -51,6 +58,7 @@ class Request:
     max_tokens: int
     kind: str
     prompt_tokens: int
+    images: tuple[dict, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------
@@ -107,88 +115,118 @@ def make_prompt(tokenizer, words: list[str], num_tokens: int, rng: np.random.Gen
 
 
 # ---------------------------------------------------------------------------------------
-# Arrivals and generators
+# Arrivals
+
+
+def arrival_offsets(num: int, rate: float, rng: np.random.Generator, burstiness: float = 1.0,
+                    ramp: tuple[float, float] | None = None) -> list[float]:
+    """Send times (s) of ``num`` requests: the first at 0, then gaps drawn from a gamma
+    distribution with shape ``burstiness`` and scale 1/(rate·burstiness), so mean 1/rate
+    and coefficient of variation 1/sqrt(burstiness) — vLLM ``bench serve``'s definition:
+    burstiness 1 is a Poisson process (exponential gaps), < 1 burstier, > 1 steadier.
+
+    ``ramp=(A, B)`` (req/s) replaces ``rate``: the gap before request i is drawn at rate
+    A + (B − A)·i/(num − 1), rising linearly over the run (vLLM's linear ramp-up).
+    ``rate`` = inf (and no ramp): all at 0.
+
+    Raises:
+        TraceError: rate or a ramp end <= 0, or burstiness <= 0.
+    """
+    if not (burstiness > 0) or math.isinf(burstiness):
+        raise TraceError(f"burstiness {burstiness}: must be a finite number > 0")
+    if ramp is not None:
+        if not (0 < ramp[0] < math.inf and 0 < ramp[1] < math.inf):
+            raise TraceError(f"ramp-up {ramp[0]}->{ramp[1]} req/s: both must be finite and > 0")
+        rates = np.linspace(ramp[0], ramp[1], num) if num > 1 else np.array([ramp[0]])
+    else:
+        check_rate(rate)
+        if math.isinf(rate):
+            return [0.0] * num
+        rates = np.full(num, rate)
+    if num <= 0:
+        return []
+    if burstiness == 1.0:
+        # Gamma(1, s) is Exponential(s); drawing it as such keeps seeded Poisson traces
+        # identical to the ones made before gamma arrivals existed.
+        gaps = rng.exponential(1.0 / rates[1:])
+    else:
+        gaps = rng.gamma(burstiness, 1.0 / (rates[1:] * burstiness))
+    return [0.0] + [float(x) for x in np.cumsum(gaps)]
 
 
 def poisson_offsets(num: int, rate: float, rng: np.random.Generator) -> list[float]:
     """Send times (s) of ``num`` requests arriving as a Poisson process of ``rate`` req/s:
     the first at 0, then exponential gaps of mean 1/rate. ``rate`` = inf: all at 0."""
-    if num <= 0:
-        return []
-    if math.isinf(rate):
-        return [0.0] * num
-    gaps = rng.exponential(1.0 / rate, size=num - 1)
-    return [0.0] + [float(x) for x in np.cumsum(gaps)]
+    return arrival_offsets(num, rate, rng)
 
 
-def _check_range(name: str, lo_hi: tuple[int, int]) -> tuple[int, int]:
+def retime(requests: list[Request], rate: float, seed: int = 0) -> list[Request]:
+    """The same requests re-spaced to a mean arrival rate of ``rate`` req/s: offsets scaled
+    by (current mean rate)/``rate``, keeping the pattern (bursts, long-prompt positions).
+    A trace sent all at t = 0 has no pattern to keep; it gets Poisson offsets (seeded).
+
+    Raises:
+        TraceError: ``rate`` is not a finite number > 0.
+    """
+    if not (0 < rate < math.inf):
+        raise TraceError(f"rate {rate}: must be a finite number > 0 req/s")
+    if len(requests) < 2:
+        return list(requests)
+    span = max(r.offset_s for r in requests) - min(r.offset_s for r in requests)
+    if span == 0:
+        order = sorted(range(len(requests)), key=lambda i: requests[i].offset_s)
+        offsets = arrival_offsets(len(requests), rate, np.random.default_rng(seed))
+        new = list(requests)
+        for i, off in zip(order, offsets):
+            new[i] = replace(requests[i], offset_s=round(off, 6))
+        return new
+    scale = span / (len(requests) - 1) * rate  # = (current rate) / rate
+    start = min(r.offset_s for r in requests)
+    return [replace(r, offset_s=round((r.offset_s - start) / scale, 6)) for r in requests]
+
+
+# ---------------------------------------------------------------------------------------
+# Lengths and images
+
+
+def check_range(name: str, lo_hi: tuple[int, int]) -> tuple[int, int]:
+    """``lo_hi`` if 1 <= MIN <= MAX, else TraceError naming ``name``."""
     lo, hi = lo_hi
     if lo < 1 or hi < lo:
         raise TraceError(f"{name} {lo}:{hi}: need 1 <= MIN <= MAX")
     return lo, hi
 
 
-def _check_rate(rate: float) -> float:
+def check_rate(rate: float) -> float:
+    """``rate`` (req/s) if > 0 (inf allowed), else TraceError."""
     if not (rate > 0):  # also rejects NaN
         raise TraceError(f"request rate {rate}: must be > 0 (inf = all at once)")
     return rate
 
 
-def synthetic(tokenizer, num_prompts: int = 50, input_len: tuple[int, int] = (100, 400),
-              output_len: tuple[int, int] = (64, 128), request_rate: float = float("inf"),
-              seed: int = 0) -> list[Request]:
-    """``num_prompts`` chat requests: input/output token lengths uniform over the inclusive
-    ranges, Poisson arrivals at ``request_rate`` req/s (inf: all at t = 0)."""
-    if num_prompts < 1:
-        raise TraceError(f"num prompts {num_prompts}: must be >= 1")
-    _check_range("input length", input_len)
-    _check_range("output length", output_len)
-    _check_rate(request_rate)
-    rng = np.random.default_rng(seed)
-    words = word_list(tokenizer)
-    in_lens = rng.integers(input_len[0], input_len[1] + 1, size=num_prompts)
-    out_lens = rng.integers(output_len[0], output_len[1] + 1, size=num_prompts)
-    offsets = poisson_offsets(num_prompts, request_rate, rng)
-    return [Request(offset_s=round(offsets[i], 6),
-                    prompt=make_prompt(tokenizer, words, int(in_lens[i]), rng),
-                    max_tokens=int(out_lens[i]), kind="chat", prompt_tokens=int(in_lens[i]))
-            for i in range(num_prompts)]
+def draw_lengths(rng: np.random.Generator, num: int, lo_hi: tuple[int, int],
+                 dist: str = "uniform") -> np.ndarray:
+    """``num`` token lengths in the inclusive range ``lo_hi`` (MIN = MAX: fixed).
 
+    ``dist``: "uniform" over the range; "normal" with mean at its middle and standard
+    deviation (MAX − MIN)/6 (so ±3σ spans it); "lognormal" with median sqrt(MIN·MAX) and
+    σ of the log ln(MAX/MIN)/6 (lengths of real prompts are skewed like this). Normal and
+    lognormal draws are rounded and clipped to the range.
 
-# Defaults of `make demo`, sized for a 2-core CPU running SmolLM2-135M in float32
-# (measured: prefill ~240 tok/s per core, a decode step ~75 ms at batch 1 and ~150 ms at
-# batch 8 on one core; a 2-thread engine sharing its cores with the router and client is
-# slower still): 24 chat requests at 0.25 req/s arrive over ~95 s, asking for ~90 prompt
-# tokens/s in all, below either deployment's prefill capacity; the 3 long prompts (~4 s of
-# prefill on two cores, ~7 s on one) land at 1/4, 1/2 and 3/4 of the chat arrival window,
-# while chat requests decode.
-DEMO_DEFAULTS = dict(num_chat=24, chat_input_len=(50, 250), chat_output_len=(32, 64),
-                     chat_rate=0.25, num_long=3, long_input_len=1600, long_output_len=16)
-
-
-def demo(tokenizer, num_chat: int = 24, chat_input_len: tuple[int, int] = (50, 250),
-         chat_output_len: tuple[int, int] = (32, 64), chat_rate: float = 0.25,
-         num_long: int = 3, long_input_len: int = 1600, long_output_len: int = 16,
-         seed: int = 0) -> list[Request]:
-    """The demo load: ``num_chat`` chat requests (uniform lengths, Poisson at ``chat_rate``
-    req/s) and ``num_long`` long prompts of ``long_input_len`` tokens with
-    ``long_output_len`` output tokens, sent at evenly spaced fractions k/(num_long+1) of the
-    chat arrival window (so they arrive while chat requests decode). Sorted by send time."""
-    if num_chat < 1 or num_long < 0:
-        raise TraceError(f"demo needs >= 1 chat request and >= 0 long ones "
-                         f"(got {num_chat}, {num_long})")
-    if long_input_len < 1 or long_output_len < 1:
-        raise TraceError(f"long prompt lengths must be >= 1 (got {long_input_len}, "
-                         f"{long_output_len})")
-    chat = synthetic(tokenizer, num_chat, chat_input_len, chat_output_len, chat_rate, seed)
-    span = chat[-1].offset_s if math.isfinite(chat_rate) else 0.0
-    rng = np.random.default_rng([seed, 1])
-    words = word_list(tokenizer)
-    long = [Request(offset_s=round(span * (k + 1) / (num_long + 1), 6),
-                    prompt=make_prompt(tokenizer, words, long_input_len, rng),
-                    max_tokens=long_output_len, kind="long", prompt_tokens=long_input_len)
-            for k in range(num_long)]
-    return sorted(chat + long, key=lambda r: r.offset_s)  # stable: ties keep chat first
+    Raises:
+        TraceError: an unknown ``dist``.
+    """
+    lo, hi = lo_hi
+    if dist == "uniform":
+        return rng.integers(lo, hi + 1, size=num)
+    if dist == "normal":
+        x = rng.normal((lo + hi) / 2, (hi - lo) / 6, size=num)
+    elif dist == "lognormal":
+        x = rng.lognormal(math.log(math.sqrt(lo * hi)), math.log(hi / lo) / 6, size=num)
+    else:
+        raise TraceError(f"length distribution {dist!r}: use one of "
+                         f"{', '.join(LENGTH_DISTRIBUTIONS)}")
+    return np.clip(np.rint(x), lo, hi).astype(int)
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,15 +283,29 @@ def _parse_request(line: str, where: str) -> Request:
         raise TraceError(f"{where}: max_tokens {obj['max_tokens']} must be >= 1")
     if obj["kind"] not in KINDS:
         raise TraceError(f"{where}: kind {obj['kind']!r} must be one of {', '.join(KINDS)}")
+    images = obj.get("images", [])
+    if not isinstance(images, list) or not all(_is_image(x) for x in images):
+        raise TraceError(f"{where}: field 'images' must be a list of "
+                         f'{{"width": W, "height": H}} with W, H >= 1 ({images!r})')
     return Request(offset_s=float(obj["offset_s"]), prompt=obj["prompt"],
                    max_tokens=obj["max_tokens"], kind=obj["kind"],
-                   prompt_tokens=obj["prompt_tokens"])
+                   prompt_tokens=obj["prompt_tokens"],
+                   images=tuple({"width": x["width"], "height": x["height"]} for x in images))
+
+
+def _is_image(x) -> bool:
+    return (isinstance(x, dict) and all(isinstance(x.get(k), int) and not isinstance(x[k], bool)
+                                        and x[k] >= 1 for k in ("width", "height")))
 
 
 def describe(requests: list[Request]) -> dict:
-    """Summary of a trace: counts, token totals and ranges per kind, arrival window (s)."""
+    """Summary of a trace: counts, token totals and ranges per kind, arrival window (s),
+    and the number of images when any request carries one."""
     out: dict = {"num_requests": len(requests),
                  "duration_of_arrivals_s": round(max(r.offset_s for r in requests), 3)}
+    num_images = sum(len(r.images) for r in requests)
+    if num_images:
+        out["num_images"] = num_images
     for kind in KINDS:
         sel = [r for r in requests if r.kind == kind]
         if sel:
@@ -323,28 +375,90 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+    return value
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """argparse type for an image size ``WxH`` in pixels, both >= 1."""
+    w, sep, h = text.lower().partition("x")
+    try:
+        size = (int(w), int(h))
+    except ValueError:
+        size = (0, 0)
+    if not sep or min(size) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected WxH in pixels, e.g. 448x448")
+    return size
+
+
+WORKLOADS = ("synthetic", "prefix", "demo", "sharegpt")
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "synthetic") -> None:
-    """Add the workload options (generator, sizes, seed, --trace, --save-trace)."""
+    """Add the workload options (generator, lengths, arrivals, images, seed, --trace,
+    --save-trace)."""
+    from epdserve.bench.datasets import DEMO_DEFAULTS
+
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", choices=["synthetic", "demo"], default=default,
-                   help=f"trace generator (default {default})")
+    g.add_argument("--workload", choices=WORKLOADS, default=default,
+                   help=f"trace generator (default {default}); sharegpt needs --dataset-path")
     g.add_argument("--num-prompts", type=positive_int, default=None,
-                   help="requests (synthetic, default 50) or chat requests (demo, default 24)")
+                   help="requests (default 50) or chat requests (demo, default 24)")
     g.add_argument("--input-len", type=parse_range, default=None, metavar="MIN:MAX",
-                   help="prompt tokens, uniform (synthetic default 100:400, demo 50:250)")
+                   help="prompt tokens (synthetic default 100:400, demo 50:250; N = fixed)")
     g.add_argument("--output-len", type=parse_range, default=None, metavar="MIN:MAX",
-                   help="output tokens, uniform (synthetic default 64:128, demo 32:64)")
-    g.add_argument("--request-rate", type=parse_rate, default=None, metavar="R",
-                   help="Poisson arrival rate in req/s, inf = all at once "
-                        "(synthetic default inf, demo default 0.25)")
-    g.add_argument("--num-long", type=nonnegative_int, default=DEMO_DEFAULTS["num_long"],
-                   help="demo: long prompts (default %(default)s)")
-    g.add_argument("--long-input-len", type=positive_int,
+                   help="output tokens (default 64:128, demo 32:64; sharegpt: the answer's "
+                        "length unless given)")
+    g.add_argument("--length-dist", choices=LENGTH_DISTRIBUTIONS, default="uniform",
+                   help="distribution of lengths over their MIN:MAX range: uniform (default), "
+                        "normal (mean mid-range, std range/6) or lognormal (median "
+                        "sqrt(MIN*MAX)), clipped to the range")
+    a = parser.add_argument_group("arrivals")
+    a.add_argument("--request-rate", type=parse_rate, default=None, metavar="R",
+                   help="mean arrival rate in req/s, inf = all at once "
+                        "(default inf, demo default 0.25)")
+    a.add_argument("--burstiness", type=positive_float, default=1.0, metavar="B",
+                   help="gamma shape of the gaps between arrivals: 1 = Poisson (default), "
+                        "<1 burstier, >1 steadier (vLLM's definition)")
+    a.add_argument("--ramp-up-start-rps", type=positive_float, default=None, metavar="A",
+                   help="linear ramp: rate of the first request (req/s); needs "
+                        "--ramp-up-end-rps, replaces --request-rate")
+    a.add_argument("--ramp-up-end-rps", type=positive_float, default=None, metavar="B",
+                   help="linear ramp: rate of the last request (req/s)")
+    p = parser.add_argument_group("shared prefixes (--workload prefix)")
+    p.add_argument("--prefix-count", type=positive_int, default=4, metavar="K",
+                   help="distinct prefixes (default %(default)s)")
+    p.add_argument("--prefix-len", type=positive_int, default=256, metavar="P",
+                   help="tokens per prefix (default %(default)s)")
+    p.add_argument("--suffix-len", type=parse_range, default=(16, 64), metavar="MIN:MAX",
+                   help="tokens of each request's own suffix (default 16:64)")
+    p.add_argument("--prefix-order", choices=["round-robin", "random"], default="round-robin",
+                   help="which prefix request i takes (default round-robin)")
+    d = parser.add_argument_group("long-prompt bursts (--workload demo)")
+    d.add_argument("--num-long", "--long-count", dest="num_long", type=nonnegative_int, metavar="N",
+                   default=DEMO_DEFAULTS["num_long"],
+                   help="long prompts (default %(default)s)")
+    d.add_argument("--long-input-len", "--long-len", dest="long_input_len", type=positive_int, metavar="N",
                    default=DEMO_DEFAULTS["long_input_len"],
-                   help="demo: tokens per long prompt (default %(default)s)")
-    g.add_argument("--long-output-len", type=positive_int,
+                   help="tokens per long prompt (default %(default)s)")
+    d.add_argument("--long-output-len", type=positive_int,
                    default=DEMO_DEFAULTS["long_output_len"],
-                   help="demo: output tokens per long prompt (default %(default)s)")
+                   help="output tokens per long prompt (default %(default)s)")
+    d.add_argument("--long-burst", type=positive_int, default=1, metavar="N",
+                   help="long prompts sent at the same instant (default 1)")
+    g.add_argument("--dataset-path", default=None, metavar="FILE",
+                   help="ShareGPT-format JSON file (--workload sharegpt)")
+    g.add_argument("--images-per-request", type=nonnegative_int, default=0, metavar="N",
+                   help="images attached to every request (default 0; needs a server with "
+                        "vision support)")
+    g.add_argument("--image-size", type=parse_size, default=(448, 448), metavar="WxH",
+                   help="pixel size of those images (default 448x448)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     g.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="model directory or GGUF whose tokenizer sizes the prompts "
@@ -372,6 +486,19 @@ def load_tokenizer_for(path: str | None):
         raise TraceError(f"tokenizer {path}: {exc}") from None
 
 
+def _arrivals_from_args(args: argparse.Namespace, default_rate: float) -> dict:
+    start = getattr(args, "ramp_up_start_rps", None)
+    end = getattr(args, "ramp_up_end_rps", None)
+    if (start is None) != (end is None):
+        raise TraceError("a linear ramp needs both --ramp-up-start-rps and --ramp-up-end-rps")
+    if start is not None and args.request_rate is not None:
+        raise TraceError("--request-rate and --ramp-up-*-rps exclude each other "
+                         "(the ramp sets the rate)")
+    return {"burstiness": getattr(args, "burstiness", 1.0),
+            "ramp": (start, end) if start is not None else None,
+            "request_rate": args.request_rate or default_rate}
+
+
 def build_from_args(args: argparse.Namespace, tokenizer_path: str | None = None
                     ) -> tuple[list[Request], dict]:
     """The trace the workload options ask for, and a dict describing how it was made.
@@ -380,32 +507,66 @@ def build_from_args(args: argparse.Namespace, tokenizer_path: str | None = None
     ``--save-trace`` is given.
 
     Raises:
-        TraceError: a bad trace file or setting (the message names it).
+        TraceError: a bad trace or dataset file or setting (the message names it).
     """
+    from epdserve.bench import datasets
+
+    workload = args.workload
+    if getattr(args, "dataset_path", None) and workload != "sharegpt":
+        raise TraceError(f"--dataset-path is for --workload sharegpt, not {workload}")
     if args.trace:
         requests = load_trace(args.trace)
         spec = {"source": "trace", "trace": str(args.trace)}
     else:
         tok = load_tokenizer_for(args.tokenizer or tokenizer_path)
-        if args.workload == "demo":
-            d = DEMO_DEFAULTS
+        dist = getattr(args, "length_dist", "uniform")
+        extra: dict = {}
+        if workload == "demo":
+            d = datasets.DEMO_DEFAULTS
             params = dict(num_chat=args.num_prompts or d["num_chat"],
                           chat_input_len=args.input_len or d["chat_input_len"],
                           chat_output_len=args.output_len or d["chat_output_len"],
-                          chat_rate=args.request_rate or d["chat_rate"],
                           num_long=args.num_long, long_input_len=args.long_input_len,
-                          long_output_len=args.long_output_len, seed=args.seed)
-            requests = demo(tok, **params)
+                          long_output_len=args.long_output_len,
+                          long_burst=getattr(args, "long_burst", 1), seed=args.seed,
+                          length_dist=dist, **_arrivals_from_args(args, d["chat_rate"]))
+            params["chat_rate"] = params.pop("request_rate")
+            requests = datasets.demo(tok, **params)
+        elif workload == "sharegpt":
+            if not args.dataset_path:
+                raise TraceError("--workload sharegpt needs --dataset-path FILE")
+            params = dict(path=args.dataset_path, num_prompts=args.num_prompts or 50,
+                          output_len=args.output_len, seed=args.seed,
+                          **_arrivals_from_args(args, float("inf")))
+            requests, extra = datasets.sharegpt(tok, **params)
+            print(f"dataset {args.dataset_path}: {extra['used']} of {extra['conversations']} "
+                  f"conversations used; skipped {extra['skipped_no_answer']} without an "
+                  f"answer, {extra['skipped_too_short']} too short, "
+                  f"{extra['skipped_too_long']} too long", file=sys.stderr)
         else:
             params = dict(num_prompts=args.num_prompts or 50,
-                          input_len=args.input_len or (100, 400),
-                          output_len=args.output_len or (64, 128),
-                          request_rate=args.request_rate or float("inf"), seed=args.seed)
-            requests = synthetic(tok, **params)
-        spec = {"source": args.workload,
-                **{k: (list(v) if isinstance(v, tuple) else
-                       (str(v) if isinstance(v, float) and math.isinf(v) else v))
-                   for k, v in params.items()}}
+                          output_len=args.output_len or (64, 128), seed=args.seed,
+                          length_dist=dist, **_arrivals_from_args(args, float("inf")))
+            if workload == "prefix":
+                params.update(prefix_count=args.prefix_count, prefix_len=args.prefix_len,
+                              suffix_len=args.suffix_len, order=args.prefix_order)
+                requests = datasets.shared_prefix(tok, **params)
+            else:
+                params["input_len"] = args.input_len or (100, 400)
+                requests = datasets.synthetic(tok, **params)
+        images = getattr(args, "images_per_request", 0)
+        if images:
+            params.update(images_per_request=images, image_size=args.image_size)
+            requests = datasets.with_images(requests, images, args.image_size)
+        spec = {"source": workload, **{k: _jsonable(v) for k, v in params.items()}, **extra}
     if args.save_trace:
         save_trace(requests, args.save_trace)
     return requests, spec
+
+
+def _jsonable(value):
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, float) and math.isinf(value):
+        return str(value)
+    return value
