@@ -1,7 +1,8 @@
 """``epdserve compare`` parts with real processes: server start/health/stop by process
 group, one configuration run end to end against the stub server of
 ``test_bench_client.py`` (which takes ``epdserve serve``'s options and writes a trace),
-the server-trace summary, the table and the plots. The real server is not needed."""
+the server-trace summary and TTFT breakdown, the table, the report and the plots. Only
+the cores test uses the real server (the session's 1P1D fixture)."""
 
 import json
 import os
@@ -63,18 +64,117 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
     assert entries[1]["server"]["mean_kv_bytes"] == 4096
     assert entries[1]["server"]["p95_kv_transfer_ms"] == pytest.approx(2.5)
 
-    files = compare.write_outputs(entries, trace, {"source": "test"}, tmp_path)
+    for e in entries:  # stub records: queue_ms 1, prefill_ms = STUB_TTFT_S, no ttft_ms
+        b = e["breakdown"]
+        assert b["joined"] == 3 and b["handoff"] is None
+        assert b["ttft"]["parts"] == ["queue", "prefill", "other"]
+        assert b["ttft"]["mean"]["queue"] == pytest.approx(1.0)
+        assert b["ttft"]["mean"]["prefill"] == pytest.approx(1000 * STUB_TTFT_S)
+        client_ms = [t * 1000 for t, err in zip(e["result"]["ttfts"], e["result"]["errors"])
+                     if not err]
+        assert sum(b["ttft"]["mean"].values()) == pytest.approx(sum(client_ms) / 3)
+        assert e["itl_stalls"] == 0
+        assert e["resources"]["num_cores"] is None  # the stub's /health lists no workers
+        assert e["per_core"]["output_throughput"] is None
+
+    failed = {"name": "2p1d", "mode": "pd", "error": "server exited with status 1"}
+    files = compare.write_outputs([*entries, failed], trace, {"source": "test"}, tmp_path,
+                                  {"temperature": 0.0})
     saved = json.loads((tmp_path / "compare.json").read_text())
-    assert [e["name"] for e in saved] == ["colocated", "pd"]
-    assert set(saved[0]) == {"name", "result", "server"}
+    assert [e["name"] for e in saved["configs"]] == ["colocated", "pd", "2p1d"]
+    assert saved["sampling"] == {"temperature": 0.0}
+    assert saved["trace"]["num_requests"] == 4 and len(saved["trace"]["sha256"]) == 64
+    assert saved["recommendation"]["not_considered"]["2p1d"] == "server exited with status 1"
+    assert saved["recommendation"]["choice"] in ("colocated", "pd")
     md = (tmp_path / "compare.md").read_text()
     assert "| Metric | colocated | pd | pd/colocated |" in md
     assert "KV bytes/req" in md and "- long: 1 requests" in md
     assert "| kv_bytes | 0.0 | 0.0 | 4,096.0 | 4,096.0 |" in md  # server-stage table
+    assert "**2p1d failed:** `server exited with status 1`" in md
+    assert "| queue | 1.0 | 1.0 | 1.0 | 1.0 |" in md  # TTFT breakdown table
+    assert "Prefix caching does not exist yet" in md
+    assert "--sweep-rates LO:HI" in md  # how to get goodput vs rate
+    assert md.rstrip().splitlines()[-1].startswith("Rule: ")
+    assert "## Recommendation" in md
     for f in files:
         assert f.stat().st_size > 0
-    for png in ("ttft_cdf.png", "itl_cdf.png", "itl_over_time.png"):
+    for png in ("ttft_cdf.png", "itl_cdf.png", "itl_over_time.png", "stages.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "goodput_vs_rate.png").exists()
+
+
+def test_resources_lists_each_workers_cores(pd_server, tmp_path):
+    res = compare.ServerProcess("pd", [], tmp_path / "x.log", pd_server.url).resources()
+    roles = {w["role"]: set(w["cores"]) for w in res["workers"]}
+    assert set(roles) == {"prefill", "decode"}
+    assert roles["prefill"] and roles["decode"]
+    assert res["cores"] == sorted(roles["prefill"] | roles["decode"])
+    assert res["num_cores"] == len(res["cores"])
+
+
+def client_result(ttfts_s, itls_s, ids, errors=None):
+    """A bench result with just what the breakdown reads (times in seconds)."""
+    return {"ttfts": ttfts_s, "itls": itls_s, "request_ids": ids,
+            "errors": errors or [""] * len(ids)}
+
+
+def test_breakdown_joins_by_id_and_splits_ttft_and_the_handoff_gap():
+    result = client_result([0.500, 0.300, 0.0], [[0.200, 0.05], [0.1], []],
+                           ["chatcmpl-a", "chatcmpl-b", "chatcmpl-c"],
+                           ["", "", "HTTP 500"])
+    records = [
+        # a: PD with a hand-off; the router saw TTFT 490 ms of the client's 500.
+        {"request_id": "chatcmpl-a", "mode": "pd", "ttft_ms": 490.0, "router_queue_ms": 5.0,
+         "prefill_queue_ms": 20.0, "prefill_ms": 400.0, "kv_export_ms": 30.0,
+         "router_hop_ms": 2.0, "kv_fetch_ms": 8.0, "kv_import_ms": 10.0, "decode_queue_ms": 40.0},
+        # b: no ttft_ms and no hand-off keys: no http part, no hand-off row.
+        {"request_id": "b", "mode": "pd", "router_queue_ms": 1.0, "prefill_ms": 250.0},
+        {"request_id": "c", "mode": "pd", "prefill_ms": 1.0},  # failed on the client: skipped
+        {"request_id": "zzz", "prefill_ms": 1.0},  # another run's request
+    ]
+    b = server_trace.breakdown(result, records)
+    assert b["joined"] == 2
+    t = b["ttft"]
+    assert t["parts"] == ["http", "router", "prefill queue", "prefill", "KV export", "other"]
+    # a: http 10, router 5, queue 20, prefill 400, export 30, other 500-465 = 35
+    # b: router 1, prefill 250, other 300-251 = 49 (http and the rest count 0)
+    assert t["mean"] == pytest.approx({"http": 5.0, "router": 3.0, "prefill queue": 10.0,
+                                       "prefill": 325.0, "KV export": 15.0, "other": 42.0})
+    assert t["p95"]["other"] == pytest.approx(35 + 0.95 * 14)
+    h = b["handoff"]
+    assert h["n"] == 1  # only a has kv_import_ms
+    assert h["mean"] == pytest.approx({"router hop": 2.0, "KV fetch": 8.0, "KV import": 10.0,
+                                       "decode queue": 40.0, "other": 140.0})
+    assert server_trace.breakdown(client_result([0.1], [[]], ["x"]), records) == \
+        {"joined": 0, "ttft": None, "handoff": None}
+
+
+def entry_with_sweep(name, points):
+    return {"name": name, "result": {}, "breakdown": {
+        "ttft": {"n": 2, "parts": ["router", "prefill", "other"],
+                 "mean": {"router": 3.0, "prefill": 300.0, "other": 20.0},
+                 "p95": {"router": 5.0, "prefill": 500.0, "other": 40.0}},
+        "handoff": None if name == "colocated" else {
+            "n": 2, "parts": ["KV import", "other"], "mean": {"KV import": 9.0, "other": 90.0},
+            "p95": {"KV import": 12.0, "other": 120.0}}},
+        "sweep": {"max_rate": 1.0, "target_share": 0.9, "bracket": [1.0, 2.0], "points": [
+            {"rate": r, "slo_attainment": a, "request_goodput": g, "request_throughput": r}
+            for r, a, g in points]}}
+
+
+def test_stacked_stage_and_goodput_plots_are_written(tmp_path):
+    entries = [entry_with_sweep("colocated", [(0.5, 1.0, 0.5), (2.0, 0.5, 1.0)]),
+               entry_with_sweep("pd", [(0.5, 1.0, 0.5), (1.0, 0.9, 0.9), (2.0, 0.2, 0.4)])]
+    from epdserve.bench import plots
+
+    plots.plot_stages(entries, tmp_path / "stages.png")
+    plots.plot_goodput_vs_rate(entries, tmp_path / "goodput_vs_rate.png")
+    for png in ("stages.png", "goodput_vs_rate.png"):
+        data = (tmp_path / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    md = report.sweep_markdown(entries)
+    assert "- pd: max rate with 90% of requests within the SLOs: 1 req/s" in md
+    assert "1: 90%" in md
 
 
 def test_server_that_dies_gives_its_log_tail(tmp_path):
@@ -182,7 +282,9 @@ def test_compare_cli_bad_values_exit_2():
     for args, needle in ((["--configs", "colocated,colocated"], "named twice"),
                          (["--configs", "colocated,0p1d"], "0p1d"),
                          (["--port", "70000"], "70000"),
-                         (["--trace", "/nonexistent.jsonl"], "/nonexistent.jsonl")):
+                         (["--trace", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
+                         (["--sweep-rates", "2:1"], "2:1"),
+                         (["--sweep-rates", "0.5:2"], "--goodput")):
         proc = subprocess.run([sys.executable, "-m", "epdserve", "compare", *args],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, (args, proc.stderr)
@@ -193,6 +295,8 @@ def test_configuration_names_map_to_serve_flags():
     assert compare.serve_flags("pd") == ["--mode", "pd"]
     assert compare.serve_flags("colocated-2") == ["--mode", "colocated", "--workers", "2"]
     assert compare.serve_flags("2p1d") == ["--mode", "pd", "--prefill-workers", "2", "--decode-workers", "1"]
+    assert compare.serve_flags("colocated-chunked") == [
+        "--mode", "colocated", "--enable-chunked-prefill", "--max-num-batched-tokens", "256"]
     assert compare.serve_flags("bogus") is None
 
 

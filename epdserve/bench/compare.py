@@ -9,9 +9,16 @@ until ``/health`` answers 200, send the trace with the bench client, stop the se
 summarise its trace. Then write under ``--output DIR``:
 
 * ``trace.jsonl`` — the trace sent to every configuration;
-* ``compare.json`` — ``[{"name", "result": <bench result>, "server": <trace summary>}]``;
-* ``compare.md`` — the comparison table and the workload;
-* ``ttft_cdf.png``, ``itl_cdf.png``, ``itl_over_time.png``.
+* ``compare.json`` — ``{"trace", "sampling", "configs": [<entry>], "recommendation"}``
+  (an entry: see :func:`run_config`; a configuration that failed is ``{"name", "error"}``);
+* ``compare.md`` — the comparison table, the TTFT breakdown, the workload and the
+  recommendation (:mod:`epdserve.bench.recommend`);
+* ``ttft_cdf.png``, ``itl_cdf.png``, ``itl_over_time.png``, ``stages.png`` and, with
+  ``--sweep-rates``, ``goodput_vs_rate.png``.
+
+Every configuration gets the same trace, sampling settings and model; the launcher pins
+its workers to the same cores (all usable ones, split among workers), which ``/health``
+lists and the entry records, so throughput and goodput are also reported per core.
 
 Exit status: 0 when every configuration ran, 1 when a server failed to start or answer,
 2 for a bad option, 130 on Ctrl-C.
@@ -20,6 +27,8 @@ Exit status: 0 when every configuration ran, 1 when a server failed to start or 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import os
 import re
 import signal
@@ -31,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-from epdserve.bench import client, plots, report, server_trace, workload
+from epdserve.bench import client, plots, recommend, report, server_trace, sweep, workload
 from epdserve.bench.run import add_client_arguments, bench, write_json
 
 
@@ -96,6 +105,22 @@ class ServerProcess:
                                       f"{log_tail(self.log_path)}")
                 time.sleep(0.5)
 
+    def resources(self) -> dict:
+        """``{"workers": [{"worker_id", "role", "cores"}], "cores": [...], "num_cores": n}``
+        from ``/health`` (the CPU cores the launcher pinned each worker to); ``num_cores``
+        is None when no worker lists its cores (e.g. a server that is not epdserve's)."""
+        try:
+            with httpx.Client(timeout=5.0, trust_env=False) as http:
+                body = http.get(self.base_url + "/health").json()
+        except (httpx.HTTPError, ValueError):
+            body = {}
+        if not isinstance(body, dict):
+            body = {}
+        workers = [{k: w.get(k) for k in ("worker_id", "role", "cores")}
+                   for w in body.get("workers", []) if isinstance(w, dict)]
+        cores = sorted({c for w in workers for c in (w["cores"] or [])})
+        return {"workers": workers, "cores": cores, "num_cores": len(cores) or None}
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the whole process group, wait up to ``grace_s``, then SIGKILL it."""
         if self.proc is None:
@@ -130,12 +155,21 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+# Chunked prefill's token budget per step: a long prompt then stalls the decodes batched
+# with it by one 256-token step at a time instead of by its whole prefill.
+CHUNKED_BATCHED_TOKENS = 256
+
+
 def serve_flags(name: str) -> list[str] | None:
     """``epdserve serve`` flags of a configuration name, or None for an unknown name:
-    ``colocated`` and ``pd`` (1P1D) as they are, ``colocated-N`` for N replicas, ``XpYd``
-    for X prefill and Y decode workers (the field's xPyD notation)."""
+    ``colocated`` and ``pd`` (1P1D) as they are, ``colocated-chunked`` (chunked prefill,
+    :data:`CHUNKED_BATCHED_TOKENS` tokens per step), ``colocated-N`` for N replicas,
+    ``XpYd`` for X prefill and Y decode workers (the field's xPyD notation)."""
     if name in ("colocated", "pd"):
         return ["--mode", name]
+    if name == "colocated-chunked":
+        return ["--mode", "colocated", "--enable-chunked-prefill",
+                "--max-num-batched-tokens", str(CHUNKED_BATCHED_TOKENS)]
     if m := re.fullmatch(r"colocated-([1-9][0-9]*)", name):
         return ["--mode", "colocated", "--workers", m[1]]
     if m := re.fullmatch(r"([1-9][0-9]*)p([1-9][0-9]*)d", name):
@@ -165,13 +199,25 @@ def _port(text: str) -> int:
     return port
 
 
+def _rates(text: str) -> tuple[float, float]:
+    """argparse type for ``--sweep-rates LO:HI`` (req/s, 0 < LO < HI, finite)."""
+    lo, sep, hi = text.partition(":")
+    try:
+        lo_f, hi_f = float(lo), float(hi)
+    except ValueError:
+        lo_f = hi_f = float("nan")
+    if not sep or not (0 < lo_f < hi_f < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LO:HI req/s with 0 < LO < HI")
+    return lo_f, hi_f
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_workload_arguments(parser, default="demo")
     add_client_arguments(parser)
     parser.add_argument("--configs", type=parse_configs, default=["colocated", "pd"],
                         help="deployments to compare, in order (default colocated,pd): colocated, "
-                             "colocated-N (N replicas), pd, XpYd (X prefill, Y decode workers); "
-                             "the first is the baseline of the ratio column")
+                             "colocated-chunked, colocated-N (N replicas), pd, XpYd (X prefill, "
+                             "Y decode workers); the first is the baseline of the ratio column")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="model directory or GGUF for the servers (default: the default "
                              "model); also sizes the prompts unless --tokenizer is given")
@@ -181,6 +227,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="router port on 127.0.0.1 (default 8100)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
                         help="seconds to wait for /health == 200 (default 300)")
+    s = parser.add_argument_group("goodput sweep (needs --goodput)")
+    s.add_argument("--sweep-rates", type=_rates, default=None, metavar="LO:HI",
+                   help="also find each configuration's highest request rate (req/s) within "
+                        "the SLOs by bisection over LO..HI, replaying the trace re-timed to "
+                        "each rate; draws goodput_vs_rate.png")
+    s.add_argument("--sweep-target", type=float, default=0.9, metavar="SHARE",
+                   help="share of requests that must meet every SLO (default 0.9)")
+    s.add_argument("--sweep-iters", type=workload.nonnegative_int, default=3, metavar="N",
+                   help="bisection steps after LO and HI (default 3)")
 
 
 SERVE = [sys.executable, "-m", "epdserve", "serve"]
@@ -197,10 +252,35 @@ def server_command(name: str, port: int, trace_file: Path, model: str | None,
     return cmd
 
 
+def at_rate(requests: list[workload.Request], rate: float) -> list[workload.Request]:
+    """The same requests with their offsets scaled so that they arrive at ``rate`` req/s
+    on average (requests / span of the arrivals); the pattern (bursts, where the long
+    prompts fall) is kept.
+
+    Raises:
+        ValueError: every request is sent at offset 0 (no rate to scale).
+    """
+    span = max(r.offset_s for r in requests)
+    if span <= 0:
+        raise ValueError("the trace sends every request at once; it has no rate to re-time")
+    scale = span * rate / len(requests)
+    return [dataclasses.replace(r, offset_s=r.offset_s / scale) for r in requests]
+
+
+STALL_MS = 1000.0  # an ITL gap this long is a stall a user notices; p99 can hide a few
+
+
 def run_config(name: str, requests: list[workload.Request], args: argparse.Namespace,
-               out_dir: Path, serve: list[str] = SERVE) -> dict:
+               out_dir: Path, serve: list[str] = SERVE, progress: str = "") -> dict:
     """Start the server of configuration ``name`` (see :func:`server_command`), run the
-    trace, stop it; return the compare.json entry.
+    trace (and the goodput sweep when ``args.sweep_rates`` is set), read the cores it
+    used from ``/health``, stop it; return the compare.json entry:
+
+    ``{"name", "mode", "result": <bench result>, "server": <trace summary>,
+    "resources": {"workers", "cores", "num_cores"}, "per_core": {"output_throughput"
+    (tok/s/core), "request_goodput" (req/s/core or None)}, "itl_stalls": gaps > STALL_MS,
+    "breakdown": <server_trace.breakdown>, "sweep": <sweep result> (with --sweep-rates)}``.
+    ``progress`` prefixes the log lines (e.g. "2/4").
 
     Raises:
         ServerError: the server did not come up (or the port is taken).
@@ -209,24 +289,41 @@ def run_config(name: str, requests: list[workload.Request], args: argparse.Names
     if not port_is_free(args.port):
         raise ServerError(f"port {args.port} on 127.0.0.1 is already in use; "
                           f"stop what listens there or pass --port")
+    tag = f"[{progress} {name}]" if progress else f"[{name}]"
     trace_file = (out_dir / f"{name}.server.jsonl").resolve()
     trace_file.unlink(missing_ok=True)  # the router appends; start clean
     base_url = f"http://127.0.0.1:{args.port}"
     server = ServerProcess(name, server_command(name, args.port, trace_file, args.model, serve),
                            out_dir / f"{name}.server.log", base_url)
-    print(f"[{name}] starting server: {' '.join(server.cmd)}", flush=True)
+    print(f"{tag} starting server: {' '.join(server.cmd)}", flush=True)
+    entry: dict = {"name": name, "mode": serve_flags(name)[1]}
     try:
         server.start()
         took = server.wait_healthy(args.startup_timeout)
-        print(f"[{name}] healthy after {took:.1f} s; sending {len(requests)} requests",
-              flush=True)
-        result = bench(base_url, requests, args)
+        print(f"{tag} healthy after {took:.1f} s; sending {len(requests)} requests", flush=True)
+        entry["resources"] = server.resources()
+        entry["result"] = result = bench(base_url, requests, args)
+        if args.sweep_rates:
+            print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s",
+                  flush=True)
+            entry["sweep"] = sweep.find_max_goodput_rate(
+                lambda rate: bench(base_url, at_rate(requests, rate), args),
+                target_share=args.sweep_target, lo=args.sweep_rates[0], hi=args.sweep_rates[1],
+                iters=args.sweep_iters, progress=not args.disable_tqdm)
     finally:
         server.stop()
-    summary = server_trace.summarize(trace_file, result["request_ids"])
-    print(f"[{name}] done: {result['completed']} completed, {result['failed']} failed, "
+    records, _ = server_trace.read(trace_file)
+    entry["server"] = server_trace.summarize(trace_file, result["request_ids"])
+    entry["breakdown"] = server_trace.breakdown(result, records)
+    entry["itl_stalls"] = int((plots.itls_ms(result) > STALL_MS).sum())
+    cores = entry["resources"]["num_cores"]
+    goodput = result.get("request_goodput")
+    entry["per_core"] = {
+        "output_throughput": result["output_throughput"] / cores if cores else None,
+        "request_goodput": goodput / cores if cores and goodput is not None else None}
+    print(f"{tag} done: {result['completed']} completed, {result['failed']} failed, "
           f"{result['duration']:.1f} s", flush=True)
-    return {"name": name, "result": result, "server": summary}
+    return entry
 
 
 def _raise_interrupt(signum, frame):
@@ -234,11 +331,23 @@ def _raise_interrupt(signum, frame):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sweep_rates and not args.goodput:
+        print("epdserve compare: error: --sweep-rates needs SLOs: pass --goodput, e.g. "
+              "--goodput ttft:2000 tpot:300", file=sys.stderr)
+        return 2
+    if not 0 < args.sweep_target <= 1:
+        print(f"epdserve compare: error: --sweep-target {args.sweep_target}: must be in (0, 1]",
+              file=sys.stderr)
+        return 2
     out_dir = Path(args.output)
     try:
         requests, spec = workload.build_from_args(args, tokenizer_path=args.model)
     except workload.TraceError as exc:
         print(f"epdserve compare: error: {exc}", file=sys.stderr)
+        return 2
+    if args.sweep_rates and max(r.offset_s for r in requests) <= 0:
+        print("epdserve compare: error: --sweep-rates needs a trace with a request rate "
+              "(this one sends every request at once)", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     workload.save_trace(requests, out_dir / "trace.jsonl")
@@ -247,33 +356,55 @@ def run(args: argparse.Namespace) -> int:
     entries, status = [], 0
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # clean up on kill too
     try:
-        for name in args.configs:
+        for i, name in enumerate(args.configs, 1):
             try:
-                entries.append(run_config(name, requests, args, out_dir))
-            except (ServerError, client.ClientError) as exc:
+                entries.append(run_config(name, requests, args, out_dir,
+                                          progress=f"{i}/{len(args.configs)}"))
+            except (ServerError, client.ClientError, sweep.SweepError) as exc:
                 print(f"epdserve compare: error: [{name}] {exc}", file=sys.stderr)
+                entries.append({"name": name, "mode": serve_flags(name)[1],
+                                "error": str(exc).splitlines()[0]})
                 status = 1
     except KeyboardInterrupt:
         print("epdserve compare: interrupted; servers stopped", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if not entries:
+    if not any("result" in e for e in entries):
         return status or 1
 
-    files = write_outputs(entries, requests, spec, out_dir)
+    files = write_outputs(entries, requests, spec, out_dir, settings(args))
     print()
     print(report.text_table(entries))
+    print()
+    print(report.recommendation_markdown(recommend.recommend(entries)))
     print(f"\nwritten: {', '.join(map(str, files))}")
     return status
 
 
+def settings(args: argparse.Namespace) -> dict:
+    """The sampling and client settings every configuration ran with."""
+    return {"endpoint": args.endpoint, "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos, "warmup": args.warmup,
+            "goodput": dict(args.goodput) if args.goodput else None, "model": args.model}
+
+
 def write_outputs(entries: list[dict], requests: list[workload.Request], spec: dict,
-                  out_dir: Path) -> list[Path]:
-    """Write compare.json, compare.md and the three plots under ``out_dir``."""
-    write_json(entries, out_dir / "compare.json")
-    md = report.markdown_report(entries, spec, workload.describe(requests))
+                  out_dir: Path, sampling: dict | None = None) -> list[Path]:
+    """Write compare.json, compare.md and the plots under ``out_dir``; return their paths.
+
+    ``entries``: :func:`run_config` entries and ``{"name", "error"}`` for configurations
+    that failed; ``sampling``: :func:`settings` (the same for every configuration)."""
+    trace = out_dir / "trace.jsonl"
+    if not trace.is_file():
+        workload.save_trace(requests, trace)
+    rec = recommend.recommend(entries)
+    write_json({"trace": {**spec, "file": str(trace), "num_requests": len(requests),
+                          "sha256": hashlib.sha256(trace.read_bytes()).hexdigest()},
+                "sampling": sampling or {}, "configs": entries, "recommendation": rec},
+               out_dir / "compare.json")
+    md = report.markdown_report(entries, spec, workload.describe(requests), sampling or {}, rec)
     (out_dir / "compare.md").write_text(md)
     long_offsets = [r.offset_s for r in requests if r.kind == "long"]
-    pngs = plots.plot_all(entries, long_offsets, out_dir)
+    pngs = plots.plot_all([e for e in entries if "result" in e], long_offsets, out_dir)
     return [out_dir / "compare.json", out_dir / "compare.md", *pngs]

@@ -93,11 +93,80 @@ def plot_itl_over_time(entries: list[dict], long_offsets_s: list[float],
     plt.close(fig)
 
 
+def plot_stages(entries: list[dict], path: str | Path) -> None:
+    """Stacked bars of the mean TTFT parts (ms) per configuration, and beside them the mean
+    parts of the PD hand-off gap (token 1 -> 2) for configurations that have one; parts
+    from each entry's ``breakdown`` (:func:`epdserve.bench.server_trace.breakdown`)."""
+    panels = [(w, t, [e for e in entries if (e.get("breakdown") or {}).get(w)])
+              for w, t in (("ttft", "TTFT"), ("handoff", "PD hand-off gap (token 1 → 2)"))]
+    panels = [p for p in panels if p[2]] or [("ttft", "TTFT", [])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 + 3 * len(panels), 4.8), squeeze=False)
+    colours: dict[str, str] = {}
+    palette = iter(plt.get_cmap("tab10").colors * 3)
+    for ax, (which, title, have) in zip(axes[0], panels):
+        for x, e in enumerate(have):
+            b = e["breakdown"][which]
+            bottom = 0.0
+            for part in b["parts"]:
+                v = b["mean"][part]
+                colour = colours.setdefault(part, next(palette))
+                ax.bar(x, v, bottom=bottom, color=colour, width=0.6)
+                bottom += v
+            ax.text(x, bottom, f"{bottom:,.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(have)), [e["name"] for e in have], rotation=15)
+        ax.set_ylabel("mean per request (ms)")
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    fig.legend(handles, list(colours), loc="upper right", fontsize=8)
+    fig.suptitle("Where the time goes (client TTFT joined with the server trace)")
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_goodput_vs_rate(entries: list[dict], path: str | Path) -> None:
+    """Goodput (req/s within the SLOs) and SLO attainment against the offered request rate
+    (req/s), one line per configuration with a ``sweep``
+    (:func:`epdserve.bench.sweep.find_max_goodput_rate` result)."""
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    target = None
+    for e in entries:
+        sw = e.get("sweep")
+        if not sw:
+            continue
+        target = sw["target_share"]
+        rates = [p["rate"] for p in sw["points"]]
+        ax.plot(rates, [p["request_goodput"] for p in sw["points"]], "o-", label=e["name"])
+        ax2.plot(rates, [p["slo_attainment"] for p in sw["points"]], "o-", label=e["name"])
+    ax.set_xlabel("offered request rate (req/s)")
+    ax.set_ylabel("goodput (req/s within the SLOs)")
+    ax.set_title("Goodput vs rate")
+    ax2.set_xlabel("offered request rate (req/s)")
+    ax2.set_ylabel("share of requests within the SLOs")
+    ax2.set_ylim(0, 1.05)
+    if target is not None:
+        ax2.axhline(target, color="red", linestyle="--", linewidth=1, label="target")
+    ax2.set_title("SLO attainment vs rate")
+    for a in (ax, ax2):
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_all(entries: list[dict], long_offsets_s: list[float], out_dir: str | Path) -> list[Path]:
-    """Write ttft_cdf.png, itl_cdf.png and itl_over_time.png under ``out_dir``."""
+    """Write ttft_cdf.png, itl_cdf.png, itl_over_time.png, stages.png and, when an entry
+    has a goodput sweep, goodput_vs_rate.png under ``out_dir``; return their paths."""
     out_dir = Path(out_dir)
-    paths = [out_dir / "ttft_cdf.png", out_dir / "itl_cdf.png", out_dir / "itl_over_time.png"]
+    paths = [out_dir / "ttft_cdf.png", out_dir / "itl_cdf.png", out_dir / "itl_over_time.png",
+             out_dir / "stages.png"]
     plot_cdf(entries, "ttft", paths[0])
     plot_cdf(entries, "itl", paths[1])
     plot_itl_over_time(entries, long_offsets_s, paths[2])
+    plot_stages(entries, paths[3])
+    if any(e.get("sweep") for e in entries):
+        paths.append(out_dir / "goodput_vs_rate.png")
+        plot_goodput_vs_rate(entries, paths[-1])
     return paths

@@ -1,14 +1,18 @@
 """Side-by-side comparison table of several configurations, as text and as markdown.
 
-Input: a list of entries ``{"name": str, "result": <bench result dict>, "server": <server
-trace summary dict or {}>}``, as written to ``compare.json``. Rows are the metrics of
-:data:`ROWS`; columns are the configurations, then one ratio column per configuration
-after the first (its value / the first's; "—" where undefined).
+Input: the entries of ``compare.json`` (see :func:`epdserve.bench.compare.run_config`;
+at least ``{"name", "result": <bench result dict>, "server": <trace summary or {}>}``);
+entries with an ``error`` instead of a result (configurations that failed) get no column.
+Rows are the metrics of :data:`ROWS`; columns are the configurations, then one ratio
+column per configuration after the first (its value / the first's; "—" where undefined).
 """
 
 from __future__ import annotations
 
-# (label, where, key, format): where is "result" (bench result) or "server" (trace summary).
+from epdserve.bench.server_trace import FIELDS, sort_parts
+
+# (label, where, key, format): where is "result" (bench result), "server" (trace summary),
+# "per_core" or "resources" (see compare.run_config), or "" for the entry itself.
 ROWS = [
     ("TTFT p50 (ms)", "result", "median_ttft_ms", "{:.1f}"),
     ("TTFT p95 (ms)", "result", "p95_ttft_ms", "{:.1f}"),
@@ -22,6 +26,10 @@ ROWS = [
     ("Output tok/s", "result", "output_throughput", "{:.2f}"),
     ("Requests/s", "result", "request_throughput", "{:.3f}"),
     ("Goodput req/s", "result", "request_goodput", "{:.3f}"),
+    ("ITL stalls (> 1 s)", "", "itl_stalls", "{:d}"),
+    ("Cores", "resources", "num_cores", "{:d}"),
+    ("Output tok/s per core", "per_core", "output_throughput", "{:.2f}"),
+    ("Goodput req/s per core", "per_core", "request_goodput", "{:.3f}"),
     ("Failed requests", "result", "failed", "{:d}"),
     ("KV bytes/req", "server", "mean_kv_bytes", "{:,.0f}"),
     ("KV transfer ms/req", "server", "mean_kv_transfer_ms", "{:.2f}"),
@@ -30,13 +38,15 @@ ROWS = [
 
 def value(entry: dict, where: str, key: str):
     """The number for one table cell, or None when absent."""
-    v = (entry.get(where) or {}).get(key)
+    v = (entry.get(where) if where else entry) or {}
+    v = v.get(key)
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def table(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Header and rows (strings) of the comparison table. Rows whose value is absent in
     every configuration (e.g. goodput without SLOs) are left out."""
+    entries = [e for e in entries if "result" in e]
     names = [e["name"] for e in entries]
     header = ["Metric", *names, *(f"{n}/{names[0]}" for n in names[1:])]
     rows = []
@@ -63,11 +73,7 @@ def text_table(entries: list[dict]) -> str:
 
 def markdown_table(entries: list[dict]) -> str:
     """The comparison table in GitHub markdown."""
-    header, rows = table(entries)
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join(["---", *["---:"] * (len(header) - 1)]) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+    return _md_table(*table(entries))
 
 
 def workload_lines(spec: dict, summary: dict) -> list[str]:
@@ -94,14 +100,102 @@ def workload_lines(spec: dict, summary: dict) -> list[str]:
     return lines
 
 
-def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dict) -> str:
-    """``compare.md``: the table, the workload, and each configuration's server summary."""
-    parts = ["# epdserve compare", "", markdown_table(entries), "",
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join(["---", *["---:"] * (len(header) - 1)]) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def breakdown_markdown(entries: list[dict], which: str) -> str:
+    """Mean and p95 (ms) of each part of TTFT (``which`` = "ttft") or of the PD hand-off
+    gap ("handoff") per configuration, from each entry's ``breakdown`` (see
+    :func:`epdserve.bench.server_trace.breakdown`), with a last row for the sum of the
+    means (= the client's mean TTFT or gap); '' when no entry has one."""
+    have = [e for e in entries if ((e.get("breakdown") or {}).get(which))]
+    if not have:
+        return ""
+    parts = sort_parts(p for e in have for p in e["breakdown"][which]["parts"])
+    header = ["Part (ms)"] + [f"{e['name']} {s}" for e in have for s in ("mean", "p95")]
+    rows = []
+    for part in parts:
+        cells = []
+        for e in have:
+            b = e["breakdown"][which]
+            cells += [f"{b[s][part]:,.1f}" if part in b[s] else "—" for s in ("mean", "p95")]
+        rows.append([part, *cells])
+    total = []
+    for e in have:
+        b = e["breakdown"][which]
+        total += [f"**{sum(b['mean'].values()):,.1f}**", f"n={b['n']}"]
+    rows.append(["**sum (client)**", *total])
+    return _md_table(header, rows)
+
+
+def recommendation_markdown(rec: dict) -> str:
+    """The "## Recommendation" section from :func:`epdserve.bench.recommend.recommend`."""
+    head = (f"**Use {rec['choice']}**" + (" (a PD split)." if rec["split"] else
+                                          " (no prefill/decode split).")
+            if rec["choice"] else "**No recommendation.**")
+    return "\n".join(["## Recommendation", "", head, "",
+                      *[f"- {r}" for r in rec["reasons"]], "",
+                      f"Rule: {rec['rule']} (epdserve/bench/recommend.py)."])
+
+
+def sweep_markdown(entries: list[dict]) -> str:
+    """The goodput-vs-rate results (one line per configuration), or how to get them."""
+    have = [e for e in entries if e.get("sweep")]
+    if not have:
+        return ("Not measured. Add `--goodput ttft:MS tpot:MS --sweep-rates LO:HI` to "
+                "`epdserve compare` to find each configuration's highest request rate within "
+                "the SLOs (goodput_vs_rate.png).")
+    lines = []
+    for e in have:
+        sw = e["sweep"]
+        best = (f"{sw['max_rate']:.3g} req/s" if sw["max_rate"] is not None
+                else "none of the rates tried")
+        pts = ", ".join(f"{p['rate']:.3g}: {p['slo_attainment']:.0%}" for p in sw["points"])
+        cores = (e.get("resources") or {}).get("num_cores")
+        per_core = (f" ({sw['max_rate'] / cores:.3g} req/s per core)"
+                    if cores and sw["max_rate"] is not None else "")
+        lines.append(f"- {e['name']}: max rate with {sw['target_share']:.0%} of requests "
+                     f"within the SLOs: {best}{per_core}; attainment by rate: {pts}")
+    return "\n".join(lines)
+
+
+def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dict,
+                    sampling: dict | None = None, recommendation: dict | None = None) -> str:
+    """``compare.md``: the table, the TTFT and hand-off breakdowns, the workload and the
+    settings, each configuration's run, goodput vs rate, and the recommendation (when
+    given, from :func:`epdserve.bench.recommend.recommend`)."""
+    ran = [e for e in entries if "result" in e]
+    parts = ["# epdserve compare", "", markdown_table(ran), "",
              "Ratios are each configuration's value divided by the first's. Latencies are "
              "client-side (TTFT, ITL, TPOT, E2EL as in DESIGN.md); KV rows come from the "
-             "server trace (mean per request).", "", "## Workload", "",
-             *workload_lines(workload_spec, trace_summary), ""]
+             "server trace (mean per request); cores are the CPU cores the workers were "
+             "pinned to (from /health). Prefix caching does not exist yet (issue 5), so no "
+             "configuration uses it.", ""]
     for e in entries:
+        if "error" in e:
+            parts += [f"**{e['name']} failed:** `{e['error']}`", ""]
+    ttft = breakdown_markdown(ran, "ttft")
+    if ttft:
+        parts += ["## Where TTFT goes", "", ttft, "",
+                  "Per request, the client's TTFT joined with the server trace by request id: "
+                  "http = client TTFT − the router's TTFT (request send, HTTP, SSE write); "
+                  "router = arrival to dispatch; queue = waiting for a worker's step; prefill "
+                  "= first scheduled to first token; KV export (PD) happens before the first "
+                  "token leaves the prefill worker; other = what no stage covers (IPC hops). "
+                  "Means add up to the mean TTFT; p95s do not add up.", ""]
+    gap = breakdown_markdown(ran, "handoff")
+    if gap:
+        parts += ["## PD hand-off (client gap token 1 → token 2)", "", gap, "",
+                  "other = the decode worker's first step and IPC hops.", ""]
+    parts += ["## Workload", "", *workload_lines(workload_spec, trace_summary)]
+    if sampling:
+        parts.append("- same trace, model and settings for every configuration: " +
+                     ", ".join(f"{k}={v}" for k, v in sampling.items()))
+    parts.append("")
+    for e in ran:
         parts += [f"## {e['name']}", ""]
         r = e["result"]
         parts.append(f"- completed {r['completed']}, failed {r['failed']}, "
@@ -109,6 +203,10 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
         errors = [x for x in r.get("errors", []) if x]
         if errors:
             parts.append(f"- first error: `{errors[0]}`")
+        res = e.get("resources") or {}
+        if res.get("workers"):
+            parts.append("- workers: " + ", ".join(
+                f"{w['worker_id']} ({w['role']}) cores {w['cores']}" for w in res["workers"]))
         srv = e.get("server") or {}
         if srv:
             parts.append(f"- server trace: {srv['num_records']} records, "
@@ -118,28 +216,28 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
         else:
             parts.append("- server trace: none")
         parts.append("")
-    stages = server_table_markdown(entries)
+    stages = server_table_markdown(ran)
     if stages:
         parts += ["## Server-side stages (per request, from the server trace)", "", stages, ""]
+    parts += ["## Goodput vs rate", "", sweep_markdown(ran), ""]
+    if recommendation:
+        parts += [recommendation_markdown(recommendation), ""]
     return "\n".join(parts)
 
 
 def server_table_markdown(entries: list[dict]) -> str:
     """Mean and p95 of each server-trace field (ms or bytes per request) per configuration,
     as markdown; '' when no configuration has a server trace."""
-    from epdserve.bench.server_trace import FIELDS
-
     present = [f for f in FIELDS if any(f"mean_{f}" in (e.get("server") or {}) for e in entries)]
     if not present:
         return ""
     header = ["Field"] + [f"{e['name']} {s}" for e in entries for s in ("mean", "p95")]
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join(["---", *["---:"] * (len(header) - 1)]) + "|"]
+    rows = []
     for f in present:
         cells = []
         for e in entries:
             for s in ("mean", "p95"):
                 v = (e.get("server") or {}).get(f"{s}_{f}")
                 cells.append("—" if v is None else f"{v:,.1f}")
-        lines.append("| " + " | ".join([f, *cells]) + " |")
-    return "\n".join(lines)
+        rows.append([f, *cells])
+    return _md_table(header, rows)

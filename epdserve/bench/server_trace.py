@@ -72,3 +72,103 @@ def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> di
             out[f"mean_{key}"] = float(np.mean(values))
             out[f"p95_{key}"] = float(np.percentile(values, 95))
     return out
+
+
+# --------------------------------------------------------------- end-to-end breakdown
+#
+# Which trace keys make up which part of the client's TTFT, and of the PD hand-off gap
+# (client: token 1 -> token 2), in time order: (part, keys summed; absent keys count 0).
+# "http" (client TTFT - the router's ttft_ms: client send, HTTP parsing, SSE write) and
+# "other" (what no known key covers) are added by :func:`ttft_parts` / :func:`handoff_parts`.
+# In PD the prefill worker exports the KV before it sends the first token, so the export
+# is part of TTFT, not of the hand-off gap.
+TTFT_STAGES = {
+    "colocated": (("router", ("router_queue_ms",)), ("queue", ("queue_ms",)),
+                  ("prefill", ("prefill_ms",))),
+    "pd": (("router", ("router_queue_ms",)), ("prefill queue", ("prefill_queue_ms",)),
+           ("prefill", ("prefill_ms",)), ("KV export", ("kv_export_ms",))),
+}
+HANDOFF_STAGES = (("router hop", ("router_hop_ms",)), ("KV fetch", ("kv_fetch_ms",)),
+                  ("KV import", ("kv_import_ms",)), ("decode queue", ("decode_queue_ms",)))
+# Every part in time order, for tables and plots that put several configurations together.
+PART_ORDER = ("http", "router", "queue", "prefill queue", "prefill", "KV export",
+              *(p for p, _ in HANDOFF_STAGES), "other")
+
+
+def sort_parts(parts) -> list[str]:
+    """Unique part names in :data:`PART_ORDER` (unknown ones just before "other")."""
+    rank = {p: i for i, p in enumerate(PART_ORDER)}
+    return sorted(dict.fromkeys(parts), key=lambda p: rank.get(p, len(PART_ORDER) - 1.5))
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _stage_sums(record: dict, stages) -> dict[str, float]:
+    """Each stage's summed keys (ms), for the stages with at least one key present."""
+    out = {}
+    for part, keys in stages:
+        vals = [float(record[k]) for k in keys if _num(record.get(k))]
+        if vals:
+            out[part] = sum(vals)
+    return out
+
+
+def ttft_parts(client_ttft_ms: float, record: dict) -> dict[str, float]:
+    """The client's TTFT of one request (ms) split into parts (ms) that sum to it:
+    ``http`` (client TTFT - server ``ttft_ms``; absent when the record has no
+    ``ttft_ms``), the stages of :data:`TTFT_STAGES` for the record's ``mode`` (default
+    colocated) present in the record, and ``other`` = client TTFT - all of those (IPC hops
+    and waits no key covers; negative when the stamps overlap)."""
+    parts = {}
+    if _num(record.get("ttft_ms")):
+        parts["http"] = client_ttft_ms - float(record["ttft_ms"])
+    parts.update(_stage_sums(record, TTFT_STAGES.get(record.get("mode"), TTFT_STAGES["colocated"])))
+    parts["other"] = client_ttft_ms - sum(parts.values())
+    return parts
+
+
+def handoff_parts(gap_ms: float, record: dict) -> dict[str, float]:
+    """A PD request's hand-off gap (client: first -> second text chunk, ms) split into the
+    stages of :data:`HANDOFF_STAGES` present in the record and ``other`` = gap - those
+    (the decode worker's first step and IPC hops)."""
+    parts = _stage_sums(record, HANDOFF_STAGES)
+    parts["other"] = gap_ms - sum(parts.values())
+    return parts
+
+
+def _mean_p95(rows: list[dict[str, float]]) -> dict:
+    """``{"n", "parts": [...], "mean": {part: ms}, "p95": {part: ms}}`` over per-request
+    part dicts (a part missing from a request counts 0 there; numpy linear p95)."""
+    parts = sort_parts(p for r in rows for p in r)
+    cols = {p: np.array([r.get(p, 0.0) for r in rows]) for p in parts}
+    return {"n": len(rows), "parts": parts,
+            "mean": {p: float(np.mean(c)) for p, c in cols.items()},
+            "p95": {p: float(np.percentile(c, 95)) for p, c in cols.items()}}
+
+
+def breakdown(result: dict, records: list[dict]) -> dict:
+    """Join a bench result's completed requests with server ``records`` by request id and
+    split their TTFT (and, for requests with a PD hand-off, the token 1 -> 2 gap) into
+    stages; see :func:`ttft_parts` and :func:`handoff_parts`.
+
+    ``result``: a bench result dict (``request_ids``, ``errors``, ``ttfts`` and ``itls``
+    in seconds). Returns ``{"joined": n, "ttft": <parts>, "handoff": <parts> | None}``,
+    where <parts> is ``{"n", "parts", "mean": {part: ms}, "p95": {part: ms}}`` (p95 of each
+    part alone: p95s do not add up, means do); ``ttft`` is None when nothing joined.
+    A request counts in ``handoff`` when its record has ``kv_import_ms`` and the client
+    saw a second chunk.
+    """
+    by_id = {_norm(r["request_id"]): r for r in records if "request_id" in r}
+    ttft_rows, gap_rows = [], []
+    for i, rid in enumerate(result.get("request_ids") or []):
+        rec = by_id.get(_norm(rid)) if rid and not result["errors"][i] else None
+        if rec is None:
+            continue
+        ttft_rows.append(ttft_parts(result["ttfts"][i] * 1000.0, rec))
+        if _num(rec.get("kv_import_ms")) and result["itls"][i]:
+            gap_rows.append(handoff_parts(result["itls"][i][0] * 1000.0, rec))
+    return {"joined": len(ttft_rows),
+            "ttft": _mean_p95(ttft_rows) if ttft_rows else None,
+            "handoff": _mean_p95(gap_rows) if gap_rows else None}
