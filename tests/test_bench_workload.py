@@ -104,3 +104,159 @@ def test_bad_generator_settings_are_trace_errors(tok):
     with pytest.raises(TraceError, match="-1"):
         datasets.synthetic(tok, 2, (5, 6), (1, 2), -1.0)
     assert Request(0.0, "x", 1, "chat", 1).kind == "chat"
+
+
+# ---------------------------------------------------------------------------------------
+# Lengths, shared prefixes, bursts, images
+
+
+@pytest.mark.parametrize("dist", ["uniform", "normal", "lognormal"])
+def test_length_distributions_stay_in_range_and_have_their_centre(dist):
+    x = workload.draw_lengths(np.random.default_rng(0), 20000, (100, 900), dist)
+    assert x.min() >= 100 and x.max() <= 900
+    centre = {"uniform": 500, "normal": 500, "lognormal": 300}[dist]  # mean, mean, median
+    got = np.median(x) if dist == "lognormal" else x.mean()
+    assert got == pytest.approx(centre, rel=0.03)
+    if dist == "normal":
+        assert x.std() == pytest.approx(800 / 6, rel=0.05)
+    assert (workload.draw_lengths(np.random.default_rng(0), 5, (7, 7), dist) == 7).all()
+
+
+def test_shared_prefix_requests_start_with_one_of_k_prefixes(tok):
+    trace = datasets.shared_prefix(tok, num_prompts=9, prefix_count=3, prefix_len=40,
+                                   suffix_len=(5, 10), output_len=(3, 3), seed=2)
+    assert trace == datasets.shared_prefix(tok, num_prompts=9, prefix_count=3, prefix_len=40,
+                                           suffix_len=(5, 10), output_len=(3, 3), seed=2)
+    ids = [tok.encode(r.prompt, add_special_tokens=False) for r in trace]
+    prefixes = [tuple(x[:40]) for x in ids]
+    assert len(set(prefixes)) == 3
+    assert prefixes[:3] * 3 == prefixes  # round-robin
+    for r, x in zip(trace, ids):
+        # 40 + (5..10) tokens, give or take one merged at the boundary
+        assert 44 <= len(x) <= 51 and r.prompt_tokens == len(x) and r.max_tokens == 3
+    rand = datasets.shared_prefix(tok, num_prompts=30, prefix_count=3, prefix_len=40,
+                                  suffix_len=(5, 10), order="random", seed=2)
+    picks = [tuple(tok.encode(r.prompt, add_special_tokens=False)[:40]) for r in rand]
+    assert len(set(picks)) == 3 and picks[:3] * 10 != picks
+
+
+def test_long_prompts_come_in_bursts(tok):
+    trace = datasets.demo(tok, num_chat=10, chat_input_len=(5, 10), chat_output_len=(2, 2),
+                          chat_rate=2.0, num_long=6, long_input_len=30, long_burst=3)
+    long = [r.offset_s for r in trace if r.kind == "long"]
+    span = max(r.offset_s for r in trace if r.kind == "chat")
+    assert long == [pytest.approx(span / 3)] * 3 + [pytest.approx(2 * span / 3)] * 3
+
+
+def test_images_round_trip_through_a_trace(tok, tmp_path):
+    trace = datasets.with_images(datasets.synthetic(tok, 3, (5, 8), (2, 2), seed=1), 2, (640, 480))
+    assert all(r.images == ({"width": 640, "height": 480},) * 2 for r in trace)
+    workload.save_trace(trace, tmp_path / "t.jsonl")
+    assert workload.load_trace(tmp_path / "t.jsonl") == trace
+    assert workload.describe(trace)["num_images"] == 6
+    bad = json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])
+    bad["images"] = [{"width": 0, "height": 3}]
+    (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+    with pytest.raises(TraceError, match=r"bad.jsonl:1: field 'images'"):
+        workload.load_trace(tmp_path / "bad.jsonl")
+
+
+# ---------------------------------------------------------------------------------------
+# Arrivals
+
+
+def test_gamma_arrivals_have_the_asked_mean_rate_and_burstiness():
+    for burstiness in (0.25, 1.0, 4.0):
+        gaps = np.diff(workload.arrival_offsets(20001, 5.0, np.random.default_rng(3), burstiness))
+        assert gaps.mean() == pytest.approx(0.2, rel=0.05)
+        # gamma: coefficient of variation = 1/sqrt(shape)
+        assert gaps.std() / gaps.mean() == pytest.approx(burstiness ** -0.5, rel=0.07)
+
+
+def test_burstiness_one_is_poisson():
+    rng = np.random.default_rng(4)
+    gaps = np.diff(workload.arrival_offsets(20001, 2.0, rng, burstiness=1.0))
+    ref = np.random.default_rng(5).gamma(1.0, 0.5, size=20000)  # Exponential(mean 0.5)
+    for q in (0.1, 0.25, 0.5, 0.75, 0.9, 0.99):
+        assert np.quantile(gaps, q) == pytest.approx(np.quantile(ref, q), rel=0.08)
+        assert np.quantile(gaps, q) == pytest.approx(-0.5 * math.log(1 - q), rel=0.08)
+
+
+def test_ramp_offsets_follow_the_linear_rate():
+    # A very steady process (burstiness 1e4: gaps within ~1% of their mean) shows the
+    # rate of each gap: 1/gap rises linearly from 1 to 9 req/s over the run.
+    offsets = workload.arrival_offsets(41, math.inf, np.random.default_rng(0), 1e4, ramp=(1.0, 9.0))
+    rates = 1 / np.diff(offsets)
+    want = np.linspace(1.0, 9.0, 41)[1:]
+    assert rates == pytest.approx(want, rel=0.05)
+
+
+def test_retime_keeps_prompts_and_pattern_at_the_new_rate(tok):
+    trace = datasets.demo(tok, num_chat=6, chat_input_len=(5, 6), chat_output_len=(2, 2),
+                          chat_rate=1.0, num_long=1, long_input_len=20)
+    fast = workload.retime(trace, 4 * (len(trace) - 1) / trace[-1].offset_s)
+    assert [r.prompt for r in fast] == [r.prompt for r in trace]
+    assert [r.offset_s for r in fast] == pytest.approx([r.offset_s / 4 for r in trace], abs=1e-5)
+    at_once = datasets.synthetic(tok, 50, (5, 6), (2, 2))
+    spread = workload.retime(at_once, 10.0)
+    assert np.diff([r.offset_s for r in spread]).mean() == pytest.approx(0.1, rel=0.35)
+
+
+# ---------------------------------------------------------------------------------------
+# ShareGPT files
+
+
+def sharegpt_file(tmp_path, entries, name="sg.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(entries, indent=1))
+    return path
+
+
+def conv(human, gpt=None):
+    turns = [{"from": "human", "value": human}]
+    if gpt is not None:
+        turns.append({"from": "gpt", "value": gpt})
+    return {"id": "x", "conversations": turns}
+
+
+def test_sharegpt_prompts_answers_and_skips(tok, tmp_path):
+    long_text = " ".join(["word"] * 1100)
+    entries = [conv("please tell me about the weather today", "it is sunny and warm outside"),
+               conv("what is two plus two equal to", "the answer is four of course"),
+               conv("hi", "a reply that is long enough"),           # prompt too short
+               conv(long_text, "a reply that is long enough"),      # prompt too long
+               conv("a question without any answer at all"),        # no gpt turn
+               {"conversations": [{"from": "system", "value": "only a system turn"}]}]
+    path = sharegpt_file(tmp_path, entries)
+    trace, stats = datasets.sharegpt(tok, path, num_prompts=10, seed=0)
+    assert stats == {"conversations": 5, "used": 2, "skipped_no_answer": 1,
+                     "skipped_too_short": 1, "skipped_too_long": 1}
+    by_prompt = {r.prompt: r for r in trace}
+    r = by_prompt["please tell me about the weather today"]
+    assert r.prompt_tokens == workload.count_tokens(tok, r.prompt)
+    assert r.max_tokens == workload.count_tokens(tok, "it is sunny and warm outside")
+    fixed, _ = datasets.sharegpt(tok, path, num_prompts=10, output_len=(7, 7))
+    assert all(r.max_tokens == 7 for r in fixed)
+    one, _ = datasets.sharegpt(tok, path, num_prompts=1)
+    assert len(one) == 1
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('[{"conversations": [1, 2]}]', "entry 0"),
+    ('{"conversations": []}', "expected a JSON list"),
+    ('[\n{"conversations": []},\n{oops}\n]', ":3: not valid JSON"),
+])
+def test_bad_sharegpt_files_name_file_and_place(tok, tmp_path, text, needle):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(TraceError, match=needle) as info:
+        datasets.sharegpt(tok, path)
+    assert str(path) in str(info.value)
+
+
+def test_sharegpt_missing_or_empty_after_filtering(tok, tmp_path):
+    with pytest.raises(TraceError, match="nope.json"):
+        datasets.sharegpt(tok, tmp_path / "nope.json")
+    path = sharegpt_file(tmp_path, [conv("hi", "yo")])
+    with pytest.raises(TraceError, match=r"no usable conversation .*1 too short"):
+        datasets.sharegpt(tok, path)
