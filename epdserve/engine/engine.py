@@ -95,10 +95,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     kv: torch.Tensor | None = None, first_token: int | None = None,
-                    timings: dict[str, float] | None = None) -> None:
+                    timings: dict[str, float] | None = None, arrival: float | None = None) -> None:
         """Queue a request. A decode-role request brings ``kv [layers, 2, n_blocks,
-        block_size, kv_heads, head_dim]`` (the prompt's KV blocks) and ``first_token``.
-        ``timings`` (e.g. the KV fetch's) are reported with the request's own.
+        block_size, kv_heads, head_dim]`` (the prompt's KV blocks) and ``first_token``, or
+        neither, and then prefills the prompt itself (conditional disaggregation).
+        ``timings`` (e.g. the KV fetch's) are reported with the request's own;
+        ``arrival`` is the ``time.perf_counter()`` at which the request reached the worker
+        (default: now), the start of its ``queue_ms``.
 
         Raises:
             ValueError: duplicate id, empty or out-of-vocabulary prompt, prompt plus
@@ -120,11 +123,14 @@ class LLMEngine:
         if self.pool.blocks_for(total) > self.pool.num_blocks:
             raise ValueError(f"request needs {self.pool.blocks_for(total)} KV blocks but the "
                              f"whole pool has {self.pool.num_blocks}")
-        if (kv is None) != (first_token is None) or (kv is not None) != (self.config.role == "decode"):
-            raise ValueError(f"a {self.config.role} worker needs kv and first_token "
-                             f"{'set' if self.config.role == 'decode' else 'unset'}")
+        if (kv is None) != (first_token is None):
+            raise ValueError("kv and first_token come together or not at all")
+        if kv is not None and self.config.role != "decode":
+            raise ValueError(f"a {self.config.role} worker takes no kv or first_token")
         seq = Sequence(request_id, prompt_token_ids, sampling, kv, first_token)
         seq.timings.update(timings or {})
+        if arrival is not None:
+            seq.arrival = arrival
         if kv is not None:
             expected = self._block_shape(self.pool.blocks_for(n))
             if tuple(kv.shape) != expected or kv.dtype != self.kv_cache.dtype:
@@ -229,13 +235,18 @@ class LLMEngine:
         return out
 
     def _timings(self, seq: Sequence, now: float) -> dict[str, float]:
+        """``queue_ms`` (arrival at the worker to first scheduled, less a KV fetch made in
+        between), ``prefill_ms`` (first scheduled to first token; not for a decode-role
+        request that imported its KV) and ``decode_ms`` (to the last token; for an import
+        from first scheduled, so it includes ``kv_import_ms``), plus ``seq.timings``."""
         t = dict(seq.timings)
-        t["queue_ms"] = (seq.first_scheduled - seq.arrival) * 1e3
-        if self.config.role == "decode":
+        t["queue_ms"] = (seq.first_scheduled - seq.arrival) * 1e3 - t.get("kv_fetch_ms", 0.0)
+        imported = "kv_import_ms" in t
+        if imported:
             t["decode_ms"] = (now - seq.first_scheduled) * 1e3
         else:
             t["prefill_ms"] = (seq.first_token_time - seq.first_scheduled) * 1e3
-            if self.config.role == "colocated":
+            if self.config.role != "prefill":
                 t["decode_ms"] = (now - seq.first_token_time) * 1e3
         return t
 

@@ -136,6 +136,9 @@ class Generation:
         self.prefill_worker: WorkerState | None = None
         self.decode_worker: WorkerState | None = None
         self.kv_pending = False                  # KV exported, not yet imported by a decode worker
+        # See trace(): where the prompt is prefilled.
+        self.path = "colocated" if router.mode == "colocated" else (
+            "local" if len(prompt_ids) < router.local_prefill_threshold else "disaggregated")
         self.closed = False
         self.t_arrival = t_arrival
         self.t_dispatch: float | None = None
@@ -155,15 +158,20 @@ class Generation:
         worker.send(msg)
 
     def start(self) -> None:
-        """Send the request to its first worker (colocated or prefill)."""
+        """Send the request to its first worker (colocated, prefill, or decode for a pd
+        prompt under the local-prefill threshold)."""
         router = self.router
         router.requests[self.request_id] = self
+        role = {"colocated": "colocated", "disaggregated": "prefill", "local": "decode"}[self.path]
+        worker = router.pick(role)
         self.t_dispatch = time.monotonic()
-        self._dispatch(router.pick("colocated" if router.mode == "colocated" else "prefill"))
+        self._dispatch(worker)
 
     def _dispatch(self, worker: WorkerState) -> None:
         if worker.role == "prefill":
             self.prefill_worker = worker
+        elif worker.role == "decode":
+            self.decode_worker = worker
         self._add(worker)
 
     async def _first(self) -> P.Output:
@@ -232,7 +240,7 @@ class Generation:
         """
         out = await self._first()
         self.t_first = time.monotonic()
-        if self.router.mode == "pd":
+        if self.path == "disaggregated":
             if out.finished or out.kv is None:
                 self.worker = None
                 self.router.release_kv(self.prefill_worker, self.request_id)
@@ -280,9 +288,35 @@ class Generation:
             self.kv_pending = False
 
     def trace(self) -> dict:
-        """The request's trace record (one JSON line); times in ms as seen by the router."""
+        """The request's trace record (one JSON line). Times are ms; ``*_worker`` are worker ids.
+
+        Stages, in the order a request meets them (TTFT = ``router_queue_ms`` +
+        the first worker's queue key + ``prefill_ms`` [+ ``kv_export_ms``] + ``ttft_hop_ms``):
+
+        * ``router_queue_ms``: HTTP arrival at the router to dispatch (tokenization,
+          validation, picking a worker).
+        * ``queue_ms`` (colocated), ``prefill_queue_ms``, ``decode_queue_ms`` (pd): arrival at
+          the worker (stamped by its receiving thread) to first scheduled, less a KV fetch
+          made in between; in pd ``queue_ms`` is their sum.
+        * ``prefill_ms``: first scheduled to first token on the worker that prefilled.
+        * ``kv_export_ms``: the prefill worker copying the prompt's KV out (before it sends the
+          first token); ``kv_bytes``: the bytes it wrote.
+        * ``ttft_hop_ms``: the rest of TTFT: dispatch to the first token back at the router
+          less the worker's queue, prefill and export (ZeroMQ and event-loop hops).
+        * ``router_hop_ms``: first token at the router to the AddRequest sent to the decode worker.
+        * ``kv_fetch_ms`` (shm map or TCP, before the request is queued), ``kv_import_ms``
+          (into the decode worker's cache, within its first step), ``kv_transfer_ms``: export +
+          router hop + fetch + import (0 in colocated).
+        * ``decode_ms``: first token to last token on the worker that decoded; for an imported
+          request from first scheduled (it includes ``kv_import_ms``).
+        * ``ttft_ms``, ``e2e_ms``: HTTP arrival to the first / last token at the router.
+
+        ``path`` is "colocated", "disaggregated" (prefill worker, then decode worker) or
+        "local" (a pd request under ``--local-prefill-threshold``, prefilled by the decode
+        worker itself).
+        """
         t = self.timings
-        rec = {"request_id": self.request_id, "mode": self.router.mode,
+        rec = {"request_id": self.request_id, "mode": self.router.mode, "path": self.path,
                "prompt_tokens": len(self.prompt_ids), "output_tokens": self.output_tokens,
                "max_tokens": self.sampling.max_tokens, "finish_reason": self.finish_reason,
                "error": self.error,
@@ -301,6 +335,11 @@ class Generation:
                 rec["kv_transfer_ms"] = kv_transfer_ms(t)
         rec["ttft_ms"] = _ms(self.t_arrival, self.t_first)
         rec["e2e_ms"] = _ms(self.t_arrival, self.t_end)
+        first_queue = {"colocated": "queue_ms", "disaggregated": "prefill_queue_ms",
+                       "local": "decode_queue_ms"}[self.path]
+        if rec["ttft_ms"] is not None and first_queue in t and "prefill_ms" in t:
+            rec["ttft_hop_ms"] = round(rec["ttft_ms"] - rec["router_queue_ms"] - t[first_queue]
+                                       - t["prefill_ms"] - t.get("kv_export_ms", 0.0), 3)
         return rec
 
 
@@ -324,11 +363,13 @@ class Router:
     ``ipc://...``). A worker silent for ``worker_timeout_s`` seconds is considered dead;
     a request with no output for ``request_timeout_s`` seconds fails. ``auth_token``: if
     set, a worker's Hello must carry its HMAC (see ``epdserve.serving.handshake``).
+    ``local_prefill_threshold`` (pd, tokens): a prompt shorter than this goes straight to a
+    decode worker, which prefills it itself; 0 disaggregates every prompt.
     """
 
     def __init__(self, mode: str, model, tokenizer, events_addr: str, *, trace_file: str | None = None,
                  worker_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
-                 auth_token: str | None = None):
+                 auth_token: str | None = None, local_prefill_threshold: int = 0):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
         self.mode = mode
@@ -340,6 +381,7 @@ class Router:
         self.worker_timeout_s = worker_timeout_s
         self.request_timeout_s = request_timeout_s
         self.auth_token = auth_token
+        self.local_prefill_threshold = local_prefill_threshold
         self.fingerprint = model_fingerprint(model.path)
         self.kv_shape = model_kv_shape(model.path)
         self.workers: dict[str, WorkerState] = {}
@@ -773,6 +815,9 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                              "after which a worker counts as down")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds without output after which a request fails")
+    parser.add_argument("--local-prefill-threshold", type=_non_negative_int, default=0,
+                        help="pd: prompts shorter than this many tokens are prefilled by a decode worker "
+                             "itself, without a KV hand-off (0: never)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--auth-token", default=os.environ.get("EPDSERVE_AUTH_TOKEN"),
                         help="shared secret workers must prove in their hello (default: $EPDSERVE_AUTH_TOKEN)")
@@ -782,6 +827,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_router_options(parser)
     parser.add_argument("--events", default="tcp://127.0.0.1:5557",
                         help="ZeroMQ address the router binds for worker events (workers' --router)")
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
 
 
 def build_router(args: argparse.Namespace, events_addr: str) -> Router:
@@ -796,7 +851,7 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
     model = resolve_model(args.model)
     return Router(args.mode, model, load_tokenizer(model.path), events_addr, trace_file=args.trace_file,
                   worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout,
-                  auth_token=args.auth_token)
+                  auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold)
 
 
 def setup_logging(level: str) -> None:

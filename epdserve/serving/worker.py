@@ -1,8 +1,9 @@
 """One engine worker process (``epdserve worker``): colocated, prefill or decode.
 
-It binds a PULL socket for the router's commands, connects a PUSH socket to the router's
-events address, says :class:`~epdserve.serving.protocol.Hello`, then loops: drain
-commands, run one engine step if there is work, publish the new tokens, report
+It binds a PULL socket for the router's commands (a thread of its own receives them and
+stamps their arrival), connects a PUSH socket to the router's events address, says
+:class:`~epdserve.serving.protocol.Hello`, then loops: handle the received commands, run
+one engine step if there is work, publish the new tokens, report
 :class:`~epdserve.serving.protocol.Stats`. A prefill worker writes each hand-off's KV
 blocks to shared memory and owns that segment until the decode worker has taken it
 (the decode worker unlinks it), the router releases it, or ``--kv-ttl`` passes. The same
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import signal
 import threading
 import time
@@ -31,6 +33,7 @@ from epdserve.transfer.wire import WireError
 log = logging.getLogger("epdserve.worker")
 STATS_INTERVAL_S = 0.5
 HEARTBEAT_INTERVAL_S = 0.5
+IDLE_WAIT_S = 0.1  # how long an idle worker waits for a command before its housekeeping
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a decode worker waits for a KV fetch over TCP")
     parser.add_argument("--kv-transfer-dtype", choices=kv_codec.TRANSFER_DTYPES, default="none",
                         help="how a prefill worker sends KV: as cached, bf16, or int8 with per-token, per-head scales")
+    parser.add_argument("--kv-layer-pipeline", action="store_true",
+                        help="a prefill worker writes each layer's KV into the outgoing frame as soon as the layer "
+                             "is computed (a staged frame instead of its shared KV pool)")
     parser.add_argument("--auth-token", default=os.environ.get("EPDSERVE_AUTH_TOKEN"),
                         help="shared secret proving this worker to the router (default: $EPDSERVE_AUTH_TOKEN)")
 
@@ -95,14 +101,15 @@ def pin_to_cores(spec: str | None) -> list[int]:
 
 
 class Worker:
-    """The command/step/publish loop around one :class:`LLMEngine`."""
+    """The command/step/publish loop around one :class:`LLMEngine`; commands come from
+    ``inbox`` as ``(message, arrival)`` pairs put there by :func:`receive_commands`."""
 
-    def __init__(self, engine: LLMEngine, worker_id: str, cmd: zmq.Socket, events: zmq.Socket,
+    def __init__(self, engine: LLMEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
                  exporter: handoff.Exporter, importer: handoff.Importer):
         self.engine = engine
         self.worker_id = worker_id
         self.role = engine.config.role
-        self.cmd = cmd
+        self.inbox = inbox
         self.events = events
         self.exporter = exporter
         self.importer = importer
@@ -116,31 +123,32 @@ class Worker:
 
     def loop(self) -> None:
         while self.running:
-            busy = self.engine.has_unfinished()
-            if self.cmd.poll(0 if busy else 100):
-                self.drain_commands()
+            # Busy: take what has arrived and step at once; idle: sleep until a command
+            # comes (or 100 ms pass, for stats and KV expiry) without spinning.
+            self.drain_commands(block_s=0.0 if self.engine.has_unfinished() else IDLE_WAIT_S)
             if self.engine.has_unfinished():
                 self.step()
             self.report_stats()
             self.expire_exports()
         self.exporter.close()
 
-    def drain_commands(self) -> None:
+    def drain_commands(self, block_s: float) -> None:
+        """Handle every command in the inbox, waiting up to ``block_s`` seconds for the first."""
+        try:
+            item = self.inbox.get(timeout=block_s) if block_s > 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return
         while True:
+            self.handle(*item)
             try:
-                frame = self.cmd.recv(zmq.NOBLOCK)
-            except zmq.Again:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
                 return
-            try:
-                msg = P.decode(frame)
-            except P.ProtocolError as exc:
-                log.warning("%s: rejected a frame that is not an epdserve message: %s", self.worker_id, exc)
-                continue
-            self.handle(msg)
 
-    def handle(self, msg) -> None:
+    def handle(self, msg, arrival: float) -> None:
+        """Act on one command; ``arrival`` is its ``time.perf_counter()`` on receipt."""
         if isinstance(msg, P.AddRequest):
-            self.add(msg)
+            self.add(msg, arrival)
         elif isinstance(msg, P.Abort):
             self.engine.abort(msg.request_id)
             self.release(msg.request_id)
@@ -155,7 +163,7 @@ class Worker:
         else:
             log.warning("%s: unexpected %s message", self.worker_id, msg.type)
 
-    def add(self, msg: P.AddRequest) -> None:
+    def add(self, msg: P.AddRequest, arrival: float) -> None:
         try:
             kv, timings = None, {}
             if msg.kv is not None:
@@ -163,7 +171,7 @@ class Worker:
                 kv, timings = self.importer.take(msg.request_id, msg.kv, self.engine.kv_layout(),
                                                  self.engine.kv_cache.dtype)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, kv, msg.first_token,
-                                    timings=timings)
+                                    timings=timings, arrival=arrival)
         except (ValueError, WireError) as exc:
             self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id, message=str(exc)))
 
@@ -203,6 +211,23 @@ class Worker:
                         self.exporter.ttl_s)
 
 
+def receive_commands(cmd: zmq.Socket, inbox: queue.Queue, worker_id: str, stop: threading.Event) -> None:
+    """Thread body: move each command from ``cmd`` into ``inbox`` as ``(message,
+    time.perf_counter() at receipt)`` until ``stop`` is set. Stamping on a thread of its own
+    counts the time a request waits while the engine is in a long step as queue time, not
+    as an unexplained gap; the engine itself stays single-threaded. Frames that are not
+    epdserve messages are logged and dropped."""
+    while not stop.is_set():
+        if not cmd.poll(IDLE_WAIT_S * 1000):
+            continue
+        frame = cmd.recv()
+        arrival = time.perf_counter()
+        try:
+            inbox.put((P.decode(frame), arrival))
+        except P.ProtocolError as exc:
+            log.warning("%s: rejected a frame that is not an epdserve message: %s", worker_id, exc)
+
+
 def heartbeat(ctx: zmq.Context, router: str, worker_id: str, stop: threading.Event) -> None:
     """Thread body: send Heartbeat every HEARTBEAT_INTERVAL_S until ``stop`` is set. Its own
     socket (ZeroMQ sockets are not thread-safe), and torch releases the GIL in long engine
@@ -227,8 +252,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         cores = pin_to_cores(args.cores)
         info = resolve_model(args.model)
-        engine = LLMEngine(str(info.path), engine_config(args, args.role))
-    except (ValueError, ModelLoadError) as exc:
+        # A prefill worker keeps its KV cache in shared memory: a same-host hand-off copies it once.
+        shared = args.role == "prefill" and args.kv_transfer_dtype == "none" and not args.kv_layer_pipeline
+        engine, kv_pool = handoff.new_engine(str(info.path), engine_config(args, args.role), shared)
+    except (ValueError, ModelLoadError, OSError) as exc:
         print(f"epdserve worker: error: {exc}", flush=True)
         return 2
     ctx = zmq.Context()
@@ -239,13 +266,15 @@ def run(args: argparse.Namespace) -> int:
     events.connect(args.router)
     try:
         kv_bind = args.kv_bind if args.role == "prefill" and args.kv_transport != "shm" else None
-        exporter = handoff.Exporter(engine, args.kv_ttl, ctx, kv_bind, args.kv_transfer_dtype)
+        exporter = handoff.Exporter(engine, args.kv_ttl, ctx, kv_bind, args.kv_transfer_dtype, kv_pool,
+                                    args.kv_layer_pipeline)
     except zmq.ZMQError as exc:
         print(f"epdserve worker: error: --kv-bind {args.kv_bind}: {exc}", flush=True)
         ctx.destroy(linger=0)
         return 2
     importer = handoff.Importer(ctx, args.kv_transport, args.kv_transfer_timeout)
-    worker = Worker(engine, args.worker_id, cmd, events, exporter, importer)
+    inbox: queue.Queue = queue.Queue()
+    worker = Worker(engine, args.worker_id, inbox, events, exporter, importer)
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
     worker.send(P.Hello(worker_id=args.worker_id, role=args.role, addr=args.bind, model=info.name,
                         fingerprint=model_fingerprint(info.path), kv_layout=engine.kv_layout(),
@@ -256,11 +285,15 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     beat = threading.Thread(target=heartbeat, args=(ctx, args.router, args.worker_id, stop),
                             name="epdserve-heartbeat", daemon=True)
+    receiver = threading.Thread(target=receive_commands, args=(cmd, inbox, args.worker_id, stop),
+                                name="epdserve-commands", daemon=True)
     beat.start()
+    receiver.start()
     try:
         worker.loop()
     finally:
         stop.set()
         beat.join()
+        receiver.join()
     ctx.destroy(linger=1000)
     return worker.exit_code

@@ -1,0 +1,68 @@
+"""The per-request trace adds up: the stage times a deployment reports for the way to the
+first token (router queue, worker queue, prefill, KV export, hops) sum to the TTFT the
+client measures, also for a ~1,000-token prompt that arrives while other requests decode."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+# The first worker's queue key in the trace, by the path the request took.
+FIRST_QUEUE = {"colocated": "queue_ms", "disaggregated": "prefill_queue_ms", "local": "decode_queue_ms"}
+
+
+def ttft_stages(rec: dict) -> dict[str, float]:
+    """The trace's stages between HTTP arrival and the first token, in ms."""
+    keys = ["router_queue_ms", FIRST_QUEUE[rec["path"]], "prefill_ms", "ttft_hop_ms"]
+    if rec["path"] == "disaggregated":
+        keys.append("kv_export_ms")
+    return {k: rec[k] for k in keys}
+
+
+def timed_stream(dep, prompt, max_tokens: int, started: threading.Event | None = None) -> tuple[str, float]:
+    """Stream one greedy completion; returns (response id, client TTFT in ms, from just
+    before the request is sent to the first chunk)."""
+    client = dep.openai()
+    t0 = time.perf_counter()
+    stream = client.completions.create(model=dep.model_id, prompt=prompt, max_tokens=max_tokens,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    ttft_ms = None
+    for chunk in stream:
+        if ttft_ms is None:
+            ttft_ms = (time.perf_counter() - t0) * 1000
+            if started is not None:
+                started.set()
+    return chunk.id, ttft_ms
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_ttft_stages_add_up(mode, request, tokenizer):
+    dep = request.getfixturevalue(f"{mode}_server")
+    dep.model_id = dep.openai().models.list().data[0].id
+    long_prompt = tokenizer.decode(list(range(1000, 2000)))  # ~1,000 tokens
+    results: dict[str, tuple[str, float]] = {}
+    background_started = threading.Event()
+    background = threading.Thread(target=lambda: results.__setitem__(
+        "background", timed_stream(dep, "Count from one to a hundred:", 96, background_started)))
+    background.start()
+    try:
+        assert background_started.wait(120)
+        # Both arrive while the background request decodes.
+        results["long"] = timed_stream(dep, long_prompt, 8)
+        results["short"] = timed_stream(dep, "The capital of France is", 8)
+    finally:
+        background.join()
+    results["alone"] = timed_stream(dep, "Water boils at", 8)
+
+    for name, (rid, client_ttft) in results.items():
+        rec = dep.trace(rid)
+        stages = ttft_stages(rec)
+        assert all(v >= 0 for v in stages.values()), (name, stages)
+        assert sum(stages.values()) == pytest.approx(client_ttft, rel=0.10), (name, client_ttft, rec)
+    long_rec = dep.trace(results["long"][0])
+    assert long_rec["prompt_tokens"] > 900
+    # The measured stages, not the hop remainder, carry a long prefill's TTFT.
+    assert long_rec["ttft_hop_ms"] < 0.1 * long_rec["ttft_ms"]
+    assert long_rec["path"] == ("disaggregated" if mode == "pd" else "colocated")
