@@ -18,6 +18,7 @@ COMMANDS = {
     "router": ("epdserve.serving.router", "run the OpenAI-compatible router alone"),
     "bench": ("epdserve.bench.run", "send a seeded workload to an OpenAI-compatible server"),
     "compare": ("epdserve.bench.compare", "run the same trace against each deployment"),
+    "plan": ("epdserve.plan.run", "predict which deployment meets the SLOs at the lowest cost"),
 }
 
 

@@ -1,0 +1,195 @@
+"""Calibration: measure this machine's engine steps and fit the planner's cost model.
+
+``epdserve plan calibrate`` runs a real :class:`~epdserve.engine.engine.LLMEngine` in this
+process, pinned to 1 and then 2 cores (the worker sizes the launcher uses here), times
+prefill steps of several prompt lengths and decode steps of several batch sizes and
+contexts, fits a :class:`~epdserve.plan.costmodel.LinearStep` per worker size, times a
+real shared-memory KV hand-off, and writes everything as JSON. ``epdserve plan validate``
+later stores the prediction errors it measures in the same file, so ``plan`` can state them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform as host
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from epdserve.engine.engine import EngineConfig, LLMEngine
+from epdserve.engine.request import SamplingParams
+from epdserve.model.config import ModelConfig
+from epdserve.model.loader import resolve_model
+from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
+from epdserve.plan.costmodel import LinearStep, Link, Platform
+
+CACHE_DIR = Path.home() / ".cache" / "epdserve" / "calibration"
+PREFILL_LENS = (16, 64, 256, 768, 1536)
+DECODE_BATCHES = (1, 4, 8, 16, 32)
+DECODE_CONTEXTS = (64, 512)
+# Indicative price of one CPU core-hour (USD), to rank candidates by cost like GPUs.
+CPU_CORE_PRICE_PER_HOUR = 0.04
+
+
+def default_path(model_name: str) -> Path:
+    return CACHE_DIR / f"{model_name}-cpu.json"
+
+
+def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(100, vocab - 1, size=n).tolist()
+
+
+def _prefill_steps(model_dir: str, reps: int, rng) -> list[dict]:
+    engine = LLMEngine(model_dir, EngineConfig(role="colocated", kv_cache_memory_mb=256))
+    vocab = engine.model.config.vocab_size
+    out = []
+    for n in PREFILL_LENS:
+        for rep in range(reps + 1):
+            engine.add_request(f"p{n}-{rep}", _prompt(rng, n, vocab), SamplingParams(max_tokens=1))
+            start = time.perf_counter()
+            engine.step()
+            ms = (time.perf_counter() - start) * 1e3
+            if rep:  # the first of each length warms caches and allocator
+                out.append({"prefill": [[n, 0]], "num_decode": 0, "decode_context": 0, "ms": ms})
+    return out
+
+
+def _decode_steps(model_dir: str, steps: int, rng) -> list[dict]:
+    out = []
+    for ctx in DECODE_CONTEXTS:
+        for batch in DECODE_BATCHES:
+            engine = LLMEngine(model_dir, EngineConfig(role="decode", kv_cache_memory_mb=512))
+            vocab = engine.model.config.vocab_size
+            kv = torch.zeros(engine._block_shape(engine.pool.blocks_for(ctx)), dtype=engine.kv_cache.dtype)
+            for i in range(batch):
+                engine.add_request(f"d{i}", _prompt(rng, ctx, vocab),
+                                   SamplingParams(max_tokens=steps + 2, ignore_eos=True), kv, first_token=42)
+            engine.step()  # imports the KV
+            for i in range(steps):
+                start = time.perf_counter()
+                engine.step()
+                ms = (time.perf_counter() - start) * 1e3
+                out.append({"prefill": [], "num_decode": batch,
+                            "decode_context": batch * (ctx + 1 + i), "ms": ms})
+    return out
+
+
+def _fit(samples: list[dict]) -> tuple[LinearStep, float]:
+    steps = [([tuple(c) for c in s["prefill"]], s["num_decode"], s["decode_context"]) for s in samples]
+    ms = [s["ms"] for s in samples]
+    model = LinearStep.fit(steps, ms)
+    errors = [abs(model.step_ms(*step) - y) / y for step, y in zip(steps, ms)]
+    return model, float(np.mean(errors))
+
+
+def _handoff_ms(model_dir: str, sizes: tuple[int, ...] = (16, 512)) -> Link:
+    """Time real prefill → decode hand-offs (in-process, shared memory) of prompts of
+    ``sizes`` tokens; bandwidth from the difference, latency from the smallest."""
+    import zmq
+
+    from epdserve.transfer import handoff, loopback
+
+    ctx = zmq.Context()
+    prefill = LLMEngine(model_dir, EngineConfig(role="prefill", kv_cache_memory_mb=256))
+    decode = LLMEngine(model_dir, EngineConfig(role="decode", kv_cache_memory_mb=256))
+    exporter = handoff.Exporter(prefill, 60.0, ctx, None)
+    importer = handoff.Importer(ctx, "shm", 10.0)
+    rng = np.random.default_rng(0)
+    points = []
+    try:
+        for i, n in enumerate(sizes):
+            prompt = _prompt(rng, n, prefill.model.config.vocab_size)
+            _, t = loopback.generate_pd(prefill, decode, exporter, importer, f"h{i}", prompt,
+                                        SamplingParams(max_tokens=2, ignore_eos=True))
+            points.append((t["kv_bytes"], sum(v for k, v in t.items() if k.startswith("kv_") and k.endswith("_ms"))))
+    finally:
+        exporter.close()
+        ctx.destroy(linger=0)
+    (b0, ms0), (b1, ms1) = points[0], points[-1]
+    gbs = (b1 - b0) / max(ms1 - ms0, 1e-3) / 1e6
+    return Link(gbs=gbs, latency_ms=max(ms0 - b0 / (gbs * 1e6), 0.0))
+
+
+def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
+              seed: int = 0, progress: bool = True) -> dict:
+    """Measure and fit; returns the calibration dict (see :func:`platform_from`).
+
+    Raises:
+        ModelLoadError: the model cannot be loaded.
+        RuntimeError: this machine has fewer than 2 usable cores.
+    """
+    info = resolve_model(model)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise RuntimeError("calibration needs 2 usable cores (workers of 1 and 2 cores)")
+    rng = np.random.default_rng(seed)
+    saved_threads = torch.get_num_threads()
+    fits, bar = {}, tqdm(total=2, desc="calibrate", unit="worker size", disable=not progress)
+    try:
+        for size in (1, 2):
+            os.sched_setaffinity(0, cores[:size])
+            torch.set_num_threads(size)
+            samples = _prefill_steps(str(info.path), reps, rng) + _decode_steps(str(info.path), decode_steps, rng)
+            step, err = _fit(samples)
+            fits[str(size)] = {"coef": list(step.coef), "mean_abs_rel_error": err, "samples": samples}
+            bar.update(1)
+        os.sched_setaffinity(0, cores[:1])
+        torch.set_num_threads(1)
+        link = _handoff_ms(str(info.path))
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(saved_threads)
+        bar.close()
+    tokenizer = load_tokenizer(info.path)
+    template = len(chat_prompt_ids(tokenizer, [{"role": "user", "content": ""}]))
+    kv_bpt = ModelConfig.from_dir(info.path).kv_bytes_per_token(4)  # float32 KV on the wire
+    return {"model": info.name, "machine": f"{host.processor() or host.machine()} ({len(cores)} cores)",
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "steps": fits, "kv_link": {"gbs": link.gbs, "latency_ms": link.latency_ms},
+            "kv_bytes_per_token": kv_bpt, "template_tokens": template, "validation": None}
+
+
+def save(cal: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cal, indent=1))
+    return path
+
+
+def load(path: str | Path) -> dict:
+    """Read a calibration file.
+
+    Raises:
+        ValueError: missing or not a calibration file (the message says how to make one).
+    """
+    path = Path(path)
+    try:
+        cal = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no calibration at {path}; run `epdserve plan calibrate` first") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(cal, dict) or not {"steps", "kv_link", "kv_bytes_per_token"} <= set(cal):
+        raise ValueError(f"{path}: not an epdserve calibration file")
+    return cal
+
+
+def platform_from(cal: dict, router_ms: float = 3.0) -> Platform:
+    """The :class:`Platform` of a calibration: workers of 1 or 2 cores with the fitted
+    step models, KV over the measured shared-memory hand-off."""
+    steps = {int(k): LinearStep(tuple(v["coef"])) for k, v in cal["steps"].items()}
+
+    def step(devices: int) -> LinearStep:
+        if devices not in steps:
+            raise ValueError(f"no calibration for a worker of {devices} cores (have {sorted(steps)})")
+        return steps[devices]
+
+    return Platform(name=f"{cal['model']} on this CPU", step=step, worker_sizes=tuple(sorted(steps)),
+                    kv_bytes_per_token=cal["kv_bytes_per_token"], kv_link=Link(**cal["kv_link"]),
+                    price_per_device_hour=CPU_CORE_PRICE_PER_HOUR, router_ms=router_ms,
+                    template_tokens=cal.get("template_tokens", 0), error=cal.get("validation"))

@@ -1,0 +1,68 @@
+"""Accelerator and link profiles for the roofline cost model.
+
+Numbers are the vendors' public datasheet peaks (dense BF16 tensor throughput, memory
+bandwidth, memory size) and per-direction link bandwidth; the efficiency factors are the
+share of a peak a serving engine typically reaches (roofline practice, as in the
+AIConfigurator and DistServe papers' analytic models) and are what calibration corrects.
+``price_per_hour`` is an indicative on-demand price in USD used only to rank candidates by
+cost; pass your own with ``epdserve plan --price-per-hour``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or one CPU core) as the cost model sees it.
+
+    ``peak_tflops``: dense BF16 (fp32 for CPUs) TFLOP/s; ``mem_bw_gbs``: memory bandwidth
+    GB/s (10^9 bytes/s); ``memory_gb``: GB for weights and KV cache; ``link_gbs`` /
+    ``link_latency_ms``: device-to-device link within a node, per direction (KV hand-off,
+    tensor-parallel all-reduce); ``net_gbs``: between nodes; ``compute_eff`` / ``bw_eff``:
+    reachable share of the peaks; ``step_overhead_ms``: fixed cost of one engine step
+    (scheduling, kernel launches); ``dtype_bytes``: bytes per weight and KV element.
+    """
+
+    name: str
+    peak_tflops: float
+    mem_bw_gbs: float
+    memory_gb: float
+    link_gbs: float
+    link_latency_ms: float
+    net_gbs: float
+    price_per_hour: float
+    compute_eff: float = 0.6
+    bw_eff: float = 0.75
+    step_overhead_ms: float = 4.0
+    dtype_bytes: int = 2
+
+
+# NVLink per direction: A100 300 GB/s, H100/H200 450 GB/s, B200 900 GB/s; L40S has no
+# NVLink (PCIe Gen4 x16, ~32 GB/s per direction). Between nodes: 400 Gb/s InfiniBand.
+PROFILES: dict[str, Device] = {d.name: d for d in (
+    Device("A100", peak_tflops=312, mem_bw_gbs=2039, memory_gb=80, link_gbs=300,
+           link_latency_ms=0.01, net_gbs=50, price_per_hour=1.8),
+    Device("H100", peak_tflops=989, mem_bw_gbs=3350, memory_gb=80, link_gbs=450,
+           link_latency_ms=0.01, net_gbs=50, price_per_hour=3.0),
+    Device("H200", peak_tflops=989, mem_bw_gbs=4800, memory_gb=141, link_gbs=450,
+           link_latency_ms=0.01, net_gbs=50, price_per_hour=3.8),
+    Device("L40S", peak_tflops=362, mem_bw_gbs=864, memory_gb=48, link_gbs=32,
+           link_latency_ms=0.02, net_gbs=25, price_per_hour=1.0),
+    Device("B200", peak_tflops=2250, mem_bw_gbs=8000, memory_gb=180, link_gbs=900,
+           link_latency_ms=0.01, net_gbs=50, price_per_hour=6.0),
+)}
+
+
+def device(name: str, **overrides) -> Device:
+    """The built-in profile ``name`` (case-insensitive) with any field overridden.
+
+    Raises:
+        ValueError: an unknown profile name, naming the known ones.
+    """
+    for key, dev in PROFILES.items():
+        if key.lower() == name.lower():
+            return replace(dev, **overrides)
+    raise ValueError(f"unknown hardware {name!r} (known: {', '.join(PROFILES)}; "
+                     f"or 'cpu' after `epdserve plan calibrate`)")

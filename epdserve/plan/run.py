@@ -1,0 +1,274 @@
+"""``epdserve plan``: predict which deployment meets the SLOs at the lowest cost.
+
+* ``epdserve plan [search]`` — simulate every candidate deployment on a hardware profile
+  (``--hardware H200``, roofline) or on this machine (``--hardware cpu``, calibrated) and
+  recommend one; prints a table, writes ``plan.json`` / ``plan.md`` / ``goodput.png``.
+* ``epdserve plan calibrate`` — measure this machine's engine and fit the cost model.
+* ``epdserve plan validate --compare-dir DIR`` — simulate the configurations of an
+  ``epdserve compare`` run on its own trace, report the prediction errors and store them
+  in the calibration, so later plans state them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from epdserve.bench import metrics, workload
+from epdserve.bench.run import parse_goodput
+from epdserve.plan import calibrate, hardware, search
+from epdserve.plan.costmodel import Platform, roofline_platform
+from epdserve.plan.model_spec import BUILTIN, ModelSpec
+from epdserve.plan.simulate import Deployment, EngineLimits, SimRequest, WorkerSpec, simulate
+
+ACTIONS = ("search", "calibrate", "validate")
+VALIDATED = ("p95_ttft_ms", "p95_itl_ms", "output_throughput")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", nargs="?", choices=ACTIONS, default="search",
+                        help="search (default): recommend a deployment; calibrate: measure this "
+                             "machine; validate: predicted vs measured for a compare run")
+    parser.add_argument("--hardware", default="cpu",
+                        help=f"cpu (this machine, calibrated) or one of {', '.join(hardware.PROFILES)}")
+    parser.add_argument("--model", default=None,
+                        help=f"one of {', '.join(BUILTIN)}, or a model path (default: the default model)")
+    parser.add_argument("--devices", type=workload.positive_int, default=2,
+                        help="device budget: GPUs, or cores for --hardware cpu (default 2)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="a saved bench trace (JSON lines) to plan for, instead of --input-len etc.")
+    parser.add_argument("--input-len", type=workload.parse_range, default=(100, 400), metavar="MIN:MAX")
+    parser.add_argument("--output-len", type=workload.parse_range, default=(32, 128), metavar="MIN:MAX")
+    parser.add_argument("--num-requests", type=workload.positive_int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo", nargs="+", type=parse_goodput, default=[("ttft", 1000.0), ("tpot", 200.0)],
+                        metavar="KEY:MS", help="SLOs, e.g. ttft:300 tpot:10 (default ttft:1000 tpot:200)")
+    parser.add_argument("--target", type=float, default=0.9,
+                        help="share of requests that must meet every SLO (default 0.9)")
+    parser.add_argument("--max-num-seqs", type=workload.positive_int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=workload.positive_int, default=8192)
+    parser.add_argument("--enable-chunked-prefill", action="store_true")
+    parser.add_argument("--price-per-hour", type=float, default=None, help="USD per device-hour")
+    parser.add_argument("--calibration", default=None, metavar="FILE",
+                        help="calibration file (default ~/.cache/epdserve/calibration/MODEL-cpu.json)")
+    parser.add_argument("--compare-dir", default=None, metavar="DIR", help="validate: an `epdserve compare` output")
+    parser.add_argument("--output", default="results/plan", metavar="DIR")
+
+
+def _model_spec(name: str | None) -> ModelSpec:
+    if name in BUILTIN:
+        return BUILTIN[name]
+    from epdserve.model.config import ModelConfig
+    from epdserve.model.loader import resolve_model
+
+    info = resolve_model(name)
+    return ModelSpec.from_config(info.name, ModelConfig.from_dir(info.path))
+
+
+def _calibration_path(args) -> Path:
+    if args.calibration:
+        return Path(args.calibration)
+    from epdserve.model.loader import resolve_model
+
+    return calibrate.default_path(resolve_model(args.model).name)
+
+
+def _platform(args) -> Platform:
+    if args.hardware.lower() == "cpu":
+        platform = calibrate.platform_from(calibrate.load(_calibration_path(args)))
+    else:
+        overrides = {"price_per_hour": args.price_per_hour} if args.price_per_hour else {}
+        platform = roofline_platform(_model_spec(args.model), hardware.device(args.hardware, **overrides))
+    if args.price_per_hour:
+        platform.price_per_device_hour = args.price_per_hour
+    return platform
+
+
+def _requests(args) -> list[SimRequest]:
+    if args.trace:
+        return [SimRequest(r.offset_s, r.prompt_tokens, r.max_tokens, r.kind, len(getattr(r, "images", ())))
+                for r in workload.load_trace(args.trace)]
+    rng = np.random.default_rng(args.seed)
+    (a, b), (c, d) = args.input_len, args.output_len
+    return [SimRequest(0.0, int(rng.integers(a, b + 1)), int(rng.integers(c, d + 1)))
+            for _ in range(args.num_requests)]
+
+
+def _limits(args) -> EngineLimits:
+    return EngineLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill)
+
+
+def run_search(args) -> int:
+    platform = _platform(args)
+    requests, slos = _requests(args), dict(args.slo)
+    deployments = search.candidates(platform, args.devices)
+    rows, curves = [], {}
+    from tqdm import tqdm
+    for dep in tqdm(deployments, desc="plan", unit="deployment"):
+        cand = search.evaluate(dep, platform, requests, slos, args.target, _limits(args))
+        rows.append(cand.row(platform))
+        curves[dep.name] = cand.points
+    rows.sort(key=lambda r: -r["goodput_per_device"])
+    pick, why = search.recommend(rows)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"platform": platform.name, "devices": args.devices, "slos_ms": slos, "target": args.target,
+           "candidates": rows, "recommendation": pick and pick["name"], "reason": why,
+           "last_validation": platform.error}
+    (out / "plan.json").write_text(json.dumps(doc, indent=1))
+    text = _markdown(doc)
+    (out / "plan.md").write_text(text)
+    _plot(curves, out / "goodput.png")
+    print(text)
+    return 0
+
+
+def _fmt(v, spec: str = ".3g") -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def _markdown(doc: dict) -> str:
+    slos = " ".join(f"{k} ≤ {v:g} ms" for k, v in doc["slos_ms"].items())
+    lines = [f"# Plan: {doc['platform']}, {doc['devices']} devices", "",
+             f"SLOs: {slos} for {doc['target']:.0%} of requests (goodput as DistServe defines it).", "",
+             "| deployment | devices | goodput req/s | per device | TTFT p50/p95 ms | ITL p50/p95 ms "
+             "| out tok/s/device | USD / M out tokens |", "|---|---|---|---|---|---|---|---|"]
+    for r in doc["candidates"]:
+        lines.append(f"| {r['name']} | {r['devices']} | {_fmt(r['max_goodput_rps'])} | "
+                     f"{_fmt(r['goodput_per_device'])} | {_fmt(r['p50_ttft_ms'], '.0f')} / "
+                     f"{_fmt(r['p95_ttft_ms'], '.0f')} | {_fmt(r['p50_itl_ms'], '.1f')} / "
+                     f"{_fmt(r['p95_itl_ms'], '.1f')} | {_fmt(r['output_tok_s_per_device'])} | "
+                     f"{_fmt(r['usd_per_m_output_tokens'])} |")
+    lines += ["", f"**Recommendation: {doc['recommendation'] or 'none'}** — {doc['reason']}.", ""]
+    v = doc.get("last_validation")
+    if v:
+        errs = ", ".join(f"{k} {v['max_abs_error'][k]:.0%}" for k in VALIDATED)
+        lines.append(f"Prediction error at the last validation ({v['date']}, {len(v['rows'])} deployments, "
+                     f"`{v['compare_dir']}`): largest |error| {errs}.")
+    elif doc["platform"].endswith("this CPU"):
+        lines.append("Not validated yet: run `epdserve compare`, then `epdserve plan validate --compare-dir DIR`.")
+    else:
+        lines.append("Roofline estimate from datasheet peaks and efficiency factors; not validated "
+                     "against measurements on this hardware.")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(curves: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, points in curves.items():
+        if points:
+            ax.plot([p["rate"] for p in points], [p["slo_attainment"] for p in points], marker="o", label=name)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("share of requests meeting the SLOs")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def compare_deployment(name: str, cores: int) -> Deployment:
+    """The simulated :class:`Deployment` of an ``epdserve compare`` configuration name on
+    ``cores`` cores, placed by the launcher's rule (serving/launcher.py ``plan_workers``).
+
+    Raises:
+        ValueError: an unknown name, or workers that would share cores (not simulated).
+    """
+    from epdserve.bench.compare import serve_flags
+    from epdserve.serving.launcher import plan_workers
+
+    flags = serve_flags(name)
+    if flags is None:
+        raise ValueError(f"unknown configuration {name!r}")
+    opts = dict(zip(flags[::2], flags[1::2]))
+    placed = plan_workers(opts["--mode"], list(range(cores)), workers=int(opts.get("--workers", 1)),
+                          prefill=int(opts.get("--prefill-workers", 1)),
+                          decode=int(opts.get("--decode-workers", 1)))
+    used = [c for _, _, cs in placed for c in cs]
+    if len(used) != len(set(used)):
+        raise ValueError(f"{name}: workers share cores on {cores} cores; not simulated")
+    return Deployment(name, tuple(WorkerSpec(role, len(cs)) for role, _, cs in placed))
+
+
+def validate(compare_dir: Path, platform: Platform, cores: int) -> list[dict]:
+    """Predicted vs measured :data:`VALIDATED` metrics for each configuration of a
+    compare run (same trace); error = (predicted − measured) / measured."""
+    entries = json.loads((compare_dir / "compare.json").read_text())
+    trace = workload.load_trace(compare_dir / "trace.jsonl")
+    requests = [SimRequest(r.offset_s, r.prompt_tokens, r.max_tokens, r.kind) for r in trace]
+    rows = []
+    for entry in entries:
+        measured = entry["result"]
+        try:
+            dep = compare_deployment(entry["name"], cores)
+        except ValueError as exc:
+            print(f"skipped {entry['name']}: {exc}", file=sys.stderr)
+            continue
+        records, _ = simulate(dep, platform, requests)
+        predicted = metrics.compute(records)
+        row = {"name": entry["name"]}
+        for key in VALIDATED:
+            row[key] = {"predicted": predicted[key], "measured": measured[key],
+                        "error": (predicted[key] - measured[key]) / measured[key] if measured[key] else None}
+        rows.append(row)
+    return rows
+
+
+def run_validate(args) -> int:
+    if not args.compare_dir:
+        print("epdserve plan validate: error: --compare-dir DIR is required", file=sys.stderr)
+        return 2
+    path = _calibration_path(args)
+    cal = calibrate.load(path)
+    compare_dir = Path(args.compare_dir)
+    if not (compare_dir / "compare.json").is_file() or not (compare_dir / "trace.jsonl").is_file():
+        print(f"epdserve plan validate: error: {compare_dir} has no compare.json and trace.jsonl",
+              file=sys.stderr)
+        return 2
+    rows = validate(compare_dir, calibrate.platform_from(cal), args.devices)
+    if not rows:
+        print("epdserve plan validate: error: no configuration could be simulated", file=sys.stderr)
+        return 1
+    print(f"{'deployment':<14}" + "".join(f"{k:>34}" for k in VALIDATED))
+    for row in rows:
+        print(f"{row['name']:<14}" + "".join(
+            f"{row[k]['predicted']:>12.1f} vs {row[k]['measured']:>9.1f} ({_fmt(row[k]['error'], '+.0%'):>6})"
+            for k in VALIDATED))
+    from datetime import datetime, timezone
+    cal["validation"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                         "compare_dir": str(compare_dir), "rows": rows,
+                         "max_abs_error": {k: max(abs(r[k]["error"] or 0) for r in rows) for k in VALIDATED}}
+    calibrate.save(cal, path)
+    print(f"stored in {path}")
+    return 0
+
+
+def run_calibrate(args) -> int:
+    cal = calibrate.calibrate(args.model)
+    path = calibrate.save(cal, _calibration_path(args))
+    for size, fit in cal["steps"].items():
+        coef = ", ".join(f"{c:.4g}" for c in fit["coef"])
+        print(f"{size}-core worker: ms = [{coef}] · [1, sequences, new tokens, attention keys]; "
+              f"mean |error| {fit['mean_abs_rel_error']:.1%} over {len(fit['samples'])} steps")
+    print(f"KV hand-off: {cal['kv_link']['gbs']:.2f} GB/s + {cal['kv_link']['latency_ms']:.2f} ms; "
+          f"written {path}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 < args.target <= 1:
+        print(f"epdserve plan: error: --target {args.target}: must be in (0, 1]", file=sys.stderr)
+        return 2
+    try:
+        return {"search": run_search, "calibrate": run_calibrate, "validate": run_validate}[args.action](args)
+    except ValueError as exc:
+        print(f"epdserve plan: error: {exc}", file=sys.stderr)
+        return 2

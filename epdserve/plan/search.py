@@ -1,0 +1,147 @@
+"""Search: which deployment serves a workload within its SLOs at the lowest cost.
+
+For every candidate deployment that uses the whole device budget (colocated replicas and
+xPyD splits, over the platform's worker sizes), the simulated goodput is found as
+DistServe defines it (Zhong et al., OSDI 2024): the highest request rate at which at
+least ``target`` of the requests meet every SLO, by doubling the rate until the target
+is missed and then bisecting (:func:`epdserve.bench.sweep.find_max_goodput_rate`). The
+trace keeps its prompts and its seeded Poisson arrival pattern; only the time scale
+changes with the rate. Candidates are ranked by goodput per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from epdserve.bench import metrics
+from epdserve.bench.sweep import find_max_goodput_rate
+from epdserve.plan.costmodel import Platform
+from epdserve.plan.simulate import Deployment, EngineLimits, SimRequest, WorkerSpec, simulate
+
+MAX_DOUBLINGS = 16
+
+
+def _suffix(prefill_size: int, decode_size: int) -> str:
+    if prefill_size == decode_size:
+        return "" if prefill_size == 1 else f"-tp{prefill_size}"
+    return f"-tp{prefill_size}/{decode_size}"
+
+
+def candidates(platform: Platform, budget: int) -> list[Deployment]:
+    """Deployments using exactly ``budget`` devices: ``colocated`` (one worker of all
+    devices), ``colocated-N`` (N replicas), and ``XpYd`` with per-role worker sizes
+    (``-tpS`` when workers span S devices; ``-tpP/D`` when prefill and decode differ).
+
+    Raises:
+        ValueError: a budget below 1.
+    """
+    if budget < 1:
+        raise ValueError(f"device budget {budget}: must be at least 1")
+    sizes = [s for s in platform.worker_sizes if s <= budget]
+    out = []
+    for s in sizes:
+        if budget % s == 0:
+            n = budget // s
+            name = "colocated" if n == 1 else f"colocated-{n}{_suffix(s, s)}"
+            out.append(Deployment(name, (WorkerSpec("colocated", s),) * n))
+    for sp in sizes:
+        for sd in sizes:
+            for x in range(1, budget // sp + 1):
+                rest = budget - x * sp
+                if rest >= sd and rest % sd == 0:
+                    y = rest // sd
+                    out.append(Deployment(f"{x}p{y}d{_suffix(sp, sd)}",
+                                          (WorkerSpec("prefill", sp),) * x + (WorkerSpec("decode", sd),) * y))
+    return out
+
+
+def retime(requests: list[SimRequest], rate: float, seed: int = 0) -> list[SimRequest]:
+    """The same requests with Poisson arrivals at ``rate`` req/s; the seeded unit-rate gaps
+    are scaled by 1/rate, so every rate sees the same arrival pattern."""
+    gaps = np.random.default_rng(seed).exponential(1.0, size=len(requests))
+    offsets = np.cumsum(gaps) - gaps[0]
+    return [SimRequest(float(t) / rate, r.prompt_tokens, r.max_tokens, r.kind, r.images)
+            for t, r in zip(offsets, requests)]
+
+
+@dataclass
+class Candidate:
+    """A deployment's predicted goodput and latencies at that rate."""
+
+    deployment: Deployment
+    max_rate: float | None
+    result: dict | None
+    points: list[dict]
+
+    def row(self, platform: Platform) -> dict:
+        d, r = self.deployment, self.result or {}
+        devices = d.devices
+        tok_s = r.get("output_throughput", 0.0)
+        cost = devices * platform.price_per_device_hour / (tok_s * 3600) * 1e6 if tok_s else None
+        return {"name": d.name, "devices": devices, "max_goodput_rps": self.max_rate or 0.0,
+                "goodput_per_device": (self.max_rate or 0.0) / devices,
+                "p50_ttft_ms": r.get("median_ttft_ms"), "p95_ttft_ms": r.get("p95_ttft_ms"),
+                "p50_itl_ms": r.get("median_itl_ms"), "p95_itl_ms": r.get("p95_itl_ms"),
+                "p95_tpot_ms": r.get("p95_tpot_ms"),
+                "output_tok_s_per_device": tok_s / devices, "usd_per_m_output_tokens": cost}
+
+
+def evaluate(deployment: Deployment, platform: Platform, requests: list[SimRequest],
+             slos_ms: dict[str, float], target: float, limits: EngineLimits,
+             iters: int = 6) -> Candidate:
+    """Simulated goodput of one deployment (see the module doc)."""
+    cache: dict[float, dict] = {}
+
+    def measure(rate: float) -> dict:
+        if rate not in cache:
+            records, _ = simulate(deployment, platform, retime(requests, rate), limits)
+            cache[rate] = metrics.compute(records, slos_ms)
+        return cache[rate]
+
+    def ok(rate: float) -> bool:
+        return measure(rate)["slo_attainment"] >= target
+
+    lo = 0.01 * deployment.devices
+    if not ok(lo):
+        return Candidate(deployment, None, measure(lo), [])
+    hi = lo * 2
+    for _ in range(MAX_DOUBLINGS):
+        if not ok(hi):
+            break
+        lo, hi = hi, hi * 2
+    sweep = find_max_goodput_rate(measure, target, lo, hi, iters, progress=False)
+    rate = sweep["max_rate"]
+    return Candidate(deployment, rate, measure(rate) if rate else None, sweep["points"])
+
+
+def recommend(rows: list[dict]) -> tuple[dict | None, str]:
+    """The best row and why: the highest goodput per device; within 5 % of it the
+    cheaper, then the simpler (colocated before PD, fewer workers) candidate wins.
+    None when no candidate meets the SLOs at any rate tried."""
+    feasible = [r for r in rows if r["max_goodput_rps"] > 0]
+    if not feasible:
+        return None, ("no deployment meets the SLOs for the target share of requests even at "
+                      "the lowest rate tried; relax the SLOs or use faster hardware")
+    best = max(r["goodput_per_device"] for r in feasible)
+    close = [r for r in feasible if r["goodput_per_device"] >= 0.95 * best]
+    pick = min(close, key=lambda r: (not r["name"].startswith("colocated"), r["usd_per_m_output_tokens"] or 0))
+    top = max(feasible, key=lambda r: r["goodput_per_device"])
+    colo = [r for r in feasible if r["name"].startswith("colocated")]
+    split = [r for r in feasible if not r["name"].startswith("colocated")]
+    why = f"{pick['name']} sustains {pick['max_goodput_rps']:.3g} req/s within the SLOs " \
+          f"({pick['goodput_per_device']:.3g} req/s per device)"
+    if pick is not top:
+        why += f", within 5 % of the best ({top['name']}, {top['goodput_per_device']:.3g}) and simpler"
+    if colo and split:
+        bc = max(colo, key=lambda r: r["goodput_per_device"])
+        bs = max(split, key=lambda r: r["goodput_per_device"])
+        ratio = bs["goodput_per_device"] / bc["goodput_per_device"] if bc["goodput_per_device"] else float("inf")
+        why += (f"; the best split ({bs['name']}) gives {ratio:.2f}x the goodput per device of the "
+                f"best colocated ({bc['name']})")
+        if ratio < 1.05:
+            why += ": splitting does not pay off for this workload"
+    elif split and not colo:
+        why += "; no colocated deployment meets the SLOs at all"
+    return pick, why
