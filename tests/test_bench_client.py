@@ -9,7 +9,11 @@ fixed chunks with known sleeps, so TTFT/ITL/E2EL are known to within scheduling 
   two tokens) and ``[DONE]``.
 
 A prompt containing FAIL400 gets HTTP 400; one containing FAILSTREAM gets one text chunk
-and then an error event. ``GET /log`` lists what arrived (``time.monotonic()`` and body).
+and then an error event; one containing RESET gets one text chunk and then the connection
+dropped. A prompt containing QUEUE waits for a single "prefill" slot, held for
+``STUB_TTFT_S`` (a server of capacity 1/STUB_TTFT_S req/s, whose TTFT grows with load).
+``GET /log`` lists what arrived (``time.monotonic()`` and body); ``GET /inflight`` the
+most requests that were in flight at once since ``POST /reset``.
 """
 
 import argparse
@@ -48,6 +52,8 @@ def stub_app(mode: str = "colocated", trace_file: str | None = None):
     app = FastAPI()
     log: list[dict] = []
     counter = iter(range(1, 10**9))
+    inflight = {"now": 0, "max": 0}
+    prefill_slot = asyncio.Lock()
 
     @app.get("/health")
     async def health():
@@ -61,9 +67,14 @@ def stub_app(mode: str = "colocated", trace_file: str | None = None):
     async def get_log():
         return log
 
+    @app.get("/inflight")
+    async def get_inflight():
+        return inflight
+
     @app.post("/reset")
     async def reset():
         log.clear()
+        inflight["max"] = inflight["now"]
         return {}
 
     async def completion(request: Request, chat: bool):
@@ -93,10 +104,25 @@ def stub_app(mode: str = "colocated", trace_file: str | None = None):
             return f"data: {json.dumps(obj)}\n\n"
 
         async def stream():
+            inflight["now"] += 1
+            inflight["max"] = max(inflight["max"], inflight["now"])
+            try:
+                async for part in stream_parts():
+                    yield part
+            finally:
+                inflight["now"] -= 1
+
+        async def stream_parts():
             if chat:
                 yield chunk(role=True)
-            await asyncio.sleep(STUB_TTFT_S)
+            if "QUEUE" in prompt:
+                async with prefill_slot:
+                    await asyncio.sleep(STUB_TTFT_S)
+            else:
+                await asyncio.sleep(STUB_TTFT_S)
             yield chunk("Hello")
+            if "RESET" in prompt:
+                raise RuntimeError("stub drops the connection")
             if "FAILSTREAM" in prompt:
                 yield 'data: {"error": {"message": "stub engine died", "code": 500}}\n\n'
                 yield "data: [DONE]\n\n"
@@ -178,6 +204,9 @@ class Stub:
 
     def reset(self) -> None:
         httpx.post(self.url + "/reset", trust_env=False)
+
+    def max_inflight(self) -> int:
+        return httpx.get(self.url + "/inflight", trust_env=False).json()["max"]
 
     def stop(self) -> None:
         try:
@@ -294,6 +323,7 @@ def test_replayed_trace_sends_identical_requests_at_the_same_offsets(stub, tmp_p
     drift = [abs((a["t"] - first[0]["t"]) - (b["t"] - second[0]["t"]))
              for a, b in zip(first, second)]
     assert max(drift) < TOLERANCE_S, drift
+    assert sorted(drift)[len(drift) // 2] < 0.005, drift  # typical: within 5 ms
 
 
 def test_cli_writes_result_json(stub, tmp_path):
@@ -354,6 +384,80 @@ def test_cli_unreachable_server_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert "http://127.0.0.1:9" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_failures_are_counted_by_kind_and_kept_out_of_latencies(stub):
+    trace = [req(0.0, "fine"), req(0.0, "FAIL400 a"), req(0.0, "FAIL400 b"),
+             req(0.0, "please RESET"), req(0.0, "FAILSTREAM")]
+    result = bench(stub.url, trace, bench_args())
+    assert result["completed"] == 1 and result["failed"] == 4
+    assert result["error_counts"] == {"HTTP 400": 2, "connection reset": 1, "error event": 1}
+    # Percentiles are over the one completed request only.
+    assert result["p99_ttft_ms"] == result["mean_ttft_ms"] == pytest.approx(
+        1000 * result["ttfts"][0])
+    from epdserve.bench.run import summary_lines
+    line = next(x for x in summary_lines(result) if x.startswith("Failed requests"))
+    assert line.endswith("4 (HTTP 400 x2, connection reset x1, error event x1)")
+
+
+def test_max_concurrency_caps_requests_in_flight(stub):
+    stub.reset()
+    trace = [req(0.0, f"closed loop {i}") for i in range(7)]
+    result = bench(stub.url, trace, bench_args("--max-concurrency", "3", "--warmup", "0"))
+    assert result["completed"] == 7 and result["max_concurrency"] == 3
+    assert stub.max_inflight() == 3
+    # A closed loop: request 3 is sent only when one of the first three has finished.
+    first_wave_end = min(sorted(result["e2els"])[:3])
+    assert sorted(result["start_offsets"])[3] >= first_wave_end - 0.005
+
+
+def test_warmup_requests_are_sent_but_not_measured(stub):
+    stub.reset()
+    trace = [req(0.01 * i, f"prompt {i}") for i in range(4)]
+    result = bench(stub.url, trace, bench_args("--warmup-requests", "2", "--warmup", "0"))
+    assert len(stub.log()) == 4
+    assert result["num_prompts"] == 2 == result["completed"] == len(result["ttfts"])
+    assert result["start_offsets"][0] >= 0.02 - 0.001
+    with pytest.raises(workload.TraceError, match="--warmup-requests 4"):
+        bench(stub.url, trace, bench_args("--warmup-requests", "4"))
+
+
+def test_images_are_refused_before_anything_is_sent(stub, tmp_path):
+    stub.reset()
+    trace = [workload.Request(0.0, "look", 4, "chat", 1, images=({"width": 8, "height": 8},))]
+    with pytest.raises(client.UnsupportedWorkload, match="1 of 1 requests carry images"):
+        bench(stub.url, trace, bench_args())
+    assert stub.log() == []
+    path = tmp_path / "img.jsonl"
+    workload.save_trace(trace, path)
+    proc = run_cli("--base-url", stub.url, "--trace", str(path))
+    assert proc.returncode == 2 and "cannot send images" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_sweep_finds_the_rate_the_stub_sustains(stub, tmp_path):
+    # QUEUE requests hold one slot for 0.2 s each: evenly spaced arrivals meet a 300 ms
+    # TTFT SLO up to 5 req/s and queue up beyond. Rates tried: 2, 10, 6, 4.
+    trace = [req(0.1 * i, f"QUEUE {i}") for i in range(10)]
+    trace_file, out = tmp_path / "t.jsonl", tmp_path / "sweep" / "sweep.json"
+    workload.save_trace(trace, trace_file)
+    proc = run_cli("--base-url", stub.url, "--trace", str(trace_file), "--sweep",
+                   "--goodput", "ttft:300", "--sweep-rates", "2:10", "--sweep-iters", "2",
+                   "--disable-tqdm", "--result-file", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert [p["rate"] for p in result["points"]] == [2.0, 4.0, 6.0, 10.0]
+    assert result["max_rate"] == 4.0 and result["bracket"] == [4.0, 6.0]
+    att = {p["rate"]: p["slo_attainment"] for p in result["points"]}
+    assert att[2.0] == att[4.0] == 1.0 and att[6.0] < 0.9 and att[10.0] < att[6.0]
+    assert all(p["request_rate"] == p["rate"] for p in result["points"])
+    assert (out.parent / "goodput_vs_rate.png").stat().st_size > 5000
+    assert "Max rate with >= 90% of requests within SLOs: 4.000 req/s" in proc.stdout
+
+
+def test_cli_sweep_needs_slos_and_a_result_file():
+    proc = run_cli("--base-url", "http://127.0.0.1:9", "--sweep")
+    assert proc.returncode == 2 and "--goodput" in proc.stderr
 
 
 if __name__ == "__main__":
