@@ -20,7 +20,7 @@ import math
 import pytest
 
 from epdserve.bench.client import RequestRecord
-from epdserve.bench.metrics import compute, tpot_s
+from epdserve.bench.metrics import compute, error_kind, tpot_s
 
 
 def records() -> list[RequestRecord]:
@@ -51,7 +51,8 @@ def test_throughputs_and_counts():
     assert r["request_throughput"] == approx(1.5)
     assert r["output_throughput"] == approx(4.5)
     assert r["total_token_throughput"] == approx(34.5)
-    assert r["request_goodput"] is None
+    assert r["request_goodput"] is None and r["slo_attainment"] is None
+    assert r["error_counts"] == {"HTTP 500": 1}
 
 
 def test_ttft_from_first_text_chunk():
@@ -119,6 +120,7 @@ def test_raw_arrays_in_trace_order_in_seconds():
 def test_goodput_counts_completed_requests_meeting_every_slo(slos, good):
     r = compute(records(), slos)
     assert r["request_goodput"] == approx(good / 2.0)
+    assert r["slo_attainment"] == approx(good / 4)  # the failed r3 counts as a miss
 
 
 def test_unknown_slo_is_rejected():
@@ -132,3 +134,16 @@ def test_all_failed_gives_zero_aggregates_not_a_crash():
     assert r["duration"] == approx(0.8)
     assert r["mean_ttft_ms"] == 0.0 and r["p99_itl_ms"] == 0.0
     assert r["request_throughput"] == 0.0
+
+
+@pytest.mark.parametrize("error, kind", [
+    ("HTTP 400: max_tokens must be >= 1", "HTTP 400"),
+    ("error event: engine died", "error event"),
+    ("RemoteProtocolError: peer closed connection without sending complete message body",
+     "connection reset"),
+    ("ReadTimeout", "timeout"),
+    ("ConnectError: All connection attempts failed", "connection refused"),
+    ("stream ended before [DONE]", "stream ended before [DONE]"),
+])
+def test_error_kinds(error, kind):
+    assert error_kind(error) == kind
