@@ -103,6 +103,23 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
     assert not (tmp_path / "goodput_vs_rate.png").exists()
 
 
+def test_goodput_sweep_per_configuration_against_the_stub(tmp_path):
+    trace = [req(0.0, "one"), req(0.05, "two"), req(0.1, "three"), req(0.15, "four")]
+    args = compare_args(free_port(), "--goodput", "ttft:10000", "--sweep-rates", "2:8",
+                        "--sweep-iters", "0")
+    e = compare.run_config("pd", trace, args, tmp_path, serve=STUB)
+    sw = e["sweep"]
+    assert [p["rate"] for p in sw["points"]] == [2.0, 8.0]
+    assert all(p["slo_attainment"] == 1.0 for p in sw["points"])  # the stub is fast
+    assert sw["max_rate"] == 8.0
+    assert e["result"]["request_goodput"] is not None
+    assert e["server"]["matched_client_requests"] == 4  # the sweep's requests not mixed in
+    paths = compare.write_outputs([e], trace, {"source": "test"}, tmp_path)
+    assert tmp_path / "goodput_vs_rate.png" in paths
+    assert "- pd: max rate with 90% of requests within the SLOs: 8 req/s" in \
+        (tmp_path / "compare.md").read_text()
+
+
 def test_resources_lists_each_workers_cores(pd_server, tmp_path):
     res = compare.ServerProcess("pd", [], tmp_path / "x.log", pd_server.url).resources()
     roles = {w["role"]: set(w["cores"]) for w in res["workers"]}
@@ -119,30 +136,39 @@ def client_result(ttfts_s, itls_s, ids, errors=None):
 
 
 def test_breakdown_joins_by_id_and_splits_ttft_and_the_handoff_gap():
-    result = client_result([0.500, 0.300, 0.0], [[0.200, 0.05], [0.1], []],
-                           ["chatcmpl-a", "chatcmpl-b", "chatcmpl-c"],
-                           ["", "", "HTTP 500"])
+    result = client_result([0.500, 0.300, 0.0, 0.100], [[0.200, 0.05], [0.1], [], [0.05]],
+                           ["chatcmpl-a", "chatcmpl-b", "chatcmpl-c", "chatcmpl-d"],
+                           ["", "", "HTTP 500", ""])
     records = [
         # a: PD with a hand-off; the router saw TTFT 490 ms of the client's 500.
-        {"request_id": "chatcmpl-a", "mode": "pd", "ttft_ms": 490.0, "router_queue_ms": 5.0,
-         "prefill_queue_ms": 20.0, "prefill_ms": 400.0, "kv_export_ms": 30.0,
-         "router_hop_ms": 2.0, "kv_fetch_ms": 8.0, "kv_import_ms": 10.0, "decode_queue_ms": 40.0},
-        # b: no ttft_ms and no hand-off keys: no http part, no hand-off row.
+        {"request_id": "chatcmpl-a", "mode": "pd", "path": "disaggregated", "ttft_ms": 490.0,
+         "router_queue_ms": 5.0, "prefill_queue_ms": 20.0, "prefill_ms": 400.0,
+         "kv_export_ms": 30.0, "ttft_hop_ms": 25.0, "router_hop_ms": 2.0, "kv_fetch_ms": 8.0,
+         "kv_import_ms": 10.0, "decode_queue_ms": 40.0},
+        # b: an older trace (no path, no ttft_ms): pd mode means disaggregated; no http part.
         {"request_id": "b", "mode": "pd", "router_queue_ms": 1.0, "prefill_ms": 250.0},
         {"request_id": "c", "mode": "pd", "prefill_ms": 1.0},  # failed on the client: skipped
+        # d: prefilled by the decode worker itself: its queue is the decode queue, no hand-off.
+        {"request_id": "d", "mode": "pd", "path": "local", "ttft_ms": 95.0,
+         "router_queue_ms": 2.0, "decode_queue_ms": 3.0, "prefill_ms": 80.0, "ttft_hop_ms": 5.0},
         {"request_id": "zzz", "prefill_ms": 1.0},  # another run's request
     ]
     b = server_trace.breakdown(result, records)
-    assert b["joined"] == 2
+    assert b["joined"] == 3
     t = b["ttft"]
-    assert t["parts"] == ["http", "router", "prefill queue", "prefill", "KV export", "other"]
-    # a: http 10, router 5, queue 20, prefill 400, export 30, other 500-465 = 35
-    # b: router 1, prefill 250, other 300-251 = 49 (http and the rest count 0)
-    assert t["mean"] == pytest.approx({"http": 5.0, "router": 3.0, "prefill queue": 10.0,
-                                       "prefill": 325.0, "KV export": 15.0, "other": 42.0})
-    assert t["p95"]["other"] == pytest.approx(35 + 0.95 * 14)
+    assert t["parts"] == ["http", "router", "prefill queue", "decode queue", "prefill",
+                          "KV export", "IPC hops", "other"]
+    # a: http 10, router 5, queue 20, prefill 400, export 30, hops 25, other 500-490 = 10
+    # b: router 1, prefill 250, other 300-251 = 49 (the parts it lacks count 0)
+    # d: http 5, router 2, decode queue 3, prefill 80, hops 5, other 100-95 = 5
+    assert t["mean"] == pytest.approx({"http": 5.0, "router": 8 / 3, "prefill queue": 20 / 3,
+                                       "decode queue": 1.0, "prefill": 730 / 3,
+                                       "KV export": 10.0, "IPC hops": 10.0, "other": 64 / 3})
+    assert sum(t["mean"].values()) == pytest.approx(900 / 3)  # the client's mean TTFT
+    assert t["p95"]["other"] == pytest.approx(10 + 0.9 * 39)  # linear in [5, 10, 49]
     h = b["handoff"]
     assert h["n"] == 1  # only a has kv_import_ms
+    assert h["parts"] == ["router hop", "KV fetch", "decode queue", "KV import", "other"]
     assert h["mean"] == pytest.approx({"router hop": 2.0, "KV fetch": 8.0, "KV import": 10.0,
                                        "decode queue": 40.0, "other": 140.0})
     assert server_trace.breakdown(client_result([0.1], [[]], ["x"]), records) == \
@@ -284,6 +310,7 @@ def test_compare_cli_bad_values_exit_2():
                          (["--port", "70000"], "70000"),
                          (["--trace", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
                          (["--sweep-rates", "2:1"], "2:1"),
+                         (["--goodput-target", "1.5"], "1.5"),
                          (["--sweep-rates", "0.5:2"], "--goodput")):
         proc = subprocess.run([sys.executable, "-m", "epdserve", "compare", *args],
                               capture_output=True, text=True, timeout=60)

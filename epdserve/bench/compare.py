@@ -27,7 +27,6 @@ Exit status: 0 when every configuration ran, 1 when a server failed to start or 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import os
 import re
@@ -41,7 +40,8 @@ from pathlib import Path
 import httpx
 
 from epdserve.bench import client, plots, recommend, report, server_trace, sweep, workload
-from epdserve.bench.run import add_client_arguments, bench, write_json
+from epdserve.bench.run import (add_client_arguments, bench, parse_rates, parse_share,
+                                write_json)
 
 
 class ServerError(RuntimeError):
@@ -199,18 +199,6 @@ def _port(text: str) -> int:
     return port
 
 
-def _rates(text: str) -> tuple[float, float]:
-    """argparse type for ``--sweep-rates LO:HI`` (req/s, 0 < LO < HI, finite)."""
-    lo, sep, hi = text.partition(":")
-    try:
-        lo_f, hi_f = float(lo), float(hi)
-    except ValueError:
-        lo_f = hi_f = float("nan")
-    if not sep or not (0 < lo_f < hi_f < float("inf")):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected LO:HI req/s with 0 < LO < HI")
-    return lo_f, hi_f
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_workload_arguments(parser, default="demo")
     add_client_arguments(parser)
@@ -228,11 +216,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
                         help="seconds to wait for /health == 200 (default 300)")
     s = parser.add_argument_group("goodput sweep (needs --goodput)")
-    s.add_argument("--sweep-rates", type=_rates, default=None, metavar="LO:HI",
+    s.add_argument("--sweep-rates", type=parse_rates, default=None, metavar="LO:HI",
                    help="also find each configuration's highest request rate (req/s) within "
                         "the SLOs by bisection over LO..HI, replaying the trace re-timed to "
                         "each rate; draws goodput_vs_rate.png")
-    s.add_argument("--sweep-target", type=float, default=0.9, metavar="SHARE",
+    s.add_argument("--goodput-target", type=parse_share, default=0.9, metavar="F",
                    help="share of requests that must meet every SLO (default 0.9)")
     s.add_argument("--sweep-iters", type=workload.nonnegative_int, default=3, metavar="N",
                    help="bisection steps after LO and HI (default 3)")
@@ -250,21 +238,6 @@ def server_command(name: str, port: int, trace_file: Path, model: str | None,
     if model:
         cmd += ["--model", model]
     return cmd
-
-
-def at_rate(requests: list[workload.Request], rate: float) -> list[workload.Request]:
-    """The same requests with their offsets scaled so that they arrive at ``rate`` req/s
-    on average (requests / span of the arrivals); the pattern (bursts, where the long
-    prompts fall) is kept.
-
-    Raises:
-        ValueError: every request is sent at offset 0 (no rate to scale).
-    """
-    span = max(r.offset_s for r in requests)
-    if span <= 0:
-        raise ValueError("the trace sends every request at once; it has no rate to re-time")
-    scale = span * rate / len(requests)
-    return [dataclasses.replace(r, offset_s=r.offset_s / scale) for r in requests]
 
 
 STALL_MS = 1000.0  # an ITL gap this long is a stall a user notices; p99 can hide a few
@@ -307,8 +280,8 @@ def run_config(name: str, requests: list[workload.Request], args: argparse.Names
             print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s",
                   flush=True)
             entry["sweep"] = sweep.find_max_goodput_rate(
-                lambda rate: bench(base_url, at_rate(requests, rate), args),
-                target_share=args.sweep_target, lo=args.sweep_rates[0], hi=args.sweep_rates[1],
+                lambda rate: bench(base_url, workload.retime(requests, rate, args.seed), args),
+                target_share=args.goodput_target, lo=args.sweep_rates[0], hi=args.sweep_rates[1],
                 iters=args.sweep_iters, progress=not args.disable_tqdm)
     finally:
         server.stop()
@@ -335,19 +308,11 @@ def run(args: argparse.Namespace) -> int:
         print("epdserve compare: error: --sweep-rates needs SLOs: pass --goodput, e.g. "
               "--goodput ttft:2000 tpot:300", file=sys.stderr)
         return 2
-    if not 0 < args.sweep_target <= 1:
-        print(f"epdserve compare: error: --sweep-target {args.sweep_target}: must be in (0, 1]",
-              file=sys.stderr)
-        return 2
     out_dir = Path(args.output)
     try:
         requests, spec = workload.build_from_args(args, tokenizer_path=args.model)
     except workload.TraceError as exc:
         print(f"epdserve compare: error: {exc}", file=sys.stderr)
-        return 2
-    if args.sweep_rates and max(r.offset_s for r in requests) <= 0:
-        print("epdserve compare: error: --sweep-rates needs a trace with a request rate "
-              "(this one sends every request at once)", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     workload.save_trace(requests, out_dir / "trace.jsonl")

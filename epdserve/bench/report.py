@@ -114,7 +114,7 @@ def breakdown_markdown(entries: list[dict], which: str) -> str:
     have = [e for e in entries if ((e.get("breakdown") or {}).get(which))]
     if not have:
         return ""
-    parts = sort_parts(p for e in have for p in e["breakdown"][which]["parts"])
+    parts = sort_parts((p for e in have for p in e["breakdown"][which]["parts"]), which)
     header = ["Part (ms)"] + [f"{e['name']} {s}" for e in have for s in ("mean", "p95")]
     rows = []
     for part in parts:
@@ -182,14 +182,16 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
         parts += ["## Where TTFT goes", "", ttft, "",
                   "Per request, the client's TTFT joined with the server trace by request id: "
                   "http = client TTFT − the router's TTFT (request send, HTTP, SSE write); "
-                  "router = arrival to dispatch; queue = waiting for a worker's step; prefill "
-                  "= first scheduled to first token; KV export (PD) happens before the first "
-                  "token leaves the prefill worker; other = what no stage covers (IPC hops). "
-                  "Means add up to the mean TTFT; p95s do not add up.", ""]
+                  "router = HTTP arrival to dispatch (tokenize, pick a worker); queue = arrival "
+                  "at the worker to first scheduled; prefill = first scheduled to first token; "
+                  "KV export (PD) happens before the first token leaves the prefill worker; "
+                  "IPC hops = the router's remainder (ZeroMQ, event loop); other = what no "
+                  "stage covers. Means add up to the mean TTFT; p95s do not add up.", ""]
     gap = breakdown_markdown(ran, "handoff")
     if gap:
         parts += ["## PD hand-off (client gap token 1 → token 2)", "", gap, "",
-                  "other = the decode worker's first step and IPC hops.", ""]
+                  "KV import runs within the decode worker's first step; other = the rest "
+                  "of that step and IPC hops.", ""]
     parts += ["## Workload", "", *workload_lines(workload_spec, trace_summary)]
     if sampling:
         parts.append("- same trace, model and settings for every configuration: " +

@@ -2,9 +2,11 @@
 
 The router appends one JSON object per finished request, with at least ``request_id``,
 ``prompt_tokens``, ``output_tokens``, ``queue_ms``, ``prefill_ms``, ``kv_bytes``,
-``kv_transfer_ms``, ``decode_ms``, ``e2e_ms`` (``kv_*`` are 0 when colocated). Records are
-joined with the client's view by ``request_id`` (the response ``id``); when no id
-matches, every record of the file is used and the summary says so.
+``kv_transfer_ms``, ``decode_ms``, ``e2e_ms`` (``kv_*`` are 0 when colocated; every key is
+documented in ``epdserve.serving.router.Generation.trace``). Records are joined with the
+client's view by ``request_id`` (the response ``id``): :func:`summarize` gives each field's
+mean and p95, :func:`breakdown` splits each request's client TTFT (and PD hand-off gap)
+into stages. Keys a server does not write are left out, never guessed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 FIELDS = ("kv_bytes", "kv_transfer_ms", "prefill_ms", "queue_ms", "decode_ms", "e2e_ms",
           # optional stage stamps, summarised when the server writes them
           "ttft_ms", "router_queue_ms", "prefill_queue_ms", "decode_queue_ms",
-          "kv_export_ms", "kv_import_ms")
+          "kv_export_ms", "kv_fetch_ms", "kv_import_ms", "router_hop_ms", "ttft_hop_ms")
 
 
 def read(path: str | Path) -> tuple[list[dict], int]:
@@ -77,28 +79,46 @@ def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> di
 # --------------------------------------------------------------- end-to-end breakdown
 #
 # Which trace keys make up which part of the client's TTFT, and of the PD hand-off gap
-# (client: token 1 -> token 2), in time order: (part, keys summed; absent keys count 0).
+# (client: token 1 -> token 2), in time order: (part, keys summed; absent keys count 0),
+# as the router's ``Generation.trace`` documents them. TTFT stages depend on the request's
+# ``path``: colocated, disaggregated (prefill worker then decode worker) or local (a PD
+# request the decode worker prefilled itself). The prefill worker exports the KV before it
+# sends the first token, so the export is part of TTFT, not of the hand-off gap.
 # "http" (client TTFT - the router's ttft_ms: client send, HTTP parsing, SSE write) and
 # "other" (what no known key covers) are added by :func:`ttft_parts` / :func:`handoff_parts`.
-# In PD the prefill worker exports the KV before it sends the first token, so the export
-# is part of TTFT, not of the hand-off gap.
+_ROUTER, _PREFILL, _HOPS = (("router", ("router_queue_ms",)), ("prefill", ("prefill_ms",)),
+                            ("IPC hops", ("ttft_hop_ms",)))
 TTFT_STAGES = {
-    "colocated": (("router", ("router_queue_ms",)), ("queue", ("queue_ms",)),
-                  ("prefill", ("prefill_ms",))),
-    "pd": (("router", ("router_queue_ms",)), ("prefill queue", ("prefill_queue_ms",)),
-           ("prefill", ("prefill_ms",)), ("KV export", ("kv_export_ms",))),
+    "colocated": (_ROUTER, ("queue", ("queue_ms",)), _PREFILL, _HOPS),
+    "disaggregated": (_ROUTER, ("prefill queue", ("prefill_queue_ms",)), _PREFILL,
+                      ("KV export", ("kv_export_ms",)), _HOPS),
+    "local": (_ROUTER, ("decode queue", ("decode_queue_ms",)), _PREFILL, _HOPS),
 }
 HANDOFF_STAGES = (("router hop", ("router_hop_ms",)), ("KV fetch", ("kv_fetch_ms",)),
-                  ("KV import", ("kv_import_ms",)), ("decode queue", ("decode_queue_ms",)))
+                  ("decode queue", ("decode_queue_ms",)), ("KV import", ("kv_import_ms",)))
 # Every part in time order, for tables and plots that put several configurations together.
-PART_ORDER = ("http", "router", "queue", "prefill queue", "prefill", "KV export",
-              *(p for p, _ in HANDOFF_STAGES), "other")
+PART_ORDER = {
+    "ttft": ("http", "router", "queue", "prefill queue", "decode queue", "prefill",
+             "KV export", "IPC hops", "other"),
+    "handoff": (*(p for p, _ in HANDOFF_STAGES), "other"),
+}
 
 
-def sort_parts(parts) -> list[str]:
-    """Unique part names in :data:`PART_ORDER` (unknown ones just before "other")."""
-    rank = {p: i for i, p in enumerate(PART_ORDER)}
-    return sorted(dict.fromkeys(parts), key=lambda p: rank.get(p, len(PART_ORDER) - 1.5))
+def sort_parts(parts, which: str = "ttft") -> list[str]:
+    """Unique part names in the order of ``PART_ORDER[which]`` (unknown ones just before
+    "other")."""
+    order = PART_ORDER[which]
+    rank = {p: i for i, p in enumerate(order)}
+    return sorted(dict.fromkeys(parts), key=lambda p: rank.get(p, len(order) - 1.5))
+
+
+def path_of(record: dict) -> str:
+    """The record's ``path``; for traces without one, "disaggregated" in pd mode, else
+    "colocated"."""
+    path = record.get("path")
+    if path in TTFT_STAGES:
+        return path
+    return "disaggregated" if record.get("mode") == "pd" else "colocated"
 
 
 def _num(v) -> bool:
@@ -118,13 +138,13 @@ def _stage_sums(record: dict, stages) -> dict[str, float]:
 def ttft_parts(client_ttft_ms: float, record: dict) -> dict[str, float]:
     """The client's TTFT of one request (ms) split into parts (ms) that sum to it:
     ``http`` (client TTFT - server ``ttft_ms``; absent when the record has no
-    ``ttft_ms``), the stages of :data:`TTFT_STAGES` for the record's ``mode`` (default
-    colocated) present in the record, and ``other`` = client TTFT - all of those (IPC hops
-    and waits no key covers; negative when the stamps overlap)."""
+    ``ttft_ms``), the stages of :data:`TTFT_STAGES` for the record's path
+    (:func:`path_of`) present in the record, and ``other`` = client TTFT - all of those
+    (what no key covers; about 0 when the router writes ``ttft_hop_ms``)."""
     parts = {}
     if _num(record.get("ttft_ms")):
         parts["http"] = client_ttft_ms - float(record["ttft_ms"])
-    parts.update(_stage_sums(record, TTFT_STAGES.get(record.get("mode"), TTFT_STAGES["colocated"])))
+    parts.update(_stage_sums(record, TTFT_STAGES[path_of(record)]))
     parts["other"] = client_ttft_ms - sum(parts.values())
     return parts
 
@@ -132,16 +152,16 @@ def ttft_parts(client_ttft_ms: float, record: dict) -> dict[str, float]:
 def handoff_parts(gap_ms: float, record: dict) -> dict[str, float]:
     """A PD request's hand-off gap (client: first -> second text chunk, ms) split into the
     stages of :data:`HANDOFF_STAGES` present in the record and ``other`` = gap - those
-    (the decode worker's first step and IPC hops)."""
+    (the rest of the decode worker's first step, and IPC hops)."""
     parts = _stage_sums(record, HANDOFF_STAGES)
     parts["other"] = gap_ms - sum(parts.values())
     return parts
 
 
-def _mean_p95(rows: list[dict[str, float]]) -> dict:
+def _mean_p95(rows: list[dict[str, float]], which: str) -> dict:
     """``{"n", "parts": [...], "mean": {part: ms}, "p95": {part: ms}}`` over per-request
     part dicts (a part missing from a request counts 0 there; numpy linear p95)."""
-    parts = sort_parts(p for r in rows for p in r)
+    parts = sort_parts((p for r in rows for p in r), which)
     cols = {p: np.array([r.get(p, 0.0) for r in rows]) for p in parts}
     return {"n": len(rows), "parts": parts,
             "mean": {p: float(np.mean(c)) for p, c in cols.items()},
@@ -170,5 +190,5 @@ def breakdown(result: dict, records: list[dict]) -> dict:
         if _num(rec.get("kv_import_ms")) and result["itls"][i]:
             gap_rows.append(handoff_parts(result["itls"][i][0] * 1000.0, rec))
     return {"joined": len(ttft_rows),
-            "ttft": _mean_p95(ttft_rows) if ttft_rows else None,
-            "handoff": _mean_p95(gap_rows) if gap_rows else None}
+            "ttft": _mean_p95(ttft_rows, "ttft") if ttft_rows else None,
+            "handoff": _mean_p95(gap_rows, "handoff") if gap_rows else None}
