@@ -270,6 +270,7 @@ def test_latencies_follow_the_stubs_sleeps(stub, endpoint):
     assert result["total_output_tokens"] == 3 * STUB_COMPLETION_TOKENS
     # TPOT = (E2EL - TTFT) / (4 - 1) ~ 2 * ITL / 3.
     assert 2 * STUB_ITL_S / 3 - 0.01 <= result["median_tpot_ms"] / 1000 <= 2 * STUB_ITL_S / 3 + 0.1
+    assert result["generated_texts"] == ["Hello big world"] * 3
     assert result["request_ids"][0].startswith("req-")
     assert len(set(result["request_ids"])) == 3
     # Bodies as the contract asks.
@@ -338,8 +339,14 @@ def test_cli_writes_result_json(stub, tmp_path):
     for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput",
                 "request_goodput", "mean_ttft_ms", "median_itl_ms", "p99_e2el_ms", "std_tpot_ms",
                 "p90_ttft_ms", "p95_itl_ms", "ttfts", "itls", "e2els", "input_lens",
-                "output_lens", "errors", "request_ids", "start_offsets"):
+                "output_lens", "errors", "request_ids", "start_offsets",
+                # vLLM's run settings and peaks, for tools written for its results
+                "request_rate", "burstiness", "max_concurrency", "endpoint_type",
+                "generated_texts", "start_times", "max_output_tokens_per_s",
+                "max_concurrent_requests", "slo_attainment", "error_counts"):
         assert key in result, key
+    assert result["request_rate"] == pytest.approx(10.0)  # the trace's: 2 requests 0.1 s apart
+    assert result["burstiness"] == 1.0 and result["max_concurrency"] is None
     assert "Failed requests" in proc.stdout and "HTTP 400" in proc.stdout
 
 

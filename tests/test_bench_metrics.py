@@ -147,3 +147,14 @@ def test_all_failed_gives_zero_aggregates_not_a_crash():
 ])
 def test_error_kinds(error, kind):
     assert error_kind(error) == kind
+
+
+def test_peaks_per_second_as_vllm():
+    # Buckets from the first send (0.0): r0's 3 chunks and r1's chunk (0.5 + 0.2) fall in
+    # second 0, r2's 4 chunks at 1.3-1.5 in second 1; r0 (0-0.45) and r1 (0.5-0.75) are
+    # active in second 0, r2 (1.0-1.5) in second 1; the failed r3 is left out.
+    r = compute(records())
+    assert r["max_output_tokens_per_s"] == 4.0
+    assert r["max_concurrent_requests"] == 2
+    assert r["start_times"] == [0.0, 0.5, 1.0, 1.2]
+    assert compute([records()[3]])["max_output_tokens_per_s"] == 0.0

@@ -72,7 +72,8 @@ class RequestRecord:
     ``end_s``: when the request finished (success or failure), relative to the run's start;
     ``usage_prompt_tokens`` / ``usage_completion_tokens``: the server's usage (None if not
     sent); ``expected_prompt_tokens``: the trace's ``prompt_tokens``;
-    ``request_id``: the response ``id`` (the server-side request id).
+    ``request_id``: the response ``id`` (the server-side request id);
+    ``generated_text``: the text that streamed back.
     """
 
     index: int
@@ -87,6 +88,7 @@ class RequestRecord:
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
     request_id: str | None = None
+    generated_text: str = ""
     success: bool = False
     error: str = ""
 
@@ -224,6 +226,7 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, record: Requ
                             else choice.get("text"))
                     if text:
                         record.chunk_times_s.append(now - t0)
+                        record.generated_text += text
                 usage = obj.get("usage")
                 if usage:
                     record.usage_prompt_tokens = usage.get("prompt_tokens")

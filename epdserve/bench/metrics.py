@@ -16,9 +16,12 @@ The result dict uses vLLM ``bench serve`` field names: aggregates in millisecond
 (``mean_ttft_ms``, ``median_ttft_ms``, ``std_ttft_ms``, ``p90/p95/p99_ttft_ms`` and the same
 for tpot, itl, e2el; percentiles by ``numpy.percentile``, linear; std with ddof 0), and, as
 vLLM does, raw per-request arrays in trace order with times in **seconds**: ``ttfts``,
-``itls`` (a list per request), ``e2els``, ``input_lens``, ``output_lens``, ``errors``, plus
-``request_ids``, ``start_offsets`` (actual send time after the run's start, s) and
-``kinds``. ``error_counts`` counts failed requests by kind of error (:func:`error_kind`).
+``itls`` (a list per request), ``e2els``, ``input_lens``, ``output_lens``,
+``generated_texts``, ``errors``, ``start_times`` (actual send time after the run's start,
+s; vLLM's are absolute ``perf_counter`` times, equal up to a constant), plus
+``request_ids``, ``start_offsets`` (the same as ``start_times``, the name this project
+used first) and ``kinds``. ``max_output_tokens_per_s`` and ``max_concurrent_requests`` are
+vLLM's peaks over 1-second buckets (:func:`peaks_per_second`). ``error_counts`` counts failed requests by kind of error (:func:`error_kind`).
 A failed request has ``ttft``/``e2el`` 0 and output length 0 there, as in vLLM;
 an empty set of values gives 0.0 aggregates, also as in vLLM.
 """
@@ -80,6 +83,25 @@ def error_kind(error: str) -> str:
     return _EXCEPTION_KINDS.get(head, head)
 
 
+def peaks_per_second(ok: list[RequestRecord]) -> tuple[float, int]:
+    """(most text chunks received in one second, most completed requests active in one
+    second), over 1-second buckets from the first send — vLLM ``bench serve``'s
+    ``max_output_tokens_per_s`` and ``max_concurrent_requests`` (a chunk counts as one
+    token there too; a request is active in every bucket from its send to its last chunk).
+    (0.0, 0) without completed requests."""
+    if not ok:
+        return 0.0, 0
+    first = min(r.start_s for r in ok)
+    buckets = int(np.ceil(max(r.start_s + r.e2el_s for r in ok) - first)) + 1
+    chunks = np.zeros(buckets)
+    active = np.zeros(buckets, dtype=int)
+    for r in ok:
+        for t in r.chunk_times_s:
+            chunks[int(r.start_s + t - first)] += 1
+        active[int(r.start_s - first):int(r.start_s + r.e2el_s - first) + 1] += 1
+    return float(chunks.max()), int(active.max())
+
+
 def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = None) -> dict:
     """The result dict (see the module doc) for ``records``, in trace order.
 
@@ -119,6 +141,7 @@ def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = Non
     else:
         result["request_goodput"] = None
         result["slo_attainment"] = None
+    result["max_output_tokens_per_s"], result["max_concurrent_requests"] = peaks_per_second(ok)
     result.update(summarize("ttft", [r.ttft_s for r in ok]))
     result.update(summarize("tpot", [t for t in map(tpot_s, ok) if t is not None]))
     result.update(summarize("itl", [g for r in ok for g in r.itls_s]))
@@ -129,10 +152,12 @@ def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = Non
         "ttfts": [r.ttft_s if r.success else 0.0 for r in records],
         "itls": [r.itls_s if r.success else [] for r in records],
         "e2els": [r.e2el_s if r.success else 0.0 for r in records],
+        "generated_texts": [r.generated_text for r in records],
         "errors": [r.error for r in records],
         "error_counts": dict(Counter(error_kind(r.error) for r in records
                                      if not r.success).most_common()),
         "request_ids": [r.request_id for r in records],
+        "start_times": [r.start_s for r in records],
         "start_offsets": [r.start_s for r in records],
         "kinds": [r.kind for r in records],
     })
