@@ -356,6 +356,14 @@ def test_cli_writes_result_json(stub, tmp_path):
     (["--request-rate", "-1"], "-1"),
     (["--goodput", "ttfx:5"], "ttfx:5"),
     (["--trace", "/nonexistent/trace.jsonl"], "/nonexistent/trace.jsonl"),
+    (["--workload", "sharegpt", "--dataset-path", "/nonexistent/sg.json"], "/nonexistent/sg.json"),
+    (["--workload", "sharegpt"], "--dataset-path"),
+    (["--burstiness", "0"], "'0'"),
+    (["--ramp-up-start-rps", "1"], "--ramp-up-end-rps"),
+    (["--request-rate", "2", "--ramp-up-start-rps", "1", "--ramp-up-end-rps", "3"], "exclude"),
+    (["--image-size", "12by4"], "12by4"),
+    (["--sweep-rates", "3:1"], "3:1"),
+    (["--goodput-target", "1.5"], "1.5"),
 ])
 def test_cli_bad_values_exit_2_with_one_message(args, needle):
     proc = run_cli("--base-url", "http://127.0.0.1:9", *args)

@@ -242,7 +242,7 @@ def test_sharegpt_prompts_answers_and_skips(tok, tmp_path):
 
 
 @pytest.mark.parametrize("text, needle", [
-    ('[{"conversations": [1, 2]}]', "entry 0"),
+    ('[{"conversations": []},\n\n {"conversations": [1, 2]}]', ":3: entry 1"),
     ('{"conversations": []}', "expected a JSON list"),
     ('[\n{"conversations": []},\n{oops}\n]', ":3: not valid JSON"),
 ])

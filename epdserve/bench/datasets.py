@@ -16,6 +16,7 @@ ones are returned so the caller can say them.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from epdserve.bench.workload import (Request, TraceError, check_range, check_rat
 MIN_LEN = 4
 MAX_PROMPT_LEN = 1024
 MAX_TOTAL_LEN = 2048
+_SEPARATORS = re.compile(r"[\s,]*")
 
 
 def with_images(requests: list[Request], per_request: int, size: tuple[int, int]
@@ -145,7 +147,7 @@ def read_sharegpt(path: str | Path) -> list[tuple[str, str | None]]:
 
     Raises:
         TraceError: missing/unreadable file, invalid JSON (names file:line), or an entry
-            not of the ShareGPT shape (names the file and the entry's index).
+            not of the ShareGPT shape (names file:line and the entry's index).
     """
     path = Path(path)
     try:
@@ -153,19 +155,20 @@ def read_sharegpt(path: str | Path) -> list[tuple[str, str | None]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"dataset file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
-        data = json.loads(text)
+        json.loads(text)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-    if not isinstance(data, list):
+    entries = _list_entries(text)
+    if entries is None:
         raise TraceError(f"dataset file {path}: expected a JSON list of "
                          f'{{"conversations": [...]}} objects (ShareGPT format)')
     pairs: list[tuple[str, str | None]] = []
-    for i, entry in enumerate(data):
+    for i, (line, entry) in enumerate(entries):
         turns = entry.get("conversations") if isinstance(entry, dict) else None
         if not isinstance(turns, list) or not all(
                 isinstance(t, dict) and isinstance(t.get("from"), str)
                 and isinstance(t.get("value"), str) for t in turns):
-            raise TraceError(f"dataset file {path}: entry {i}: expected "
+            raise TraceError(f"{path}:{line}: entry {i}: expected "
                              f'{{"conversations": [{{"from": ..., "value": ...}}, ...]}}')
         for k, turn in enumerate(turns):
             if turn["from"] == "human":
@@ -174,6 +177,28 @@ def read_sharegpt(path: str | Path) -> list[tuple[str, str | None]]:
                               nxt["value"] if nxt is not None and nxt["from"] == "gpt" else None))
                 break
     return pairs
+
+
+def _list_entries(text: str) -> list[tuple[int, object]] | None:
+    """(line where it starts, value) of each element of the JSON list ``text`` (already
+    checked to be valid JSON), or None when ``text`` is not a list. Decoding element by
+    element is what lets a schema error name its line."""
+    decoder = json.JSONDecoder()
+    pos = _SEPARATORS.match(text).end()
+    if not text.startswith("[", pos):
+        return None
+    entries = []
+    line, counted = 1, 0
+    pos += 1
+    while True:
+        pos = _SEPARATORS.match(text, pos).end()
+        if text.startswith("]", pos):
+            return entries
+        value, end = decoder.raw_decode(text, pos)
+        line += text.count("\n", counted, pos)  # counted incrementally: files are large
+        counted = pos
+        entries.append((line, value))
+        pos = end
 
 
 def sharegpt(tokenizer, path: str | Path, num_prompts: int = 50,
