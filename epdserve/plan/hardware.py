@@ -55,14 +55,23 @@ PROFILES: dict[str, Device] = {d.name: d for d in (
 )}
 
 
-def device(name: str, **overrides) -> Device:
-    """The built-in profile ``name`` (case-insensitive) with any field overridden.
+PRECISIONS = ("bf16", "fp8")
+
+
+def device(name: str, precision: str = "bf16", **overrides) -> Device:
+    """The built-in profile ``name`` (case-insensitive) at ``precision`` with any field
+    overridden. FP8 weights and KV halve the bytes and double the dense tensor peak (as on
+    the Hopper and Blackwell datasheets; L40S and A100 likewise list 2x for 8-bit).
 
     Raises:
-        ValueError: an unknown profile name, naming the known ones.
+        ValueError: an unknown profile name or precision, naming the known ones.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
     for key, dev in PROFILES.items():
         if key.lower() == name.lower():
+            if precision == "fp8":
+                dev = replace(dev, peak_tflops=dev.peak_tflops * 2, dtype_bytes=1)
             return replace(dev, **overrides)
     raise ValueError(f"unknown hardware {name!r} (known: {', '.join(PROFILES)}; "
                      f"or 'cpu' after `epdserve plan calibrate`)")

@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"cpu (this machine, calibrated) or one of {', '.join(hardware.PROFILES)}")
     parser.add_argument("--model", default=None,
                         help=f"one of {', '.join(BUILTIN)}, or a model path (default: the default model)")
+    parser.add_argument("--precision", choices=hardware.PRECISIONS, default="bf16",
+                        help="weights and KV precision on GPU profiles (default bf16)")
     parser.add_argument("--devices", type=workload.positive_int, default=2,
                         help="device budget: GPUs, or cores for --hardware cpu (default 2)")
     parser.add_argument("--trace", default=None, metavar="FILE",
@@ -82,7 +84,7 @@ def _platform(args) -> Platform:
         platform = calibrate.platform_from(calibrate.load(_calibration_path(args)))
     else:
         overrides = {"price_per_hour": args.price_per_hour} if args.price_per_hour else {}
-        platform = roofline_platform(_model_spec(args.model), hardware.device(args.hardware, **overrides))
+        platform = roofline_platform(_model_spec(args.model), hardware.device(args.hardware, args.precision, **overrides))
     if args.price_per_hour:
         platform.price_per_device_hour = args.price_per_hour
     return platform
