@@ -258,6 +258,7 @@ def run_config(name: str, requests: list[workload.Request], args: argparse.Names
     Raises:
         ServerError: the server did not come up (or the port is taken).
         client.ClientError: it stopped answering before the run, or the warm-up failed.
+        sweep.SweepError: a sweep result without ``slo_attainment`` (no SLOs given).
     """
     if not port_is_free(args.port):
         raise ServerError(f"port {args.port} on 127.0.0.1 is already in use; "
