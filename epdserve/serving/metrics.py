@@ -1,9 +1,14 @@
 """Prometheus metrics of the router, in a registry of its own (not the global default),
 so that several routers can live in one process (tests).
 
-Names follow vLLM's ``vllm:*`` metrics with the ``epdserve:`` prefix. Times are in
-seconds, sizes in bytes. Per-worker gauges carry ``worker`` and ``role`` labels and are
-set from the workers' :class:`~epdserve.serving.protocol.Stats`.
+Names and buckets follow vLLM's ``vllm:*`` metrics (``vllm/v1/metrics/loggers.py``) with the
+``epdserve:`` prefix. Times are in seconds, sizes in bytes. Per-worker gauges carry
+``worker`` and ``role`` labels and are set from the workers'
+:class:`~epdserve.serving.protocol.Stats`. The per-request histograms are observed from
+the request's trace record (:meth:`~epdserve.serving.router.Generation.trace`) when it
+ends, so that /metrics and ``--trace-file`` agree; a stage time splits by ``stage`` (where
+the request waited: router, colocated, prefill or decode worker) or ``role`` (the worker
+role that ran it; a decode-role prefill is a pd request under the local-prefill threshold).
 """
 
 from __future__ import annotations
@@ -14,11 +19,19 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 # vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's request_latency_buckets: e2e, queue, prefill and decode time.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's buckets for time per output token and inter-token latency.
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
 KV_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                       1.0, 2.5, 5.0, 10.0)
 KV_BYTES_BUCKETS = tuple(float(4 ** k * 1024) for k in range(0, 12))  # 1 KiB .. 4 GiB
+
+# The worker role that prefills / decodes a request, by its trace record's ``path``.
+PREFILL_ROLE = {"colocated": "colocated", "disaggregated": "prefill", "local": "decode"}
+DECODE_ROLE = {"colocated": "colocated", "disaggregated": "decode", "local": "decode"}
 
 
 class RouterMetrics:
@@ -52,6 +65,21 @@ class RouterMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("epdserve:e2e_request_latency_seconds",
                              "Arrival at the router to the last token.", buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("epdserve:request_queue_time_seconds",
+                                    "Time waiting: at the router (arrival to dispatch) or at a worker "
+                                    "(arrival to first scheduled).", ["stage"], buckets=E2E_BUCKETS, registry=r)
+        self.prefill_time = Histogram("epdserve:request_prefill_time_seconds",
+                                      "First scheduled to first token on the worker that prefilled.",
+                                      ["role"], buckets=E2E_BUCKETS, registry=r)
+        self.decode_time = Histogram("epdserve:request_decode_time_seconds",
+                                     "First token to last token on the worker that decoded (an imported "
+                                     "request: from first scheduled).", ["role"], buckets=E2E_BUCKETS, registry=r)
+        self.tpot = Histogram("epdserve:time_per_output_token_seconds",
+                              "First to last token at the router over the tokens after the first, per request.",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.itl = Histogram("epdserve:inter_token_latency_seconds",
+                             "Time between two consecutive tokens reaching the router.",
+                             buckets=TPOT_BUCKETS, registry=r)
         self.kv_transfer_seconds = Histogram("epdserve:kv_transfer_seconds",
                                              "KV export + router hop + KV import, per PD request.",
                                              buckets=KV_SECONDS_BUCKETS, registry=r)
@@ -67,20 +95,36 @@ class RouterMetrics:
         self.num_requests_waiting.labels(worker, role).set(num_waiting)
         self.num_preemptions.labels(worker, role).set(num_preemptions)
 
-    def finished(self, *, finish_reason: str, prompt_tokens: int, output_tokens: int,
-                 ttft_s: float | None, e2e_s: float, kv_transfer_s: float | None,
-                 kv_bytes: float | None) -> None:
-        """Record one request that ended without an error."""
-        self.request_success.labels(finish_reason).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(output_tokens)
-        if ttft_s is not None:
-            self.ttft.observe(ttft_s)
-        self.e2e.observe(e2e_s)
-        if kv_transfer_s is not None:
-            self.kv_transfer_seconds.observe(kv_transfer_s)
-        if kv_bytes is not None:
-            self.kv_transfer_bytes.observe(kv_bytes)
+    def finished(self, rec: dict, itls_s: list[float]) -> None:
+        """Record one request that ended without an error.
+
+        ``rec``: its trace record (ms; see ``Generation.trace``); ``itls_s``: the gaps
+        between its outputs (one token each) reaching the router, in seconds. TPOT is
+        their mean, as vLLM's (decode time / (output tokens - 1)).
+        """
+        self.request_success.labels(rec["finish_reason"] or "abort").inc()
+        self.prompt_tokens.inc(rec["prompt_tokens"])
+        self.generation_tokens.inc(rec["output_tokens"])
+        if rec["ttft_ms"] is not None:
+            self.ttft.observe(rec["ttft_ms"] / 1000)
+        self.e2e.observe(rec["e2e_ms"] / 1000)
+        for key, stage in (("router_queue_ms", "router"), ("prefill_queue_ms", "prefill"),
+                           ("decode_queue_ms", "decode")):
+            if rec.get(key) is not None:
+                self.queue_time.labels(stage).observe(rec[key] / 1000)
+        if rec["mode"] == "colocated" and "queue_ms" in rec:
+            self.queue_time.labels("colocated").observe(rec["queue_ms"] / 1000)
+        if "prefill_ms" in rec:
+            self.prefill_time.labels(PREFILL_ROLE[rec["path"]]).observe(rec["prefill_ms"] / 1000)
+        if "decode_ms" in rec:
+            self.decode_time.labels(DECODE_ROLE[rec["path"]]).observe(rec["decode_ms"] / 1000)
+        for gap in itls_s:
+            self.itl.observe(gap)
+        if itls_s:
+            self.tpot.observe(sum(itls_s) / len(itls_s))
+        if rec.get("kv_transfer_ms"):  # a hand-off happened (colocated records carry 0)
+            self.kv_transfer_seconds.observe(rec["kv_transfer_ms"] / 1000)
+            self.kv_transfer_bytes.observe(rec["kv_bytes"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -148,6 +148,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.timings: dict[str, float] = {}
+        self.itls_s: list[float] = []  # gaps between outputs reaching the router (s)
 
     # -- dispatch
     def _add(self, worker: WorkerState, **kw) -> None:
@@ -611,28 +612,26 @@ class Router:
     def finish(self, gen: Generation) -> None:
         """Record a request that has ended: metrics and the trace line."""
         gen.close()
+        rec = gen.trace()
         if gen.error is not None:
             self.metrics.request_failure.inc()
         else:
-            t = gen.timings
-            kv_ms = kv_transfer_ms(t)
-            self.metrics.finished(
-                finish_reason=gen.finish_reason or "abort", prompt_tokens=len(gen.prompt_ids),
-                output_tokens=gen.output_tokens,
-                ttft_s=None if gen.t_first is None else gen.t_first - gen.t_arrival,
-                e2e_s=gen.t_end - gen.t_arrival,
-                kv_transfer_s=None if kv_ms is None else kv_ms / 1000,
-                kv_bytes=t.get("kv_bytes") if kv_ms is not None else None)
+            self.metrics.finished(rec, gen.itls_s)
         if self.trace_file:
             try:
                 with open(self.trace_file, "a") as f:
-                    f.write(json.dumps(gen.trace()) + "\n")
+                    f.write(json.dumps(rec) + "\n")
             except OSError as exc:
                 log.warning("cannot write trace %s: %s", self.trace_file, exc)
 
     async def texts(self, gen: Generation, stream: TextStream) -> AsyncIterator[tuple[str, str | None]]:
         """Yield ``(new_text, finish_reason or None)``; stops at a stop string."""
+        last = None
         async for ids, finish in gen.tokens():
+            now = time.monotonic()
+            if last is not None:
+                gen.itls_s.append(now - last)
+            last = now
             gen.output_tokens += len(ids)
             delta = stream.add(ids)
             if stream.stopped:

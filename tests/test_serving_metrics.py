@@ -1,0 +1,68 @@
+"""/metrics agrees with the trace file: after a few requests, each per-stage histogram
+(queue by stage, prefill and decode by role, TTFT, E2E, ITL, TPOT, KV transfer) has one
+observation per traced request that went through that stage, summing to the trace's times."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+
+
+def histograms(url: str) -> dict[tuple[str, tuple], tuple[float, float]]:
+    """``(name, sorted labels) -> (count, sum)`` of every histogram on /metrics."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        if family.type != "histogram":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith(("_count", "_sum")):
+                key = (family.name, tuple(sorted(sample.labels.items())))
+                count, total = out.get(key, (0.0, 0.0))
+                if sample.name.endswith("_count"):
+                    count = sample.value
+                else:
+                    total = sample.value
+                out[key] = (count, total)
+    return out
+
+
+def test_stage_histograms_match_the_trace(pd_server):
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: pd_server.generate("completion", p, stream=True, max_tokens=12,
+                                                             temperature=0), PROMPTS))
+    for r in results:
+        pd_server.trace(r.id)  # written once the request has been recorded
+    # Every request this deployment finished, also other tests'.
+    recs = [json.loads(line) for line in pd_server.trace_path.read_text().splitlines()]
+    recs = [r for r in recs if r["error"] is None]
+    hist = histograms(pd_server.url)
+
+    def check(name: str, labels: dict, key: str, scale: float = 1000.0) -> None:
+        values = [r[key] for r in recs if r.get(key) is not None]
+        count, total = hist[(name, tuple(sorted(labels.items())))]
+        assert count == len(values), name
+        assert total == pytest.approx(sum(values) / scale, rel=1e-6, abs=1e-9), name
+
+    check("epdserve:request_queue_time_seconds", {"stage": "router"}, "router_queue_ms")
+    check("epdserve:request_queue_time_seconds", {"stage": "prefill"}, "prefill_queue_ms")
+    check("epdserve:request_queue_time_seconds", {"stage": "decode"}, "decode_queue_ms")
+    check("epdserve:request_prefill_time_seconds", {"role": "prefill"}, "prefill_ms")
+    check("epdserve:request_decode_time_seconds", {"role": "decode"}, "decode_ms")
+    check("epdserve:time_to_first_token_seconds", {}, "ttft_ms")
+    check("epdserve:e2e_request_latency_seconds", {}, "e2e_ms")
+    check("epdserve:kv_transfer_seconds", {}, "kv_transfer_ms")
+    handoffs = [r["kv_bytes"] for r in recs if "kv_transfer_ms" in r]
+    assert hist[("epdserve:kv_transfer_bytes", ())] == (len(handoffs), sum(handoffs))
+
+    # One inter-token gap per token after the first; TPOT once per request with two or more.
+    itl_count, itl_sum = hist[("epdserve:inter_token_latency_seconds", ())]
+    assert itl_count == sum(r["output_tokens"] - 1 for r in recs)
+    assert hist[("epdserve:time_per_output_token_seconds", ())][0] == sum(r["output_tokens"] > 1 for r in recs)
+    # The gaps span first to last token: within TTFT and E2E.
+    assert 0 < itl_sum <= sum(r["e2e_ms"] - r["ttft_ms"] for r in recs) / 1000
