@@ -13,10 +13,15 @@ from epdserve.plan import hardware, search
 from epdserve.plan.costmodel import LinearStep, Link, Platform, Roofline, roofline_platform
 from epdserve.plan.model_spec import BUILTIN
 from epdserve.plan.run import compare_deployment
-from epdserve.plan.simulate import Deployment, EngineLimits, SimRequest, WorkerSpec, simulate
+from epdserve.bench.workload import Request
+from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
 
 COLOCATED = Deployment("colocated", (WorkerSpec("colocated"),))
 PD = Deployment("1p1d", (WorkerSpec("prefill"), WorkerSpec("decode")))
+
+
+def req(offset_s: float, prompt_tokens: int, max_tokens: int, kind: str = "chat") -> Request:
+    return Request(offset_s, "", max_tokens, kind, prompt_tokens)
 
 
 def flat_platform(step_ms: float = 10.0, per_seq_ms: float = 0.0, link_ms: float = 5.0) -> Platform:
@@ -27,7 +32,7 @@ def flat_platform(step_ms: float = 10.0, per_seq_ms: float = 0.0, link_ms: float
 
 
 def test_colocated_single_request_times():
-    records, stages = simulate(COLOCATED, flat_platform(), [SimRequest(0.0, 5, 4)])
+    records, stages = simulate(COLOCATED, flat_platform(), [req(0.0, 5, 4)])
     r = records[0]
     # router 2 ms, prefill step 10 ms -> token 1; then one 10 ms decode step per token.
     assert r.chunk_times_s == pytest.approx([0.012, 0.022, 0.032, 0.042])
@@ -36,7 +41,7 @@ def test_colocated_single_request_times():
 
 
 def test_pd_single_request_times():
-    records, stages = simulate(PD, flat_platform(), [SimRequest(0.0, 5, 3)])
+    records, stages = simulate(PD, flat_platform(), [req(0.0, 5, 3)])
     # token 1 at 2 + 10 ms; KV link 5 ms; decode steps of 10 ms for tokens 2 and 3.
     assert records[0].chunk_times_s == pytest.approx([0.012, 0.027, 0.037])
     assert stages[0]["kv_transfer_ms"] == pytest.approx(5.0, rel=1e-6)
@@ -46,7 +51,7 @@ def test_pd_single_request_times():
 def test_continuous_batching_shares_steps():
     # Two requests arrive together: one prefill step for both, then shared decode steps
     # that cost 10 + 1 ms per sequence.
-    reqs = [SimRequest(0.0, 5, 3), SimRequest(0.0, 7, 2)]
+    reqs = [req(0.0, 5, 3), req(0.0, 7, 2)]
     records, _ = simulate(COLOCATED, flat_platform(per_seq_ms=1.0), reqs)
     assert records[0].chunk_times_s == pytest.approx([0.014, 0.026, 0.037])
     assert records[1].chunk_times_s == pytest.approx([0.014, 0.026])
@@ -56,7 +61,7 @@ def test_a_long_prefill_stalls_colocated_decode_but_not_pd():
     # A 1,000-token prompt at 1 ms/token arrives while a chat request decodes.
     platform = Platform("tokens", step=lambda n: LinearStep((10.0, 0.0, 1.0, 0.0)), worker_sizes=(1,),
                         kv_bytes_per_token=10, kv_link=Link(1e9, 1.0), price_per_device_hour=1.0)
-    reqs = [SimRequest(0.0, 10, 40), SimRequest(0.1, 1000, 2, kind="long")]
+    reqs = [req(0.0, 10, 40), req(0.1, 1000, 2, kind="long")]
     colocated, _ = simulate(COLOCATED, platform, reqs)
     pd, _ = simulate(PD, platform, reqs)
     assert max(colocated[0].itls_s) > 1.0   # the decode waited for the whole prefill
@@ -66,7 +71,7 @@ def test_a_long_prefill_stalls_colocated_decode_but_not_pd():
 def test_chunked_prefill_bounds_the_stall():
     platform = Platform("tokens", step=lambda n: LinearStep((10.0, 0.0, 1.0, 0.0)), worker_sizes=(1,),
                         kv_bytes_per_token=10, kv_link=Link(1e9, 1.0), price_per_device_hour=1.0)
-    reqs = [SimRequest(0.0, 10, 40), SimRequest(0.1, 1000, 2)]
+    reqs = [req(0.0, 10, 40), req(0.1, 1000, 2)]
     chunked, _ = simulate(COLOCATED, platform, reqs, EngineLimits(max_num_batched_tokens=128,
                                                                    enable_chunked_prefill=True))
     assert max(chunked[0].itls_s) == pytest.approx(0.010 + 0.128, abs=1e-6)
@@ -110,7 +115,7 @@ def test_search_finds_the_capacity_limit():
     # capacity a little under 1 / (5 × 10 ms) = 20 req/s when nothing is batched. With a
     # 200 ms TTFT SLO the goodput must come out below that and above a quarter of it.
     platform = flat_platform(per_seq_ms=5.0)
-    reqs = [SimRequest(0.0, 5, 5) for _ in range(200)]
+    reqs = [req(0.0, 5, 5) for _ in range(200)]
     cand = search.evaluate(COLOCATED, platform, reqs, {"ttft": 200.0}, 0.9, EngineLimits(), iters=5)
     assert 2.0 < cand.max_rate < 60.0
     assert cand.result["slo_attainment"] >= 0.9

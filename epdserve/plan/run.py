@@ -23,7 +23,7 @@ from epdserve.bench.run import parse_goodput
 from epdserve.plan import calibrate, hardware, search
 from epdserve.plan.costmodel import Platform, roofline_platform
 from epdserve.plan.model_spec import BUILTIN, ModelSpec
-from epdserve.plan.simulate import Deployment, EngineLimits, SimRequest, WorkerSpec, simulate
+from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
 
 ACTIONS = ("search", "calibrate", "validate")
 VALIDATED = ("p95_ttft_ms", "p95_itl_ms", "output_throughput")
@@ -90,13 +90,14 @@ def _platform(args) -> Platform:
     return platform
 
 
-def _requests(args) -> list[SimRequest]:
+def _requests(args) -> list[workload.Request]:
+    """The trace to plan for: ``--trace``, or uniform lengths sent at once (the search
+    re-times them to each rate with seeded Poisson arrivals). No prompt text is needed."""
     if args.trace:
-        return [SimRequest(r.offset_s, r.prompt_tokens, r.max_tokens, r.kind, len(getattr(r, "images", ())))
-                for r in workload.load_trace(args.trace)]
+        return workload.load_trace(args.trace)
     rng = np.random.default_rng(args.seed)
     (a, b), (c, d) = args.input_len, args.output_len
-    return [SimRequest(0.0, int(rng.integers(a, b + 1)), int(rng.integers(c, d + 1)))
+    return [workload.Request(0.0, "", int(rng.integers(c, d + 1)), "chat", int(rng.integers(a, b + 1)))
             for _ in range(args.num_requests)]
 
 
@@ -204,8 +205,7 @@ def validate(compare_dir: Path, platform: Platform, cores: int) -> list[dict]:
     """Predicted vs measured :data:`VALIDATED` metrics for each configuration of a
     compare run (same trace); error = (predicted − measured) / measured."""
     entries = json.loads((compare_dir / "compare.json").read_text())
-    trace = workload.load_trace(compare_dir / "trace.jsonl")
-    requests = [SimRequest(r.offset_s, r.prompt_tokens, r.max_tokens, r.kind) for r in trace]
+    requests = workload.load_trace(compare_dir / "trace.jsonl")
     rows = []
     for entry in entries:
         measured = entry["result"]

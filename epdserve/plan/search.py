@@ -5,20 +5,18 @@ xPyD splits, over the platform's worker sizes), the simulated goodput is found a
 DistServe defines it (Zhong et al., OSDI 2024): the highest request rate at which at
 least ``target`` of the requests meet every SLO, by doubling the rate until the target
 is missed and then bisecting (:func:`epdserve.bench.sweep.find_max_goodput_rate`). The
-trace keeps its prompts and its seeded Poisson arrival pattern; only the time scale
-changes with the rate. Candidates are ranked by goodput per device.
+trace is re-timed to each rate as ``bench --sweep`` does (:func:`epdserve.bench.workload.retime`:
+its arrival pattern scaled, or seeded Poisson arrivals for a trace sent all at once). Candidates are ranked by goodput per device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-from epdserve.bench import metrics
+from epdserve.bench import metrics, workload
 from epdserve.bench.sweep import find_max_goodput_rate
 from epdserve.plan.costmodel import Platform
-from epdserve.plan.simulate import Deployment, EngineLimits, SimRequest, WorkerSpec, simulate
+from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
 
 MAX_DOUBLINGS = 16
 
@@ -57,15 +55,6 @@ def candidates(platform: Platform, budget: int) -> list[Deployment]:
     return out
 
 
-def retime(requests: list[SimRequest], rate: float, seed: int = 0) -> list[SimRequest]:
-    """The same requests with Poisson arrivals at ``rate`` req/s; the seeded unit-rate gaps
-    are scaled by 1/rate, so every rate sees the same arrival pattern."""
-    gaps = np.random.default_rng(seed).exponential(1.0, size=len(requests))
-    offsets = np.cumsum(gaps) - gaps[0]
-    return [SimRequest(float(t) / rate, r.prompt_tokens, r.max_tokens, r.kind, r.images)
-            for t, r in zip(offsets, requests)]
-
-
 @dataclass
 class Candidate:
     """A deployment's predicted goodput and latencies at that rate."""
@@ -88,7 +77,7 @@ class Candidate:
                 "output_tok_s_per_device": tok_s / devices, "usd_per_m_output_tokens": cost}
 
 
-def evaluate(deployment: Deployment, platform: Platform, requests: list[SimRequest],
+def evaluate(deployment: Deployment, platform: Platform, requests: list[workload.Request],
              slos_ms: dict[str, float], target: float, limits: EngineLimits,
              iters: int = 6) -> Candidate:
     """Simulated goodput of one deployment (see the module doc)."""
@@ -96,7 +85,7 @@ def evaluate(deployment: Deployment, platform: Platform, requests: list[SimReque
 
     def measure(rate: float) -> dict:
         if rate not in cache:
-            records, _ = simulate(deployment, platform, retime(requests, rate), limits)
+            records, _ = simulate(deployment, platform, workload.retime(requests, rate), limits)
             cache[rate] = metrics.compute(records, slos_ms)
         return cache[rate]
 

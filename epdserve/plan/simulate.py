@@ -10,7 +10,9 @@ serving/router.py does. In PD the first token is streamed when the prefill worke
 it; the KV then crosses ``kv_link`` and the decode worker copies it in during its next
 step (``kv_import_gbs``). KV memory is assumed sufficient (no preemption).
 
-Each request yields the client's view as a :class:`~epdserve.bench.client.RequestRecord`
+Requests are :class:`~epdserve.bench.workload.Request` (a bench trace); the simulator
+reads their offsets, token counts and images, not the text. Each request yields the
+client's view as a :class:`~epdserve.bench.client.RequestRecord`
 (so :func:`epdserve.bench.metrics.compute` gives TTFT/ITL/TPOT/E2EL and goodput exactly as
 for a measured run) and a server-side stage record with the keys the router's trace uses
 (``prefill_queue_ms``, ``prefill_ms``, ``kv_transfer_ms``, ``decode_queue_ms``, ...).
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import simpy
 
 from epdserve.bench.client import RequestRecord
+from epdserve.bench.workload import Request
 from epdserve.plan.costmodel import Platform, StepModel
 
 ROLES = ("colocated", "prefill", "decode")
@@ -62,25 +65,13 @@ class EngineLimits:
     enable_chunked_prefill: bool = False
 
 
-@dataclass(frozen=True)
-class SimRequest:
-    """What the simulator needs of a trace request: send time (s after the start),
-    prompt and output lengths in tokens, number of images."""
-
-    offset_s: float
-    prompt_tokens: int
-    max_tokens: int
-    kind: str = "chat"
-    images: int = 0
-
-
 class _Seq:
     """A request inside the simulation; times are simulated seconds."""
 
     __slots__ = ("index", "req", "prompt", "computed", "tokens", "arrival", "enqueued",
                  "stages", "first_step", "ctx_base")
 
-    def __init__(self, index: int, req: SimRequest, prompt: int, arrival: float):
+    def __init__(self, index: int, req: Request, prompt: int, arrival: float):
         self.index, self.req, self.prompt = index, req, prompt
         self.computed = 0
         self.tokens: list[float] = []  # server time of each generated token
@@ -120,7 +111,7 @@ class _Worker:
                 continue
             k = len(self.step_times)
             chunks, joining = self._schedule(limits)
-            extra_ms = sum(self.sim.platform.encode_ms_per_image * s.req.images
+            extra_ms = sum(self.sim.platform.encode_ms_per_image * len(s.req.images)
                            for s, _ in chunks if s.computed == 0)
             if self.import_bytes and self.sim.platform.kv_import_gbs:
                 extra_ms += self.import_bytes / (self.sim.platform.kv_import_gbs * 1e9) * 1e3
@@ -217,7 +208,7 @@ class _Simulation:
     def pick(self, role: str) -> _Worker:
         return min((w for w in self.workers if w.role == role), key=lambda w: w.outstanding)
 
-    def arrive(self, index: int, req: SimRequest):
+    def arrive(self, index: int, req: Request):
         yield self.env.timeout(req.offset_s)
         seq = _Seq(index, req, req.prompt_tokens + self.platform.template_tokens, self.env.now)
         yield self.env.timeout(self.platform.router_ms / 1e3)
@@ -235,7 +226,7 @@ class _Simulation:
         self.finished.append(s)
 
 
-def _check(deployment: Deployment, requests: list[SimRequest], limits: EngineLimits,
+def _check(deployment: Deployment, requests: list[Request], limits: EngineLimits,
            template_tokens: int) -> None:
     roles = {w.role for w in deployment.workers}
     if not deployment.workers or roles - set(ROLES) or ("prefill" in roles) != ("decode" in roles) \
@@ -252,7 +243,7 @@ def _check(deployment: Deployment, requests: list[SimRequest], limits: EngineLim
                              f"without chunked prefill")
 
 
-def simulate(deployment: Deployment, platform: Platform, requests: list[SimRequest],
+def simulate(deployment: Deployment, platform: Platform, requests: list[Request],
              limits: EngineLimits = EngineLimits()) -> tuple[list[RequestRecord], list[dict]]:
     """Serve ``requests`` with ``deployment`` on ``platform``; return the client records
     (trace order; times in seconds as the bench client measures them, ``router_ms`` added
