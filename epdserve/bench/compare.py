@@ -174,6 +174,8 @@ def serve_flags(name: str) -> list[str] | None:
         return ["--mode", "colocated", "--workers", m[1]]
     if m := re.fullmatch(r"([1-9][0-9]*)p([1-9][0-9]*)d", name):
         return ["--mode", "pd", "--prefill-workers", m[1], "--decode-workers", m[2]]
+    if m := re.fullmatch(r"pd-local([0-9]+)", name):  # 1P1D, prompts under N tokens prefilled on decode
+        return ["--mode", "pd", "--local-prefill-threshold", m[1]]
     return None
 
 
@@ -240,9 +242,6 @@ def server_command(name: str, port: int, trace_file: Path, model: str | None,
     return cmd
 
 
-STALL_MS = 1000.0  # an ITL gap this long is a stall a user notices; p99 can hide a few
-
-
 def run_config(name: str, requests: list[workload.Request], args: argparse.Namespace,
                out_dir: Path, serve: list[str] = SERVE, progress: str = "") -> dict:
     """Start the server of configuration ``name`` (see :func:`server_command`), run the
@@ -251,7 +250,7 @@ def run_config(name: str, requests: list[workload.Request], args: argparse.Names
 
     ``{"name", "mode", "result": <bench result>, "server": <trace summary>,
     "resources": {"workers", "cores", "num_cores"}, "per_core": {"output_throughput"
-    (tok/s/core), "request_goodput" (req/s/core or None)}, "itl_stalls": gaps > STALL_MS,
+    (tok/s/core), "request_goodput" (req/s/core or None)}, "itl_stalls": gaps > plots.STALL_MS,
     "breakdown": <server_trace.breakdown>, "sweep": <sweep result> (with --sweep-rates)}``.
     ``progress`` prefixes the log lines (e.g. "2/4").
 
@@ -289,7 +288,7 @@ def run_config(name: str, requests: list[workload.Request], args: argparse.Names
     records, _ = server_trace.read(trace_file)
     entry["server"] = server_trace.summarize(trace_file, result["request_ids"])
     entry["breakdown"] = server_trace.breakdown(result, records)
-    entry["itl_stalls"] = int((plots.itls_ms(result) > STALL_MS).sum())
+    entry["itl_stalls"] = plots.itl_stalls(result)
     cores = entry["resources"]["num_cores"]
     goodput = result.get("request_goodput")
     entry["per_core"] = {

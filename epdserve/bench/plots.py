@@ -15,6 +15,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from epdserve.bench.server_trace import PART_ORDER  # noqa: E402
+
 
 def _ok(result: dict) -> list[int]:
     """Indices of completed requests (no error)."""
@@ -29,6 +31,14 @@ def ttfts_ms(result: dict) -> np.ndarray:
 def itls_ms(result: dict) -> np.ndarray:
     """Every ITL gap of completed requests, pooled (ms)."""
     return np.array([g * 1000.0 for i in _ok(result) for g in result["itls"][i]])
+
+
+STALL_MS = 1000.0  # an ITL gap this long is a stall a user notices; a p99 can hide a few
+
+
+def itl_stalls(result: dict) -> int:
+    """Number of ITL gaps longer than :data:`STALL_MS` over completed requests."""
+    return int((itls_ms(result) > STALL_MS).sum())
 
 
 def itl_times(result: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -74,7 +84,8 @@ def plot_cdf(entries: list[dict], which: str, path: str | Path) -> None:
 def plot_itl_over_time(entries: list[dict], long_offsets_s: list[float],
                        path: str | Path) -> None:
     """Each ITL gap at the time (s since start) it ended, one colour per configuration,
-    with the long-prompt send times as dashed vertical lines."""
+    with the long-prompt send times as dashed vertical lines and the stall threshold as a
+    dotted horizontal one."""
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for e, marker in zip(entries, "o^sDv<>" * 4):
         t, g = itl_times(e["result"])
@@ -82,6 +93,8 @@ def plot_itl_over_time(entries: list[dict], long_offsets_s: list[float],
     for k, x in enumerate(long_offsets_s):
         ax.axvline(x, color="red", linestyle="--", linewidth=1,
                    label="long prompt sent" if k == 0 else None)
+    ax.axhline(STALL_MS, color="grey", linestyle=":", linewidth=1,
+               label=f"stall (> {STALL_MS / 1000:g} s)")
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("ITL (ms)")
     ax.set_yscale("log")
@@ -101,8 +114,12 @@ def plot_stages(entries: list[dict], path: str | Path) -> None:
               for w, t in (("ttft", "TTFT"), ("handoff", "PD hand-off gap (token 1 → 2)"))]
     panels = [p for p in panels if p[2]] or [("ttft", "TTFT", [])]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 + 3 * len(panels), 4.8), squeeze=False)
-    colours: dict[str, str] = {}
-    palette = iter(plt.get_cmap("tab10").colors * 3)
+    # One colour per part across both panels (decode queue is the same stage in both).
+    known = dict.fromkeys(p for order in PART_ORDER.values() for p in order if p != "other")
+    palette = iter(plt.get_cmap("tab20").colors * 2)
+    colours = {p: next(palette) for p in known}
+    colours["other"] = "lightgrey"
+    used: dict[str, str] = {}
     for ax, (which, title, have) in zip(axes[0], panels):
         for x, e in enumerate(have):
             b = e["breakdown"][which]
@@ -110,6 +127,7 @@ def plot_stages(entries: list[dict], path: str | Path) -> None:
             for part in b["parts"]:
                 v = b["mean"][part]
                 colour = colours.setdefault(part, next(palette))
+                used[part] = colour
                 ax.bar(x, v, bottom=bottom, color=colour, width=0.6)
                 bottom += v
             ax.text(x, bottom, f"{bottom:,.0f}", ha="center", va="bottom", fontsize=8)
@@ -117,8 +135,9 @@ def plot_stages(entries: list[dict], path: str | Path) -> None:
         ax.set_ylabel("mean per request (ms)")
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    fig.legend(handles, list(colours), loc="upper right", fontsize=8)
+    order = [p for p in colours if p in used and p != "other"] + ["other"] * ("other" in used)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=used[p]) for p in order][::-1]
+    fig.legend(handles, order[::-1], loc="upper right", fontsize=8)  # top of the stack first
     fig.suptitle("Where the time goes (client TTFT joined with the server trace)")
     fig.tight_layout(rect=(0, 0, 0.86, 1))
     fig.savefig(path, dpi=110)
