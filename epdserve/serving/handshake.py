@@ -3,7 +3,8 @@ KV layout, an HMAC of its id) and the router's check of it.
 
 A worker is refused when its weights differ from the router's model, when its KV layout
 cannot hold the router's model, when (PD) its KV layout differs from the live workers of
-the other role (they could not exchange KV blocks), or when the deployment has an auth
+the other role in anything but the dtype (they could not exchange KV blocks; a decode
+worker converts imported KV to its own dtype), or when the deployment has an auth
 token and the worker's HMAC does not match it. Only Hello is authenticated: commands from
 the router and later worker messages carry no tag (the sockets are expected to be on
 127.0.0.1 or ipc in a private directory).
@@ -57,7 +58,8 @@ def refusal(hello, *, fingerprint: str, kv_shape: dict, auth_token: str | None,
     """Why ``hello`` (a :class:`~epdserve.serving.protocol.Hello`) must be refused, or None.
 
     ``fingerprint`` and ``kv_shape`` are the router's model's; ``peers`` the
-    ``(worker_id, kv_layout)`` of the live workers of the other role.
+    ``(worker_id, kv_layout)`` of the live workers of the other role, whose layouts may
+    differ from ``hello``'s in ``dtype`` only.
     """
     if not hmac.compare_digest(hello.auth, auth_tag(auth_token, hello.worker_id)):
         return f"worker {hello.worker_id}: bad or missing auth token"
@@ -68,7 +70,11 @@ def refusal(hello, *, fingerprint: str, kv_shape: dict, auth_token: str | None,
     if mine != kv_shape:
         return f"worker {hello.worker_id} has KV shape {mine}, the router's model needs {kv_shape}"
     for peer_id, layout in peers:
-        if layout != hello.kv_layout:
+        if _without_dtype(layout) != _without_dtype(hello.kv_layout):
             return (f"worker {hello.worker_id} ({hello.role}) has KV layout {hello.kv_layout}, "
                     f"{peer_id} ({KV_PEER_ROLES[hello.role]}) has {layout}")
     return None
+
+
+def _without_dtype(layout: dict) -> dict:
+    return {k: v for k, v in layout.items() if k != "dtype"}

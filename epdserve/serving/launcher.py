@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 
+from epdserve.engine.engine import DTYPES
 from epdserve.serving.router import Router, add_router_options, build_router, create_app, setup_logging
 
 log = logging.getLogger("epdserve.launcher")
@@ -56,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="passed to each worker")
     parser.add_argument("--block-size", type=int, default=None, help="passed to each worker")
     parser.add_argument("--dtype", default=None, help="passed to each worker")
+    parser.add_argument("--prefill-dtype", choices=list(DTYPES), default=None,
+                        help="pd: weights and KV cache dtype of the prefill workers (default: --dtype)")
+    parser.add_argument("--decode-dtype", choices=list(DTYPES), default=None,
+                        help="pd: weights and KV cache dtype of the decode workers, which convert "
+                             "imported KV to it (default: --dtype)")
     parser.add_argument("--enable-chunked-prefill", action="store_true", help="passed to each worker")
     parser.add_argument("--kv-transport", default=None, help="passed to each worker (auto|shm|tcp)")
     parser.add_argument("--kv-transfer-dtype", default=None, help="passed to each worker (none|bf16|int8)")
@@ -119,6 +125,8 @@ def worker_command(args: argparse.Namespace, role: str, worker_id: str, cores: l
     for opt in ("model", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "block_size", "dtype",
                 "kv_transport", "kv_transfer_dtype"):
         value = getattr(args, opt)
+        if opt == "dtype" and role in ("prefill", "decode"):
+            value = getattr(args, f"{role}_dtype") or value
         if value is not None:
             argv += ["--" + opt.replace("_", "-"), str(value)]
     if args.enable_chunked_prefill:

@@ -108,6 +108,7 @@ class WorkerState:
     def as_json(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "addr": self.addr, "cores": self.cores,
                 "state": "down" if self.dead else "up", "reason": self.dead,
+                "kv_dtype": self.kv_layout.get("dtype"),
                 "blocks_in_use": self.blocks_in_use, "blocks_total": self.blocks_total,
                 "num_running": self.num_running, "num_waiting": self.num_waiting,
                 "outstanding": len(self.outstanding),
@@ -536,6 +537,7 @@ class Router:
             self.workers.pop(msg.worker_id, None)
             self.refused[msg.worker_id] = {"worker_id": msg.worker_id, "role": msg.role, "addr": msg.addr,
                                            "cores": msg.cores, "state": "refused", "reason": reason,
+                                           "kv_dtype": msg.kv_layout.get("dtype"),
                                            "blocks_in_use": 0, "blocks_total": 0, "num_running": 0,
                                            "num_waiting": 0, "outstanding": 0, "outstanding_tokens": 0}
             self.metrics.worker_up.labels(msg.worker_id, msg.role).set(0)
