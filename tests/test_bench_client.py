@@ -323,8 +323,10 @@ def test_replayed_trace_sends_identical_requests_at_the_same_offsets(stub, tmp_p
             assert abs(got - want) < TOLERANCE_S, (seen, expected)
     drift = [abs((a["t"] - first[0]["t"]) - (b["t"] - second[0]["t"]))
              for a, b in zip(first, second)]
-    assert max(drift) < TOLERANCE_S, drift
-    assert sorted(drift)[len(drift) // 2] < 0.005, drift  # typical: within 5 ms
+    # Each run is within TOLERANCE_S of the schedule, so two runs differ by at most twice
+    # that; the typical (median) request is within the 5 ms.
+    assert max(drift) < 2 * TOLERANCE_S, drift
+    assert sorted(drift)[len(drift) // 2] < 0.005, drift
 
 
 def test_cli_writes_result_json(stub, tmp_path):

@@ -34,11 +34,11 @@ def test_same_seed_same_trace_other_seed_other_trace(tok):
 
 
 def test_poisson_gaps_have_mean_one_over_rate_and_inf_sends_all_at_once():
-    offsets = workload.poisson_offsets(4001, 5.0, np.random.default_rng(0))
+    offsets = workload.arrival_offsets(4001, 5.0, np.random.default_rng(0))
     gaps = np.diff(offsets)
     assert gaps.mean() == pytest.approx(0.2, rel=0.05)
     assert gaps.std() == pytest.approx(0.2, rel=0.1)  # exponential: std == mean
-    assert workload.poisson_offsets(3, math.inf, np.random.default_rng(0)) == [0.0] * 3
+    assert workload.arrival_offsets(3, math.inf, np.random.default_rng(0)) == [0.0] * 3
 
 
 def test_demo_defaults_long_prompts_arrive_during_the_chat_stream(tok):

@@ -3,9 +3,9 @@
 and deterministic; lengths come from :func:`epdserve.bench.workload.draw_lengths`,
 send times from :func:`epdserve.bench.workload.arrival_offsets`.
 
-ShareGPT: the format is the one vLLM's ``bench serve --dataset-name sharegpt`` reads: a JSON list of
-``{"conversations": [{"from": "human" | "gpt", "value": TEXT}, ...], ...}``. A
-conversation gives one request: its first human turn is the prompt, and the gpt turn
+ShareGPT: the format is the one vLLM's ``bench serve --dataset-name sharegpt`` reads, a
+JSON list of ``{"conversations": [{"from": "human" | "gpt", "value": TEXT}, ...], ...}``.
+A conversation gives one request: its first human turn is the prompt, and the gpt turn
 right after it says how long the answer is (its token count is ``max_tokens``, unless an
 output length is given). As in vLLM, conversations are shuffled with the seed and pairs
 are skipped when a side is shorter than 4 tokens (too short), or the prompt is longer
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from epdserve.bench.workload import (Request, TraceError, check_range, check_rate,
-                                     arrival_offsets, count_tokens, draw_lengths,
-                                     make_prompt, word_list)
+from epdserve.bench.workload import (Request, TraceError, arrival_offsets, check_range,
+                                     check_rate, count_tokens, draw_lengths, make_prompt,
+                                     word_list)
 
 # vLLM's is_valid_sequence defaults (benchmarks/datasets.py).
 MIN_LEN = 4

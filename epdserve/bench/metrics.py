@@ -21,7 +21,9 @@ vLLM does, raw per-request arrays in trace order with times in **seconds**: ``tt
 s; vLLM's are absolute ``perf_counter`` times, equal up to a constant), plus
 ``request_ids``, ``start_offsets`` (the same as ``start_times``, the name this project
 used first) and ``kinds``. ``max_output_tokens_per_s`` and ``max_concurrent_requests`` are
-vLLM's peaks over 1-second buckets (:func:`peaks_per_second`). ``error_counts`` counts failed requests by kind of error (:func:`error_kind`).
+vLLM's peaks over 1-second buckets (:func:`peaks_per_second`). ``error_counts`` counts
+failed requests by kind of error (:func:`error_kind`); ``slo_attainment`` is the share of
+all requests meeting every SLO.
 A failed request has ``ttft``/``e2el`` 0 and output length 0 there, as in vLLM;
 an empty set of values gives 0.0 aggregates, also as in vLLM.
 """

@@ -88,14 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --sweep)")
     sw = parser.add_argument_group("goodput sweep")
     sw.add_argument("--sweep", action="store_true",
-                   help="find the highest request rate meeting --goodput for a share "
-                        "--goodput-target of requests (bisection on rate)")
+                    help="find the highest request rate meeting --goodput for a share "
+                         "--goodput-target of requests (bisection on rate)")
     sw.add_argument("--goodput-target", type=parse_share, default=0.9, metavar="F",
-                   help="share of requests that must meet every SLO (default 0.9)")
+                    help="share of requests that must meet every SLO (default 0.9)")
     sw.add_argument("--sweep-rates", type=parse_rates, default=(0.25, 4.0), metavar="LO:HI",
-                   help="request rates (req/s) bracketing the search (default 0.25:4)")
+                    help="request rates (req/s) bracketing the search (default 0.25:4)")
     sw.add_argument("--sweep-iters", type=workload.nonnegative_int, default=4, metavar="N",
-                   help="bisection steps after LO and HI (default 4)")
+                    help="bisection steps after LO and HI (default 4)")
 
 
 def parse_share(text: str) -> float:

@@ -27,12 +27,12 @@ class SweepError(ValueError):
 
 
 def _point(rate: float, result: dict) -> dict:
-    """The scalar fields of one bench result (per-request arrays dropped), plus ``rate``."""
+    """One bench result without its per-request arrays, plus ``rate``."""
     if "slo_attainment" not in result or result["slo_attainment"] is None:
         raise SweepError("measure(rate) must return a result computed with SLOs "
                          "(no 'slo_attainment' in it)")
     point = {"rate": rate}
-    point.update({k: v for k, v in result.items() if not isinstance(v, (list, dict))})
+    point.update({k: v for k, v in result.items() if not isinstance(v, list)})
     return point
 
 
@@ -52,8 +52,8 @@ def find_max_goodput_rate(measure: Callable[[float], dict], target_share: float 
     Returns ``{"max_rate": float | None, "target_share": ..., "bracket": [pass, fail],
     "points": [...]}``: ``max_rate`` is the highest measured rate that met the target
     (``hi`` when even ``hi`` meets it: the search range was too low; None when not even
-    ``lo`` does); ``points`` are all measured rates sorted by rate, each the scalar
-    fields of its result plus ``rate``.
+    ``lo`` does); ``points`` are all measured rates sorted by rate, each its result
+    without the per-request arrays, plus ``rate``.
 
     Raises:
         SweepError: 0 < lo < hi finite, 0 < target_share <= 1 and iters >= 0 are not met,

@@ -154,12 +154,6 @@ def arrival_offsets(num: int, rate: float, rng: np.random.Generator, burstiness:
     return [0.0] + [float(x) for x in np.cumsum(gaps)]
 
 
-def poisson_offsets(num: int, rate: float, rng: np.random.Generator) -> list[float]:
-    """Send times (s) of ``num`` requests arriving as a Poisson process of ``rate`` req/s:
-    the first at 0, then exponential gaps of mean 1/rate. ``rate`` = inf: all at 0."""
-    return arrival_offsets(num, rate, rng)
-
-
 def retime(requests: list[Request], rate: float, seed: int = 0) -> list[Request]:
     """The same requests re-spaced to a mean arrival rate of ``rate`` req/s: offsets scaled
     by (current mean rate)/``rate``, keeping the pattern (bursts, long-prompt positions).
@@ -186,7 +180,7 @@ def retime(requests: list[Request], rate: float, seed: int = 0) -> list[Request]
 
 
 # ---------------------------------------------------------------------------------------
-# Lengths and images
+# Lengths
 
 
 def check_range(name: str, lo_hi: tuple[int, int]) -> tuple[int, int]:
@@ -441,10 +435,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "synt
     p.add_argument("--prefix-order", choices=["round-robin", "random"], default="round-robin",
                    help="which prefix request i takes (default round-robin)")
     d = parser.add_argument_group("long-prompt bursts (--workload demo)")
-    d.add_argument("--num-long", "--long-count", dest="num_long", type=nonnegative_int, metavar="N",
+    d.add_argument("--num-long", "--long-count", dest="num_long", type=nonnegative_int,
+                   metavar="N",
                    default=DEMO_DEFAULTS["num_long"],
                    help="long prompts (default %(default)s)")
-    d.add_argument("--long-input-len", "--long-len", dest="long_input_len", type=positive_int, metavar="N",
+    d.add_argument("--long-input-len", "--long-len", dest="long_input_len", type=positive_int,
+                   metavar="N",
                    default=DEMO_DEFAULTS["long_input_len"],
                    help="tokens per long prompt (default %(default)s)")
     d.add_argument("--long-output-len", type=positive_int,
