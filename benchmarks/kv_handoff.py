@@ -1,16 +1,30 @@
 """Time of one KV hand-off (prefill done → KV usable in the decode engine's cache) over
-shared memory and over TCP (127.0.0.1), against a plain memory copy of the same bytes.
+shared memory and over TCP (127.0.0.1), against a plain memory copy of the same bytes;
+and, with and without ``--kv-layer-pipeline``, the prefill time and hand-off time.
 
-In one process: a prefill engine prefills a prompt of each size once; then, ``--reps``
-times, its :class:`~epdserve.transfer.handoff.Exporter` writes those blocks to a new frame
-(``kv_export_ms``: cache → /dev/shm), the decode side's
-:class:`~epdserve.transfer.handoff.Importer` maps or fetches it (``kv_fetch_ms``), and the
-decode engine copies it into its cache (``kv_import_ms``, measured by the engine around
-the copy). Hand-off time = the sum of the three. The reference is ``torch.clone`` and
-``numpy.copy`` of a buffer of the frame's size, measured in the same run ("vs memcpy" is
-the faster copy's p50 over the row's p50). Bandwidth = frame bytes / time (GB = 1e9 bytes).
+In one process, a prefill engine whose KV cache lives in a shared pool
+(:func:`~epdserve.transfer.handoff.new_engine`) and a decode engine:
 
-    .venv/bin/python benchmarks/kv_handoff.py [--reps 20] [--sizes 512 2048]
+* Table 1: the prefill engine prefills a prompt of each size once; then, ``--reps`` times,
+  an :class:`~epdserve.transfer.handoff.Exporter` hands those blocks over
+  (``kv_export_ms``: nothing for held pool blocks, cache → /dev/shm for a staged frame),
+  the decode side's :class:`~epdserve.transfer.handoff.Importer` copies them out of the
+  pool or maps or fetches the frame (``kv_fetch_ms``), and the decode engine copies them
+  into its cache (``kv_import_ms``, measured by the engine around the copy). Hand-off
+  time = the sum of the three. Rows: "pool" = held blocks of the shared pool (a same-host
+  decode worker copies them from its mapping of the pool; over TCP the prefill side builds
+  the frame when asked), "staged" = a frame written to a /dev/shm segment at export. The
+  first pool hand-off of a run also maps the pool (once per pair of workers), so it shows
+  in p95, not p50. The reference is ``torch.clone`` and ``numpy.copy`` of a buffer of the
+  frame's size, measured in the same run ("vs memcpy" is the faster copy's p50 over the
+  row's p50). Bandwidth = frame bytes / time (GB = 1e9 bytes).
+* Table 2: ``--prefill-reps`` full prefills per row, each followed by its hand-off, for a
+  staged frame with and without the layer pipeline (which writes each layer's blocks into
+  the frame as soon as the forward pass has computed it, so export only closes the frame),
+  and for the pool. On a CPU the pipeline's copy is not free: it runs on the same core,
+  inside the prefill step, so it moves time from the hand-off into ``prefill_ms``.
+
+    .venv/bin/python benchmarks/kv_handoff.py [--reps 20] [--prefill-reps 3] [--sizes 512 2048]
 """
 
 from __future__ import annotations
@@ -29,6 +43,8 @@ from epdserve.model.loader import resolve_model
 from epdserve.transfer import handoff
 from epdserve.transfer.loopback import first_output
 
+SAMPLING = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
 
 def percentiles(ms: list[float]) -> tuple[float, float]:
     """p50 and p95 of ``ms`` (nearest rank)."""
@@ -36,76 +52,95 @@ def percentiles(ms: list[float]) -> tuple[float, float]:
     return statistics.median(ordered), ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
-def copy_times(nbytes: int, reps: int) -> dict[str, list[float]]:
-    """ms per ``torch.clone`` and per ``numpy.copy`` of ``nbytes`` bytes."""
+def copy_times(nbytes: int) -> dict[str, float]:
+    """ms of one ``torch.clone`` and one ``numpy.copy`` of ``nbytes`` bytes."""
     src = torch.randn(nbytes // 4)
     arr = src.numpy()
-    times = {"memcpy (torch.clone)": [], "memcpy (numpy.copy)": []}
-    for _ in range(reps):
-        start = time.perf_counter()
-        dst = src.clone()
-        times["memcpy (torch.clone)"].append((time.perf_counter() - start) * 1e3)
-        del dst
-        start = time.perf_counter()
-        dst = np.copy(arr)
-        times["memcpy (numpy.copy)"].append((time.perf_counter() - start) * 1e3)
-        del dst
+    times = {}
+    start = time.perf_counter()
+    dst = src.clone()
+    times["memcpy (torch.clone)"] = (time.perf_counter() - start) * 1e3
+    del dst
+    start = time.perf_counter()
+    dst = np.copy(arr)
+    times["memcpy (numpy.copy)"] = (time.perf_counter() - start) * 1e3
     return times
 
 
-def handoff_times(prefill: LLMEngine, decode: LLMEngine, exporter: handoff.Exporter, importer: handoff.Importer,
-                  out: StepOutput, prompt: list[int], reps: int) -> tuple[dict[str, list[float]], int]:
-    """ms per hand-off of ``out``'s blocks: ``total`` (export + fetch/map + import) and each
-    part; and the frame's size in bytes."""
-    sampling = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    times, nbytes = {"total": [], "export": [], "fetch": [], "import": []}, 0
+def hand_off(exporter: handoff.Exporter, importer: handoff.Importer, decode: LLMEngine, out: StepOutput,
+             prompt: list[int]) -> tuple[dict[str, float], int]:
+    """Export ``out``'s blocks, take them, import them into ``decode`` (one decode step) and
+    release them; returns the parts in ms and the frame's size in bytes."""
+    desc = exporter.export(out)
+    kv, timings = importer.take(out.request_id, desc, decode.kv_layout(), decode.kv_cache.dtype)
+    decode.add_request(out.request_id, prompt, SAMPLING, kv, out.token_ids[-1], timings=timings)
+    del kv
+    while decode.has_unfinished():
+        for step_out in decode.step():
+            timings.update(step_out.timings)
+    exporter.release(out.request_id)  # as the router does after the decode side's first output
+    parts = {"export": out.timings["kv_export_ms"], "fetch": timings["kv_fetch_ms"], "import": timings["kv_import_ms"]}
+    return dict(parts, total=sum(parts.values())), desc.nbytes
+
+
+def prefill_and_hand_offs(prefill: LLMEngine, exporter: handoff.Exporter, importer: handoff.Importer,
+                          decode: LLMEngine, prompt: list[int], reps: int, label: str) -> dict[str, list[float]]:
+    """``reps`` full prefills of ``prompt``, each handed off; ms per part and ``prefill``."""
+    times: dict[str, list[float]] = {}
     for rep in range(reps):
-        rid = f"{out.request_id}-{importer.transport}-{rep}"
-        # A fresh output over the same blocks: export copies them out; the engine keeps them.
-        copy = StepOutput(rid, out.token_ids, kv_block_ids=out.kv_block_ids)
-        desc = exporter.export(copy)
-        kv, timings = importer.take(rid, desc, decode.kv_layout(), decode.kv_cache.dtype)
-        exporter.release(rid)
-        decode.add_request(rid, prompt, sampling, kv, out.token_ids[-1], timings=timings)
-        del kv
-        while decode.has_unfinished():
-            for step_out in decode.step():
-                timings.update(step_out.timings)
-        parts = {"export": copy.timings["kv_export_ms"], "fetch": timings["kv_fetch_ms"],
-                 "import": timings["kv_import_ms"]}
-        for key, ms in dict(parts, total=sum(parts.values())).items():
-            times[key].append(ms)
-        nbytes = desc.nbytes
-    return times, nbytes
+        rid = f"prefill-{len(prompt)}-{label}-{rep}"
+        prefill.add_request(rid, prompt, SAMPLING)
+        out = first_output(prefill, rid)
+        parts, _ = hand_off(exporter, importer, decode, out, prompt)
+        for key, ms in dict(parts, prefill=out.timings["prefill_ms"]).items():
+            times.setdefault(key, []).append(ms)
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--prefill-reps", type=int, default=3, help="prefills per row of table 2 (0: skip it)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: a PD worker's share of a 2-core machine)")
     args = parser.parse_args()
+    if args.reps < 1 or args.prefill_reps < 0 or min(args.sizes) < 1:
+        parser.error("--reps and --sizes must be at least 1, --prefill-reps at least 0")
     torch.set_num_threads(args.threads)
     info = resolve_model(None)
-    prefill = LLMEngine(str(info.path), EngineConfig(role="prefill", kv_cache_memory_mb=512))
+    prefill, pool = handoff.new_engine(str(info.path), EngineConfig(role="prefill", kv_cache_memory_mb=512), True)
     decode = LLMEngine(str(info.path), EngineConfig(role="decode", kv_cache_memory_mb=512))
+    if max(args.sizes) + SAMPLING.max_tokens > prefill.max_model_len:
+        parser.error(f"--sizes: at most {prefill.max_model_len - SAMPLING.max_tokens} tokens")
     ctx = zmq.Context()
-    exporter = handoff.Exporter(prefill, 600, ctx, "tcp://127.0.0.1:0", "none")
-    importers = {"shm": handoff.Importer(ctx, "shm", 60), "tcp (127.0.0.1)": handoff.Importer(ctx, "tcp", 60)}
-    print(f"model {info.name}, float32 KV cache, {args.reps} hand-offs per row, torch threads "
-          f"{torch.get_num_threads()}\n")
+    bind = "tcp://127.0.0.1:0"
+    exporters = {"pool": handoff.Exporter(prefill, 600, ctx, bind, "none", pool),
+                 "staged": handoff.Exporter(prefill, 600, ctx, bind, "none")}
+    importers = {"shm": handoff.Importer(ctx, "shm", 60), "tcp": handoff.Importer(ctx, "tcp", 60)}
+    print(f"model {info.name}, float32 KV cache, torch threads {torch.get_num_threads()}\n")
+    print(f"Table 1: hand-off of the blocks of one prefill, {args.reps} times per row")
     print(f"{'tokens':>6} {'path':<21} {'MB':>7} {'p50 ms':>8} {'p95 ms':>8} {'GB/s p50':>9} {'vs memcpy':>10}"
           f"   p50 export / fetch / import ms")
     for size in args.sizes:
-        prompt = torch.randint(0, prefill.model.config.vocab_size, (size,), generator=torch.Generator().manual_seed(size)).tolist()
+        prompt = torch.randint(0, prefill.model.config.vocab_size, (size,),
+                               generator=torch.Generator().manual_seed(size)).tolist()
         rid = f"handoff-{size}"
-        prefill.add_request(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        prefill.add_request(rid, prompt, SAMPLING)
         out = first_output(prefill, rid)
-        rows = {}
-        for name, importer in importers.items():
-            rows[name], nbytes = handoff_times(prefill, decode, exporter, importer, out, prompt, args.reps)
-        rows.update({name: {"total": ms} for name, ms in copy_times(nbytes, args.reps).items()})
+        rows: dict[str, dict[str, list[float]]] = {}
+        # Round-robin over the rows, so that load from elsewhere hits every row alike.
+        for rep in range(args.reps):
+            for kind in ("pool", "staged"):
+                for transport, importer in importers.items():
+                    # A fresh output over the same blocks: the engine keeps them (release_kv
+                    # of an unknown id frees nothing).
+                    copy = StepOutput(f"{rid}-{transport}-{kind}-{rep}", out.token_ids, kv_block_ids=out.kv_block_ids)
+                    parts, nbytes = hand_off(exporters[kind], importer, decode, copy, prompt)
+                    for key, ms in parts.items():
+                        rows.setdefault(f"{transport} {kind}", {}).setdefault(key, []).append(ms)
+            for name, ms in copy_times(nbytes).items():
+                rows.setdefault(name, {}).setdefault("total", []).append(ms)
         # The faster of the two copies is the bar: it is what this machine's memory can do.
         memcpy_p50 = min(percentiles(rows[name]["total"])[0] for name in rows if name.startswith("memcpy"))
         for name, times in rows.items():
@@ -114,7 +149,28 @@ def main() -> None:
             print(f"{size:>6} {name:<21} {nbytes / 1e6:>7.1f} {p50:>8.2f} {p95:>8.2f} "
                   f"{nbytes / (p50 / 1e3) / 1e9:>9.2f} {memcpy_p50 / p50:>10.2f}   {parts}", flush=True)
         prefill.release_kv(rid)
-    exporter.close()
+    if args.prefill_reps:
+        print(f"\nTable 2: prefill, then hand-off; {args.prefill_reps} prefills per row (p50 ms)")
+        print(f"{'tokens':>6} {'path':<31} {'prefill':>9} {'hand-off':>9} {'sum':>9}   export / fetch / import")
+        for size in args.sizes:
+            prompt = torch.randint(0, prefill.model.config.vocab_size, (size,),
+                                   generator=torch.Generator().manual_seed(size)).tolist()
+            for kind in ("staged", "staged+layer pipeline", "pool"):
+                for transport, importer in importers.items():
+                    # The pipelined exporter hooks every prefill step until it is closed.
+                    pipelined = kind == "staged+layer pipeline"
+                    exporter = (handoff.Exporter(prefill, 600, ctx, bind, "none", layer_pipeline=True)
+                                if pipelined else exporters[kind])
+                    times = prefill_and_hand_offs(prefill, exporter, importer, decode, prompt,
+                                                  args.prefill_reps, f"{transport}-{kind}")
+                    if pipelined:
+                        exporter.close()
+                    p50 = {k: percentiles(v)[0] for k, v in times.items()}
+                    print(f"{size:>6} {transport + ' ' + kind:<31} {p50['prefill']:>9.1f} {p50['total']:>9.2f} "
+                          f"{p50['prefill'] + p50['total']:>9.1f}   {p50['export']:.2f} / {p50['fetch']:.2f} / "
+                          f"{p50['import']:.2f}", flush=True)
+    for exporter in exporters.values():
+        exporter.close()
     ctx.destroy(linger=0)
 
 

@@ -90,7 +90,7 @@ def _run(engines, tokenizer, transfer_dtype: str, decode_dtype: str) -> list[lis
         assert len(tokens) == SAMPLING.max_tokens
         assert timings["kv_tcp"] == 0.0 and timings["kv_bytes"] > 0 and "kv_import_ms" in timings
         results.append(tokens)
-    assert not exporter.segments and prefill.pool.num_in_use == 0 and decode.pool.num_in_use == 0
+    assert not exporter.exports and prefill.pool.num_in_use == 0 and decode.pool.num_in_use == 0
     exporter.close()
     return results
 

@@ -43,10 +43,17 @@ def _segment(request_id: str = "r1") -> tuple[str, torch.Tensor, int]:
     return name, kv, nbytes
 
 
+def _serve_if(allowed: bool, name: str):
+    """A KV server source serving segment ``name`` when ``allowed``."""
+    if not allowed:
+        raise WireError(f"no KV segment {name}")
+    return shm.open_segment(name)
+
+
 def test_frame_over_tcp_equals_shm_frame(ctx):
     name, kv, nbytes = _segment()
     on_disk = (shm.SHM_DIR / name).read_bytes()
-    server = tcp.KVServer(ctx, "tcp://127.0.0.1:0", lambda rid, n: (rid, n) == ("r1", name))
+    server = tcp.KVServer(ctx, "tcp://127.0.0.1:0", lambda rid, n: _serve_if((rid, n) == ("r1", name), n))
     try:
         with pytest.raises(WireError, match="no KV segment"):
             tcp.fetch(ctx, server.addr, "other-request", name, nbytes, timeout_s=5)
@@ -107,7 +114,7 @@ def test_timeout_is_a_clear_error(ctx):
     ("auto", "same", False), ("auto", "other", True), ("tcp", "same", True), ("shm", "same", False)])
 def test_importer_picks_the_transport(ctx, transport, host, tcp_used):
     name, kv, nbytes = _segment()
-    server = tcp.KVServer(ctx, "tcp://127.0.0.1:0", lambda rid, n: n == name)
+    server = tcp.KVServer(ctx, "tcp://127.0.0.1:0", lambda rid, n: _serve_if(n == name, n))
     try:
         host_id = handoff.host_id() if host == "same" else "another-host"
         desc = KVDescriptor(name=name, num_tokens=8, nbytes=nbytes, host_id=host_id, addr=server.addr)

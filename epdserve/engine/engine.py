@@ -66,7 +66,7 @@ class LLMEngine:
     small for one block; ``ModelLoadError`` for a model that cannot be loaded.
     """
 
-    def __init__(self, model_dir: str, config: EngineConfig = EngineConfig()):
+    def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), kv_allocator=None):
         if config.role not in ROLES:
             raise ValueError(f"unknown role {config.role!r} (choose from {', '.join(ROLES)})")
         if config.dtype not in DTYPES:
@@ -78,7 +78,11 @@ class LLMEngine:
         block_bytes = config.block_size * mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize)
         num_blocks = config.num_kv_blocks or config.kv_cache_memory_mb * 2**20 // block_bytes
         self.pool = BlockPool(num_blocks, config.block_size)
-        self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
+        # kv_allocator(shape, dtype): e.g. a prefill worker's shared-memory KV pool.
+        self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size, kv_allocator)
+        # export_hook(layer, [(request id, prompt block ids)]): called after each layer of
+        # a step with the sequences whose prompt that step completes (layer-pipelined export).
+        self.export_hook = None
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or self.max_model_len,
@@ -155,16 +159,19 @@ class LLMEngine:
             self.pool.free(blocks)
         return blocks is not None
 
-    def read_kv(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_kv(self, block_ids: list[int], out: torch.Tensor | None = None,
+                layer: int | None = None) -> torch.Tensor:
         """Copy blocks out of the cache into ``out [layers, 2, len(block_ids), block_size,
         kv_heads, head_dim]`` (any float dtype; allocated in the cache's when None) and
-        return it."""
+        return it; with ``layer``, only that layer's: ``out [2, len(block_ids), ...]``."""
+        cache = self.kv_cache if layer is None else self.kv_cache[layer]
         if out is None:
-            out = torch.empty(self._block_shape(len(block_ids)), dtype=self.kv_cache.dtype)
+            shape = self._block_shape(len(block_ids))
+            out = torch.empty(shape if layer is None else shape[1:], dtype=self.kv_cache.dtype)
         # One strided copy per run of consecutive blocks: faster than index_select, and
         # index_select's threaded path stalls for seconds on a busy machine.
-        for pos, start, n in _block_runs(block_ids):
-            out[:, :, pos:pos + n].copy_(self.kv_cache[:, :, start:start + n])
+        for pos, start, n in block_runs(block_ids):
+            out.narrow(-4, pos, n).copy_(cache.narrow(-4, start, n))
         return out
 
     def has_unfinished(self) -> bool:
@@ -187,7 +194,13 @@ class LLMEngine:
                 seq.first_scheduled = now
             if seq.pending_kv is not None:
                 self._import_kv(seq)
+        if self.export_hook is not None:
+            done = [(s.request_id, s.block_table[: self.pool.blocks_for(s.num_prompt_tokens)])
+                    for s, n in zip(batch.seqs, batch.num_tokens)
+                    if s.is_prefilling and s.num_computed_tokens + n == s.num_prompt_tokens]
+            self.model.layer_hook = (lambda layer: self.export_hook(layer, done)) if done else None
         logits, sampled = runner.run(self.model, batch, self.kv_cache)
+        self.model.layer_hook = None
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
         seqs = [batch.seqs[i] for i in sampled]
@@ -202,8 +215,11 @@ class LLMEngine:
     def _import_kv(self, seq: Sequence) -> None:
         start = time.perf_counter()
         kv = seq.pending_kv
-        for pos, block, n in _block_runs(seq.block_table[: kv.shape[2]]):
-            self.kv_cache[:, :, block:block + n].copy_(kv[:, :, pos:pos + n])
+        if isinstance(kv, torch.Tensor):
+            for pos, block, n in block_runs(seq.block_table[: kv.shape[2]]):
+                self.kv_cache[:, :, block:block + n].copy_(kv[:, :, pos:pos + n])
+        else:  # a deferred copy straight from a peer's shared memory (transfer.handoff.PooledKV)
+            kv.copy_to(self.kv_cache, seq.block_table[: kv.shape[2]])
         seq.pending_kv = None
         seq.timings["kv_import_ms"] = (time.perf_counter() - start) * 1e3
 
@@ -251,7 +267,7 @@ class LLMEngine:
         return t
 
 
-def _block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     """``(position in block_ids, first block id, length)`` of each run of consecutive ids:
     [7, 8, 9, 3, 4] → [(0, 7, 3), (3, 3, 2)]."""
     runs: list[tuple[int, int, int]] = []

@@ -81,8 +81,12 @@ class LlamaModel:
     """Weights and forward pass. Build with :meth:`load`.
 
     The KV cache is owned by the caller: ``kv_cache [layers, 2, num_blocks, block_size,
-    kv_heads, head_dim]`` (see :meth:`allocate_kv_cache`).
+    kv_heads, head_dim]`` (see :meth:`allocate_kv_cache`). ``layer_hook``, when set, is
+    called with each layer's index as soon as :meth:`forward` has written that layer's new
+    K/V (a layer-pipelined KV export copies it out while later layers compute).
     """
+
+    layer_hook = None
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
         self.config = config
@@ -137,11 +141,13 @@ class LlamaModel:
         except KeyError as exc:
             raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, allocator=None) -> torch.Tensor:
+        """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``, from
+        ``allocator(shape, dtype)`` when given (e.g. a shared-memory pool), else
+        ``torch.zeros``."""
         c = self.config
-        return torch.zeros(c.num_hidden_layers, 2, num_blocks, block_size,
-                           c.num_key_value_heads, c.head_dim, dtype=self.dtype)
+        shape = (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        return (allocator or torch.zeros)(shape, dtype=self.dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Same order of operations as transformers' LlamaRMSNorm (float32 variance).
@@ -182,6 +188,8 @@ class LlamaModel:
             v_cache = kv_cache[i, 1].view(-1, n_kv, d)
             k_cache[meta.slot_mapping] = k
             v_cache[meta.slot_mapping] = v
+            if self.layer_hook is not None:
+                self.layer_hook(i)
             attn = self._attention(q, k, v, kv_cache[i], meta)
             x = x + F.linear(attn.reshape(-1, n_q * d), layer["o"])
             h = self._rms_norm(x, layer["post_norm"])

@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-chunked-prefill", action="store_true", help="passed to each worker")
     parser.add_argument("--kv-transport", default=None, help="passed to each worker (auto|shm|tcp)")
     parser.add_argument("--kv-transfer-dtype", default=None, help="passed to each worker (none|bf16|int8)")
+    parser.add_argument("--kv-layer-pipeline", action="store_true", help="passed to each worker")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds to wait for every worker's hello")
     parser.add_argument("--workers", type=int, default=1, help="colocated: number of worker replicas")
@@ -131,6 +132,8 @@ def worker_command(args: argparse.Namespace, role: str, worker_id: str, cores: l
             argv += ["--" + opt.replace("_", "-"), str(value)]
     if args.enable_chunked_prefill:
         argv.append("--enable-chunked-prefill")
+    if args.kv_layer_pipeline:
+        argv.append("--kv-layer-pipeline")
     return argv
 
 

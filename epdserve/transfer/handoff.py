@@ -1,32 +1,46 @@
 """One request's KV blocks from a prefill worker to a decode worker, end to end.
 
-The prefill side (:class:`Exporter`) always writes the blocks (converted as
-``--kv-transfer-dtype`` says, see :mod:`epdserve.transfer.kv_codec`) as one wire frame to
-/dev/shm and, unless the transport is ``shm``, also serves that frame over TCP
-(:class:`epdserve.transfer.tcp.KVServer`). Its :class:`~epdserve.serving.protocol.KVDescriptor`
-names the segment, the host it lies on (:func:`host_id`) and the TCP address. The decode
-side (:class:`Importer`) maps the segment when it lies on its own host and the transport
-allows it, and fetches it over TCP otherwise (transport ``auto``, the default), and
-converts the blocks to its own cache dtype, which may differ from the prefill side's.
+The prefill side (:class:`Exporter`) hands KV over in one of two ways:
 
-The prefill side owns a segment until the decode side takes it (mapping and TCP serving
-both unlink it), the router releases it, or its TTL passes.
+* **held pool blocks** (``--kv-transfer-dtype none`` with the engine's cache in a shared
+  :class:`~epdserve.transfer.shm.KVPool`, the prefill worker's default): it copies
+  nothing; it keeps the prompt's blocks allocated and tagged, and its descriptor names the
+  pool, the blocks and the layout. A decode worker on the same host maps the pool once and
+  copies the blocks from it; one on another host fetches them over TCP as one frame,
+  built from the held blocks when asked.
+* a **staged frame** (bf16/int8, ``--kv-layer-pipeline``, or no pool): it writes the
+  blocks, converted as ``--kv-transfer-dtype`` says (:mod:`epdserve.transfer.kv_codec`),
+  as one wire frame to a /dev/shm segment and frees them; with ``--kv-layer-pipeline``
+  each layer's blocks are written as soon as the forward pass has computed that layer
+  (the copy moves into the prefill step, the hand-off after it shrinks to closing the
+  frame). The decode side maps the segment (same host) or fetches it over TCP.
+
+:class:`Importer` picks shared memory when the KV lies on its own host and the transport
+allows it (transport ``auto``, the default), TCP otherwise, and converts the blocks to its
+own cache dtype, which may differ from the prefill side's.
+
+The prefill side holds a request's KV (blocks or segment) until the router releases it
+(``ReleaseKV``, sent once the decode worker has imported it, and on every failure or
+abort), or its TTL passes; a mapped or served segment is unlinked at once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import mmap
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import zmq
 
-from epdserve.engine.engine import LLMEngine, StepOutput
+from epdserve.engine.engine import EngineConfig, LLMEngine, StepOutput, block_runs
 from epdserve.serving.protocol import KVDescriptor
-from epdserve.transfer import kv_codec, shm, tcp
+from epdserve.transfer import kv_codec, shm, tcp, wire
 from epdserve.transfer.wire import TensorHeader, WireError
 
 TRANSPORTS = ("auto", "shm", "tcp")
@@ -49,44 +63,111 @@ def host_id() -> str:
     return hashlib.sha256(f"{machine}|{st.st_dev}|{st.st_ino}|{netns}".encode()).hexdigest()[:16]
 
 
+def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool) -> tuple[LLMEngine, shm.KVPool | None]:
+    """An engine and, with ``shared_pool``, the :class:`~epdserve.transfer.shm.KVPool` its
+    KV cache lives in (for an :class:`Exporter` that hands blocks over without copying
+    them). The pool's file is deleted by :meth:`Exporter.close` or, failing that, at
+    interpreter exit.
+
+    Raises:
+        as :class:`LLMEngine`, and ``OSError`` when /dev/shm cannot hold the pool.
+    """
+    if not shared_pool:
+        return LLMEngine(model_dir, config), None
+    pools: list[shm.KVPool] = []
+
+    def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        pools.append(shm.KVPool(shape, dtype))
+        return pools[-1].kv
+
+    return LLMEngine(model_dir, config, kv_allocator=allocate), pools[0]
+
+
+@dataclass
+class _Export:
+    """A request's KV held for a decode worker: a segment, or ``blocks`` of the pool (with
+    the ``header`` of the frame a TCP fetch of them gets)."""
+
+    name: str
+    created: float
+    blocks: list[int] | None = None
+    header: TensorHeader | None = None
+
+
 class Exporter:
-    """Prefill side. ``bind``: the TCP address to serve frames on (``tcp://HOST:PORT``,
-    port 0 = any free one), or None for shared memory only. ``ttl_s``: seconds a segment
-    nobody took is kept. ``transfer_dtype``: one of ``kv_codec.TRANSFER_DTYPES``.
+    """Prefill side. ``bind``: the TCP address to serve KV on (``tcp://HOST:PORT``, port 0
+    = any free one), or None for shared memory only. ``ttl_s``: seconds KV nobody took is
+    kept. ``transfer_dtype``: one of ``kv_codec.TRANSFER_DTYPES``. ``pool``: the shared
+    pool holding ``engine.kv_cache``, or None. ``layer_pipeline``: write staged frames
+    layer by layer during the prefill step (installs ``engine.export_hook``).
 
     Raises (constructor): ``zmq.ZMQError`` if ``bind`` cannot be bound; ``ValueError``
-    for an unknown ``transfer_dtype``.
+    for an unknown ``transfer_dtype`` or a ``pool`` that does not hold the engine's cache.
     """
 
     def __init__(self, engine: LLMEngine, ttl_s: float, ctx: zmq.Context, bind: str | None,
-                 transfer_dtype: str = "none"):
+                 transfer_dtype: str = "none", pool: shm.KVPool | None = None, layer_pipeline: bool = False):
         if transfer_dtype not in kv_codec.TRANSFER_DTYPES:
             raise ValueError(f"unknown KV transfer dtype {transfer_dtype!r}")
+        if pool is not None and pool.kv.data_ptr() != engine.kv_cache.data_ptr():
+            raise ValueError("the shared KV pool must hold the engine's KV cache (see LLMEngine's kv_allocator)")
         self.engine = engine
         self.ttl_s = ttl_s
         self.transfer_dtype = transfer_dtype
+        self.pool = pool
+        self.hold = pool is not None and transfer_dtype == "none" and not layer_pipeline
         self.host = host_id()
-        self.segments: dict[str, tuple[str, float]] = {}  # request id -> (segment, created)
-        self.server = tcp.KVServer(ctx, bind, self._owns) if bind else None
+        self.exports: dict[str, _Export] = {}
+        self.pending: dict[str, tuple[str, mmap.mmap, dict[str, torch.Tensor]]] = {}  # layer-pipelined frames
+        self._tags = itertools.count(1)
+        if layer_pipeline:
+            engine.export_hook = self._on_layer
+        self.server = tcp.KVServer(ctx, bind, self._frame) if bind else None
 
-    def _owns(self, request_id: str, name: str) -> bool:
-        # Runs on the server thread; one dict lookup is atomic under the GIL.
-        return self.segments.get(request_id, ("", 0.0))[0] == name
+    def _header(self, num_blocks: int) -> TensorHeader:
+        layout = self.engine.kv_layout()
+        shape = list(self.engine.kv_cache.shape)
+        shape[2] = num_blocks
+        return TensorHeader(tensors=kv_codec.specs(shape, self.engine.kv_cache.dtype,
+                                                   "none" if self.hold else self.transfer_dtype),
+                            layout=layout, num_tokens=num_blocks * layout["block_size"])
 
     def export(self, out: StepOutput) -> KVDescriptor:
-        """Copy the blocks ``out.kv_block_ids`` into a new segment, free them in the engine,
-        and describe the segment. Adds ``kv_export_ms`` and ``kv_bytes`` to ``out.timings``.
+        """Hand over the blocks ``out.kv_block_ids``: hold them in the pool, or write them
+        to a segment (or close the segment the layers were written to) and free them.
+        Adds ``kv_export_ms`` and ``kv_bytes`` (bytes a TCP fetch moves) to ``out.timings``.
 
         Raises:
             OSError: /dev/shm is full or not writable.
         """
         start = time.perf_counter()
-        ids = out.kv_block_ids
-        layout = self.engine.kv_layout()
-        shape = list(self.engine.kv_cache.shape)
-        shape[2] = len(ids)
-        header = TensorHeader(tensors=kv_codec.specs(shape, self.engine.kv_cache.dtype, self.transfer_dtype),
-                              layout=layout, num_tokens=len(ids) * layout["block_size"])
+        ids, request_id = out.kv_block_ids, out.request_id
+        header = self._header(len(ids))
+        addr = self.server.addr if self.server else None
+        nbytes = wire.frame_size(header)
+        if self.hold:
+            tag = next(self._tags)
+            self.pool.tags[torch.tensor(ids)] = tag
+            self.exports[request_id] = _Export(self.pool.name, time.monotonic(), list(ids), header)
+            desc = KVDescriptor(kind="pool", name=self.pool.name, num_tokens=header.num_tokens, nbytes=nbytes,
+                                host_id=self.host, addr=addr, block_runs=[(b, n) for _, b, n in block_runs(ids)],
+                                pool_blocks=self.pool.shape[2], layout=header.layout, tag=tag)
+        else:
+            name = self._stage(request_id, ids, header)
+            self.engine.release_kv(request_id)
+            self.exports[request_id] = _Export(name, time.monotonic())
+            desc = KVDescriptor(name=name, num_tokens=header.num_tokens, nbytes=nbytes, host_id=self.host, addr=addr)
+        out.timings["kv_export_ms"] = (time.perf_counter() - start) * 1e3
+        out.timings["kv_bytes"] = float(nbytes)
+        return desc
+
+    def _stage(self, request_id: str, ids: list[int], header: TensorHeader) -> str:
+        """The segment holding the blocks: the layer-pipelined one, closed, or a new one."""
+        if request_id in self.pending:
+            name, mm, views = self.pending.pop(request_id)
+            views.clear()  # the tensors view the mapping: drop them before closing it
+            mm.close()
+            return name
 
         def fill(views: dict[str, torch.Tensor]) -> None:
             if "scales" in views:
@@ -95,39 +176,84 @@ class Exporter:
                 self.engine.read_kv(ids, out=views["kv"])
 
         name = shm.new_name()
-        nbytes = shm.write(name, header, fill)
-        self.engine.release_kv(out.request_id)
-        self.segments[out.request_id] = (name, time.monotonic())
-        out.timings["kv_export_ms"] = (time.perf_counter() - start) * 1e3
-        out.timings["kv_bytes"] = float(nbytes)
-        return KVDescriptor(name=name, num_tokens=header.num_tokens, nbytes=nbytes, host_id=self.host,
-                            addr=self.server.addr if self.server else None)
+        shm.write(name, header, fill)
+        return name
+
+    def _on_layer(self, layer: int, seqs: list[tuple[str, list[int]]]) -> None:
+        """Engine export hook: write layer ``layer`` of each sequence's prompt blocks into its
+        outgoing segment, creating the segment at its first layer."""
+        if layer == 0:
+            # A frame still pending from an earlier step belongs to a request that finished
+            # in its prefill (EOS, max_tokens 1) and was never exported.
+            for request_id in set(self.pending) - {rid for rid, _ in seqs}:
+                self._drop_pending(request_id)
+        for request_id, ids in seqs:
+            if request_id not in self.pending:
+                name = shm.new_name()
+                self.pending[request_id] = (name, *shm.create(name, self._header(len(ids))))
+            views = {key: tensor[layer] for key, tensor in self.pending[request_id][2].items()}
+            if "scales" in views:
+                kv_codec.encode(self.engine.read_kv(ids, layer=layer), views)
+            else:
+                self.engine.read_kv(ids, out=views["kv"], layer=layer)
+
+    def _drop_pending(self, request_id: str) -> None:
+        name, mm, views = self.pending.pop(request_id)
+        views.clear()
+        mm.close()
+        shm.remove(name)
+
+    def _frame(self, request_id: str, name: str):
+        """KV server source (runs on its thread; dict lookups are atomic under the GIL): the
+        frame of a held request, built now, or its segment's mapping (unlinking it)."""
+        entry = self.exports.get(request_id)
+        if entry is None or entry.name != name:
+            raise WireError(f"no KV {name} for request {request_id}")
+        if entry.blocks is None:
+            return shm.open_segment(name)
+        frame = wire.pack(entry.header, lambda views: self.engine.read_kv(entry.blocks, out=views["kv"]))
+        if self.exports.get(request_id) is not entry:  # released, so maybe reused, during the copy
+            raise WireError(f"KV of request {request_id} was released while it was being sent")
+        return frame
 
     def release(self, request_id: str) -> None:
-        """Delete the request's segment if it still exists (taken, abort, TTL)."""
-        name, _ = self.segments.pop(request_id, (None, 0.0))
-        if name is not None:
-            shm.remove(name)
+        """Give up the request's KV if it is still held (imported, abort, TTL): delete its
+        segment, or untag and free its pool blocks."""
+        entry = self.exports.pop(request_id, None)
+        if entry is None:
+            return
+        if entry.blocks is None:
+            shm.remove(entry.name)
+        else:
+            self.pool.tags[torch.tensor(entry.blocks)] = 0  # before the blocks can be reused
+            self.engine.release_kv(request_id)
 
     def expire(self) -> list[str]:
-        """Release every segment older than the TTL; returns their request ids."""
+        """Release every export older than the TTL; returns their request ids."""
         now = time.monotonic()
-        old = [rid for rid, (_, created) in self.segments.items() if now - created > self.ttl_s]
+        old = [rid for rid, entry in self.exports.items() if now - entry.created > self.ttl_s]
         for request_id in old:
             self.release(request_id)
         return old
 
     def close(self) -> None:
-        """Stop serving and delete every segment still held."""
+        """Stop serving, release every export still held, delete pending frames and the pool file."""
         if self.server is not None:
             self.server.close()
-        for request_id in list(self.segments):
+        for request_id in list(self.exports):
             self.release(request_id)
+        for request_id in list(self.pending):
+            self._drop_pending(request_id)
+        if self.engine.export_hook == self._on_layer:
+            self.engine.export_hook = None
+        if self.pool is not None:
+            self.pool.close()
 
 
 class Importer:
     """Decode side. ``transport``: "auto" (shared memory on the same host, else TCP),
-    "shm" or "tcp". ``timeout_s``: the longest a TCP fetch may take."""
+    "shm" or "tcp". ``timeout_s``: the longest a TCP fetch may take. Keeps each prefill
+    pool it maps mapped (one mapping per pool, dropped once the pool's file is gone)."""
 
     def __init__(self, ctx: zmq.Context, transport: str, timeout_s: float):
         if transport not in TRANSPORTS:
@@ -136,17 +262,21 @@ class Importer:
         self.transport = transport
         self.timeout_s = timeout_s
         self.host = host_id()
+        self.pools: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def take(self, request_id: str, desc: KVDescriptor, layout: dict,
              dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, float]]:
         """Get the KV blocks ``desc`` describes as a tensor ``[layers, 2, n_blocks,
-        block_size, kv_heads, head_dim]`` of ``dtype``, and timings ``kv_fetch_ms`` (ms,
-        fetch or map plus conversion) and ``kv_tcp`` (1.0 if it came over TCP, else 0.0).
-        Blocks up to ``timeout_s`` on TCP.
+        block_size, kv_heads, head_dim]`` of ``dtype``, or for blocks of a same-host pool as
+        a :class:`PooledKV` of that shape and dtype (the engine copies them straight into
+        its cache on import), and timings ``kv_fetch_ms`` (ms: fetch or map, validation and
+        conversion) and ``kv_tcp`` (1.0 if it came over TCP, else 0.0). Blocks up to
+        ``timeout_s`` on TCP.
 
         Raises:
-            WireError: the segment is gone, unreachable, malformed, on another host while
-                the transport is "shm", or without a TCP address while TCP is needed.
+            WireError: the KV is gone (expired, released), unreachable, malformed, on another
+                host while the transport is "shm", or without a TCP address while TCP is
+                needed; a pool descriptor whose name, blocks, tag or sizes do not check out.
             ValueError: its KV layout differs from ``layout`` (in anything but the dtype).
         """
         start = time.perf_counter()
@@ -155,16 +285,97 @@ class Importer:
             if desc.addr is None:
                 raise WireError("the KV lies on another host and its prefill worker serves no TCP address")
             header, tensors = tcp.fetch(self.ctx, desc.addr, request_id, desc.name, desc.nbytes, self.timeout_s)
+        elif desc.host_id != self.host:
+            raise WireError("the KV lies on another host and --kv-transport is shm")
+        elif desc.kind == "pool":
+            kv = self._from_pool(request_id, desc, layout, dtype)
+            return kv, {"kv_fetch_ms": (time.perf_counter() - start) * 1e3, "kv_tcp": 0.0}
         else:
-            if desc.host_id != self.host:
-                raise WireError("the KV lies on another host and --kv-transport is shm")
             header, tensors = shm.read(desc.name)
-        if _without_dtype(header.layout) != _without_dtype(layout):
-            raise ValueError(f"KV layout {header.layout} does not match this worker's {layout}")
+        _check_layout(header.layout, layout)
         kv = kv_codec.decode(tensors, dtype)
         return kv, {"kv_fetch_ms": (time.perf_counter() - start) * 1e3, "kv_tcp": float(use_tcp)}
 
+    def _from_pool(self, request_id: str, desc: KVDescriptor, layout: dict, dtype: torch.dtype) -> PooledKV:
+        _check_layout(desc.layout, layout)
+        name = desc.layout.get("dtype")
+        pool_dtype = wire.DTYPES.get(name) if isinstance(name, str) else None
+        if pool_dtype is None or pool_dtype == torch.int8:
+            raise WireError(f"unsupported KV pool dtype {name!r}")
+        block_size = layout["block_size"]
+        num_blocks = -(-desc.num_tokens // block_size)
+        runs = desc.block_runs
+        if (desc.num_tokens < 1 or desc.tag < 1 or sum(n for _, n in runs) != num_blocks
+                or any(first < 0 or n < 1 or first + n > desc.pool_blocks for first, n in runs)):
+            shown = f"{runs[:4]}{'...' if len(runs) > 4 else ''}"
+            raise WireError(f"KV descriptor for {request_id} is invalid: blocks {shown} for {desc.num_tokens} "
+                            f"tokens in a pool of {desc.pool_blocks} blocks, tag {desc.tag}")
+        shape = (layout["num_layers"], 2, desc.pool_blocks, block_size, layout["num_kv_heads"], layout["head_dim"])
+        pool, tags = self._map(desc.name, shape, pool_dtype)
+        kv = PooledKV(request_id, pool, tags, [tuple(run) for run in runs], desc.tag, dtype)
+        kv.check()
+        return kv
+    def _map(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (name, shape, dtype)
+        if key not in self.pools:
+            # Pools of prefill workers that have stopped: unmap them (they hold memory).
+            for old in [k for k in self.pools if not shm.pool_exists(k[0])]:
+                del self.pools[old]
+            self.pools[key] = shm.map_pool(name, shape, dtype)
+        return self.pools[key]
+
+
+class PooledKV:
+    """One request's KV blocks in a prefill worker's pool mapped by this process: the
+    ``runs`` (``(first block, count)``, in order) of ``pool [layers, 2, pool_blocks,
+    block_size, kv_heads, head_dim]``, tagged ``tag`` in ``tags``. It has the ``shape`` and
+    ``dtype`` of the tensor it stands for, and the decode engine's import copies it with
+    :meth:`copy_to`: one copy from the prefill worker's cache into the decode worker's."""
+
+    def __init__(self, request_id: str, pool: torch.Tensor, tags: torch.Tensor, runs: list[tuple[int, int]],
+                 tag: int, dtype: torch.dtype):
+        self.request_id = request_id
+        self.pool, self.tags, self.runs, self.tag = pool, tags, runs, tag
+        self.ids = [block for first, n in runs for block in range(first, first + n)]
+        self.shape = pool.shape[:2] + (len(self.ids),) + pool.shape[3:]
+        self.dtype = dtype
+
+    def check(self) -> None:
+        """Raises :class:`WireError` unless every block still carries this hand-off's tag."""
+        if not bool((self.tags[self.ids] == self.tag).all()):
+            raise WireError(f"KV blocks of {self.request_id} are no longer held by the prefill worker "
+                            f"(released, expired, or not this request's)")
+
+    def copy_to(self, cache: torch.Tensor, block_ids: list[int]) -> None:
+        """Copy the blocks into ``cache`` (converting the dtype) at ``block_ids``, one strided
+        copy per stretch that is consecutive on both sides.
+
+        Raises:
+            WireError: the prefill worker released the blocks before the copy ended (its
+                ``--kv-ttl`` passed while the request waited here), so the copy is void.
+        """
+        for src, dst, n in _paired_runs(self.ids, block_ids):
+            cache[:, :, dst:dst + n].copy_(self.pool[:, :, src:src + n])
+        self.check()
+
+
+def _paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """``(src start, dst start, length)`` of each stretch where both id lists count up by one:
+    [4, 5, 6, 9], [0, 1, 7, 8] → [(4, 0, 2), (6, 7, 1), (9, 8, 1)]."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def _check_layout(theirs: dict, ours: dict) -> None:
+    # Peers may keep their caches in different dtypes: the blocks are converted on import.
+    if _without_dtype(theirs) != _without_dtype(ours):
+        raise ValueError(f"KV layout {theirs} does not match this worker's {ours}")
+
 
 def _without_dtype(layout: dict) -> dict:
-    # Peers may keep their caches in different dtypes: the blocks are converted on import.
     return {k: v for k, v in layout.items() if k != "dtype"}

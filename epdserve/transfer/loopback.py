@@ -33,15 +33,18 @@ def generate_pd(prefill: LLMEngine, decode: LLMEngine, exporter: Exporter, impor
     if out.finished:
         return tokens, out.timings
     desc = exporter.export(out)
+    merged = dict(out.timings)
     try:
         kv, timings = importer.take(request_id, desc, decode.kv_layout(), decode.kv_cache.dtype)
+        decode.add_request(request_id, prompt_ids, sampling, kv, tokens[-1], timings=timings)
+        del kv  # the engine holds it until the import; then the mapping can go
+        while decode.has_unfinished():
+            for step_out in decode.step():
+                # As the router: release the prefill side's copy once the decode side has
+                # imported it (its first output), or on any failure (finally).
+                exporter.release(request_id)
+                tokens += step_out.token_ids
+                merged.update(step_out.timings)
     finally:
         exporter.release(request_id)
-    decode.add_request(request_id, prompt_ids, sampling, kv, tokens[-1], timings=timings)
-    del kv  # the engine holds it until the import; then the mapping can go
-    merged = dict(out.timings)
-    while decode.has_unfinished():
-        for step_out in decode.step():
-            tokens += step_out.token_ids
-            merged.update(step_out.timings)
     return tokens, merged

@@ -1,11 +1,12 @@
-"""KV hand-off across hosts over TCP (ZeroMQ): a prefill worker serves the frames it wrote
-to /dev/shm (:mod:`epdserve.transfer.shm`) to decode workers that cannot map them.
+"""KV hand-off across hosts over TCP (ZeroMQ): a prefill worker serves a request's KV, as
+one wire frame, to decode workers that cannot map its shared memory: a segment it wrote to
+/dev/shm (:mod:`epdserve.transfer.shm`), or a frame built on request from blocks it holds.
 
 Exchange (one per hand-off, nothing is ever unpickled):
 
 * the decode worker's DEALER sends one frame, msgpack ``{"request_id": str, "name": str}``;
-* the prefill worker's ROUTER answers ``[b"ok", frame]`` (the segment's bytes, one wire
-  frame, sent from the mapping without a copy, after which the segment is unlinked) or
+* the prefill worker's ROUTER answers ``[b"ok", frame]`` (one wire frame, sent without a
+  further copy from a segment's mapping or a freshly built buffer) or
   ``[b"error", utf-8 message]``.
 
 The receiver caps the reply at the size the descriptor announced and parses it with
@@ -23,7 +24,6 @@ import msgpack
 import torch
 import zmq
 
-from epdserve.transfer import shm
 from epdserve.transfer.wire import TensorHeader, WireError, parse
 
 log = logging.getLogger("epdserve.transfer.tcp")
@@ -34,19 +34,20 @@ POLL_MS = 100
 class KVServer:
     """A thread with its own ROUTER socket bound at ``bind`` (``tcp://HOST:PORT``; port
     ``*`` or 0 picks a free one, see :attr:`addr`) that sends a segment to whoever names
-    it with the request id ``allowed(request_id, name)`` accepts.
+    it: ``source(request_id, name)`` returns the frame to send (any buffer: bytes, mmap,
+    bytearray) or raises :class:`WireError`, whose message goes back as the error.
 
     A thread rather than the worker loop because a CPU prefill step of a long prompt takes
-    seconds and a fetch served between steps would wait that long; the thread only reads
-    files (torch releases the GIL while the engine computes) and touches no engine state.
+    seconds and a fetch served between steps would wait that long; ``source`` only reads
+    (torch releases the GIL while the engine computes) and changes no engine state.
 
     Raises (constructor): ``zmq.ZMQError`` if ``bind`` cannot be bound.
     """
 
-    def __init__(self, ctx: zmq.Context, bind: str, allowed: Callable[[str, str], bool]):
+    def __init__(self, ctx: zmq.Context, bind: str, source: Callable[[str, str], object]):
         if bind.startswith("tcp://") and bind.endswith(":0"):
             bind = bind[:-1] + "*"
-        self.allowed = allowed
+        self.source = source
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
@@ -75,14 +76,12 @@ class KVServer:
         identity, body = parts
         try:
             request_id, name = _parse_request(body)
-            if not self.allowed(request_id, name):
-                raise WireError(f"no KV segment {name} for request {request_id}")
-            segment = shm.open_segment(name)
+            frame = self.source(request_id, name)
         except WireError as exc:
             self.sock.send_multipart([identity, b"error", str(exc).encode()])
             return
-        # copy=False: libzmq sends straight from the mapping, which pyzmq keeps alive until sent.
-        self.sock.send_multipart([identity, b"ok", segment], copy=False)
+        # copy=False: libzmq sends straight from the buffer, which pyzmq keeps alive until sent.
+        self.sock.send_multipart([identity, b"ok", frame], copy=False)
 
 
 def _parse_request(body: bytes) -> tuple[str, str]:

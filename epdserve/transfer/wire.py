@@ -87,6 +87,16 @@ def frame_size(header: TensorHeader) -> int:
     return _offsets(header, len(header_bytes(header)))[1]
 
 
+def pack(header: TensorHeader, fill) -> bytearray:
+    """A frame with ``header`` in a new bytearray; ``fill(tensors)`` writes the tensors (a
+    dict by name of tensors viewing the array)."""
+    prefix = header_bytes(header)
+    buffer = bytearray(frame_size(header))
+    buffer[: len(prefix)] = prefix
+    fill(parse(buffer)[1])
+    return buffer
+
+
 def parse(buffer) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
     """Validate a frame in ``buffer`` (bytes, mmap, memoryview) and return its header and
     its tensors by name, each viewing ``buffer`` (no copy; they keep it alive; read-only
