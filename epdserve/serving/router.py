@@ -8,6 +8,8 @@ and streams the worker's outputs back as text.
 * **pd**: a prefill worker returns the first token and a KV descriptor; the first token
   goes to the client at once, then the router hands the descriptor and the first token
   to a decode worker, which streams tokens 2..n.
+  With ``--local-prefill-threshold N``, a prompt shorter than N tokens goes to a decode
+  worker alone, which prefills it itself (conditional disaggregation: no hand-off).
 
 One background task reads the events socket (a ZeroMQ PULL every worker pushes to) and
 puts each output into its request's :class:`asyncio.Queue`; ``Hello`` registers a worker
