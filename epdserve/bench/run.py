@@ -193,6 +193,12 @@ def summary_lines(result: dict) -> list[str]:
             ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{result['output_throughput']:.2f}"),
             ("Total token throughput (tok/s)", f"{result['total_token_throughput']:.2f}")]
+    if "max_output_tokens_per_s" in result:
+        rows += [("Peak output token throughput (tok/s)",
+                  f"{result['max_output_tokens_per_s']:.0f}"),
+                 ("Peak concurrent requests", f"{result['max_concurrent_requests']}")]
+    if result.get("max_concurrency") is not None:
+        rows.append(("Max concurrency (client cap)", f"{result['max_concurrency']}"))
     if result.get("request_goodput") is not None:
         rows.append(("Request goodput (req/s)", f"{result['request_goodput']:.2f}"))
         rows.append(("SLO attainment", f"{result['slo_attainment']:.1%}"))
