@@ -123,7 +123,9 @@ def plot(sweep: dict, path: str | Path) -> Path:
     ax.set_title(f"{title} (target {sweep['target_share']:.0%} within SLOs)")
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="best", fontsize=8)
+    # Below the axes: the curves cross every corner of the plot.
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper center",
+              bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
