@@ -325,6 +325,20 @@ def test_configuration_names_map_to_serve_flags():
     assert compare.serve_flags("colocated-chunked") == [
         "--mode", "colocated", "--enable-chunked-prefill", "--max-num-batched-tokens", "256"]
     assert compare.serve_flags("bogus") is None
+    assert [compare.num_workers(n) for n in ("colocated", "colocated-chunked", "colocated-3",
+                                             "pd", "2p3d")] == [1, 1, 3, 2, 5]
+
+
+def test_resources_taken_after_the_run_and_against_the_real_pd_server(pd_server, tmp_path):
+    server = compare.ServerProcess("pd", [], tmp_path / "x.log", pd_server.url)
+    server.proc = subprocess.Popen(["sleep", "30"])  # wait_healthy checks it is alive
+    try:
+        assert server.wait_healthy(30, workers=2) >= 0
+        with pytest.raises(compare.ServerError, match="3 workers up"):
+            server.wait_healthy(1, workers=3)  # 200, but only two are up
+    finally:
+        server.proc.kill()
+        server.proc.wait()
 
 
 def test_workload_description_of_a_trace():

@@ -79,8 +79,11 @@ class ServerProcess:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def wait_healthy(self, timeout_s: float) -> float:
-        """Poll ``/health`` every 0.5 s until 200; returns the seconds it took.
+    def wait_healthy(self, timeout_s: float, workers: int = 1) -> float:
+        """Poll ``/health`` every 0.5 s until it answers 200 and, when its body lists
+        ``workers`` (epdserve's does), at least ``workers`` of them are up: the router
+        answers 200 as soon as one worker per role is up, and a run must not start before
+        the others. Returns the seconds it took.
 
         Raises:
             ServerError: the process exited, or ``timeout_s`` passed.
@@ -95,14 +98,15 @@ class ServerProcess:
                                       f"{url} answered 200; last lines of {self.log_path}:\n"
                                       f"{log_tail(self.log_path)}")
                 try:
-                    if http.get(url).status_code == 200:
+                    answer = http.get(url)
+                    if answer.status_code == 200 and _workers_up(answer.json()) >= workers:
                         return time.monotonic() - start
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):
                     pass
                 if time.monotonic() - start > timeout_s:
-                    raise ServerError(f"{self.name} server: {url} not 200 after {timeout_s:.0f} s;"
-                                      f" last lines of {self.log_path}:\n"
-                                      f"{log_tail(self.log_path)}")
+                    raise ServerError(f"{self.name} server: {url} not 200 with {workers} "
+                                      f"workers up after {timeout_s:.0f} s; last lines of "
+                                      f"{self.log_path}:\n{log_tail(self.log_path)}")
                 time.sleep(0.5)
 
     def resources(self) -> dict:
@@ -138,6 +142,14 @@ class ServerProcess:
             _killpg(pgid, signal.SIGKILL)
         self.proc.wait()
         self.proc = None
+
+
+def _workers_up(health: dict) -> float:
+    """Workers in state "up" in a /health body; infinite when it lists none (a server
+    that is not epdserve's: 200 is all it says)."""
+    if not isinstance(health, dict) or not isinstance(health.get("workers"), list):
+        return float("inf")
+    return sum(1 for w in health["workers"] if isinstance(w, dict) and w.get("state") == "up")
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -177,6 +189,14 @@ def serve_flags(name: str) -> list[str] | None:
     if m := re.fullmatch(r"pd-local([0-9]+)", name):  # 1P1D, prompts under N tokens prefilled on decode
         return ["--mode", "pd", "--local-prefill-threshold", m[1]]
     return None
+
+
+def num_workers(name: str) -> int:
+    """How many workers configuration ``name`` starts (see :func:`serve_flags`)."""
+    flags = serve_flags(name)
+    counts = [int(flags[i + 1]) for i, f in enumerate(flags)
+              if f in ("--workers", "--prefill-workers", "--decode-workers")]
+    return sum(counts) or (2 if flags[1] == "pd" else 1)
 
 
 def parse_configs(text: str) -> list[str]:
@@ -244,9 +264,10 @@ def server_command(name: str, port: int, trace_file: Path, model: str | None,
 
 def run_config(name: str, requests: list[workload.Request], args: argparse.Namespace,
                out_dir: Path, serve: list[str] = SERVE, progress: str = "") -> dict:
-    """Start the server of configuration ``name`` (see :func:`server_command`), run the
-    trace (and the goodput sweep when ``args.sweep_rates`` is set), read the cores it
-    used from ``/health``, stop it; return the compare.json entry:
+    """Start the server of configuration ``name`` (see :func:`server_command`), wait until
+    all its workers are up, run the trace (and the goodput sweep when ``args.sweep_rates``
+    is set), read the cores its workers used from ``/health``, stop it; return the
+    compare.json entry:
 
     ``{"name", "mode", "result": <bench result>, "server": <trace summary>,
     "resources": {"workers", "cores", "num_cores"}, "per_core": {"output_throughput"
@@ -272,10 +293,10 @@ def run_config(name: str, requests: list[workload.Request], args: argparse.Names
     entry: dict = {"name": name, "mode": serve_flags(name)[1]}
     try:
         server.start()
-        took = server.wait_healthy(args.startup_timeout)
+        took = server.wait_healthy(args.startup_timeout, num_workers(name))
         print(f"{tag} healthy after {took:.1f} s; sending {len(requests)} requests", flush=True)
-        entry["resources"] = server.resources()
         entry["result"] = result = bench(base_url, requests, args)
+        entry["resources"] = server.resources()
         if args.sweep_rates:
             print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s",
                   flush=True)
