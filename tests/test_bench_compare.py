@@ -193,6 +193,7 @@ def test_stacked_stage_and_goodput_plots_are_written(tmp_path):
                entry_with_sweep("pd", [(0.5, 1.0, 0.5), (1.0, 0.9, 0.9), (2.0, 0.2, 0.4)])]
     from epdserve.bench import plots
 
+    plots.plot_stages(entries * 10, tmp_path / "many.png")  # colours never run out
     plots.plot_stages(entries, tmp_path / "stages.png")
     plots.plot_goodput_vs_rate(entries, tmp_path / "goodput_vs_rate.png")
     for png in ("stages.png", "goodput_vs_rate.png"):

@@ -7,6 +7,7 @@ only the raw per-request arrays of the bench result (seconds, see
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import matplotlib
@@ -116,7 +117,7 @@ def plot_stages(entries: list[dict], path: str | Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5 + 3 * len(panels), 4.8), squeeze=False)
     # One colour per part across both panels (decode queue is the same stage in both).
     known = dict.fromkeys(p for order in PART_ORDER.values() for p in order if p != "other")
-    palette = iter(plt.get_cmap("tab20").colors * 2)
+    palette = itertools.cycle(plt.get_cmap("tab20").colors)
     colours = {p: next(palette) for p in known}
     colours["other"] = "lightgrey"
     used: dict[str, str] = {}
@@ -126,8 +127,9 @@ def plot_stages(entries: list[dict], path: str | Path) -> None:
             bottom = 0.0
             for part in b["parts"]:
                 v = b["mean"][part]
-                colour = colours.setdefault(part, next(palette))
-                used[part] = colour
+                if part not in colours:  # a stage this module does not know yet
+                    colours[part] = next(palette)
+                colour = used[part] = colours[part]
                 ax.bar(x, v, bottom=bottom, color=colour, width=0.6)
                 bottom += v
             ax.text(x, bottom, f"{bottom:,.0f}", ha="center", va="bottom", fontsize=8)
