@@ -45,7 +45,8 @@ def test_replicas_win_and_the_report_says_do_not_split():
     # gap 120 ms = 24% of the mean TTFT of 500 ms (sum of the parts), 120/114 = 1.1x ITL p50
     assert hand == ["Hand-off of pd (token 1 -> 2): mean 120 ms = 24% of its mean TTFT and "
                     "1.1x its ITL p50, 16.0 MB of KV per request; other is 92% of the gap "
-                    "(mean 110 of 120 ms)."]
+                    "(mean 110 of 120 ms); other is the decode worker's first step, batched with "
+                    "the running requests, plus IPC hops."]
     assert any("colocated 900 / 400 ms, 4 stalls" in r for r in rec["reasons"])
     md = report.recommendation_markdown(rec)
     assert md.startswith("## Recommendation\n\n**Use colocated-2** (no prefill/decode split).")

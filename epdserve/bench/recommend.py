@@ -174,7 +174,10 @@ def recommend(entries: list[dict]) -> dict:
                 f"Hand-off of {e['name']} (token 1 -> 2): mean {_ms(gap)} ms = "
                 f"{gap / ttft:.0%} of its mean TTFT and {gap / itl:.1f}x its ITL p50"
                 + (f", {kv / 1e6:.1f} MB of KV per request" if kv else "")
-                + f"; {_largest(h, 'the gap')}.")
+                + f"; {_largest(h, 'the gap')}"
+                + ("; other is the decode worker's first step, batched with the running "
+                   "requests, plus IPC hops." if max(h["mean"], key=h["mean"].get) == "other"
+                   else "."))
     reasons.append("ITL p95 / p99 and stalls (gaps > 1 s): " + "; ".join(
         f"{e['name']} {_ms(_r(e, 'p95_itl_ms'))} / {_ms(_r(e, 'p99_itl_ms'))} ms, "
         f"{e.get('itl_stalls', 0)} stalls" for e in cands) + ".")

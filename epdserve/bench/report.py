@@ -121,7 +121,9 @@ def breakdown_markdown(entries: list[dict], which: str) -> str:
         cells = []
         for e in have:
             b = e["breakdown"][which]
-            cells += [f"{b[s][part]:,.1f}" if part in b[s] else "—" for s in ("mean", "p95")]
+            # + 0.0 turns a rounded -0.0 (a remainder that is float noise) into 0.0
+            cells += [f"{round(b[s][part], 1) + 0.0:,.1f}" if part in b[s] else "—"
+                      for s in ("mean", "p95")]
         rows.append([part, *cells])
     total = []
     for e in have:
