@@ -15,9 +15,11 @@ In one process, a prefill engine whose KV cache lives in a shared pool
   decode worker copies them from its mapping of the pool; over TCP the prefill side builds
   the frame when asked), "staged" = a frame written to a /dev/shm segment at export. The
   first pool hand-off of a run also maps the pool (once per pair of workers), so it shows
-  in p95, not p50. The reference is ``torch.clone`` and ``numpy.copy`` of a buffer of the
-  frame's size, measured in the same run ("vs memcpy" is the faster copy's p50 over the
-  row's p50). Bandwidth = frame bytes / time (GB = 1e9 bytes).
+  in p95, not p50. The reference is a copy of a buffer of the frame's size, measured in
+  the same run: ``torch.clone`` and ``numpy.copy`` (into fresh memory) and ``copy_`` into
+  a buffer written before ("into warm", as an import into a KV cache). "vs memcpy" is the
+  fastest copy's p50 over the row's p50. Bandwidth = frame bytes / time (GB = 1e9 bytes).
+  The rows run round-robin, so that load from other processes hits every row alike.
 * Table 2: ``--prefill-reps`` full prefills per row, each followed by its hand-off, for a
   staged frame with and without the layer pipeline (which writes each layer's blocks into
   the frame as soon as the forward pass has computed it, so export only closes the frame),
@@ -53,17 +55,17 @@ def percentiles(ms: list[float]) -> tuple[float, float]:
 
 
 def copy_times(nbytes: int) -> dict[str, float]:
-    """ms of one ``torch.clone`` and one ``numpy.copy`` of ``nbytes`` bytes."""
+    """ms of one copy of ``nbytes`` bytes: ``torch.clone`` and ``numpy.copy`` (into fresh
+    memory, as a staged frame is written) and ``Tensor.copy_`` into a buffer written before
+    (as the import into a KV cache)."""
     src = torch.randn(nbytes // 4)
-    arr = src.numpy()
+    warm = torch.zeros_like(src)
     times = {}
-    start = time.perf_counter()
-    dst = src.clone()
-    times["memcpy (torch.clone)"] = (time.perf_counter() - start) * 1e3
-    del dst
-    start = time.perf_counter()
-    dst = np.copy(arr)
-    times["memcpy (numpy.copy)"] = (time.perf_counter() - start) * 1e3
+    for name, copy in (("memcpy (torch.clone)", src.clone), ("memcpy (numpy.copy)", lambda: np.copy(src.numpy())),
+                       ("memcpy (into warm)", lambda: warm.copy_(src))):
+        start = time.perf_counter()
+        copy()
+        times[name] = (time.perf_counter() - start) * 1e3
     return times
 
 
@@ -129,7 +131,6 @@ def main() -> None:
         prefill.add_request(rid, prompt, SAMPLING)
         out = first_output(prefill, rid)
         rows: dict[str, dict[str, list[float]]] = {}
-        # Round-robin over the rows, so that load from elsewhere hits every row alike.
         for rep in range(args.reps):
             for kind in ("pool", "staged"):
                 for transport, importer in importers.items():
