@@ -2,7 +2,7 @@
 frames: in-process PD (two real engines, the real Exporter/Importer) gives the colocated
 greedy tokens; held blocks return to the pool on release; forged descriptors are refused
 with clear errors; a real prefill worker's pool file goes when the worker stops (and a
-killed worker's is removed as stale)."""
+killed worker's is removed as stale); ``serve --kv-layer-pipeline`` gives colocated output."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import time
 import pytest
 import zmq
 
-from conftest import free_port
+from conftest import _stop as _stop_deployment
+from conftest import free_port, start_deployment
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
 from epdserve.transfer import handoff, shm
@@ -215,3 +216,18 @@ def test_pool_file_goes_with_its_worker(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+def test_serve_with_layer_pipeline_matches_colocated(setup, tokenizer, tmp_path):
+    """``serve --kv-layer-pipeline`` reaches the prefill worker (a staged frame, so no pool
+    file) and PD output stays the colocated engine's."""
+    *_, reference = setup
+    dep = start_deployment("pd", tmp_path, "--kv-layer-pipeline", "--kv-cache-memory-mb", "64")
+    try:
+        assert not list(shm.SHM_DIR.glob(f"epdserve-kvpool-{dep.worker_pid('prefill-0')}-*"))
+        for prompt, tokens in zip(PROMPTS, reference):
+            got = dep.generate("completion", prompt, stream=True, max_tokens=SAMPLING.max_tokens, temperature=0,
+                               extra_body={"ignore_eos": True})
+            assert got.text == tokenizer.decode(tokens) and got.usage.completion_tokens == len(tokens)
+    finally:
+        _stop_deployment(dep.proc)
