@@ -102,6 +102,15 @@ def test_layer_pipeline_writes_the_same_frame(setup, tokenizer, transfer_dtype):
         exporter.close()
         assert prefill.export_hook is None and prefill.pool.num_in_use == 0
     assert frames[True].keys() == frames[False].keys()
+    # A request that finishes in its prefill is never exported: its frame goes.
+    exporter = handoff.Exporter(prefill, 60, ctx, None, transfer_dtype, layer_pipeline=True)
+    prefill.add_request("one-token", ids, SamplingParams(max_tokens=1, temperature=0.0))
+    assert first_output(prefill, "one-token").finished
+    (pending,) = exporter.pending.values()
+    assert (shm.SHM_DIR / pending.name).exists()
+    exporter.expire()
+    assert not exporter.pending and not (shm.SHM_DIR / pending.name).exists()
+    exporter.close()
     for name, tensor in frames[False].items():
         assert tensor.abs().sum() > 0 and tensor.equal(frames[True][name])
     # And end to end, over shared memory and TCP:

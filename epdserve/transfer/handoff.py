@@ -84,6 +84,17 @@ def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool) -> tuple
 
 
 @dataclass
+class _Pending:
+    """A layer-pipelined segment being written: its mapping, its tensors (views of the
+    mapping) and the ms spent copying layers into it so far."""
+
+    name: str
+    mm: mmap.mmap
+    views: dict[str, torch.Tensor]
+    copy_ms: float = 0.0
+
+
+@dataclass
 class _Export:
     """A request's KV held for a decode worker: a segment, or ``blocks`` of the pool (with
     the ``header`` of the frame a TCP fetch of them gets)."""
@@ -118,7 +129,7 @@ class Exporter:
         self.hold = pool is not None and transfer_dtype == "none" and not layer_pipeline
         self.host = host_id()
         self.exports: dict[str, _Export] = {}
-        self.pending: dict[str, tuple[str, mmap.mmap, dict[str, torch.Tensor]]] = {}  # layer-pipelined frames
+        self.pending: dict[str, _Pending] = {}
         self._tags = itertools.count(1)
         if layer_pipeline:
             engine.export_hook = self._on_layer
@@ -135,7 +146,9 @@ class Exporter:
     def export(self, out: StepOutput) -> KVDescriptor:
         """Hand over the blocks ``out.kv_block_ids``: hold them in the pool, or write them
         to a segment (or close the segment the layers were written to) and free them.
-        Adds ``kv_export_ms`` and ``kv_bytes`` (bytes a TCP fetch moves) to ``out.timings``.
+        Adds ``kv_export_ms`` and ``kv_bytes`` (bytes a TCP fetch moves) to ``out.timings``,
+        and for a layer-pipelined frame ``kv_layer_copy_ms`` (the copies made during the
+        prefill step, part of its ``prefill_ms``).
 
         Raises:
             OSError: /dev/shm is full or not writable.
@@ -153,7 +166,7 @@ class Exporter:
                                 host_id=self.host, addr=addr, block_runs=[(b, n) for _, b, n in block_runs(ids)],
                                 pool_blocks=self.pool.shape[2], layout=header.layout, tag=tag)
         else:
-            name = self._stage(request_id, ids, header)
+            name = self._stage(request_id, ids, header, out.timings)
             self.engine.release_kv(request_id)
             self.exports[request_id] = _Export(name, time.monotonic())
             desc = KVDescriptor(name=name, num_tokens=header.num_tokens, nbytes=nbytes, host_id=self.host, addr=addr)
@@ -161,13 +174,14 @@ class Exporter:
         out.timings["kv_bytes"] = float(nbytes)
         return desc
 
-    def _stage(self, request_id: str, ids: list[int], header: TensorHeader) -> str:
+    def _stage(self, request_id: str, ids: list[int], header: TensorHeader, timings: dict[str, float]) -> str:
         """The segment holding the blocks: the layer-pipelined one, closed, or a new one."""
         if request_id in self.pending:
-            name, mm, views = self.pending.pop(request_id)
-            views.clear()  # the tensors view the mapping: drop them before closing it
-            mm.close()
-            return name
+            pending = self.pending.pop(request_id)
+            pending.views.clear()  # the tensors view the mapping: drop them before closing it
+            pending.mm.close()
+            timings["kv_layer_copy_ms"] = pending.copy_ms
+            return pending.name
 
         def fill(views: dict[str, torch.Tensor]) -> None:
             if "scales" in views:
@@ -188,20 +202,23 @@ class Exporter:
             for request_id in set(self.pending) - {rid for rid, _ in seqs}:
                 self._drop_pending(request_id)
         for request_id, ids in seqs:
+            start = time.perf_counter()
             if request_id not in self.pending:
                 name = shm.new_name()
-                self.pending[request_id] = (name, *shm.create(name, self._header(len(ids))))
-            views = {key: tensor[layer] for key, tensor in self.pending[request_id][2].items()}
+                self.pending[request_id] = _Pending(name, *shm.create(name, self._header(len(ids))))
+            pending = self.pending[request_id]
+            views = {key: tensor[layer] for key, tensor in pending.views.items()}
             if "scales" in views:
                 kv_codec.encode(self.engine.read_kv(ids, layer=layer), views)
             else:
                 self.engine.read_kv(ids, out=views["kv"], layer=layer)
+            pending.copy_ms += (time.perf_counter() - start) * 1e3
 
     def _drop_pending(self, request_id: str) -> None:
-        name, mm, views = self.pending.pop(request_id)
-        views.clear()
-        mm.close()
-        shm.remove(name)
+        pending = self.pending.pop(request_id)
+        pending.views.clear()
+        pending.mm.close()
+        shm.remove(pending.name)
 
     def _frame(self, request_id: str, name: str):
         """KV server source (runs on its thread; dict lookups are atomic under the GIL): the
@@ -229,7 +246,11 @@ class Exporter:
             self.engine.release_kv(request_id)
 
     def expire(self) -> list[str]:
-        """Release every export older than the TTL; returns their request ids."""
+        """Release every export older than the TTL; returns their request ids. Also deletes
+        layer-pipelined frames of requests the engine no longer runs (finished in their
+        prefill; one not yet exported would just be written again at export)."""
+        for request_id in [rid for rid in self.pending if rid not in self.engine.seqs]:
+            self._drop_pending(request_id)
         now = time.monotonic()
         old = [rid for rid, entry in self.exports.items() if now - entry.created > self.ttl_s]
         for request_id in old:
