@@ -5,9 +5,12 @@ The prefill side (:class:`Exporter`) hands KV over in one of two ways:
 * **held pool blocks** (``--kv-transfer-dtype none`` with the engine's cache in a shared
   :class:`~epdserve.transfer.shm.KVPool`, the prefill worker's default): it copies
   nothing; it keeps the prompt's blocks allocated and tagged, and its descriptor names the
-  pool, the blocks and the layout. A decode worker on the same host maps the pool once and
-  copies the blocks from it; one on another host fetches them over TCP as one frame,
-  built from the held blocks when asked.
+  pool, the blocks and the layout. A decode worker on the same host maps the pool once,
+  and its engine copies the blocks straight into its own cache when it imports them
+  (:class:`PooledKV`: one copy in all); one on another host fetches them over TCP as one
+  frame, built from the held blocks when asked. Should ``--kv-ttl`` pass before the decode
+  engine imports them (a decode worker queueing the request that long), the import finds
+  the tags gone and raises rather than use reused blocks.
 * a **staged frame** (bf16/int8, ``--kv-layer-pipeline``, or no pool): it writes the
   blocks, converted as ``--kv-transfer-dtype`` says (:mod:`epdserve.transfer.kv_codec`),
   as one wire frame to a /dev/shm segment and frees them; with ``--kv-layer-pipeline``
