@@ -98,7 +98,7 @@ def _why(win: dict, rival: dict, use_goodput: bool) -> str:
                 f"(more than {TTFT_TOLERANCE:.0%})")
     i_win, i_rival = _r(win, "p95_itl_ms"), _r(rival, "p95_itl_ms")
     if i_rival > i_win * (1 + TIE):
-        return f"{win['name']} has the lower ITL p95 ({i_rival / i_win - 1:.0%} lower)"
+        return f"{win['name']} has the lower ITL p95 ({1 - i_win / i_rival:.0%} lower)"
     return (f"ITL p95 within {TIE:.0%}, {win['name']} makes more output tok/s per core "
             f"({_per_core(win, 'output_throughput') or 0:.2f} vs "
             f"{_per_core(rival, 'output_throughput') or 0:.2f})")
