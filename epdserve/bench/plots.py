@@ -133,6 +133,7 @@ def plot_stages(entries: list[dict], path: str | Path) -> None:
                 ax.bar(x, v, bottom=bottom, color=colour, width=0.6)
                 bottom += v
             ax.text(x, bottom, f"{bottom:,.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.08)  # room for the totals above the bars
         ax.set_xticks(range(len(have)), [e["name"] for e in have], rotation=15)
         ax.set_ylabel("mean per request (ms)")
         ax.set_title(title)
