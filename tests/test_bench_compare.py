@@ -116,7 +116,8 @@ def test_goodput_sweep_per_configuration_against_the_stub(tmp_path):
     assert e["server"]["matched_client_requests"] == 4  # the sweep's requests not mixed in
     paths = compare.write_outputs([e], trace, {"source": "test"}, tmp_path)
     assert tmp_path / "goodput_vs_rate.png" in paths
-    assert "- pd: max rate with 90% of requests within the SLOs: 8 req/s" in \
+    assert "- pd: max rate with 90% of requests within the SLOs: 8 req/s (the highest rate " \
+        "tried: raise HI)" in \
         (tmp_path / "compare.md").read_text()
 
 

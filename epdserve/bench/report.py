@@ -154,7 +154,9 @@ def sweep_markdown(entries: list[dict]) -> str:
     for e in have:
         sw = e["sweep"]
         best = (f"{sw['max_rate']:.3g} req/s" if sw["max_rate"] is not None
-                else "none of the rates tried")
+                else "none of the rates tried (lower LO)")
+        if sw["max_rate"] is not None and sw["bracket"][1] is None:
+            best += " (the highest rate tried: raise HI)"
         pts = ", ".join(f"{p['rate']:.3g}: {p['slo_attainment']:.0%}" for p in sw["points"])
         cores = (e.get("resources") or {}).get("num_cores")
         per_core = (f" ({sw['max_rate'] / cores:.3g} req/s per core)"
