@@ -153,6 +153,29 @@ def test_held_blocks_return_on_release(setup, tokenizer):
         _stop(exporter)
 
 
+def test_an_expired_hand_off_fails_only_its_request(setup, tokenizer):
+    """KV released on the prefill side (TTL) before the decode worker's step imports it:
+    that request ends with an error output, the one batched with it goes on."""
+    prefill, pool, decode, ctx, _ = setup
+    exporter, out, desc = _held_export(setup, tokenizer, "expired")
+    try:
+        importer = handoff.Importer(ctx, "shm", 5)
+        kv, timings = importer.take("expired", desc, decode.kv_layout(), decode.kv_cache.dtype)
+        decode.add_request("expired", tokenizer(PROMPTS[1]).input_ids, SAMPLING, kv, out.token_ids[-1],
+                           timings=timings)
+        decode.add_request("healthy", tokenizer(PROMPTS[0]).input_ids, SAMPLING)  # prefilled locally
+        exporter.release("expired")
+        outputs = {o.request_id: o for o in decode.step()}
+        assert outputs["expired"].finish_reason == "error" and "no longer held" in outputs["expired"].error
+        assert outputs["healthy"].error is None and len(outputs["healthy"].token_ids) == 1
+        while decode.has_unfinished():
+            decode.step()
+        assert decode.pool.num_in_use == 0 and "expired" not in decode.seqs
+    finally:
+        exporter.release("expired")
+        _stop(exporter)
+
+
 def test_forged_descriptors_are_refused(setup, tokenizer):
     prefill, pool, decode, ctx, _ = setup
     exporter, out, desc = _held_export(setup, tokenizer, "forged")

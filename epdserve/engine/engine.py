@@ -46,7 +46,8 @@ class StepOutput:
 
     ``token_ids``: tokens generated this step (one, or none for an abort).
     ``finished``/``finish_reason``: "stop" (EOS or a stop token), "length" (max_tokens or
-    the context window), "abort". ``kv_block_ids``: for a prefill-role hand-off (finished
+    the context window), "abort", "error" (then ``error`` says why: the request's imported
+    KV was void; other requests go on). ``kv_block_ids``: for a prefill-role hand-off (finished
     False), the blocks holding the prompt's KV; they stay allocated until
     :meth:`LLMEngine.release_kv`. ``timings``: ms, on the request's last output.
     """
@@ -57,6 +58,7 @@ class StepOutput:
     finish_reason: str | None = None
     kv_block_ids: list[int] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
 
 
 class LLMEngine:
@@ -189,11 +191,17 @@ class LLMEngine:
         if not batch:
             return []
         now = time.perf_counter()
-        for seq in batch.seqs:
+        failed = []
+        for seq in list(batch.seqs):
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
             if seq.pending_kv is not None:
-                self._import_kv(seq)
+                try:
+                    self._import_kv(seq)
+                except Exception as exc:  # this request's KV is void (e.g. its hand-off expired)
+                    failed.append(self._fail(seq, batch, str(exc)))
+        if not batch:
+            return failed
         if self.export_hook is not None:
             done = [(s.request_id, s.block_table[: self.pool.blocks_for(s.num_prompt_tokens)])
                     for s, n in zip(batch.seqs, batch.num_tokens)
@@ -205,7 +213,15 @@ class LLMEngine:
             seq.num_computed_tokens += n
         seqs = [batch.seqs[i] for i in sampled]
         tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        return [self._append(seq, token) for seq, token in zip(seqs, tokens)]
+        return failed + [self._append(seq, token) for seq, token in zip(seqs, tokens)]
+
+    def _fail(self, seq: Sequence, batch, message: str) -> StepOutput:
+        """Take ``seq`` out of this step and the engine; its output carries ``message``."""
+        i = batch.seqs.index(seq)
+        del batch.seqs[i], batch.num_tokens[i]
+        self.scheduler.remove(seq)
+        del self.seqs[seq.request_id]
+        return StepOutput(seq.request_id, [], finished=True, finish_reason="error", error=message)
 
     def _block_shape(self, num_blocks: int) -> tuple[int, ...]:
         shape = list(self.kv_cache.shape)

@@ -190,6 +190,9 @@ class Worker:
                                   message="internal error in the engine step"))
             return
         for out in outputs:
+            if out.error is not None:
+                self.send(P.Error(worker_id=self.worker_id, request_id=out.request_id, message=out.error))
+                continue
             kv = self.export(out) if out.kv_block_ids is not None else None
             self.send(P.Output(worker_id=self.worker_id, request_id=out.request_id, token_ids=out.token_ids,
                                finished=out.finished, finish_reason=out.finish_reason, kv=kv,

@@ -5,9 +5,12 @@ without the router and worker processes. For benchmarks and tests of the transfe
 
 from __future__ import annotations
 
+import time
+
 from epdserve.engine.engine import LLMEngine, StepOutput
 from epdserve.engine.request import SamplingParams
 from epdserve.transfer.handoff import Exporter, Importer
+from epdserve.transfer.wire import WireError
 
 
 def first_output(engine: LLMEngine, request_id: str) -> StepOutput:
@@ -25,7 +28,8 @@ def generate_pd(prefill: LLMEngine, decode: LLMEngine, exporter: Exporter, impor
     Returns the generated token ids and the merged timings of both sides (ms, bytes).
 
     Raises:
-        ValueError, WireError: as :meth:`LLMEngine.add_request` and :meth:`Importer.take`.
+        ValueError, WireError: as :meth:`LLMEngine.add_request` and :meth:`Importer.take`;
+            WireError also when the decode engine finds the KV void at its import.
     """
     prefill.add_request(request_id, prompt_ids, sampling)
     out = first_output(prefill, request_id)
@@ -35,14 +39,17 @@ def generate_pd(prefill: LLMEngine, decode: LLMEngine, exporter: Exporter, impor
     desc = exporter.export(out)
     merged = dict(out.timings)
     try:
+        arrival = time.perf_counter()  # as a worker stamps it: before the fetch, which queue_ms excludes
         kv, timings = importer.take(request_id, desc, decode.kv_layout(), decode.kv_cache.dtype)
-        decode.add_request(request_id, prompt_ids, sampling, kv, tokens[-1], timings=timings)
+        decode.add_request(request_id, prompt_ids, sampling, kv, tokens[-1], timings=timings, arrival=arrival)
         del kv  # the engine holds it until the import; then the mapping can go
         while decode.has_unfinished():
             for step_out in decode.step():
                 # As the router: release the prefill side's copy once the decode side has
                 # imported it (its first output), or on any failure (finally).
                 exporter.release(request_id)
+                if step_out.error is not None:
+                    raise WireError(step_out.error)
                 tokens += step_out.token_ids
                 merged.update(step_out.timings)
     finally:
