@@ -26,7 +26,7 @@ def req(offset_s: float, prompt_tokens: int, max_tokens: int, kind: str = "chat"
 
 def flat_platform(step_ms: float = 10.0, per_seq_ms: float = 0.0, link_ms: float = 5.0) -> Platform:
     """Every step costs step_ms + per_seq_ms per sequence; the hand-off a fixed link_ms."""
-    return Platform("flat", step=lambda n: LinearStep((step_ms, per_seq_ms, 0.0, 0.0)), worker_sizes=(1,),
+    return Platform("flat", step=lambda n: LinearStep((step_ms, per_seq_ms, 0.0, 0.0, 0.0)), worker_sizes=(1,),
                     kv_bytes_per_token=1000, kv_link=Link(gbs=1e9, latency_ms=link_ms),
                     price_per_device_hour=1.0, router_ms=2.0)
 
@@ -57,9 +57,20 @@ def test_continuous_batching_shares_steps():
     assert records[1].chunk_times_s == pytest.approx([0.014, 0.026])
 
 
+def test_decode_cost_follows_the_longest_context():
+    # ms = 10 + 0.01 × decodes × longest context: the padded decode attention.
+    platform = Platform("padded", step=lambda n: LinearStep((10.0, 0.0, 0.0, 0.0, 0.01)), worker_sizes=(1,),
+                        kv_bytes_per_token=10, kv_link=Link(1e9, 1.0), price_per_device_hour=1.0, router_ms=2.0)
+    records, _ = simulate(COLOCATED, platform, [req(0.0, 100, 3)])
+    assert records[0].chunk_times_s == pytest.approx([0.012, 0.023, 0.03401])
+    # Batched with a 10-token prompt, the short one pays for the long one's context.
+    records, _ = simulate(COLOCATED, platform, [req(0.0, 100, 3), req(0.0, 10, 2)])
+    assert records[1].chunk_times_s == pytest.approx([0.012, 0.024])
+
+
 def test_a_long_prefill_stalls_colocated_decode_but_not_pd():
     # A 1,000-token prompt at 1 ms/token arrives while a chat request decodes.
-    platform = Platform("tokens", step=lambda n: LinearStep((10.0, 0.0, 1.0, 0.0)), worker_sizes=(1,),
+    platform = Platform("tokens", step=lambda n: LinearStep((10.0, 0.0, 1.0, 0.0, 0.0)), worker_sizes=(1,),
                         kv_bytes_per_token=10, kv_link=Link(1e9, 1.0), price_per_device_hour=1.0)
     reqs = [req(0.0, 10, 40), req(0.1, 1000, 2, kind="long")]
     colocated, _ = simulate(COLOCATED, platform, reqs)
@@ -69,7 +80,7 @@ def test_a_long_prefill_stalls_colocated_decode_but_not_pd():
 
 
 def test_chunked_prefill_bounds_the_stall():
-    platform = Platform("tokens", step=lambda n: LinearStep((10.0, 0.0, 1.0, 0.0)), worker_sizes=(1,),
+    platform = Platform("tokens", step=lambda n: LinearStep((10.0, 0.0, 1.0, 0.0, 0.0)), worker_sizes=(1,),
                         kv_bytes_per_token=10, kv_link=Link(1e9, 1.0), price_per_device_hour=1.0)
     reqs = [req(0.0, 10, 40), req(0.1, 1000, 2)]
     chunked, _ = simulate(COLOCATED, platform, reqs, EngineLimits(max_num_batched_tokens=128,
@@ -80,10 +91,10 @@ def test_chunked_prefill_bounds_the_stall():
 
 def test_linear_fit_recovers_coefficients():
     rng = np.random.default_rng(0)
-    true = LinearStep((50.0, 2.0, 0.5, 1e-4))
-    steps = [([(int(n), int(c))], int(b), int(b * x)) for n, c, b, x in
+    true = LinearStep((50.0, 2.0, 0.5, 1e-4, 3e-3))
+    steps = [([(int(n), int(c))], int(b), int(b * x), int(x * m)) for n, c, b, x, m in
              zip(rng.integers(1, 2000, 40), rng.integers(0, 500, 40), rng.integers(0, 32, 40),
-                 rng.integers(10, 1000, 40))]
+                 rng.integers(10, 1000, 40), rng.uniform(1, 3, 40))]
     fitted = LinearStep.fit(steps, [true.step_ms(*s) for s in steps])
     assert fitted.coef == pytest.approx(true.coef, rel=1e-6)
 

@@ -26,7 +26,7 @@ from epdserve.engine.request import SamplingParams
 from epdserve.model.config import ModelConfig
 from epdserve.model.loader import resolve_model
 from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
-from epdserve.plan.costmodel import LinearStep, Link, Platform
+from epdserve.plan.costmodel import FEATURES, LinearStep, Link, Platform
 
 CACHE_DIR = Path.home() / ".cache" / "epdserve" / "calibration"
 PREFILL_LENS = (16, 64, 256, 768, 1536)
@@ -60,13 +60,17 @@ def _prefill_steps(model_dir: str, reps: int, rng) -> list[dict]:
 
 
 def _decode_steps(model_dir: str, steps: int, rng) -> list[dict]:
+    """Decode steps at each batch size, with every context equal (each of
+    :data:`DECODE_CONTEXTS`) and spread from 32 to 1,024 tokens (the padded attention gather
+    costs by the longest)."""
     out = []
-    for ctx in DECODE_CONTEXTS:
-        for batch in DECODE_BATCHES:
+    for batch in DECODE_BATCHES:
+        shapes = [[ctx] * batch for ctx in DECODE_CONTEXTS] + [np.linspace(32, 1024, batch).astype(int).tolist()]
+        for contexts in shapes:
             engine = LLMEngine(model_dir, EngineConfig(role="decode", kv_cache_memory_mb=512))
             vocab = engine.model.config.vocab_size
-            kv = torch.zeros(engine._block_shape(engine.pool.blocks_for(ctx)), dtype=engine.kv_cache.dtype)
-            for i in range(batch):
+            for i, ctx in enumerate(contexts):
+                kv = torch.zeros(engine._block_shape(engine.pool.blocks_for(ctx)), dtype=engine.kv_cache.dtype)
                 engine.add_request(f"d{i}", _prompt(rng, ctx, vocab),
                                    SamplingParams(max_tokens=steps + 2, ignore_eos=True), kv, first_token=42)
             engine.step()  # imports the KV
@@ -74,13 +78,14 @@ def _decode_steps(model_dir: str, steps: int, rng) -> list[dict]:
                 start = time.perf_counter()
                 engine.step()
                 ms = (time.perf_counter() - start) * 1e3
-                out.append({"prefill": [], "num_decode": batch,
-                            "decode_context": batch * (ctx + 1 + i), "ms": ms})
+                out.append({"prefill": [], "num_decode": batch, "decode_context": sum(contexts) + batch * (1 + i),
+                            "decode_max_context": max(contexts) + 1 + i, "ms": ms})
     return out
 
 
 def _fit(samples: list[dict]) -> tuple[LinearStep, float]:
-    steps = [([tuple(c) for c in s["prefill"]], s["num_decode"], s["decode_context"]) for s in samples]
+    steps = [([tuple(c) for c in s["prefill"]], s["num_decode"], s["decode_context"],
+              s.get("decode_max_context", 0)) for s in samples]
     ms = [s["ms"] for s in samples]
     model = LinearStep.fit(steps, ms)
     errors = [abs(model.step_ms(*step) - y) / y for step, y in zip(steps, ms)]
@@ -88,21 +93,22 @@ def _fit(samples: list[dict]) -> tuple[LinearStep, float]:
 
 
 def _handoff_ms(model_dir: str, sizes: tuple[int, ...] = (16, 512)) -> Link:
-    """Time real prefill → decode hand-offs (in-process, shared memory) of prompts of
-    ``sizes`` tokens; bandwidth from the difference, latency from the smallest."""
+    """Time real prefill → decode hand-offs (in-process, from a shared-memory KV pool, as
+    a default same-host prefill worker makes them) of prompts of ``sizes`` tokens;
+    bandwidth from the difference, latency from the smallest."""
     import zmq
 
     from epdserve.transfer import handoff, loopback
 
     ctx = zmq.Context()
-    prefill = LLMEngine(model_dir, EngineConfig(role="prefill", kv_cache_memory_mb=256))
+    prefill, pool = handoff.new_engine(model_dir, EngineConfig(role="prefill", kv_cache_memory_mb=256), True)
     decode = LLMEngine(model_dir, EngineConfig(role="decode", kv_cache_memory_mb=256))
-    exporter = handoff.Exporter(prefill, 60.0, ctx, None)
+    exporter = handoff.Exporter(prefill, 60.0, ctx, None, "none", pool)
     importer = handoff.Importer(ctx, "shm", 10.0)
     rng = np.random.default_rng(0)
     points = []
     try:
-        for i, n in enumerate(sizes):
+        for i, n in enumerate((sizes[0], *sizes)):  # the first maps the pool: not timed
             prompt = _prompt(rng, n, prefill.model.config.vocab_size)
             _, t = loopback.generate_pd(prefill, decode, exporter, importer, f"h{i}", prompt,
                                         SamplingParams(max_tokens=2, ignore_eos=True))
@@ -110,7 +116,7 @@ def _handoff_ms(model_dir: str, sizes: tuple[int, ...] = (16, 512)) -> Link:
     finally:
         exporter.close()
         ctx.destroy(linger=0)
-    (b0, ms0), (b1, ms1) = points[0], points[-1]
+    (b0, ms0), (b1, ms1) = points[1], points[-1]
     gbs = (b1 - b0) / max(ms1 - ms0, 1e-3) / 1e6
     return Link(gbs=gbs, latency_ms=max(ms0 - b0 / (gbs * 1e6), 0.0))
 
@@ -176,6 +182,9 @@ def load(path: str | Path) -> dict:
         raise ValueError(f"{path}: not JSON ({exc})") from None
     if not isinstance(cal, dict) or not {"steps", "kv_link", "kv_bytes_per_token"} <= set(cal):
         raise ValueError(f"{path}: not an epdserve calibration file")
+    if any(len(fit["coef"]) != len(FEATURES) for fit in cal["steps"].values()):
+        raise ValueError(f"{path}: made by an older epdserve (other cost-model features); "
+                         f"run `epdserve plan calibrate` again")
     return cal
 
 

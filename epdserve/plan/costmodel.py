@@ -2,15 +2,17 @@
 
 One engine step runs prefill chunks, each ``(new_tokens, cached context)``, and
 ``num_decode`` decodes (one new token each) whose cached contexts sum to
-``decode_context`` tokens. The decodes enter only through those two sums, so a simulated
-step costs O(prefill chunks), not O(batch). Two sources of step time share that interface:
+``decode_context`` tokens, the longest being ``decode_max_context``. The decodes enter only
+through those aggregates, so a simulated step costs O(prefill chunks), not O(batch). Two sources of step time share that interface:
 
 * :class:`Roofline` — from a :class:`~epdserve.plan.hardware.Device` profile: the step
   takes the longer of its FLOPs at ``peak × compute_eff`` and its bytes (weights once
   per step, the KV it reads and writes) at ``bandwidth × bw_eff``, plus the tensor-parallel
   all-reduces and a fixed step overhead (the roofline model; Williams et al., CACM 2009).
 * :class:`LinearStep` — fitted to steps measured on this machine (``epdserve plan
-  calibrate``): ``ms = c0 + c1·sequences + c2·new tokens + c3·attention keys``.
+  calibrate``): ``ms = c0 + c1·sequences + c2·new tokens + c3·attention keys +
+  c4·decodes × longest decode context`` (epdserve's decode attention gathers every
+  sequence's blocks padded to the longest, model/llama.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ Prefill = Sequence[tuple[int, int]]  # (new tokens, cached context) per prefill 
 
 
 class StepModel(Protocol):
-    def step_ms(self, prefill: Prefill, num_decode: int = 0, decode_context: int = 0) -> float:
+    def step_ms(self, prefill: Prefill, num_decode: int = 0, decode_context: int = 0,
+                decode_max_context: int = 0) -> float:
         """Time in ms of one engine step."""
 
 
@@ -45,7 +48,8 @@ class Roofline:
     device: Device
     tp: int = 1
 
-    def step_ms(self, prefill: Prefill, num_decode: int = 0, decode_context: int = 0) -> float:
+    def step_ms(self, prefill: Prefill, num_decode: int = 0, decode_context: int = 0,
+                decode_max_context: int = 0) -> float:
         m, d = self.model, self.device
         tokens = sum(n for n, _ in prefill) + num_decode
         keys = attention_keys(prefill, num_decode, decode_context)
@@ -69,13 +73,14 @@ class Roofline:
         return 2 * self.model.num_layers * one
 
 
-FEATURES = ("constant", "sequences", "new_tokens", "attention_keys")
+FEATURES = ("constant", "sequences", "new_tokens", "attention_keys", "decode_padded_keys")
 
 
-def features(prefill: Prefill, num_decode: int = 0, decode_context: int = 0) -> list[float]:
+def features(prefill: Prefill, num_decode: int = 0, decode_context: int = 0,
+             decode_max_context: int = 0) -> list[float]:
     """The :class:`LinearStep` regressors of one step, in :data:`FEATURES` order."""
     return [1.0, float(len(prefill) + num_decode), float(sum(n for n, _ in prefill) + num_decode),
-            attention_keys(prefill, num_decode, decode_context)]
+            attention_keys(prefill, num_decode, decode_context), float(num_decode * decode_max_context)]
 
 
 @dataclass(frozen=True)
@@ -84,12 +89,14 @@ class LinearStep:
 
     coef: tuple[float, ...]
 
-    def step_ms(self, prefill: Prefill, num_decode: int = 0, decode_context: int = 0) -> float:
-        return float(np.dot(self.coef, features(prefill, num_decode, decode_context)))
+    def step_ms(self, prefill: Prefill, num_decode: int = 0, decode_context: int = 0,
+                decode_max_context: int = 0) -> float:
+        return float(np.dot(self.coef, features(prefill, num_decode, decode_context, decode_max_context)))
 
     @classmethod
-    def fit(cls, steps: list[tuple[Prefill, int, int]], ms: list[float]) -> "LinearStep":
-        """Least squares on measured ``steps`` (``(prefill, num_decode, decode_context)``,
+    def fit(cls, steps: list[tuple], ms: list[float]) -> "LinearStep":
+        """Least squares on measured ``steps`` (``(prefill, num_decode, decode_context,
+        decode_max_context)``,
         as :meth:`step_ms` takes them) and their times ``ms``, relative error weighted (each step counts
         by its share, so the 75 ms decodes matter as much as 5 s prefills); features whose
         coefficient comes out negative are dropped and the rest refitted.

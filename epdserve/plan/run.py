@@ -21,7 +21,7 @@ import numpy as np
 from epdserve.bench import metrics, workload
 from epdserve.bench.run import parse_goodput
 from epdserve.plan import calibrate, hardware, search
-from epdserve.plan.costmodel import Platform, roofline_platform
+from epdserve.plan.costmodel import FEATURES, Platform, roofline_platform
 from epdserve.plan.model_spec import BUILTIN, ModelSpec
 from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
 
@@ -204,10 +204,12 @@ def compare_deployment(name: str, cores: int) -> Deployment:
 def validate(compare_dir: Path, platform: Platform, cores: int) -> list[dict]:
     """Predicted vs measured :data:`VALIDATED` metrics for each configuration of a
     compare run (same trace); error = (predicted − measured) / measured."""
-    entries = json.loads((compare_dir / "compare.json").read_text())
+    entries = json.loads((compare_dir / "compare.json").read_text())["configs"]
     requests = workload.load_trace(compare_dir / "trace.jsonl")
     rows = []
     for entry in entries:
+        if "result" not in entry:  # the configuration failed to run
+            continue
         measured = entry["result"]
         try:
             dep = compare_deployment(entry["name"], cores)
@@ -258,7 +260,7 @@ def run_calibrate(args) -> int:
     path = calibrate.save(cal, _calibration_path(args))
     for size, fit in cal["steps"].items():
         coef = ", ".join(f"{c:.4g}" for c in fit["coef"])
-        print(f"{size}-core worker: ms = [{coef}] · [1, sequences, new tokens, attention keys]; "
+        print(f"{size}-core worker: ms = [{coef}] · [{', '.join(FEATURES)}]; "
               f"mean |error| {fit['mean_abs_rel_error']:.1%} over {len(fit['samples'])} steps")
     print(f"KV hand-off: {cal['kv_link']['gbs']:.2f} GB/s + {cal['kv_link']['latency_ms']:.2f} ms; "
           f"written {path}")

@@ -20,7 +20,8 @@ for a measured run) and a server-side stage record with the keys the router's tr
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import simpy
@@ -89,6 +90,8 @@ class _Worker:
         self.prefilling: list[_Seq] = []
         self.num_decode = 0
         self.decode_context = 0          # Σ cached tokens of the decoding sequences
+        self._bases: list[int] = []      # max-heap (negated) of their ctx_base ...
+        self._gone: Counter = Counter()  # ... with lazy deletion of finished ones
         self.finish_at: dict[int, list[_Seq]] = {}
         self.step_times: list[float] = []
         self.outstanding = 0
@@ -118,7 +121,8 @@ class _Worker:
             self.import_bytes = 0.0
             ms = self.step_model.step_ms([(n, s.computed) for s, n in chunks],
                                          self.num_decode + len(joining),
-                                         self.decode_context + sum(s.prompt for s in joining))
+                                         self.decode_context + sum(s.prompt for s in joining),
+                                         max([self._max_context(k)] + [s.prompt for s in joining]))
             for s in joining:
                 self._start_decode(s, k, s.prompt)
             for s, _ in chunks:
@@ -156,10 +160,17 @@ class _Worker:
             budget -= n
         return chunks, joining
 
+    def _max_context(self, k: int) -> int:
+        """The longest cached context among the decoding sequences at step ``k`` (0 if none)."""
+        while self._bases and self._gone[-self._bases[0]]:
+            self._gone[-heapq.heappop(self._bases)] -= 1
+        return k - self._bases[0] if self._bases else 0
+
     def _start_decode(self, s: _Seq, k: int, context: int) -> None:
         """``s`` decodes from step ``k`` on with ``context`` cached tokens, until done."""
         remaining = s.req.max_tokens - len(s.tokens)
         s.first_step, s.ctx_base = k, context - k
+        heapq.heappush(self._bases, -s.ctx_base)
         self.num_decode += 1
         self.decode_context += context
         self.finish_at.setdefault(k + remaining - 1, []).append(s)
@@ -172,6 +183,7 @@ class _Worker:
             s.tokens.extend(self.step_times[s.first_step:k + 1])
             self.num_decode -= 1
             self.decode_context -= s.ctx_base + k + 1
+            self._gone[s.ctx_base] += 1
             self._done(s, now)
         for s, n in chunks:
             s.computed += n
