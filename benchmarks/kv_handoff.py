@@ -49,6 +49,12 @@ from epdserve.transfer.loopback import first_output
 SAMPLING = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
 
+def seeded_prompt(engine: LLMEngine, size: int) -> list[int]:
+    """``size`` random token ids, the same for a size in every table and run."""
+    return torch.randint(0, engine.model.config.vocab_size, (size,),
+                         generator=torch.Generator().manual_seed(size)).tolist()
+
+
 def percentiles(ms: list[float]) -> tuple[float, float]:
     """p50 and p95 of ``ms`` (nearest rank)."""
     ordered = sorted(ms)
@@ -127,8 +133,7 @@ def main() -> None:
     print(f"{'tokens':>6} {'path':<21} {'MB':>7} {'p50 ms':>8} {'p95 ms':>8} {'GB/s p50':>9} {'vs memcpy':>10}"
           f"   p50 export / fetch / import ms")
     for size in args.sizes:
-        prompt = torch.randint(0, prefill.model.config.vocab_size, (size,),
-                               generator=torch.Generator().manual_seed(size)).tolist()
+        prompt = seeded_prompt(prefill, size)
         rid = f"handoff-{size}"
         prefill.add_request(rid, prompt, SAMPLING)
         out = first_output(prefill, rid)
@@ -157,8 +162,7 @@ def main() -> None:
         print(f"{'tokens':>6} {'path':<31} {'prefill':>9} {'hand-off':>9} {'sum':>9}   export / fetch / import"
               f"   layer copies in the prefill")
         for size in args.sizes:
-            prompt = torch.randint(0, prefill.model.config.vocab_size, (size,),
-                                   generator=torch.Generator().manual_seed(size)).tolist()
+            prompt = seeded_prompt(prefill, size)
             for kind in ("staged", "staged+layer pipeline", "pool"):
                 for transport, importer in importers.items():
                     # The pipelined exporter hooks every prefill step until it is closed.

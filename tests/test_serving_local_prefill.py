@@ -58,4 +58,4 @@ def test_negative_threshold_is_refused():
     proc = subprocess.run([sys.executable, "-m", "epdserve", "serve", "--mode", "pd",
                            "--local-prefill-threshold", "-5"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "--local-prefill-threshold" in proc.stderr and "'-5' is negative" in proc.stderr
+    assert "--local-prefill-threshold" in proc.stderr and "'-5': must be >= 0" in proc.stderr

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from epdserve.argtypes import int_at_least
+
 KINDS = ("chat", "long")
 LENGTH_DISTRIBUTIONS = ("uniform", "normal", "lognormal")
 
@@ -349,24 +351,8 @@ def parse_rate(text: str) -> float:
     return rate
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
-    return value
-
-
-def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 0")
-    return value
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
 
 
 def positive_float(text: str) -> float:

@@ -50,6 +50,7 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from epdserve.argtypes import int_at_least
 from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
 from epdserve.serving.detokenizer import TextStream
@@ -818,7 +819,7 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                              "after which a worker counts as down")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds without output after which a request fails")
-    parser.add_argument("--local-prefill-threshold", type=_non_negative_int, default=0,
+    parser.add_argument("--local-prefill-threshold", type=int_at_least(0), default=0,
                         help="pd: prompts shorter than this many tokens are prefilled by a decode worker "
                              "itself, without a KV hand-off (0: never)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -830,16 +831,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_router_options(parser)
     parser.add_argument("--events", default="tcp://127.0.0.1:5557",
                         help="ZeroMQ address the router binds for worker events (workers' --router)")
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative")
-    return value
 
 
 def build_router(args: argparse.Namespace, events_addr: str) -> Router:
