@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -252,8 +251,10 @@ def test_stop_kills_the_whole_group_even_if_a_child_ignores_sigterm(tmp_path):
 def test_ctrl_c_during_a_run_stops_the_server(tmp_path):
     port = free_port()
     script = (
-        "import sys, argparse, faulthandler, signal\n"
-        "faulthandler.register(signal.SIGUSR1)\n"
+        "import sys, argparse, signal\n"
+        # A shell that starts a job in the background (CI may) leaves SIGINT ignored in
+        # it, and Python keeps it so; a user's terminal delivers Ctrl-C.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from pathlib import Path\n"
         "from epdserve.bench import compare, workload\n"
         "p = argparse.ArgumentParser(); compare.add_arguments(p)\n"
@@ -261,9 +262,7 @@ def test_ctrl_c_during_a_run_stops_the_server(tmp_path):
         "trace = [workload.Request(60.0, 'late', 4, 'chat', 1)]\n"
         f"compare.run_config('colocated', trace, args, Path({str(tmp_path)!r}),"
         f" serve={STUB!r})\n")
-    stderr = tmp_path / "stderr.txt"
-    with open(stderr, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=err, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:
             if "healthy" in line:
@@ -271,17 +270,8 @@ def test_ctrl_c_during_a_run_stops_the_server(tmp_path):
         assert not compare.port_is_free(port)
         time.sleep(0.3)  # into the run
         proc.send_signal(signal.SIGINT)
-        try:
-            # Generous: stopping may wait out the server's 15 s SIGTERM grace on a loaded machine.
-            proc.wait(timeout=45)
-        except subprocess.TimeoutExpired:
-            # Seen once in a full CI run, never alone: record where it hung, then press
-            # Ctrl-C again, as a user would; the server must still be stopped.
-            proc.send_signal(signal.SIGUSR1)
-            time.sleep(1)
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=45)
-            warnings.warn(f"compare needed a second Ctrl-C; stacks:\n{stderr.read_text()[-4000:]}")
+        # Generous: stopping may wait out the server's 15 s SIGTERM grace on a loaded machine.
+        proc.wait(timeout=60)
         assert proc.returncode != 0
         assert compare.port_is_free(port)
     finally:
