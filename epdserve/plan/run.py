@@ -83,8 +83,7 @@ def _platform(args) -> Platform:
     if args.hardware.lower() == "cpu":
         platform = calibrate.platform_from(calibrate.load(_calibration_path(args)))
     else:
-        overrides = {"price_per_hour": args.price_per_hour} if args.price_per_hour else {}
-        platform = roofline_platform(_model_spec(args.model), hardware.device(args.hardware, args.precision, **overrides))
+        platform = roofline_platform(_model_spec(args.model), hardware.device(args.hardware, args.precision))
     if args.price_per_hour:
         platform.price_per_device_hour = args.price_per_hour
     return platform
