@@ -44,7 +44,8 @@ def stream_and_leave(url: str, body: dict, n_events: int) -> None:
 
 def test_blocks_freed_after_every_outcome(server, model_info):
     url = server.url
-    long = {"model": model_info.name, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    # Long enough that a client left unnoticed keeps its blocks well past the wait below.
+    long = {"model": model_info.name, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
     completions, chat = url + "/v1/completions", url + "/v1/chat/completions"
 
     # Clients that disconnect mid-stream (chat: event 1 is the role chunk).

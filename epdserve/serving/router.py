@@ -209,9 +209,12 @@ class Generation:
         router, worker = self.router, self.worker
         silent_since = time.monotonic()
         while True:
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancel (client gone) that
+            # lands as a message arrives, and the request then runs on for nobody.
             try:
-                msg = await asyncio.wait_for(self.queue.get(), 1.0)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(1.0):
+                    msg = await self.queue.get()
+            except TimeoutError:
                 msg = None
             if msg is None:  # a tick, or mark_dead waking us up
                 if worker.dead:
