@@ -40,7 +40,16 @@ class ModelConfig:
             ModelLoadError: unsupported ``model_type`` or RoPE scaling type.
         """
         path = Path(model_dir) / "config.json"
-        cfg = json.loads(path.read_text())
+        return cls.from_dict(json.loads(path.read_text()), str(path))
+
+    @classmethod
+    def from_dict(cls, cfg: dict, path: str = "config") -> "ModelConfig":
+        """Build from a ``config.json`` dict (or a multimodal model's ``text_config``);
+        ``path`` names the source in errors.
+
+        Raises:
+            ModelLoadError: unsupported ``model_type`` or RoPE scaling type.
+        """
         if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(f"{path}: unsupported architecture {cfg.get('model_type')!r}")
         # transformers 5 writes "rope_parameters" (theta included); 4.x "rope_scaling".
