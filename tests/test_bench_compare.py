@@ -329,9 +329,11 @@ def test_configuration_names_map_to_serve_flags():
     assert compare.serve_flags("2p1d") == ["--mode", "pd", "--prefill-workers", "2", "--decode-workers", "1"]
     assert compare.serve_flags("colocated-chunked") == [
         "--mode", "colocated", "--enable-chunked-prefill", "--max-num-batched-tokens", "256"]
+    assert compare.serve_flags("2p1d-noprefix") == compare.serve_flags("2p1d") + ["--no-enable-prefix-caching"]
     assert compare.serve_flags("bogus") is None
+    assert compare.serve_flags("bogus-noprefix") is None
     assert [compare.num_workers(n) for n in ("colocated", "colocated-chunked", "colocated-3",
-                                             "pd", "2p3d")] == [1, 1, 3, 2, 5]
+                                             "pd", "2p3d", "colocated-2-noprefix")] == [1, 1, 3, 2, 5, 2]
 
 
 def test_resources_taken_after_the_run_and_against_the_real_pd_server(pd_server, tmp_path):

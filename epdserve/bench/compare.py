@@ -176,7 +176,12 @@ def serve_flags(name: str) -> list[str] | None:
     """``epdserve serve`` flags of a configuration name, or None for an unknown name:
     ``colocated`` and ``pd`` (1P1D) as they are, ``colocated-chunked`` (chunked prefill,
     :data:`CHUNKED_BATCHED_TOKENS` tokens per step), ``colocated-N`` for N replicas,
-    ``XpYd`` for X prefill and Y decode workers (the field's xPyD notation)."""
+    ``XpYd`` for X prefill and Y decode workers (the field's xPyD notation), ``pd-localN``
+    (prompts under N tokens prefilled on the decode worker); any of them ``-noprefix``:
+    with prefix caching off (it is on by default, as in vLLM)."""
+    if name.endswith("-noprefix"):
+        flags = serve_flags(name.removesuffix("-noprefix"))
+        return None if flags is None else flags + ["--no-enable-prefix-caching"]
     if name in ("colocated", "pd"):
         return ["--mode", name]
     if name == "colocated-chunked":
@@ -227,7 +232,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", type=parse_configs, default=["colocated", "pd"],
                         help="deployments to compare, in order (default colocated,pd): colocated, "
                              "colocated-chunked, colocated-N (N replicas), pd, XpYd (X prefill, "
-                             "Y decode workers); the first is the baseline of the ratio column")
+                             "Y decode workers), pd-localN; NAME-noprefix: prefix caching off; "
+                             "the first is the baseline of the ratio column")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="model directory or GGUF for the servers (default: the default "
                              "model); also sizes the prompts unless --tokenizer is given")
