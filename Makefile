@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/epdserve compare --workload demo --output results/demo
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -ra
+	$(VENV)/bin/pytest -q -ra --durations=15
 
 clean:
 	rm -rf $(VENV) results

@@ -104,25 +104,38 @@ def _check_hf_dir(path: Path) -> None:
 def _gguf_to_hf_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    out = cache_root() / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+
+    def write(tmp: Path) -> None:
+        try:
+            config, tensors = _read_gguf(gguf_path)
+            _write_hf_dir(tmp, gguf_path, config, tensors)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"{gguf_path}: cannot read GGUF ({type(exc).__name__}: {exc})") from None
+
+    return cached_dir(cache_root() / f"{gguf_path.stem}-{key.hexdigest()[:12]}", write)
+
+
+def cached_dir(out: Path, write) -> Path:
+    """``out``, built once by ``write(tmp_dir)`` if it is not complete yet. ``write`` fills a
+    private temporary directory that is renamed into place, so workers starting together
+    never read a half-written one; whatever ``write`` raises propagates (the temporary
+    directory is removed)."""
     if (out / "complete").exists():
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        config, tensors = _read_gguf(gguf_path)
-        _write_hf_dir(tmp, gguf_path, config, tensors)
-    except ModelLoadError:
+        write(tmp)
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ModelLoadError(f"{gguf_path}: cannot read GGUF ({type(exc).__name__}: {exc})") from None
     (tmp / "complete").touch()
     try:
         tmp.rename(out)
-    except OSError:  # another worker finished the same conversion first
+    except OSError:  # another process finished the same build first
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 

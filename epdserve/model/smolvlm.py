@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import torch
 from epdserve.model.config import ModelConfig
 from epdserve.model.image_processor import IMAGE_TOKEN, SPECIAL_TOKENS, ImageProcessor
 from epdserve.model.llama import LlamaModel
-from epdserve.model.loader import ModelLoadError, cache_root, resolve_model
+from epdserve.model.loader import ModelLoadError, cache_root, cached_dir, resolve_model
 from epdserve.model.vision import (CONNECTOR_WEIGHT, VISION_PREFIX, VisionConfig, VisionEncoder, is_vision_weight,
                                    read_config, read_weights)
 
@@ -151,23 +149,8 @@ def default_multimodal_model(seed: int = DEFAULT_SEED) -> Path:
         ModelLoadError: the default text model cannot be found or read.
     """
     base = resolve_model(None).path
-    out = cache_root() / f"{base.name}-smolvlm-synthetic-seed{seed}"
-    if (out / "complete").exists():
-        return out
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        _write_synthetic_dir(tmp, base, seed)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (tmp / "complete").touch()
-    try:
-        tmp.rename(out)
-    except OSError:  # another process finished the same build first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return cached_dir(cache_root() / f"{base.name}-smolvlm-synthetic-seed{seed}",
+                      lambda tmp: _write_synthetic_dir(tmp, base, seed))
 
 
 def _write_synthetic_dir(out: Path, base: Path, seed: int) -> None:
