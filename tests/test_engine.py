@@ -1,5 +1,6 @@
 """The engine against Hugging Face transformers on the same float32 weights, PD hand-off
-inside one process, and preemption under a tiny block pool."""
+inside one process, chunked prefill against whole prefill, and preemption under a tiny
+block pool."""
 
 from __future__ import annotations
 
@@ -97,17 +98,47 @@ def test_pd_handoff_in_process_matches_colocated(model_dir, prompts, reference):
     assert decode.stats()["blocks_in_use"] == 0
 
 
+def test_chunked_prefill_matches_unchunked_with_running_decodes(model_dir, prompts):
+    """64 tokens a step: prompts of 255, 256 and 500 tokens are prefilled in chunks in the
+    same steps as the short prompts' decodes, and give the unchunked run's greedy tokens."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    chosen = [prompts[i] for i in (1, 2, 5, 11, 12, 13)]  # 3, 7, 32, 255, 256, 500 tokens
+    whole = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=64))
+    expected = generate(whole, chosen, params)
+    chunked = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=64,
+                                                max_num_batched_tokens=64, enable_chunked_prefill=True))
+    steps = []
+    schedule = chunked.scheduler.schedule
+
+    def recording():  # the real scheduler; remembers each step's (is prefilling, tokens)
+        batch = schedule()
+        steps.append([(s.is_prefilling, n) for s, n in zip(batch.seqs, batch.num_tokens)])
+        return batch
+
+    chunked.scheduler.schedule = recording
+    assert generate(chunked, chosen, params) == expected
+    assert max(sum(n for _, n in step) for step in steps) <= 64
+    mixed = [step for step in steps if (False, 1) in step and any(p and n > 1 for p, n in step)]
+    assert len(mixed) >= 500 // 64, "long prefills ran in chunks beside decodes"
+    assert chunked.stats()["blocks_in_use"] == 0
+
+
 def test_preemption_under_tiny_pool_completes_with_same_tokens(model_dir, prompts):
+    """20 requests at once in 12 blocks of 16 tokens (each needs up to 5): running
+    sequences are preempted and recomputed, with prefix caching on and half of the prompts
+    sharing a 40-token prefix, so that cached blocks are shared, freed, evicted and found
+    again around the preemptions. Tokens equal a run with room and no prefix cache."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    # Five 31-token prompts fill 10 blocks of 16; each needs a third block after one
-    # token, so running sequences must be preempted and recomputed.
-    chosen = [p[:31] for p in prompts if len(p) >= 31][:5]
-    roomy = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=64))
+    text = prompts[-1]
+    chosen = [text[:40] + text[300 + 9 * i:305 + 10 * i] if i % 2 == 0 else text[50 * i:50 * i + 30 + i]
+              for i in range(20)]
+    roomy = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=64, enable_prefix_caching=False))
     expected = generate(roomy, chosen, params)
-    tiny = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, num_kv_blocks=10))
+    tiny = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, num_kv_blocks=12))
     assert generate(tiny, chosen, params) == expected
-    assert tiny.stats()["num_preemptions"] > 0
-    assert tiny.stats()["blocks_in_use"] == 0
+    stats = tiny.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["blocks_in_use"] == 0
 
 
 def test_bad_requests_are_refused_with_reasons(model_dir):

@@ -53,9 +53,12 @@ def test_blocks_freed_after_every_outcome(server, model_info):
         stream_and_leave(completions, dict(long, prompt="Write a long story about a dragon."), 2)
     stream_and_leave(chat, dict(long, messages=[{"role": "user", "content": "Tell me a long story."}]), 2)
     stream_and_leave(completions, dict(long, prompt="Once upon a time"), 1)  # right after token 1
-    # A non-streaming client that gives up.
+    stream_and_leave(completions, dict(long, prompt="Three stories:", n=3, temperature=1.0), 4)  # all n go
+    # Non-streaming clients that give up.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(completions, json=dict(long, prompt="List every prime below ten thousand:"), timeout=1.5)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(chat, json=dict(long, messages=[{"role": "user", "content": "Count."}], n=2), timeout=1.5)
     # Requests that end normally, at the first token, or at a stop string.
     r = httpx.post(completions, json={"prompt": "Hello", "max_tokens": 1, "temperature": 0}, timeout=120)
     assert r.json()["choices"][0]["finish_reason"] == "length"

@@ -23,7 +23,7 @@ def bad_requests(model: str) -> list[tuple[str, str, object]]:
          {"model": model, "messages": [{"role": "user", "content": CONTEXT_TEXT}], "max_tokens": 10}),
         ("prompt too long (completions)", "/v1/completions", {"model": model, "prompt": CONTEXT_TEXT}),
         ("unknown model", "/v1/chat/completions", {"model": "no-such-model", "messages": user}),
-        ("n=2", "/v1/chat/completions", {"model": model, "messages": user, "n": 2}),
+        ("n=17", "/v1/chat/completions", {"model": model, "messages": user, "n": 17}),
         ("empty prompt", "/v1/completions", {"model": model, "prompt": ""}),
     ]
 

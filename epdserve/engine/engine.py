@@ -16,7 +16,7 @@ import torch
 from epdserve.engine import runner
 from epdserve.engine.block_pool import BlockPool
 from epdserve.engine.request import SamplingParams, Sequence
-from epdserve.engine.sampler import sample
+from epdserve.engine.sampler import TokenLogprobs, sample
 from epdserve.engine.scheduler import Scheduler, SchedulerConfig
 from epdserve.model.llama import LlamaModel
 
@@ -28,7 +28,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class EngineConfig:
     """Engine settings. ``kv_cache_memory_mb`` sizes the block pool (MiB) unless
     ``num_kv_blocks`` fixes the block count (as vLLM's ``num_gpu_blocks_override``);
-    ``max_num_batched_tokens`` defaults to the context window (no chunking needed)."""
+    ``max_num_batched_tokens`` defaults to the context window (no chunking needed);
+    ``enable_prefix_caching`` as vLLM's (on by default, see ``engine/prefix_cache.py``)."""
 
     role: str = "colocated"
     block_size: int = 16
@@ -37,6 +38,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = True
     dtype: str = "float32"
 
 
@@ -50,6 +52,10 @@ class StepOutput:
     KV was void; other requests go on). ``kv_block_ids``: for a prefill-role hand-off (finished
     False), the blocks holding the prompt's KV; they stay allocated until
     :meth:`LLMEngine.release_kv`. ``timings``: ms, on the request's last output.
+    ``num_cached_tokens``: prompt tokens found in the prefix cache when the request was
+    first admitted (OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
+    ``logprobs``: one :data:`~epdserve.engine.sampler.TokenLogprobs` per token of
+    ``token_ids`` if the request asked for logprobs, else None.
     """
 
     request_id: str
@@ -59,6 +65,8 @@ class StepOutput:
     kv_block_ids: list[int] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class LLMEngine:
@@ -88,7 +96,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill), self.pool)
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prefix_caching=config.enable_prefix_caching), self.pool)
         self.seqs: dict[str, Sequence] = {}
         self.exported: dict[str, list[int]] = {}
 
@@ -180,10 +189,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> dict:
-        """Block and queue counts (what a worker reports to the router)."""
+        """Block and queue counts (what a worker reports to the router). ``blocks_in_use``
+        counts referenced blocks (cached-but-free ones are not in use); the prefix-cache
+        counters are cumulative tokens (see :class:`~epdserve.engine.prefix_cache.PrefixCache`)."""
         return {"blocks_total": self.pool.num_blocks, "blocks_in_use": self.pool.num_in_use,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_queries": self.scheduler.prefix_cache.queries,
+                "prefix_cache_hits": self.scheduler.prefix_cache.hits}
 
     def step(self) -> list[StepOutput]:
         """Schedule, run one forward pass, sample, and return the new tokens."""
@@ -211,9 +224,10 @@ class LLMEngine:
         self.model.layer_hook = None
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
+            self.scheduler.prefix_cache.register(seq)
         seqs = [batch.seqs[i] for i in sampled]
-        tokens = sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        return failed + [self._append(seq, token) for seq, token in zip(seqs, tokens)]
+        tokens, logprobs = sample(logits, seqs, self.model.config.eos_token_ids)
+        return failed + [self._append(seq, token, lp) for seq, token, lp in zip(seqs, tokens, logprobs)]
 
     def _fail(self, seq: Sequence, batch, message: str) -> StepOutput:
         """Take ``seq`` out of this step and the engine; its output carries ``message``."""
@@ -229,17 +243,18 @@ class LLMEngine:
         return tuple(shape)
 
     def _import_kv(self, seq: Sequence) -> None:
+        # The leading blocks found in the prefix cache at admission already hold this K/V.
         start = time.perf_counter()
-        kv = seq.pending_kv
+        kv, first = seq.pending_kv, seq.num_cached_blocks
         if isinstance(kv, torch.Tensor):
-            for pos, block, n in block_runs(seq.block_table[: kv.shape[2]]):
-                self.kv_cache[:, :, block:block + n].copy_(kv[:, :, pos:pos + n])
+            for pos, block, n in block_runs(seq.block_table[first: kv.shape[2]]):
+                self.kv_cache[:, :, block:block + n].copy_(kv[:, :, first + pos:first + pos + n])
         else:  # a deferred copy straight from a peer's shared memory (transfer.handoff.PooledKV)
-            kv.copy_to(self.kv_cache, seq.block_table[: kv.shape[2]])
+            kv.copy_to(self.kv_cache, seq.block_table[: kv.shape[2]], first)
         seq.pending_kv = None
         seq.timings["kv_import_ms"] = (time.perf_counter() - start) * 1e3
 
-    def _append(self, seq: Sequence, token: int) -> StepOutput:
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
         seq.token_ids.append(token)
         seq.num_output_tokens += 1
         now = time.perf_counter()
@@ -251,7 +266,9 @@ class LLMEngine:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"
-        out = StepOutput(seq.request_id, [token], finished=reason is not None, finish_reason=reason)
+        out = StepOutput(seq.request_id, [token], finished=reason is not None, finish_reason=reason,
+                         logprobs=None if logprobs is None else [logprobs])
+        out.num_cached_tokens = seq.num_cached_tokens or 0
         if reason is None and self.config.role == "prefill":
             # Hand-off: keep the prompt's blocks (not the first token's, which has no K/V
             # yet) until the worker has copied them out.

@@ -6,7 +6,9 @@ import enum
 import time
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs limit
 
 
 class SamplingParams(BaseModel):
@@ -14,7 +16,16 @@ class SamplingParams(BaseModel):
 
     ``max_tokens`` counts generated tokens; ``temperature`` = 0 is greedy; ``top_k`` = -1
     disables top-k; ``seed`` makes sampling reproducible; ``ignore_eos`` keeps generating
-    past EOS; ``stop_token_ids`` end the request like EOS.
+    past EOS; ``stop_token_ids`` end the request like EOS. ``presence_penalty`` and
+    ``frequency_penalty`` (OpenAI, -2..2) act on the output tokens, ``repetition_penalty``
+    (vLLM, > 0, 1 = none) on prompt and output tokens; ``min_tokens`` (vLLM) suppresses EOS
+    and ``stop_token_ids`` until that many tokens are generated; ``logprobs`` (None = none)
+    returns each generated token's logprob and the top ``logprobs`` alternatives, of the
+    model's raw distribution (vLLM's default ``logprobs_mode`` "raw_logprobs").
+    See ``epdserve.engine.sampler`` for the order they apply in.
+
+    Raises (validation): ``pydantic.ValidationError`` for a value out of range or
+    ``min_tokens`` > ``max_tokens``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -26,6 +37,17 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _min_tokens_at_most_max(self):
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        return self
 
 
 class Status(enum.Enum):
@@ -50,6 +72,11 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling = sampling
         self.block_table: list[int] = []
+        # Prefix cache (engine/prefix_cache.py): keys of its full blocks, how many leading
+        # blocks of block_table are cached, and the tokens found cached at first admission.
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
+        self.num_cached_tokens: int | None = None
         self.num_computed_tokens = 0
         self.status = Status.WAITING
         self.pending_kv = pending_kv
@@ -57,9 +84,6 @@ class Sequence:
         if first_token is not None:
             self.token_ids.append(first_token)
             self.num_output_tokens = 1
-        self.generator = None
-        if sampling.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling.seed)
         self.arrival = time.perf_counter()
         self.first_scheduled: float | None = None
         self.first_token_time: float | None = None

@@ -7,8 +7,9 @@ the new ids add, holding text back while it ends in an incomplete UTF-8 characte
 token gets its leading space right with SentencePiece-style tokenizers.
 
 :class:`StopMatcher` finds stop strings in that text: it truncates before the first
-match (the stop string itself is not emitted) and holds back any tail that could still
-be the start of a stop string.
+match (the stop string itself is not emitted unless ``include_stop``: vLLM's
+``include_stop_str_in_output``) and holds back any tail that could still be the start
+of a stop string.
 
 :class:`TextStream` chains the two; the router feeds it each worker output.
 """
@@ -61,11 +62,13 @@ class StopMatcher:
     """Stop-string matching over a text stream.
 
     ``stops`` are the stop strings (empty ones are ignored). After a match, :attr:`stopped`
-    is True and nothing more is emitted.
+    is True and nothing more is emitted; the text ends before the match, or after it with
+    ``include_stop``.
     """
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include_stop: bool = False):
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
         self.pending = ""  # text held back: it may be the start of a stop string
         self.stopped = False
 
@@ -76,10 +79,11 @@ class StopMatcher:
         if not self.stops:
             return text
         buf = self.pending + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, -len(s)) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             self.stopped, self.pending = True, ""
-            return buf[:min(hits)]
+            i, minus_len = min(hits)  # the earliest match; the longest stop string there
+            return buf[:i - minus_len if self.include_stop else i]
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), hold, -1):
@@ -101,12 +105,12 @@ class TextStream:
     ``add(ids)`` returns the new text; once :attr:`stopped` is True (a stop string was
     found) the caller should end the request with finish reason "stop". ``finish()``
     returns the held-back text when generation ends for another reason.
-    :attr:`text` is everything emitted so far.
+    :attr:`text` is everything emitted so far. ``include_stop``: see :class:`StopMatcher`.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str]):
+    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str], include_stop: bool = False):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-        self.matcher = StopMatcher(stops)
+        self.matcher = StopMatcher(stops, include_stop)
         self.text = ""
 
     @property

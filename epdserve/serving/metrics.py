@@ -51,6 +51,12 @@ class RouterMetrics:
                                           "Requests waiting in the worker's queue.", wl, registry=r)
         self.num_preemptions = Gauge("epdserve:num_preemptions", "Preemptions so far (worker-reported).",
                                      wl, registry=r)
+        # vLLM's vllm:prefix_cache_queries / vllm:prefix_cache_hits (counters, tokens).
+        self.prefix_cache_queries = Counter("epdserve:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.", wl, registry=r)
+        self.prefix_cache_hits = Counter("epdserve:prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.", wl, registry=r)
+        self._prefix_seen: dict[tuple[str, str], tuple[int, int]] = {}  # last worker-reported totals
         self.request_success = Counter("epdserve:request_success_total",
                                        "Finished requests by finish reason (abort = client went away).",
                                        ["finish_reason"], registry=r)
@@ -87,13 +93,21 @@ class RouterMetrics:
                                            buckets=KV_BYTES_BUCKETS, registry=r)
 
     def set_worker(self, worker: str, role: str, *, blocks_in_use: int, blocks_total: int,
-                   num_running: int, num_waiting: int, num_preemptions: int) -> None:
-        """Update one worker's gauges (from its Stats)."""
+                   num_running: int, num_waiting: int, num_preemptions: int,
+                   prefix_cache_queries: int = 0, prefix_cache_hits: int = 0) -> None:
+        """Update one worker's gauges and prefix-cache counters (from its Stats, whose
+        prefix-cache numbers are the worker's totals since it started)."""
         self.kv_blocks_in_use.labels(worker, role).set(blocks_in_use)
         self.kv_blocks_total.labels(worker, role).set(blocks_total)
         self.num_requests_running.labels(worker, role).set(num_running)
         self.num_requests_waiting.labels(worker, role).set(num_waiting)
         self.num_preemptions.labels(worker, role).set(num_preemptions)
+        queries, hits = self._prefix_seen.get((worker, role), (0, 0))
+        if prefix_cache_queries < queries or prefix_cache_hits < hits:  # it restarted: totals from 0
+            queries, hits = 0, 0
+        self.prefix_cache_queries.labels(worker, role).inc(prefix_cache_queries - queries)
+        self.prefix_cache_hits.labels(worker, role).inc(prefix_cache_hits - hits)
+        self._prefix_seen[(worker, role)] = (prefix_cache_queries, prefix_cache_hits)
 
     def finished(self, rec: dict, itls_s: list[float]) -> None:
         """Record one request that ended without an error.

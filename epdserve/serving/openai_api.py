@@ -1,8 +1,12 @@
 """The OpenAI HTTP API as epdserve speaks it: request models, response builders, errors.
 
 Only what the router serves: ``/v1/chat/completions`` (text messages) and
-``/v1/completions`` (a string prompt or a list of token ids), one choice (``n`` = 1).
-Unknown request fields are accepted and ignored, as vLLM does.
+``/v1/completions`` (a string prompt or a list of token ids), with ``n`` choices (1 to
+:data:`MAX_N`), ``logprobs`` (completions: an int; chat: ``logprobs`` + ``top_logprobs``;
+at most :data:`~epdserve.engine.request.MAX_LOGPROBS`, as vLLM), OpenAI's penalties and
+vLLM's extensions ``top_k``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
+``ignore_eos`` and ``include_stop_str_in_output``. Unknown request fields are accepted
+and ignored, as vLLM does.
 
 Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``. Every
 malformed request (bad JSON, failed validation, unknown model, prompt too long) is an
@@ -22,6 +26,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from epdserve.engine.request import MAX_LOGPROBS
+
+MAX_N = 16  # choices per request; the router runs each as its own engine request
 
 
 class APIError(Exception):
@@ -103,7 +111,12 @@ class _SamplingFields(_Req):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
 
     # check_fields=False: max_completion_tokens exists on chat requests only.
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
@@ -111,13 +124,6 @@ class _SamplingFields(_Req):
     def _at_least_one(cls, v, info: ValidationInfo):
         if v is not None and v < 1:
             raise ValueError(f"{info.field_name} must be at least 1, got {v}")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _single_choice(cls, v):
-        if v != 1:
-            raise ValueError(f"n must be 1 (only one choice per request is supported), got {v}")
         return v
 
     @field_validator("top_k")
@@ -144,6 +150,20 @@ class _SamplingFields(_Req):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token for the engine; None = no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -160,6 +180,12 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token for the engine; None = no logprobs."""
+        return self.logprobs
 
     def requested_max_tokens(self) -> int:
         """OpenAI's legacy default for completions is 16 tokens."""
@@ -168,58 +194,108 @@ class CompletionRequest(_SamplingFields):
 
 # --------------------------------------------------------------------------- responses
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens served
+    from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_completion(request_id: str, model: str, created: int, text: str,
-                    finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict:
-    """A whole ``chat.completion`` object."""
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_completion(request_id: str, model: str, created: int, choices: list[dict],
+                    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """A whole ``chat.completion`` object; ``choices`` from :func:`chat_choice`;
+    ``completion_tokens`` summed over the choices (OpenAI)."""
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def _chunk(request_id: str, model: str, created: int, obj: str, content: dict,
-           finish_reason: str | None, include_usage: bool) -> dict:
+           finish_reason: str | None, include_usage: bool, index: int, logprobs: dict | None) -> dict:
     # usage is null on every chunk when the client asked for it (OpenAI's shape); the
     # numbers come in usage_chunk at the end.
     chunk = {"id": request_id, "object": obj, "created": created, "model": model,
-             "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
 def chat_chunk(request_id: str, model: str, created: int, delta: dict,
-               finish_reason: str | None = None, include_usage: bool = False) -> dict:
-    """One ``chat.completion.chunk`` carrying ``delta``."""
+               finish_reason: str | None = None, include_usage: bool = False,
+               index: int = 0, logprobs: dict | None = None) -> dict:
+    """One ``chat.completion.chunk`` carrying ``delta`` for choice ``index``."""
     return _chunk(request_id, model, created, "chat.completion.chunk", {"delta": delta},
-                  finish_reason, include_usage)
+                  finish_reason, include_usage, index, logprobs)
 
 
-def text_completion(request_id: str, model: str, created: int, text: str,
-                    finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict:
-    """A whole ``text_completion`` object."""
+def text_completion(request_id: str, model: str, created: int, choices: list[dict],
+                    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """A whole ``text_completion`` object; ``choices`` from :func:`completion_choice`."""
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def completion_chunk(request_id: str, model: str, created: int, text: str,
-                     finish_reason: str | None = None, include_usage: bool = False) -> dict:
-    """One streamed ``text_completion`` chunk carrying ``text``."""
+                     finish_reason: str | None = None, include_usage: bool = False,
+                     index: int = 0, logprobs: dict | None = None) -> dict:
+    """One streamed ``text_completion`` chunk carrying ``text`` for choice ``index``."""
     return _chunk(request_id, model, created, "text_completion", {"text": text},
-                  finish_reason, include_usage)
+                  finish_reason, include_usage, index, logprobs)
+
+
+class LogprobsFormatter:
+    """OpenAI ``logprobs`` objects of one choice, built chunk after chunk from the
+    engine's ``(token id, logprob, [(top id, logprob), ...])`` entries.
+
+    ``kind`` "chat": ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}]}]}``, ``bytes`` being the token text's UTF-8 bytes. Otherwise
+    OpenAI's legacy completions object: ``{"tokens", "token_logprobs", "top_logprobs":
+    [{token: logprob}] (the top alternatives plus the chosen token, so up to logprobs + 1),
+    "text_offset"}``, offsets (characters) counted from the choice's start across chunks,
+    as vLLM does. ``token_text(id)`` gives a token's text. Logprobs are clamped at -9999.0
+    (vLLM) so that the JSON never holds -inf.
+    """
+
+    def __init__(self, kind: str, token_text):
+        self.kind = kind
+        self.token_text = token_text
+        self.offset = 0
+
+    def __call__(self, entries: list[tuple[int, float, list[tuple[int, float]]]]) -> dict:
+        text = self.token_text
+        if self.kind == "chat":
+            def item(token_id: int, logprob: float) -> dict:
+                t = text(token_id)
+                return {"token": t, "logprob": max(logprob, -9999.0), "bytes": list(t.encode())}
+
+            return {"content": [dict(item(t, lp), top_logprobs=[item(i, v) for i, v in top])
+                                for t, lp, top in entries]}
+        tokens = [text(t) for t, _, _ in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [max(lp, -9999.0) for _, lp, _ in entries],
+                "top_logprobs": [{**{text(i): max(v, -9999.0) for i, v in top}, tok: max(lp, -9999.0)}
+                                 for tok, (_, lp, top) in zip(tokens, entries)],
+                "text_offset": offsets}
 
 
 def usage_chunk(request_id: str, model: str, created: int, obj: str,
-                prompt_tokens: int, completion_tokens: int) -> dict:
+                prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def sse(obj: Any) -> str:

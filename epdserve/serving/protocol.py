@@ -92,6 +92,9 @@ class Heartbeat(_Msg):
 
 
 class Stats(_Msg):
+    """A worker's block and queue counts (``LLMEngine.stats()``); the prefix-cache counters
+    are cumulative tokens: prompt tokens looked up, and found cached (vLLM's meaning)."""
+
     type: Literal["stats"] = "stats"
     worker_id: str
     blocks_total: int
@@ -99,6 +102,8 @@ class Stats(_Msg):
     num_running: int
     num_waiting: int
     num_preemptions: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Output(_Msg):
@@ -107,6 +112,9 @@ class Output(_Msg):
     A prefill worker sends exactly one: the first token, ``kv`` set unless the request
     already finished. ``finish_reason`` is "stop" (EOS / stop token), "length"
     (``max_tokens``) or "abort"; ``timings`` are filled on the last output of a worker.
+    ``num_cached_tokens``: prompt tokens this worker found in its prefix cache.
+    ``logprobs`` (if the request asked): per token of ``token_ids``, ``[its logprob,
+    [[token id, logprob], ...] of the top alternatives]`` (see ``engine.sampler``).
     """
 
     type: Literal["output"] = "output"
@@ -117,6 +125,8 @@ class Output(_Msg):
     finish_reason: str | None = None
     kv: KVDescriptor | None = None
     timings: dict[str, float] = {}
+    num_cached_tokens: int = 0
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class Error(_Msg):

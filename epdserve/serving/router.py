@@ -2,7 +2,8 @@
 
 It tokenizes each request once, picks a worker per role (least outstanding requests,
 then fewest outstanding tokens), sends it an :class:`~epdserve.serving.protocol.AddRequest`
-and streams the worker's outputs back as text.
+and streams the worker's outputs back as text. A request with ``n`` choices runs as n
+engine requests (ids ``<id>-<i>``, one trace line each) whose outputs are merged.
 
 * **colocated**: one colocated worker produces every token.
 * **pd**: a prefill worker returns the first token and a KV descriptor; the first token
@@ -124,7 +125,7 @@ class Generation:
 
     :meth:`start` picks the first worker and sends it the request (raises
     :class:`~epdserve.serving.openai_api.APIError` 503 if no worker of the role is live);
-    :meth:`tokens` yields ``(token_ids, finish_reason or None)``; :meth:`close` must be
+    :meth:`tokens` yields ``(token_ids, logprobs, finish_reason or None)``; :meth:`close` must be
     called on every outcome and is idempotent. Times are ``time.monotonic()`` seconds.
     """
 
@@ -149,6 +150,7 @@ class Generation:
         self.t_first: float | None = None
         self.t_end: float | None = None
         self.output_tokens = 0
+        self.cached_tokens = 0  # prompt tokens its first worker found in its prefix cache
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.timings: dict[str, float] = {}
@@ -239,25 +241,27 @@ class Generation:
                 key = f"{role}_queue_ms"
             self.timings[key] = value
 
-    async def tokens(self) -> AsyncIterator[tuple[list[int], str | None]]:
-        """Yield each worker output's ``(token_ids, finish_reason)``; the reason is None
-        until the last one. Call :meth:`start` first.
+    async def tokens(self) -> AsyncIterator[tuple[list[int], list | None, str | None]]:
+        """Yield each worker output's ``(token_ids, logprobs, finish_reason)`` (logprobs as
+        :class:`~epdserve.serving.protocol.Output`'s); the reason is None until the last
+        one. Call :meth:`start` first.
 
         Raises:
             WorkerFailed: see :meth:`_next`; also if no decode worker is live.
         """
         out = await self._first()
         self.t_first = time.monotonic()
+        self.cached_tokens = out.num_cached_tokens  # in pd, the prefill worker's
         if self.path == "disaggregated":
             if out.finished or out.kv is None:
                 self.worker = None
                 self.router.release_kv(self.prefill_worker, self.request_id)
                 if not out.finished:
                     raise WorkerFailed(f"prefill worker {self.prefill_worker.worker_id} sent no KV")
-                yield out.token_ids, out.finish_reason or "stop"
+                yield out.token_ids, out.logprobs, out.finish_reason or "stop"
                 return
             self.worker, self.kv_pending = None, True
-            yield out.token_ids, None  # the first token reaches the client before the handoff
+            yield out.token_ids, out.logprobs, None  # the first token reaches the client before the handoff
             try:
                 decode = self.router.pick("decode")
             except api.APIError as exc:
@@ -271,7 +275,7 @@ class Generation:
             self.router.release_kv(self.prefill_worker, self.request_id)
             self.kv_pending = False
         while True:
-            yield out.token_ids, (out.finish_reason or "stop") if out.finished else None
+            yield out.token_ids, out.logprobs, (out.finish_reason or "stop") if out.finished else None
             if out.finished:
                 return
             out = await self._next()
@@ -512,7 +516,9 @@ class Router:
             w.num_running, w.num_waiting, w.num_preemptions = msg.num_running, msg.num_waiting, msg.num_preemptions
             self.metrics.set_worker(w.worker_id, w.role, blocks_in_use=msg.blocks_in_use,
                                     blocks_total=msg.blocks_total, num_running=msg.num_running,
-                                    num_waiting=msg.num_waiting, num_preemptions=msg.num_preemptions)
+                                    num_waiting=msg.num_waiting, num_preemptions=msg.num_preemptions,
+                                    prefix_cache_queries=msg.prefix_cache_queries,
+                                    prefix_cache_hits=msg.prefix_cache_hits)
         elif isinstance(msg, (P.Output, P.Error)):
             if isinstance(msg, P.Error) or msg.finished or msg.kv is not None:
                 w.outstanding.pop(msg.request_id, None)
@@ -596,6 +602,10 @@ class Router:
             raise api.APIError("the prompt is empty", param=param)
         return ids
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own, as logprobs show it (vLLM decodes it alone too)."""
+        return self.tokenizer.decode([token_id])
+
     def max_tokens(self, body, n_prompt: int) -> int:
         """``max_tokens`` checked against the context window (default: what is left of it).
 
@@ -632,26 +642,78 @@ class Router:
             except OSError as exc:
                 log.warning("cannot write trace %s: %s", self.trace_file, exc)
 
-    async def texts(self, gen: Generation, stream: TextStream) -> AsyncIterator[tuple[str, str | None]]:
-        """Yield ``(new_text, finish_reason or None)``; stops at a stop string."""
-        last = None
-        async for ids, finish in gen.tokens():
+    async def texts(self, gen: Generation, stream: TextStream) -> AsyncIterator[tuple[str, str | None, list]]:
+        """Yield ``(new_text, finish_reason or None, logprob entries)``; stops at a stop
+        string. The entries, ``(token id, logprob, [(top id, logprob), ...])``, are those
+        of the tokens since the last yield (text held back carries its tokens' over)."""
+        last, entries = None, []
+        async for ids, logprobs, finish in gen.tokens():
             now = time.monotonic()
             if last is not None:
                 gen.itls_s.append(now - last)
             last = now
             gen.output_tokens += len(ids)
+            if logprobs is not None:
+                entries += [(t, lp, top) for t, (lp, top) in zip(ids, logprobs)]
             delta = stream.add(ids)
             if stream.stopped:
                 gen.finish_reason = "stop"
-                yield delta, "stop"
+                yield delta, "stop", entries
                 return
             if finish is not None:
                 gen.finish_reason = finish
-                yield delta + stream.finish(), finish
+                yield delta + stream.finish(), finish, entries
                 return
             if delta:
-                yield delta, None
+                yield delta, None, entries
+                entries = []
+
+    async def merged(self, choices: list["Choice"]) -> AsyncIterator[tuple[int, str, str | None, list]]:
+        """Yield ``(choice index, new_text, finish_reason or None, logprob entries)`` of
+        every choice (see :meth:`texts`) as they come. Closing it cancels every choice's
+        reader; the caller still closes the generations.
+
+        Raises:
+            WorkerFailed: any choice failed (the others are then abandoned).
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for item in self.texts(choice.gen, choice.text):
+                    queue.put_nowait((choice.index, *item))
+                queue.put_nowait(None)
+            except Exception as exc:
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            for _ in tasks:
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class Choice:
+    """One of a request's ``n`` choices: its generation, text stream, and (if logprobs
+    were asked) the formatter of its logprobs; ``parts``/``entries`` collect a
+    non-streamed answer."""
+
+    index: int
+    gen: Generation
+    text: TextStream
+    logprobs: api.LogprobsFormatter | None
+    parts: list[str] = field(default_factory=list)
+    entries: list = field(default_factory=list)
+
+    def logprobs_object(self, entries: list) -> dict | None:
+        return None if self.logprobs is None else self.logprobs(entries)
 
 
 class SSEResponse(StreamingResponse):
@@ -708,53 +770,80 @@ def create_app(router: Router) -> FastAPI:
         t_arrival = time.monotonic()
         router.check_model(body.model)
         prompt_ids = router.prompt_ids(body)
-        sampling = P.SamplingParams(
-            max_tokens=router.max_tokens(body, len(prompt_ids)), temperature=body.temperature,
-            top_p=body.top_p, top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos,
-            stop_token_ids=body.stop_token_ids)
+        max_tokens = router.max_tokens(body, len(prompt_ids))
+        if body.min_tokens > max_tokens:  # vLLM's rule
+            raise api.APIError(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
+                               param="min_tokens")
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        gen = Generation(router, rid, prompt_ids, sampling, t_arrival)
-        text = TextStream(router.tokenizer, prompt_ids, body.stop_list)
+        choices = []
+        for i in range(body.n):
+            # n choices are n engine requests (ids rid-i); as vLLM's parallel sampling, choice
+            # i of a seeded request draws with seed + i, so choices differ but repeat.
+            sampling = P.SamplingParams(
+                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                seed=None if body.seed is None else body.seed + i, ignore_eos=body.ignore_eos,
+                stop_token_ids=body.stop_token_ids, presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                min_tokens=body.min_tokens, logprobs=body.num_logprobs)
+            gen = Generation(router, rid if body.n == 1 else f"{rid}-{i}", prompt_ids, sampling, t_arrival)
+            text = TextStream(router.tokenizer, prompt_ids, body.stop_list, body.include_stop_str_in_output)
+            logprobs = None if body.num_logprobs is None else api.LogprobsFormatter(kind, router.token_text)
+            choices.append(Choice(i, gen, text, logprobs))
         try:
-            gen.start()
+            for c in choices:
+                c.gen.start()
         except (api.APIError, WorkerFailed) as exc:
-            gen.error = str(exc)
-            router.finish(gen)
+            _failed(choices, exc)
+            for c in choices:
+                router.finish(c.gen)
             raise exc.api_error() if isinstance(exc, WorkerFailed) else exc from None
         if body.stream:
-            return SSEResponse(stream_events(gen, text, body, kind))
-        return await complete(http_request, gen, text, kind)
+            return SSEResponse(stream_events(rid, choices, body, kind))
+        return await complete(http_request, rid, choices, kind)
 
-    async def stream_events(gen: Generation, text: TextStream, body, kind: str):
+    def _failed(choices: list[Choice], exc: Exception) -> None:
+        for c in choices:
+            if c.gen.finish_reason is None:  # abandoned with the failed one
+                c.gen.error = str(exc)
+
+    async def stream_events(rid: str, choices: list[Choice], body, kind: str):
         model, created, usage = router.model.name, api.now_s(), body.include_usage
-        rid = gen.request_id
         try:
             if kind == "chat":
-                yield api.sse(api.chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
-                                             include_usage=usage))
-            async for delta, finish in router.texts(gen, text):
-                if kind == "chat":
-                    chunk = api.chat_chunk(rid, model, created, {"content": delta} if delta else {},
-                                           finish, include_usage=usage)
-                else:
-                    chunk = api.completion_chunk(rid, model, created, delta, finish, include_usage=usage)
-                yield api.sse(chunk)
+                for c in choices:
+                    yield api.sse(api.chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                                                 include_usage=usage, index=c.index))
+            async with contextlib.aclosing(router.merged(choices)) as events:
+                async for i, delta, finish, entries in events:
+                    lp = choices[i].logprobs_object(entries)
+                    if kind == "chat":
+                        chunk = api.chat_chunk(rid, model, created, {"content": delta} if delta else {},
+                                               finish, include_usage=usage, index=i, logprobs=lp)
+                    else:
+                        chunk = api.completion_chunk(rid, model, created, delta, finish, include_usage=usage,
+                                                     index=i, logprobs=lp)
+                    yield api.sse(chunk)
             if usage:
                 obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-                yield api.sse(api.usage_chunk(rid, model, created, obj, len(gen.prompt_ids), gen.output_tokens))
+                yield api.sse(api.usage_chunk(rid, model, created, obj, len(choices[0].gen.prompt_ids),
+                                              sum(c.gen.output_tokens for c in choices),
+                                              choices[0].gen.cached_tokens))
             yield api.SSE_DONE
         except WorkerFailed as exc:
-            gen.error = str(exc)
+            _failed(choices, exc)
             err = exc.api_error()
             yield api.sse(api.error_body(err.message, type=err.type, code=err.status))
             yield api.SSE_DONE
         finally:
-            router.finish(gen)
+            for c in choices:
+                router.finish(c.gen)
 
-    async def complete(http_request: Request, gen: Generation, text: TextStream, kind: str):
+    async def complete(http_request: Request, rid: str, choices: list[Choice], kind: str):
         async def collect():
-            parts = [delta async for delta, _ in router.texts(gen, text)]
-            return "".join(parts)
+            async with contextlib.aclosing(router.merged(choices)) as events:
+                async for i, delta, _, entries in events:
+                    choices[i].parts.append(delta)
+                    choices[i].entries += entries
 
         task = asyncio.create_task(collect())
         watch = asyncio.create_task(_wait_disconnect(http_request))
@@ -763,18 +852,23 @@ def create_app(router: Router) -> FastAPI:
             if not task.done():
                 return Response(status_code=499)  # the client is gone; nobody reads this
             try:
-                out = task.result()
+                task.result()
             except WorkerFailed as exc:
-                gen.error = str(exc)
+                _failed(choices, exc)
                 raise exc.api_error() from None
         finally:
             for t in (task, watch):
                 t.cancel()
             await asyncio.gather(task, watch, return_exceptions=True)
-            router.finish(gen)
-        build = api.chat_completion if kind == "chat" else api.text_completion
-        return JSONResponse(build(gen.request_id, router.model.name, api.now_s(), out,
-                                  gen.finish_reason, len(gen.prompt_ids), gen.output_tokens))
+            for c in choices:
+                router.finish(c.gen)
+        build, choice = ((api.chat_completion, api.chat_choice) if kind == "chat"
+                         else (api.text_completion, api.completion_choice))
+        return JSONResponse(build(rid, router.model.name, api.now_s(),
+                                  [choice(c.index, "".join(c.parts), c.gen.finish_reason,
+                                          c.logprobs_object(c.entries)) for c in choices],
+                                  len(choices[0].gen.prompt_ids), sum(c.gen.output_tokens for c in choices),
+                                  choices[0].gen.cached_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request):

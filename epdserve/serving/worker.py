@@ -68,13 +68,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--enable-chunked-prefill", action="store_true")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of cached prompt prefixes (vLLM's default: on)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
 
 
 def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
     return EngineConfig(role=role, block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_chunked_prefill=args.enable_chunked_prefill, dtype=args.dtype)
+                        enable_chunked_prefill=args.enable_chunked_prefill,
+                        enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype)
 
 
 def pin_to_cores(spec: str | None) -> list[int]:
@@ -196,7 +199,8 @@ class Worker:
             kv = self.export(out) if out.kv_block_ids is not None else None
             self.send(P.Output(worker_id=self.worker_id, request_id=out.request_id, token_ids=out.token_ids,
                                finished=out.finished, finish_reason=out.finish_reason, kv=kv,
-                               timings=out.timings))
+                               timings=out.timings, logprobs=out.logprobs,
+                               num_cached_tokens=out.num_cached_tokens))
 
     def export(self, out: StepOutput) -> P.KVDescriptor:
         return self.exporter.export(out)

@@ -161,7 +161,9 @@ class Exporter:
         header = self._header(len(ids))
         addr = self.server.addr if self.server else None
         nbytes = wire.frame_size(header)
-        if self.hold:
+        # A block shared through the prefix cache may be held for another hand-off already;
+        # one tag per block cannot name two holders, so such an export is staged (copied).
+        if self.hold and not bool(self.pool.tags[torch.tensor(ids)].any()):
             tag = next(self._tags)
             self.pool.tags[torch.tensor(ids)] = tag
             self.exports[request_id] = _Export(self.pool.name, time.monotonic(), list(ids), header)
@@ -370,15 +372,16 @@ class PooledKV:
             raise WireError(f"KV blocks of {self.request_id} are no longer held by the prefill worker "
                             f"(released, expired, or not this request's)")
 
-    def copy_to(self, cache: torch.Tensor, block_ids: list[int]) -> None:
+    def copy_to(self, cache: torch.Tensor, block_ids: list[int], first: int = 0) -> None:
         """Copy the blocks into ``cache`` (converting the dtype) at ``block_ids``, one strided
-        copy per stretch that is consecutive on both sides.
+        copy per stretch that is consecutive on both sides; the first ``first`` blocks are
+        skipped (the receiver's prefix cache holds them already).
 
         Raises:
             WireError: the prefill worker released the blocks before the copy ended (its
                 ``--kv-ttl`` passed while the request waited here), so the copy is void.
         """
-        for src, dst, n in _paired_runs(self.ids, block_ids):
+        for src, dst, n in _paired_runs(self.ids[first:], block_ids[first:]):
             cache[:, :, dst:dst + n].copy_(self.pool[:, :, src:src + n])
         self.check()
 
