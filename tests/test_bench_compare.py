@@ -92,7 +92,7 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
     assert "| kv_bytes | 0.0 | 0.0 | 4,096.0 | 4,096.0 |" in md  # server-stage table
     assert "**2p1d failed:** `server exited with status 1`" in md
     assert "| queue | 1.0 | 1.0 | 1.0 | 1.0 |" in md  # TTFT breakdown table
-    assert "Prefix caching does not exist yet" in md
+    assert "Prefix caching is on unless" in md
     assert "--sweep-rates LO:HI" in md  # how to get goodput vs rate
     assert md.rstrip().splitlines()[-1].startswith("Rule: ")
     assert "## Recommendation" in md

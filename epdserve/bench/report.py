@@ -176,8 +176,8 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
              "Ratios are each configuration's value divided by the first's. Latencies are "
              "client-side (TTFT, ITL, TPOT, E2EL as in DESIGN.md); KV rows come from the "
              "server trace (mean per request); cores are the CPU cores the workers were "
-             "pinned to (from /health). Prefix caching does not exist yet (issue 5), so no "
-             "configuration uses it.", ""]
+             "pinned to (from /health). Prefix caching is on unless a configuration's name "
+             "ends in -noprefix.", ""]
     for e in entries:
         if "error" in e:
             parts += [f"**{e['name']} failed:** `{e['error']}`", ""]
