@@ -676,6 +676,10 @@ class Router:
         Raises:
             WorkerFailed: any choice failed (the others are then abandoned).
         """
+        if len(choices) == 1:  # the usual case: no task and queue hop per token
+            async for item in self.texts(choices[0].gen, choices[0].text):
+                yield (0, *item)
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: Choice) -> None:
