@@ -66,3 +66,35 @@ def test_stage_histograms_match_the_trace(pd_server):
     assert hist[("epdserve:time_per_output_token_seconds", ())][0] == sum(r["output_tokens"] > 1 for r in recs)
     # The gaps span first to last token: within TTFT and E2E.
     assert 0 < itl_sum <= sum(r["e2e_ms"] - r["ttft_ms"] for r in recs) / 1000
+
+
+def samples(metrics) -> dict[str, float]:
+    """``sample name -> value`` of a single-worker RouterMetrics exposition."""
+    return {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode())
+            for s in f.samples}
+
+
+def test_worker_totals_become_counters_and_usage_a_fraction():
+    """Workers report running totals (preemptions, prefix-cache tokens); the router turns
+    them into vLLM-style counters (``..._total``) that keep counting across a worker restart,
+    and KV usage into a 0-1 fraction like vLLM's ``kv_cache_usage_perc``."""
+    from epdserve.serving.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    report = dict(num_running=1, num_waiting=0)
+    metrics.set_worker("w0", "colocated", blocks_in_use=30, blocks_total=120, num_preemptions=2,
+                       prefix_cache_queries=100, prefix_cache_hits=64, **report)
+    metrics.set_worker("w0", "colocated", blocks_in_use=60, blocks_total=120, num_preemptions=5,
+                       prefix_cache_queries=150, prefix_cache_hits=64, **report)
+    # restarted: its totals begin again from zero
+    metrics.set_worker("w0", "colocated", blocks_in_use=0, blocks_total=120, num_preemptions=1,
+                       prefix_cache_queries=10, prefix_cache_hits=0, **report)
+    values = samples(metrics)
+    assert values["epdserve:num_preemptions_total"] == 6
+    assert values["epdserve:prefix_cache_queries_total"] == 160
+    assert values["epdserve:prefix_cache_hits_total"] == 64
+    assert values["epdserve:kv_cache_usage_perc"] == 0.0
+    metrics.set_worker("w0", "colocated", blocks_in_use=30, blocks_total=120, num_preemptions=1,
+                       prefix_cache_queries=10, prefix_cache_hits=0, **report)
+    values = samples(metrics)
+    assert values["epdserve:kv_cache_usage_perc"] == 0.25

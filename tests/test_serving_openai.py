@@ -58,7 +58,8 @@ def test_models_health_metrics(server, model_info):
     for name in ("epdserve:time_to_first_token_seconds_bucket", "epdserve:e2e_request_latency_seconds_bucket",
                  "epdserve:kv_transfer_seconds_bucket", "epdserve:kv_transfer_bytes_bucket",
                  "epdserve:prompt_tokens_total", "epdserve:generation_tokens_total",
-                 "epdserve:request_failure_total", "epdserve:num_requests_running"):
+                 "epdserve:request_failure_total", "epdserve:num_requests_running",
+                 "epdserve:kv_cache_usage_perc", "epdserve:num_preemptions_total"):
         assert name in metrics.text, name
 
 

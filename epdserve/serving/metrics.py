@@ -49,14 +49,18 @@ class RouterMetrics:
                                           "Requests in the worker's running batch.", wl, registry=r)
         self.num_requests_waiting = Gauge("epdserve:num_requests_waiting",
                                           "Requests waiting in the worker's queue.", wl, registry=r)
-        self.num_preemptions = Gauge("epdserve:num_preemptions", "Preemptions so far (worker-reported).",
-                                     wl, registry=r)
+        # vLLM v1's vllm:kv_cache_usage_perc: a fraction, 1 = every block in use.
+        self.kv_cache_usage = Gauge("epdserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+                                    wl, registry=r)
+        # vLLM's vllm:num_preemptions (a counter, exposed as ..._total).
+        self.num_preemptions = Counter("epdserve:num_preemptions", "Requests preempted (recompute).",
+                                       wl, registry=r)
         # vLLM's vllm:prefix_cache_queries / vllm:prefix_cache_hits (counters, tokens).
         self.prefix_cache_queries = Counter("epdserve:prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache.", wl, registry=r)
         self.prefix_cache_hits = Counter("epdserve:prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache.", wl, registry=r)
-        self._prefix_seen: dict[tuple[str, str], tuple[int, int]] = {}  # last worker-reported totals
+        self._totals_seen: dict[tuple[str, str], tuple[int, ...]] = {}  # last worker-reported totals
         self.request_success = Counter("epdserve:request_success_total",
                                        "Finished requests by finish reason (abort = client went away).",
                                        ["finish_reason"], registry=r)
@@ -95,19 +99,22 @@ class RouterMetrics:
     def set_worker(self, worker: str, role: str, *, blocks_in_use: int, blocks_total: int,
                    num_running: int, num_waiting: int, num_preemptions: int,
                    prefix_cache_queries: int = 0, prefix_cache_hits: int = 0) -> None:
-        """Update one worker's gauges and prefix-cache counters (from its Stats, whose
-        prefix-cache numbers are the worker's totals since it started)."""
+        """Update one worker's gauges and counters from its Stats, whose preemption and
+        prefix-cache numbers are the worker's totals since it started (a worker that
+        restarted reports smaller totals: its counters go on from the new totals)."""
         self.kv_blocks_in_use.labels(worker, role).set(blocks_in_use)
         self.kv_blocks_total.labels(worker, role).set(blocks_total)
+        self.kv_cache_usage.labels(worker, role).set(blocks_in_use / blocks_total if blocks_total else 0.0)
         self.num_requests_running.labels(worker, role).set(num_running)
         self.num_requests_waiting.labels(worker, role).set(num_waiting)
-        self.num_preemptions.labels(worker, role).set(num_preemptions)
-        queries, hits = self._prefix_seen.get((worker, role), (0, 0))
-        if prefix_cache_queries < queries or prefix_cache_hits < hits:  # it restarted: totals from 0
-            queries, hits = 0, 0
-        self.prefix_cache_queries.labels(worker, role).inc(prefix_cache_queries - queries)
-        self.prefix_cache_hits.labels(worker, role).inc(prefix_cache_hits - hits)
-        self._prefix_seen[(worker, role)] = (prefix_cache_queries, prefix_cache_hits)
+        totals = (num_preemptions, prefix_cache_queries, prefix_cache_hits)
+        counters = (self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits)
+        seen = self._totals_seen.get((worker, role), (0,) * len(totals))
+        if any(now < before for now, before in zip(totals, seen)):
+            seen = (0,) * len(totals)
+        for counter, now, before in zip(counters, totals, seen):
+            counter.labels(worker, role).inc(now - before)
+        self._totals_seen[(worker, role)] = totals
 
     def finished(self, rec: dict, itls_s: list[float]) -> None:
         """Record one request that ended without an error.
