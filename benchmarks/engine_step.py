@@ -7,11 +7,14 @@ requests of ``--prompt-len`` random tokens, prefills them, and then runs ``--ste
 decode steps under ``cProfile``; each phase is the cumulative time of its function
 (``Scheduler.schedule``, ``runner.prepare``, ``LlamaModel.forward``, ``sample``), and
 "python overhead" is everything in the step that is neither the forward pass nor
-sampling, plus the Output messages. The same run repeats per ``--dtypes`` and reports the
-greedy tokens' agreement with the first dtype. The top torch operators of the forward pass
-come from ``torch.profiler``.
+sampling, plus the Output messages. The same run repeats per ``--dtypes`` and, for
+float32, per ``--weights`` (``dense``: float32 weights; ``quantized``: the linear layers
+straight from the GGUF's Q4_1 / Q8_0 blocks, see ``epdserve/model/quant.py``) and reports
+each run's step time against the first run's and its greedy tokens' agreement with them.
+The top torch operators of the forward pass come from ``torch.profiler``.
 
     .venv/bin/python benchmarks/engine_step.py [--batch 32] [--dtypes float32 bfloat16]
+        [--weights dense quantized]
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ from torch.profiler import ProfilerActivity, profile
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
 from epdserve.model.loader import resolve_model
+from epdserve.model.quant import QuantLinear
 from epdserve.serving import protocol as P
 
 PHASES = {"schedule": "schedule", "prepare": "prepare", "forward": "forward", "sample": "sample"}
 
 
-def decode_ready_engine(model_dir: str, dtype: str, batch: int, prompt_len: int, steps: int) -> LLMEngine:
+def decode_ready_engine(model_dir: str, dtype: str, quantized: bool, batch: int, prompt_len: int,
+                        steps: int) -> LLMEngine:
     """An engine holding ``batch`` requests that have finished their prefill."""
-    engine = LLMEngine(model_dir, EngineConfig(dtype=dtype, kv_cache_memory_mb=512))
+    engine = LLMEngine(model_dir, EngineConfig(dtype=dtype, kv_cache_memory_mb=512, quantized_weights=quantized))
     gen = torch.Generator().manual_seed(0)
     sampling = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     for i in range(batch):
@@ -87,31 +92,40 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--weights", nargs="+", default=["dense"], choices=["dense", "quantized"],
+                        help="float32 runs: dense weights and/or the GGUF's quantized blocks")
     parser.add_argument("--top-ops", type=int, default=8, help="torch operators to list (0: none)")
     args = parser.parse_args()
     if min(args.batch, args.prompt_len, args.steps, args.threads) < 1:
         parser.error("--batch, --prompt-len, --steps and --threads must be at least 1")
+    # (label, dtype, quantized): quantized weights exist for float32 only.
+    runs = [(dtype if weights == "dense" else f"{dtype} {weights}", dtype, weights == "quantized")
+            for dtype in args.dtypes for weights in args.weights if dtype == "float32" or weights == "dense"]
+    if not runs:
+        parser.error("quantized weights need --dtypes float32")
     torch.set_num_threads(args.threads)
     model_dir = str(resolve_model(None).path)
     rows, reference = {}, None
-    for dtype in args.dtypes:
-        print(f"{dtype}: prefilling {args.batch} × {args.prompt_len} tokens…", flush=True)
-        engine = decode_ready_engine(model_dir, dtype, args.batch, args.prompt_len, args.steps + 3)
+    for label, dtype, quantized in runs:
+        print(f"{label}: prefilling {args.batch} × {args.prompt_len} tokens…", flush=True)
+        engine = decode_ready_engine(model_dir, dtype, quantized, args.batch, args.prompt_len, args.steps + 3)
+        if quantized and not isinstance(engine.model.lm_head, QuantLinear):
+            parser.error("no quantized weights: the model is not a Q4_1 / Q8_0 GGUF or the kernel did not build")
         ms, tokens = profile_steps(engine, args.steps)
         if reference is None:
             reference = tokens
         same = sum(a == b for rid in tokens for a, b in zip(tokens[rid], reference[rid]))
         ms["agreement"] = same / sum(len(t) for t in reference.values())
-        rows[dtype] = ms
+        rows[label] = ms
         if args.top_ops:
             print(top_ops(engine, args.top_ops))
-    base = rows[args.dtypes[0]]["step"]
+    base = rows[runs[0][0]]["step"]
     print(f"\ndecode step at batch {args.batch}, context ~{args.prompt_len}, {args.threads} thread(s); ms per step")
-    header = ["dtype", "step", "vs " + args.dtypes[0], "tok/s", "forward", "sample", "schedule", "prepare",
+    header = ["weights", "step", "vs " + runs[0][0], "tok/s", "forward", "sample", "schedule", "prepare",
               "outputs", "python overhead", "greedy agreement"]
     print(" | ".join(header))
-    for dtype, ms in rows.items():
-        print(" | ".join([dtype, f"{ms['step']:.1f}", f"{ms['step'] / base:.2f}×",
+    for label, ms in rows.items():
+        print(" | ".join([label, f"{ms['step']:.1f}", f"{ms['step'] / base:.2f}×",
                           f"{args.batch / ms['step'] * 1e3:.0f}", f"{ms['forward']:.1f}", f"{ms['sample']:.2f}",
                           f"{ms['schedule']:.2f}", f"{ms['prepare']:.2f}", f"{ms['outputs']:.2f}",
                           f"{ms['python overhead']:.2f} ({ms['python overhead'] / ms['step']:.1%})",

@@ -8,6 +8,10 @@ fixed chunks with known sleeps, so TTFT/ITL/E2EL are known to within scheduling 
 * a finish chunk, a usage chunk (prompt_tokens 42, completion_tokens 4: " big" stands for
   two tokens) and ``[DONE]``.
 
+With ``--trace-file`` it writes a router-like trace line per request; a chat request
+with images adds the image keys (encode 0.5 + 3 ms; in ``--mode epd`` 1000 embedding
+bytes and 0.25 ms of transfer per image).
+
 A prompt containing FAIL400 gets HTTP 400; one containing FAILSTREAM gets one text chunk
 and then an error event; one containing RESET gets one text chunk and then the connection
 dropped. A prompt containing QUEUE waits for a single "prefill" slot, held for
@@ -143,6 +147,13 @@ def stub_app(mode: str = "colocated", trace_file: str | None = None):
                         "prefill_ms": 1000 * STUB_TTFT_S, "kv_bytes": 4096 if pd else 0,
                         "kv_transfer_ms": 2.5 if pd else 0.0, "decode_ms": 2000 * STUB_ITL_S,
                         "e2e_ms": 1000 * (STUB_TTFT_S + 2 * STUB_ITL_S)}
+                images = sum(1 for part in prompt if isinstance(part, dict)
+                             and part.get("type") == "image_url") if chat else 0
+                if images:  # the router's image keys (embeddings cross only in EPD)
+                    epd = mode == "epd"
+                    line.update(num_images=images, encode_queue_ms=0.5, encode_ms=3.0,
+                                embedding_bytes=1000 * images if epd else 0,
+                                embedding_transfer_ms=0.25 * images if epd else 0.0)
                 with open(trace_file, "a") as f:
                     f.write(json.dumps(line) + "\n")
 
@@ -160,8 +171,9 @@ def stub_app(mode: str = "colocated", trace_file: str | None = None):
 
 
 def serve_stub() -> None:
-    """Take ``epdserve serve``'s options (--mode, --host, --port, --trace-file); bind the
-    port (0: a free one, printed first), serve until SIGTERM."""
+    """Take ``epdserve serve``'s options (--mode, --host, --port, --trace-file; worker
+    counts and --model accepted and ignored); bind the port (0: a free one, printed
+    first), serve until SIGTERM."""
     import socket
 
     import uvicorn
@@ -171,6 +183,8 @@ def serve_stub() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--trace-file", default=None)
+    for ignored in ("--model", "--encode-workers", "--prefill-workers", "--decode-workers"):
+        parser.add_argument(ignored)
     args = parser.parse_args()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -369,6 +383,7 @@ def test_cli_writes_result_json(stub, tmp_path):
     (["--ramp-up-start-rps", "1"], "--ramp-up-end-rps"),
     (["--request-rate", "2", "--ramp-up-start-rps", "1", "--ramp-up-end-rps", "3"], "exclude"),
     (["--image-size", "12by4"], "12by4"),
+    (["--image-repeat-share", "1.5"], "1.5"),
     (["--sweep-rates", "3:1"], "3:1"),
     (["--goodput-target", "1.5"], "1.5"),
 ])
@@ -444,16 +459,79 @@ def test_warmup_requests_are_sent_but_not_measured(stub):
         bench(stub.url, trace, bench_args("--warmup-requests", "4"))
 
 
-def test_images_are_refused_before_anything_is_sent(stub, tmp_path):
+def decode_data_url(url: str):
+    """(media type, bytes, decoded Pillow image) of a base64 data URL."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    head, data = url.split(",", 1)
+    assert head.startswith("data:") and head.endswith(";base64")
+    raw = base64.b64decode(data, validate=True)
+    return head[5:-7], raw, Image.open(io.BytesIO(raw))
+
+
+def image_req(prompt: str, *seeds: int, size=(64, 48)) -> workload.Request:
+    return workload.Request(0.0, prompt, 4, "chat", 1, images=tuple(
+        {"width": size[0], "height": size[1], "seed": s} for s in seeds))
+
+
+def test_request_body_sends_images_as_openai_image_url_parts():
+    body = client.request_body(image_req("what is this", 3, 4, size=(64, 48)), "m")
+    (message,) = body["messages"]
+    text, *parts = message["content"]
+    assert message["role"] == "user" and text == {"type": "text", "text": "what is this"}
+    assert [p["type"] for p in parts] == ["image_url", "image_url"]
+    decoded = [decode_data_url(p["image_url"]["url"]) for p in parts]
+    for media, raw, image in decoded:
+        assert media == "image/jpeg" and image.format == "JPEG"
+        assert image.size == (64, 48) and image.mode == "RGB"
+    assert decoded[0][1] != decoded[1][1]  # different seeds, different pictures
+    # The same request gives the same bytes every time (a fair compare), also when the
+    # cache is cold (another run), and a text-only request keeps plain string content.
+    again = client.request_body(image_req("other text", 3, size=(64, 48)), "m")
+    from epdserve.bench import images
+
+    images.image_bytes.cache_clear()
+    cold = client.request_body(image_req("x", 3, size=(64, 48)), "m")
+    assert (again["messages"][0]["content"][1] == cold["messages"][0]["content"][1]
+            == parts[0])
+    big = decode_data_url(client.request_body(image_req("x", 3, size=(640, 480)), "m")
+                          ["messages"][0]["content"][1]["image_url"]["url"])
+    assert big[2].size == (640, 480)
+    assert client.request_body(req(0.0, "plain"), "m")["messages"][0]["content"] == "plain"
+    with pytest.raises(client.UnsupportedWorkload, match="only the chat endpoint"):
+        client.request_body(image_req("x", 1), "m", endpoint="completions")
+
+
+def test_images_reach_the_server_and_the_warmup_warms_the_encoder(stub):
     stub.reset()
-    trace = [workload.Request(0.0, "look", 4, "chat", 1, images=({"width": 8, "height": 8},))]
+    trace = [image_req("look", 0), image_req("look again", 0), image_req("and this", 7)]
+    result = bench(stub.url, trace, bench_args())
+    assert result["completed"] == 3
+    bodies = [entry["body"]["messages"][0]["content"] for entry in stub.log()]
+    assert len(bodies) == 4  # the warm-up first, then the trace (sent at once: any order)
+    by_text = {text["text"]: decode_data_url(image["image_url"]["url"])
+               for text, image in bodies}
+    warm, look, again, other = (by_text[t] for t in (client.WARMUP_PROMPT, "look",
+                                                     "look again", "and this"))
+    assert bodies[0][0]["text"] == client.WARMUP_PROMPT
+    assert warm[2].size == (64, 48)  # the trace's size ...
+    assert warm[1] not in (look[1], other[1])  # ... but never one of its pictures
+    assert look[1] == again[1] != other[1]  # a repeated seed is a repeated image
+
+
+def test_images_on_the_completions_endpoint_are_refused_before_anything_is_sent(stub, tmp_path):
+    stub.reset()
+    trace = [image_req("look", 0)]
     with pytest.raises(client.UnsupportedWorkload, match="1 of 1 requests carry images"):
-        bench(stub.url, trace, bench_args())
+        bench(stub.url, trace, bench_args("--endpoint", "completions"))
     assert stub.log() == []
     path = tmp_path / "img.jsonl"
     workload.save_trace(trace, path)
-    proc = run_cli("--base-url", stub.url, "--trace", str(path))
-    assert proc.returncode == 2 and "cannot send images" in proc.stderr
+    proc = run_cli("--base-url", stub.url, "--trace", str(path), "--endpoint", "completions")
+    assert proc.returncode == 2 and "only the chat endpoint" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -103,6 +103,33 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
     assert not (tmp_path / "goodput_vs_rate.png").exists()
 
 
+def test_an_image_workload_through_colocated_and_epd(tmp_path):
+    from test_bench_client import image_req
+
+    trace = [image_req("one", 0, 1), image_req("two", 2, 3), req(0.05, "text only")]
+    args = compare_args(free_port())
+    entries = [compare.run_config(name, trace, args, tmp_path, serve=STUB)
+               for name in ("colocated", "1e1p1d")]
+    colocated, epd = entries
+    assert epd["mode"] == "epd" and all(e["result"]["completed"] == 3 for e in entries)
+    # Image keys summarised over the two requests with images (two images each).
+    assert epd["server"]["mean_num_images"] == 2
+    assert epd["server"]["mean_embedding_bytes"] == 2000
+    assert epd["server"]["mean_embedding_bytes_per_image"] == 1000
+    assert epd["server"]["mean_embedding_transfer_ms_per_image"] == pytest.approx(0.25)
+    assert colocated["server"]["mean_embedding_bytes"] == 0
+    for e in entries:
+        t = e["breakdown"]["ttft"]
+        assert t["parts"][:3] == ["encode queue", "encode", "embedding transfer"]
+        assert t["mean"]["encode"] == pytest.approx(2.0)  # 3 ms on 2 of the 3 requests
+    assert epd["breakdown"]["ttft"]["mean"]["embedding transfer"] == pytest.approx(1 / 3)
+    compare.write_outputs(entries, trace, {"source": "test"}, tmp_path)
+    md = (tmp_path / "compare.md").read_text()
+    assert "| Embedding bytes/req | 0 | 2,000 | — |" in md
+    assert "| encode | 2.0 | 3.0 | 2.0 | 3.0 |" in md
+    assert "- 4 images (4 distinct)" in md
+
+
 def test_goodput_sweep_per_configuration_against_the_stub(tmp_path):
     trace = [req(0.0, "one"), req(0.05, "two"), req(0.1, "three"), req(0.15, "four")]
     args = compare_args(free_port(), "--goodput", "ttft:10000", "--sweep-rates", "2:8",
@@ -174,6 +201,89 @@ def test_breakdown_joins_by_id_and_splits_ttft_and_the_handoff_gap():
                                        "decode queue": 40.0, "other": 140.0})
     assert server_trace.breakdown(client_result([0.1], [[]], ["x"]), records) == \
         {"joined": 0, "ttft": None, "handoff": None}
+
+
+def epd_record(rid, **extra):
+    """A router trace record of an EPD request with one image whose stages add up to its
+    ttft_ms (300): router 2 + encode queue 5 + encode 120 + embedding transfer 3 +
+    prefill queue 10 + prefill 140 + KV export 8 + hops 12."""
+    return {"request_id": rid, "mode": "epd", "path": "disaggregated", "ttft_ms": 300.0,
+            "router_queue_ms": 2.0, "num_images": 1, "encode_queue_ms": 5.0,
+            "encode_ms": 120.0, "embedding_bytes": 331776, "embedding_transfer_ms": 3.0,
+            "prefill_queue_ms": 10.0, "prefill_ms": 140.0, "kv_export_ms": 8.0,
+            "ttft_hop_ms": 12.0, "kv_bytes": 1_000_000, "kv_transfer_ms": 4.0, **extra}
+
+
+def test_breakdown_puts_image_encoding_in_its_own_stages(tmp_path):
+    records = [epd_record("a"), epd_record("b", encode_queue_ms=25.0, ttft_ms=320.0),
+               # text-only in the same run: no image keys, so no encode parts (never 0s
+               # guessed into its record; they count 0 in the means like any absent part)
+               {"request_id": "c", "mode": "epd", "path": "disaggregated", "ttft_ms": 150.0,
+                "router_queue_ms": 2.0, "prefill_queue_ms": 1.0, "prefill_ms": 140.0,
+                "kv_export_ms": 2.0, "ttft_hop_ms": 5.0}]
+    # The client saw 4 ms more than the router (HTTP) on every request.
+    b = server_trace.breakdown(client_result([0.304, 0.324, 0.154], [[0.1], [0.1], [0.1]],
+                                             ["chatcmpl-a", "chatcmpl-b", "chatcmpl-c"]), records)
+    t = b["ttft"]
+    assert t["parts"] == ["http", "router", "encode queue", "encode", "embedding transfer",
+                          "prefill queue", "prefill", "KV export", "IPC hops", "other"]
+    assert t["mean"] == pytest.approx({
+        "http": 4.0, "router": 2.0, "encode queue": 10.0, "encode": 80.0,
+        "embedding transfer": 2.0, "prefill queue": 7.0, "prefill": 140.0, "KV export": 6.0,
+        "IPC hops": 29 / 3, "other": 0.0}, abs=1e-9)
+    assert sum(t["mean"].values()) == pytest.approx((304 + 324 + 154) / 3)
+    assert t["p95"]["encode queue"] == pytest.approx(5 + 0.9 * 20)  # of [0, 5, 25]
+    # A colocated worker encodes in-process: the same stages, without a transfer.
+    colo = {"request_id": "d", "path": "colocated", "ttft_ms": 200.0, "router_queue_ms": 1.0,
+            "num_images": 2, "encode_queue_ms": 0.0, "encode_ms": 60.0, "embedding_bytes": 0,
+            "embedding_transfer_ms": 0.0, "queue_ms": 4.0, "prefill_ms": 130.0,
+            "ttft_hop_ms": 5.0}
+    c = server_trace.breakdown(client_result([0.2], [[]], ["d"]), [colo])["ttft"]
+    assert c["parts"] == ["http", "router", "encode queue", "encode", "embedding transfer",
+                          "queue", "prefill", "IPC hops", "other"]
+    assert c["mean"]["encode"] == 60.0 and c["mean"]["other"] == pytest.approx(0.0, abs=1e-9)
+    # An EPD trace without "path" is disaggregated, as pd is.
+    assert server_trace.path_of({"mode": "epd"}) == "disaggregated"
+    md = report.breakdown_markdown([{"name": "1e1p1d", "breakdown": b}], "ttft")
+    assert "| encode | 80.0 | 120.0 |" in md and "| embedding transfer | 2.0 | 3.0 |" in md
+    from epdserve.bench import plots
+
+    plots.plot_stages([{"name": "colocated", "breakdown": {"ttft": c}},
+                       {"name": "1e1p1d", "breakdown": b}], tmp_path / "stages.png")
+    assert (tmp_path / "stages.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_server_summary_and_table_with_and_without_image_keys(tmp_path):
+    path = tmp_path / "t.jsonl"
+    text = {"request_id": "t", "kv_bytes": 500, "kv_transfer_ms": 1.0, "prefill_ms": 50.0}
+    rows = [epd_record("a"), epd_record("b", num_images=2, embedding_bytes=663552,
+                                        embedding_transfer_ms=5.0, encode_ms=200.0), text]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = server_trace.summarize(path, ["a", "b", "t"])
+    # Image keys: over the two requests with images; the text-only one is left out.
+    assert s["mean_embedding_bytes"] == pytest.approx((331776 + 663552) / 2)
+    assert s["mean_embedding_transfer_ms"] == pytest.approx(4.0)
+    assert s["mean_num_images"] == pytest.approx(1.5) and s["mean_encode_ms"] == 160.0
+    assert s["mean_embedding_bytes_per_image"] == pytest.approx(331776)
+    assert s["mean_embedding_transfer_ms_per_image"] == pytest.approx((3.0 + 2.5) / 2)
+    assert s["mean_kv_bytes"] == pytest.approx((2_000_000 + 500) / 3)  # every request
+    path.write_text(json.dumps(text) + "\n")
+    plain = server_trace.summarize(path, ["t"])
+    assert plain["mean_kv_bytes"] == 500
+    assert not [k for k in plain if "embedding" in k or "encode" in k or "images" in k]
+
+    entries = [{"name": "colocated", "result": {"failed": 0}, "server": plain},
+               {"name": "1e1p1d", "result": {"failed": 0}, "server": s}]
+    by_label = {r[0]: r[1:] for r in report.table(entries)[1]}
+    assert by_label["Embedding bytes/req"] == ["—", "497,664", "—"]
+    assert by_label["Embedding transfer ms/req"] == ["—", "4.00", "—"]
+    assert by_label["Embedding bytes/image"] == ["—", "331,776", "—"]
+    assert by_label["Encode ms/req"] == ["—", "160.0", "—"]
+    labels = [r[0] for r in report.table(entries)[1]]
+    assert labels.index("Embedding bytes/req") == labels.index("KV transfer ms/req") + 1
+    stages = report.server_table_markdown(entries)
+    assert "| embedding_bytes | — | — | 497,664.0 |" in stages
+    assert "Embedding" not in report.text_table(entries[:1])  # text-only runs: no rows
 
 
 def entry_with_sweep(name, points):
@@ -316,7 +426,10 @@ def test_compare_cli_bad_values_exit_2():
                          (["--trace", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
                          (["--sweep-rates", "2:1"], "2:1"),
                          (["--goodput-target", "1.5"], "1.5"),
-                         (["--sweep-rates", "0.5:2"], "--goodput")):
+                         (["--sweep-rates", "0.5:2"], "--goodput"),
+                         (["--workload", "synthetic", "--num-prompts", "2",
+                           "--images-per-request", "1", "--endpoint", "completions"],
+                          "only the chat endpoint")):
         proc = subprocess.run([sys.executable, "-m", "epdserve", "compare", *args],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, (args, proc.stderr)
@@ -334,6 +447,30 @@ def test_configuration_names_map_to_serve_flags():
     assert compare.serve_flags("bogus-noprefix") is None
     assert [compare.num_workers(n) for n in ("colocated", "colocated-chunked", "colocated-3",
                                              "pd", "2p3d", "colocated-2-noprefix")] == [1, 1, 3, 2, 5, 2]
+
+
+def test_epd_names_map_to_serve_flags():
+    assert compare.serve_flags("2e1p1d") == ["--mode", "epd", "--encode-workers", "2",
+                                             "--prefill-workers", "1", "--decode-workers", "1"]
+    assert compare.serve_flags("1e2p3d-noprefix") == compare.serve_flags("1e2p3d") + [
+        "--no-enable-prefix-caching"]
+    assert compare.serve_flags("0e1p1d") is None and compare.serve_flags("1e1p") is None
+    assert compare.num_workers("2e1p1d") == 4 and compare.num_workers("1e2p3d") == 6
+    assert compare.parse_configs("colocated,pd,2e1p1d") == ["colocated", "pd", "2e1p1d"]
+    with pytest.raises(Exception, match="1e1p1d"):
+        compare.parse_configs("colocated,1e1q1d")
+    cmd = compare.server_command("2e1p1d", 8100, Path("/t.jsonl"), "vlm", serve=["serve"])
+    assert cmd == ["serve", *compare.serve_flags("2e1p1d"), "--host", "127.0.0.1",
+                   "--port", "8100", "--trace-file", "/t.jsonl", "--model", "vlm"]
+
+
+def test_servers_get_the_multimodal_model_for_a_trace_with_images():
+    text = [req(0.0, "a b")]
+    images = text + [workload.Request(0.1, "look", 4, "chat", 1,
+                                      images=({"width": 8, "height": 8, "seed": 0},))]
+    assert compare.server_model(None, text) is None  # the default (text) model
+    assert compare.server_model(None, images) == "vlm"
+    assert compare.server_model("/m/smolvlm", images) == "/m/smolvlm"  # as given
 
 
 def test_resources_taken_after_the_run_and_against_the_real_pd_server(pd_server, tmp_path):

@@ -150,15 +150,47 @@ def test_long_prompts_come_in_bursts(tok):
 
 def test_images_round_trip_through_a_trace(tok, tmp_path):
     trace = datasets.with_images(datasets.synthetic(tok, 3, (5, 8), (2, 2), seed=1), 2, (640, 480))
-    assert all(r.images == ({"width": 640, "height": 480},) * 2 for r in trace)
+    # Every image its own picture: seeds number the images in trace order.
+    assert [r.images for r in trace] == [
+        tuple({"width": 640, "height": 480, "seed": 2 * i + k} for k in range(2))
+        for i in range(3)]
     workload.save_trace(trace, tmp_path / "t.jsonl")
     assert workload.load_trace(tmp_path / "t.jsonl") == trace
     assert workload.describe(trace)["num_images"] == 6
-    bad = json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])
-    bad["images"] = [{"width": 0, "height": 3}]
-    (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
-    with pytest.raises(TraceError, match=r"bad.jsonl:1: field 'images'"):
-        workload.load_trace(tmp_path / "bad.jsonl")
+    assert workload.describe(trace)["distinct_images"] == 6
+    # A trace written before seeds existed gets the same numbering.
+    lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    for obj in lines:
+        obj["images"] = [{"width": x["width"], "height": x["height"]} for x in obj["images"]]
+    (tmp_path / "old.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert workload.load_trace(tmp_path / "old.jsonl") == trace
+    for image in ({"width": 0, "height": 3}, {"width": 3, "height": 3, "seed": -1},
+                  {"width": 3, "height": 3, "seed": True}):
+        bad = dict(lines[0], images=[image])
+        (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+        with pytest.raises(TraceError, match=r"bad.jsonl:1: field 'images'"):
+            workload.load_trace(tmp_path / "bad.jsonl")
+
+
+def test_image_repeat_share_reuses_earlier_images(tok):
+    base = datasets.synthetic(tok, 10, (5, 8), (2, 2), seed=1)
+    trace = datasets.with_images(base, 2, (32, 32), repeat_share=0.3, seed=5)
+    assert trace == datasets.with_images(base, 2, (32, 32), repeat_share=0.3, seed=5)
+    seen, repeats = [], 0
+    for r in trace:
+        if r.images in seen:
+            repeats += 1  # the same pictures as an earlier request, both of them
+        else:
+            assert r.images == tuple({"width": 32, "height": 32, "seed": s}
+                                     for s in (2 * len(seen) + 2 * repeats,
+                                               2 * len(seen) + 2 * repeats + 1))
+            seen.append(r.images)
+    assert repeats == 3 and trace[0].images == seen[0]
+    assert workload.describe(trace)["distinct_images"] == 14
+    everything = datasets.with_images(base, 1, (32, 32), repeat_share=1.0)
+    assert all(r.images == everything[0].images for r in everything)  # all repeat the first
+    with pytest.raises(TraceError, match="repeat share 1.5"):
+        datasets.with_images(base, 1, (32, 32), repeat_share=1.5)
 
 
 # ---------------------------------------------------------------------------------------

@@ -44,6 +44,11 @@ def test_plan_workers():
         ("colocated", "colocated-0", [0]), ("colocated", "colocated-1", [1]), ("colocated", "colocated-2", [0])]
     assert plan_workers("pd", [0, 1]) == [("prefill", "prefill-0", [0]), ("decode", "decode-0", [1])]
     assert plan_workers("pd", [0, 1, 2, 3]) == [("prefill", "prefill-0", [0, 1]), ("decode", "decode-0", [2, 3])]
+    assert plan_workers("epd", [0, 1]) == [("encode", "encode-0", [0]), ("prefill", "prefill-0", [0]),
+                                           ("decode", "decode-0", [1])]
+    assert plan_workers("epd", [0, 1, 2, 3], encode=2) == [
+        ("encode", "encode-0", [0]), ("encode", "encode-1", [0]), ("prefill", "prefill-0", [1]),
+        ("decode", "decode-0", [2, 3])]
     assert plan_workers("pd", [3]) == [("prefill", "prefill-0", [3]), ("decode", "decode-0", [3])]
     assert plan_workers("pd", [0, 1], prefill=2, decode=2) == [
         ("prefill", "prefill-0", [0]), ("prefill", "prefill-1", [0]),

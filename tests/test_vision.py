@@ -78,8 +78,10 @@ def test_processor_and_encoder_match_transformers(tiny_vlm, image):
     ref = processor(text=[PROMPT], images=[[image]], return_tensors="pt")
     got = ours.processor.process(image)
     assert torch.equal(got.pixel_values, ref["pixel_values"][0])
-    ids = processor.tokenizer(ours.processor.expand(PROMPT, [got]), add_special_tokens=False).input_ids
+    ids = processor.tokenizer(ours.processor.expand(PROMPT, [(got.rows, got.cols)]), add_special_tokens=False).input_ids
     assert ids == ref["input_ids"][0].tolist()
+    assert ours.processor.grid(image.size) == (got.rows, got.cols)
+    assert ours.processor.num_tokens((got.rows, got.cols)) == len(got.pixel_values) * 4
     with torch.inference_mode():
         features = hf.model.get_image_features(ref["pixel_values"], ref["pixel_attention_mask"]).pooler_output
     embeds = ours.vision.encode(got.pixel_values)
@@ -97,7 +99,7 @@ def test_image_text_logits_match_transformers(tiny_vlm):
     with torch.inference_mode():
         expected = hf(**ref).logits[0, -1]
     processed = [ours.processor.process(im) for im in images]
-    input_ids = torch.tensor(processor.tokenizer(ours.processor.expand(prompt, processed)).input_ids)
+    input_ids = torch.tensor(processor.tokenizer(ours.processor.expand(prompt, [(p.rows, p.cols) for p in processed])).input_ids)
     embeds = torch.cat([ours.vision.encode(p.pixel_values) for p in processed])
     logits = prefill_logits(ours.text, input_ids, ours.image_embeds(input_ids, embeds))
     torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)

@@ -2,9 +2,11 @@
 record, per request, when every piece of generated text arrived.
 
 Each request is sent at its ``offset_s`` after a common start (``time.perf_counter``),
-as ``POST /v1/chat/completions`` (a single user message) or ``POST /v1/completions``,
-with ``stream: true``, ``stream_options.include_usage`` and vLLM's ``ignore_eos`` (so
-output lengths are as asked). Server-sent events are read line by line; the times kept
+as ``POST /v1/chat/completions`` (a single user message: the prompt, then one OpenAI
+``image_url`` content part per image of the request, a data URL of the seeded picture
+of :mod:`epdserve.bench.images`) or ``POST /v1/completions``, with ``stream: true``,
+``stream_options.include_usage`` and vLLM's ``ignore_eos`` (so output lengths are as
+asked). Server-sent events are read line by line; the times kept
 are the ones the metrics of DESIGN.md need (see :class:`RequestRecord`):
 
 * ``t0`` — just before the request is sent;
@@ -12,6 +14,9 @@ are the ones the metrics of DESIGN.md need (see :class:`RequestRecord`):
   ``choices[0].delta.content``, or ``choices[0].text`` for completions);
 * the arrival of the last data chunk before ``[DONE]`` (text, finish or usage chunk — as
   vLLM ``bench serve`` takes its latency).
+
+Request bodies, pictures included, are built and JSON-encoded before the run starts, so
+making them never delays a send or counts in its TTFT.
 
 A request fails — and the message is kept — on a connection error or timeout, an HTTP
 status other than 200, an ``error`` event in the stream, a stream that ends without
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
+from epdserve.bench import images as synthetic_images
 from epdserve.bench.workload import Request
 
 
@@ -44,22 +50,23 @@ class WarmupFailed(ClientError):
 
 
 class UnsupportedWorkload(ClientError):
-    """The trace asks for something this client cannot send (images, for now)."""
+    """The trace asks for something this client cannot send (images to /v1/completions)."""
 
 
-def check_sendable(requests: list[Request]) -> None:
-    """Refuse a trace with images: no server here takes them yet (EPD does not exist), and
-    sending the text alone would measure another workload than the one asked for.
+def check_sendable(requests: list[Request], endpoint: str = "chat") -> None:
+    """Refuse images on the completions endpoint: a text prompt has no place for them
+    (OpenAI takes images only as chat content parts), and sending the text alone would
+    measure another workload than the one asked for.
 
     Raises:
-        UnsupportedWorkload: some request carries images.
+        UnsupportedWorkload: ``endpoint`` is "completions" and some request carries images.
     """
     with_images = sum(1 for r in requests if r.images)
-    if with_images:
+    if with_images and endpoint != "chat":
         raise UnsupportedWorkload(
-            f"{with_images} of {len(requests)} requests carry images, and this client cannot "
-            f"send images yet (no server with vision support exists here); use "
-            f"--images-per-request 0 or a trace without images")
+            f"{with_images} of {len(requests)} requests carry images, which only the chat "
+            f"endpoint takes; use --endpoint chat, or --images-per-request 0 or a trace "
+            f"without images")
 
 
 @dataclass
@@ -159,13 +166,25 @@ async def fetch_model_name(client: httpx.AsyncClient, base_url: str) -> str:
 
 def request_body(req: Request, model: str, endpoint: str = "chat", temperature: float = 0.0,
                  ignore_eos: bool = True) -> dict:
-    """The JSON body for ``req`` (``endpoint`` "chat" or "completions")."""
+    """The JSON body for ``req`` (``endpoint`` "chat" or "completions"). A chat request
+    with images gets list content: a text part with the prompt, then one ``image_url``
+    part per image (OpenAI's form), each a JPEG data URL (:func:`images.data_url`).
+
+    Raises:
+        UnsupportedWorkload: images with ``endpoint`` "completions".
+    """
     body = {"model": model, "max_tokens": req.max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": ignore_eos}
     if endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        content = req.prompt
+        if req.images:
+            content = [{"type": "text", "text": req.prompt}] + [
+                {"type": "image_url", "image_url": {"url": synthetic_images.data_url(x)}}
+                for x in req.images]
+        body["messages"] = [{"role": "user", "content": content}]
     else:
+        check_sendable([req], endpoint)
         body["prompt"] = req.prompt
     return body
 
@@ -181,14 +200,22 @@ def _error_text(obj) -> str:
     return json.dumps(obj)
 
 
-async def send_one(client: httpx.AsyncClient, url: str, body: dict, record: RequestRecord,
+def encode_body(body: dict) -> bytes:
+    """A request body as the JSON bytes :func:`send_one` posts."""
+    return json.dumps(body).encode()
+
+
+async def send_one(client: httpx.AsyncClient, url: str, body: bytes, record: RequestRecord,
                    run_start: float, endpoint: str = "chat") -> RequestRecord:
-    """POST ``body`` to ``url`` now and fill ``record`` from the stream (see module doc)."""
+    """POST ``body`` (JSON bytes, :func:`encode_body`: encoded before t0, as a data URL
+    of a large image takes a while to serialise) to ``url`` now and fill ``record`` from
+    the stream (see module doc)."""
     t0 = time.perf_counter()
     record.start_s = t0 - run_start
     done = False
     try:
-        async with client.stream("POST", url, json=body) as response:
+        async with client.stream("POST", url, content=body,
+                                 headers={"content-type": "application/json"}) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 try:
@@ -246,22 +273,36 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict, record: Requ
 
 WARMUP_PROMPT = "Say hello."
 WARMUP_MAX_TOKENS = 4
+# Seeds of warm-up pictures: above any image number of a trace, so the warm-up never puts
+# a picture the trace sends into the server's embedding cache.
+WARMUP_IMAGE_SEED = 2**40
+
+
+def warmup_request(i: int, images: tuple[dict, ...] = ()) -> Request:
+    """Warm-up request ``i``: a short prompt with pictures of the sizes of ``images``
+    (seeds from :data:`WARMUP_IMAGE_SEED`, new for every ``i``)."""
+    pictures = tuple({"width": x["width"], "height": x["height"],
+                      "seed": WARMUP_IMAGE_SEED + i * len(images) + k}
+                     for k, x in enumerate(images))
+    return Request(offset_s=0.0, prompt=WARMUP_PROMPT, max_tokens=WARMUP_MAX_TOKENS,
+                   kind="chat", prompt_tokens=0, images=pictures)
 
 
 async def warm_up(client: httpx.AsyncClient, url: str, model: str, num: int,
-                  endpoint: str = "chat") -> None:
+                  endpoint: str = "chat", images: tuple[dict, ...] = ()) -> None:
     """Send ``num`` short requests one after another, unmeasured (first-call costs such as
     lazy initialisation stay out of the results; a wrong model name or endpoint shows up
-    before the run instead of as N failures).
+    before the run instead of as N failures). With ``images`` (a trace request's), each
+    carries new pictures of those sizes, so the vision encoder's first call is not
+    measured either, and a server without vision support fails here.
 
     Raises:
         WarmupFailed: a warm-up request failed; the message is the server's.
     """
-    req = Request(offset_s=0.0, prompt=WARMUP_PROMPT, max_tokens=WARMUP_MAX_TOKENS,
-                  kind="chat", prompt_tokens=0)
-    for _ in range(num):
-        record = await send_one(client, url, request_body(req, model, endpoint), RequestRecord(-1),
-                                time.perf_counter(), endpoint)
+    for i in range(num):
+        body = encode_body(request_body(warmup_request(i, images), model, endpoint))
+        record = await send_one(client, url, body, RequestRecord(-1), time.perf_counter(),
+                                endpoint)
         if not record.success:
             raise WarmupFailed(f"warm-up request to {url} failed: {record.error}")
 
@@ -278,20 +319,22 @@ async def run_trace(base_url: str, model: str, requests: list[Request], endpoint
     serve``'s semantics, so with every offset 0 this is a closed loop of C clients.
 
     Raises:
-        UnsupportedWorkload: the trace carries images.
+        UnsupportedWorkload: the trace carries images and ``endpoint`` is "completions".
         ServerUnreachable: the server does not answer ``GET /v1/models`` before the run.
         WarmupFailed: a warm-up request failed.
     """
-    check_sendable(requests)
+    check_sendable(requests, endpoint)
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency {max_concurrency}: must be >= 1")
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     url = _url(base_url, path)
-    bodies = [request_body(r, model, endpoint, temperature, ignore_eos) for r in requests]
+    bodies = [encode_body(request_body(r, model, endpoint, temperature, ignore_eos))
+              for r in requests]
     async with make_client(len(requests), timeout_s) as client:
         await fetch_model_name(client, base_url)  # fail fast, one line, if nobody answers
-        await warm_up(client, url, model, warmup, endpoint)
+        await warm_up(client, url, model, warmup, endpoint,
+                      next((r.images for r in requests if r.images), ()))
         bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
         run_start = time.perf_counter()
 

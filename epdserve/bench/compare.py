@@ -16,7 +16,8 @@ summarise its trace. Then write under ``--output DIR``:
 * ``ttft_cdf.png``, ``itl_cdf.png``, ``itl_over_time.png``, ``stages.png`` and, with
   ``--sweep-rates``, ``goodput_vs_rate.png``.
 
-Every configuration gets the same trace, sampling settings and model; the launcher pins
+Every configuration gets the same trace, sampling settings and model (a trace with images
+and no ``--model``: the default multimodal model, ``--model vlm``); the launcher pins
 its workers to the same cores (all usable ones, split among workers), which ``/health``
 lists and the entry records, so throughput and goodput are also reported per core.
 
@@ -42,6 +43,7 @@ import httpx
 from epdserve.bench import client, plots, recommend, report, server_trace, sweep, workload
 from epdserve.bench.run import (add_client_arguments, bench, parse_rates, parse_share,
                                 write_json)
+from epdserve.model.loader import DEFAULT_VLM
 
 
 class ServerError(RuntimeError):
@@ -176,9 +178,10 @@ def serve_flags(name: str) -> list[str] | None:
     """``epdserve serve`` flags of a configuration name, or None for an unknown name:
     ``colocated`` and ``pd`` (1P1D) as they are, ``colocated-chunked`` (chunked prefill,
     :data:`CHUNKED_BATCHED_TOKENS` tokens per step), ``colocated-N`` for N replicas,
-    ``XpYd`` for X prefill and Y decode workers (the field's xPyD notation), ``pd-localN``
-    (prompts under N tokens prefilled on the decode worker); any of them ``-noprefix``:
-    with prefix caching off (it is on by default, as in vLLM)."""
+    ``XpYd`` for X prefill and Y decode workers (the field's xPyD notation), ``XeYpZd``
+    for EPD with X encode, Y prefill and Z decode workers, ``pd-localN`` (prompts under N
+    tokens prefilled on the decode worker); any of them ``-noprefix``: with prefix caching
+    off (it is on by default, as in vLLM)."""
     if name.endswith("-noprefix"):
         flags = serve_flags(name.removesuffix("-noprefix"))
         return None if flags is None else flags + ["--no-enable-prefix-caching"]
@@ -191,6 +194,9 @@ def serve_flags(name: str) -> list[str] | None:
         return ["--mode", "colocated", "--workers", m[1]]
     if m := re.fullmatch(r"([1-9][0-9]*)p([1-9][0-9]*)d", name):
         return ["--mode", "pd", "--prefill-workers", m[1], "--decode-workers", m[2]]
+    if m := re.fullmatch(r"([1-9][0-9]*)e([1-9][0-9]*)p([1-9][0-9]*)d", name):
+        return ["--mode", "epd", "--encode-workers", m[1], "--prefill-workers", m[2],
+                "--decode-workers", m[3]]
     if m := re.fullmatch(r"pd-local([0-9]+)", name):  # 1P1D, prompts under N tokens prefilled on decode
         return ["--mode", "pd", "--local-prefill-threshold", m[1]]
     return None
@@ -200,7 +206,7 @@ def num_workers(name: str) -> int:
     """How many workers configuration ``name`` starts (see :func:`serve_flags`)."""
     flags = serve_flags(name)
     counts = [int(flags[i + 1]) for i, f in enumerate(flags)
-              if f in ("--workers", "--prefill-workers", "--decode-workers")]
+              if f in ("--workers", "--encode-workers", "--prefill-workers", "--decode-workers")]
     return sum(counts) or (2 if flags[1] == "pd" else 1)
 
 
@@ -210,7 +216,7 @@ def parse_configs(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names or any(serve_flags(n) is None for n in names):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected names like colocated,pd,colocated-2,2p1d")
+            f"{text!r}: expected names like colocated,pd,colocated-2,2p1d,1e1p1d")
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"{text!r}: a configuration is named twice")
     return names
@@ -232,11 +238,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", type=parse_configs, default=["colocated", "pd"],
                         help="deployments to compare, in order (default colocated,pd): colocated, "
                              "colocated-chunked, colocated-N (N replicas), pd, XpYd (X prefill, "
-                             "Y decode workers), pd-localN; NAME-noprefix: prefix caching off; "
+                             "Y decode workers), XeYpZd (EPD: X encode, Y prefill, Z decode "
+                             "workers), pd-localN; NAME-noprefix: prefix caching off; "
                              "the first is the baseline of the ratio column")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="model directory or GGUF for the servers (default: the default "
-                             "model); also sizes the prompts unless --tokenizer is given")
+                             "model; vlm, the default multimodal model, when the trace has "
+                             "images); also sizes the prompts unless --tokenizer is given")
     parser.add_argument("--output", default="results/compare", metavar="DIR",
                         help="output directory (default results/compare)")
     parser.add_argument("--port", type=_port, default=8100,
@@ -255,6 +263,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 SERVE = [sys.executable, "-m", "epdserve", "serve"]
+
+
+def server_model(model: str | None, requests: list[workload.Request]) -> str | None:
+    """The ``--model`` the servers get: ``model`` when given; else, for a trace with
+    images, ``vlm`` (the default multimodal model: the default model has no vision tower);
+    else None (the default model)."""
+    if model is None and any(r.images for r in requests):
+        return DEFAULT_VLM
+    return model
 
 
 def server_command(name: str, port: int, trace_file: Path, model: str | None,
@@ -338,9 +355,11 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.output)
     try:
         requests, spec = workload.build_from_args(args, tokenizer_path=args.model)
-    except workload.TraceError as exc:
+        client.check_sendable(requests, args.endpoint)
+    except (workload.TraceError, client.UnsupportedWorkload) as exc:
         print(f"epdserve compare: error: {exc}", file=sys.stderr)
         return 2
+    args.model = server_model(args.model, requests)  # recorded in settings()
     out_dir.mkdir(parents=True, exist_ok=True)
     workload.save_trace(requests, out_dir / "trace.jsonl")
     print(f"trace: {len(requests)} requests -> {out_dir / 'trace.jsonl'}", flush=True)

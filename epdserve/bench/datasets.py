@@ -33,14 +33,36 @@ MAX_TOTAL_LEN = 2048
 _SEPARATORS = re.compile(r"[\s,]*")
 
 
-def with_images(requests: list[Request], per_request: int, size: tuple[int, int]
-                ) -> list[Request]:
-    """``requests`` with ``per_request`` images of ``size`` = (width, height) pixels each."""
+def with_images(requests: list[Request], per_request: int, size: tuple[int, int],
+                repeat_share: float = 0.0, seed: int = 0) -> list[Request]:
+    """``requests`` with ``per_request`` images of ``size`` = (width, height) pixels each.
+
+    Images are numbered in trace order and the number is the picture's seed (so each is a
+    different picture), except that round(``repeat_share`` · N) of the N requests (never
+    the first; chosen with ``seed``) send the same images as a random earlier request: an
+    encode worker's embedding cache should then hit (vLLM and SGLang key theirs by image
+    content too).
+
+    Raises:
+        TraceError: ``repeat_share`` outside [0, 1].
+    """
+    if not 0 <= repeat_share <= 1:
+        raise TraceError(f"image repeat share {repeat_share}: must be in [0, 1]")
     if per_request == 0:
         return list(requests)
-    image = {"width": size[0], "height": size[1]}
-    return [replace(r, images=tuple(dict(image) for _ in range(per_request)))
-            for r in requests]
+    rng = np.random.default_rng([seed, 2])  # apart from the generators' streams
+    n = len(requests)
+    repeats = set(rng.choice(np.arange(1, n), min(round(repeat_share * n), n - 1),
+                             replace=False).tolist())
+    out: list[Request] = []
+    for i, r in enumerate(requests):
+        if i in repeats:
+            images = out[int(rng.integers(0, i))].images
+        else:
+            images = tuple({"width": size[0], "height": size[1], "seed": i * per_request + k}
+                           for k in range(per_request))
+        out.append(replace(r, images=images))
+    return out
 
 
 def synthetic(tokenizer, num_prompts: int = 50, input_len: tuple[int, int] = (100, 400),

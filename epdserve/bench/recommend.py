@@ -1,7 +1,7 @@
 """Which configuration to use, and why in numbers: a pure function of the compare entries.
 
 Input: the entries of ``compare.json`` (:func:`epdserve.bench.compare.run_config`: ``name``,
-``mode`` ("colocated" or "pd"), ``result`` (bench result, ms fields), ``per_core``,
+``mode`` ("colocated", "pd" or "epd"), ``result`` (bench result, ms fields), ``per_core``,
 ``resources``, ``itl_stalls``, ``breakdown``, ``server``), or ``{"name", "error"}`` for a
 configuration that did not run. The rules, in order:
 
@@ -19,14 +19,16 @@ configuration that did not run. The rules, in order:
    within :data:`TIE` of the lowest are a tie, broken by the higher output tokens/s per
    core.
 
-A split (PD) is worth it when the winner is a PD configuration; the reasons compare it
-with the best configuration of the other kind chosen by the same rules.
+A split (PD) is worth it when the winner is a PD or EPD configuration (both split prefill
+from decode); the reasons compare it with the best configuration of the other kind chosen
+by the same rules.
 """
 
 from __future__ import annotations
 
 TTFT_TOLERANCE = 0.25  # TTFT p95 up to 25 % above the best still counts as "as fast"
 TIE = 0.05  # values within 5 % of each other are a tie
+SPLIT_MODES = ("pd", "epd")  # modes with prefill and decode on separate workers
 
 
 def _r(e: dict, key: str) -> float:
@@ -134,7 +136,7 @@ def recommend(entries: list[dict]) -> dict:
         out["reasons"].append("No configuration completed a request; nothing to recommend.")
         return out
     win = choose(cands, use_goodput)
-    out["choice"], out["split"] = win["name"], win.get("mode") == "pd"
+    out["choice"], out["split"] = win["name"], win.get("mode") in SPLIT_MODES
     reasons = out["reasons"]
     if use_goodput:
         out["meets_slos"] = any((e["result"].get("request_goodput") or 0) > 0 for e in cands)
@@ -144,7 +146,7 @@ def recommend(entries: list[dict]) -> dict:
                            "relax the SLOs.")
 
     # The verdict: the winner against the best of the other kind (split vs not).
-    others = [e for e in cands if (e.get("mode") == "pd") != out["split"]]
+    others = [e for e in cands if (e.get("mode") in SPLIT_MODES) != out["split"]]
     if others:
         rival = choose(others, use_goodput)
         verdict = (f"{win['name']} vs {rival['name']} {_cores_text(win, rival)}: "

@@ -33,6 +33,11 @@ ROWS = [
     ("Failed requests", "result", "failed", "{:d}"),
     ("KV bytes/req", "server", "mean_kv_bytes", "{:,.0f}"),
     ("KV transfer ms/req", "server", "mean_kv_transfer_ms", "{:.2f}"),
+    # over the requests with images (the trace's image keys; rows absent without images)
+    ("Embedding bytes/req", "server", "mean_embedding_bytes", "{:,.0f}"),
+    ("Embedding transfer ms/req", "server", "mean_embedding_transfer_ms", "{:.2f}"),
+    ("Embedding bytes/image", "server", "mean_embedding_bytes_per_image", "{:,.0f}"),
+    ("Encode ms/req", "server", "mean_encode_ms", "{:.1f}"),
 ]
 
 
@@ -85,6 +90,9 @@ def workload_lines(spec: dict, summary: dict) -> list[str]:
     lines = [f"- generator: {spec.get('source', '?')}" + (f" ({params})" if params else ""),
              f"- {summary['num_requests']} requests, sent over "
              f"{summary['duration_of_arrivals_s']:.1f} s"]
+    if summary.get("num_images"):
+        lines.append(f"- {summary['num_images']} images ({summary['distinct_images']} "
+                     f"distinct), seeded synthetic JPEGs sent as data URLs")
     for kind in ("chat", "long"):
         k = summary.get(kind)
         if k:
@@ -174,10 +182,11 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
     ran = [e for e in entries if "result" in e]
     parts = ["# epdserve compare", "", markdown_table(ran), "",
              "Ratios are each configuration's value divided by the first's. Latencies are "
-             "client-side (TTFT, ITL, TPOT, E2EL as in DESIGN.md); KV rows come from the "
-             "server trace (mean per request); cores are the CPU cores the workers were "
-             "pinned to (from /health). Prefix caching is on unless a configuration's name "
-             "ends in -noprefix.", ""]
+             "client-side (TTFT, ITL, TPOT, E2EL as in DESIGN.md); KV, encode and embedding "
+             "rows come from the server trace (mean per request; encode and embedding rows "
+             "over the requests with images, embedding bytes and transfer 0 unless EPD); "
+             "cores are the CPU cores the workers were pinned to (from /health). Prefix "
+             "caching is on unless a configuration's name ends in -noprefix.", ""]
     for e in entries:
         if "error" in e:
             parts += [f"**{e['name']} failed:** `{e['error']}`", ""]
@@ -186,7 +195,11 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
         parts += ["## Where TTFT goes", "", ttft, "",
                   "Per request, the client's TTFT joined with the server trace by request id: "
                   "http = client TTFT − the router's TTFT (request send, HTTP, SSE write); "
-                  "router = HTTP arrival to dispatch (tokenize, pick a worker); queue = arrival "
+                  "router = HTTP arrival to dispatch (tokenize, pick a worker); encode queue = "
+                  "arrival at the encoding worker (EPD: an encode worker, else the one that "
+                  "prefills) to encode start; encode = the vision encoder (EPD: of the encode "
+                  "worker whose embeddings arrived last); embedding transfer (EPD) = writing "
+                  "and reading the embedding frames; queue = arrival "
                   "at the worker to first scheduled; prefill = first scheduled to first token; "
                   "KV export (PD) happens before the first token leaves the prefill worker; "
                   "IPC hops = the router's remainder (ZeroMQ, event loop); other = what no "

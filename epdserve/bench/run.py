@@ -15,7 +15,7 @@ meeting the SLO target and ``goodput_vs_rate.png`` next to the result file.
 Exit status: 0 when the run finished (failed requests are counted in the result and
 summary, not in the status), 1 when the warm-up request fails or the server stops
 answering, 2 for a bad option, trace or dataset file, an unreachable server or a workload
-the client cannot send, 130 on Ctrl-C.
+the client cannot send (images with ``--endpoint completions``), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def bench(base_url: str, requests: list[workload.Request], args: argparse.Namesp
 
     Raises:
         client.ClientError: the server does not answer, the warm-up failed, or the trace
-            cannot be sent (images).
+            cannot be sent (images to the completions endpoint).
         workload.TraceError: ``--warmup-requests`` leaves no request to measure.
     """
     skip = getattr(args, "warmup_requests", 0)
@@ -160,7 +160,7 @@ def bench(base_url: str, requests: list[workload.Request], args: argparse.Namesp
             timeout_s=args.request_timeout, warmup=args.warmup, max_concurrency=concurrency)
         return name, records
 
-    client.check_sendable(requests)  # before any connection: it is the trace's fault
+    client.check_sendable(requests, args.endpoint)  # before any connection: the trace's fault
     name, records = asyncio.run(go())
     ramp = (getattr(args, "ramp_up_start_rps", None), getattr(args, "ramp_up_end_rps", None))
     result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"),

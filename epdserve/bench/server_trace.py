@@ -3,7 +3,10 @@
 The router appends one JSON object per finished request, with at least ``request_id``,
 ``prompt_tokens``, ``output_tokens``, ``queue_ms``, ``prefill_ms``, ``kv_bytes``,
 ``kv_transfer_ms``, ``decode_ms``, ``e2e_ms`` (``kv_*`` are 0 when colocated; every key is
-documented in ``epdserve.serving.router.Generation.trace``). Records are joined with the
+documented in ``epdserve.serving.router.Generation.trace``). Requests with images add
+``num_images``, ``encode_queue_ms`` (arrival at the encoding worker to encode start),
+``encode_ms``, ``embedding_bytes`` and ``embedding_transfer_ms`` (both 0 unless EPD);
+text-only requests lack them. Records are joined with the
 client's view by ``request_id`` (the response ``id``): :func:`summarize` gives each field's
 mean and p95, :func:`breakdown` splits each request's client TTFT (and PD hand-off gap)
 into stages. Keys a server does not write are left out, never guessed.
@@ -16,10 +19,17 @@ from pathlib import Path
 
 import numpy as np
 
-FIELDS = ("kv_bytes", "kv_transfer_ms", "prefill_ms", "queue_ms", "decode_ms", "e2e_ms",
+FIELDS = ("kv_bytes", "kv_transfer_ms",
+          # requests with images only (means over those requests): embeddings beside KV
+          "embedding_bytes", "embedding_transfer_ms", "embedding_bytes_per_image",
+          "embedding_transfer_ms_per_image", "num_images", "encode_queue_ms", "encode_ms",
+          "prefill_ms", "queue_ms", "decode_ms", "e2e_ms",
           # optional stage stamps, summarised when the server writes them
           "ttft_ms", "router_queue_ms", "prefill_queue_ms", "decode_queue_ms",
           "kv_export_ms", "kv_fetch_ms", "kv_import_ms", "router_hop_ms", "ttft_hop_ms")
+# Fields a record does not carry but its keys give: name -> (numerator, images key).
+PER_IMAGE = {"embedding_bytes_per_image": "embedding_bytes",
+             "embedding_transfer_ms_per_image": "embedding_transfer_ms"}
 
 
 def read(path: str | Path) -> tuple[list[dict], int]:
@@ -53,7 +63,9 @@ def _norm(request_id) -> str:
 
 def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> dict:
     """Mean and p95 (numpy, linear) of each of :data:`FIELDS` present in the records of this
-    run: ``mean_kv_bytes``, ``p95_kv_bytes``, ... (bytes and ms per request). Also
+    run: ``mean_kv_bytes``, ``p95_kv_bytes``, ... (bytes and ms per request, over the
+    records that carry the key: the image fields over requests with images), and of the
+    :data:`PER_IMAGE` fields (a record's value / its ``num_images``). Also
     ``num_records`` (lines in the file), ``matched_client_requests`` (records whose
     ``request_id`` is one of ``client_request_ids``) and ``malformed_lines`` when any.
     An absent file gives ``{}``."""
@@ -68,8 +80,12 @@ def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> di
     if bad:
         out["malformed_lines"] = bad
     for key in FIELDS:
-        values = [float(r[key]) for r in use
-                  if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+        if key in PER_IMAGE:
+            values = [float(r[PER_IMAGE[key]]) / r["num_images"] for r in use
+                      if _num(r.get(PER_IMAGE[key])) and _num(r.get("num_images"))
+                      and r["num_images"] > 0]
+        else:
+            values = [float(r[key]) for r in use if _num(r.get(key))]
         if values:
             out[f"mean_{key}"] = float(np.mean(values))
             out[f"p95_{key}"] = float(np.percentile(values, 95))
@@ -83,23 +99,28 @@ def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> di
 # as the router's ``Generation.trace`` documents them. TTFT stages depend on the request's
 # ``path``: colocated, disaggregated (prefill worker then decode worker) or local (a PD
 # request the decode worker prefilled itself). The prefill worker exports the KV before it
-# sends the first token, so the export is part of TTFT, not of the hand-off gap.
+# sends the first token, so the export is part of TTFT, not of the hand-off gap. Image
+# encoding (its queue, the encoding, and in EPD the embedding hand-off) comes before the
+# first worker's queue on every path, whichever worker encodes; text-only requests lack
+# its keys, so it is absent for them.
 # "http" (client TTFT - the router's ttft_ms: client send, HTTP parsing, SSE write) and
 # "other" (what no known key covers) are added by :func:`ttft_parts` / :func:`handoff_parts`.
 _ROUTER, _PREFILL, _HOPS = (("router", ("router_queue_ms",)), ("prefill", ("prefill_ms",)),
                             ("IPC hops", ("ttft_hop_ms",)))
+_ENCODE = (("encode queue", ("encode_queue_ms",)), ("encode", ("encode_ms",)),
+           ("embedding transfer", ("embedding_transfer_ms",)))
 TTFT_STAGES = {
-    "colocated": (_ROUTER, ("queue", ("queue_ms",)), _PREFILL, _HOPS),
-    "disaggregated": (_ROUTER, ("prefill queue", ("prefill_queue_ms",)), _PREFILL,
+    "colocated": (_ROUTER, *_ENCODE, ("queue", ("queue_ms",)), _PREFILL, _HOPS),
+    "disaggregated": (_ROUTER, *_ENCODE, ("prefill queue", ("prefill_queue_ms",)), _PREFILL,
                       ("KV export", ("kv_export_ms",)), _HOPS),
-    "local": (_ROUTER, ("decode queue", ("decode_queue_ms",)), _PREFILL, _HOPS),
+    "local": (_ROUTER, *_ENCODE, ("decode queue", ("decode_queue_ms",)), _PREFILL, _HOPS),
 }
 HANDOFF_STAGES = (("router hop", ("router_hop_ms",)), ("KV fetch", ("kv_fetch_ms",)),
                   ("decode queue", ("decode_queue_ms",)), ("KV import", ("kv_import_ms",)))
 # Every part in time order, for tables and plots that put several configurations together.
 PART_ORDER = {
-    "ttft": ("http", "router", "queue", "prefill queue", "decode queue", "prefill",
-             "KV export", "IPC hops", "other"),
+    "ttft": ("http", "router", "encode queue", "encode", "embedding transfer", "queue",
+             "prefill queue", "decode queue", "prefill", "KV export", "IPC hops", "other"),
     "handoff": (*(p for p, _ in HANDOFF_STAGES), "other"),
 }
 
@@ -113,12 +134,12 @@ def sort_parts(parts, which: str = "ttft") -> list[str]:
 
 
 def path_of(record: dict) -> str:
-    """The record's ``path``; for traces without one, "disaggregated" in pd mode, else
-    "colocated"."""
+    """The record's ``path``; for traces without one, "disaggregated" in pd or epd mode,
+    else "colocated"."""
     path = record.get("path")
     if path in TTFT_STAGES:
         return path
-    return "disaggregated" if record.get("mode") == "pd" else "colocated"
+    return "disaggregated" if record.get("mode") in ("pd", "epd") else "colocated"
 
 
 def _num(v) -> bool:

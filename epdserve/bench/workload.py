@@ -4,7 +4,8 @@ A trace is a list of :class:`Request` — send time after the start of the run
 (``offset_s``, seconds), prompt text, ``max_tokens``, ``kind`` ("chat" or "long"), the
 prompt length in tokens it was built to have (``prompt_tokens``, counted on the text
 content alone with the model's tokenizer; the server adds its chat-template tokens on
-top), and the images it carries (``images``: sizes only, for EPD workloads). Every
+top), and the images it carries (``images``: size and picture seed, for EPD workloads;
+the client draws the pixels, :mod:`epdserve.bench.images`). Every
 generator is seeded and deterministic: the same arguments and tokenizer give the same
 trace, byte for byte.
 
@@ -51,8 +52,10 @@ class Request:
     ``offset_s``: send time in seconds after the start of the run; ``prompt``: the user
     message text; ``max_tokens``: tokens to generate; ``kind``: "chat" or "long";
     ``prompt_tokens``: token count of ``prompt`` aimed for (text only, no template);
-    ``images``: one ``{"width": W, "height": H}`` (pixels) per image sent with the
-    prompt, empty for text-only requests.
+    ``images``: one ``{"width": W, "height": H, "seed": S}`` per image sent with the
+    prompt (pixels; S >= 0 picks the picture, :func:`epdserve.bench.images.image_bytes`:
+    equal seed and size give equal bytes, so a repeated seed is a repeated image), empty
+    for text-only requests.
     """
 
     offset_s: float
@@ -249,16 +252,20 @@ def load_trace(path: str | Path) -> list[Request]:
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise TraceError(f"trace file {path}: {exc.strerror or exc}") from None
-    requests = []
+    requests, num_images = [], 0
     for num, line in enumerate(lines, 1):
         if line.strip():
-            requests.append(_parse_request(line, f"{path}:{num}"))
+            requests.append(_parse_request(line, f"{path}:{num}", num_images))
+            num_images += len(requests[-1].images)
     if not requests:
         raise TraceError(f"trace file {path}: no requests")
     return requests
 
 
-def _parse_request(line: str, where: str) -> Request:
+def _parse_request(line: str, where: str, images_before: int = 0) -> Request:
+    """One trace line. An image without a ``seed`` (a trace written before seeds
+    existed) gets its number in the trace, ``images_before`` + its position, as
+    :func:`epdserve.bench.datasets.with_images` numbers images without repeats."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -282,26 +289,36 @@ def _parse_request(line: str, where: str) -> Request:
     images = obj.get("images", [])
     if not isinstance(images, list) or not all(_is_image(x) for x in images):
         raise TraceError(f"{where}: field 'images' must be a list of "
-                         f'{{"width": W, "height": H}} with W, H >= 1 ({images!r})')
+                         f'{{"width": W, "height": H, "seed": S}} with W, H >= 1 and S >= 0 '
+                         f"(seed optional) ({images!r})")
     return Request(offset_s=float(obj["offset_s"]), prompt=obj["prompt"],
                    max_tokens=obj["max_tokens"], kind=obj["kind"],
                    prompt_tokens=obj["prompt_tokens"],
-                   images=tuple({"width": x["width"], "height": x["height"]} for x in images))
+                   images=tuple({"width": x["width"], "height": x["height"],
+                                 "seed": x.get("seed", images_before + k)}
+                                for k, x in enumerate(images)))
+
+
+def _is_int(v, least: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
 
 
 def _is_image(x) -> bool:
-    return (isinstance(x, dict) and all(isinstance(x.get(k), int) and not isinstance(x[k], bool)
-                                        and x[k] >= 1 for k in ("width", "height")))
+    return (isinstance(x, dict) and _is_int(x.get("width"), 1) and _is_int(x.get("height"), 1)
+            and ("seed" not in x or _is_int(x["seed"], 0)))
 
 
 def describe(requests: list[Request]) -> dict:
     """Summary of a trace: counts, token totals and ranges per kind, arrival window (s),
-    and the number of images when any request carries one."""
+    and, when any request carries an image, the number of images and of distinct ones
+    (size and seed)."""
     out: dict = {"num_requests": len(requests),
                  "duration_of_arrivals_s": round(max(r.offset_s for r in requests), 3)}
     num_images = sum(len(r.images) for r in requests)
     if num_images:
         out["num_images"] = num_images
+        out["distinct_images"] = len({tuple(sorted(x.items())) for r in requests
+                                      for x in r.images})
     for kind in KINDS:
         sel = [r for r in requests if r.kind == kind]
         if sel:
@@ -362,6 +379,17 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
     if not (0 < value < math.inf):
         raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+    return value
+
+
+def parse_fraction(text: str) -> float:
+    """argparse type for a fraction in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 <= value <= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction in [0, 1], e.g. 0.5")
     return value
 
 
@@ -438,9 +466,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "synt
                    help="ShareGPT-format JSON file (--workload sharegpt)")
     g.add_argument("--images-per-request", type=nonnegative_int, default=0, metavar="N",
                    help="images attached to every request (default 0; needs a server with "
-                        "vision support)")
+                        "vision support, e.g. --model vlm, and --endpoint chat)")
     g.add_argument("--image-size", type=parse_size, default=(448, 448), metavar="WxH",
                    help="pixel size of those images (default 448x448)")
+    g.add_argument("--image-repeat-share", type=parse_fraction, default=0.0, metavar="F",
+                   help="share of requests that send the same images as an earlier request "
+                        "(embedding cache hits; default 0: every image distinct)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     g.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="model directory or GGUF whose tokenizer sizes the prompts "
@@ -538,8 +569,11 @@ def build_from_args(args: argparse.Namespace, tokenizer_path: str | None = None
                 requests = datasets.synthetic(tok, **params)
         images = getattr(args, "images_per_request", 0)
         if images:
-            params.update(images_per_request=images, image_size=args.image_size)
-            requests = datasets.with_images(requests, images, args.image_size)
+            repeat = getattr(args, "image_repeat_share", 0.0)
+            params.update(images_per_request=images, image_size=args.image_size,
+                          image_repeat_share=repeat)
+            requests = datasets.with_images(requests, images, args.image_size, repeat,
+                                            args.seed)
         spec = {"source": workload, **{k: _jsonable(v) for k, v in params.items()}, **extra}
     if args.save_trace:
         save_trace(requests, args.save_trace)

@@ -8,20 +8,40 @@ worker process around it does the I/O.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from epdserve.engine import runner
 from epdserve.engine.block_pool import BlockPool
-from epdserve.engine.request import SamplingParams, Sequence
+from epdserve.engine.request import PromptImages, SamplingParams, Sequence
 from epdserve.engine.sampler import TokenLogprobs, sample
 from epdserve.engine.scheduler import Scheduler, SchedulerConfig
 from epdserve.model.llama import LlamaModel
+from epdserve.model.loader import MULTIMODAL_MODEL_TYPES
 
 ROLES = ("colocated", "prefill", "decode")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_language_model(model_dir: str, dtype: torch.dtype,
+                        quantized: bool = False) -> tuple[LlamaModel, int | None]:
+    """The language model of a text model directory or of a SmolVLM / Idefics3 one, and
+    the latter's ``image_token_id`` (None for a text model). ``quantized``: see
+    :meth:`LlamaModel.load` (text models only).
+
+    Raises:
+        ModelLoadError: the model cannot be loaded.
+    """
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if config.get("model_type") in MULTIMODAL_MODEL_TYPES:
+        from epdserve.model.smolvlm import load_text
+
+        return load_text(model_dir, dtype)
+    return LlamaModel.load(model_dir, dtype, quantized), None
 
 
 @dataclass(frozen=True)
@@ -29,7 +49,9 @@ class EngineConfig:
     """Engine settings. ``kv_cache_memory_mb`` sizes the block pool (MiB) unless
     ``num_kv_blocks`` fixes the block count (as vLLM's ``num_gpu_blocks_override``);
     ``max_num_batched_tokens`` defaults to the context window (no chunking needed);
-    ``enable_prefix_caching`` as vLLM's (on by default, see ``engine/prefix_cache.py``)."""
+    ``enable_prefix_caching`` as vLLM's (on by default, see ``engine/prefix_cache.py``);
+    ``quantized_weights``: with dtype float32 and a model converted from a Q4_1 / Q8_0 GGUF,
+    small batches run the linear layers straight from the GGUF blocks (``model/quant.py``)."""
 
     role: str = "colocated"
     block_size: int = 16
@@ -40,6 +62,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = True
     dtype: str = "float32"
+    quantized_weights: bool = True
 
 
 @dataclass
@@ -82,7 +105,8 @@ class LLMEngine:
         if config.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {config.dtype!r} (choose from {', '.join(DTYPES)})")
         self.config = config
-        self.model = LlamaModel.load(model_dir, DTYPES[config.dtype])
+        self.model, self.image_token_id = load_language_model(model_dir, DTYPES[config.dtype],
+                                                                  config.quantized_weights)
         mc = self.model.config
         self.max_model_len = mc.max_position_embeddings
         block_bytes = config.block_size * mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize)
@@ -110,18 +134,22 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     kv: torch.Tensor | None = None, first_token: int | None = None,
-                    timings: dict[str, float] | None = None, arrival: float | None = None) -> None:
+                    timings: dict[str, float] | None = None, arrival: float | None = None,
+                    images: list[tuple[str, int]] = (), image_embeddings: torch.Tensor | None = None) -> None:
         """Queue a request. A decode-role request brings ``kv [layers, 2, n_blocks,
         block_size, kv_heads, head_dim]`` (the prompt's KV blocks) and ``first_token``, or
         neither, and then prefills the prompt itself (conditional disaggregation).
         ``timings`` (e.g. the KV fetch's) are reported with the request's own;
         ``arrival`` is the ``time.perf_counter()`` at which the request reached the worker
-        (default: now), the start of its ``queue_ms``.
+        (default: now), the start of its ``queue_ms``. ``images``: ``(content hash,
+        <image> tokens)`` of each image of the prompt, in order, with
+        ``image_embeddings [sum of tokens, hidden]`` (needed unless ``kv`` comes too).
 
         Raises:
             ValueError: duplicate id, empty or out-of-vocabulary prompt, prompt plus
-                ``max_tokens`` over the context window or the whole KV pool, or KV of the
-                wrong shape or dtype.
+                ``max_tokens`` over the context window or the whole KV pool, KV of the
+                wrong shape or dtype, images for a text model, images whose tokens or
+                embeddings do not match the prompt, or images without embeddings to prefill.
         """
         if request_id in self.seqs or request_id in self.exported:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -142,7 +170,8 @@ class LLMEngine:
             raise ValueError("kv and first_token come together or not at all")
         if kv is not None and self.config.role != "decode":
             raise ValueError(f"a {self.config.role} worker takes no kv or first_token")
-        seq = Sequence(request_id, prompt_token_ids, sampling, kv, first_token)
+        seq = Sequence(request_id, prompt_token_ids, sampling, kv, first_token,
+                       self._prompt_images(prompt_token_ids, images, image_embeddings, kv is not None))
         seq.timings.update(timings or {})
         if arrival is not None:
             seq.arrival = arrival
@@ -154,6 +183,17 @@ class LLMEngine:
             seq.num_computed_tokens = n  # the prompt's K/V arrives with the request
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def _prompt_images(self, prompt_token_ids: list[int], images: list[tuple[str, int]],
+                       embeddings: torch.Tensor | None, has_kv: bool) -> PromptImages | None:
+        if not images:
+            return None
+        if self.image_token_id is None:
+            raise ValueError("this model takes no images (serve a vision-language model, e.g. --model vlm)")
+        if embeddings is None and not has_kv:
+            raise ValueError("a prompt with images needs their embeddings to be prefilled")
+        return PromptImages(prompt_token_ids, self.image_token_id, list(images), embeddings,
+                            self.model.config.hidden_size)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks (and any exported blocks). True if it existed."""

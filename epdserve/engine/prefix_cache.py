@@ -41,7 +41,8 @@ class PrefixCache:
         """The keys of ``seq``'s first ``num_blocks`` blocks (all full), computed once each."""
         hashes, size = seq.block_hashes, self.pool.block_size
         for i in range(len(hashes), num_blocks):
-            hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_ids[i * size:(i + 1) * size]))
+            extra = seq.images.block_keys(i, size) if seq.images is not None else ()
+            hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_ids[i * size:(i + 1) * size], extra))
         return hashes[:num_blocks]
 
     def match(self, seq: Sequence) -> list[int]:

@@ -8,14 +8,16 @@ from epdserve.engine.scheduler import ScheduledBatch
 from epdserve.model.llama import AttentionMetadata, LlamaModel, PrefillSeq
 
 
-def prepare(batch: ScheduledBatch, block_size: int) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
+def prepare(batch: ScheduledBatch, block_size: int
+            ) -> tuple[torch.Tensor, AttentionMetadata, list[int], tuple[torch.Tensor, torch.Tensor] | None]:
     """Flatten ``batch`` into ``input_ids [T]`` and its :class:`AttentionMetadata`.
 
     Returns also the indices (into ``batch.seqs``) of the sequences that get a new token
     this step: those whose every known token has K/V after the step (a prefill chunk
-    that is not the last one samples nothing).
+    that is not the last one samples nothing), and the image embeddings of the prompt
+    positions in this step, ``(batch rows [R], embeddings [R, hidden])``, or None.
     """
-    input_ids, positions, slots, prefills = [], [], [], []
+    input_ids, positions, slots, prefills, embed_rows, embed_values = [], [], [], [], [], []
     decode_rows, decode_tables, decode_lens, logits_rows, sampled = [], [], [], [], []
     row = 0
     for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -23,6 +25,10 @@ def prepare(batch: ScheduledBatch, block_size: int) -> tuple[torch.Tensor, Atten
         pos = torch.arange(start, start + n)
         table = torch.tensor(seq.block_table, dtype=torch.long)
         input_ids.extend(seq.token_ids[start:start + n])
+        if seq.images is not None and start < seq.num_prompt_tokens:
+            offsets, values = seq.images.rows(start, n)
+            embed_rows.append(offsets + row)
+            embed_values.append(values)
         positions.append(pos)
         slots.append(table[pos // block_size] * block_size + pos % block_size)
         if n == 1:
@@ -47,10 +53,11 @@ def prepare(batch: ScheduledBatch, block_size: int) -> tuple[torch.Tensor, Atten
         decode_ctx_lens=torch.tensor(decode_lens, dtype=torch.long),
         logits_rows=torch.tensor(logits_rows, dtype=torch.long),
     )
-    return torch.tensor(input_ids, dtype=torch.long), meta, sampled
+    embeds = (torch.cat(embed_rows), torch.cat(embed_values)) if embed_rows else None
+    return torch.tensor(input_ids, dtype=torch.long), meta, sampled, embeds
 
 
 def run(model: LlamaModel, batch: ScheduledBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """One forward pass: returns ``(logits [S, vocab], indices of sampled sequences)``."""
-    input_ids, meta, sampled = prepare(batch, kv_cache.shape[3])
-    return model.forward(input_ids, meta, kv_cache), sampled
+    input_ids, meta, sampled, embeds = prepare(batch, kv_cache.shape[3])
+    return model.forward(input_ids, meta, kv_cache, embeds), sampled

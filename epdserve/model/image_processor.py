@@ -146,23 +146,34 @@ class ImageProcessor:
             "max_image_size": {"longest_edge": self.max_image_size},
         }
 
+    def grid(self, size: tuple[int, int]) -> tuple[int, int]:
+        """``(rows, cols)`` of the tiles :meth:`process` cuts an image of ``size`` = (width,
+        height) pixels into ((0, 0): not split, one tile); known without decoding the image,
+        so a router can lay out the prompt (:meth:`num_tokens`) from the image's header."""
+        if self.do_resize:
+            size = _longest_edge_size(size, self.longest_edge)
+        if not self.do_image_splitting:
+            return 0, 0
+        side = self.max_image_size
+        width, height = _tile_multiple_size(size, side)
+        return (height // side, width // side) if width > side or height > side else (0, 0)
+
+    def num_tokens(self, grid: tuple[int, int]) -> int:
+        """``<image>`` tokens (= embedding rows) of an image with tile ``grid``."""
+        return self.image_seq_len * (grid[0] * grid[1] + 1)
+
     def process(self, image: Image.Image) -> ProcessedImage:
         """Tiles and global image of one loaded image (see the module docstring)."""
         image = _to_rgb(image)
+        rows, cols = self.grid(image.size)
         if self.do_resize:
             image = image.resize(_longest_edge_size(image.size, self.longest_edge), resample=self.resample)
         side = self.max_image_size
-        rows = cols = 0
         if self.do_image_splitting:
             image = image.resize(_tile_multiple_size(image.size, side), resample=self.resample)
-            width, height = image.size
-            if width > side or height > side:
-                rows, cols = height // side, width // side
-                frames = [image.crop((c * side, r * side, (c + 1) * side, (r + 1) * side))
-                          for r in range(rows) for c in range(cols)]
-                frames.append(image.resize((side, side), resample=self.resample))
-            else:
-                frames = [image]
+            frames = [image.crop((c * side, r * side, (c + 1) * side, (r + 1) * side))
+                      for r in range(rows) for c in range(cols)]
+            frames.append(image.resize((side, side), resample=self.resample) if rows else image)
         else:
             frames = [image.resize((side, side), resample=self.resample)]
         mean = np.array(self.image_mean, dtype=np.float32)[:, None, None]
@@ -172,27 +183,29 @@ class ImageProcessor:
                   .astype(np.float32) - mean) / std for f in frames]
         return ProcessedImage(torch.from_numpy(np.stack(tiles)), rows, cols)
 
-    def prompt(self, image: ProcessedImage) -> str:
-        """The text that replaces one ``<image>`` placeholder for ``image``."""
+    def prompt(self, grid: tuple[int, int]) -> str:
+        """The text that replaces one ``<image>`` placeholder for an image of tile ``grid``
+        (rows, cols)."""
         tile = IMAGE_TOKEN * self.image_seq_len
+        rows, cols = grid
         text = ""
-        if image.rows or image.cols:
-            for r in range(1, image.rows + 1):
-                text += "".join(f"{FAKE_TOKEN}<row_{r}_col_{c}>{tile}" for c in range(1, image.cols + 1)) + "\n"
+        if rows or cols:
+            for r in range(1, rows + 1):
+                text += "".join(f"{FAKE_TOKEN}<row_{r}_col_{c}>{tile}" for c in range(1, cols + 1)) + "\n"
             text += "\n"
         return text + f"{FAKE_TOKEN}{GLOBAL_TOKEN}{tile}{FAKE_TOKEN}"
 
-    def expand(self, text: str, images: list[ProcessedImage]) -> str:
+    def expand(self, text: str, grids: list[tuple[int, int]]) -> str:
         """``text`` with its ``<image>`` placeholders replaced, in order, by the prompts of
-        ``images``.
+        images with tile ``grids`` (:meth:`grid`, or ``(p.rows, p.cols)`` of processed ones).
 
         Raises:
-            ValueError: the number of placeholders differs from ``len(images)``.
+            ValueError: the number of placeholders differs from ``len(grids)``.
         """
         parts = text.split(IMAGE_TOKEN)
-        if len(parts) - 1 != len(images):
-            raise ValueError(f"prompt has {len(parts) - 1} {IMAGE_TOKEN} placeholders for {len(images)} images")
-        return parts[0] + "".join(self.prompt(im) + part for im, part in zip(images, parts[1:]))
+        if len(parts) - 1 != len(grids):
+            raise ValueError(f"prompt has {len(parts) - 1} {IMAGE_TOKEN} placeholders for {len(grids)} images")
+        return parts[0] + "".join(self.prompt(g) + part for g, part in zip(grids, parts[1:]))
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from epdserve.model import quant
 from epdserve.model.config import ModelConfig
 from epdserve.model.loader import ModelLoadError
 
@@ -88,29 +89,31 @@ class LlamaModel:
 
     layer_hook = None
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 blocks: dict[str, quant.Blocks] | None = None):
         self.config = config
         self.dtype = dtype
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        # Linear layers whose GGUF blocks are in ``blocks`` run on them (quant.QuantLinear).
+        self.lm_head = quant.projection(weights, blocks, [
+            "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
         self.norm = weights["model.norm.weight"]
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
-            # Fused projections: one matmul for Q, K and V and one for gate and up.
-            qkv = torch.cat([weights[attn + n + "_proj.weight"] for n in "qkv"])
             bias = None
             if attn + "q_proj.bias" in weights:  # qwen2
                 bias = torch.cat([weights[attn + n + "_proj.bias"] for n in "qkv"])
             self.layers.append({
                 "input_norm": weights[p + "input_layernorm.weight"],
                 "post_norm": weights[p + "post_attention_layernorm.weight"],
-                "qkv": qkv,
+                # Fused projections: one matmul for Q, K and V and one for gate and up.
+                "qkv": quant.projection(weights, blocks, [attn + n + "_proj.weight" for n in "qkv"]),
                 "qkv_bias": bias,
-                "o": weights[attn + "o_proj.weight"],
-                "gate_up": torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
-                "down": weights[p + "mlp.down_proj.weight"],
+                "o": quant.projection(weights, blocks, [attn + "o_proj.weight"]),
+                "gate_up": quant.projection(weights, blocks, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                "down": quant.projection(weights, blocks, [p + "mlp.down_proj.weight"]),
             })
         inv_freq = rope_inv_freq(config)
         t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
@@ -120,8 +123,11 @@ class LlamaModel:
         self.sin = emb.sin().to(dtype)
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "LlamaModel":
-        """Load ``model_dir`` (Hugging Face layout) into ``dtype`` tensors.
+    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+             quantized: bool = False) -> "LlamaModel":
+        """Load ``model_dir`` (Hugging Face layout) into ``dtype`` tensors. ``quantized``
+        (float32 only): linear layers run on the Q4_1 / Q8_0 blocks a GGUF conversion
+        stored (see ``model/quant.py``) when there are some and the kernel builds.
 
         Raises:
             ModelLoadError: a weight file is corrupt or a tensor is missing.
@@ -136,8 +142,9 @@ class LlamaModel:
             except Exception as exc:
                 raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from None
             weights.update({k: v.to(dtype) for k, v in part.items()})
+        blocks = quant.load_blocks(model_dir) if quantized and dtype == torch.float32 else None
         try:
-            return cls(config, weights, dtype)
+            return cls(config, weights, dtype, blocks)
         except KeyError as exc:
             raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
 
@@ -185,7 +192,7 @@ class LlamaModel:
         sin = self.sin[meta.positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["input_norm"])
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            qkv = quant.linear(h, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
             q = self._rope(q.view(-1, n_q, d), cos, sin)
             k = self._rope(k.view(-1, n_kv, d), cos, sin)
@@ -197,12 +204,12 @@ class LlamaModel:
             if self.layer_hook is not None:
                 self.layer_hook(i)
             attn = self._attention(q, k, v, kv_cache[i], meta)
-            x = x + F.linear(attn.reshape(-1, n_q * d), layer["o"])
+            x = x + quant.linear(attn.reshape(-1, n_q * d), layer["o"])
             h = self._rms_norm(x, layer["post_norm"])
-            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = quant.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + quant.linear(F.silu(gate) * up, layer["down"])
         x = self._rms_norm(x[meta.logits_rows], self.norm)
-        return F.linear(x, self.lm_head).float()
+        return quant.linear(x, self.lm_head).float()
 
     def _attention(self, q, k, v, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output ``[T, heads, head_dim]`` for every row of the batch."""

@@ -26,7 +26,13 @@ from pathlib import Path
 import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+MULTIMODAL_MODEL_TYPES = ("idefics3", "smolvlm")
+# --model's name for the default multimodal model (epdserve.model.smolvlm.default_multimodal_model).
+DEFAULT_VLM = "vlm"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Part of a converted GGUF's cache key: bump it when the directory's contents change
+# (2: quantized/blocks.safetensors, the weights' Q4_1 / Q8_0 blocks).
+_CACHE_FORMAT = 2
 
 
 class ModelLoadError(RuntimeError):
@@ -36,12 +42,16 @@ class ModelLoadError(RuntimeError):
 @dataclass(frozen=True)
 class ModelInfo:
     """A resolved model: ``path`` is a Hugging Face directory, ``name`` the served name,
-    ``max_model_len`` the context window in tokens, ``source`` what the user gave."""
+    ``max_model_len`` the context window in tokens, ``source`` what the user gave;
+    ``multimodal``: a SmolVLM / Idefics3 directory (images in, see ``model/smolvlm.py``),
+    ``synthetic_vision``: its vision weights are seeded random ones (the default VLM)."""
 
     path: Path
     name: str
     max_model_len: int
     source: str
+    multimodal: bool = False
+    synthetic_vision: bool = False
 
 
 def default_gguf() -> Path:
@@ -65,13 +75,19 @@ def cache_root() -> Path:
 
 
 def resolve_model(model: str | os.PathLike | None = None) -> ModelInfo:
-    """Return the Hugging Face directory for ``model`` (a GGUF file, a HF directory, or
-    None for the default), converting a GGUF into the cache on first use.
+    """Return the Hugging Face directory for ``model`` (a GGUF file, a HF directory,
+    :data:`DEFAULT_VLM` for the default multimodal model, or None for the default),
+    converting a GGUF into the cache on first use.
 
     Raises:
         ModelLoadError: missing path, unsupported architecture, or a corrupt file.
     """
-    source = Path(model) if model is not None else default_gguf()
+    if str(model) == DEFAULT_VLM:
+        from epdserve.model.smolvlm import default_multimodal_model
+
+        source = default_multimodal_model()
+    else:
+        source = Path(model) if model is not None else default_gguf()
     if not source.exists():
         raise ModelLoadError(f"{source}: no such file or directory")
     if source.is_dir():
@@ -80,9 +96,12 @@ def resolve_model(model: str | os.PathLike | None = None) -> ModelInfo:
     else:
         path = _gguf_to_hf_dir(source)
     config = json.loads((path / "config.json").read_text())
-    name = source.name.split(".")[0] if source.is_file() else source.name
+    multimodal = config.get("model_type") in MULTIMODAL_MODEL_TYPES
+    name = DEFAULT_VLM if str(model) == DEFAULT_VLM else source.name.split(".")[0] if source.is_file() else source.name
+    text_config = config.get("text_config", config) if multimodal else config
     return ModelInfo(path=path, name=name, source=str(source),
-                     max_model_len=int(config.get("max_position_embeddings", 2048)))
+                     max_model_len=int(text_config.get("max_position_embeddings", 2048)),
+                     multimodal=multimodal, synthetic_vision=bool(config.get("synthetic_vision")))
 
 
 def _check_hf_dir(path: Path) -> None:
@@ -94,21 +113,21 @@ def _check_hf_dir(path: Path) -> None:
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{config_file}: not valid JSON ({exc})") from None
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES + MULTIMODAL_MODEL_TYPES:
         raise ModelLoadError(f"{config_file}: unsupported architecture model_type={model_type!r}"
-                             f" (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+                             f" (supported: {', '.join(SUPPORTED_MODEL_TYPES + MULTIMODAL_MODEL_TYPES)})")
     if not list(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
 
 
 def _gguf_to_hf_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_CACHE_FORMAT}".encode())
 
     def write(tmp: Path) -> None:
         try:
-            config, tensors = _read_gguf(gguf_path)
-            _write_hf_dir(tmp, gguf_path, config, tensors)
+            config, tensors, blocks = _read_gguf(gguf_path)
+            _write_hf_dir(tmp, gguf_path, config, tensors, blocks)
         except ModelLoadError:
             raise
         except Exception as exc:
@@ -162,9 +181,12 @@ def _field(reader, key, default=None):
     return default if field is None else field.contents()
 
 
-def _read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """Read a llama GGUF: returns (HF config dict, HF-named float32 arrays)."""
+def _read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Read a llama GGUF: returns (HF config dict, HF-named float32 arrays, the Q4_1 / Q8_0
+    weights' blocks as ``quant.pack_gguf`` splits them, named ``<HF name>.<array>``)."""
     import gguf
+
+    from epdserve.model.quant import pack_gguf
 
     try:
         reader = gguf.GGUFReader(path)
@@ -199,7 +221,7 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     for i in range(config["num_hidden_layers"]):
         for g, h in _GGUF_TO_HF.items():
             names[g.format(i=i)] = h.format(i=i)
-    tensors = {}
+    tensors, blocks = {}, {}
     for t in reader.tensors:
         if t.name not in names:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a llama model")
@@ -208,14 +230,17 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
         hf_name = names[t.name]
         # llama.cpp permutes Q/K rows so that RoPE pairs are interleaved; undo it to get
         # the Hugging Face (rotate-half) layout. Same convention as llama.cpp's
-        # convert_hf_to_gguf.py LlamaModel.permute.
-        if t.name.endswith("attn_q.weight"):
-            array = _unpermute(array, n_heads)
-        elif t.name.endswith("attn_k.weight"):
-            array = _unpermute(array, n_kv_heads)
+        # convert_hf_to_gguf.py LlamaModel.permute. Block rows are weight rows: the
+        # quantized blocks get the same row un-permute.
+        packed = pack_gguf(t.data, t.tensor_type) or {}
+        heads = {"attn_q.weight": n_heads, "attn_k.weight": n_kv_heads}.get(t.name.split(".", 2)[-1])
+        if heads:
+            array = _unpermute(array, heads)
+            packed = {k: _unpermute(v, heads) for k, v in packed.items()}
         tensors[hf_name] = array
+        blocks.update({f"{hf_name}.{k}": v for k, v in packed.items()})
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    return config, tensors
+    return config, tensors, blocks
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -224,11 +249,16 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
              .swapaxes(1, 2).reshape(w.shape))
 
 
-def _write_hf_dir(out: Path, gguf_path: Path, config: dict, tensors: dict) -> None:
+def _write_hf_dir(out: Path, gguf_path: Path, config: dict, tensors: dict, blocks: dict) -> None:
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
 
+    from epdserve.model.quant import BLOCKS_FILE
+
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(out / "model.safetensors"))
+    if blocks:  # a subdirectory: model loaders read every *.safetensors at the top
+        (out / BLOCKS_FILE).parent.mkdir()
+        save_file(blocks, str(out / BLOCKS_FILE))
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tokenizer.save_pretrained(out)

@@ -68,18 +68,11 @@ class SmolVLM:
         cfg = read_config(model_dir)
         vision_config = VisionConfig.from_dict(cfg)
         weights = read_weights(model_dir)
-        text_weights = {("model." + k[len(TEXT_PREFIX):] if k.startswith(TEXT_PREFIX) else k): v.to(dtype)
-                        for k, v in weights.items() if not is_vision_weight(k)}
-        # Tied exactly when the checkpoint has no lm_head (transformers does not save tied copies).
-        text_config = dataclasses.replace(ModelConfig.from_dict(cfg["text_config"], f"{model_dir}/config.json"),
-                                          tie_word_embeddings="lm_head.weight" not in text_weights)
         try:
             vision = VisionEncoder(vision_config, weights, dtype)
-            text = LlamaModel(text_config, text_weights, dtype)
         except KeyError as exc:
-            raise ModelLoadError(f"{model_dir}: missing tensor {exc}"
-                                 " (language model names are given without 'text_model.')") from None
-        return cls(path=Path(model_dir), vision=vision, text=text,
+            raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
+        return cls(path=Path(model_dir), vision=vision, text=_text_model(model_dir, cfg, weights, dtype),
                    processor=ImageProcessor.from_dir(model_dir, vision_config.tokens_per_image),
                    image_token_id=cfg["image_token_id"], synthetic_vision=bool(cfg.get("synthetic_vision")))
 
@@ -96,6 +89,31 @@ class SmolVLM:
         if len(rows) != len(values):
             raise ValueError(f"{len(rows)} {IMAGE_TOKEN} tokens for {len(values)} image embeddings")
         return rows, values
+
+
+def load_text(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, int]:
+    """The language model of a SmolVLM / Idefics3 directory alone (what prefill and decode
+    workers run; the vision tower stays unread) and its ``image_token_id``.
+
+    Raises:
+        ModelLoadError: as :meth:`SmolVLM.load`.
+    """
+    cfg = read_config(model_dir)
+    weights = read_weights(model_dir, keep=lambda name: not is_vision_weight(name))
+    return _text_model(model_dir, cfg, weights, dtype), cfg["image_token_id"]
+
+
+def _text_model(model_dir: str | Path, cfg: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> LlamaModel:
+    text_weights = {("model." + k[len(TEXT_PREFIX):] if k.startswith(TEXT_PREFIX) else k): v.to(dtype)
+                    for k, v in weights.items() if not is_vision_weight(k)}
+    # Tied exactly when the checkpoint has no lm_head (transformers does not save tied copies).
+    text_config = dataclasses.replace(ModelConfig.from_dict(cfg["text_config"], f"{model_dir}/config.json"),
+                                      tie_word_embeddings="lm_head.weight" not in text_weights)
+    try:
+        return LlamaModel(text_config, text_weights, dtype)
+    except KeyError as exc:
+        raise ModelLoadError(f"{model_dir}: missing tensor {exc}"
+                             " (language model names are given without 'text_model.')") from None
 
 
 def synthetic_vision_weights(config: VisionConfig, seed: int, projection_std: float) -> dict[str, torch.Tensor]:

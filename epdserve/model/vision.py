@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from epdserve.model.loader import ModelLoadError
+from epdserve.model.loader import MULTIMODAL_MODEL_TYPES, ModelLoadError
 
-MULTIMODAL_MODEL_TYPES = ("idefics3", "smolvlm")
 VISION_PREFIX = "model.vision_model."
 CONNECTOR_WEIGHT = "model.connector.modality_projection.proj.weight"
 

@@ -39,8 +39,9 @@ def model_fingerprint(path: Path) -> str:
 
 def model_kv_shape(path: Path) -> dict:
     """``num_layers``, ``num_kv_heads`` and ``head_dim`` of the model in ``path``
-    (the part of a KV layout fixed by the model)."""
+    (the part of a KV layout fixed by the model; a vision-language model's language model's)."""
     c = json.loads(Path(path, "config.json").read_text())
+    c = c.get("text_config", c)
     heads = c["num_attention_heads"]
     return {"num_layers": c["num_hidden_layers"], "num_kv_heads": c.get("num_key_value_heads", heads),
             "head_dim": c.get("head_dim") or c["hidden_size"] // heads}

@@ -5,7 +5,10 @@ Placement (:func:`plan_workers`), over the cores this process may use (or ``--co
 * colocated, ``--workers N``: the cores are split among the N replicas;
 * pd, ``--prefill-workers X --decode-workers Y``: prefill workers get the first half of
   the cores and decode workers the rest (on a one-core machine both share it), split
-  among the workers of each role.
+  among the workers of each role;
+* epd, ``--encode-workers E`` too: placed as pd, then the prefill half is split again
+  between encode and prefill workers (on one core they share it): encoding and prefill
+  follow each other on a request's way, while decode keeps cores of its own.
 
 Splitting C cores among N workers: if N <= C, contiguous groups of near-equal size;
 if N > C, worker i gets core i mod C alone, so workers share cores round-robin. The
@@ -39,7 +42,8 @@ import tempfile
 import time
 
 from epdserve.engine.engine import DTYPES
-from epdserve.serving.router import Router, add_router_options, build_router, create_app, setup_logging
+from epdserve.serving.router import (SYNTHETIC_VISION_NOTE, Router, add_router_options, build_router, create_app,
+                                     setup_logging)
 
 log = logging.getLogger("epdserve.launcher")
 
@@ -71,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds to wait for every worker's hello")
     parser.add_argument("--workers", type=int, default=1, help="colocated: number of worker replicas")
-    parser.add_argument("--prefill-workers", type=int, default=1, help="pd: number of prefill workers")
-    parser.add_argument("--decode-workers", type=int, default=1, help="pd: number of decode workers")
+    parser.add_argument("--prefill-workers", type=int, default=1, help="pd, epd: number of prefill workers")
+    parser.add_argument("--decode-workers", type=int, default=1, help="pd, epd: number of decode workers")
+    parser.add_argument("--encode-workers", type=int, default=1, help="epd: number of encode workers")
     parser.add_argument("--events", default=None,
                         help="ZeroMQ address of the router's events socket (default: ipc in a private "
                              "directory); e.g. tcp://127.0.0.1:5557 to let other workers join")
@@ -89,7 +94,7 @@ def split_cores(cores: list[int], n: int) -> list[list[int]]:
 
 
 def plan_workers(mode: str, cores: list[int], *, workers: int = 1, prefill: int = 1,
-                 decode: int = 1) -> list[tuple[str, str, list[int]]]:
+                 decode: int = 1, encode: int = 1) -> list[tuple[str, str, list[int]]]:
     """``(role, worker_id, cores)`` for each worker of ``mode`` (placement rule: module doc).
 
     Raises:
@@ -97,13 +102,18 @@ def plan_workers(mode: str, cores: list[int], *, workers: int = 1, prefill: int 
     """
     if not cores:
         raise ValueError("no CPU cores to place workers on")
-    if min(workers, prefill, decode) < 1:
+    if min(workers, prefill, decode, encode) < 1:
         raise ValueError("every worker count must be at least 1")
     if mode == "colocated":
         return [("colocated", f"colocated-{i}", c) for i, c in enumerate(split_cores(cores, workers))]
-    if mode == "pd":
+    if mode in ("pd", "epd"):
         half = max(1, len(cores) // 2)
-        return ([("prefill", f"prefill-{i}", c) for i, c in enumerate(split_cores(cores[:half], prefill))]
+        first, plan = cores[:half], []
+        if mode == "epd":
+            split = max(1, len(first) // 2)
+            plan = [("encode", f"encode-{i}", c) for i, c in enumerate(split_cores(first[:split], encode))]
+            first = first[split:] or first
+        return (plan + [("prefill", f"prefill-{i}", c) for i, c in enumerate(split_cores(first, prefill))]
                 + [("decode", f"decode-{i}", c) for i, c in enumerate(split_cores(cores[half:] or cores, decode))])
     raise ValueError(f"unknown mode {mode!r}")
 
@@ -221,6 +231,8 @@ async def _supervise(server, router: Router, children: Children, args, placement
             port = server.servers[0].sockets[0].getsockname()[1]
             print(f"epdserve serve: ready at http://{args.host}:{port} (mode {args.mode}, model "
                   f"{router.model.name}; {placement})", flush=True)
+            if router.model.synthetic_vision:
+                print(f"epdserve serve: note: {SYNTHETIC_VISION_NOTE}", flush=True)
             announced = True
         if not announced and time.monotonic() > deadline:
             log.error("workers did not all say hello within %.0f s; stopping", args.startup_timeout)
@@ -242,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     cores = ([int(c) for c in args.cores.split(",")] if args.cores else sorted(os.sched_getaffinity(0)))
     try:
         plan = plan_workers(args.mode, cores, workers=args.workers, prefill=args.prefill_workers,
-                            decode=args.decode_workers)
+                            decode=args.decode_workers, encode=args.encode_workers)
     except ValueError as exc:
         print(f"epdserve serve: error: {exc}", file=sys.stderr)
         return 2

@@ -60,6 +60,12 @@ class RouterMetrics:
                                             "Prompt tokens looked up in the prefix cache.", wl, registry=r)
         self.prefix_cache_hits = Counter("epdserve:prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache.", wl, registry=r)
+        # vLLM's vllm:mm_cache_queries / vllm:mm_cache_hits: images looked up in / found in
+        # a worker's embedding cache (encode workers, and workers that encode in-process).
+        self.mm_cache_queries = Counter("epdserve:mm_cache_queries", "Images looked up in the embedding cache.",
+                                        wl, registry=r)
+        self.mm_cache_hits = Counter("epdserve:mm_cache_hits", "Images found in the embedding cache.",
+                                     wl, registry=r)
         self._totals_seen: dict[tuple[str, str], tuple[int, ...]] = {}  # last worker-reported totals
         self.request_success = Counter("epdserve:request_success_total",
                                        "Finished requests by finish reason (abort = client went away).",
@@ -98,17 +104,19 @@ class RouterMetrics:
 
     def set_worker(self, worker: str, role: str, *, blocks_in_use: int, blocks_total: int,
                    num_running: int, num_waiting: int, num_preemptions: int,
-                   prefix_cache_queries: int = 0, prefix_cache_hits: int = 0) -> None:
-        """Update one worker's gauges and counters from its Stats, whose preemption and
-        prefix-cache numbers are the worker's totals since it started (a worker that
-        restarted reports smaller totals: its counters go on from the new totals)."""
+                   prefix_cache_queries: int = 0, prefix_cache_hits: int = 0, mm_cache_queries: int = 0,
+                   mm_cache_hits: int = 0) -> None:
+        """Update one worker's gauges and counters from its Stats, whose preemption,
+        prefix-cache and embedding-cache numbers are the worker's totals since it started
+        (a worker that restarted reports smaller totals: its counters go on from the new totals)."""
         self.kv_blocks_in_use.labels(worker, role).set(blocks_in_use)
         self.kv_blocks_total.labels(worker, role).set(blocks_total)
         self.kv_cache_usage.labels(worker, role).set(blocks_in_use / blocks_total if blocks_total else 0.0)
         self.num_requests_running.labels(worker, role).set(num_running)
         self.num_requests_waiting.labels(worker, role).set(num_waiting)
-        totals = (num_preemptions, prefix_cache_queries, prefix_cache_hits)
-        counters = (self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits)
+        totals = (num_preemptions, prefix_cache_queries, prefix_cache_hits, mm_cache_queries, mm_cache_hits)
+        counters = (self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits, self.mm_cache_queries,
+                    self.mm_cache_hits)
         seen = self._totals_seen.get((worker, role), (0,) * len(totals))
         if any(now < before for now, before in zip(totals, seen)):
             seen = (0,) * len(totals)

@@ -238,3 +238,44 @@ def _fetch(url: str, param: str, options: MediaOptions) -> bytes:
         # First line only: httpx appends a documentation link to status errors.
         raise APIError(f"cannot fetch image {url}: {str(exc).splitlines()[0]}", param=param) from None
     return bytes(data)
+
+
+class ImagePrompter:
+    """Lays out chat requests with images for the SmolVLM / Idefics3 model in
+    ``model_dir``: the chat template's text with each ``<image>`` placeholder expanded to
+    its tiles' tokens (the tile grid comes from the image size, as the encoder will cut
+    it), tokenized, and the images as :class:`~epdserve.serving.protocol.ImageRef` with
+    their bytes. ``embedding_shape``: what an encode worker's layout must match.
+
+    Raises (constructor): ``ModelLoadError``: no vision config or image processor settings.
+    """
+
+    def __init__(self, model_dir: str | Path, tokenizer, media: MediaOptions):
+        from epdserve.model.image_processor import ImageProcessor
+        from epdserve.model.vision import VisionConfig, read_config
+        from epdserve.transfer.embedding import KIND
+
+        config = VisionConfig.from_dict(read_config(model_dir))
+        self.processor = ImageProcessor.from_dir(model_dir, config.tokens_per_image)
+        self.tokenizer = tokenizer
+        self.media = media
+        self.embedding_shape = {"kind": KIND, "hidden_size": config.text_hidden_size}
+
+    def prompt(self, messages: list[dict]) -> tuple[list[int], list]:
+        """``(prompt token ids, [ImageRef])`` of chat ``messages`` (request JSON). Blocking.
+
+        Raises:
+            APIError: 400, as :func:`parse_chat_images`, or the chat template fails.
+        """
+        from epdserve.model.tokenizer import chat_prompt_text
+        from epdserve.serving.protocol import ImageRef
+
+        messages, images = parse_chat_images(messages, self.media)
+        grids = [self.processor.grid(image.image.size) for image in images]
+        try:
+            text = chat_prompt_text(self.tokenizer, messages)
+        except ValueError as exc:
+            raise APIError(str(exc), param="messages") from None
+        ids = self.tokenizer(self.processor.expand(text, grids), add_special_tokens=False).input_ids
+        return ids, [ImageRef(hash=image.content_hash, tokens=self.processor.num_tokens(grid), data=image.data)
+                     for image, grid in zip(images, grids)]

@@ -65,26 +65,38 @@ class StreamOptions(_Req):
 
 
 class TextPart(_Req):
-    """A text content part; image and audio parts are not supported (yet)."""
+    """A text content part."""
 
     type: Literal["text"]
     text: str
 
 
+class ImagePart(_Req):
+    """An image content part; ``image_url`` is checked in full by
+    ``epdserve.serving.multimodal.parse_chat_images`` (400 naming the part)."""
+
+    type: Literal["image_url"]
+    image_url: dict | str
+
+
 class ChatMessage(_Req):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, v):
+    def _known_parts_only(cls, v):
         if isinstance(v, list):
             for part in v:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind != "text":
-                    raise ValueError(f"only text content parts are supported, got type {kind!r}")
+                if kind not in ("text", "image_url"):
+                    raise ValueError(f"unsupported content part type {kind!r} (supported: text, image_url)")
         return v
+
+    @property
+    def num_images(self) -> int:
+        return sum(isinstance(part, ImagePart) for part in self.content) if isinstance(self.content, list) else 0
 
     def as_template_dict(self) -> dict:
         """The message as a chat template expects it: text parts joined with newlines."""

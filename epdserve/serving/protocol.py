@@ -13,7 +13,8 @@ Sockets (one direction each, so neither side blocks on the other):
   (a second PUSH of its heartbeat thread sends :class:`Heartbeat`);
 * every worker binds one PULL socket (``cmd``); the router connects a PUSH to it on
   ``Hello`` and sends :class:`AddRequest`, :class:`Abort`, :class:`ReleaseKV`,
-  :class:`Shutdown`, or only :class:`Refused` if it turns the worker away.
+  :class:`Shutdown`, or only :class:`Refused` if it turns the worker away; an encode
+  worker gets :class:`Encode` instead of :class:`AddRequest` and answers :class:`Encoded`.
 
 Times in ``timings`` are durations in milliseconds (``*_ms``) or byte counts
 (``*_bytes``) so that they stay meaningful across hosts.
@@ -28,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from epdserve.engine.request import SamplingParams
 
-Role = Literal["colocated", "prefill", "decode"]
+Role = Literal["colocated", "prefill", "decode", "encode"]
 
 
 class ProtocolError(ValueError):
@@ -64,6 +65,25 @@ class KVDescriptor(_Msg):
     pool_blocks: int = 0
     layout: dict = {}
     tag: int = 0
+
+
+class ImageRef(_Msg):
+    """One image of a request: ``hash`` (sha256 hex of its file bytes), ``tokens`` (its
+    ``<image>`` tokens in the prompt, = embedding rows) and ``data`` (the file bytes; only
+    to a worker that encodes it)."""
+
+    hash: str
+    tokens: int = Field(ge=1)
+    data: bytes | None = None
+
+
+class EmbeddingRef(_Msg):
+    """Embeddings of some of a request's images, encoded by an encode worker: ``images``
+    (indices into ``AddRequest.images``, ascending) and the frame holding them
+    (``epdserve.transfer.embedding``), described as a staged KV frame is: ``kind`` "shm"."""
+
+    images: list[int]
+    frame: "KVDescriptor"
 
 
 class Hello(_Msg):
@@ -104,6 +124,8 @@ class Stats(_Msg):
     num_preemptions: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
 
 
 class Output(_Msg):
@@ -137,7 +159,9 @@ class Error(_Msg):
 
 
 class AddRequest(_Msg):
-    """Start a request. For a decode worker, ``kv`` and ``first_token`` are set."""
+    """Start a request. For a decode worker, ``kv`` and ``first_token`` are set.
+    ``images``: the prompt's images in order; a worker that prefills gets either their
+    ``data`` (it encodes them itself) or their ``embeddings`` from encode workers."""
 
     type: Literal["add"] = "add"
     request_id: str
@@ -145,6 +169,28 @@ class AddRequest(_Msg):
     sampling: SamplingParams
     kv: KVDescriptor | None = None
     first_token: int | None = None
+    images: list[ImageRef] = []
+    embeddings: list[EmbeddingRef] = []
+
+
+class Encode(_Msg):
+    """Encode ``images`` (with ``data``) of request ``request_id`` into one embedding frame."""
+
+    type: Literal["encode"] = "encode"
+    request_id: str
+    images: list[ImageRef]
+
+
+class Encoded(_Msg):
+    """An encode worker's answer to :class:`Encode`: the frame with the images'
+    embeddings, held until ``ReleaseKV`` (or its TTL); ``timings``: ``encode_queue_ms``,
+    ``encode_ms``, ``embedding_export_ms``, ``embedding_bytes``."""
+
+    type: Literal["encoded"] = "encoded"
+    worker_id: str
+    request_id: str
+    frame: KVDescriptor
+    timings: dict[str, float] = {}
 
 
 class Abort(_Msg):
@@ -153,7 +199,8 @@ class Abort(_Msg):
 
 
 class ReleaseKV(_Msg):
-    """Tell a prefill worker that an exported KV cache will not be imported."""
+    """Tell a prefill worker that an exported KV cache will not be imported (an encode
+    worker: that the request's embedding frame will not be read, or its encoding is moot)."""
 
     type: Literal["release_kv"] = "release_kv"
     request_id: str
@@ -172,7 +219,7 @@ class Refused(_Msg):
 
 
 Message = Annotated[
-    Union[Hello, Heartbeat, Stats, Output, Error, AddRequest, Abort, ReleaseKV, Shutdown, Refused],
+    Union[Hello, Heartbeat, Stats, Output, Error, AddRequest, Abort, ReleaseKV, Shutdown, Refused, Encode, Encoded],
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)

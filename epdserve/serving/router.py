@@ -1,4 +1,4 @@
-"""The router: an OpenAI-compatible HTTP front that drives colocated or PD workers.
+"""The router: an OpenAI-compatible HTTP front that drives colocated, PD or EPD workers.
 
 It tokenizes each request once, picks a worker per role (least outstanding requests,
 then fewest outstanding tokens), sends it an :class:`~epdserve.serving.protocol.AddRequest`
@@ -11,6 +11,15 @@ engine requests (ids ``<id>-<i>``, one trace line each) whose outputs are merged
   to a decode worker, which streams tokens 2..n.
   With ``--local-prefill-threshold N``, a prompt shorter than N tokens goes to a decode
   worker alone, which prefills it itself (conditional disaggregation: no hand-off).
+* **epd**: as pd, but a request's images first go to encode workers (spread over them,
+  :class:`~epdserve.serving.protocol.Encode`); once every one has answered
+  :class:`~epdserve.serving.protocol.Encoded`, the prefill worker gets the request with
+  the descriptors of the embedding frames instead of the image bytes.
+
+A chat request with images (served by a vision-language model) is laid out here: the
+images are checked and decoded (:func:`~epdserve.serving.multimodal.parse_chat_images`),
+each ``<image>`` placeholder expanded to its tile tokens, and the image bytes travel to
+the worker that encodes them (colocated and pd: the worker that prefills).
 
 One background task reads the events socket (a ZeroMQ PULL every worker pushes to) and
 puts each output into its request's :class:`asyncio.Queue`; ``Hello`` registers a worker
@@ -57,11 +66,14 @@ from epdserve.serving import protocol as P
 from epdserve.serving.detokenizer import TextStream
 from epdserve.serving.handshake import KV_PEER_ROLES, model_fingerprint, model_kv_shape, refusal
 from epdserve.serving.metrics import RouterMetrics
+from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
 
 log = logging.getLogger("epdserve.router")
 
-MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode")}
-MAX_EVENT_BYTES = 16 << 20  # a worker frame larger than this is dropped by ZeroMQ
+MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode"), "epd": ("encode", "prefill", "decode")}
+MAX_EVENT_BYTES = 16 << 20
+SYNTHETIC_VISION_NOTE = ("the vision tower has SYNTHETIC (seeded random) weights: the language model is real, "
+                         "but what it says about images carries no meaning")  # a worker frame larger than this is dropped by ZeroMQ
 
 
 class WorkerFailed(Exception):
@@ -130,11 +142,14 @@ class Generation:
     """
 
     def __init__(self, router: "Router", request_id: str, prompt_ids: list[int],
-                 sampling: P.SamplingParams, t_arrival: float):
+                 sampling: P.SamplingParams, t_arrival: float, images: list[P.ImageRef] = ()):
         self.router = router
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.sampling = sampling
+        self.images = list(images)  # with their bytes
+        self.encoders: dict[str, tuple[WorkerState, list[int]]] = {}  # epd: id -> (worker, its images)
+        self.embeddings: list[P.EmbeddingRef] = []
         self.queue: asyncio.Queue = asyncio.Queue()
         self.worker: WorkerState | None = None  # holds the request now
         self.worker_done = False                 # ... and has finished it
@@ -143,7 +158,7 @@ class Generation:
         self.kv_pending = False                  # KV exported, not yet imported by a decode worker
         # See trace(): where the prompt is prefilled.
         self.path = "colocated" if router.mode == "colocated" else (
-            "local" if len(prompt_ids) < router.local_prefill_threshold else "disaggregated")
+            "local" if len(prompt_ids) < router.local_prefill_threshold and not images else "disaggregated")
         self.closed = False
         self.t_arrival = t_arrival
         self.t_dispatch: float | None = None
@@ -158,6 +173,12 @@ class Generation:
 
     # -- dispatch
     def _add(self, worker: WorkerState, **kw) -> None:
+        if self.images:
+            # Only a worker that encodes them gets the bytes; the rest need the hashes.
+            encodes_here = worker.role != "decode" and not self.embeddings
+            kw["images"] = self.images if encodes_here else [im.model_copy(update={"data": None})
+                                                            for im in self.images]
+            kw["embeddings"] = self.embeddings
         msg = P.AddRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
                            sampling=self.sampling, **kw)
         self.worker, self.worker_done = worker, False
@@ -166,13 +187,65 @@ class Generation:
 
     def start(self) -> None:
         """Send the request to its first worker (colocated, prefill, or decode for a pd
-        prompt under the local-prefill threshold)."""
+        prompt under the local-prefill threshold), or in epd its images to encode workers
+        first (:meth:`tokens` then sends it on to a prefill worker)."""
         router = self.router
         router.requests[self.request_id] = self
-        role = {"colocated": "colocated", "disaggregated": "prefill", "local": "decode"}[self.path]
-        worker = router.pick(role)
         self.t_dispatch = time.monotonic()
-        self._dispatch(worker)
+        if router.mode == "epd" and self.images:
+            self._encode()
+            return
+        role = {"colocated": "colocated", "disaggregated": "prefill", "local": "decode"}[self.path]
+        self._dispatch(router.pick(role))
+
+    def _encode(self) -> None:
+        """Spread the images over the live encode workers, least loaded first (each
+        worker's share is contiguous, so its frame covers a run of the prompt)."""
+        workers = sorted((w for w in self.router.workers.values() if w.role == "encode" and self.router.live(w)),
+                         key=lambda w: (len(w.outstanding), w.worker_id))
+        if not workers:
+            raise api.APIError("no live encode worker", status=503, type="service_unavailable")
+        shares = [list(range(len(self.images)))[i::len(workers)] for i in range(len(workers))]
+        shares = [sorted(share) for share in shares if share]
+        for worker, indices in zip(workers, shares):
+            self.encoders[worker.worker_id] = (worker, indices)
+            worker.outstanding[self.request_id] = 0
+            worker.send(P.Encode(request_id=self.request_id, images=[self.images[i] for i in indices]))
+
+    async def _encoded(self) -> None:
+        """Wait for every encode worker's :class:`~epdserve.serving.protocol.Encoded` and
+        keep their frames (``self.embeddings``) and timings: ``encode_queue_ms`` and
+        ``encode_ms`` of the worker that answered last (the critical path),
+        ``embedding_bytes`` summed.
+
+        Raises:
+            WorkerFailed: an encode worker rejected the images (400), died or went silent.
+        """
+        waiting = dict(self.encoders)
+        silent_since = time.monotonic()
+        while waiting:
+            try:
+                async with asyncio.timeout(1.0):
+                    msg = await self.queue.get()
+            except TimeoutError:
+                msg = None
+            if msg is None:
+                dead = next((w for w, _ in waiting.values() if w.dead), None)
+                if dead is not None:
+                    raise WorkerFailed(f"encode worker {dead.worker_id} died ({dead.dead})")
+                if time.monotonic() - silent_since > self.router.request_timeout_s:
+                    raise WorkerFailed(f"no embeddings within {self.router.request_timeout_s:.0f} s")
+                continue
+            entry = waiting.pop(msg.worker_id, None)
+            if entry is None:
+                continue
+            worker, indices = entry
+            if isinstance(msg, P.Error):
+                raise WorkerFailed(f"encode worker {worker.worker_id} rejected the images: {msg.message}", 400)
+            self.embeddings.append(P.EmbeddingRef(images=indices, frame=msg.frame))
+            bytes_so_far = self.timings.get("embedding_bytes", 0.0)
+            self.timings.update(msg.timings)
+            self.timings["embedding_bytes"] = bytes_so_far + msg.timings.get("embedding_bytes", 0.0)
 
     def _dispatch(self, worker: WorkerState) -> None:
         if worker.role == "prefill":
@@ -247,8 +320,14 @@ class Generation:
         one. Call :meth:`start` first.
 
         Raises:
-            WorkerFailed: see :meth:`_next`; also if no decode worker is live.
+            WorkerFailed: see :meth:`_next` and :meth:`_encoded`; also if no decode worker is live.
         """
+        if self.encoders:
+            await self._encoded()
+            try:
+                self._dispatch(self.router.pick("prefill"))
+            except api.APIError as exc:
+                raise WorkerFailed(exc.message, 503) from None
         out = await self._first()
         self.t_first = time.monotonic()
         self.cached_tokens = out.num_cached_tokens  # in pd, the prefill worker's
@@ -298,6 +377,9 @@ class Generation:
         if self.kv_pending:
             router.release_kv(self.prefill_worker, self.request_id)
             self.kv_pending = False
+        for worker, _ in self.encoders.values():  # an encoding in progress, or a frame never read
+            worker.outstanding.pop(self.request_id, None)
+            router.release_kv(worker, self.request_id)
 
     def trace(self) -> dict:
         """The request's trace record (one JSON line). Times are ms; ``*_worker`` are worker ids.
@@ -322,6 +404,12 @@ class Generation:
         * ``decode_ms``: first token to last token on the worker that decoded; for an imported
           request from first scheduled (it includes ``kv_import_ms``).
         * ``ttft_ms``, ``e2e_ms``: HTTP arrival to the first / last token at the router.
+        * With images (``num_images``): ``encode_queue_ms`` (arrival at the worker that
+          encodes to encode start) and ``encode_ms`` (in epd: of the encode worker that
+          answered last), which precede the first worker's queue; ``embedding_bytes`` and
+          ``embedding_transfer_ms`` (epd: the encode worker writing its frame,
+          ``embedding_export_ms``, plus the prefill worker reading them,
+          ``embedding_fetch_ms``; 0 when the prefilling worker encodes).
 
         ``path`` is "colocated", "disaggregated" (prefill worker, then decode worker) or
         "local" (a pd request under ``--local-prefill-threshold``, prefilled by the decode
@@ -339,7 +427,11 @@ class Generation:
             rec["worker"] = getattr(self.worker, "worker_id", None)
             rec.update(kv_bytes=0.0, kv_transfer_ms=0.0)  # no handoff: zero, as bench expects
         rec.update(t)
-        if self.router.mode == "pd":
+        if self.images:
+            rec["num_images"] = len(self.images)
+            rec["embedding_bytes"] = t.get("embedding_bytes", 0.0)
+            rec["embedding_transfer_ms"] = t.get("embedding_export_ms", 0.0) + t.get("embedding_fetch_ms", 0.0)
+        if self.router.mode in ("pd", "epd"):
             queues = [t[k] for k in ("prefill_queue_ms", "decode_queue_ms") if k in t]
             if queues:
                 rec["queue_ms"] = sum(queues)
@@ -350,7 +442,8 @@ class Generation:
         first_queue = {"colocated": "queue_ms", "disaggregated": "prefill_queue_ms",
                        "local": "decode_queue_ms"}[self.path]
         if rec["ttft_ms"] is not None and first_queue in t and "prefill_ms" in t:
-            rec["ttft_hop_ms"] = round(rec["ttft_ms"] - rec["router_queue_ms"] - t[first_queue]
+            image_stages = t.get("encode_queue_ms", 0.0) + t.get("encode_ms", 0.0) + rec.get("embedding_transfer_ms", 0.0)
+            rec["ttft_hop_ms"] = round(rec["ttft_ms"] - rec["router_queue_ms"] - t[first_queue] - image_stages
                                        - t["prefill_ms"] - t.get("kv_export_ms", 0.0), 3)
         return rec
 
@@ -381,7 +474,8 @@ class Router:
 
     def __init__(self, mode: str, model, tokenizer, events_addr: str, *, trace_file: str | None = None,
                  worker_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
-                 auth_token: str | None = None, local_prefill_threshold: int = 0):
+                 auth_token: str | None = None, local_prefill_threshold: int = 0,
+                 media: MediaOptions = MediaOptions()):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
         self.mode = mode
@@ -396,6 +490,8 @@ class Router:
         self.local_prefill_threshold = local_prefill_threshold
         self.fingerprint = model_fingerprint(model.path)
         self.kv_shape = model_kv_shape(model.path)
+        # A vision-language model's image layout; None: requests with images get a 400.
+        self.images = ImagePrompter(model.path, tokenizer, media) if model.multimodal else None
         self.workers: dict[str, WorkerState] = {}
         self.refused: dict[str, dict] = {}  # worker id -> its /health entry
         self.requests: dict[str, Generation] = {}
@@ -518,15 +614,16 @@ class Router:
                                     blocks_total=msg.blocks_total, num_running=msg.num_running,
                                     num_waiting=msg.num_waiting, num_preemptions=msg.num_preemptions,
                                     prefix_cache_queries=msg.prefix_cache_queries,
-                                    prefix_cache_hits=msg.prefix_cache_hits)
-        elif isinstance(msg, (P.Output, P.Error)):
-            if isinstance(msg, P.Error) or msg.finished or msg.kv is not None:
+                                    prefix_cache_hits=msg.prefix_cache_hits,
+                                    mm_cache_queries=msg.mm_cache_queries, mm_cache_hits=msg.mm_cache_hits)
+        elif isinstance(msg, (P.Output, P.Error, P.Encoded)):
+            if not isinstance(msg, P.Output) or msg.finished or msg.kv is not None:
                 w.outstanding.pop(msg.request_id, None)
             gen = self.requests.get(msg.request_id)
             if gen is not None:
                 gen.queue.put_nowait(msg)
-            elif isinstance(msg, P.Output) and msg.kv is not None:
-                self.release_kv(w, msg.request_id)  # its client left before the KV arrived
+            elif isinstance(msg, P.Encoded) or (isinstance(msg, P.Output) and msg.kv is not None):
+                self.release_kv(w, msg.request_id)  # its client left before the KV (embeddings) arrived
 
     def _on_hello(self, msg: P.Hello) -> None:
         """Register (or re-register, after a restart) a worker, or refuse it."""
@@ -536,13 +633,14 @@ class Router:
             old.sock.close(linger=0)
         if old is not None and old.role != msg.role:  # the id now names another role
             self.metrics.worker_up.labels(msg.worker_id, old.role).set(0)
-        peer_role = KV_PEER_ROLES.get(msg.role) if self.mode == "pd" else None
+        peer_role = KV_PEER_ROLES.get(msg.role) if self.mode in ("pd", "epd") else None
         peers = [(w.worker_id, w.kv_layout) for w in self.workers.values()
                  if w.role == peer_role and self.live(w) and w.worker_id != msg.worker_id]
         if msg.role not in MODE_ROLES[self.mode]:
             reason = f"worker {msg.worker_id} has role {msg.role}, a {self.mode} router uses {MODE_ROLES[self.mode]}"
         else:
-            reason = refusal(msg, fingerprint=self.fingerprint, kv_shape=self.kv_shape,
+            kv_shape = self.images.embedding_shape if msg.role == "encode" else self.kv_shape
+            reason = refusal(msg, fingerprint=self.fingerprint, kv_shape=kv_shape,
                              auth_token=self.auth_token, peers=peers)
         sock = self._ctx.socket(zmq.PUSH)
         if reason is not None:
@@ -576,8 +674,26 @@ class Router:
             raise api.APIError(f"The model `{model}` does not exist (this server serves "
                                f"`{self.model.name}`).", param="model", code="model_not_found")
 
+    async def prompt(self, body) -> tuple[list[int], list[P.ImageRef]]:
+        """Token ids and images (with their bytes) of a chat or completion request; the
+        images are read and decoded in a thread.
+
+        Raises:
+            APIError: 400, as :meth:`prompt_ids`, images sent to a text model, or bad images
+                (see :func:`~epdserve.serving.multimodal.parse_chat_images`).
+        """
+        if not isinstance(body, api.ChatCompletionRequest):
+            return self.prompt_ids(body), []
+        if self.images is None:
+            if not any(m.num_images for m in body.messages):
+                return self.prompt_ids(body), []
+            raise api.APIError(f"the model `{self.model.name}` takes no images (serve a vision-language model, "
+                               "e.g. --model vlm)", param="messages")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        return await asyncio.to_thread(self.images.prompt, messages)
+
     def prompt_ids(self, body) -> list[int]:
-        """Token ids of a chat or completion request.
+        """Token ids of a chat or completion request without images.
 
         Raises:
             APIError: 400, empty prompt, bad token ids, or a chat template failure.
@@ -773,7 +889,7 @@ def create_app(router: Router) -> FastAPI:
     async def serve(http_request: Request, body, kind: str):
         t_arrival = time.monotonic()
         router.check_model(body.model)
-        prompt_ids = router.prompt_ids(body)
+        prompt_ids, images = await router.prompt(body)
         max_tokens = router.max_tokens(body, len(prompt_ids))
         if body.min_tokens > max_tokens:  # vLLM's rule
             raise api.APIError(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
@@ -789,7 +905,7 @@ def create_app(router: Router) -> FastAPI:
                 stop_token_ids=body.stop_token_ids, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                 min_tokens=body.min_tokens, logprobs=body.num_logprobs)
-            gen = Generation(router, rid if body.n == 1 else f"{rid}-{i}", prompt_ids, sampling, t_arrival)
+            gen = Generation(router, rid if body.n == 1 else f"{rid}-{i}", prompt_ids, sampling, t_arrival, images)
             text = TextStream(router.tokenizer, prompt_ids, body.stop_list, body.include_stop_str_in_output)
             logprobs = None if body.num_logprobs is None else api.LogprobsFormatter(kind, router.token_text)
             choices.append(Choice(i, gen, text, logprobs))
@@ -885,9 +1001,12 @@ def create_app(router: Router) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         m = router.model
-        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": api.now_s(),
-                                            "owned_by": "epdserve", "root": m.source,
-                                            "max_model_len": m.max_model_len}]}
+        card = {"id": m.name, "object": "model", "created": api.now_s(), "owned_by": "epdserve", "root": m.source,
+                "max_model_len": m.max_model_len, "input_modalities": ["text", "image"] if m.multimodal else ["text"]}
+        if m.synthetic_vision:
+            card["synthetic_vision"] = True
+            card["note"] = SYNTHETIC_VISION_NOTE
+        return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health():
@@ -910,10 +1029,19 @@ def create_app(router: Router) -> FastAPI:
 def add_router_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``epdserve router`` and ``epdserve serve``."""
     parser.add_argument("--mode", choices=list(MODE_ROLES), default="colocated",
-                        help="colocated: one worker role; pd: prefill and decode workers")
+                        help="colocated: one worker role; pd: prefill and decode workers; epd: encode, prefill "
+                             "and decode workers (a vision-language model)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or HF directory (default: SmolLM2-135M); 'vlm': the default vision-language "
+                             "model (SmolLM2-135M with a SmolVLM vision tower of SYNTHETIC weights)")
+    parser.add_argument("--limit-images-per-prompt", type=int_at_least(0), default=DEFAULT_MAX_IMAGES,
+                        help="most images one request may carry (vLLM's --limit-mm-per-prompt)")
+    parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                        help="directory image_url file paths may be read from (default: none)")
+    parser.add_argument("--allow-remote-images", action="store_true",
+                        help="fetch http(s) image URLs (lets clients make the server fetch any reachable address)")
     parser.add_argument("--trace-file", default=None, help="append one JSON line per finished request")
     parser.add_argument("--worker-timeout", type=float, default=5.0,
                         help="seconds without any message (workers send a heartbeat every 0.5 s) "
@@ -940,13 +1068,17 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
     Raises:
         ModelLoadError: the model cannot be found or read.
     """
-    from epdserve.model.loader import resolve_model
+    from epdserve.model.loader import ModelLoadError, resolve_model
     from epdserve.model.tokenizer import load_tokenizer
 
     model = resolve_model(args.model)
+    if args.mode == "epd" and not model.multimodal:
+        raise ModelLoadError(f"--mode epd needs a vision-language model (e.g. --model vlm), not {model.name}")
+    media = MediaOptions(max_images=args.limit_images_per_prompt, allowed_local_dir=args.allowed_local_media_path,
+                         allow_remote=args.allow_remote_images)
     return Router(args.mode, model, load_tokenizer(model.path), events_addr, trace_file=args.trace_file,
                   worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout,
-                  auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold)
+                  auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold, media=media)
 
 
 def setup_logging(level: str) -> None:

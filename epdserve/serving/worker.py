@@ -1,4 +1,4 @@
-"""One engine worker process (``epdserve worker``): colocated, prefill or decode.
+"""One engine worker process (``epdserve worker``): colocated, prefill, decode or encode.
 
 It binds a PULL socket for the router's commands (a thread of its own receives them and
 stamps their arrival), connects a PUSH socket to the router's events address, says
@@ -6,8 +6,12 @@ stamps their arrival), connects a PUSH socket to the router's events address, sa
 one engine step if there is work, publish the new tokens, report
 :class:`~epdserve.serving.protocol.Stats`. A prefill worker writes each hand-off's KV
 blocks to shared memory and owns that segment until the decode worker has taken it
-(the decode worker unlinks it), the router releases it, or ``--kv-ttl`` passes. The same
-command runs alone on another host, so a launcher, Ray or Kubernetes can place it.
+(the decode worker unlinks it), the router releases it, or ``--kv-ttl`` passes. A worker
+that prefills a prompt with images gets their embeddings from encode workers (EPD) or,
+given the image bytes, encodes them itself first (colocated, PD), blocking its loop as a
+vision encoder inside an engine does. An encode worker runs
+:class:`~epdserve.serving.encode_worker.EncodeWorker` instead. The same command runs
+alone on another host, so a launcher, Ray or Kubernetes can place it.
 """
 
 from __future__ import annotations
@@ -21,13 +25,17 @@ import threading
 import time
 import traceback
 
+import torch
 import zmq
 
+from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import DTYPES, ROLES, EngineConfig, LLMEngine, StepOutput
+from epdserve.model.image_processor import ImageError
 from epdserve.model.loader import ModelLoadError, resolve_model
 from epdserve.serving import protocol as P
+from epdserve.serving.encode_worker import EncodeWorker, image_inputs
 from epdserve.serving.handshake import auth_tag, model_fingerprint
-from epdserve.transfer import handoff, kv_codec
+from epdserve.transfer import embedding, handoff, kv_codec
 from epdserve.transfer.wire import WireError
 
 log = logging.getLogger("epdserve.worker")
@@ -37,7 +45,7 @@ IDLE_WAIT_S = 0.1  # how long an idle worker waits for a command before its hous
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", choices=ROLES, required=True)
+    parser.add_argument("--role", choices=ROLES + ("encode",), required=True)
     parser.add_argument("--router", required=True, help="router events address, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--bind", required=True, help="address for this worker's command socket")
     parser.add_argument("--worker-id", required=True)
@@ -49,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transport", choices=handoff.TRANSPORTS, default="auto",
                         help="KV hand-off: shared memory on the same host, TCP otherwise (auto), or one of them")
     parser.add_argument("--kv-bind", default="tcp://127.0.0.1:0",
-                        help="address a prefill worker serves KV on over TCP (port 0: any free port)")
+                        help="address a prefill (encode) worker serves KV (embeddings) on over TCP "
+                             "(port 0: any free port)")
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                         help="seconds a decode worker waits for a KV fetch over TCP")
     parser.add_argument("--kv-transfer-dtype", choices=kv_codec.TRANSFER_DTYPES, default="none",
@@ -108,8 +117,9 @@ class Worker:
     ``inbox`` as ``(message, arrival)`` pairs put there by :func:`receive_commands`."""
 
     def __init__(self, engine: LLMEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
-                 exporter: handoff.Exporter, importer: handoff.Importer):
+                 exporter: handoff.Exporter, importer: handoff.Importer, encoder: EncodeEngine | None = None):
         self.engine = engine
+        self.encoder = encoder  # for prompts with images that come with their bytes
         self.worker_id = worker_id
         self.role = engine.config.role
         self.inbox = inbox
@@ -168,15 +178,51 @@ class Worker:
 
     def add(self, msg: P.AddRequest, arrival: float) -> None:
         try:
-            kv, timings = None, {}
+            kv, timings, embeddings = None, {}, None
             if msg.kv is not None:
                 # Blocks the loop for up to --kv-transfer-timeout when the KV comes over TCP.
                 kv, timings = self.importer.take(msg.request_id, msg.kv, self.engine.kv_layout(),
                                                  self.engine.kv_cache.dtype)
+            elif msg.images:
+                embeddings = self.image_embeddings(msg, arrival, timings)
+                arrival = time.perf_counter()  # encoding or fetching them is its own stage, not queue time
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, kv, msg.first_token,
-                                    timings=timings, arrival=arrival)
-        except (ValueError, WireError) as exc:
+                                    timings=timings, arrival=arrival,
+                                    images=[(im.hash, im.tokens) for im in msg.images], image_embeddings=embeddings)
+        except (ValueError, WireError, ImageError) as exc:
             self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id, message=str(exc)))
+
+    def image_embeddings(self, msg: P.AddRequest, arrival: float, timings: dict[str, float]) -> torch.Tensor:
+        """``[image tokens, hidden]`` for ``msg``'s images, in prompt order: read from the
+        encode workers' frames (``embedding_fetch_ms``), or encoded here (``encode_queue_ms``
+        from ``arrival``, ``encode_ms``). Blocks the loop while it encodes or fetches.
+
+        Raises:
+            ValueError: images neither encoded nor with bytes, or a model without a vision tower.
+            WireError: a frame that is gone, unreachable or not these images' embeddings.
+            ImageError: bytes that do not decode to an image.
+        """
+        start = time.perf_counter()
+        if msg.embeddings:
+            parts: list[torch.Tensor | None] = [None] * len(msg.images)
+            for ref in msg.embeddings:
+                header, tensors = self.importer.fetch_frame(msg.request_id, ref.frame)
+                hashes = [msg.images[i].hash for i in ref.images]
+                for i, image in zip(ref.images, embedding.unpack(header, tensors, self.engine.model.config.hidden_size,
+                                                                 hashes)):
+                    parts[i] = image.embeddings
+            if any(part is None for part in parts):
+                raise ValueError("embeddings are missing for some of the request's images")
+            timings["embedding_fetch_ms"] = (time.perf_counter() - start) * 1e3
+            return torch.cat(parts)
+        if self.encoder is None:
+            raise ValueError("this worker has no vision encoder: its model takes no images")
+        results = self.encoder.encode(image_inputs(msg.images))
+        error = next((r for r in results if isinstance(r, ImageError)), None)
+        if error is not None:
+            raise error
+        timings.update(encode_queue_ms=(start - arrival) * 1e3, encode_ms=(time.perf_counter() - start) * 1e3)
+        return torch.cat([r.embeddings for r in results])
 
     def release(self, request_id: str) -> None:
         self.exporter.release(request_id)
@@ -207,6 +253,8 @@ class Worker:
 
     def report_stats(self) -> None:
         stats = self.engine.stats()
+        if self.encoder is not None:
+            stats.update(mm_cache_queries=self.encoder.cache.queries, mm_cache_hits=self.encoder.cache.hits)
         now = time.monotonic()
         if stats != self.last_stats or now - self.last_stats_time > STATS_INTERVAL_S:
             self.send(P.Stats(worker_id=self.worker_id, **stats))
@@ -256,12 +304,21 @@ def run(args: argparse.Namespace) -> int:
     """Start the worker; returns 0 on shutdown, 2 on a bad option or model or when the
     router refuses it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    encode_role = args.role == "encode"
     try:
         cores = pin_to_cores(args.cores)
         info = resolve_model(args.model)
-        # A prefill worker keeps its KV cache in shared memory: a same-host hand-off copies it once.
-        shared = args.role == "prefill" and args.kv_transfer_dtype == "none" and not args.kv_layer_pipeline
-        engine, kv_pool = handoff.new_engine(str(info.path), engine_config(args, args.role), shared)
+        if encode_role or (info.multimodal and args.role in ("colocated", "prefill")):
+            encoder = EncodeEngine(info.path, DTYPES[args.dtype])
+            if info.synthetic_vision:
+                log.warning("%s: the vision tower of %s has SYNTHETIC (seeded random) weights: image outputs "
+                            "carry no meaning", args.worker_id, info.name)
+        else:
+            encoder = None
+        if not encode_role:
+            # A prefill worker keeps its KV cache in shared memory: a same-host hand-off copies it once.
+            shared = args.role == "prefill" and args.kv_transfer_dtype == "none" and not args.kv_layer_pipeline
+            engine, kv_pool = handoff.new_engine(str(info.path), engine_config(args, args.role), shared)
     except (ValueError, ModelLoadError, OSError) as exc:
         print(f"epdserve worker: error: {exc}", flush=True)
         return 2
@@ -271,24 +328,29 @@ def run(args: argparse.Namespace) -> int:
     events = ctx.socket(zmq.PUSH)
     events.setsockopt(zmq.LINGER, 1000)
     events.connect(args.router)
+    inbox: queue.Queue = queue.Queue()
+    serves_tcp = args.role in ("prefill", "encode") and args.kv_transport != "shm"
     try:
-        kv_bind = args.kv_bind if args.role == "prefill" and args.kv_transport != "shm" else None
-        exporter = handoff.Exporter(engine, args.kv_ttl, ctx, kv_bind, args.kv_transfer_dtype, kv_pool,
-                                    args.kv_layer_pipeline)
+        if encode_role:
+            worker = EncodeWorker(encoder, args.worker_id, inbox, events, ctx, args.kv_bind if serves_tcp else None,
+                                  args.kv_ttl)
+            kv_layout, blocks_total = worker.kv_layout(), 0
+        else:
+            exporter = handoff.Exporter(engine, args.kv_ttl, ctx, args.kv_bind if serves_tcp else None,
+                                        args.kv_transfer_dtype, kv_pool, args.kv_layer_pipeline)
+            importer = handoff.Importer(ctx, args.kv_transport, args.kv_transfer_timeout)
+            worker = Worker(engine, args.worker_id, inbox, events, exporter, importer, encoder)
+            kv_layout, blocks_total = engine.kv_layout(), engine.pool.num_blocks
     except zmq.ZMQError as exc:
         print(f"epdserve worker: error: --kv-bind {args.kv_bind}: {exc}", flush=True)
         ctx.destroy(linger=0)
         return 2
-    importer = handoff.Importer(ctx, args.kv_transport, args.kv_transfer_timeout)
-    inbox: queue.Queue = queue.Queue()
-    worker = Worker(engine, args.worker_id, inbox, events, exporter, importer)
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
     worker.send(P.Hello(worker_id=args.worker_id, role=args.role, addr=args.bind, model=info.name,
-                        fingerprint=model_fingerprint(info.path), kv_layout=engine.kv_layout(),
-                        blocks_total=engine.pool.num_blocks, cores=cores,
-                        auth=auth_tag(args.auth_token, args.worker_id)))
-    log.info("%s: %s worker on cores %s, %d KV blocks of %d tokens, listening on %s",
-             args.worker_id, args.role, cores, engine.pool.num_blocks, engine.config.block_size, args.bind)
+                        fingerprint=model_fingerprint(info.path), kv_layout=kv_layout,
+                        blocks_total=blocks_total, cores=cores, auth=auth_tag(args.auth_token, args.worker_id)))
+    log.info("%s: %s worker on cores %s, %d KV blocks, listening on %s",
+             args.worker_id, args.role, cores, blocks_total, args.bind)
     stop = threading.Event()
     beat = threading.Thread(target=heartbeat, args=(ctx, args.router, args.worker_id, stop),
                             name="epdserve-heartbeat", daemon=True)

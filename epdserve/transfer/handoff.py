@@ -306,21 +306,33 @@ class Importer:
             ValueError: its KV layout differs from ``layout`` (in anything but the dtype).
         """
         start = time.perf_counter()
-        use_tcp = self.transport == "tcp" or (self.transport == "auto" and desc.host_id != self.host)
-        if use_tcp:
-            if desc.addr is None:
-                raise WireError("the KV lies on another host and its prefill worker serves no TCP address")
-            header, tensors = tcp.fetch(self.ctx, desc.addr, request_id, desc.name, desc.nbytes, self.timeout_s)
-        elif desc.host_id != self.host:
-            raise WireError("the KV lies on another host and --kv-transport is shm")
-        elif desc.kind == "pool":
+        if desc.kind == "pool" and not self.uses_tcp(desc) and desc.host_id == self.host:
             kv = self._from_pool(request_id, desc, layout, dtype)
             return kv, {"kv_fetch_ms": (time.perf_counter() - start) * 1e3, "kv_tcp": 0.0}
-        else:
-            header, tensors = shm.read(desc.name)
+        header, tensors = self.fetch_frame(request_id, desc)
         _check_layout(header.layout, layout)
         kv = kv_codec.decode(tensors, dtype)
-        return kv, {"kv_fetch_ms": (time.perf_counter() - start) * 1e3, "kv_tcp": float(use_tcp)}
+        return kv, {"kv_fetch_ms": (time.perf_counter() - start) * 1e3, "kv_tcp": float(self.uses_tcp(desc))}
+
+    def uses_tcp(self, desc: KVDescriptor) -> bool:
+        """Whether what ``desc`` describes comes over TCP (else from this host's /dev/shm)."""
+        return self.transport == "tcp" or (self.transport == "auto" and desc.host_id != self.host)
+
+    def fetch_frame(self, request_id: str, desc: KVDescriptor) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
+        """The frame ``desc`` describes (a staged KV frame, or an encode worker's
+        embeddings; or a pool's blocks served as one frame over TCP): mapped and unlinked
+        from /dev/shm on this host, else fetched over TCP (up to ``timeout_s``).
+
+        Raises:
+            WireError: as :meth:`take`.
+        """
+        if self.uses_tcp(desc):
+            if desc.addr is None:
+                raise WireError(f"{desc.name} lies on another host and its sender serves no TCP address")
+            return tcp.fetch(self.ctx, desc.addr, request_id, desc.name, desc.nbytes, self.timeout_s)
+        if desc.host_id != self.host:
+            raise WireError(f"{desc.name} lies on another host and --kv-transport is shm")
+        return shm.read(desc.name)
 
     def _from_pool(self, request_id: str, desc: KVDescriptor, layout: dict, dtype: torch.dtype) -> PooledKV:
         _check_layout(desc.layout, layout)

@@ -1,0 +1,178 @@
+"""Weight-only quantized linear layers: ``y = x @ W^T`` straight from a GGUF's weight blocks.
+
+Decode at a small batch is memory-bandwidth-bound: a float32 step reads every weight as
+4 bytes, while a Q4_1 block stores 32 weights in 24 bytes here (float32 scale and min and
+16 bytes of 4-bit quants; llama.cpp keeps fp16 scales, 20 bytes). The default model *is*
+a Q4_1 GGUF (Q8_0 token embedding, tied to the LM head), and the float32 weights the loader
+writes are exactly ``d * q + m`` of those blocks, so computing from the blocks is the
+same maths up to summation order.
+
+The kernel (``quant_kernels.cpp``, AVX2 + FMA) is compiled with
+``torch.utils.cpp_extension`` on first use into ``<cache>/torch_extensions`` (torch's lock
+file there makes concurrent first builds from several workers safe). Without AVX2/FMA, or
+when the build fails, :func:`kernel_available` logs one line and the model keeps float32
+weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32  # weights per block along K, ggml's QK4_1 and QK8_0
+BLOCKS_FILE = Path("quantized") / "blocks.safetensors"  # inside a GGUF-converted model dir
+# Above this many rows x @ W^T runs on the float32 weights: the kernel dequantizes each
+# weight once per call, but its dot products are slower than MKL's sgemm, which wins once
+# the weights' bytes no longer dominate (prefill chunks). Measured with
+# benchmarks/engine_step.py --weights float32 quantized.
+MAX_KERNEL_ROWS = 64
+
+_kernel: bool | None = None  # None: not tried yet
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """One weight ``W [N, K]`` as blocks of 32 along K.
+
+    ``qs``: Q4_1 ``uint8 [N, K/32, 16]`` (byte j holds q[j] in its low nibble and q[j+16]
+    in its high one, ggml's ``block_q4_1``; w = d * q + m, q in 0..15) or Q8_0
+    ``int8 [N, K/32, 32]`` (w = d * q). ``scales`` (d) and ``mins`` (m, Q4_1 only) are
+    float32 ``[N, K/32]``.
+    """
+
+    qs: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+
+def pack_gguf(data: np.ndarray, tensor_type) -> dict[str, np.ndarray] | None:
+    """Split a GGUF tensor's raw blocks into the kernel's arrays.
+
+    Args:
+        data: ``uint8 [N, K/32 * bytes_per_block]`` as ``gguf.GGUFReader`` gives it.
+        tensor_type: its ``gguf.GGMLQuantizationType``.
+    Returns:
+        ``{"qs", "scales"[, "mins"]}`` as described in :class:`Blocks`, or None for a
+        type the kernel does not read (F32, F16, K-quants, ...).
+    """
+    from gguf import GGMLQuantizationType as Q
+
+    def fp16(b: np.ndarray) -> np.ndarray:  # [N, nb, 2] bytes -> float32 [N, nb]
+        return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+    rows = data.shape[0]
+    if tensor_type == Q.Q4_1:  # block: fp16 d, fp16 m, 16 bytes of nibbles
+        b = data.reshape(rows, -1, 20)
+        return {"scales": fp16(b[..., 0:2]), "mins": fp16(b[..., 2:4]), "qs": np.ascontiguousarray(b[..., 4:])}
+    if tensor_type == Q.Q8_0:  # block: fp16 d, 32 int8
+        b = data.reshape(rows, -1, 34)
+        return {"scales": fp16(b[..., 0:2]), "qs": np.ascontiguousarray(b[..., 2:]).view(np.int8)}
+    return None
+
+
+def load_blocks(model_dir: str | Path) -> dict[str, Blocks] | None:
+    """The weight blocks a GGUF conversion stored in ``model_dir`` (keyed by Hugging Face
+    weight name), or None when there are none or the kernel is not available."""
+    path = Path(model_dir) / BLOCKS_FILE
+    if not path.is_file() or not kernel_available():
+        return None
+    from safetensors.torch import load_file
+
+    arrays = load_file(str(path))
+    names = {key.rsplit(".", 1)[0] for key in arrays}
+    return {name: Blocks(arrays[name + ".qs"], arrays[name + ".scales"], arrays.get(name + ".mins"))
+            for name in names}
+
+
+class QuantLinear:
+    """``x @ W^T`` for a weight held both as blocks (for small batches) and as float32.
+
+    ``blocks``: :class:`Blocks` of ``W [N, K]``; ``weight``: the same ``W`` in float32,
+    used above :data:`MAX_KERNEL_ROWS` rows (it is the model's float32 weight already, so
+    the blocks cost extra memory: 0.75 byte per Q4_1 weight, 1.125 per Q8_0 one).
+    """
+
+    def __init__(self, blocks: Blocks, weight: torch.Tensor):
+        self.blocks = blocks
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K]`` float32 -> ``[..., N]`` float32."""
+        if x.numel() > MAX_KERNEL_ROWS * x.shape[-1]:
+            return F.linear(x, self.weight)
+        b = self.blocks
+        y = torch.ops.epdserve_quant.quant_mm(x.reshape(-1, x.shape[-1]), b.qs, b.scales, b.mins)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def projection(weights: dict[str, torch.Tensor], blocks: dict[str, Blocks] | None,
+               names: list[str]) -> torch.Tensor | QuantLinear:
+    """The float weights ``names`` (``[N_i, K]`` each) as one ``[sum N_i, K]`` projection
+    (one matmul for Q, K and V, or for gate and up): a :class:`QuantLinear` when ``blocks``
+    hold all of ``names`` in one block type, else the float tensor."""
+    weight = weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names])
+    parts = [blocks.get(n) for n in names] if blocks else [None]
+    if any(p is None for p in parts) or len({(p.qs.dtype, p.mins is None) for p in parts}) > 1:
+        return weight
+    if len(parts) == 1:
+        return QuantLinear(parts[0], weight)
+    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+    return QuantLinear(Blocks(torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]), mins), weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a float weight ``[N, K]`` or a :class:`QuantLinear`."""
+    if isinstance(weight, QuantLinear):
+        y = weight(x)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+def kernel_available() -> bool:
+    """Build (first call in a process) and load the kernel; False, with one log line, when
+    the CPU lacks AVX2 or FMA or the build fails."""
+    global _kernel
+    if _kernel is None:
+        _kernel = _build_kernel()
+    return _kernel
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU has AVX2 and FMA (Linux ``/proc/cpuinfo`` flags; False elsewhere)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("\nflags")[1].split("\n")[0].split()
+    except (OSError, IndexError):
+        return False
+    return {"avx2", "fma"} <= set(flags)
+
+
+def _build_kernel() -> bool:
+    if not cpu_supported():
+        log.info("quantized weights off: this CPU lacks AVX2/FMA; using float32 weights")
+        return False
+    from torch.utils.cpp_extension import load
+
+    from epdserve.model.loader import cache_root
+
+    # One directory per torch version: torch's extension versioning hashes the sources and
+    # flags, not the torch it was built against.
+    build_dir = cache_root() / "torch_extensions" / f"epdserve_quant-torch{torch.__version__}"
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # -fopenmp compiles at::parallel_for to torch's OpenMP thread pool (its libgomp
+        # comes in through libtorch_cpu); without it the loop runs on one thread.
+        load(name="epdserve_quant", sources=[str(Path(__file__).with_name("quant_kernels.cpp"))],
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], build_directory=str(build_dir),
+             is_python_module=False)
+    except Exception as exc:  # compiler missing, build error, load error: keep serving
+        log.warning("quantized weights off: kernel build failed (%s: %s); using float32 weights",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return False
+    return True

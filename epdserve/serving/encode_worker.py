@@ -1,0 +1,182 @@
+"""The encode worker of EPD (``epdserve worker --role encode``): images in, embeddings out.
+
+Same sockets, threads and handshake as an engine worker (:mod:`epdserve.serving.worker`),
+but its loop serves :class:`~epdserve.serving.protocol.Encode` commands with an
+:class:`~epdserve.engine.encoder.EncodeEngine`: every step takes all the requests that
+have arrived and encodes their images together (one vision batch, cached images
+answered from the embedding cache), writes each request's embeddings as one frame to a
+/dev/shm segment (:mod:`epdserve.transfer.embedding`) and answers
+:class:`~epdserve.serving.protocol.Encoded` with its descriptor. A prefill worker on the
+same host maps and unlinks the segment; one on another host fetches it from this
+worker's TCP server. A frame nobody reads is deleted on ``ReleaseKV`` (the router sends
+it when the request ends) or after ``--kv-ttl`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+
+import zmq
+
+from epdserve.engine.encoder import EncodeEngine
+from epdserve.model.image_processor import ImageError
+from epdserve.serving import protocol as P
+from epdserve.serving.multimodal import ImageInput
+from epdserve.transfer import embedding, shm, tcp
+from epdserve.transfer.handoff import host_id
+from epdserve.transfer.wire import WireError
+
+log = logging.getLogger("epdserve.encode_worker")
+STATS_INTERVAL_S = 0.5
+IDLE_WAIT_S = 0.1
+
+
+def image_inputs(images: list[P.ImageRef]) -> list[ImageInput]:
+    """The images of a command, their bytes checked against their hashes (a wrong hash
+    would poison the embedding cache).
+
+    Raises:
+        ValueError: an image without bytes, or whose bytes do not hash to its ``hash``.
+    """
+    out = []
+    for i, ref in enumerate(images):
+        if ref.data is None:
+            raise ValueError(f"image {i} came without its bytes")
+        image = ImageInput.from_bytes(ref.data, "request", decode=False)
+        if image.content_hash != ref.hash:
+            raise ValueError(f"image {i}: its bytes hash to {image.content_hash[:12]}, not {ref.hash[:12]}")
+        out.append(image)
+    return out
+
+
+class EncodeWorker:
+    """The command/encode/publish loop around one :class:`EncodeEngine`. ``kv_bind``: the
+    TCP address to serve frames on (None: shared memory only); ``ttl_s``: how long an
+    unread frame is kept."""
+
+    def __init__(self, encoder: EncodeEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
+                 ctx: zmq.Context, kv_bind: str | None, ttl_s: float):
+        self.encoder = encoder
+        self.worker_id = worker_id
+        self.inbox = inbox
+        self.events = events
+        self.ttl_s = ttl_s
+        self.host = host_id()
+        self.server = tcp.KVServer(ctx, kv_bind, self._frame) if kv_bind else None
+        self.pending: dict[str, tuple[P.Encode, float]] = {}
+        self.frames: dict[str, tuple[str, float]] = {}  # request id -> (segment, time.monotonic())
+        self.last_stats: tuple | None = None
+        self.last_stats_time = 0.0
+        self.running = True
+        self.exit_code = 0
+
+    def kv_layout(self) -> dict:
+        """What the router checks a prefill worker against: the embeddings' width and dtype."""
+        return {"kind": embedding.KIND, "hidden_size": self.encoder.hidden_size,
+                "dtype": str(self.encoder.vision.dtype).removeprefix("torch.")}
+
+    def send(self, msg) -> None:
+        self.events.send(P.encode(msg))
+
+    def loop(self) -> None:
+        while self.running:
+            try:
+                item = self.inbox.get(timeout=IDLE_WAIT_S) if not self.pending else self.inbox.get_nowait()
+                while True:
+                    self.handle(*item)
+                    item = self.inbox.get_nowait()
+            except queue.Empty:
+                pass
+            if self.pending:
+                self.encode_pending()
+            self.report_stats()
+            self.expire()
+        self.close()
+
+    def handle(self, msg, arrival: float) -> None:
+        """Act on one command; ``arrival`` is its ``time.perf_counter()`` on receipt."""
+        if isinstance(msg, P.Encode):
+            self.pending[msg.request_id] = (msg, arrival)
+        elif isinstance(msg, (P.ReleaseKV, P.Abort)):
+            self.pending.pop(msg.request_id, None)
+            self.release(msg.request_id)
+        elif isinstance(msg, P.Shutdown):
+            self.running = False
+        elif isinstance(msg, P.Refused):
+            log.error("%s: the router refused this worker: %s", self.worker_id, msg.reason)
+            print(f"epdserve worker: refused by the router: {msg.reason}", flush=True)
+            self.running, self.exit_code = False, 2
+        else:
+            log.warning("%s: unexpected %s message", self.worker_id, msg.type)
+
+    def encode_pending(self) -> None:
+        """Encode the images of every pending request in one call and answer each."""
+        batch, self.pending = list(self.pending.values()), {}
+        requests = []  # (command, arrival, its images)
+        for msg, arrival in batch:
+            try:
+                requests.append((msg, arrival, image_inputs(msg.images)))
+            except ValueError as exc:
+                self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id, message=str(exc)))
+        start = time.perf_counter()
+        results = self.encoder.encode([image for _, _, images in requests for image in images])
+        k = 0
+        for msg, arrival, images in requests:
+            mine, k = results[k:k + len(images)], k + len(images)
+            error = next((r for r in mine if isinstance(r, ImageError)), None)
+            if error is not None:
+                self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id, message=str(error)))
+                continue
+            written = time.perf_counter()
+            try:
+                name, nbytes = embedding.write_segment(mine)
+            except OSError as exc:
+                self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id,
+                                  message=f"cannot write the embeddings: {exc}"))
+                continue
+            self.frames[msg.request_id] = (name, time.monotonic())
+            timings = {"encode_queue_ms": (start - arrival) * 1e3,
+                       "encode_ms": sum(r.encode_ms for r in mine),
+                       "embedding_export_ms": (time.perf_counter() - written) * 1e3,
+                       "embedding_bytes": float(nbytes)}
+            frame = P.KVDescriptor(kind="shm", name=name, num_tokens=sum(len(r.embeddings) for r in mine),
+                                   nbytes=nbytes, host_id=self.host, addr=self.server and self.server.addr)
+            self.send(P.Encoded(worker_id=self.worker_id, request_id=msg.request_id, frame=frame, timings=timings))
+
+    def _frame(self, request_id: str, name: str):
+        """KV server source (its own thread): the request's segment, mapped and unlinked."""
+        held = self.frames.get(request_id)
+        if held is None or held[0] != name:
+            raise WireError(f"no embeddings {name} for request {request_id}")
+        return shm.open_segment(name)
+
+    def release(self, request_id: str) -> None:
+        held = self.frames.pop(request_id, None)
+        if held is not None:
+            shm.remove(held[0])
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for request_id in [rid for rid, (_, t) in self.frames.items() if now - t > self.ttl_s]:
+            log.warning("%s: embeddings of %s not read within %.0f s; deleted", self.worker_id, request_id,
+                        self.ttl_s)
+            self.release(request_id)
+
+    def report_stats(self) -> None:
+        cache = self.encoder.cache
+        stats = (len(self.pending), cache.queries, cache.hits)
+        now = time.monotonic()
+        if stats != self.last_stats or now - self.last_stats_time > STATS_INTERVAL_S:
+            self.send(P.Stats(worker_id=self.worker_id, blocks_total=0, blocks_in_use=0, num_running=0,
+                              num_waiting=len(self.pending), num_preemptions=0,
+                              mm_cache_queries=cache.queries, mm_cache_hits=cache.hits))
+            self.last_stats, self.last_stats_time = stats, now
+
+    def close(self) -> None:
+        """Stop serving and delete every frame still held."""
+        if self.server is not None:
+            self.server.close()
+        for request_id in list(self.frames):
+            self.release(request_id)

@@ -1,0 +1,108 @@
+"""The weight-only quantized matmul kernel (model/quant.py) on the default GGUF's real
+Q4_1 and Q8_0 weights: against float64 matmuls of gguf's own dequantization, the blocks
+stored by the GGUF conversion against the float32 weights, and an engine on the blocks
+against a float32 one (same greedy tokens)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from epdserve.engine.engine import EngineConfig, LLMEngine
+from epdserve.engine.request import SamplingParams
+from epdserve.model import quant
+from epdserve.model.loader import default_gguf
+
+pytestmark = pytest.mark.skipif(not quant.cpu_supported(), reason="the kernel needs AVX2 and FMA")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    assert quant.kernel_available(), "the kernel failed to build (see the log)"
+    return torch.ops.epdserve_quant.quant_mm
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors():
+    import gguf
+
+    return {t.name: t for t in gguf.GGUFReader(default_gguf()).tensors}
+
+
+@pytest.mark.parametrize("name, kind", [("blk.3.ffn_down.weight", "Q4_1"), ("blk.0.attn_q.weight", "Q4_1"),
+                                        ("token_embd.weight", "Q8_0")])
+@pytest.mark.parametrize("rows", [1, 3, 7, 32, 100])
+def test_kernel_matches_dequantized_matmul(kernel, gguf_tensors, name, kind, rows):
+    import gguf
+
+    t = gguf_tensors[name]
+    assert t.tensor_type.name == kind
+    data = t.data[:2048]  # the Q8_0 embedding has 49,152 rows; 2,048 suffice
+    w = torch.from_numpy(gguf.quants.dequantize(data, t.tensor_type).reshape(data.shape[0], -1))
+    packed = {k: torch.from_numpy(v) for k, v in quant.pack_gguf(data, t.tensor_type).items()}
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+    y = kernel(x, packed["qs"], packed["scales"], packed.get("mins"))
+    expected = (x.double() @ w.double().T).float()
+    assert y.shape == (rows, w.shape[0])
+    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+    # Above MAX_KERNEL_ROWS the layer multiplies by the float32 weight instead.
+    layer = quant.QuantLinear(quant.Blocks(packed["qs"], packed["scales"], packed.get("mins")), w)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_stored_blocks_are_the_float32_weights(kernel, model_info):
+    """The conversion's blocks (Q/K rows un-permuted like the float weights) times the
+    identity give the float32 weights bit for bit: the kernel dequantizes as gguf does."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(model_info.path / "model.safetensors"))
+    blocks = quant.load_blocks(model_info.path)
+    assert blocks is not None and len(blocks) == 211
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.5.self_attn.k_proj.weight",
+                 "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"]:
+        b = blocks[name]
+        rows = slice(0, 1024)  # of the embedding's 49,152; all of the others
+        eye = torch.eye(b.qs.shape[1] * quant.BLOCK)
+        got = kernel(eye, b.qs[rows], b.scales[rows], None if b.mins is None else b.mins[rows]).T
+        assert torch.equal(got, weights[name][rows]), name
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    out = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def test_quantized_engine_greedy_equals_float32(kernel, model_info, tokenizer):
+    prompts = [tokenizer(text).input_ids for text in (
+        "The history of computing is a story of people, ideas and machines.",
+        "Write a short poem about the sea and the wind.")]
+    path = str(model_info.path)
+    quantized = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))
+    assert isinstance(quantized.model.layers[0]["qkv"], quant.QuantLinear)
+    assert isinstance(quantized.model.lm_head, quant.QuantLinear)
+    plain = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32, quantized_weights=False))
+    assert isinstance(plain.model.layers[0]["qkv"], torch.Tensor)
+    expected = greedy(plain, prompts, 32)
+    assert greedy(quantized, prompts, 32) == expected  # decode batch 2
+    assert [greedy(quantized, [p], 32)[0] for p in prompts] == expected  # batch 1
+
+
+def test_bfloat16_ignores_quantized_weights(model_info):
+    engine = LLMEngine(str(model_info.path), EngineConfig(dtype="bfloat16", kv_cache_memory_mb=8))
+    assert all(isinstance(layer[k], torch.Tensor) for layer in engine.model.layers
+               for k in ("qkv", "o", "gate_up", "down"))
+    assert isinstance(engine.model.lm_head, torch.Tensor)
+
+
+def test_pack_gguf_leaves_other_types_alone():
+    from gguf import GGMLQuantizationType as Q
+
+    assert quant.pack_gguf(np.zeros((4, 16), np.uint8), Q.F32) is None
+    assert quant.pack_gguf(np.zeros((4, 144), np.uint8), Q.Q4_K) is None
