@@ -12,6 +12,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -216,3 +217,21 @@ def test_prefix_cache_keys_include_image_hashes(vlm):
         engine.add_request("d", ids, sampling, images=[("h", 32)], image_embeddings=torch.randn(32, 576))
     with pytest.raises(ValueError, match="needs their embeddings"):
         engine.add_request("e", ids, sampling, images=[("h", 64)])
+
+
+@pytest.mark.parametrize("leave_after_events", [1, 3], ids=["during-encoding", "after-first-token"])
+def test_client_gone_leaves_no_frames_or_blocks(epd_server, leave_after_events):
+    """A client that leaves while its image is being encoded (the first SSE event is the
+    role chunk, sent before any work) or after the first token: every worker ends with no
+    request outstanding, no KV block in use, and the encode worker with no frame in /dev/shm."""
+    from test_serving_cleanup import stream_and_leave, wait_all_free
+
+    body = {"model": "vlm", "messages": image_message(picture(100 + leave_after_events)), "max_tokens": 200,
+            "temperature": 0, "ignore_eos": True}
+    stream_and_leave(epd_server.url + "/v1/chat/completions", body, leave_after_events)
+    wait_all_free(epd_server.url, timeout=30)
+    pid = epd_server.worker_pid("encode-0")
+    deadline = time.monotonic() + 30
+    while list(Path(shm.SHM_DIR).glob(f"epdserve-kv-{pid}-*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not list(Path(shm.SHM_DIR).glob(f"epdserve-kv-{pid}-*"))
