@@ -52,7 +52,6 @@ Exit status: 0 when every engine ran, 1 when a build, a server or an engine fail
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re

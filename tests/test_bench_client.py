@@ -32,7 +32,7 @@ import httpx
 import numpy as np
 import pytest
 
-from epdserve.bench import client, datasets, metrics, workload
+from epdserve.bench import client, datasets, workload
 from epdserve.bench.run import add_arguments, bench
 
 STUB_TTFT_S = 0.20

@@ -137,8 +137,10 @@ class EncodeWorker:
                                   message=f"cannot write the embeddings: {exc}"))
                 continue
             self.frames[msg.request_id] = (name, time.monotonic())
+            # encode_ms: the whole call's time up to this frame, not the images' own share:
+            # the request waits for the batch it is in.
             timings = {"encode_queue_ms": (start - arrival) * 1e3,
-                       "encode_ms": sum(r.encode_ms for r in mine),
+                       "encode_ms": (written - start) * 1e3,
                        "embedding_export_ms": (time.perf_counter() - written) * 1e3,
                        "embedding_bytes": float(nbytes)}
             frame = P.KVDescriptor(kind="shm", name=name, num_tokens=sum(len(r.embeddings) for r in mine),
