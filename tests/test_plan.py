@@ -7,28 +7,41 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from epdserve.bench import metrics
-from epdserve.plan import hardware, search
-from epdserve.plan.costmodel import LinearStep, Link, Platform, Roofline, roofline_platform
+from epdserve.bench.datasets import with_images
+from epdserve.bench.workload import Request, retime
+from epdserve.engine.encoder import EncodedImage
+from epdserve.model.image_processor import ImageProcessor
+from epdserve.plan import calibrate, hardware, search
+from epdserve.plan.costmodel import (ImageCost, LinearStep, Link, Platform, Roofline, roofline_encode_ms,
+                                     roofline_platform)
 from epdserve.plan.model_spec import BUILTIN
 from epdserve.plan.run import compare_deployment
-from epdserve.bench.workload import Request
 from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
+from epdserve.transfer import embedding
 
 COLOCATED = Deployment("colocated", (WorkerSpec("colocated"),))
 PD = Deployment("1p1d", (WorkerSpec("prefill"), WorkerSpec("decode")))
+EPD = Deployment("1e1p1d", (WorkerSpec("encode"), WorkerSpec("prefill"), WorkerSpec("decode")))
+# The default VLM's preprocessing (model/smolvlm.py): every image is one 512-px tile, 64 tokens.
+ONE_TILE = ImageProcessor(longest_edge=512, max_image_size=512, image_seq_len=64)
+IMAGE = {"width": 448, "height": 448, "seed": 0}
 
 
-def req(offset_s: float, prompt_tokens: int, max_tokens: int, kind: str = "chat") -> Request:
-    return Request(offset_s, "", max_tokens, kind, prompt_tokens)
+def req(offset_s: float, prompt_tokens: int, max_tokens: int, kind: str = "chat", images=()) -> Request:
+    return Request(offset_s, "", max_tokens, kind, prompt_tokens, tuple(images))
 
 
-def flat_platform(step_ms: float = 10.0, per_seq_ms: float = 0.0, link_ms: float = 5.0) -> Platform:
-    """Every step costs step_ms + per_seq_ms per sequence; the hand-off a fixed link_ms."""
+def flat_platform(step_ms: float = 10.0, per_seq_ms: float = 0.0, link_ms: float = 5.0,
+                  tile_ms: float = 1000.0) -> Platform:
+    """Every step costs step_ms + per_seq_ms per sequence; the hand-off (KV or embeddings)
+    a fixed link_ms; encoding tile_ms per tile of the default VLM's one-tile images."""
     return Platform("flat", step=lambda n: LinearStep((step_ms, per_seq_ms, 0.0, 0.0, 0.0)), worker_sizes=(1,),
                     kv_bytes_per_token=1000, kv_link=Link(gbs=1e9, latency_ms=link_ms),
-                    price_per_device_hour=1.0, router_ms=2.0)
+                    price_per_device_hour=1.0, router_ms=2.0,
+                    images=ImageCost(ONE_TILE, lambda tiles, n: tiles * tile_ms, 576, 4))
 
 
 def test_colocated_single_request_times():
@@ -115,10 +128,18 @@ def test_candidates_and_compare_names():
     platform.worker_sizes = (1, 2)
     names = {d.name for d in search.candidates(platform, 2)}
     assert names == {"colocated", "colocated-2", "1p1d"}
+    assert {d.name for d in search.candidates(platform, 2, images=True)} == names | {"1e1p1d-shared"}
+    platform.worker_sizes = (1,)
+    three = {d.name: d for d in search.candidates(platform, 3, images=True)}
+    assert set(three) == {"colocated-3", "1p2d", "2p1d", "1e1p2d-shared", "2e2p1d-shared", "1e1p1d"}
+    assert all(d.devices == 3 for d in three.values())
     assert compare_deployment("pd", 2) == Deployment("pd", (WorkerSpec("prefill", 1), WorkerSpec("decode", 1)))
     assert compare_deployment("colocated", 2).workers == (WorkerSpec("colocated", 2),)
-    with pytest.raises(ValueError, match="share cores"):
-        compare_deployment("2p2d", 2)
+    # The launcher puts EPD's encode and prefill workers on core 0 of 2, decode on core 1.
+    assert compare_deployment("1e1p1d", 2).workers == (WorkerSpec("encode", 1, "0"), WorkerSpec("prefill", 1, "0"),
+                                                       WorkerSpec("decode", 1))
+    assert compare_deployment("1e1p1d", 4).workers == (WorkerSpec("encode", 1), WorkerSpec("prefill", 1),
+                                                       WorkerSpec("decode", 2))
 
 
 def test_search_finds_the_capacity_limit():
@@ -166,3 +187,144 @@ def test_plan_cli_errors(argv, message):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_image_costs_follow_the_processor():
+    cost = ImageCost(ONE_TILE, lambda tiles, n: 0.0, 576, 4)
+    assert (cost.tiles((448, 448)), cost.tokens((448, 448))) == (1, 64)
+    # <fake><global-img> 64 x <image> <fake>, and the newline before the image part.
+    assert cost.prompt_tokens((448, 448)) == 64 + 3 + 1
+    # The encode worker's frame is the float32 embeddings plus a header under 1 KB.
+    frame = embedding.pack([EncodedImage("a" * 64, torch.zeros(64, 576), 0, 0, 0.0)])
+    assert cost.embedding_bytes((448, 448)) == 64 * 576 * 4 == 147456
+    assert 0 < len(frame) - cost.embedding_bytes((448, 448)) < 1024
+    # SmolVLM-256M: 1024x768 -> 2048x1536 -> 3 x 4 tiles of 512 px + the global image;
+    # 12 x (<fake><row_r_col_c>), 3 row newlines (the last merged with the blank line).
+    smolvlm = roofline_platform(BUILTIN["SmolVLM-256M"], hardware.device("H100")).images
+    assert smolvlm.tiles((1024, 768)) == 13
+    assert smolvlm.tokens((1024, 768)) == 13 * 64
+    assert smolvlm.prompt_tokens((1024, 768)) == 13 * 64 + 24 + 3 + 3 + 1
+    assert smolvlm.embedding_bytes((1024, 768)) == 13 * 64 * 576 * 2  # bf16 on a GPU
+    assert roofline_platform(BUILTIN["Llama-3.1-8B"], hardware.device("H100")).images is None
+
+
+def test_vision_roofline_counts_the_siglip_tower():
+    model, dev = BUILTIN["SmolVLM-256M"], hardware.device("H100")
+    d, f, layers, patches = 768, 3072, 12, (512 // 16) ** 2
+    weights = 3 * 16 * 16 * d + layers * (4 * d * d + 2 * d * f)
+    projection = d * 16 * 576  # pixel shuffle 4 -> 16 x 768 wide tokens -> 576
+    assert model.vision_params == weights + projection
+    flops = 2 * patches * weights + 4 * layers * patches ** 2 * d + 2 * 64 * projection
+    assert model.vision_flops_per_tile() == pytest.approx(flops)
+    assert roofline_encode_ms(model, dev, 13) == pytest.approx(
+        13 * flops / (dev.peak_tflops * 1e12 * dev.compute_eff) * 1e3 + dev.step_overhead_ms)
+    assert roofline_encode_ms(model, dev, 0) == 0.0
+
+
+def test_colocated_encodes_in_the_worker_epd_on_encode_workers():
+    platform = flat_platform()
+    records, stages = simulate(COLOCATED, platform, [req(0.0, 5, 2, images=[IMAGE])])
+    # router 2 ms, encode 1,000 ms in the worker, prefill step 10 ms, one decode step.
+    assert records[0].chunk_times_s == pytest.approx([1.012, 1.022])
+    assert stages[0]["prompt_tokens"] == 5 + 68
+    assert stages[0]["encode_ms"] == pytest.approx(1000.0)
+    records, stages = simulate(EPD, platform, [req(0.0, 5, 2, images=[IMAGE])])
+    # ... in EPD the embeddings then cross the 5 ms link to the prefill worker, the KV
+    # another 5 ms to the decode worker.
+    assert records[0].chunk_times_s == pytest.approx([1.017, 1.032])
+    assert stages[0]["embedding_bytes"] == 147456
+    assert stages[0]["embedding_transfer_ms"] == pytest.approx(5.0, rel=1e-3)
+    assert stages[0]["encode_ms"] == pytest.approx(1000.0)
+
+
+def test_encoding_stalls_colocated_decode_but_not_epd():
+    # A chat request decodes; one with an image arrives 100 ms later.
+    reqs = [req(0.0, 10, 40), req(0.1, 10, 2, images=[IMAGE])]
+    colocated, _ = simulate(COLOCATED, flat_platform(), reqs)
+    epd, _ = simulate(EPD, flat_platform(), reqs)
+    assert max(colocated[0].itls_s) > 1.0   # its steps waited for the whole encode
+    assert max(epd[0].itls_s) < 0.02
+
+
+def test_shared_devices_split_their_time():
+    # Encode and prefill on one device: a prefill step during an encode runs at half speed,
+    # and the encode loses what the step took.
+    shared = Deployment("1e1p1d-shared", (WorkerSpec("encode", 1, "p0"), WorkerSpec("prefill", 1, "p0"),
+                                          WorkerSpec("decode")))
+    assert shared.devices == 2
+    records, _ = simulate(shared, flat_platform(), [req(0.0, 5, 1, images=[IMAGE]), req(0.1, 5, 1)])
+    assert records[1].chunk_times_s == pytest.approx([0.022])     # 2 + 2 x 10 ms
+    assert records[0].chunk_times_s == pytest.approx([1.027])     # 2 + 1,010 + 5 + 10 ms
+
+
+def test_a_repeated_image_is_encoded_once_per_worker():
+    platform = flat_platform()
+    records, stages = simulate(COLOCATED, platform, [req(0.0, 5, 1, images=[IMAGE]), req(2.0, 5, 1, images=[IMAGE])])
+    assert stages[1]["encode_ms"] == 0.0
+    assert records[1].chunk_times_s == pytest.approx([0.012])
+
+
+def _cpu_like(tile_ms: float) -> Platform:
+    """Steps as calibrated on this machine's 1-core workers (SmolLM2-135M, float32), one
+    512-px tile per image at ``tile_ms``."""
+    return Platform("cpu-like", step=lambda n: LinearStep((50.0, 2.5, 3.3, 9e-4, 0.014)), worker_sizes=(1,),
+                    kv_bytes_per_token=30 * 2 * 3 * 64 * 4, kv_link=Link(14.5, 0.6), price_per_device_hour=1.0,
+                    router_ms=3.0, template_tokens=30,
+                    images=ImageCost(ONE_TILE, lambda tiles, n: tiles * tile_ms, 576, 4))
+
+
+def _image_trace(n: int, images: int, max_tokens: int, seed: int = 0) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    return with_images([req(0.0, int(rng.integers(50, 150)), max_tokens) for _ in range(n)], images, (448, 448))
+
+
+COLOCATED_4 = Deployment("colocated-4", (WorkerSpec("colocated"),) * 4)
+EPD_4 = Deployment("2e1p1d", (WorkerSpec("encode"),) * 2 + (WorkerSpec("prefill"), WorkerSpec("decode")))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_epd_wins_ttft_when_encoding_dominates(seed):
+    # 4 images of 2 s each per request, 8-token answers, 4 devices: a colocated worker
+    # encodes its request's 4 images one after another (8 s); EPD's two encode workers
+    # take 2 each (4 s).
+    reqs = retime(_image_trace(60, 4, 8, seed), 0.02, seed)
+    colocated = metrics.compute(simulate(COLOCATED_4, _cpu_like(2000.0), reqs)[0])
+    epd = metrics.compute(simulate(EPD_4, _cpu_like(2000.0), reqs)[0])
+    assert colocated["p95_ttft_ms"] > 8000
+    assert epd["p95_ttft_ms"] < 0.85 * colocated["p95_ttft_ms"]
+
+
+def test_epd_does_not_pay_for_long_answers():
+    # One image, 256-token answers: EPD's one decode worker carries every decode, so under
+    # a TPOT SLO the four colocated workers serve more than twice the rate.
+    reqs, slos = _image_trace(60, 1, 256), {"ttft": 10000.0, "tpot": 200.0}
+    colocated = search.evaluate(COLOCATED_4, _cpu_like(2000.0), reqs, slos, 0.9, EngineLimits(), iters=4)
+    epd = search.evaluate(EPD_4, _cpu_like(2000.0), reqs, slos, 0.9, EngineLimits(), iters=4)
+    assert colocated.max_rate > 2 * epd.max_rate > 0
+
+
+def test_calibrated_platform_encodes_per_tile():
+    cal = {"model": "m", "steps": {"1": {"coef": [1.0] * 5}}, "kv_link": {"gbs": 1.0, "latency_ms": 0.5},
+           "kv_bytes_per_token": 10,
+           "vision": {"encode": {"1": {"ms_per_tile": 2500.0}}, "hidden_size": 576, "dtype_bytes": 4,
+                      "processor": {k: getattr(ONE_TILE, k) for k in calibrate.PROCESSOR_FIELDS}}}
+    images = calibrate.platform_from(cal).images
+    assert images.encode_ms(3, 1) == 7500.0
+    assert images.embedding_bytes((448, 448)) == 147456
+    del cal["vision"]  # an older calibration: text only
+    with pytest.raises(ValueError, match="has images"):
+        simulate(COLOCATED, calibrate.platform_from(cal), [req(0.0, 5, 1, images=[IMAGE])])
+
+
+def test_roofline_plan_cli_with_images(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "--hardware", "H100", "--model",
+                           "SmolVLM-256M", "--devices", "3", "--input-len", "100:100", "--output-len", "20:20",
+                           "--num-requests", "40", "--images-per-request", "2", "--image-size", "1024x768",
+                           "--slo", "ttft:500", "tpot:30", "--output", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "| 1e1p1d |" in proc.stdout and "**Recommendation:" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "--hardware", "H100", "--model",
+                           "Llama-3.1-8B", "--images-per-request", "1", "--output", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "has images" in proc.stderr and "Traceback" not in proc.stderr

@@ -3,8 +3,11 @@
 ``epdserve plan calibrate`` runs a real :class:`~epdserve.engine.engine.LLMEngine` in this
 process, pinned to 1 and then 2 cores (the worker sizes the launcher uses here), times
 prefill steps of several prompt lengths and decode steps of several batch sizes and
-contexts, fits a :class:`~epdserve.plan.costmodel.LinearStep` per worker size, times a
-real shared-memory KV hand-off, and writes everything as JSON. ``epdserve plan validate``
+contexts, fits a :class:`~epdserve.plan.costmodel.LinearStep` per worker size, times
+:meth:`~epdserve.engine.encoder.EncodeEngine.encode` (the vision tower of the model, or for
+the default text model that of the default vision-language model, whose language model it
+is) per tile at each worker size, times a real shared-memory KV hand-off, and writes
+everything as JSON. ``epdserve plan validate``
 later stores the prediction errors it measures in the same file, so ``plan`` can state them.
 """
 
@@ -23,21 +26,31 @@ from tqdm import tqdm
 
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
-from epdserve.model.config import ModelConfig
-from epdserve.model.loader import resolve_model
+from epdserve.model.image_processor import ImageProcessor
+from epdserve.model.loader import DEFAULT_VLM, resolve_model
 from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
-from epdserve.plan.costmodel import FEATURES, LinearStep, Link, Platform
+from epdserve.plan.costmodel import FEATURES, ImageCost, LinearStep, Link, Platform
+from epdserve.plan.model_spec import ModelSpec
 
 CACHE_DIR = Path.home() / ".cache" / "epdserve" / "calibration"
 PREFILL_LENS = (16, 64, 256, 768, 1536)
 DECODE_BATCHES = (1, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 512)
+# Encode calls timed per worker size, after a one-image warm-up: images per call (the
+# bench's default image size). A 512-px tile takes 2-6 s on a (busy) core: ~30 s in all.
+ENCODE_CALLS = (2,)
+ENCODE_IMAGE_SIZE = (448, 448)
+# What tiles and image tokens per image follow from (ImageProcessor.grid / num_tokens).
+PROCESSOR_FIELDS = ("longest_edge", "max_image_size", "image_seq_len", "do_resize", "do_image_splitting")
 # Indicative price of one CPU core-hour (USD), to rank candidates by cost like GPUs.
 CPU_CORE_PRICE_PER_HOUR = 0.04
 
 
-def default_path(model_name: str) -> Path:
-    return CACHE_DIR / f"{model_name}-cpu.json"
+def default_path(model: str | None) -> Path:
+    """Where ``epdserve plan calibrate --model MODEL`` keeps its calibration. The default
+    vision-language model shares the default text model's: its language model is that
+    model, untouched, and that calibration times its vision tower too."""
+    return CACHE_DIR / f"{resolve_model(None if model == DEFAULT_VLM else model).name}-cpu.json"
 
 
 def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -81,6 +94,35 @@ def _decode_steps(model_dir: str, steps: int, rng) -> list[dict]:
                 out.append({"prefill": [], "num_decode": batch, "decode_context": sum(contexts) + batch * (1 + i),
                             "decode_max_context": max(contexts) + 1 + i, "ms": ms})
     return out
+
+
+def _encode_ms_per_tile(model_dir: str) -> tuple[float, list[dict]]:
+    """Time :meth:`EncodeEngine.encode` calls of :data:`ENCODE_CALLS` distinct images
+    (embedding cache off) after one warm-up call; the ms per tile of all calls together
+    (preprocessing included: it is part of every call)."""
+    from epdserve.bench.images import image_bytes
+    from epdserve.engine.encoder import EncodeEngine
+    from epdserve.serving.multimodal import ImageInput
+
+    engine = EncodeEngine(model_dir, cache_bytes=0)
+    w, h = ENCODE_IMAGE_SIZE
+    rows, cols = engine.processor.grid((w, h))
+    samples, seeds = [], iter(range(1000))
+    for rep, n in enumerate((1, *ENCODE_CALLS)):
+        images = [ImageInput.from_bytes(image_bytes(w, h, next(seeds)), "calibration") for _ in range(n)]
+        start = time.perf_counter()
+        engine.encode(images)
+        if rep:  # the first warms caches and allocator
+            samples.append({"images": n, "tiles": n * (rows * cols + 1), "ms": (time.perf_counter() - start) * 1e3})
+    return sum(x["ms"] for x in samples) / sum(x["tiles"] for x in samples), samples
+
+
+def _vision_dir(info) -> Path | None:
+    """The model whose vision tower to time: the model itself, or for the default text
+    model the default vision-language model; None for any other text model."""
+    if info.multimodal:
+        return info.path
+    return resolve_model(DEFAULT_VLM).path if info.name == resolve_model(None).name else None
 
 
 def _fit(samples: list[dict]) -> tuple[LinearStep, float]:
@@ -130,12 +172,13 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
         RuntimeError: this machine has fewer than 2 usable cores.
     """
     info = resolve_model(model)
+    vision_dir = _vision_dir(info)
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise RuntimeError("calibration needs 2 usable cores (workers of 1 and 2 cores)")
     rng = np.random.default_rng(seed)
     saved_threads = torch.get_num_threads()
-    fits, bar = {}, tqdm(total=2, desc="calibrate", unit="worker size", disable=not progress)
+    fits, encode, bar = {}, {}, tqdm(total=2, desc="calibrate", unit="worker size", disable=not progress)
     try:
         for size in (1, 2):
             os.sched_setaffinity(0, cores[:size])
@@ -143,6 +186,9 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
             samples = _prefill_steps(str(info.path), reps, rng) + _decode_steps(str(info.path), decode_steps, rng)
             step, err = _fit(samples)
             fits[str(size)] = {"coef": list(step.coef), "mean_abs_rel_error": err, "samples": samples}
+            if vision_dir is not None:
+                ms, calls = _encode_ms_per_tile(str(vision_dir))
+                encode[str(size)] = {"ms_per_tile": ms, "samples": calls}
             bar.update(1)
         os.sched_setaffinity(0, cores[:1])
         torch.set_num_threads(1)
@@ -153,11 +199,18 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
         bar.close()
     tokenizer = load_tokenizer(info.path)
     template = len(chat_prompt_ids(tokenizer, [{"role": "user", "content": ""}]))
-    kv_bpt = ModelConfig.from_dir(info.path).kv_bytes_per_token(4)  # float32 KV on the wire
-    return {"model": info.name, "machine": f"{host.processor() or host.machine()} ({len(cores)} cores)",
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "steps": fits, "kv_link": {"gbs": link.gbs, "latency_ms": link.latency_ms},
-            "kv_bytes_per_token": kv_bpt, "template_tokens": template, "validation": None}
+    kv_bpt = ModelSpec.from_dir(info.name, info.path, info.multimodal).kv_bytes_per_token(4)  # float32 KV on the wire
+    cal = {"model": info.name, "machine": f"{host.processor() or host.machine()} ({len(cores)} cores)",
+           "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "steps": fits, "kv_link": {"gbs": link.gbs, "latency_ms": link.latency_ms},
+           "kv_bytes_per_token": kv_bpt, "template_tokens": template, "validation": None}
+    if vision_dir is not None:
+        spec = ModelSpec.from_dir(info.name, vision_dir, True)
+        p = spec.processor
+        cal["vision"] = {"model": str(vision_dir), "encode": encode, "hidden_size": spec.hidden_size,
+                         "dtype_bytes": 4,  # float32 embeddings, as encode workers send them by default
+                         "processor": {k: getattr(p, k) for k in PROCESSOR_FIELDS}}
+    return cal
 
 
 def save(cal: dict, path: str | Path) -> Path:
@@ -190,7 +243,8 @@ def load(path: str | Path) -> dict:
 
 def platform_from(cal: dict, router_ms: float = 3.0) -> Platform:
     """The :class:`Platform` of a calibration: workers of 1 or 2 cores with the fitted
-    step models, KV over the measured shared-memory hand-off."""
+    step models, KV (and embeddings) over the measured shared-memory hand-off, encoding at
+    the measured ms per tile (no images without a ``vision`` section: older calibrations)."""
     steps = {int(k): LinearStep(tuple(v["coef"])) for k, v in cal["steps"].items()}
 
     def step(devices: int) -> LinearStep:
@@ -198,7 +252,14 @@ def platform_from(cal: dict, router_ms: float = 3.0) -> Platform:
             raise ValueError(f"no calibration for a worker of {devices} cores (have {sorted(steps)})")
         return steps[devices]
 
+    images = None
+    if vision := cal.get("vision"):
+        per_tile = {int(k): v["ms_per_tile"] for k, v in vision["encode"].items()}
+        processor = ImageProcessor(**vision["processor"])
+        images = ImageCost(processor, lambda tiles, devices: tiles * per_tile[devices],
+                           vision["hidden_size"], vision["dtype_bytes"])
+
     return Platform(name=f"{cal['model']} on this CPU", step=step, worker_sizes=tuple(sorted(steps)),
                     kv_bytes_per_token=cal["kv_bytes_per_token"], kv_link=Link(**cal["kv_link"]),
                     price_per_device_hour=CPU_CORE_PRICE_PER_HOUR, router_ms=router_ms,
-                    template_tokens=cal.get("template_tokens", 0), error=cal.get("validation"))
+                    template_tokens=cal.get("template_tokens", 0), error=cal.get("validation"), images=images)

@@ -1,4 +1,5 @@
-"""Per-stage cost model: engine step time, KV and embedding bytes, transfer time.
+"""Per-stage cost model: engine step time, image encoding, KV and embedding bytes,
+transfer time.
 
 One engine step runs prefill chunks, each ``(new_tokens, cached context)``, and
 ``num_decode`` decodes (one new token each) whose cached contexts sum to
@@ -13,6 +14,12 @@ through those aggregates, so a simulated step costs O(prefill chunks), not O(bat
   calibrate``): ``ms = c0 + c1·sequences + c2·new tokens + c3·attention keys +
   c4·decodes × longest decode context`` (epdserve's decode attention gathers every
   sequence's blocks padded to the longest, model/llama.py).
+
+Images (:class:`ImageCost`): tiles and prompt tokens per image follow the model's image
+processor (``ImageProcessor.grid`` / ``num_tokens``, Idefics3's rules); one encode call
+(a batch of tiles through the vision tower) costs a roofline of the tower's FLOPs per tile
+on a device profile, or the time per tile measured by calibration; embedding bytes are
+image tokens × hidden × bytes per element (the frame header, well under 1 KB, is left out).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from epdserve.model.image_processor import ImageProcessor
 from epdserve.plan.hardware import Device
 from epdserve.plan.model_spec import ModelSpec
 
@@ -131,6 +139,57 @@ class Link:
         return nbytes / (self.gbs * 1e9) * 1e3 + self.latency_ms
 
 
+@dataclass(frozen=True)
+class ImageCost:
+    """What one image costs on a platform. ``processor``: the model's image preprocessing
+    (tile grid and ``<image>`` tokens from the image size, without decoding it);
+    ``encode_ms(tiles, devices)``: one encode call of that many tiles on a worker of that
+    many devices, in ms (0 tiles: 0); ``hidden_size`` / ``dtype_bytes``: the embeddings'
+    width and element size."""
+
+    processor: ImageProcessor
+    encode_ms: Callable[[int, int], float]
+    hidden_size: int
+    dtype_bytes: int
+
+    def tiles(self, size: tuple[int, int]) -> int:
+        """Tiles the vision tower runs for an image of ``size`` = (width, height) pixels:
+        rows × cols + the global image (1 when not split)."""
+        rows, cols = self.processor.grid(size)
+        return rows * cols + 1
+
+    def tokens(self, size: tuple[int, int]) -> int:
+        """``<image>`` tokens (embedding rows) of an image of ``size``."""
+        return self.processor.num_tokens(self.processor.grid(size))
+
+    def prompt_tokens(self, size: tuple[int, int]) -> int:
+        """Prompt tokens an image adds: its ``<image>`` tokens, the markup around them
+        (Idefics3: ``<fake_token_around_image>`` + ``<row_r_col_c>`` per tile, a newline
+        per row and one more, ``<fake_token_around_image><global-img>`` ...
+        ``<fake_token_around_image>``) and the newline that joins an image part to the
+        message's text (serving/multimodal.py). Counted as SmolVLM's BPE tokenizes them:
+        one token per newline, except the last row's and the blank line's, which merge."""
+        rows, cols = self.processor.grid(size)
+        markup = 2 * rows * cols + rows + 3
+        return self.tokens(size) + markup + 1
+
+    def embedding_bytes(self, size: tuple[int, int]) -> int:
+        """Bytes of an image's embeddings on the wire: tokens × hidden × dtype bytes."""
+        return self.tokens(size) * self.hidden_size * self.dtype_bytes
+
+
+def roofline_encode_ms(model: ModelSpec, device: Device, tiles: int, devices: int = 1) -> float:
+    """One encode call of ``tiles`` tiles on ``devices`` × ``device``: the longer of the
+    tower's FLOPs (:meth:`ModelSpec.vision_flops_per_tile`) at ``peak × compute_eff`` and
+    its weights read once at ``bandwidth × bw_eff``, plus the step overhead; 0 for no tiles."""
+    if tiles == 0:
+        return 0.0
+    flops, nbytes = model.vision_flops_per_tile() * tiles, model.vision_params * device.dtype_bytes
+    compute_ms = flops / (devices * device.peak_tflops * 1e12 * device.compute_eff) * 1e3
+    memory_ms = nbytes / (devices * device.mem_bw_gbs * 1e9 * device.bw_eff) * 1e3
+    return max(compute_ms, memory_ms) + device.step_overhead_ms
+
+
 @dataclass
 class Platform:
     """Everything the simulator needs about one kind of hardware running one model.
@@ -138,8 +197,9 @@ class Platform:
     ``step(devices)``: the step model of a worker on that many devices (cores or GPUs);
     ``worker_sizes``: devices a worker may have; ``kv_bytes_per_token`` of the KV on the
     wire; ``kv_link``: prefill → decode path; ``kv_import_gbs``: the decode worker's copy
-    of arriving KV into its cache (blocks its step; None = free); ``encode_ms_per_image``
-    and ``embedding_bytes_per_image`` (0 for text models); ``router_ms``: client ↔ router
+    of arriving KV into its cache (blocks its step; None = free); ``images``: what images
+    cost (None: the model takes no images), their embeddings crossing ``kv_link`` too (the
+    same transports carry them); ``router_ms``: client ↔ router
     overhead added to every token; ``template_tokens``: tokens a chat template adds to a
     prompt; ``error``: prediction errors measured at the last validation (None if never).
     """
@@ -151,8 +211,7 @@ class Platform:
     kv_link: Link
     price_per_device_hour: float
     kv_import_gbs: float | None = None
-    encode_ms_per_image: float = 0.0
-    embedding_bytes_per_image: int = 0
+    images: ImageCost | None = None
     router_ms: float = 1.0
     template_tokens: int = 0
     error: dict | None = None
@@ -160,9 +219,12 @@ class Platform:
 
 def roofline_platform(model: ModelSpec, device: Device) -> Platform:
     """A :class:`Platform` for ``model`` on ``device`` GPUs (workers of 1, 2, 4 or 8 in
-    one node; KV over NVLink/PCIe within the node). Encode time per image is the vision
-    tower's roofline compute (2 FLOPs per parameter per image token)."""
-    encode_flops = 2.0 * model.vision_params * model.image_tokens
+    one node; KV and embeddings over NVLink/PCIe within the node; encoding by
+    :func:`roofline_encode_ms` for a vision-language model)."""
+    images = None
+    if model.vision is not None:
+        images = ImageCost(model.processor, lambda tiles, n: roofline_encode_ms(model, device, tiles, n),
+                           model.hidden_size, device.dtype_bytes)
     return Platform(
         name=f"{model.name} on {device.name}",
         step=lambda n: Roofline(model, device, n),
@@ -170,6 +232,5 @@ def roofline_platform(model: ModelSpec, device: Device) -> Platform:
         kv_bytes_per_token=model.kv_bytes_per_token(device.dtype_bytes),
         kv_link=Link(device.link_gbs, device.link_latency_ms),
         price_per_device_hour=device.price_per_hour,
-        encode_ms_per_image=encode_flops / (device.peak_tflops * 1e12 * device.compute_eff) * 1e3,
-        embedding_bytes_per_image=model.embedding_bytes_per_image(device.dtype_bytes),
+        images=images,
     )

@@ -1,18 +1,24 @@
-"""A model's size as the cost model needs it: parameters, FLOPs and KV bytes per token."""
+"""A model's size as the cost model needs it: parameters, FLOPs and KV bytes per token,
+and for a vision-language model its vision tower's FLOPs per tile and its image
+preprocessing rules (tiles and prompt tokens per image)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from epdserve.model.config import ModelConfig
+from epdserve.model.image_processor import ImageProcessor
+from epdserve.model.vision import VisionConfig
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """Decoder shape (Hugging Face field meanings). ``mlp_matrices``: 3 for a gated MLP
     (Llama, Qwen: gate, up, down), 2 for a plain one (OPT: fc1, fc2).
-    ``image_tokens`` / ``vision_params``: embeddings per image and vision-tower
-    parameters, 0 for a text-only model."""
+    ``vision`` / ``processor``: the Idefics3 / SmolVLM vision tower and image
+    preprocessing of a vision-language model, None for a text-only model."""
 
     name: str
     num_layers: int
@@ -23,13 +29,30 @@ class ModelSpec:
     head_dim: int
     vocab_size: int
     mlp_matrices: int = 3
-    image_tokens: int = 0
-    vision_params: int = 0
+    vision: VisionConfig | None = None
+    processor: ImageProcessor | None = None
 
     @classmethod
     def from_config(cls, name: str, c: ModelConfig) -> "ModelSpec":
         return cls(name, c.num_hidden_layers, c.hidden_size, c.intermediate_size,
                    c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size)
+
+    @classmethod
+    def from_dir(cls, name: str, model_dir: str | Path, multimodal: bool) -> "ModelSpec":
+        """From a Hugging Face directory: a Llama-family ``config.json``, or (``multimodal``)
+        an Idefics3 / SmolVLM one with its ``text_config``, ``vision_config`` and image
+        processor settings.
+
+        Raises:
+            ModelLoadError: an unsupported architecture or missing processor settings.
+        """
+        if not multimodal:
+            return cls.from_config(name, ModelConfig.from_dir(model_dir))
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        vision = VisionConfig.from_dict(cfg)
+        text = cls.from_config(name, ModelConfig.from_dict(cfg["text_config"], f"{model_dir}/config.json"))
+        return replace(text, vision=vision,
+                       processor=ImageProcessor.from_dir(model_dir, vision.tokens_per_image))
 
     @property
     def layer_params(self) -> int:
@@ -52,9 +75,42 @@ class ModelSpec:
         keys = new_tokens * context + new_tokens * (new_tokens + 1) / 2
         return 4.0 * self.num_layers * self.num_heads * self.head_dim * keys
 
-    def embedding_bytes_per_image(self, dtype_bytes: int) -> int:
-        return self.image_tokens * self.hidden_size * dtype_bytes
+    @property
+    def vision_params(self) -> int:
+        """Weights of the vision tower (patch embedding, encoder layers) and the connector's
+        projection; 0 for a text-only model."""
+        v = self.vision
+        if v is None:
+            return 0
+        d = v.hidden_size
+        patch = v.num_channels * v.patch_size ** 2 * d
+        layer = 4 * d * d + 2 * d * v.intermediate_size  # q, k, v, out; fc1, fc2
+        return patch + v.num_hidden_layers * layer + d * v.scale_factor ** 2 * v.text_hidden_size
 
+    def vision_flops_per_tile(self) -> float:
+        """FLOPs of one tile through the vision tower and connector (2 per multiply-add):
+        the patch embedding and every linear layer over the tile's patches, bidirectional
+        attention (QK^T and PV over all patches: 4 × layers × patches² × hidden), and the
+        projection of the pixel-shuffled tokens into the language model's width."""
+        v = self.vision
+        patches = v.patches_per_side ** 2
+        linear = self.vision_params - v.hidden_size * v.scale_factor ** 2 * v.text_hidden_size
+        projection = v.tokens_per_image * v.hidden_size * v.scale_factor ** 2 * v.text_hidden_size
+        attention = 4.0 * v.num_hidden_layers * patches ** 2 * v.hidden_size
+        return 2.0 * patches * linear + attention + 2.0 * projection
+
+
+# SmolVLM-256M-Instruct (config.json, preprocessor_config.json): SigLIP base patch16/512,
+# pixel shuffle 4 -> 64 tokens per 512-px tile, images resized to a 2048-px longest edge
+# (up to 4 x 4 tiles + the global image); language model SmolLM2-135M.
+_SIGLIP_B16_512 = VisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                               num_attention_heads=12, image_size=512, patch_size=16, layer_norm_eps=1e-6,
+                               scale_factor=4, text_hidden_size=576)
+# HuggingFaceM4/Idefics3-8B-Llama3: SigLIP so400m patch14/364 (27 layers, 1152 wide), pixel
+# shuffle 2 -> 169 tokens per 364-px tile, longest edge 4 x 364; Llama-3.1-8B language model.
+_SIGLIP_SO400M_364 = VisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                  num_attention_heads=16, image_size=364, patch_size=14, layer_norm_eps=1e-6,
+                                  scale_factor=2, text_hidden_size=4096)
 
 # Published architectures used to check the planner against published results.
 BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (
@@ -64,4 +120,8 @@ BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (
     ModelSpec("Qwen3-32B", 64, 5120, 25600, 64, 8, 128, 151936),
     # meta-llama/Llama-3.1-8B config.json.
     ModelSpec("Llama-3.1-8B", 32, 4096, 14336, 32, 8, 128, 128256),
+    ModelSpec("SmolVLM-256M", 30, 576, 1536, 9, 3, 64, 49280, vision=_SIGLIP_B16_512,
+              processor=ImageProcessor(longest_edge=2048, max_image_size=512, image_seq_len=64)),
+    ModelSpec("Idefics3-8B", 32, 4096, 14336, 32, 8, 128, 128259, vision=_SIGLIP_SO400M_364,
+              processor=ImageProcessor(longest_edge=4 * 364, max_image_size=364, image_seq_len=169)),
 )}

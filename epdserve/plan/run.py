@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", default="cpu",
                         help=f"cpu (this machine, calibrated) or one of {', '.join(hardware.PROFILES)}")
     parser.add_argument("--model", default=None,
-                        help=f"one of {', '.join(BUILTIN)}, or a model path (default: the default model)")
+                        help=f"one of {', '.join(BUILTIN)}, a model path, or vlm (the default "
+                             f"vision-language model) (default: the default model)")
     parser.add_argument("--precision", choices=hardware.PRECISIONS, default="bf16",
                         help="weights and KV precision on GPU profiles (default bf16)")
     parser.add_argument("--devices", type=workload.positive_int, default=2,
@@ -46,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=workload.parse_range, default=(100, 400), metavar="MIN:MAX")
     parser.add_argument("--output-len", type=workload.parse_range, default=(32, 128), metavar="MIN:MAX")
     parser.add_argument("--num-requests", type=workload.positive_int, default=300)
+    parser.add_argument("--images-per-request", type=workload.nonnegative_int, default=0, metavar="N",
+                        help="images sent with every request (default 0; needs a vision-language model, "
+                             "e.g. --model vlm or SmolVLM-256M); adds EPD candidates")
+    parser.add_argument("--image-size", type=workload.parse_size, default=(448, 448), metavar="WxH",
+                        help="pixel size of those images (default 448x448)")
+    parser.add_argument("--image-repeat-share", type=workload.parse_fraction, default=0.0, metavar="F",
+                        help="share of requests that send the same images as an earlier one (default 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo", nargs="+", type=parse_goodput, default=[("ttft", 1000.0), ("tpot", 200.0)],
                         metavar="KEY:MS", help="SLOs, e.g. ttft:300 tpot:10 (default ttft:1000 tpot:200)")
@@ -64,19 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _model_spec(name: str | None) -> ModelSpec:
     if name in BUILTIN:
         return BUILTIN[name]
-    from epdserve.model.config import ModelConfig
     from epdserve.model.loader import resolve_model
 
     info = resolve_model(name)
-    return ModelSpec.from_config(info.name, ModelConfig.from_dir(info.path))
+    return ModelSpec.from_dir(info.name, info.path, info.multimodal)
 
 
 def _calibration_path(args) -> Path:
-    if args.calibration:
-        return Path(args.calibration)
-    from epdserve.model.loader import resolve_model
-
-    return calibrate.default_path(resolve_model(args.model).name)
+    return Path(args.calibration) if args.calibration else calibrate.default_path(args.model)
 
 
 def _platform(args) -> Platform:
@@ -91,13 +95,17 @@ def _platform(args) -> Platform:
 
 def _requests(args) -> list[workload.Request]:
     """The trace to plan for: ``--trace``, or uniform lengths sent at once (the search
-    re-times them to each rate with seeded Poisson arrivals). No prompt text is needed."""
+    re-times them to each rate with seeded Poisson arrivals) with the images of
+    ``--images-per-request`` as bench attaches them. No prompt text is needed."""
     if args.trace:
         return workload.load_trace(args.trace)
+    from epdserve.bench.datasets import with_images
+
     rng = np.random.default_rng(args.seed)
     (a, b), (c, d) = args.input_len, args.output_len
-    return [workload.Request(0.0, "", int(rng.integers(c, d + 1)), "chat", int(rng.integers(a, b + 1)))
-            for _ in range(args.num_requests)]
+    requests = [workload.Request(0.0, "", int(rng.integers(c, d + 1)), "chat", int(rng.integers(a, b + 1)))
+                for _ in range(args.num_requests)]
+    return with_images(requests, args.images_per_request, args.image_size, args.image_repeat_share, args.seed)
 
 
 def _limits(args) -> EngineLimits:
@@ -107,7 +115,7 @@ def _limits(args) -> EngineLimits:
 def run_search(args) -> int:
     platform = _platform(args)
     requests, slos = _requests(args), dict(args.slo)
-    deployments = search.candidates(platform, args.devices)
+    deployments = search.candidates(platform, args.devices, images=any(r.images for r in requests))
     rows, curves = [], {}
     from tqdm import tqdm
     for dep in tqdm(deployments, desc="plan", unit="deployment"):
@@ -179,10 +187,12 @@ def _plot(curves: dict[str, list[dict]], path: Path) -> None:
 
 def compare_deployment(name: str, cores: int) -> Deployment:
     """The simulated :class:`Deployment` of an ``epdserve compare`` configuration name on
-    ``cores`` cores, placed by the launcher's rule (serving/launcher.py ``plan_workers``).
+    ``cores`` cores, placed by the launcher's rule (serving/launcher.py ``plan_workers``);
+    workers placed on the same cores share them (EPD on 2 cores: encode and prefill on
+    core 0).
 
     Raises:
-        ValueError: an unknown name, or workers that would share cores (not simulated).
+        ValueError: an unknown name, or workers whose cores overlap only in part (not simulated).
     """
     from epdserve.bench.compare import serve_flags
     from epdserve.serving.launcher import plan_workers
@@ -193,11 +203,14 @@ def compare_deployment(name: str, cores: int) -> Deployment:
     opts = dict(zip(flags[::2], flags[1::2]))
     placed = plan_workers(opts["--mode"], list(range(cores)), workers=int(opts.get("--workers", 1)),
                           prefill=int(opts.get("--prefill-workers", 1)),
-                          decode=int(opts.get("--decode-workers", 1)))
-    used = [c for _, _, cs in placed for c in cs]
+                          decode=int(opts.get("--decode-workers", 1)),
+                          encode=int(opts.get("--encode-workers", 1)))
+    workers_on = Counter(tuple(cs) for _, _, cs in placed)
+    used = [c for cs in workers_on for c in cs]
     if len(used) != len(set(used)):
-        raise ValueError(f"{name}: workers share cores on {cores} cores; not simulated")
-    return Deployment(name, tuple(WorkerSpec(role, len(cs)) for role, _, cs in placed))
+        raise ValueError(f"{name}: workers partly share cores on {cores} cores; not simulated")
+    return Deployment(name, tuple(WorkerSpec(role, len(cs), ",".join(map(str, cs)) if workers_on[tuple(cs)] > 1 else "")
+                                  for role, _, cs in placed))
 
 
 def validate(compare_dir: Path, platform: Platform, cores: int) -> list[dict]:
@@ -261,6 +274,9 @@ def run_calibrate(args) -> int:
         coef = ", ".join(f"{c:.4g}" for c in fit["coef"])
         print(f"{size}-core worker: ms = [{coef}] · [{', '.join(FEATURES)}]; "
               f"mean |error| {fit['mean_abs_rel_error']:.1%} over {len(fit['samples'])} steps")
+    for size, fit in cal.get("vision", {}).get("encode", {}).items():
+        print(f"{size}-core worker: encode {fit['ms_per_tile']:.0f} ms per image tile "
+              f"(calls of {', '.join(str(c['images']) for c in fit['samples'])} images)")
     print(f"KV hand-off: {cal['kv_link']['gbs']:.2f} GB/s + {cal['kv_link']['latency_ms']:.2f} ms; "
           f"written {path}")
     return 0

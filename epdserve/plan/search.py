@@ -1,7 +1,8 @@
 """Search: which deployment serves a workload within its SLOs at the lowest cost.
 
-For every candidate deployment that uses the whole device budget (colocated replicas and
-xPyD splits, over the platform's worker sizes), the simulated goodput is found as
+For every candidate deployment that uses the whole device budget (colocated replicas,
+xPyD splits over the platform's worker sizes, and for a workload with images xEyPzD
+splits), the simulated goodput is found as
 DistServe defines it (Zhong et al., OSDI 2024): the highest request rate at which at
 least ``target`` of the requests meet every SLO, by doubling the rate until the target
 is missed and then bisecting (:func:`epdserve.bench.sweep.find_max_goodput_rate`). The
@@ -27,10 +28,13 @@ def _suffix(prefill_size: int, decode_size: int) -> str:
     return f"-tp{prefill_size}/{decode_size}"
 
 
-def candidates(platform: Platform, budget: int) -> list[Deployment]:
+def candidates(platform: Platform, budget: int, images: bool = False) -> list[Deployment]:
     """Deployments using exactly ``budget`` devices: ``colocated`` (one worker of all
     devices), ``colocated-N`` (N replicas), and ``XpYd`` with per-role worker sizes
     (``-tpS`` when workers span S devices; ``-tpP/D`` when prefill and decode differ).
+    With ``images``, also EPD: ``XeYpZd`` (encode workers of one device each, as vLLM's
+    encoder instances, beside xPyD on the rest) and ``XeXpYd-shared`` (each encode worker
+    on the devices of one prefill worker, as the launcher places 1e1p1d on 2 cores).
 
     Raises:
         ValueError: a budget below 1.
@@ -52,6 +56,19 @@ def candidates(platform: Platform, budget: int) -> list[Deployment]:
                     y = rest // sd
                     out.append(Deployment(f"{x}p{y}d{_suffix(sp, sd)}",
                                           (WorkerSpec("prefill", sp),) * x + (WorkerSpec("decode", sd),) * y))
+    if not images:
+        return out
+    for pd in [d for d in out if d.mode == "pd"]:
+        x = sum(w.role == "prefill" for w in pd.workers)
+        y = len(pd.workers) - x
+        tp = pd.name[len(f"{x}p{y}d"):]
+        shared = tuple(WorkerSpec(w.role, w.devices, f"p{i}" if w.role == "prefill" else "")
+                       for i, w in enumerate(pd.workers))
+        encoders = tuple(WorkerSpec("encode", w.devices, w.share) for w in shared if w.share)
+        out.append(Deployment(f"{x}e{x}p{y}d{tp}-shared", encoders + shared))
+    for e in range(1, budget - 1):  # encode workers of one device; xPyD on the rest
+        out += [Deployment(f"{e}e{d.name}", (WorkerSpec("encode"),) * e + d.workers)
+                for d in candidates(platform, budget - e) if d.mode == "pd"]
     return out
 
 

@@ -5,17 +5,33 @@ each step gives every running sequence its next tokens (decodes one, a chunked p
 next chunk), then admits waiting sequences while ``max_num_seqs`` and
 ``max_num_batched_tokens`` allow; without chunked prefill a prompt is prefilled whole.
 A step lasts what the platform's step model says. The router sends a request to the
-worker of the role with the least outstanding tokens (prompt + max_tokens), as
-serving/router.py does. In PD the first token is streamed when the prefill worker samples
-it; the KV then crosses ``kv_link`` and the decode worker copies it in during its next
-step (``kv_import_gbs``). KV memory is assumed sufficient (no preemption).
+worker of the role with the fewest outstanding requests, then tokens (prompt +
+max_tokens), as serving/router.py does. In PD the first token is streamed when the
+prefill worker samples it; the KV then crosses ``kv_link`` and the decode worker copies
+it in during its next step (``kv_import_gbs``). KV memory is assumed sufficient (no preemption).
+
+Images (serving/worker.py, serving/encode_worker.py): a request's image tokens count in
+its prompt. In colocated and PD the worker that prefills encodes a request's images when it
+takes the request in, before its next step, blocking that step (so every running decode
+waits too). In EPD the router spreads a request's images over the encode workers (least
+outstanding requests first, image i to the i-th, round robin); an encode worker encodes
+everything pending in one call; once every share is done the prefill worker with the least
+outstanding work takes the request in, fetching the embeddings over ``kv_link`` (blocking its
+loop, as it maps the frames), then queues it for prefill. Every worker that encodes keeps
+the images it encoded (the embedding cache by content hash; its 256 MB default holds
+about 1,700 default-model images, so it is taken as unbounded): a repeated image costs
+nothing. Workers whose :class:`WorkerSpec` ``share`` tags match run on the same devices
+and split them while more than one is busy (processor sharing, as the OS time-slices
+processes pinned to the same cores: the launcher's EPD placement on 2 cores puts encode
+and prefill on core 0).
 
 Requests are :class:`~epdserve.bench.workload.Request` (a bench trace); the simulator
 reads their offsets, token counts and images, not the text. Each request yields the
 client's view as a :class:`~epdserve.bench.client.RequestRecord`
 (so :func:`epdserve.bench.metrics.compute` gives TTFT/ITL/TPOT/E2EL and goodput exactly as
 for a measured run) and a server-side stage record with the keys the router's trace uses
-(``prefill_queue_ms``, ``prefill_ms``, ``kv_transfer_ms``, ``decode_queue_ms``, ...).
+(``prefill_queue_ms``, ``prefill_ms``, ``kv_transfer_ms``, ``decode_queue_ms``,
+``encode_queue_ms``, ``encode_ms``, ``embedding_bytes``, ``embedding_transfer_ms``, ...).
 """
 
 from __future__ import annotations
@@ -30,31 +46,37 @@ from epdserve.bench.client import RequestRecord
 from epdserve.bench.workload import Request
 from epdserve.plan.costmodel import Platform, StepModel
 
-ROLES = ("colocated", "prefill", "decode")
+ROLES = ("colocated", "prefill", "decode", "encode")
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """One worker: its role and how many devices (cores or GPUs, tensor parallel) it has."""
+    """One worker: its role and how many devices (cores or GPUs, tensor parallel) it has;
+    workers with the same non-empty ``share`` tag run on the same devices."""
 
     role: str
     devices: int = 1
+    share: str = ""
 
 
 @dataclass(frozen=True)
 class Deployment:
-    """A named set of workers, e.g. ``2p1d`` = two prefill and one decode worker."""
+    """A named set of workers, e.g. ``2p1d`` = two prefill and one decode worker,
+    ``1e1p1d`` = one encode, one prefill and one decode worker."""
 
     name: str
     workers: tuple[WorkerSpec, ...]
 
     @property
     def devices(self) -> int:
-        return sum(w.devices for w in self.workers)
+        """Devices in use, shared ones counted once."""
+        shared = {w.share: w.devices for w in self.workers if w.share}
+        return sum(w.devices for w in self.workers if not w.share) + sum(shared.values())
 
     @property
     def mode(self) -> str:
-        return "pd" if any(w.role == "prefill" for w in self.workers) else "colocated"
+        roles = {w.role for w in self.workers}
+        return "epd" if "encode" in roles else "pd" if "prefill" in roles else "colocated"
 
 
 @dataclass(frozen=True)
@@ -70,7 +92,7 @@ class _Seq:
     """A request inside the simulation; times are simulated seconds."""
 
     __slots__ = ("index", "req", "prompt", "computed", "tokens", "arrival", "enqueued",
-                 "stages", "first_step", "ctx_base")
+                 "stages", "first_step", "ctx_base", "encoding", "encoded")
 
     def __init__(self, index: int, req: Request, prompt: int, arrival: float):
         self.index, self.req, self.prompt = index, req, prompt
@@ -81,11 +103,65 @@ class _Seq:
         self.stages: dict[str, float] = {}
         self.first_step = 0
         self.ctx_base = 0
+        self.encoding = 0       # EPD: encode workers still holding some of its images
+        self.encoded = False    # EPD: its embeddings wait in encode workers' frames
+
+
+def _image_key(image: dict) -> tuple[int, int, int]:
+    """Equal size and seed are equal bytes (bench/images.py): one embedding cache entry."""
+    return image["width"], image["height"], image["seed"]
+
+
+class _Devices:
+    """The devices of one worker, or of several (``shared``): a piece of work of ``ms``
+    takes ``ms`` alone and runs at 1/n speed while n pieces are in progress (processor
+    sharing)."""
+
+    def __init__(self, env: simpy.Environment, shared: bool):
+        self.env, self.shared = env, shared
+        self.left: dict[simpy.Event, float] = {}  # work in progress: its done event -> ms left
+        self.since = 0.0
+        self.timer: simpy.Event | None = None
+
+    def run(self, ms: float) -> simpy.Event:
+        """An event that fires once ``ms`` of work is done here."""
+        if not self.shared:
+            return self.env.timeout(ms / 1e3)
+        self._advance()
+        done = self.env.event()
+        self.left[done] = ms
+        self._schedule()
+        return done
+
+    def _advance(self) -> None:
+        if self.left:
+            share = (self.env.now - self.since) * 1e3 / len(self.left)
+            for event in self.left:
+                self.left[event] -= share
+        self.since = self.env.now
+
+    def _schedule(self) -> None:
+        if self.left:
+            self.timer = self.env.timeout(max(min(self.left.values()), 0.0) * len(self.left) / 1e3)
+            self.timer.callbacks.append(self._tick)
+
+    def _tick(self, timer: simpy.Event) -> None:
+        if timer is not self.timer:
+            return  # superseded by work that started since
+        self._advance()
+        for event, left in list(self.left.items()):
+            if left <= 1e-6:  # float rounding of the clock
+                del self.left[event]
+                event.succeed()
+        self._schedule()
 
 
 class _Worker:
-    def __init__(self, sim: "_Simulation", spec: WorkerSpec, step: StepModel):
-        self.sim, self.role, self.step_model = sim, spec.role, step
+    def __init__(self, sim: "_Simulation", spec: WorkerSpec, step: StepModel, devices: _Devices):
+        self.sim, self.role, self.step_model, self.devices = sim, spec.role, step, devices
+        self.size = spec.devices
+        self.images: set[tuple[int, int, int]] = set()  # encoded here (embedding cache)
+        self.inbox: deque[_Seq] = deque()
         self.waiting: deque[_Seq] = deque()
         self.prefilling: list[_Seq] = []
         self.num_decode = 0
@@ -94,28 +170,47 @@ class _Worker:
         self._gone: Counter = Counter()  # ... with lazy deletion of finished ones
         self.finish_at: dict[int, list[_Seq]] = {}
         self.step_times: list[float] = []
-        self.outstanding = 0
+        self.held = 0                    # outstanding requests ...
+        self.outstanding = 0             # ... and their prompt + max_tokens
         self.import_bytes = 0.0          # KV to copy in during the next step
         self.wake = sim.env.event()
 
     def submit(self, seq: _Seq) -> None:
         seq.enqueued = self.sim.env.now
-        self.waiting.append(seq)
+        self.inbox.append(seq)
+        self.held += 1
         self.outstanding += seq.prompt + seq.req.max_tokens
         if not self.wake.triggered:
             self.wake.succeed()
 
+    def _take_in(self, s: _Seq):
+        """Before it can be scheduled, a request with images gets their embeddings: fetched
+        from the encode workers' frames (EPD) or encoded here (a prefill-capable worker)."""
+        images, platform = s.req.images, self.sim.platform
+        if images and self.role != "decode" and s.encoded:
+            nbytes = sum(platform.images.embedding_bytes((im["width"], im["height"])) for im in images)
+            start = self.sim.env.now
+            yield self.devices.run(platform.kv_link.transfer_ms(nbytes))
+            s.stages.update(embedding_bytes=float(nbytes), embedding_transfer_ms=(self.sim.env.now - start) * 1e3)
+        elif images and self.role != "decode":
+            start = self.sim.env.now
+            yield self.devices.run(self.sim.encode_ms(self, images))
+            s.stages.update(encode_queue_ms=(start - s.enqueued) * 1e3, encode_ms=(self.sim.env.now - start) * 1e3)
+        s.enqueued = self.sim.env.now  # encoding or fetching is its own stage, not queue time
+        self.waiting.append(s)
+
     def run(self):
         env, limits = self.sim.env, self.sim.limits
         while True:
+            while self.inbox:  # every command that has arrived, before the next step
+                yield from self._take_in(self.inbox.popleft())
             if not (self.waiting or self.prefilling or self.num_decode):
                 self.wake = env.event()
                 yield self.wake
                 continue
             k = len(self.step_times)
             chunks, joining = self._schedule(limits)
-            extra_ms = sum(self.sim.platform.encode_ms_per_image * len(s.req.images)
-                           for s, _ in chunks if s.computed == 0)
+            extra_ms = 0.0
             if self.import_bytes and self.sim.platform.kv_import_gbs:
                 extra_ms += self.import_bytes / (self.sim.platform.kv_import_gbs * 1e9) * 1e3
             self.import_bytes = 0.0
@@ -127,7 +222,7 @@ class _Worker:
                 self._start_decode(s, k, s.prompt)
             for s, _ in chunks:
                 s.stages.setdefault("first_scheduled", env.now)
-            yield env.timeout((ms + extra_ms) / 1e3)
+            yield self.devices.run(ms + extra_ms)
             self._finish_step(k, chunks)
 
     def _schedule(self, limits: EngineLimits) -> tuple[list[tuple[_Seq, int]], list[_Seq]]:
@@ -195,12 +290,14 @@ class _Worker:
             if len(s.tokens) >= s.req.max_tokens:
                 self._done(s, now)
             elif self.role == "prefill":
+                self.held -= 1
                 self.outstanding -= s.prompt + s.req.max_tokens
                 self.sim.env.process(self.sim.hand_off(s))
             else:
                 self._start_decode(s, k + 1, s.prompt)
 
     def _done(self, s: _Seq, now: float) -> None:
+        self.held -= 1
         self.outstanding -= s.prompt + s.req.max_tokens
         if self.role != "prefill":
             first = s.tokens[0]
@@ -208,23 +305,82 @@ class _Worker:
         self.sim.finish(s)
 
 
+class _EncodeWorker:
+    """An EPD encode worker: each call encodes every share of images pending here."""
+
+    def __init__(self, sim: "_Simulation", spec: WorkerSpec, devices: _Devices):
+        self.sim, self.role, self.devices, self.size = sim, spec.role, devices, spec.devices
+        self.images: set[tuple[int, int, int]] = set()  # encoded here (embedding cache)
+        self.pending: list[tuple[_Seq, tuple[dict, ...], float]] = []  # with the time it came
+        self.outstanding = 0  # requests with images here
+        self.wake = sim.env.event()
+
+    def submit(self, seq: _Seq, images: tuple[dict, ...]) -> None:
+        self.pending.append((seq, images, self.sim.env.now))
+        self.outstanding += 1
+        if not self.wake.triggered:
+            self.wake.succeed()
+
+    def run(self):
+        env = self.sim.env
+        while True:
+            if not self.pending:
+                self.wake = env.event()
+                yield self.wake
+                continue
+            batch, self.pending = self.pending, []
+            start = env.now
+            yield self.devices.run(self.sim.encode_ms(self, [im for _, images, _ in batch for im in images]))
+            for s, _, queued in batch:
+                # As the router keeps them: the timings of the encode worker that answered last.
+                s.stages.update(encode_queue_ms=(start - queued) * 1e3, encode_ms=(env.now - start) * 1e3)
+                self.outstanding -= 1
+                s.encoding -= 1
+                if s.encoding == 0:
+                    s.encoded = True
+                    self.sim.pick("prefill").submit(s)
+
+
 class _Simulation:
     def __init__(self, deployment: Deployment, platform: Platform, limits: EngineLimits):
         self.env = simpy.Environment()
         self.platform, self.limits, self.deployment = platform, limits, deployment
-        self.workers = [_Worker(self, w, platform.step(w.devices)) for w in deployment.workers]
+        shared: dict[str, _Devices] = {}
+        self.workers, self.encoders = [], []
+        for w in deployment.workers:
+            devices = shared.setdefault(w.share, _Devices(self.env, True)) if w.share else _Devices(self.env, False)
+            if w.role == "encode":
+                self.encoders.append(_EncodeWorker(self, w, devices))
+            else:
+                self.workers.append(_Worker(self, w, platform.step(w.devices), devices))
         self.finished: list[_Seq] = []
-        for w in self.workers:
+        for w in self.workers + self.encoders:
             self.env.process(w.run())
 
     def pick(self, role: str) -> _Worker:
-        return min((w for w in self.workers if w.role == role), key=lambda w: w.outstanding)
+        return min((w for w in self.workers if w.role == role), key=lambda w: (w.held, w.outstanding))
+
+    def encode_ms(self, worker: "_Worker | _EncodeWorker", images: list[dict]) -> float:
+        """One encode call of ``images`` on ``worker``: the tiles of the distinct images
+        it has not encoded before, which it then has."""
+        cost = self.platform.images
+        new = {_image_key(im) for im in images} - worker.images
+        worker.images |= new
+        return cost.encode_ms(sum(cost.tiles((w, h)) for w, h, _ in new), worker.size)
 
     def arrive(self, index: int, req: Request):
         yield self.env.timeout(req.offset_s)
-        seq = _Seq(index, req, req.prompt_tokens + self.platform.template_tokens, self.env.now)
+        seq = _Seq(index, req, prompt_tokens(self.platform, req), self.env.now)
         yield self.env.timeout(self.platform.router_ms / 1e3)
-        self.pick("prefill" if self.deployment.mode == "pd" else "colocated").submit(seq)
+        if self.encoders and req.images:
+            # serving/router.py: least outstanding first, image i to the (i mod n)-th of them.
+            order = sorted(self.encoders, key=lambda w: w.outstanding)
+            shares = [(w, req.images[i::len(order)]) for i, w in enumerate(order) if req.images[i::len(order)]]
+            seq.encoding = len(shares)
+            for w, images in shares:
+                w.submit(seq, images)
+        else:
+            self.pick("colocated" if self.deployment.mode == "colocated" else "prefill").submit(seq)
 
     def hand_off(self, s: _Seq):
         ms = self.platform.kv_link.transfer_ms(s.prompt * self.platform.kv_bytes_per_token)
@@ -238,19 +394,32 @@ class _Simulation:
         self.finished.append(s)
 
 
-def _check(deployment: Deployment, requests: list[Request], limits: EngineLimits,
-           template_tokens: int) -> None:
+def prompt_tokens(platform: Platform, req: Request) -> int:
+    """The prompt a request's text, the chat template and its images make."""
+    return req.prompt_tokens + platform.template_tokens + sum(
+        platform.images.prompt_tokens((im["width"], im["height"])) for im in req.images)
+
+
+def _check(deployment: Deployment, platform: Platform, requests: list[Request], limits: EngineLimits) -> None:
     roles = {w.role for w in deployment.workers}
     if not deployment.workers or roles - set(ROLES) or ("prefill" in roles) != ("decode" in roles) \
-            or ("colocated" in roles and "prefill" in roles):
+            or ("colocated" in roles and "prefill" in roles) or ("encode" in roles and "prefill" not in roles):
         raise ValueError(f"deployment {deployment.name}: needs colocated workers, or prefill "
-                         f"and decode workers (got {sorted(roles)})")
+                         f"and decode workers, optionally with encode workers (got {sorted(roles)})")
+    sizes: dict[str, set[int]] = {}
+    for w in deployment.workers:
+        if w.share:
+            sizes.setdefault(w.share, set()).add(w.devices)
+    if any(len(s) > 1 for s in sizes.values()):
+        raise ValueError(f"deployment {deployment.name}: workers sharing devices must have as many")
     for i, r in enumerate(requests):
+        if r.images and platform.images is None:
+            raise ValueError(f"request {i} has images but {platform.name} takes none "
+                             f"(a text-only model, or a calibration without encode timings)")
         if r.prompt_tokens < 1 or r.max_tokens < 1:
             raise ValueError(f"request {i}: prompt_tokens and max_tokens must be >= 1")
-        if r.prompt_tokens + template_tokens > limits.max_num_batched_tokens \
-                and not limits.enable_chunked_prefill:
-            raise ValueError(f"request {i}: a {r.prompt_tokens}-token prompt exceeds "
+        if prompt_tokens(platform, r) > limits.max_num_batched_tokens and not limits.enable_chunked_prefill:
+            raise ValueError(f"request {i}: a {prompt_tokens(platform, r)}-token prompt exceeds "
                              f"max_num_batched_tokens={limits.max_num_batched_tokens} "
                              f"without chunked prefill")
 
@@ -259,13 +428,15 @@ def simulate(deployment: Deployment, platform: Platform, requests: list[Request]
              limits: EngineLimits = EngineLimits()) -> tuple[list[RequestRecord], list[dict]]:
     """Serve ``requests`` with ``deployment`` on ``platform``; return the client records
     (trace order; times in seconds as the bench client measures them, ``router_ms`` added
-    on the way in) and the server stage records (ms; ``kv_bytes`` in bytes).
+    on the way in) and the server stage records (ms; ``kv_bytes`` and ``embedding_bytes``
+    in bytes).
 
     Raises:
-        ValueError: a deployment without a complete set of roles, an empty request, or a
-            prompt that can never be scheduled with these limits.
+        ValueError: a deployment without a complete set of roles or with devices shared
+            by workers of different sizes, an empty request, images for a platform that
+            takes none, or a prompt that can never be scheduled with these limits.
     """
-    _check(deployment, requests, limits, platform.template_tokens)
+    _check(deployment, platform, requests, limits)
     sim = _Simulation(deployment, platform, limits)
     for i, req in enumerate(requests):
         sim.env.process(sim.arrive(i, req))
