@@ -68,7 +68,7 @@ def vlm():
 
 @pytest.fixture(scope="module")
 def epd_server(tmp_path_factory):
-    dep = start_deployment("epd", tmp_path_factory.mktemp("serve-epd"), "--model", "vlm",
+    dep = start_deployment("epd", tmp_path_factory.mktemp("serve-epd"), "--model", "vlm", "--encode-workers", "2",
                            "--limit-images-per-prompt", "2")
     try:
         yield dep
@@ -81,14 +81,17 @@ def test_models_say_the_vision_tower_is_synthetic(epd_server):
     assert card["id"] == "vlm" and card["input_modalities"] == ["text", "image"]
     assert card["synthetic_vision"] is True and "SYNTHETIC" in card["note"]
     assert sorted(w["role"] for w in httpx.get(epd_server.url + "/health").json()["workers"]) == \
-        ["decode", "encode", "prefill"]
+        ["decode", "encode", "encode", "prefill"]
 
 
 def test_same_greedy_answer_in_colocated_pd_and_epd(epd_server, tmp_path):
-    """The EPD answer for two images, and for the first one alone, equals PD's (encoding in
-    the prefill worker) and colocated's; the two answers differ (the image matters)."""
+    """The EPD answer for two images (spread over the two encode workers), and for the
+    second one alone, equals PD's (encoding in the prefill worker) and colocated's; the two
+    answers differ (the images matter)."""
     a, b = picture(1), picture(2)
-    expected = [ask(epd_server, a, b).text, ask(epd_server, b).text]
+    both = ask(epd_server, a, b)
+    assert epd_server.trace(both.id)["encode_workers"] == ["encode-0", "encode-1"]  # one image each
+    expected = [both.text, ask(epd_server, b).text]
     assert expected[0] != expected[1] and all(expected)
     for mode in ("pd", "colocated"):
         dep = start_deployment(mode, tmp_path, "--model", "vlm")
@@ -232,8 +235,12 @@ def test_client_gone_leaves_no_frames_or_blocks(epd_server, leave_after_events):
             "temperature": 0, "ignore_eos": True}
     stream_and_leave(epd_server.url + "/v1/chat/completions", body, leave_after_events)
     wait_all_free(epd_server.url, timeout=30)
-    pid = epd_server.worker_pid("encode-0")
+    pids = [epd_server.worker_pid(f"encode-{i}") for i in range(2)]
+
+    def frames() -> list[Path]:
+        return [f for pid in pids for f in Path(shm.SHM_DIR).glob(f"epdserve-kv-{pid}-*")]
+
     deadline = time.monotonic() + 30
-    while list(Path(shm.SHM_DIR).glob(f"epdserve-kv-{pid}-*")) and time.monotonic() < deadline:
+    while frames() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not list(Path(shm.SHM_DIR).glob(f"epdserve-kv-{pid}-*"))
+    assert not frames()

@@ -199,14 +199,13 @@ class Generation:
         self._dispatch(router.pick(role))
 
     def _encode(self) -> None:
-        """Spread the images over the live encode workers, least loaded first (each
-        worker's share is contiguous, so its frame covers a run of the prompt)."""
+        """Deal the images round-robin to the live encode workers, least loaded first; each
+        worker answers with one frame for its share."""
         workers = sorted((w for w in self.router.workers.values() if w.role == "encode" and self.router.live(w)),
                          key=lambda w: (len(w.outstanding), w.worker_id))
         if not workers:
             raise api.APIError("no live encode worker", status=503, type="service_unavailable")
-        shares = [list(range(len(self.images)))[i::len(workers)] for i in range(len(workers))]
-        shares = [sorted(share) for share in shares if share]
+        shares = [list(range(i, len(self.images), len(workers))) for i in range(min(len(workers), len(self.images)))]
         for worker, indices in zip(workers, shares):
             self.encoders[worker.worker_id] = (worker, indices)
             worker.outstanding[self.request_id] = 0
@@ -409,7 +408,8 @@ class Generation:
           answered last), which precede the first worker's queue; ``embedding_bytes`` and
           ``embedding_transfer_ms`` (epd: the encode worker writing its frame,
           ``embedding_export_ms``, plus the prefill worker reading them,
-          ``embedding_fetch_ms``; 0 when the prefilling worker encodes).
+          ``embedding_fetch_ms``; 0 when the prefilling worker encodes); ``encode_workers``
+          (epd): the ids of the encode workers its images went to.
 
         ``path`` is "colocated", "disaggregated" (prefill worker, then decode worker) or
         "local" (a pd request under ``--local-prefill-threshold``, prefilled by the decode
@@ -427,6 +427,8 @@ class Generation:
             rec["worker"] = getattr(self.worker, "worker_id", None)
             rec.update(kv_bytes=0.0, kv_transfer_ms=0.0)  # no handoff: zero, as bench expects
         rec.update(t)
+        if self.encoders:
+            rec["encode_workers"] = sorted(self.encoders)
         if self.images:
             rec["num_images"] = len(self.images)
             rec["embedding_bytes"] = t.get("embedding_bytes", 0.0)
