@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
@@ -46,26 +47,35 @@ def test_kernel_matches_dequantized_matmul(kernel, gguf_tensors, name, kind, row
     expected = (x.double() @ w.double().T).float()
     assert y.shape == (rows, w.shape[0])
     torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
-    # Above MAX_KERNEL_ROWS the layer multiplies by the float32 weight instead.
-    layer = quant.QuantLinear(quant.Blocks(packed["qs"], packed["scales"], packed.get("mins")), w)
+    layer = quant.QuantLinear(quant.Blocks(packed["qs"], packed["scales"], packed.get("mins")))
+    assert torch.equal(layer.dequantize(), w)  # the same two roundings as gguf's numpy code
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_large_batches_run_on_the_dequantized_weight(kernel, gguf_tensors):
+    import gguf
+
+    t = gguf_tensors["blk.7.ffn_gate.weight"]
+    w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+    packed = {k: torch.from_numpy(v) for k, v in quant.pack_gguf(t.data, t.tensor_type).items()}
+    layer = quant.QuantLinear(quant.Blocks(packed["qs"], packed["scales"], packed["mins"]))
+    x = torch.randn(quant.MAX_KERNEL_ROWS + 1, w.shape[1], generator=torch.Generator().manual_seed(0))
+    assert torch.equal(layer(x), F.linear(x, w))  # sgemm on the dequantized weight, bit for bit
+    assert layer(x[:-1]).shape == (quant.MAX_KERNEL_ROWS, w.shape[0])
+    torch.testing.assert_close(layer(x[:-1]), x[:-1] @ w.T, rtol=1e-4, atol=1e-4)
+
+
 def test_stored_blocks_are_the_float32_weights(kernel, model_info):
-    """The conversion's blocks (Q/K rows un-permuted like the float weights) times the
-    identity give the float32 weights bit for bit: the kernel dequantizes as gguf does."""
+    """The conversion's blocks (Q/K rows un-permuted like the float weights) dequantize
+    to the float32 weights bit for bit."""
     from safetensors.torch import load_file
 
     weights = load_file(str(model_info.path / "model.safetensors"))
     blocks = quant.load_blocks(model_info.path)
     assert blocks is not None and len(blocks) == 211
-    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.5.self_attn.k_proj.weight",
-                 "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"]:
-        b = blocks[name]
-        rows = slice(0, 1024)  # of the embedding's 49,152; all of the others
-        eye = torch.eye(b.qs.shape[1] * quant.BLOCK)
-        got = kernel(eye, b.qs[rows], b.scales[rows], None if b.mins is None else b.mins[rows]).T
-        assert torch.equal(got, weights[name][rows]), name
+    assert {b.qs.dtype for b in blocks.values()} == {torch.uint8, torch.int8}
+    for name, b in blocks.items():
+        assert torch.equal(quant.QuantLinear(b).dequantize(), weights[name]), name
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

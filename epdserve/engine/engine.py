@@ -51,7 +51,7 @@ class EngineConfig:
     ``max_num_batched_tokens`` defaults to the context window (no chunking needed);
     ``enable_prefix_caching`` as vLLM's (on by default, see ``engine/prefix_cache.py``);
     ``quantized_weights``: with dtype float32 and a model converted from a Q4_1 / Q8_0 GGUF,
-    small batches run the linear layers straight from the GGUF blocks (``model/quant.py``)."""
+    the linear layers keep only the GGUF's blocks and compute from them (``model/quant.py``)."""
 
     role: str = "colocated"
     block_size: int = 16

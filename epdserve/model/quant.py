@@ -8,14 +8,16 @@ writes are exactly ``d * q + m`` of those blocks, so computing from the blocks i
 same maths up to summation order.
 
 The kernel (``quant_kernels.cpp``, AVX2 + FMA) is compiled with
-``torch.utils.cpp_extension`` on first use into ``<cache>/torch_extensions`` (torch's lock
-file there makes concurrent first builds from several workers safe). Without AVX2/FMA, or
-when the build fails, :func:`kernel_available` logs one line and the model keeps float32
-weights.
+``torch.utils.cpp_extension`` on first use (~15 s) into ``<cache>/torch_extensions``, one
+directory per source, flags and torch version. Without AVX2/FMA, or when the build fails,
+:func:`kernel_available` logs one line and the model keeps float32 weights. A model on
+blocks holds 0.75 byte per Q4_1 weight (SmolLM2-135M: ~150 MiB resident instead of ~550).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +30,12 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per block along K, ggml's QK4_1 and QK8_0
 BLOCKS_FILE = Path("quantized") / "blocks.safetensors"  # inside a GGUF-converted model dir
-# Above this many rows x @ W^T runs on the float32 weights: the kernel dequantizes each
-# weight once per call, but its dot products are slower than MKL's sgemm, which wins once
-# the weights' bytes no longer dominate (prefill chunks). Measured with
-# benchmarks/engine_step.py --weights float32 quantized.
-MAX_KERNEL_ROWS = 64
+# Above this many rows x @ W^T dequantizes W and runs MKL's sgemm: the kernel's dot
+# products are slower than sgemm's, which wins once the weights' bytes no longer dominate
+# (long prefill chunks). On the dev CPU (AVX2, 1 thread, all of SmolLM2-135M's linear
+# layers, noisy shared machine) the kernel took 0.65x the time of dequantize + sgemm at 64
+# rows, 0.82x at 128, 0.96x at 256; at 512 it took 1.11x plain float32 sgemm's.
+MAX_KERNEL_ROWS = 256
 
 _kernel: bool | None = None  # None: not tried yet
 
@@ -92,39 +95,42 @@ def load_blocks(model_dir: str | Path) -> dict[str, Blocks] | None:
 
 
 class QuantLinear:
-    """``x @ W^T`` for a weight held both as blocks (for small batches) and as float32.
+    """``x @ W^T`` for a weight ``W [N, K]`` held only as :class:`Blocks` (0.75 byte per
+    Q4_1 weight, 1.125 per Q8_0 one, against 4 for float32).
 
-    ``blocks``: :class:`Blocks` of ``W [N, K]``; ``weight``: the same ``W`` in float32,
-    used above :data:`MAX_KERNEL_ROWS` rows (it is the model's float32 weight already, so
-    the blocks cost extra memory: 0.75 byte per Q4_1 weight, 1.125 per Q8_0 one).
+    Up to :data:`MAX_KERNEL_ROWS` rows of ``x`` run on the kernel; larger batches (prefill
+    chunks) dequantize ``W`` for the call and use ``F.linear`` (MKL's sgemm).
     """
 
-    def __init__(self, blocks: Blocks, weight: torch.Tensor):
+    def __init__(self, blocks: Blocks):
         self.blocks = blocks
-        self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` float32 -> ``[..., N]`` float32."""
         if x.numel() > MAX_KERNEL_ROWS * x.shape[-1]:
-            return F.linear(x, self.weight)
+            return F.linear(x, self.dequantize())
         b = self.blocks
         y = torch.ops.epdserve_quant.quant_mm(x.reshape(-1, x.shape[-1]), b.qs, b.scales, b.mins)
         return y.view(*x.shape[:-1], y.shape[-1])
 
+    def dequantize(self) -> torch.Tensor:
+        """``W [N, K]`` in float32, equal to ``gguf.quants.dequantize`` of the blocks."""
+        b = self.blocks
+        return torch.ops.epdserve_quant.dequantize(b.qs, b.scales, b.mins)
+
 
 def projection(weights: dict[str, torch.Tensor], blocks: dict[str, Blocks] | None,
                names: list[str]) -> torch.Tensor | QuantLinear:
-    """The float weights ``names`` (``[N_i, K]`` each) as one ``[sum N_i, K]`` projection
-    (one matmul for Q, K and V, or for gate and up): a :class:`QuantLinear` when ``blocks``
-    hold all of ``names`` in one block type, else the float tensor."""
-    weight = weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names])
+    """The weights ``names`` (``[N_i, K]`` each) as one ``[sum N_i, K]`` projection (one
+    matmul for Q, K and V, or for gate and up): a :class:`QuantLinear` when ``blocks``
+    hold all of ``names`` in one block type, else the float tensor from ``weights``."""
     parts = [blocks.get(n) for n in names] if blocks else [None]
     if any(p is None for p in parts) or len({(p.qs.dtype, p.mins is None) for p in parts}) > 1:
-        return weight
+        return weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names])
     if len(parts) == 1:
-        return QuantLinear(parts[0], weight)
+        return QuantLinear(parts[0])
     mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
-    return QuantLinear(Blocks(torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]), mins), weight)
+    return QuantLinear(Blocks(torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]), mins))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,18 +165,31 @@ def _build_kernel() -> bool:
         return False
     from torch.utils.cpp_extension import load
 
-    from epdserve.model.loader import cache_root
+    from epdserve.model.loader import cache_root, cached_dir
 
-    # One directory per torch version: torch's extension versioning hashes the sources and
-    # flags, not the torch it was built against.
-    build_dir = cache_root() / "torch_extensions" / f"epdserve_quant-torch{torch.__version__}"
+    source = Path(__file__).with_name("quant_kernels.cpp")
+    # -fopenmp compiles at::parallel_for to torch's OpenMP thread pool (its libgomp comes in
+    # through libtorch_cpu); without it the loop runs on one thread.
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
+    built_here = []
+
+    def build(tmp: Path) -> None:
+        load(name="epdserve_quant", sources=[str(source)], extra_cflags=flags, build_directory=str(tmp),
+             is_python_module=False)  # also loads it
+        built_here.append(True)
+
+    out = cache_root() / "torch_extensions" / f"epdserve_quant-{key}"
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        # -fopenmp compiles at::parallel_for to torch's OpenMP thread pool (its libgomp
-        # comes in through libtorch_cpu); without it the loop runs on one thread.
-        load(name="epdserve_quant", sources=[str(Path(__file__).with_name("quant_kernels.cpp"))],
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], build_directory=str(build_dir),
-             is_python_module=False)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Workers starting together build once: the others wait on an flock, which the OS
+        # releases if the builder dies (torch's own lock file would then stay and block
+        # every later start). The build goes to a private directory renamed into place.
+        with open(out.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            cached_dir(out, build)
+        if not built_here:
+            torch.ops.load_library(str(out / "epdserve_quant.so"))
     except Exception as exc:  # compiler missing, build error, load error: keep serving
         log.warning("quantized weights off: kernel build failed (%s: %s); using float32 weights",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

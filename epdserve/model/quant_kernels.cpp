@@ -18,6 +18,7 @@
 
 #include <immintrin.h>
 
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -131,8 +132,9 @@ void matmul(const float* x, int64_t M, int64_t K, const uint8_t* qs, const float
   const int64_t nb = K / kBlock, row_bytes = nb * (Q4 ? 16 : kBlock);
   // Grains: enough rows per task that a task's work dwarfs OpenMP's fork cost.
   if (M < 4) {
-    std::vector<float> xsum(M * nb, 0.0f);
-    for (int64_t i = 0; i < M * K; ++i) xsum[i / kBlock] += x[i];
+    std::vector<float> xsum(Q4 ? M * nb : 0, 0.0f);  // Q8_0 has no mins to multiply
+    if constexpr (Q4)
+      for (int64_t i = 0; i < M * K; ++i) xsum[i / kBlock] += x[i];
     at::parallel_for(0, N, 96, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         const uint8_t* row = qs + n * row_bytes;
@@ -158,21 +160,53 @@ void matmul(const float* x, int64_t M, int64_t K, const uint8_t* qs, const float
   });
 }
 
-// x [M, K] float32, qs [N, K/32, 16] uint8 (Q4_1) or [N, K/32, 32] int8 (Q8_0),
-// scales [N, K/32] float32, mins [N, K/32] float32 (Q4_1) or None (Q8_0) -> [M, N].
-at::Tensor quant_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
-                    const c10::optional<at::Tensor>& mins) {
+// Checks the blocks' dtypes and shapes (see the top of the file); returns (N, K/32, Q4_1?).
+std::tuple<int64_t, int64_t, bool> check_blocks(const at::Tensor& qs, const at::Tensor& scales,
+                                                const c10::optional<at::Tensor>& mins) {
   const bool q4 = qs.scalar_type() == at::kByte;
   TORCH_CHECK(q4 || qs.scalar_type() == at::kChar, "qs must be uint8 (Q4_1) or int8 (Q8_0)");
   TORCH_CHECK(q4 == mins.has_value(), "Q4_1 needs mins, Q8_0 takes none");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
   TORCH_CHECK(qs.dim() == 3 && qs.size(2) == (q4 ? 16 : 32), "qs has the wrong shape");
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), nb = qs.size(1);
-  TORCH_CHECK(K == nb * kBlock, "x has ", K, " columns but the weight has ", nb * kBlock);
+  const int64_t N = qs.size(0), nb = qs.size(1);
   TORCH_CHECK(scales.sizes() == at::IntArrayRef({N, nb}) && scales.scalar_type() == at::kFloat,
               "scales must be float32 [N, K/32]");
   if (q4) TORCH_CHECK(mins->sizes() == scales.sizes() && mins->scalar_type() == at::kFloat,
                       "mins must be float32 [N, K/32]");
+  return {N, nb, q4};
+}
+
+// The float32 weight [N, K] of the blocks, exactly as gguf.quants dequantizes them.
+at::Tensor dequantize(const at::Tensor& qs, const at::Tensor& scales, const c10::optional<at::Tensor>& mins) {
+  int64_t N, nb;
+  bool q4;
+  std::tie(N, nb, q4) = check_blocks(qs, scales, mins);  // plain variables: lambdas capture them
+  const at::Tensor qc = qs.contiguous(), dc = scales.contiguous();
+  const at::Tensor mc = q4 ? mins->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({N, nb * kBlock}, scales.options());
+  const uint8_t* qp = static_cast<const uint8_t*>(qc.data_ptr());
+  const float* dp = dc.data_ptr<float>();
+  const float* mp = q4 ? mc.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = qs.size(1) * qs.size(2);
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      if (q4) dequant_row<true>(qp + n * row_bytes, dp + n * nb, mp + n * nb, nb, op + n * nb * kBlock);
+      else dequant_row<false>(qp + n * row_bytes, dp + n * nb, nullptr, nb, op + n * nb * kBlock);
+    }
+  });
+  return out;
+}
+
+// x [M, K] float32, qs [N, K/32, 16] uint8 (Q4_1) or [N, K/32, 32] int8 (Q8_0),
+// scales [N, K/32] float32, mins [N, K/32] float32 (Q4_1) or None (Q8_0) -> [M, N].
+at::Tensor quant_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                    const c10::optional<at::Tensor>& mins) {
+  int64_t N, nb;
+  bool q4;
+  std::tie(N, nb, q4) = check_blocks(qs, scales, mins);  // plain variables: lambdas capture them
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K == nb * kBlock, "x has ", K, " columns but the weight has ", nb * kBlock);
   const at::Tensor xc = x.contiguous(), qc = qs.contiguous(), dc = scales.contiguous();
   const at::Tensor mc = q4 ? mins->contiguous() : at::Tensor();
   at::Tensor out = at::empty({M, N}, x.options());
@@ -188,4 +222,6 @@ at::Tensor quant_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
 TORCH_LIBRARY(epdserve_quant, m) {
   m.def("quant_mm(Tensor x, Tensor qs, Tensor scales, Tensor? mins) -> Tensor");
   m.impl("quant_mm", c10::DispatchKey::CPU, TORCH_FN(quant_mm));
+  m.def("dequantize(Tensor qs, Tensor scales, Tensor? mins) -> Tensor");
+  m.impl("dequantize", c10::DispatchKey::CPU, TORCH_FN(dequantize));
 }

@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-chunked-prefill", action="store_true", help="passed to each worker")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="passed to each worker (default: the worker's, on)")
+    parser.add_argument("--quantized-weights", action=argparse.BooleanOptionalAction, default=None,
+                        help="passed to each worker (default: the worker's, on)")
     parser.add_argument("--kv-transport", default=None, help="passed to each worker (auto|shm|tcp)")
     parser.add_argument("--kv-transfer-dtype", default=None, help="passed to each worker (none|bf16|int8)")
     parser.add_argument("--kv-layer-pipeline", action="store_true", help="passed to each worker")
@@ -144,8 +146,10 @@ def worker_command(args: argparse.Namespace, role: str, worker_id: str, cores: l
             argv += ["--" + opt.replace("_", "-"), str(value)]
     if args.enable_chunked_prefill:
         argv.append("--enable-chunked-prefill")
-    if args.enable_prefix_caching is not None:
-        argv.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
+    for flag in ("enable_prefix_caching", "quantized_weights"):
+        value = getattr(args, flag)
+        if value is not None:
+            argv.append(f"--{'' if value else 'no-'}{flag.replace('_', '-')}")
     if args.kv_layer_pipeline:
         argv.append("--kv-layer-pipeline")
     return argv

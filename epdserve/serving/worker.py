@@ -80,13 +80,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of cached prompt prefixes (vLLM's default: on)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--quantized-weights", action=argparse.BooleanOptionalAction, default=True,
+                        help="float32 with a Q4_1 / Q8_0 GGUF model: matmuls read the GGUF's weight blocks "
+                             "(model/quant.py; same greedy tokens, less memory traffic); off: dense float32")
 
 
 def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
     return EngineConfig(role=role, block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_chunked_prefill=args.enable_chunked_prefill,
-                        enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype)
+                        enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype,
+                        quantized_weights=args.quantized_weights)
 
 
 def pin_to_cores(spec: str | None) -> list[int]:
