@@ -33,6 +33,20 @@ STATS_INTERVAL_S = 0.5
 IDLE_WAIT_S = 0.1
 
 
+def handle_control(worker, msg) -> None:
+    """What every worker loop does with Shutdown (stop), Refused (stop with exit code 2)
+    and any message it does not expect (log it); ``worker`` has ``running``,
+    ``exit_code`` and ``worker_id``."""
+    if isinstance(msg, P.Shutdown):
+        worker.running = False
+    elif isinstance(msg, P.Refused):
+        log.error("%s: the router refused this worker: %s", worker.worker_id, msg.reason)
+        print(f"epdserve worker: refused by the router: {msg.reason}", flush=True)
+        worker.running, worker.exit_code = False, 2
+    else:
+        log.warning("%s: unexpected %s message", worker.worker_id, msg.type)
+
+
 def image_inputs(images: list[P.ImageRef]) -> list[ImageInput]:
     """The images of a command, their bytes checked against their hashes (a wrong hash
     would poison the embedding cache).
@@ -102,14 +116,8 @@ class EncodeWorker:
         elif isinstance(msg, (P.ReleaseKV, P.Abort)):
             self.pending.pop(msg.request_id, None)
             self.release(msg.request_id)
-        elif isinstance(msg, P.Shutdown):
-            self.running = False
-        elif isinstance(msg, P.Refused):
-            log.error("%s: the router refused this worker: %s", self.worker_id, msg.reason)
-            print(f"epdserve worker: refused by the router: {msg.reason}", flush=True)
-            self.running, self.exit_code = False, 2
         else:
-            log.warning("%s: unexpected %s message", self.worker_id, msg.type)
+            handle_control(self, msg)
 
     def encode_pending(self) -> None:
         """Encode the images of every pending request in one call and answer each."""

@@ -33,7 +33,7 @@ from epdserve.engine.engine import DTYPES, ROLES, EngineConfig, LLMEngine, StepO
 from epdserve.model.image_processor import ImageError
 from epdserve.model.loader import ModelLoadError, resolve_model
 from epdserve.serving import protocol as P
-from epdserve.serving.encode_worker import EncodeWorker, image_inputs
+from epdserve.serving.encode_worker import EncodeWorker, handle_control, image_inputs
 from epdserve.serving.handshake import auth_tag, model_fingerprint
 from epdserve.transfer import embedding, handoff, kv_codec
 from epdserve.transfer.wire import WireError
@@ -171,14 +171,8 @@ class Worker:
             self.release(msg.request_id)
         elif isinstance(msg, P.ReleaseKV):
             self.release(msg.request_id)
-        elif isinstance(msg, P.Shutdown):
-            self.running = False
-        elif isinstance(msg, P.Refused):
-            log.error("%s: the router refused this worker: %s", self.worker_id, msg.reason)
-            print(f"epdserve worker: refused by the router: {msg.reason}", flush=True)
-            self.running, self.exit_code = False, 2
         else:
-            log.warning("%s: unexpected %s message", self.worker_id, msg.type)
+            handle_control(self, msg)
 
     def add(self, msg: P.AddRequest, arrival: float) -> None:
         try:
