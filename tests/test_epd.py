@@ -244,3 +244,28 @@ def test_client_gone_leaves_no_frames_or_blocks(epd_server, leave_after_events):
     while frames() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not frames()
+
+
+def test_killed_prefill_worker_retries_encode_the_images_again(tmp_path):
+    """kill -9 of a prefill worker holding EPD requests whose embedding frames it may have
+    read already: they are retried on the other prefill worker, which encodes the images
+    itself, and every request completes with the answer an undisturbed run gives."""
+    import os
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    dep = start_deployment("epd", tmp_path, "--model", "vlm", "--prefill-workers", "2")
+    try:
+        images = [picture(200 + i) for i in range(4)]
+        with ThreadPoolExecutor(len(images)) as pool:
+            futures = [pool.submit(ask, dep, image, max_tokens=6) for image in images]
+            deadline = time.monotonic() + 120
+            while not any(w["worker_id"] == "prefill-0" and w["outstanding"] for w in dep.health()["workers"]):
+                assert time.monotonic() < deadline, "no request reached prefill-0"
+                time.sleep(0.05)
+            os.kill(dep.worker_pid("prefill-0"), signal.SIGKILL)
+            results = [f.result(timeout=300) for f in futures]
+        assert "retrying on prefill-1" in dep.log_tail(10**6)
+        assert [r.text for r in results] == [ask(dep, image, max_tokens=6).text for image in images]
+    finally:
+        _stop(dep.proc)

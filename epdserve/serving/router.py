@@ -272,6 +272,9 @@ class Generation:
                 except api.APIError:
                     raise WorkerFailed(f"{exc}; no other live {dead.role} worker to retry on", 503) from None
                 log.warning("%s: %s; retrying on %s", self.request_id, exc, worker.worker_id)
+                # The dead worker may have read, and so deleted, the embedding frames: the
+                # next one gets the image bytes and encodes them itself.
+                self.embeddings = []
                 self._dispatch(worker)
 
     async def _next(self) -> P.Output:
