@@ -223,11 +223,7 @@ class Generation:
         waiting = dict(self.encoders)
         silent_since = time.monotonic()
         while waiting:
-            try:
-                async with asyncio.timeout(1.0):
-                    msg = await self.queue.get()
-            except TimeoutError:
-                msg = None
+            msg = await self._poll()
             if msg is None:
                 dead = next((w for w, _ in waiting.values() if w.dead), None)
                 if dead is not None:
@@ -277,6 +273,17 @@ class Generation:
                 self.embeddings = []
                 self._dispatch(worker)
 
+    async def _poll(self):
+        """The next message for this request, or None after a second without one (or when
+        ``mark_dead`` wakes it up), so that the caller can check its worker."""
+        # Not asyncio.wait_for: on Python 3.11 it swallows a cancel (client gone) that lands
+        # as a message arrives, and the request then runs on for nobody.
+        try:
+            async with asyncio.timeout(1.0):
+                return await self.queue.get()
+        except TimeoutError:
+            return None
+
     async def _next(self) -> P.Output:
         """The next Output of the current worker.
 
@@ -286,13 +293,7 @@ class Generation:
         router, worker = self.router, self.worker
         silent_since = time.monotonic()
         while True:
-            # Not asyncio.wait_for: on Python 3.11 it swallows a cancel (client gone) that
-            # lands as a message arrives, and the request then runs on for nobody.
-            try:
-                async with asyncio.timeout(1.0):
-                    msg = await self.queue.get()
-            except TimeoutError:
-                msg = None
+            msg = await self._poll()
             if msg is None:  # a tick, or mark_dead waking us up
                 if worker.dead:
                     raise WorkerFailed(f"worker {worker.worker_id} died ({worker.dead})") from None
