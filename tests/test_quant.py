@@ -12,16 +12,16 @@ import torch.nn.functional as F
 
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
-from epdserve.model import quant
+from epdserve.model import kernels, quant
 from epdserve.model.loader import default_gguf
 
-pytestmark = pytest.mark.skipif(not quant.cpu_supported(), reason="the kernel needs AVX2 and FMA")
+pytestmark = pytest.mark.skipif(not kernels.cpu_supported(), reason="the kernel needs AVX2 and FMA")
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    assert quant.kernel_available(), "the kernel failed to build (see the log)"
-    return torch.ops.epdserve_quant.quant_mm
+    assert kernels.available(), "the kernel failed to build (see the log)"
+    return torch.ops.epdserve.quant_mm
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Llama-family decoder (llama, mistral, qwen2) over a paged KV cache, in plain PyTorch.
+"""Llama-family decoder (llama, mistral, qwen2) over a paged KV cache: PyTorch around fused kernels.
 
 One forward pass runs a whole engine step: the new tokens of every scheduled sequence
 are flattened into one ``[T]`` batch (prefill chunks and decode tokens mixed), the
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from epdserve.model import quant
+from epdserve.model import layer_ops, quant
 from epdserve.model.config import ModelConfig
 from epdserve.model.loader import ModelLoadError
 
@@ -156,17 +156,6 @@ class LlamaModel:
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         return (allocator or torch.zeros)(shape, dtype=self.dtype)
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Same order of operations as transformers' LlamaRMSNorm (float32 variance).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * x32.to(x.dtype)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor,
@@ -185,43 +174,46 @@ class LlamaModel:
         """
         c = self.config
         n_q, n_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps = c.rms_norm_eps
         x = self.embed[input_ids]
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
-        cos = self.cos[meta.positions].unsqueeze(1)
-        sin = self.sin[meta.positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["input_norm"])
+            h = layer_ops.rms_norm(x, layer["input_norm"], eps)
             qkv = quant.linear(h, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
-            q = self._rope(q.view(-1, n_q, d), cos, sin)
-            k = self._rope(k.view(-1, n_kv, d), cos, sin)
-            v = v.view(-1, n_kv, d)
             k_cache = kv_cache[i, 0].view(-1, n_kv, d)
             v_cache = kv_cache[i, 1].view(-1, n_kv, d)
-            k_cache[meta.slot_mapping] = k
-            v_cache[meta.slot_mapping] = v
+            layer_ops.rope_write_kv(qkv, meta.positions, self.cos, self.sin, k_cache, v_cache,
+                                    meta.slot_mapping, n_q)
             if self.layer_hook is not None:
                 self.layer_hook(i)
+            q, k, v = (part.view(len(qkv), -1, d) for part in qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1))
             attn = self._attention(q, k, v, kv_cache[i], meta)
-            x = x + quant.linear(attn.reshape(-1, n_q * d), layer["o"])
-            h = self._rms_norm(x, layer["post_norm"])
+            x.add_(quant.linear(attn.reshape(-1, n_q * d), layer["o"]))
+            h = layer_ops.rms_norm(x, layer["post_norm"], eps)
             gate, up = quant.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + quant.linear(F.silu(gate) * up, layer["down"])
-        x = self._rms_norm(x[meta.logits_rows], self.norm)
+            x.add_(quant.linear(F.silu(gate) * up, layer["down"]))
+        x = layer_ops.rms_norm(x[meta.logits_rows], self.norm, eps)
         return quant.linear(x, self.lm_head).float()
 
     def _attention(self, q, k, v, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output ``[T, heads, head_dim]`` for every row of the batch."""
-        out = torch.empty_like(q)
         block_size = layer_cache.shape[2]
+        decode = None
+        if len(meta.decode_rows):
+            decode = layer_ops.paged_decode_attention(
+                q[meta.decode_rows], layer_cache[0].flatten(0, 1), layer_cache[1].flatten(0, 1),
+                meta.decode_block_tables, meta.decode_ctx_lens, block_size)
+            if not meta.prefills:  # every row is a decode row, in order
+                return decode
+        out = torch.empty_like(q)
         for seq in meta.prefills:
             rows = slice(seq.start, seq.start + seq.q_len)
             qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             if seq.ctx_len == seq.q_len:  # nothing cached: attend to this step's K/V
                 ks, vs, mask, causal = k[rows], v[rows], None, True
             else:
-                ks, vs = (gather_blocks(layer_cache[j], seq.block_table)[: seq.ctx_len] for j in (0, 1))
+                ks, vs = (layer_ops.gather_blocks(layer_cache[j], seq.block_table)[: seq.ctx_len] for j in (0, 1))
                 offset = seq.ctx_len - seq.q_len
                 q_pos = torch.arange(seq.q_len).unsqueeze(1) + offset
                 mask, causal = torch.arange(seq.ctx_len).unsqueeze(0) <= q_pos, False
@@ -229,25 +221,6 @@ class LlamaModel:
                 qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask, is_causal=causal, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1)
-        if len(meta.decode_rows):
-            tables = meta.decode_block_tables
-            batch, max_ctx = tables.shape[0], tables.shape[1] * block_size
-            ks, vs = (gather_blocks(layer_cache[j], tables.flatten()).view(batch, max_ctx, *layer_cache.shape[-2:])
-                      for j in (0, 1))  # [B, ctx, Hkv, D]
-            mask = torch.arange(max_ctx).unsqueeze(0) < meta.decode_ctx_lens.unsqueeze(1)
-            qs = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(
-                qs, ks.transpose(1, 2), vs.transpose(1, 2),
-                attn_mask=mask[:, None, None, :], enable_gqa=True)
-            out[meta.decode_rows] = o.squeeze(2)
+        if decode is not None:
+            out[meta.decode_rows] = decode
         return out
-
-
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """The tokens of ``block_ids [n]`` from one layer's K or V cache ``[num_blocks,
-    block_size, kv_heads, head_dim]``, in order: ``[n * block_size, kv_heads, head_dim]``.
-
-    ``index_select`` copies whole blocks; advanced indexing (``cache[ids]``) goes through
-    the generic index kernel and is 3-4x slower at decode batch 32 on this CPU.
-    """
-    return torch.index_select(cache, 0, block_ids).flatten(0, 1)

@@ -7,18 +7,13 @@ a Q4_1 GGUF (Q8_0 token embedding, tied to the LM head), and the float32 weights
 writes are exactly ``d * q + m`` of those blocks, so computing from the blocks is the
 same maths up to summation order.
 
-The kernel (``quant_kernels.cpp``, AVX2 + FMA) is compiled with
-``torch.utils.cpp_extension`` on first use (~15 s) into ``<cache>/torch_extensions``, one
-directory per source, flags and torch version. Without AVX2/FMA, or when the build fails,
-:func:`kernel_available` logs one line and the model keeps float32 weights. A model on
+The kernel (``quant_kernels.cpp``, AVX2 + FMA) is built on first use by ``kernels.py``;
+without AVX2/FMA, or when the build fails, the model keeps float32 weights. A model on
 blocks holds 0.75 byte per Q4_1 weight (SmolLM2-135M: ~150 MiB resident instead of ~550).
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from epdserve.model import kernels
 
 BLOCK = 32  # weights per block along K, ggml's QK4_1 and QK8_0
 BLOCKS_FILE = Path("quantized") / "blocks.safetensors"  # inside a GGUF-converted model dir
@@ -36,8 +31,6 @@ BLOCKS_FILE = Path("quantized") / "blocks.safetensors"  # inside a GGUF-converte
 # layers, noisy shared machine) the kernel took 0.65x the time of dequantize + sgemm at 64
 # rows, 0.82x at 128, 0.96x at 256; at 512 it took 1.11x plain float32 sgemm's.
 MAX_KERNEL_ROWS = 256
-
-_kernel: bool | None = None  # None: not tried yet
 
 
 @dataclass(frozen=True)
@@ -84,7 +77,7 @@ def load_blocks(model_dir: str | Path) -> dict[str, Blocks] | None:
     """The weight blocks a GGUF conversion stored in ``model_dir`` (keyed by Hugging Face
     weight name), or None when there are none or the kernel is not available."""
     path = Path(model_dir) / BLOCKS_FILE
-    if not path.is_file() or not kernel_available():
+    if not path.is_file() or not kernels.available():
         return None
     from safetensors.torch import load_file
 
@@ -104,19 +97,20 @@ class QuantLinear:
 
     def __init__(self, blocks: Blocks):
         self.blocks = blocks
+        # The overload itself: resolving torch.ops.epdserve.quant_mm per call costs a few
+        # microseconds, 121 times per decode step.
+        self._matmul = torch.ops.epdserve.quant_mm.default
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., K]`` float32 -> ``[..., N]`` float32."""
-        if x.numel() > MAX_KERNEL_ROWS * x.shape[-1]:
+        """``x [M, K]`` float32 -> ``[M, N]`` float32."""
+        if len(x) > MAX_KERNEL_ROWS:
             return F.linear(x, self.dequantize())
-        b = self.blocks
-        y = torch.ops.epdserve_quant.quant_mm(x.reshape(-1, x.shape[-1]), b.qs, b.scales, b.mins)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return self._matmul(x, self.blocks.qs, self.blocks.scales, self.blocks.mins)
 
     def dequantize(self) -> torch.Tensor:
         """``W [N, K]`` in float32, equal to ``gguf.quants.dequantize`` of the blocks."""
         b = self.blocks
-        return torch.ops.epdserve_quant.dequantize(b.qs, b.scales, b.mins)
+        return torch.ops.epdserve.dequantize(b.qs, b.scales, b.mins)
 
 
 def projection(weights: dict[str, torch.Tensor], blocks: dict[str, Blocks] | None,
@@ -139,59 +133,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias: torch.Tens
         y = weight(x)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
-
-
-def kernel_available() -> bool:
-    """Build (first call in a process) and load the kernel; False, with one log line, when
-    the CPU lacks AVX2 or FMA or the build fails."""
-    global _kernel
-    if _kernel is None:
-        _kernel = _build_kernel()
-    return _kernel
-
-
-def cpu_supported() -> bool:
-    """Whether this CPU has AVX2 and FMA (Linux ``/proc/cpuinfo`` flags; False elsewhere)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("\nflags")[1].split("\n")[0].split()
-    except (OSError, IndexError):
-        return False
-    return {"avx2", "fma"} <= set(flags)
-
-
-def _build_kernel() -> bool:
-    if not cpu_supported():
-        log.info("quantized weights off: this CPU lacks AVX2/FMA; using float32 weights")
-        return False
-    from torch.utils.cpp_extension import load
-
-    from epdserve.model.loader import cache_root, cached_dir
-
-    source = Path(__file__).with_name("quant_kernels.cpp")
-    # -fopenmp compiles at::parallel_for to torch's OpenMP thread pool (its libgomp comes in
-    # through libtorch_cpu); without it the loop runs on one thread.
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
-    built_here = []
-
-    def build(tmp: Path) -> None:
-        load(name="epdserve_quant", sources=[str(source)], extra_cflags=flags, build_directory=str(tmp),
-             is_python_module=False)  # also loads it
-        built_here.append(True)
-
-    out = cache_root() / "torch_extensions" / f"epdserve_quant-{key}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # Workers starting together build once: the others wait on an flock, which the OS
-        # releases if the builder dies (torch's own lock file would then stay and block
-        # every later start). The build goes to a private directory renamed into place.
-        with open(out.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            cached_dir(out, build)
-        if not built_here:
-            torch.ops.load_library(str(out / "epdserve_quant.so"))
-    except Exception as exc:  # compiler missing, build error, load error: keep serving
-        log.warning("quantized weights off: kernel build failed (%s: %s); using float32 weights",
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return False
-    return True

@@ -10,7 +10,7 @@
 // of x, 4 x rows at a time, so the dequantization is paid once per weight whatever the
 // batch M, and each weight load feeds 4 FMAs. Batches of 1-3 rows take a bufferless path
 // (fused_row).
-// Loaded with torch.utils.cpp_extension by epdserve/model/quant.py.
+// Built with layer_kernels.cpp into one library by epdserve/model/kernels.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -219,7 +219,7 @@ at::Tensor quant_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY(epdserve_quant, m) {
+TORCH_LIBRARY(epdserve, m) {
   m.def("quant_mm(Tensor x, Tensor qs, Tensor scales, Tensor? mins) -> Tensor");
   m.impl("quant_mm", c10::DispatchKey::CPU, TORCH_FN(quant_mm));
   m.def("dequantize(Tensor qs, Tensor scales, Tensor? mins) -> Tensor");
