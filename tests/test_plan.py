@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import torch
 
 from epdserve.bench import metrics
 from epdserve.bench.datasets import with_images
-from epdserve.bench.workload import Request, retime
+from epdserve.bench.workload import Request, retime, save_trace
 from epdserve.engine.encoder import EncodedImage
 from epdserve.model.image_processor import ImageProcessor
 from epdserve.plan import calibrate, hardware, search
@@ -328,3 +329,88 @@ def test_roofline_plan_cli_with_images(tmp_path):
                            "Llama-3.1-8B", "--images-per-request", "1", "--output", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "has images" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_served_decode_steps_take_the_slowdown():
+    # PD: prefill 10 ms (no decodes: as calibrated); decode steps 10 ms × 1.5.
+    platform = flat_platform()
+    platform.decode_slowdown = 1.5
+    records, _ = simulate(PD, platform, [req(0.0, 5, 3)])
+    assert records[0].chunk_times_s == pytest.approx([0.012, 0.032, 0.047])
+    # Colocated, 10 ms + 1 ms per sequence: A's decode alone 11 × 1.5 = 16.5 ms; B (in at
+    # 13 + 2 ms) is prefilled in the next step with A's decode: 12 + 0.5 × 11 = 17.5 ms.
+    platform = flat_platform(per_seq_ms=1.0)
+    platform.decode_slowdown = 1.5
+    records, _ = simulate(COLOCATED, platform, [req(0.0, 5, 3), req(0.013, 5, 1)])
+    assert records[0].chunk_times_s == pytest.approx([0.013, 0.0295, 0.047])
+    assert records[1].chunk_times_s == pytest.approx([0.034])
+
+
+# ms = 10 + 1 per sequence + 0.1 per attention key (cached context + 1 per decode).
+GAP_STEP = LinearStep((10.0, 1.0, 0.0, 0.1, 0.0))
+
+
+def test_decode_gaps_rebuild_the_batch():
+    # Decode worker (prefilled elsewhere: the first gap spans the hand-off and is left out).
+    # Middle of A's gap 0.1-0.2: A has 2 tokens (5 + 1 cached), B 1 (7 + 0): 10 + 2 + 1.5.
+    # Middles 0.25 and 0.27: A 5 + 2, B 7 + 1 cached: 10 + 2 + 1.7.
+    seqs = [{"worker": "d", "prompt_tokens": 5, "token_times_s": [0.0, 0.1, 0.2, 0.3], "busy_s": None},
+            {"worker": "d", "prompt_tokens": 7, "token_times_s": [0.12, 0.22, 0.32], "busy_s": None}]
+    gaps = calibrate.decode_gaps(seqs, lambda worker: GAP_STEP)
+    assert np.array(gaps) == pytest.approx(np.array([(100.0, 13.5), (100.0, 13.7), (100.0, 13.7)]))
+    # Colocated: B's prefill (0.12-0.15) was in A's step 0.1-0.2, which is left out; A's
+    # first gap counts (A alone, 5 cached: 10 + 1 + 0.6), and so does B's 0.15-0.25 (B
+    # alone, 5 cached: A's last token came at its middle, 0.2). Another worker's request
+    # is a batch of its own (9 cached: 10 + 1 + 1.0).
+    seqs = [{"worker": "c", "prompt_tokens": 5, "token_times_s": [0.0, 0.1, 0.2], "busy_s": (-0.05, 0.0)},
+            {"worker": "c", "prompt_tokens": 5, "token_times_s": [0.15, 0.25], "busy_s": (0.12, 0.15)},
+            {"worker": "other", "prompt_tokens": 9, "token_times_s": [0.0, 0.3], "busy_s": (-0.1, 0.0)}]
+    gaps = calibrate.decode_gaps(seqs, lambda worker: GAP_STEP)
+    assert np.array(gaps) == pytest.approx(np.array([(100.0, 11.6), (100.0, 11.6), (300.0, 12.0)]))
+
+
+def test_fit_serving_is_the_median_p95_ratio():
+    # p95 (linear) of [10, 20] is 19.5 and of [5, 10] 9.75: x2; the second run x3; median 2.5.
+    runs = [[(10.0, 5.0), (20.0, 10.0)], [(30.0, 10.0)], []]
+    assert calibrate.fit_serving(runs) == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="no decode-only steps"):
+        calibrate.fit_serving([[]])
+
+
+def _gap_calibration() -> dict:
+    return {"model": "m", "steps": {str(n): {"coef": list(GAP_STEP.coef)} for n in (1, 2)},
+            "kv_link": {"gbs": 1.0, "latency_ms": 0.5}, "kv_bytes_per_token": 10}
+
+
+def test_calibration_without_serving_still_loads(tmp_path):
+    path = calibrate.save(_gap_calibration(), tmp_path / "cal.json")
+    assert calibrate.platform_from(calibrate.load(path)).decode_slowdown == 1.0
+    cal = dict(_gap_calibration(), serving={"decode_slowdown": 1.4})
+    assert calibrate.platform_from(cal).decode_slowdown == 1.4
+
+
+def test_calibrate_from_compare_cli(tmp_path):
+    # A PD compare run of the two decodes of test_decode_gaps_rebuild_the_batch: p95 of the
+    # measured gaps 100 ms, of the step model's [13.5, 13.7, 13.7] 13.7 ms.
+    run = tmp_path / "run"
+    run.mkdir()
+    save_trace([req(0.0, 5, 4), req(0.1, 7, 3)], run / "trace.jsonl")
+    workers = [{"worker_id": "prefill-0", "role": "prefill", "cores": [0]},
+               {"worker_id": "decode-0", "role": "decode", "cores": [1]}]
+    result = {"request_ids": ["a", "b"], "start_times": [0.0, 0.1], "ttfts": [0.0, 0.02],
+              "itls": [[0.1, 0.1, 0.1], [0.1, 0.1]]}
+    (run / "compare.json").write_text(json.dumps({"configs": [{"name": "pd", "resources": {"workers": workers},
+                                                               "result": result}]}))
+    (run / "pd.server.jsonl").write_text("".join(
+        json.dumps({"request_id": r, "decode_worker": "decode-0", "prefill_ms": 50.0}) + "\n" for r in "ab"))
+    cal = calibrate.save(_gap_calibration(), tmp_path / "cal.json")
+    proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "calibrate", "--from-compare", str(run),
+                           "--calibration", str(cal)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "3 decode steps" in proc.stdout
+    assert calibrate.load(cal)["serving"]["decode_slowdown"] == pytest.approx(100.0 / 13.7)
+    proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "calibrate", "--from-compare",
+                           str(tmp_path / "missing"), "--calibration", str(cal)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "not an `epdserve compare` output" in proc.stderr and "Traceback" not in proc.stderr

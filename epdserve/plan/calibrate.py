@@ -9,6 +9,13 @@ the default text model that of the default vision-language model, whose language
 is) per tile at each worker size, times a real shared-memory KV hand-off, and writes
 everything as JSON. ``epdserve plan validate``
 later stores the prediction errors it measures in the same file, so ``plan`` can state them.
+
+Served steps are slower than the engine alone: the router and the bench client share the
+cores with the workers and every step's outputs are encoded, routed, detokenized and
+streamed. ``epdserve plan calibrate --from-compare DIR...`` learns that from ``compare``
+runs (:func:`fit_serving`): it rebuilds, from the client's token times, every decode-only step
+of every worker, sets the measured gap beside the step model's time for that batch, and
+stores the ratio of their 95th percentiles as ``serving.decode_slowdown``.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import platform as host
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,7 +37,7 @@ from epdserve.engine.request import SamplingParams
 from epdserve.model.image_processor import ImageProcessor
 from epdserve.model.loader import DEFAULT_VLM, resolve_model
 from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
-from epdserve.plan.costmodel import FEATURES, ImageCost, LinearStep, Link, Platform
+from epdserve.plan.costmodel import FEATURES, ImageCost, LinearStep, Link, Platform, StepModel
 from epdserve.plan.model_spec import ModelSpec
 
 CACHE_DIR = Path.home() / ".cache" / "epdserve" / "calibration"
@@ -241,10 +249,110 @@ def load(path: str | Path) -> dict:
     return cal
 
 
+# The percentile of inter-token latency that the serving slowdown is fitted at: the
+# planner's SLOs and its validation are p95.
+SERVING_PERCENTILE = 95
+
+
+def decode_gaps(seqs: list[dict], step: Callable[[str], StepModel]) -> list[tuple[float, float]]:
+    """``(measured ms, step-model ms)`` of every decode-only step that a served run's token
+    times show.
+
+    ``seqs``: one dict per request: ``worker`` (the id of the worker that decoded it),
+    ``prompt_tokens`` (its prompt as the engine saw it), ``token_times_s`` (when each of its
+    output tokens reached the client, s, ascending) and ``busy_s``: ``(start, end)`` in s
+    while its worker prefilled (and encoded) it, or None when another worker did (PD, EPD).
+    ``step(worker)``: that worker's step model. Each gap between a request's consecutive
+    tokens is one step of its worker. It counts unless some request's ``busy_s`` on the same
+    worker overlaps it (a prefill was in the step), or it is the first gap of a request
+    prefilled elsewhere (it spans the KV hand-off). The step's decodes are the requests of
+    that worker with a token before the middle of the gap and another after it, each with
+    its prompt + the tokens before the middle − 1 cached (the last one is this step's input).
+    """
+    out = []
+    for x in seqs:
+        mates = [y for y in seqs if y["worker"] == x["worker"]]
+        busy = [y["busy_s"] for y in mates if y["busy_s"] is not None]
+        times = x["token_times_s"]
+        for k in range(1 if x["busy_s"] is not None else 2, len(times)):
+            a, b = times[k - 1], times[k]
+            if any(start < b and end > a for start, end in busy):
+                continue
+            mid = (a + b) / 2
+            context = [y["prompt_tokens"] + int(np.searchsorted(y["token_times_s"], mid)) - 1
+                       for y in mates if y["token_times_s"][0] <= mid < y["token_times_s"][-1]]
+            out.append(((b - a) * 1e3, step(x["worker"]).step_ms([], len(context), sum(context), max(context))))
+    return out
+
+
+def gap_percentiles(gaps: list[tuple[float, float]]) -> tuple[float, float]:
+    """The :data:`SERVING_PERCENTILE` th percentile (``numpy.percentile``, linear, as the
+    bench's metrics) of the measured and of the step model's ms of :func:`decode_gaps`."""
+    return tuple(float(np.percentile([g[i] for g in gaps], SERVING_PERCENTILE)) for i in (0, 1))
+
+
+def fit_serving(runs: list[list[tuple[float, float]]]) -> float:
+    """The ``decode_slowdown`` (dimensionless) of served runs, each given as its
+    :func:`decode_gaps`: per run, the ratio of the :func:`gap_percentiles`; then the median
+    over runs, so that no one run's outliers decide.
+
+    Raises:
+        ValueError: no run has a decode-only step.
+    """
+    ratios = [measured / model for measured, model in map(gap_percentiles, filter(None, runs))]
+    if not ratios:
+        raise ValueError("no decode-only steps in these runs to fit the serving slowdown on")
+    return float(np.median(ratios))
+
+
+def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[tuple[float, float]]]:
+    """:func:`decode_gaps` of each configuration of an ``epdserve compare`` output (its
+    ``compare.json``, ``trace.jsonl`` and ``NAME.server.jsonl``), with the step models of
+    ``platform`` for the cores each worker had; requests without a server record, failed
+    or with fewer than two tokens are left out.
+
+    Raises:
+        ValueError: ``compare_dir`` lacks those files.
+    """
+    from epdserve.bench import workload
+    from epdserve.plan.simulate import prompt_tokens
+
+    compare_dir = Path(compare_dir)
+    try:
+        configs = json.loads((compare_dir / "compare.json").read_text())["configs"]
+        requests = workload.load_trace(compare_dir / "trace.jsonl")
+    except (FileNotFoundError, workload.TraceError) as exc:
+        raise ValueError(f"{compare_dir}: not an `epdserve compare` output ({exc})") from None
+    runs = {}
+    for entry in configs:
+        server = compare_dir / f"{entry['name']}.server.jsonl"
+        if "result" not in entry or not server.is_file():
+            continue
+        m = entry["result"]
+        cores = {w["worker_id"]: len(w["cores"]) for w in entry["resources"]["workers"]}
+        records = {r["request_id"]: r for r in map(json.loads, filter(str.strip, server.read_text().splitlines()))}
+        seqs = []
+        for i, req in enumerate(requests):
+            r = records.get(m["request_ids"][i])
+            if r is None or r.get("error") or not m["itls"][i]:
+                continue
+            first = m["start_times"][i] + m["ttfts"][i]
+            colocated = r.get("decode_worker") is None
+            seqs.append({"worker": r["worker"] if colocated else r["decode_worker"],
+                         "prompt_tokens": prompt_tokens(platform, req),
+                         "token_times_s": (first + np.concatenate([[0.0], np.cumsum(m["itls"][i])])).tolist(),
+                         "busy_s": (first - (r["prefill_ms"] + r.get("encode_ms", 0.0)) / 1e3, first)
+                         if colocated else None})
+        runs[entry["name"]] = decode_gaps(seqs, lambda worker: platform.step(cores[worker]))
+    return runs
+
+
 def platform_from(cal: dict, router_ms: float = 3.0) -> Platform:
     """The :class:`Platform` of a calibration: workers of 1 or 2 cores with the fitted
     step models, KV (and embeddings) over the measured shared-memory hand-off, encoding at
-    the measured ms per tile (no images without a ``vision`` section: older calibrations)."""
+    the measured ms per tile (no images without a ``vision`` section: older calibrations),
+    decode steps slowed by the fitted ``serving.decode_slowdown`` (1 without one: not fitted
+    yet, or older calibrations)."""
     steps = {int(k): LinearStep(tuple(v["coef"])) for k, v in cal["steps"].items()}
 
     def step(devices: int) -> LinearStep:
@@ -262,4 +370,5 @@ def platform_from(cal: dict, router_ms: float = 3.0) -> Platform:
     return Platform(name=f"{cal['model']} on this CPU", step=step, worker_sizes=tuple(sorted(steps)),
                     kv_bytes_per_token=cal["kv_bytes_per_token"], kv_link=Link(**cal["kv_link"]),
                     price_per_device_hour=CPU_CORE_PRICE_PER_HOUR, router_ms=router_ms,
+                    decode_slowdown=cal.get("serving", {}).get("decode_slowdown", 1.0),
                     template_tokens=cal.get("template_tokens", 0), error=cal.get("validation"), images=images)

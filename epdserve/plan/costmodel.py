@@ -199,8 +199,11 @@ class Platform:
     wire; ``kv_link``: prefill → decode path; ``kv_import_gbs``: the decode worker's copy
     of arriving KV into its cache (blocks its step; None = free); ``images``: what images
     cost (None: the model takes no images), their embeddings crossing ``kv_link`` too (the
-    same transports carry them); ``router_ms``: client ↔ router
-    overhead added to every token; ``template_tokens``: tokens a chat template adds to a
+    same transports carry them); ``router_ms``: client → router → worker time added once
+    to every request on its way in; ``decode_slowdown``: how many times longer the decode
+    work of a step takes when served than the step model says (dimensionless, > 0; 1: as
+    calibrated; learned from ``compare`` runs, :func:`epdserve.plan.calibrate.fit_serving`);
+    ``template_tokens``: tokens a chat template adds to a
     prompt; ``error``: prediction errors measured at the last validation (None if never).
     """
 
@@ -213,8 +216,20 @@ class Platform:
     kv_import_gbs: float | None = None
     images: ImageCost | None = None
     router_ms: float = 1.0
+    decode_slowdown: float = 1.0
     template_tokens: int = 0
     error: dict | None = None
+
+    def served_step_ms(self, step: StepModel, prefill: Prefill, num_decode: int = 0, decode_context: int = 0,
+                       decode_max_context: int = 0) -> float:
+        """Time in ms of one served engine step on a worker whose step model is ``step``:
+        its time by ``step``, plus ``decode_slowdown`` − 1 times what its decodes alone
+        would take (a decode-only step takes ``decode_slowdown`` × its step time; prefill
+        work is taken as calibrated: the slowdown is fitted on decode-only steps)."""
+        ms = step.step_ms(prefill, num_decode, decode_context, decode_max_context)
+        if num_decode and self.decode_slowdown != 1.0:
+            ms += (self.decode_slowdown - 1.0) * step.step_ms([], num_decode, decode_context, decode_max_context)
+        return ms
 
 
 def roofline_platform(model: ModelSpec, device: Device) -> Platform:

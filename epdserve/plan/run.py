@@ -3,7 +3,9 @@
 * ``epdserve plan [search]`` — simulate every candidate deployment on a hardware profile
   (``--hardware H200``, roofline) or on this machine (``--hardware cpu``, calibrated) and
   recommend one; prints a table, writes ``plan.json`` / ``plan.md`` / ``goodput.png``.
-* ``epdserve plan calibrate`` — measure this machine's engine and fit the cost model.
+* ``epdserve plan calibrate`` — measure this machine's engine and fit the cost model;
+  ``--from-compare DIR...`` instead learns how much slower served decode steps are from
+  ``epdserve compare`` outputs and stores it in the calibration.
 * ``epdserve plan validate --compare-dir DIR`` — simulate the configurations of an
   ``epdserve compare`` run on its own trace, report the prediction errors and store them
   in the calibration, so later plans state them.
@@ -67,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration", default=None, metavar="FILE",
                         help="calibration file (default ~/.cache/epdserve/calibration/MODEL-cpu.json)")
     parser.add_argument("--compare-dir", default=None, metavar="DIR", help="validate: an `epdserve compare` output")
+    parser.add_argument("--from-compare", nargs="+", default=None, metavar="DIR",
+                        help="calibrate: fit the serving slowdown of decode steps to these `epdserve compare` "
+                             "outputs (same engine as the calibration) instead of measuring the engine")
     parser.add_argument("--output", default="results/plan", metavar="DIR")
 
 
@@ -249,7 +254,8 @@ def run_validate(args) -> int:
         print(f"epdserve plan validate: error: {compare_dir} has no compare.json and trace.jsonl",
               file=sys.stderr)
         return 2
-    rows = validate(compare_dir, calibrate.platform_from(cal), args.devices)
+    platform = calibrate.platform_from(cal)
+    rows = validate(compare_dir, platform, args.devices)
     if not rows:
         print("epdserve plan validate: error: no configuration could be simulated", file=sys.stderr)
         return 1
@@ -258,6 +264,8 @@ def run_validate(args) -> int:
         print(f"{row['name']:<14}" + "".join(
             f"{row[k]['predicted']:>12.1f} vs {row[k]['measured']:>9.1f} ({_fmt(row[k]['error'], '+.0%'):>6})"
             for k in VALIDATED))
+    print(f"served decode steps x{platform.decode_slowdown:.2f} the calibrated time"
+          + ("" if "serving" in cal else " (not fitted: run `epdserve plan calibrate --from-compare DIR...`)"))
     from datetime import datetime, timezone
     cal["validation"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                          "compare_dir": str(compare_dir), "rows": rows,
@@ -267,7 +275,34 @@ def run_validate(args) -> int:
     return 0
 
 
+def run_fit_serving(args) -> int:
+    """``plan calibrate --from-compare DIR...``: fit ``serving.decode_slowdown`` into the
+    calibration (see :func:`calibrate.fit_serving`) and print each run's p95 ratio."""
+    path = _calibration_path(args)
+    cal = calibrate.load(path)
+    platform = calibrate.platform_from(cal)
+    runs = {f"{d}:{name}": gaps for d in args.from_compare for name, gaps in calibrate.compare_gaps(d, platform).items()}
+    slowdown = calibrate.fit_serving(list(runs.values()))
+    p = calibrate.SERVING_PERCENTILE
+    ratios = {}
+    for run, gaps in runs.items():
+        if gaps:
+            measured, model = calibrate.gap_percentiles(gaps)
+            ratios[run] = measured / model
+            print(f"{run}: {len(gaps)} decode steps, p{p} {measured:.1f} ms measured vs {model:.1f} ms "
+                  f"by the step model (x{ratios[run]:.2f})")
+    from datetime import datetime, timezone
+    cal["serving"] = {"decode_slowdown": slowdown, "percentile": p, "ratios": ratios,
+                      "compare_dirs": [str(d) for d in args.from_compare],
+                      "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    calibrate.save(cal, path)
+    print(f"served decode steps take x{slowdown:.2f} the calibrated time (median of the ratios); written {path}")
+    return 0
+
+
 def run_calibrate(args) -> int:
+    if args.from_compare:
+        return run_fit_serving(args)
     cal = calibrate.calibrate(args.model)
     path = calibrate.save(cal, _calibration_path(args))
     for size, fit in cal["steps"].items():

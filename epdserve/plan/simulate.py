@@ -4,7 +4,8 @@ The simulated engine follows epdserve's scheduler (engine/scheduler.py, vLLM v1 
 each step gives every running sequence its next tokens (decodes one, a chunked prefill its
 next chunk), then admits waiting sequences while ``max_num_seqs`` and
 ``max_num_batched_tokens`` allow; without chunked prefill a prompt is prefilled whole.
-A step lasts what the platform's step model says. The router sends a request to the
+A step lasts what the platform's step model says, its decodes slowed as served ones are
+(``Platform.served_step_ms``). The router sends a request to the
 worker of the role with the fewest outstanding requests, then tokens (prompt +
 max_tokens), as serving/router.py does. In PD the first token is streamed when the
 prefill worker samples it; the KV then crosses ``kv_link`` and the decode worker copies
@@ -214,10 +215,10 @@ class _Worker:
             if self.import_bytes and self.sim.platform.kv_import_gbs:
                 extra_ms += self.import_bytes / (self.sim.platform.kv_import_gbs * 1e9) * 1e3
             self.import_bytes = 0.0
-            ms = self.step_model.step_ms([(n, s.computed) for s, n in chunks],
-                                         self.num_decode + len(joining),
-                                         self.decode_context + sum(s.prompt for s in joining),
-                                         max([self._max_context(k)] + [s.prompt for s in joining]))
+            ms = self.sim.platform.served_step_ms(self.step_model, [(n, s.computed) for s, n in chunks],
+                                                  self.num_decode + len(joining),
+                                                  self.decode_context + sum(s.prompt for s in joining),
+                                                  max([self._max_context(k)] + [s.prompt for s in joining]))
             for s in joining:
                 self._start_decode(s, k, s.prompt)
             for s, _ in chunks:
