@@ -23,6 +23,32 @@ def _fused(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and kernels.available()
 
 
+def fused_decode(x: torch.Tensor) -> bool:
+    """Whether :func:`decode_layer` runs for hidden states ``x`` (float32, kernels built)."""
+    return _fused(x)
+
+
+def decode_layer(x: torch.Tensor, weights: tuple, layer_cache: torch.Tensor, positions: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 ctx_lens: torch.Tensor, num_heads: int, eps: float) -> None:
+    """One whole decoder layer, in one kernel call, for a step whose every row is one
+    decode token (``LlamaModel.forward``'s per-layer code with :func:`rms_norm`,
+    :func:`rope_write_kv` and :func:`paged_decode_attention`); only when
+    :func:`fused_decode`.
+
+    Args:
+        x: ``[B, hidden]`` float32, updated in place.
+        weights: ``(input_norm [hidden], post_norm [hidden], qkv, qkv_bias or None, o,
+            gate_up, down)``, each projection as ``quant.kernel_tensors`` gives it.
+        layer_cache: ``[2, num_blocks, block_size, kv_heads, head_dim]``; the other
+            arguments as :func:`rope_write_kv` and :func:`paged_decode_attention` take them.
+    Raises:
+        RuntimeError: shapes disagree, or a position, slot or block is out of range.
+    """
+    torch.ops.epdserve.decode_layer(x, *weights, layer_cache, positions, cos, sin, slot_mapping, block_tables,
+                                    ctx_lens, num_heads, eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x², -1) + eps))`` for ``x [T, H]``, ``weight [H]``
     (transformers' ``LlamaRMSNorm``; Zhang & Sennrich, 2019)."""

@@ -115,6 +115,9 @@ class LlamaModel:
                 "gate_up": quant.projection(weights, blocks, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 "down": quant.projection(weights, blocks, [p + "mlp.down_proj.weight"]),
             })
+            layer = self.layers[-1]
+            layer["kernel"] = (layer["input_norm"], layer["post_norm"], quant.kernel_tensors(layer["qkv"]), bias,
+                               *(quant.kernel_tensors(layer[k]) for k in ("o", "gate_up", "down")))
         inv_freq = rope_inv_freq(config)
         t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
@@ -173,28 +176,39 @@ class LlamaModel:
             Logits ``[S, vocab]`` (float32) for ``meta.logits_rows``.
         """
         c = self.config
-        n_q, n_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        eps = c.rms_norm_eps
         x = self.embed[input_ids]
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
+        # A decode-only step runs each layer as one kernel call; the layer hook (KV export
+        # during prefills) needs the per-layer code.
+        fused = not meta.prefills and self.layer_hook is None and layer_ops.fused_decode(x)
         for i, layer in enumerate(self.layers):
-            h = layer_ops.rms_norm(x, layer["input_norm"], eps)
-            qkv = quant.linear(h, layer["qkv"], layer["qkv_bias"])
-            k_cache = kv_cache[i, 0].view(-1, n_kv, d)
-            v_cache = kv_cache[i, 1].view(-1, n_kv, d)
-            layer_ops.rope_write_kv(qkv, meta.positions, self.cos, self.sin, k_cache, v_cache,
-                                    meta.slot_mapping, n_q)
-            if self.layer_hook is not None:
-                self.layer_hook(i)
-            q, k, v = (part.view(len(qkv), -1, d) for part in qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1))
-            attn = self._attention(q, k, v, kv_cache[i], meta)
-            x.add_(quant.linear(attn.reshape(-1, n_q * d), layer["o"]))
-            h = layer_ops.rms_norm(x, layer["post_norm"], eps)
-            gate, up = quant.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x.add_(quant.linear(F.silu(gate) * up, layer["down"]))
-        x = layer_ops.rms_norm(x[meta.logits_rows], self.norm, eps)
+            if fused:
+                layer_ops.decode_layer(x, layer["kernel"], kv_cache[i], meta.positions, self.cos, self.sin,
+                                       meta.slot_mapping, meta.decode_block_tables, meta.decode_ctx_lens,
+                                       c.num_attention_heads, c.rms_norm_eps)
+            else:
+                self._layer(i, layer, x, meta, kv_cache)
+        x = layer_ops.rms_norm(x[meta.logits_rows], self.norm, c.rms_norm_eps)
         return quant.linear(x, self.lm_head).float()
+
+    def _layer(self, i: int, layer: dict, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
+        """Decoder layer ``i`` on hidden states ``x [T, hidden]``, updated in place."""
+        c = self.config
+        n_q, n_kv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        h = layer_ops.rms_norm(x, layer["input_norm"], eps)
+        qkv = quant.linear(h, layer["qkv"], layer["qkv_bias"])
+        k_cache = kv_cache[i, 0].view(-1, n_kv, d)
+        v_cache = kv_cache[i, 1].view(-1, n_kv, d)
+        layer_ops.rope_write_kv(qkv, meta.positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, n_q)
+        if self.layer_hook is not None:
+            self.layer_hook(i)
+        q, k, v = (part.view(len(qkv), -1, d) for part in qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1))
+        attn = self._attention(q, k, v, kv_cache[i], meta)
+        x.add_(quant.linear(attn.reshape(-1, n_q * d), layer["o"]))
+        h = layer_ops.rms_norm(x, layer["post_norm"], eps)
+        gate, up = quant.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+        x.add_(quant.linear(F.silu(gate) * up, layer["down"]))
 
     def _attention(self, q, k, v, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output ``[T, heads, head_dim]`` for every row of the batch."""

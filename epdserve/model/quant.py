@@ -127,6 +127,15 @@ def projection(weights: dict[str, torch.Tensor], blocks: dict[str, Blocks] | Non
     return QuantLinear(Blocks(torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]), mins))
 
 
+def kernel_tensors(weight: torch.Tensor | QuantLinear) -> list[torch.Tensor]:
+    """A projection as the C++ layer kernel takes it: ``[W]`` for a float weight, else its
+    blocks ``[qs, scales]`` (Q8_0) or ``[qs, scales, mins]`` (Q4_1)."""
+    if isinstance(weight, QuantLinear):
+        b = weight.blocks
+        return [b.qs, b.scales] + ([] if b.mins is None else [b.mins])
+    return [weight]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for a float weight ``[N, K]`` or a :class:`QuantLinear`."""
     if isinstance(weight, QuantLinear):
