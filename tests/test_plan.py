@@ -414,3 +414,25 @@ def test_calibrate_from_compare_cli(tmp_path):
                           timeout=120)
     assert proc.returncode == 2
     assert "not an `epdserve compare` output" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_template_prefix_is_prefilled_once_per_worker():
+    # 10 ms + 1 ms per new token; prompts = text + 25 template tokens, the first 20 the
+    # same in every prompt: one full 16-token block the prefix cache keeps. A (100 tokens)
+    # finds nothing: 110 ms. B comes after A's step: 84 new tokens over 16 cached, 94 ms.
+    platform = Platform("tokens", step=lambda n: LinearStep((10.0, 0.0, 1.0, 0.0, 0.0)), worker_sizes=(1,),
+                        kv_bytes_per_token=10, kv_link=Link(1e9, 1.0), price_per_device_hour=1.0, router_ms=2.0,
+                        template_tokens=25, template_prefix_tokens=20)
+    reqs = [req(0.0, 75, 1), req(0.2, 75, 1)]
+    records, stages = simulate(COLOCATED, platform, reqs)
+    assert [s["prefill_ms"] for s in stages] == pytest.approx([110.0, 94.0])
+    assert records[1].chunk_times_s == pytest.approx([0.096])
+    # Admitted in the same step as A, C finds nothing either (blocks are cached once computed).
+    _, stages = simulate(COLOCATED, platform, [req(0.0, 75, 1), req(0.0, 75, 1)])
+    assert [s["prefill_ms"] for s in stages] == pytest.approx([210.0, 210.0])
+    # Without prefix caching every prompt is computed whole.
+    _, stages = simulate(COLOCATED, platform, reqs, EngineLimits(enable_prefix_caching=False))
+    assert [s["prefill_ms"] for s in stages] == pytest.approx([110.0, 110.0])
+    # PD: the prefill worker caches it the same way.
+    _, stages = simulate(PD, platform, reqs)
+    assert [s["prefill_ms"] for s in stages] == pytest.approx([110.0, 94.0])

@@ -65,18 +65,22 @@ def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(100, vocab - 1, size=n).tolist()
 
 
-def _prefill_steps(model_dir: str, reps: int, rng) -> list[dict]:
+def _prefill_steps(model_dir: str, reps: int, rng, prefix: list[int]) -> list[dict]:
+    """Prefill steps of :data:`PREFILL_LENS`-token prompts that start with ``prefix`` (the
+    chat template's system turn), as served prompts do: after the first, the prefix cache
+    holds its full blocks and each step computes the rest over them, the attention path
+    (cached context, explicit mask) that served prefills take."""
     engine = LLMEngine(model_dir, EngineConfig(role="colocated", kv_cache_memory_mb=256))
     vocab = engine.model.config.vocab_size
     out = []
     for n in PREFILL_LENS:
         for rep in range(reps + 1):
-            engine.add_request(f"p{n}-{rep}", _prompt(rng, n, vocab), SamplingParams(max_tokens=1))
+            engine.add_request(f"p{n}-{rep}", (prefix + _prompt(rng, n, vocab))[:n], SamplingParams(max_tokens=1))
             start = time.perf_counter()
-            engine.step()
+            hit = engine.step()[0].num_cached_tokens
             ms = (time.perf_counter() - start) * 1e3
             if rep:  # the first of each length warms caches and allocator
-                out.append({"prefill": [[n, 0]], "num_decode": 0, "decode_context": 0, "ms": ms})
+                out.append({"prefill": [[n - hit, hit]], "num_decode": 0, "decode_context": 0, "ms": ms})
     return out
 
 
@@ -184,6 +188,12 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise RuntimeError("calibration needs 2 usable cores (workers of 1 and 2 cores)")
+    tokenizer = load_tokenizer(info.path)
+    template = len(chat_prompt_ids(tokenizer, [{"role": "user", "content": ""}]))
+    # What every chat prompt starts with (the template's system turn): the tokens two
+    # different messages share.
+    a, b = (chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in ("yes", "no"))
+    prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     rng = np.random.default_rng(seed)
     saved_threads = torch.get_num_threads()
     fits, encode, bar = {}, {}, tqdm(total=2, desc="calibrate", unit="worker size", disable=not progress)
@@ -191,7 +201,8 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
         for size in (1, 2):
             os.sched_setaffinity(0, cores[:size])
             torch.set_num_threads(size)
-            samples = _prefill_steps(str(info.path), reps, rng) + _decode_steps(str(info.path), decode_steps, rng)
+            samples = _prefill_steps(str(info.path), reps, rng, a[:prefix]) \
+                + _decode_steps(str(info.path), decode_steps, rng)
             step, err = _fit(samples)
             fits[str(size)] = {"coef": list(step.coef), "mean_abs_rel_error": err, "samples": samples}
             if vision_dir is not None:
@@ -205,13 +216,12 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(saved_threads)
         bar.close()
-    tokenizer = load_tokenizer(info.path)
-    template = len(chat_prompt_ids(tokenizer, [{"role": "user", "content": ""}]))
     kv_bpt = ModelSpec.from_dir(info.name, info.path, info.multimodal).kv_bytes_per_token(4)  # float32 KV on the wire
     cal = {"model": info.name, "machine": f"{host.processor() or host.machine()} ({len(cores)} cores)",
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "steps": fits, "kv_link": {"gbs": link.gbs, "latency_ms": link.latency_ms},
-           "kv_bytes_per_token": kv_bpt, "template_tokens": template, "validation": None}
+           "kv_bytes_per_token": kv_bpt, "template_tokens": template,
+           "template_prefix_tokens": prefix, "validation": None}
     if vision_dir is not None:
         spec = ModelSpec.from_dir(info.name, vision_dir, True)
         p = spec.processor
@@ -371,4 +381,6 @@ def platform_from(cal: dict, router_ms: float = 3.0) -> Platform:
                     kv_bytes_per_token=cal["kv_bytes_per_token"], kv_link=Link(**cal["kv_link"]),
                     price_per_device_hour=CPU_CORE_PRICE_PER_HOUR, router_ms=router_ms,
                     decode_slowdown=cal.get("serving", {}).get("decode_slowdown", 1.0),
-                    template_tokens=cal.get("template_tokens", 0), error=cal.get("validation"), images=images)
+                    template_tokens=cal.get("template_tokens", 0),
+                    template_prefix_tokens=cal.get("template_prefix_tokens", 0), error=cal.get("validation"),
+                    images=images)

@@ -6,9 +6,10 @@ One engine step runs prefill chunks, each ``(new_tokens, cached context)``, and
 ``decode_context`` tokens, the longest being ``decode_max_context``. The decodes enter only
 through those aggregates, so a simulated step costs O(prefill chunks), not O(batch). Two sources of step time share that interface:
 
-* :class:`Roofline` — from a :class:`~epdserve.plan.hardware.Device` profile: the step
-  takes the longer of its FLOPs at ``peak × compute_eff`` and its bytes (weights once
-  per step, the KV it reads and writes) at ``bandwidth × bw_eff``, plus the tensor-parallel
+* :class:`Roofline` — from a :class:`~epdserve.plan.hardware.Device` profile: each of
+  the step's weight GEMMs, prefill attention and decode attention takes the longer of its
+  FLOPs at ``peak × compute_eff`` and its bytes (weights once per step, the KV it reads
+  and writes) at ``bandwidth × bw_eff``; the step is their sum, plus the tensor-parallel
   all-reduces and a fixed step overhead (the roofline model; Williams et al., CACM 2009).
 * :class:`LinearStep` — fitted to steps measured on this machine (``epdserve plan
   calibrate``): ``ms = c0 + c1·sequences + c2·new tokens + c3·attention keys +
@@ -58,17 +59,23 @@ class Roofline:
 
     def step_ms(self, prefill: Prefill, num_decode: int = 0, decode_context: int = 0,
                 decode_max_context: int = 0) -> float:
+        """Time in ms: the weight GEMMs, the prefill attention and the decode attention
+        each take the longer of their FLOPs and their bytes (the kernels run one after
+        another, so a mixed step's memory-bound decode attention is not hidden under its
+        compute-bound prefill), plus the all-reduces and the step overhead."""
         m, d = self.model, self.device
         tokens = sum(n for n, _ in prefill) + num_decode
-        keys = attention_keys(prefill, num_decode, decode_context)
-        flops = (2.0 * m.layer_params * tokens + 2.0 * m.lm_head_params * (len(prefill) + num_decode)
-                 + 4.0 * m.num_layers * m.num_heads * m.head_dim * keys)
-        kv_tokens = tokens + sum(c for _, c in prefill) + decode_context  # read cached, write new
-        nbytes = (m.layer_params + m.lm_head_params) * d.dtype_bytes \
-            + m.kv_bytes_per_token(d.dtype_bytes) * kv_tokens
-        compute_ms = flops / (self.tp * d.peak_tflops * 1e12 * d.compute_eff) * 1e3
-        memory_ms = nbytes / (self.tp * d.mem_bw_gbs * 1e9 * d.bw_eff) * 1e3
-        return max(compute_ms, memory_ms) + self._allreduce_ms(tokens) + d.step_overhead_ms
+        kv = m.kv_bytes_per_token(d.dtype_bytes)  # read cached, write new
+        decode_keys = decode_context + num_decode
+        parts = (  # (FLOPs, bytes)
+            (2.0 * m.layer_params * tokens + 2.0 * m.lm_head_params * (len(prefill) + num_decode),
+             (m.layer_params + m.lm_head_params) * d.dtype_bytes),
+            (sum(m.attention_flops(n, c) for n, c in prefill), kv * sum(n + c for n, c in prefill)),
+            (4.0 * m.num_layers * m.num_heads * m.head_dim * decode_keys, kv * decode_keys),
+        )
+        ms = sum(max(flops / (self.tp * d.peak_tflops * 1e12 * d.compute_eff),
+                     nbytes / (self.tp * d.mem_bw_gbs * 1e9 * d.bw_eff)) * 1e3 for flops, nbytes in parts)
+        return ms + self._allreduce_ms(tokens) + d.step_overhead_ms
 
     def _allreduce_ms(self, tokens: int) -> float:
         # Megatron tensor parallelism: two all-reduces of the activations per layer; a
@@ -204,7 +211,8 @@ class Platform:
     work of a step takes when served than the step model says (dimensionless, > 0; 1: as
     calibrated; learned from ``compare`` runs, :func:`epdserve.plan.calibrate.fit_serving`);
     ``template_tokens``: tokens a chat template adds to a
-    prompt; ``error``: prediction errors measured at the last validation (None if never).
+    prompt, the first ``template_prefix_tokens`` of them the same in every prompt (its
+    system turn: the engine's prefix cache keeps their full blocks); ``error``: prediction errors measured at the last validation (None if never).
     """
 
     name: str
@@ -218,6 +226,7 @@ class Platform:
     router_ms: float = 1.0
     decode_slowdown: float = 1.0
     template_tokens: int = 0
+    template_prefix_tokens: int = 0
     error: dict | None = None
 
     def served_step_ms(self, step: StepModel, prefill: Prefill, num_decode: int = 0, decode_context: int = 0,

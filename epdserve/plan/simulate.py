@@ -10,6 +10,11 @@ worker of the role with the fewest outstanding requests, then tokens (prompt +
 max_tokens), as serving/router.py does. In PD the first token is streamed when the
 prefill worker samples it; the KV then crosses ``kv_link`` and the decode worker copies
 it in during its next step (``kv_import_gbs``). KV memory is assumed sufficient (no preemption).
+Prefix caching (on in ``epdserve serve``, as in vLLM v1): every chat prompt starts with the
+chat template's system turn (``Platform.template_prefix_tokens``), so once a worker has
+prefilled one prompt, the next ones find those full blocks cached and compute only the rest
+(a prefill chunk of prompt − hit new tokens over hit cached ones). Other shared prefixes
+(the simulator does not read the texts) are not modelled.
 
 Images (serving/worker.py, serving/encode_worker.py): a request's image tokens count in
 its prompt. In colocated and PD the worker that prefills encodes a request's images when it
@@ -87,6 +92,8 @@ class EngineLimits:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = True
+    block_size: int = 16
 
 
 class _Seq:
@@ -174,6 +181,7 @@ class _Worker:
         self.held = 0                    # outstanding requests ...
         self.outstanding = 0             # ... and their prompt + max_tokens
         self.import_bytes = 0.0          # KV to copy in during the next step
+        self.prefix_cached = False       # the template's full blocks are in its prefix cache
         self.wake = sim.env.event()
 
     def submit(self, seq: _Seq) -> None:
@@ -197,7 +205,8 @@ class _Worker:
             start = self.sim.env.now
             yield self.devices.run(self.sim.encode_ms(self, images))
             s.stages.update(encode_queue_ms=(start - s.enqueued) * 1e3, encode_ms=(self.sim.env.now - start) * 1e3)
-        s.enqueued = self.sim.env.now  # encoding or fetching is its own stage, not queue time
+        if images and self.role != "decode":
+            s.enqueued = self.sim.env.now  # encoding or fetching is its own stage, not queue time
         self.waiting.append(s)
 
     def run(self):
@@ -240,6 +249,8 @@ class _Worker:
         running = len(self.prefilling) + self.num_decode
         while self.waiting and budget > 0 and running < limits.max_num_seqs:
             s = self.waiting[0]
+            if s.computed < s.prompt:  # a prompt to compute here, less its prefix-cache hit
+                s.computed = self._prefix_hit(s)
             n = 1 if s.computed == s.prompt else s.prompt - s.computed  # KV arrived: one token
             if n > budget and not limits.enable_chunked_prefill:
                 break
@@ -255,6 +266,15 @@ class _Worker:
             running += 1
             budget -= n
         return chunks, joining
+
+    def _prefix_hit(self, s: _Seq) -> int:
+        """Tokens of ``s``'s prompt found in this worker's prefix cache at admission: the
+        template's full blocks once they are cached here, and never the last token (its
+        logits must be computed; engine/prefix_cache.py, vLLM's rule)."""
+        if not self.prefix_cached:
+            return 0
+        size = self.sim.limits.block_size
+        return min(self.sim.cached_prefix, (s.prompt - 1) // size * size)
 
     def _max_context(self, k: int) -> int:
         """The longest cached context among the decoding sequences at step ``k`` (0 if none)."""
@@ -283,6 +303,8 @@ class _Worker:
             self._done(s, now)
         for s, n in chunks:
             s.computed += n
+            # The engine caches a block once all its tokens have K/V (after the step).
+            self.prefix_cached |= s.computed >= self.sim.cached_prefix
             if s.computed < s.prompt:
                 continue
             self.prefilling.remove(s)
@@ -346,6 +368,9 @@ class _Simulation:
     def __init__(self, deployment: Deployment, platform: Platform, limits: EngineLimits):
         self.env = simpy.Environment()
         self.platform, self.limits, self.deployment = platform, limits, deployment
+        # The template tokens every prompt starts with, in full blocks: what a hit can reuse.
+        self.cached_prefix = platform.template_prefix_tokens // limits.block_size * limits.block_size \
+            if limits.enable_prefix_caching else 0
         shared: dict[str, _Devices] = {}
         self.workers, self.encoders = [], []
         for w in deployment.workers:
