@@ -19,7 +19,7 @@ from epdserve.plan import calibrate, hardware, search
 from epdserve.plan.costmodel import (ImageCost, LinearStep, Link, Platform, Roofline, roofline_encode_ms,
                                      roofline_platform)
 from epdserve.plan.model_spec import BUILTIN
-from epdserve.plan.run import compare_deployment
+from epdserve.plan.run import compare_deployment, compare_limits
 from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
 from epdserve.transfer import embedding
 
@@ -141,6 +141,11 @@ def test_candidates_and_compare_names():
                                                        WorkerSpec("decode", 1))
     assert compare_deployment("1e1p1d", 4).workers == (WorkerSpec("encode", 1), WorkerSpec("prefill", 1),
                                                        WorkerSpec("decode", 2))
+    # Each configuration is simulated with the scheduler settings it was served with.
+    assert compare_limits("pd") == EngineLimits()
+    assert compare_limits("colocated-chunked-noprefix") == EngineLimits(
+        max_num_batched_tokens=256, enable_chunked_prefill=True, enable_prefix_caching=False)
+    assert compare_limits("colocated-2-noprefix") == EngineLimits(enable_prefix_caching=False)
 
 
 def test_search_finds_the_capacity_limit():

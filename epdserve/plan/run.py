@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -218,6 +219,22 @@ def compare_deployment(name: str, cores: int) -> Deployment:
                                   for role, _, cs in placed))
 
 
+def compare_limits(name: str) -> EngineLimits:
+    """The scheduler settings of an ``epdserve compare`` configuration name, read from its
+    ``epdserve serve`` flags (``bench.compare.serve_flags``): chunked prefill and its token
+    budget, prefix caching; the serve defaults otherwise (an unknown name included)."""
+    from epdserve.bench.compare import serve_flags
+
+    flags = serve_flags(name) or []
+    limits = EngineLimits()
+    if "--enable-chunked-prefill" in flags:
+        budget = int(flags[flags.index("--max-num-batched-tokens") + 1])
+        limits = replace(limits, enable_chunked_prefill=True, max_num_batched_tokens=budget)
+    if "--no-enable-prefix-caching" in flags:
+        limits = replace(limits, enable_prefix_caching=False)
+    return limits
+
+
 def validate(compare_dir: Path, platform: Platform, cores: int) -> list[dict]:
     """Predicted vs measured :data:`VALIDATED` metrics for each configuration of a
     compare run (same trace); error = (predicted − measured) / measured."""
@@ -233,7 +250,7 @@ def validate(compare_dir: Path, platform: Platform, cores: int) -> list[dict]:
         except ValueError as exc:
             print(f"skipped {entry['name']}: {exc}", file=sys.stderr)
             continue
-        records, _ = simulate(dep, platform, requests)
+        records, _ = simulate(dep, platform, requests, compare_limits(entry["name"]))
         predicted = metrics.compute(records)
         row = {"name": entry["name"]}
         for key in VALIDATED:
