@@ -104,7 +104,7 @@ def test_model_with_kernels_matches_pytorch_operators(model_info, monkeypatch):
         return tokens, torch.cat(logits_seen)
 
     fused_tokens, fused_logits = greedy()
-    monkeypatch.setattr(layer_ops, "_fused", lambda x: False)
+    monkeypatch.setattr(layer_ops, "fused", lambda x: False)
     torch_tokens, torch_logits = greedy()
     assert fused_tokens == torch_tokens
     torch.testing.assert_close(fused_logits, torch_logits, rtol=1e-4, atol=1e-3)

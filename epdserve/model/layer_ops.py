@@ -19,13 +19,10 @@ import torch.nn.functional as F
 from epdserve.model import kernels
 
 
-def _fused(x: torch.Tensor) -> bool:
+def fused(x: torch.Tensor) -> bool:
+    """Whether the kernels run for tensors like ``x`` (float32, kernels built); else the
+    PyTorch versions do, and :func:`decode_layer` must not be called."""
     return x.dtype == torch.float32 and kernels.available()
-
-
-def fused_decode(x: torch.Tensor) -> bool:
-    """Whether :func:`decode_layer` runs for hidden states ``x`` (float32, kernels built)."""
-    return _fused(x)
 
 
 def decode_layer(x: torch.Tensor, weights: tuple, layer_cache: torch.Tensor, positions: torch.Tensor,
@@ -33,8 +30,7 @@ def decode_layer(x: torch.Tensor, weights: tuple, layer_cache: torch.Tensor, pos
                  ctx_lens: torch.Tensor, num_heads: int, eps: float) -> None:
     """One whole decoder layer, in one kernel call, for a step whose every row is one
     decode token (``LlamaModel.forward``'s per-layer code with :func:`rms_norm`,
-    :func:`rope_write_kv` and :func:`paged_decode_attention`); only when
-    :func:`fused_decode`.
+    :func:`rope_write_kv` and :func:`paged_decode_attention`); only when :func:`fused`.
 
     Args:
         x: ``[B, hidden]`` float32, updated in place.
@@ -52,7 +48,7 @@ def decode_layer(x: torch.Tensor, weights: tuple, layer_cache: torch.Tensor, pos
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x², -1) + eps))`` for ``x [T, H]``, ``weight [H]``
     (transformers' ``LlamaRMSNorm``; Zhang & Sennrich, 2019)."""
-    if _fused(x):
+    if fused(x):
         return torch.ops.epdserve.rms_norm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
 
@@ -81,7 +77,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     Raises:
         RuntimeError: shapes disagree, or a position or slot is out of range.
     """
-    if _fused(qkv):
+    if fused(qkv):
         torch.ops.epdserve.rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
     else:
         rope_write_kv_torch(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
@@ -116,7 +112,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Raises:
         RuntimeError: shapes disagree, or a context outruns its block table or the cache.
     """
-    if _fused(q):
+    if fused(q):
         return torch.ops.epdserve.paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens,
                                                          block_size, 1.0 / math.sqrt(q.shape[-1]))
     return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens, block_size)

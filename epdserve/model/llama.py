@@ -181,7 +181,7 @@ class LlamaModel:
             x[embeds[0]] = embeds[1].to(x.dtype)
         # A decode-only step runs each layer as one kernel call; the layer hook (KV export
         # during prefills) needs the per-layer code.
-        fused = not meta.prefills and self.layer_hook is None and layer_ops.fused_decode(x)
+        fused = not meta.prefills and self.layer_hook is None and layer_ops.fused(x)
         for i, layer in enumerate(self.layers):
             if fused:
                 layer_ops.decode_layer(x, layer["kernel"], kv_cache[i], meta.positions, self.cos, self.sin,

@@ -68,8 +68,8 @@ def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 def _prefill_steps(model_dir: str, reps: int, rng, prefix: list[int]) -> list[dict]:
     """Prefill steps of :data:`PREFILL_LENS`-token prompts that start with ``prefix`` (the
     chat template's system turn), as served prompts do: after the first, the prefix cache
-    holds its full blocks and each step computes the rest over them, the attention path
-    (cached context, explicit mask) that served prefills take."""
+    holds its full blocks and each step computes the rest over them (the attention over a
+    cached context) as served prefills do."""
     engine = LLMEngine(model_dir, EngineConfig(role="colocated", kv_cache_memory_mb=256))
     vocab = engine.model.config.vocab_size
     out = []
