@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ from epdserve.plan.costmodel import (ImageCost, LinearStep, Link, Platform, Roof
                                      roofline_platform)
 from epdserve.plan.model_spec import BUILTIN
 from epdserve.plan.run import compare_deployment, compare_limits
-from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
+from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError, WorkerSpec, simulate
 from epdserve.transfer import embedding
 
 COLOCATED = Deployment("colocated", (WorkerSpec("colocated"),))
@@ -103,6 +104,40 @@ def test_chunked_prefill_bounds_the_stall():
     assert chunked[1].output_tokens == 2
 
 
+def test_a_full_kv_cache_queues_requests():
+    # 48 tokens of KV: 3 blocks of 16; each request needs 2 (20-token prompt + 12 tokens).
+    platform = replace(flat_platform(), kv_capacity_tokens=lambda devices: 48)
+    reqs = [req(0.0, 20, 12), req(0.0, 20, 12)]
+    records, stages = simulate(COLOCATED, platform, reqs)
+    # The second waits for the first to finish (2 + 10 + 11 × 10 ms), then prefills.
+    assert records[1].chunk_times_s[0] == pytest.approx(0.132)
+    assert stages[1]["colocated_queue_ms"] == pytest.approx(120.0)
+    unbounded, _ = simulate(COLOCATED, flat_platform(), reqs)
+    assert unbounded[1].chunk_times_s[0] == pytest.approx(0.012)
+
+
+def test_pd_holds_kv_until_it_crossed_and_the_decode_worker_queues():
+    platform = replace(flat_platform(), kv_capacity_tokens=lambda devices: 48)
+    records, stages = simulate(PD, platform, [req(0.0, 20, 12), req(0.0, 20, 12)])
+    # Prefill: the first prompt's blocks come back once its KV crossed (12 + 5 ms), then
+    # the second prefills; the decode worker takes the second in when the first is done
+    # (its tokens 2-12 in steps ending at 27 ... 127 ms).
+    assert records[1].chunk_times_s[:2] == pytest.approx([0.027, 0.137])
+    assert stages[1]["decode_queue_ms"] == pytest.approx(127.0 - 32.0)
+
+
+def test_a_worker_that_cannot_hold_a_request_is_skipped():
+    platform = replace(flat_platform(), kv_capacity_tokens=lambda devices: 16 * devices)
+    with pytest.raises(KVCapacityError, match="holds 1 KV blocks of 16 tokens, the largest request needs 2"):
+        simulate(COLOCATED, platform, [req(0.0, 20, 12)])
+    # The roofline's KV is what 90 % of the memory holds beyond the weights: none where
+    # Qwen3-32B's 64 GB of BF16 weights fill one 48 GB L40S, ~22 GB on two.
+    l40s = roofline_platform(BUILTIN["Qwen3-32B"], hardware.device("L40S"))
+    assert l40s.kv_capacity_tokens(1) == 0
+    assert l40s.kv_capacity_tokens(2) * BUILTIN["Qwen3-32B"].kv_bytes_per_token(2) == pytest.approx(
+        2 * 48e9 * 0.9 - BUILTIN["Qwen3-32B"].weight_bytes(2), rel=1e-4)
+
+
 def test_linear_fit_recovers_coefficients():
     rng = np.random.default_rng(0)
     true = LinearStep((50.0, 2.0, 0.5, 1e-4, 3e-3))
@@ -181,6 +216,21 @@ def test_roofline_plan_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "**Recommendation:" in proc.stdout
     assert (out / "plan.json").is_file() and (out / "goodput.png").stat().st_size > 0
+
+
+def test_plan_skips_deployments_whose_workers_the_weights_fill(tmp_path):
+    # Qwen3-32B's 64 GB of BF16 weights fill one 48 GB L40S: only TP2 remains on two.
+    out = tmp_path / "plan"
+    proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "--hardware", "L40S", "--model",
+                           "Qwen3-32B", "--devices", "2", "--input-len", "500:500", "--output-len",
+                           "50:50", "--num-requests", "20", "--slo", "ttft:2000", "tpot:100",
+                           "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((out / "plan.json").read_text())
+    assert [r["name"] for r in doc["candidates"]] == ["colocated"]
+    assert set(doc["skipped"]) == {"colocated-2", "1p1d"}
+    assert "worker of 1 device(s) holds 0 KV blocks" in doc["skipped"]["1p1d"]
+    assert "| colocated-2 | skipped:" in proc.stdout
 
 
 @pytest.mark.parametrize("argv, message", [

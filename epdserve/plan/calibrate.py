@@ -362,7 +362,8 @@ def platform_from(cal: dict, router_ms: float = 3.0) -> Platform:
     step models, KV (and embeddings) over the measured shared-memory hand-off, encoding at
     the measured ms per tile (no images without a ``vision`` section: older calibrations),
     decode steps slowed by the fitted ``serving.decode_slowdown`` (1 without one: not fitted
-    yet, or older calibrations)."""
+    yet, or older calibrations), and each worker's KV cache as ``epdserve serve`` sizes it
+    (``--kv-cache-memory-mb`` default, float32 KV, whatever its cores)."""
     steps = {int(k): LinearStep(tuple(v["coef"])) for k, v in cal["steps"].items()}
 
     def step(devices: int) -> LinearStep:
@@ -377,10 +378,11 @@ def platform_from(cal: dict, router_ms: float = 3.0) -> Platform:
         images = ImageCost(processor, lambda tiles, devices: tiles * per_tile[devices],
                            vision["hidden_size"], vision["dtype_bytes"])
 
+    kv_capacity = EngineConfig.kv_cache_memory_mb * 2**20 // cal["kv_bytes_per_token"]
     return Platform(name=f"{cal['model']} on this CPU", step=step, worker_sizes=tuple(sorted(steps)),
                     kv_bytes_per_token=cal["kv_bytes_per_token"], kv_link=Link(**cal["kv_link"]),
                     price_per_device_hour=CPU_CORE_PRICE_PER_HOUR, router_ms=router_ms,
                     decode_slowdown=cal.get("serving", {}).get("decode_slowdown", 1.0),
                     template_tokens=cal.get("template_tokens", 0),
                     template_prefix_tokens=cal.get("template_prefix_tokens", 0), error=cal.get("validation"),
-                    images=images)
+                    images=images, kv_capacity_tokens=lambda devices: kv_capacity)

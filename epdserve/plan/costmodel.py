@@ -210,7 +210,8 @@ class Platform:
     to every request on its way in; ``decode_slowdown``: how many times longer the decode
     work of a step takes when served than the step model says (dimensionless, > 0; 1: as
     calibrated; learned from ``compare`` runs, :func:`epdserve.plan.calibrate.fit_serving`);
-    ``template_tokens``: tokens a chat template adds to a
+    ``kv_capacity_tokens(devices)``: tokens of KV cache a worker on that many devices holds
+    (None: unbounded); ``template_tokens``: tokens a chat template adds to a
     prompt, the first ``template_prefix_tokens`` of them the same in every prompt (its
     system turn: the engine's prefix cache keeps their full blocks); ``error``: prediction errors measured at the last validation (None if never).
     """
@@ -228,6 +229,7 @@ class Platform:
     template_tokens: int = 0
     template_prefix_tokens: int = 0
     error: dict | None = None
+    kv_capacity_tokens: Callable[[int], int] | None = None
 
     def served_step_ms(self, step: StepModel, prefill: Prefill, num_decode: int = 0, decode_context: int = 0,
                        decode_max_context: int = 0) -> float:
@@ -241,10 +243,23 @@ class Platform:
         return ms
 
 
+# vLLM's default ``gpu_memory_utilization``: the share of a GPU's memory its engine takes.
+GPU_MEMORY_UTILIZATION = 0.9
+
+
 def roofline_platform(model: ModelSpec, device: Device) -> Platform:
     """A :class:`Platform` for ``model`` on ``device`` GPUs (workers of 1, 2, 4 or 8 in
     one node; KV and embeddings over NVLink/PCIe within the node; encoding by
-    :func:`roofline_encode_ms` for a vision-language model)."""
+    :func:`roofline_encode_ms` for a vision-language model). A worker's KV cache is what
+    :data:`GPU_MEMORY_UTILIZATION` of its memory holds beyond the weights (split over its
+    devices; activations not reserved), as vLLM sizes its block pool; 0 where the weights
+    do not fit."""
+    kv_bytes = model.kv_bytes_per_token(device.dtype_bytes)
+    weights = model.weight_bytes(device.dtype_bytes)
+
+    def kv_capacity_tokens(devices: int) -> int:
+        return max(0, int(devices * device.memory_gb * 1e9 * GPU_MEMORY_UTILIZATION - weights) // kv_bytes)
+
     images = None
     if model.vision is not None:
         images = ImageCost(model.processor, lambda tiles, n: roofline_encode_ms(model, device, tiles, n),
@@ -253,8 +268,9 @@ def roofline_platform(model: ModelSpec, device: Device) -> Platform:
         name=f"{model.name} on {device.name}",
         step=lambda n: Roofline(model, device, n),
         worker_sizes=(1, 2, 4, 8),
-        kv_bytes_per_token=model.kv_bytes_per_token(device.dtype_bytes),
+        kv_bytes_per_token=kv_bytes,
         kv_link=Link(device.link_gbs, device.link_latency_ms),
         price_per_device_hour=device.price_per_hour,
         images=images,
+        kv_capacity_tokens=kv_capacity_tokens,
     )

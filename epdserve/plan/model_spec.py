@@ -65,6 +65,12 @@ class ModelSpec:
     def lm_head_params(self) -> int:
         return self.hidden_size * self.vocab_size
 
+    def weight_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of every weight at ``dtype_bytes`` per element: decoder layers, input
+        embedding and LM head counted apart (an upper bound for models that tie them: a few
+        % of the total) and the vision tower."""
+        return (self.layer_params + 2 * self.lm_head_params + self.vision_params) * dtype_bytes
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """layers × 2 (K and V) × KV heads × head dim × bytes per element."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -27,7 +27,7 @@ from epdserve.bench.run import parse_goodput
 from epdserve.plan import calibrate, hardware, search
 from epdserve.plan.costmodel import FEATURES, Platform, roofline_platform
 from epdserve.plan.model_spec import BUILTIN, ModelSpec
-from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
+from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError, WorkerSpec, simulate
 
 ACTIONS = ("search", "calibrate", "validate")
 VALIDATED = ("p95_ttft_ms", "p95_itl_ms", "output_throughput")
@@ -122,10 +122,14 @@ def run_search(args) -> int:
     platform = _platform(args)
     requests, slos = _requests(args), dict(args.slo)
     deployments = search.candidates(platform, args.devices, images=any(r.images for r in requests))
-    rows, curves = [], {}
+    rows, curves, skipped = [], {}, {}
     from tqdm import tqdm
     for dep in tqdm(deployments, desc="plan", unit="deployment"):
-        cand = search.evaluate(dep, platform, requests, slos, args.target, _limits(args))
+        try:
+            cand = search.evaluate(dep, platform, requests, slos, args.target, _limits(args))
+        except KVCapacityError as exc:
+            skipped[dep.name] = str(exc)
+            continue
         rows.append(cand.row(platform))
         curves[dep.name] = cand.points
     rows.sort(key=lambda r: -r["goodput_per_device"])
@@ -133,7 +137,7 @@ def run_search(args) -> int:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"platform": platform.name, "devices": args.devices, "slos_ms": slos, "target": args.target,
-           "candidates": rows, "recommendation": pick and pick["name"], "reason": why,
+           "candidates": rows, "skipped": skipped, "recommendation": pick and pick["name"], "reason": why,
            "last_validation": platform.error}
     (out / "plan.json").write_text(json.dumps(doc, indent=1))
     text = _markdown(doc)
@@ -159,6 +163,7 @@ def _markdown(doc: dict) -> str:
                      f"{_fmt(r['p95_ttft_ms'], '.0f')} | {_fmt(r['p50_itl_ms'], '.1f')} / "
                      f"{_fmt(r['p95_itl_ms'], '.1f')} | {_fmt(r['output_tok_s_per_device'])} | "
                      f"{_fmt(r['usd_per_m_output_tokens'])} |")
+    lines += [f"| {name} | skipped: {why} |||||||" for name, why in doc["skipped"].items()]
     lines += ["", f"**Recommendation: {doc['recommendation'] or 'none'}** — {doc['reason']}.", ""]
     v = doc.get("last_validation")
     if v:

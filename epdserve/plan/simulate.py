@@ -9,7 +9,13 @@ A step lasts what the platform's step model says, its decodes slowed as served o
 worker of the role with the fewest outstanding requests, then tokens (prompt +
 max_tokens), as serving/router.py does. In PD the first token is streamed when the
 prefill worker samples it; the KV then crosses ``kv_link`` and the decode worker copies
-it in during its next step (``kv_import_gbs``). KV memory is assumed sufficient (no preemption).
+it in during its next step (``kv_import_gbs``). KV memory (``Platform.kv_capacity_tokens``
+per worker, in blocks of ``block_size``): a request is admitted only while the blocks of its
+prompt plus ``max_tokens`` are free (a prefill worker: of its prompt, held until the KV has
+crossed), and waits in line otherwise; first come, first served. The engine allocates
+blocks as tokens come and preempts when out of them; reserving the peak at admission admits
+no more than it could finish without preemption (a bench trace's ``max_tokens`` is its
+output length: the peak is known).
 Prefix caching (on in ``epdserve serve``, as in vLLM v1): every chat prompt starts with the
 chat template's system turn (``Platform.template_prefix_tokens``), so once a worker has
 prefilled one prompt, the next ones find those full blocks cached and compute only the rest
@@ -180,6 +186,9 @@ class _Worker:
         self.step_times: list[float] = []
         self.held = 0                    # outstanding requests ...
         self.outstanding = 0             # ... and their prompt + max_tokens
+        capacity = sim.platform.kv_capacity_tokens
+        # KV blocks not reserved by a request here (None: unbounded)
+        self.free_blocks = None if capacity is None else capacity(spec.devices) // sim.limits.block_size
         self.import_bytes = 0.0          # KV to copy in during the next step
         self.prefix_cached = False       # the template's full blocks are in its prefix cache
         self.wake = sim.env.event()
@@ -220,6 +229,10 @@ class _Worker:
                 continue
             k = len(self.step_times)
             chunks, joining = self._schedule(limits)
+            if not (chunks or joining or self.num_decode):  # waiting for KV blocks to come free
+                self.wake = env.event()
+                yield self.wake
+                continue
             extra_ms = 0.0
             if self.import_bytes and self.sim.platform.kv_import_gbs:
                 extra_ms += self.import_bytes / (self.sim.platform.kv_import_gbs * 1e9) * 1e3
@@ -249,6 +262,8 @@ class _Worker:
         running = len(self.prefilling) + self.num_decode
         while self.waiting and budget > 0 and running < limits.max_num_seqs:
             s = self.waiting[0]
+            if self.free_blocks is not None and self.kv_blocks(s) > self.free_blocks:
+                break
             if s.computed < s.prompt:  # a prompt to compute here, less its prefix-cache hit
                 s.computed = self._prefix_hit(s)
             n = 1 if s.computed == s.prompt else s.prompt - s.computed  # KV arrived: one token
@@ -256,6 +271,7 @@ class _Worker:
                 break
             n = min(n, budget)
             self.waiting.popleft()
+            self.reserve(s, 1)
             s.stages[f"{self.role}_queue_ms"] = (self.sim.env.now - s.enqueued) * 1e3
             if s.computed == s.prompt:
                 joining.append(s)
@@ -266,6 +282,21 @@ class _Worker:
             running += 1
             budget -= n
         return chunks, joining
+
+    def kv_blocks(self, s: _Seq) -> int:
+        """KV blocks ``s`` holds here: its prompt on a prefill worker, its prompt and
+        ``max_tokens`` elsewhere (a prefix-cache hit's shared blocks counted as its own)."""
+        tokens = s.prompt if self.role == "prefill" else s.prompt + s.req.max_tokens
+        return -(-tokens // self.sim.limits.block_size)
+
+    def reserve(self, s: _Seq, sign: int) -> None:
+        """Take (``sign`` 1) or give back (-1) the KV blocks of ``s``; giving back wakes
+        the loop, which may wait for them."""
+        if self.free_blocks is None:
+            return
+        self.free_blocks -= sign * self.kv_blocks(s)
+        if sign < 0 and not self.wake.triggered:
+            self.wake.succeed()
 
     def _prefix_hit(self, s: _Seq) -> int:
         """Tokens of ``s``'s prompt found in this worker's prefix cache at admission: the
@@ -315,13 +346,14 @@ class _Worker:
             elif self.role == "prefill":
                 self.held -= 1
                 self.outstanding -= s.prompt + s.req.max_tokens
-                self.sim.env.process(self.sim.hand_off(s))
+                self.sim.env.process(self.sim.hand_off(s, self))
             else:
                 self._start_decode(s, k + 1, s.prompt)
 
     def _done(self, s: _Seq, now: float) -> None:
         self.held -= 1
         self.outstanding -= s.prompt + s.req.max_tokens
+        self.reserve(s, -1)
         if self.role != "prefill":
             first = s.tokens[0]
             s.stages["decode_ms"] = (now - first) * 1e3
@@ -408,11 +440,12 @@ class _Simulation:
         else:
             self.pick("colocated" if self.deployment.mode == "colocated" else "prefill").submit(seq)
 
-    def hand_off(self, s: _Seq):
+    def hand_off(self, s: _Seq, source: _Worker):
         ms = self.platform.kv_link.transfer_ms(s.prompt * self.platform.kv_bytes_per_token)
         s.stages["kv_bytes"] = float(s.prompt * self.platform.kv_bytes_per_token)
         s.stages["kv_transfer_ms"] = ms
         yield self.env.timeout(ms / 1e3)
+        source.reserve(s, -1)
         s.computed = s.prompt
         self.pick("decode").submit(s)
 
@@ -424,6 +457,28 @@ def prompt_tokens(platform: Platform, req: Request) -> int:
     """The prompt a request's text, the chat template and its images make."""
     return req.prompt_tokens + platform.template_tokens + sum(
         platform.images.prompt_tokens((im["width"], im["height"])) for im in req.images)
+
+
+class KVCapacityError(ValueError):
+    """A worker of the deployment cannot hold a request's KV (or any KV: the weights fill
+    its memory); another deployment of the same devices may."""
+
+
+def _check_kv_capacity(deployment: Deployment, platform: Platform, requests: list[Request],
+                       limits: EngineLimits) -> None:
+    if platform.kv_capacity_tokens is None or not requests:
+        return
+    largest = max(prompt_tokens(platform, r) + r.max_tokens for r in requests)
+    largest_prompt = max(prompt_tokens(platform, r) for r in requests)
+    for w in deployment.workers:
+        if w.role == "encode":
+            continue
+        blocks = platform.kv_capacity_tokens(w.devices) // limits.block_size
+        need = -(-(largest_prompt if w.role == "prefill" else largest) // limits.block_size)
+        if need > blocks:
+            raise KVCapacityError(f"deployment {deployment.name}: a {w.role} worker of {w.devices} "
+                                  f"device(s) holds {blocks} KV blocks of {limits.block_size} tokens, "
+                                  f"the largest request needs {need}")
 
 
 def _check(deployment: Deployment, platform: Platform, requests: list[Request], limits: EngineLimits) -> None:
@@ -448,6 +503,7 @@ def _check(deployment: Deployment, platform: Platform, requests: list[Request], 
             raise ValueError(f"request {i}: a {prompt_tokens(platform, r)}-token prompt exceeds "
                              f"max_num_batched_tokens={limits.max_num_batched_tokens} "
                              f"without chunked prefill")
+    _check_kv_capacity(deployment, platform, requests, limits)
 
 
 def simulate(deployment: Deployment, platform: Platform, requests: list[Request],
@@ -458,6 +514,7 @@ def simulate(deployment: Deployment, platform: Platform, requests: list[Request]
     in bytes).
 
     Raises:
+        KVCapacityError: a worker whose KV cache cannot hold the largest request.
         ValueError: a deployment without a complete set of roles or with devices shared
             by workers of different sizes, an empty request, images for a platform that
             takes none, or a prompt that can never be scheduled with these limits.
