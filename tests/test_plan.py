@@ -20,7 +20,7 @@ from epdserve.plan import calibrate, hardware, search
 from epdserve.plan.costmodel import (ImageCost, LinearStep, Link, Platform, Roofline, roofline_encode_ms,
                                      roofline_platform)
 from epdserve.plan.model_spec import BUILTIN
-from epdserve.plan.run import compare_deployment, compare_limits
+from epdserve.plan.run import VALIDATED, compare_deployment, compare_limits
 from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError, WorkerSpec, simulate
 from epdserve.transfer import embedding
 
@@ -469,6 +469,36 @@ def test_calibrate_from_compare_cli(tmp_path):
                           timeout=120)
     assert proc.returncode == 2
     assert "not an `epdserve compare` output" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_validate_takes_repeats_and_reports_their_spread(tmp_path):
+    reqs = [req(0.05 * i, 30, 8) for i in range(12)]
+    cal = calibrate.save(_gap_calibration(), tmp_path / "cal.json")
+    records, _ = simulate(compare_deployment("colocated", 2), calibrate.platform_from(calibrate.load(cal)), reqs,
+                          compare_limits("colocated"))
+    predicted = metrics.compute(records)
+    runs = []
+    for name, scale in (("run1", 1.1), ("run2", 0.9)):  # measured 10 % above and below the prediction
+        runs.append(tmp_path / name)
+        runs[-1].mkdir()
+        save_trace(reqs, runs[-1] / "trace.jsonl")
+        result = {k: predicted[k] * scale for k in VALIDATED}
+        (runs[-1] / "compare.json").write_text(json.dumps({"configs": [{"name": "colocated", "result": result}]}))
+    argv = [sys.executable, "-m", "epdserve", "plan", "validate", "--compare-dir", *map(str, runs),
+            "--calibration", str(cal), "--devices", "2"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "spread  20%" in proc.stdout and "mean of 2 runs" in proc.stdout
+    validation = calibrate.load(cal)["validation"]
+    ttft = validation["rows"][0]["p95_ttft_ms"]
+    assert ttft["runs"] == pytest.approx([1.1 * predicted["p95_ttft_ms"], 0.9 * predicted["p95_ttft_ms"]])
+    assert ttft["error"] == pytest.approx(0.0, abs=1e-9) and ttft["spread"] == pytest.approx(0.2)
+    assert validation["max_spread"]["p95_itl_ms"] == pytest.approx(0.2)
+    # A "repeat" of another trace is refused.
+    save_trace(reqs[:-1], runs[1] / "trace.jsonl")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "replayed another trace" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_the_template_prefix_is_prefilled_once_per_worker():

@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--price-per-hour", type=float, default=None, help="USD per device-hour")
     parser.add_argument("--calibration", default=None, metavar="FILE",
                         help="calibration file (default ~/.cache/epdserve/calibration/MODEL-cpu.json)")
-    parser.add_argument("--compare-dir", default=None, metavar="DIR", help="validate: an `epdserve compare` output")
+    parser.add_argument("--compare-dir", nargs="+", default=None, metavar="DIR",
+                        help="validate: `epdserve compare` outputs, several for repeats of one trace")
     parser.add_argument("--from-compare", nargs="+", default=None, metavar="DIR",
                         help="calibrate: fit the serving slowdown of decode steps to these `epdserve compare` "
                              "outputs (same engine as the calibration) instead of measuring the engine")
@@ -168,8 +169,12 @@ def _markdown(doc: dict) -> str:
     v = doc.get("last_validation")
     if v:
         errs = ", ".join(f"{k} {v['max_abs_error'][k]:.0%}" for k in VALIDATED)
+        dirs = v.get("compare_dirs") or [v["compare_dir"]]  # one directory before repeats were taken
         lines.append(f"Prediction error at the last validation ({v['date']}, {len(v['rows'])} deployments, "
-                     f"`{v['compare_dir']}`): largest |error| {errs}.")
+                     f"{', '.join(f'`{d}`' for d in dirs)}): largest |error| {errs}.")
+        if len(dirs) > 1:
+            spread = ", ".join(f"{k} {v['max_spread'][k]:.0%}" for k in VALIDATED)
+            lines.append(f"The same trace measured {len(dirs)} times moved by up to {spread} (max - min over mean).")
     elif doc["platform"].endswith("this CPU"):
         lines.append("Not validated yet: run `epdserve compare`, then `epdserve plan validate --compare-dir DIR`.")
     else:
@@ -240,27 +245,42 @@ def compare_limits(name: str) -> EngineLimits:
     return limits
 
 
-def validate(compare_dir: Path, platform: Platform, cores: int) -> list[dict]:
-    """Predicted vs measured :data:`VALIDATED` metrics for each configuration of a
-    compare run (same trace); error = (predicted − measured) / measured."""
-    entries = json.loads((compare_dir / "compare.json").read_text())["configs"]
-    requests = workload.load_trace(compare_dir / "trace.jsonl")
+def validate(compare_dirs: list[Path], platform: Platform, cores: int) -> list[dict]:
+    """Predicted vs measured :data:`VALIDATED` metrics for each configuration of one or
+    more compare runs of the same trace (repeats). Per metric: ``runs`` (the measured value
+    of each run that has the configuration), ``measured`` (their mean), ``error`` =
+    (predicted − measured) / measured, and ``spread`` = (max − min) / measured of the runs
+    (0 for one run): how far the measurement itself moves between identical runs.
+
+    Raises:
+        ValueError: the runs replayed different traces.
+    """
+    requests = workload.load_trace(compare_dirs[0] / "trace.jsonl")
+    for d in compare_dirs[1:]:
+        if workload.load_trace(d / "trace.jsonl") != requests:
+            raise ValueError(f"{d} replayed another trace than {compare_dirs[0]}; repeats of one "
+                             f"workload are needed")
+    results: dict[str, list[dict]] = {}
+    for d in compare_dirs:
+        for entry in json.loads((d / "compare.json").read_text())["configs"]:
+            if "result" in entry:  # else the configuration failed to run
+                results.setdefault(entry["name"], []).append(entry["result"])
     rows = []
-    for entry in entries:
-        if "result" not in entry:  # the configuration failed to run
-            continue
-        measured = entry["result"]
+    for name, runs in results.items():
         try:
-            dep = compare_deployment(entry["name"], cores)
+            dep = compare_deployment(name, cores)
         except ValueError as exc:
-            print(f"skipped {entry['name']}: {exc}", file=sys.stderr)
+            print(f"skipped {name}: {exc}", file=sys.stderr)
             continue
-        records, _ = simulate(dep, platform, requests, compare_limits(entry["name"]))
+        records, _ = simulate(dep, platform, requests, compare_limits(name))
         predicted = metrics.compute(records)
-        row = {"name": entry["name"]}
+        row = {"name": name}
         for key in VALIDATED:
-            row[key] = {"predicted": predicted[key], "measured": measured[key],
-                        "error": (predicted[key] - measured[key]) / measured[key] if measured[key] else None}
+            values = [r[key] for r in runs]
+            mean = float(np.mean(values))
+            row[key] = {"predicted": predicted[key], "measured": mean, "runs": values,
+                        "error": (predicted[key] - mean) / mean if mean else None,
+                        "spread": (max(values) - min(values)) / mean if mean else None}
         rows.append(row)
     return rows
 
@@ -271,27 +291,32 @@ def run_validate(args) -> int:
         return 2
     path = _calibration_path(args)
     cal = calibrate.load(path)
-    compare_dir = Path(args.compare_dir)
-    if not (compare_dir / "compare.json").is_file() or not (compare_dir / "trace.jsonl").is_file():
-        print(f"epdserve plan validate: error: {compare_dir} has no compare.json and trace.jsonl",
-              file=sys.stderr)
-        return 2
+    compare_dirs = [Path(d) for d in args.compare_dir]
+    for d in compare_dirs:
+        if not (d / "compare.json").is_file() or not (d / "trace.jsonl").is_file():
+            print(f"epdserve plan validate: error: {d} has no compare.json and trace.jsonl", file=sys.stderr)
+            return 2
     platform = calibrate.platform_from(cal)
-    rows = validate(compare_dir, platform, args.devices)
+    rows = validate(compare_dirs, platform, args.devices)
     if not rows:
         print("epdserve plan validate: error: no configuration could be simulated", file=sys.stderr)
         return 1
-    print(f"{'deployment':<14}" + "".join(f"{k:>34}" for k in VALIDATED))
+    repeats = len(compare_dirs) > 1
+    print(f"{'deployment':<14}" + "".join(f"{k:>{46 if repeats else 34}}" for k in VALIDATED))
     for row in rows:
         print(f"{row['name']:<14}" + "".join(
             f"{row[k]['predicted']:>12.1f} vs {row[k]['measured']:>9.1f} ({_fmt(row[k]['error'], '+.0%'):>6})"
-            for k in VALIDATED))
+            + (f" spread {_fmt(row[k]['spread'], '.0%'):>4}" if repeats else "") for k in VALIDATED))
+    if repeats:
+        print(f"measured: the mean of {len(compare_dirs)} runs of the same trace; spread: (max - min) / mean "
+              f"of those runs")
     print(f"served decode steps x{platform.decode_slowdown:.2f} the calibrated time"
           + ("" if "serving" in cal else " (not fitted: run `epdserve plan calibrate --from-compare DIR...`)"))
     from datetime import datetime, timezone
     cal["validation"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                         "compare_dir": str(compare_dir), "rows": rows,
-                         "max_abs_error": {k: max(abs(r[k]["error"] or 0) for r in rows) for k in VALIDATED}}
+                         "compare_dirs": [str(d) for d in compare_dirs], "rows": rows,
+                         "max_abs_error": {k: max(abs(r[k]["error"] or 0) for r in rows) for k in VALIDATED},
+                         "max_spread": {k: max(r[k]["spread"] or 0 for r in rows) for k in VALIDATED}}
     calibrate.save(cal, path)
     print(f"stored in {path}")
     return 0
