@@ -207,12 +207,17 @@ def test_recommend_says_when_splitting_does_not_pay():
     assert search.recommend([dict(r, max_goodput_rps=0.0, goodput_per_device=0.0) for r in rows])[0] is None
 
 
+def roofline_plan(out, hardware_name: str, model: str, input_len: int, output_len: int, num: int, *slo: str):
+    """`epdserve plan` on 2 devices of ``hardware_name`` for fixed-length requests."""
+    return subprocess.run([sys.executable, "-m", "epdserve", "plan", "--hardware", hardware_name, "--model", model,
+                           "--devices", "2", "--input-len", f"{input_len}:{input_len}", "--output-len",
+                           f"{output_len}:{output_len}", "--num-requests", str(num), "--slo", *slo,
+                           "--output", str(out)], capture_output=True, text=True, timeout=300)
+
+
 def test_roofline_plan_cli(tmp_path):
     out = tmp_path / "plan"
-    proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "--hardware", "H200", "--model",
-                           "Llama-3.1-8B", "--devices", "2", "--input-len", "1000:1000", "--output-len",
-                           "100:100", "--num-requests", "60", "--slo", "ttft:500", "tpot:30",
-                           "--output", str(out)], capture_output=True, text=True, timeout=300)
+    proc = roofline_plan(out, "H200", "Llama-3.1-8B", 1000, 100, 60, "ttft:500", "tpot:30")
     assert proc.returncode == 0, proc.stderr
     assert "**Recommendation:" in proc.stdout
     assert (out / "plan.json").is_file() and (out / "goodput.png").stat().st_size > 0
@@ -221,10 +226,7 @@ def test_roofline_plan_cli(tmp_path):
 def test_plan_skips_deployments_whose_workers_the_weights_fill(tmp_path):
     # Qwen3-32B's 64 GB of BF16 weights fill one 48 GB L40S: only TP2 remains on two.
     out = tmp_path / "plan"
-    proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "--hardware", "L40S", "--model",
-                           "Qwen3-32B", "--devices", "2", "--input-len", "500:500", "--output-len",
-                           "50:50", "--num-requests", "20", "--slo", "ttft:2000", "tpot:100",
-                           "--output", str(out)], capture_output=True, text=True, timeout=300)
+    proc = roofline_plan(out, "L40S", "Qwen3-32B", 500, 50, 20, "ttft:2000", "tpot:100")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((out / "plan.json").read_text())
     assert [r["name"] for r in doc["candidates"]] == ["colocated"]
