@@ -473,6 +473,23 @@ def test_calibrate_from_compare_cli(tmp_path):
     assert "not an `epdserve compare` output" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_shared_document_is_prefilled_once_per_worker():
+    # As above (10 ms + 1 ms per new token, template 25 tokens, its first 20 shared); the
+    # texts are a 400-character document and their own 40 characters, 110 tokens each (4
+    # characters a token). B shares 401 characters with A: 100 tokens + the template's 20 =
+    # 120, 112 in full blocks; it computes 135 - 112 = 23 tokens. C shares only the template.
+    platform = Platform("tokens", step=lambda n: LinearStep((10.0, 0.0, 1.0, 0.0, 0.0)), worker_sizes=(1,),
+                        kv_bytes_per_token=10, kv_link=Link(1e9, 1.0), price_per_device_hour=1.0, router_ms=2.0,
+                        template_tokens=25, template_prefix_tokens=20)
+    doc = "abcd" * 100
+    texts = [doc + " x" * 20, doc + " y" * 20, "efgh" * 100 + " y" * 20]
+    reqs = [Request(0.3 * i, text, 1, "chat", 110) for i, text in enumerate(texts)]
+    _, stages = simulate(COLOCATED, platform, reqs)
+    assert [s["prefill_ms"] for s in stages] == pytest.approx([145.0, 33.0, 129.0])
+    _, stages = simulate(COLOCATED, platform, reqs, EngineLimits(enable_prefix_caching=False))
+    assert [s["prefill_ms"] for s in stages] == pytest.approx([145.0, 145.0, 145.0])
+
+
 def test_validate_takes_repeats_and_reports_their_spread(tmp_path):
     reqs = [req(0.05 * i, 30, 8) for i in range(12)]
     cal = calibrate.save(_gap_calibration(), tmp_path / "cal.json")

@@ -19,8 +19,10 @@ output length: the peak is known).
 Prefix caching (on in ``epdserve serve``, as in vLLM v1): every chat prompt starts with the
 chat template's system turn (``Platform.template_prefix_tokens``), so once a worker has
 prefilled one prompt, the next ones find those full blocks cached and compute only the rest
-(a prefill chunk of prompt − hit new tokens over hit cached ones). Other shared prefixes
-(the simulator does not read the texts) are not modelled.
+(a prefill chunk of prompt − hit new tokens over hit cached ones). A text-only prompt whose
+text starts as one this worker prefilled before (a shared document or system prompt) also
+finds that shared start: its characters in tokens at the request's own tokens per character,
+in full blocks. The cache is taken as never evicting.
 
 Images (serving/worker.py, serving/encode_worker.py): a request's image tokens count in
 its prompt. In colocated and PD the worker that prefills encodes a request's images when it
@@ -38,7 +40,7 @@ processes pinned to the same cores: the launcher's EPD placement on 2 cores puts
 and prefill on core 0).
 
 Requests are :class:`~epdserve.bench.workload.Request` (a bench trace); the simulator
-reads their offsets, token counts and images, not the text. Each request yields the
+reads their offsets, token counts and images, and their texts only for shared starts. Each request yields the
 client's view as a :class:`~epdserve.bench.client.RequestRecord`
 (so :func:`epdserve.bench.metrics.compute` gives TTFT/ITL/TPOT/E2EL and goodput exactly as
 for a measured run) and a server-side stage record with the keys the router's trace uses
@@ -121,6 +123,23 @@ class _Seq:
         self.encoded = False    # EPD: its embeddings wait in encode workers' frames
 
 
+# Texts are looked up by their first characters: a shared start shorter than this is less
+# than a block of tokens, which the prefix cache would not hit anyway (~4 characters a token).
+TEXT_KEY_CHARS = 32
+
+
+def _common_start(a: str, b: str) -> int:
+    """Characters ``a`` and ``b`` share from the start (bisection on C-speed slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def _image_key(image: dict) -> tuple[int, int, int]:
     """Equal size and seed are equal bytes (bench/images.py): one embedding cache entry."""
     return image["width"], image["height"], image["seed"]
@@ -191,6 +210,7 @@ class _Worker:
         self.free_blocks = None if capacity is None else capacity(spec.devices) // sim.limits.block_size
         self.import_bytes = 0.0          # KV to copy in during the next step
         self.prefix_cached = False       # the template's full blocks are in its prefix cache
+        self.texts: dict[str, list[str]] = {}  # texts prefilled here, by their first TEXT_KEY_CHARS
         self.wake = sim.env.event()
 
     def submit(self, seq: _Seq) -> None:
@@ -299,13 +319,20 @@ class _Worker:
             self.wake.succeed()
 
     def _prefix_hit(self, s: _Seq) -> int:
-        """Tokens of ``s``'s prompt found in this worker's prefix cache at admission: the
-        template's full blocks once they are cached here, and never the last token (its
-        logits must be computed; engine/prefix_cache.py, vLLM's rule)."""
+        """Tokens of ``s``'s prompt found in this worker's prefix cache at admission, in full
+        blocks: the template's once they are cached here, through the longest start its text
+        shares with a text prefilled here; never the last token (its logits must be
+        computed; engine/prefix_cache.py, vLLM's rule)."""
         if not self.prefix_cached:
             return 0
+        hit = self.sim.cached_prefix
+        text = s.req.prompt
+        if text and not s.req.images:
+            shared = max((_common_start(text, t) for t in self.texts.get(text[:TEXT_KEY_CHARS], ())), default=0)
+            if shared:
+                hit = self.sim.platform.template_prefix_tokens + shared * s.req.prompt_tokens // len(text)
         size = self.sim.limits.block_size
-        return min(self.sim.cached_prefix, (s.prompt - 1) // size * size)
+        return min(hit // size * size, (s.prompt - 1) // size * size)
 
     def _max_context(self, k: int) -> int:
         """The longest cached context among the decoding sequences at step ``k`` (0 if none)."""
@@ -339,6 +366,8 @@ class _Worker:
             if s.computed < s.prompt:
                 continue
             self.prefilling.remove(s)
+            if self.sim.limits.enable_prefix_caching and not s.req.images:
+                self.texts.setdefault(s.req.prompt[:TEXT_KEY_CHARS], []).append(s.req.prompt)
             s.tokens.append(now)
             s.stages["prefill_ms"] = (now - s.stages.pop("first_scheduled")) * 1e3
             if len(s.tokens) >= s.req.max_tokens:
