@@ -238,6 +238,7 @@ def test_plan_skips_deployments_whose_workers_the_weights_fill(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--hardware", "TPU9"], "unknown hardware 'TPU9'"),
     (["--target", "1.5"], "--target 1.5"),
+    (["--hardware", "cpu", "--model", "/nonexistent/model"], "/nonexistent/model: no such file"),
     (["validate", "--calibration", "/nonexistent/cal.json", "--compare-dir", "/tmp"], "epdserve plan calibrate"),
 ])
 def test_plan_cli_errors(argv, message):
@@ -369,6 +370,12 @@ def test_calibrated_platform_encodes_per_tile():
     images = calibrate.platform_from(cal).images
     assert images.encode_ms(3, 1) == 7500.0
     assert images.embedding_bytes((448, 448)) == 147456
+    # The VLM's language model has step fits of its own.
+    with pytest.raises(ValueError, match="rerun `epdserve plan calibrate`"):
+        calibrate.platform_from(cal, vlm=True)
+    cal["vision"]["steps"] = {"1": {"coef": [3.0] * 5}}
+    assert calibrate.platform_from(cal, vlm=True).step(1).coef == (3.0,) * 5
+    assert calibrate.platform_from(cal).step(1).coef == (1.0,) * 5
     del cal["vision"]  # an older calibration: text only
     with pytest.raises(ValueError, match="has images"):
         simulate(COLOCATED, calibrate.platform_from(cal), [req(0.0, 5, 1, images=[IMAGE])])

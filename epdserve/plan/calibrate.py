@@ -196,16 +196,23 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
     prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     rng = np.random.default_rng(seed)
     saved_threads = torch.get_num_threads()
-    fits, encode, bar = {}, {}, tqdm(total=2, desc="calibrate", unit="worker size", disable=not progress)
+    fits, vlm_fits, encode = {}, {}, {}
+    bar = tqdm(total=2, desc="calibrate", unit="worker size", disable=not progress)
+
+    def fit_steps(model_dir: Path) -> dict:
+        samples = _prefill_steps(str(model_dir), reps, rng, a[:prefix]) + _decode_steps(str(model_dir), decode_steps, rng)
+        step, err = _fit(samples)
+        return {"coef": list(step.coef), "mean_abs_rel_error": err, "samples": samples}
+
     try:
         for size in (1, 2):
             os.sched_setaffinity(0, cores[:size])
             torch.set_num_threads(size)
-            samples = _prefill_steps(str(info.path), reps, rng, a[:prefix]) \
-                + _decode_steps(str(info.path), decode_steps, rng)
-            step, err = _fit(samples)
-            fits[str(size)] = {"coef": list(step.coef), "mean_abs_rel_error": err, "samples": samples}
+            fits[str(size)] = fit_steps(info.path)
             if vision_dir is not None:
+                # The VLM's language model loads dense (the quantized kernels need a GGUF):
+                # its steps are its own.
+                vlm_fits[str(size)] = fit_steps(vision_dir)
                 ms, calls = _encode_ms_per_tile(str(vision_dir))
                 encode[str(size)] = {"ms_per_tile": ms, "samples": calls}
             bar.update(1)
@@ -225,7 +232,7 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
     if vision_dir is not None:
         spec = ModelSpec.from_dir(info.name, vision_dir, True)
         p = spec.processor
-        cal["vision"] = {"model": str(vision_dir), "encode": encode, "hidden_size": spec.hidden_size,
+        cal["vision"] = {"model": str(vision_dir), "steps": vlm_fits, "encode": encode, "hidden_size": spec.hidden_size,
                          "dtype_bytes": 4,  # float32 embeddings, as encode workers send them by default
                          "processor": {k: getattr(p, k) for k in PROCESSOR_FIELDS}}
     return cal
@@ -357,14 +364,23 @@ def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[
     return runs
 
 
-def platform_from(cal: dict, router_ms: float = 3.0) -> Platform:
+def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platform:
     """The :class:`Platform` of a calibration: workers of 1 or 2 cores with the fitted
-    step models, KV (and embeddings) over the measured shared-memory hand-off, encoding at
+    step models (``vlm``: those of the vision-language model's language model), KV (and
+    embeddings) over the measured shared-memory hand-off, encoding at
     the measured ms per tile (no images without a ``vision`` section: older calibrations),
     decode steps slowed by the fitted ``serving.decode_slowdown`` (1 without one: not fitted
     yet, or older calibrations), and each worker's KV cache as ``epdserve serve`` sizes it
-    (``--kv-cache-memory-mb`` default, float32 KV, whatever its cores)."""
-    steps = {int(k): LinearStep(tuple(v["coef"])) for k, v in cal["steps"].items()}
+    (``--kv-cache-memory-mb`` default, float32 KV, whatever its cores).
+
+    Raises:
+        ValueError: ``vlm`` and a calibration without the VLM's step fits (older ones).
+    """
+    fitted = cal.get("vision", {}).get("steps") if vlm else cal["steps"]
+    if not fitted:
+        raise ValueError("this calibration has no step fits of the vision-language model's language "
+                         "model (made before they were taken): rerun `epdserve plan calibrate`")
+    steps = {int(k): LinearStep(tuple(v["coef"])) for k, v in fitted.items()}
 
     def step(devices: int) -> LinearStep:
         if devices not in steps:

@@ -92,7 +92,10 @@ def _calibration_path(args) -> Path:
 
 def _platform(args) -> Platform:
     if args.hardware.lower() == "cpu":
-        platform = calibrate.platform_from(calibrate.load(_calibration_path(args)))
+        from epdserve.model.loader import DEFAULT_VLM, resolve_model
+
+        vlm = args.model is not None and (args.model == DEFAULT_VLM or resolve_model(args.model).multimodal)
+        platform = calibrate.platform_from(calibrate.load(_calibration_path(args)), vlm=vlm)
     else:
         platform = roofline_platform(_model_spec(args.model), hardware.device(args.hardware, args.precision))
     if args.price_per_hour:
@@ -285,6 +288,13 @@ def validate(compare_dirs: list[Path], platform: Platform, cores: int) -> list[d
     return rows
 
 
+def _has_images(compare_dir: Path) -> bool:
+    """Whether a compare run's trace sends images: it was served by a vision-language model
+    (False when it has no trace: :func:`calibrate.compare_gaps` names the missing file)."""
+    trace = compare_dir / "trace.jsonl"
+    return trace.is_file() and any(r.images for r in workload.load_trace(trace))
+
+
 def run_validate(args) -> int:
     if not args.compare_dir:
         print("epdserve plan validate: error: --compare-dir DIR is required", file=sys.stderr)
@@ -296,7 +306,7 @@ def run_validate(args) -> int:
         if not (d / "compare.json").is_file() or not (d / "trace.jsonl").is_file():
             print(f"epdserve plan validate: error: {d} has no compare.json and trace.jsonl", file=sys.stderr)
             return 2
-    platform = calibrate.platform_from(cal)
+    platform = calibrate.platform_from(cal, vlm=_has_images(compare_dirs[0]))
     rows = validate(compare_dirs, platform, args.devices)
     if not rows:
         print("epdserve plan validate: error: no configuration could be simulated", file=sys.stderr)
@@ -327,8 +337,8 @@ def run_fit_serving(args) -> int:
     calibration (see :func:`calibrate.fit_serving`) and print each run's p95 ratio."""
     path = _calibration_path(args)
     cal = calibrate.load(path)
-    platform = calibrate.platform_from(cal)
-    runs = {f"{d}:{name}": gaps for d in args.from_compare for name, gaps in calibrate.compare_gaps(d, platform).items()}
+    runs = {f"{d}:{name}": gaps for d in args.from_compare for name, gaps in calibrate.compare_gaps(
+        d, calibrate.platform_from(cal, vlm=_has_images(Path(d)))).items()}
     slowdown = calibrate.fit_serving(list(runs.values()))
     p = calibrate.SERVING_PERCENTILE
     ratios = {}
@@ -368,8 +378,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.target <= 1:
         print(f"epdserve plan: error: --target {args.target}: must be in (0, 1]", file=sys.stderr)
         return 2
+    from epdserve.model.loader import ModelLoadError
+
     try:
         return {"search": run_search, "calibrate": run_calibrate, "validate": run_validate}[args.action](args)
-    except ValueError as exc:
+    except (ValueError, ModelLoadError) as exc:
         print(f"epdserve plan: error: {exc}", file=sys.stderr)
         return 2
