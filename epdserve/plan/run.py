@@ -362,10 +362,11 @@ def run_calibrate(args) -> int:
         return run_fit_serving(args)
     cal = calibrate.calibrate(args.model)
     path = calibrate.save(cal, _calibration_path(args))
-    for size, fit in cal["steps"].items():
-        coef = ", ".join(f"{c:.4g}" for c in fit["coef"])
-        print(f"{size}-core worker: ms = [{coef}] · [{', '.join(FEATURES)}]; "
-              f"mean |error| {fit['mean_abs_rel_error']:.1%} over {len(fit['samples'])} steps")
+    for model, steps in (("", cal["steps"]), (" (VLM's language model)", cal.get("vision", {}).get("steps", {}))):
+        for size, fit in steps.items():
+            coef = ", ".join(f"{c:.4g}" for c in fit["coef"])
+            print(f"{size}-core worker{model}: ms = [{coef}] · [{', '.join(FEATURES)}]; "
+                  f"mean |error| {fit['mean_abs_rel_error']:.1%} over {len(fit['samples'])} steps")
     for size, fit in cal.get("vision", {}).get("encode", {}).items():
         print(f"{size}-core worker: encode {fit['ms_per_tile']:.0f} ms per image tile "
               f"(calls of {', '.join(str(c['images']) for c in fit['samples'])} images)")
