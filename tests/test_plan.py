@@ -480,23 +480,6 @@ def test_calibrate_from_compare_cli(tmp_path):
     assert "not an `epdserve compare` output" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_a_shared_document_is_prefilled_once_per_worker():
-    # As above (10 ms + 1 ms per new token, template 25 tokens, its first 20 shared); the
-    # texts are a 400-character document and their own 40 characters, 110 tokens each (4
-    # characters a token). B shares 401 characters with A: 100 tokens + the template's 20 =
-    # 120, 112 in full blocks; it computes 135 - 112 = 23 tokens. C shares only the template.
-    platform = Platform("tokens", step=lambda n: LinearStep((10.0, 0.0, 1.0, 0.0, 0.0)), worker_sizes=(1,),
-                        kv_bytes_per_token=10, kv_link=Link(1e9, 1.0), price_per_device_hour=1.0, router_ms=2.0,
-                        template_tokens=25, template_prefix_tokens=20)
-    doc = "abcd" * 100
-    texts = [doc + " x" * 20, doc + " y" * 20, "efgh" * 100 + " y" * 20]
-    reqs = [Request(0.3 * i, text, 1, "chat", 110) for i, text in enumerate(texts)]
-    _, stages = simulate(COLOCATED, platform, reqs)
-    assert [s["prefill_ms"] for s in stages] == pytest.approx([145.0, 33.0, 129.0])
-    _, stages = simulate(COLOCATED, platform, reqs, EngineLimits(enable_prefix_caching=False))
-    assert [s["prefill_ms"] for s in stages] == pytest.approx([145.0, 145.0, 145.0])
-
-
 def test_validate_takes_repeats_and_reports_their_spread(tmp_path):
     reqs = [req(0.05 * i, 30, 8) for i in range(12)]
     cal = calibrate.save(_gap_calibration(), tmp_path / "cal.json")
@@ -527,13 +510,18 @@ def test_validate_takes_repeats_and_reports_their_spread(tmp_path):
     assert "replayed another trace" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def templated_platform() -> Platform:
+    """10 ms + 1 ms per new token a step; prompts = text + 25 template tokens, the first 20
+    the same in every prompt (one full 16-token block the prefix cache keeps)."""
+    return Platform("tokens", step=lambda n: LinearStep((10.0, 0.0, 1.0, 0.0, 0.0)), worker_sizes=(1,),
+                    kv_bytes_per_token=10, kv_link=Link(1e9, 1.0), price_per_device_hour=1.0, router_ms=2.0,
+                    template_tokens=25, template_prefix_tokens=20)
+
+
 def test_the_template_prefix_is_prefilled_once_per_worker():
-    # 10 ms + 1 ms per new token; prompts = text + 25 template tokens, the first 20 the
-    # same in every prompt: one full 16-token block the prefix cache keeps. A (100 tokens)
-    # finds nothing: 110 ms. B comes after A's step: 84 new tokens over 16 cached, 94 ms.
-    platform = Platform("tokens", step=lambda n: LinearStep((10.0, 0.0, 1.0, 0.0, 0.0)), worker_sizes=(1,),
-                        kv_bytes_per_token=10, kv_link=Link(1e9, 1.0), price_per_device_hour=1.0, router_ms=2.0,
-                        template_tokens=25, template_prefix_tokens=20)
+    # A (100 tokens) finds nothing: 110 ms. B comes after A's step: 84 new tokens over 16
+    # cached, 94 ms.
+    platform = templated_platform()
     reqs = [req(0.0, 75, 1), req(0.2, 75, 1)]
     records, stages = simulate(COLOCATED, platform, reqs)
     assert [s["prefill_ms"] for s in stages] == pytest.approx([110.0, 94.0])
@@ -547,3 +535,17 @@ def test_the_template_prefix_is_prefilled_once_per_worker():
     # PD: the prefill worker caches it the same way.
     _, stages = simulate(PD, platform, reqs)
     assert [s["prefill_ms"] for s in stages] == pytest.approx([110.0, 94.0])
+
+
+def test_a_shared_document_is_prefilled_once_per_worker():
+    # The texts are a 400-character document and their own 40 characters, 110 tokens each
+    # (4 characters a token). B shares 401 characters with A: 100 tokens + the template's 20 =
+    # 120, 112 in full blocks; it computes 135 - 112 = 23 tokens. C shares only the template.
+    platform = templated_platform()
+    doc = "abcd" * 100
+    texts = [doc + " x" * 20, doc + " y" * 20, "efgh" * 100 + " y" * 20]
+    reqs = [Request(0.3 * i, text, 1, "chat", 110) for i, text in enumerate(texts)]
+    _, stages = simulate(COLOCATED, platform, reqs)
+    assert [s["prefill_ms"] for s in stages] == pytest.approx([145.0, 33.0, 129.0])
+    _, stages = simulate(COLOCATED, platform, reqs, EngineLimits(enable_prefix_caching=False))
+    assert [s["prefill_ms"] for s in stages] == pytest.approx([145.0, 145.0, 145.0])
