@@ -140,6 +140,13 @@ def _common_start(a: str, b: str) -> int:
     return lo
 
 
+def _kv_blocks(role: str, prompt: int, max_tokens: int, block_size: int) -> int:
+    """KV blocks a request holds on a worker of ``role``: its prompt on a prefill worker,
+    its prompt and ``max_tokens`` elsewhere (a prefix-cache hit's shared blocks counted as
+    its own)."""
+    return -(-(prompt if role == "prefill" else prompt + max_tokens) // block_size)
+
+
 def _image_key(image: dict) -> tuple[int, int, int]:
     """Equal size and seed are equal bytes (bench/images.py): one embedding cache entry."""
     return image["width"], image["height"], image["seed"]
@@ -304,10 +311,7 @@ class _Worker:
         return chunks, joining
 
     def kv_blocks(self, s: _Seq) -> int:
-        """KV blocks ``s`` holds here: its prompt on a prefill worker, its prompt and
-        ``max_tokens`` elsewhere (a prefix-cache hit's shared blocks counted as its own)."""
-        tokens = s.prompt if self.role == "prefill" else s.prompt + s.req.max_tokens
-        return -(-tokens // self.sim.limits.block_size)
+        return _kv_blocks(self.role, s.prompt, s.req.max_tokens, self.sim.limits.block_size)
 
     def reserve(self, s: _Seq, sign: int) -> None:
         """Take (``sign`` 1) or give back (-1) the KV blocks of ``s``; giving back wakes
@@ -497,13 +501,11 @@ def _check_kv_capacity(deployment: Deployment, platform: Platform, requests: lis
                        limits: EngineLimits) -> None:
     if platform.kv_capacity_tokens is None or not requests:
         return
-    largest = max(prompt_tokens(platform, r) + r.max_tokens for r in requests)
-    largest_prompt = max(prompt_tokens(platform, r) for r in requests)
     for w in deployment.workers:
         if w.role == "encode":
             continue
         blocks = platform.kv_capacity_tokens(w.devices) // limits.block_size
-        need = -(-(largest_prompt if w.role == "prefill" else largest) // limits.block_size)
+        need = max(_kv_blocks(w.role, prompt_tokens(platform, r), r.max_tokens, limits.block_size) for r in requests)
         if need > blocks:
             raise KVCapacityError(f"deployment {deployment.name}: a {w.role} worker of {w.devices} "
                                   f"device(s) holds {blocks} KV blocks of {limits.block_size} tokens, "
