@@ -20,7 +20,7 @@ from epdserve.plan import calibrate, hardware, search
 from epdserve.plan.costmodel import (ImageCost, LinearStep, Link, Platform, Roofline, roofline_encode_ms,
                                      roofline_platform)
 from epdserve.plan.model_spec import BUILTIN
-from epdserve.plan.run import VALIDATED, compare_deployment, compare_limits
+from epdserve.plan.run import VALIDATED, _markdown, compare_deployment, compare_limits
 from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError, WorkerSpec, simulate
 from epdserve.transfer import embedding
 
@@ -205,6 +205,12 @@ def test_recommend_says_when_splitting_does_not_pay():
     pick, why = search.recommend(rows)
     assert pick["name"] == "1p1d" and "2.00x" in why
     assert search.recommend([dict(r, max_goodput_rps=0.0, goodput_per_device=0.0) for r in rows])[0] is None
+    # Goodput with step times ± the calibration's uncertainty: bands that overlap cannot be told apart.
+    rows[0].update(devices=2, goodput_band_rps=[1.6, 2.4])
+    rows[1].update(devices=2, goodput_band_rps=[3.6, 4.4])
+    assert "overlap" not in search.recommend(rows)[1]
+    rows[1]["goodput_band_rps"] = [2.2, 4.4]
+    assert "bands overlap (colocated-2 0.8–1.2, 1p1d 1.1–2.2 req/s per device)" in search.recommend(rows)[1]
 
 
 def roofline_plan(out, hardware_name: str, model: str, input_len: int, output_len: int, num: int, *slo: str):
@@ -421,7 +427,10 @@ def test_decode_gaps_rebuild_the_batch():
     seqs = [{"worker": "d", "prompt_tokens": 5, "token_times_s": [0.0, 0.1, 0.2, 0.3], "busy_s": None},
             {"worker": "d", "prompt_tokens": 7, "token_times_s": [0.12, 0.22, 0.32], "busy_s": None}]
     gaps = calibrate.decode_gaps(seqs, lambda worker: GAP_STEP)
-    assert np.array(gaps) == pytest.approx(np.array([(100.0, 13.5), (100.0, 13.7), (100.0, 13.7)]))
+    assert np.array(gaps) == pytest.approx(np.array([(100.0, 13.5, 0), (100.0, 13.7, 0), (100.0, 13.7, 0)]))
+    # Contended: the step's middle fell where every other core was busy.
+    gaps = calibrate.decode_gaps(seqs, lambda worker: GAP_STEP, lambda worker, t: t > 0.2)
+    assert [g[2] for g in gaps] == [False, True, True]
     # Colocated: B's prefill (0.12-0.15) was in A's step 0.1-0.2, which is left out; A's
     # first gap counts (A alone, 5 cached: 10 + 1 + 0.6), and so does B's 0.15-0.25 (B
     # alone, 5 cached: A's last token came at its middle, 0.2). Another worker's request
@@ -430,15 +439,54 @@ def test_decode_gaps_rebuild_the_batch():
             {"worker": "c", "prompt_tokens": 5, "token_times_s": [0.15, 0.25], "busy_s": (0.12, 0.15)},
             {"worker": "other", "prompt_tokens": 9, "token_times_s": [0.0, 0.3], "busy_s": (-0.1, 0.0)}]
     gaps = calibrate.decode_gaps(seqs, lambda worker: GAP_STEP)
-    assert np.array(gaps) == pytest.approx(np.array([(100.0, 11.6), (100.0, 11.6), (300.0, 12.0)]))
+    assert np.array(gaps) == pytest.approx(np.array([(100.0, 11.6, 0), (100.0, 11.6, 0), (300.0, 12.0, 0)]))
 
 
 def test_fit_serving_is_the_median_p95_ratio():
     # p95 (linear) of [10, 20] is 19.5 and of [5, 10] 9.75: x2; the second run x3; median 2.5.
-    runs = [[(10.0, 5.0), (20.0, 10.0)], [(30.0, 10.0)], []]
-    assert calibrate.fit_serving(runs) == pytest.approx(2.5)
+    runs = [[(10.0, 5.0, False), (20.0, 10.0, False)], [(30.0, 10.0, False)], []]
+    assert calibrate.fit_serving(runs) == pytest.approx((2.5, 1.0))
     with pytest.raises(ValueError, match="no decode-only steps"):
         calibrate.fit_serving([[]])
+    with pytest.raises(ValueError, match="no decode-only steps"):
+        calibrate.fit_serving([[(10.0, 5.0, True)]])
+
+
+def test_fit_serving_takes_contention_within_each_run():
+    # Run 1: free steps at x2 (p95 x2), contended at x2.6: x1.3 of its free ones. Run 2:
+    # free x1, contended x1.5. The contended slowdown is the median ratio of the two.
+    runs = [[(10.0, 5.0, False), (20.0, 10.0, False), (26.0, 10.0, True)],
+            [(10.0, 10.0, False), (15.0, 10.0, True), (30.0, 20.0, True)]]
+    assert calibrate.contention_ratio(runs[0]) == pytest.approx(1.3)
+    assert calibrate.contention_ratio(runs[0][:2]) is None
+    slowdown, contended = calibrate.fit_serving(runs)
+    assert slowdown == pytest.approx(1.5) and contended == pytest.approx(1.4)
+
+
+def test_contended_steps_take_longer():
+    # Two 1-core replicas, each with one request: while both decode, every step is
+    # contended and its decode work takes x2; a lone replica is never contended.
+    platform = replace(flat_platform(), contended_slowdown=2.0, router_ms=0.0)
+    two = Deployment("colocated-2", (WorkerSpec("colocated"),) * 2)
+    records, _ = simulate(two, platform, [req(0.0, 5, 3), req(0.0, 5, 3)])
+    assert records[0].chunk_times_s == pytest.approx([0.010, 0.030, 0.050])
+    records, _ = simulate(COLOCATED, platform, [req(0.0, 5, 3)])
+    assert records[0].chunk_times_s == pytest.approx([0.010, 0.020, 0.030])
+
+
+def test_calibration_fits_the_median_of_its_rounds():
+    shapes = [([(n, 0)], 0, 0, 0) for n in (16, 64, 256)] + [([], b, b * 100, 100) for b in (1, 4, 16)]
+
+    def timed(scale: float) -> list[dict]:
+        return [{"prefill": [list(c) for c in prefill], "num_decode": n, "decode_context": ctx,
+                 "decode_max_context": top, "ms": GAP_STEP.step_ms(prefill, n, ctx, top) * scale}
+                for prefill, n, ctx, top in shapes]
+
+    # One round taken while the machine was busy: twice as slow. The fit ignores it, the spread shows it.
+    samples, spread = calibrate._median_rounds([timed(1.0), timed(2.0), timed(1.0)])
+    assert [x["ms"] for x in samples] == pytest.approx([x["ms"] for x in timed(1.0)])
+    assert spread == pytest.approx(1.0)
+    assert calibrate._median_rounds([timed(1.0)])[1] == 0.0
 
 
 def _gap_calibration() -> dict:
@@ -466,7 +514,8 @@ def test_calibrate_from_compare_cli(tmp_path):
     (run / "compare.json").write_text(json.dumps({"configs": [{"name": "pd", "resources": {"workers": workers},
                                                                "result": result}]}))
     (run / "pd.server.jsonl").write_text("".join(
-        json.dumps({"request_id": r, "decode_worker": "decode-0", "prefill_ms": 50.0}) + "\n" for r in "ab"))
+        json.dumps({"request_id": r, "prefill_worker": "prefill-0", "decode_worker": "decode-0", "prefill_ms": 50.0})
+        + "\n" for r in "ab"))
     cal = calibrate.save(_gap_calibration(), tmp_path / "cal.json")
     proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "calibrate", "--from-compare", str(run),
                            "--calibration", str(cal)], capture_output=True, text=True, timeout=120)
@@ -480,9 +529,47 @@ def test_calibrate_from_compare_cli(tmp_path):
     assert "not an `epdserve compare` output" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_step_uncertainty_is_half_the_spread_of_the_served_runs():
+    assert calibrate.step_uncertainty({}) == 0.0
+    assert calibrate.step_uncertainty({"decode_slowdown": 1.2, "ratios": {"a": 1.2}}) == 0.0
+    serving = {"decode_slowdown": 1.1, "ratios": {"a": 1.0, "b": 1.1, "c": 1.32}}
+    assert calibrate.step_uncertainty(serving) == pytest.approx(0.16 / 1.1)
+    assert calibrate.platform_from(dict(_gap_calibration(), serving=serving)).step_uncertainty == \
+        pytest.approx(0.16 / 1.1)
+
+
+def test_time_scale_scales_steps_and_encodes():
+    platform = replace(flat_platform(), router_ms=0.0)
+    one = [req(0.0, 100, 3, images=[IMAGE])]
+    records, stages = simulate(COLOCATED, platform, one)
+    slow_records, slow_stages = simulate(COLOCATED, replace(platform, time_scale=2.0), one)
+    assert slow_stages[0]["encode_ms"] == pytest.approx(2 * stages[0]["encode_ms"])
+    assert slow_records[0].chunk_times_s == pytest.approx([2 * t for t in records[0].chunk_times_s])
+
+
+def test_cpu_plan_gives_goodput_bands(tmp_path):
+    serving = {"decode_slowdown": 1.0, "ratios": {"a": 0.8, "b": 1.2}}  # known to ±20%
+    cal = calibrate.save(dict(_gap_calibration(), serving=serving), tmp_path / "cal.json")
+    out = tmp_path / "plan"
+    proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "--calibration", str(cal), "--devices", "2",
+                           "--input-len", "50:50", "--output-len", "8:8", "--num-requests", "30",
+                           "--slo", "ttft:200", "tpot:40", "--output", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "with every step 20% faster or slower" in proc.stdout
+    assert "Not validated yet" in proc.stdout
+    rows = json.loads((out / "plan.json").read_text())["candidates"]
+    assert {r["name"] for r in rows} == {"colocated", "colocated-2", "1p1d"}
+    for r in rows:
+        low, high = r["goodput_band_rps"]
+        assert low < r["max_goodput_rps"] < high  # slower steps sustain less, faster more
+
+
 def test_validate_takes_repeats_and_reports_their_spread(tmp_path):
     reqs = [req(0.05 * i, 30, 8) for i in range(12)]
-    cal = calibrate.save(_gap_calibration(), tmp_path / "cal.json")
+    # Served runs spread ±10% around the fitted slowdown: predictions are bands of ±10%.
+    cal = calibrate.save(dict(_gap_calibration(), serving={"decode_slowdown": 1.0, "ratios": {"a": 0.9, "b": 1.1}}),
+                         tmp_path / "cal.json")
     records, _ = simulate(compare_deployment("colocated", 2), calibrate.platform_from(calibrate.load(cal)), reqs,
                           compare_limits("colocated"))
     predicted = metrics.compute(records)
@@ -498,11 +585,19 @@ def test_validate_takes_repeats_and_reports_their_spread(tmp_path):
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "spread  20%" in proc.stdout and "mean of 2 runs" in proc.stdout
-    validation = calibrate.load(cal)["validation"]
+    (validation,) = calibrate.load(cal)["validations"].values()
     ttft = validation["rows"][0]["p95_ttft_ms"]
     assert ttft["runs"] == pytest.approx([1.1 * predicted["p95_ttft_ms"], 0.9 * predicted["p95_ttft_ms"]])
     assert ttft["error"] == pytest.approx(0.0, abs=1e-9) and ttft["spread"] == pytest.approx(0.2)
     assert validation["max_spread"]["p95_itl_ms"] == pytest.approx(0.2)
+    assert ttft["band"][0] < ttft["predicted"] < ttft["band"][1] and ttft["in_band"]
+    assert validation["step_uncertainty"] == pytest.approx(0.1) and validation["in_band"] == validation["values"] == 3
+    assert "holds 3 of 3 measured values" in proc.stdout
+    doc = {"platform": "m on this CPU", "devices": 2, "slos_ms": {"ttft": 100.0}, "target": 0.9, "candidates": [],
+           "skipped": {}, "recommendation": None, "reason": "none", "validations": [validation]}
+    text = _markdown(doc)
+    assert "largest |error| p95_ttft_ms 0%" in text and "moved by up to p95_ttft_ms 20%" in text
+    assert "the prediction's band held 3 of 3 measured values" in text
     # A "repeat" of another trace is refused.
     save_trace(reqs[:-1], runs[1] / "trace.jsonl")
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)

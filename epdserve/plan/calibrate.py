@@ -15,7 +15,9 @@ cores with the workers and every step's outputs are encoded, routed, detokenized
 streamed. ``epdserve plan calibrate --from-compare DIR...`` learns that from ``compare``
 runs (:func:`fit_serving`): it rebuilds, from the client's token times, every decode-only step
 of every worker, sets the measured gap beside the step model's time for that batch, and
-stores the ratio of their 95th percentiles as ``serving.decode_slowdown``.
+stores the ratio of their 95th percentiles (steps with a core free) as
+``serving.decode_slowdown``, and how much slower steps were while every other core was busy
+as ``serving.contended_slowdown``.
 """
 
 from __future__ import annotations
@@ -175,14 +177,35 @@ def _handoff_ms(model_dir: str, sizes: tuple[int, ...] = (16, 512)) -> Link:
     return Link(gbs=gbs, latency_ms=max(ms0 - b0 / (gbs * 1e6), 0.0))
 
 
+def _median_rounds(rounds: list[list[dict]]) -> tuple[list[dict], float]:
+    """The samples of repeated rounds of the same steps, each with the median of its ms over
+    the rounds, and how far the rounds' own fits differ: the mean over the steps of
+    (max − min) / median of their predictions (dimensionless)."""
+    samples = [dict(s, ms=float(np.median([r[i]["ms"] for r in rounds]))) for i, s in enumerate(rounds[0])]
+    fits = [_fit(r)[0] for r in rounds]
+    spreads = []
+    for s in samples:
+        step = ([tuple(c) for c in s["prefill"]], s["num_decode"], s["decode_context"], s.get("decode_max_context", 0))
+        ms = [f.step_ms(*step) for f in fits]
+        spreads.append((max(ms) - min(ms)) / np.median(ms))
+    return samples, float(np.mean(spreads))
+
+
 def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
-              seed: int = 0, progress: bool = True) -> dict:
-    """Measure and fit; returns the calibration dict (see :func:`platform_from`).
+              seed: int = 0, rounds: int = 3, progress: bool = True) -> dict:
+    """Measure and fit; returns the calibration dict (see :func:`platform_from`). Every
+    step is timed in ``rounds`` rounds, one after the other, and fitted on its median: a
+    busy minute on this machine moves one round, not the fit (a single round moved a 2-core
+    fit by ~20% between two calibrations); the rounds' own fits' difference is stored
+    (``round_spread``).
 
     Raises:
         ModelLoadError: the model cannot be loaded.
         RuntimeError: this machine has fewer than 2 usable cores.
+        ValueError: ``rounds`` below 1.
     """
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: must be at least 1")
     info = resolve_model(model)
     vision_dir = _vision_dir(info)
     cores = sorted(os.sched_getaffinity(0))
@@ -197,12 +220,20 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
     rng = np.random.default_rng(seed)
     saved_threads = torch.get_num_threads()
     fits, vlm_fits, encode = {}, {}, {}
-    bar = tqdm(total=2, desc="calibrate", unit="worker size", disable=not progress)
+    # One unit: a round of every step of one model (the default VLM's language model too) on one worker size.
+    bar = tqdm(total=2 * rounds * (1 + (vision_dir is not None)), desc="calibrate", unit="round",
+               disable=not progress)
 
     def fit_steps(model_dir: Path) -> dict:
-        samples = _prefill_steps(str(model_dir), reps, rng, a[:prefix]) + _decode_steps(str(model_dir), decode_steps, rng)
+        timed = []
+        for _ in range(rounds):
+            timed.append(_prefill_steps(str(model_dir), reps, rng, a[:prefix])
+                         + _decode_steps(str(model_dir), decode_steps, rng))
+            bar.update(1)
+        samples, spread = _median_rounds(timed)
         step, err = _fit(samples)
-        return {"coef": list(step.coef), "mean_abs_rel_error": err, "samples": samples}
+        return {"coef": list(step.coef), "mean_abs_rel_error": err, "rounds": rounds, "round_spread": spread,
+                "samples": samples}
 
     try:
         for size in (1, 2):
@@ -215,7 +246,6 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
                 vlm_fits[str(size)] = fit_steps(vision_dir)
                 ms, calls = _encode_ms_per_tile(str(vision_dir))
                 encode[str(size)] = {"ms_per_tile": ms, "samples": calls}
-            bar.update(1)
         os.sched_setaffinity(0, cores[:1])
         torch.set_num_threads(1)
         link = _handoff_ms(str(info.path))
@@ -228,7 +258,7 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "steps": fits, "kv_link": {"gbs": link.gbs, "latency_ms": link.latency_ms},
            "kv_bytes_per_token": kv_bpt, "template_tokens": template,
-           "template_prefix_tokens": prefix, "validation": None}
+           "template_prefix_tokens": prefix, "validations": {}}
     if vision_dir is not None:
         spec = ModelSpec.from_dir(info.name, vision_dir, True)
         p = spec.processor
@@ -271,9 +301,10 @@ def load(path: str | Path) -> dict:
 SERVING_PERCENTILE = 95
 
 
-def decode_gaps(seqs: list[dict], step: Callable[[str], StepModel]) -> list[tuple[float, float]]:
-    """``(measured ms, step-model ms)`` of every decode-only step that a served run's token
-    times show.
+def decode_gaps(seqs: list[dict], step: Callable[[str], StepModel],
+                contended: Callable[[str, float], bool] = lambda worker, t: False) -> list[tuple[float, float, bool]]:
+    """``(measured ms, step-model ms, contended)`` of every decode-only step that a served
+    run's token times show.
 
     ``seqs``: one dict per request: ``worker`` (the id of the worker that decoded it),
     ``prompt_tokens`` (its prompt as the engine saw it), ``token_times_s`` (when each of its
@@ -285,6 +316,7 @@ def decode_gaps(seqs: list[dict], step: Callable[[str], StepModel]) -> list[tupl
     prefilled elsewhere (it spans the KV hand-off). The step's decodes are the requests of
     that worker with a token before the middle of the gap and another after it, each with
     its prompt + the tokens before the middle − 1 cached (the last one is this step's input).
+    ``contended(worker, t)``: whether every other core was busy at ``t`` s (at the middle).
     """
     out = []
     for x in seqs:
@@ -298,28 +330,56 @@ def decode_gaps(seqs: list[dict], step: Callable[[str], StepModel]) -> list[tupl
             mid = (a + b) / 2
             context = [y["prompt_tokens"] + int(np.searchsorted(y["token_times_s"], mid)) - 1
                        for y in mates if y["token_times_s"][0] <= mid < y["token_times_s"][-1]]
-            out.append(((b - a) * 1e3, step(x["worker"]).step_ms([], len(context), sum(context), max(context))))
+            out.append(((b - a) * 1e3, step(x["worker"]).step_ms([], len(context), sum(context), max(context)),
+                        contended(x["worker"], mid)))
     return out
 
 
-def gap_percentiles(gaps: list[tuple[float, float]]) -> tuple[float, float]:
+def gap_percentiles(gaps: list[tuple[float, float, bool]]) -> tuple[float, float]:
     """The :data:`SERVING_PERCENTILE` th percentile (``numpy.percentile``, linear, as the
-    bench's metrics) of the measured and of the step model's ms of :func:`decode_gaps`."""
-    return tuple(float(np.percentile([g[i] for g in gaps], SERVING_PERCENTILE)) for i in (0, 1))
+    bench's metrics) of the measured and of the step model's ms of the uncontended
+    :func:`decode_gaps` (nan, nan without any)."""
+    free = [g for g in gaps if not g[2]]
+    if not free:
+        return float("nan"), float("nan")
+    return tuple(float(np.percentile([g[i] for g in free], SERVING_PERCENTILE)) for i in (0, 1))
 
 
-def fit_serving(runs: list[list[tuple[float, float]]]) -> float:
-    """The ``decode_slowdown`` (dimensionless) of served runs, each given as its
-    :func:`decode_gaps`: per run, the ratio of the :func:`gap_percentiles`; then the median
-    over runs, so that no one run's outliers decide.
+def contention_ratio(gaps: list[tuple[float, float, bool]]) -> float | None:
+    """How many times slower a run's contended decode steps were than its uncontended ones,
+    each measured against the step model: the ratio of the medians of measured / model ms
+    (within one run, so what moves the whole run cancels). None without both kinds."""
+    kinds = [[m / model for m, model, c in gaps if c == contended] for contended in (True, False)]
+    return float(np.median(kinds[0]) / np.median(kinds[1])) if all(kinds) else None
+
+
+def fit_serving(runs: list[list[tuple[float, float, bool]]]) -> tuple[float, float]:
+    """``(decode_slowdown, contended_slowdown)`` (dimensionless) of served runs, each given
+    as its :func:`decode_gaps`: per run, the ratio of the :func:`gap_percentiles` (steps
+    with a core free) and the :func:`contention_ratio`; then the median of each over the
+    runs that have it, so that no one run's outliers decide (contended 1 without any).
 
     Raises:
-        ValueError: no run has a decode-only step.
+        ValueError: no run has an uncontended decode-only step.
     """
-    ratios = [measured / model for measured, model in map(gap_percentiles, filter(None, runs))]
+    ratios = [measured / model for measured, model in map(gap_percentiles, filter(None, runs))
+              if not np.isnan(measured)]
     if not ratios:
         raise ValueError("no decode-only steps in these runs to fit the serving slowdown on")
-    return float(np.median(ratios))
+    contention = [c for c in map(contention_ratio, runs) if c is not None]
+    return float(np.median(ratios)), float(np.median(contention)) if contention else 1.0
+
+
+def step_uncertainty(serving: dict) -> float:
+    """How far served step times are known (relative, dimensionless): half the spread
+    (max − min) of the per-run ratios that :func:`fit_serving` took the median of, over that
+    median; 0 with fewer than two runs (``serving``: a calibration's ``serving`` section).
+    Runs of one machine spread by 10–20% (busy cores, other tenants), so a prediction is a
+    band, not a point."""
+    ratios = list(serving.get("ratios", {}).values())
+    if len(ratios) < 2:
+        return 0.0
+    return (max(ratios) - min(ratios)) / 2 / serving["decode_slowdown"]
 
 
 def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[tuple[float, float]]]:
@@ -346,22 +406,45 @@ def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[
         if "result" not in entry or not server.is_file():
             continue
         m = entry["result"]
-        cores = {w["worker_id"]: len(w["cores"]) for w in entry["resources"]["workers"]}
+        cores = {w["worker_id"]: tuple(w["cores"]) for w in entry["resources"]["workers"]}
         records = {r["request_id"]: r for r in map(json.loads, filter(str.strip, server.read_text().splitlines()))}
-        seqs = []
+        seqs, busy = [], {core: [] for cs in cores.values() for core in cs}
         for i, req in enumerate(requests):
             r = records.get(m["request_ids"][i])
             if r is None or r.get("error") or not m["itls"][i]:
                 continue
             first = m["start_times"][i] + m["ttfts"][i]
+            times = (first + np.concatenate([[0.0], np.cumsum(m["itls"][i])])).tolist()
             colocated = r.get("decode_worker") is None
+            for worker, start, end in _busy_s(r, first, times[-1]):
+                for core in cores.get(worker, ()):
+                    busy[core].append((start, end))
             seqs.append({"worker": r["worker"] if colocated else r["decode_worker"],
-                         "prompt_tokens": prompt_tokens(platform, req),
-                         "token_times_s": (first + np.concatenate([[0.0], np.cumsum(m["itls"][i])])).tolist(),
+                         "prompt_tokens": prompt_tokens(platform, req), "token_times_s": times,
                          "busy_s": (first - (r["prefill_ms"] + r.get("encode_ms", 0.0)) / 1e3, first)
                          if colocated else None})
-        runs[entry["name"]] = decode_gaps(seqs, lambda worker: platform.step(cores[worker]))
+
+        def contended(worker: str, t: float) -> bool:
+            others = set(busy) - set(cores[worker])
+            return bool(others) and all(any(a <= t < b for a, b in busy[core]) for core in others)
+
+        runs[entry["name"]] = decode_gaps(seqs, lambda worker: platform.step(len(cores[worker])), contended)
     return runs
+
+
+def _busy_s(record: dict, first: float, last: float) -> list[tuple[str, float, float]]:
+    """``(worker, start s, end s)`` while the workers of one served request worked on it,
+    from its server record (serving/router.py's trace) and its first and last token times:
+    encoding and prefill end where its first token came (the encode workers' end where its
+    prefill queue began), decoding spans the first to the last token."""
+    encode, prefill = record.get("encode_ms", 0.0) / 1e3, record["prefill_ms"] / 1e3
+    if record.get("decode_worker") is None:
+        return [(record["worker"], first - prefill - encode, last)]
+    out = [(record["prefill_worker"], first - prefill - (0.0 if record.get("encode_workers") else encode), first),
+           (record["decode_worker"], first, last)]
+    queued = first - prefill - record.get("prefill_queue_ms", 0.0) / 1e3
+    out += [(w, queued - encode, queued) for w in record.get("encode_workers", [])]
+    return out
 
 
 def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platform:
@@ -370,7 +453,7 @@ def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platf
     embeddings) over the measured shared-memory hand-off, encoding at
     the measured ms per tile (no images without a ``vision`` section: older calibrations),
     decode steps slowed by the fitted ``serving.decode_slowdown`` (1 without one: not fitted
-    yet, or older calibrations), and each worker's KV cache as ``epdserve serve`` sizes it
+    yet, or older calibrations) and known to :func:`step_uncertainty`, and each worker's KV cache as ``epdserve serve`` sizes it
     (``--kv-cache-memory-mb`` default, float32 KV, whatever its cores).
 
     Raises:
@@ -399,6 +482,8 @@ def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platf
                     kv_bytes_per_token=cal["kv_bytes_per_token"], kv_link=Link(**cal["kv_link"]),
                     price_per_device_hour=CPU_CORE_PRICE_PER_HOUR, router_ms=router_ms,
                     decode_slowdown=cal.get("serving", {}).get("decode_slowdown", 1.0),
+                    contended_slowdown=cal.get("serving", {}).get("contended_slowdown", 1.0),
+                    step_uncertainty=step_uncertainty(cal.get("serving", {})),
                     template_tokens=cal.get("template_tokens", 0),
-                    template_prefix_tokens=cal.get("template_prefix_tokens", 0), error=cal.get("validation"),
+                    template_prefix_tokens=cal.get("template_prefix_tokens", 0), error=list(cal.get("validations", {}).values()) or None,
                     images=images, kv_capacity_tokens=lambda devices: kv_capacity)

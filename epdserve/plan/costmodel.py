@@ -209,11 +209,20 @@ class Platform:
     same transports carry them); ``router_ms``: client → router → worker time added once
     to every request on its way in; ``decode_slowdown``: how many times longer the decode
     work of a step takes when served than the step model says (dimensionless, > 0; 1: as
-    calibrated; learned from ``compare`` runs, :func:`epdserve.plan.calibrate.fit_serving`);
+    calibrated; learned from ``compare`` runs, :func:`epdserve.plan.calibrate.fit_serving`),
+    fitted on steps while a device was free; ``contended_slowdown``: how many times longer
+    still while every other device of the deployment is busy (dimensionless; 1: no such
+    effect, as on GPU hosts, whose CPUs the router has to itself; on a CPU host the router
+    and the client then take their time from the workers' cores);
+    ``time_scale``: a factor on every step and encode time (dimensionless; 1: as modeled),
+    to ask what a machine that much slower or faster would do; ``step_uncertainty``: how far
+    (relative, dimensionless) served step times are known, from the spread of the served
+    runs the slowdown was fitted on (0: not known), the ± ``time_scale`` of a prediction's band;
     ``kv_capacity_tokens(devices)``: tokens of KV cache a worker on that many devices holds
     (None: unbounded); ``template_tokens``: tokens a chat template adds to a
     prompt, the first ``template_prefix_tokens`` of them the same in every prompt (its
-    system turn: the engine's prefix cache keeps their full blocks); ``error``: prediction errors measured at the last validation (None if never).
+    system turn: the engine's prefix cache keeps their full blocks); ``error``: the prediction errors of the last validation of each workload (as ``plan
+    validate`` stores them; None if never validated).
     """
 
     name: str
@@ -226,21 +235,27 @@ class Platform:
     images: ImageCost | None = None
     router_ms: float = 1.0
     decode_slowdown: float = 1.0
+    contended_slowdown: float = 1.0
+    time_scale: float = 1.0
+    step_uncertainty: float = 0.0
     template_tokens: int = 0
     template_prefix_tokens: int = 0
-    error: dict | None = None
+    error: list[dict] | None = None
     kv_capacity_tokens: Callable[[int], int] | None = None
 
     def served_step_ms(self, step: StepModel, prefill: Prefill, num_decode: int = 0, decode_context: int = 0,
-                       decode_max_context: int = 0) -> float:
+                       decode_max_context: int = 0, contended: bool = False) -> float:
         """Time in ms of one served engine step on a worker whose step model is ``step``:
         its time by ``step``, plus ``decode_slowdown`` − 1 times what its decodes alone
         would take (a decode-only step takes ``decode_slowdown`` × its step time; prefill
-        work is taken as calibrated: the slowdown is fitted on decode-only steps)."""
+        work is taken as calibrated: the slowdown is fitted on decode-only steps), and that
+        slowdown × ``contended_slowdown`` when ``contended`` (every other device of the
+        deployment busy), all × ``time_scale``."""
         ms = step.step_ms(prefill, num_decode, decode_context, decode_max_context)
-        if num_decode and self.decode_slowdown != 1.0:
-            ms += (self.decode_slowdown - 1.0) * step.step_ms([], num_decode, decode_context, decode_max_context)
-        return ms
+        slowdown = self.decode_slowdown * (self.contended_slowdown if contended else 1.0)
+        if num_decode and slowdown != 1.0:
+            ms += (slowdown - 1.0) * step.step_ms([], num_decode, decode_context, decode_max_context)
+        return ms * self.time_scale
 
 
 # vLLM's default ``gpu_memory_utilization``: the share of a GPU's memory its engine takes.

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from collections import Counter
@@ -74,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-compare", nargs="+", default=None, metavar="DIR",
                         help="calibrate: fit the serving slowdown of decode steps to these `epdserve compare` "
                              "outputs (same engine as the calibration) instead of measuring the engine")
+    parser.add_argument("--rounds", type=workload.positive_int, default=3, metavar="N",
+                        help="calibrate: time every step N times and fit the medians (default 3)")
     parser.add_argument("--output", default="results/plan", metavar="DIR")
 
 
@@ -136,13 +139,19 @@ def run_search(args) -> int:
             continue
         rows.append(cand.row(platform))
         curves[dep.name] = cand.points
+        if u := platform.step_uncertainty:
+            rates = [cand.max_rate or 0.0] + [search.evaluate(dep, replace(platform, time_scale=scale), requests, slos,
+                                                              args.target, _limits(args)).max_rate or 0.0
+                                              for scale in (1 - u, 1 + u)]
+            rows[-1]["goodput_band_rps"] = [min(rates), max(rates)]
     rows.sort(key=lambda r: -r["goodput_per_device"])
     pick, why = search.recommend(rows)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"platform": platform.name, "devices": args.devices, "slos_ms": slos, "target": args.target,
+           "step_uncertainty": platform.step_uncertainty,
            "candidates": rows, "skipped": skipped, "recommendation": pick and pick["name"], "reason": why,
-           "last_validation": platform.error}
+           "validations": platform.error}
     (out / "plan.json").write_text(json.dumps(doc, indent=1))
     text = _markdown(doc)
     (out / "plan.md").write_text(text)
@@ -155,6 +164,20 @@ def _fmt(v, spec: str = ".3g") -> str:
     return "—" if v is None else format(v, spec)
 
 
+def _validation_line(v: dict) -> str:
+    """One workload's validation (as :func:`run_validate` stores it) in a sentence or three."""
+    errs = ", ".join(f"{k} {v['max_abs_error'][k]:.0%}" for k in VALIDATED)
+    dirs = v["compare_dirs"]
+    line = f"- {', '.join(f'`{d}`' for d in dirs)} ({v['date']}, {len(v['rows'])} deployments): largest |error| {errs}."
+    if len(dirs) > 1:
+        spread = ", ".join(f"{k} {v['max_spread'][k]:.0%}" for k in VALIDATED)
+        line += f" The same trace measured {len(dirs)} times moved by up to {spread} (max - min over mean)."
+    if v["step_uncertainty"]:
+        line += (f" With step times {v['step_uncertainty']:.0%} faster or slower, the prediction's band held "
+                 f"{v['in_band']} of {v['values']} measured values.")
+    return line
+
+
 def _markdown(doc: dict) -> str:
     slos = " ".join(f"{k} ≤ {v:g} ms" for k, v in doc["slos_ms"].items())
     lines = [f"# Plan: {doc['platform']}, {doc['devices']} devices", "",
@@ -162,22 +185,20 @@ def _markdown(doc: dict) -> str:
              "| deployment | devices | goodput req/s | per device | TTFT p50/p95 ms | ITL p50/p95 ms "
              "| out tok/s/device | USD / M out tokens |", "|---|---|---|---|---|---|---|---|"]
     for r in doc["candidates"]:
-        lines.append(f"| {r['name']} | {r['devices']} | {_fmt(r['max_goodput_rps'])} | "
+        band = " ({} – {})".format(*map(_fmt, r["goodput_band_rps"])) if "goodput_band_rps" in r else ""
+        lines.append(f"| {r['name']} | {r['devices']} | {_fmt(r['max_goodput_rps'])}{band} | "
                      f"{_fmt(r['goodput_per_device'])} | {_fmt(r['p50_ttft_ms'], '.0f')} / "
                      f"{_fmt(r['p95_ttft_ms'], '.0f')} | {_fmt(r['p50_itl_ms'], '.1f')} / "
                      f"{_fmt(r['p95_itl_ms'], '.1f')} | {_fmt(r['output_tok_s_per_device'])} | "
                      f"{_fmt(r['usd_per_m_output_tokens'])} |")
     lines += [f"| {name} | skipped: {why} |||||||" for name, why in doc["skipped"].items()]
     lines += ["", f"**Recommendation: {doc['recommendation'] or 'none'}** — {doc['reason']}.", ""]
-    v = doc.get("last_validation")
-    if v:
-        errs = ", ".join(f"{k} {v['max_abs_error'][k]:.0%}" for k in VALIDATED)
-        dirs = v.get("compare_dirs") or [v["compare_dir"]]  # one directory before repeats were taken
-        lines.append(f"Prediction error at the last validation ({v['date']}, {len(v['rows'])} deployments, "
-                     f"{', '.join(f'`{d}`' for d in dirs)}): largest |error| {errs}.")
-        if len(dirs) > 1:
-            spread = ", ".join(f"{k} {v['max_spread'][k]:.0%}" for k in VALIDATED)
-            lines.append(f"The same trace measured {len(dirs)} times moved by up to {spread} (max - min over mean).")
+    if doc.get("step_uncertainty"):
+        lines += [f"Goodput in brackets: with every step {doc['step_uncertainty']:.0%} faster or slower, the "
+                  f"spread of the served runs this machine's serving slowdown was fitted on.", ""]
+    if doc.get("validations"):
+        lines.append("Prediction errors at the last validation of each workload:")
+        lines += [_validation_line(v) for v in doc["validations"]]
     elif doc["platform"].endswith("this CPU"):
         lines.append("Not validated yet: run `epdserve compare`, then `epdserve plan validate --compare-dir DIR`.")
     else:
@@ -252,8 +273,11 @@ def validate(compare_dirs: list[Path], platform: Platform, cores: int) -> list[d
     """Predicted vs measured :data:`VALIDATED` metrics for each configuration of one or
     more compare runs of the same trace (repeats). Per metric: ``runs`` (the measured value
     of each run that has the configuration), ``measured`` (their mean), ``error`` =
-    (predicted − measured) / measured, and ``spread`` = (max − min) / measured of the runs
-    (0 for one run): how far the measurement itself moves between identical runs.
+    (predicted − measured) / measured, ``spread`` = (max − min) / measured of the runs
+    (0 for one run): how far the measurement itself moves between identical runs, and
+    ``band``: the lowest and highest prediction with every step and encode time scaled by
+    1 ± ``platform.step_uncertainty`` (and 1), ``in_band`` whether ``measured`` lies within.
+    Near saturation a few % on step times moves p95s by tens of %: the band shows it.
 
     Raises:
         ValueError: the runs replayed different traces.
@@ -268,6 +292,8 @@ def validate(compare_dirs: list[Path], platform: Platform, cores: int) -> list[d
         for entry in json.loads((d / "compare.json").read_text())["configs"]:
             if "result" in entry:  # else the configuration failed to run
                 results.setdefault(entry["name"], []).append(entry["result"])
+    u = platform.step_uncertainty
+    scales = (1.0, 1.0 - u, 1.0 + u) if u else (1.0,)
     rows = []
     for name, runs in results.items():
         try:
@@ -275,14 +301,16 @@ def validate(compare_dirs: list[Path], platform: Platform, cores: int) -> list[d
         except ValueError as exc:
             print(f"skipped {name}: {exc}", file=sys.stderr)
             continue
-        records, _ = simulate(dep, platform, requests, compare_limits(name))
-        predicted = metrics.compute(records)
+        predicted = [metrics.compute(simulate(dep, replace(platform, time_scale=scale), requests,
+                                              compare_limits(name))[0]) for scale in scales]
         row = {"name": name}
         for key in VALIDATED:
             values = [r[key] for r in runs]
             mean = float(np.mean(values))
-            row[key] = {"predicted": predicted[key], "measured": mean, "runs": values,
-                        "error": (predicted[key] - mean) / mean if mean else None,
+            band = [min(p[key] for p in predicted), max(p[key] for p in predicted)]
+            row[key] = {"predicted": predicted[0][key], "band": band, "in_band": band[0] <= mean <= band[1],
+                        "measured": mean, "runs": values,
+                        "error": (predicted[0][key] - mean) / mean if mean else None,
                         "spread": (max(values) - min(values)) / mean if mean else None}
         rows.append(row)
     return rows
@@ -312,61 +340,80 @@ def run_validate(args) -> int:
         print("epdserve plan validate: error: no configuration could be simulated", file=sys.stderr)
         return 1
     repeats = len(compare_dirs) > 1
-    print(f"{'deployment':<14}" + "".join(f"{k:>{46 if repeats else 34}}" for k in VALIDATED))
+    print(f"{'deployment':<14}" + "".join(f"{k:>{58 if repeats else 46}}" for k in VALIDATED))
     for row in rows:
         print(f"{row['name']:<14}" + "".join(
-            f"{row[k]['predicted']:>12.1f} vs {row[k]['measured']:>9.1f} ({_fmt(row[k]['error'], '+.0%'):>6})"
+            f"{row[k]['predicted']:>10.1f} [{row[k]['band'][0]:>7.1f}-{row[k]['band'][1]:>7.1f}] vs "
+            f"{row[k]['measured']:>9.1f} ({_fmt(row[k]['error'], '+.0%'):>6})"
             + (f" spread {_fmt(row[k]['spread'], '.0%'):>4}" if repeats else "") for k in VALIDATED))
     if repeats:
         print(f"measured: the mean of {len(compare_dirs)} runs of the same trace; spread: (max - min) / mean "
               f"of those runs")
-    print(f"served decode steps x{platform.decode_slowdown:.2f} the calibrated time"
+    u = platform.step_uncertainty
+    held = sum(row[k]["in_band"] for row in rows for k in VALIDATED)
+    print(f"[band]: predicted with step times x{1 - u:.2f} to x{1 + u:.2f} (the spread of the served runs "
+          f"the slowdown was fitted on); it holds {held} of {len(rows) * len(VALIDATED)} measured values" if u else
+          "[band]: none; fit the serving slowdown on 2 or more runs for one (`plan calibrate --from-compare`)")
+    print(f"served decode steps x{platform.decode_slowdown:.2f} the calibrated time, x{platform.contended_slowdown:.2f} "
+          f"more while every other core is busy"
           + ("" if "serving" in cal else " (not fitted: run `epdserve plan calibrate --from-compare DIR...`)"))
     from datetime import datetime, timezone
-    cal["validation"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                         "compare_dirs": [str(d) for d in compare_dirs], "rows": rows,
-                         "max_abs_error": {k: max(abs(r[k]["error"] or 0) for r in rows) for k in VALIDATED},
-                         "max_spread": {k: max(r[k]["spread"] or 0 for r in rows) for k in VALIDATED}}
+    # One entry per workload (trace): validating it again replaces its entry.
+    trace = hashlib.sha256((compare_dirs[0] / "trace.jsonl").read_bytes()).hexdigest()[:16]
+    cal.setdefault("validations", {})[trace] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "compare_dirs": [str(d) for d in compare_dirs], "rows": rows,
+        "max_abs_error": {k: max(abs(r[k]["error"] or 0) for r in rows) for k in VALIDATED},
+        "max_spread": {k: max(r[k]["spread"] or 0 for r in rows) for k in VALIDATED},
+        "step_uncertainty": u, "in_band": held, "values": len(rows) * len(VALIDATED)}
     calibrate.save(cal, path)
     print(f"stored in {path}")
     return 0
 
 
 def run_fit_serving(args) -> int:
-    """``plan calibrate --from-compare DIR...``: fit ``serving.decode_slowdown`` into the
-    calibration (see :func:`calibrate.fit_serving`) and print each run's p95 ratio."""
+    """``plan calibrate --from-compare DIR...``: fit ``serving.decode_slowdown`` and
+    ``serving.contended_slowdown`` into the calibration (see :func:`calibrate.fit_serving`)
+    and print each run's ratios."""
     path = _calibration_path(args)
     cal = calibrate.load(path)
     runs = {f"{d}:{name}": gaps for d in args.from_compare for name, gaps in calibrate.compare_gaps(
         d, calibrate.platform_from(cal, vlm=_has_images(Path(d)))).items()}
-    slowdown = calibrate.fit_serving(list(runs.values()))
+    slowdown, contended = calibrate.fit_serving(list(runs.values()))
     p = calibrate.SERVING_PERCENTILE
-    ratios = {}
+    ratios, contention = {}, {}
     for run, gaps in runs.items():
-        if gaps:
-            measured, model = calibrate.gap_percentiles(gaps)
+        measured, model = calibrate.gap_percentiles(gaps)
+        line = f"{run}: {len(gaps)} decode steps"
+        if not np.isnan(measured):
             ratios[run] = measured / model
-            print(f"{run}: {len(gaps)} decode steps, p{p} {measured:.1f} ms measured vs {model:.1f} ms "
-                  f"by the step model (x{ratios[run]:.2f})")
+            line += f", p{p} {measured:.1f} ms measured vs {model:.1f} ms by the step model (x{ratios[run]:.2f})"
+        if (c := calibrate.contention_ratio(gaps)) is not None:
+            contention[run] = c
+            line += f"; x{c:.2f} while every other core was busy ({sum(g[2] for g in gaps)} steps)"
+        print(line)
     from datetime import datetime, timezone
-    cal["serving"] = {"decode_slowdown": slowdown, "percentile": p, "ratios": ratios,
+    cal["serving"] = {"decode_slowdown": slowdown, "contended_slowdown": contended, "percentile": p,
+                      "ratios": ratios, "contention_ratios": contention,
                       "compare_dirs": [str(d) for d in args.from_compare],
                       "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     calibrate.save(cal, path)
-    print(f"served decode steps take x{slowdown:.2f} the calibrated time (median of the ratios); written {path}")
+    print(f"served decode steps take x{slowdown:.2f} the calibrated time, x{contended:.2f} more while every "
+          f"other core is busy (medians over the runs); written {path}")
     return 0
 
 
 def run_calibrate(args) -> int:
     if args.from_compare:
         return run_fit_serving(args)
-    cal = calibrate.calibrate(args.model)
+    cal = calibrate.calibrate(args.model, rounds=args.rounds)
     path = calibrate.save(cal, _calibration_path(args))
     for model, steps in (("", cal["steps"]), (" (VLM's language model)", cal.get("vision", {}).get("steps", {}))):
         for size, fit in steps.items():
             coef = ", ".join(f"{c:.4g}" for c in fit["coef"])
             print(f"{size}-core worker{model}: ms = [{coef}] · [{', '.join(FEATURES)}]; "
-                  f"mean |error| {fit['mean_abs_rel_error']:.1%} over {len(fit['samples'])} steps")
+                  f"mean |error| {fit['mean_abs_rel_error']:.1%} over {len(fit['samples'])} steps; "
+                  f"the fits of its {fit['rounds']} rounds differ by {fit['round_spread']:.1%}")
     for size, fit in cal.get("vision", {}).get("encode", {}).items():
         print(f"{size}-core worker: encode {fit['ms_per_tile']:.0f} ms per image tile "
               f"(calls of {', '.join(str(c['images']) for c in fit['samples'])} images)")

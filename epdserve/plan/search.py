@@ -122,10 +122,28 @@ def evaluate(deployment: Deployment, platform: Platform, requests: list[workload
     return Candidate(deployment, rate, measure(rate) if rate else None, sweep["points"])
 
 
+def _per_device_band(row: dict) -> list[float] | None:
+    band = row.get("goodput_band_rps")
+    return band and [rate / row["devices"] for rate in band]
+
+
+def _band(row: dict) -> str:
+    return "{:.3g}–{:.3g}".format(*_per_device_band(row))
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    """Whether the goodput-per-device bands of two rows (``goodput_band_rps``: the goodput
+    with step times ± the platform's uncertainty) overlap; False without bands."""
+    x, y = _per_device_band(a), _per_device_band(b)
+    return bool(x and y) and x[0] <= y[1] and y[0] <= x[1]
+
+
 def recommend(rows: list[dict]) -> tuple[dict | None, str]:
     """The best row and why: the highest goodput per device; within 5 % of it the
     cheaper, then the simpler (colocated before PD, fewer workers) candidate wins.
-    None when no candidate meets the SLOs at any rate tried."""
+    None when no candidate meets the SLOs at any rate tried. When the best colocated and
+    the best split rows carry goodput bands (``goodput_band_rps``) that overlap, the reason
+    says the prediction cannot tell them apart."""
     feasible = [r for r in rows if r["max_goodput_rps"] > 0]
     if not feasible:
         return None, ("no deployment meets the SLOs for the target share of requests even at "
@@ -148,6 +166,9 @@ def recommend(rows: list[dict]) -> tuple[dict | None, str]:
                 f"best colocated ({bc['name']})")
         if ratio < 1.05:
             why += ": splitting does not pay off for this workload"
+        if _overlap(bc, bs):
+            why += (f"; their goodput bands overlap ({bc['name']} {_band(bc)}, {bs['name']} {_band(bs)} req/s "
+                    f"per device), so the prediction cannot tell them apart: measure both with `epdserve compare`")
     elif split and not colo:
         why += "; no colocated deployment meets the SLOs at all"
     return pick, why

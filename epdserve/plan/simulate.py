@@ -4,8 +4,8 @@ The simulated engine follows epdserve's scheduler (engine/scheduler.py, vLLM v1 
 each step gives every running sequence its next tokens (decodes one, a chunked prefill its
 next chunk), then admits waiting sequences while ``max_num_seqs`` and
 ``max_num_batched_tokens`` allow; without chunked prefill a prompt is prefilled whole.
-A step lasts what the platform's step model says, its decodes slowed as served ones are
-(``Platform.served_step_ms``). The router sends a request to the
+A step lasts what the platform's step model says, its decodes slowed as served ones are,
+more so while every other device of the deployment is busy (``Platform.served_step_ms``). The router sends a request to the
 worker of the role with the fewest outstanding requests, then tokens (prompt +
 max_tokens), as serving/router.py does. In PD the first token is streamed when the
 prefill worker samples it; the KV then crosses ``kv_link`` and the decode worker copies
@@ -162,16 +162,23 @@ class _Devices:
         self.left: dict[simpy.Event, float] = {}  # work in progress: its done event -> ms left
         self.since = 0.0
         self.timer: simpy.Event | None = None
+        self.busy = 0  # pieces of work in progress
 
     def run(self, ms: float) -> simpy.Event:
         """An event that fires once ``ms`` of work is done here."""
-        if not self.shared:
-            return self.env.timeout(ms / 1e3)
-        self._advance()
-        done = self.env.event()
-        self.left[done] = ms
-        self._schedule()
+        self.busy += 1
+        if self.shared:
+            self._advance()
+            done = self.env.event()
+            self.left[done] = ms
+            self._schedule()
+        else:
+            done = self.env.timeout(ms / 1e3)
+        done.callbacks.append(self._release)  # before the waiting process resumes
         return done
+
+    def _release(self, done: simpy.Event) -> None:
+        self.busy -= 1
 
     def _advance(self) -> None:
         if self.left:
@@ -267,7 +274,8 @@ class _Worker:
             ms = self.sim.platform.served_step_ms(self.step_model, [(n, s.computed) for s, n in chunks],
                                                   self.num_decode + len(joining),
                                                   self.decode_context + sum(s.prompt for s in joining),
-                                                  max([self._max_context(k)] + [s.prompt for s in joining]))
+                                                  max([self._max_context(k)] + [s.prompt for s in joining]),
+                                                  self.sim.contended(self.devices))
             for s in joining:
                 self._start_decode(s, k, s.prompt)
             for s, _ in chunks:
@@ -437,9 +445,11 @@ class _Simulation:
         self.cached_prefix = platform.template_prefix_tokens // limits.block_size * limits.block_size \
             if limits.enable_prefix_caching else 0
         shared: dict[str, _Devices] = {}
-        self.workers, self.encoders = [], []
+        self.workers, self.encoders, self.devices = [], [], []
         for w in deployment.workers:
             devices = shared.setdefault(w.share, _Devices(self.env, True)) if w.share else _Devices(self.env, False)
+            if devices not in self.devices:
+                self.devices.append(devices)
             if w.role == "encode":
                 self.encoders.append(_EncodeWorker(self, w, devices))
             else:
@@ -447,6 +457,12 @@ class _Simulation:
         self.finished: list[_Seq] = []
         for w in self.workers + self.encoders:
             self.env.process(w.run())
+
+    def contended(self, devices: _Devices) -> bool:
+        """Whether every device of the deployment but ``devices`` is busy: no core is left
+        for the router and the client, which then take theirs from the workers."""
+        others = [d for d in self.devices if d is not devices]
+        return bool(others) and all(d.busy for d in others)
 
     def pick(self, role: str) -> _Worker:
         return min((w for w in self.workers if w.role == role), key=lambda w: (w.held, w.outstanding))
@@ -457,7 +473,7 @@ class _Simulation:
         cost = self.platform.images
         new = {_image_key(im) for im in images} - worker.images
         worker.images |= new
-        return cost.encode_ms(sum(cost.tiles((w, h)) for w, h, _ in new), worker.size)
+        return cost.encode_ms(sum(cost.tiles((w, h)) for w, h, _ in new), worker.size) * self.platform.time_scale
 
     def arrive(self, index: int, req: Request):
         yield self.env.timeout(req.offset_s)
