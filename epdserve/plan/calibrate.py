@@ -52,6 +52,10 @@ ENCODE_CALLS = (2,)
 ENCODE_IMAGE_SIZE = (448, 448)
 # What tiles and image tokens per image follow from (ImageProcessor.grid / num_tokens).
 PROCESSOR_FIELDS = ("longest_edge", "max_image_size", "image_seq_len", "do_resize", "do_image_splitting")
+# Greedy, as `epdserve bench` and `compare` send by default: random sampling (temperature
+# 1, the API's default) adds ~1.8 ms per sequence to a step on this CPU, which served greedy
+# runs never pay.
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
 # Indicative price of one CPU core-hour (USD), to rank candidates by cost like GPUs.
 CPU_CORE_PRICE_PER_HOUR = 0.04
 
@@ -77,7 +81,8 @@ def _prefill_steps(model_dir: str, reps: int, rng, prefix: list[int]) -> list[di
     out = []
     for n in PREFILL_LENS:
         for rep in range(reps + 1):
-            engine.add_request(f"p{n}-{rep}", (prefix + _prompt(rng, n, vocab))[:n], SamplingParams(max_tokens=1))
+            engine.add_request(f"p{n}-{rep}", (prefix + _prompt(rng, n, vocab))[:n],
+                               SamplingParams(max_tokens=1, **GREEDY))
             start = time.perf_counter()
             hit = engine.step()[0].num_cached_tokens
             ms = (time.perf_counter() - start) * 1e3
@@ -99,7 +104,7 @@ def _decode_steps(model_dir: str, steps: int, rng) -> list[dict]:
             for i, ctx in enumerate(contexts):
                 kv = torch.zeros(engine._block_shape(engine.pool.blocks_for(ctx)), dtype=engine.kv_cache.dtype)
                 engine.add_request(f"d{i}", _prompt(rng, ctx, vocab),
-                                   SamplingParams(max_tokens=steps + 2, ignore_eos=True), kv, first_token=42)
+                                   SamplingParams(max_tokens=steps + 2, **GREEDY), kv, first_token=42)
             engine.step()  # imports the KV
             for i in range(steps):
                 start = time.perf_counter()
@@ -452,9 +457,11 @@ def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platf
     step models (``vlm``: those of the vision-language model's language model), KV (and
     embeddings) over the measured shared-memory hand-off, encoding at
     the measured ms per tile (no images without a ``vision`` section: older calibrations),
-    decode steps slowed by the fitted ``serving.decode_slowdown`` (1 without one: not fitted
-    yet, or older calibrations) and known to :func:`step_uncertainty`, and each worker's KV cache as ``epdserve serve`` sizes it
-    (``--kv-cache-memory-mb`` default, float32 KV, whatever its cores).
+    decode steps slowed by the fitted ``serving.decode_slowdown`` and
+    ``serving.contended_slowdown`` (1 without them: not fitted yet, or older calibrations)
+    and known to :func:`step_uncertainty`, the last validation of each workload, and each
+    worker's KV cache as ``epdserve serve`` sizes it (``--kv-cache-memory-mb`` default,
+    float32 KV, whatever its cores).
 
     Raises:
         ValueError: ``vlm`` and a calibration without the VLM's step fits (older ones).
@@ -485,5 +492,6 @@ def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platf
                     contended_slowdown=cal.get("serving", {}).get("contended_slowdown", 1.0),
                     step_uncertainty=step_uncertainty(cal.get("serving", {})),
                     template_tokens=cal.get("template_tokens", 0),
-                    template_prefix_tokens=cal.get("template_prefix_tokens", 0), error=list(cal.get("validations", {}).values()) or None,
+                    template_prefix_tokens=cal.get("template_prefix_tokens", 0),
+                    error=list(cal.get("validations", {}).values()) or None,
                     images=images, kv_capacity_tokens=lambda devices: kv_capacity)

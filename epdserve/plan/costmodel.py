@@ -221,8 +221,9 @@ class Platform:
     ``kv_capacity_tokens(devices)``: tokens of KV cache a worker on that many devices holds
     (None: unbounded); ``template_tokens``: tokens a chat template adds to a
     prompt, the first ``template_prefix_tokens`` of them the same in every prompt (its
-    system turn: the engine's prefix cache keeps their full blocks); ``error``: the prediction errors of the last validation of each workload (as ``plan
-    validate`` stores them; None if never validated).
+    system turn: the engine's prefix cache keeps their full blocks); ``error``: the
+    prediction errors of the last validation of each workload (as ``plan validate`` stores
+    them; None if never validated).
     """
 
     name: str

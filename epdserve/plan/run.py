@@ -354,8 +354,8 @@ def run_validate(args) -> int:
     print(f"[band]: predicted with step times x{1 - u:.2f} to x{1 + u:.2f} (the spread of the served runs "
           f"the slowdown was fitted on); it holds {held} of {len(rows) * len(VALIDATED)} measured values" if u else
           "[band]: none; fit the serving slowdown on 2 or more runs for one (`plan calibrate --from-compare`)")
-    print(f"served decode steps x{platform.decode_slowdown:.2f} the calibrated time, x{platform.contended_slowdown:.2f} "
-          f"more while every other core is busy"
+    print(f"served decode steps x{platform.decode_slowdown:.2f} the calibrated time, "
+          f"x{platform.contended_slowdown:.2f} more while every other core is busy"
           + ("" if "serving" in cal else " (not fitted: run `epdserve plan calibrate --from-compare DIR...`)"))
     from datetime import datetime, timezone
     # One entry per workload (trace): validating it again replaces its entry.
