@@ -254,6 +254,39 @@ def test_plan_cli_errors(argv, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_bad_calibrations_are_clear_errors(tmp_path):
+    bad = {"negative": dict(_gap_calibration(), steps={"1": {"coef": [-1.0, 0, 0, 0, 0]}}),
+           "null link": dict(_gap_calibration(), kv_link=None),
+           "text slowdown": dict(_gap_calibration(), serving={"decode_slowdown": "fast"})}
+    for name, cal in bad.items():
+        with pytest.raises(ValueError, match="not a usable epdserve calibration"):
+            calibrate.load(calibrate.save(cal, tmp_path / f"{name}.json"))
+    with pytest.raises(ValueError, match="cannot be read"):
+        calibrate.load(tmp_path)
+
+
+def test_validate_refuses_a_directory_named_twice_and_foreign_outputs(tmp_path):
+    cal = calibrate.save(_gap_calibration(), tmp_path / "cal.json")
+    run = tmp_path / "run"
+    run.mkdir()
+    save_trace([req(0.0, 5, 2)], run / "trace.jsonl")
+    (run / "compare.json").write_text(json.dumps({"results": []}))  # not what compare writes
+    for dirs, message in (([run, run], "named twice"), ([run], "not an `epdserve compare` output")):
+        proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "validate", "--calibration", str(cal),
+                               "--compare-dir", *map(str, dirs)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_trace_too_short_to_load_a_deployment_is_flagged():
+    # Three tiny requests meet the SLOs even all at once: no rate finds the goodput.
+    cand = search.evaluate(COLOCATED, flat_platform(), [req(0.0, 5, 2)] * 3, {"ttft": 1000.0}, 0.9, EngineLimits())
+    assert cand.unbounded and cand.row(flat_platform())["unbounded"]
+    text = _markdown({"platform": "flat", "devices": 1, "workload": "w", "slos_ms": {"ttft": 1000.0},
+                      "target": 0.9, "candidates": [cand.row(flat_platform())], "skipped": {},
+                      "recommendation": "colocated", "reason": "r", "validations": None})
+    assert "| colocated | 1 | ≥ " in text and "the trace is too short" in text
+
+
 def test_image_costs_follow_the_processor():
     cost = ImageCost(ONE_TILE, lambda tiles, n: 0.0, 576, 4)
     assert (cost.tiles((448, 448)), cost.tokens((448, 448))) == (1, 64)
@@ -371,20 +404,21 @@ def test_epd_does_not_pay_for_long_answers():
 def test_calibrated_platform_encodes_per_tile():
     cal = {"model": "m", "steps": {"1": {"coef": [1.0] * 5}}, "kv_link": {"gbs": 1.0, "latency_ms": 0.5},
            "kv_bytes_per_token": 10,
-           "vision": {"encode": {"1": {"ms_per_tile": 2500.0}}, "hidden_size": 576, "dtype_bytes": 4,
-                      "processor": {k: getattr(ONE_TILE, k) for k in calibrate.PROCESSOR_FIELDS}}}
-    images = calibrate.platform_from(cal).images
-    assert images.encode_ms(3, 1) == 7500.0
-    assert images.embedding_bytes((448, 448)) == 147456
+           "vision": {"model": "/models/SmolVLM-256M", "encode": {"1": {"ms_per_tile": 2500.0}}, "hidden_size": 576,
+                      "dtype_bytes": 4, "processor": {k: getattr(ONE_TILE, k) for k in calibrate.PROCESSOR_FIELDS}}}
     # The VLM's language model has step fits of its own.
     with pytest.raises(ValueError, match="rerun `epdserve plan calibrate`"):
         calibrate.platform_from(cal, vlm=True)
     cal["vision"]["steps"] = {"1": {"coef": [3.0] * 5}}
-    assert calibrate.platform_from(cal, vlm=True).step(1).coef == (3.0,) * 5
-    assert calibrate.platform_from(cal).step(1).coef == (1.0,) * 5
-    del cal["vision"]  # an older calibration: text only
+    vlm = calibrate.platform_from(cal, vlm=True)
+    assert vlm.step(1).coef == (3.0,) * 5 and vlm.name == "SmolVLM-256M on this CPU"
+    assert vlm.images.encode_ms(3, 1) == 7500.0
+    assert vlm.images.embedding_bytes((448, 448)) == 147456
+    # The text model takes no images, though its calibration timed the VLM too.
+    text = calibrate.platform_from(cal)
+    assert text.step(1).coef == (1.0,) * 5 and text.images is None
     with pytest.raises(ValueError, match="has images"):
-        simulate(COLOCATED, calibrate.platform_from(cal), [req(0.0, 5, 1, images=[IMAGE])])
+        simulate(COLOCATED, text, [req(0.0, 5, 1, images=[IMAGE])])
 
 
 def test_roofline_plan_cli_with_images(tmp_path):
@@ -579,7 +613,9 @@ def test_validate_takes_repeats_and_reports_their_spread(tmp_path):
         runs[-1].mkdir()
         save_trace(reqs, runs[-1] / "trace.jsonl")
         result = {k: predicted[k] * scale for k in VALIDATED}
-        (runs[-1] / "compare.json").write_text(json.dumps({"configs": [{"name": "colocated", "result": result}]}))
+        workers = [{"worker_id": "colocated-0", "role": "colocated", "cores": [0, 1]}]
+        (runs[-1] / "compare.json").write_text(json.dumps({"configs": [{"name": "colocated", "result": result,
+                                                                        "resources": {"workers": workers}}]}))
     argv = [sys.executable, "-m", "epdserve", "plan", "validate", "--compare-dir", *map(str, runs),
             "--calibration", str(cal), "--devices", "2"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
@@ -591,13 +627,13 @@ def test_validate_takes_repeats_and_reports_their_spread(tmp_path):
     assert ttft["error"] == pytest.approx(0.0, abs=1e-9) and ttft["spread"] == pytest.approx(0.2)
     assert validation["max_spread"]["p95_itl_ms"] == pytest.approx(0.2)
     assert ttft["band"][0] < ttft["predicted"] < ttft["band"][1] and ttft["in_band"]
-    assert validation["step_uncertainty"] == pytest.approx(0.1) and validation["in_band"] == validation["values"] == 3
-    assert "holds 3 of 3 measured values" in proc.stdout
-    doc = {"platform": "m on this CPU", "devices": 2, "slos_ms": {"ttft": 100.0}, "target": 0.9, "candidates": [],
-           "skipped": {}, "recommendation": None, "reason": "none", "validations": [validation]}
+    assert validation["step_uncertainty"] == pytest.approx(0.1) and validation["in_band"] == validation["values"] == 2
+    assert "holds 2 of 2 measured latencies" in proc.stdout
+    doc = {"platform": "m on this CPU", "devices": 2, "workload": "w", "slos_ms": {"ttft": 100.0}, "target": 0.9,
+           "candidates": [], "skipped": {}, "recommendation": None, "reason": "none", "validations": [validation]}
     text = _markdown(doc)
     assert "largest |error| p95_ttft_ms 0%" in text and "moved by up to p95_ttft_ms 20%" in text
-    assert "the prediction's band held 3 of 3 measured values" in text
+    assert "the prediction's band held 2 of 2 measured latencies" in text
     # A "repeat" of another trace is refused.
     save_trace(reqs[:-1], runs[1] / "trace.jsonl")
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)

@@ -291,13 +291,21 @@ def load(path: str | Path) -> dict:
         cal = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"no calibration at {path}; run `epdserve plan calibrate` first") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
     if not isinstance(cal, dict) or not {"steps", "kv_link", "kv_bytes_per_token"} <= set(cal):
         raise ValueError(f"{path}: not an epdserve calibration file")
-    if any(len(fit["coef"]) != len(FEATURES) for fit in cal["steps"].values()):
-        raise ValueError(f"{path}: made by an older epdserve (other cost-model features); "
-                         f"run `epdserve plan calibrate` again")
+    try:
+        if any(len(fit["coef"]) != len(FEATURES) for fit in cal["steps"].values()):
+            raise ValueError("made by an older epdserve (other cost-model features); run `epdserve plan "
+                             "calibrate` again")
+        platform_from(cal)
+        if cal.get("vision", {}).get("steps"):
+            platform_from(cal, vlm=True)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a usable epdserve calibration ({type(exc).__name__}: {exc})") from None
     return cal
 
 
@@ -387,6 +395,23 @@ def step_uncertainty(serving: dict) -> float:
     return (max(ratios) - min(ratios)) / 2 / serving["decode_slowdown"]
 
 
+def compare_configs(compare_dir: Path) -> list[dict]:
+    """The ``configs`` of an ``epdserve compare`` output's ``compare.json``: one dict per
+    configuration with its ``name``, ``resources`` and, if it ran, ``result``.
+
+    Raises:
+        ValueError: no such file, or not one that ``compare`` writes.
+    """
+    try:
+        configs = json.loads((compare_dir / "compare.json").read_text())["configs"]
+        if not all(isinstance(c["name"], str) and c["resources"]["workers"] for c in configs):
+            raise ValueError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"{compare_dir}: not an `epdserve compare` output (its compare.json is missing "
+                         f"or of another kind)") from None
+    return configs
+
+
 def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[tuple[float, float]]]:
     """:func:`decode_gaps` of each configuration of an ``epdserve compare`` output (its
     ``compare.json``, ``trace.jsonl`` and ``NAME.server.jsonl``), with the step models of
@@ -400,8 +425,8 @@ def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[
     from epdserve.plan.simulate import prompt_tokens
 
     compare_dir = Path(compare_dir)
+    configs = compare_configs(compare_dir)
     try:
-        configs = json.loads((compare_dir / "compare.json").read_text())["configs"]
         requests = workload.load_trace(compare_dir / "trace.jsonl")
     except (FileNotFoundError, workload.TraceError) as exc:
         raise ValueError(f"{compare_dir}: not an `epdserve compare` output ({exc})") from None
@@ -455,41 +480,47 @@ def _busy_s(record: dict, first: float, last: float) -> list[tuple[str, float, f
 def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platform:
     """The :class:`Platform` of a calibration: workers of 1 or 2 cores with the fitted
     step models (``vlm``: those of the vision-language model's language model), KV (and
-    embeddings) over the measured shared-memory hand-off, encoding at
-    the measured ms per tile (no images without a ``vision`` section: older calibrations),
+    embeddings) over the measured shared-memory hand-off, encoding (``vlm``) at the
+    measured ms per tile,
     decode steps slowed by the fitted ``serving.decode_slowdown`` and
     ``serving.contended_slowdown`` (1 without them: not fitted yet, or older calibrations)
     and known to :func:`step_uncertainty`, the last validation of each workload, and each
     worker's KV cache as ``epdserve serve`` sizes it (``--kv-cache-memory-mb`` default,
     float32 KV, whatever its cores).
 
+    The text model's platform takes no images: those need ``vlm``.
+
     Raises:
-        ValueError: ``vlm`` and a calibration without the VLM's step fits (older ones).
+        ValueError: ``vlm`` and a calibration without the VLM's step fits (older ones); a
+            negative step coefficient or serving factor.
     """
     fitted = cal.get("vision", {}).get("steps") if vlm else cal["steps"]
     if not fitted:
         raise ValueError("this calibration has no step fits of the vision-language model's language "
                          "model (made before they were taken): rerun `epdserve plan calibrate`")
-    steps = {int(k): LinearStep(tuple(v["coef"])) for k, v in fitted.items()}
+    steps = {int(k): LinearStep(tuple(float(c) for c in v["coef"])) for k, v in fitted.items()}
+    serving = {k: float(cal.get("serving", {}).get(k, 1.0)) for k in ("decode_slowdown", "contended_slowdown")}
+    if any(c < 0 for fit in steps.values() for c in fit.coef) or min(serving.values()) <= 0:
+        raise ValueError("negative step coefficients or serving factors")
 
     def step(devices: int) -> LinearStep:
         if devices not in steps:
             raise ValueError(f"no calibration for a worker of {devices} cores (have {sorted(steps)})")
         return steps[devices]
 
-    images = None
-    if vision := cal.get("vision"):
+    images, name = None, cal["model"]
+    if vlm:
+        vision = cal["vision"]
+        name = Path(vision["model"]).name
         per_tile = {int(k): v["ms_per_tile"] for k, v in vision["encode"].items()}
         processor = ImageProcessor(**vision["processor"])
         images = ImageCost(processor, lambda tiles, devices: tiles * per_tile[devices],
                            vision["hidden_size"], vision["dtype_bytes"])
 
     kv_capacity = EngineConfig.kv_cache_memory_mb * 2**20 // cal["kv_bytes_per_token"]
-    return Platform(name=f"{cal['model']} on this CPU", step=step, worker_sizes=tuple(sorted(steps)),
+    return Platform(name=f"{name} on this CPU", step=step, worker_sizes=tuple(sorted(steps)),
                     kv_bytes_per_token=cal["kv_bytes_per_token"], kv_link=Link(**cal["kv_link"]),
-                    price_per_device_hour=CPU_CORE_PRICE_PER_HOUR, router_ms=router_ms,
-                    decode_slowdown=cal.get("serving", {}).get("decode_slowdown", 1.0),
-                    contended_slowdown=cal.get("serving", {}).get("contended_slowdown", 1.0),
+                    price_per_device_hour=CPU_CORE_PRICE_PER_HOUR, router_ms=router_ms, **serving,
                     step_uncertainty=step_uncertainty(cal.get("serving", {})),
                     template_tokens=cal.get("template_tokens", 0),
                     template_prefix_tokens=cal.get("template_prefix_tokens", 0),

@@ -32,6 +32,9 @@ from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError, Wo
 
 ACTIONS = ("search", "calibrate", "validate")
 VALIDATED = ("p95_ttft_ms", "p95_itl_ms", "output_throughput")
+# Those whose band is counted: below saturation throughput follows the arrivals, whatever the
+# step times, so its band is a hair wide and says nothing.
+BANDED = ("p95_ttft_ms", "p95_itl_ms")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,19 +148,29 @@ def run_search(args) -> int:
                                               for scale in (1 - u, 1 + u)]
             rows[-1]["goodput_band_rps"] = [min(rates), max(rates)]
     rows.sort(key=lambda r: -r["goodput_per_device"])
-    pick, why = search.recommend(rows)
+    pick, why = search.recommend(rows) if rows else (None, "every deployment was skipped (see the table)")
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"platform": platform.name, "devices": args.devices, "slos_ms": slos, "target": args.target,
-           "step_uncertainty": platform.step_uncertainty,
+    doc = {"platform": platform.name, "devices": args.devices, "workload": _workload(args, requests),
+           "slos_ms": slos, "target": args.target, "step_uncertainty": platform.step_uncertainty,
            "candidates": rows, "skipped": skipped, "recommendation": pick and pick["name"], "reason": why,
            "validations": platform.error}
     (out / "plan.json").write_text(json.dumps(doc, indent=1))
     text = _markdown(doc)
     (out / "plan.md").write_text(text)
-    _plot(curves, out / "goodput.png")
+    _plot(curves, args.target, out / "goodput.png")
     print(text)
+    print(f"written: {out / 'plan.md'}, {out / 'plan.json'}, {out / 'goodput.png'}")
     return 0
+
+
+def _workload(args, requests: list[workload.Request]) -> str:
+    """What was planned for, in words."""
+    source = f"trace {args.trace}" if args.trace else (
+        f"input {args.input_len[0]}-{args.input_len[1]} tokens, output {args.output_len[0]}-{args.output_len[1]}, "
+        f"seed {args.seed}")
+    images = sum(len(r.images) for r in requests)
+    return f"{len(requests)} requests, {source}" + (f", {images} images" if images else "")
 
 
 def _fmt(v, spec: str = ".3g") -> str:
@@ -174,26 +187,31 @@ def _validation_line(v: dict) -> str:
         line += f" The same trace measured {len(dirs)} times moved by up to {spread} (max - min over mean)."
     if v["step_uncertainty"]:
         line += (f" With step times {v['step_uncertainty']:.0%} faster or slower, the prediction's band held "
-                 f"{v['in_band']} of {v['values']} measured values.")
+                 f"{v['in_band']} of {v['values']} measured latencies.")
     return line
 
 
 def _markdown(doc: dict) -> str:
     slos = " ".join(f"{k} ≤ {v:g} ms" for k, v in doc["slos_ms"].items())
-    lines = [f"# Plan: {doc['platform']}, {doc['devices']} devices", "",
-             f"SLOs: {slos} for {doc['target']:.0%} of requests (goodput as DistServe defines it).", "",
+    lines = [f"# Plan: {doc['platform']}, {doc['devices']} device{'s' if doc['devices'] > 1 else ''}", "",
+             f"Workload: {doc['workload']}. SLOs: {slos} for {doc['target']:.0%} of requests (goodput as "
+             f"DistServe defines it).", "",
              "| deployment | devices | goodput req/s | per device | TTFT p50/p95 ms | ITL p50/p95 ms "
              "| out tok/s/device | USD / M out tokens |", "|---|---|---|---|---|---|---|---|"]
     for r in doc["candidates"]:
         band = " ({} – {})".format(*map(_fmt, r["goodput_band_rps"])) if "goodput_band_rps" in r else ""
-        lines.append(f"| {r['name']} | {r['devices']} | {_fmt(r['max_goodput_rps'])}{band} | "
-                     f"{_fmt(r['goodput_per_device'])} | {_fmt(r['p50_ttft_ms'], '.0f')} / "
+        at_least = "≥ " if r["unbounded"] else ""
+        lines.append(f"| {r['name']} | {r['devices']} | {at_least}{_fmt(r['max_goodput_rps'])}{band} | "
+                     f"{at_least}{_fmt(r['goodput_per_device'])} | {_fmt(r['p50_ttft_ms'], '.0f')} / "
                      f"{_fmt(r['p95_ttft_ms'], '.0f')} | {_fmt(r['p50_itl_ms'], '.1f')} / "
                      f"{_fmt(r['p95_itl_ms'], '.1f')} | {_fmt(r['output_tok_s_per_device'])} | "
                      f"{_fmt(r['usd_per_m_output_tokens'])} |")
     lines += [f"| {name} | skipped: {why} |||||||" for name, why in doc["skipped"].items()]
     lines += ["", f"**Recommendation: {doc['recommendation'] or 'none'}** — {doc['reason']}.", ""]
-    if doc.get("step_uncertainty"):
+    if unbounded := [r["name"] for r in doc["candidates"] if r["unbounded"]]:
+        lines += [f"≥: {', '.join(unbounded)} met the SLOs at every rate tried, the whole trace in flight at "
+                  f"once: the trace is too short to find their goodput; plan with more requests.", ""]
+    if any("goodput_band_rps" in r for r in doc["candidates"]):
         lines += [f"Goodput in brackets: with every step {doc['step_uncertainty']:.0%} faster or slower, the "
                   f"spread of the served runs this machine's serving slowdown was fitted on.", ""]
     if doc.get("validations"):
@@ -207,7 +225,7 @@ def _markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(curves: dict[str, list[dict]], path: Path) -> None:
+def _plot(curves: dict[str, list[dict]], target: float, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -216,6 +234,7 @@ def _plot(curves: dict[str, list[dict]], path: Path) -> None:
     for name, points in curves.items():
         if points:
             ax.plot([p["rate"] for p in points], [p["slo_attainment"] for p in points], marker="o", label=name)
+    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.0%}")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("share of requests meeting the SLOs")
     ax.grid(alpha=0.3)
@@ -232,7 +251,8 @@ def compare_deployment(name: str, cores: int) -> Deployment:
     core 0).
 
     Raises:
-        ValueError: an unknown name, or workers whose cores overlap only in part (not simulated).
+        ValueError: an unknown name, local prefill (``pd-localN``) or workers whose cores
+            overlap only in part (not simulated).
     """
     from epdserve.bench.compare import serve_flags
     from epdserve.serving.launcher import plan_workers
@@ -240,6 +260,8 @@ def compare_deployment(name: str, cores: int) -> Deployment:
     flags = serve_flags(name)
     if flags is None:
         raise ValueError(f"unknown configuration {name!r}")
+    if "--local-prefill-threshold" in flags:
+        raise ValueError(f"{name}: prefill of short prompts on the decode worker is not simulated")
     opts = dict(zip(flags[::2], flags[1::2]))
     placed = plan_workers(opts["--mode"], list(range(cores)), workers=int(opts.get("--workers", 1)),
                           prefill=int(opts.get("--prefill-workers", 1)),
@@ -269,9 +291,9 @@ def compare_limits(name: str) -> EngineLimits:
     return limits
 
 
-def validate(compare_dirs: list[Path], platform: Platform, cores: int) -> list[dict]:
+def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
     """Predicted vs measured :data:`VALIDATED` metrics for each configuration of one or
-    more compare runs of the same trace (repeats). Per metric: ``runs`` (the measured value
+    more compare runs of the same trace (repeats), on the cores it ran on. Per metric: ``runs`` (the measured value
     of each run that has the configuration), ``measured`` (their mean), ``error`` =
     (predicted − measured) / measured, ``spread`` = (max − min) / measured of the runs
     (0 for one run): how far the measurement itself moves between identical runs, and
@@ -288,16 +310,18 @@ def validate(compare_dirs: list[Path], platform: Platform, cores: int) -> list[d
             raise ValueError(f"{d} replayed another trace than {compare_dirs[0]}; repeats of one "
                              f"workload are needed")
     results: dict[str, list[dict]] = {}
+    cores: dict[str, int] = {}  # that each configuration ran on
     for d in compare_dirs:
-        for entry in json.loads((d / "compare.json").read_text())["configs"]:
+        for entry in calibrate.compare_configs(d):
             if "result" in entry:  # else the configuration failed to run
                 results.setdefault(entry["name"], []).append(entry["result"])
+                cores[entry["name"]] = len({c for w in entry["resources"]["workers"] for c in w["cores"]})
     u = platform.step_uncertainty
     scales = (1.0, 1.0 - u, 1.0 + u) if u else (1.0,)
     rows = []
     for name, runs in results.items():
         try:
-            dep = compare_deployment(name, cores)
+            dep = compare_deployment(name, cores[name])
         except ValueError as exc:
             print(f"skipped {name}: {exc}", file=sys.stderr)
             continue
@@ -316,6 +340,18 @@ def validate(compare_dirs: list[Path], platform: Platform, cores: int) -> list[d
     return rows
 
 
+def _distinct_dirs(dirs: list[str]) -> list[Path]:
+    """``dirs`` as paths; a directory named twice would count as a repeat of itself.
+
+    Raises:
+        ValueError: a directory named twice.
+    """
+    paths = [Path(d) for d in dirs]
+    if len({p.resolve() for p in paths}) < len(paths):
+        raise ValueError(f"a directory is named twice in {' '.join(dirs)}: repeats must be separate runs")
+    return paths
+
+
 def _has_images(compare_dir: Path) -> bool:
     """Whether a compare run's trace sends images: it was served by a vision-language model
     (False when it has no trace: :func:`calibrate.compare_gaps` names the missing file)."""
@@ -329,13 +365,13 @@ def run_validate(args) -> int:
         return 2
     path = _calibration_path(args)
     cal = calibrate.load(path)
-    compare_dirs = [Path(d) for d in args.compare_dir]
+    compare_dirs = _distinct_dirs(args.compare_dir)
     for d in compare_dirs:
         if not (d / "compare.json").is_file() or not (d / "trace.jsonl").is_file():
             print(f"epdserve plan validate: error: {d} has no compare.json and trace.jsonl", file=sys.stderr)
             return 2
     platform = calibrate.platform_from(cal, vlm=_has_images(compare_dirs[0]))
-    rows = validate(compare_dirs, platform, args.devices)
+    rows = validate(compare_dirs, platform)
     if not rows:
         print("epdserve plan validate: error: no configuration could be simulated", file=sys.stderr)
         return 1
@@ -350,9 +386,9 @@ def run_validate(args) -> int:
         print(f"measured: the mean of {len(compare_dirs)} runs of the same trace; spread: (max - min) / mean "
               f"of those runs")
     u = platform.step_uncertainty
-    held = sum(row[k]["in_band"] for row in rows for k in VALIDATED)
+    held = sum(row[k]["in_band"] for row in rows for k in BANDED)
     print(f"[band]: predicted with step times x{1 - u:.2f} to x{1 + u:.2f} (the spread of the served runs "
-          f"the slowdown was fitted on); it holds {held} of {len(rows) * len(VALIDATED)} measured values" if u else
+          f"the slowdown was fitted on); it holds {held} of {len(rows) * len(BANDED)} measured latencies" if u else
           "[band]: none; fit the serving slowdown on 2 or more runs for one (`plan calibrate --from-compare`)")
     print(f"served decode steps x{platform.decode_slowdown:.2f} the calibrated time, "
           f"x{platform.contended_slowdown:.2f} more while every other core is busy"
@@ -365,7 +401,7 @@ def run_validate(args) -> int:
         "compare_dirs": [str(d) for d in compare_dirs], "rows": rows,
         "max_abs_error": {k: max(abs(r[k]["error"] or 0) for r in rows) for k in VALIDATED},
         "max_spread": {k: max(r[k]["spread"] or 0 for r in rows) for k in VALIDATED},
-        "step_uncertainty": u, "in_band": held, "values": len(rows) * len(VALIDATED)}
+        "step_uncertainty": u, "in_band": held, "values": len(rows) * len(BANDED)}
     calibrate.save(cal, path)
     print(f"stored in {path}")
     return 0
@@ -377,8 +413,8 @@ def run_fit_serving(args) -> int:
     and print each run's ratios."""
     path = _calibration_path(args)
     cal = calibrate.load(path)
-    runs = {f"{d}:{name}": gaps for d in args.from_compare for name, gaps in calibrate.compare_gaps(
-        d, calibrate.platform_from(cal, vlm=_has_images(Path(d)))).items()}
+    runs = {f"{d}:{name}": gaps for d in _distinct_dirs(args.from_compare) for name, gaps in calibrate.compare_gaps(
+        d, calibrate.platform_from(cal, vlm=_has_images(d))).items()}
     slowdown, contended = calibrate.fit_serving(list(runs.values()))
     p = calibrate.SERVING_PERCENTILE
     ratios, contention = {}, {}

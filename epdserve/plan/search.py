@@ -74,24 +74,28 @@ def candidates(platform: Platform, budget: int, images: bool = False) -> list[De
 
 @dataclass
 class Candidate:
-    """A deployment's predicted goodput and latencies at that rate."""
+    """A deployment's predicted goodput and latencies at that rate (at the lowest rate
+    tried when it meets the SLOs at none); ``unbounded``: it met them at every rate tried,
+    with the whole trace in flight at once, so its goodput is beyond what the trace shows."""
 
     deployment: Deployment
     max_rate: float | None
     result: dict | None
     points: list[dict]
+    unbounded: bool = False
 
     def row(self, platform: Platform) -> dict:
+        """The candidate as a table row; throughput and cost only where it meets the SLOs."""
         d, r = self.deployment, self.result or {}
         devices = d.devices
-        tok_s = r.get("output_throughput", 0.0)
+        tok_s = r.get("output_throughput", 0.0) if self.max_rate else None
         cost = devices * platform.price_per_device_hour / (tok_s * 3600) * 1e6 if tok_s else None
         return {"name": d.name, "devices": devices, "max_goodput_rps": self.max_rate or 0.0,
-                "goodput_per_device": (self.max_rate or 0.0) / devices,
+                "goodput_per_device": (self.max_rate or 0.0) / devices, "unbounded": self.unbounded,
                 "p50_ttft_ms": r.get("median_ttft_ms"), "p95_ttft_ms": r.get("p95_ttft_ms"),
                 "p50_itl_ms": r.get("median_itl_ms"), "p95_itl_ms": r.get("p95_itl_ms"),
                 "p95_tpot_ms": r.get("p95_tpot_ms"),
-                "output_tok_s_per_device": tok_s / devices, "usd_per_m_output_tokens": cost}
+                "output_tok_s_per_device": tok_s and tok_s / devices, "usd_per_m_output_tokens": cost}
 
 
 def evaluate(deployment: Deployment, platform: Platform, requests: list[workload.Request],
@@ -117,6 +121,9 @@ def evaluate(deployment: Deployment, platform: Platform, requests: list[workload
         if not ok(hi):
             break
         lo, hi = hi, hi * 2
+    else:
+        points = [{"rate": rate, "slo_attainment": r["slo_attainment"]} for rate, r in sorted(cache.items())]
+        return Candidate(deployment, lo, measure(lo), points, unbounded=True)
     sweep = find_max_goodput_rate(measure, target, lo, hi, iters, progress=False)
     rate = sweep["max_rate"]
     return Candidate(deployment, rate, measure(rate) if rate else None, sweep["points"])
