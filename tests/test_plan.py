@@ -213,6 +213,17 @@ def test_recommend_says_when_splitting_does_not_pay():
     assert "bands overlap (colocated-2 0.8–1.2, 1p1d 1.1–2.2 req/s per device)" in search.recommend(rows)[1]
 
 
+def test_recommend_within_five_percent_prefers_colocated_then_cheaper():
+    def row(name: str, per_device: float, usd: float) -> dict:
+        return {"name": name, "max_goodput_rps": 2 * per_device, "devices": 2, "goodput_per_device": per_device,
+                "usd_per_m_output_tokens": usd}
+
+    pick, why = search.recommend([row("1p1d", 1.03, 1.0), row("colocated-2", 1.0, 2.0)])
+    assert pick["name"] == "colocated-2" and "within 5 % of the best (1p1d" in why and "simpler to run" in why
+    pick, why = search.recommend([row("2p2d", 1.03, 3.0), row("1p1d", 1.0, 1.0), row("colocated-2", 0.5, 1.0)])
+    assert pick["name"] == "1p1d" and "cheaper per output token" in why
+
+
 def roofline_plan(out, hardware_name: str, model: str, input_len: int, output_len: int, num: int, *slo: str):
     """`epdserve plan` on 2 devices of ``hardware_name`` for fixed-length requests."""
     return subprocess.run([sys.executable, "-m", "epdserve", "plan", "--hardware", hardware_name, "--model", model,

@@ -146,8 +146,9 @@ def _overlap(a: dict, b: dict) -> bool:
 
 
 def recommend(rows: list[dict]) -> tuple[dict | None, str]:
-    """The best row and why: the highest goodput per device; within 5 % of it the
-    cheaper, then the simpler (colocated before PD, fewer workers) candidate wins.
+    """The best row and why: the highest goodput per device; among those within 5 % of
+    it a colocated one (one engine per worker: simpler to run) before a split, then the
+    cheapest per output token.
     None when no candidate meets the SLOs at any rate tried. When the best colocated and
     the best split rows carry goodput bands (``goodput_band_rps``) that overlap, the reason
     says the prediction cannot tell them apart."""
@@ -164,7 +165,9 @@ def recommend(rows: list[dict]) -> tuple[dict | None, str]:
     why = f"{pick['name']} sustains {pick['max_goodput_rps']:.3g} req/s within the SLOs " \
           f"({pick['goodput_per_device']:.3g} req/s per device)"
     if pick is not top:
-        why += f", within 5 % of the best ({top['name']}, {top['goodput_per_device']:.3g}) and simpler"
+        simpler = pick["name"].startswith("colocated") and not top["name"].startswith("colocated")
+        why += (f", within 5 % of the best ({top['name']}, {top['goodput_per_device']:.3g}) and "
+                + ("colocated, which is simpler to run" if simpler else "cheaper per output token"))
     if colo and split:
         bc = max(colo, key=lambda r: r["goodput_per_device"])
         bs = max(split, key=lambda r: r["goodput_per_device"])
