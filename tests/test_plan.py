@@ -257,6 +257,8 @@ def test_plan_skips_deployments_whose_workers_the_weights_fill(tmp_path):
     (["--target", "1.5"], "--target 1.5"),
     (["--hardware", "cpu", "--model", "/nonexistent/model"], "/nonexistent/model: no such file"),
     (["validate", "--calibration", "/nonexistent/cal.json", "--compare-dir", "/tmp"], "epdserve plan calibrate"),
+    (["--hardware", "H100", "--trace", "/nonexistent/t.jsonl", "--input-len", "10:20"], "--trace excludes --input-len"),
+    (["--compare-dir", "/tmp"], "--compare-dir is for `epdserve plan validate`"),
 ])
 def test_plan_cli_errors(argv, message):
     proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "--model", "Llama-3.1-8B", *argv],
@@ -296,6 +298,9 @@ def test_a_trace_too_short_to_load_a_deployment_is_flagged():
                       "target": 0.9, "candidates": [cand.row(flat_platform())], "skipped": {},
                       "recommendation": "colocated", "reason": "r", "validations": None})
     assert "| colocated | 1 | ≥ " in text and "the trace is too short" in text
+    rows = [cand.row(flat_platform()), dict(cand.row(flat_platform()), name="colocated-2")]
+    assert search.recommend(rows) == (None, "colocated, colocated-2 meet the SLOs even with the whole trace in "
+                                            "flight at once, so they cannot be ranked: plan with more requests")
 
 
 def test_image_costs_follow_the_processor():

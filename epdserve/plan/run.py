@@ -52,9 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device budget: GPUs, or cores for --hardware cpu (default 2)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="a saved bench trace (JSON lines) to plan for, instead of --input-len etc.")
-    parser.add_argument("--input-len", type=workload.parse_range, default=(100, 400), metavar="MIN:MAX")
-    parser.add_argument("--output-len", type=workload.parse_range, default=(32, 128), metavar="MIN:MAX")
-    parser.add_argument("--num-requests", type=workload.positive_int, default=300)
+    parser.add_argument("--input-len", type=workload.parse_range, default=None, metavar="MIN:MAX",
+                        help="prompt tokens, uniform (default 100:400; not with --trace)")
+    parser.add_argument("--output-len", type=workload.parse_range, default=None, metavar="MIN:MAX",
+                        help="output tokens, uniform (default 32:128; not with --trace)")
+    parser.add_argument("--num-requests", type=workload.positive_int, default=None,
+                        help="requests of the planned trace (default 300; not with --trace)")
     parser.add_argument("--images-per-request", type=workload.nonnegative_int, default=0, metavar="N",
                         help="images sent with every request (default 0; needs a vision-language model, "
                              "e.g. --model vlm or SmolVLM-256M); adds EPD candidates")
@@ -109,12 +112,22 @@ def _platform(args) -> Platform:
     return platform
 
 
+# The synthetic trace planned for without --trace.
+SYNTHETIC_DEFAULTS = {"input_len": (100, 400), "output_len": (32, 128), "num_requests": 300}
+
+
 def _requests(args) -> list[workload.Request]:
     """The trace to plan for: ``--trace``, or uniform lengths sent at once (the search
     re-times them to each rate with seeded Poisson arrivals) with the images of
     ``--images-per-request`` as bench attaches them. No prompt text is needed."""
+    given = [f"--{k.replace('_', '-')}" for k in SYNTHETIC_DEFAULTS if getattr(args, k) is not None]
+    if args.trace and given:
+        raise ValueError(f"--trace excludes {', '.join(given)}: the trace has its own requests")
     if args.trace:
         return workload.load_trace(args.trace)
+    for k, v in SYNTHETIC_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     from epdserve.bench.datasets import with_images
 
     rng = np.random.default_rng(args.seed)
@@ -376,9 +389,10 @@ def run_validate(args) -> int:
         print("epdserve plan validate: error: no configuration could be simulated", file=sys.stderr)
         return 1
     repeats = len(compare_dirs) > 1
-    print(f"{'deployment':<14}" + "".join(f"{k:>{58 if repeats else 46}}" for k in VALIDATED))
+    width = max(len("deployment"), *(len(row["name"]) for row in rows)) + 2
+    print(f"{'deployment':<{width}}" + "".join(f"{k:>{58 if repeats else 46}}" for k in VALIDATED))
     for row in rows:
-        print(f"{row['name']:<14}" + "".join(
+        print(f"{row['name']:<{width}}" + "".join(
             f"{row[k]['predicted']:>10.1f} [{row[k]['band'][0]:>7.1f}-{row[k]['band'][1]:>7.1f}] vs "
             f"{row[k]['measured']:>9.1f} ({_fmt(row[k]['error'], '+.0%'):>6})"
             + (f" spread {_fmt(row[k]['spread'], '.0%'):>4}" if repeats else "") for k in VALIDATED))
@@ -462,6 +476,11 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.target <= 1:
         print(f"epdserve plan: error: --target {args.target}: must be in (0, 1]", file=sys.stderr)
         return 2
+    for option, action in (("compare_dir", "validate"), ("from_compare", "calibrate")):
+        if getattr(args, option) and args.action != action:
+            print(f"epdserve plan: error: --{option.replace('_', '-')} is for `epdserve plan {action}`",
+                  file=sys.stderr)
+            return 2
     from epdserve.model.loader import ModelLoadError
 
     try:

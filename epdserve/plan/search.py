@@ -149,13 +149,18 @@ def recommend(rows: list[dict]) -> tuple[dict | None, str]:
     """The best row and why: the highest goodput per device; among those within 5 % of
     it a colocated one (one engine per worker: simpler to run) before a split, then the
     cheapest per output token.
-    None when no candidate meets the SLOs at any rate tried. When the best colocated and
+    None when no candidate meets the SLOs at any rate tried, or when several meet them at
+    every rate tried (``unbounded``: the trace is too short to rank them). When the best colocated and
     the best split rows carry goodput bands (``goodput_band_rps``) that overlap, the reason
     says the prediction cannot tell them apart."""
     feasible = [r for r in rows if r["max_goodput_rps"] > 0]
     if not feasible:
         return None, ("no deployment meets the SLOs for the target share of requests even at "
                       "the lowest rate tried; relax the SLOs or use faster hardware")
+    unbounded = [r["name"] for r in feasible if r.get("unbounded")]
+    if len(unbounded) > 1:
+        return None, (f"{', '.join(unbounded)} meet the SLOs even with the whole trace in flight at once, so "
+                      f"they cannot be ranked: plan with more requests")
     best = max(r["goodput_per_device"] for r in feasible)
     close = [r for r in feasible if r["goodput_per_device"] >= 0.95 * best]
     pick = min(close, key=lambda r: (not r["name"].startswith("colocated"), r["usd_per_m_output_tokens"] or 0))
