@@ -25,7 +25,7 @@ image tokens × hidden × bytes per element (the frame header, well under 1 KB, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
@@ -257,6 +257,13 @@ class Platform:
         if num_decode and slowdown != 1.0:
             ms += (slowdown - 1.0) * step.step_ms([], num_decode, decode_context, decode_max_context)
         return ms * self.time_scale
+
+    def band(self) -> list["Platform"]:
+        """This platform with every step and encode ``1 − step_uncertainty`` and
+        ``1 + step_uncertainty`` times as long: what a prediction's band is simulated on
+        (none while the uncertainty is not known)."""
+        u = self.step_uncertainty
+        return [replace(self, time_scale=self.time_scale * f) for f in (1 - u, 1 + u)] if u else []
 
 
 # vLLM's default ``gpu_memory_utilization``: the share of a GPU's memory its engine takes.

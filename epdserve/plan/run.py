@@ -155,10 +155,9 @@ def run_search(args) -> int:
             continue
         rows.append(cand.row(platform))
         curves[dep.name] = cand.points
-        if u := platform.step_uncertainty:
-            rates = [cand.max_rate or 0.0] + [search.evaluate(dep, replace(platform, time_scale=scale), requests, slos,
-                                                              args.target, _limits(args)).max_rate or 0.0
-                                              for scale in (1 - u, 1 + u)]
+        if band := platform.band():
+            rates = [cand.max_rate or 0.0] + [search.evaluate(dep, p, requests, slos, args.target,
+                                                              _limits(args)).max_rate or 0.0 for p in band]
             rows[-1]["goodput_band_rps"] = [min(rates), max(rates)]
     rows.sort(key=lambda r: -r["goodput_per_device"])
     pick, why = search.recommend(rows) if rows else (None, "every deployment was skipped (see the table)")
@@ -329,8 +328,6 @@ def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
             if "result" in entry:  # else the configuration failed to run
                 results.setdefault(entry["name"], []).append(entry["result"])
                 cores[entry["name"]] = len({c for w in entry["resources"]["workers"] for c in w["cores"]})
-    u = platform.step_uncertainty
-    scales = (1.0, 1.0 - u, 1.0 + u) if u else (1.0,)
     rows = []
     for name, runs in results.items():
         try:
@@ -338,8 +335,8 @@ def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
         except ValueError as exc:
             print(f"skipped {name}: {exc}", file=sys.stderr)
             continue
-        predicted = [metrics.compute(simulate(dep, replace(platform, time_scale=scale), requests,
-                                              compare_limits(name))[0]) for scale in scales]
+        predicted = [metrics.compute(simulate(dep, p, requests, compare_limits(name))[0])
+                     for p in [platform, *platform.band()]]
         row = {"name": name}
         for key in VALIDATED:
             values = [r[key] for r in runs]
