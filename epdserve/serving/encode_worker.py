@@ -141,8 +141,9 @@ class EncodeWorker:
             try:
                 name, nbytes = embedding.write_segment(mine)
             except OSError as exc:
+                log.error("%s: cannot write the embeddings of %s: %s", self.worker_id, msg.request_id, exc)
                 self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id,
-                                  message=f"cannot write the embeddings: {exc}"))
+                                  message="the encode worker could not store the embeddings", status=500))
                 continue
             self.frames[msg.request_id] = (name, time.monotonic())
             # encode_ms: the whole call's time up to this frame, not the images' own share:

@@ -42,6 +42,7 @@ import tempfile
 import time
 
 from epdserve.engine.engine import DTYPES
+from epdserve.serving.http_guard import uvicorn_config
 from epdserve.serving.router import (SYNTHETIC_VISION_NOTE, Router, add_router_options, build_router, create_app,
                                      setup_logging)
 
@@ -299,8 +300,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for role, wid, wcores in plan:
             children.start(wid, worker_command(args, role, wid, wcores, events, f"ipc://{tmp}/{wid}"))
-        config = uvicorn.Config(create_app(router), host=args.host, port=args.port, log_level="warning",
-                                lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn_config(create_app(router), args, lifespan="on", timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
         return asyncio.run(_supervise(server, router, children, args, placement))
     finally:

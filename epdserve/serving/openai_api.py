@@ -8,6 +8,13 @@ vLLM's extensions ``top_k``, ``repetition_penalty``, ``min_tokens``, ``stop_toke
 ``ignore_eos`` and ``include_stop_str_in_output``. Unknown request fields are accepted
 and ignored, as vLLM does.
 
+Every per-request cost has a bound, so that one request cannot hold the router: at most
+:data:`MAX_STOP_STRINGS` stop strings of :data:`MAX_STOP_CHARS` characters (SGLang bounds
+them too; OpenAI allows 4), :data:`MAX_MESSAGES` messages, ``n`` up to :data:`MAX_N` and
+``best_of`` no more than ``n``; integers that travel to the workers fit the engine's types
+(``seed`` in int64, as OpenAI and vLLM; ``top_k`` and ``stop_token_ids`` in int32). Text
+must be valid Unicode: a lone surrogate (JSON ``"\\ud800"``) is a 400, not a tokenizer crash.
+
 Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``. Every
 malformed request (bad JSON, failed validation, unknown model, prompt too long) is an
 HTTP **400** with type ``invalid_request_error``. OpenAI answers 404 for an unknown
@@ -18,18 +25,27 @@ every request it must fix.
 from __future__ import annotations
 
 import json
+import logging
 import time
-from typing import Any, Literal
+import uuid
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.engine.request import MAX_LOGPROBS
 
+log = logging.getLogger("epdserve.api")
+
 MAX_N = 16  # choices per request; the router runs each as its own engine request
+MAX_STOP_STRINGS = 64  # each is matched against every new piece of text of every choice
+MAX_STOP_CHARS = 1024
+MAX_MESSAGES = 4096
+INT32_MAX = 2**31 - 1
+INT64 = (-2**63, 2**63 - 1)
 
 
 class APIError(Exception):
@@ -58,6 +74,23 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 
 class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def _invalid_unicode(value, where: str) -> str | None:
+    """Where in ``value`` (request JSON: str, list, dict) a string holds a lone surrogate,
+    or None. Such a string cannot be encoded as UTF-8: the tokenizer and the JSON response
+    would fail on it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+    elif isinstance(value, list):
+        return next((w for i, v in enumerate(value) if (w := _invalid_unicode(v, f"{where}[{i}]"))), None)
+    elif isinstance(value, dict):
+        return next((w for k, v in value.items() if (w := _invalid_unicode(k, where) or
+                                                       _invalid_unicode(v, f"{where}.{k}"))), None)
+    return None
 
 
 class StreamOptions(_Req):
@@ -116,14 +149,15 @@ class _SamplingFields(_Req):
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    seed: int | None = None
+    top_k: int = Field(-1, le=INT32_MAX)
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field([], max_length=1024)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
@@ -147,6 +181,27 @@ class _SamplingFields(_Req):
             raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {v}")
         return v
 
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}")
+        return v
+
+    @model_validator(mode="after")
+    def _checks(self):
+        # best_of > n would sample choices that are never returned; vLLM's v1 engine dropped it.
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
+        where = _invalid_unicode(self.model_dump(exclude_defaults=True), "request")
+        if where is not None:
+            raise ValueError(f"{where.removeprefix('request.')}: text is not valid Unicode (a lone surrogate)")
+        return self
+
     @property
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -160,7 +215,7 @@ class _SamplingFields(_Req):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -372,5 +427,8 @@ def install_error_handlers(app: FastAPI, on_bad_request=None) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
-                                       type="internal_server_error"), status_code=500)
+        # The exception's text stays in the log: it can name internals (paths, peers).
+        ref = uuid.uuid4().hex[:12]
+        log.error("internal error %s on %s %s", ref, request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body(f"internal server error (reference {ref} in the server log)",
+                                       type="internal_server_error", code=500), status_code=500)

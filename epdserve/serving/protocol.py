@@ -152,10 +152,15 @@ class Output(_Msg):
 
 
 class Error(_Msg):
+    """A request that a worker could not serve: ``status`` 400 when the request itself is
+    wrong (validation, a bad image), 500 when the worker failed it (an engine step, a KV
+    hand-off); ``message`` is for the client and names no internals."""
+
     type: Literal["error"] = "error"
     worker_id: str
     request_id: str
     message: str
+    status: int = Field(400, ge=400, le=599)
 
 
 class AddRequest(_Msg):

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -55,6 +56,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import pydantic
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
@@ -65,11 +67,17 @@ from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
 from epdserve.serving.detokenizer import TextStream
 from epdserve.serving.handshake import KV_PEER_ROLES, model_fingerprint, model_kv_shape, refusal
+from epdserve.serving.http_guard import add_http_options, uvicorn_config
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
 
 log = logging.getLogger("epdserve.router")
 
+# Tokenizers and Pillow release the GIL while they work, so two threads keep two requests'
+# preprocessing going beside the event loop; the queue bound caps the request bodies held
+# waiting for them.
+PREPROCESS_THREADS = 2
+MAX_PREPROCESS_QUEUE = 256
 MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode"), "epd": ("encode", "prefill", "decode")}
 MAX_EVENT_BYTES = 16 << 20
 SYNTHETIC_VISION_NOTE = ("the vision tower has SYNTHETIC (seeded random) weights: the language model is real, "
@@ -77,16 +85,17 @@ SYNTHETIC_VISION_NOTE = ("the vision tower has SYNTHETIC (seeded random) weights
 
 
 class WorkerFailed(Exception):
-    """A request that a worker rejected (``status`` 400) or that was lost with its
-    worker (500): it ends with an error, never a hang."""
+    """A request that ends with an error, never a hang: a worker rejected it (``status``
+    400), failed it (500), was lost with it or none is live to take it (503: worth a retry,
+    the launcher restarts workers), or went silent (504)."""
 
     def __init__(self, message: str, status: int = 500):
         super().__init__(message)
         self.status = status
 
     def api_error(self) -> api.APIError:
-        kind = "invalid_request_error" if self.status == 400 else "internal_server_error"
-        return api.APIError(str(self), status=self.status, type=kind)
+        kind = {400: "invalid_request_error", 503: "service_unavailable"}.get(self.status, "internal_server_error")
+        return api.APIError(str(self), status=self.status, type=kind, code=self.status)
 
 
 @dataclass
@@ -227,16 +236,16 @@ class Generation:
             if msg is None:
                 dead = next((w for w, _ in waiting.values() if w.dead), None)
                 if dead is not None:
-                    raise WorkerFailed(f"encode worker {dead.worker_id} died ({dead.dead})")
+                    raise WorkerFailed(f"encode worker {dead.worker_id} died ({dead.dead})", 503)
                 if time.monotonic() - silent_since > self.router.request_timeout_s:
-                    raise WorkerFailed(f"no embeddings within {self.router.request_timeout_s:.0f} s")
+                    raise WorkerFailed(f"no embeddings within {self.router.request_timeout_s:.0f} s", 504)
                 continue
             entry = waiting.pop(msg.worker_id, None)
             if entry is None:
                 continue
             worker, indices = entry
             if isinstance(msg, P.Error):
-                raise WorkerFailed(f"encode worker {worker.worker_id} rejected the images: {msg.message}", 400)
+                raise WorkerFailed(f"encode worker {worker.worker_id} rejected the images: {msg.message}", msg.status)
             self.embeddings.append(P.EmbeddingRef(images=indices, frame=msg.frame))
             bytes_so_far = self.timings.get("embedding_bytes", 0.0)
             self.timings.update(msg.timings)
@@ -288,7 +297,7 @@ class Generation:
         """The next Output of the current worker.
 
         Raises:
-            WorkerFailed: the worker sent Error (400), died or went silent (500).
+            WorkerFailed: the worker sent Error (with its status), died (503) or went silent (504).
         """
         router, worker = self.router, self.worker
         silent_since = time.monotonic()
@@ -296,16 +305,17 @@ class Generation:
             msg = await self._poll()
             if msg is None:  # a tick, or mark_dead waking us up
                 if worker.dead:
-                    raise WorkerFailed(f"worker {worker.worker_id} died ({worker.dead})") from None
+                    raise WorkerFailed(f"worker {worker.worker_id} died ({worker.dead})", 503) from None
                 if time.monotonic() - silent_since > router.request_timeout_s:
                     raise WorkerFailed(f"no output from worker {worker.worker_id} for "
-                                       f"{router.request_timeout_s:.0f} s") from None
+                                       f"{router.request_timeout_s:.0f} s", 504) from None
                 continue
             if msg.worker_id != worker.worker_id:
                 continue  # a late message of a worker we left
             if isinstance(msg, P.Error):
                 self.worker_done = True
-                raise WorkerFailed(f"worker {worker.worker_id} rejected the request: {msg.message}", 400)
+                verb = "rejected" if msg.status < 500 else "failed"
+                raise WorkerFailed(f"worker {worker.worker_id} {verb} the request: {msg.message}", msg.status)
             if msg.finished:
                 self.worker_done = True
             self._merge_timings(worker.role, msg.timings)
@@ -506,6 +516,10 @@ class Router:
         self._ctx = zmq.Context()
         self._pull: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()))  # see check_text_length
+        self._preprocess = concurrent.futures.ThreadPoolExecutor(PREPROCESS_THREADS,
+                                                                 thread_name_prefix="epdserve-preprocess")
+        self._preprocess_queued = 0
 
     # -- lifecycle
     def bind(self) -> None:
@@ -526,6 +540,7 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self._preprocess.shutdown(wait=False, cancel_futures=True)
         for w in self.workers.values():
             w.sock.close(linger=0)
         if self._pull is not None:
@@ -681,13 +696,31 @@ class Router:
                                f"`{self.model.name}`).", param="model", code="model_not_found")
 
     async def prompt(self, body) -> tuple[list[int], list[P.ImageRef]]:
-        """Token ids and images (with their bytes) of a chat or completion request; the
-        images are read and decoded in a thread.
+        """Token ids and images (with their bytes) of a chat or completion request.
+
+        The work (chat template, tokenization, reading and decoding images) runs on
+        :data:`PREPROCESS_THREADS` threads of its own, never on the event loop: a 10 MB
+        prompt takes seconds to tokenize, and the loop also streams every other request's
+        tokens and reads the workers' heartbeats. At most :data:`MAX_PREPROCESS_QUEUE`
+        requests wait for those threads; more get 503. A text too long for the context
+        window by its length alone is refused before any of it (:meth:`check_text_length`).
 
         Raises:
             APIError: 400, as :meth:`prompt_ids`, images sent to a text model, or bad images
-                (see :func:`~epdserve.serving.multimodal.parse_chat_images`).
+                (see :func:`~epdserve.serving.multimodal.parse_chat_images`); 503 when the
+                preprocessing queue is full.
         """
+        self.check_text_length(body)
+        if self._preprocess_queued >= MAX_PREPROCESS_QUEUE:
+            raise api.APIError(f"the server is busy preparing {self._preprocess_queued} requests; retry later",
+                               status=503, type="service_unavailable", code=503)
+        self._preprocess_queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._preprocess, self._prompt, body)
+        finally:
+            self._preprocess_queued -= 1
+
+    def _prompt(self, body) -> tuple[list[int], list[P.ImageRef]]:
         if not isinstance(body, api.ChatCompletionRequest):
             return self.prompt_ids(body), []
         if self.images is None:
@@ -695,8 +728,29 @@ class Router:
                 return self.prompt_ids(body), []
             raise api.APIError(f"the model `{self.model.name}` takes no images (serve a vision-language model, "
                                "e.g. --model vlm)", param="messages")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        return await asyncio.to_thread(self.images.prompt, messages)
+        return self.images.prompt([m.model_dump(exclude_none=True) for m in body.messages])
+
+    def check_text_length(self, body) -> None:
+        """Refuse, without tokenizing it, a prompt whose text alone is too long: no token
+        covers more than ``max_token_chars`` characters (the longest vocabulary entry; a
+        byte-level entry's characters are bytes, and a character is at least one byte), so
+        N characters are at least N / max_token_chars tokens. Assumes the chat template
+        keeps every message's text, as templates do.
+
+        Raises:
+            APIError: 400 ``context_length_exceeded`` when that bound is over ``max_model_len``.
+        """
+        if isinstance(body, api.ChatCompletionRequest):
+            chars, param = sum(len(m.as_template_dict()["content"]) for m in body.messages), "messages"
+        elif isinstance(body.prompt, str):
+            chars, param = len(body.prompt), "prompt"
+        else:
+            return  # token ids: max_tokens() checks their number
+        at_least = -(-chars // self.max_token_chars)
+        if at_least > self.model.max_model_len:
+            raise api.APIError(f"This model's maximum context length is {self.model.max_model_len} tokens. However, "
+                               f"your request's {chars} characters are at least {at_least} tokens. Please reduce "
+                               "the length of the input.", param=param, code="context_length_exceeded")
 
     def prompt_ids(self, body) -> list[int]:
         """Token ids of a chat or completion request without images.
@@ -716,13 +770,16 @@ class Router:
             param = "prompt"
         else:
             ids, param = list(body.prompt), "prompt"
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise api.APIError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})",
-                                   param="prompt")
+            self.check_token_ids(ids, "prompt")
         if not ids:
             raise api.APIError("the prompt is empty", param=param)
         return ids
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """Raises APIError 400 naming ``param`` if a token id is outside the vocabulary."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise api.APIError(f"{param}: token id {bad} is out of range [0, {self.vocab_size})", param=param)
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own, as logprobs show it (vLLM decodes it alone too)."""
@@ -900,32 +957,47 @@ def create_app(router: Router) -> FastAPI:
         if body.min_tokens > max_tokens:  # vLLM's rule
             raise api.APIError(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
                                param="min_tokens")
+        router.check_token_ids(body.stop_token_ids, "stop_token_ids")
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        choices = []
-        for i in range(body.n):
-            # n choices are n engine requests (ids rid-i); as vLLM's parallel sampling, choice
-            # i of a seeded request draws with seed + i, so choices differ but repeat.
-            sampling = P.SamplingParams(
-                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                seed=None if body.seed is None else body.seed + i, ignore_eos=body.ignore_eos,
-                stop_token_ids=body.stop_token_ids, presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                min_tokens=body.min_tokens, logprobs=body.num_logprobs)
-            gen = Generation(router, rid if body.n == 1 else f"{rid}-{i}", prompt_ids, sampling, t_arrival, images)
-            text = TextStream(router.tokenizer, prompt_ids, body.stop_list, body.include_stop_str_in_output)
-            logprobs = None if body.num_logprobs is None else api.LogprobsFormatter(kind, router.token_text)
-            choices.append(Choice(i, gen, text, logprobs))
+        choices = [Choice(i, Generation(router, rid if body.n == 1 else f"{rid}-{i}", prompt_ids,
+                                        sampling_params(body, max_tokens, i), t_arrival, images),
+                          TextStream(router.tokenizer, prompt_ids, body.stop_list, body.include_stop_str_in_output),
+                          None if body.num_logprobs is None else api.LogprobsFormatter(kind, router.token_text))
+                   for i in range(body.n)]
         try:
             for c in choices:
                 c.gen.start()
-        except (api.APIError, WorkerFailed) as exc:
+        except Exception as exc:
+            # Whatever failed, no choice may stay registered (held by a worker, counted in
+            # flight) without a client: every one is finished here.
             _failed(choices, exc)
             for c in choices:
                 router.finish(c.gen)
-            raise exc.api_error() if isinstance(exc, WorkerFailed) else exc from None
+            if isinstance(exc, WorkerFailed):
+                raise exc.api_error() from None
+            raise
         if body.stream:
             return SSEResponse(stream_events(rid, choices, body, kind))
         return await complete(http_request, rid, choices, kind)
+
+    def sampling_params(body, max_tokens: int, i: int) -> P.SamplingParams:
+        """Choice ``i``'s sampling settings. As vLLM's parallel sampling, choice i of a
+        seeded request draws with seed + i (wrapped into int64), so choices differ but repeat.
+
+        Raises:
+            APIError: 400, a value the engine refuses (its message names the field).
+        """
+        seed = None if body.seed is None else (body.seed + i + 2**63) % 2**64 - 2**63
+        try:
+            return P.SamplingParams(
+                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                seed=seed, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logprobs=body.num_logprobs)
+        except pydantic.ValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(map(str, err["loc"])) or None
+            raise api.APIError(f"{field}: {err['msg']}" if field else err["msg"], param=field) from None
 
     def _failed(choices: list[Choice], exc: Exception) -> None:
         for c in choices:
@@ -1058,6 +1130,7 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                         help="pd: prompts shorter than this many tokens are prefilled by a decode worker "
                              "itself, without a KV hand-off (0: never)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_http_options(parser)
     parser.add_argument("--auth-token", default=os.environ.get("EPDSERVE_AUTH_TOKEN"),
                         help="shared secret workers must prove in their hello (default: $EPDSERVE_AUTH_TOKEN)")
 
@@ -1106,5 +1179,5 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(router)
     log.info("router (%s, %s) on http://%s:%d; waiting for workers on %s", args.mode, router.model.name,
              args.host, args.port, args.events)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn_config(app, args)).run()
     return 0

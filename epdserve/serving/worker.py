@@ -234,11 +234,12 @@ class Worker:
             for request_id in list(self.engine.seqs):
                 self.engine.abort(request_id)
                 self.send(P.Error(worker_id=self.worker_id, request_id=request_id,
-                                  message="internal error in the engine step"))
+                                  message="internal error in the engine step", status=500))
             return
         for out in outputs:
-            if out.error is not None:
-                self.send(P.Error(worker_id=self.worker_id, request_id=out.request_id, message=out.error))
+            if out.error is not None:  # the engine failed this request alone (see StepOutput)
+                self.send(P.Error(worker_id=self.worker_id, request_id=out.request_id, message=out.error,
+                                  status=500))
                 continue
             kv = self.export(out) if out.kv_block_ids is not None else None
             self.send(P.Output(worker_id=self.worker_id, request_id=out.request_id, token_ids=out.token_ids,
