@@ -9,6 +9,7 @@ worker process around it does the I/O.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,8 @@ from epdserve.engine.sampler import TokenLogprobs, sample
 from epdserve.engine.scheduler import Scheduler, SchedulerConfig
 from epdserve.model.llama import LlamaModel
 from epdserve.model.loader import MULTIMODAL_MODEL_TYPES
+
+log = logging.getLogger(__name__)
 
 ROLES = ("colocated", "prefill", "decode")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -72,9 +75,10 @@ class StepOutput:
     ``token_ids``: tokens generated this step (one, or none for an abort).
     ``finished``/``finish_reason``: "stop" (EOS or a stop token), "length" (max_tokens or
     the context window), "abort", "error" (then ``error`` says why: the request's imported
-    KV was void; other requests go on). ``kv_block_ids``: for a prefill-role hand-off (finished
-    False), the blocks holding the prompt's KV; they stay allocated until
-    :meth:`LLMEngine.release_kv`. ``timings``: ms, on the request's last output.
+    KV was void, or its next token could not be sampled; other requests go on).
+    ``kv_block_ids``: for a prefill-role hand-off (finished False), the blocks holding the
+    prompt's KV; they stay allocated until :meth:`LLMEngine.release_kv`. ``timings``: ms,
+    on the request's last output.
     ``num_cached_tokens``: prompt tokens found in the prefix cache when the request was
     first admitted (OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
     ``logprobs``: one :data:`~epdserve.engine.sampler.TokenLogprobs` per token of
@@ -146,10 +150,11 @@ class LLMEngine:
         ``image_embeddings [sum of tokens, hidden]`` (needed unless ``kv`` comes too).
 
         Raises:
-            ValueError: duplicate id, empty or out-of-vocabulary prompt, prompt plus
-                ``max_tokens`` over the context window or the whole KV pool, KV of the
-                wrong shape or dtype, images for a text model, images whose tokens or
-                embeddings do not match the prompt, or images without embeddings to prefill.
+            ValueError: duplicate id, empty or out-of-vocabulary prompt, a stop token id
+                outside the vocabulary, prompt plus ``max_tokens`` over the context window
+                or the whole KV pool, KV of the wrong shape or dtype, images for a text
+                model, images whose tokens or embeddings do not match the prompt, or
+                images without embeddings to prefill.
         """
         if request_id in self.seqs or request_id in self.exported:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -159,6 +164,9 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        bad_stop = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
+        if bad_stop is not None:
+            raise ValueError(f"stop_token_ids has {bad_stop}, outside the vocabulary [0, {vocab})")
         total = n + sampling.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({n} tokens) plus max_tokens ({sampling.max_tokens}) is "
@@ -239,7 +247,11 @@ class LLMEngine:
                 "prefix_cache_hits": self.scheduler.prefix_cache.hits}
 
     def step(self) -> list[StepOutput]:
-        """Schedule, run one forward pass, sample, and return the new tokens."""
+        """Schedule, run one forward pass, sample, and return the new tokens.
+
+        A request whose KV import or sampling fails ends with an "error" output and
+        leaves the engine; the others go on. Raises whatever the forward pass raises
+        (a failure there cannot be put down to one request)."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -252,7 +264,7 @@ class LLMEngine:
                 try:
                     self._import_kv(seq)
                 except Exception as exc:  # this request's KV is void (e.g. its hand-off expired)
-                    failed.append(self._fail(seq, batch, str(exc)))
+                    failed.append(self._fail(seq, str(exc), batch))
         if not batch:
             return failed
         if self.export_hook is not None:
@@ -266,13 +278,32 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.scheduler.prefix_cache.register(seq)
         seqs = [batch.seqs[i] for i in sampled]
-        tokens, logprobs = sample(logits, seqs, self.model.config.eos_token_ids)
+        eos = self.model.config.eos_token_ids
+        try:
+            tokens, logprobs = sample(logits, seqs, eos)
+        except Exception:
+            # One request's row broke the batch's sampling (sample() leaves ``logits``
+            # as it was): sample each row alone, and fail only the rows that still fail.
+            log.exception("sampling a batch of %d failed; sampling its rows one by one", len(seqs))
+            return failed + [self._sample_alone(logits[i:i + 1], seq, eos) for i, seq in enumerate(seqs)]
         return failed + [self._append(seq, token, lp) for seq, token, lp in zip(seqs, tokens, logprobs)]
 
-    def _fail(self, seq: Sequence, batch, message: str) -> StepOutput:
-        """Take ``seq`` out of this step and the engine; its output carries ``message``."""
-        i = batch.seqs.index(seq)
-        del batch.seqs[i], batch.num_tokens[i]
+    def _sample_alone(self, logits: torch.Tensor, seq: Sequence, eos: tuple[int, ...]) -> StepOutput:
+        """``seq``'s output of this step from its ``logits [1, vocab]``, or an error output
+        (and ``seq`` leaves the engine, its blocks freed) if its sampling fails."""
+        try:
+            (token,), (lp,) = sample(logits, [seq], eos)
+        except Exception:
+            log.exception("request %s: sampling failed", seq.request_id)
+            return self._fail(seq, "sampling the next token failed for this request")
+        return self._append(seq, token, lp)
+
+    def _fail(self, seq: Sequence, message: str, batch=None) -> StepOutput:
+        """Take ``seq`` out of the engine, its blocks freed (and out of this step's
+        ``batch`` if given); its output carries ``message``."""
+        if batch is not None:
+            i = batch.seqs.index(seq)
+            del batch.seqs[i], batch.num_tokens[i]
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
         return StepOutput(seq.request_id, [], finished=True, finish_reason="error", error=message)

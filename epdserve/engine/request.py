@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Annotated
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs limit
+# vLLM's _MAX_TEMP (vllm/sampling_params.py, SamplingParams.__post_init__): a temperature
+# in (0, 1e-2) is raised to it (vLLM also logs a warning), since dividing logits by a tinier
+# one overflows to inf, and one under 1e-45 is 0 in float32. 0 itself stays greedy.
+MIN_TEMPERATURE = 1e-2
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+# At most this many stop_token_ids: every step checks each new token against the list and
+# the min_tokens mask indexes every id, and the list rides in the request's wire message,
+# so an unbounded one would slow the whole batch. Real uses need a handful.
+MAX_STOP_TOKEN_IDS = 1024
+# A token id (no vocabulary comes near 2^31 tokens, nor a context near 2^31 positions,
+# which bounds top_k, max_tokens and min_tokens alike).
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class SamplingParams(BaseModel):
@@ -24,24 +38,44 @@ class SamplingParams(BaseModel):
     model's raw distribution (vLLM's default ``logprobs_mode`` "raw_logprobs").
     See ``epdserve.engine.sampler`` for the order they apply in.
 
+    Bounds (this is also the router -> worker wire type, so they hold on every path):
+    floats finite; ``temperature`` >= 0, a value in (0, 1e-2) raised to 1e-2 (vLLM's
+    ``_MAX_TEMP`` clamp; 0 stays greedy); ``seed`` in int64 (vLLM's and OpenAI's range,
+    and what msgpack packs); ``top_k`` -1 or 1 .. 2^31-1; ``stop_token_ids`` at most 1024
+    ids in [0, 2^31-1] (the engine also refuses ids outside its vocabulary);
+    ``max_tokens`` and ``min_tokens`` at most 2^31-1; ``repetition_penalty`` any finite
+    value > 0 (the sampler keeps the logits finite for all of them).
+
     Raises (validation): ``pydantic.ValidationError`` for a value out of range or
     ``min_tokens`` > ``max_tokens``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    seed: int | None = None
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[TokenId] = Field([], max_length=MAX_STOP_TOKEN_IDS)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("temperature")
+    @classmethod
+    def _clamp_tiny_temperature(cls, v: float) -> float:
+        return MIN_TEMPERATURE if 0 < v < MIN_TEMPERATURE else v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, v: int) -> int:
+        if v == 0:  # the router maps the OpenAI-side 0 to -1 before it gets here
+            raise ValueError("top_k must be -1 (disabled) or at least 1, got 0")
+        return v
 
     @model_validator(mode="after")
     def _min_tokens_at_most_max(self):

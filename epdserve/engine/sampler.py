@@ -1,11 +1,17 @@
 """Next-token sampling: min_tokens masking, penalties, greedy/temperature/top-k/top-p,
 per-request seeds, and logprobs.
 
-Order (vLLM's): logprobs are taken from the raw logits (vLLM's default ``logprobs_mode``
-"raw_logprobs": before any penalty, mask or temperature); then stop tokens are masked
-until ``min_tokens``, then the repetition penalty, then the frequency and presence
-penalties; then a greedy row takes the argmax, another row divides by its temperature,
-applies top-k and top-p and draws.
+Order (vLLM's, but for the mask): logprobs are taken from the raw logits (vLLM's default
+``logprobs_mode`` "raw_logprobs": before any penalty, mask or temperature); then the
+repetition penalty, then the frequency and presence penalties, then stop tokens are masked
+until ``min_tokens``; then a greedy row takes the argmax, another row divides by its
+temperature, applies top-k and top-p and draws. (vLLM masks before the penalties; a masked
+logit is -inf either way, and masking last keeps the penalties' clamp from lifting it.)
+
+Every value that ``SamplingParams`` allows gives a finite distribution with mass: see the
+guards in :func:`sample` and :func:`_apply_penalties`. A row can still fail if the model
+gave it NaN logits or every token of the vocabulary is a masked stop token; the engine then
+samples the rows one by one and fails only that one.
 """
 
 from __future__ import annotations
@@ -17,37 +23,57 @@ from epdserve.engine.request import Sequence
 # (the chosen token's logprob, [(token id, logprob)] of the top ``logprobs`` tokens, best first)
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
-@torch.inference_mode()  # the model's logits are inference tensors; we edit them in place
+
+@torch.inference_mode()  # the model's logits are inference tensors; we edit a copy in place
 def sample(logits: torch.Tensor, seqs: list[Sequence],
            eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Pick one token per row of ``logits [S, vocab]`` (float32; modified in place) for
+    """Pick one token per row of ``logits [S, vocab]`` (float32; not modified) for
     ``seqs`` (one per row, their tokens so far in ``token_ids``).
 
     Returns the tokens and, per row, its :data:`TokenLogprobs` if the request asked for
-    logprobs, else None. Rows without penalties, ``min_tokens`` or logprobs cost nothing
-    extra; the others are processed together. A seeded row draws with a generator seeded
-    by (seed, number of tokens generated so far), so it gives the same tokens in any
-    batch, after a preemption, and across a prefill → decode hand-off.
+    logprobs, else None. Greedy rows without penalties, ``min_tokens`` or logprobs cost
+    one argmax; a batch with penalties or ``min_tokens`` in some row pays one copy of
+    ``logits``, and those rows are processed together. A seeded row draws with a
+    generator seeded by (seed, number of tokens generated so far), so it gives the same
+    tokens in any batch, after a preemption, and across a prefill → decode hand-off.
+
+    Raises:
+        RuntimeError: (torch's) a row has no distribution to draw from: NaN logits, or
+            every token masked. ``logits`` is left as it was, so the caller can sample
+            the rows again one by one to find which.
     """
     want = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
     raw = torch.log_softmax(logits[want], dim=-1) if want else None
-    _mask_stop_tokens(logits, seqs, eos_token_ids)
-    _apply_penalties(logits, seqs)
+    if any(_has_penalty(s) or s.num_output_tokens < s.sampling.min_tokens for s in seqs):
+        # Edit a copy: the penalties are not idempotent, and the engine samples the rows
+        # again from ``logits`` when the batch fails. (A copy costs about a tenth of the
+        # argmax below, and only batches with penalties or min_tokens pay it.)
+        logits = logits.clone()
+        _apply_penalties(logits, seqs)
+        _mask_stop_tokens(logits, seqs, eos_token_ids)
     tokens = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         p = seq.sampling
         if p.temperature == 0:
             continue
-        row_logits = logits[row] / p.temperature
+        # Shift the top logit to 0 (softmax does not change): dividing by the temperature
+        # then only moves values down, at worst to -inf (probability 0), never to +inf or
+        # NaN, though penalties may leave logits near float32's max and T may be 1e-2. A
+        # T over float32's max would be inf in float32, and -inf / inf is NaN.
+        row_logits = (logits[row] - logits[row].max()) / min(p.temperature, _FLOAT32_MAX)
         if 0 < p.top_k < row_logits.shape[-1]:
             kth = torch.topk(row_logits, p.top_k).values[-1]
             row_logits = row_logits.masked_fill(row_logits < kth, float("-inf"))
         probs = torch.softmax(row_logits, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
-            # Keep a token while the mass before it is below top_p (the first always stays).
+            # Keep a token while the mass before it is below top_p, and the first always
+            # (as vLLM keeps one): a top_p under float32's smallest value, e.g. 1e-300,
+            # compares as 0, and 0 >= 0 would drop every token.
             drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+            drop[0] = False
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         tokens[row] = int(torch.multinomial(probs, 1, generator=_generator(seq)))
@@ -71,14 +97,23 @@ def _generator(seq: Sequence) -> torch.Generator | None:
     return torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + seq.num_output_tokens) % 2**64)
 
 
+def _has_penalty(seq: Sequence) -> bool:
+    p = seq.sampling
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
 def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> None:
     """Until a request has ``min_tokens`` output tokens its stop tokens (``stop_token_ids``,
-    and EOS unless ``ignore_eos``; vLLM's rule) get logit -inf."""
+    and EOS unless ``ignore_eos``; vLLM's rule) get logit -inf in ``logits [S, vocab]``
+    (in place). Stop ids outside the vocabulary are skipped: the model can never produce
+    them (the engine refuses them at ``add_request``; this keeps any other caller from an
+    IndexError, or a negative id from masking a token counted from the end)."""
+    vocab = logits.shape[-1]
     rows, ids = [], []
     for row, seq in enumerate(seqs):
         p = seq.sampling
         if seq.num_output_tokens < p.min_tokens:
-            stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            stops = [t for t in p.stop_token_ids if 0 <= t < vocab] + ([] if p.ignore_eos else list(eos_token_ids))
             rows += [row] * len(stops)
             ids += stops
     if rows:
@@ -90,8 +125,9 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     token seen in the prompt or the output has a positive logit divided by the penalty, a
     negative one multiplied), then OpenAI's frequency and presence penalties over the
     output tokens: ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
-    Only the (row, token) entries that occur are touched, so the cost follows the
-    sequences' lengths, not rows x vocabulary."""
+    ``logits [S, vocab]`` is edited in place and stays finite. Only the (row, token)
+    entries that occur are touched, so the cost follows the sequences' lengths, not rows x
+    vocabulary."""
     rep_keys, out_keys = [], []
     vocab = logits.shape[-1]
     for row, seq in enumerate(seqs):
@@ -105,12 +141,17 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     flat = logits.view(-1)  # (row, token) -> row * vocab + token
     if rep_keys:
         keys = torch.cat(rep_keys).unique()
-        rep = torch.tensor([s.sampling.repetition_penalty for s in seqs])[keys // vocab]
-        values = flat[keys]
-        flat[keys] = torch.where(values > 0, values / rep, values * rep)
+        # In float64, where every allowed penalty (finite, > 0) stays finite and non-zero
+        # (in float32 1e-300 is 0 and 1e300 inf: x / 0 is inf and 0 * inf NaN); the result
+        # is clamped into float32's range, so a tiny penalty ties its favoured tokens at
+        # the top instead of making them inf.
+        rep = torch.tensor([s.sampling.repetition_penalty for s in seqs], dtype=torch.float64)[keys // vocab]
+        values = flat[keys].double()
+        flat[keys] = torch.where(values > 0, values / rep, values * rep).clamp(-_FLOAT32_MAX, _FLOAT32_MAX).float()
     if out_keys:
         keys, counts = torch.cat(out_keys).unique(return_counts=True)
         rows = keys // vocab
         freq = torch.tensor([s.sampling.frequency_penalty for s in seqs])[rows]
         pres = torch.tensor([s.sampling.presence_penalty for s in seqs])[rows]
+        # Cannot overflow: a shift of at most 2 * (count + 1) rounds away near float32's max.
         flat[keys] -= freq * counts + pres
