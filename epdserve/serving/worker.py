@@ -9,7 +9,9 @@ blocks to shared memory and owns that segment until the decode worker has taken 
 (the decode worker unlinks it), the router releases it, or ``--kv-ttl`` passes. A worker
 that prefills a prompt with images gets their embeddings from encode workers (EPD) or,
 given the image bytes, encodes them itself first (colocated, PD), blocking its loop as a
-vision encoder inside an engine does. An encode worker runs
+vision encoder inside an engine does. A request's KV (decode) or image embeddings (EPD)
+held by a peer are fetched on a small thread pool, off the loop, so a slow or silent peer
+delays only that request. An encode worker runs
 :class:`~epdserve.serving.encode_worker.EncodeWorker` instead. The same command runs
 alone on another host, so a launcher, Ray or Kubernetes can place it.
 """
@@ -24,6 +26,8 @@ import signal
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -42,6 +46,13 @@ log = logging.getLogger("epdserve.worker")
 STATS_INTERVAL_S = 0.5
 HEARTBEAT_INTERVAL_S = 0.5
 IDLE_WAIT_S = 0.1  # how long an idle worker waits for a command before its housekeeping
+# Threads fetching KV and image embeddings from peers. A fetch mostly waits (on a TCP peer,
+# or page faults of a /dev/shm mapping) with the GIL released, so threads beyond this
+# worker's cores cost it little; what bounds them is that each one holds a request's KV
+# until the loop takes it, and that a peer that never answers pins one thread for up to
+# --kv-transfer-timeout. 8 leave room for hand-offs from healthy peers while several are
+# stuck; more fetches than threads wait for one (counted in queue_ms).
+FETCH_THREADS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,9 +127,31 @@ def pin_to_cores(spec: str | None) -> list[int]:
     return cores
 
 
+@dataclass
+class _Fetch:
+    """An AddRequest whose KV or image embeddings a fetch thread is getting from a peer.
+    The loop makes it (with what the thread needs to know of the engine, read up front:
+    the thread must not touch the engine) and gets it back through the inbox once the
+    thread has set ``kv`` or ``embeddings`` and ``timings``, or ``error``. ``cancel``: set
+    on Abort or shutdown, ending a TCP wait early."""
+
+    msg: P.AddRequest
+    arrival: float  # time.perf_counter() on receipt
+    layout: dict
+    dtype: torch.dtype
+    hidden_size: int
+    cancel: threading.Event = field(default_factory=threading.Event)
+    kv: torch.Tensor | handoff.PooledKV | None = None
+    embeddings: torch.Tensor | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
 class Worker:
     """The command/step/publish loop around one :class:`LLMEngine`; commands come from
-    ``inbox`` as ``(message, arrival)`` pairs put there by :func:`receive_commands`."""
+    ``inbox`` as ``(message, arrival)`` pairs put there by :func:`receive_commands`, and
+    finished fetches as ``(_Fetch, time)`` pairs put there by the fetch threads (so a
+    fetch that ends wakes an idle loop at once)."""
 
     def __init__(self, engine: LLMEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
                  exporter: handoff.Exporter, importer: handoff.Importer, encoder: EncodeEngine | None = None):
@@ -134,6 +167,8 @@ class Worker:
         self.last_stats_time = 0.0
         self.running = True
         self.exit_code = 0
+        self.fetching: dict[str, _Fetch] = {}  # requests whose KV or embeddings are on the way, by id
+        self.fetcher = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="epdserve-fetch")
 
     def send(self, msg) -> None:
         self.events.send(P.encode(msg))
@@ -147,6 +182,7 @@ class Worker:
                 self.step()
             self.report_stats()
             self.expire_exports()
+        self.stop_fetches()
         self.exporter.close()
 
     def drain_commands(self, block_s: float) -> None:
@@ -163,56 +199,122 @@ class Worker:
                 return
 
     def handle(self, msg, arrival: float) -> None:
-        """Act on one command; ``arrival`` is its ``time.perf_counter()`` on receipt."""
-        if isinstance(msg, P.AddRequest):
+        """Act on one command, or a finished fetch; ``arrival`` is its
+        ``time.perf_counter()`` on receipt."""
+        if isinstance(msg, _Fetch):
+            self.fetched(msg)
+        elif isinstance(msg, P.AddRequest):
             self.add(msg, arrival)
         elif isinstance(msg, P.Abort):
+            fetch = self.fetching.pop(msg.request_id, None)
+            if fetch is not None:  # its result is dropped when it comes (see fetched)
+                fetch.cancel.set()
             self.engine.abort(msg.request_id)
             self.release(msg.request_id)
         elif isinstance(msg, P.ReleaseKV):
+            # This worker's own export only. A fetch of the same id goes on: ReleaseKV does
+            # not end a request here (it did not before fetches left the loop either), and
+            # the router sends Abort to end one.
             self.release(msg.request_id)
         else:
             handle_control(self, msg)
 
     def add(self, msg: P.AddRequest, arrival: float) -> None:
+        """Queue ``msg`` (received at ``arrival``, ``time.perf_counter()``) in the engine;
+        or, when its KV or its images' embeddings lie with a peer, start fetching them on a
+        fetch thread and return at once (:meth:`fetched` queues it when they are here).
+        A request that cannot be queued gets a ``P.Error``."""
+        if msg.request_id in self.fetching:
+            self.fail(msg.request_id, f"duplicate request id {msg.request_id!r}")
+        elif msg.kv is not None or (msg.images and msg.embeddings):
+            fetch = _Fetch(msg, arrival, self.engine.kv_layout(), self.engine.kv_cache.dtype,
+                           self.engine.model.config.hidden_size)
+            self.fetching[msg.request_id] = fetch
+            self.fetcher.submit(self.fetch, fetch)
+        else:
+            try:
+                timings, embeddings = {}, None
+                if msg.images:
+                    embeddings = self.image_embeddings(msg, arrival, timings)
+                    arrival = time.perf_counter()  # encoding them is its own stage, not queue time
+                self.enqueue(msg, arrival, timings, embeddings=embeddings)
+            except (ValueError, ImageError) as exc:
+                self.fail(msg.request_id, str(exc))
+
+    def fetch(self, fetch: _Fetch) -> None:
+        """Fetch-thread body: get ``fetch``'s KV (``Importer.take``) or embeddings
+        (:func:`fetch_embeddings`) into it, or the error, then hand it to the loop through
+        the inbox. Touches the importer only, never the engine or its KV cache (neither is
+        thread-safe); the loop adds the request."""
+        if fetch.cancel.is_set():  # aborted, or the worker stopping, while it waited for a thread
+            return
+        msg = fetch.msg
         try:
-            kv, timings, embeddings = None, {}, None
             if msg.kv is not None:
-                # Blocks the loop for up to --kv-transfer-timeout when the KV comes over TCP.
-                kv, timings = self.importer.take(msg.request_id, msg.kv, self.engine.kv_layout(),
-                                                 self.engine.kv_cache.dtype)
-            elif msg.images:
-                embeddings = self.image_embeddings(msg, arrival, timings)
-                arrival = time.perf_counter()  # encoding or fetching them is its own stage, not queue time
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, kv, msg.first_token,
-                                    timings=timings, arrival=arrival,
-                                    images=[(im.hash, im.tokens) for im in msg.images], image_embeddings=embeddings)
-        except (ValueError, WireError, ImageError) as exc:
-            self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id, message=str(exc)))
+                fetch.kv, fetch.timings = self.importer.take(msg.request_id, msg.kv, fetch.layout, fetch.dtype,
+                                                             fetch.cancel)
+            else:
+                fetch.embeddings = fetch_embeddings(self.importer, msg, fetch.hidden_size, fetch.timings,
+                                                    fetch.cancel)
+        except (ValueError, WireError) as exc:
+            fetch.error = str(exc)
+        except Exception:
+            # A bug must not leave the request waiting forever: fail it alone.
+            log.error("%s: fetch for %s failed:\n%s", self.worker_id, msg.request_id, traceback.format_exc())
+            fetch.error = "internal error fetching the request's KV or image embeddings"
+        self.inbox.put((fetch, time.perf_counter()))
+
+    def fetched(self, fetch: _Fetch) -> None:
+        """A fetch thread is done with ``fetch``: queue its request in the engine, or send
+        its error. One aborted meanwhile (no longer in ``fetching``) is dropped: no Output,
+        and its tensors (and the mapping or message they view) go with it."""
+        request_id = fetch.msg.request_id
+        if self.fetching.get(request_id) is not fetch:
+            return
+        del self.fetching[request_id]
+        if fetch.error is not None:
+            self.fail(request_id, fetch.error)
+            return
+        # queue_ms excludes the fetch: the engine takes kv_fetch_ms off it; an embedding
+        # fetch, its own stage too, moves the start of the queue on by its length.
+        arrival = fetch.arrival + fetch.timings.get("embedding_fetch_ms", 0.0) / 1e3
+        try:
+            self.enqueue(fetch.msg, arrival, fetch.timings, fetch.kv, fetch.embeddings)
+        except ValueError as exc:
+            self.fail(request_id, str(exc))
+
+    def enqueue(self, msg: P.AddRequest, arrival: float, timings: dict[str, float],
+                kv: torch.Tensor | handoff.PooledKV | None = None, embeddings: torch.Tensor | None = None) -> None:
+        """Add ``msg`` to the engine. Raises ``ValueError`` as ``LLMEngine.add_request``."""
+        self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, kv, msg.first_token,
+                                timings=timings, arrival=arrival,
+                                images=[(im.hash, im.tokens) for im in msg.images], image_embeddings=embeddings)
+
+    def fail(self, request_id: str, message: str) -> None:
+        self.send(P.Error(worker_id=self.worker_id, request_id=request_id, message=message))
+
+    def stop_fetches(self) -> None:
+        """Drop every fetch in flight and wait for the fetch threads to end, briefly: a TCP
+        fetch sees its cancel within ``tcp.POLL_MS``, a shared-memory one only maps and
+        checks. Their requests get no Error: as those in the engine, they end with the
+        worker, and the router fails them when it sees it go."""
+        for fetch in self.fetching.values():
+            fetch.cancel.set()
+        self.fetching.clear()
+        self.fetcher.shutdown(wait=True, cancel_futures=True)
 
     def image_embeddings(self, msg: P.AddRequest, arrival: float, timings: dict[str, float]) -> torch.Tensor:
-        """``[image tokens, hidden]`` for ``msg``'s images, in prompt order: read from the
-        encode workers' frames (``embedding_fetch_ms``), or encoded here (``encode_queue_ms``
-        from ``arrival``, ``encode_ms``). Blocks the loop while it encodes or fetches.
+        """``[image tokens, hidden]`` for ``msg``'s images, in prompt order, encoded here from
+        the bytes that came with the request (``encode_queue_ms`` from ``arrival``,
+        ``encode_ms``). Runs on the loop and blocks it while it encodes, by design: a
+        vision encoder inside an engine does (EPD moves it to encode workers, whose
+        embeddings are fetched off the loop by :func:`fetch_embeddings`).
 
         Raises:
-            ValueError: images neither encoded nor with bytes, or a model without a vision tower.
-            WireError: a frame that is gone, unreachable or not these images' embeddings.
+            ValueError: images without bytes, or a model without a vision tower.
             ImageError: bytes that do not decode to an image.
         """
         start = time.perf_counter()
-        if msg.embeddings:
-            parts: list[torch.Tensor | None] = [None] * len(msg.images)
-            for ref in msg.embeddings:
-                header, tensors = self.importer.fetch_frame(msg.request_id, ref.frame)
-                hashes = [msg.images[i].hash for i in ref.images]
-                for i, image in zip(ref.images, embedding.unpack(header, tensors, self.engine.model.config.hidden_size,
-                                                                 hashes)):
-                    parts[i] = image.embeddings
-            if any(part is None for part in parts):
-                raise ValueError("embeddings are missing for some of the request's images")
-            timings["embedding_fetch_ms"] = (time.perf_counter() - start) * 1e3
-            return torch.cat(parts)
         if self.encoder is None:
             raise ValueError("this worker has no vision encoder: its model takes no images")
         results = self.encoder.encode(image_inputs(msg.images))
@@ -263,6 +365,30 @@ class Worker:
         for request_id in self.exporter.expire():
             log.warning("%s: KV of %s not taken within %.0f s; freed", self.worker_id, request_id,
                         self.exporter.ttl_s)
+
+
+def fetch_embeddings(importer: handoff.Importer, msg: P.AddRequest, hidden_size: int, timings: dict[str, float],
+                     cancel: threading.Event | None = None) -> torch.Tensor:
+    """``[image tokens, hidden_size]`` for ``msg``'s images, in prompt order, read from the
+    encode workers' frames ``msg.embeddings``; adds ``embedding_fetch_ms`` to ``timings``.
+    Runs on a fetch thread: waits up to the importer's timeout per frame over TCP (or
+    until ``cancel`` is set).
+
+    Raises:
+        ValueError: some of the images have no embeddings.
+        WireError: a frame that is gone, unreachable or not these images' embeddings.
+    """
+    start = time.perf_counter()
+    parts: list[torch.Tensor | None] = [None] * len(msg.images)
+    for ref in msg.embeddings:
+        header, tensors = importer.fetch_frame(msg.request_id, ref.frame, cancel)
+        hashes = [msg.images[i].hash for i in ref.images]
+        for i, image in zip(ref.images, embedding.unpack(header, tensors, hidden_size, hashes)):
+            parts[i] = image.embeddings
+    if any(part is None for part in parts):
+        raise ValueError("embeddings are missing for some of the request's images")
+    timings["embedding_fetch_ms"] = (time.perf_counter() - start) * 1e3
+    return torch.cat(parts)
 
 
 def receive_commands(cmd: zmq.Socket, inbox: queue.Queue, worker_id: str, stop: threading.Event) -> None:

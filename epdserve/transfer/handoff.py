@@ -34,6 +34,7 @@ import itertools
 import mmap
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,7 +280,9 @@ class Exporter:
 class Importer:
     """Decode side. ``transport``: "auto" (shared memory on the same host, else TCP),
     "shm" or "tcp". ``timeout_s``: the longest a TCP fetch may take. Keeps each prefill
-    pool it maps mapped (one mapping per pool, dropped once the pool's file is gone)."""
+    pool it maps mapped (one mapping per pool, dropped once the pool's file is gone).
+    :meth:`take` and :meth:`fetch_frame` may run on several threads at once (a worker
+    fetches off its step loop); they never touch an engine."""
 
     def __init__(self, ctx: zmq.Context, transport: str, timeout_s: float):
         if transport not in TRANSPORTS:
@@ -289,27 +292,29 @@ class Importer:
         self.timeout_s = timeout_s
         self.host = host_id()
         self.pools: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pools_lock = threading.Lock()  # fetch threads map pools concurrently
 
-    def take(self, request_id: str, desc: KVDescriptor, layout: dict,
-             dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, float]]:
+    def take(self, request_id: str, desc: KVDescriptor, layout: dict, dtype: torch.dtype,
+             cancel: threading.Event | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Get the KV blocks ``desc`` describes as a tensor ``[layers, 2, n_blocks,
         block_size, kv_heads, head_dim]`` of ``dtype``, or for blocks of a same-host pool as
         a :class:`PooledKV` of that shape and dtype (the engine copies them straight into
         its cache on import), and timings ``kv_fetch_ms`` (ms: fetch or map, validation and
         conversion) and ``kv_tcp`` (1.0 if it came over TCP, else 0.0). Blocks up to
-        ``timeout_s`` on TCP.
+        ``timeout_s`` on TCP, or until ``cancel`` is set.
 
         Raises:
             WireError: the KV is gone (expired, released), unreachable, malformed, on another
                 host while the transport is "shm", or without a TCP address while TCP is
-                needed; a pool descriptor whose name, blocks, tag or sizes do not check out.
+                needed; a pool descriptor whose name, blocks, tag or sizes do not check out;
+                a TCP fetch cancelled.
             ValueError: its KV layout differs from ``layout`` (in anything but the dtype).
         """
         start = time.perf_counter()
         if desc.kind == "pool" and not self.uses_tcp(desc) and desc.host_id == self.host:
             kv = self._from_pool(request_id, desc, layout, dtype)
             return kv, {"kv_fetch_ms": (time.perf_counter() - start) * 1e3, "kv_tcp": 0.0}
-        header, tensors = self.fetch_frame(request_id, desc)
+        header, tensors = self.fetch_frame(request_id, desc, cancel)
         _check_layout(header.layout, layout)
         kv = kv_codec.decode(tensors, dtype)
         return kv, {"kv_fetch_ms": (time.perf_counter() - start) * 1e3, "kv_tcp": float(self.uses_tcp(desc))}
@@ -318,10 +323,12 @@ class Importer:
         """Whether what ``desc`` describes comes over TCP (else from this host's /dev/shm)."""
         return self.transport == "tcp" or (self.transport == "auto" and desc.host_id != self.host)
 
-    def fetch_frame(self, request_id: str, desc: KVDescriptor) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
+    def fetch_frame(self, request_id: str, desc: KVDescriptor,
+                    cancel: threading.Event | None = None) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
         """The frame ``desc`` describes (a staged KV frame, or an encode worker's
         embeddings; or a pool's blocks served as one frame over TCP): mapped and unlinked
-        from /dev/shm on this host, else fetched over TCP (up to ``timeout_s``).
+        from /dev/shm on this host, else fetched over TCP (up to ``timeout_s``, or until
+        ``cancel`` is set).
 
         Raises:
             WireError: as :meth:`take`.
@@ -329,7 +336,7 @@ class Importer:
         if self.uses_tcp(desc):
             if desc.addr is None:
                 raise WireError(f"{desc.name} lies on another host and its sender serves no TCP address")
-            return tcp.fetch(self.ctx, desc.addr, request_id, desc.name, desc.nbytes, self.timeout_s)
+            return tcp.fetch(self.ctx, desc.addr, request_id, desc.name, desc.nbytes, self.timeout_s, cancel)
         if desc.host_id != self.host:
             raise WireError(f"{desc.name} lies on another host and --kv-transport is shm")
         return shm.read(desc.name)
@@ -353,14 +360,16 @@ class Importer:
         kv = PooledKV(request_id, pool, tags, [tuple(run) for run in runs], desc.tag, dtype)
         kv.check()
         return kv
+
     def _map(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (name, shape, dtype)
-        if key not in self.pools:
-            # Pools of prefill workers that have stopped: unmap them (they hold memory).
-            for old in [k for k in self.pools if not shm.pool_exists(k[0])]:
-                del self.pools[old]
-            self.pools[key] = shm.map_pool(name, shape, dtype)
-        return self.pools[key]
+        with self._pools_lock:
+            if key not in self.pools:
+                # Pools of prefill workers that have stopped: unmap them (they hold memory).
+                for old in [k for k in self.pools if not shm.pool_exists(k[0])]:
+                    del self.pools[old]
+                self.pools[key] = shm.map_pool(name, shape, dtype)
+            return self.pools[key]
 
 
 class PooledKV:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import msgpack
@@ -95,18 +96,19 @@ def _parse_request(body: bytes) -> tuple[str, str]:
     return req["request_id"], req["name"]
 
 
-def fetch(ctx: zmq.Context, addr: str, request_id: str, name: str, nbytes: int,
-          timeout_s: float) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
+def fetch(ctx: zmq.Context, addr: str, request_id: str, name: str, nbytes: int, timeout_s: float,
+          cancel: threading.Event | None = None) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
     """Fetch segment ``name`` of ``request_id`` (a frame of ``nbytes`` bytes) from the KV
     server at ``addr``; returns its header and tensors by name (read-only views of the
-    received message, no copy). Blocks at most ``timeout_s`` seconds.
+    received message, no copy). Blocks at most ``timeout_s`` seconds, or until ``cancel``
+    is set (checked every ``POLL_MS``).
 
     A fresh socket per fetch, so a late reply to an earlier, timed-out fetch can never be
-    taken for this one.
+    taken for this one. Safe to call from any thread (the socket is its own).
 
     Raises:
-        WireError: no complete reply within ``timeout_s``, an error reply, or a reply that
-            is not a frame of ``nbytes`` bytes.
+        WireError: no complete reply within ``timeout_s``, ``cancel`` set, an error reply,
+            or a reply that is not a frame of ``nbytes`` bytes.
     """
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -114,8 +116,14 @@ def fetch(ctx: zmq.Context, addr: str, request_id: str, name: str, nbytes: int,
     try:
         sock.connect(addr)
         sock.send(msgpack.packb({"request_id": request_id, "name": name}, use_bin_type=True))
-        if not sock.poll(timeout_s * 1000):
-            raise WireError(f"no KV from {addr} for request {request_id} within {timeout_s:g} s")
+        deadline = time.monotonic() + timeout_s
+        # Wait in slices so that an aborted request (or a stopping worker) frees the
+        # waiting thread within POLL_MS instead of after the whole timeout.
+        while not sock.poll(max(0.0, min(POLL_MS, (deadline - time.monotonic()) * 1000))):
+            if cancel is not None and cancel.is_set():
+                raise WireError(f"KV fetch for request {request_id} cancelled")
+            if time.monotonic() >= deadline:
+                raise WireError(f"no KV from {addr} for request {request_id} within {timeout_s:g} s")
         parts = sock.recv_multipart(copy=False)
     finally:
         sock.close()
