@@ -272,8 +272,8 @@ class Worker:
         if self.fetching.get(request_id) is not fetch:
             return
         del self.fetching[request_id]
-        if fetch.error is not None:
-            self.fail(request_id, fetch.error)
+        if fetch.error is not None:  # the hand-off failed, not the request: a server fault
+            self.fail(request_id, fetch.error, status=500)
             return
         # queue_ms excludes the fetch: the engine takes kv_fetch_ms off it; an embedding
         # fetch, its own stage too, moves the start of the queue on by its length.
@@ -290,8 +290,9 @@ class Worker:
                                 timings=timings, arrival=arrival,
                                 images=[(im.hash, im.tokens) for im in msg.images], image_embeddings=embeddings)
 
-    def fail(self, request_id: str, message: str) -> None:
-        self.send(P.Error(worker_id=self.worker_id, request_id=request_id, message=message))
+    def fail(self, request_id: str, message: str, status: int = 400) -> None:
+        """Tell the router the request ended with an error (see :class:`~epdserve.serving.protocol.Error`)."""
+        self.send(P.Error(worker_id=self.worker_id, request_id=request_id, message=message, status=status))
 
     def stop_fetches(self) -> None:
         """Drop every fetch in flight and wait for the fetch threads to end, briefly: a TCP
