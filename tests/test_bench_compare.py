@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from epdserve import host
 from epdserve.bench import compare, report, server_trace, workload
 from test_bench_client import STUB_TTFT_S, bench_args, req
 
@@ -76,6 +77,16 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
         assert e["itl_stalls"] == 0
         assert e["resources"]["num_cores"] is None  # the stub's /health lists no workers
         assert e["per_core"]["output_throughput"] is None
+        load = e["host_load"]  # the load on the cores before and during the run
+        assert load["cores"] == sorted(os.sched_getaffinity(0))
+        assert set(load["before"]) == {"window_s", "loadavg_1m", "outside_share", "steal_share"}
+        assert set(load["during"]) >= {"loadavg_1m_mean", "deployment_cpu_s", "client_cpu_s",
+                                       "outside_cpu_s", "outside_share", "steal_share"}
+        assert load["during"]["client_cpu_s"] > 0 and load["during"]["wall_s"] > 0
+    # As if other processes had taken 30% of the cores during pd's run, none during the other
+    # (this machine may well be busy).
+    entries[0]["host_load"]["warning"] = None
+    entries[1]["host_load"]["warning"] = host.outside_warning(0.3, 0.0, 2)
 
     failed = {"name": "2p1d", "mode": "pd", "error": "server exited with status 1"}
     files = compare.write_outputs([*entries, failed], trace, {"source": "test"}, tmp_path,
@@ -86,7 +97,11 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
     assert saved["trace"]["num_requests"] == 4 and len(saved["trace"]["sha256"]) == 64
     assert saved["recommendation"]["not_considered"]["2p1d"] == "server exited with status 1"
     assert saved["recommendation"]["choice"] in ("colocated", "pd")
+    assert saved["configs"][1]["host_load"]["during"] == entries[1]["host_load"]["during"]
     md = (tmp_path / "compare.md").read_text()
+    assert "**Warning, outside load:** pd: other processes used 30% of the 2 cores" in md
+    assert md.count("- host load on cores") == 2
+    assert report.load_warnings(entries) == [f"pd: {host.outside_warning(0.3, 0.0, 2)}"]
     assert "| Metric | colocated | pd | pd/colocated |" in md
     assert "KV bytes/req" in md and "- long: 1 requests" in md
     assert "| kv_bytes | 0.0 | 0.0 | 4,096.0 | 4,096.0 |" in md  # server-stage table

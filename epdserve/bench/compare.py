@@ -1,12 +1,20 @@
 """``epdserve compare``: run ONE trace against each deployment and put the numbers side by
 side.
 
+First every configuration is checked as ``epdserve serve`` will check it
+(:func:`preflight`): one the host cannot hold (memory) stops compare before any runs, so
+that it never recommends the only survivor; workers sharing cores get a warning.
+
 For each configuration (``--configs colocated,pd``) in turn: start
 ``python -m epdserve serve --mode NAME --host 127.0.0.1 --port P --trace-file
 DIR/NAME.server.jsonl`` in its own process group (output to ``DIR/NAME.server.log``), wait
 until ``/health`` answers 200, send the trace with the bench client, stop the server
 (SIGTERM to the group, SIGKILL after a grace period — also on errors and Ctrl-C), and
-summarise its trace. Then write under ``--output DIR``:
+summarise its trace. Around the run it records the load on the cores
+(:mod:`epdserve.host`): a second before the server starts, and during the trace the load
+average, CPU steal, and the CPU time of the deployment, of the bench client (this process)
+and of every other process; a run in which others took :data:`~epdserve.host.OUTSIDE_SHARE_WARN`
+or more of the cores is flagged on stdout and in compare.md. Then write under ``--output DIR``:
 
 * ``trace.jsonl`` — the trace sent to every configuration;
 * ``compare.json`` — ``{"trace", "sampling", "configs": [<entry>], "recommendation"}``
@@ -22,7 +30,7 @@ its workers to the same cores (all usable ones, split among workers), which ``/h
 lists and the entry records, so throughput and goodput are also reported per core.
 
 Exit status: 0 when every configuration ran, 1 when a server failed to start or answer,
-2 for a bad option, 130 on Ctrl-C.
+2 for a bad option or a configuration the host cannot hold, 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -40,10 +48,11 @@ from pathlib import Path
 
 import httpx
 
+from epdserve import host
 from epdserve.bench import client, plots, recommend, report, server_trace, sweep, workload
 from epdserve.bench.run import (add_client_arguments, bench, parse_rates, parse_share,
                                 write_json)
-from epdserve.model.loader import DEFAULT_VLM
+from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
 
 
 class ServerError(RuntimeError):
@@ -251,6 +260,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="router port on 127.0.0.1 (default 8100)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
                         help="seconds to wait for /health == 200 (default 300)")
+    parser.add_argument("--allow-oversubscription", action="store_true",
+                        help="run configurations whose workers' estimated memory exceeds the "
+                             "host's available memory (passed to epdserve serve)")
     s = parser.add_argument_group("goodput sweep (needs --goodput)")
     s.add_argument("--sweep-rates", type=parse_rates, default=None, metavar="LO:HI",
                    help="also find each configuration's highest request rate (req/s) within "
@@ -275,14 +287,43 @@ def server_model(model: str | None, requests: list[workload.Request]) -> str | N
 
 
 def server_command(name: str, port: int, trace_file: Path, model: str | None,
-                   serve: list[str] = SERVE) -> list[str]:
+                   serve: list[str] = SERVE, allow_oversubscription: bool = False) -> list[str]:
     """The ``epdserve serve`` command line of one configuration (``serve``: the program
     and sub-command that take the serve options; any stand-in with the same options)."""
     cmd = [*serve, *serve_flags(name), "--host", "127.0.0.1",
            "--port", str(port), "--trace-file", str(trace_file)]
     if model:
         cmd += ["--model", model]
+    if allow_oversubscription:
+        cmd.append("--allow-oversubscription")
     return cmd
+
+
+def preflight(args: argparse.Namespace, available_bytes: int | None) -> tuple[list[str], list[str]]:
+    """Check every configuration of ``args.configs`` before any runs, with the options and
+    the check ``epdserve serve`` itself applies when it starts
+    (:func:`epdserve.serving.launcher.check_capacity`; ``available_bytes``: the host's
+    available memory, None: not checked). Returns ``(warnings, errors)``, one line each,
+    prefixed with the configuration's name; an error is a configuration serve would refuse.
+
+    Raises:
+        ModelLoadError: ``args.model`` cannot be found or read.
+    """
+    from epdserve.serving import launcher  # torch and the router: only here, not in the client
+
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    model_dir = resolve_model(args.model).path
+    warnings, errors = [], []
+    for name in args.configs:
+        opts = parser.parse_args(server_command(name, args.port, Path("trace.jsonl"), args.model,
+                                                [], args.allow_oversubscription))
+        found, error = launcher.check_capacity(opts, launcher.plan_for(opts), model_dir,
+                                               available_bytes)
+        warnings += [f"[{name}] {w}" for w in found]
+        if error:
+            errors.append(f"[{name}] {error}")
+    return warnings, errors
 
 
 def run_config(name: str, requests: list[workload.Request], args: argparse.Namespace,
@@ -295,7 +336,9 @@ def run_config(name: str, requests: list[workload.Request], args: argparse.Names
     ``{"name", "mode", "result": <bench result>, "server": <trace summary>,
     "resources": {"workers", "cores", "num_cores"}, "per_core": {"output_throughput"
     (tok/s/core), "request_goodput" (req/s/core or None)}, "itl_stalls": gaps > plots.STALL_MS,
-    "breakdown": <server_trace.breakdown>, "sweep": <sweep result> (with --sweep-rates)}``.
+    "breakdown": <server_trace.breakdown>, "sweep": <sweep result> (with --sweep-rates),
+    "host_load": {"cores", "before": <host.quiet_check>, "during": <host.LoadMonitor.stop>,
+    "warning": <host.outside_warning> or None}}``.
     ``progress`` prefixes the log lines (e.g. "2/4").
 
     Raises:
@@ -310,25 +353,37 @@ def run_config(name: str, requests: list[workload.Request], args: argparse.Names
     trace_file = (out_dir / f"{name}.server.jsonl").resolve()
     trace_file.unlink(missing_ok=True)  # the router appends; start clean
     base_url = f"http://127.0.0.1:{args.port}"
-    server = ServerProcess(name, server_command(name, args.port, trace_file, args.model, serve),
+    server = ServerProcess(name, server_command(name, args.port, trace_file, args.model, serve,
+                                                args.allow_oversubscription),
                            out_dir / f"{name}.server.log", base_url)
-    print(f"{tag} starting server: {' '.join(server.cmd)}", flush=True)
     entry: dict = {"name": name, "mode": serve_flags(name)[1]}
+    cores = sorted(os.sched_getaffinity(0))  # the launcher splits these among its workers
+    before = host.quiet_check(cores)
+    print(f"{tag} starting server: {' '.join(server.cmd)}", flush=True)
     try:
         server.start()
         took = server.wait_healthy(args.startup_timeout, num_workers(name))
         print(f"{tag} healthy after {took:.1f} s; sending {len(requests)} requests", flush=True)
-        entry["result"] = result = bench(base_url, requests, args)
-        entry["resources"] = server.resources()
-        if args.sweep_rates:
-            print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s",
-                  flush=True)
-            entry["sweep"] = sweep.find_max_goodput_rate(
-                lambda rate: bench(base_url, workload.retime(requests, rate, args.seed), args),
-                target_share=args.goodput_target, lo=args.sweep_rates[0], hi=args.sweep_rates[1],
-                iters=args.sweep_iters, progress=not args.disable_tqdm)
+        # From here on, not from the start: loading the model is not what the run measures.
+        monitor = host.LoadMonitor(cores, server.proc.pid).start()
+        try:
+            entry["result"] = result = bench(base_url, requests, args)
+            entry["resources"] = server.resources()
+            if args.sweep_rates:
+                print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s",
+                      flush=True)
+                entry["sweep"] = sweep.find_max_goodput_rate(
+                    lambda rate: bench(base_url, workload.retime(requests, rate, args.seed), args),
+                    target_share=args.goodput_target, lo=args.sweep_rates[0], hi=args.sweep_rates[1],
+                    iters=args.sweep_iters, progress=not args.disable_tqdm)
+        finally:
+            during = monitor.stop()
     finally:
         server.stop()
+    warning = host.outside_warning(during["outside_share"], during["steal_share"], len(cores))
+    entry["host_load"] = {"cores": cores, "before": before, "during": during, "warning": warning}
+    if warning:
+        print(f"{tag} warning: {warning}", flush=True)
     records, _ = server_trace.read(trace_file)
     entry["server"] = server_trace.summarize(trace_file, result["request_ids"])
     entry["breakdown"] = server_trace.breakdown(result, records)
@@ -360,6 +415,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"epdserve compare: error: {exc}", file=sys.stderr)
         return 2
     args.model = server_model(args.model, requests)  # recorded in settings()
+    try:
+        warnings, errors = preflight(args, host.mem_available_bytes())
+    except ModelLoadError as exc:
+        print(f"epdserve compare: error: {exc}", file=sys.stderr)
+        return 2
+    for line in warnings:
+        print(f"epdserve compare: warning: {line}", flush=True)
+    if errors:
+        for line in errors:
+            print(f"epdserve compare: error: {line}", file=sys.stderr)
+        print("epdserve compare: nothing run; drop those configurations from --configs"
+              + ("" if args.allow_oversubscription else " or pass --allow-oversubscription"),
+              file=sys.stderr)
+        return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     workload.save_trace(requests, out_dir / "trace.jsonl")
     print(f"trace: {len(requests)} requests -> {out_dir / 'trace.jsonl'}", flush=True)
@@ -389,6 +458,8 @@ def run(args: argparse.Namespace) -> int:
     print(report.text_table(entries))
     print()
     print(report.recommendation_markdown(recommend.recommend(entries)))
+    for line in report.load_warnings(entries):
+        print(f"\nwarning: {line}")
     print(f"\nwritten: {', '.join(map(str, files))}")
     return status
 

@@ -174,11 +174,31 @@ def sweep_markdown(entries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def load_warnings(entries: list[dict]) -> list[str]:
+    """``"NAME: warning"`` for each configuration during whose run other processes used a
+    noticeable share of the cores (``host_load.warning``, see :mod:`epdserve.host`)."""
+    return [f"{e['name']}: {e['host_load']['warning']}" for e in entries
+            if (e.get("host_load") or {}).get("warning")]
+
+
+def load_line(load: dict) -> str:
+    """One markdown bullet on the load around a run, from an entry's ``host_load``."""
+    b, d = load["before"], load["during"]
+    fmt = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731  (no /proc/loadavg)
+    return (f"- host load on cores {load['cores']}: 1-min load average {fmt(b['loadavg_1m'])} "
+            f"before, {fmt(d['loadavg_1m_mean'])} (max {fmt(d['loadavg_1m_max'])}) during the run; "
+            f"CPU during the run: deployment {d['deployment_cpu_s']:.1f} s, bench client "
+            f"{d['client_cpu_s']:.1f} s, other processes {d['outside_cpu_s']:.1f} s "
+            f"({d['outside_share']:.0%} of the cores' time; {b['outside_share']:.0%} in the "
+            f"second before), steal {d['steal_share']:.0%}")
+
+
 def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dict,
                     sampling: dict | None = None, recommendation: dict | None = None) -> str:
-    """``compare.md``: the table, the TTFT and hand-off breakdowns, the workload and the
-    settings, each configuration's run, goodput vs rate, and the recommendation (when
-    given, from :func:`epdserve.bench.recommend.recommend`)."""
+    """``compare.md``: the table, failures and outside-load warnings, the TTFT and hand-off
+    breakdowns, the workload and the settings, each configuration's run (with the load on
+    the host around it), goodput vs rate, and the recommendation (when given, from
+    :func:`epdserve.bench.recommend.recommend`)."""
     ran = [e for e in entries if "result" in e]
     parts = ["# epdserve compare", "", markdown_table(ran), "",
              "Ratios are each configuration's value divided by the first's. Latencies are "
@@ -190,6 +210,8 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
     for e in entries:
         if "error" in e:
             parts += [f"**{e['name']} failed:** `{e['error']}`", ""]
+    for line in load_warnings(ran):
+        parts += [f"**Warning, outside load:** {line}.", ""]
     ttft = breakdown_markdown(ran, "ttft")
     if ttft:
         parts += ["## Where TTFT goes", "", ttft, "",
@@ -234,6 +256,8 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
                                           if srv.get("malformed_lines") else ""))
         else:
             parts.append("- server trace: none")
+        if e.get("host_load"):
+            parts.append(load_line(e["host_load"]))
         parts.append("")
     stages = server_table_markdown(ran)
     if stages:

@@ -24,6 +24,12 @@ launcher dies abruptly (``PR_SET_PDEATHSIG``). A worker that dies is marked down
 router at once and restarted with the same id and address after a backoff (1 s, doubled
 while it keeps dying within a minute, at most 30 s); one that exits with status 2 (bad
 option, model, or refused by the router) is not restarted.
+
+Before any worker starts, ``serve`` checks every option it passes to the workers (the
+same choices as ``epdserve worker``'s), ``--cores``, the HTTP port (bound at once) and
+whether the host can hold the workers (:func:`check_capacity`): workers that share a core
+get a warning, an estimated memory above ``MemAvailable`` is refused unless
+``--allow-oversubscription``.
 """
 
 from __future__ import annotations
@@ -32,19 +38,25 @@ import argparse
 import asyncio
 import atexit
 import ctypes
+import errno
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from epdserve import host
+from epdserve.argtypes import int_at_least
 from epdserve.engine.engine import DTYPES
+from epdserve.serving import worker
 from epdserve.serving.http_guard import uvicorn_config
 from epdserve.serving.router import (SYNTHETIC_VISION_NOTE, Router, add_router_options, build_router, create_app,
                                      setup_logging)
+from epdserve.transfer import handoff, kv_codec
 
 log = logging.getLogger("epdserve.launcher")
 
@@ -53,15 +65,29 @@ EXIT_CONFIG = 2  # a worker's exit status for a bad option or model, or a refusa
 RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap; doubled while a worker dies within a minute
 
 
+def _worker_default(dest: str):
+    """The default of ``epdserve worker``'s engine option ``dest`` (read from its parser,
+    so that serve's help and memory estimate follow the worker)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    worker.add_engine_arguments(parser)
+    return parser.get_default(dest)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """serve's options. Those passed to each worker take their choices from the constants
+    ``epdserve worker`` uses, so a bad value stops serve at once (exit 2) instead of every
+    worker; their numbers must be >= 1 (a worker given 0 divides by it or never schedules)."""
     add_router_options(parser)
+    passed = lambda dest: f"passed to each worker (default: {_worker_default(dest)})"  # noqa: E731
     parser.add_argument("--cores", default=None,
                         help="comma-separated CPU cores to split among workers (default: all usable)")
-    parser.add_argument("--kv-cache-memory-mb", type=int, default=None, help="passed to each worker")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="passed to each worker")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="passed to each worker")
-    parser.add_argument("--block-size", type=int, default=None, help="passed to each worker")
-    parser.add_argument("--dtype", default=None, help="passed to each worker")
+    parser.add_argument("--kv-cache-memory-mb", type=int_at_least(1), default=None,
+                        help=passed("kv_cache_memory_mb") + "; MiB of KV cache per worker")
+    parser.add_argument("--max-num-seqs", type=int_at_least(1), default=None, help=passed("max_num_seqs"))
+    parser.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
+                        help="passed to each worker (default: the context window)")
+    parser.add_argument("--block-size", type=int_at_least(1), default=None, help=passed("block_size"))
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help=passed("dtype"))
     parser.add_argument("--prefill-dtype", choices=list(DTYPES), default=None,
                         help="pd: weights and KV cache dtype of the prefill workers (default: --dtype)")
     parser.add_argument("--decode-dtype", choices=list(DTYPES), default=None,
@@ -72,8 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="passed to each worker (default: the worker's, on)")
     parser.add_argument("--quantized-weights", action=argparse.BooleanOptionalAction, default=None,
                         help="passed to each worker (default: the worker's, on)")
-    parser.add_argument("--kv-transport", default=None, help="passed to each worker (auto|shm|tcp)")
-    parser.add_argument("--kv-transfer-dtype", default=None, help="passed to each worker (none|bf16|int8)")
+    parser.add_argument("--kv-transport", choices=handoff.TRANSPORTS, default=None, help="passed to each worker")
+    parser.add_argument("--kv-transfer-dtype", choices=kv_codec.TRANSFER_DTYPES, default=None,
+                        help="passed to each worker")
     parser.add_argument("--kv-layer-pipeline", action="store_true", help="passed to each worker")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds to wait for every worker's hello")
@@ -81,9 +108,99 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-workers", type=int, default=1, help="pd, epd: number of prefill workers")
     parser.add_argument("--decode-workers", type=int, default=1, help="pd, epd: number of decode workers")
     parser.add_argument("--encode-workers", type=int, default=1, help="epd: number of encode workers")
+    parser.add_argument("--allow-oversubscription", action="store_true",
+                        help="start even when the workers' estimated memory (model weights + "
+                             "--kv-cache-memory-mb each) exceeds the host's available memory")
     parser.add_argument("--events", default=None,
                         help="ZeroMQ address of the router's events socket (default: ipc in a private "
                              "directory); e.g. tcp://127.0.0.1:5557 to let other workers join")
+
+
+def usable_cores(spec: str | None) -> list[int]:
+    """The cores of ``--cores`` ("0,1"), or every core this process may use.
+
+    Raises:
+        ValueError: a core that is not a number or that this process may not use.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec is None:
+        return allowed
+    try:
+        cores = [int(c) for c in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--cores {spec!r}: expected comma-separated core numbers, e.g. 0,1") from None
+    if not set(cores) <= set(allowed):
+        raise ValueError(f"--cores {spec!r}: this process may use cores {','.join(map(str, allowed))}")
+    return cores
+
+
+def plan_for(args: argparse.Namespace) -> list[tuple[str, str, list[int]]]:
+    """:func:`plan_workers` for serve's options (``--mode``, ``--cores``, worker counts).
+
+    Raises:
+        ValueError: a bad ``--cores`` (:func:`usable_cores`) or worker count.
+    """
+    return plan_workers(args.mode, usable_cores(args.cores), workers=args.workers, prefill=args.prefill_workers,
+                        decode=args.decode_workers, encode=args.encode_workers)
+
+
+def check_capacity(args: argparse.Namespace, plan: list[tuple[str, str, list[int]]], model_dir: str,
+                   available_bytes: int | None) -> tuple[list[str], str | None]:
+    """Whether this host can hold the workers of ``plan`` (:func:`plan_workers`):
+    ``(warnings, error)``, error None when they fit.
+
+    * Workers pinned to a shared core: a warning only. They take turns on it, slower but
+      correct, and that is sometimes wanted (tests run 2P2D on 2 cores).
+    * Estimated memory above ``available_bytes`` (``MemAvailable``; None: not checked): an
+      error, a warning with ``--allow-oversubscription``. Workers that do not fit get
+      killed by the OOM killer or swap the host to a halt, each after a slow start.
+      Estimate per worker: the model's weights (:func:`epdserve.host.weight_bytes`) plus,
+      for every role but encode, ``--kv-cache-memory-mb`` of KV cache; the launcher's own
+      few hundred MB are not counted.
+    """
+    warnings = []
+    per_core: dict[int, int] = {}
+    for _, _, cores in plan:
+        for c in cores:
+            per_core[c] = per_core.get(c, 0) + 1
+    shared = sorted(c for c, n in per_core.items() if n > 1)
+    if shared:
+        warnings.append(f"{len(plan)} workers on {len(per_core)} cores: cores {','.join(map(str, shared))} are "
+                        f"each shared by several workers, which slow each other down (fewer workers or more "
+                        f"cores avoid it)")
+    if available_bytes is None:
+        return warnings, None
+    kv_mb = args.kv_cache_memory_mb or _worker_default("kv_cache_memory_mb")
+    weights = host.weight_bytes(model_dir)
+    need = sum(weights + (0 if role == "encode" else kv_mb * 2**20) for role, _, _ in plan)
+    if need <= available_bytes:
+        return warnings, None
+    encode = "; encode workers: no KV cache" if any(role == "encode" for role, _, _ in plan) else ""
+    fact = (f"{len(plan)} workers need about {need / 2**30:.1f} GiB ({weights / 2**30:.2f} GiB of weights + "
+            f"{kv_mb} MiB of KV cache per worker{encode}) but {available_bytes / 2**30:.1f} GiB is available "
+            f"(MemAvailable)")
+    if args.allow_oversubscription:
+        return warnings + [fact + "; starting anyway (--allow-oversubscription)"], None
+    return warnings, fact
+
+
+def listen_socket(host_name: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host_name:port`` (0: any free port) and listening, as uvicorn
+    would make it, so that a busy port stops serve before it loads a model or starts a worker.
+
+    Raises:
+        OSError: the address is in use, not local, or the host name unknown.
+        OverflowError: a port outside 0..65535.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host_name else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host_name, port))
+        sock.listen(2048)  # now, not when uvicorn starts: nothing can take the port meanwhile
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def split_cores(cores: list[int], n: int) -> list[list[int]]:
@@ -211,11 +328,12 @@ class Children:
                 p.wait()
 
 
-async def _supervise(server, router: Router, children: Children, args, placement: str) -> int:
+async def _supervise(server, router: Router, children: Children, args, placement: str,
+                     sock: socket.socket) -> int:
     """Run uvicorn, announce the URL once every worker said hello, mark dead workers down
     (they are restarted), and stop everything when a worker exits with EXIT_CONFIG or the
     workers do not come up in time (returns 1), or a signal arrives (returns 0)."""
-    serve_task = asyncio.create_task(server.serve())
+    serve_task = asyncio.create_task(server.serve(sockets=[sock]))
     rc = 0
     announced = False
     deadline = time.monotonic() + args.startup_timeout
@@ -249,28 +367,45 @@ async def _supervise(server, router: Router, children: Children, args, placement
 
 
 def run(args: argparse.Namespace) -> int:
-    """``epdserve serve``: returns 0 after a clean stop, 1 if a worker exited with status 2 or
-    the workers never came up, 2 on a bad option or model."""
+    """``epdserve serve``: returns 0 after a clean stop, 1 if the HTTP port cannot be bound, a
+    worker exited with status 2 or the workers never came up, 2 on a bad option or model or
+    a deployment this host cannot hold (:func:`check_capacity`)."""
     import uvicorn
 
     from epdserve.model.loader import ModelLoadError
 
     setup_logging(args.log_level)
-    cores = ([int(c) for c in args.cores.split(",")] if args.cores else sorted(os.sched_getaffinity(0)))
     try:
-        plan = plan_workers(args.mode, cores, workers=args.workers, prefill=args.prefill_workers,
-                            decode=args.decode_workers, encode=args.encode_workers)
+        plan = plan_for(args)
     except ValueError as exc:
         print(f"epdserve serve: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        sock = listen_socket(args.host, args.port)
+    except (OSError, OverflowError) as exc:  # one line: uvicorn's own bind error came with a traceback
+        busy = getattr(exc, "errno", None) == errno.EADDRINUSE
+        print(f"epdserve serve: error: cannot listen on {args.host}:{args.port}: "
+              f"{getattr(exc, 'strerror', None) or str(exc).rstrip('.')}; "
+              f"{'stop what listens there or ' if busy else ''}pass another --port (0: any free port)",
+              file=sys.stderr)
+        return 1
     tmp = tempfile.mkdtemp(prefix="epdserve-")  # mode 0700: only we can reach the sockets
     events = args.events or f"ipc://{tmp}/events"
     try:
         router = build_router(args, events)  # resolves (and converts) the model once, before workers start
     except ModelLoadError as exc:
-        print(f"epdserve serve: error: {exc}", file=sys.stderr)
+        error = str(exc)
+    else:
+        warnings, error = check_capacity(args, plan, router.model.path, host.mem_available_bytes())
+        if error:
+            error += "; use fewer workers or a smaller --kv-cache-memory-mb, or pass --allow-oversubscription"
+    if error:
+        print(f"epdserve serve: error: {error}", file=sys.stderr)
+        sock.close()
         shutil.rmtree(tmp, ignore_errors=True)
         return 2
+    for text in warnings:
+        print(f"epdserve serve: warning: {text}", file=sys.stderr, flush=True)
     # The token goes to workers by environment, not argv, which any local user can read.
     children = Children({"EPDSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else {})
     stopped = False
@@ -302,6 +437,6 @@ def run(args: argparse.Namespace) -> int:
             children.start(wid, worker_command(args, role, wid, wcores, events, f"ipc://{tmp}/{wid}"))
         config = uvicorn_config(create_app(router), args, lifespan="on", timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
-        return asyncio.run(_supervise(server, router, children, args, placement))
+        return asyncio.run(_supervise(server, router, children, args, placement, sock))
     finally:
         cleanup()

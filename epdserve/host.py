@@ -1,0 +1,186 @@
+"""What this host has and what runs on it, read from ``/proc`` (Linux; no psutil).
+
+* capacity, for ``epdserve serve`` and ``compare`` to refuse a deployment the host cannot
+  hold: :func:`mem_available_bytes`, :func:`weight_bytes`;
+* load, for ``compare`` to tell when other processes took cores from the deployment it
+  measures: :func:`loadavg_1m`, :func:`cpu_ticks` (CPU time by state on given cores, steal
+  included), :func:`tree_ticks` (CPU time of a process and its descendants), and
+  :class:`LoadMonitor`, which samples them over a run.
+
+CPU times in ``/proc/stat`` and ``/proc/PID/stat`` are in clock ticks (:data:`CLK_TCK` a
+second); the functions here return ticks, :class:`LoadMonitor` seconds and shares.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Warn when other processes (and the hypervisor, as steal) took at least this share of the
+# deployment's cores during a run. The engine is CPU-bound, so a share taken from it costs
+# about as much throughput and latency, and configurations compare measures often differ by
+# 10-30%; on a quiet machine the accounting's own noise (kernel threads, tick granularity,
+# processes that exit between samples) stays near 1-2%.
+OUTSIDE_SHARE_WARN = 0.10
+
+
+def mem_available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` in bytes: the kernel's estimate of what can be allocated without
+    swapping; None where the file or the field is missing (not Linux, kernel < 3.14)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the file says kB, meaning KiB
+    except OSError:
+        pass
+    return None
+
+
+def weight_bytes(model_dir: str | Path) -> int:
+    """Bytes of the top-level ``*.safetensors`` files of a Hugging Face model directory:
+    the dense weights as stored (float32 for a converted GGUF), which every worker loads
+    in full before converting them or keeping only quantized blocks, so a fair estimate of
+    a worker's peak weight memory (measured: a SmolLM2-135M worker with 1024 MiB of KV
+    cache holds 1.46 GB once up; estimated 0.54 GB + 1024 MiB = 1.61 GB)."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
+def loadavg_1m(path: str | Path = "/proc/loadavg") -> float | None:
+    """The 1-minute load average (runnable and uninterruptible threads, ours included,
+    exponentially averaged over a minute); None where unreadable."""
+    try:
+        return float(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_ticks(cores: list[int], stat: str | Path = "/proc/stat") -> dict[str, int]:
+    """CPU time of ``cores`` since boot, in clock ticks: ``busy`` (user, nice, system, irq,
+    softirq; guest time is inside user), ``steal`` (the hypervisor ran another guest while
+    ours wanted the core) and ``total`` (every state). A core absent from the file counts 0.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    wanted = {f"cpu{c}" for c in cores}
+    busy = steal = total = 0
+    for line in Path(stat).read_text().splitlines():
+        name, *fields = line.split()
+        if name not in wanted:
+            continue
+        # user nice system idle iowait irq softirq steal guest guest_nice
+        v = [int(x) for x in fields[:8]] + [0] * (8 - len(fields[:8]))
+        busy += v[0] + v[1] + v[2] + v[5] + v[6]
+        steal += v[7]
+        total += sum(v)
+    return {"busy": busy, "steal": steal, "total": total}
+
+
+def tree_ticks(root_pid: int, proc: str | Path = "/proc") -> dict[tuple[int, int], int]:
+    """User + system CPU time (clock ticks) of ``root_pid`` and every live descendant, keyed
+    by ``(pid, start time)`` so that a reused pid is another process. Found by parent pid
+    over all of ``/proc``: the launcher's workers leave its process group, and their own
+    children (e.g. a compiler building a kernel) count too."""
+    parent, ticks = {}, {}
+    for entry in Path(proc).iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # after "(comm)": state ppid ... utime(12th) stime(13th) ... starttime(20th)
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        pid = int(entry.name)
+        parent[pid] = int(fields[1])
+        ticks[(pid, int(fields[19]))] = int(fields[11]) + int(fields[12])
+    tree, grew = {root_pid}, True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return {k: v for k, v in ticks.items() if k[0] in tree}
+
+
+def outside_warning(share: float, steal: float, num_cores: int) -> str | None:
+    """The warning for a run in which other processes took ``share`` and the hypervisor
+    ``steal`` of ``num_cores`` cores' time, or None below :data:`OUTSIDE_SHARE_WARN`."""
+    if share + steal < OUTSIDE_SHARE_WARN:
+        return None
+    return (f"other processes used {share:.0%} of the {num_cores} cores' time during the run "
+            f"(CPU steal {steal:.0%}; warning at {OUTSIDE_SHARE_WARN:.0%}): its latencies and "
+            f"throughput understate this deployment; rerun on a quiet machine")
+
+
+def _shares(before: dict, after: dict, own_s: float) -> tuple[float, float, float, float]:
+    """(busy s, outside s, outside share, steal share) between two :func:`cpu_ticks`."""
+    total = max(1, after["total"] - before["total"])
+    busy_s = (after["busy"] - before["busy"]) / CLK_TCK
+    outside_s = max(0.0, busy_s - own_s)
+    return busy_s, outside_s, outside_s * CLK_TCK / total, (after["steal"] - before["steal"]) / total
+
+
+def quiet_check(cores: list[int], window_s: float = 1.0) -> dict:
+    """Load on ``cores`` over ``window_s`` seconds before a run (nothing of ours but this
+    process runs): ``{"window_s", "loadavg_1m", "outside_share", "steal_share"}``. The load
+    average still holds the previous run's load for about a minute; the shares do not."""
+    t0, own0, c0 = time.monotonic(), time.process_time(), cpu_ticks(cores)
+    time.sleep(window_s)
+    _, _, share, steal = _shares(c0, cpu_ticks(cores), time.process_time() - own0)
+    return {"window_s": round(time.monotonic() - t0, 3), "loadavg_1m": loadavg_1m(),
+            "outside_share": round(share, 4), "steal_share": round(steal, 4)}
+
+
+class LoadMonitor:
+    """Samples, every ``interval_s`` seconds in a thread, the 1-minute load average and the
+    CPU time of the process tree under ``root_pid`` (the deployment: launcher + workers),
+    from :meth:`start` to :meth:`stop`; the CPU time of ``cores`` and of this process (the
+    bench client) are read at both ends. Outside load = busy time on ``cores`` minus the
+    deployment's and this process's: what other processes used. A process that exits
+    between two samples loses at most ``interval_s`` of CPU time from the deployment's."""
+
+    def __init__(self, cores: list[int], root_pid: int, interval_s: float = 1.0):
+        self.cores, self.root_pid, self.interval_s = cores, root_pid, interval_s
+        self.loads: list[float] = []
+        self.first: dict[tuple[int, int], int] = {}  # process -> its ticks at start (0 if born later)
+        self.last: dict[tuple[int, int], int] = {}   # process -> ticks when last seen
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="epdserve-loadmonitor", daemon=True)
+
+    def _sample(self) -> None:
+        load = loadavg_1m()
+        if load is not None:
+            self.loads.append(load)
+        for key, ticks in tree_ticks(self.root_pid).items():
+            self.first.setdefault(key, 0)  # born during the run: all its CPU time is the run's
+            self.last[key] = ticks
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def start(self) -> "LoadMonitor":
+        self.t0, self.own0, self.cpu0 = time.monotonic(), time.process_time(), cpu_ticks(self.cores)
+        self.first = tree_ticks(self.root_pid)  # what the processes had used before the run
+        self._sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        """Stop sampling; returns ``{"wall_s", "loadavg_1m_mean", "loadavg_1m_max",
+        "busy_cpu_s", "deployment_cpu_s", "client_cpu_s", "outside_cpu_s" (CPU seconds on
+        the cores), "outside_share", "steal_share" (of the cores' time, 0-1)}``."""
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        client_s = time.process_time() - self.own0
+        deployment_s = sum(t - self.first[k] for k, t in self.last.items()) / CLK_TCK
+        busy_s, outside_s, share, steal = _shares(self.cpu0, cpu_ticks(self.cores), deployment_s + client_s)
+        r = lambda x: None if x is None else round(x, 4)  # noqa: E731
+        return {"wall_s": r(time.monotonic() - self.t0),
+                "loadavg_1m_mean": r(sum(self.loads) / len(self.loads)) if self.loads else None,
+                "loadavg_1m_max": max(self.loads, default=None),
+                "busy_cpu_s": r(busy_s), "deployment_cpu_s": r(deployment_s), "client_cpu_s": r(client_s),
+                "outside_cpu_s": r(outside_s), "outside_share": r(share), "steal_share": r(steal)}
