@@ -12,15 +12,17 @@ Goals (the hardening issue's):
   error event or a non-200 status fails; one whose error names the killed worker (the
   router's message says "worker decode-1 died ...") is counted apart. Requests on a
   prefill worker killed before their first token are retried elsewhere and must succeed.
-* **RSS growth < 5 %** after warm-up (the first 20 % of the run) for the router (the
-  launcher process) and every worker that was not killed: median RSS of the last 10 %
-  of the samples over the median of the samples at the end of warm-up.
+* **memory growth < 5 %** after warm-up (the first 20 % of the run) for the router (the
+  launcher process) and every worker that was not killed: median of the last 10 % of the
+  samples over the median of the samples at the end of warm-up, of the private memory
+  (USS): RSS also counts shared pages, and a decode worker maps a prefill worker's whole
+  KV pool at its first hand-off from it (+1 GiB of RSS, no new memory). Both are recorded.
 * **0 leaked blocks or frames**: at the end, no request in flight, every worker's KV
   blocks in use 0, and no staged KV frame (``/dev/shm/epdserve-kv-<pid>-...``) of a
   live worker left.
 
-Writes ``soak.json`` (every request's outcome, the RSS samples, the verdicts) and
-``soak.png`` (RSS of each process over time, kills marked) to ``--output``, and exits 1
+Writes ``soak.json`` (every request's outcome, the memory samples, the verdicts) and
+``soak.png`` (USS and RSS of each process over time, kills marked) to ``--output``, and exits 1
 if a goal is missed::
 
     .venv/bin/python benchmarks/soak.py [--minutes 10] [--rate 1.0] [--abort-share 0.2] [--output results/soak]
@@ -69,13 +71,16 @@ def worker_pids(launcher_pid: int) -> dict[str, int]:
     return pids
 
 
-def rss_mb(pid: int) -> float | None:
+def memory_mb(pid: int) -> tuple[float, float] | None:
+    """``(RSS, USS)`` of ``pid`` in MiB, or None once it is gone. USS (private pages) is
+    what a leak grows: RSS also counts shared pages, and a decode worker maps each prefill
+    worker's whole KV pool (1 GiB by default) at its first hand-off from it."""
     try:
-        text = Path(f"/proc/{pid}/status").read_text()
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    match = re.search(r"VmRSS:\s+(\d+) kB", text)
-    return int(match.group(1)) / 1024 if match else None
+    kb = {k: int(v) for k, v in re.findall(r"^(\w+):\s+(\d+) kB", text, re.M)}
+    return kb["Rss"] / 1024, (kb["Private_Clean"] + kb["Private_Dirty"]) / 1024
 
 
 async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, t0: float) -> dict:
@@ -110,40 +115,40 @@ async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random, t
 
 async def load(url: str, duration_s: float, launcher_pid: int, t0: float) -> tuple[list[dict], list[dict], list]:
     """Run the load, the kills and the RSS sampling for ``duration_s``; returns the request
-    records, the RSS samples (``{"t_s", "process", "rss_mb"}``) and the kills ``(t_s, id)``."""
+    records, the memory samples (``{"t_s", "process", "rss_mb", "uss_mb"}``) and the kills ``(t_s, id)``."""
     rng = random.Random(ARGS.seed)
     records, samples, kills, tasks = [], [], [], []
     pending_kills = list(KILLS)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as client:
-        next_arrival = 0.0
-        next_sample = 0.0
+        next_arrival = next_sample = next_report = 0.0
         while (now := time.monotonic() - t0) < duration_s:
             if now >= next_arrival:
                 tasks.append(asyncio.create_task(one_request(client, url, rng, t0)))
                 next_arrival = now + rng.expovariate(ARGS.rate)
             if now >= next_sample:
                 pids = {"router": launcher_pid, **worker_pids(launcher_pid)}
-                samples += [{"t_s": now, "process": name, "rss_mb": mb} for name, pid in pids.items()
-                            if (mb := rss_mb(pid)) is not None]
+                samples += [{"t_s": now, "process": name, "rss_mb": mb[0], "uss_mb": mb[1]}
+                            for name, pid in pids.items() if (mb := memory_mb(pid)) is not None]
                 next_sample = now + 5.0
             if pending_kills and now >= pending_kills[0][0] * duration_s:
                 _, victim = pending_kills.pop(0)
                 os.kill(worker_pids(launcher_pid)[victim], signal.SIGKILL)
                 kills.append((now, victim))
                 print(f"[{now:6.1f} s] kill -9 {victim}", flush=True)
-            if int(now) % 30 == 0 and int(now) != int(now - 0.05):
+            if now >= next_report:
                 done = sum(t.done() for t in tasks)
                 print(f"[{now:6.1f} s] {len(tasks)} requests sent, {done} done", flush=True)
+                next_report = now + 30.0
             await asyncio.sleep(0.05)
         records = await asyncio.gather(*tasks)
     return list(records), samples, kills
 
 
 def growth(samples: list[dict], process: str, duration_s: float) -> float | None:
-    """RSS growth of ``process`` after warm-up (see the module doc), or None without samples."""
-    warm = [s["rss_mb"] for s in samples if s["process"] == process
+    """USS growth of ``process`` after warm-up (see the module doc), or None without samples."""
+    warm = [s["uss_mb"] for s in samples if s["process"] == process
             and WARMUP_SHARE * duration_s - 15 <= s["t_s"] <= WARMUP_SHARE * duration_s]
-    tail = [s["rss_mb"] for s in samples if s["process"] == process and s["t_s"] >= (1 - TAIL_SHARE) * duration_s]
+    tail = [s["uss_mb"] for s in samples if s["process"] == process and s["t_s"] >= (1 - TAIL_SHARE) * duration_s]
     if not warm or not tail:
         return None
     return statistics.median(tail) / statistics.median(warm) - 1
@@ -179,9 +184,9 @@ def verdicts(records: list[dict], samples: list[dict], kills: list, held: dict, 
         "left_by_client": sum(r["outcome"] == "left" for r in records),
         "failed_on_killed_workers": len(on_killed), "failed_otherwise": len(others),
         "failures_otherwise": [r["error"] for r in others][:20],
-        "rss_growth": growths, "held_at_end": held,
+        "uss_growth": growths, "held_at_end": held,
         "pass": {"no_other_failures": not others,
-                 "rss_growth_under_5pct": all(g is not None and g < 0.05 for g in growths.values()),
+                 "uss_growth_under_5pct": all(g is not None and g < 0.05 for g in growths.values()),
                  "nothing_leaked": (not held["requests_in_flight"] and not any(held["blocks_in_use"].values())
                                     and not any(held["outstanding"].values()) and not held["kv_frames"])},
     }
@@ -189,15 +194,17 @@ def verdicts(records: list[dict], samples: list[dict], kills: list, held: dict, 
 
 def plot(samples: list[dict], kills: list, duration_s: float, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    for process in ["router", *WORKERS]:
-        points = [(s["t_s"], s["rss_mb"]) for s in samples if s["process"] == process]
-        if points:
-            ax.plot(*zip(*points), label=process, lw=1.2)
+    for color, process in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], ["router", *WORKERS]):
+        mine = [s for s in samples if s["process"] == process]
+        if mine:
+            t = [s["t_s"] for s in mine]
+            ax.plot(t, [s["uss_mb"] for s in mine], label=f"{process} USS", lw=1.4, color=color)
+            ax.plot(t, [s["rss_mb"] for s in mine], lw=0.8, ls=":", color=color)
     for t, victim in kills:
         ax.axvline(t, color="red", ls="--", lw=0.8)
         ax.text(t, ax.get_ylim()[1], f" kill -9 {victim}", color="red", va="top", fontsize=8)
     ax.axvspan(0, WARMUP_SHARE * duration_s, color="0.9", label="warm-up")
-    ax.set(xlabel="time (s)", ylabel="RSS (MiB)", title="Soak: resident memory per process")
+    ax.set(xlabel="time (s)", ylabel="MiB", title="Soak: private memory (USS, solid) and RSS (dotted) per process")
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
