@@ -13,16 +13,28 @@ where URL is
   fetched with httpx under a time and byte limit. Enabling it lets clients make the
   server fetch any address it can reach (internal ones included).
 
-Every failure raises :class:`~epdserve.serving.openai_api.APIError` (HTTP 400) whose
-``param`` names the offending field, e.g. ``messages[0].content[1].image_url``.
+The router needs of each image only its size (to lay out its tiles) and the knowledge
+that its bytes decode; the pixels are decoded again, in full, by the worker that encodes
+it. So the router reads every header first and refuses a request whose images would
+take more than :attr:`MediaOptions.max_request_decoded_bytes` decoded (413), then decodes
+the images one at a time, at reduced size where the format allows (JPEG), within a
+process-wide budget of decoded bytes in flight (:attr:`MediaOptions.max_decoding_bytes`;
+503 after waiting :attr:`MediaOptions.decode_wait_s` for it), drops each image's pixels
+as soon as it is checked, and hands freed memory back to the OS (glibc ``malloc_trim``).
+
+Every failure raises :class:`~epdserve.serving.openai_api.APIError` whose ``param`` names
+the offending field, e.g. ``messages[0].content[1].image_url``: 400 for a bad input, 413
+for a request over the decode budget, 503 when the process-wide budget stays full.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
+import ctypes
 import hashlib
 import os
+import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +42,20 @@ from urllib.parse import unquote, urlsplit
 
 from PIL import Image
 
-from epdserve.model.image_processor import IMAGE_TOKEN, MAX_IMAGE_BYTES, ImageError, load_image
+from epdserve.model.image_processor import (FAKE_TOKEN, GLOBAL_TOKEN, IMAGE_TOKEN, MAX_GRID, MAX_IMAGE_BYTES,
+                                            ImageError, decoded_bytes, load_image, load_pixels, open_image,
+                                            reduce_for_check)
 from epdserve.serving.openai_api import APIError
 
 DEFAULT_MAX_IMAGES = 8
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")
 DETAILS = ("auto", "low", "high")  # OpenAI's; accepted and ignored, as vLLM does
+# The tokens an image expands to. Typed by a client (in text, a role or a name) they
+# would be tokenized as image tokens: a stray <image> has no embedding (or takes another
+# image's), the layout tokens fake a tile grid.
+IMAGE_TOKENS = re.compile("|".join(re.escape(t) for t in [IMAGE_TOKEN, FAKE_TOKEN, GLOBAL_TOKEN] + [
+    f"<row_{r}_col_{c}>" for r in range(1, MAX_GRID + 1) for c in range(1, MAX_GRID + 1)]))
+TRIM_AFTER_BYTES = 16 * 1024 * 1024  # Pillow's block size: smaller decodes are not worth a malloc_trim
 
 
 @dataclass(frozen=True)
@@ -43,13 +63,23 @@ class MediaOptions:
     """What a server accepts. ``max_images``: images per request (vLLM's
     ``--limit-mm-per-prompt``); ``max_image_bytes``: encoded bytes per image;
     ``max_image_pixels``: width × height per image (None: Pillow's
-    ``Image.MAX_IMAGE_PIXELS``); ``allowed_local_dir``: the directory local files may be
-    read from (None: none); ``allow_remote``: fetch http(s) URLs; ``fetch_timeout_s``:
-    the whole fetch of one remote image, in seconds."""
+    ``Image.MAX_IMAGE_PIXELS``, 89.5 M); ``max_request_decoded_bytes``: the bytes all of a
+    request's images take decoded at full size (width × height × Pillow's bytes per
+    pixel, 4 for RGB), what the encoding workers will decode (default 1 GiB: eight 12 MP
+    photos take 384 MiB; the largest image ``max_image_pixels`` allows, 358 MB);
+    ``max_decoding_bytes``: decoded bytes held at once by the image checks in progress in
+    this process, all requests together (default 1 GiB; an image over it is still
+    decoded when it is alone); ``decode_wait_s``: how long a check waits for room in that
+    budget before the request gets 503, in seconds; ``allowed_local_dir``: the directory
+    local files may be read from (None: none); ``allow_remote``: fetch http(s) URLs;
+    ``fetch_timeout_s``: the whole fetch of one remote image, in seconds."""
 
     max_images: int = DEFAULT_MAX_IMAGES
     max_image_bytes: int = MAX_IMAGE_BYTES
     max_image_pixels: int | None = None
+    max_request_decoded_bytes: int = 1 << 30
+    max_decoding_bytes: int = 1 << 30
+    decode_wait_s: float = 10.0
     allowed_local_dir: str | Path | None = None
     allow_remote: bool = False
     fetch_timeout_s: float = 10.0
@@ -66,15 +96,18 @@ class ImageInput:
     would also need the mode, size, palette and transparency to be safe). The price: the
     same picture saved twice in different files is encoded twice.
 
-    ``image`` is the decoded Pillow image, or None where only the bytes travelled (an
-    encode worker decodes on a cache miss). ``source`` says where it came from, for logs
-    (``data:image/png``, ``file:/abs/path``, ``https://...``; never the bytes).
+    ``image`` is the decoded Pillow image, or None where it was not kept (the router
+    only checks that the bytes decode) or only the bytes travelled (an encode worker
+    decodes on a cache miss). ``size`` is (width, height) in pixels, None where the bytes
+    were not decoded. ``source`` says where it came from, for logs (``data:image/png``,
+    ``file:/abs/path``, ``https://...``; never the bytes).
     """
 
     content_hash: str
     data: bytes
     source: str
     image: Image.Image | None = None
+    size: tuple[int, int] | None = None
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str, *, decode: bool = True, max_bytes: int = MAX_IMAGE_BYTES,
@@ -86,7 +119,7 @@ class ImageInput:
             ImageError: as ``load_image`` (with ``decode``).
         """
         image = load_image(data, max_bytes, max_pixels) if decode else None
-        return cls(hashlib.sha256(data).hexdigest(), data, source, image)
+        return cls(hashlib.sha256(data).hexdigest(), data, source, image, None if image is None else image.size)
 
 
 def parse_chat_images(messages: list[dict],
@@ -97,17 +130,29 @@ def parse_chat_images(messages: list[dict],
     Returns the messages with each ``content`` a string, ready for the chat template
     (parts joined with newlines, as text parts are without images; each image part
     becomes one ``<image>`` placeholder for ``ImageProcessor.expand``; other keys kept),
-    and the images in prompt order. Blocking (file reads, fetches, decoding): an async
-    server calls it in a thread.
+    and the images in prompt order, checked to decode but not kept decoded (``image``
+    None, ``size`` set). Blocking (file reads, fetches, decoding, waiting for the decode
+    budget): an async server calls it in a thread.
 
     Raises:
-        APIError: 400 with ``param``: a malformed part, text containing ``<image>``
-            itself, more than ``max_images`` images, a refused or unreadable URL, an
-            image over a limit, or bytes that are not a supported image.
+        APIError: 400 with ``param``: a malformed message or part, text, a role or a name
+            containing an image token or a lone surrogate, more than ``max_images``
+            images, a refused or unreadable URL, an image over a limit, or bytes that are
+            not a supported image. 413: the images would take more than
+            ``max_request_decoded_bytes`` decoded. 503: no room in the process-wide
+            decode budget within ``decode_wait_s``.
     """
     parts = []  # (param, image_url value) of every image part, in order
     out = []
     for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise APIError("a message must be an object", param=f"messages[{i}]")
+        # The template renders role and name into the prompt text, as it does content.
+        for key in ("role", "name"):
+            if key in message and (key == "role" or message[key] is not None):
+                if not isinstance(message[key], str):
+                    raise APIError(f"{key} must be a string", param=f"messages[{i}].{key}")
+                _check_text(message[key], f"messages[{i}].{key}", f"a {key}")
         content = message.get("content")
         if content is None or isinstance(content, str):
             _check_text(content or "", f"messages[{i}].content")
@@ -135,18 +180,40 @@ def parse_chat_images(messages: list[dict],
     if len(parts) > options.max_images:
         raise APIError(f"{len(parts)} images in the request, more than the limit of {options.max_images}",
                        param="messages")
-    return out, [_image(param, value, options) for param, value in parts]
+    # Every header before any pixel: a request over the budget is refused undecoded.
+    opened = [(param, *_open(param, value, options)) for param, value in parts]
+    total = 0
+    for param, _, source, image in opened:
+        total += decoded_bytes(image)
+        if total > options.max_request_decoded_bytes:
+            raise APIError(f"{source}: a {image.width}x{image.height} {image.mode} image takes {decoded_bytes(image)}"
+                           f" bytes decoded, bringing the request's images to {total} bytes, over the limit of"
+                           f" {options.max_request_decoded_bytes} bytes per request", status=413, param=param)
+    return out, [_checked(*item, options) for item in opened]
 
 
-def _check_text(text: str, param: str) -> None:
-    # The tokenizer turns a literal <image> into the image token, which would then have
-    # no embedding (or take another image's).
-    if IMAGE_TOKEN in text:
-        raise APIError(f"text may not contain the image placeholder {IMAGE_TOKEN}; send images as image_url parts",
-                       param=param)
+def _check_text(text: str, param: str, what: str = "text") -> None:
+    found = IMAGE_TOKENS.search(text)
+    if found:
+        raise APIError(f"{what} may not contain the image placeholder {IMAGE_TOKEN} or another image token"
+                       f" (found {found.group()}); send images as image_url parts", param=param)
+    if not _is_unicode(text):
+        raise APIError(f"{what} is not valid Unicode: it contains a lone surrogate (an unpaired \\ud800-\\udfff"
+                       " escape)", param=param)
 
 
-def _image(param: str, value, options: MediaOptions) -> ImageInput:
+def _is_unicode(text: str) -> bool:
+    # JSON may carry lone surrogates ("\ud800"); they cannot be encoded to UTF-8, so the
+    # tokenizer, file names and the error response itself would fail on them.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _open(param: str, value, options: MediaOptions) -> tuple[bytes, str, Image.Image]:
+    """``(bytes, source, header-only Pillow image)`` of one ``image_url`` value."""
     if isinstance(value, dict):
         if value.get("detail", "auto") not in DETAILS:
             raise APIError(f"detail must be one of {', '.join(DETAILS)}, got {value['detail']!r}",
@@ -154,12 +221,35 @@ def _image(param: str, value, options: MediaOptions) -> ImageInput:
         value = value.get("url")
     if not isinstance(value, str):
         raise APIError("image_url must be a URL string or an object with a string 'url'", param=param)
+    if not _is_unicode(value):
+        raise APIError("image URL is not valid Unicode: it contains a lone surrogate", param=param)
+    data, source = _read(value, param, options)
     try:
-        data, source = _read(value, param, options)
-        return ImageInput.from_bytes(data, source, max_bytes=options.max_image_bytes,
-                                     max_pixels=options.max_image_pixels)
+        return data, source, open_image(data, options.max_image_bytes, options.max_image_pixels)
     except ImageError as exc:
         raise APIError(f"{source}: {exc}", param=param) from None
+
+
+def _checked(param: str, data: bytes, source: str, image: Image.Image, options: MediaOptions) -> ImageInput:
+    """The image of ``_open``, decoded (at reduced size where possible) within the
+    process-wide budget to check that it decodes, its pixels dropped again."""
+    size = image.size
+    reduce_for_check(image)
+    cost = decoded_bytes(image)  # at the reduced size: what this check holds
+    if not _DECODING.acquire(cost, options.max_decoding_bytes, options.decode_wait_s):
+        raise APIError(f"the server is busy decoding other images: no room for this one ({cost} bytes) in its"
+                       f" {options.max_decoding_bytes} byte decode budget within {options.decode_wait_s:g} s;"
+                       " retry later", status=503, type="service_unavailable", param=param)
+    try:
+        load_pixels(image)
+    except ImageError as exc:
+        raise APIError(f"{source}: {exc}", param=param) from None
+    finally:
+        image.close()  # frees the pixels now, not when the request's list of images goes
+        _DECODING.release(cost)
+        if cost >= TRIM_AFTER_BYTES:
+            _trim()
+    return ImageInput(hashlib.sha256(data).hexdigest(), data, source, size=size)
 
 
 def _read(url: str, param: str, options: MediaOptions) -> tuple[bytes, str]:
@@ -172,7 +262,10 @@ def _read(url: str, param: str, options: MediaOptions) -> tuple[bytes, str]:
                            " data:image/...;base64 URL", param=param)
         return _fetch(url, param, options), url.split("?", 1)[0]
     if url.startswith("file:"):
-        split = urlsplit(url)
+        try:
+            split = urlsplit(url)
+        except ValueError:  # e.g. an unclosed [ in the host
+            raise APIError("invalid file URL", param=param) from None
         if split.netloc not in ("", "localhost"):
             raise APIError(f"file URL on another host {split.netloc!r}", param=param)
         path = unquote(split.path)
@@ -193,7 +286,7 @@ def _data_url(url: str, param: str) -> tuple[bytes, str]:
                        param=param)
     try:
         data = base64.b64decode(payload, validate=True)
-    except binascii.Error as exc:
+    except ValueError as exc:  # binascii.Error, or non-ASCII characters
         raise APIError(f"invalid base64 in data URL: {exc}", param=param) from None
     return data, f"data:{media_type.lower()}"
 
@@ -202,9 +295,15 @@ def _local_file(path: str, param: str, options: MediaOptions) -> bytes:
     if options.allowed_local_dir is None:
         raise APIError("local image files are disabled on this server (no allowed local media directory)",
                        param=param)
+    # The OS cannot take a NUL in a path (open() raises ValueError on it).
+    if "\0" in path:
+        raise APIError("image path contains a NUL byte", param=param)
     root = Path(options.allowed_local_dir).resolve()
     # resolve() folds '..' and follows symlinks, so neither can lead out of the root.
-    resolved = Path(path).resolve()
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop
+        raise APIError(f"cannot resolve image path {path}", param=param) from None
     if not resolved.is_relative_to(root):
         raise APIError(f"image file {path} is outside the allowed local media directory {root}", param=param)
     try:
@@ -234,10 +333,62 @@ def _fetch(url: str, param: str, options: MediaOptions) -> bytes:
                 # httpx's timeout is per read; a server dripping bytes must not hold us longer.
                 if time.monotonic() > deadline:
                     raise APIError(f"fetching {url} took over {options.fetch_timeout_s:g} s", param=param)
+    except httpx.InvalidURL:  # not an HTTPError
+        raise APIError(f"invalid image URL {url}", param=param) from None
     except httpx.HTTPError as exc:
         # First line only: httpx appends a documentation link to status errors.
         raise APIError(f"cannot fetch image {url}: {str(exc).splitlines()[0]}", param=param) from None
     return bytes(data)
+
+
+class _BytesInFlight:
+    """Decoded bytes held by the image checks in progress in this process: one count for
+    every thread and every request, each acquiring against its own limit."""
+
+    def __init__(self):
+        self.held = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, limit: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds until ``n`` more bytes fit under ``limit`` (or
+        nothing else is held: an image over the whole limit decodes alone) and count them;
+        False on timeout. A thread holds one image's bytes at a time, so waits cannot
+        deadlock."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.held == 0 or self.held + n <= limit, timeout_s):
+                return False
+            self.held += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.held -= n
+            self._cond.notify_all()
+
+
+_DECODING = _BytesInFlight()
+
+
+def _load_malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc only
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def _trim() -> None:
+    """Return freed heap memory to the OS (glibc only; a no-op elsewhere). Pillow
+    allocates pixels in 16 MiB blocks; after the first one is freed glibc raises its mmap
+    threshold and serves blocks from its per-thread heaps, which keep freed memory while
+    other allocations sit above it: the old path (every image held until the request was
+    laid out) left 0.3-1.2 GB in the router after two requests of the probe. Checking one
+    image at a time, glibc gave nearly all back by itself in ``benchmarks/image_memory.py``;
+    the trim (~0.1 ms) is kept for the patterns it did not try."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 class ImagePrompter:
@@ -265,17 +416,25 @@ class ImagePrompter:
         """``(prompt token ids, [ImageRef])`` of chat ``messages`` (request JSON). Blocking.
 
         Raises:
-            APIError: 400, as :func:`parse_chat_images`, or the chat template fails.
+            APIError: as :func:`parse_chat_images` (400, 413, 503); 400 when the chat
+                template fails; 500 when the template's output holds other ``<image>``
+                placeholders than the images' (a template fault: client text cannot
+                contain them).
         """
         from epdserve.model.tokenizer import chat_prompt_text
         from epdserve.serving.protocol import ImageRef
 
         messages, images = parse_chat_images(messages, self.media)
-        grids = [self.processor.grid(image.image.size) for image in images]
+        grids = [self.processor.grid(image.size) for image in images]
         try:
             text = chat_prompt_text(self.tokenizer, messages)
         except ValueError as exc:
             raise APIError(str(exc), param="messages") from None
-        ids = self.tokenizer(self.processor.expand(text, grids), add_special_tokens=False).input_ids
+        try:
+            text = self.processor.expand(text, grids)
+        except ValueError as exc:
+            raise APIError(f"the chat template's output does not match the images: {exc}", status=500,
+                           type="internal_server_error") from None
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
         return ids, [ImageRef(hash=image.content_hash, tokens=self.processor.num_tokens(grid), data=image.data)
                      for image, grid in zip(images, grids)]
