@@ -73,10 +73,12 @@ from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, Media
 
 log = logging.getLogger("epdserve.router")
 
-# Tokenizers and Pillow release the GIL while they work, so two threads keep two requests'
-# preprocessing going beside the event loop; the queue bound caps the request bodies held
-# waiting for them.
-PREPROCESS_THREADS = 2
+# Tokenizers and Pillow release the GIL while they work, so these threads keep requests'
+# preprocessing going beside the event loop. Four, not two (the cores): a request with big
+# images may wait in its thread for the process-wide decode budget (multimodal.py), and
+# text requests must not queue behind it. The queue bound caps the request bodies held
+# waiting for the threads.
+PREPROCESS_THREADS = 4
 MAX_PREPROCESS_QUEUE = 256
 MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode"), "epd": ("encode", "prefill", "decode")}
 MAX_EVENT_BYTES = 16 << 20
