@@ -128,6 +128,13 @@ class ChatMessage(_Req):
         return v
 
     @property
+    def text_chars(self) -> int:
+        """Characters of the message's text (its string, or its text parts)."""
+        if isinstance(self.content, list):
+            return sum(len(part.text) for part in self.content if isinstance(part, TextPart))
+        return len(self.content or "")
+
+    @property
     def num_images(self) -> int:
         return sum(isinstance(part, ImagePart) for part in self.content) if isinstance(self.content, list) else 0
 

@@ -743,7 +743,7 @@ class Router:
             APIError: 400 ``context_length_exceeded`` when that bound is over ``max_model_len``.
         """
         if isinstance(body, api.ChatCompletionRequest):
-            chars, param = sum(len(m.as_template_dict()["content"]) for m in body.messages), "messages"
+            chars, param = sum(m.text_chars for m in body.messages), "messages"
         elif isinstance(body.prompt, str):
             chars, param = len(body.prompt), "prompt"
         else:
