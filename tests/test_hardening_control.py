@@ -288,21 +288,26 @@ def test_forged_hello_neither_evicts_nor_takes_over(xpyd_server, model_info, tmp
 def test_forged_stats_and_output_are_dropped(xpyd_server):
     dep = xpyd_server
     wait_for(lambda: all_up(dep), 120, "every worker up")
+    # The gauges would show 777 until decode-0's next Stats; the preemption counter would keep the 777777.
+    stats = {"type": "stats", "worker_id": "decode-0", "blocks_total": 7, "blocks_in_use": 5, "num_running": 777,
+             "num_waiting": 778, "num_preemptions": 777777}
+    send(dep.events, *(seal(stats, token) for token in (None, "wrong-token")))
+    forged = re.compile(r'(num_requests_running|num_preemptions_total)\{[^}]*"decode-0"[^}]*\} 777')
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5:
+        assert not forged.search(httpx.get(dep.url + "/metrics").text), "forged stats shown"
+        time.sleep(0.05)
     stream = Stream(dep.url, PROMPT, 64)
     stream.start()
     wait_for(lambda: len(stream.events) >= 2, 60, "the stream's first tokens")
     rid = stream.events[0][1]["id"]
     holder = wait_for(lambda: next((w for w, n in states_outstanding(dep).items() if n), None), 30, "its decode worker")
-    stats = {"type": "stats", "worker_id": "decode-0", "blocks_total": 7, "blocks_in_use": 5, "num_running": 777,
-             "num_waiting": 778, "num_preemptions": 0}
     out = {"type": "output", "worker_id": holder, "request_id": rid, "token_ids": [13], "finished": True,
            "finish_reason": "stop"}
-    send(dep.events, *(seal(f, token) for f in (stats, out) for token in (None, "wrong-token")))
+    send(dep.events, *(seal(out, token) for token in (None, "wrong-token")))
     stream.join(120)
     assert stream.failure is None and stream.error is None, stream.error
     assert stream.events[-1][1]["choices"][0]["finish_reason"] == "length"
-    metrics = httpx.get(dep.url + "/metrics").text
-    assert not re.search(r'num_requests_running\{[^}]*"decode-0"[^}]*\} 777', metrics), "forged stats shown"
     assert "dropped a frame on the events socket" in dep.log_tail(10**7)
 
 

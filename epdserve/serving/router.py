@@ -1163,7 +1163,8 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-file", default=None, help="append one JSON line per finished request")
     parser.add_argument("--worker-timeout", type=float, default=5.0,
                         help="seconds without any message (workers send a heartbeat every 0.5 s) "
-                             "after which a worker counts as down")
+                             "after which a worker counts as down; counted only while the router can read, so "
+                             "a stall of the router is not blamed on its workers")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds without output after which a request fails")
     parser.add_argument("--local-prefill-threshold", type=int_at_least(0), default=0,
@@ -1223,7 +1224,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"epdserve router: error: {exc}", file=sys.stderr)
         return 2
     app = create_app(router)
-    log.info("router (%s, %s) on http://%s:%d; waiting for workers on %s", args.mode, router.model.name,
-             args.host, args.port, args.events)
+    log.info("router (%s, %s) on http://%s:%d; waiting for workers on %s (frames %s%s)", args.mode,
+             router.model.name, args.host, args.port, args.events,
+             "sealed" if router.keyring.enabled else "NOT authenticated", ", CURVE" if router.keyring.curve else "")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

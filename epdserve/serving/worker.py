@@ -400,8 +400,8 @@ def run(args: argparse.Namespace) -> int:
                            blocks_total=blocks_total, cores=cores, auth=auth_tag(args.auth_token, args.worker_id),
                            incarnation=incarnation)
     worker.send(worker.hello)
-    log.info("%s: %s worker on cores %s, %d KV blocks, listening on %s",
-             args.worker_id, args.role, cores, blocks_total, args.bind)
+    log.info("%s: %s worker on cores %s, %d KV blocks, listening on %s%s",
+             args.worker_id, args.role, cores, blocks_total, args.bind, " (CURVE on TCP)" if keyring.curve else "")
     stop = threading.Event()
     beat = threading.Thread(target=heartbeat, args=(ctx, args.router, args.worker_id, stop, keyring, incarnation),
                             name="epdserve-heartbeat", daemon=True)
