@@ -495,6 +495,9 @@ class Router:
     ``internal_encryption`` "curve": TCP sockets use CURVE (needs the token).
     ``local_prefill_threshold`` (pd, tokens): a prompt shorter than this goes straight to a
     decode worker, which prefills it itself; 0 disaggregates every prompt.
+
+    Raises (constructor):
+        ValueError: an unknown mode, or CURVE without a token or without libzmq support.
     """
 
     def __init__(self, mode: str, model, tokenizer, events_addr: str, *, trace_file: str | None = None,
