@@ -152,7 +152,8 @@ def test_encode_worker_embeddings_equal_in_process(vlm, tmp_path):
     events.bind(events_addr)
     cmd_addr = f"ipc://{tmp_path}/encode.sock"
     proc = subprocess.Popen([sys.executable, "-m", "epdserve", "worker", "--role", "encode", "--router", events_addr,
-                             "--bind", cmd_addr, "--worker-id", "encode-t", "--model", "vlm"],
+                             "--bind", cmd_addr, "--worker-id", "encode-t", "--model", "vlm",
+                             "--allow-unauthenticated"],  # this test speaks the router's side unsealed
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     inbox: queue.Queue = queue.Queue()
 

@@ -215,7 +215,7 @@ def _start_prefill_worker(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "epdserve", "worker", "--role", "prefill", "--worker-id", "p0",
          "--router", f"tcp://127.0.0.1:{free_port()}", "--bind", f"tcp://127.0.0.1:{free_port()}",
-         "--kv-cache-memory-mb", "16"], stdout=log, stderr=subprocess.STDOUT)
+         "--kv-cache-memory-mb", "16", "--allow-unauthenticated"], stdout=log, stderr=subprocess.STDOUT)
     log.close()
     return proc, tmp_path / log.name
 

@@ -209,7 +209,8 @@ def test_decode_worker_on_another_host_gets_kv_over_tcp(two_hosts, tokenizer, tm
         for name, (ns, *argv) in commands.items():
             with open(logs[name], "w") as log:
                 procs[name] = subprocess.Popen(["ip", "netns", "exec", ns, *argv], cwd=ROOT, stdout=log,
-                                               stderr=subprocess.STDOUT, start_new_session=True)
+                                               stderr=subprocess.STDOUT, start_new_session=True,
+                                               env=dict(os.environ, EPDSERVE_AUTH_TOKEN="two-hosts-token"))
         prompt_ids = tokenizer(PROMPT).input_ids
         expected = _reference_tokens(prompt_ids)
         # The client runs inside ns1 too: no traffic leaves the two namespaces.

@@ -22,6 +22,7 @@ import zmq
 
 from epdserve.engine.encoder import EncodeEngine
 from epdserve.model.image_processor import ImageError
+from epdserve.serving import auth
 from epdserve.serving import protocol as P
 from epdserve.serving.multimodal import ImageInput
 from epdserve.transfer import embedding, shm, tcp
@@ -34,15 +35,25 @@ IDLE_WAIT_S = 0.1
 
 
 def handle_control(worker, msg) -> None:
-    """What every worker loop does with Shutdown (stop), Refused (stop with exit code 2)
-    and any message it does not expect (log it); ``worker`` has ``running``,
-    ``exit_code`` and ``worker_id``."""
+    """What every worker loop does with Shutdown (stop), Refused (stop with exit code 2),
+    Reset (``worker.reset()``, then say Hello again) and any message it does not expect
+    (log it); ``worker`` has ``running``, ``exit_code``, ``worker_id``, ``incarnation``,
+    ``hello``, ``reset()`` and ``send()``. A Refused or Reset for another incarnation is
+    ignored: it answers a Hello of another process that named this worker's address."""
     if isinstance(msg, P.Shutdown):
         worker.running = False
+    elif isinstance(msg, (P.Refused, P.Reset)) and msg.incarnation != worker.incarnation:
+        log.warning("%s: ignored a %s meant for another process (incarnation %r)", worker.worker_id, msg.type,
+                    msg.incarnation[:16])
     elif isinstance(msg, P.Refused):
         log.error("%s: the router refused this worker: %s", worker.worker_id, msg.reason)
         print(f"epdserve worker: refused by the router: {msg.reason}", flush=True)
         worker.running, worker.exit_code = False, 2
+    elif isinstance(msg, P.Reset):
+        dropped = worker.reset()
+        log.warning("%s: the router took this worker for down and hears it again: dropped %s; saying hello again",
+                    worker.worker_id, dropped)
+        worker.send(worker.hello)
     else:
         log.warning("%s: unexpected %s message", worker.worker_id, msg.type)
 
@@ -68,7 +79,12 @@ def image_inputs(images: list[P.ImageRef]) -> list[ImageInput]:
 class EncodeWorker:
     """The command/encode/publish loop around one :class:`EncodeEngine`. ``kv_bind``: the
     TCP address to serve frames on (None: shared memory only); ``ttl_s``: how long an
-    unread frame is kept."""
+    unread frame is kept. ``run`` sets ``sealer`` (seals events), ``incarnation`` and
+    ``hello`` (what a Reset is answered with)."""
+
+    sealer: auth.Sealer = auth.NO_AUTH.sealer("events")
+    incarnation: str = ""
+    hello: P.Hello | None = None
 
     def __init__(self, encoder: EncodeEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
                  ctx: zmq.Context, kv_bind: str | None, ttl_s: float):
@@ -92,7 +108,7 @@ class EncodeWorker:
                 "dtype": str(self.encoder.vision.dtype).removeprefix("torch.")}
 
     def send(self, msg) -> None:
-        self.events.send(P.encode(msg))
+        self.events.send(self.sealer.seal(P.encode(msg)))
 
     def loop(self) -> None:
         while self.running:
@@ -162,6 +178,16 @@ class EncodeWorker:
         if held is None or held[0] != name:
             raise WireError(f"no embeddings {name} for request {request_id}")
         return shm.open_segment(name)
+
+    def reset(self) -> str:
+        """Drop every pending encoding and delete every frame held (see ``P.Reset``);
+        returns what was dropped, for the log."""
+        pending, frames = len(self.pending), len(self.frames)
+        self.pending.clear()
+        for request_id in list(self.frames):
+            self.release(request_id)
+        self.last_stats = None  # report the emptied state at once
+        return f"{pending} pending encodings, {frames} frames"
 
     def release(self, request_id: str) -> None:
         held = self.frames.pop(request_id, None)

@@ -5,9 +5,13 @@ A worker is refused when its weights differ from the router's model, when its KV
 cannot hold the router's model, when (PD) its KV layout differs from the live workers of
 the other role in anything but the dtype (they could not exchange KV blocks; a decode
 worker converts imported KV to its own dtype), or when the deployment has an auth
-token and the worker's HMAC does not match it. Only Hello is authenticated: commands from
-the router and later worker messages carry no tag (the sockets are expected to be on
-127.0.0.1 or ipc in a private directory).
+token and the worker's HMAC of its id does not match it.
+
+Every frame, not only Hello, is authenticated: :mod:`epdserve.serving.auth` seals each
+one with a tag under the token and the receiver drops a frame whose tag does not verify
+before it parses it, so with a token only token holders ever reach :func:`refusal`; the
+Hello's ``auth`` field is checked on top (it proves the id, as before). Who may take over
+a worker id that is already held is the router's rule (``Router._on_hello``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,10 @@ placement is logged, printed with the URL, and shown per worker in ``/health``.
 
 Workers are ``python -m epdserve worker ...`` subprocesses talking to the router over
 ZeroMQ ipc sockets in a private temporary directory (``--events`` may put the router's
-events socket on TCP instead, so that workers started by hand can join). The router
+events socket on TCP instead, so that workers started by hand can join). Every frame is
+sealed with the auth token (``epdserve.serving.auth``): ``--auth-token`` /
+``$EPDSERVE_AUTH_TOKEN``, else a random one (not shown; give your own for workers started
+by hand), unless ``--allow-unauthenticated``; workers get it by environment. The router
 (uvicorn) runs in this process; the URL is printed (``epdserve serve: ready at
 http://HOST:PORT``) once every worker has said hello. Every worker is stopped when the
 launcher exits (normal exit, SIGTERM/SIGINT, atexit) and is killed by the kernel if the
@@ -41,6 +44,7 @@ import ctypes
 import errno
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -52,7 +56,7 @@ import time
 from epdserve import host
 from epdserve.argtypes import int_at_least
 from epdserve.engine.engine import DTYPES
-from epdserve.serving import worker
+from epdserve.serving import auth, worker
 from epdserve.serving.http_guard import uvicorn_config
 from epdserve.serving.router import (SYNTHETIC_VISION_NOTE, Router, add_router_options, build_router, create_app,
                                      setup_logging)
@@ -273,6 +277,16 @@ def worker_command(args: argparse.Namespace, role: str, worker_id: str, cores: l
     return argv
 
 
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
+    """What workers get of the security options: by environment, not argv, which any local
+    user can read (the token), and which their own options default to."""
+    env = {"EPDSERVE_INTERNAL_ENCRYPTION": args.internal_encryption,
+           "EPDSERVE_ALLOW_UNAUTHENTICATED": "1" if args.allow_unauthenticated else "0"}
+    if args.auth_token:
+        env["EPDSERVE_AUTH_TOKEN"] = args.auth_token
+    return env
+
+
 class Children:
     """The worker subprocesses. :meth:`watch` reports the ones that exited and restarts
     them after a backoff; :meth:`stop` (idempotent) terminates them, then kills whatever is
@@ -380,6 +394,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"epdserve serve: error: {exc}", file=sys.stderr)
         return 2
+    if not args.auth_token and (not args.allow_unauthenticated or args.internal_encryption == "curve"):
+        # Even on ipc in our private directory (defence in depth), and CURVE derives its keys from it.
+        args.auth_token = secrets.token_urlsafe(32)
+        if args.events:
+            log.info("no --auth-token: generated one; workers started elsewhere cannot join (give your own)")
+    error = auth.options_error(args, [])  # CURVE support
+    if error is not None:
+        print(f"epdserve serve: error: {error}", file=sys.stderr)
+        return 2
     try:
         sock = listen_socket(args.host, args.port)
     except (OSError, OverflowError) as exc:  # one line: uvicorn's own bind error came with a traceback
@@ -406,8 +429,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for text in warnings:
         print(f"epdserve serve: warning: {text}", file=sys.stderr, flush=True)
-    # The token goes to workers by environment, not argv, which any local user can read.
-    children = Children({"EPDSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else {})
+    children = Children(worker_env(args))
     stopped = False
 
     def cleanup() -> None:

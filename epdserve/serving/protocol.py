@@ -1,6 +1,8 @@
 """Typed messages between the router and its workers.
 
-Every message is one ZeroMQ frame holding a msgpack map with a ``type`` field; it is
+Every message is one ZeroMQ frame holding a msgpack map with a ``type`` field, sealed by
+:mod:`epdserve.serving.auth` (an HMAC-SHA256 tag under a key derived from the
+deployment's token, checked before the frame is parsed; none without a token); it is
 validated by pydantic on receipt, so a frame that is not our wire format (a pickle,
 garbage, a wrong field) raises :class:`ProtocolError` and is never deserialised into
 code. Tensors never travel in these frames: KV blocks go through ``epdserve.transfer``
@@ -13,8 +15,13 @@ Sockets (one direction each, so neither side blocks on the other):
   (a second PUSH of its heartbeat thread sends :class:`Heartbeat`);
 * every worker binds one PULL socket (``cmd``); the router connects a PUSH to it on
   ``Hello`` and sends :class:`AddRequest`, :class:`Abort`, :class:`ReleaseKV`,
-  :class:`Shutdown`, or only :class:`Refused` if it turns the worker away; an encode
-  worker gets :class:`Encode` instead of :class:`AddRequest` and answers :class:`Encoded`.
+  :class:`Shutdown`, :class:`Reset`, or only :class:`Refused` if it turns the worker away;
+  an encode worker gets :class:`Encode` instead of :class:`AddRequest` and answers
+  :class:`Encoded`.
+
+A worker process draws a random ``incarnation`` at start and sends it in its Hello and
+heartbeats: it tells the process that holds a worker id from another one claiming it
+(see ``Router._on_hello``), and commands are sealed for it alone.
 
 Times in ``timings`` are durations in milliseconds (``*_ms``) or byte counts
 (``*_bytes``) so that they stay meaningful across hosts.
@@ -87,9 +94,10 @@ class EmbeddingRef(_Msg):
 
 
 class Hello(_Msg):
-    """A worker's first message. ``fingerprint`` identifies its weights and ``auth`` is the
-    HMAC of ``worker_id`` under the deployment's token (see ``epdserve.serving.handshake``);
-    ``cores`` are the CPU cores it is pinned to."""
+    """A worker's first message (and its answer to :class:`Reset`). ``fingerprint``
+    identifies its weights and ``auth`` is the HMAC of ``worker_id`` under the deployment's
+    token (see ``epdserve.serving.handshake``); ``cores`` are the CPU cores it is pinned
+    to; ``incarnation``: the random id of this worker process."""
 
     type: Literal["hello"] = "hello"
     worker_id: str
@@ -101,6 +109,7 @@ class Hello(_Msg):
     blocks_total: int
     cores: list[int] = []
     auth: str = ""
+    incarnation: str = Field(min_length=8, max_length=64)
 
 
 class Heartbeat(_Msg):
@@ -109,6 +118,7 @@ class Heartbeat(_Msg):
 
     type: Literal["heartbeat"] = "heartbeat"
     worker_id: str
+    incarnation: str
 
 
 class Stats(_Msg):
@@ -216,15 +226,27 @@ class Shutdown(_Msg):
 
 
 class Refused(_Msg):
-    """The router will not use this worker (incompatible model or KV layout, bad auth);
-    the worker exits with status 2."""
+    """The router will not use this worker (incompatible model or KV layout, its id held by
+    a live worker); the worker exits with status 2. ``incarnation``: the Hello's; a worker
+    process of another incarnation ignores it (the address a Hello names may be another's)."""
 
     type: Literal["refused"] = "refused"
     reason: str
+    incarnation: str = ""
+
+
+class Reset(_Msg):
+    """The router took this worker for down (it was silent) and hears it again: it has failed
+    or moved elsewhere every request the worker held. The worker aborts them all, releases
+    every export, and says Hello again (same ``incarnation``, which this must name)."""
+
+    type: Literal["reset"] = "reset"
+    incarnation: str
 
 
 Message = Annotated[
-    Union[Hello, Heartbeat, Stats, Output, Error, AddRequest, Abort, ReleaseKV, Shutdown, Refused, Encode, Encoded],
+    Union[Hello, Heartbeat, Stats, Output, Error, AddRequest, Abort, ReleaseKV, Shutdown, Refused, Reset, Encode,
+          Encoded],
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)
@@ -235,8 +257,8 @@ def encode(msg: _Msg) -> bytes:
     return msgpack.packb(msg.model_dump(exclude_defaults=False), use_bin_type=True)
 
 
-def decode(frame: bytes) -> Message:
-    """Parse and validate one frame.
+def decode(frame: bytes | memoryview) -> Message:
+    """Parse and validate one frame (its body, once :mod:`epdserve.serving.auth` opened it).
 
     Raises:
         ProtocolError: the bytes are not msgpack, or not a known, well-formed message.

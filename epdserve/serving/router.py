@@ -24,14 +24,19 @@ the worker that encodes them (colocated and pd: the worker that prefills).
 One background task reads the events socket (a ZeroMQ PULL every worker pushes to) and
 puts each output into its request's :class:`asyncio.Queue`; ``Hello`` registers a worker
 (the router then connects a PUSH to its command socket) unless
-:func:`~epdserve.serving.handshake.refusal` finds it incompatible (it then gets only
-``Refused``), ``Stats`` update its state and the Prometheus gauges.
+:func:`~epdserve.serving.handshake.refusal` finds it incompatible or its id is held by
+another live worker process (it then gets only ``Refused``), ``Stats`` update its state
+and the Prometheus gauges. With a token every frame, both ways, is sealed and checked
+(:mod:`epdserve.serving.auth`): a frame that fails is logged (rate-limited) and dropped.
 
 Worker states: "up"; "down" once :meth:`Router.mark_dead` is called (by the launcher's
 process watch, or here after ``worker_timeout_s`` without any message, heartbeats
-included); "refused". A down worker comes back up by saying Hello again (a restart). The
-requests a worker holds fail at once when it goes down, except those that have produced
-nothing yet (queued or prefilling): they are sent to another live worker of the role.
+included, counted as :meth:`Router._events_loop` says); "refused". A down worker comes
+back up by saying Hello again: a restarted process at once; the same process (it was
+stopped, or cut off, and its heartbeats resume) after a :class:`~epdserve.serving.protocol.Reset`
+that makes it drop everything it held. The requests a worker holds fail at once when it
+goes down, except those that have produced nothing yet (queued or prefilling): they are
+sent to another live worker of the role; neither kind is resumed when it comes back.
 
 Every request ends in :meth:`Generation.close`, whatever happened (finished, stop string,
 client gone, worker error): the worker that still holds it gets ``Abort``, and a prefill
@@ -49,7 +54,6 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import os
 import sys
 import time
 import uuid
@@ -63,6 +67,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epdserve.argtypes import int_at_least
+from epdserve.serving import auth
 from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
 from epdserve.serving.detokenizer import TextStream
@@ -82,6 +87,12 @@ PREPROCESS_THREADS = 4
 MAX_PREPROCESS_QUEUE = 256
 MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode"), "epd": ("encode", "prefill", "decode")}
 MAX_EVENT_BYTES = 16 << 20
+EVENTS_POLL_S = 0.5
+STALL_GRACE_S = 0.5  # of one events-loop turn beyond a poll, the most that counts as time it could read
+MAX_EVENTS_BATCH = 1000  # frames read in one go before the silence check
+TAKEOVER_SILENCE_S = 1.0  # 2 heartbeat intervals: a worker this silent may be replaced by another process
+RESET_RETRY_S = 2.0  # how often a down worker that is heard again is sent Reset until it says Hello
+MAX_REFUSED = 64  # refused workers listed in /health (the oldest are forgotten)
 SYNTHETIC_VISION_NOTE = ("the vision tower has SYNTHETIC (seeded random) weights: the language model is real, "
                          "but what it says about images carries no meaning")  # a worker frame larger than this is dropped by ZeroMQ
 
@@ -103,7 +114,9 @@ class WorkerFailed(Exception):
 @dataclass
 class WorkerState:
     """What the router knows of one worker. ``outstanding`` maps request ids it holds to
-    their token count (prompt + max_tokens); ``last_seen`` is a ``time.monotonic()``."""
+    their token count (prompt + max_tokens); ``last_seen`` is a ``time.monotonic()``,
+    ``heard`` the router's read clock (see ``Router._events_loop``) at its last message;
+    ``incarnation`` names its process; ``sealer`` seals its commands for that process."""
 
     worker_id: str
     role: str
@@ -120,6 +133,10 @@ class WorkerState:
     last_seen: float = field(default_factory=time.monotonic)
     dead: str | None = None  # why it is considered gone
     outstanding: dict[str, int] = field(default_factory=dict)
+    incarnation: str = ""
+    sealer: auth.Sealer = field(default_factory=lambda: auth.NO_AUTH.sealer("commands"))
+    heard: float = 0.0
+    reset_sent: float = -float("inf")  # time.monotonic() of the last Reset
 
     def send(self, msg) -> None:
         """Queue one command for the worker without blocking.
@@ -128,7 +145,7 @@ class WorkerState:
             WorkerFailed: the worker's command queue is full (it stopped reading).
         """
         try:
-            self.sock.send(P.encode(msg), zmq.NOBLOCK)
+            self.sock.send(self.sealer.seal(P.encode(msg)), zmq.NOBLOCK)
         except zmq.Again:
             raise WorkerFailed(f"worker {self.worker_id} is not accepting commands") from None
 
@@ -485,15 +502,20 @@ class Router:
     ``events_addr`` the ZeroMQ address the PULL socket binds (``tcp://...`` or
     ``ipc://...``). A worker silent for ``worker_timeout_s`` seconds is considered dead;
     a request with no output for ``request_timeout_s`` seconds fails. ``auth_token``: if
-    set, a worker's Hello must carry its HMAC (see ``epdserve.serving.handshake``).
+    set, every frame both ways is sealed with keys derived from it and a worker's Hello
+    must carry its HMAC (see :mod:`epdserve.serving.auth`, ``epdserve.serving.handshake``);
+    ``internal_encryption`` "curve": TCP sockets use CURVE (needs the token).
     ``local_prefill_threshold`` (pd, tokens): a prompt shorter than this goes straight to a
     decode worker, which prefills it itself; 0 disaggregates every prompt.
+
+    Raises (constructor):
+        ValueError: an unknown mode, or CURVE without a token or without libzmq support.
     """
 
     def __init__(self, mode: str, model, tokenizer, events_addr: str, *, trace_file: str | None = None,
                  worker_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
                  auth_token: str | None = None, local_prefill_threshold: int = 0,
-                 media: MediaOptions = MediaOptions()):
+                 media: MediaOptions = MediaOptions(), internal_encryption: str = "none"):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
         self.mode = mode
@@ -505,6 +527,10 @@ class Router:
         self.worker_timeout_s = worker_timeout_s
         self.request_timeout_s = request_timeout_s
         self.auth_token = auth_token
+        self.keyring = auth.Keyring(auth_token, curve=internal_encryption == "curve")
+        self._opener = self.keyring.opener("events")
+        self._drops = auth.DropLog(log, "dropped a frame on the events socket")
+        self._clock = 0.0  # seconds the events loop has been able to read (see _events_loop)
         self.local_prefill_threshold = local_prefill_threshold
         self.fingerprint = model_fingerprint(model.path)
         self.kv_shape = model_kv_shape(model.path)
@@ -530,6 +556,7 @@ class Router:
             self._pull = self._actx.socket(zmq.PULL)
             self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
             self._pull.setsockopt(zmq.LINGER, 0)
+            self.keyring.secure_server(self._pull, self.events_addr)
             self._pull.bind(self.events_addr)
 
     async def start(self) -> None:
@@ -602,22 +629,52 @@ class Router:
             self.send_quietly(w, P.ReleaseKV(request_id=request_id))
 
     async def _events_loop(self) -> None:
-        last_check = time.monotonic()
+        """Read the workers' frames, and mark down a worker silent for ``worker_timeout_s``.
+
+        Silence is measured on a clock of the time this loop was able to read (``_clock``),
+        not the wall clock, so that the router never blames a worker for its own stall: a
+        turn of the loop lasts at most one poll (``EVENTS_POLL_S``) plus the handling of what
+        it read, and of a longer one (the event loop held by a long synchronous call, the
+        process stopped or starved) only ``EVENTS_POLL_S + STALL_GRACE_S`` counts. And every
+        frame queued (up to ``MAX_EVENTS_BATCH``) is read before the check, so heartbeats
+        that piled up during a stall are heard first. A worker that really stopped is still
+        found out after ``worker_timeout_s`` of the router's own running time.
+        """
+        last_turn = time.monotonic()
+        last_check = self._clock
         while True:
-            if await self._pull.poll(500):
-                frame = await self._pull.recv()
-                try:
-                    self._on_message(P.decode(frame), time.monotonic())
-                except P.ProtocolError as exc:
-                    log.warning("dropped a bad frame on the events socket: %s", exc)
-                except Exception:
-                    log.exception("error handling a worker message")
+            ready = await self._pull.poll(EVENTS_POLL_S * 1000)
             now = time.monotonic()
-            if now - last_check > 1.0:
-                last_check = now
-                for w in self.workers.values():
-                    if not w.dead and now - w.last_seen > self.worker_timeout_s:
-                        self.mark_dead(w.worker_id, f"silent for {self.worker_timeout_s:.0f} s")
+            self._clock += min(now - last_turn, EVENTS_POLL_S + STALL_GRACE_S)
+            last_turn = now
+            drained = True
+            if ready:
+                for _ in range(MAX_EVENTS_BATCH):
+                    self._on_frame(await self._pull.recv(), now)
+                    if not self._pull.get(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                else:
+                    drained = False  # more queued: read them before judging anyone silent
+            if drained and self._clock - last_check >= 1.0:
+                last_check = self._clock
+                for w in list(self.workers.values()):
+                    if not w.dead and self._clock - w.heard > self.worker_timeout_s:
+                        self.mark_dead(w.worker_id, f"silent for {self.worker_timeout_s:g} s")
+
+    def _on_frame(self, frame: bytes, now: float) -> None:
+        """Check one frame's tag, parse it and act on it; a frame that fails is dropped."""
+        try:
+            msg = P.decode(self._opener.open(frame))
+        except auth.AuthError as exc:
+            self._drops(f"it failed authentication: {exc}")
+            return
+        except P.ProtocolError as exc:
+            self._drops(f"bad frame: {exc}")
+            return
+        try:
+            self._on_message(msg, now)
+        except Exception:
+            log.exception("error handling a worker message")
 
     def _on_message(self, msg, now: float) -> None:
         if isinstance(msg, P.Hello):
@@ -627,7 +684,12 @@ class Router:
         if w is None:
             log.debug("message from unknown worker %s ignored", msg.worker_id)
             return
-        w.last_seen = now
+        if isinstance(msg, P.Heartbeat):
+            if msg.incarnation != w.incarnation:
+                return  # another process claiming this id (one that was replaced, or a token holder)
+            if w.dead:
+                self._reset(w, now)
+        w.last_seen, w.heard = now, self._clock
         if isinstance(msg, P.Heartbeat):
             return
         if isinstance(msg, P.Stats):
@@ -648,14 +710,35 @@ class Router:
             elif isinstance(msg, P.Encoded) or (isinstance(msg, P.Output) and msg.kv is not None):
                 self.release_kv(w, msg.request_id)  # its client left before the KV (embeddings) arrived
 
+    def _reset(self, w: WorkerState, now: float) -> None:
+        """A down worker's own heartbeats resume (it was stopped or cut off, not restarted):
+        tell it to drop what it held and say Hello again (at most every RESET_RETRY_S)."""
+        if now - w.reset_sent < RESET_RETRY_S:
+            return
+        w.reset_sent = now
+        log.warning("worker %s (%s) is heard again after it went down (%s); resetting it", w.worker_id, w.role,
+                    w.dead)
+        self.send_quietly(w, P.Reset(incarnation=w.incarnation))
+
     def _on_hello(self, msg: P.Hello) -> None:
-        """Register (or re-register, after a restart) a worker, or refuse it."""
+        """Register a worker (new, restarted, or the same process after a Reset), or refuse it.
+
+        Identity: while a worker id is held by a live worker, a Hello for it is taken only
+        from the same process (same ``incarnation``: nothing to do) or once that worker has
+        been silent for more than ``TAKEOVER_SILENCE_S`` (it died and its successor came up
+        before anyone noticed); otherwise it is refused as held. With a token only a token
+        holder gets here (the frame's tag was checked). A refused Hello never touches the
+        state of the worker registered under its id.
+        """
         old = self.workers.get(msg.worker_id)
-        if old is not None:
-            self.mark_dead(msg.worker_id, "restarted")
-            old.sock.close(linger=0)
-        if old is not None and old.role != msg.role:  # the id now names another role
-            self.metrics.worker_up.labels(msg.worker_id, old.role).set(0)
+        if old is not None and not old.dead:
+            if msg.incarnation == old.incarnation:
+                log.debug("worker %s said hello again", msg.worker_id)
+                return
+            if self._clock - old.heard <= TAKEOVER_SILENCE_S:
+                self._refuse(msg, f"worker id {msg.worker_id} is held by a live worker process (at {old.addr})",
+                             held=True)
+                return
         peer_role = KV_PEER_ROLES.get(msg.role) if self.mode in ("pd", "epd") else None
         peers = [(w.worker_id, w.kv_layout) for w in self.workers.values()
                  if w.role == peer_role and self.live(w) and w.worker_id != msg.worker_id]
@@ -665,31 +748,63 @@ class Router:
             kv_shape = self.images.embedding_shape if msg.role == "encode" else self.kv_shape
             reason = refusal(msg, fingerprint=self.fingerprint, kv_shape=kv_shape,
                              auth_token=self.auth_token, peers=peers)
-        sock = self._ctx.socket(zmq.PUSH)
         if reason is not None:
-            self.workers.pop(msg.worker_id, None)
+            self._refuse(msg, reason, held=old is not None)
+            return
+        if old is not None:
+            if old.dead is None:
+                self.mark_dead(msg.worker_id, "replaced by a new process")
+            elif old.incarnation == msg.incarnation:
+                log.info("worker %s (%s) is back after a reset", msg.worker_id, msg.role)
+            old.sock.close(linger=0)
+            if old.role != msg.role:  # the id now names another role
+                self.metrics.worker_up.labels(msg.worker_id, old.role).set(0)
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        self.keyring.secure_client(sock, msg.addr)
+        sock.connect(msg.addr)
+        self.refused.pop(msg.worker_id, None)
+        self.workers[msg.worker_id] = WorkerState(worker_id=msg.worker_id, role=msg.role, addr=msg.addr,
+                                                  model=msg.model, sock=sock, kv_layout=msg.kv_layout,
+                                                  cores=msg.cores, blocks_total=msg.blocks_total,
+                                                  incarnation=msg.incarnation, heard=self._clock,
+                                                  sealer=self.keyring.sealer("commands", msg.incarnation))
+        self.metrics.set_worker(msg.worker_id, msg.role, blocks_in_use=0, blocks_total=msg.blocks_total,
+                                num_running=0, num_waiting=0, num_preemptions=0)
+        self.metrics.worker_up.labels(msg.worker_id, msg.role).set(1)
+        log.info("worker %s (%s) is up: hello from %s, cores %s", msg.worker_id, msg.role, msg.addr, msg.cores)
+
+    def _refuse(self, msg: P.Hello, reason: str, held: bool) -> None:
+        """Turn ``msg``'s sender away. ``held``: its id names a registered worker, whose state
+        (and /health entry) stays as it is; else it is listed in /health as refused.
+        ``Refused`` goes to the Hello's address, sealed for the Hello's process alone; without
+        a token only when the id is not held (an unauthenticated Hello could name any
+        address, a live worker's included)."""
+        log.error("refused worker %s (%s) from %s: %s", msg.worker_id, msg.role, msg.addr, reason)
+        if not held:
+            self.refused.pop(msg.worker_id, None)
             self.refused[msg.worker_id] = {"worker_id": msg.worker_id, "role": msg.role, "addr": msg.addr,
                                            "cores": msg.cores, "state": "refused", "reason": reason,
                                            "kv_dtype": msg.kv_layout.get("dtype"),
                                            "blocks_in_use": 0, "blocks_total": 0, "num_running": 0,
                                            "num_waiting": 0, "outstanding": 0, "outstanding_tokens": 0}
+            while len(self.refused) > MAX_REFUSED:
+                self.refused.pop(next(iter(self.refused)))
             self.metrics.worker_up.labels(msg.worker_id, msg.role).set(0)
-            log.error("refused worker %s (%s) from %s: %s", msg.worker_id, msg.role, msg.addr, reason)
-            sock.setsockopt(zmq.LINGER, 2000)  # deliver Refused, but never block the router for long
-            sock.connect(msg.addr)
-            sock.send(P.encode(P.Refused(reason=reason)), zmq.NOBLOCK)
-            sock.close()
+        if held and not self.keyring.enabled:
             return
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(msg.addr)
-        self.refused.pop(msg.worker_id, None)
-        self.workers[msg.worker_id] = WorkerState(worker_id=msg.worker_id, role=msg.role, addr=msg.addr,
-                                                  model=msg.model, sock=sock, kv_layout=msg.kv_layout,
-                                                  cores=msg.cores, blocks_total=msg.blocks_total)
-        self.metrics.set_worker(msg.worker_id, msg.role, blocks_in_use=0, blocks_total=msg.blocks_total,
-                                num_running=0, num_waiting=0, num_preemptions=0)
-        self.metrics.worker_up.labels(msg.worker_id, msg.role).set(1)
-        log.info("worker %s (%s) is up: hello from %s, cores %s", msg.worker_id, msg.role, msg.addr, msg.cores)
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)  # deliver Refused, but never block the router for long
+        self.keyring.secure_client(sock, msg.addr)
+        frame = self.keyring.sealer("commands", msg.incarnation).seal(
+            P.encode(P.Refused(reason=reason, incarnation=msg.incarnation)))
+        try:
+            sock.connect(msg.addr)
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # zmq.Again included
+            log.warning("could not send Refused to %s at %s: %s", msg.worker_id, msg.addr, exc)
+        finally:
+            sock.close()
 
     # -- requests
     def check_model(self, model: str | None) -> None:
@@ -1125,7 +1240,8 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-file", default=None, help="append one JSON line per finished request")
     parser.add_argument("--worker-timeout", type=float, default=5.0,
                         help="seconds without any message (workers send a heartbeat every 0.5 s) "
-                             "after which a worker counts as down")
+                             "after which a worker counts as down; counted only while the router can read, so "
+                             "a stall of the router is not blamed on its workers")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds without output after which a request fails")
     parser.add_argument("--local-prefill-threshold", type=int_at_least(0), default=0,
@@ -1133,8 +1249,8 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                              "itself, without a KV hand-off (0: never)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_http_options(parser)
-    parser.add_argument("--auth-token", default=os.environ.get("EPDSERVE_AUTH_TOKEN"),
-                        help="shared secret workers must prove in their hello (default: $EPDSERVE_AUTH_TOKEN)")
+    auth.add_arguments(parser, "shared secret that seals every frame between the router and its workers "
+                               "(default: $EPDSERVE_AUTH_TOKEN; serve: a random one)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1159,7 +1275,8 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
                          allow_remote=args.allow_remote_images)
     return Router(args.mode, model, load_tokenizer(model.path), events_addr, trace_file=args.trace_file,
                   worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout,
-                  auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold, media=media)
+                  auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold, media=media,
+                  internal_encryption=args.internal_encryption)
 
 
 def setup_logging(level: str) -> None:
@@ -1167,19 +1284,26 @@ def setup_logging(level: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``epdserve router``: serve HTTP; workers started elsewhere connect to ``--events``."""
+    """``epdserve router``: serve HTTP; workers started elsewhere connect to ``--events``.
+    Returns 2 on a bad option or model (``--events`` on TCP needs a token unless
+    ``--allow-unauthenticated``)."""
     import uvicorn
 
     from epdserve.model.loader import ModelLoadError
 
     setup_logging(args.log_level)
+    error = auth.options_error(args, [args.events] if args.events.startswith("tcp://") else [])
+    if error is not None:
+        print(f"epdserve router: error: {error}", file=sys.stderr)
+        return 2
     try:
         router = build_router(args, args.events)
     except ModelLoadError as exc:
         print(f"epdserve router: error: {exc}", file=sys.stderr)
         return 2
     app = create_app(router)
-    log.info("router (%s, %s) on http://%s:%d; waiting for workers on %s", args.mode, router.model.name,
-             args.host, args.port, args.events)
+    log.info("router (%s, %s) on http://%s:%d; waiting for workers on %s (frames %s%s)", args.mode,
+             router.model.name, args.host, args.port, args.events,
+             "sealed" if router.keyring.enabled else "NOT authenticated", ", CURVE" if router.keyring.curve else "")
     uvicorn.Server(uvicorn_config(app, args)).run()
     return 0

@@ -14,6 +14,13 @@ held by a peer are fetched on a small thread pool, off the loop, so a slow or si
 delays only that request. An encode worker runs
 :class:`~epdserve.serving.encode_worker.EncodeWorker` instead. The same command runs
 alone on another host, so a launcher, Ray or Kubernetes can place it.
+
+Every frame it sends is sealed, and every command it receives checked, with keys derived
+from ``--auth-token`` (:mod:`epdserve.serving.auth`); commands are sealed for this process
+alone (its random ``incarnation``). A TCP listener (``--bind``, or ``--kv-bind`` when it
+serves KV) needs a token unless ``--allow-unauthenticated``. On
+:class:`~epdserve.serving.protocol.Reset` (the router took it for down and hears it again)
+it drops every request and export it holds and says Hello again.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import logging
 import os
 import queue
+import secrets
 import signal
 import threading
 import time
@@ -36,10 +44,11 @@ from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import DTYPES, ROLES, EngineConfig, LLMEngine, StepOutput
 from epdserve.model.image_processor import ImageError
 from epdserve.model.loader import ModelLoadError, resolve_model
+from epdserve.serving import auth
 from epdserve.serving import protocol as P
 from epdserve.serving.encode_worker import EncodeWorker, handle_control, image_inputs
 from epdserve.serving.handshake import auth_tag, model_fingerprint
-from epdserve.transfer import embedding, handoff, kv_codec
+from epdserve.transfer import embedding, handoff, kv_codec, tcp
 from epdserve.transfer.wire import WireError
 
 log = logging.getLogger("epdserve.worker")
@@ -77,8 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-layer-pipeline", action="store_true",
                         help="a prefill worker writes each layer's KV into the outgoing frame as soon as the layer "
                              "is computed (a staged frame instead of its shared KV pool)")
-    parser.add_argument("--auth-token", default=os.environ.get("EPDSERVE_AUTH_TOKEN"),
-                        help="shared secret proving this worker to the router (default: $EPDSERVE_AUTH_TOKEN)")
+    auth.add_arguments(parser, "shared secret that seals every frame between this worker, the router and the "
+                               "other workers (default: $EPDSERVE_AUTH_TOKEN)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,7 +160,13 @@ class Worker:
     """The command/step/publish loop around one :class:`LLMEngine`; commands come from
     ``inbox`` as ``(message, arrival)`` pairs put there by :func:`receive_commands`, and
     finished fetches as ``(_Fetch, time)`` pairs put there by the fetch threads (so a
-    fetch that ends wakes an idle loop at once)."""
+    fetch that ends wakes an idle loop at once). ``run`` sets ``sealer`` (seals events),
+    ``incarnation`` and ``hello`` (what a Reset is answered with, see
+    ``encode_worker.handle_control``)."""
+
+    sealer: auth.Sealer = auth.NO_AUTH.sealer("events")
+    incarnation: str = ""
+    hello: P.Hello | None = None
 
     def __init__(self, engine: LLMEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
                  exporter: handoff.Exporter, importer: handoff.Importer, encoder: EncodeEngine | None = None):
@@ -171,7 +186,20 @@ class Worker:
         self.fetcher = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="epdserve-fetch")
 
     def send(self, msg) -> None:
-        self.events.send(P.encode(msg))
+        self.events.send(self.sealer.seal(P.encode(msg)))
+
+    def reset(self) -> str:
+        """Abort every request and release every export (see ``P.Reset``: the router has
+        failed or moved them all); returns what was dropped, for the log."""
+        requests, exports = list(self.engine.seqs) + list(self.fetching), list(self.exporter.exports)
+        self.cancel_fetches()
+        for request_id in requests:
+            self.engine.abort(request_id)
+        for request_id in exports:
+            self.exporter.release(request_id)
+        self.exporter.expire()  # layer-pipelined frames of the aborted requests
+        self.last_stats = None  # report the freed blocks at once
+        return f"{len(requests)} requests, {len(exports)} exports"
 
     def loop(self) -> None:
         while self.running:
@@ -299,10 +327,14 @@ class Worker:
         fetch sees its cancel within ``tcp.POLL_MS``, a shared-memory one only maps and
         checks. Their requests get no Error: as those in the engine, they end with the
         worker, and the router fails them when it sees it go."""
+        self.cancel_fetches()
+        self.fetcher.shutdown(wait=True, cancel_futures=True)
+
+    def cancel_fetches(self) -> None:
+        """Drop every fetch in flight: its result is ignored when it comes back."""
         for fetch in self.fetching.values():
             fetch.cancel.set()
         self.fetching.clear()
-        self.fetcher.shutdown(wait=True, cancel_futures=True)
 
     def image_embeddings(self, msg: P.AddRequest, arrival: float, timings: dict[str, float]) -> torch.Tensor:
         """``[image tokens, hidden]`` for ``msg``'s images, in prompt order, encoded here from
@@ -392,45 +424,67 @@ def fetch_embeddings(importer: handoff.Importer, msg: P.AddRequest, hidden_size:
     return torch.cat(parts)
 
 
-def receive_commands(cmd: zmq.Socket, inbox: queue.Queue, worker_id: str, stop: threading.Event) -> None:
+def receive_commands(cmd: zmq.Socket, inbox: queue.Queue, worker_id: str, stop: threading.Event,
+                     opener: auth.Opener | None = None) -> None:
     """Thread body: move each command from ``cmd`` into ``inbox`` as ``(message,
     time.perf_counter() at receipt)`` until ``stop`` is set. Stamping on a thread of its own
     counts the time a request waits while the engine is in a long step as queue time, not
-    as an unexplained gap; the engine itself stays single-threaded. Frames that are not
-    epdserve messages are logged and dropped."""
+    as an unexplained gap; the engine itself stays single-threaded. ``opener`` checks each
+    frame's tag first (``auth``; None: no token); frames that fail it or are not epdserve
+    messages are logged (rate-limited) and dropped."""
+    opener = opener or auth.NO_AUTH.opener("commands")
+    drops = auth.DropLog(log, f"{worker_id}: dropped a command frame")
     while not stop.is_set():
         if not cmd.poll(IDLE_WAIT_S * 1000):
             continue
         frame = cmd.recv()
         arrival = time.perf_counter()
         try:
-            inbox.put((P.decode(frame), arrival))
+            inbox.put((P.decode(opener.open(frame)), arrival))
+        except auth.AuthError as exc:
+            drops(f"it failed authentication: {exc}")
         except P.ProtocolError as exc:
-            log.warning("%s: rejected a frame that is not an epdserve message: %s", worker_id, exc)
+            drops(f"it is not an epdserve message: {exc}")
 
 
-def heartbeat(ctx: zmq.Context, router: str, worker_id: str, stop: threading.Event) -> None:
+def heartbeat(ctx: zmq.Context, router: str, worker_id: str, stop: threading.Event,
+              keyring: auth.Keyring = auth.NO_AUTH, incarnation: str = "0" * 16) -> None:
     """Thread body: send Heartbeat every HEARTBEAT_INTERVAL_S until ``stop`` is set. Its own
     socket (ZeroMQ sockets are not thread-safe), and torch releases the GIL in long engine
-    steps, so a worker busy for seconds still shows it is alive."""
+    steps, so a worker busy for seconds still shows it is alive. Each beat is sealed anew
+    (``keyring``): its counter rises, so a recorded beat cannot be replayed."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 4)  # a router that is away gets a few, not a backlog
+    keyring.secure_client(sock, router)
     sock.connect(router)
-    frame = P.encode(P.Heartbeat(worker_id=worker_id))
+    sealer = keyring.sealer("events")
+    body = P.encode(P.Heartbeat(worker_id=worker_id, incarnation=incarnation))
     while not stop.wait(HEARTBEAT_INTERVAL_S):
         try:
-            sock.send(frame, zmq.NOBLOCK)
+            sock.send(sealer.seal(body), zmq.NOBLOCK)
         except zmq.Again:
             pass
     sock.close()
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the worker; returns 0 on shutdown, 2 on a bad option or model or when the
-    router refuses it."""
+    """Start the worker; returns 0 on shutdown, 2 on a bad option or model (a TCP listener
+    without a token, see ``auth.options_error``) or when the router refuses it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     encode_role = args.role == "encode"
+    serves_tcp = args.role in ("prefill", "encode") and args.kv_transport != "shm"
+    listeners = [a for a in (args.bind, args.kv_bind if serves_tcp else "") if a.startswith("tcp://")]
+    error = auth.options_error(args, listeners)
+    if error is not None:
+        print(f"epdserve worker: error: {error}", flush=True)
+        return 2
+    keyring = auth.keyring_from(args)
+    if not keyring.enabled:
+        log.warning("%s: no auth token: frames go unsealed, and a router with a token will not hear this worker",
+                    args.worker_id)
+    tcp.configure(keyring)  # the exporter's KV server and the importer's fetches
+    incarnation = secrets.token_hex(8)
     try:
         cores = pin_to_cores(args.cores)
         info = resolve_model(args.model)
@@ -450,12 +504,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     ctx = zmq.Context()
     cmd = ctx.socket(zmq.PULL)
+    keyring.secure_server(cmd, args.bind)
     cmd.bind(args.bind)
     events = ctx.socket(zmq.PUSH)
     events.setsockopt(zmq.LINGER, 1000)
+    keyring.secure_client(events, args.router)
     events.connect(args.router)
     inbox: queue.Queue = queue.Queue()
-    serves_tcp = args.role in ("prefill", "encode") and args.kv_transport != "shm"
     try:
         if encode_role:
             worker = EncodeWorker(encoder, args.worker_id, inbox, events, ctx, args.kv_bind if serves_tcp else None,
@@ -472,16 +527,20 @@ def run(args: argparse.Namespace) -> int:
         ctx.destroy(linger=0)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
-    worker.send(P.Hello(worker_id=args.worker_id, role=args.role, addr=args.bind, model=info.name,
-                        fingerprint=model_fingerprint(info.path), kv_layout=kv_layout,
-                        blocks_total=blocks_total, cores=cores, auth=auth_tag(args.auth_token, args.worker_id)))
-    log.info("%s: %s worker on cores %s, %d KV blocks, listening on %s",
-             args.worker_id, args.role, cores, blocks_total, args.bind)
+    worker.sealer, worker.incarnation = keyring.sealer("events"), incarnation
+    worker.hello = P.Hello(worker_id=args.worker_id, role=args.role, addr=args.bind, model=info.name,
+                           fingerprint=model_fingerprint(info.path), kv_layout=kv_layout,
+                           blocks_total=blocks_total, cores=cores, auth=auth_tag(args.auth_token, args.worker_id),
+                           incarnation=incarnation)
+    worker.send(worker.hello)
+    log.info("%s: %s worker on cores %s, %d KV blocks, listening on %s%s",
+             args.worker_id, args.role, cores, blocks_total, args.bind, " (CURVE on TCP)" if keyring.curve else "")
     stop = threading.Event()
-    beat = threading.Thread(target=heartbeat, args=(ctx, args.router, args.worker_id, stop),
+    beat = threading.Thread(target=heartbeat, args=(ctx, args.router, args.worker_id, stop, keyring, incarnation),
                             name="epdserve-heartbeat", daemon=True)
-    receiver = threading.Thread(target=receive_commands, args=(cmd, inbox, args.worker_id, stop),
-                                name="epdserve-commands", daemon=True)
+    # Commands open only with this process's incarnation: none meant for another opens here.
+    receiver = threading.Thread(target=receive_commands, name="epdserve-commands", daemon=True,
+                                args=(cmd, inbox, args.worker_id, stop, keyring.opener("commands", incarnation)))
     beat.start()
     receiver.start()
     try:

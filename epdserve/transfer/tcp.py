@@ -4,14 +4,21 @@ one wire frame, to decode workers that cannot map its shared memory: a segment i
 
 Exchange (one per hand-off, nothing is ever unpickled):
 
-* the decode worker's DEALER sends one frame, msgpack ``{"request_id": str, "name": str}``;
-* the prefill worker's ROUTER answers ``[b"ok", frame]`` (one wire frame, sent without a
-  further copy from a segment's mapping or a freshly built buffer) or
-  ``[b"error", utf-8 message]``.
+* the decode worker's DEALER sends one frame, msgpack ``{"request_id": str, "name": str}``
+  sealed with the deployment's ``kv-request`` key (:mod:`epdserve.serving.auth`);
+* the prefill worker's ROUTER checks the tag first and drops (unanswered, logged
+  rate-limited) a request that fails it; else it answers ``[b"ok", frame]`` (one wire
+  frame, sent without a further copy from a segment's mapping or a freshly built buffer)
+  or ``[b"error", utf-8 message]``. The reply is not sealed (why: ``auth``'s module doc);
+  with ``--internal-encryption curve`` both sockets use CURVE, which encrypts it.
 
 The receiver caps the reply at the size the descriptor announced and parses it with
 :func:`epdserve.transfer.wire.parse`, so a reply that is not our frame raises
 :class:`~epdserve.transfer.wire.WireError`.
+
+The keys come from a :class:`~epdserve.serving.auth.Keyring` passed in, or else the one a
+worker process installs with :func:`configure` at start (its exporter and importer make
+servers and fetches without naming one); none: no authentication, as before.
 """
 
 from __future__ import annotations
@@ -25,11 +32,21 @@ import msgpack
 import torch
 import zmq
 
+from epdserve.serving.auth import NO_AUTH, AuthError, DropLog, Keyring
 from epdserve.transfer.wire import TensorHeader, WireError, parse
 
 log = logging.getLogger("epdserve.transfer.tcp")
 MAX_REQUEST_BYTES = 4096
+REPLY_SLACK_BYTES = 1024  # libzmq checks the size of a message as received: CURVE's box adds to it
 POLL_MS = 100
+_keyring: Keyring = NO_AUTH  # this process's, see configure()
+
+
+def configure(keyring: Keyring) -> None:
+    """Use ``keyring`` for every later server and fetch of this process that names none
+    (a worker calls it once, before it makes any)."""
+    global _keyring
+    _keyring = keyring
 
 
 class KVServer:
@@ -37,6 +54,7 @@ class KVServer:
     ``*`` or 0 picks a free one, see :attr:`addr`) that sends a segment to whoever names
     it: ``source(request_id, name)`` returns the frame to send (any buffer: bytes, mmap,
     bytearray) or raises :class:`WireError`, whose message goes back as the error.
+    ``keyring``: whose sealed requests it answers (default: the process's, :func:`configure`).
 
     A thread rather than the worker loop because a CPU prefill step of a long prompt takes
     seconds and a fetch served between steps would wait that long; ``source`` only reads
@@ -45,13 +63,19 @@ class KVServer:
     Raises (constructor): ``zmq.ZMQError`` if ``bind`` cannot be bound.
     """
 
-    def __init__(self, ctx: zmq.Context, bind: str, source: Callable[[str, str], object]):
+    def __init__(self, ctx: zmq.Context, bind: str, source: Callable[[str, str], object],
+                 keyring: Keyring | None = None):
         if bind.startswith("tcp://") and bind.endswith(":0"):
             bind = bind[:-1] + "*"
+        keyring = keyring or _keyring
         self.source = source
+        # Every request is a fresh connection, so a counter per sender would check nothing.
+        self.opener = keyring.opener("kv-request", replay_check=False)
+        self.drops = DropLog(log, "dropped a KV request")
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        keyring.secure_server(self.sock, bind)
         self.sock.bind(bind)
         self.addr: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
@@ -76,6 +100,11 @@ class KVServer:
             return
         identity, body = parts
         try:
+            body = self.opener.open(body)
+        except AuthError as exc:
+            self.drops(exc)  # no answer: the sender proved nothing
+            return
+        try:
             request_id, name = _parse_request(body)
             frame = self.source(request_id, name)
         except WireError as exc:
@@ -97,11 +126,14 @@ def _parse_request(body: bytes) -> tuple[str, str]:
 
 
 def fetch(ctx: zmq.Context, addr: str, request_id: str, name: str, nbytes: int, timeout_s: float,
-          cancel: threading.Event | None = None) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
+          cancel: threading.Event | None = None,
+          keyring: Keyring | None = None) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
     """Fetch segment ``name`` of ``request_id`` (a frame of ``nbytes`` bytes) from the KV
     server at ``addr``; returns its header and tensors by name (read-only views of the
     received message, no copy). Blocks at most ``timeout_s`` seconds, or until ``cancel``
-    is set (checked every ``POLL_MS``).
+    is set (checked every ``POLL_MS``). ``keyring``: seals the request (default: the
+    process's, :func:`configure`); a server that does not take its tag does not answer,
+    which reads as a timeout.
 
     A fresh socket per fetch, so a late reply to an earlier, timed-out fetch can never be
     taken for this one. Safe to call from any thread (the socket is its own).
@@ -110,12 +142,15 @@ def fetch(ctx: zmq.Context, addr: str, request_id: str, name: str, nbytes: int, 
         WireError: no complete reply within ``timeout_s``, ``cancel`` set, an error reply,
             or a reply that is not a frame of ``nbytes`` bytes.
     """
+    keyring = keyring or _keyring
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max(nbytes, MAX_REQUEST_BYTES))
+    sock.setsockopt(zmq.MAXMSGSIZE, max(nbytes, MAX_REQUEST_BYTES) + REPLY_SLACK_BYTES)
     try:
+        keyring.secure_client(sock, addr)
         sock.connect(addr)
-        sock.send(msgpack.packb({"request_id": request_id, "name": name}, use_bin_type=True))
+        request = msgpack.packb({"request_id": request_id, "name": name}, use_bin_type=True)
+        sock.send(keyring.sealer("kv-request").seal(request))
         deadline = time.monotonic() + timeout_s
         # Wait in slices so that an aborted request (or a stopping worker) frees the
         # waiting thread within POLL_MS instead of after the whole timeout.

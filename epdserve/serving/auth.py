@@ -1,0 +1,269 @@
+"""Per-message authentication of every internal frame, and the keys derived from the
+deployment's token (``--auth-token`` / ``$EPDSERVE_AUTH_TOKEN``; ``epdserve serve``
+generates one when none is given).
+
+**Sealing.** Every frame on an internal socket (a worker's events to the router: Hello,
+Heartbeat, Stats, Output, Error, Encoded; the router's commands to a worker; a request
+for a KV or embedding frame) is sent as::
+
+    body | stream (8 bytes) | seq (8 bytes, big-endian) | tag (32 bytes)
+    tag = HMAC-SHA256(K[purpose], bind | stream | seq | body)
+
+and the receiver checks the tag (in constant time) before it parses the body: a frame of
+anyone without the token is dropped unread, logged (rate-limited, :class:`DropLog`) and
+never acted on. Keys: ``K[label] = HMAC-SHA256(SHA-256(token), "epdserve/v1/" + label)``,
+one per direction and purpose (``events``: worker to router, ``commands``: router to
+worker, ``kv-request``: a KV or embedding fetch request), so that a frame sealed for one
+socket never opens on another. ``bind`` is, for commands, the receiving worker's
+``incarnation`` (a random nonce of its process, sent in its Hello): a command opens only
+at the process it was meant for, so a Refused sent to a Hello's address cannot stop
+another process listening there. Every token holder can seal anything: workers are
+trusted alike, the token is what keeps everyone else out.
+
+**Replay.** Only someone who saw a frame can replay it: an observer of a TCP link between
+hosts (loopback and the launcher's private ipc directory cannot be observed without
+root). What bounds it:
+
+* each sending socket seals with a random ``stream`` id and a counter ``seq``; a receiver
+  drops a frame whose ``seq`` is not above the last it took from that stream (it
+  remembers the last ``MAX_STREAMS`` streams), so a replay into a running receiver is
+  dropped;
+* commands are bound to the worker process (``bind``): replayed to another worker, or to
+  the same one after a restart, they do not open;
+* left: a router started after the frame was sent knows no streams yet and takes one
+  copy of each old worker frame. An old Hello registers a worker at that (real) address,
+  marked down after ``--worker-timeout`` without heartbeats of its incarnation; an old
+  Output names a request id (random) the new router never issued; an old Stats shows
+  stale numbers until the worker's next (every 0.5 s). A KV request is not
+  counter-checked (each fetch is a fresh connection): replayed, it gets, while the export
+  is held (at most ``--kv-ttl``), the reply its observer already saw on the same link.
+
+``--internal-encryption curve`` closes these across hosts: an observer sees nothing to
+replay.
+
+**KV and embedding replies are not sealed**: a MAC over a frame of many megabytes costs a
+pass over it, and it is not needed: the reply comes back on the connection the requester
+opened to an address taken from a sealed command, so forging it means hijacking that TCP
+connection (on-path across hosts, which CURVE prevents; on loopback, root), and the reply
+is checked against the descriptor (size, layout) before it is used.
+
+**Without a token** (``--allow-unauthenticated``) frames are sent as they are, without a
+trailer, and nothing is checked: anyone who can reach a socket is trusted, as before.
+
+**CURVE** (``--internal-encryption curve``): ZeroMQ's CurveZMQ (Curve25519 key exchange
+with ephemeral keys per connection, XSalsa20-Poly1305 on every message) on every TCP
+internal socket: the router's events socket, a worker's command socket, the KV and
+embedding servers, and the sockets that connect to them (ipc sockets stay plain). Keys:
+the server secret key is ``HMAC-SHA256(SHA-256(token), "epdserve/v1/curve-server")``, the
+client's the same with ``curve-client`` (Z85-encoded; the public keys are computed from
+them with ``zmq.curve_public``); every server uses the server pair, every client the
+client pair and the server's public key. It protects what travels on a TCP link (prompt
+token ids, generated tokens, KV and embedding frames) from being read or altered by
+anyone without the token, and such a peer cannot even complete the handshake (it needs
+the server's public key, derived from the token and never sent). It does not protect
+against a token holder (every key derives from the token), nor ipc sockets, nor a leaked
+token (it lets its holder join; recorded sessions stay secret thanks to the ephemeral
+keys), nor a denial of service by connections that fail the handshake. It costs CPU:
+every KV frame is encrypted once and decrypted once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import logging
+import os
+import struct
+import time
+from collections import OrderedDict
+
+import zmq
+
+STREAM_BYTES = 8
+SEQ_BYTES = 8
+TAG_BYTES = 32
+OVERHEAD = STREAM_BYTES + SEQ_BYTES + TAG_BYTES
+MAX_STREAMS = 1024  # senders a receiver remembers for the replay check (least recently heard forgotten)
+ENCRYPTIONS = ("none", "curve")
+_LABEL = b"epdserve/v1/"
+
+
+class AuthError(ValueError):
+    """A frame whose tag does not verify (no token, another token, altered), or a replay."""
+
+
+class Sealer:
+    """Seals the frames of one sending socket (one ``stream``, a counter of its own). With no
+    key, frames pass unchanged. ``seal`` may be called from one thread at a time per
+    socket, as the socket itself."""
+
+    def __init__(self, key: bytes | None, bind: str = ""):
+        self._key = key
+        self._bind = bind.encode()
+        self._stream = os.urandom(STREAM_BYTES)
+        self._seq = 0
+
+    def seal(self, body: bytes) -> bytes:
+        if self._key is None:
+            return body
+        self._seq += 1
+        head = self._stream + struct.pack(">Q", self._seq)
+        mac = hmac.new(self._key, self._bind + head, hashlib.sha256)
+        mac.update(body)
+        return body + head + mac.digest()
+
+
+class Opener:
+    """Checks the frames of one receiving socket. ``replay_check``: drop a frame whose
+    counter is not above the last one taken from its stream (off where every sender is a
+    fresh connection, as KV requests). With no key, frames pass unchanged."""
+
+    def __init__(self, key: bytes | None, bind: str = "", replay_check: bool = True):
+        self._key = key
+        self._bind = bind.encode()
+        self._replay_check = replay_check
+        self._streams: OrderedDict[bytes, int] = OrderedDict()
+
+    def open(self, frame: bytes) -> memoryview | bytes:
+        """The body of ``frame`` (a view, no copy) once its tag verifies.
+
+        Raises:
+            AuthError: the frame is too short, its tag is wrong, or it is a replay.
+        """
+        if self._key is None:
+            return frame
+        if len(frame) < OVERHEAD:
+            raise AuthError(f"frame of {len(frame)} bytes carries no tag")
+        view = memoryview(frame)
+        body, head, tag = view[:-OVERHEAD], bytes(view[-OVERHEAD:-TAG_BYTES]), view[-TAG_BYTES:]
+        mac = hmac.new(self._key, self._bind + head, hashlib.sha256)
+        mac.update(body)
+        if not hmac.compare_digest(mac.digest(), bytes(tag)):
+            raise AuthError("bad tag (another or no auth token, or an altered frame)")
+        if self._replay_check:
+            stream, (seq,) = head[:STREAM_BYTES], struct.unpack(">Q", head[STREAM_BYTES:])
+            last = self._streams.get(stream)
+            if last is not None and seq <= last:
+                raise AuthError(f"replayed or reordered frame (counter {seq}, last {last})")
+            self._streams[stream] = seq
+            self._streams.move_to_end(stream)
+            if len(self._streams) > MAX_STREAMS:
+                self._streams.popitem(last=False)
+        return body
+
+
+class Keyring:
+    """Everything a process derives from the deployment's token: the per-purpose MAC keys
+    (``events``, ``commands``, ``kv-request``) and, with ``curve``, the CURVE key pairs.
+    ``token`` None or "": no authentication (frames pass unchanged).
+
+    Raises (constructor):
+        ValueError: ``curve`` without a token, or a libzmq built without CURVE.
+    """
+
+    def __init__(self, token: str | None, curve: bool = False):
+        if curve and not token:
+            raise ValueError("--internal-encryption curve needs an auth token (its keys derive from it)")
+        if curve and not zmq.has("curve"):
+            raise ValueError("--internal-encryption curve: this libzmq has no CURVE support")
+        self._root = hashlib.sha256(token.encode()).digest() if token else None
+        self.curve = curve
+        if curve:
+            self._server = self._curve_pair("curve-server")
+            self._client = self._curve_pair("curve-client")
+
+    @property
+    def enabled(self) -> bool:
+        """True when frames are sealed and checked (there is a token)."""
+        return self._root is not None
+
+    def key(self, label: str) -> bytes | None:
+        if self._root is None:
+            return None
+        return hmac.new(self._root, _LABEL + label.encode(), hashlib.sha256).digest()
+
+    def sealer(self, purpose: str, bind: str = "") -> Sealer:
+        return Sealer(self.key(purpose), bind)
+
+    def opener(self, purpose: str, bind: str = "", replay_check: bool = True) -> Opener:
+        return Opener(self.key(purpose), bind, replay_check)
+
+    def _curve_pair(self, label: str) -> tuple[bytes, bytes]:
+        from zmq.utils import z85
+
+        secret = z85.encode(self.key(label))
+        return zmq.curve_public(secret), secret
+
+    def secure_server(self, sock: zmq.Socket, addr: str) -> None:
+        """Make ``sock`` a CURVE server if encryption is on and it is to bind ``addr`` on TCP."""
+        if self.curve and addr.startswith("tcp://"):
+            sock.curve_publickey, sock.curve_secretkey = self._server
+            sock.curve_server = True
+
+    def secure_client(self, sock: zmq.Socket, addr: str) -> None:
+        """Make ``sock`` a CURVE client if encryption is on and it is to connect to ``addr`` on TCP."""
+        if self.curve and addr.startswith("tcp://"):
+            sock.curve_serverkey = self._server[0]
+            sock.curve_publickey, sock.curve_secretkey = self._client
+
+
+NO_AUTH = Keyring(None)
+
+
+class DropLog:
+    """Logs dropped frames without flooding: the first at once, then at most one line per
+    ``interval_s`` with how many were dropped since (a flood of forged frames must not
+    fill the disk or drown the log)."""
+
+    def __init__(self, logger: logging.Logger, what: str, interval_s: float = 10.0):
+        self.logger, self.what, self.interval_s = logger, what, interval_s
+        self.count = 0  # dropped in all
+        self._unlogged = 0
+        self._last = -float("inf")
+
+    def __call__(self, reason: object) -> None:
+        self.count += 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._last >= self.interval_s:
+            more = f" ({self._unlogged - 1} more since the last report)" if self._unlogged > 1 else ""
+            self.logger.warning("%s: %s%s", self.what, reason, more)
+            self._last, self._unlogged = now, 0
+
+
+def add_arguments(parser: argparse.ArgumentParser, token_help: str) -> None:
+    """``--auth-token``, ``--allow-unauthenticated`` and ``--internal-encryption``, shared by
+    ``worker``, ``router`` and ``serve`` (defaults from the environment, which is how
+    ``serve`` hands them to its workers)."""
+    parser.add_argument("--auth-token", default=os.environ.get("EPDSERVE_AUTH_TOKEN") or None, help=token_help)
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        default=os.environ.get("EPDSERVE_ALLOW_UNAUTHENTICATED") == "1",
+                        help="run without an auth token although a socket listens on TCP: anyone who can reach "
+                             "it can join as a worker, read prompts and forge outputs")
+    parser.add_argument("--internal-encryption", choices=ENCRYPTIONS,
+                        default=os.environ.get("EPDSERVE_INTERNAL_ENCRYPTION") or "none",
+                        help="curve: encrypt every internal TCP socket with ZeroMQ CURVE, keys derived from the "
+                             "auth token (needs one)")
+
+
+def options_error(args: argparse.Namespace, tcp_listeners: list[str]) -> str | None:
+    """Why these options cannot run, or None: a TCP listener without a token (unless
+    ``--allow-unauthenticated``), or CURVE without a token or support."""
+    if tcp_listeners and not args.auth_token and not args.allow_unauthenticated:
+        return (f"listening on TCP ({', '.join(tcp_listeners)}) needs --auth-token (or $EPDSERVE_AUTH_TOKEN); "
+                f"--allow-unauthenticated lets anyone who can reach it in")
+    try:
+        Keyring(args.auth_token, curve=args.internal_encryption == "curve")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def keyring_from(args: argparse.Namespace) -> Keyring:
+    """The :class:`Keyring` of parsed options (check :func:`options_error` first).
+
+    Raises:
+        ValueError: as :class:`Keyring`.
+    """
+    return Keyring(args.auth_token, curve=args.internal_encryption == "curve")
