@@ -39,6 +39,11 @@ from epdserve.engine.request import SamplingParams
 Role = Literal["colocated", "prefill", "decode", "encode"]
 
 
+# A count a worker reports (blocks, requests, tokens): what the router and the Prometheus
+# counters take, never negative (a counter cannot go down) and within int64.
+Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+
 class ProtocolError(ValueError):
     """A frame that is not a valid epdserve message."""
 
@@ -106,7 +111,7 @@ class Hello(_Msg):
     model: str
     fingerprint: str
     kv_layout: dict
-    blocks_total: int
+    blocks_total: Count
     cores: list[int] = []
     auth: str = ""
     incarnation: str = Field(min_length=8, max_length=64)
@@ -127,15 +132,15 @@ class Stats(_Msg):
 
     type: Literal["stats"] = "stats"
     worker_id: str
-    blocks_total: int
-    blocks_in_use: int
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    mm_cache_queries: int = 0
-    mm_cache_hits: int = 0
+    blocks_total: Count
+    blocks_in_use: Count
+    num_running: Count
+    num_waiting: Count
+    num_preemptions: Count
+    prefix_cache_queries: Count = 0
+    prefix_cache_hits: Count = 0
+    mm_cache_queries: Count = 0
+    mm_cache_hits: Count = 0
 
 
 class Output(_Msg):
@@ -157,7 +162,7 @@ class Output(_Msg):
     finish_reason: str | None = None
     kv: KVDescriptor | None = None
     timings: dict[str, float] = {}
-    num_cached_tokens: int = 0
+    num_cached_tokens: Count = 0
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
