@@ -181,3 +181,28 @@ def test_internal_errors_name_no_internals(guarded_server):
     assert r.status_code == 500
     err = r.json()["error"]
     assert err["type"] == "internal_server_error" and "secret" not in err["message"] and "RuntimeError" not in r.text
+
+
+def test_extreme_sampling_values_do_not_touch_other_streams(colocated_server):
+    """The probe's values that crashed the engine step for the whole batch (3 of 3 streams
+    died): each request with one now completes, and streams batched with them go on."""
+    dep = colocated_server
+    reference = httpx.post(dep.url + "/v1/completions", timeout=120,
+                           json={"prompt": "Once upon a time,", "max_tokens": 40, "temperature": 0,
+                                 "ignore_eos": True}).json()["choices"][0]["text"]
+    streams = [Stream(dep.url, "Once upon a time,", 40) for _ in range(2)]
+    for s in streams:
+        s.start()
+    wait_for(lambda: all(len(s.events) >= 2 for s in streams), 60, "both streams' first tokens")
+    extremes = [{"temperature": 1e-50}, {"temperature": 5e-324}, {"top_p": 1e-300},
+                {"repetition_penalty": 1e-300}, {"repetition_penalty": 1e300},
+                {"stop_token_ids": [0], "min_tokens": 3}]
+    for extra in extremes:
+        r = httpx.post(dep.url + "/v1/completions", timeout=120,
+                       json={"prompt": "The weather today", "max_tokens": 6, "ignore_eos": True, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    for s in streams:
+        s.join(120)
+        assert s.failure is None and s.error is None, s.error
+        assert s.text == reference
+    wait_for(lambda: _nothing_in_flight(dep), 10, "nothing in flight")
