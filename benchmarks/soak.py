@@ -49,26 +49,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from epdserve.bench.compare import ServerProcess, port_is_free  # noqa: E402
+from epdserve.host import worker_pids  # noqa: E402
 
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 KILLS = ((0.35, "prefill-0"), (0.65, "decode-1"))
 WARMUP_SHARE, TAIL_SHARE = 0.2, 0.1
 WORDS = ("the harbour master counted ships and wrote their names in a ledger by the light of a "
          "lamp while the tide came in over the stones of the old quay").split()
-
-
-def worker_pids(launcher_pid: int) -> dict[str, int]:
-    """Worker id -> pid of the launcher's worker children (read from /proc)."""
-    pids = {}
-    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except FileNotFoundError:
-                continue
-            if b"--worker-id" in argv:
-                pids[argv[argv.index(b"--worker-id") + 1].decode()] = int(pid)
-    return pids
 
 
 def memory_mb(pid: int) -> tuple[float, float] | None:

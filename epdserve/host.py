@@ -48,6 +48,21 @@ def weight_bytes(model_dir: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
+def worker_pids(launcher_pid: int, proc: str | Path = "/proc") -> dict[str, int]:
+    """Worker id -> pid of each ``epdserve worker`` child of ``launcher_pid`` (an ``epdserve
+    serve``), from its ``--worker-id`` argument; a child that exits meanwhile is skipped."""
+    pids = {}
+    for task in Path(proc, str(launcher_pid), "task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                argv = Path(proc, pid, "cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
+            if b"--worker-id" in argv:
+                pids[argv[argv.index(b"--worker-id") + 1].decode()] = int(pid)
+    return pids
+
+
 def loadavg_1m(path: str | Path = "/proc/loadavg") -> float | None:
     """The 1-minute load average (runnable and uninterruptible threads, ours included,
     exponentially averaged over a minute); None where unreadable."""

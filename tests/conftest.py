@@ -59,15 +59,12 @@ class Deployment:
 
     def worker_pid(self, worker_id: str) -> int:
         """Pid of the launcher's child process running ``worker_id``."""
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            for pid in (task / "children").read_text().split():
-                try:
-                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                except FileNotFoundError:
-                    continue
-                if worker_id.encode() in argv:
-                    return int(pid)
-        raise LookupError(f"no process for worker {worker_id}")
+        from epdserve.host import worker_pids
+
+        pid = worker_pids(self.proc.pid).get(worker_id)
+        if pid is None:
+            raise LookupError(f"no process for worker {worker_id}")
+        return pid
 
     def openai(self, **kw):
         import openai
