@@ -25,7 +25,7 @@ Writes ``soak.json`` (every request's outcome, the memory samples, the verdicts)
 ``soak.png`` (USS and RSS of each process over time, kills marked) to ``--output``, and exits 1
 if a goal is missed::
 
-    .venv/bin/python benchmarks/soak.py [--minutes 10] [--rate 1.0] [--abort-share 0.2] [--output results/soak]
+    .venv/bin/python benchmarks/soak.py [--minutes 10] [--rate 0.3] [--abort-share 0.2] [--output results/soak]
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def main() -> int:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson arrivals)")
+    parser.add_argument("--rate", type=float, default=0.3, help="requests per second (Poisson arrivals)")
     parser.add_argument("--abort-share", type=float, default=0.2, help="share of requests the client leaves early")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8190)

@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -46,6 +47,12 @@ MAX_STOP_CHARS = 1024
 MAX_MESSAGES = 4096
 INT32_MAX = 2**31 - 1
 INT64 = (-2**63, 2**63 - 1)
+# JSON values (counted by their separators) in one request body. Python's json builds an
+# object per value, on the event loop and holding the GIL: a 60 MB body of small ints
+# (within --max-request-body-mb) stalled every stream 14 s, a 60 MB token-id prompt 90 s.
+# The largest valid request (8,192 prompt ids, 1,024 stop ids, 4,096 messages of a few
+# parts) has well under a tenth of this.
+MAX_JSON_VALUES = 1 << 18
 
 
 class APIError(Exception):
@@ -86,7 +93,9 @@ def _invalid_unicode(value, where: str) -> str | None:
         except UnicodeEncodeError:
             return where
     elif isinstance(value, list):
-        return next((w for i, v in enumerate(value) if (w := _invalid_unicode(v, f"{where}[{i}]"))), None)
+        # Only containers and strings are looked into: no f-string per token id.
+        return next((w for i, v in enumerate(value) if isinstance(v, (str, list, dict))
+                     and (w := _invalid_unicode(v, f"{where}[{i}]"))), None)
     elif isinstance(value, dict):
         return next((w for k, v in value.items() if (w := _invalid_unicode(k, where) or
                                                        _invalid_unicode(v, f"{where}.{k}"))), None)
@@ -139,10 +148,14 @@ class ChatMessage(_Req):
         return sum(isinstance(part, ImagePart) for part in self.content) if isinstance(self.content, list) else 0
 
     def as_template_dict(self) -> dict:
-        """The message as a chat template expects it: text parts joined with newlines."""
+        """The message as a chat template expects it: text parts joined with newlines
+        (image parts have no text: they are laid out by ``ImagePrompter``)."""
         content = self.content
         if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
+            # Only text parts: the router's length check calls this on every chat request,
+            # and an image part here (no .text) was an AttributeError, a 500 for any image
+            # (fuzz: a text part plus an image_url part to the text model).
+            content = "\n".join(part.text for part in content if isinstance(part, TextPart))
         out = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
@@ -385,6 +398,27 @@ def now_s() -> int:
 
 
 # ------------------------------------------------------------------------------ errors
+
+class BoundedJSONRoute(APIRoute):
+    """A route that refuses, with 413 before parsing it, a body with more than
+    :data:`MAX_JSON_VALUES` JSON values: every value but one follows a ``,`` or a ``:``,
+    and counting those bytes takes milliseconds where parsing them took seconds. (Commas
+    inside strings count too; a text too long to be refused by that is refused by its
+    length anyway.)"""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def bounded(request: Request):
+            body = await request.body()  # cached on the request: the handler reads it again
+            values = body.count(b",") + body.count(b":")
+            if values > MAX_JSON_VALUES:
+                raise APIError(f"request body has about {values} JSON values, over the limit of "
+                               f"{MAX_JSON_VALUES}", status=413, code=413)
+            return await handler(request)
+
+        return bounded
+
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A short, readable message for a pydantic/FastAPI validation error, and its param."""

@@ -1063,6 +1063,7 @@ def create_app(router: Router) -> FastAPI:
             await router.stop()
 
     app = FastAPI(title="epdserve", lifespan=lifespan)
+    app.router.route_class = api.BoundedJSONRoute  # a body of millions of JSON values: 413, unparsed
     app.state.router = router
     api.install_error_handlers(app, on_bad_request=router.metrics.bad_request.inc)
 
