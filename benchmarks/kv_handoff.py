@@ -88,7 +88,7 @@ def hand_off(exporter: handoff.Exporter, importer: handoff.Importer, decode: LLM
         for step_out in decode.step():
             timings.update(step_out.timings)
     exporter.release(out.request_id)  # as the router does after the decode side's first output
-    parts = {"export": out.timings["kv_export_ms"], "fetch": timings["kv_fetch_ms"], "import": timings["kv_import_ms"]}
+    parts = {"export": out.timings.kv_export_ms, "fetch": timings.kv_fetch_ms, "import": timings.kv_import_ms}
     return dict(parts, total=sum(parts.values())), desc.nbytes
 
 
@@ -101,8 +101,8 @@ def prefill_and_hand_offs(prefill: LLMEngine, exporter: handoff.Exporter, import
         prefill.add_request(rid, prompt, SAMPLING)
         out = first_output(prefill, rid)
         parts, _ = hand_off(exporter, importer, decode, out, prompt)
-        layers = out.timings.get("kv_layer_copy_ms", 0.0)
-        for key, ms in dict(parts, prefill=out.timings["prefill_ms"], layers=layers).items():
+        layers = out.timings.kv_layer_copy_ms or 0.0
+        for key, ms in dict(parts, prefill=out.timings.prefill_ms, layers=layers).items():
             times.setdefault(key, []).append(ms)
     return times
 

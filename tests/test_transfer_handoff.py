@@ -60,7 +60,7 @@ def _pd(setup, tokenizer, exporter: handoff.Exporter, transport: str, label: str
         for i, prompt in enumerate(PROMPTS):
             tokens, timings = generate_pd(prefill, decode, exporter, importer, f"{label}-{i}",
                                           tokenizer(prompt).input_ids, SAMPLING)
-            assert timings["kv_tcp"] == float(transport == "tcp") and timings["kv_bytes"] > 0
+            assert timings.kv_tcp == float(transport == "tcp") and timings.kv_bytes > 0
             results.append(tokens)
         assert not exporter.exports and not exporter.pending
         assert prefill.pool.num_in_use == 0 and decode.pool.num_in_use == 0

@@ -23,6 +23,7 @@ from epdserve.engine.sampler import TokenLogprobs, sample
 from epdserve.engine.scheduler import Scheduler, SchedulerConfig
 from epdserve.model.llama import LlamaModel
 from epdserve.model.loader import MULTIMODAL_MODEL_TYPES
+from epdserve.trace import StageTimings
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None
     kv_block_ids: list[int] | None = None
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: StageTimings = field(default_factory=StageTimings)
     error: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
@@ -138,7 +139,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     kv: torch.Tensor | None = None, first_token: int | None = None,
-                    timings: dict[str, float] | None = None, arrival: float | None = None,
+                    timings: StageTimings | None = None, arrival: float | None = None,
                     images: list[tuple[str, int]] = (), image_embeddings: torch.Tensor | None = None) -> None:
         """Queue a request. A decode-role request brings ``kv [layers, 2, n_blocks,
         block_size, kv_heads, head_dim]`` (the prompt's KV blocks) and ``first_token``, or
@@ -180,7 +181,8 @@ class LLMEngine:
             raise ValueError(f"a {self.config.role} worker takes no kv or first_token")
         seq = Sequence(request_id, prompt_token_ids, sampling, kv, first_token,
                        self._prompt_images(prompt_token_ids, images, image_embeddings, kv is not None))
-        seq.timings.update(timings or {})
+        if timings is not None:
+            seq.timings.update(timings)
         if arrival is not None:
             seq.arrival = arrival
         if kv is not None:
@@ -323,7 +325,7 @@ class LLMEngine:
         else:  # a deferred copy straight from a peer's shared memory (transfer.handoff.PooledKV)
             kv.copy_to(self.kv_cache, seq.block_table[: kv.shape[2]], first)
         seq.pending_kv = None
-        seq.timings["kv_import_ms"] = (time.perf_counter() - start) * 1e3
+        seq.timings.kv_import_ms = (time.perf_counter() - start) * 1e3
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
         seq.token_ids.append(token)
@@ -354,20 +356,19 @@ class LLMEngine:
             out.timings = self._timings(seq, now)
         return out
 
-    def _timings(self, seq: Sequence, now: float) -> dict[str, float]:
+    def _timings(self, seq: Sequence, now: float) -> StageTimings:
         """``queue_ms`` (arrival at the worker to first scheduled, less a KV fetch made in
         between), ``prefill_ms`` (first scheduled to first token; not for a decode-role
         request that imported its KV) and ``decode_ms`` (to the last token; for an import
         from first scheduled, so it includes ``kv_import_ms``), plus ``seq.timings``."""
-        t = dict(seq.timings)
-        t["queue_ms"] = (seq.first_scheduled - seq.arrival) * 1e3 - t.get("kv_fetch_ms", 0.0)
-        imported = "kv_import_ms" in t
-        if imported:
-            t["decode_ms"] = (now - seq.first_scheduled) * 1e3
+        t = seq.timings.model_copy()
+        t.queue_ms = (seq.first_scheduled - seq.arrival) * 1e3 - (t.kv_fetch_ms or 0.0)
+        if t.kv_import_ms is not None:
+            t.decode_ms = (now - seq.first_scheduled) * 1e3
         else:
-            t["prefill_ms"] = (seq.first_token_time - seq.first_scheduled) * 1e3
+            t.prefill_ms = (seq.first_token_time - seq.first_scheduled) * 1e3
             if self.config.role != "prefill":
-                t["decode_ms"] = (now - seq.first_token_time) * 1e3
+                t.decode_ms = (now - seq.first_token_time) * 1e3
         return t
 
 

@@ -9,6 +9,8 @@ from typing import Annotated
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from epdserve.trace import StageTimings
+
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs limit
 # vLLM's _MAX_TEMP (vllm/sampling_params.py, SamplingParams.__post_init__): a temperature
 # in (0, 1e-2) is raised to it (vLLM also logs a warning), since dividing logits by a tinier
@@ -164,7 +166,7 @@ class Sequence:
         self.arrival = time.perf_counter()
         self.first_scheduled: float | None = None
         self.first_token_time: float | None = None
-        self.timings: dict[str, float] = {}
+        self.timings = StageTimings()
 
     def __len__(self) -> int:
         return len(self.token_ids)

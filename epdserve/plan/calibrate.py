@@ -173,7 +173,7 @@ def _handoff_ms(model_dir: str, sizes: tuple[int, ...] = (16, 512)) -> Link:
             prompt = _prompt(rng, n, prefill.model.config.vocab_size)
             _, t = loopback.generate_pd(prefill, decode, exporter, importer, f"h{i}", prompt,
                                         SamplingParams(max_tokens=2, ignore_eos=True))
-            points.append((t["kv_bytes"], sum(v for k, v in t.items() if k.startswith("kv_") and k.endswith("_ms"))))
+            points.append((t.kv_bytes, sum(v for k, v in t.measured().items() if k.startswith("kv_") and k.endswith("_ms"))))
     finally:
         exporter.close()
         ctx.destroy(linger=0)

@@ -28,6 +28,7 @@ from epdserve.serving.multimodal import ImageInput
 from epdserve.transfer import embedding, shm, tcp
 from epdserve.transfer.handoff import host_id
 from epdserve.transfer.wire import WireError
+from epdserve.trace import StageTimings
 
 log = logging.getLogger("epdserve.encode_worker")
 STATS_INTERVAL_S = 0.5
@@ -164,10 +165,9 @@ class EncodeWorker:
             self.frames[msg.request_id] = (name, time.monotonic())
             # encode_ms: the whole call's time up to this frame, not the images' own share:
             # the request waits for the batch it is in.
-            timings = {"encode_queue_ms": (start - arrival) * 1e3,
-                       "encode_ms": (written - start) * 1e3,
-                       "embedding_export_ms": (time.perf_counter() - written) * 1e3,
-                       "embedding_bytes": float(nbytes)}
+            timings = StageTimings(encode_queue_ms=(start - arrival) * 1e3, encode_ms=(written - start) * 1e3,
+                                   embedding_export_ms=(time.perf_counter() - written) * 1e3,
+                                   embedding_bytes=float(nbytes))
             frame = P.KVDescriptor(kind="shm", name=name, num_tokens=sum(len(r.embeddings) for r in mine),
                                    nbytes=nbytes, host_id=self.host, addr=self.server and self.server.addr)
             self.send(P.Encoded(worker_id=self.worker_id, request_id=msg.request_id, frame=frame, timings=timings))

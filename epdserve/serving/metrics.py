@@ -16,6 +16,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from epdserve.trace import RequestTrace
+
 # vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -124,36 +126,34 @@ class RouterMetrics:
             counter.labels(worker, role).inc(now - before)
         self._totals_seen[(worker, role)] = totals
 
-    def finished(self, rec: dict, itls_s: list[float]) -> None:
+    def finished(self, rec: RequestTrace, itls_s: list[float]) -> None:
         """Record one request that ended without an error.
 
-        ``rec``: its trace record (ms; see ``Generation.trace``); ``itls_s``: the gaps
+        ``rec``: its trace record (ms; see :mod:`epdserve.trace`); ``itls_s``: the gaps
         between its outputs (one token each) reaching the router, in seconds. TPOT is
         their mean, as vLLM's (decode time / (output tokens - 1)).
         """
-        self.request_success.labels(rec["finish_reason"] or "abort").inc()
-        self.prompt_tokens.inc(rec["prompt_tokens"])
-        self.generation_tokens.inc(rec["output_tokens"])
-        if rec["ttft_ms"] is not None:
-            self.ttft.observe(rec["ttft_ms"] / 1000)
-        self.e2e.observe(rec["e2e_ms"] / 1000)
-        for key, stage in (("router_queue_ms", "router"), ("prefill_queue_ms", "prefill"),
-                           ("decode_queue_ms", "decode")):
-            if rec.get(key) is not None:
-                self.queue_time.labels(stage).observe(rec[key] / 1000)
-        if rec["mode"] == "colocated" and "queue_ms" in rec:
-            self.queue_time.labels("colocated").observe(rec["queue_ms"] / 1000)
-        if "prefill_ms" in rec:
-            self.prefill_time.labels(PREFILL_ROLE[rec["path"]]).observe(rec["prefill_ms"] / 1000)
-        if "decode_ms" in rec:
-            self.decode_time.labels(DECODE_ROLE[rec["path"]]).observe(rec["decode_ms"] / 1000)
+        self.request_success.labels(rec.finish_reason or "abort").inc()
+        self.prompt_tokens.inc(rec.prompt_tokens)
+        self.generation_tokens.inc(rec.output_tokens)
+        if rec.ttft_ms is not None:
+            self.ttft.observe(rec.ttft_ms / 1000)
+        self.e2e.observe(rec.e2e_ms / 1000)
+        for ms, stage in ((rec.router_queue_ms, "router"), (rec.prefill_queue_ms, "prefill"),
+                          (rec.decode_queue_ms, "decode"), (rec.colocated_queue_ms, "colocated")):
+            if ms is not None:
+                self.queue_time.labels(stage).observe(ms / 1000)
+        if rec.prefill_ms is not None:
+            self.prefill_time.labels(PREFILL_ROLE[rec.path]).observe(rec.prefill_ms / 1000)
+        if rec.decode_ms is not None:
+            self.decode_time.labels(DECODE_ROLE[rec.path]).observe(rec.decode_ms / 1000)
         for gap in itls_s:
             self.itl.observe(gap)
         if itls_s:
             self.tpot.observe(sum(itls_s) / len(itls_s))
-        if rec.get("kv_transfer_ms"):  # a hand-off happened (colocated records carry 0)
-            self.kv_transfer_seconds.observe(rec["kv_transfer_ms"] / 1000)
-            self.kv_transfer_bytes.observe(rec["kv_bytes"])
+        if rec.kv_transfer_ms:  # a hand-off happened (colocated records carry 0)
+            self.kv_transfer_seconds.observe(rec.kv_transfer_ms / 1000)
+            self.kv_transfer_bytes.observe(rec.kv_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -35,6 +35,7 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from epdserve.engine.request import SamplingParams
+from epdserve.trace import StageTimings
 
 Role = Literal["colocated", "prefill", "decode", "encode"]
 
@@ -161,7 +162,7 @@ class Output(_Msg):
     finished: bool = False
     finish_reason: str | None = None
     kv: KVDescriptor | None = None
-    timings: dict[str, float] = {}
+    timings: StageTimings = Field(default_factory=StageTimings)
     num_cached_tokens: Count = 0
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
@@ -210,7 +211,7 @@ class Encoded(_Msg):
     worker_id: str
     request_id: str
     frame: KVDescriptor
-    timings: dict[str, float] = {}
+    timings: StageTimings = Field(default_factory=StageTimings)
 
 
 class Abort(_Msg):

@@ -75,6 +75,7 @@ from epdserve.serving.handshake import KV_PEER_ROLES, model_fingerprint, model_k
 from epdserve.serving.http_guard import add_http_options, uvicorn_config
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
+from epdserve.trace import RequestTrace
 
 log = logging.getLogger("epdserve.router")
 
@@ -196,7 +197,8 @@ class Generation:
         self.cached_tokens = 0  # prompt tokens its first worker found in its prefix cache
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.timings: dict[str, float] = {}
+        self.record = RequestTrace(request_id=request_id, mode=router.mode, path=self.path,
+                                   prompt_tokens=len(prompt_ids), max_tokens=sampling.max_tokens)
         self.itls_s: list[float] = []  # gaps between outputs reaching the router (s)
 
     # -- dispatch
@@ -266,9 +268,7 @@ class Generation:
             if isinstance(msg, P.Error):
                 raise WorkerFailed(f"encode worker {worker.worker_id} rejected the images: {msg.message}", msg.status)
             self.embeddings.append(P.EmbeddingRef(images=indices, frame=msg.frame))
-            bytes_so_far = self.timings.get("embedding_bytes", 0.0)
-            self.timings.update(msg.timings)
-            self.timings["embedding_bytes"] = bytes_so_far + msg.timings.get("embedding_bytes", 0.0)
+            self.record.add("encode", msg.timings)
 
     def _dispatch(self, worker: WorkerState) -> None:
         if worker.role == "prefill":
@@ -337,14 +337,8 @@ class Generation:
                 raise WorkerFailed(f"worker {worker.worker_id} {verb} the request: {msg.message}", msg.status)
             if msg.finished:
                 self.worker_done = True
-            self._merge_timings(worker.role, msg.timings)
+            self.record.add(worker.role, msg.timings)
             return msg
-
-    def _merge_timings(self, role: str, timings: dict[str, float]) -> None:
-        for key, value in timings.items():
-            if key == "queue_ms" and role != "colocated":
-                key = f"{role}_queue_ms"
-            self.timings[key] = value
 
     async def tokens(self) -> AsyncIterator[tuple[list[int], list | None, str | None]]:
         """Yield each worker output's ``(token_ids, logprobs, finish_reason)`` (logprobs as
@@ -379,7 +373,7 @@ class Generation:
                 raise WorkerFailed(exc.message, 503) from None
             self.decode_worker = decode
             self._add(decode, kv=out.kv, first_token=out.token_ids[-1])
-            self.timings["router_hop_ms"] = (time.monotonic() - self.t_first) * 1000
+            self.record.router_hop_ms = (time.monotonic() - self.t_first) * 1000
             out = await self._next()
             # The decode worker imports the KV before its first step, so its first output
             # means the prefill worker's copy is no longer needed.
@@ -413,82 +407,22 @@ class Generation:
             worker.outstanding.pop(self.request_id, None)
             router.release_kv(worker, self.request_id)
 
-    def trace(self) -> dict:
-        """The request's trace record (one JSON line). Times are ms; ``*_worker`` are worker ids.
-
-        Stages, in the order a request meets them (TTFT = ``router_queue_ms`` +
-        the first worker's queue key + ``prefill_ms`` [+ ``kv_export_ms``] + ``ttft_hop_ms``):
-
-        * ``router_queue_ms``: HTTP arrival at the router to dispatch (tokenization,
-          validation, picking a worker).
-        * ``queue_ms`` (colocated), ``prefill_queue_ms``, ``decode_queue_ms`` (pd): arrival at
-          the worker (stamped by its receiving thread) to first scheduled, less a KV fetch
-          made in between; in pd ``queue_ms`` is their sum.
-        * ``prefill_ms``: first scheduled to first token on the worker that prefilled.
-        * ``kv_export_ms``: the prefill worker copying the prompt's KV out (before it sends the
-          first token); ``kv_bytes``: the bytes it wrote.
-        * ``ttft_hop_ms``: the rest of TTFT: dispatch to the first token back at the router
-          less the worker's queue, prefill and export (ZeroMQ and event-loop hops).
-        * ``router_hop_ms``: first token at the router to the AddRequest sent to the decode worker.
-        * ``kv_fetch_ms`` (shm map or TCP, before the request is queued), ``kv_import_ms``
-          (into the decode worker's cache, within its first step), ``kv_transfer_ms``: export +
-          router hop + fetch + import (0 in colocated).
-        * ``decode_ms``: first token to last token on the worker that decoded; for an imported
-          request from first scheduled (it includes ``kv_import_ms``).
-        * ``ttft_ms``, ``e2e_ms``: HTTP arrival to the first / last token at the router.
-        * With images (``num_images``): ``encode_queue_ms`` (arrival at the worker that
-          encodes to encode start) and ``encode_ms`` (in epd: of the encode worker that
-          answered last), which precede the first worker's queue; ``embedding_bytes`` and
-          ``embedding_transfer_ms`` (epd: the encode worker writing its frame,
-          ``embedding_export_ms``, plus the prefill worker reading them,
-          ``embedding_fetch_ms``; 0 when the prefilling worker encodes); ``encode_workers``
-          (epd): the ids of the encode workers its images went to.
-
-        ``path`` is "colocated", "disaggregated" (prefill worker, then decode worker) or
-        "local" (a pd request under ``--local-prefill-threshold``, prefilled by the decode
-        worker itself).
-        """
-        t = self.timings
-        rec = {"request_id": self.request_id, "mode": self.router.mode, "path": self.path,
-               "prompt_tokens": len(self.prompt_ids), "output_tokens": self.output_tokens,
-               "max_tokens": self.sampling.max_tokens, "finish_reason": self.finish_reason,
-               "error": self.error,
-               "prefill_worker": self.prefill_worker.worker_id if self.prefill_worker else None,
-               "decode_worker": self.decode_worker.worker_id if self.decode_worker else None,
-               "router_queue_ms": _ms(self.t_arrival, self.t_dispatch)}
+    def trace(self) -> RequestTrace:
+        """The request's trace record (see :mod:`epdserve.trace` for every stage)."""
+        rec = self.record
+        rec.output_tokens, rec.finish_reason, rec.error = self.output_tokens, self.finish_reason, self.error
+        rec.prefill_worker = self.prefill_worker.worker_id if self.prefill_worker else None
+        rec.decode_worker = self.decode_worker.worker_id if self.decode_worker else None
         if self.router.mode == "colocated":
-            rec["worker"] = getattr(self.worker, "worker_id", None)
-            rec.update(kv_bytes=0.0, kv_transfer_ms=0.0)  # no handoff: zero, as bench expects
-        rec.update(t)
+            rec.worker = getattr(self.worker, "worker_id", None)
         if self.encoders:
-            rec["encode_workers"] = sorted(self.encoders)
+            rec.encode_workers = sorted(self.encoders)
         if self.images:
-            rec["num_images"] = len(self.images)
-            rec["embedding_bytes"] = t.get("embedding_bytes", 0.0)
-            rec["embedding_transfer_ms"] = t.get("embedding_export_ms", 0.0) + t.get("embedding_fetch_ms", 0.0)
-        if self.router.mode in ("pd", "epd"):
-            queues = [t[k] for k in ("prefill_queue_ms", "decode_queue_ms") if k in t]
-            if queues:
-                rec["queue_ms"] = sum(queues)
-            if kv_transfer_ms(t) is not None:
-                rec["kv_transfer_ms"] = kv_transfer_ms(t)
-        rec["ttft_ms"] = _ms(self.t_arrival, self.t_first)
-        rec["e2e_ms"] = _ms(self.t_arrival, self.t_end)
-        first_queue = {"colocated": "queue_ms", "disaggregated": "prefill_queue_ms",
-                       "local": "decode_queue_ms"}[self.path]
-        if rec["ttft_ms"] is not None and first_queue in t and "prefill_ms" in t:
-            image_stages = t.get("encode_queue_ms", 0.0) + t.get("encode_ms", 0.0) + rec.get("embedding_transfer_ms", 0.0)
-            rec["ttft_hop_ms"] = round(rec["ttft_ms"] - rec["router_queue_ms"] - t[first_queue] - image_stages
-                                       - t["prefill_ms"] - t.get("kv_export_ms", 0.0), 3)
+            rec.num_images = len(self.images)
+        rec.router_queue_ms = _ms(self.t_arrival, self.t_dispatch)
+        rec.ttft_ms = _ms(self.t_arrival, self.t_first)
+        rec.e2e_ms = _ms(self.t_arrival, self.t_end)
         return rec
-
-
-def kv_transfer_ms(t: dict[str, float]) -> float | None:
-    """A PD hand-off's time in ms: prefill-side export + router hop + decode-side fetch
-    (shm map or TCP) + import; None when the request had no hand-off."""
-    if "kv_export_ms" not in t or "kv_import_ms" not in t:
-        return None
-    return t["kv_export_ms"] + t.get("router_hop_ms", 0.0) + t.get("kv_fetch_ms", 0.0) + t["kv_import_ms"]
 
 
 def _ms(t0: float | None, t1: float | None) -> float | None:
@@ -934,7 +868,7 @@ class Router:
         if self.trace_file:
             try:
                 with open(self.trace_file, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                    f.write(json.dumps(rec.as_json()) + "\n")
             except OSError as exc:
                 log.warning("cannot write trace %s: %s", self.trace_file, exc)
 

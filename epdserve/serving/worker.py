@@ -50,6 +50,7 @@ from epdserve.serving.encode_worker import EncodeWorker, handle_control, image_i
 from epdserve.serving.handshake import auth_tag, model_fingerprint
 from epdserve.transfer import embedding, handoff, kv_codec, tcp
 from epdserve.transfer.wire import WireError
+from epdserve.trace import StageTimings
 
 log = logging.getLogger("epdserve.worker")
 STATS_INTERVAL_S = 0.5
@@ -152,7 +153,7 @@ class _Fetch:
     cancel: threading.Event = field(default_factory=threading.Event)
     kv: torch.Tensor | handoff.PooledKV | None = None
     embeddings: torch.Tensor | None = None
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: StageTimings = field(default_factory=StageTimings)
     error: str | None = None
 
 
@@ -261,7 +262,7 @@ class Worker:
             self.fetcher.submit(self.fetch, fetch)
         else:
             try:
-                timings, embeddings = {}, None
+                timings, embeddings = StageTimings(), None
                 if msg.images:
                     embeddings = self.image_embeddings(msg, arrival, timings)
                     arrival = time.perf_counter()  # encoding them is its own stage, not queue time
@@ -305,13 +306,13 @@ class Worker:
             return
         # queue_ms excludes the fetch: the engine takes kv_fetch_ms off it; an embedding
         # fetch, its own stage too, moves the start of the queue on by its length.
-        arrival = fetch.arrival + fetch.timings.get("embedding_fetch_ms", 0.0) / 1e3
+        arrival = fetch.arrival + (fetch.timings.embedding_fetch_ms or 0.0) / 1e3
         try:
             self.enqueue(fetch.msg, arrival, fetch.timings, fetch.kv, fetch.embeddings)
         except ValueError as exc:
             self.fail(request_id, str(exc))
 
-    def enqueue(self, msg: P.AddRequest, arrival: float, timings: dict[str, float],
+    def enqueue(self, msg: P.AddRequest, arrival: float, timings: StageTimings,
                 kv: torch.Tensor | handoff.PooledKV | None = None, embeddings: torch.Tensor | None = None) -> None:
         """Add ``msg`` to the engine. Raises ``ValueError`` as ``LLMEngine.add_request``."""
         self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, kv, msg.first_token,
@@ -336,7 +337,7 @@ class Worker:
             fetch.cancel.set()
         self.fetching.clear()
 
-    def image_embeddings(self, msg: P.AddRequest, arrival: float, timings: dict[str, float]) -> torch.Tensor:
+    def image_embeddings(self, msg: P.AddRequest, arrival: float, timings: StageTimings) -> torch.Tensor:
         """``[image tokens, hidden]`` for ``msg``'s images, in prompt order, encoded here from
         the bytes that came with the request (``encode_queue_ms`` from ``arrival``,
         ``encode_ms``). Runs on the loop and blocks it while it encodes, by design: a
@@ -354,7 +355,7 @@ class Worker:
         error = next((r for r in results if isinstance(r, ImageError)), None)
         if error is not None:
             raise error
-        timings.update(encode_queue_ms=(start - arrival) * 1e3, encode_ms=(time.perf_counter() - start) * 1e3)
+        timings.encode_queue_ms, timings.encode_ms = (start - arrival) * 1e3, (time.perf_counter() - start) * 1e3
         return torch.cat([r.embeddings for r in results])
 
     def release(self, request_id: str) -> None:
@@ -400,7 +401,7 @@ class Worker:
                         self.exporter.ttl_s)
 
 
-def fetch_embeddings(importer: handoff.Importer, msg: P.AddRequest, hidden_size: int, timings: dict[str, float],
+def fetch_embeddings(importer: handoff.Importer, msg: P.AddRequest, hidden_size: int, timings: StageTimings,
                      cancel: threading.Event | None = None) -> torch.Tensor:
     """``[image tokens, hidden_size]`` for ``msg``'s images, in prompt order, read from the
     encode workers' frames ``msg.embeddings``; adds ``embedding_fetch_ms`` to ``timings``.
@@ -420,7 +421,7 @@ def fetch_embeddings(importer: handoff.Importer, msg: P.AddRequest, hidden_size:
             parts[i] = image.embeddings
     if any(part is None for part in parts):
         raise ValueError("embeddings are missing for some of the request's images")
-    timings["embedding_fetch_ms"] = (time.perf_counter() - start) * 1e3
+    timings.embedding_fetch_ms = (time.perf_counter() - start) * 1e3
     return torch.cat(parts)
 
 

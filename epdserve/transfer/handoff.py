@@ -46,6 +46,7 @@ from epdserve.engine.engine import EngineConfig, LLMEngine, StepOutput, block_ru
 from epdserve.serving.protocol import KVDescriptor
 from epdserve.transfer import kv_codec, shm, tcp, wire
 from epdserve.transfer.wire import TensorHeader, WireError
+from epdserve.trace import StageTimings
 
 TRANSPORTS = ("auto", "shm", "tcp")
 
@@ -176,17 +177,17 @@ class Exporter:
             self.engine.release_kv(request_id)
             self.exports[request_id] = _Export(name, time.monotonic())
             desc = KVDescriptor(name=name, num_tokens=header.num_tokens, nbytes=nbytes, host_id=self.host, addr=addr)
-        out.timings["kv_export_ms"] = (time.perf_counter() - start) * 1e3
-        out.timings["kv_bytes"] = float(nbytes)
+        out.timings.kv_export_ms = (time.perf_counter() - start) * 1e3
+        out.timings.kv_bytes = float(nbytes)
         return desc
 
-    def _stage(self, request_id: str, ids: list[int], header: TensorHeader, timings: dict[str, float]) -> str:
+    def _stage(self, request_id: str, ids: list[int], header: TensorHeader, timings: StageTimings) -> str:
         """The segment holding the blocks: the layer-pipelined one, closed, or a new one."""
         if request_id in self.pending:
             pending = self.pending.pop(request_id)
             pending.views.clear()  # the tensors view the mapping: drop them before closing it
             pending.mm.close()
-            timings["kv_layer_copy_ms"] = pending.copy_ms
+            timings.kv_layer_copy_ms = pending.copy_ms
             return pending.name
 
         def fill(views: dict[str, torch.Tensor]) -> None:
@@ -295,7 +296,7 @@ class Importer:
         self._pools_lock = threading.Lock()  # fetch threads map pools concurrently
 
     def take(self, request_id: str, desc: KVDescriptor, layout: dict, dtype: torch.dtype,
-             cancel: threading.Event | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+             cancel: threading.Event | None = None) -> tuple[torch.Tensor, StageTimings]:
         """Get the KV blocks ``desc`` describes as a tensor ``[layers, 2, n_blocks,
         block_size, kv_heads, head_dim]`` of ``dtype``, or for blocks of a same-host pool as
         a :class:`PooledKV` of that shape and dtype (the engine copies them straight into
@@ -313,11 +314,11 @@ class Importer:
         start = time.perf_counter()
         if desc.kind == "pool" and not self.uses_tcp(desc) and desc.host_id == self.host:
             kv = self._from_pool(request_id, desc, layout, dtype)
-            return kv, {"kv_fetch_ms": (time.perf_counter() - start) * 1e3, "kv_tcp": 0.0}
+            return kv, StageTimings(kv_fetch_ms=(time.perf_counter() - start) * 1e3, kv_tcp=0.0)
         header, tensors = self.fetch_frame(request_id, desc, cancel)
         _check_layout(header.layout, layout)
         kv = kv_codec.decode(tensors, dtype)
-        return kv, {"kv_fetch_ms": (time.perf_counter() - start) * 1e3, "kv_tcp": float(self.uses_tcp(desc))}
+        return kv, StageTimings(kv_fetch_ms=(time.perf_counter() - start) * 1e3, kv_tcp=float(self.uses_tcp(desc)))
 
     def uses_tcp(self, desc: KVDescriptor) -> bool:
         """Whether what ``desc`` describes comes over TCP (else from this host's /dev/shm)."""

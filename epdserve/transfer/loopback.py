@@ -11,6 +11,7 @@ from epdserve.engine.engine import LLMEngine, StepOutput
 from epdserve.engine.request import SamplingParams
 from epdserve.transfer.handoff import Exporter, Importer
 from epdserve.transfer.wire import WireError
+from epdserve.trace import StageTimings
 
 
 def first_output(engine: LLMEngine, request_id: str) -> StepOutput:
@@ -22,7 +23,7 @@ def first_output(engine: LLMEngine, request_id: str) -> StepOutput:
 
 
 def generate_pd(prefill: LLMEngine, decode: LLMEngine, exporter: Exporter, importer: Importer,
-                request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> tuple[list[int], dict]:
+                request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> tuple[list[int], StageTimings]:
     """Run one request through ``prefill`` (role prefill, whose ``exporter`` writes its KV)
     and ``decode`` (role decode, whose ``importer`` takes it); the engines must be idle.
     Returns the generated token ids and the merged timings of both sides (ms, bytes).
@@ -37,7 +38,7 @@ def generate_pd(prefill: LLMEngine, decode: LLMEngine, exporter: Exporter, impor
     if out.finished:
         return tokens, out.timings
     desc = exporter.export(out)
-    merged = dict(out.timings)
+    merged = out.timings.model_copy()
     try:
         arrival = time.perf_counter()  # as a worker stamps it: before the fetch, which queue_ms excludes
         kv, timings = importer.take(request_id, desc, decode.kv_layout(), decode.kv_cache.dtype)
