@@ -319,34 +319,55 @@ def run_config(name: str, requests: list[workload.Request], args: argparse.Names
     server = ServerProcess(name, server_command(name, args.port, trace_file, args.model, serve,
                                                 args.allow_oversubscription),
                            out_dir / f"{name}.server.log", base_url)
-    entry: dict = {"name": name, "mode": DeploymentSpec.parse(name).mode}
+    spec = DeploymentSpec.parse(name)
+    entry: dict = {"name": name, "mode": spec.mode}
     cores = sorted(os.sched_getaffinity(0))  # the launcher splits these among its workers
     before = host.quiet_check(cores)
     print(f"{tag} starting server: {' '.join(server.cmd)}", flush=True)
     try:
         server.start()
-        took = server.wait_healthy(args.startup_timeout, DeploymentSpec.parse(name).num_workers)
+        took = server.wait_healthy(args.startup_timeout, spec.num_workers)
         print(f"{tag} healthy after {took:.1f} s; sending {len(requests)} requests", flush=True)
-        # From here on, not from the start: loading the model is not what the run measures.
-        monitor = host.LoadMonitor(cores, server.proc.pid).start()
-        try:
-            entry["result"] = result = bench(base_url, requests, args)
-            entry["resources"] = server.resources()
-            if args.sweep_rates:
-                print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s",
-                      flush=True)
-                entry["sweep"] = sweep.find_max_goodput_rate(
-                    lambda rate: bench(base_url, workload.retime(requests, rate, args.seed), args),
-                    target_share=args.goodput_target, lo=args.sweep_rates[0], hi=args.sweep_rates[1],
-                    iters=args.sweep_iters, progress=not args.disable_tqdm)
-        finally:
-            during = monitor.stop()
+        during = _run_trace(server, base_url, requests, args, entry, cores, tag)
     finally:
         server.stop()
     warning = host.outside_warning(during["outside_share"], during["steal_share"], len(cores))
     entry["host_load"] = {"cores": cores, "before": before, "during": during, "warning": warning}
     if warning:
         print(f"{tag} warning: {warning}", flush=True)
+    _add_summaries(entry, trace_file)
+    result = entry["result"]
+    print(f"{tag} done: {result['completed']} completed, {result['failed']} failed, "
+          f"{result['duration']:.1f} s", flush=True)
+    return entry
+
+
+def _run_trace(server: ServerProcess, base_url: str, requests: list[workload.Request],
+               args: argparse.Namespace, entry: dict, cores: list[int], tag: str) -> dict:
+    """Send the trace to the healthy server (and run the sweep with ``args.sweep_rates``)
+    while measuring the load on ``cores``; puts ``result``, ``resources`` and ``sweep`` in
+    ``entry`` and returns the load (:meth:`host.LoadMonitor.stop`)."""
+    # From here on, not from the start: loading the model is not what the run measures.
+    monitor = host.LoadMonitor(cores, server.proc.pid).start()
+    try:
+        entry["result"] = bench(base_url, requests, args)
+        entry["resources"] = server.resources()
+        if args.sweep_rates:
+            print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s",
+                  flush=True)
+            entry["sweep"] = sweep.find_max_goodput_rate(
+                lambda rate: bench(base_url, workload.retime(requests, rate, args.seed), args),
+                target_share=args.goodput_target, lo=args.sweep_rates[0], hi=args.sweep_rates[1],
+                iters=args.sweep_iters, progress=not args.disable_tqdm)
+    finally:
+        load = monitor.stop()
+    return load
+
+
+def _add_summaries(entry: dict, trace_file: Path) -> None:
+    """What the server's trace and the bench result say, into ``entry``: ``server``,
+    ``breakdown``, ``itl_stalls`` and ``per_core``."""
+    result = entry["result"]
     records, _ = server_trace.read(trace_file)
     entry["server"] = server_trace.summarize(trace_file, result["request_ids"])
     entry["breakdown"] = server_trace.breakdown(result, records)
@@ -356,9 +377,6 @@ def run_config(name: str, requests: list[workload.Request], args: argparse.Names
     entry["per_core"] = {
         "output_throughput": result["output_throughput"] / cores if cores else None,
         "request_goodput": goodput / cores if cores and goodput is not None else None}
-    print(f"{tag} done: {result['completed']} completed, {result['failed']} failed, "
-          f"{result['duration']:.1f} s", flush=True)
-    return entry
 
 
 def _raise_interrupt(signum, frame):

@@ -53,9 +53,12 @@ import sys
 import tempfile
 import time
 
+import uvicorn
+
 from epdserve import host
 from epdserve.argtypes import int_at_least
 from epdserve.engine.engine import DTYPES
+from epdserve.model.loader import ModelLoadError
 from epdserve.serving import auth, worker
 from epdserve.serving.deployment import DeploymentSpec, Placement, plan_workers  # noqa: F401 (plan_workers: tests)
 from epdserve.serving.http_guard import uvicorn_config
@@ -352,23 +355,9 @@ def run(args: argparse.Namespace) -> int:
     """``epdserve serve``: returns 0 after a clean stop, 1 if the HTTP port cannot be bound, a
     worker exited with status 2 or the workers never came up, 2 on a bad option or model or
     a deployment this host cannot hold (:func:`check_capacity`)."""
-    import uvicorn
-
-    from epdserve.model.loader import ModelLoadError
-
     setup_logging(args.log_level)
-    try:
-        plan = plan_for(args)
-    except ValueError as exc:
-        print(f"epdserve serve: error: {exc}", file=sys.stderr)
-        return 2
-    if not args.auth_token and (not args.allow_unauthenticated or args.internal_encryption == "curve"):
-        # Even on ipc in our private directory (defence in depth), and CURVE derives its keys from it.
-        args.auth_token = secrets.token_urlsafe(32)
-        if args.events:
-            log.info("no --auth-token: generated one; workers started elsewhere cannot join (give your own)")
-    error = auth.options_error(args, [])  # CURVE support
-    if error is not None:
+    plan, error = _check_options(args)
+    if error:
         print(f"epdserve serve: error: {error}", file=sys.stderr)
         return 2
     try:
@@ -382,14 +371,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     tmp = tempfile.mkdtemp(prefix="epdserve-")  # mode 0700: only we can reach the sockets
     events = args.events or f"ipc://{tmp}/events"
-    try:
-        router = build_router(args, events)  # resolves (and converts) the model once, before workers start
-    except ModelLoadError as exc:
-        error = str(exc)
-    else:
-        warnings, error = check_capacity(args, plan, router.model.path, host.mem_available_bytes())
-        if error:
-            error += "; use fewer workers or a smaller --kv-cache-memory-mb, or pass --allow-oversubscription"
+    router, warnings, error = _load_router(args, plan, events)
     if error:
         print(f"epdserve serve: error: {error}", file=sys.stderr)
         sock.close()
@@ -397,6 +379,41 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for text in warnings:
         print(f"epdserve serve: warning: {text}", file=sys.stderr, flush=True)
+    return _serve(args, router, plan, tmp, events, sock)
+
+
+def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
+    """The placement of serve's workers (:func:`plan_for`) and an error, None when the
+    options hold; makes up an auth token when one is needed and none was given."""
+    try:
+        plan = plan_for(args)
+    except ValueError as exc:
+        return [], str(exc)
+    if not args.auth_token and (not args.allow_unauthenticated or args.internal_encryption == "curve"):
+        # Even on ipc in our private directory (defence in depth), and CURVE derives its keys from it.
+        args.auth_token = secrets.token_urlsafe(32)
+        if args.events:
+            log.info("no --auth-token: generated one; workers started elsewhere cannot join (give your own)")
+    return plan, auth.options_error(args, [])  # CURVE support
+
+
+def _load_router(args: argparse.Namespace, plan: Placement, events: str) -> tuple[Router | None, list[str], str | None]:
+    """``(router, warnings, error)``: the router with its model resolved (and converted)
+    once, before any worker starts, and whether this host can hold ``plan``."""
+    try:
+        router = build_router(args, events)
+    except ModelLoadError as exc:
+        return None, [], str(exc)
+    warnings, error = check_capacity(args, plan, router.model.path, host.mem_available_bytes())
+    if error:
+        error += "; use fewer workers or a smaller --kv-cache-memory-mb, or pass --allow-oversubscription"
+    return router, warnings, error
+
+
+def _serve(args: argparse.Namespace, router: Router, plan: Placement, tmp: str, events: str,
+           sock: socket.socket) -> int:
+    """Start the workers of ``plan``, serve HTTP on ``sock`` until a signal or a fatal
+    worker exit (:func:`_supervise`), then stop the workers and remove ``tmp``."""
     children = Children(worker_env(args))
     stopped = False
 
