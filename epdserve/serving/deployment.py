@@ -35,7 +35,8 @@ CHUNKED_BATCHED_TOKENS = 256
 NOPREFIX = "-noprefix"
 NAME_FORMS = ("colocated", "colocated-N", "colocated-chunked", "pd", "XpYd", "XeYpZd", "pd-localN")
 NAME_HELP = (f"expected one of: {', '.join(NAME_FORMS)}, with an optional {NOPREFIX} suffix "
-             f"(N, X, Y, Z: whole numbers, worker counts >= 1; e.g. colocated-2, 2p1d, 1e1p1d, pd-local64)")
+             f"(X, Y, Z and colocated-N's N: worker counts >= 1; pd-localN's N: prompt tokens >= 0; "
+             f"e.g. colocated-2, 2p1d, 1e1p1d, pd-local64)")
 
 _COUNT = r"([1-9][0-9]*)"
 _COLOCATED_N = re.compile(rf"colocated-{_COUNT}")
