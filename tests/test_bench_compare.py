@@ -4,6 +4,7 @@ group, one configuration run end to end against the stub server of
 the server-trace summary and TTFT breakdown, the table, the report and the plots. Only
 the cores test uses the real server (the session's 1P1D fixture)."""
 
+import argparse
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import pytest
 
 from epdserve import host
 from epdserve.bench import compare, report, server_trace, workload
+from epdserve.serving.deployment import DeploymentSpec
 from test_bench_client import STUB_TTFT_S, bench_args, req
 
 STUB = [sys.executable, str(Path(__file__).with_name("test_bench_client.py"))]
@@ -451,32 +453,52 @@ def test_compare_cli_bad_values_exit_2():
         assert needle in proc.stderr and "Traceback" not in proc.stderr
 
 
+def serve_flags(name: str) -> list[str] | None:
+    """The serve flags of a configuration name, None for an unknown one."""
+    try:
+        return DeploymentSpec.parse(name).serve_flags()
+    except ValueError:
+        return None
+
+
+def num_workers(name: str) -> int:
+    return DeploymentSpec.parse(name).num_workers
+
+
 def test_configuration_names_map_to_serve_flags():
-    assert compare.serve_flags("pd") == ["--mode", "pd"]
-    assert compare.serve_flags("colocated-2") == ["--mode", "colocated", "--workers", "2"]
-    assert compare.serve_flags("2p1d") == ["--mode", "pd", "--prefill-workers", "2", "--decode-workers", "1"]
-    assert compare.serve_flags("colocated-chunked") == [
+    assert serve_flags("pd") == ["--mode", "pd"]
+    assert serve_flags("colocated-2") == ["--mode", "colocated", "--workers", "2"]
+    assert serve_flags("2p1d") == ["--mode", "pd", "--prefill-workers", "2", "--decode-workers", "1"]
+    assert serve_flags("colocated-chunked") == [
         "--mode", "colocated", "--enable-chunked-prefill", "--max-num-batched-tokens", "256"]
-    assert compare.serve_flags("2p1d-noprefix") == compare.serve_flags("2p1d") + ["--no-enable-prefix-caching"]
-    assert compare.serve_flags("bogus") is None
-    assert compare.serve_flags("bogus-noprefix") is None
-    assert [compare.num_workers(n) for n in ("colocated", "colocated-chunked", "colocated-3",
-                                             "pd", "2p3d", "colocated-2-noprefix")] == [1, 1, 3, 2, 5, 2]
+    assert serve_flags("2p1d-noprefix") == serve_flags("2p1d") + ["--no-enable-prefix-caching"]
+    assert serve_flags("bogus") is None
+    assert serve_flags("bogus-noprefix") is None
+    assert [num_workers(n) for n in ("colocated", "colocated-chunked", "colocated-3",
+                                     "pd", "2p3d", "colocated-2-noprefix")] == [1, 1, 3, 2, 5, 2]
 
 
 def test_epd_names_map_to_serve_flags():
-    assert compare.serve_flags("2e1p1d") == ["--mode", "epd", "--encode-workers", "2",
-                                             "--prefill-workers", "1", "--decode-workers", "1"]
-    assert compare.serve_flags("1e2p3d-noprefix") == compare.serve_flags("1e2p3d") + [
+    assert serve_flags("2e1p1d") == ["--mode", "epd", "--encode-workers", "2",
+                                     "--prefill-workers", "1", "--decode-workers", "1"]
+    assert serve_flags("1e2p3d-noprefix") == serve_flags("1e2p3d") + [
         "--no-enable-prefix-caching"]
-    assert compare.serve_flags("0e1p1d") is None and compare.serve_flags("1e1p") is None
-    assert compare.num_workers("2e1p1d") == 4 and compare.num_workers("1e2p3d") == 6
+    assert serve_flags("0e1p1d") is None and serve_flags("1e1p") is None
+    assert num_workers("2e1p1d") == 4 and num_workers("1e2p3d") == 6
     assert compare.parse_configs("colocated,pd,2e1p1d") == ["colocated", "pd", "2e1p1d"]
     with pytest.raises(Exception, match="1e1p1d"):
         compare.parse_configs("colocated,1e1q1d")
     cmd = compare.server_command("2e1p1d", 8100, Path("/t.jsonl"), "vlm", serve=["serve"])
-    assert cmd == ["serve", *compare.serve_flags("2e1p1d"), "--host", "127.0.0.1",
+    assert cmd == ["serve", *serve_flags("2e1p1d"), "--host", "127.0.0.1",
                    "--port", "8100", "--trace-file", "/t.jsonl", "--model", "vlm"]
+
+
+def test_configs_name_the_bad_value_and_every_form():
+    with pytest.raises(argparse.ArgumentTypeError) as info:
+        compare.parse_configs("colocated,pd-local")
+    assert "'pd-local'" in str(info.value) and "XeYpZd" in str(info.value)
+    with pytest.raises(argparse.ArgumentTypeError, match="named twice"):
+        compare.parse_configs("pd-local7,pd-local007")
 
 
 def test_servers_get_the_multimodal_model_for_a_trace_with_images():

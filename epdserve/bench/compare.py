@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -53,6 +52,7 @@ from epdserve.bench import client, plots, recommend, report, server_trace, sweep
 from epdserve.bench.run import (add_client_arguments, bench, parse_rates, parse_share,
                                 write_json)
 from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
+from epdserve.serving.deployment import NAME_HELP, DeploymentSpec
 
 
 class ServerError(RuntimeError):
@@ -178,54 +178,17 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-# Chunked prefill's token budget per step: a long prompt then stalls the decodes batched
-# with it by one 256-token step at a time instead of by its whole prefill.
-CHUNKED_BATCHED_TOKENS = 256
-
-
-def serve_flags(name: str) -> list[str] | None:
-    """``epdserve serve`` flags of a configuration name, or None for an unknown name:
-    ``colocated`` and ``pd`` (1P1D) as they are, ``colocated-chunked`` (chunked prefill,
-    :data:`CHUNKED_BATCHED_TOKENS` tokens per step), ``colocated-N`` for N replicas,
-    ``XpYd`` for X prefill and Y decode workers (the field's xPyD notation), ``XeYpZd``
-    for EPD with X encode, Y prefill and Z decode workers, ``pd-localN`` (prompts under N
-    tokens prefilled on the decode worker); any of them ``-noprefix``: with prefix caching
-    off (it is on by default, as in vLLM)."""
-    if name.endswith("-noprefix"):
-        flags = serve_flags(name.removesuffix("-noprefix"))
-        return None if flags is None else flags + ["--no-enable-prefix-caching"]
-    if name in ("colocated", "pd"):
-        return ["--mode", name]
-    if name == "colocated-chunked":
-        return ["--mode", "colocated", "--enable-chunked-prefill",
-                "--max-num-batched-tokens", str(CHUNKED_BATCHED_TOKENS)]
-    if m := re.fullmatch(r"colocated-([1-9][0-9]*)", name):
-        return ["--mode", "colocated", "--workers", m[1]]
-    if m := re.fullmatch(r"([1-9][0-9]*)p([1-9][0-9]*)d", name):
-        return ["--mode", "pd", "--prefill-workers", m[1], "--decode-workers", m[2]]
-    if m := re.fullmatch(r"([1-9][0-9]*)e([1-9][0-9]*)p([1-9][0-9]*)d", name):
-        return ["--mode", "epd", "--encode-workers", m[1], "--prefill-workers", m[2],
-                "--decode-workers", m[3]]
-    if m := re.fullmatch(r"pd-local([0-9]+)", name):  # 1P1D, prompts under N tokens prefilled on decode
-        return ["--mode", "pd", "--local-prefill-threshold", m[1]]
-    return None
-
-
-def num_workers(name: str) -> int:
-    """How many workers configuration ``name`` starts (see :func:`serve_flags`)."""
-    flags = serve_flags(name)
-    counts = [int(flags[i + 1]) for i, f in enumerate(flags)
-              if f in ("--workers", "--encode-workers", "--prefill-workers", "--decode-workers")]
-    return sum(counts) or (2 if flags[1] == "pd" else 1)
-
-
 def parse_configs(text: str) -> list[str]:
-    """argparse type for ``--configs``: comma-separated unique names that
-    :func:`serve_flags` knows."""
+    """argparse type for ``--configs``: comma-separated unique deployment names
+    (:meth:`DeploymentSpec.parse <epdserve.serving.deployment.DeploymentSpec.parse>`),
+    returned in their canonical form."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names or any(serve_flags(n) is None for n in names):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected names like colocated,pd,colocated-2,2p1d,1e1p1d")
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: no configuration named; {NAME_HELP}")
+    try:
+        names = [DeploymentSpec.parse(n).name for n in names]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"{text!r}: a configuration is named twice")
     return names
@@ -290,7 +253,7 @@ def server_command(name: str, port: int, trace_file: Path, model: str | None,
                    serve: list[str] = SERVE, allow_oversubscription: bool = False) -> list[str]:
     """The ``epdserve serve`` command line of one configuration (``serve``: the program
     and sub-command that take the serve options; any stand-in with the same options)."""
-    cmd = [*serve, *serve_flags(name), "--host", "127.0.0.1",
+    cmd = [*serve, *DeploymentSpec.parse(name).serve_flags(), "--host", "127.0.0.1",
            "--port", str(port), "--trace-file", str(trace_file)]
     if model:
         cmd += ["--model", model]
@@ -356,34 +319,55 @@ def run_config(name: str, requests: list[workload.Request], args: argparse.Names
     server = ServerProcess(name, server_command(name, args.port, trace_file, args.model, serve,
                                                 args.allow_oversubscription),
                            out_dir / f"{name}.server.log", base_url)
-    entry: dict = {"name": name, "mode": serve_flags(name)[1]}
+    spec = DeploymentSpec.parse(name)
+    entry: dict = {"name": name, "mode": spec.mode}
     cores = sorted(os.sched_getaffinity(0))  # the launcher splits these among its workers
     before = host.quiet_check(cores)
     print(f"{tag} starting server: {' '.join(server.cmd)}", flush=True)
     try:
         server.start()
-        took = server.wait_healthy(args.startup_timeout, num_workers(name))
+        took = server.wait_healthy(args.startup_timeout, spec.num_workers)
         print(f"{tag} healthy after {took:.1f} s; sending {len(requests)} requests", flush=True)
-        # From here on, not from the start: loading the model is not what the run measures.
-        monitor = host.LoadMonitor(cores, server.proc.pid).start()
-        try:
-            entry["result"] = result = bench(base_url, requests, args)
-            entry["resources"] = server.resources()
-            if args.sweep_rates:
-                print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s",
-                      flush=True)
-                entry["sweep"] = sweep.find_max_goodput_rate(
-                    lambda rate: bench(base_url, workload.retime(requests, rate, args.seed), args),
-                    target_share=args.goodput_target, lo=args.sweep_rates[0], hi=args.sweep_rates[1],
-                    iters=args.sweep_iters, progress=not args.disable_tqdm)
-        finally:
-            during = monitor.stop()
+        during = _run_trace(server, base_url, requests, args, entry, cores, tag)
     finally:
         server.stop()
     warning = host.outside_warning(during["outside_share"], during["steal_share"], len(cores))
     entry["host_load"] = {"cores": cores, "before": before, "during": during, "warning": warning}
     if warning:
         print(f"{tag} warning: {warning}", flush=True)
+    _add_summaries(entry, trace_file)
+    result = entry["result"]
+    print(f"{tag} done: {result['completed']} completed, {result['failed']} failed, "
+          f"{result['duration']:.1f} s", flush=True)
+    return entry
+
+
+def _run_trace(server: ServerProcess, base_url: str, requests: list[workload.Request],
+               args: argparse.Namespace, entry: dict, cores: list[int], tag: str) -> dict:
+    """Send the trace to the healthy server (and run the sweep with ``args.sweep_rates``)
+    while measuring the load on ``cores``; puts ``result``, ``resources`` and ``sweep`` in
+    ``entry`` and returns the load (:meth:`host.LoadMonitor.stop`)."""
+    # From here on, not from the start: loading the model is not what the run measures.
+    monitor = host.LoadMonitor(cores, server.proc.pid).start()
+    try:
+        entry["result"] = bench(base_url, requests, args)
+        entry["resources"] = server.resources()
+        if args.sweep_rates:
+            print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s",
+                  flush=True)
+            entry["sweep"] = sweep.find_max_goodput_rate(
+                lambda rate: bench(base_url, workload.retime(requests, rate, args.seed), args),
+                target_share=args.goodput_target, lo=args.sweep_rates[0], hi=args.sweep_rates[1],
+                iters=args.sweep_iters, progress=not args.disable_tqdm)
+    finally:
+        load = monitor.stop()
+    return load
+
+
+def _add_summaries(entry: dict, trace_file: Path) -> None:
+    """What the server's trace and the bench result say, into ``entry``: ``server``,
+    ``breakdown``, ``itl_stalls`` and ``per_core``."""
+    result = entry["result"]
     records, _ = server_trace.read(trace_file)
     entry["server"] = server_trace.summarize(trace_file, result["request_ids"])
     entry["breakdown"] = server_trace.breakdown(result, records)
@@ -393,9 +377,6 @@ def run_config(name: str, requests: list[workload.Request], args: argparse.Names
     entry["per_core"] = {
         "output_throughput": result["output_throughput"] / cores if cores else None,
         "request_goodput": goodput / cores if cores and goodput is not None else None}
-    print(f"{tag} done: {result['completed']} completed, {result['failed']} failed, "
-          f"{result['duration']:.1f} s", flush=True)
-    return entry
 
 
 def _raise_interrupt(signum, frame):
@@ -442,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
                                           progress=f"{i}/{len(args.configs)}"))
             except (ServerError, client.ClientError, sweep.SweepError) as exc:
                 print(f"epdserve compare: error: [{name}] {exc}", file=sys.stderr)
-                entries.append({"name": name, "mode": serve_flags(name)[1],
+                entries.append({"name": name, "mode": DeploymentSpec.parse(name).mode,
                                 "error": str(exc).splitlines()[0]})
                 status = 1
     except KeyboardInterrupt:

@@ -1,7 +1,7 @@
 """Trace generators: synthetic chat, shared prefixes, chat with long-prompt bursts
 (the demo), and ShareGPT-format JSON files given by the user. Every generator is seeded
-and deterministic; lengths come from :func:`epdserve.bench.workload.draw_lengths`,
-send times from :func:`epdserve.bench.workload.arrival_offsets`.
+and deterministic; lengths come from :func:`epdserve.bench.prompts.draw_lengths`,
+send times from :func:`epdserve.bench.arrivals.arrival_offsets`.
 
 ShareGPT: the format is the one vLLM's ``bench serve --dataset-name sharegpt`` reads, a
 JSON list of ``{"conversations": [{"from": "human" | "gpt", "value": TEXT}, ...], ...}``.
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from epdserve.bench.workload import (Request, TraceError, arrival_offsets, check_range,
-                                     check_rate, count_tokens, draw_lengths, make_prompt,
-                                     word_list)
+from epdserve.bench.arrivals import arrival_offsets, check_rate
+from epdserve.bench.prompts import check_range, count_tokens, draw_lengths, make_prompt, word_list
+from epdserve.bench.traces import Request, TraceError
 
 # vLLM's is_valid_sequence defaults (benchmarks/datasets.py).
 MIN_LEN = 4
@@ -228,7 +228,7 @@ def sharegpt(tokenizer, path: str | Path, num_prompts: int = 50,
              seed: int = 0, burstiness: float = 1.0, ramp: tuple[float, float] | None = None
              ) -> tuple[list[Request], dict]:
     """Up to ``num_prompts`` chat requests from the ShareGPT file ``path`` (see the module
-    doc), arrivals as :func:`epdserve.bench.workload.arrival_offsets`. ``output_len``:
+    doc), arrivals as :func:`epdserve.bench.arrivals.arrival_offsets`. ``output_len``:
     draw ``max_tokens`` uniformly from this range instead of the answer's length.
 
     Returns (requests, stats): stats counts ``conversations`` read, ``used``, and

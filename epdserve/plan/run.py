@@ -19,16 +19,21 @@ import json
 import sys
 from collections import Counter
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from epdserve.bench import metrics, workload
+from epdserve.bench.datasets import with_images
 from epdserve.bench.run import parse_goodput
+from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
 from epdserve.plan import calibrate, hardware, search
 from epdserve.plan.costmodel import FEATURES, Platform, roofline_platform
 from epdserve.plan.model_spec import BUILTIN, ModelSpec
 from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError, WorkerSpec, simulate
+from epdserve.serving.deployment import DeploymentSpec
 
 ACTIONS = ("search", "calibrate", "validate")
 VALIDATED = ("p95_ttft_ms", "p95_itl_ms", "output_throughput")
@@ -89,8 +94,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _model_spec(name: str | None) -> ModelSpec:
     if name in BUILTIN:
         return BUILTIN[name]
-    from epdserve.model.loader import resolve_model
-
     info = resolve_model(name)
     return ModelSpec.from_dir(info.name, info.path, info.multimodal)
 
@@ -101,8 +104,6 @@ def _calibration_path(args) -> Path:
 
 def _platform(args) -> Platform:
     if args.hardware.lower() == "cpu":
-        from epdserve.model.loader import DEFAULT_VLM, resolve_model
-
         vlm = args.model is not None and (args.model == DEFAULT_VLM or resolve_model(args.model).multimodal)
         platform = calibrate.platform_from(calibrate.load(_calibration_path(args)), vlm=vlm)
     else:
@@ -128,8 +129,6 @@ def _requests(args) -> list[workload.Request]:
     for k, v in SYNTHETIC_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    from epdserve.bench.datasets import with_images
-
     rng = np.random.default_rng(args.seed)
     (a, b), (c, d) = args.input_len, args.output_len
     requests = [workload.Request(0.0, "", int(rng.integers(c, d + 1)), "chat", int(rng.integers(a, b + 1)))
@@ -146,7 +145,6 @@ def run_search(args) -> int:
     requests, slos = _requests(args), dict(args.slo)
     deployments = search.candidates(platform, args.devices, images=any(r.images for r in requests))
     rows, curves, skipped = [], {}, {}
-    from tqdm import tqdm
     for dep in tqdm(deployments, desc="plan", unit="deployment"):
         try:
             cand = search.evaluate(dep, platform, requests, slos, args.target, _limits(args))
@@ -238,7 +236,7 @@ def _markdown(doc: dict) -> str:
 
 
 def _plot(curves: dict[str, list[dict]], target: float, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # only here: plotting is slow to import and only plan search draws
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -258,27 +256,17 @@ def _plot(curves: dict[str, list[dict]], target: float, path: Path) -> None:
 
 def compare_deployment(name: str, cores: int) -> Deployment:
     """The simulated :class:`Deployment` of an ``epdserve compare`` configuration name on
-    ``cores`` cores, placed by the launcher's rule (serving/launcher.py ``plan_workers``);
-    workers placed on the same cores share them (EPD on 2 cores: encode and prefill on
-    core 0).
+    ``cores`` cores, placed by the launcher's rule (:meth:`DeploymentSpec.place`); workers
+    placed on the same cores share them (EPD on 2 cores: encode and prefill on core 0).
 
     Raises:
-        ValueError: an unknown name, local prefill (``pd-localN``) or workers whose cores
-            overlap only in part (not simulated).
+        ValueError: an unknown name (:meth:`DeploymentSpec.parse`), local prefill
+            (``pd-localN``) or workers whose cores overlap only in part (not simulated).
     """
-    from epdserve.bench.compare import serve_flags
-    from epdserve.serving.launcher import plan_workers
-
-    flags = serve_flags(name)
-    if flags is None:
-        raise ValueError(f"unknown configuration {name!r}")
-    if "--local-prefill-threshold" in flags:
+    spec = DeploymentSpec.parse(name)
+    if spec.local_prefill_threshold is not None:
         raise ValueError(f"{name}: prefill of short prompts on the decode worker is not simulated")
-    opts = dict(zip(flags[::2], flags[1::2]))
-    placed = plan_workers(opts["--mode"], list(range(cores)), workers=int(opts.get("--workers", 1)),
-                          prefill=int(opts.get("--prefill-workers", 1)),
-                          decode=int(opts.get("--decode-workers", 1)),
-                          encode=int(opts.get("--encode-workers", 1)))
+    placed = spec.place(list(range(cores)))
     workers_on = Counter(tuple(cs) for _, _, cs in placed)
     used = [c for cs in workers_on for c in cs]
     if len(used) != len(set(used)):
@@ -288,17 +276,17 @@ def compare_deployment(name: str, cores: int) -> Deployment:
 
 
 def compare_limits(name: str) -> EngineLimits:
-    """The scheduler settings of an ``epdserve compare`` configuration name, read from its
-    ``epdserve serve`` flags (``bench.compare.serve_flags``): chunked prefill and its token
-    budget, prefix caching; the serve defaults otherwise (an unknown name included)."""
-    from epdserve.bench.compare import serve_flags
-
-    flags = serve_flags(name) or []
+    """The scheduler settings of an ``epdserve compare`` configuration name
+    (:class:`DeploymentSpec`): chunked prefill and its token budget, prefix caching; the
+    serve defaults otherwise (an unknown name included)."""
+    try:
+        spec = DeploymentSpec.parse(name)
+    except ValueError:
+        return EngineLimits()
     limits = EngineLimits()
-    if "--enable-chunked-prefill" in flags:
-        budget = int(flags[flags.index("--max-num-batched-tokens") + 1])
-        limits = replace(limits, enable_chunked_prefill=True, max_num_batched_tokens=budget)
-    if "--no-enable-prefix-caching" in flags:
+    if spec.chunked_prefill:
+        limits = replace(limits, enable_chunked_prefill=True, max_num_batched_tokens=spec.max_num_batched_tokens)
+    if not spec.prefix_caching:
         limits = replace(limits, enable_prefix_caching=False)
     return limits
 
@@ -404,7 +392,6 @@ def run_validate(args) -> int:
     print(f"served decode steps x{platform.decode_slowdown:.2f} the calibrated time, "
           f"x{platform.contended_slowdown:.2f} more while every other core is busy"
           + ("" if "serving" in cal else " (not fitted: run `epdserve plan calibrate --from-compare DIR...`)"))
-    from datetime import datetime, timezone
     # One entry per workload (trace): validating it again replaces its entry.
     trace = hashlib.sha256((compare_dirs[0] / "trace.jsonl").read_bytes()).hexdigest()[:16]
     cal.setdefault("validations", {})[trace] = {
@@ -439,7 +426,6 @@ def run_fit_serving(args) -> int:
             contention[run] = c
             line += f"; x{c:.2f} while every other core was busy ({sum(g[2] for g in gaps)} steps)"
         print(line)
-    from datetime import datetime, timezone
     cal["serving"] = {"decode_slowdown": slowdown, "contended_slowdown": contended, "percentile": p,
                       "ratios": ratios, "contention_ratios": contention,
                       "compare_dirs": [str(d) for d in args.from_compare],
@@ -478,8 +464,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"epdserve plan: error: --{option.replace('_', '-')} is for `epdserve plan {action}`",
                   file=sys.stderr)
             return 2
-    from epdserve.model.loader import ModelLoadError
-
     try:
         return {"search": run_search, "calibrate": run_calibrate, "validate": run_validate}[args.action](args)
     except (ValueError, ModelLoadError) as exc:

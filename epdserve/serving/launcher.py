@@ -1,6 +1,6 @@
 """``epdserve serve``: start a router and its workers on this host, and stop them together.
 
-Placement (:func:`plan_workers`), over the cores this process may use (or ``--cores``):
+Placement (:func:`epdserve.serving.deployment.plan_workers`), over the cores this process may use (or ``--cores``):
 
 * colocated, ``--workers N``: the cores are split among the N replicas;
 * pd, ``--prefill-workers X --decode-workers Y``: prefill workers get the first half of
@@ -53,10 +53,14 @@ import sys
 import tempfile
 import time
 
+import uvicorn
+
 from epdserve import host
 from epdserve.argtypes import int_at_least
 from epdserve.engine.engine import DTYPES
+from epdserve.model.loader import ModelLoadError
 from epdserve.serving import auth, worker
+from epdserve.serving.deployment import DeploymentSpec, Placement, plan_workers  # noqa: F401 (plan_workers: tests)
 from epdserve.serving.http_guard import uvicorn_config
 from epdserve.serving.router import (SYNTHETIC_VISION_NOTE, Router, add_router_options, build_router, create_app,
                                      setup_logging)
@@ -138,17 +142,19 @@ def usable_cores(spec: str | None) -> list[int]:
     return cores
 
 
-def plan_for(args: argparse.Namespace) -> list[tuple[str, str, list[int]]]:
-    """:func:`plan_workers` for serve's options (``--mode``, ``--cores``, worker counts).
+def plan_for(args: argparse.Namespace) -> Placement:
+    """Where serve's options (``--mode``, ``--cores``, worker counts) put each worker:
+    :meth:`DeploymentSpec.place <epdserve.serving.deployment.DeploymentSpec.place>` of
+    :meth:`DeploymentSpec.from_serve_args <epdserve.serving.deployment.DeploymentSpec.from_serve_args>`.
 
     Raises:
         ValueError: a bad ``--cores`` (:func:`usable_cores`) or worker count.
     """
-    return plan_workers(args.mode, usable_cores(args.cores), workers=args.workers, prefill=args.prefill_workers,
-                        decode=args.decode_workers, encode=args.encode_workers)
+    cores = usable_cores(args.cores)
+    return DeploymentSpec.from_serve_args(args).place(cores)
 
 
-def check_capacity(args: argparse.Namespace, plan: list[tuple[str, str, list[int]]], model_dir: str,
+def check_capacity(args: argparse.Namespace, plan: Placement, model_dir: str,
                    available_bytes: int | None) -> tuple[list[str], str | None]:
     """Whether this host can hold the workers of ``plan`` (:func:`plan_workers`):
     ``(warnings, error)``, error None when they fit.
@@ -205,41 +211,6 @@ def listen_socket(host_name: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def split_cores(cores: list[int], n: int) -> list[list[int]]:
-    """Cores of each of ``n`` workers: contiguous near-equal groups if ``n <= len(cores)``,
-    else worker i gets ``cores[i % len(cores)]`` (round-robin sharing)."""
-    if n <= len(cores):
-        size, extra = divmod(len(cores), n)
-        starts = [i * size + min(i, extra) for i in range(n + 1)]
-        return [cores[starts[i]:starts[i + 1]] for i in range(n)]
-    return [[cores[i % len(cores)]] for i in range(n)]
-
-
-def plan_workers(mode: str, cores: list[int], *, workers: int = 1, prefill: int = 1,
-                 decode: int = 1, encode: int = 1) -> list[tuple[str, str, list[int]]]:
-    """``(role, worker_id, cores)`` for each worker of ``mode`` (placement rule: module doc).
-
-    Raises:
-        ValueError: no cores, a worker count below 1, or an unknown mode.
-    """
-    if not cores:
-        raise ValueError("no CPU cores to place workers on")
-    if min(workers, prefill, decode, encode) < 1:
-        raise ValueError("every worker count must be at least 1")
-    if mode == "colocated":
-        return [("colocated", f"colocated-{i}", c) for i, c in enumerate(split_cores(cores, workers))]
-    if mode in ("pd", "epd"):
-        half = max(1, len(cores) // 2)
-        first, plan = cores[:half], []
-        if mode == "epd":
-            split = max(1, len(first) // 2)
-            plan = [("encode", f"encode-{i}", c) for i, c in enumerate(split_cores(first[:split], encode))]
-            first = first[split:] or first
-        return (plan + [("prefill", f"prefill-{i}", c) for i, c in enumerate(split_cores(first, prefill))]
-                + [("decode", f"decode-{i}", c) for i, c in enumerate(split_cores(cores[half:] or cores, decode))])
-    raise ValueError(f"unknown mode {mode!r}")
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -384,23 +355,9 @@ def run(args: argparse.Namespace) -> int:
     """``epdserve serve``: returns 0 after a clean stop, 1 if the HTTP port cannot be bound, a
     worker exited with status 2 or the workers never came up, 2 on a bad option or model or
     a deployment this host cannot hold (:func:`check_capacity`)."""
-    import uvicorn
-
-    from epdserve.model.loader import ModelLoadError
-
     setup_logging(args.log_level)
-    try:
-        plan = plan_for(args)
-    except ValueError as exc:
-        print(f"epdserve serve: error: {exc}", file=sys.stderr)
-        return 2
-    if not args.auth_token and (not args.allow_unauthenticated or args.internal_encryption == "curve"):
-        # Even on ipc in our private directory (defence in depth), and CURVE derives its keys from it.
-        args.auth_token = secrets.token_urlsafe(32)
-        if args.events:
-            log.info("no --auth-token: generated one; workers started elsewhere cannot join (give your own)")
-    error = auth.options_error(args, [])  # CURVE support
-    if error is not None:
+    plan, error = _check_options(args)
+    if error:
         print(f"epdserve serve: error: {error}", file=sys.stderr)
         return 2
     try:
@@ -414,14 +371,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     tmp = tempfile.mkdtemp(prefix="epdserve-")  # mode 0700: only we can reach the sockets
     events = args.events or f"ipc://{tmp}/events"
-    try:
-        router = build_router(args, events)  # resolves (and converts) the model once, before workers start
-    except ModelLoadError as exc:
-        error = str(exc)
-    else:
-        warnings, error = check_capacity(args, plan, router.model.path, host.mem_available_bytes())
-        if error:
-            error += "; use fewer workers or a smaller --kv-cache-memory-mb, or pass --allow-oversubscription"
+    router, warnings, error = _load_router(args, plan, events)
     if error:
         print(f"epdserve serve: error: {error}", file=sys.stderr)
         sock.close()
@@ -429,6 +379,41 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for text in warnings:
         print(f"epdserve serve: warning: {text}", file=sys.stderr, flush=True)
+    return _serve(args, router, plan, tmp, events, sock)
+
+
+def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
+    """The placement of serve's workers (:func:`plan_for`) and an error, None when the
+    options hold; makes up an auth token when one is needed and none was given."""
+    try:
+        plan = plan_for(args)
+    except ValueError as exc:
+        return [], str(exc)
+    if not args.auth_token and (not args.allow_unauthenticated or args.internal_encryption == "curve"):
+        # Even on ipc in our private directory (defence in depth), and CURVE derives its keys from it.
+        args.auth_token = secrets.token_urlsafe(32)
+        if args.events:
+            log.info("no --auth-token: generated one; workers started elsewhere cannot join (give your own)")
+    return plan, auth.options_error(args, [])  # CURVE support
+
+
+def _load_router(args: argparse.Namespace, plan: Placement, events: str) -> tuple[Router | None, list[str], str | None]:
+    """``(router, warnings, error)``: the router with its model resolved (and converted)
+    once, before any worker starts, and whether this host can hold ``plan``."""
+    try:
+        router = build_router(args, events)
+    except ModelLoadError as exc:
+        return None, [], str(exc)
+    warnings, error = check_capacity(args, plan, router.model.path, host.mem_available_bytes())
+    if error:
+        error += "; use fewer workers or a smaller --kv-cache-memory-mb, or pass --allow-oversubscription"
+    return router, warnings, error
+
+
+def _serve(args: argparse.Namespace, router: Router, plan: Placement, tmp: str, events: str,
+           sock: socket.socket) -> int:
+    """Start the workers of ``plan``, serve HTTP on ``sock`` until a signal or a fatal
+    worker exit (:func:`_supervise`), then stop the workers and remove ``tmp``."""
     children = Children(worker_env(args))
     stopped = False
 
