@@ -24,6 +24,7 @@ demo: $(STAMP)
 # The API fuzz suite (>= 1,000 hypothesis cases per deployment) has a target of its own
 # to keep `make test` under 20 minutes; .ci/run runs both.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pytest -q -ra --durations=15 --ignore=tests/test_fuzz_api.py
 
 fuzz: $(STAMP)
