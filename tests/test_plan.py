@@ -564,7 +564,7 @@ def test_calibrate_from_compare_cli(tmp_path):
     (run / "compare.json").write_text(json.dumps({"configs": [{"name": "pd", "resources": {"workers": workers},
                                                                "result": result}]}))
     (run / "pd.server.jsonl").write_text("".join(
-        json.dumps({"request_id": r, "prefill_worker": "prefill-0", "decode_worker": "decode-0", "prefill_ms": 50.0})
+        json.dumps({"request_id": r, "mode": "pd", "prefill_worker": "prefill-0", "decode_worker": "decode-0", "prefill_ms": 50.0})
         + "\n" for r in "ab"))
     cal = calibrate.save(_gap_calibration(), tmp_path / "cal.json")
     proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "calibrate", "--from-compare", str(run),
