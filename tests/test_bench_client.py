@@ -8,9 +8,10 @@ fixed chunks with known sleeps, so TTFT/ITL/E2EL are known to within scheduling 
 * a finish chunk, a usage chunk (prompt_tokens 42, completion_tokens 4: " big" stands for
   two tokens) and ``[DONE]``.
 
-With ``--trace-file`` it writes a router-like trace line per request; a chat request
-with images adds the image keys (encode 0.5 + 3 ms; in ``--mode epd`` 1000 embedding
-bytes and 0.25 ms of transfer per image).
+With ``--trace-file`` it writes a router-like trace line per request (a
+``RequestTrace``: queue 1 ms; in ``--mode pd``/``epd`` the prefill worker's, and a 2.5 ms
+KV hand-off of 4,096 bytes); a chat request with images adds the image stages (encode 0.5 +
+3 ms; in ``--mode epd`` 1000 embedding bytes and 0.25 ms of transfer per image).
 
 A prompt containing FAIL400 gets HTTP 400; one containing FAILSTREAM gets one text chunk
 and then an error event; one containing RESET gets one text chunk and then the connection
@@ -34,6 +35,7 @@ import pytest
 
 from epdserve.bench import client, datasets, workload
 from epdserve.bench.run import add_arguments, bench
+from epdserve.trace import RequestTrace
 
 STUB_TTFT_S = 0.20
 STUB_ITL_S = 0.10
@@ -142,18 +144,22 @@ def stub_app(mode: str = "colocated", trace_file: str | None = None):
             yield "data: [DONE]\n\n"
             if trace_file:  # the router's per-request trace line
                 pd = mode != "colocated"
-                line = {"request_id": rid, "prompt_tokens": STUB_PROMPT_TOKENS,
-                        "output_tokens": STUB_COMPLETION_TOKENS, "queue_ms": 1.0,
-                        "prefill_ms": 1000 * STUB_TTFT_S, "kv_bytes": 4096 if pd else 0,
-                        "kv_transfer_ms": 2.5 if pd else 0.0, "decode_ms": 2000 * STUB_ITL_S,
-                        "e2e_ms": 1000 * (STUB_TTFT_S + 2 * STUB_ITL_S)}
+                t = RequestTrace(request_id=rid, mode=mode, path="disaggregated" if pd else "colocated",
+                                 prompt_tokens=STUB_PROMPT_TOKENS, output_tokens=STUB_COMPLETION_TOKENS,
+                                 prefill_ms=1000 * STUB_TTFT_S, decode_ms=2000 * STUB_ITL_S,
+                                 e2e_ms=1000 * (STUB_TTFT_S + 2 * STUB_ITL_S))
+                if pd:  # a KV hand-off of 2.5 ms: export 0.5 + fetch 1 + import 1
+                    t.prefill_queue_ms, t.kv_bytes = 1.0, 4096
+                    t.kv_export_ms, t.kv_fetch_ms, t.kv_import_ms = 0.5, 1.0, 1.0
+                else:
+                    t.colocated_queue_ms = 1.0
                 images = sum(1 for part in prompt if isinstance(part, dict)
                              and part.get("type") == "image_url") if chat else 0
-                if images:  # the router's image keys (embeddings cross only in EPD)
-                    epd = mode == "epd"
-                    line.update(num_images=images, encode_queue_ms=0.5, encode_ms=3.0,
-                                embedding_bytes=1000 * images if epd else 0,
-                                embedding_transfer_ms=0.25 * images if epd else 0.0)
+                if images:  # the router's image stages (embeddings cross only in EPD)
+                    t.num_images, t.encode_queue_ms, t.encode_ms = images, 0.5, 3.0
+                    if mode == "epd":
+                        t.embedding_bytes, t.embedding_export_ms = 1000 * images, 0.25 * images
+                line = t.as_json()
                 with open(trace_file, "a") as f:
                     f.write(json.dumps(line) + "\n")
 

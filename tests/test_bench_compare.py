@@ -19,6 +19,7 @@ import pytest
 from epdserve import host
 from epdserve.bench import compare, report, server_trace, workload
 from epdserve.serving.deployment import DeploymentSpec
+from epdserve.trace import RequestTrace
 from test_bench_client import STUB_TTFT_S, bench_args, req
 
 STUB = [sys.executable, str(Path(__file__).with_name("test_bench_client.py"))]
@@ -67,11 +68,13 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
     assert entries[1]["server"]["mean_kv_bytes"] == 4096
     assert entries[1]["server"]["p95_kv_transfer_ms"] == pytest.approx(2.5)
 
-    for e in entries:  # stub records: queue_ms 1, prefill_ms = STUB_TTFT_S, no ttft_ms
+    # Stub records: a queue of 1 ms, prefill_ms = STUB_TTFT_S, no ttft_ms; pd: the prefill
+    # worker's queue, a KV export of 0.5 ms and a hand-off (fetch 1 + import 1 ms).
+    for e, queue, export in zip(entries, ("queue", "prefill queue"), ([], ["KV export"])):
         b = e["breakdown"]
-        assert b["joined"] == 3 and b["handoff"] is None
-        assert b["ttft"]["parts"] == ["queue", "prefill", "other"]
-        assert b["ttft"]["mean"]["queue"] == pytest.approx(1.0)
+        assert b["joined"] == 3
+        assert b["ttft"]["parts"] == [queue, "prefill", *export, "other"]
+        assert b["ttft"]["mean"][queue] == pytest.approx(1.0)
         assert b["ttft"]["mean"]["prefill"] == pytest.approx(1000 * STUB_TTFT_S)
         client_ms = [t * 1000 for t, err in zip(e["result"]["ttfts"], e["result"]["errors"])
                      if not err]
@@ -85,6 +88,8 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
         assert set(load["during"]) >= {"loadavg_1m_mean", "deployment_cpu_s", "client_cpu_s",
                                        "outside_cpu_s", "outside_share", "steal_share"}
         assert load["during"]["client_cpu_s"] > 0 and load["during"]["wall_s"] > 0
+    assert entries[0]["breakdown"]["handoff"] is None
+    assert entries[1]["breakdown"]["handoff"]["mean"]["KV import"] == pytest.approx(1.0)
     # As if other processes had taken 30% of the cores during pd's run, none during the other
     # (this machine may well be busy).
     entries[0]["host_load"]["warning"] = None
@@ -108,7 +113,8 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
     assert "KV bytes/req" in md and "- long: 1 requests" in md
     assert "| kv_bytes | 0.0 | 0.0 | 4,096.0 | 4,096.0 |" in md  # server-stage table
     assert "**2p1d failed:** `server exited with status 1`" in md
-    assert "| queue | 1.0 | 1.0 | 1.0 | 1.0 |" in md  # TTFT breakdown table
+    assert "| queue | 1.0 | 1.0 | — | — |" in md  # TTFT breakdown table
+    assert "| prefill queue | — | — | 1.0 | 1.0 |" in md
     assert "Prefix caching is on unless" in md
     assert "--sweep-rates LO:HI" in md  # how to get goodput vs rate
     assert md.rstrip().splitlines()[-1].startswith("Rule: ")
@@ -184,33 +190,35 @@ def test_breakdown_joins_by_id_and_splits_ttft_and_the_handoff_gap():
     result = client_result([0.500, 0.300, 0.0, 0.100], [[0.200, 0.05], [0.1], [], [0.05]],
                            ["chatcmpl-a", "chatcmpl-b", "chatcmpl-c", "chatcmpl-d"],
                            ["", "", "HTTP 500", ""])
-    records = [
+    lines = [
         # a: PD with a hand-off; the router saw TTFT 490 ms of the client's 500.
         {"request_id": "chatcmpl-a", "mode": "pd", "path": "disaggregated", "ttft_ms": 490.0,
          "router_queue_ms": 5.0, "prefill_queue_ms": 20.0, "prefill_ms": 400.0,
-         "kv_export_ms": 30.0, "ttft_hop_ms": 25.0, "router_hop_ms": 2.0, "kv_fetch_ms": 8.0,
+         "kv_export_ms": 30.0, "router_hop_ms": 2.0, "kv_fetch_ms": 8.0,
          "kv_import_ms": 10.0, "decode_queue_ms": 40.0},
         # b: an older trace (no path, no ttft_ms): pd mode means disaggregated; no http part.
         {"request_id": "b", "mode": "pd", "router_queue_ms": 1.0, "prefill_ms": 250.0},
         {"request_id": "c", "mode": "pd", "prefill_ms": 1.0},  # failed on the client: skipped
         # d: prefilled by the decode worker itself: its queue is the decode queue, no hand-off.
         {"request_id": "d", "mode": "pd", "path": "local", "ttft_ms": 95.0,
-         "router_queue_ms": 2.0, "decode_queue_ms": 3.0, "prefill_ms": 80.0, "ttft_hop_ms": 5.0},
+         "router_queue_ms": 2.0, "decode_queue_ms": 3.0, "prefill_ms": 80.0},
         {"request_id": "zzz", "prefill_ms": 1.0},  # another run's request
     ]
+    records = [RequestTrace.from_json(line) for line in lines]
     b = server_trace.breakdown(result, records)
     assert b["joined"] == 3
     t = b["ttft"]
     assert t["parts"] == ["http", "router", "prefill queue", "decode queue", "prefill",
                           "KV export", "IPC hops", "other"]
-    # a: http 10, router 5, queue 20, prefill 400, export 30, hops 25, other 500-490 = 10
-    # b: router 1, prefill 250, other 300-251 = 49 (the parts it lacks count 0)
-    # d: http 5, router 2, decode queue 3, prefill 80, hops 5, other 100-95 = 5
+    # a: http 10, router 5, queue 20, prefill 400, export 30, hops 490-455 = 35, other 0
+    # b: router 1, prefill 250, no hops (no ttft_ms), other 300-251 = 49 (the parts it
+    #    lacks count 0)
+    # d: http 5, router 2, decode queue 3, prefill 80, hops 95-85 = 10, other 0
     assert t["mean"] == pytest.approx({"http": 5.0, "router": 8 / 3, "prefill queue": 20 / 3,
                                        "decode queue": 1.0, "prefill": 730 / 3,
-                                       "KV export": 10.0, "IPC hops": 10.0, "other": 64 / 3})
+                                       "KV export": 10.0, "IPC hops": 15.0, "other": 49 / 3})
     assert sum(t["mean"].values()) == pytest.approx(900 / 3)  # the client's mean TTFT
-    assert t["p95"]["other"] == pytest.approx(10 + 0.9 * 39)  # linear in [5, 10, 49]
+    assert t["p95"]["other"] == pytest.approx(0.9 * 49)  # linear in [0, 0, 49]
     h = b["handoff"]
     assert h["n"] == 1  # only a has kv_import_ms
     assert h["parts"] == ["router hop", "KV fetch", "decode queue", "KV import", "other"]
@@ -221,23 +229,24 @@ def test_breakdown_joins_by_id_and_splits_ttft_and_the_handoff_gap():
 
 
 def epd_record(rid, **extra):
-    """A router trace record of an EPD request with one image whose stages add up to its
-    ttft_ms (300): router 2 + encode queue 5 + encode 120 + embedding transfer 3 +
-    prefill queue 10 + prefill 140 + KV export 8 + hops 12."""
+    """A router trace line of an EPD request with one image whose stages add up to its
+    ttft_ms (300): router 2 + encode queue 5 + encode 120 + embedding transfer 3 (export 1
+    + fetch 2) + prefill queue 10 + prefill 140 + KV export 8 + hops 12 (derived)."""
     return {"request_id": rid, "mode": "epd", "path": "disaggregated", "ttft_ms": 300.0,
             "router_queue_ms": 2.0, "num_images": 1, "encode_queue_ms": 5.0,
-            "encode_ms": 120.0, "embedding_bytes": 331776, "embedding_transfer_ms": 3.0,
-            "prefill_queue_ms": 10.0, "prefill_ms": 140.0, "kv_export_ms": 8.0,
-            "ttft_hop_ms": 12.0, "kv_bytes": 1_000_000, "kv_transfer_ms": 4.0, **extra}
+            "encode_ms": 120.0, "embedding_bytes": 331776, "embedding_export_ms": 1.0,
+            "embedding_fetch_ms": 2.0, "prefill_queue_ms": 10.0, "prefill_ms": 140.0,
+            "kv_export_ms": 8.0, "kv_bytes": 1_000_000, **extra}
 
 
 def test_breakdown_puts_image_encoding_in_its_own_stages(tmp_path):
-    records = [epd_record("a"), epd_record("b", encode_queue_ms=25.0, ttft_ms=320.0),
-               # text-only in the same run: no image keys, so no encode parts (never 0s
-               # guessed into its record; they count 0 in the means like any absent part)
-               {"request_id": "c", "mode": "epd", "path": "disaggregated", "ttft_ms": 150.0,
-                "router_queue_ms": 2.0, "prefill_queue_ms": 1.0, "prefill_ms": 140.0,
-                "kv_export_ms": 2.0, "ttft_hop_ms": 5.0}]
+    lines = [epd_record("a"), epd_record("b", encode_queue_ms=25.0, ttft_ms=320.0),
+             # text-only in the same run: no image keys, so no encode parts (never 0s
+             # guessed into its record; they count 0 in the means like any absent part)
+             {"request_id": "c", "mode": "epd", "path": "disaggregated", "ttft_ms": 150.0,
+              "router_queue_ms": 2.0, "prefill_queue_ms": 1.0, "prefill_ms": 140.0,
+              "kv_export_ms": 2.0}]
+    records = [RequestTrace.from_json(line) for line in lines]
     # The client saw 4 ms more than the router (HTTP) on every request.
     b = server_trace.breakdown(client_result([0.304, 0.324, 0.154], [[0.1], [0.1], [0.1]],
                                              ["chatcmpl-a", "chatcmpl-b", "chatcmpl-c"]), records)
@@ -251,16 +260,16 @@ def test_breakdown_puts_image_encoding_in_its_own_stages(tmp_path):
     assert sum(t["mean"].values()) == pytest.approx((304 + 324 + 154) / 3)
     assert t["p95"]["encode queue"] == pytest.approx(5 + 0.9 * 20)  # of [0, 5, 25]
     # A colocated worker encodes in-process: the same stages, without a transfer.
-    colo = {"request_id": "d", "path": "colocated", "ttft_ms": 200.0, "router_queue_ms": 1.0,
-            "num_images": 2, "encode_queue_ms": 0.0, "encode_ms": 60.0, "embedding_bytes": 0,
-            "embedding_transfer_ms": 0.0, "queue_ms": 4.0, "prefill_ms": 130.0,
-            "ttft_hop_ms": 5.0}
+    colo = RequestTrace.from_json({"request_id": "d", "path": "colocated", "ttft_ms": 200.0,
+                                   "router_queue_ms": 1.0, "num_images": 2, "encode_queue_ms": 0.0,
+                                   "encode_ms": 60.0, "embedding_bytes": 0, "queue_ms": 4.0,
+                                   "prefill_ms": 130.0})
     c = server_trace.breakdown(client_result([0.2], [[]], ["d"]), [colo])["ttft"]
     assert c["parts"] == ["http", "router", "encode queue", "encode", "embedding transfer",
                           "queue", "prefill", "IPC hops", "other"]
     assert c["mean"]["encode"] == 60.0 and c["mean"]["other"] == pytest.approx(0.0, abs=1e-9)
     # An EPD trace without "path" is disaggregated, as pd is.
-    assert server_trace.path_of({"mode": "epd"}) == "disaggregated"
+    assert RequestTrace.from_json({"request_id": "e", "mode": "epd"}).path == "disaggregated"
     md = report.breakdown_markdown([{"name": "1e1p1d", "breakdown": b}], "ttft")
     assert "| encode | 80.0 | 120.0 |" in md and "| embedding transfer | 2.0 | 3.0 |" in md
     from epdserve.bench import plots
@@ -272,9 +281,9 @@ def test_breakdown_puts_image_encoding_in_its_own_stages(tmp_path):
 
 def test_server_summary_and_table_with_and_without_image_keys(tmp_path):
     path = tmp_path / "t.jsonl"
-    text = {"request_id": "t", "kv_bytes": 500, "kv_transfer_ms": 1.0, "prefill_ms": 50.0}
+    text = {"request_id": "t", "kv_bytes": 500, "kv_transfer_ms": 0.0, "prefill_ms": 50.0}
     rows = [epd_record("a"), epd_record("b", num_images=2, embedding_bytes=663552,
-                                        embedding_transfer_ms=5.0, encode_ms=200.0), text]
+                                        embedding_fetch_ms=4.0, encode_ms=200.0), text]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = server_trace.summarize(path, ["a", "b", "t"])
     # Image keys: over the two requests with images; the text-only one is left out.
@@ -408,12 +417,13 @@ def test_ctrl_c_during_a_run_stops_the_server(tmp_path):
 
 def test_server_trace_summary_filters_to_this_runs_ids(tmp_path):
     path = tmp_path / "t.jsonl"
-    rows = [{"request_id": f"r{i}", "kv_bytes": 100 * i, "kv_transfer_ms": float(i),
+    rows = [{"request_id": f"r{i}", "kv_bytes": 100 * i, "kv_transfer_ms": 0.0,
              "prefill_ms": 10.0, "queue_ms": 0.0} for i in range(1, 5)]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    # Malformed: not JSON, and JSON that is not a trace record (no request_id).
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n{\"prefill_ms\": 1.0}\n")
     s = server_trace.summarize(path, ["r1", "r2", "r3", None])
     assert s["num_records"] == 4 and s["matched_client_requests"] == 3
-    assert s["malformed_lines"] == 1
+    assert s["malformed_lines"] == 2
     assert s["mean_kv_bytes"] == pytest.approx(200)
     assert s["p95_kv_bytes"] == pytest.approx(290)  # linear between 200 and 300
     assert "mean_decode_ms" not in s

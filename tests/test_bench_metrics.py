@@ -1,4 +1,4 @@
-"""Metric formulas (DESIGN.md, vLLM ``bench serve`` names) on hand-computed records.
+"""Metric formulas (as epdserve.bench.metrics defines them, vLLM ``bench serve`` names) on hand-computed records.
 
 Records (times in s; chunk times relative to t0, start/end relative to the run start):
 

@@ -51,16 +51,19 @@ def test_colocated_single_request_times():
     r = records[0]
     # router 2 ms, prefill step 10 ms -> token 1; then one 10 ms decode step per token.
     assert r.chunk_times_s == pytest.approx([0.012, 0.022, 0.032, 0.042])
-    assert stages[0]["prefill_ms"] == pytest.approx(10.0)
-    assert stages[0]["colocated_queue_ms"] == pytest.approx(0.0)
+    assert stages[0].prefill_ms == pytest.approx(10.0)
+    assert stages[0].colocated_queue_ms == pytest.approx(0.0)
+    # The simulated trace's stages add up to its TTFT, as the router's do.
+    assert stages[0].ttft_ms == pytest.approx(12.0) and stages[0].ttft_hop_ms == pytest.approx(0.0)
 
 
 def test_pd_single_request_times():
     records, stages = simulate(PD, flat_platform(), [req(0.0, 5, 3)])
     # token 1 at 2 + 10 ms; KV link 5 ms; decode steps of 10 ms for tokens 2 and 3.
     assert records[0].chunk_times_s == pytest.approx([0.012, 0.027, 0.037])
-    assert stages[0]["kv_transfer_ms"] == pytest.approx(5.0, rel=1e-6)
-    assert stages[0]["kv_bytes"] == 5000
+    assert stages[0].kv_transfer_ms == pytest.approx(5.0, rel=1e-6)
+    assert stages[0].kv_bytes == 5000
+    assert stages[0].path == "disaggregated" and stages[0].ttft_hop_ms == pytest.approx(0.0)
 
 
 def test_continuous_batching_shares_steps():
@@ -111,7 +114,7 @@ def test_a_full_kv_cache_queues_requests():
     records, stages = simulate(COLOCATED, platform, reqs)
     # The second waits for the first to finish (2 + 10 + 11 × 10 ms), then prefills.
     assert records[1].chunk_times_s[0] == pytest.approx(0.132)
-    assert stages[1]["colocated_queue_ms"] == pytest.approx(120.0)
+    assert stages[1].colocated_queue_ms == pytest.approx(120.0)
     unbounded, _ = simulate(COLOCATED, flat_platform(), reqs)
     assert unbounded[1].chunk_times_s[0] == pytest.approx(0.012)
 
@@ -123,7 +126,7 @@ def test_pd_holds_kv_until_it_crossed_and_the_decode_worker_queues():
     # the second prefills; the decode worker takes the second in when the first is done
     # (its tokens 2-12 in steps ending at 27 ... 127 ms).
     assert records[1].chunk_times_s[:2] == pytest.approx([0.027, 0.137])
-    assert stages[1]["decode_queue_ms"] == pytest.approx(127.0 - 32.0)
+    assert stages[1].decode_queue_ms == pytest.approx(127.0 - 32.0)
 
 
 def test_a_worker_that_cannot_hold_a_request_is_skipped():
@@ -340,15 +343,15 @@ def test_colocated_encodes_in_the_worker_epd_on_encode_workers():
     records, stages = simulate(COLOCATED, platform, [req(0.0, 5, 2, images=[IMAGE])])
     # router 2 ms, encode 1,000 ms in the worker, prefill step 10 ms, one decode step.
     assert records[0].chunk_times_s == pytest.approx([1.012, 1.022])
-    assert stages[0]["prompt_tokens"] == 5 + 68
-    assert stages[0]["encode_ms"] == pytest.approx(1000.0)
+    assert stages[0].prompt_tokens == 5 + 68
+    assert stages[0].encode_ms == pytest.approx(1000.0)
     records, stages = simulate(EPD, platform, [req(0.0, 5, 2, images=[IMAGE])])
     # ... in EPD the embeddings then cross the 5 ms link to the prefill worker, the KV
     # another 5 ms to the decode worker.
     assert records[0].chunk_times_s == pytest.approx([1.017, 1.032])
-    assert stages[0]["embedding_bytes"] == 147456
-    assert stages[0]["embedding_transfer_ms"] == pytest.approx(5.0, rel=1e-3)
-    assert stages[0]["encode_ms"] == pytest.approx(1000.0)
+    assert stages[0].embedding_bytes == 147456
+    assert stages[0].embedding_transfer_ms == pytest.approx(5.0, rel=1e-3)
+    assert stages[0].encode_ms == pytest.approx(1000.0)
 
 
 def test_encoding_stalls_colocated_decode_but_not_epd():
@@ -374,7 +377,7 @@ def test_shared_devices_split_their_time():
 def test_a_repeated_image_is_encoded_once_per_worker():
     platform = flat_platform()
     records, stages = simulate(COLOCATED, platform, [req(0.0, 5, 1, images=[IMAGE]), req(2.0, 5, 1, images=[IMAGE])])
-    assert stages[1]["encode_ms"] == 0.0
+    assert stages[1].encode_ms == 0.0
     assert records[1].chunk_times_s == pytest.approx([0.012])
 
 
@@ -564,8 +567,8 @@ def test_calibrate_from_compare_cli(tmp_path):
     (run / "compare.json").write_text(json.dumps({"configs": [{"name": "pd", "resources": {"workers": workers},
                                                                "result": result}]}))
     (run / "pd.server.jsonl").write_text("".join(
-        json.dumps({"request_id": r, "prefill_worker": "prefill-0", "decode_worker": "decode-0", "prefill_ms": 50.0})
-        + "\n" for r in "ab"))
+        json.dumps({"request_id": r, "mode": "pd", "prefill_worker": "prefill-0", "decode_worker": "decode-0",
+                    "prefill_ms": 50.0}) + "\n" for r in "ab"))
     cal = calibrate.save(_gap_calibration(), tmp_path / "cal.json")
     proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "calibrate", "--from-compare", str(run),
                            "--calibration", str(cal)], capture_output=True, text=True, timeout=120)
@@ -593,7 +596,7 @@ def test_time_scale_scales_steps_and_encodes():
     one = [req(0.0, 100, 3, images=[IMAGE])]
     records, stages = simulate(COLOCATED, platform, one)
     slow_records, slow_stages = simulate(COLOCATED, replace(platform, time_scale=2.0), one)
-    assert slow_stages[0]["encode_ms"] == pytest.approx(2 * stages[0]["encode_ms"])
+    assert slow_stages[0].encode_ms == pytest.approx(2 * stages[0].encode_ms)
     assert slow_records[0].chunk_times_s == pytest.approx([2 * t for t in records[0].chunk_times_s])
 
 
@@ -671,17 +674,17 @@ def test_the_template_prefix_is_prefilled_once_per_worker():
     platform = templated_platform()
     reqs = [req(0.0, 75, 1), req(0.2, 75, 1)]
     records, stages = simulate(COLOCATED, platform, reqs)
-    assert [s["prefill_ms"] for s in stages] == pytest.approx([110.0, 94.0])
+    assert [s.prefill_ms for s in stages] == pytest.approx([110.0, 94.0])
     assert records[1].chunk_times_s == pytest.approx([0.096])
     # Admitted in the same step as A, C finds nothing either (blocks are cached once computed).
     _, stages = simulate(COLOCATED, platform, [req(0.0, 75, 1), req(0.0, 75, 1)])
-    assert [s["prefill_ms"] for s in stages] == pytest.approx([210.0, 210.0])
+    assert [s.prefill_ms for s in stages] == pytest.approx([210.0, 210.0])
     # Without prefix caching every prompt is computed whole.
     _, stages = simulate(COLOCATED, platform, reqs, EngineLimits(enable_prefix_caching=False))
-    assert [s["prefill_ms"] for s in stages] == pytest.approx([110.0, 110.0])
+    assert [s.prefill_ms for s in stages] == pytest.approx([110.0, 110.0])
     # PD: the prefill worker caches it the same way.
     _, stages = simulate(PD, platform, reqs)
-    assert [s["prefill_ms"] for s in stages] == pytest.approx([110.0, 94.0])
+    assert [s.prefill_ms for s in stages] == pytest.approx([110.0, 94.0])
 
 
 def test_a_shared_document_is_prefilled_once_per_worker():
@@ -693,6 +696,6 @@ def test_a_shared_document_is_prefilled_once_per_worker():
     texts = [doc + " x" * 20, doc + " y" * 20, "efgh" * 100 + " y" * 20]
     reqs = [Request(0.3 * i, text, 1, "chat", 110) for i, text in enumerate(texts)]
     _, stages = simulate(COLOCATED, platform, reqs)
-    assert [s["prefill_ms"] for s in stages] == pytest.approx([145.0, 33.0, 129.0])
+    assert [s.prefill_ms for s in stages] == pytest.approx([145.0, 33.0, 129.0])
     _, stages = simulate(COLOCATED, platform, reqs, EngineLimits(enable_prefix_caching=False))
-    assert [s["prefill_ms"] for s in stages] == pytest.approx([145.0, 145.0, 145.0])
+    assert [s.prefill_ms for s in stages] == pytest.approx([145.0, 145.0, 145.0])

@@ -7,7 +7,7 @@ as ``POST /v1/chat/completions`` (a single user message: the prompt, then one Op
 of :mod:`epdserve.bench.images`) or ``POST /v1/completions``, with ``stream: true``,
 ``stream_options.include_usage`` and vLLM's ``ignore_eos`` (so output lengths are as
 asked). Server-sent events are read line by line; the times kept
-are the ones the metrics of DESIGN.md need (see :class:`RequestRecord`):
+are the ones the metrics of :mod:`epdserve.bench.metrics` need (see :class:`RequestRecord`):
 
 * ``t0`` — just before the request is sent;
 * the arrival of every chunk that carries generated text (a non-empty
@@ -212,52 +212,15 @@ async def send_one(client: httpx.AsyncClient, url: str, body: bytes, record: Req
     the stream (see module doc)."""
     t0 = time.perf_counter()
     record.start_s = t0 - run_start
-    done = False
     try:
         async with client.stream("POST", url, content=body,
                                  headers={"content-type": "application/json"}) as response:
             if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                try:
-                    text = _error_text(json.loads(text))
-                except ValueError:
-                    pass
-                record.error = f"HTTP {response.status_code}: {text[:500]}"
+                record.error = await _http_error(response)
                 return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, "event:" lines
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                now = time.perf_counter()
-                try:
-                    obj = json.loads(data)
-                except ValueError:
-                    record.error = f"bad stream chunk: {data[:200]!r}"
-                    return record
-                if not isinstance(obj, dict):
-                    record.error = f"bad stream chunk: {data[:200]!r}"
-                    return record
-                if "error" in obj and obj["error"]:
-                    record.error = f"error event: {_error_text(obj)[:500]}"
-                    return record
-                record.last_chunk_s = now - t0
-                if obj.get("id") and record.request_id is None:
-                    record.request_id = str(obj["id"])
-                choices = obj.get("choices") or []
-                if choices:
-                    choice = choices[0] or {}
-                    text = ((choice.get("delta") or {}).get("content") if endpoint == "chat"
-                            else choice.get("text"))
-                    if text:
-                        record.chunk_times_s.append(now - t0)
-                        record.generated_text += text
-                usage = obj.get("usage")
-                if usage:
-                    record.usage_prompt_tokens = usage.get("prompt_tokens")
-                    record.usage_completion_tokens = usage.get("completion_tokens")
+            done = await _read_stream(response, record, t0, endpoint)
+            if done is None:  # a bad chunk or an error event: record.error says which
+                return record
         if not done:
             record.error = "stream ended before [DONE]"
         elif not record.chunk_times_s:
@@ -269,6 +232,60 @@ async def send_one(client: httpx.AsyncClient, url: str, body: bytes, record: Req
     finally:
         record.end_s = time.perf_counter() - run_start
     return record
+
+
+async def _http_error(response: httpx.Response) -> str:
+    """A failed request's error: its status and the server's message."""
+    text = (await response.aread()).decode(errors="replace")
+    try:
+        text = _error_text(json.loads(text))
+    except ValueError:
+        pass
+    return f"HTTP {response.status_code}: {text[:500]}"
+
+
+async def _read_stream(response: httpx.Response, record: RequestRecord, t0: float, endpoint: str) -> bool | None:
+    """Read the server-sent events into ``record``: True once ``[DONE]`` came, False when
+    the stream ended before it, None on a chunk that is not a JSON object or an error event
+    (``record.error`` says which)."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, "event:" lines
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return True
+        now = time.perf_counter()
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            record.error = f"bad stream chunk: {data[:200]!r}"
+            return None
+        if "error" in obj and obj["error"]:
+            record.error = f"error event: {_error_text(obj)[:500]}"
+            return None
+        _take_chunk(record, obj, now - t0, endpoint)
+    return False
+
+
+def _take_chunk(record: RequestRecord, obj: dict, elapsed_s: float, endpoint: str) -> None:
+    """One data chunk, ``elapsed_s`` after t0: the last chunk's time, the response id, the
+    generated text and its time (when it carries text), and the usage."""
+    record.last_chunk_s = elapsed_s
+    if obj.get("id") and record.request_id is None:
+        record.request_id = str(obj["id"])
+    choices = obj.get("choices") or []
+    if choices:
+        choice = choices[0] or {}
+        text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
+        if text:
+            record.chunk_times_s.append(elapsed_s)
+            record.generated_text += text
+    usage = obj.get("usage")
+    if usage:
+        record.usage_prompt_tokens = usage.get("prompt_tokens")
+        record.usage_completion_tokens = usage.get("completion_tokens")
 
 
 WARMUP_PROMPT = "Say hello."

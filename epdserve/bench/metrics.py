@@ -1,4 +1,5 @@
-"""Benchmark metrics from the client's per-request records (definitions of DESIGN.md).
+"""Benchmark metrics from the client's per-request records, defined here as vLLM's
+``bench serve`` computes them.
 
 Per request, with t0 = just before the HTTP request was sent:
 

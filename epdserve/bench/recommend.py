@@ -114,17 +114,7 @@ def recommend(entries: list[dict]) -> dict:
     why}}``; ``choice`` is None when no configuration completed a request. Never raises
     on missing optional fields (breakdown, cores, server trace).
     """
-    not_considered = {e["name"]: e["error"] for e in entries if "error" in e}
-    ran = [e for e in entries if "result" in e]
-    for e in ran:
-        if not e["result"].get("completed"):
-            not_considered[e["name"]] = "no request completed"
-    cands = [e for e in ran if e["result"].get("completed")]
-    clean = [e for e in cands if not e["result"].get("failed")]
-    for e in cands:
-        if clean and e not in clean:
-            not_considered[e["name"]] = f"{e['result']['failed']} failed requests"
-    cands = clean or cands
+    cands, not_considered = _candidates(entries)
     use_goodput = any(e["result"].get("request_goodput") is not None for e in cands)
     rule = ("highest goodput per core (req/s within the SLOs / cores), then lowest ITL p95"
             if use_goodput else
@@ -144,45 +134,75 @@ def recommend(entries: list[dict]) -> dict:
             reasons.append("No configuration meets the SLOs at this load (goodput 0 in all); "
                            "the choice below is by latency. Lower the rate, add cores or "
                            "relax the SLOs.")
+    reasons.append(_verdict(win, cands, out["split"], use_goodput))
+    reasons += _where_time_goes(cands)
+    reasons += _overview(cands, use_goodput, not_considered)
+    return out
 
-    # The verdict: the winner against the best of the other kind (split vs not).
-    others = [e for e in cands if (e.get("mode") in SPLIT_MODES) != out["split"]]
-    if others:
-        rival = choose(others, use_goodput)
-        verdict = (f"{win['name']} vs {rival['name']} {_cores_text(win, rival)}: "
-                   f"{_why(win, rival, use_goodput)}; ITL p50 {_ms(_r(win, 'median_itl_ms'))} "
-                   f"vs {_ms(_r(rival, 'median_itl_ms'))} ms, ITL p95 "
-                   f"{_ms(_r(win, 'p95_itl_ms'))} vs {_ms(_r(rival, 'p95_itl_ms'))} ms, TTFT "
-                   f"p95 {_ms(_r(win, 'p95_ttft_ms'))} vs {_ms(_r(rival, 'p95_ttft_ms'))} ms")
-        reasons.append(f"Split prefill and decode: {verdict}." if out["split"] else
-                       f"Do not split at this load: {verdict}.")
-    else:
-        reasons.append(f"Use {win['name']} (the only kind measured: "
-                       f"{'PD' if out['split'] else 'colocated'}).")
 
-    # Where the time goes.
+def _candidates(entries: list[dict]) -> tuple[list[dict], dict[str, str]]:
+    """Rule 1: the entries that compete, and why each other one does not."""
+    not_considered = {e["name"]: e["error"] for e in entries if "error" in e}
+    ran = [e for e in entries if "result" in e]
+    for e in ran:
+        if not e["result"].get("completed"):
+            not_considered[e["name"]] = "no request completed"
+    cands = [e for e in ran if e["result"].get("completed")]
+    clean = [e for e in cands if not e["result"].get("failed")]
+    for e in cands:
+        if clean and e not in clean:
+            not_considered[e["name"]] = f"{e['result']['failed']} failed requests"
+    return clean or cands, not_considered
+
+
+def _verdict(win: dict, cands: list[dict], split: bool, use_goodput: bool) -> str:
+    """The winner against the best of the other kind (split vs not), in numbers."""
+    others = [e for e in cands if (e.get("mode") in SPLIT_MODES) != split]
+    if not others:
+        return f"Use {win['name']} (the only kind measured: {'PD' if split else 'colocated'})."
+    rival = choose(others, use_goodput)
+    verdict = (f"{win['name']} vs {rival['name']} {_cores_text(win, rival)}: "
+               f"{_why(win, rival, use_goodput)}; ITL p50 {_ms(_r(win, 'median_itl_ms'))} "
+               f"vs {_ms(_r(rival, 'median_itl_ms'))} ms, ITL p95 "
+               f"{_ms(_r(win, 'p95_itl_ms'))} vs {_ms(_r(rival, 'p95_itl_ms'))} ms, TTFT "
+               f"p95 {_ms(_r(win, 'p95_ttft_ms'))} vs {_ms(_r(rival, 'p95_ttft_ms'))} ms")
+    return f"Split prefill and decode: {verdict}." if split else f"Do not split at this load: {verdict}."
+
+
+def _where_time_goes(cands: list[dict]) -> list[str]:
+    """Each candidate's largest TTFT stage, and its PD hand-off gap when it has one."""
+    reasons = []
     for e in cands:
         b = e.get("breakdown") or {}
         t = _largest(b.get("ttft"), "TTFT")
         if t:
             reasons.append(f"Bottleneck of {e['name']}: {t}.")
-        h = b.get("handoff")
-        if h:
-            gap = sum(h["mean"].values())
-            ttft = sum((b.get("ttft") or {}).get("mean", {}).values()) or _r(e, "mean_ttft_ms")
-            itl = _r(e, "median_itl_ms")
-            kv = (e.get("server") or {}).get("mean_kv_bytes")
-            reasons.append(
-                f"Hand-off of {e['name']} (token 1 -> 2): mean {_ms(gap)} ms = "
-                f"{gap / ttft:.0%} of its mean TTFT and {gap / itl:.1f}x its ITL p50"
-                + (f", {kv / 1e6:.1f} MB of KV per request" if kv else "")
-                + f"; {_largest(h, 'the gap')}"
-                + ("; other is the decode worker's first step, batched with the running "
-                   "requests, plus IPC hops." if max(h["mean"], key=h["mean"].get) == "other"
-                   else "."))
-    reasons.append("ITL p95 / p99 and stalls (gaps > 1 s): " + "; ".join(
+        if b.get("handoff"):
+            reasons.append(_handoff_reason(e, b))
+    return reasons
+
+
+def _handoff_reason(e: dict, b: dict) -> str:
+    """The hand-off gap (token 1 -> 2) of one configuration against its TTFT and ITL."""
+    h = b["handoff"]
+    gap = sum(h["mean"].values())
+    ttft = sum((b.get("ttft") or {}).get("mean", {}).values()) or _r(e, "mean_ttft_ms")
+    itl = _r(e, "median_itl_ms")
+    kv = (e.get("server") or {}).get("mean_kv_bytes")
+    return (f"Hand-off of {e['name']} (token 1 -> 2): mean {_ms(gap)} ms = "
+            f"{gap / ttft:.0%} of its mean TTFT and {gap / itl:.1f}x its ITL p50"
+            + (f", {kv / 1e6:.1f} MB of KV per request" if kv else "")
+            + f"; {_largest(h, 'the gap')}"
+            + ("; other is the decode worker's first step, batched with the running "
+               "requests, plus IPC hops." if max(h["mean"], key=h["mean"].get) == "other"
+               else "."))
+
+
+def _overview(cands: list[dict], use_goodput: bool, not_considered: dict[str, str]) -> list[str]:
+    """Every candidate's ITL tail, goodput and resources side by side; who was left out."""
+    reasons = ["ITL p95 / p99 and stalls (gaps > 1 s): " + "; ".join(
         f"{e['name']} {_ms(_r(e, 'p95_itl_ms'))} / {_ms(_r(e, 'p99_itl_ms'))} ms, "
-        f"{e.get('itl_stalls', 0)} stalls" for e in cands) + ".")
+        f"{e.get('itl_stalls', 0)} stalls" for e in cands) + "."]
     if use_goodput:
         reasons.append("Goodput per core: " + "; ".join(
             f"{e['name']} {_per_core(e, 'request_goodput') or 0:.3f} req/s" for e in cands) + ".")
@@ -190,6 +210,5 @@ def recommend(entries: list[dict]) -> dict:
         f"{e['name']} {_cores(e) or '?'} cores, "
         f"{_per_core(e, 'output_throughput') or 0:.2f} output tok/s per core" for e in cands)
         + ".")
-    for name, why in not_considered.items():
-        reasons.append(f"Not considered: {name} ({why}).")
-    return out
+    reasons += [f"Not considered: {name} ({why})." for name, why in not_considered.items()]
+    return reasons

@@ -202,7 +202,8 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
     ran = [e for e in entries if "result" in e]
     parts = ["# epdserve compare", "", markdown_table(ran), "",
              "Ratios are each configuration's value divided by the first's. Latencies are "
-             "client-side (TTFT, ITL, TPOT, E2EL as in DESIGN.md); KV, encode and embedding "
+             "client-side (TTFT, ITL, TPOT, E2EL as vLLM's `bench serve` measures them, from "
+             "the request's send); KV, encode and embedding "
              "rows come from the server trace (mean per request; encode and embedding rows "
              "over the requests with images, embedding bytes and transfer 0 unless EPD); "
              "cores are the CPU cores the workers were pinned to (from /health). Prefix "
@@ -212,6 +213,27 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
             parts += [f"**{e['name']} failed:** `{e['error']}`", ""]
     for line in load_warnings(ran):
         parts += [f"**Warning, outside load:** {line}.", ""]
+    parts += _breakdown_sections(ran)
+    parts += ["## Workload", "", *workload_lines(workload_spec, trace_summary)]
+    if sampling:
+        parts.append("- same trace, model and settings for every configuration: " +
+                     ", ".join(f"{k}={v}" for k, v in sampling.items()))
+    parts.append("")
+    for e in ran:
+        parts += _run_section(e)
+    stages = server_table_markdown(ran)
+    if stages:
+        parts += ["## Server-side stages (per request, from the server trace)", "", stages, ""]
+    parts += ["## Goodput vs rate", "", sweep_markdown(ran), ""]
+    if recommendation:
+        parts += [recommendation_markdown(recommendation), ""]
+    return "\n".join(parts)
+
+
+def _breakdown_sections(ran: list[dict]) -> list[str]:
+    """"Where TTFT goes" and the PD hand-off, each with what its parts mean (none without
+    a server trace)."""
+    parts = []
     ttft = breakdown_markdown(ran, "ttft")
     if ttft:
         parts += ["## Where TTFT goes", "", ttft, "",
@@ -231,41 +253,34 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
         parts += ["## PD hand-off (client gap token 1 → token 2)", "", gap, "",
                   "KV import runs within the decode worker's first step; other = the rest "
                   "of that step and IPC hops.", ""]
-    parts += ["## Workload", "", *workload_lines(workload_spec, trace_summary)]
-    if sampling:
-        parts.append("- same trace, model and settings for every configuration: " +
-                     ", ".join(f"{k}={v}" for k, v in sampling.items()))
+    return parts
+
+
+def _run_section(e: dict) -> list[str]:
+    """One configuration's run: requests, first error, workers, server trace, host load."""
+    parts = [f"## {e['name']}", ""]
+    r = e["result"]
+    parts.append(f"- completed {r['completed']}, failed {r['failed']}, "
+                 f"duration {r['duration']:.1f} s")
+    errors = [x for x in r.get("errors", []) if x]
+    if errors:
+        parts.append(f"- first error: `{errors[0]}`")
+    res = e.get("resources") or {}
+    if res.get("workers"):
+        parts.append("- workers: " + ", ".join(
+            f"{w['worker_id']} ({w['role']}) cores {w['cores']}" for w in res["workers"]))
+    srv = e.get("server") or {}
+    if srv:
+        parts.append(f"- server trace: {srv['num_records']} records, "
+                     f"{srv['matched_client_requests']} joined with the client's by "
+                     f"request id" + (f", {srv['malformed_lines']} malformed lines"
+                                      if srv.get("malformed_lines") else ""))
+    else:
+        parts.append("- server trace: none")
+    if e.get("host_load"):
+        parts.append(load_line(e["host_load"]))
     parts.append("")
-    for e in ran:
-        parts += [f"## {e['name']}", ""]
-        r = e["result"]
-        parts.append(f"- completed {r['completed']}, failed {r['failed']}, "
-                     f"duration {r['duration']:.1f} s")
-        errors = [x for x in r.get("errors", []) if x]
-        if errors:
-            parts.append(f"- first error: `{errors[0]}`")
-        res = e.get("resources") or {}
-        if res.get("workers"):
-            parts.append("- workers: " + ", ".join(
-                f"{w['worker_id']} ({w['role']}) cores {w['cores']}" for w in res["workers"]))
-        srv = e.get("server") or {}
-        if srv:
-            parts.append(f"- server trace: {srv['num_records']} records, "
-                         f"{srv['matched_client_requests']} joined with the client's by "
-                         f"request id" + (f", {srv['malformed_lines']} malformed lines"
-                                          if srv.get("malformed_lines") else ""))
-        else:
-            parts.append("- server trace: none")
-        if e.get("host_load"):
-            parts.append(load_line(e["host_load"]))
-        parts.append("")
-    stages = server_table_markdown(ran)
-    if stages:
-        parts += ["## Server-side stages (per request, from the server trace)", "", stages, ""]
-    parts += ["## Goodput vs rate", "", sweep_markdown(ran), ""]
-    if recommendation:
-        parts += [recommendation_markdown(recommendation), ""]
-    return "\n".join(parts)
+    return parts
 
 
 def server_table_markdown(entries: list[dict]) -> str:

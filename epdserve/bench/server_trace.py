@@ -1,15 +1,14 @@
 """The server's per-request trace (``epdserve serve --trace-file``), summarised.
 
-The router appends one JSON object per finished request, with at least ``request_id``,
-``prompt_tokens``, ``output_tokens``, ``queue_ms``, ``prefill_ms``, ``kv_bytes``,
-``kv_transfer_ms``, ``decode_ms``, ``e2e_ms`` (``kv_*`` are 0 when colocated; every key is
-documented in ``epdserve.serving.router.Generation.trace``). Requests with images add
-``num_images``, ``encode_queue_ms`` (arrival at the encoding worker to encode start),
-``encode_ms``, ``embedding_bytes`` and ``embedding_transfer_ms`` (both 0 unless EPD);
-text-only requests lack them. Records are joined with the
-client's view by ``request_id`` (the response ``id``): :func:`summarize` gives each field's
-mean and p95, :func:`breakdown` splits each request's client TTFT (and PD hand-off gap)
-into stages. Keys a server does not write are left out, never guessed.
+The router appends one JSON line per finished request: a
+:class:`~epdserve.trace.RequestTrace` (:meth:`~epdserve.trace.RequestTrace.as_json`; every
+stage is defined in :mod:`epdserve.trace`). :func:`read` reads the lines back as
+``RequestTrace`` records (:meth:`~epdserve.trace.RequestTrace.from_json`, older trace files
+too), joined with the client's view by ``request_id`` (the response ``id``):
+:func:`summarize` gives each stage's mean and p95, :func:`breakdown` splits each request's
+client TTFT (and PD hand-off gap) into stages. Stages a server did not measure are left
+out, never guessed: image stages exist only for requests with images, ``kv_*`` are 0 when
+colocated.
 """
 
 from __future__ import annotations
@@ -18,7 +17,11 @@ import json
 from pathlib import Path
 
 import numpy as np
+from pydantic import ValidationError
 
+from epdserve.trace import RequestTrace
+
+# RequestTrace attributes summarised (derived stages included).
 FIELDS = ("kv_bytes", "kv_transfer_ms",
           # requests with images only (means over those requests): embeddings beside KV
           "embedding_bytes", "embedding_transfer_ms", "embedding_bytes_per_image",
@@ -27,13 +30,15 @@ FIELDS = ("kv_bytes", "kv_transfer_ms",
           # optional stage stamps, summarised when the server writes them
           "ttft_ms", "router_queue_ms", "prefill_queue_ms", "decode_queue_ms",
           "kv_export_ms", "kv_fetch_ms", "kv_import_ms", "router_hop_ms", "ttft_hop_ms")
-# Fields a record does not carry but its keys give: name -> (numerator, images key).
+# Fields a record does not carry but its attributes give: name -> the attribute divided
+# by ``num_images``.
 PER_IMAGE = {"embedding_bytes_per_image": "embedding_bytes",
              "embedding_transfer_ms_per_image": "embedding_transfer_ms"}
 
 
-def read(path: str | Path) -> tuple[list[dict], int]:
-    """(records, number of malformed lines skipped) of a trace file; ([], 0) if absent."""
+def read(path: str | Path) -> tuple[list[RequestTrace], int]:
+    """(records, number of malformed lines skipped: not JSON, or not a trace record) of a
+    trace file; ([], 0) if absent."""
     path = Path(path)
     if not path.is_file():
         return [], 0
@@ -43,12 +48,8 @@ def read(path: str | Path) -> tuple[list[dict], int]:
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(obj, dict):
-            records.append(obj)
-        else:
+            records.append(RequestTrace.from_json(obj if isinstance(obj, dict) else {}))
+        except (json.JSONDecodeError, ValidationError):
             bad += 1
     return records, bad
 
@@ -62,11 +63,11 @@ def _norm(request_id) -> str:
 
 
 def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> dict:
-    """Mean and p95 (numpy, linear) of each of :data:`FIELDS` present in the records of this
-    run: ``mean_kv_bytes``, ``p95_kv_bytes``, ... (bytes and ms per request, over the
-    records that carry the key: the image fields over requests with images), and of the
+    """Mean and p95 (numpy, linear) of each of :data:`FIELDS` that the records of this run
+    have: ``mean_kv_bytes``, ``p95_kv_bytes``, ... (bytes and ms per request, over the
+    records where it is not None: the image fields over requests with images), and of the
     :data:`PER_IMAGE` fields (a record's value / its ``num_images``). Also
-    ``num_records`` (lines in the file), ``matched_client_requests`` (records whose
+    ``num_records`` (the file's trace records), ``matched_client_requests`` (records whose
     ``request_id`` is one of ``client_request_ids``) and ``malformed_lines`` when any.
     An absent file gives ``{}``."""
     path = Path(path)
@@ -74,18 +75,17 @@ def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> di
         return {}
     records, bad = read(path)
     ids = {_norm(x) for x in client_request_ids if x}
-    matched = [r for r in records if "request_id" in r and _norm(r["request_id"]) in ids]
+    matched = [r for r in records if _norm(r.request_id) in ids]
     use = matched if matched else records
     out: dict = {"num_records": len(records), "matched_client_requests": len(matched)}
     if bad:
         out["malformed_lines"] = bad
     for key in FIELDS:
         if key in PER_IMAGE:
-            values = [float(r[PER_IMAGE[key]]) / r["num_images"] for r in use
-                      if _num(r.get(PER_IMAGE[key])) and _num(r.get("num_images"))
-                      and r["num_images"] > 0]
+            values = [getattr(r, PER_IMAGE[key]) / r.num_images for r in use
+                      if getattr(r, PER_IMAGE[key]) is not None and r.num_images]
         else:
-            values = [float(r[key]) for r in use if _num(r.get(key))]
+            values = [getattr(r, key) for r in use if getattr(r, key) is not None]
         if values:
             out[f"mean_{key}"] = float(np.mean(values))
             out[f"p95_{key}"] = float(np.percentile(values, 95))
@@ -94,29 +94,29 @@ def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> di
 
 # --------------------------------------------------------------- end-to-end breakdown
 #
-# Which trace keys make up which part of the client's TTFT, and of the PD hand-off gap
-# (client: token 1 -> token 2), in time order: (part, keys summed; absent keys count 0),
-# as the router's ``Generation.trace`` documents them. TTFT stages depend on the request's
-# ``path``: colocated, disaggregated (prefill worker then decode worker) or local (a PD
-# request the decode worker prefilled itself). The prefill worker exports the KV before it
-# sends the first token, so the export is part of TTFT, not of the hand-off gap. Image
-# encoding (its queue, the encoding, and in EPD the embedding hand-off) comes before the
-# first worker's queue on every path, whichever worker encodes; text-only requests lack
-# its keys, so it is absent for them.
+# Which RequestTrace stages make up which part of the client's TTFT, and of the PD
+# hand-off gap (client: token 1 -> token 2), in time order: (part, attribute; a stage that
+# is None is absent), as :mod:`epdserve.trace` defines them. TTFT stages depend on the
+# request's ``path``: colocated, disaggregated (prefill worker then decode worker) or local
+# (a PD request the decode worker prefilled itself). The prefill worker exports the KV
+# before it sends the first token, so the export is part of TTFT, not of the hand-off gap.
+# Image encoding (its queue, the encoding, and in EPD the embedding hand-off) comes before
+# the first worker's queue on every path, whichever worker encodes; text-only requests
+# lack its stages, so it is absent for them.
 # "http" (client TTFT - the router's ttft_ms: client send, HTTP parsing, SSE write) and
-# "other" (what no known key covers) are added by :func:`ttft_parts` / :func:`handoff_parts`.
-_ROUTER, _PREFILL, _HOPS = (("router", ("router_queue_ms",)), ("prefill", ("prefill_ms",)),
-                            ("IPC hops", ("ttft_hop_ms",)))
-_ENCODE = (("encode queue", ("encode_queue_ms",)), ("encode", ("encode_ms",)),
-           ("embedding transfer", ("embedding_transfer_ms",)))
+# "other" (what no measured stage covers) are added by :func:`ttft_parts` /
+# :func:`handoff_parts`.
+_ROUTER, _PREFILL, _HOPS = ("router", "router_queue_ms"), ("prefill", "prefill_ms"), ("IPC hops", "ttft_hop_ms")
+_ENCODE = (("encode queue", "encode_queue_ms"), ("encode", "encode_ms"),
+           ("embedding transfer", "embedding_transfer_ms"))
 TTFT_STAGES = {
-    "colocated": (_ROUTER, *_ENCODE, ("queue", ("queue_ms",)), _PREFILL, _HOPS),
-    "disaggregated": (_ROUTER, *_ENCODE, ("prefill queue", ("prefill_queue_ms",)), _PREFILL,
-                      ("KV export", ("kv_export_ms",)), _HOPS),
-    "local": (_ROUTER, *_ENCODE, ("decode queue", ("decode_queue_ms",)), _PREFILL, _HOPS),
+    "colocated": (_ROUTER, *_ENCODE, ("queue", "colocated_queue_ms"), _PREFILL, _HOPS),
+    "disaggregated": (_ROUTER, *_ENCODE, ("prefill queue", "prefill_queue_ms"), _PREFILL,
+                      ("KV export", "kv_export_ms"), _HOPS),
+    "local": (_ROUTER, *_ENCODE, ("decode queue", "decode_queue_ms"), _PREFILL, _HOPS),
 }
-HANDOFF_STAGES = (("router hop", ("router_hop_ms",)), ("KV fetch", ("kv_fetch_ms",)),
-                  ("decode queue", ("decode_queue_ms",)), ("KV import", ("kv_import_ms",)))
+HANDOFF_STAGES = (("router hop", "router_hop_ms"), ("KV fetch", "kv_fetch_ms"),
+                  ("decode queue", "decode_queue_ms"), ("KV import", "kv_import_ms"))
 # Every part in time order, for tables and plots that put several configurations together.
 PART_ORDER = {
     "ttft": ("http", "router", "encode queue", "encode", "embedding transfer", "queue",
@@ -133,48 +133,30 @@ def sort_parts(parts, which: str = "ttft") -> list[str]:
     return sorted(dict.fromkeys(parts), key=lambda p: rank.get(p, len(order) - 1.5))
 
 
-def path_of(record: dict) -> str:
-    """The record's ``path``; for traces without one, "disaggregated" in pd or epd mode,
-    else "colocated"."""
-    path = record.get("path")
-    if path in TTFT_STAGES:
-        return path
-    return "disaggregated" if record.get("mode") in ("pd", "epd") else "colocated"
+def _stage_values(record: RequestTrace, stages) -> dict[str, float]:
+    """Each stage's value (ms), for the stages the record has."""
+    return {part: value for part, attr in stages if (value := getattr(record, attr)) is not None}
 
 
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _stage_sums(record: dict, stages) -> dict[str, float]:
-    """Each stage's summed keys (ms), for the stages with at least one key present."""
-    out = {}
-    for part, keys in stages:
-        vals = [float(record[k]) for k in keys if _num(record.get(k))]
-        if vals:
-            out[part] = sum(vals)
-    return out
-
-
-def ttft_parts(client_ttft_ms: float, record: dict) -> dict[str, float]:
+def ttft_parts(client_ttft_ms: float, record: RequestTrace) -> dict[str, float]:
     """The client's TTFT of one request (ms) split into parts (ms) that sum to it:
     ``http`` (client TTFT - server ``ttft_ms``; absent when the record has no
-    ``ttft_ms``), the stages of :data:`TTFT_STAGES` for the record's path
-    (:func:`path_of`) present in the record, and ``other`` = client TTFT - all of those
-    (what no key covers; about 0 when the router writes ``ttft_hop_ms``)."""
+    ``ttft_ms``), the stages of :data:`TTFT_STAGES` for the record's ``path`` that it has,
+    and ``other`` = client TTFT - all of those (what no stage covers; 0 when the record
+    has ``ttft_hop_ms``)."""
     parts = {}
-    if _num(record.get("ttft_ms")):
-        parts["http"] = client_ttft_ms - float(record["ttft_ms"])
-    parts.update(_stage_sums(record, TTFT_STAGES[path_of(record)]))
+    if record.ttft_ms is not None:
+        parts["http"] = client_ttft_ms - record.ttft_ms
+    parts.update(_stage_values(record, TTFT_STAGES[record.path]))
     parts["other"] = client_ttft_ms - sum(parts.values())
     return parts
 
 
-def handoff_parts(gap_ms: float, record: dict) -> dict[str, float]:
+def handoff_parts(gap_ms: float, record: RequestTrace) -> dict[str, float]:
     """A PD request's hand-off gap (client: first -> second text chunk, ms) split into the
-    stages of :data:`HANDOFF_STAGES` present in the record and ``other`` = gap - those
-    (the rest of the decode worker's first step, and IPC hops)."""
-    parts = _stage_sums(record, HANDOFF_STAGES)
+    stages of :data:`HANDOFF_STAGES` the record has and ``other`` = gap - those (the rest
+    of the decode worker's first step, and IPC hops)."""
+    parts = _stage_values(record, HANDOFF_STAGES)
     parts["other"] = gap_ms - sum(parts.values())
     return parts
 
@@ -189,10 +171,10 @@ def _mean_p95(rows: list[dict[str, float]], which: str) -> dict:
             "p95": {p: float(np.percentile(c, 95)) for p, c in cols.items()}}
 
 
-def breakdown(result: dict, records: list[dict]) -> dict:
-    """Join a bench result's completed requests with server ``records`` by request id and
-    split their TTFT (and, for requests with a PD hand-off, the token 1 -> 2 gap) into
-    stages; see :func:`ttft_parts` and :func:`handoff_parts`.
+def breakdown(result: dict, records: list[RequestTrace]) -> dict:
+    """Join a bench result's completed requests with server ``records`` (:func:`read`) by
+    request id and split their TTFT (and, for requests with a PD hand-off, the token 1 -> 2
+    gap) into stages; see :func:`ttft_parts` and :func:`handoff_parts`.
 
     ``result``: a bench result dict (``request_ids``, ``errors``, ``ttfts`` and ``itls``
     in seconds). Returns ``{"joined": n, "ttft": <parts>, "handoff": <parts> | None}``,
@@ -201,14 +183,14 @@ def breakdown(result: dict, records: list[dict]) -> dict:
     A request counts in ``handoff`` when its record has ``kv_import_ms`` and the client
     saw a second chunk.
     """
-    by_id = {_norm(r["request_id"]): r for r in records if "request_id" in r}
+    by_id = {_norm(r.request_id): r for r in records}
     ttft_rows, gap_rows = [], []
     for i, rid in enumerate(result.get("request_ids") or []):
         rec = by_id.get(_norm(rid)) if rid and not result["errors"][i] else None
         if rec is None:
             continue
         ttft_rows.append(ttft_parts(result["ttfts"][i] * 1000.0, rec))
-        if _num(rec.get("kv_import_ms")) and result["itls"][i]:
+        if rec.kv_import_ms is not None and result["itls"][i]:
             gap_rows.append(handoff_parts(result["itls"][i][0] * 1000.0, rec))
     return {"joined": len(ttft_rows),
             "ttft": _mean_p95(ttft_rows, "ttft") if ttft_rows else None,

@@ -10,14 +10,10 @@ is) per tile at each worker size, times a real shared-memory KV hand-off, and wr
 everything as JSON. ``epdserve plan validate``
 later stores the prediction errors it measures in the same file, so ``plan`` can state them.
 
-Served steps are slower than the engine alone: the router and the bench client share the
-cores with the workers and every step's outputs are encoded, routed, detokenized and
-streamed. ``epdserve plan calibrate --from-compare DIR...`` learns that from ``compare``
-runs (:func:`fit_serving`): it rebuilds, from the client's token times, every decode-only step
-of every worker, sets the measured gap beside the step model's time for that batch, and
-stores the ratio of their 95th percentiles (steps with a core free) as
-``serving.decode_slowdown``, and how much slower steps were while every other core was busy
-as ``serving.contended_slowdown``.
+Served steps are slower than the engine alone; ``epdserve plan calibrate --from-compare
+DIR...`` learns by how much from ``compare`` runs (:mod:`epdserve.plan.serving_fit`, whose
+functions this module also exports, as ``plan``'s CLI calls them) and stores it in the
+calibration's ``serving`` section, which :func:`platform_from` applies.
 """
 
 from __future__ import annotations
@@ -27,20 +23,29 @@ import os
 import platform as host
 import time
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
+import zmq
 from tqdm import tqdm
 
+from epdserve.bench.images import image_bytes
+from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
 from epdserve.model.image_processor import ImageProcessor
 from epdserve.model.loader import DEFAULT_VLM, resolve_model
 from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
-from epdserve.plan.costmodel import FEATURES, ImageCost, LinearStep, Link, Platform, StepModel
+from epdserve.plan.costmodel import FEATURES, ImageCost, LinearStep, Link, Platform
 from epdserve.plan.model_spec import ModelSpec
+from epdserve.plan.serving_fit import (  # noqa: F401 (exported: plan/run.py calls them as calibrate.*)
+    SERVING_PERCENTILE, compare_configs, compare_gaps, contention_ratio, decode_gaps, fit_serving,
+    gap_percentiles, step_uncertainty)
+from epdserve.serving.multimodal import ImageInput
+from epdserve.transfer import handoff, loopback
 
 CACHE_DIR = Path.home() / ".cache" / "epdserve" / "calibration"
 PREFILL_LENS = (16, 64, 256, 768, 1536)
@@ -119,10 +124,6 @@ def _encode_ms_per_tile(model_dir: str) -> tuple[float, list[dict]]:
     """Time :meth:`EncodeEngine.encode` calls of :data:`ENCODE_CALLS` distinct images
     (embedding cache off) after one warm-up call; the ms per tile of all calls together
     (preprocessing included: it is part of every call)."""
-    from epdserve.bench.images import image_bytes
-    from epdserve.engine.encoder import EncodeEngine
-    from epdserve.serving.multimodal import ImageInput
-
     engine = EncodeEngine(model_dir, cache_bytes=0)
     w, h = ENCODE_IMAGE_SIZE
     rows, cols = engine.processor.grid((w, h))
@@ -157,10 +158,6 @@ def _handoff_ms(model_dir: str, sizes: tuple[int, ...] = (16, 512)) -> Link:
     """Time real prefill → decode hand-offs (in-process, from a shared-memory KV pool, as
     a default same-host prefill worker makes them) of prompts of ``sizes`` tokens;
     bandwidth from the difference, latency from the smallest."""
-    import zmq
-
-    from epdserve.transfer import handoff, loopback
-
     ctx = zmq.Context()
     prefill, pool = handoff.new_engine(model_dir, EngineConfig(role="prefill", kv_cache_memory_mb=256), True)
     decode = LLMEngine(model_dir, EngineConfig(role="decode", kv_cache_memory_mb=256))
@@ -216,35 +213,63 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise RuntimeError("calibration needs 2 usable cores (workers of 1 and 2 cores)")
-    tokenizer = load_tokenizer(info.path)
-    template = len(chat_prompt_ids(tokenizer, [{"role": "user", "content": ""}]))
-    # What every chat prompt starts with (the template's system turn): the tokens two
-    # different messages share.
-    a, b = (chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in ("yes", "no"))
-    prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    rng = np.random.default_rng(seed)
-    saved_threads = torch.get_num_threads()
-    fits, vlm_fits, encode = {}, {}, {}
+    template, prefix = _template_tokens(info.path)
     # One unit: a round of every step of one model (the default VLM's language model too) on one worker size.
     bar = tqdm(total=2 * rounds * (1 + (vision_dir is not None)), desc="calibrate", unit="round",
                disable=not progress)
+    fit_steps = partial(_fit_steps, rounds=rounds, reps=reps, decode_steps=decode_steps,
+                        rng=np.random.default_rng(seed), prefix=prefix, bar=bar)
+    try:
+        fits, vlm_fits, encode, link = _measure(info.path, vision_dir, cores, fit_steps)
+    finally:
+        bar.close()
+    kv_bpt = ModelSpec.from_dir(info.name, info.path, info.multimodal).kv_bytes_per_token(4)  # float32 KV on the wire
+    cal = {"model": info.name, "machine": f"{host.processor() or host.machine()} ({len(cores)} cores)",
+           "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "steps": fits, "kv_link": {"gbs": link.gbs, "latency_ms": link.latency_ms},
+           "kv_bytes_per_token": kv_bpt, "template_tokens": template,
+           "template_prefix_tokens": len(prefix), "validations": {}}
+    if vision_dir is not None:
+        cal["vision"] = _vision_section(info.name, vision_dir, vlm_fits, encode)
+    return cal
 
-    def fit_steps(model_dir: Path) -> dict:
-        timed = []
-        for _ in range(rounds):
-            timed.append(_prefill_steps(str(model_dir), reps, rng, a[:prefix])
-                         + _decode_steps(str(model_dir), decode_steps, rng))
-            bar.update(1)
-        samples, spread = _median_rounds(timed)
-        step, err = _fit(samples)
-        return {"coef": list(step.coef), "mean_abs_rel_error": err, "rounds": rounds, "round_spread": spread,
-                "samples": samples}
 
+def _template_tokens(model_dir: Path) -> tuple[int, list[int]]:
+    """The chat template's tokens around an empty user message, and the tokens every chat
+    prompt starts with (the template's system turn: what two different messages share)."""
+    tokenizer = load_tokenizer(model_dir)
+    template = len(chat_prompt_ids(tokenizer, [{"role": "user", "content": ""}]))
+    a, b = (chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in ("yes", "no"))
+    prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return template, a[:prefix]
+
+
+def _fit_steps(model_dir: Path, rounds: int, reps: int, decode_steps: int, rng, prefix: list[int], bar) -> dict:
+    """Time ``rounds`` rounds of every prefill and decode step of one model here and fit
+    the step model on their medians: the calibration's entry for this worker size."""
+    timed = []
+    for _ in range(rounds):
+        timed.append(_prefill_steps(str(model_dir), reps, rng, prefix)
+                     + _decode_steps(str(model_dir), decode_steps, rng))
+        bar.update(1)
+    samples, spread = _median_rounds(timed)
+    step, err = _fit(samples)
+    return {"coef": list(step.coef), "mean_abs_rel_error": err, "rounds": rounds, "round_spread": spread,
+            "samples": samples}
+
+
+def _measure(model_dir: Path, vision_dir: Path | None, cores: list[int],
+             fit_steps: Callable[[Path], dict]) -> tuple[dict, dict, dict, Link]:
+    """Step fits of the model (and of the VLM's language model) and encode timings per
+    worker size, pinned to 1 and then 2 of ``cores``, then the KV hand-off on one core;
+    the process's cores and threads are restored afterwards."""
+    saved_threads = torch.get_num_threads()
+    fits, vlm_fits, encode = {}, {}, {}
     try:
         for size in (1, 2):
             os.sched_setaffinity(0, cores[:size])
             torch.set_num_threads(size)
-            fits[str(size)] = fit_steps(info.path)
+            fits[str(size)] = fit_steps(model_dir)
             if vision_dir is not None:
                 # The VLM's language model loads dense (the quantized kernels need a GGUF):
                 # its steps are its own.
@@ -253,24 +278,21 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
                 encode[str(size)] = {"ms_per_tile": ms, "samples": calls}
         os.sched_setaffinity(0, cores[:1])
         torch.set_num_threads(1)
-        link = _handoff_ms(str(info.path))
+        link = _handoff_ms(str(model_dir))
     finally:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(saved_threads)
-        bar.close()
-    kv_bpt = ModelSpec.from_dir(info.name, info.path, info.multimodal).kv_bytes_per_token(4)  # float32 KV on the wire
-    cal = {"model": info.name, "machine": f"{host.processor() or host.machine()} ({len(cores)} cores)",
-           "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "steps": fits, "kv_link": {"gbs": link.gbs, "latency_ms": link.latency_ms},
-           "kv_bytes_per_token": kv_bpt, "template_tokens": template,
-           "template_prefix_tokens": prefix, "validations": {}}
-    if vision_dir is not None:
-        spec = ModelSpec.from_dir(info.name, vision_dir, True)
-        p = spec.processor
-        cal["vision"] = {"model": str(vision_dir), "steps": vlm_fits, "encode": encode, "hidden_size": spec.hidden_size,
-                         "dtype_bytes": 4,  # float32 embeddings, as encode workers send them by default
-                         "processor": {k: getattr(p, k) for k in PROCESSOR_FIELDS}}
-    return cal
+    return fits, vlm_fits, encode, link
+
+
+def _vision_section(name: str, vision_dir: Path, vlm_fits: dict, encode: dict) -> dict:
+    """The calibration's ``vision`` section: the VLM's step fits and encode timings, and
+    what image sizes, tiles and embedding bytes follow from."""
+    spec = ModelSpec.from_dir(name, vision_dir, True)
+    p = spec.processor
+    return {"model": str(vision_dir), "steps": vlm_fits, "encode": encode, "hidden_size": spec.hidden_size,
+            "dtype_bytes": 4,  # float32 embeddings, as encode workers send them by default
+            "processor": {k: getattr(p, k) for k in PROCESSOR_FIELDS}}
 
 
 def save(cal: dict, path: str | Path) -> Path:
@@ -307,174 +329,6 @@ def load(path: str | Path) -> dict:
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise ValueError(f"{path}: not a usable epdserve calibration ({type(exc).__name__}: {exc})") from None
     return cal
-
-
-# The percentile of inter-token latency that the serving slowdown is fitted at: the
-# planner's SLOs and its validation are p95.
-SERVING_PERCENTILE = 95
-
-
-def decode_gaps(seqs: list[dict], step: Callable[[str], StepModel],
-                contended: Callable[[str, float], bool] = lambda worker, t: False) -> list[tuple[float, float, bool]]:
-    """``(measured ms, step-model ms, contended)`` of every decode-only step that a served
-    run's token times show.
-
-    ``seqs``: one dict per request: ``worker`` (the id of the worker that decoded it),
-    ``prompt_tokens`` (its prompt as the engine saw it), ``token_times_s`` (when each of its
-    output tokens reached the client, s, ascending) and ``busy_s``: ``(start, end)`` in s
-    while its worker prefilled (and encoded) it, or None when another worker did (PD, EPD).
-    ``step(worker)``: that worker's step model. Each gap between a request's consecutive
-    tokens is one step of its worker. It counts unless some request's ``busy_s`` on the same
-    worker overlaps it (a prefill was in the step), or it is the first gap of a request
-    prefilled elsewhere (it spans the KV hand-off). The step's decodes are the requests of
-    that worker with a token before the middle of the gap and another after it, each with
-    its prompt + the tokens before the middle − 1 cached (the last one is this step's input).
-    ``contended(worker, t)``: whether every other core was busy at ``t`` s (at the middle).
-    """
-    out = []
-    for x in seqs:
-        mates = [y for y in seqs if y["worker"] == x["worker"]]
-        busy = [y["busy_s"] for y in mates if y["busy_s"] is not None]
-        times = x["token_times_s"]
-        for k in range(1 if x["busy_s"] is not None else 2, len(times)):
-            a, b = times[k - 1], times[k]
-            if any(start < b and end > a for start, end in busy):
-                continue
-            mid = (a + b) / 2
-            context = [y["prompt_tokens"] + int(np.searchsorted(y["token_times_s"], mid)) - 1
-                       for y in mates if y["token_times_s"][0] <= mid < y["token_times_s"][-1]]
-            out.append(((b - a) * 1e3, step(x["worker"]).step_ms([], len(context), sum(context), max(context)),
-                        contended(x["worker"], mid)))
-    return out
-
-
-def gap_percentiles(gaps: list[tuple[float, float, bool]]) -> tuple[float, float]:
-    """The :data:`SERVING_PERCENTILE` th percentile (``numpy.percentile``, linear, as the
-    bench's metrics) of the measured and of the step model's ms of the uncontended
-    :func:`decode_gaps` (nan, nan without any)."""
-    free = [g for g in gaps if not g[2]]
-    if not free:
-        return float("nan"), float("nan")
-    return tuple(float(np.percentile([g[i] for g in free], SERVING_PERCENTILE)) for i in (0, 1))
-
-
-def contention_ratio(gaps: list[tuple[float, float, bool]]) -> float | None:
-    """How many times slower a run's contended decode steps were than its uncontended ones,
-    each measured against the step model: the ratio of the medians of measured / model ms
-    (within one run, so what moves the whole run cancels). None without both kinds."""
-    kinds = [[m / model for m, model, c in gaps if c == contended] for contended in (True, False)]
-    return float(np.median(kinds[0]) / np.median(kinds[1])) if all(kinds) else None
-
-
-def fit_serving(runs: list[list[tuple[float, float, bool]]]) -> tuple[float, float]:
-    """``(decode_slowdown, contended_slowdown)`` (dimensionless) of served runs, each given
-    as its :func:`decode_gaps`: per run, the ratio of the :func:`gap_percentiles` (steps
-    with a core free) and the :func:`contention_ratio`; then the median of each over the
-    runs that have it, so that no one run's outliers decide (contended 1 without any).
-
-    Raises:
-        ValueError: no run has an uncontended decode-only step.
-    """
-    ratios = [measured / model for measured, model in map(gap_percentiles, filter(None, runs))
-              if not np.isnan(measured)]
-    if not ratios:
-        raise ValueError("no decode-only steps in these runs to fit the serving slowdown on")
-    contention = [c for c in map(contention_ratio, runs) if c is not None]
-    return float(np.median(ratios)), float(np.median(contention)) if contention else 1.0
-
-
-def step_uncertainty(serving: dict) -> float:
-    """How far served step times are known (relative, dimensionless): half the spread
-    (max − min) of the per-run ratios that :func:`fit_serving` took the median of, over that
-    median; 0 with fewer than two runs (``serving``: a calibration's ``serving`` section).
-    Runs of one machine spread by 10–20% (busy cores, other tenants), so a prediction is a
-    band, not a point."""
-    ratios = list(serving.get("ratios", {}).values())
-    if len(ratios) < 2:
-        return 0.0
-    return (max(ratios) - min(ratios)) / 2 / serving["decode_slowdown"]
-
-
-def compare_configs(compare_dir: Path) -> list[dict]:
-    """The ``configs`` of an ``epdserve compare`` output's ``compare.json``: one dict per
-    configuration with its ``name``, ``resources`` and, if it ran, ``result``.
-
-    Raises:
-        ValueError: no such file, or not one that ``compare`` writes.
-    """
-    try:
-        configs = json.loads((compare_dir / "compare.json").read_text())["configs"]
-        if not all(isinstance(c["name"], str) and c["resources"]["workers"] for c in configs):
-            raise ValueError
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ValueError(f"{compare_dir}: not an `epdserve compare` output (its compare.json is missing "
-                         f"or of another kind)") from None
-    return configs
-
-
-def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[tuple[float, float]]]:
-    """:func:`decode_gaps` of each configuration of an ``epdserve compare`` output (its
-    ``compare.json``, ``trace.jsonl`` and ``NAME.server.jsonl``), with the step models of
-    ``platform`` for the cores each worker had; requests without a server record, failed
-    or with fewer than two tokens are left out.
-
-    Raises:
-        ValueError: ``compare_dir`` lacks those files.
-    """
-    from epdserve.bench import workload
-    from epdserve.plan.simulate import prompt_tokens
-
-    compare_dir = Path(compare_dir)
-    configs = compare_configs(compare_dir)
-    try:
-        requests = workload.load_trace(compare_dir / "trace.jsonl")
-    except (FileNotFoundError, workload.TraceError) as exc:
-        raise ValueError(f"{compare_dir}: not an `epdserve compare` output ({exc})") from None
-    runs = {}
-    for entry in configs:
-        server = compare_dir / f"{entry['name']}.server.jsonl"
-        if "result" not in entry or not server.is_file():
-            continue
-        m = entry["result"]
-        cores = {w["worker_id"]: tuple(w["cores"]) for w in entry["resources"]["workers"]}
-        records = {r["request_id"]: r for r in map(json.loads, filter(str.strip, server.read_text().splitlines()))}
-        seqs, busy = [], {core: [] for cs in cores.values() for core in cs}
-        for i, req in enumerate(requests):
-            r = records.get(m["request_ids"][i])
-            if r is None or r.get("error") or not m["itls"][i]:
-                continue
-            first = m["start_times"][i] + m["ttfts"][i]
-            times = (first + np.concatenate([[0.0], np.cumsum(m["itls"][i])])).tolist()
-            colocated = r.get("decode_worker") is None
-            for worker, start, end in _busy_s(r, first, times[-1]):
-                for core in cores.get(worker, ()):
-                    busy[core].append((start, end))
-            seqs.append({"worker": r["worker"] if colocated else r["decode_worker"],
-                         "prompt_tokens": prompt_tokens(platform, req), "token_times_s": times,
-                         "busy_s": (first - (r["prefill_ms"] + r.get("encode_ms", 0.0)) / 1e3, first)
-                         if colocated else None})
-
-        def contended(worker: str, t: float) -> bool:
-            others = set(busy) - set(cores[worker])
-            return bool(others) and all(any(a <= t < b for a, b in busy[core]) for core in others)
-
-        runs[entry["name"]] = decode_gaps(seqs, lambda worker: platform.step(len(cores[worker])), contended)
-    return runs
-
-
-def _busy_s(record: dict, first: float, last: float) -> list[tuple[str, float, float]]:
-    """``(worker, start s, end s)`` while the workers of one served request worked on it,
-    from its server record (serving/router.py's trace) and its first and last token times:
-    encoding and prefill end where its first token came (the encode workers' end where its
-    prefill queue began), decoding spans the first to the last token."""
-    encode, prefill = record.get("encode_ms", 0.0) / 1e3, record["prefill_ms"] / 1e3
-    if record.get("decode_worker") is None:
-        return [(record["worker"], first - prefill - encode, last)]
-    out = [(record["prefill_worker"], first - prefill - (0.0 if record.get("encode_workers") else encode), first),
-           (record["decode_worker"], first, last)]
-    queued = first - prefill - record.get("prefill_queue_ms", 0.0) / 1e3
-    out += [(w, queued - encode, queued) for w in record.get("encode_workers", [])]
-    return out
 
 
 def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platform:

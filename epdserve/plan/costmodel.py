@@ -209,7 +209,7 @@ class Platform:
     same transports carry them); ``router_ms``: client → router → worker time added once
     to every request on its way in; ``decode_slowdown``: how many times longer the decode
     work of a step takes when served than the step model says (dimensionless, > 0; 1: as
-    calibrated; learned from ``compare`` runs, :func:`epdserve.plan.calibrate.fit_serving`),
+    calibrated; learned from ``compare`` runs, :func:`epdserve.plan.serving_fit.fit_serving`),
     fitted on steps while a device was free; ``contended_slowdown``: how many times longer
     still while every other device of the deployment is busy (dimensionless; 1: no such
     effect, as on GPU hosts, whose CPUs the router has to itself; on a CPU host the router
