@@ -65,9 +65,11 @@ class Router:
 
     @property
     def workers(self) -> dict[str, WorkerState]:
+        """The registry's workers, by id."""
         return self.registry.workers
 
     def live(self, w: WorkerState) -> bool:
+        """True unless ``w`` is down."""
         return self.registry.live(w)
 
     def mark_dead(self, worker_id: str, reason: str) -> None:
@@ -83,9 +85,11 @@ class Router:
         self.events.bind()
 
     async def start(self) -> None:
+        """Bind the events socket and start reading it. Raises zmq.ZMQError if the address is taken."""
         await self.events.start()
 
     async def stop(self) -> None:
+        """Stop reading events, drop queued preprocessing and close every socket."""
         await self.events.stop()
         self.front.close()
         self.port.close()
@@ -153,6 +157,7 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
 
 
 def setup_logging(level: str) -> None:
+    """Log to stderr at ``level`` ("debug" .. "error"), one timestamped line per record."""
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 

@@ -53,6 +53,7 @@ class Choice:
     entries: list = field(default_factory=list)
 
     def logprobs_object(self, entries: list) -> dict | None:
+        """The OpenAI ``logprobs`` object of ``entries`` (see :func:`texts`), None if not asked for."""
         return None if self.logprobs is None else self.logprobs(entries)
 
 

@@ -62,7 +62,8 @@ class WorkerPort(Protocol):
 class Inbox(Protocol):
     """A request in flight, as the registry sees it: something events are delivered to."""
 
-    def deliver(self, event) -> None: ...
+    def deliver(self, event) -> None:
+        """Queue ``event`` (see :mod:`~epdserve.serving.router.events`) for the request."""
 
 
 @dataclass
@@ -139,6 +140,7 @@ class Registry:
 
     # -- liveness
     def live(self, w: WorkerState) -> bool:
+        """True unless ``w`` is down."""
         return w.dead is None
 
     def ready(self) -> bool:

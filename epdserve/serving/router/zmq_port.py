@@ -119,10 +119,12 @@ class EventsLoop:
             self._pull.bind(self.addr)
 
     async def start(self) -> None:
+        """Bind (see :meth:`bind`) and start the reading task."""
         self.bind()
         self._task = asyncio.create_task(self._run(), name="epdserve-router-events")
 
     async def stop(self) -> None:
+        """Cancel the reading task and close the socket."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
