@@ -15,7 +15,7 @@ import sys
 COMMANDS = {
     "serve": ("epdserve.serving.launcher", "start a router and its workers (colocated, PD or EPD)"),
     "worker": ("epdserve.serving.worker", "run one engine worker (colocated, encode, prefill or decode)"),
-    "router": ("epdserve.serving.router", "run the OpenAI-compatible router alone"),
+    "router": ("epdserve.serving.router.app", "run the OpenAI-compatible router alone"),
     "bench": ("epdserve.bench.run", "send a seeded workload to an OpenAI-compatible server"),
     "compare": ("epdserve.bench.compare", "run the same trace against each deployment"),
     "plan": ("epdserve.plan.run", "predict which deployment meets the SLOs at the lowest cost"),

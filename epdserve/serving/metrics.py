@@ -5,7 +5,7 @@ Names and buckets follow vLLM's ``vllm:*`` metrics (``vllm/v1/metrics/loggers.py
 ``epdserve:`` prefix. Times are in seconds, sizes in bytes. Per-worker gauges carry
 ``worker`` and ``role`` labels and are set from the workers'
 :class:`~epdserve.serving.protocol.Stats`. The per-request histograms are observed from
-the request's trace record (:meth:`~epdserve.serving.router.Generation.trace`) when it
+the request's trace record (:meth:`~epdserve.serving.router.flows.Flow.trace`) when it
 ends, so that /metrics and ``--trace-file`` agree; a stage time splits by ``stage`` (where
 the request waited: router, colocated, prefill or decode worker) or ``role`` (the worker
 role that ran it; a decode-role prefill is a pd request under the local-prefill threshold).
@@ -43,6 +43,12 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        self._worker_metrics(r)
+        self._totals_seen: dict[tuple[str, str], tuple[int, ...]] = {}  # last worker-reported totals
+        self._request_metrics(r)
+
+    def _worker_metrics(self, r: CollectorRegistry) -> None:
+        """The per-worker gauges and counters (labels ``worker``, ``role``)."""
         wl = ["worker", "role"]
         self.worker_up = Gauge("epdserve:worker_up", "1 if the worker is up, 0 if down or refused.", wl, registry=r)
         self.kv_blocks_in_use = Gauge("epdserve:kv_blocks_in_use", "KV cache blocks in use.", wl, registry=r)
@@ -68,7 +74,9 @@ class RouterMetrics:
                                         wl, registry=r)
         self.mm_cache_hits = Counter("epdserve:mm_cache_hits", "Images found in the embedding cache.",
                                      wl, registry=r)
-        self._totals_seen: dict[tuple[str, str], tuple[int, ...]] = {}  # last worker-reported totals
+
+    def _request_metrics(self, r: CollectorRegistry) -> None:
+        """The per-request counters and histograms."""
         self.request_success = Counter("epdserve:request_success_total",
                                        "Finished requests by finish reason (abort = client went away).",
                                        ["finish_reason"], registry=r)

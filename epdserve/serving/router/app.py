@@ -1,0 +1,187 @@
+"""The composition root: a :class:`Router` made of a registry, its ZeroMQ port and events
+loop, and the OpenAI front, from a model and options; and the ``epdserve router`` command
+(run alone: workers started elsewhere connect to ``--events``; ``epdserve serve`` starts
+it together with its workers)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from epdserve.argtypes import int_at_least
+from epdserve.serving import auth
+from epdserve.serving.handshake import model_fingerprint, model_kv_shape
+from epdserve.serving.http_guard import add_http_options, uvicorn_config
+from epdserve.serving.metrics import RouterMetrics
+from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
+from epdserve.serving.router.flows import FlowConfig
+from epdserve.serving.router.front import Front
+from epdserve.serving.router.registry import MODE_ROLES, Compat, Registry, WorkerState
+from epdserve.serving.router.routes import create_app
+from epdserve.serving.router.zmq_port import EventsLoop, ZmqPort
+
+log = logging.getLogger("epdserve.router")
+
+
+class Router:
+    """A router's parts, wired: ``registry`` (workers, requests in flight), ``port`` and
+    ``events`` (ZeroMQ), ``front`` (requests to flows), ``metrics``.
+
+    ``mode`` is "colocated", "pd" or "epd"; ``model`` a :class:`~epdserve.model.loader.ModelInfo`;
+    ``events_addr`` the ZeroMQ address the PULL socket binds (``tcp://...`` or
+    ``ipc://...``). A worker silent for ``worker_timeout_s`` seconds is considered dead;
+    a request with no output for ``request_timeout_s`` seconds fails. ``auth_token``: if
+    set, every frame both ways is sealed with keys derived from it and a worker's Hello
+    must carry its HMAC (see :mod:`epdserve.serving.auth`, ``epdserve.serving.handshake``);
+    ``internal_encryption`` "curve": TCP sockets use CURVE (needs the token).
+    ``local_prefill_threshold`` (pd, tokens): a prompt shorter than this goes straight to a
+    decode worker, which prefills it itself; 0 disaggregates every prompt.
+
+    Raises (constructor):
+        ValueError: an unknown mode, or CURVE without a token or without libzmq support.
+    """
+
+    def __init__(self, mode: str, model, tokenizer, events_addr: str, *, trace_file: str | None = None,
+                 worker_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
+                 auth_token: str | None = None, local_prefill_threshold: int = 0,
+                 media: MediaOptions = MediaOptions(), internal_encryption: str = "none"):
+        if mode not in MODE_ROLES:
+            raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
+        self.mode, self.model, self.events_addr = mode, model, events_addr
+        self.keyring = auth.Keyring(auth_token, curve=internal_encryption == "curve")
+        # A vision-language model's image layout; None: requests with images get a 400.
+        images = ImagePrompter(model.path, tokenizer, media) if model.multimodal else None
+        compat = Compat(model_fingerprint(model.path), model_kv_shape(model.path),
+                        images.embedding_shape if images else None, auth_token)
+        self.metrics = RouterMetrics()
+        self.port = ZmqPort(self.keyring)
+        self.registry = Registry(mode, self.port, compat, worker_timeout_s=worker_timeout_s, metrics=self.metrics)
+        self.events = EventsLoop(self.registry, self.keyring, events_addr)
+        self.front = Front(model, tokenizer, self.registry,
+                           FlowConfig(mode, request_timeout_s=request_timeout_s,
+                                      local_prefill_threshold=local_prefill_threshold),
+                           images=images, metrics=self.metrics, trace_file=trace_file)
+
+    @property
+    def workers(self) -> dict[str, WorkerState]:
+        """The registry's workers, by id."""
+        return self.registry.workers
+
+    def live(self, w: WorkerState) -> bool:
+        """True unless ``w`` is down."""
+        return self.registry.live(w)
+
+    def mark_dead(self, worker_id: str, reason: str) -> None:
+        """See :meth:`Registry.mark_dead`."""
+        self.registry.mark_dead(worker_id, reason)
+
+    def shutdown_workers(self) -> None:
+        """Ask every live worker to exit (used by the launcher that owns them)."""
+        self.registry.shutdown_workers()
+
+    def bind(self) -> None:
+        """Bind the events socket (idempotent). Raises zmq.ZMQError if the address is taken."""
+        self.events.bind()
+
+    async def start(self) -> None:
+        """Bind the events socket and start reading it. Raises zmq.ZMQError if the address is taken."""
+        await self.events.start()
+
+    async def stop(self) -> None:
+        """Stop reading events, drop queued preprocessing and close every socket."""
+        await self.events.stop()
+        self.front.close()
+        self.port.close()
+
+
+# ------------------------------------------------------------------------ sub-command
+
+def add_router_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``epdserve router`` and ``epdserve serve``."""
+    parser.add_argument("--mode", choices=list(MODE_ROLES), default="colocated",
+                        help="colocated: one worker role; pd: prefill and decode workers; epd: encode, prefill "
+                             "and decode workers (a vision-language model)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or HF directory (default: SmolLM2-135M); 'vlm': the default vision-language "
+                             "model (SmolLM2-135M with a SmolVLM vision tower of SYNTHETIC weights)")
+    parser.add_argument("--limit-images-per-prompt", type=int_at_least(0), default=DEFAULT_MAX_IMAGES,
+                        help="most images one request may carry (vLLM's --limit-mm-per-prompt)")
+    parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                        help="directory image_url file paths may be read from (default: none)")
+    parser.add_argument("--allow-remote-images", action="store_true",
+                        help="fetch http(s) image URLs (lets clients make the server fetch any reachable address)")
+    parser.add_argument("--trace-file", default=None, help="append one JSON line per finished request")
+    parser.add_argument("--worker-timeout", type=float, default=5.0,
+                        help="seconds without any message (workers send a heartbeat every 0.5 s) "
+                             "after which a worker counts as down; counted only while the router can read, so "
+                             "a stall of the router is not blamed on its workers")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds without output after which a request fails")
+    parser.add_argument("--local-prefill-threshold", type=int_at_least(0), default=0,
+                        help="pd: prompts shorter than this many tokens are prefilled by a decode worker "
+                             "itself, without a KV hand-off (0: never)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_http_options(parser)
+    auth.add_arguments(parser, "shared secret that seals every frame between the router and its workers "
+                               "(default: $EPDSERVE_AUTH_TOKEN; serve: a random one)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``epdserve router``'s options."""
+    add_router_options(parser)
+    parser.add_argument("--events", default="tcp://127.0.0.1:5557",
+                        help="ZeroMQ address the router binds for worker events (workers' --router)")
+
+
+def build_router(args: argparse.Namespace, events_addr: str) -> Router:
+    """Resolve the model, load its tokenizer and make a Router from parsed options.
+
+    Raises:
+        ModelLoadError: the model cannot be found or read.
+    """
+    from epdserve.model.loader import ModelLoadError, resolve_model
+    from epdserve.model.tokenizer import load_tokenizer
+
+    model = resolve_model(args.model)
+    if args.mode == "epd" and not model.multimodal:
+        raise ModelLoadError(f"--mode epd needs a vision-language model (e.g. --model vlm), not {model.name}")
+    media = MediaOptions(max_images=args.limit_images_per_prompt, allowed_local_dir=args.allowed_local_media_path,
+                         allow_remote=args.allow_remote_images)
+    return Router(args.mode, model, load_tokenizer(model.path), events_addr, trace_file=args.trace_file,
+                  worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout,
+                  auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold, media=media,
+                  internal_encryption=args.internal_encryption)
+
+
+def setup_logging(level: str) -> None:
+    """Log to stderr at ``level`` ("debug" .. "error"), one timestamped line per record."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``epdserve router``: serve HTTP; workers started elsewhere connect to ``--events``.
+    Returns 2 on a bad option or model (``--events`` on TCP needs a token unless
+    ``--allow-unauthenticated``)."""
+    import uvicorn
+
+    from epdserve.model.loader import ModelLoadError
+
+    setup_logging(args.log_level)
+    error = auth.options_error(args, [args.events] if args.events.startswith("tcp://") else [])
+    if error is not None:
+        print(f"epdserve router: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        router = build_router(args, args.events)
+    except ModelLoadError as exc:
+        print(f"epdserve router: error: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(router)
+    log.info("router (%s, %s) on http://%s:%d; waiting for workers on %s (frames %s%s)", args.mode,
+             router.model.name, args.host, args.port, args.events,
+             "sealed" if router.keyring.enabled else "NOT authenticated", ", CURVE" if router.keyring.curve else "")
+    uvicorn.Server(uvicorn_config(app, args)).run()
+    return 0

@@ -1,0 +1,371 @@
+"""One request's trip through the workers: one flow class per path.
+
+* :class:`SingleWorkerFlow`: one worker produces every token: a colocated worker
+  (path "colocated"), or in pd a decode worker that prefills a prompt shorter than
+  ``--local-prefill-threshold`` itself (path "local").
+* :class:`DisaggregatedFlow`: a prefill worker returns the first token and a KV
+  descriptor; the first token goes to the client at once, then the descriptor and the
+  first token go to a decode worker, which streams tokens 2..n.
+* :class:`EncodeFlow` (epd, a request with images): the images go to encode workers first
+  (spread over them); once every one has answered ``Encoded``, the request continues as
+  a disaggregated one, its prefill worker getting the embedding frames instead of the
+  image bytes.
+
+A flow is driven by the events (:mod:`~epdserve.serving.router.events`) the registry puts
+on its queue. Transitions: a worker that goes down before the request's first output
+(queued or prefilling) -> the request goes to another live worker of the role (nothing
+reached the client yet; embeddings are dropped, the new worker encodes the images
+itself); down after it -> 503. No event for ``request_timeout_s`` -> 504. What the
+request holds on workers is tracked in :class:`~epdserve.serving.router.holdings.Holdings`
+and given back in :meth:`Flow.close`, which every outcome ends in. Times come from
+``FlowConfig.clock`` (seconds, default ``time.monotonic``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from epdserve.serving import openai_api as api
+from epdserve.serving import protocol as P
+from epdserve.serving.router.events import Encoded, Tick, WorkerDown, WorkerError, WorkerFailed, WorkerOutput
+from epdserve.serving.router.holdings import Holdings
+from epdserve.serving.router.registry import Registry, WorkerState
+from epdserve.trace import RequestTrace
+
+log = logging.getLogger("epdserve.router")
+
+# (token ids, logprobs as Output's, finish reason or None until the last)
+Tokens = tuple[list[int], list | None, str | None]
+
+
+@dataclass
+class FlowConfig:
+    """``mode``: the router's; ``request_timeout_s``: seconds without an event after which
+    a request fails (504); ``local_prefill_threshold`` (pd, tokens): a shorter prompt is
+    prefilled by its decode worker; ``poll_s``: how often a waiting flow ticks;
+    ``clock``: seconds, monotonic."""
+
+    mode: str
+    request_timeout_s: float = 600.0
+    local_prefill_threshold: int = 0
+    poll_s: float = 1.0
+    clock: Callable[[], float] = field(default=time.monotonic)
+
+
+def new_flow(registry: Registry, config: FlowConfig, request_id: str, prompt_ids: list[int],
+             sampling: P.SamplingParams, t_arrival: float, images: list[P.ImageRef] = ()) -> Flow:
+    """The flow of a request with these prompt ids and images (with their bytes), by mode
+    and path; ``t_arrival``: its arrival on ``config.clock``."""
+    if config.mode == "colocated":
+        cls = SingleWorkerFlow
+    elif len(prompt_ids) < config.local_prefill_threshold and not images:
+        cls = LocalPrefillFlow
+    elif config.mode == "epd" and images:
+        cls = EncodeFlow
+    else:
+        cls = DisaggregatedFlow
+    return cls(registry, config, request_id, prompt_ids, sampling, t_arrival, images)
+
+
+class Flow:
+    """What every path shares. :meth:`start` sends the request to its first worker(s);
+    :meth:`tokens` yields :data:`Tokens`; :meth:`close` must be called on every outcome
+    and is idempotent."""
+
+    path = "colocated"
+    first_role = "colocated"
+
+    def __init__(self, registry: Registry, config: FlowConfig, request_id: str, prompt_ids: list[int],
+                 sampling: P.SamplingParams, t_arrival: float, images: list[P.ImageRef] = ()):
+        self.registry, self.config, self.clock = registry, config, config.clock
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.images = list(images)  # with their bytes
+        self.embeddings: list[P.EmbeddingRef] = []
+        self.encoders: dict[str, tuple[WorkerState, list[int]]] = {}  # epd: id -> (worker, its images)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.held = Holdings(registry, request_id)
+        self.worker: WorkerState | None = None  # whose outputs the flow awaits
+        self.prefill_worker: WorkerState | None = None
+        self.decode_worker: WorkerState | None = None
+        self.closed = False
+        self.t_arrival = t_arrival
+        self.t_dispatch: float | None = None
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self.output_tokens = 0
+        self.cached_tokens = 0  # prompt tokens its first worker found in its prefix cache
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.itls_s: list[float] = []  # gaps between outputs reaching the router (s)
+        self.record = RequestTrace(request_id=request_id, mode=config.mode, path=self.path,
+                                   prompt_tokens=len(prompt_ids), max_tokens=sampling.max_tokens)
+
+    def deliver(self, event) -> None:
+        """Queue an event for this request (the registry calls it)."""
+        self.queue.put_nowait(event)
+
+    def start(self) -> None:
+        """Register the request and send it on (see the subclass's :meth:`_begin`).
+
+        Raises:
+            APIError: 503, no live worker of the role it needs.
+            WorkerFailed: that worker's command queue is full.
+        """
+        self.registry.requests[self.request_id] = self
+        self.t_dispatch = self.clock()
+        self._begin()
+
+    def _begin(self) -> None:
+        self._dispatch(self.registry.pick(self.first_role))
+
+    def tokens(self) -> AsyncIterator[Tokens]:
+        """Yield each worker output's ``(token_ids, logprobs, finish_reason)``; the reason
+        is None until the last one. Call :meth:`start` first.
+
+        Raises:
+            WorkerFailed: a worker rejected (400) or failed (5xx) the request, went down
+                with it (503), or went silent (504); no live worker to go on with (503).
+        """
+        raise NotImplementedError
+
+    # -- sending
+    def _dispatch(self, worker: WorkerState, **kw) -> None:
+        """Send the request to ``worker`` (``kw``: AddRequest's KV hand-off fields)."""
+        if worker.role == "prefill":
+            self.prefill_worker = worker
+        elif worker.role == "decode":
+            self.decode_worker = worker
+        if self.images:
+            # Only a worker that encodes them gets the bytes; the rest need the hashes.
+            encodes_here = worker.role != "decode" and not self.embeddings
+            kw["images"] = self.images if encodes_here else [im.model_copy(update={"data": None})
+                                                            for im in self.images]
+            kw["embeddings"] = self.embeddings
+        msg = P.AddRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
+                           sampling=self.sampling, **kw)
+        self.worker = worker
+        self.held.hold(worker, len(self.prompt_ids) + self.sampling.max_tokens, exports_kv=worker.role == "prefill")
+        self.registry.send(worker, msg)
+
+    def _pick(self, role: str) -> WorkerState:
+        """A live worker of ``role`` to go on with. Raises WorkerFailed 503 if none."""
+        try:
+            return self.registry.pick(role)
+        except api.APIError as exc:
+            raise WorkerFailed(exc.message, 503) from None
+
+    # -- waiting
+    async def _poll(self):
+        """The next event, or :class:`Tick` after ``poll_s`` without one."""
+        # Not asyncio.wait_for: on Python 3.11 it swallows a cancel (client gone) that lands
+        # as a message arrives, and the request then runs on for nobody.
+        try:
+            async with asyncio.timeout(self.config.poll_s):
+                return await self.queue.get()
+        except TimeoutError:
+            return Tick()
+
+    async def _next(self) -> P.Output:
+        """The next Output of the current worker.
+
+        Raises:
+            WorkerFailed: the worker sent Error (with its status), died (503) or went silent (504).
+        """
+        worker, timeout = self.worker, self.config.request_timeout_s
+        silent_since = self.clock()
+        while True:
+            event = await self._poll()
+            if isinstance(event, (Tick, WorkerDown)):
+                if worker.dead:
+                    self.held.lost(worker)
+                    raise WorkerFailed(f"worker {worker.worker_id} died ({worker.dead})", 503)
+                if self.clock() - silent_since > timeout:
+                    raise WorkerFailed(f"no output from worker {worker.worker_id} for {timeout:.0f} s", 504)
+                continue
+            if event.worker_id != worker.worker_id:
+                continue  # a late message of a worker we left
+            if isinstance(event, WorkerError):
+                self.held.done(worker, failed=True)
+                verb = "rejected" if event.msg.status < 500 else "failed"
+                raise WorkerFailed(f"worker {worker.worker_id} {verb} the request: {event.msg.message}",
+                                   event.msg.status)
+            if isinstance(event, WorkerOutput):
+                if event.msg.finished:
+                    self.held.done(worker)
+                self.record.add(worker.role, event.msg.timings)
+                return event.msg
+
+    async def _first(self) -> P.Output:
+        """The first output; if the worker goes down before it, the request goes to another
+        live worker of the role (nothing reached the client yet, so nothing is repeated).
+
+        Raises:
+            WorkerFailed: as :meth:`_next`; 503 if no other worker of the role is live.
+        """
+        while True:
+            try:
+                out = await self._next()
+                break
+            except WorkerFailed as exc:
+                dead = self.worker
+                if not dead.dead:
+                    raise
+                try:
+                    worker = self.registry.pick(dead.role)
+                except api.APIError:
+                    raise WorkerFailed(f"{exc}; no other live {dead.role} worker to retry on", 503) from None
+                log.warning("%s: %s; retrying on %s", self.request_id, exc, worker.worker_id)
+                # The dead worker may have read, and so deleted, the embedding frames: the
+                # next one gets the image bytes and encodes them itself.
+                self.embeddings = []
+                self._dispatch(worker)
+        self.t_first = self.clock()
+        self.cached_tokens = out.num_cached_tokens  # in pd, the prefill worker's
+        return out
+
+    async def _stream(self, out: P.Output) -> AsyncIterator[Tokens]:
+        """Yield ``out`` and every later output of the current worker, to the last."""
+        while True:
+            yield out.token_ids, out.logprobs, (out.finish_reason or "stop") if out.finished else None
+            if out.finished:
+                return
+            out = await self._next()
+
+    # -- the end
+    def close(self) -> list[tuple[str, str]]:
+        """Free the request everywhere (:meth:`Holdings.settle`). Idempotent. Returns what
+        was sent, as ``(worker id, message type)``."""
+        if self.closed:
+            return []
+        self.closed = True
+        self.t_end = self.clock()
+        self.registry.requests.pop(self.request_id, None)
+        return self.held.settle()
+
+    def trace(self) -> RequestTrace:
+        """The request's trace record (see :mod:`epdserve.trace` for every stage)."""
+        rec = self.record
+        rec.output_tokens, rec.finish_reason, rec.error = self.output_tokens, self.finish_reason, self.error
+        rec.prefill_worker = self.prefill_worker.worker_id if self.prefill_worker else None
+        rec.decode_worker = self.decode_worker.worker_id if self.decode_worker else None
+        if self.config.mode == "colocated":
+            rec.worker = getattr(self.worker, "worker_id", None)
+        if self.encoders:
+            rec.encode_workers = sorted(self.encoders)
+        if self.images:
+            rec.num_images = len(self.images)
+        rec.router_queue_ms = _ms(self.t_arrival, self.t_dispatch)
+        rec.ttft_ms = _ms(self.t_arrival, self.t_first)
+        rec.e2e_ms = _ms(self.t_arrival, self.t_end)
+        return rec
+
+
+def _ms(t0: float | None, t1: float | None) -> float | None:
+    return None if t0 is None or t1 is None else round((t1 - t0) * 1000, 3)
+
+
+class SingleWorkerFlow(Flow):
+    """Colocated: one colocated worker from the first token to the last."""
+
+    async def tokens(self) -> AsyncIterator[Tokens]:
+        out = await self._first()
+        async for item in self._stream(out):
+            yield item
+
+
+class LocalPrefillFlow(SingleWorkerFlow):
+    """pd, a prompt under the local-prefill threshold: a decode worker prefills it itself."""
+
+    path = "local"
+    first_role = "decode"
+
+
+class DisaggregatedFlow(Flow):
+    """prefill worker -> KV hand-off -> decode worker."""
+
+    path = "disaggregated"
+    first_role = "prefill"
+
+    async def tokens(self) -> AsyncIterator[Tokens]:
+        out = await self._first()
+        prefill = self.prefill_worker
+        self.held.done(prefill)  # its one output: the request is off its queue
+        self.worker = None
+        if out.finished or out.kv is None:
+            self.held.release_kv()
+            if not out.finished:
+                raise WorkerFailed(f"prefill worker {prefill.worker_id} sent no KV")
+            yield out.token_ids, out.logprobs, out.finish_reason or "stop"
+            return
+        yield out.token_ids, out.logprobs, None  # the first token reaches the client before the hand-off
+        self._dispatch(self._pick("decode"), kv=out.kv, first_token=out.token_ids[-1])
+        self.record.router_hop_ms = (self.clock() - self.t_first) * 1000
+        out = await self._next()
+        # The decode worker imports the KV before its first step, so its first output
+        # means the prefill worker's copy is no longer needed.
+        self.held.release_kv()
+        async for item in self._stream(out):
+            yield item
+
+
+class EncodeFlow(DisaggregatedFlow):
+    """epd with images: encode workers -> prefill worker -> KV hand-off -> decode worker."""
+
+    def _begin(self) -> None:
+        """Deal the images round-robin to the live encode workers, least loaded first; each
+        worker answers with one frame for its share.
+
+        Raises:
+            APIError: 503, no live encode worker.
+        """
+        workers = self.registry.encoders()
+        if not workers:
+            raise api.APIError("no live encode worker", status=503, type="service_unavailable")
+        n = len(self.images)
+        shares = [list(range(i, n, len(workers))) for i in range(min(len(workers), n))]
+        for worker, indices in zip(workers, shares):
+            self.encoders[worker.worker_id] = (worker, indices)
+            self.held.encoding(worker)
+            self.registry.send(worker, P.Encode(request_id=self.request_id, images=[self.images[i] for i in indices]))
+
+    async def tokens(self) -> AsyncIterator[Tokens]:
+        await self._encoded()
+        self._dispatch(self._pick("prefill"))
+        async for item in super().tokens():
+            yield item
+
+    async def _encoded(self) -> None:
+        """Wait for every encode worker's frame; keep the frames (``embeddings``) and their
+        timings: ``encode_queue_ms`` and ``encode_ms`` of the worker that answered last (the
+        critical path), ``embedding_bytes`` summed.
+
+        Raises:
+            WorkerFailed: an encode worker rejected the images (400), died (503) or went silent (504).
+        """
+        waiting = dict(self.encoders)
+        timeout = self.config.request_timeout_s
+        silent_since = self.clock()
+        while waiting:
+            event = await self._poll()
+            if isinstance(event, (Tick, WorkerDown)):
+                dead = next((w for w, _ in waiting.values() if w.dead), None)
+                if dead is not None:
+                    self.held.lost(dead)
+                    raise WorkerFailed(f"encode worker {dead.worker_id} died ({dead.dead})", 503)
+                if self.clock() - silent_since > timeout:
+                    raise WorkerFailed(f"no embeddings within {timeout:.0f} s", 504)
+                continue
+            if not isinstance(event, (Encoded, WorkerError)) or event.worker_id not in waiting:
+                continue
+            worker, indices = waiting.pop(event.worker_id)
+            if isinstance(event, WorkerError):
+                raise WorkerFailed(f"encode worker {worker.worker_id} rejected the images: {event.msg.message}",
+                                   event.msg.status)
+            self.embeddings.append(P.EmbeddingRef(images=indices, frame=event.msg.frame))
+            self.record.add("encode", event.msg.timings)

@@ -1,0 +1,348 @@
+"""The worker registry: who is up, who holds what, who gets the next request.
+
+Workers join with ``Hello`` (:meth:`Registry.on_hello`): accepted unless
+:func:`~epdserve.serving.handshake.refusal` finds it incompatible or its id is held by
+another live worker process (it then gets only ``Refused``). ``Stats`` update a worker's
+state and the Prometheus gauges; request messages become events on their request's queue.
+
+Worker states: "up"; "down" once :meth:`Registry.mark_dead` is called (by the launcher's
+process watch, or by :meth:`Registry.check_silence` after ``worker_timeout_s`` without any
+message, heartbeats included, on the read clock the events loop keeps); "refused". A down
+worker comes back up by saying Hello again: a restarted process at once; the same process
+(it was stopped, or cut off, and its heartbeats resume) after a
+:class:`~epdserve.serving.protocol.Reset` that makes it drop everything it held.
+
+The registry talks to workers only through a :class:`WorkerPort`, so that it (and the
+request flows) run without sockets in tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from epdserve.serving import openai_api as api
+from epdserve.serving import protocol as P
+from epdserve.serving.handshake import KV_PEER_ROLES, refusal
+from epdserve.serving.metrics import RouterMetrics
+from epdserve.serving.router.events import WorkerDown, WorkerFailed, event_for
+
+log = logging.getLogger("epdserve.router")
+
+MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode"), "epd": ("encode", "prefill", "decode")}
+TAKEOVER_SILENCE_S = 1.0  # 2 heartbeat intervals: a worker this silent may be replaced by another process
+RESET_RETRY_S = 2.0  # how often a down worker that is heard again is sent Reset until it says Hello
+MAX_REFUSED = 64  # refused workers listed in /health (the oldest are forgotten)
+
+
+class WorkerPort(Protocol):
+    """How the registry reaches workers (ZeroMQ in production, a recorder in tests)."""
+
+    def connect(self, worker_id: str, addr: str, incarnation: str) -> None:
+        """Open the command channel to ``worker_id`` at ``addr``, sealed for ``incarnation``
+        (replacing any channel of that id)."""
+
+    def disconnect(self, worker_id: str) -> None:
+        """Close ``worker_id``'s command channel, if any."""
+
+    def send(self, worker_id: str, msg) -> None:
+        """Queue ``msg`` for ``worker_id`` without blocking.
+
+        Raises:
+            WorkerFailed: its command queue is full (it stopped reading).
+        """
+
+    def send_refused(self, worker_id: str, addr: str, msg: P.Refused) -> None:
+        """Deliver ``msg`` once to the process at ``addr`` (calling itself ``worker_id``) (sealed for ``msg.incarnation``),
+        never blocking for long; a failure is logged, not raised."""
+
+
+class Inbox(Protocol):
+    """A request in flight, as the registry sees it: something events are delivered to."""
+
+    def deliver(self, event) -> None:
+        """Queue ``event`` (see :mod:`~epdserve.serving.router.events`) for the request."""
+
+
+@dataclass
+class Compat:
+    """What a worker must match to join: the model's ``fingerprint``, its KV shape
+    (``kv_shape``), an encode worker's ``embedding_shape`` (None: no vision model), and
+    the deployment's ``auth_token`` (None: none)."""
+
+    fingerprint: str
+    kv_shape: dict
+    embedding_shape: dict | None = None
+    auth_token: str | None = None
+
+
+@dataclass
+class WorkerState:
+    """What the router knows of one worker. ``outstanding`` maps request ids it holds to
+    their token count (prompt + max_tokens); ``last_seen`` is a ``time.monotonic()``,
+    ``heard`` the registry's read clock (see :meth:`Registry.advance`) at its last message;
+    ``incarnation`` names its process."""
+
+    worker_id: str
+    role: str
+    addr: str
+    model: str
+    kv_layout: dict = field(default_factory=dict)
+    cores: list[int] = field(default_factory=list)
+    blocks_total: int = 0
+    blocks_in_use: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    dead: str | None = None  # why it is considered gone
+    outstanding: dict[str, int] = field(default_factory=dict)
+    incarnation: str = ""
+    heard: float = 0.0
+    reset_sent: float = -float("inf")  # time.monotonic() of the last Reset
+
+    def as_json(self, now: float) -> dict:
+        """Its /health entry (``now``: a ``time.monotonic()``)."""
+        return {"worker_id": self.worker_id, "role": self.role, "addr": self.addr, "cores": self.cores,
+                "state": "down" if self.dead else "up", "reason": self.dead,
+                "kv_dtype": self.kv_layout.get("dtype"),
+                "blocks_in_use": self.blocks_in_use, "blocks_total": self.blocks_total,
+                "num_running": self.num_running, "num_waiting": self.num_waiting,
+                "outstanding": len(self.outstanding),
+                "outstanding_tokens": sum(self.outstanding.values()),
+                "last_seen_s_ago": round(now - self.last_seen, 3)}
+
+
+class Registry:
+    """Workers by id, refused workers, and the requests in flight (``requests``: id ->
+    :class:`Inbox`). ``mode``: "colocated", "pd" or "epd"; a worker silent for
+    ``worker_timeout_s`` seconds of read clock is marked down.
+
+    Raises (constructor):
+        ValueError: an unknown mode.
+    """
+
+    def __init__(self, mode: str, port: WorkerPort, compat: Compat, *, worker_timeout_s: float = 5.0,
+                 metrics: RouterMetrics | None = None):
+        if mode not in MODE_ROLES:
+            raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
+        self.mode = mode
+        self.port = port
+        self.compat = compat
+        self.worker_timeout_s = worker_timeout_s
+        self.metrics = metrics or RouterMetrics()
+        self.workers: dict[str, WorkerState] = {}
+        self.refused: dict[str, dict] = {}  # worker id -> its /health entry
+        self.requests: dict[str, Inbox] = {}
+        self.clock = 0.0  # read clock: seconds the events loop has been able to read (see advance)
+
+    # -- liveness
+    def live(self, w: WorkerState) -> bool:
+        """True unless ``w`` is down."""
+        return w.dead is None
+
+    def ready(self) -> bool:
+        """True when every role the mode needs has a live worker."""
+        return all(any(w.role == role and self.live(w) for w in self.workers.values())
+                   for role in MODE_ROLES[self.mode])
+
+    def advance(self, seconds: float) -> None:
+        """Move the read clock on by ``seconds`` the events loop could read (it decides how
+        much of a stall counts, so that the router never blames a worker for its own)."""
+        self.clock += seconds
+
+    def check_silence(self) -> None:
+        """Mark down every live worker unheard for more than ``worker_timeout_s`` of read clock."""
+        for w in list(self.workers.values()):
+            if not w.dead and self.clock - w.heard > self.worker_timeout_s:
+                self.mark_dead(w.worker_id, f"silent for {self.worker_timeout_s:g} s")
+
+    def mark_dead(self, worker_id: str, reason: str) -> None:
+        """Declare a worker down until it says Hello again: it is not picked, and the
+        requests it holds get :class:`~epdserve.serving.router.events.WorkerDown` at once
+        (to fail, or before their first output to be retried elsewhere)."""
+        w = self.workers.get(worker_id)
+        if w is None or w.dead:
+            return
+        w.dead = reason
+        log.error("worker %s (%s) is down: %s", worker_id, w.role, reason)
+        self.metrics.worker_up.labels(worker_id, w.role).set(0)
+        for request_id in w.outstanding:
+            inbox = self.requests.get(request_id)
+            if inbox is not None:
+                inbox.deliver(WorkerDown(worker_id, reason))
+        w.outstanding.clear()
+
+    # -- picking and sending
+    def pick(self, role: str) -> WorkerState:
+        """The live worker of ``role`` with the fewest outstanding requests (then tokens).
+
+        Raises:
+            APIError: 503, no live worker of that role.
+        """
+        candidates = [w for w in self.workers.values() if w.role == role and self.live(w)]
+        if not candidates:
+            raise api.APIError(f"no live {role} worker", status=503, type="service_unavailable")
+        return min(candidates, key=lambda w: (len(w.outstanding), sum(w.outstanding.values())))
+
+    def encoders(self) -> list[WorkerState]:
+        """The live encode workers, least loaded (then by id) first."""
+        return sorted((w for w in self.workers.values() if w.role == "encode" and self.live(w)),
+                      key=lambda w: (len(w.outstanding), w.worker_id))
+
+    def send(self, w: WorkerState, msg) -> None:
+        """Queue ``msg`` for ``w``. Raises WorkerFailed if its command queue is full."""
+        self.port.send(w.worker_id, msg)
+
+    def send_quietly(self, w: WorkerState, msg) -> None:
+        """As :meth:`send`, logging instead of raising (for what frees resources). Nothing
+        goes to a worker whose process was replaced since (``w`` is no longer registered):
+        the new one never held what ``msg`` is about."""
+        if self.workers.get(w.worker_id) is not w:
+            return
+        try:
+            self.port.send(w.worker_id, msg)
+        except WorkerFailed as exc:
+            log.warning("could not send %s to %s: %s", msg.type, w.worker_id, exc)
+
+    def shutdown_workers(self) -> None:
+        """Ask every live worker to exit (used by the launcher that owns them)."""
+        for w in self.workers.values():
+            if not w.dead:
+                self.send_quietly(w, P.Shutdown())
+
+    # -- worker messages
+    def on_message(self, msg, now: float) -> None:
+        """Act on one worker message (``now``: its ``time.monotonic()`` arrival)."""
+        if isinstance(msg, P.Hello):
+            self.on_hello(msg)
+            return
+        w = self.workers.get(msg.worker_id)
+        if w is None:
+            log.debug("message from unknown worker %s ignored", msg.worker_id)
+            return
+        if isinstance(msg, P.Heartbeat):
+            if msg.incarnation != w.incarnation:
+                return  # another process claiming this id (one that was replaced, or a token holder)
+            if w.dead:
+                self._reset(w, now)
+        w.last_seen, w.heard = now, self.clock
+        if isinstance(msg, P.Stats):
+            self._on_stats(w, msg)
+        elif isinstance(msg, (P.Output, P.Error, P.Encoded)):
+            self._on_request_message(w, msg)
+
+    def _on_stats(self, w: WorkerState, msg: P.Stats) -> None:
+        w.blocks_total, w.blocks_in_use = msg.blocks_total, msg.blocks_in_use
+        w.num_running, w.num_waiting, w.num_preemptions = msg.num_running, msg.num_waiting, msg.num_preemptions
+        self.metrics.set_worker(w.worker_id, w.role, blocks_in_use=msg.blocks_in_use,
+                                blocks_total=msg.blocks_total, num_running=msg.num_running,
+                                num_waiting=msg.num_waiting, num_preemptions=msg.num_preemptions,
+                                prefix_cache_queries=msg.prefix_cache_queries,
+                                prefix_cache_hits=msg.prefix_cache_hits,
+                                mm_cache_queries=msg.mm_cache_queries, mm_cache_hits=msg.mm_cache_hits)
+
+    def _on_request_message(self, w: WorkerState, msg: P.Output | P.Error | P.Encoded) -> None:
+        # A worker's last word on a request (finished, KV exported, error, frame made): it
+        # no longer counts towards the worker's load.
+        if not isinstance(msg, P.Output) or msg.finished or msg.kv is not None:
+            w.outstanding.pop(msg.request_id, None)
+        inbox = self.requests.get(msg.request_id)
+        if inbox is not None:
+            inbox.deliver(event_for(msg))
+        elif isinstance(msg, P.Encoded) or (isinstance(msg, P.Output) and msg.kv is not None):
+            # Its client left before the KV (embeddings) arrived: no flow will release it.
+            self.send_quietly(w, P.ReleaseKV(request_id=msg.request_id))
+
+    def _reset(self, w: WorkerState, now: float) -> None:
+        """A down worker's own heartbeats resume (it was stopped or cut off, not restarted):
+        tell it to drop what it held and say Hello again (at most every RESET_RETRY_S)."""
+        if now - w.reset_sent < RESET_RETRY_S:
+            return
+        w.reset_sent = now
+        log.warning("worker %s (%s) is heard again after it went down (%s); resetting it", w.worker_id, w.role,
+                    w.dead)
+        self.send_quietly(w, P.Reset(incarnation=w.incarnation))
+
+    def on_hello(self, msg: P.Hello) -> None:
+        """Register a worker (new, restarted, or the same process after a Reset), or refuse it.
+
+        Identity: while a worker id is held by a live worker, a Hello for it is taken only
+        from the same process (same ``incarnation``: nothing to do) or once that worker has
+        been silent for more than ``TAKEOVER_SILENCE_S`` (it died and its successor came up
+        before anyone noticed); otherwise it is refused as held. With a token only a token
+        holder gets here (the frame's tag was checked). A refused Hello never touches the
+        state of the worker registered under its id.
+        """
+        old = self.workers.get(msg.worker_id)
+        if old is not None and not old.dead:
+            if msg.incarnation == old.incarnation:
+                log.debug("worker %s said hello again", msg.worker_id)
+                return
+            if self.clock - old.heard <= TAKEOVER_SILENCE_S:
+                self._refuse(msg, f"worker id {msg.worker_id} is held by a live worker process (at {old.addr})",
+                             held=True)
+                return
+        reason = self._refusal(msg)
+        if reason is not None:
+            self._refuse(msg, reason, held=old is not None)
+            return
+        if old is not None:
+            if old.dead is None:
+                self.mark_dead(msg.worker_id, "replaced by a new process")
+            elif old.incarnation == msg.incarnation:
+                log.info("worker %s (%s) is back after a reset", msg.worker_id, msg.role)
+            self.port.disconnect(msg.worker_id)
+            if old.role != msg.role:  # the id now names another role
+                self.metrics.worker_up.labels(msg.worker_id, old.role).set(0)
+        self._admit(msg)
+
+    def _refusal(self, msg: P.Hello) -> str | None:
+        """Why ``msg``'s worker cannot serve with this deployment, or None."""
+        if msg.role not in MODE_ROLES[self.mode]:
+            return f"worker {msg.worker_id} has role {msg.role}, a {self.mode} router uses {MODE_ROLES[self.mode]}"
+        peer_role = KV_PEER_ROLES.get(msg.role) if self.mode in ("pd", "epd") else None
+        peers = [(w.worker_id, w.kv_layout) for w in self.workers.values()
+                 if w.role == peer_role and self.live(w) and w.worker_id != msg.worker_id]
+        kv_shape = self.compat.embedding_shape if msg.role == "encode" else self.compat.kv_shape
+        return refusal(msg, fingerprint=self.compat.fingerprint, kv_shape=kv_shape,
+                       auth_token=self.compat.auth_token, peers=peers)
+
+    def _admit(self, msg: P.Hello) -> None:
+        self.port.connect(msg.worker_id, msg.addr, msg.incarnation)
+        self.refused.pop(msg.worker_id, None)
+        self.workers[msg.worker_id] = WorkerState(worker_id=msg.worker_id, role=msg.role, addr=msg.addr,
+                                                  model=msg.model, kv_layout=msg.kv_layout, cores=msg.cores,
+                                                  blocks_total=msg.blocks_total, incarnation=msg.incarnation,
+                                                  heard=self.clock)
+        self.metrics.set_worker(msg.worker_id, msg.role, blocks_in_use=0, blocks_total=msg.blocks_total,
+                                num_running=0, num_waiting=0, num_preemptions=0)
+        self.metrics.worker_up.labels(msg.worker_id, msg.role).set(1)
+        log.info("worker %s (%s) is up: hello from %s, cores %s", msg.worker_id, msg.role, msg.addr, msg.cores)
+
+    def _refuse(self, msg: P.Hello, reason: str, held: bool) -> None:
+        """Turn ``msg``'s sender away. ``held``: its id names a registered worker, whose state
+        (and /health entry) stays as it is; else it is listed in /health as refused.
+        ``Refused`` goes to the Hello's address, sealed for the Hello's process alone; without
+        a token only when the id is not held (an unauthenticated Hello could name any
+        address, a live worker's included)."""
+        log.error("refused worker %s (%s) from %s: %s", msg.worker_id, msg.role, msg.addr, reason)
+        if not held:
+            self.refused.pop(msg.worker_id, None)
+            self.refused[msg.worker_id] = {"worker_id": msg.worker_id, "role": msg.role, "addr": msg.addr,
+                                           "cores": msg.cores, "state": "refused", "reason": reason,
+                                           "kv_dtype": msg.kv_layout.get("dtype"),
+                                           "blocks_in_use": 0, "blocks_total": 0, "num_running": 0,
+                                           "num_waiting": 0, "outstanding": 0, "outstanding_tokens": 0}
+            while len(self.refused) > MAX_REFUSED:
+                self.refused.pop(next(iter(self.refused)))
+            self.metrics.worker_up.labels(msg.worker_id, msg.role).set(0)
+        if held and not self.compat.auth_token:
+            return
+        self.port.send_refused(msg.worker_id, msg.addr, P.Refused(reason=reason, incarnation=msg.incarnation))
+
+    def health(self, now: float) -> list[dict]:
+        """Every worker's /health entry, refused ones last (``now``: ``time.monotonic()``)."""
+        return [w.as_json(now) for w in self.workers.values()] + list(self.refused.values())

@@ -1,0 +1,183 @@
+"""The router's ZeroMQ side: command sockets to the workers and the events socket.
+
+:class:`ZmqPort` is the production :class:`~epdserve.serving.router.registry.WorkerPort`:
+one PUSH socket per worker, every frame sealed (:mod:`epdserve.serving.auth`) for that
+worker's process. :class:`EventsLoop` binds the PULL socket every worker pushes to, opens
+and parses each frame (one that fails is logged, rate-limited, and dropped) and hands the
+message to the registry; it also keeps the registry's read clock and its silence check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from epdserve.serving import auth
+from epdserve.serving import protocol as P
+from epdserve.serving.router.events import WorkerFailed
+from epdserve.serving.router.registry import Registry
+
+log = logging.getLogger("epdserve.router")
+
+MAX_EVENT_BYTES = 16 << 20  # a worker frame larger than this is dropped by ZeroMQ
+EVENTS_POLL_S = 0.5
+STALL_GRACE_S = 0.5  # of one events-loop turn beyond a poll, the most that counts as time it could read
+MAX_EVENTS_BATCH = 1000  # frames read in one go before the silence check
+SILENCE_CHECK_S = 1.0  # read-clock seconds between two silence checks
+REFUSED_LINGER_MS = 2000  # deliver Refused, but never block the router for long
+
+
+class ZmqPort:
+    """Command sockets to the workers, by worker id (see :class:`~epdserve.serving.router.registry.WorkerPort`).
+
+    ``keyring``: the deployment's keys (seals commands, CURVE on TCP).
+    """
+
+    def __init__(self, keyring: auth.Keyring):
+        self.keyring = keyring
+        self._ctx = zmq.Context()
+        self._socks: dict[str, tuple[zmq.Socket, auth.Sealer]] = {}
+
+    def connect(self, worker_id: str, addr: str, incarnation: str) -> None:
+        """Connect a PUSH to ``addr`` whose frames only process ``incarnation`` accepts."""
+        self.disconnect(worker_id)
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        self.keyring.secure_client(sock, addr)
+        sock.connect(addr)
+        self._socks[worker_id] = (sock, self.keyring.sealer("commands", incarnation))
+
+    def disconnect(self, worker_id: str) -> None:
+        """Close ``worker_id``'s socket, dropping what is still queued."""
+        entry = self._socks.pop(worker_id, None)
+        if entry is not None:
+            entry[0].close(linger=0)
+
+    def send(self, worker_id: str, msg) -> None:
+        """Queue one command without blocking.
+
+        Raises:
+            WorkerFailed: the worker's command queue is full (it stopped reading), or it has no socket.
+        """
+        entry = self._socks.get(worker_id)
+        if entry is None:
+            raise WorkerFailed(f"worker {worker_id} is not connected")
+        sock, sealer = entry
+        try:
+            sock.send(sealer.seal(P.encode(msg)), zmq.NOBLOCK)
+        except zmq.Again:
+            raise WorkerFailed(f"worker {worker_id} is not accepting commands") from None
+
+    def send_refused(self, worker_id: str, addr: str, msg: P.Refused) -> None:
+        """Send ``msg`` on a socket of its own to ``addr``, sealed for ``msg.incarnation``."""
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, REFUSED_LINGER_MS)
+        self.keyring.secure_client(sock, addr)
+        frame = self.keyring.sealer("commands", msg.incarnation).seal(P.encode(msg))
+        try:
+            sock.connect(addr)
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # zmq.Again included
+            log.warning("could not send Refused to %s at %s: %s", worker_id, addr, exc)
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        """Close every worker socket."""
+        for worker_id in list(self._socks):
+            self.disconnect(worker_id)
+
+
+class EventsLoop:
+    """The task reading the events socket ``addr`` into ``registry``.
+
+    Raises (:meth:`bind`): zmq.ZMQError if the address is taken.
+    """
+
+    def __init__(self, registry: Registry, keyring: auth.Keyring, addr: str):
+        self.registry = registry
+        self.keyring = keyring
+        self.addr = addr
+        self._opener = keyring.opener("events")
+        self._drops = auth.DropLog(log, "dropped a frame on the events socket")
+        self._actx = zmq.asyncio.Context()
+        self._pull: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
+
+    def bind(self) -> None:
+        """Bind the events socket (idempotent)."""
+        if self._pull is None:
+            self._pull = self._actx.socket(zmq.PULL)
+            self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
+            self._pull.setsockopt(zmq.LINGER, 0)
+            self.keyring.secure_server(self._pull, self.addr)
+            self._pull.bind(self.addr)
+
+    async def start(self) -> None:
+        """Bind (see :meth:`bind`) and start the reading task."""
+        self.bind()
+        self._task = asyncio.create_task(self._run(), name="epdserve-router-events")
+
+    async def stop(self) -> None:
+        """Cancel the reading task and close the socket."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._pull is not None:
+            self._pull.close(linger=0)
+            self._pull = None
+
+    async def _run(self) -> None:
+        """Read the workers' frames, and have the registry mark down silent workers.
+
+        Silence is measured on a clock of the time this loop was able to read (the
+        registry's read clock), not the wall clock, so that the router never blames a
+        worker for its own stall: a turn of the loop lasts at most one poll
+        (``EVENTS_POLL_S``) plus the handling of what it read, and of a longer one (the
+        event loop held by a long synchronous call, the process stopped or starved) only
+        ``EVENTS_POLL_S + STALL_GRACE_S`` counts. And every frame queued (up to
+        ``MAX_EVENTS_BATCH``) is read before the check, so heartbeats that piled up during
+        a stall are heard first. A worker that really stopped is still found out after
+        ``worker_timeout_s`` of the router's own running time.
+        """
+        registry = self.registry
+        last_turn = time.monotonic()
+        last_check = registry.clock
+        while True:
+            ready = await self._pull.poll(EVENTS_POLL_S * 1000)
+            now = time.monotonic()
+            registry.advance(min(now - last_turn, EVENTS_POLL_S + STALL_GRACE_S))
+            last_turn = now
+            drained = True
+            if ready:
+                for _ in range(MAX_EVENTS_BATCH):
+                    self._on_frame(await self._pull.recv(), now)
+                    if not self._pull.get(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                else:
+                    drained = False  # more queued: read them before judging anyone silent
+            if drained and registry.clock - last_check >= SILENCE_CHECK_S:
+                last_check = registry.clock
+                registry.check_silence()
+
+    def _on_frame(self, frame: bytes, now: float) -> None:
+        """Check one frame's tag, parse it and act on it; a frame that fails is dropped."""
+        try:
+            msg = P.decode(self._opener.open(frame))
+        except auth.AuthError as exc:
+            self._drops(f"it failed authentication: {exc}")
+            return
+        except P.ProtocolError as exc:
+            self._drops(f"bad frame: {exc}")
+            return
+        try:
+            self.registry.on_message(msg, now)
+        except Exception:
+            log.exception("error handling a worker message")
