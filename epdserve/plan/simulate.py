@@ -7,7 +7,7 @@ next chunk), then admits waiting sequences while ``max_num_seqs`` and
 A step lasts what the platform's step model says, its decodes slowed as served ones are,
 more so while every other device of the deployment is busy (``Platform.served_step_ms``). The router sends a request to the
 worker of the role with the fewest outstanding requests, then tokens (prompt +
-max_tokens), as the router (serving/router/flows.py) does. In PD the first token is streamed when the
+max_tokens), as serving/router/registry.py picks. In PD the first token is streamed when the
 prefill worker samples it; the KV then crosses ``kv_link`` and the decode worker copies
 it in during its next step (``kv_import_gbs``). KV memory (``Platform.kv_capacity_tokens``
 per worker, in blocks of ``block_size``): a request is admitted only while the blocks of its
