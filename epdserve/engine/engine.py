@@ -1,7 +1,7 @@
 """The engine loop of one worker: requests in, one scheduled forward pass per step, tokens out.
 
-The engine knows no worker roles; each request says what it needs (see DESIGN.md for the
-roles the serving layer builds from them):
+The engine knows no worker roles; each request says what it needs (the serving layer's
+roles are built from these, see docs/architecture.md):
 
 * by default it is prefilled and decoded here;
 * ``hold_kv``: it stops after the first token and its prompt's KV blocks stay held for
@@ -295,7 +295,8 @@ class LLMEngine:
         (one call per sink and layer, with all of its prompts). None: no such request."""
         sinks: dict[int, tuple[LayerSink, list[tuple[str, list[int]]]]] = {}
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            if seq.layer_sink is not None and seq.is_prefilling and seq.num_computed_tokens + n == seq.num_prompt_tokens:
+            completes = seq.is_prefilling and seq.num_computed_tokens + n == seq.num_prompt_tokens
+            if seq.layer_sink is not None and completes:
                 prompt_blocks = seq.block_table[: self.pool.blocks_for(seq.num_prompt_tokens)]
                 sinks.setdefault(id(seq.layer_sink), (seq.layer_sink, []))[1].append((seq.request_id, prompt_blocks))
         if not sinks:

@@ -63,7 +63,8 @@ class TensorKV:
             kv_cache[:, :, block:block + n].copy_(kv[:, :, first + pos:first + pos + n])
 
 
-def check_kv(shape: tuple[int, ...], dtype: torch.dtype, expected: tuple[int, ...], expected_dtype: torch.dtype) -> None:
+def check_kv(shape: tuple[int, ...], dtype: torch.dtype,
+             expected: tuple[int, ...], expected_dtype: torch.dtype) -> None:
     """Raises ``ValueError`` unless ``shape`` and ``dtype`` are the expected ones."""
     if tuple(shape) != tuple(expected) or dtype != expected_dtype:
         raise ValueError(f"KV of shape {tuple(shape)} {dtype}, expected {tuple(expected)} {expected_dtype}")

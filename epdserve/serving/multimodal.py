@@ -43,9 +43,9 @@ from urllib.parse import unquote, urlsplit
 from PIL import Image
 
 # ImageInput is re-exported (noqa: F401): callers import it from here.
-from epdserve.model.image_processor import (FAKE_TOKEN, GLOBAL_TOKEN, IMAGE_TOKEN, MAX_GRID, MAX_IMAGE_BYTES,  # noqa: F401
-                                            ImageError, ImageInput, ImageProcessor, decoded_bytes, load_pixels,
-                                            open_image, reduce_for_check)
+from epdserve.model.image_processor import (FAKE_TOKEN, GLOBAL_TOKEN, IMAGE_TOKEN, MAX_GRID,  # noqa: F401
+                                            MAX_IMAGE_BYTES, ImageError, ImageInput, ImageProcessor, decoded_bytes,
+                                            load_pixels, open_image, reduce_for_check)
 from epdserve.model.tokenizer import chat_prompt_text
 from epdserve.model.vision import VisionConfig, read_config
 from epdserve.serving.openai_api import APIError
