@@ -80,8 +80,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     info = resolve_model(None)
     tokenizer = load_tokenizer(info.path)
-    prefill = LLMEngine(str(info.path), EngineConfig(role="prefill", kv_cache_memory_mb=256))
-    decode = LLMEngine(str(info.path), EngineConfig(role="decode", kv_cache_memory_mb=256))
+    prefill = LLMEngine(str(info.path), EngineConfig(kv_cache_memory_mb=256))
+    decode = LLMEngine(str(info.path), EngineConfig(kv_cache_memory_mb=256))
     ctx = zmq.Context()
     exporter = handoff.Exporter(prefill, 600, ctx, None, "none")
     importer = handoff.Importer(ctx, "shm", 30)
@@ -95,7 +95,7 @@ def main() -> None:
     start = time.perf_counter()
     for i, prompt in enumerate(items):
         rid = f"agree-{i}"
-        prefill.add_request(rid, prompt, sampling)
+        prefill.add_request(rid, prompt, sampling, hold_kv=True)
         out = first_output(prefill, rid)
         desc = exporter.export(out)
         kv, _ = importer.take(rid, desc, decode.kv_layout(), decode.kv_cache.dtype)

@@ -98,7 +98,7 @@ def prefill_and_hand_offs(prefill: LLMEngine, exporter: handoff.Exporter, import
     times: dict[str, list[float]] = {}
     for rep in range(reps):
         rid = f"prefill-{len(prompt)}-{label}-{rep}"
-        prefill.add_request(rid, prompt, SAMPLING)
+        prefill.add_request(rid, prompt, SAMPLING, hold_kv=True, layer_sink=exporter.layer_sink)
         out = first_output(prefill, rid)
         parts, _ = hand_off(exporter, importer, decode, out, prompt)
         layers = out.timings.kv_layer_copy_ms or 0.0
@@ -119,8 +119,8 @@ def main() -> None:
         parser.error("--reps and --sizes must be at least 1, --prefill-reps at least 0")
     torch.set_num_threads(args.threads)
     info = resolve_model(None)
-    prefill, pool = handoff.new_engine(str(info.path), EngineConfig(role="prefill", kv_cache_memory_mb=512), True)
-    decode = LLMEngine(str(info.path), EngineConfig(role="decode", kv_cache_memory_mb=512))
+    prefill, pool = handoff.new_engine(str(info.path), EngineConfig(kv_cache_memory_mb=512), True)
+    decode = LLMEngine(str(info.path), EngineConfig(kv_cache_memory_mb=512))
     if max(args.sizes) + SAMPLING.max_tokens > prefill.max_model_len:
         parser.error(f"--sizes: at most {prefill.max_model_len - SAMPLING.max_tokens} tokens")
     ctx = zmq.Context()
@@ -135,7 +135,7 @@ def main() -> None:
     for size in args.sizes:
         prompt = seeded_prompt(prefill, size)
         rid = f"handoff-{size}"
-        prefill.add_request(rid, prompt, SAMPLING)
+        prefill.add_request(rid, prompt, SAMPLING, hold_kv=True)
         out = first_output(prefill, rid)
         rows: dict[str, dict[str, list[float]]] = {}
         for rep in range(args.reps):
@@ -165,7 +165,7 @@ def main() -> None:
             prompt = seeded_prompt(prefill, size)
             for kind in ("staged", "staged+layer pipeline", "pool"):
                 for transport, importer in importers.items():
-                    # The pipelined exporter hooks every prefill step until it is closed.
+                    # The pipelined exporter's layer sink goes with each request it exports.
                     pipelined = kind == "staged+layer pipeline"
                     exporter = (handoff.Exporter(prefill, 600, ctx, bind, "none", layer_pipeline=True)
                                 if pipelined else exporters[kind])

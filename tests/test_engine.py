@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from epdserve.engine.engine import EngineConfig, LLMEngine
+from epdserve.engine.kv_source import TensorKV
 from epdserve.engine.request import SamplingParams
 from epdserve.model.loader import resolve_model
 from epdserve.model.tokenizer import load_tokenizer
@@ -75,11 +76,11 @@ def test_greedy_matches_transformers_batched(model_dir, prompts, reference):
 
 def test_pd_handoff_in_process_matches_colocated(model_dir, prompts, reference):
     """Prefill engine → KV blocks → decode engine gives the colocated tokens."""
-    prefill = LLMEngine(model_dir, EngineConfig(role="prefill", block_size=BLOCK, kv_cache_memory_mb=128))
-    decode = LLMEngine(model_dir, EngineConfig(role="decode", block_size=BLOCK, kv_cache_memory_mb=128))
+    prefill = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=128))
+    decode = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=128))
     chosen = [0, 4, 8, 14]
     for i in chosen:
-        prefill.add_request(str(i), prompts[i], GREEDY)
+        prefill.add_request(str(i), prompts[i], GREEDY, hold_kv=True)
     firsts = {}
     while prefill.has_unfinished():
         for out in prefill.step():
@@ -87,7 +88,7 @@ def test_pd_handoff_in_process_matches_colocated(model_dir, prompts, reference):
             kv = prefill.read_kv(out.kv_block_ids)
             prefill.release_kv(out.request_id)
             firsts[out.request_id] = out.token_ids[0]
-            decode.add_request(out.request_id, prompts[int(out.request_id)], GREEDY, kv, out.token_ids[0])
+            decode.add_request(out.request_id, prompts[int(out.request_id)], GREEDY, TensorKV(kv), out.token_ids[0])
     assert prefill.stats()["blocks_in_use"] == 0
     rest = {str(i): [] for i in chosen}
     while decode.has_unfinished():

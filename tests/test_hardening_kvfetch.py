@@ -33,8 +33,8 @@ def engines(model_info):
     """A prefill engine whose KV cache is a shared pool (and the pool), a decode engine
     with room for a long stream, and a ZeroMQ context."""
     path = str(model_info.path)
-    prefill, pool = handoff.new_engine(path, EngineConfig(role="prefill", kv_cache_memory_mb=32), True)
-    decode = LLMEngine(path, EngineConfig(role="decode", kv_cache_memory_mb=128))
+    prefill, pool = handoff.new_engine(path, EngineConfig(kv_cache_memory_mb=32), True)
+    decode = LLMEngine(path, EngineConfig(kv_cache_memory_mb=128))
     ctx = zmq.Context()
     try:
         yield prefill, pool, decode, ctx
@@ -57,7 +57,7 @@ class Harness:
         push.connect(addr)
         self.inbox: queue.Queue = queue.Queue()
         self.worker = Worker(engine, "decode-0", self.inbox, push, handoff.Exporter(engine, 60, ctx, None),
-                             handoff.Importer(ctx, transport, timeout_s))
+                             handoff.Importer(ctx, transport, timeout_s), role="decode")
         self.thread: threading.Thread | None = None
         self.stats: P.Stats | None = None
 
@@ -181,14 +181,14 @@ def held(engines, tokenizer):
     ids = tokenizer(PROMPT).input_ids
 
     def make(request_id: str):
-        prefill.add_request(request_id, ids, SAMPLING)
+        prefill.add_request(request_id, ids, SAMPLING, hold_kv=True)
         out = first_output(prefill, request_id)
         return out, exporter.export(out)
 
     try:
         yield make, exporter, ids
     finally:
-        for request_id in list(exporter.exports):
+        for request_id in exporter.table.ids():
             exporter.release(request_id)
         assert prefill.pool.num_in_use == 0
 

@@ -16,6 +16,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from epdserve.engine.engine import EngineConfig, LLMEngine
+from epdserve.engine.kv_source import TensorKV
 from epdserve.engine.prefix_cache import hash_block
 from epdserve.engine.request import SamplingParams
 
@@ -117,15 +118,15 @@ def test_decode_worker_reuses_its_cached_prefix_and_copies_only_new_blocks(model
     a, b = prefixed
     colocated = engine(model_dir, enable_prefix_caching=False)
     expected = {rid: run(colocated, rid, p)[0] for rid, p in (("a", a), ("b", b))}
-    prefill, decode = engine(model_dir, role="prefill"), engine(model_dir, role="decode")
+    prefill, decode = engine(model_dir), engine(model_dir)
     for rid, prompt, hit in (("a", a, 0), ("b", b, PREFIX)):
-        prefill.add_request(rid, prompt, GREEDY)
+        prefill.add_request(rid, prompt, GREEDY, hold_kv=True)
         (out,) = prefill.step()
         assert out.num_cached_tokens == hit and out.kv_block_ids is not None
         kv = prefill.read_kv(out.kv_block_ids)
         prefill.release_kv(rid)
         kv[:, :, : hit // BLOCK] = 0  # must not be copied: the decode engine holds these blocks
-        decode.add_request(rid, prompt, GREEDY, kv, out.token_ids[0])
+        decode.add_request(rid, prompt, GREEDY, TensorKV(kv), out.token_ids[0])
         tokens = list(out.token_ids)
         while decode.has_unfinished():
             for step_out in decode.step():
@@ -146,15 +147,15 @@ def test_overlapping_held_hand_offs_stay_valid(model_dir, prefixed):
     a, b = prefixed
     colocated = engine(model_dir, enable_prefix_caching=False)
     expected = {rid: run(colocated, rid, p)[0] for rid, p in (("a", a), ("b", b))}
-    prefill, pool = handoff.new_engine(model_dir, EngineConfig(role="prefill", block_size=BLOCK,
+    prefill, pool = handoff.new_engine(model_dir, EngineConfig(block_size=BLOCK,
                                                                num_kv_blocks=128), True)
-    decode = engine(model_dir, role="decode")
+    decode = engine(model_dir)
     ctx = zmq.Context()
     exporter = handoff.Exporter(prefill, 60, ctx, None, "none", pool)
     try:
         descs, firsts = {}, {}
         for rid, prompt in (("a", a), ("b", b)):  # b's export while a's is still held
-            prefill.add_request(rid, prompt, GREEDY)
+            prefill.add_request(rid, prompt, GREEDY, hold_kv=True)
             (out,) = prefill.step()
             descs[rid], firsts[rid] = exporter.export(out), out.token_ids[0]
         assert (descs["a"].kind, descs["b"].kind) == ("pool", "shm")

@@ -70,7 +70,7 @@ SAMPLING = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engines(model_info):
     path = str(model_info.path)
-    made = {(role, dtype): LLMEngine(path, EngineConfig(role=role, dtype=dtype, kv_cache_memory_mb=32))
+    made = {(role, dtype): LLMEngine(path, EngineConfig(dtype=dtype, kv_cache_memory_mb=32))
             for role, dtype in [("prefill", "float32"), ("decode", "float32"), ("decode", "bfloat16")]}
     ctx = zmq.Context()
     yield made, ctx
@@ -90,7 +90,7 @@ def _run(engines, tokenizer, transfer_dtype: str, decode_dtype: str) -> list[lis
         assert len(tokens) == SAMPLING.max_tokens
         assert timings.kv_tcp == 0.0 and timings.kv_bytes > 0 and timings.kv_import_ms is not None
         results.append(tokens)
-    assert not exporter.exports and prefill.pool.num_in_use == 0 and decode.pool.num_in_use == 0
+    assert not exporter.table and prefill.pool.num_in_use == 0 and decode.pool.num_in_use == 0
     exporter.close()
     return results
 

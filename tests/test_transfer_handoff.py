@@ -33,8 +33,8 @@ def setup(model_info, tokenizer):
     """A pooled prefill engine, a decode engine, a ZeroMQ context, and the colocated
     engine's greedy tokens for each prompt."""
     path = str(model_info.path)
-    prefill, pool = handoff.new_engine(path, EngineConfig(role="prefill", kv_cache_memory_mb=32), True)
-    decode = LLMEngine(path, EngineConfig(role="decode", kv_cache_memory_mb=32))
+    prefill, pool = handoff.new_engine(path, EngineConfig(kv_cache_memory_mb=32), True)
+    decode = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))
     colocated = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))
     reference = []
     for i, prompt in enumerate(PROMPTS):
@@ -62,11 +62,16 @@ def _pd(setup, tokenizer, exporter: handoff.Exporter, transport: str, label: str
                                           tokenizer(prompt).input_ids, SAMPLING)
             assert timings.kv_tcp == float(transport == "tcp") and timings.kv_bytes > 0
             results.append(tokens)
-        assert not exporter.exports and not exporter.pending
+        assert not exporter.table and not _pending(exporter)
         assert prefill.pool.num_in_use == 0 and decode.pool.num_in_use == 0
     finally:
         _stop(exporter)
     return results
+
+
+def _pending(exporter: handoff.Exporter) -> dict:
+    """The layer-pipelined frames being written (none without a pipeline)."""
+    return exporter.layer_sink.pending if exporter.layer_sink is not None else {}
 
 
 def _stop(exporter: handoff.Exporter) -> None:
@@ -94,22 +99,23 @@ def test_layer_pipeline_writes_the_same_frame(setup, tokenizer, transfer_dtype):
     for pipelined in (False, True):
         exporter = handoff.Exporter(prefill, 60, ctx, None, transfer_dtype, layer_pipeline=pipelined)
         rid = f"frame-{transfer_dtype}-{pipelined}"
-        prefill.add_request(rid, ids, SAMPLING)
+        prefill.add_request(rid, ids, SAMPLING, hold_kv=True, layer_sink=exporter.layer_sink)
         out = first_output(prefill, rid)
-        assert bool(exporter.pending) == pipelined, "the pipelined frame is written during the step"
+        assert bool(_pending(exporter)) == pipelined, "the pipelined frame is written during the step"
         desc = exporter.export(out)
         frames[pipelined] = shm.read(desc.name)[1]
         exporter.close()
-        assert prefill.export_hook is None and prefill.pool.num_in_use == 0
+        assert not _pending(exporter) and prefill.pool.num_in_use == 0
     assert frames[True].keys() == frames[False].keys()
     # A request that finishes in its prefill is never exported: its frame goes.
     exporter = handoff.Exporter(prefill, 60, ctx, None, transfer_dtype, layer_pipeline=True)
-    prefill.add_request("one-token", ids, SamplingParams(max_tokens=1, temperature=0.0))
+    prefill.add_request("one-token", ids, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True,
+                        layer_sink=exporter.layer_sink)
     assert first_output(prefill, "one-token").finished
-    (pending,) = exporter.pending.values()
+    (pending,) = _pending(exporter).values()
     assert (shm.SHM_DIR / pending.name).exists()
     exporter.expire()
-    assert not exporter.pending and not (shm.SHM_DIR / pending.name).exists()
+    assert not _pending(exporter) and not (shm.SHM_DIR / pending.name).exists()
     exporter.close()
     for name, tensor in frames[False].items():
         assert tensor.abs().sum() > 0 and tensor.equal(frames[True][name])
@@ -126,7 +132,7 @@ def test_layer_pipeline_writes_the_same_frame(setup, tokenizer, transfer_dtype):
 def _held_export(setup, tokenizer, rid: str):
     prefill, pool, decode, ctx, _ = setup
     exporter = handoff.Exporter(prefill, 60, ctx, BIND, "none", pool)
-    prefill.add_request(rid, tokenizer(PROMPTS[1]).input_ids, SAMPLING)
+    prefill.add_request(rid, tokenizer(PROMPTS[1]).input_ids, SAMPLING, hold_kv=True)
     out = first_output(prefill, rid)
     return exporter, out, exporter.export(out)
 

@@ -119,7 +119,7 @@ def test_importer_picks_the_transport(ctx, transport, host, tcp_used):
         host_id = handoff.host_id() if host == "same" else "another-host"
         desc = KVDescriptor(name=name, num_tokens=8, nbytes=nbytes, host_id=host_id, addr=server.addr)
         got, timings = handoff.Importer(ctx, transport, 5).take("r1", desc, LAYOUT, torch.float32)
-        assert torch.equal(got, kv)
+        assert torch.equal(got.kv, kv)
         assert timings.kv_tcp == float(tcp_used) and timings.kv_fetch_ms >= 0
     finally:
         server.close()

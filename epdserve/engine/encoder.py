@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from epdserve.model.image_processor import ImageError, ImageProcessor, ProcessedImage, load_image
+from epdserve.model.image_processor import ImageError, ImageInput, ImageProcessor, ProcessedImage, load_image
 from epdserve.model.vision import VisionEncoder
-from epdserve.serving.multimodal import ImageInput
 
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 # 16 SmolVLM tiles (512 px) are about 50 MB of pixels and 0.5 GB of attention activations

@@ -1,9 +1,17 @@
 """The engine loop of one worker: requests in, one scheduled forward pass per step, tokens out.
 
-Roles (see DESIGN.md): ``colocated`` prefills and decodes; ``prefill`` stops after the
-first token and exports the prompt's KV blocks; ``decode`` imports those blocks with the
-first token and generates the rest. The engine is synchronous and single-threaded; the
-worker process around it does the I/O.
+The engine knows no worker roles; each request says what it needs (the serving layer's
+roles are built from these, see docs/architecture.md):
+
+* by default it is prefilled and decoded here;
+* ``hold_kv``: it stops after the first token and its prompt's KV blocks stay held for
+  the caller (the output's ``kv_block_ids``) until :meth:`LLMEngine.release_kv`; with a
+  ``layer_sink`` the prefill step also hands each layer's K/V to it as soon as it is
+  computed (a layer-pipelined export);
+* with a ``kv`` source (:class:`~epdserve.engine.kv_source.KVSource`) and its first token,
+  the prompt's KV is imported instead of computed, and it generates the rest.
+
+The engine is synchronous and single-threaded; the worker process around it does the I/O.
 """
 
 from __future__ import annotations
@@ -13,21 +21,23 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from epdserve.engine import runner
 from epdserve.engine.block_pool import BlockPool
+from epdserve.engine.kv_source import KVSource, LayerSink, block_runs
 from epdserve.engine.request import PromptImages, SamplingParams, Sequence
 from epdserve.engine.sampler import TokenLogprobs, sample
 from epdserve.engine.scheduler import Scheduler, SchedulerConfig
+from epdserve.model.base import MULTIMODAL_MODEL_TYPES
 from epdserve.model.llama import LlamaModel
-from epdserve.model.loader import MULTIMODAL_MODEL_TYPES
+from epdserve.model.smolvlm import load_text
 from epdserve.trace import StageTimings
 
 log = logging.getLogger(__name__)
 
-ROLES = ("colocated", "prefill", "decode")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -42,8 +52,6 @@ def load_language_model(model_dir: str, dtype: torch.dtype,
     """
     config = json.loads((Path(model_dir) / "config.json").read_text())
     if config.get("model_type") in MULTIMODAL_MODEL_TYPES:
-        from epdserve.model.smolvlm import load_text
-
         return load_text(model_dir, dtype)
     return LlamaModel.load(model_dir, dtype, quantized), None
 
@@ -57,7 +65,6 @@ class EngineConfig:
     ``quantized_weights``: with dtype float32 and a model converted from a Q4_1 / Q8_0 GGUF,
     the linear layers keep only the GGUF's blocks and compute from them (``model/quant.py``)."""
 
-    role: str = "colocated"
     block_size: int = 16
     kv_cache_memory_mb: int = 1024
     num_kv_blocks: int | None = None
@@ -77,8 +84,9 @@ class StepOutput:
     ``finished``/``finish_reason``: "stop" (EOS or a stop token), "length" (max_tokens or
     the context window), "abort", "error" (then ``error`` says why: the request's imported
     KV was void, or its next token could not be sampled; other requests go on).
-    ``kv_block_ids``: for a prefill-role hand-off (finished False), the blocks holding the
-    prompt's KV; they stay allocated until :meth:`LLMEngine.release_kv`. ``timings``: ms,
+    ``kv_block_ids``: for a request that asked to ``hold_kv`` (finished False), the handle of
+    the hold: the blocks holding the prompt's KV; they stay allocated until
+    :meth:`LLMEngine.release_kv`. ``timings``: ms,
     on the request's last output.
     ``num_cached_tokens``: prompt tokens found in the prefix cache when the request was
     first admitted (OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
@@ -100,13 +108,11 @@ class StepOutput:
 class LLMEngine:
     """A paged-KV engine over one :class:`LlamaModel`.
 
-    Raises (constructor): ``ValueError`` for an unknown role or dtype, or a budget too
+    Raises (constructor): ``ValueError`` for an unknown dtype, or a budget too
     small for one block; ``ModelLoadError`` for a model that cannot be loaded.
     """
 
     def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), kv_allocator=None):
-        if config.role not in ROLES:
-            raise ValueError(f"unknown role {config.role!r} (choose from {', '.join(ROLES)})")
         if config.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {config.dtype!r} (choose from {', '.join(DTYPES)})")
         self.config = config
@@ -119,16 +125,14 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.block_size)
         # kv_allocator(shape, dtype): e.g. a prefill worker's shared-memory KV pool.
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size, kv_allocator)
-        # export_hook(layer, [(request id, prompt block ids)]): called after each layer of
-        # a step with the sequences whose prompt that step completes (layer-pipelined export).
-        self.export_hook = None
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching), self.pool)
         self.seqs: dict[str, Sequence] = {}
-        self.exported: dict[str, list[int]] = {}
+        # The prompt blocks of requests that asked to hold their KV, until release_kv.
+        self.held: dict[str, list[int]] = {}
 
     def kv_layout(self) -> dict:
         """What a peer must match to exchange KV blocks with this engine."""
@@ -138,12 +142,16 @@ class LLMEngine:
                 "dtype": self.config.dtype}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    kv: torch.Tensor | None = None, first_token: int | None = None,
+                    kv: KVSource | None = None, first_token: int | None = None,
                     timings: StageTimings | None = None, arrival: float | None = None,
-                    images: list[tuple[str, int]] = (), image_embeddings: torch.Tensor | None = None) -> None:
-        """Queue a request. A decode-role request brings ``kv [layers, 2, n_blocks,
-        block_size, kv_heads, head_dim]`` (the prompt's KV blocks) and ``first_token``, or
-        neither, and then prefills the prompt itself (conditional disaggregation).
+                    images: list[tuple[str, int]] = (), image_embeddings: torch.Tensor | None = None,
+                    hold_kv: bool = False, layer_sink: LayerSink | None = None) -> None:
+        """Queue a request. It may bring ``kv`` (the prompt's KV blocks ``[layers, 2,
+        n_blocks, block_size, kv_heads, head_dim]``, from any :class:`KVSource`) and
+        ``first_token``, or neither, and then prefills the prompt itself. ``hold_kv``: stop
+        after the first token and hold the prompt's blocks (see :class:`StepOutput`'s
+        ``kv_block_ids``); ``layer_sink``: gets each layer of the prompt's K/V during the
+        step that completes the prompt (see :class:`~epdserve.engine.kv_source.LayerSink`).
         ``timings`` (e.g. the KV fetch's) are reported with the request's own;
         ``arrival`` is the ``time.perf_counter()`` at which the request reached the worker
         (default: now), the start of its ``queue_ms``. ``images``: ``(content hash,
@@ -157,7 +165,7 @@ class LLMEngine:
                 model, images whose tokens or embeddings do not match the prompt, or
                 images without embeddings to prefill.
         """
-        if request_id in self.seqs or request_id in self.exported:
+        if request_id in self.seqs or request_id in self.held:
             raise ValueError(f"duplicate request id {request_id!r}")
         n = len(prompt_token_ids)
         if n == 0:
@@ -177,19 +185,15 @@ class LLMEngine:
                              f"whole pool has {self.pool.num_blocks}")
         if (kv is None) != (first_token is None):
             raise ValueError("kv and first_token come together or not at all")
-        if kv is not None and self.config.role != "decode":
-            raise ValueError(f"a {self.config.role} worker takes no kv or first_token")
         seq = Sequence(request_id, prompt_token_ids, sampling, kv, first_token,
                        self._prompt_images(prompt_token_ids, images, image_embeddings, kv is not None))
+        seq.hold_kv, seq.layer_sink = hold_kv, layer_sink
         if timings is not None:
             seq.timings.update(timings)
         if arrival is not None:
             seq.arrival = arrival
         if kv is not None:
-            expected = self._block_shape(self.pool.blocks_for(n))
-            if tuple(kv.shape) != expected or kv.dtype != self.kv_cache.dtype:
-                raise ValueError(f"KV of shape {tuple(kv.shape)} {kv.dtype}, expected "
-                                 f"{expected} {self.kv_cache.dtype}")
+            kv.validate(self._block_shape(self.pool.blocks_for(n)), self.kv_cache.dtype)
             seq.num_computed_tokens = n  # the prompt's K/V arrives with the request
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -206,7 +210,7 @@ class LLMEngine:
                             self.model.config.hidden_size)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks (and any exported blocks). True if it existed."""
+        """Stop a request and free its blocks (and any held ones). True if it existed."""
         found = self.release_kv(request_id)
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
@@ -214,8 +218,9 @@ class LLMEngine:
         return found or seq is not None
 
     def release_kv(self, request_id: str) -> bool:
-        """Free the blocks of a prefill hand-off once they have been copied out."""
-        blocks = self.exported.pop(request_id, None)
+        """End the hold of a ``hold_kv`` request: free its prompt's blocks (once they have
+        been copied out, or will not be). True if it held any."""
+        blocks = self.held.pop(request_id, None)
         if blocks is not None:
             self.pool.free(blocks)
         return blocks is not None
@@ -269,13 +274,7 @@ class LLMEngine:
                     failed.append(self._fail(seq, str(exc), batch))
         if not batch:
             return failed
-        if self.export_hook is not None:
-            done = [(s.request_id, s.block_table[: self.pool.blocks_for(s.num_prompt_tokens)])
-                    for s, n in zip(batch.seqs, batch.num_tokens)
-                    if s.is_prefilling and s.num_computed_tokens + n == s.num_prompt_tokens]
-            self.model.layer_hook = (lambda layer: self.export_hook(layer, done)) if done else None
-        logits, sampled = runner.run(self.model, batch, self.kv_cache)
-        self.model.layer_hook = None
+        logits, sampled = runner.run(self.model, batch, self.kv_cache, self._layer_writer(batch))
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.scheduler.prefix_cache.register(seq)
@@ -289,6 +288,25 @@ class LLMEngine:
             log.exception("sampling a batch of %d failed; sampling its rows one by one", len(seqs))
             return failed + [self._sample_alone(logits[i:i + 1], seq, eos) for i, seq in enumerate(seqs)]
         return failed + [self._append(seq, token, lp) for seq, token, lp in zip(seqs, tokens, logprobs)]
+
+    def _layer_writer(self, batch) -> Callable[[int], None] | None:
+        """What the forward pass calls once each layer's K/V is written: every layer sink of
+        a request whose prompt this step completes gets that layer of the prompt's blocks
+        (one call per sink and layer, with all of its prompts). None: no such request."""
+        sinks: dict[int, tuple[LayerSink, list[tuple[str, list[int]]]]] = {}
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            completes = seq.is_prefilling and seq.num_computed_tokens + n == seq.num_prompt_tokens
+            if seq.layer_sink is not None and completes:
+                prompt_blocks = seq.block_table[: self.pool.blocks_for(seq.num_prompt_tokens)]
+                sinks.setdefault(id(seq.layer_sink), (seq.layer_sink, []))[1].append((seq.request_id, prompt_blocks))
+        if not sinks:
+            return None
+
+        def kv_written(layer: int) -> None:
+            for sink, prompts in sinks.values():
+                sink.write_layer(layer, prompts)
+
+        return kv_written
 
     def _sample_alone(self, logits: torch.Tensor, seq: Sequence, eos: tuple[int, ...]) -> StepOutput:
         """``seq``'s output of this step from its ``logits [1, vocab]``, or an error output
@@ -318,12 +336,7 @@ class LLMEngine:
     def _import_kv(self, seq: Sequence) -> None:
         # The leading blocks found in the prefix cache at admission already hold this K/V.
         start = time.perf_counter()
-        kv, first = seq.pending_kv, seq.num_cached_blocks
-        if isinstance(kv, torch.Tensor):
-            for pos, block, n in block_runs(seq.block_table[first: kv.shape[2]]):
-                self.kv_cache[:, :, block:block + n].copy_(kv[:, :, first + pos:first + pos + n])
-        else:  # a deferred copy straight from a peer's shared memory (transfer.handoff.PooledKV)
-            kv.copy_to(self.kv_cache, seq.block_table[: kv.shape[2]], first)
+        seq.pending_kv.copy_into(self.kv_cache, seq.block_table, seq.num_cached_blocks)
         seq.pending_kv = None
         seq.timings.kv_import_ms = (time.perf_counter() - start) * 1e3
 
@@ -342,12 +355,12 @@ class LLMEngine:
         out = StepOutput(seq.request_id, [token], finished=reason is not None, finish_reason=reason,
                          logprobs=None if logprobs is None else [logprobs])
         out.num_cached_tokens = seq.num_cached_tokens or 0
-        if reason is None and self.config.role == "prefill":
-            # Hand-off: keep the prompt's blocks (not the first token's, which has no K/V
-            # yet) until the worker has copied them out.
+        if reason is None and seq.hold_kv:
+            # Keep the prompt's blocks (not the first token's, which has no K/V yet) until
+            # the caller releases them.
             keep = self.pool.blocks_for(seq.num_prompt_tokens)
             out.kv_block_ids = seq.block_table[:keep]
-            self.exported[seq.request_id] = out.kv_block_ids
+            self.held[seq.request_id] = out.kv_block_ids
             self.pool.free(seq.block_table[keep:])
             seq.block_table = []
         if reason is not None or out.kv_block_ids is not None:
@@ -358,27 +371,17 @@ class LLMEngine:
 
     def _timings(self, seq: Sequence, now: float) -> StageTimings:
         """``queue_ms`` (arrival at the worker to first scheduled, less a KV fetch made in
-        between), ``prefill_ms`` (first scheduled to first token; not for a decode-role
-        request that imported its KV) and ``decode_ms`` (to the last token; for an import
-        from first scheduled, so it includes ``kv_import_ms``), plus ``seq.timings``."""
+        between), ``prefill_ms`` (first scheduled to first token; not for a request that
+        imported its KV) and ``decode_ms`` (to the last token, not for one that holds its
+        KV; for an import from first scheduled, so it includes ``kv_import_ms``), plus
+        ``seq.timings``."""
         t = seq.timings.model_copy()
         t.queue_ms = (seq.first_scheduled - seq.arrival) * 1e3 - (t.kv_fetch_ms or 0.0)
         if t.kv_import_ms is not None:
             t.decode_ms = (now - seq.first_scheduled) * 1e3
         else:
             t.prefill_ms = (seq.first_token_time - seq.first_scheduled) * 1e3
-            if self.config.role != "prefill":
+            if not seq.hold_kv:
                 t.decode_ms = (now - seq.first_token_time) * 1e3
         return t
 
-
-def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """``(position in block_ids, first block id, length)`` of each run of consecutive ids:
-    [7, 8, 9, 3, 4] → [(0, 7, 3), (3, 3, 2)]."""
-    runs: list[tuple[int, int, int]] = []
-    for pos, block in enumerate(block_ids):
-        if runs and block == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((pos, block, 1))
-    return runs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from epdserve.engine.scheduler import ScheduledBatch
@@ -57,7 +59,9 @@ def prepare(batch: ScheduledBatch, block_size: int
     return torch.tensor(input_ids, dtype=torch.long), meta, sampled, embeds
 
 
-def run(model: LlamaModel, batch: ScheduledBatch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """One forward pass: returns ``(logits [S, vocab], indices of sampled sequences)``."""
+def run(model: LlamaModel, batch: ScheduledBatch, kv_cache: torch.Tensor,
+        kv_written: Callable[[int], None] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """One forward pass: returns ``(logits [S, vocab], indices of sampled sequences)``.
+    ``kv_written``: see :meth:`LlamaModel.forward`."""
     input_ids, meta, sampled, embeds = prepare(batch, kv_cache.shape[3])
-    return model.forward(input_ids, meta, kv_cache, embeds), sampled
+    return model.forward(input_ids, meta, kv_cache, embeds, kv_written), sampled

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epdserve.model.loader import SUPPORTED_MODEL_TYPES, ModelLoadError
+from epdserve.model.base import SUPPORTED_MODEL_TYPES, ModelLoadError
 
 
 @dataclass(frozen=True)

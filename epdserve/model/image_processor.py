@@ -15,6 +15,7 @@ after each row), then ``\\n<fake_token_around_image><global-img>`` + ``image_seq
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from epdserve.model.loader import ModelLoadError
+from epdserve.model.base import ModelLoadError
 
 IMAGE_TOKEN = "<image>"
 FAKE_TOKEN = "<fake_token_around_image>"
@@ -122,6 +123,43 @@ def load_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int | 
     image = open_image(data, max_bytes, max_pixels)
     load_pixels(image)
     return image
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a request.
+
+    ``content_hash`` is the sha256 hex digest of ``data``, the encoded file bytes (after
+    base64 decoding), not of the decoded pixels: it is known before any decoding, so an
+    encode worker can find cached embeddings without decoding, and equal bytes always
+    decode to equal pixels, so it never joins two different images (a hash of raw pixels
+    would also need the mode, size, palette and transparency to be safe). The price: the
+    same picture saved twice in different files is encoded twice.
+
+    ``image`` is the decoded Pillow image, or None where it was not kept (the router
+    only checks that the bytes decode) or only the bytes travelled (an encode worker
+    decodes on a cache miss). ``size`` is (width, height) in pixels, None where the bytes
+    were not decoded. ``source`` says where it came from, for logs (``data:image/png``,
+    ``file:/abs/path``, ``https://...``; never the bytes).
+    """
+
+    content_hash: str
+    data: bytes
+    source: str
+    image: Image.Image | None = None
+    size: tuple[int, int] | None = None
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str, *, decode: bool = True, max_bytes: int = MAX_IMAGE_BYTES,
+                   max_pixels: int | None = None) -> "ImageInput":
+        """Hash ``data`` and, with ``decode``, decode it under the limits of
+        :func:`~epdserve.model.image_processor.load_image`.
+
+        Raises:
+            ImageError: as ``load_image`` (with ``decode``).
+        """
+        image = load_image(data, max_bytes, max_pixels) if decode else None
+        return cls(hashlib.sha256(data).hexdigest(), data, source, image, None if image is None else image.size)
 
 
 @dataclass(frozen=True)

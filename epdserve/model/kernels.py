@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from epdserve.model.base import cache_root, cached_dir
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("quant_kernels.cpp", "layer_kernels.cpp")
@@ -51,9 +53,7 @@ def _build() -> bool:
     if not cpu_supported():
         log.info("C++ kernels off: this CPU lacks AVX2/FMA; using float32 weights and PyTorch operators")
         return False
-    from torch.utils.cpp_extension import load
-
-    from epdserve.model.loader import cache_root, cached_dir
+    from torch.utils.cpp_extension import load  # heavy: only when the kernels are built
 
     sources = [Path(__file__).with_name(name) for name in SOURCES]
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources))

@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from epdserve.model import layer_ops, quant
+from epdserve.model.base import ModelLoadError
 from epdserve.model.config import ModelConfig
-from epdserve.model.loader import ModelLoadError
 
 
 @dataclass
@@ -82,12 +83,9 @@ class LlamaModel:
     """Weights and forward pass. Build with :meth:`load`.
 
     The KV cache is owned by the caller: ``kv_cache [layers, 2, num_blocks, block_size,
-    kv_heads, head_dim]`` (see :meth:`allocate_kv_cache`). ``layer_hook``, when set, is
-    called with each layer's index as soon as :meth:`forward` has written that layer's new
-    K/V (a layer-pipelined KV export copies it out while later layers compute).
+    kv_heads, head_dim]`` (see :meth:`allocate_kv_cache`). See :meth:`forward`'s
+    ``kv_written`` for a layer-pipelined KV export.
     """
-
-    layer_hook = None
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  blocks: dict[str, quant.Blocks] | None = None):
@@ -162,7 +160,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor,
-                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run one step; writes the new tokens' K/V into ``kv_cache``.
 
         Args:
@@ -172,6 +171,9 @@ class LlamaModel:
             embeds: optional ``(rows [R], values [R, hidden])``: input embeddings that
                 replace the token embeddings at those batch rows (image embeddings at
                 ``<image>`` tokens, as Idefics3's ``inputs_merger``).
+            kv_written: called with each layer's index as soon as that layer's new K/V is
+                in ``kv_cache`` (a layer-pipelined KV export copies it out while later
+                layers compute).
         Returns:
             Logits ``[S, vocab]`` (float32) for ``meta.logits_rows``.
         """
@@ -179,20 +181,21 @@ class LlamaModel:
         x = self.embed[input_ids]
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
-        # A decode-only step runs each layer as one kernel call; the layer hook (KV export
+        # A decode-only step runs each layer as one kernel call; ``kv_written`` (KV export
         # during prefills) needs the per-layer code.
-        fused = not meta.prefills and self.layer_hook is None and layer_ops.fused(x)
+        fused = not meta.prefills and kv_written is None and layer_ops.fused(x)
         for i, layer in enumerate(self.layers):
             if fused:
                 layer_ops.decode_layer(x, layer["kernel"], kv_cache[i], meta.positions, self.cos, self.sin,
                                        meta.slot_mapping, meta.decode_block_tables, meta.decode_ctx_lens,
                                        c.num_attention_heads, c.rms_norm_eps)
             else:
-                self._layer(i, layer, x, meta, kv_cache)
+                self._layer(i, layer, x, meta, kv_cache, kv_written)
         x = layer_ops.rms_norm(x[meta.logits_rows], self.norm, c.rms_norm_eps)
         return quant.linear(x, self.lm_head).float()
 
-    def _layer(self, i: int, layer: dict, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
+    def _layer(self, i: int, layer: dict, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+               kv_written: Callable[[int], None] | None = None) -> None:
         """Decoder layer ``i`` on hidden states ``x [T, hidden]``, updated in place."""
         c = self.config
         n_q, n_kv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
@@ -201,8 +204,8 @@ class LlamaModel:
         k_cache = kv_cache[i, 0].view(-1, n_kv, d)
         v_cache = kv_cache[i, 1].view(-1, n_kv, d)
         layer_ops.rope_write_kv(qkv, meta.positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, n_q)
-        if self.layer_hook is not None:
-            self.layer_hook(i)
+        if kv_written is not None:
+            kv_written(i)
         q, k, v = (part.view(len(qkv), -1, d) for part in qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1))
         attn = self._attention(q, k, v, kv_cache[i], meta)
         x.add_(quant.linear(attn.reshape(-1, n_q * d), layer["o"]))

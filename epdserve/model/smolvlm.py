@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
+from epdserve.model.base import ModelLoadError, cache_root, cached_dir
 from epdserve.model.config import ModelConfig
+from epdserve.model.gguf_convert import default_text_dir
 from epdserve.model.image_processor import IMAGE_TOKEN, SPECIAL_TOKENS, ImageProcessor
 from epdserve.model.llama import LlamaModel
-from epdserve.model.loader import ModelLoadError, cache_root, cached_dir, resolve_model
 from epdserve.model.vision import (CONNECTOR_WEIGHT, VISION_PREFIX, VisionConfig, VisionEncoder, is_vision_weight,
                                    read_config, read_weights)
 
@@ -166,7 +167,7 @@ def default_multimodal_model(seed: int = DEFAULT_SEED) -> Path:
     Raises:
         ModelLoadError: the default text model cannot be found or read.
     """
-    base = resolve_model(None).path
+    base = default_text_dir()
     return cached_dir(cache_root() / f"{base.name}-smolvlm-synthetic-seed{seed}",
                       lambda tmp: _write_synthetic_dir(tmp, base, seed))
 

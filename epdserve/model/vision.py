@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from epdserve.model.loader import MULTIMODAL_MODEL_TYPES, ModelLoadError
+from epdserve.model.base import MULTIMODAL_MODEL_TYPES, ModelLoadError
 
 VISION_PREFIX = "model.vision_model."
 CONNECTOR_WEIGHT = "model.connector.modality_projection.proj.weight"

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from epdserve.bench.images import image_bytes
 from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import EngineConfig, LLMEngine
+from epdserve.engine.kv_source import TensorKV
 from epdserve.engine.request import SamplingParams
 from epdserve.model.image_processor import ImageProcessor
 from epdserve.model.loader import DEFAULT_VLM, resolve_model
@@ -81,7 +82,7 @@ def _prefill_steps(model_dir: str, reps: int, rng, prefix: list[int]) -> list[di
     chat template's system turn), as served prompts do: after the first, the prefix cache
     holds its full blocks and each step computes the rest over them (the attention over a
     cached context) as served prefills do."""
-    engine = LLMEngine(model_dir, EngineConfig(role="colocated", kv_cache_memory_mb=256))
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=256))
     vocab = engine.model.config.vocab_size
     out = []
     for n in PREFILL_LENS:
@@ -104,12 +105,12 @@ def _decode_steps(model_dir: str, steps: int, rng) -> list[dict]:
     for batch in DECODE_BATCHES:
         shapes = [[ctx] * batch for ctx in DECODE_CONTEXTS] + [np.linspace(32, 1024, batch).astype(int).tolist()]
         for contexts in shapes:
-            engine = LLMEngine(model_dir, EngineConfig(role="decode", kv_cache_memory_mb=512))
+            engine = LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=512))
             vocab = engine.model.config.vocab_size
             for i, ctx in enumerate(contexts):
                 kv = torch.zeros(engine._block_shape(engine.pool.blocks_for(ctx)), dtype=engine.kv_cache.dtype)
                 engine.add_request(f"d{i}", _prompt(rng, ctx, vocab),
-                                   SamplingParams(max_tokens=steps + 2, **GREEDY), kv, first_token=42)
+                                   SamplingParams(max_tokens=steps + 2, **GREEDY), TensorKV(kv), first_token=42)
             engine.step()  # imports the KV
             for i in range(steps):
                 start = time.perf_counter()
@@ -159,8 +160,8 @@ def _handoff_ms(model_dir: str, sizes: tuple[int, ...] = (16, 512)) -> Link:
     a default same-host prefill worker makes them) of prompts of ``sizes`` tokens;
     bandwidth from the difference, latency from the smallest."""
     ctx = zmq.Context()
-    prefill, pool = handoff.new_engine(model_dir, EngineConfig(role="prefill", kv_cache_memory_mb=256), True)
-    decode = LLMEngine(model_dir, EngineConfig(role="decode", kv_cache_memory_mb=256))
+    prefill, pool = handoff.new_engine(model_dir, EngineConfig(kv_cache_memory_mb=256), True)
+    decode = LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=256))
     exporter = handoff.Exporter(prefill, 60.0, ctx, None, "none", pool)
     importer = handoff.Importer(ctx, "shm", 10.0)
     rng = np.random.default_rng(0)

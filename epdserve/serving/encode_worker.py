@@ -26,6 +26,7 @@ from epdserve.serving import auth
 from epdserve.serving import protocol as P
 from epdserve.serving.multimodal import ImageInput
 from epdserve.transfer import embedding, shm, tcp
+from epdserve.transfer.exports import ExportTable
 from epdserve.transfer.handoff import host_id
 from epdserve.transfer.wire import WireError
 from epdserve.trace import StageTimings
@@ -93,11 +94,11 @@ class EncodeWorker:
         self.worker_id = worker_id
         self.inbox = inbox
         self.events = events
-        self.ttl_s = ttl_s
         self.host = host_id()
         self.server = tcp.KVServer(ctx, kv_bind, self._frame) if kv_bind else None
         self.pending: dict[str, tuple[P.Encode, float]] = {}
-        self.frames: dict[str, tuple[str, float]] = {}  # request id -> (segment, time.monotonic())
+        # The embedding frames held for prefill workers (segments only), with their lease.
+        self.frames = ExportTable(ttl_s, None, free_blocks=lambda request_id: None)
         self.last_stats: tuple | None = None
         self.last_stats_time = 0.0
         self.running = True
@@ -162,7 +163,7 @@ class EncodeWorker:
                 self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id,
                                   message="the encode worker could not store the embeddings", status=500))
                 continue
-            self.frames[msg.request_id] = (name, time.monotonic())
+            self.frames.add_segment(msg.request_id, name)
             # encode_ms: the whole call's time up to this frame, not the images' own share:
             # the request waits for the batch it is in.
             timings = StageTimings(encode_queue_ms=(start - arrival) * 1e3, encode_ms=(written - start) * 1e3,
@@ -175,7 +176,7 @@ class EncodeWorker:
     def _frame(self, request_id: str, name: str):
         """KV server source (its own thread): the request's segment, mapped and unlinked."""
         held = self.frames.get(request_id)
-        if held is None or held[0] != name:
+        if held is None or held.name != name:
             raise WireError(f"no embeddings {name} for request {request_id}")
         return shm.open_segment(name)
 
@@ -184,22 +185,21 @@ class EncodeWorker:
         returns what was dropped, for the log."""
         pending, frames = len(self.pending), len(self.frames)
         self.pending.clear()
-        for request_id in list(self.frames):
-            self.release(request_id)
+        self.frames.close()
         self.last_stats = None  # report the emptied state at once
         return f"{pending} pending encodings, {frames} frames"
 
+    @property
+    def ttl_s(self) -> float:
+        return self.frames.ttl_s
+
     def release(self, request_id: str) -> None:
-        held = self.frames.pop(request_id, None)
-        if held is not None:
-            shm.remove(held[0])
+        self.frames.release(request_id)
 
     def expire(self) -> None:
-        now = time.monotonic()
-        for request_id in [rid for rid, (_, t) in self.frames.items() if now - t > self.ttl_s]:
+        for request_id in self.frames.expire():
             log.warning("%s: embeddings of %s not read within %.0f s; deleted", self.worker_id, request_id,
                         self.ttl_s)
-            self.release(request_id)
 
     def report_stats(self) -> None:
         cache = self.encoder.cache
@@ -215,5 +215,4 @@ class EncodeWorker:
         """Stop serving and delete every frame still held."""
         if self.server is not None:
             self.server.close()
-        for request_id in list(self.frames):
-            self.release(request_id)
+        self.frames.close()

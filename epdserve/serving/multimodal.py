@@ -42,10 +42,15 @@ from urllib.parse import unquote, urlsplit
 
 from PIL import Image
 
-from epdserve.model.image_processor import (FAKE_TOKEN, GLOBAL_TOKEN, IMAGE_TOKEN, MAX_GRID, MAX_IMAGE_BYTES,
-                                            ImageError, decoded_bytes, load_image, load_pixels, open_image,
-                                            reduce_for_check)
+# ImageInput is re-exported (noqa: F401): callers import it from here.
+from epdserve.model.image_processor import (FAKE_TOKEN, GLOBAL_TOKEN, IMAGE_TOKEN, MAX_GRID,  # noqa: F401
+                                            MAX_IMAGE_BYTES, ImageError, ImageInput, ImageProcessor, decoded_bytes,
+                                            load_pixels, open_image, reduce_for_check)
+from epdserve.model.tokenizer import chat_prompt_text
+from epdserve.model.vision import VisionConfig, read_config
 from epdserve.serving.openai_api import APIError
+from epdserve.serving.protocol import ImageRef
+from epdserve.transfer.embedding import KIND
 
 DEFAULT_MAX_IMAGES = 8
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")
@@ -85,43 +90,6 @@ class MediaOptions:
     fetch_timeout_s: float = 10.0
 
 
-@dataclass(frozen=True)
-class ImageInput:
-    """One image of a request.
-
-    ``content_hash`` is the sha256 hex digest of ``data``, the encoded file bytes (after
-    base64 decoding), not of the decoded pixels: it is known before any decoding, so an
-    encode worker can find cached embeddings without decoding, and equal bytes always
-    decode to equal pixels, so it never joins two different images (a hash of raw pixels
-    would also need the mode, size, palette and transparency to be safe). The price: the
-    same picture saved twice in different files is encoded twice.
-
-    ``image`` is the decoded Pillow image, or None where it was not kept (the router
-    only checks that the bytes decode) or only the bytes travelled (an encode worker
-    decodes on a cache miss). ``size`` is (width, height) in pixels, None where the bytes
-    were not decoded. ``source`` says where it came from, for logs (``data:image/png``,
-    ``file:/abs/path``, ``https://...``; never the bytes).
-    """
-
-    content_hash: str
-    data: bytes
-    source: str
-    image: Image.Image | None = None
-    size: tuple[int, int] | None = None
-
-    @classmethod
-    def from_bytes(cls, data: bytes, source: str, *, decode: bool = True, max_bytes: int = MAX_IMAGE_BYTES,
-                   max_pixels: int | None = None) -> "ImageInput":
-        """Hash ``data`` and, with ``decode``, decode it under the limits of
-        :func:`~epdserve.model.image_processor.load_image`.
-
-        Raises:
-            ImageError: as ``load_image`` (with ``decode``).
-        """
-        image = load_image(data, max_bytes, max_pixels) if decode else None
-        return cls(hashlib.sha256(data).hexdigest(), data, source, image, None if image is None else image.size)
-
-
 def parse_chat_images(messages: list[dict],
                       options: MediaOptions = MediaOptions()) -> tuple[list[dict], list[ImageInput]]:
     """Take the images out of chat ``messages`` (request JSON: dicts with ``role`` and
@@ -143,39 +111,7 @@ def parse_chat_images(messages: list[dict],
             decode budget within ``decode_wait_s``.
     """
     parts = []  # (param, image_url value) of every image part, in order
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise APIError("a message must be an object", param=f"messages[{i}]")
-        # The template renders role and name into the prompt text, as it does content.
-        for key in ("role", "name"):
-            if key in message and (key == "role" or message[key] is not None):
-                if not isinstance(message[key], str):
-                    raise APIError(f"{key} must be a string", param=f"messages[{i}].{key}")
-                _check_text(message[key], f"messages[{i}].{key}", f"a {key}")
-        content = message.get("content")
-        if content is None or isinstance(content, str):
-            _check_text(content or "", f"messages[{i}].content")
-            out.append({**message, "content": content or ""})
-            continue
-        if not isinstance(content, list):
-            raise APIError("content must be a string or a list of content parts", param=f"messages[{i}].content")
-        texts = []
-        for j, part in enumerate(content):
-            param = f"messages[{i}].content[{j}]"
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                if not isinstance(part.get("text"), str):
-                    raise APIError("a text part needs a string 'text'", param=param + ".text")
-                _check_text(part["text"], param + ".text")
-                texts.append(part["text"])
-            elif kind == "image_url":
-                parts.append((param + ".image_url", part.get("image_url")))
-                texts.append(IMAGE_TOKEN)
-            else:
-                raise APIError(f"unsupported content part type {kind!r} (supported: text, image_url)",
-                               param=param + ".type")
-        out.append({**message, "content": "\n".join(texts)})
+    out = [_flat_message(i, message, parts) for i, message in enumerate(messages)]
     # Counted before anything is read or decoded.
     if len(parts) > options.max_images:
         raise APIError(f"{len(parts)} images in the request, more than the limit of {options.max_images}",
@@ -190,6 +126,41 @@ def parse_chat_images(messages: list[dict],
                            f" bytes decoded, bringing the request's images to {total} bytes, over the limit of"
                            f" {options.max_request_decoded_bytes} bytes per request", status=413, param=param)
     return out, [_checked(*item, options) for item in opened]
+
+
+def _flat_message(i: int, message, parts: list) -> dict:
+    """Message ``i`` with its ``content`` a string; appends ``(param, image_url value)`` of
+    each of its image parts to ``parts``. Raises ``APIError`` as :func:`parse_chat_images`."""
+    if not isinstance(message, dict):
+        raise APIError("a message must be an object", param=f"messages[{i}]")
+    # The template renders role and name into the prompt text, as it does content.
+    for key in ("role", "name"):
+        if key in message and (key == "role" or message[key] is not None):
+            if not isinstance(message[key], str):
+                raise APIError(f"{key} must be a string", param=f"messages[{i}].{key}")
+            _check_text(message[key], f"messages[{i}].{key}", f"a {key}")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        _check_text(content or "", f"messages[{i}].content")
+        return {**message, "content": content or ""}
+    if not isinstance(content, list):
+        raise APIError("content must be a string or a list of content parts", param=f"messages[{i}].content")
+    texts = []
+    for j, part in enumerate(content):
+        param = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise APIError("a text part needs a string 'text'", param=param + ".text")
+            _check_text(part["text"], param + ".text")
+            texts.append(part["text"])
+        elif kind == "image_url":
+            parts.append((param + ".image_url", part.get("image_url")))
+            texts.append(IMAGE_TOKEN)
+        else:
+            raise APIError(f"unsupported content part type {kind!r} (supported: text, image_url)",
+                           param=param + ".type")
+    return {**message, "content": "\n".join(texts)}
 
 
 def _check_text(text: str, param: str, what: str = "text") -> None:
@@ -402,10 +373,6 @@ class ImagePrompter:
     """
 
     def __init__(self, model_dir: str | Path, tokenizer, media: MediaOptions):
-        from epdserve.model.image_processor import ImageProcessor
-        from epdserve.model.vision import VisionConfig, read_config
-        from epdserve.transfer.embedding import KIND
-
         config = VisionConfig.from_dict(read_config(model_dir))
         self.processor = ImageProcessor.from_dir(model_dir, config.tokens_per_image)
         self.tokenizer = tokenizer
@@ -421,9 +388,6 @@ class ImagePrompter:
                 placeholders than the images' (a template fault: client text cannot
                 contain them).
         """
-        from epdserve.model.tokenizer import chat_prompt_text
-        from epdserve.serving.protocol import ImageRef
-
         messages, images = parse_chat_images(messages, self.media)
         grids = [self.processor.grid(image.size) for image in images]
         try:

@@ -35,6 +35,8 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from epdserve.engine.request import SamplingParams
+# KVDescriptor is re-exported (noqa: F401): it is part of this wire format, defined with the transfer it describes.
+from epdserve.transfer.descriptor import KVDescriptor  # noqa: F401
 from epdserve.trace import StageTimings
 
 Role = Literal["colocated", "prefill", "decode", "encode"]
@@ -51,33 +53,6 @@ class ProtocolError(ValueError):
 
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class KVDescriptor(_Msg):
-    """Where a request's exported KV cache lies (see ``epdserve.transfer.handoff``).
-
-    ``kind`` "shm": ``name`` is a file in the /dev/shm of host ``host_id`` holding one wire
-    frame (see ``epdserve.transfer.wire``) of ``nbytes`` bytes. ``kind`` "pool": ``name``
-    is the prefill worker's whole KV cache in the /dev/shm of host ``host_id``
-    (``epdserve.transfer.shm.KVPool``), of ``pool_blocks`` blocks laid out as ``layout``
-    (``LLMEngine.kv_layout()``); the request's KV is the blocks ``block_runs`` (``[first
-    block, count]`` runs, in order), each tagged ``tag`` while it is held. Both:
-    ``num_tokens`` is how many prompt positions it covers; ``addr`` (``tcp://HOST:PORT``,
-    or None) is the prefill worker's KV socket that serves the same KV as one frame of
-    ``nbytes`` bytes to a decode worker on another host. The receiver validates every
-    field against what it maps or fetches.
-    """
-
-    kind: Literal["shm", "pool"] = "shm"
-    name: str
-    num_tokens: int
-    nbytes: int
-    host_id: str
-    addr: str | None = None
-    block_runs: list[tuple[int, int]] = []
-    pool_blocks: int = 0
-    layout: dict = {}
-    tag: int = 0
 
 
 class ImageRef(_Msg):

@@ -11,7 +11,10 @@ that prefills a prompt with images gets their embeddings from encode workers (EP
 given the image bytes, encodes them itself first (colocated, PD), blocking its loop as a
 vision encoder inside an engine does. A request's KV (decode) or image embeddings (EPD)
 held by a peer are fetched on a small thread pool, off the loop, so a slow or silent peer
-delays only that request. An encode worker runs
+delays only that request (:mod:`epdserve.serving.fetch`). The role is this layer's: the
+engine is role-free, and the worker asks it per request for what its role needs (a
+prefill worker's requests hold their prompt's KV for export; only a decode worker's
+requests bring KV). An encode worker runs
 :class:`~epdserve.serving.encode_worker.EncodeWorker` instead. The same command runs
 alone on another host, so a launcher, Ray or Kubernetes can place it.
 
@@ -31,38 +34,32 @@ import os
 import queue
 import secrets
 import signal
-import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 import zmq
 
 from epdserve.engine.encoder import EncodeEngine
-from epdserve.engine.engine import DTYPES, ROLES, EngineConfig, LLMEngine, StepOutput
+from epdserve.engine.engine import DTYPES, EngineConfig, LLMEngine, StepOutput
+from epdserve.engine.kv_source import KVSource
 from epdserve.model.image_processor import ImageError
 from epdserve.model.loader import ModelLoadError, resolve_model
 from epdserve.serving import auth
 from epdserve.serving import protocol as P
 from epdserve.serving.encode_worker import EncodeWorker, handle_control, image_inputs
+# FETCH_THREADS and fetch_embeddings are re-exported (noqa: F401): callers import them from here.
+from epdserve.serving.fetch import FETCH_THREADS, Fetch, Fetcher, fetch_embeddings  # noqa: F401
 from epdserve.serving.handshake import auth_tag, model_fingerprint
-from epdserve.transfer import embedding, handoff, kv_codec, tcp
-from epdserve.transfer.wire import WireError
+# HEARTBEAT_INTERVAL_S, heartbeat and receive_commands are re-exported (noqa: F401).
+from epdserve.serving.worker_threads import (HEARTBEAT_INTERVAL_S, IDLE_WAIT_S, heartbeat,  # noqa: F401
+                                             receive_commands, serve)
+from epdserve.transfer import handoff, kv_codec, tcp
 from epdserve.trace import StageTimings
 
 log = logging.getLogger("epdserve.worker")
+ROLES = ("colocated", "prefill", "decode")  # the engine workers' (an encode worker runs EncodeWorker)
 STATS_INTERVAL_S = 0.5
-HEARTBEAT_INTERVAL_S = 0.5
-IDLE_WAIT_S = 0.1  # how long an idle worker waits for a command before its housekeeping
-# Threads fetching KV and image embeddings from peers. A fetch mostly waits (on a TCP peer,
-# or page faults of a /dev/shm mapping) with the GIL released, so threads beyond this
-# worker's cores cost it little; what bounds them is that each one holds a request's KV
-# until the loop takes it, and that a peer that never answers pins one thread for up to
-# --kv-transfer-timeout. 8 leave room for hand-offs from healthy peers while several are
-# stuck; more fetches than threads wait for one (counted in queue_ms).
-FETCH_THREADS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,8 +103,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "(model/quant.py; same greedy tokens, less memory traffic); off: dense float32")
 
 
-def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
-    return EngineConfig(role=role, block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_chunked_prefill=args.enable_chunked_prefill,
                         enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype,
@@ -120,8 +117,6 @@ def pin_to_cores(spec: str | None) -> list[int]:
     Raises:
         ValueError: a core that is not a number or not available to this process.
     """
-    import torch
-
     allowed = sorted(os.sched_getaffinity(0))
     if spec is None:
         cores = allowed
@@ -137,31 +132,12 @@ def pin_to_cores(spec: str | None) -> list[int]:
     return cores
 
 
-@dataclass
-class _Fetch:
-    """An AddRequest whose KV or image embeddings a fetch thread is getting from a peer.
-    The loop makes it (with what the thread needs to know of the engine, read up front:
-    the thread must not touch the engine) and gets it back through the inbox once the
-    thread has set ``kv`` or ``embeddings`` and ``timings``, or ``error``. ``cancel``: set
-    on Abort or shutdown, ending a TCP wait early."""
-
-    msg: P.AddRequest
-    arrival: float  # time.perf_counter() on receipt
-    layout: dict
-    dtype: torch.dtype
-    hidden_size: int
-    cancel: threading.Event = field(default_factory=threading.Event)
-    kv: torch.Tensor | handoff.PooledKV | None = None
-    embeddings: torch.Tensor | None = None
-    timings: StageTimings = field(default_factory=StageTimings)
-    error: str | None = None
-
-
 class Worker:
-    """The command/step/publish loop around one :class:`LLMEngine`; commands come from
-    ``inbox`` as ``(message, arrival)`` pairs put there by :func:`receive_commands`, and
-    finished fetches as ``(_Fetch, time)`` pairs put there by the fetch threads (so a
-    fetch that ends wakes an idle loop at once). ``run`` sets ``sealer`` (seals events),
+    """The command/step/publish loop around one :class:`LLMEngine` of a worker of ``role``
+    (one of :data:`ROLES`); commands come from ``inbox`` as ``(message, arrival)`` pairs
+    put there by :func:`receive_commands`, and finished fetches as ``(Fetch, time)`` pairs
+    put there by the fetch threads (:class:`~epdserve.serving.fetch.Fetcher`). The
+    exporter's table (``exporter.table``) holds this worker's live exports. ``run`` sets ``sealer`` (seals events),
     ``incarnation`` and ``hello`` (what a Reset is answered with, see
     ``encode_worker.handle_control``)."""
 
@@ -170,11 +146,14 @@ class Worker:
     hello: P.Hello | None = None
 
     def __init__(self, engine: LLMEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
-                 exporter: handoff.Exporter, importer: handoff.Importer, encoder: EncodeEngine | None = None):
+                 exporter: handoff.Exporter, importer: handoff.Importer, encoder: EncodeEngine | None = None,
+                 role: str = "colocated"):
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r} (choose from {', '.join(ROLES)})")
         self.engine = engine
         self.encoder = encoder  # for prompts with images that come with their bytes
         self.worker_id = worker_id
-        self.role = engine.config.role
+        self.role = role
         self.inbox = inbox
         self.events = events
         self.exporter = exporter
@@ -183,8 +162,12 @@ class Worker:
         self.last_stats_time = 0.0
         self.running = True
         self.exit_code = 0
-        self.fetching: dict[str, _Fetch] = {}  # requests whose KV or embeddings are on the way, by id
-        self.fetcher = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="epdserve-fetch")
+        self.fetcher = Fetcher(importer, inbox, worker_id)
+
+    @property
+    def fetching(self) -> dict[str, Fetch]:
+        """Requests whose KV or embeddings are on the way, by id."""
+        return self.fetcher.fetching
 
     def send(self, msg) -> None:
         self.events.send(self.sealer.seal(P.encode(msg)))
@@ -192,12 +175,12 @@ class Worker:
     def reset(self) -> str:
         """Abort every request and release every export (see ``P.Reset``: the router has
         failed or moved them all); returns what was dropped, for the log."""
-        requests, exports = list(self.engine.seqs) + list(self.fetching), list(self.exporter.exports)
-        self.cancel_fetches()
+        requests, exports = list(self.engine.seqs) + list(self.fetching), self.exporter.table.ids()
+        self.fetcher.cancel_all()
         for request_id in requests:
             self.engine.abort(request_id)
         for request_id in exports:
-            self.exporter.release(request_id)
+            self.exporter.table.release(request_id)
         self.exporter.expire()  # layer-pipelined frames of the aborted requests
         self.last_stats = None  # report the freed blocks at once
         return f"{len(requests)} requests, {len(exports)} exports"
@@ -230,14 +213,12 @@ class Worker:
     def handle(self, msg, arrival: float) -> None:
         """Act on one command, or a finished fetch; ``arrival`` is its
         ``time.perf_counter()`` on receipt."""
-        if isinstance(msg, _Fetch):
+        if isinstance(msg, Fetch):
             self.fetched(msg)
         elif isinstance(msg, P.AddRequest):
             self.add(msg, arrival)
         elif isinstance(msg, P.Abort):
-            fetch = self.fetching.pop(msg.request_id, None)
-            if fetch is not None:  # its result is dropped when it comes (see fetched)
-                fetch.cancel.set()
+            self.fetcher.cancel(msg.request_id)  # its result is dropped when it comes (see fetched)
             self.engine.abort(msg.request_id)
             self.release(msg.request_id)
         elif isinstance(msg, P.ReleaseKV):
@@ -256,10 +237,8 @@ class Worker:
         if msg.request_id in self.fetching:
             self.fail(msg.request_id, f"duplicate request id {msg.request_id!r}")
         elif msg.kv is not None or (msg.images and msg.embeddings):
-            fetch = _Fetch(msg, arrival, self.engine.kv_layout(), self.engine.kv_cache.dtype,
-                           self.engine.model.config.hidden_size)
-            self.fetching[msg.request_id] = fetch
-            self.fetcher.submit(self.fetch, fetch)
+            self.fetcher.start(Fetch(msg, arrival, self.engine.kv_layout(), self.engine.kv_cache.dtype,
+                                     self.engine.model.config.hidden_size))
         else:
             try:
                 timings, embeddings = StageTimings(), None
@@ -270,37 +249,13 @@ class Worker:
             except (ValueError, ImageError) as exc:
                 self.fail(msg.request_id, str(exc))
 
-    def fetch(self, fetch: _Fetch) -> None:
-        """Fetch-thread body: get ``fetch``'s KV (``Importer.take``) or embeddings
-        (:func:`fetch_embeddings`) into it, or the error, then hand it to the loop through
-        the inbox. Touches the importer only, never the engine or its KV cache (neither is
-        thread-safe); the loop adds the request."""
-        if fetch.cancel.is_set():  # aborted, or the worker stopping, while it waited for a thread
-            return
-        msg = fetch.msg
-        try:
-            if msg.kv is not None:
-                fetch.kv, fetch.timings = self.importer.take(msg.request_id, msg.kv, fetch.layout, fetch.dtype,
-                                                             fetch.cancel)
-            else:
-                fetch.embeddings = fetch_embeddings(self.importer, msg, fetch.hidden_size, fetch.timings,
-                                                    fetch.cancel)
-        except (ValueError, WireError) as exc:
-            fetch.error = str(exc)
-        except Exception:
-            # A bug must not leave the request waiting forever: fail it alone.
-            log.error("%s: fetch for %s failed:\n%s", self.worker_id, msg.request_id, traceback.format_exc())
-            fetch.error = "internal error fetching the request's KV or image embeddings"
-        self.inbox.put((fetch, time.perf_counter()))
-
-    def fetched(self, fetch: _Fetch) -> None:
+    def fetched(self, fetch: Fetch) -> None:
         """A fetch thread is done with ``fetch``: queue its request in the engine, or send
         its error. One aborted meanwhile (no longer in ``fetching``) is dropped: no Output,
         and its tensors (and the mapping or message they view) go with it."""
         request_id = fetch.msg.request_id
-        if self.fetching.get(request_id) is not fetch:
+        if not self.fetcher.take(fetch):
             return
-        del self.fetching[request_id]
         if fetch.error is not None:  # the hand-off failed, not the request: a server fault
             self.fail(request_id, fetch.error, status=500)
             return
@@ -313,29 +268,29 @@ class Worker:
             self.fail(request_id, str(exc))
 
     def enqueue(self, msg: P.AddRequest, arrival: float, timings: StageTimings,
-                kv: torch.Tensor | handoff.PooledKV | None = None, embeddings: torch.Tensor | None = None) -> None:
-        """Add ``msg`` to the engine. Raises ``ValueError`` as ``LLMEngine.add_request``."""
+                kv: KVSource | None = None, embeddings: torch.Tensor | None = None) -> None:
+        """Add ``msg`` to the engine, asking it for what this worker's role needs: a prefill
+        worker's requests hold their prompt's KV for :meth:`export` (written layer by layer
+        into the exporter's layer sink with ``--kv-layer-pipeline``); only a decode
+        worker's bring KV. Raises ``ValueError`` as ``LLMEngine.add_request``, or for KV
+        sent to another role."""
+        if kv is not None and msg.first_token is not None and self.role != "decode":
+            raise ValueError(f"a {self.role} worker takes no kv or first_token")
+        prefill = self.role == "prefill"
         self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, kv, msg.first_token,
                                 timings=timings, arrival=arrival,
-                                images=[(im.hash, im.tokens) for im in msg.images], image_embeddings=embeddings)
+                                images=[(im.hash, im.tokens) for im in msg.images], image_embeddings=embeddings,
+                                hold_kv=prefill, layer_sink=self.exporter.layer_sink if prefill else None)
 
     def fail(self, request_id: str, message: str, status: int = 400) -> None:
         """Tell the router the request ended with an error (see :class:`~epdserve.serving.protocol.Error`)."""
         self.send(P.Error(worker_id=self.worker_id, request_id=request_id, message=message, status=status))
 
     def stop_fetches(self) -> None:
-        """Drop every fetch in flight and wait for the fetch threads to end, briefly: a TCP
-        fetch sees its cancel within ``tcp.POLL_MS``, a shared-memory one only maps and
-        checks. Their requests get no Error: as those in the engine, they end with the
-        worker, and the router fails them when it sees it go."""
-        self.cancel_fetches()
-        self.fetcher.shutdown(wait=True, cancel_futures=True)
-
-    def cancel_fetches(self) -> None:
-        """Drop every fetch in flight: its result is ignored when it comes back."""
-        for fetch in self.fetching.values():
-            fetch.cancel.set()
-        self.fetching.clear()
+        """Drop every fetch in flight and wait for the fetch threads to end (see
+        :meth:`Fetcher.stop`). Their requests get no Error: as those in the engine, they end
+        with the worker, and the router fails them when it sees it go."""
+        self.fetcher.stop()
 
     def image_embeddings(self, msg: P.AddRequest, arrival: float, timings: StageTimings) -> torch.Tensor:
         """``[image tokens, hidden]`` for ``msg``'s images, in prompt order, encoded here from
@@ -359,7 +314,8 @@ class Worker:
         return torch.cat([r.embeddings for r in results])
 
     def release(self, request_id: str) -> None:
-        self.exporter.release(request_id)
+        """End this worker's export of the request, if it holds one (ReleaseKV, Abort)."""
+        self.exporter.table.release(request_id)
 
     def step(self) -> None:
         try:
@@ -401,79 +357,10 @@ class Worker:
                         self.exporter.ttl_s)
 
 
-def fetch_embeddings(importer: handoff.Importer, msg: P.AddRequest, hidden_size: int, timings: StageTimings,
-                     cancel: threading.Event | None = None) -> torch.Tensor:
-    """``[image tokens, hidden_size]`` for ``msg``'s images, in prompt order, read from the
-    encode workers' frames ``msg.embeddings``; adds ``embedding_fetch_ms`` to ``timings``.
-    Runs on a fetch thread: waits up to the importer's timeout per frame over TCP (or
-    until ``cancel`` is set).
-
-    Raises:
-        ValueError: some of the images have no embeddings.
-        WireError: a frame that is gone, unreachable or not these images' embeddings.
-    """
-    start = time.perf_counter()
-    parts: list[torch.Tensor | None] = [None] * len(msg.images)
-    for ref in msg.embeddings:
-        header, tensors = importer.fetch_frame(msg.request_id, ref.frame, cancel)
-        hashes = [msg.images[i].hash for i in ref.images]
-        for i, image in zip(ref.images, embedding.unpack(header, tensors, hidden_size, hashes)):
-            parts[i] = image.embeddings
-    if any(part is None for part in parts):
-        raise ValueError("embeddings are missing for some of the request's images")
-    timings.embedding_fetch_ms = (time.perf_counter() - start) * 1e3
-    return torch.cat(parts)
-
-
-def receive_commands(cmd: zmq.Socket, inbox: queue.Queue, worker_id: str, stop: threading.Event,
-                     opener: auth.Opener | None = None) -> None:
-    """Thread body: move each command from ``cmd`` into ``inbox`` as ``(message,
-    time.perf_counter() at receipt)`` until ``stop`` is set. Stamping on a thread of its own
-    counts the time a request waits while the engine is in a long step as queue time, not
-    as an unexplained gap; the engine itself stays single-threaded. ``opener`` checks each
-    frame's tag first (``auth``; None: no token); frames that fail it or are not epdserve
-    messages are logged (rate-limited) and dropped."""
-    opener = opener or auth.NO_AUTH.opener("commands")
-    drops = auth.DropLog(log, f"{worker_id}: dropped a command frame")
-    while not stop.is_set():
-        if not cmd.poll(IDLE_WAIT_S * 1000):
-            continue
-        frame = cmd.recv()
-        arrival = time.perf_counter()
-        try:
-            inbox.put((P.decode(opener.open(frame)), arrival))
-        except auth.AuthError as exc:
-            drops(f"it failed authentication: {exc}")
-        except P.ProtocolError as exc:
-            drops(f"it is not an epdserve message: {exc}")
-
-
-def heartbeat(ctx: zmq.Context, router: str, worker_id: str, stop: threading.Event,
-              keyring: auth.Keyring = auth.NO_AUTH, incarnation: str = "0" * 16) -> None:
-    """Thread body: send Heartbeat every HEARTBEAT_INTERVAL_S until ``stop`` is set. Its own
-    socket (ZeroMQ sockets are not thread-safe), and torch releases the GIL in long engine
-    steps, so a worker busy for seconds still shows it is alive. Each beat is sealed anew
-    (``keyring``): its counter rises, so a recorded beat cannot be replayed."""
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 4)  # a router that is away gets a few, not a backlog
-    keyring.secure_client(sock, router)
-    sock.connect(router)
-    sealer = keyring.sealer("events")
-    body = P.encode(P.Heartbeat(worker_id=worker_id, incarnation=incarnation))
-    while not stop.wait(HEARTBEAT_INTERVAL_S):
-        try:
-            sock.send(sealer.seal(body), zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-    sock.close()
-
-
 def run(args: argparse.Namespace) -> int:
     """Start the worker; returns 0 on shutdown, 2 on a bad option or model (a TCP listener
     without a token, see ``auth.options_error``) or when the router refuses it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    encode_role = args.role == "encode"
     serves_tcp = args.role in ("prefill", "encode") and args.kv_transport != "shm"
     listeners = [a for a in (args.bind, args.kv_bind if serves_tcp else "") if a.startswith("tcp://")]
     error = auth.options_error(args, listeners)
@@ -487,19 +374,7 @@ def run(args: argparse.Namespace) -> int:
     tcp.configure(keyring)  # the exporter's KV server and the importer's fetches
     incarnation = secrets.token_hex(8)
     try:
-        cores = pin_to_cores(args.cores)
-        info = resolve_model(args.model)
-        if encode_role or (info.multimodal and args.role in ("colocated", "prefill")):
-            encoder = EncodeEngine(info.path, DTYPES[args.dtype])
-            if info.synthetic_vision:
-                log.warning("%s: the vision tower of %s has SYNTHETIC (seeded random) weights: image outputs "
-                            "carry no meaning", args.worker_id, info.name)
-        else:
-            encoder = None
-        if not encode_role:
-            # A prefill worker keeps its KV cache in shared memory: a same-host hand-off copies it once.
-            shared = args.role == "prefill" and args.kv_transfer_dtype == "none" and not args.kv_layer_pipeline
-            engine, kv_pool = handoff.new_engine(str(info.path), engine_config(args, args.role), shared)
+        cores, info, encoder, engine, kv_pool = _load(args)
     except (ValueError, ModelLoadError, OSError) as exc:
         print(f"epdserve worker: error: {exc}", flush=True)
         return 2
@@ -513,16 +388,8 @@ def run(args: argparse.Namespace) -> int:
     events.connect(args.router)
     inbox: queue.Queue = queue.Queue()
     try:
-        if encode_role:
-            worker = EncodeWorker(encoder, args.worker_id, inbox, events, ctx, args.kv_bind if serves_tcp else None,
-                                  args.kv_ttl)
-            kv_layout, blocks_total = worker.kv_layout(), 0
-        else:
-            exporter = handoff.Exporter(engine, args.kv_ttl, ctx, args.kv_bind if serves_tcp else None,
-                                        args.kv_transfer_dtype, kv_pool, args.kv_layer_pipeline)
-            importer = handoff.Importer(ctx, args.kv_transport, args.kv_transfer_timeout)
-            worker = Worker(engine, args.worker_id, inbox, events, exporter, importer, encoder)
-            kv_layout, blocks_total = engine.kv_layout(), engine.pool.num_blocks
+        worker, kv_layout, blocks_total = _make_worker(args, ctx, inbox, events, encoder, engine, kv_pool,
+                                                       args.kv_bind if serves_tcp else None)
     except zmq.ZMQError as exc:
         print(f"epdserve worker: error: --kv-bind {args.kv_bind}: {exc}", flush=True)
         ctx.destroy(linger=0)
@@ -536,19 +403,43 @@ def run(args: argparse.Namespace) -> int:
     worker.send(worker.hello)
     log.info("%s: %s worker on cores %s, %d KV blocks, listening on %s%s",
              args.worker_id, args.role, cores, blocks_total, args.bind, " (CURVE on TCP)" if keyring.curve else "")
-    stop = threading.Event()
-    beat = threading.Thread(target=heartbeat, args=(ctx, args.router, args.worker_id, stop, keyring, incarnation),
-                            name="epdserve-heartbeat", daemon=True)
-    # Commands open only with this process's incarnation: none meant for another opens here.
-    receiver = threading.Thread(target=receive_commands, name="epdserve-commands", daemon=True,
-                                args=(cmd, inbox, args.worker_id, stop, keyring.opener("commands", incarnation)))
-    beat.start()
-    receiver.start()
-    try:
-        worker.loop()
-    finally:
-        stop.set()
-        beat.join()
-        receiver.join()
+    serve(worker, ctx, cmd, inbox, args.router, args.worker_id, keyring, incarnation)
     ctx.destroy(linger=1000)
     return worker.exit_code
+
+
+def _load(args: argparse.Namespace):
+    """Pin the cores and load what the role runs: ``(cores, model info, encode engine or
+    None, engine and its shared KV pool or None, None for an encode worker)``.
+
+    Raises:
+        ValueError, ModelLoadError, OSError: a bad option, model, or /dev/shm.
+    """
+    encode_role = args.role == "encode"
+    cores = pin_to_cores(args.cores)
+    info = resolve_model(args.model)
+    encoder = engine = kv_pool = None
+    if encode_role or (info.multimodal and args.role in ("colocated", "prefill")):
+        encoder = EncodeEngine(info.path, DTYPES[args.dtype])
+        if info.synthetic_vision:
+            log.warning("%s: the vision tower of %s has SYNTHETIC (seeded random) weights: image outputs "
+                        "carry no meaning", args.worker_id, info.name)
+    if not encode_role:
+        # A prefill worker keeps its KV cache in shared memory: a same-host hand-off copies it once.
+        shared = args.role == "prefill" and args.kv_transfer_dtype == "none" and not args.kv_layer_pipeline
+        engine, kv_pool = handoff.new_engine(str(info.path), engine_config(args), shared)
+    return cores, info, encoder, engine, kv_pool
+
+
+def _make_worker(args: argparse.Namespace, ctx: zmq.Context, inbox: queue.Queue, events: zmq.Socket,
+                 encoder: EncodeEngine | None, engine: LLMEngine | None, kv_pool, kv_bind: str | None):
+    """The role's worker loop object, the KV layout and block count its Hello reports.
+    Raises ``zmq.ZMQError`` when ``kv_bind`` cannot be bound."""
+    if args.role == "encode":
+        worker = EncodeWorker(encoder, args.worker_id, inbox, events, ctx, kv_bind, args.kv_ttl)
+        return worker, worker.kv_layout(), 0
+    exporter = handoff.Exporter(engine, args.kv_ttl, ctx, kv_bind, args.kv_transfer_dtype, kv_pool,
+                                args.kv_layer_pipeline)
+    importer = handoff.Importer(ctx, args.kv_transport, args.kv_transfer_timeout)
+    worker = Worker(engine, args.worker_id, inbox, events, exporter, importer, encoder, role=args.role)
+    return worker, engine.kv_layout(), engine.pool.num_blocks

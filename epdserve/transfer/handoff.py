@@ -22,29 +22,38 @@ The prefill side (:class:`Exporter`) hands KV over in one of two ways:
 allows it (transport ``auto``, the default), TCP otherwise, and converts the blocks to its
 own cache dtype, which may differ from the prefill side's.
 
-The prefill side holds a request's KV (blocks or segment) until the router releases it
-(``ReleaseKV``, sent once the decode worker has imported it, and on every failure or
-abort), or its TTL passes; a mapped or served segment is unlinked at once.
+The prefill side holds a request's KV (blocks or segment) in its one table of live
+exports (:mod:`epdserve.transfer.exports`) until the router releases it (``ReleaseKV``,
+sent once the decode worker has imported it, and on every failure or abort), or its TTL
+passes; a mapped or served segment is unlinked at once.
+
+A request's KV, in order. Prefill side: ``LLMEngine.add_request(hold_kv=True[,
+layer_sink])`` → ``LLMEngine.step`` (``LayerPipeline.write_layer`` per layer, pipelined) →
+the first token's ``StepOutput.kv_block_ids`` (the engine's hold) → :meth:`Exporter.export`
+(``ExportTable.hold``, or a segment and ``LLMEngine.release_kv``) → ``ReleaseKV`` /
+TTL → ``ExportTable.release``. Decode side: :meth:`Importer.take` (a ``KVSource``) →
+``LLMEngine.add_request(kv=...)`` (``KVSource.validate``) → ``LLMEngine.step``
+(``KVSource.copy_into``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
-import mmap
 import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import zmq
 
-from epdserve.engine.engine import EngineConfig, LLMEngine, StepOutput, block_runs
-from epdserve.serving.protocol import KVDescriptor
+from epdserve.engine.engine import EngineConfig, LLMEngine, StepOutput
+from epdserve.engine.kv_source import KVSource, TensorKV, block_runs, check_kv
 from epdserve.transfer import kv_codec, shm, tcp, wire
+from epdserve.transfer.descriptor import KVDescriptor
+from epdserve.transfer.exports import ExportTable
+from epdserve.transfer.pipeline import LayerPipeline
 from epdserve.transfer.wire import TensorHeader, WireError
 from epdserve.trace import StageTimings
 
@@ -88,34 +97,17 @@ def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool) -> tuple
     return LLMEngine(model_dir, config, kv_allocator=allocate), pools[0]
 
 
-@dataclass
-class _Pending:
-    """A layer-pipelined segment being written: its mapping, its tensors (views of the
-    mapping) and the ms spent copying layers into it so far."""
-
-    name: str
-    mm: mmap.mmap
-    views: dict[str, torch.Tensor]
-    copy_ms: float = 0.0
-
-
-@dataclass
-class _Export:
-    """A request's KV held for a decode worker: a segment, or ``blocks`` of the pool (with
-    the ``header`` of the frame a TCP fetch of them gets)."""
-
-    name: str
-    created: float
-    blocks: list[int] | None = None
-    header: TensorHeader | None = None
-
-
 class Exporter:
     """Prefill side. ``bind``: the TCP address to serve KV on (``tcp://HOST:PORT``, port 0
     = any free one), or None for shared memory only. ``ttl_s``: seconds KV nobody took is
     kept. ``transfer_dtype``: one of ``kv_codec.TRANSFER_DTYPES``. ``pool``: the shared
     pool holding ``engine.kv_cache``, or None. ``layer_pipeline``: write staged frames
-    layer by layer during the prefill step (installs ``engine.export_hook``).
+    layer by layer during the prefill step: ``layer_sink`` (None without) is then the
+    :class:`~epdserve.transfer.pipeline.LayerPipeline` that requests to export pass to
+    :meth:`LLMEngine.add_request` with ``hold_kv``.
+
+    The exporter's live exports are :attr:`table` (:class:`~epdserve.transfer.exports.ExportTable`):
+    :meth:`export` adds to it, :meth:`release` and :meth:`expire` go through it.
 
     Raises (constructor): ``zmq.ZMQError`` if ``bind`` cannot be bound; ``ValueError``
     for an unknown ``transfer_dtype`` or a ``pool`` that does not hold the engine's cache.
@@ -128,17 +120,17 @@ class Exporter:
         if pool is not None and pool.kv.data_ptr() != engine.kv_cache.data_ptr():
             raise ValueError("the shared KV pool must hold the engine's KV cache (see LLMEngine's kv_allocator)")
         self.engine = engine
-        self.ttl_s = ttl_s
         self.transfer_dtype = transfer_dtype
         self.pool = pool
         self.hold = pool is not None and transfer_dtype == "none" and not layer_pipeline
         self.host = host_id()
-        self.exports: dict[str, _Export] = {}
-        self.pending: dict[str, _Pending] = {}
-        self._tags = itertools.count(1)
-        if layer_pipeline:
-            engine.export_hook = self._on_layer
+        self.table = ExportTable(ttl_s, pool if self.hold else None, engine.release_kv)
+        self.layer_sink = LayerPipeline(engine, self._header) if layer_pipeline else None
         self.server = tcp.KVServer(ctx, bind, self._frame) if bind else None
+
+    @property
+    def ttl_s(self) -> float:
+        return self.table.ttl_s
 
     def _header(self, num_blocks: int) -> TensorHeader:
         layout = self.engine.kv_layout()
@@ -149,10 +141,11 @@ class Exporter:
                             layout=layout, num_tokens=num_blocks * layout["block_size"])
 
     def export(self, out: StepOutput) -> KVDescriptor:
-        """Hand over the blocks ``out.kv_block_ids``: hold them in the pool, or write them
-        to a segment (or close the segment the layers were written to) and free them.
-        Adds ``kv_export_ms`` and ``kv_bytes`` (bytes a TCP fetch moves) to ``out.timings``,
-        and for a layer-pipelined frame ``kv_layer_copy_ms`` (the copies made during the
+        """Hand over the held blocks ``out.kv_block_ids`` (the engine's hold of a ``hold_kv``
+        request): keep them held and tagged in the pool, or write them to a segment (or
+        close the segment the layers were written to) and end the engine's hold. Adds
+        ``kv_export_ms`` and ``kv_bytes`` (bytes a TCP fetch moves) to ``out.timings``, and
+        for a layer-pipelined frame ``kv_layer_copy_ms`` (the copies made during the
         prefill step, part of its ``prefill_ms``).
 
         Raises:
@@ -163,19 +156,16 @@ class Exporter:
         header = self._header(len(ids))
         addr = self.server.addr if self.server else None
         nbytes = wire.frame_size(header)
-        # A block shared through the prefix cache may be held for another hand-off already;
-        # one tag per block cannot name two holders, so such an export is staged (copied).
-        if self.hold and not bool(self.pool.tags[torch.tensor(ids)].any()):
-            tag = next(self._tags)
-            self.pool.tags[torch.tensor(ids)] = tag
-            self.exports[request_id] = _Export(self.pool.name, time.monotonic(), list(ids), header)
+        # A block already held for another hand-off cannot be held twice: such an export is staged (copied).
+        if self.hold and self.table.can_hold(ids):
+            entry = self.table.hold(request_id, ids, header)
             desc = KVDescriptor(kind="pool", name=self.pool.name, num_tokens=header.num_tokens, nbytes=nbytes,
                                 host_id=self.host, addr=addr, block_runs=[(b, n) for _, b, n in block_runs(ids)],
-                                pool_blocks=self.pool.shape[2], layout=header.layout, tag=tag)
+                                pool_blocks=self.pool.shape[2], layout=header.layout, tag=entry.tag)
         else:
             name = self._stage(request_id, ids, header, out.timings)
             self.engine.release_kv(request_id)
-            self.exports[request_id] = _Export(name, time.monotonic())
+            self.table.add_segment(request_id, name)
             desc = KVDescriptor(name=name, num_tokens=header.num_tokens, nbytes=nbytes, host_id=self.host, addr=addr)
         out.timings.kv_export_ms = (time.perf_counter() - start) * 1e3
         out.timings.kv_bytes = float(nbytes)
@@ -183,12 +173,10 @@ class Exporter:
 
     def _stage(self, request_id: str, ids: list[int], header: TensorHeader, timings: StageTimings) -> str:
         """The segment holding the blocks: the layer-pipelined one, closed, or a new one."""
-        if request_id in self.pending:
-            pending = self.pending.pop(request_id)
-            pending.views.clear()  # the tensors view the mapping: drop them before closing it
-            pending.mm.close()
-            timings.kv_layer_copy_ms = pending.copy_ms
-            return pending.name
+        finished = self.layer_sink.finish(request_id) if self.layer_sink is not None else None
+        if finished is not None:
+            name, timings.kv_layer_copy_ms = finished
+            return name
 
         def fill(views: dict[str, torch.Tensor]) -> None:
             if "scales" in views:
@@ -200,80 +188,38 @@ class Exporter:
         shm.write(name, header, fill)
         return name
 
-    def _on_layer(self, layer: int, seqs: list[tuple[str, list[int]]]) -> None:
-        """Engine export hook: write layer ``layer`` of each sequence's prompt blocks into its
-        outgoing segment, creating the segment at its first layer."""
-        if layer == 0:
-            # A frame still pending from an earlier step belongs to a request that finished
-            # in its prefill (EOS, max_tokens 1) and was never exported.
-            for request_id in set(self.pending) - {rid for rid, _ in seqs}:
-                self._drop_pending(request_id)
-        for request_id, ids in seqs:
-            start = time.perf_counter()
-            if request_id not in self.pending:
-                name = shm.new_name()
-                self.pending[request_id] = _Pending(name, *shm.create(name, self._header(len(ids))))
-            pending = self.pending[request_id]
-            views = {key: tensor[layer] for key, tensor in pending.views.items()}
-            if "scales" in views:
-                kv_codec.encode(self.engine.read_kv(ids, layer=layer), views)
-            else:
-                self.engine.read_kv(ids, out=views["kv"], layer=layer)
-            pending.copy_ms += (time.perf_counter() - start) * 1e3
-
-    def _drop_pending(self, request_id: str) -> None:
-        pending = self.pending.pop(request_id)
-        pending.views.clear()
-        pending.mm.close()
-        shm.remove(pending.name)
-
     def _frame(self, request_id: str, name: str):
-        """KV server source (runs on its thread; dict lookups are atomic under the GIL): the
-        frame of a held request, built now, or its segment's mapping (unlinking it)."""
-        entry = self.exports.get(request_id)
+        """KV server source (runs on its thread): the frame of a held request, built now,
+        or its segment's mapping (unlinking it)."""
+        entry = self.table.get(request_id)
         if entry is None or entry.name != name:
             raise WireError(f"no KV {name} for request {request_id}")
         if entry.blocks is None:
             return shm.open_segment(name)
         frame = wire.pack(entry.header, lambda views: self.engine.read_kv(entry.blocks, out=views["kv"]))
-        if self.exports.get(request_id) is not entry:  # released, so maybe reused, during the copy
+        if self.table.get(request_id) is not entry:  # released, so maybe reused, during the copy
             raise WireError(f"KV of request {request_id} was released while it was being sent")
         return frame
 
     def release(self, request_id: str) -> None:
-        """Give up the request's KV if it is still held (imported, abort, TTL): delete its
-        segment, or untag and free its pool blocks."""
-        entry = self.exports.pop(request_id, None)
-        if entry is None:
-            return
-        if entry.blocks is None:
-            shm.remove(entry.name)
-        else:
-            self.pool.tags[torch.tensor(entry.blocks)] = 0  # before the blocks can be reused
-            self.engine.release_kv(request_id)
+        """Give up the request's KV if it is still held (imported, abort, TTL): see
+        :meth:`ExportTable.release`."""
+        self.table.release(request_id)
 
     def expire(self) -> list[str]:
         """Release every export older than the TTL; returns their request ids. Also deletes
-        layer-pipelined frames of requests the engine no longer runs (finished in their
-        prefill; one not yet exported would just be written again at export)."""
-        for request_id in [rid for rid in self.pending if rid not in self.engine.seqs]:
-            self._drop_pending(request_id)
-        now = time.monotonic()
-        old = [rid for rid, entry in self.exports.items() if now - entry.created > self.ttl_s]
-        for request_id in old:
-            self.release(request_id)
-        return old
+        layer-pipelined frames of requests the engine no longer runs."""
+        if self.layer_sink is not None:
+            self.layer_sink.drop_finished()
+        return self.table.expire()
 
     def close(self) -> None:
         """Stop serving, release every export still held, delete pending frames and the pool file."""
         if self.server is not None:
             self.server.close()
-        for request_id in list(self.exports):
-            self.release(request_id)
-        for request_id in list(self.pending):
-            self._drop_pending(request_id)
-        if self.engine.export_hook == self._on_layer:
-            self.engine.export_hook = None
+        self.table.close()
+        if self.layer_sink is not None:
+            self.layer_sink.close()
         if self.pool is not None:
             self.pool.close()
 
@@ -296,11 +242,12 @@ class Importer:
         self._pools_lock = threading.Lock()  # fetch threads map pools concurrently
 
     def take(self, request_id: str, desc: KVDescriptor, layout: dict, dtype: torch.dtype,
-             cancel: threading.Event | None = None) -> tuple[torch.Tensor, StageTimings]:
-        """Get the KV blocks ``desc`` describes as a tensor ``[layers, 2, n_blocks,
-        block_size, kv_heads, head_dim]`` of ``dtype``, or for blocks of a same-host pool as
-        a :class:`PooledKV` of that shape and dtype (the engine copies them straight into
-        its cache on import), and timings ``kv_fetch_ms`` (ms: fetch or map, validation and
+             cancel: threading.Event | None = None) -> tuple[KVSource, StageTimings]:
+        """Get the KV blocks ``desc`` describes as a :class:`~epdserve.engine.kv_source.KVSource`
+        of blocks ``[layers, 2, n_blocks, block_size, kv_heads, head_dim]`` in ``dtype``: a
+        :class:`~epdserve.engine.kv_source.TensorKV` of the frame's tensor, or for blocks of
+        a same-host pool a :class:`PooledKV` (the engine copies them straight into its
+        cache on import); and timings ``kv_fetch_ms`` (ms: fetch or map, validation and
         conversion) and ``kv_tcp`` (1.0 if it came over TCP, else 0.0). Blocks up to
         ``timeout_s`` on TCP, or until ``cancel`` is set.
 
@@ -317,7 +264,7 @@ class Importer:
             return kv, StageTimings(kv_fetch_ms=(time.perf_counter() - start) * 1e3, kv_tcp=0.0)
         header, tensors = self.fetch_frame(request_id, desc, cancel)
         _check_layout(header.layout, layout)
-        kv = kv_codec.decode(tensors, dtype)
+        kv = TensorKV(kv_codec.decode(tensors, dtype))
         return kv, StageTimings(kv_fetch_ms=(time.perf_counter() - start) * 1e3, kv_tcp=float(self.uses_tcp(desc)))
 
     def uses_tcp(self, desc: KVDescriptor) -> bool:
@@ -376,9 +323,10 @@ class Importer:
 class PooledKV:
     """One request's KV blocks in a prefill worker's pool mapped by this process: the
     ``runs`` (``(first block, count)``, in order) of ``pool [layers, 2, pool_blocks,
-    block_size, kv_heads, head_dim]``, tagged ``tag`` in ``tags``. It has the ``shape`` and
-    ``dtype`` of the tensor it stands for, and the decode engine's import copies it with
-    :meth:`copy_to`: one copy from the prefill worker's cache into the decode worker's."""
+    block_size, kv_heads, head_dim]``, tagged ``tag`` in ``tags``: a
+    :class:`~epdserve.engine.kv_source.KVSource` with the ``shape`` and ``dtype`` of the
+    tensor it stands for, which the decode engine's import copies with :meth:`copy_into`:
+    one copy from the prefill worker's cache into the decode worker's."""
 
     def __init__(self, request_id: str, pool: torch.Tensor, tags: torch.Tensor, runs: list[tuple[int, int]],
                  tag: int, dtype: torch.dtype):
@@ -394,17 +342,22 @@ class PooledKV:
             raise WireError(f"KV blocks of {self.request_id} are no longer held by the prefill worker "
                             f"(released, expired, or not this request's)")
 
-    def copy_to(self, cache: torch.Tensor, block_ids: list[int], first: int = 0) -> None:
-        """Copy the blocks into ``cache`` (converting the dtype) at ``block_ids``, one strided
-        copy per stretch that is consecutive on both sides; the first ``first`` blocks are
-        skipped (the receiver's prefix cache holds them already).
+    def validate(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        check_kv(self.shape, self.dtype, shape, dtype)
+
+    def copy_into(self, kv_cache: torch.Tensor, block_table: list[int], first_block: int = 0) -> None:
+        """Copy the blocks into ``kv_cache`` (converting the dtype) at the leading entries of
+        ``block_table``, one strided copy per stretch that is consecutive on both sides; the
+        first ``first_block`` blocks are skipped (the receiver's prefix cache holds them
+        already).
 
         Raises:
             WireError: the prefill worker released the blocks before the copy ended (its
                 ``--kv-ttl`` passed while the request waited here), so the copy is void.
         """
-        for src, dst, n in _paired_runs(self.ids[first:], block_ids[first:]):
-            cache[:, :, dst:dst + n].copy_(self.pool[:, :, src:src + n])
+        first = first_block
+        for src, dst, n in _paired_runs(self.ids[first:], block_table[first:len(self.ids)]):
+            kv_cache[:, :, dst:dst + n].copy_(self.pool[:, :, src:src + n])
         self.check()
 
 

@@ -24,15 +24,16 @@ def first_output(engine: LLMEngine, request_id: str) -> StepOutput:
 
 def generate_pd(prefill: LLMEngine, decode: LLMEngine, exporter: Exporter, importer: Importer,
                 request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> tuple[list[int], StageTimings]:
-    """Run one request through ``prefill`` (role prefill, whose ``exporter`` writes its KV)
-    and ``decode`` (role decode, whose ``importer`` takes it); the engines must be idle.
+    """Run one request through ``prefill`` (asked to hold the prompt's KV, which its
+    ``exporter`` hands over) and ``decode`` (whose ``importer`` takes it); the engines
+    must be idle.
     Returns the generated token ids and the merged timings of both sides (ms, bytes).
 
     Raises:
         ValueError, WireError: as :meth:`LLMEngine.add_request` and :meth:`Importer.take`;
             WireError also when the decode engine finds the KV void at its import.
     """
-    prefill.add_request(request_id, prompt_ids, sampling)
+    prefill.add_request(request_id, prompt_ids, sampling, hold_kv=True, layer_sink=exporter.layer_sink)
     out = first_output(prefill, request_id)
     tokens = list(out.token_ids)
     if out.finished:

@@ -5,7 +5,8 @@ one wire frame, to decode workers that cannot map its shared memory: a segment i
 Exchange (one per hand-off, nothing is ever unpickled):
 
 * the decode worker's DEALER sends one frame, msgpack ``{"request_id": str, "name": str}``
-  sealed with the deployment's ``kv-request`` key (:mod:`epdserve.serving.auth`);
+  sealed with the deployment's ``kv-request`` key (:mod:`epdserve.transfer.sealing`, scheme in
+  :mod:`epdserve.serving.auth`);
 * the prefill worker's ROUTER checks the tag first and drops (unanswered, logged
   rate-limited) a request that fails it; else it answers ``[b"ok", frame]`` (one wire
   frame, sent without a further copy from a segment's mapping or a freshly built buffer)
@@ -16,7 +17,7 @@ The receiver caps the reply at the size the descriptor announced and parses it w
 :func:`epdserve.transfer.wire.parse`, so a reply that is not our frame raises
 :class:`~epdserve.transfer.wire.WireError`.
 
-The keys come from a :class:`~epdserve.serving.auth.Keyring` passed in, or else the one a
+The keys come from a :class:`~epdserve.transfer.sealing.Keyring` passed in, or else the one a
 worker process installs with :func:`configure` at start (its exporter and importer make
 servers and fetches without naming one); none: no authentication, as before.
 """
@@ -32,7 +33,7 @@ import msgpack
 import torch
 import zmq
 
-from epdserve.serving.auth import NO_AUTH, AuthError, DropLog, Keyring
+from epdserve.transfer.sealing import NO_AUTH, AuthError, DropLog, Keyring
 from epdserve.transfer.wire import TensorHeader, WireError, parse
 
 log = logging.getLogger("epdserve.transfer.tcp")

@@ -1,0 +1,81 @@
+"""The threads around a worker's loop (engine or encode worker): one receives the router's
+commands into the loop's inbox, stamping their arrival; one sends heartbeats."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import zmq
+
+from epdserve.serving import auth
+from epdserve.serving import protocol as P
+
+log = logging.getLogger("epdserve.worker")
+HEARTBEAT_INTERVAL_S = 0.5
+IDLE_WAIT_S = 0.1  # how long an idle worker waits for a command before its housekeeping
+
+
+def receive_commands(cmd: zmq.Socket, inbox: queue.Queue, worker_id: str, stop: threading.Event,
+                     opener: auth.Opener | None = None) -> None:
+    """Thread body: move each command from ``cmd`` into ``inbox`` as ``(message,
+    time.perf_counter() at receipt)`` until ``stop`` is set. Stamping on a thread of its own
+    counts the time a request waits while the engine is in a long step as queue time, not
+    as an unexplained gap; the engine itself stays single-threaded. ``opener`` checks each
+    frame's tag first (``auth``; None: no token); frames that fail it or are not epdserve
+    messages are logged (rate-limited) and dropped."""
+    opener = opener or auth.NO_AUTH.opener("commands")
+    drops = auth.DropLog(log, f"{worker_id}: dropped a command frame")
+    while not stop.is_set():
+        if not cmd.poll(IDLE_WAIT_S * 1000):
+            continue
+        frame = cmd.recv()
+        arrival = time.perf_counter()
+        try:
+            inbox.put((P.decode(opener.open(frame)), arrival))
+        except auth.AuthError as exc:
+            drops(f"it failed authentication: {exc}")
+        except P.ProtocolError as exc:
+            drops(f"it is not an epdserve message: {exc}")
+
+
+def heartbeat(ctx: zmq.Context, router: str, worker_id: str, stop: threading.Event,
+              keyring: auth.Keyring = auth.NO_AUTH, incarnation: str = "0" * 16) -> None:
+    """Thread body: send Heartbeat every HEARTBEAT_INTERVAL_S until ``stop`` is set. Its own
+    socket (ZeroMQ sockets are not thread-safe), and torch releases the GIL in long engine
+    steps, so a worker busy for seconds still shows it is alive. Each beat is sealed anew
+    (``keyring``): its counter rises, so a recorded beat cannot be replayed."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 4)  # a router that is away gets a few, not a backlog
+    keyring.secure_client(sock, router)
+    sock.connect(router)
+    sealer = keyring.sealer("events")
+    body = P.encode(P.Heartbeat(worker_id=worker_id, incarnation=incarnation))
+    while not stop.wait(HEARTBEAT_INTERVAL_S):
+        try:
+            sock.send(sealer.seal(body), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+    sock.close()
+
+
+def serve(worker, ctx: zmq.Context, cmd: zmq.Socket, inbox: queue.Queue, router: str, worker_id: str,
+          keyring: auth.Keyring, incarnation: str) -> None:
+    """Run ``worker``'s loop, with the heartbeat and command-receiving threads, until it stops."""
+    stop = threading.Event()
+    beat = threading.Thread(target=heartbeat, args=(ctx, router, worker_id, stop, keyring, incarnation),
+                            name="epdserve-heartbeat", daemon=True)
+    # Commands open only with this process's incarnation: none meant for another opens here.
+    receiver = threading.Thread(target=receive_commands, name="epdserve-commands", daemon=True,
+                                args=(cmd, inbox, worker_id, stop, keyring.opener("commands", incarnation)))
+    beat.start()
+    receiver.start()
+    try:
+        worker.loop()
+    finally:
+        stop.set()
+        beat.join()
+        receiver.join()

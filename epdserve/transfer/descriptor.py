@@ -1,0 +1,40 @@
+"""Where a request's exported KV cache (or an encode worker's embedding frame) lies: the
+descriptor a prefill worker's :class:`~epdserve.transfer.handoff.Exporter` makes and an
+:class:`~epdserve.transfer.handoff.Importer` follows. It rides inside the router's
+messages (:mod:`epdserve.serving.protocol`: ``Output.kv``, ``AddRequest.kv``,
+``Encoded.frame``), encoded as they are."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class KVDescriptor(BaseModel):
+    """Where a request's exported KV cache lies (see ``epdserve.transfer.handoff``).
+
+    ``kind`` "shm": ``name`` is a file in the /dev/shm of host ``host_id`` holding one wire
+    frame (see ``epdserve.transfer.wire``) of ``nbytes`` bytes. ``kind`` "pool": ``name``
+    is the prefill worker's whole KV cache in the /dev/shm of host ``host_id``
+    (``epdserve.transfer.shm.KVPool``), of ``pool_blocks`` blocks laid out as ``layout``
+    (``LLMEngine.kv_layout()``); the request's KV is the blocks ``block_runs`` (``[first
+    block, count]`` runs, in order), each tagged ``tag`` while it is held. Both:
+    ``num_tokens`` is how many prompt positions it covers; ``addr`` (``tcp://HOST:PORT``,
+    or None) is the prefill worker's KV socket that serves the same KV as one frame of
+    ``nbytes`` bytes to a decode worker on another host. The receiver validates every
+    field against what it maps or fetches.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["shm", "pool"] = "shm"
+    name: str
+    num_tokens: int
+    nbytes: int
+    host_id: str
+    addr: str | None = None
+    block_runs: list[tuple[int, int]] = []
+    pool_blocks: int = 0
+    layout: dict = {}
+    tag: int = 0
