@@ -9,7 +9,11 @@ import argparse
 import logging
 import sys
 
+import uvicorn
+
 from epdserve.argtypes import int_at_least
+from epdserve.model.loader import ModelLoadError, resolve_model
+from epdserve.model.tokenizer import load_tokenizer
 from epdserve.serving import auth
 from epdserve.serving.handshake import model_fingerprint, model_kv_shape
 from epdserve.serving.http_guard import add_http_options, uvicorn_config
@@ -142,9 +146,6 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
     Raises:
         ModelLoadError: the model cannot be found or read.
     """
-    from epdserve.model.loader import ModelLoadError, resolve_model
-    from epdserve.model.tokenizer import load_tokenizer
-
     model = resolve_model(args.model)
     if args.mode == "epd" and not model.multimodal:
         raise ModelLoadError(f"--mode epd needs a vision-language model (e.g. --model vlm), not {model.name}")
@@ -165,10 +166,6 @@ def run(args: argparse.Namespace) -> int:
     """``epdserve router``: serve HTTP; workers started elsewhere connect to ``--events``.
     Returns 2 on a bad option or model (``--events`` on TCP needs a token unless
     ``--allow-unauthenticated``)."""
-    import uvicorn
-
-    from epdserve.model.loader import ModelLoadError
-
     setup_logging(args.log_level)
     error = auth.options_error(args, [args.events] if args.events.startswith("tcp://") else [])
     if error is not None:

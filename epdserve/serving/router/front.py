@@ -21,6 +21,7 @@ from typing import AsyncIterator
 
 import pydantic
 
+from epdserve.model.tokenizer import chat_prompt_ids
 from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
 from epdserve.serving.detokenizer import TextStream
@@ -201,7 +202,6 @@ class Front:
             APIError: 400, empty prompt, bad token ids, or a chat template failure.
         """
         if isinstance(body, api.ChatCompletionRequest):
-            from epdserve.model.tokenizer import chat_prompt_ids
             try:
                 ids = chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in body.messages])
             except ValueError as exc:
