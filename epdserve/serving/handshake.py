@@ -11,7 +11,7 @@ Every frame, not only Hello, is authenticated: :mod:`epdserve.serving.auth` seal
 one with a tag under the token and the receiver drops a frame whose tag does not verify
 before it parses it, so with a token only token holders ever reach :func:`refusal`; the
 Hello's ``auth`` field is checked on top (it proves the id, as before). Who may take over
-a worker id that is already held is the router's rule (``Router._on_hello``).
+a worker id that is already held is the router's rule (``Registry.on_hello``).
 """
 
 from __future__ import annotations

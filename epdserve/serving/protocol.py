@@ -21,7 +21,7 @@ Sockets (one direction each, so neither side blocks on the other):
 
 A worker process draws a random ``incarnation`` at start and sends it in its Hello and
 heartbeats: it tells the process that holds a worker id from another one claiming it
-(see ``Router._on_hello``), and commands are sealed for it alone.
+(see ``Registry.on_hello`` in ``epdserve.serving.router.registry``), and commands are sealed for it alone.
 
 Times in ``timings`` are durations in milliseconds (``*_ms``) or byte counts
 (``*_bytes``) so that they stay meaningful across hosts.
