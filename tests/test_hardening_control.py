@@ -83,6 +83,8 @@ def hello_fields(model_info, worker_id: str, addr: str, incarnation: str, token:
               "cores": [1], "auth": auth_tag(token, worker_id)}
     if "incarnation" in P.Hello.model_fields:  # not in the wire format before the hardening
         fields["incarnation"] = incarnation
+    if "protocol" in P.Hello.model_fields:  # nor the protocol version
+        fields["protocol"] = P.PROTOCOL_VERSION
     return fields
 
 

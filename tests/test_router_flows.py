@@ -67,7 +67,7 @@ class FakeClock:
 def hello(worker_id: str, role: str, incarnation: str | None = None, fingerprint: str = "fp") -> P.Hello:
     return P.Hello(worker_id=worker_id, role=role, addr=f"ipc:///tmp/{worker_id}", model="m",
                    fingerprint=fingerprint, kv_layout=LAYOUT, blocks_total=10,
-                   incarnation=incarnation or f"{worker_id}-incarnation")
+                   incarnation=incarnation or f"{worker_id}-incarnation", protocol=P.PROTOCOL_VERSION)
 
 
 class Setup:
@@ -560,6 +560,9 @@ def test_hello_is_accepted():
 @pytest.mark.parametrize("msg, reason", [
     (hello("colocated-0", "colocated"), "worker colocated-0 has role colocated, a pd router uses"),
     (hello("prefill-0", "prefill", fingerprint="other"), "with fingerprint other, the router serves one"),
+    # A worker of an older epdserve (no protocol field) would send frames the router drops.
+    (hello("prefill-0", "prefill").model_copy(update={"protocol": 1}),
+     f"speaks protocol version 1, the router {P.PROTOCOL_VERSION}: run the same epdserve version"),
 ])
 def test_hello_is_refused(msg, reason):
     s = Setup("pd")

@@ -22,6 +22,8 @@ import json
 import struct
 from pathlib import Path
 
+from epdserve.serving.protocol import PROTOCOL_VERSION
+
 KV_PEER_ROLES = {"prefill": "decode", "decode": "prefill"}
 
 
@@ -68,6 +70,9 @@ def refusal(hello, *, fingerprint: str, kv_shape: dict, auth_token: str | None,
     """
     if not hmac.compare_digest(hello.auth, auth_tag(auth_token, hello.worker_id)):
         return f"worker {hello.worker_id}: bad or missing auth token"
+    if hello.protocol != PROTOCOL_VERSION:
+        return (f"worker {hello.worker_id} speaks protocol version {hello.protocol}, the router "
+                f"{PROTOCOL_VERSION}: run the same epdserve version on every host")
     if hello.fingerprint != fingerprint:
         return (f"worker {hello.worker_id} has model {hello.model!r} with fingerprint {hello.fingerprint}, "
                 f"the router serves one with fingerprint {fingerprint}")

@@ -41,6 +41,11 @@ from epdserve.trace import StageTimings
 
 Role = Literal["colocated", "prefill", "decode", "encode"]
 
+# The version of these messages. A router refuses a worker of another version (see
+# ``handshake.refusal``), which would otherwise send frames it cannot read. 1: before the
+# field existed; 2: typed stage timings (``epdserve.trace.StageTimings``).
+PROTOCOL_VERSION = 2
+
 
 # A count a worker reports (blocks, requests, tokens): what the router and the Prometheus
 # counters take, never negative (a counter cannot go down) and within int64.
@@ -91,6 +96,7 @@ class Hello(_Msg):
     cores: list[int] = []
     auth: str = ""
     incarnation: str = Field(min_length=8, max_length=64)
+    protocol: int = 1  # PROTOCOL_VERSION of the worker's code; absent (1) from older workers
 
 
 class Heartbeat(_Msg):

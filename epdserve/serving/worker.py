@@ -399,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
     worker.hello = P.Hello(worker_id=args.worker_id, role=args.role, addr=args.bind, model=info.name,
                            fingerprint=model_fingerprint(info.path), kv_layout=kv_layout,
                            blocks_total=blocks_total, cores=cores, auth=auth_tag(args.auth_token, args.worker_id),
-                           incarnation=incarnation)
+                           incarnation=incarnation, protocol=P.PROTOCOL_VERSION)
     worker.send(worker.hello)
     log.info("%s: %s worker on cores %s, %d KV blocks, listening on %s%s",
              args.worker_id, args.role, cores, blocks_total, args.bind, " (CURVE on TCP)" if keyring.curve else "")
