@@ -48,16 +48,10 @@ PATHS = ("colocated", "disaggregated", "local")
 FIRST_QUEUE = {"colocated": "colocated_queue_ms", "disaggregated": "prefill_queue_ms", "local": "decode_queue_ms"}
 
 
-class StageTimings(BaseModel):
-    """What one worker measured for one request (ms, bytes); None: not measured there.
+class WorkerStages(BaseModel):
+    """The stages a worker measures for a request besides its queue (ms, bytes); None: not
+    measured there. See the module docstring for each one's definition."""
 
-    Carried by :class:`~epdserve.serving.protocol.Output` and ``Encoded``; see the module
-    docstring for each stage's definition.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    queue_ms: float | None = None
     prefill_ms: float | None = None
     decode_ms: float | None = None
     kv_export_ms: float | None = None
@@ -72,23 +66,33 @@ class StageTimings(BaseModel):
     embedding_fetch_ms: float | None = None
     embedding_bytes: float | None = None
 
-    def update(self, other: StageTimings) -> None:
-        """Take every stage ``other`` measured (a later measurement replaces an earlier one)."""
-        for key, value in other.measured().items():
-            setattr(self, key, value)
-
     def measured(self) -> dict[str, float]:
         """The stages that were measured, as ``{name: value}``."""
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
-WORKER_STAGES = tuple(k for k in StageTimings.model_fields if k != "queue_ms")
+class StageTimings(WorkerStages):
+    """What one worker measured for one request: its queue and the :class:`WorkerStages`.
+
+    Carried by :class:`~epdserve.serving.protocol.Output` and ``Encoded``; a stage not
+    defined here is refused.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    queue_ms: float | None = None
+
+    def update(self, other: StageTimings) -> None:
+        """Take every stage ``other`` measured (a later measurement replaces an earlier one)."""
+        for key, value in other.measured().items():
+            setattr(self, key, value)
 
 
-class RequestTrace(BaseModel):
+class RequestTrace(WorkerStages):
     """One request's trip (one JSON line of the server trace file).
 
-    Stored fields are what the router and the workers measured; ``queue_ms``,
+    Stored fields are what the router and the workers measured (the workers' queues by
+    role, their other stages as :class:`WorkerStages`); ``queue_ms``,
     ``kv_transfer_ms``, ``embedding_transfer_ms`` and ``ttft_hop_ms`` are derived
     (properties), as the module docstring defines them. Unknown keys of a JSON line are
     ignored, so older and newer trace files both read.
@@ -116,19 +120,6 @@ class RequestTrace(BaseModel):
     colocated_queue_ms: float | None = None
     prefill_queue_ms: float | None = None
     decode_queue_ms: float | None = None
-    prefill_ms: float | None = None
-    decode_ms: float | None = None
-    kv_export_ms: float | None = None
-    kv_bytes: float | None = None
-    kv_layer_copy_ms: float | None = None
-    kv_fetch_ms: float | None = None
-    kv_tcp: float | None = None
-    kv_import_ms: float | None = None
-    encode_queue_ms: float | None = None
-    encode_ms: float | None = None
-    embedding_export_ms: float | None = None
-    embedding_fetch_ms: float | None = None
-    embedding_bytes: float | None = None
 
     def add(self, role: str, timings: StageTimings) -> None:
         """Take a worker's measurements: its queue under ``<role>_queue_ms``, the rest by

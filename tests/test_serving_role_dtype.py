@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from conftest import _stop, start_deployment
 from epdserve.serving.handshake import refusal
+from epdserve.serving.protocol import PROTOCOL_VERSION
 
 LAYOUT = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": 16, "dtype": "float32"}
 SHAPE = {k: LAYOUT[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
@@ -16,7 +17,7 @@ SHAPE = {k: LAYOUT[k] for k in ("num_layers", "num_kv_heads", "head_dim")}
 
 def hello(**layout) -> SimpleNamespace:
     return SimpleNamespace(worker_id="decode-9", role="decode", model="m", fingerprint="f", auth="",
-                           kv_layout=dict(LAYOUT, **layout))
+                           kv_layout=dict(LAYOUT, **layout), protocol=PROTOCOL_VERSION)
 
 
 def test_handshake_accepts_a_dtype_difference_only():
