@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -344,3 +345,18 @@ def test_cli_malformed_trace_exits_2_naming_file_line_and_field(tmp_path):
                            str(path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"{path}:2: field 'input_length' must be an integer >= 1, got 0" in proc.stderr
+
+
+def test_example_traces_are_what_make_traces_writes_and_read_cleanly(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "benchmarks" / "make_traces.py"), "--output",
+                    str(tmp_path)], check=True, capture_output=True, timeout=120)
+    for name, fmt in (("mooncake_like.jsonl", "mooncake"), ("azure_conv_like.csv", "azure"),
+                      ("azure_code_like.csv", "azure")):
+        example = root / "examples" / "traces" / name
+        assert (tmp_path / name).read_bytes() == example.read_bytes(), name
+        trace = read_production(example, fmt)
+        assert len(trace.rows) == 300 and trace.reordered == 0
+        assert trace.hash_count_mismatches == 0 and example.stat().st_size < 100_000
+    rows = read_mooncake(root / "examples" / "traces" / "mooncake_like.jsonl").rows
+    assert 0.5 < production.shared_token_share(rows) < 0.7

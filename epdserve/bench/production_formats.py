@@ -13,8 +13,8 @@ released files; several rows may share one; the FAST'25 conversation trace steps
 ``hash_ids`` name the prompt's consecutive 512-token blocks. The ids are prefix-chained
 (remapped hashes of a block *and* everything before it, as a prefix cache keys blocks), so
 two prompts with the same id at block k share their first k + 1 blocks; in the FAST'25
-trace every prompt starts with block 0 and a later turn of a conversation repeats the ids of
-the earlier turn's full blocks. In the released rows checked (the first ~70 and the last
+conversation trace every prompt starts with block 0 and later rows repeat the leading ids of
+earlier ones (later turns of a conversation). In the released rows checked (the first ~70 and the last
 ~20 of ``conversation_trace.jsonl``) there are ceil(input_length / 512) ids; a row with
 another count is read as it is and counted (``hash_count_mismatches``): ids beyond the
 prompt cover nothing, tokens beyond the ids are the request's own. Other keys (e.g.
@@ -53,7 +53,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from epdserve.bench.traces import TraceError
 
 FORMATS = ("mooncake", "azure")
-MOONCAKE_BLOCK_TOKENS = 512  # Mooncake's block size (its README and technical report, §4)
+# Mooncake's block size: its rows have ceil(input_length / 512) ids; AIPerf's and Dynamo's
+# readers of the format use 512 too.
+MOONCAKE_BLOCK_TOKENS = 512
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
