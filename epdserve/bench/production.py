@@ -19,7 +19,9 @@ Three steps, each a function of its own so that the planner can use the first wi
    before a word, so the prompt tokenizes to exactly the concatenation of its blocks'
    tokens: one token per word, and the count is exact. Tokens past a prompt's last hash id
    (or of an Azure row, which has none) are the request's own seeded words. Each built
-   prompt's count is checked with the tokenizer.
+   prompt's count is checked with the tokenizer. A prompt starts with a space; a chat
+   template that trims its message (Llama 3's does) changes the first word's tokens, the
+   same way for every prompt, so the sharing holds.
 3. :func:`describe_replay` and :func:`replay_lines` — how the replayed rows differ from the
    whole original: count, duration, input/output length and inter-arrival mean and
    percentiles, and the share of prompt tokens in shared blocks.
@@ -97,13 +99,16 @@ def fit_rows(rows: tuple[TraceRow, ...] | list[TraceRow], fit: Fit) -> list[Trac
     Raises:
         TraceError: the window holds no request (names the window and the trace's span).
     """
+    if not rows:
+        raise TraceError("the trace has no requests")
     start = rows[0].timestamp_s + fit.start_s
     end = start + fit.duration_s if fit.duration_s is not None else math.inf
     window = [r for r in rows if start <= r.timestamp_s < end][:fit.num_prompts]
     if not window:
         span = rows[-1].timestamp_s - rows[0].timestamp_s
-        raise TraceError(f"the window {fit.start_s:g} s + {fit.duration_s or 'inf'} s holds no "
-                         f"request: the trace's arrivals span 0-{span:.1f} s")
+        length = "to the end" if fit.duration_s is None else f"for {fit.duration_s:g} s"
+        raise TraceError(f"the window from {fit.start_s:g} s {length} holds no request: the "
+                         f"trace's arrivals span 0-{span:.1f} s")
     first, block = window[0].timestamp_s, fit.block_tokens
     fitted = []
     for r in window:
