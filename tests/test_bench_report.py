@@ -3,7 +3,7 @@ folded into one entry (epdserve/bench/repeats.py), on hand-made compare entries.
 
 import pytest
 
-from epdserve.bench import report
+from epdserve.bench import plots, report
 from epdserve.bench.client import RequestRecord
 from epdserve.bench.metrics import compute
 from epdserve.bench.repeats import PLOT_ARRAYS, combine
@@ -108,7 +108,7 @@ def test_breakdown_and_recommendation_are_labelled():
     assert md.index("Latencies are client-side percentiles") < md.index("| Metric | Better |")
 
 
-def test_combine_takes_medians_ranges_and_the_first_runs_arrays():
+def test_combine_takes_medians_ranges_and_the_first_runs_arrays(tmp_path):
     runs = [run("pd", "pd", t, 0.05, outside=o, kv=kv)
             for t, o, kv in ((0.5, 0.0, 100.0), (0.9, 0.3, 300.0), (0.6, 0.1, 200.0))]
     e = combine(runs)
@@ -126,6 +126,8 @@ def test_combine_takes_medians_ranges_and_the_first_runs_arrays():
     assert r["ttfts"] == runs[0]["result"]["ttfts"]
     assert r["error_counts"] == {} and r["kinds"] == ["chat"] * 4
     assert runs[1]["result"]["request_goodput"] is None  # the runs are left as they were
+    pngs = plots.plot_all([e], [], tmp_path)  # the first run's arrays are enough to draw
+    assert all(p.stat().st_size > 10_000 for p in pngs)
 
 
 def test_combine_one_run_and_failed_runs():
