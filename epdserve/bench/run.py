@@ -32,7 +32,14 @@ from epdserve.bench import client, metrics, sweep, workload
 
 
 def parse_goodput(text: str) -> tuple[str, float]:
-    """argparse type for one SLO ``KEY:MS`` (KEY in ttft, tpot, e2el; MS >= 0)."""
+    """argparse type for one SLO ``KEY:MS`` (KEY one of :data:`metrics.SLO_METRICS`: ttft,
+    tpot, e2el as vLLM ``bench serve --goodput``; itl, the request's longest inter-token
+    gap, and itl_p99, its p99 gap, because TPOT is a per-request mean that a frozen stream
+    still meets; MS a finite number >= 0). Also ``epdserve plan --slo``'s type.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the text, for another KEY or a bad MS.
+    """
     key, sep, value = text.partition(":")
     if not sep or key not in metrics.SLO_METRICS:
         raise argparse.ArgumentTypeError(
@@ -63,7 +70,12 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
                    help="let the model stop at EOS (default: ignore_eos=true, so output "
                         "lengths are as asked)")
     g.add_argument("--goodput", nargs="+", type=parse_goodput, default=None, metavar="KEY:MS",
-                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (ms)")
+                   help="SLOs for goodput in ms, e.g. ttft:2000 tpot:200 itl:1000: ttft, tpot "
+                        "(the request's mean gap, as vLLM), e2el, itl (the request's longest "
+                        "inter-token gap: a stall fails it, the mean hides it), itl_p99 (its "
+                        "p99 gap); compare judges by " + " ".join(
+                            f"{k}:{v:g}" for k, v in metrics.DEFAULT_SLOS_MS.items())
+                        + " when none are given")
     g.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="per-read timeout of a request in seconds (default 600)")
     g.add_argument("--warmup", type=workload.nonnegative_int, default=1, metavar="N",
