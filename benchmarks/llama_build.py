@@ -29,6 +29,7 @@ class BuildError(RuntimeError):
 
 
 def default_cache_dir(version: str) -> Path:
+    """Where the sources, the build and its log go: ~/.cache/epdserve/llama.cpp-VERSION."""
     return Path.home() / ".cache" / "epdserve" / f"llama.cpp-{version}"
 
 

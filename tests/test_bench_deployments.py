@@ -311,6 +311,39 @@ def test_a_deployment_killed_mid_run_counts_its_failures_and_the_next_one_runs(t
     assert processes.port_is_free(port) and processes.port_is_free(stub_port)
 
 
+def test_sigterm_to_compare_stops_every_process_it_started(tmp_path):
+    port = free_port()
+    pids = [tmp_path / "p0.pid", tmp_path / "p1.pid"]
+    first = ["sh", "-c", f"echo $$ > {pids[0]}; exec {' '.join(STUB)} --port {port}"]
+    second = ["sh", "-c", f"echo $$ > {pids[1]}; exec sleep 600"]
+    path = write(tmp_path / "d.toml", (
+        f'[[deployment]]\nname = "two"\nopenai_base_url = "http://127.0.0.1:{port}"\n'
+        f'[[deployment.processes]]\ncommand = {json.dumps(first)}\n'
+        f'ready = {{ url = "http://127.0.0.1:{port}/health", timeout_s = 60 }}\n'
+        f'[[deployment.processes]]\ncommand = {json.dumps(second)}\n'))
+    trace = saved_trace(tmp_path / "t.jsonl", [req(0.0, "now"), req(60.0, "a minute later")])
+    proc = subprocess.Popen([sys.executable, "-m", "epdserve", "compare", "--deployments", str(path),
+                             "--trace", str(trace), "--output", str(tmp_path / "out"),
+                             "--disable-tqdm"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if "[1/1 two] sending" in line:
+                break
+        time.sleep(0.5)  # into the run: the second request is a minute away
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, rest
+    assert "interrupted; servers stopped" in rest and "Traceback" not in rest
+    for pid in (int(wait_for_file(p)) for p in pids):
+        assert not group_alive(pid)
+    assert processes.port_is_free(port)
+
+
 def _alive(pid: int, start_ticks: int) -> bool:
     """True while process ``pid`` started at ``start_ticks`` exists (not a reused pid)."""
     try:

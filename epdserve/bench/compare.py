@@ -95,6 +95,8 @@ def _port(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """compare's options: the workload and client options of ``epdserve bench``, the
+    deployments, output, ports and timeouts, and the goodput sweep."""
     workload.add_workload_arguments(parser, default="demo")
     add_client_arguments(parser)
     parser.add_argument("--configs", type=parse_configs, default=None,
@@ -250,7 +252,8 @@ def _run_trace(running: Running, requests: list[workload.Request], args: argpars
     """Send the trace to the ready deployment (and run the sweep with ``args.sweep_rates``,
     unless a process died) while measuring the load on ``cores``; puts ``result``,
     ``resources`` and ``sweep`` in ``entry`` and returns the load
-    (:meth:`host.LoadMonitor.stop`; None for a base_url deployment).
+    (:meth:`host.LoadMonitor.stop`; None for a base_url deployment). A process that dies
+    during the sweep ends the sweep; the run's result stands.
 
     Raises:
         ServerError: a process died and the client could not even start the run.
@@ -269,9 +272,10 @@ def _run_trace(running: Running, requests: list[workload.Request], args: argpars
                 target_share=args.goodput_target, lo=args.sweep_rates[0], hi=args.sweep_rates[1],
                 iters=args.sweep_iters, progress=not args.disable_tqdm)
     except client.ClientError:
-        if running.died:  # the cause, not the client's view of it
+        if not running.died:
+            raise
+        if "result" not in entry:  # the cause, not the client's view of it
             raise ServerError(running.died_reason(), running.died["log_tail"]) from None
-        raise
     finally:
         load = monitor.stop() if monitor else None
     return load
@@ -315,6 +319,7 @@ def selected(args: argparse.Namespace) -> list[Deployment]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``epdserve compare`` with parsed options; returns the exit status (module doc)."""
     if args.sweep_rates and not args.goodput:
         print("epdserve compare: error: --sweep-rates needs SLOs: pass --goodput, e.g. "
               "--goodput ttft:2000 tpot:300", file=sys.stderr)

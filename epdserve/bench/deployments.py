@@ -159,6 +159,7 @@ class Deployment(_Strict):
 
     @property
     def source(self) -> str:
+        """The file it came from ("--configs" for a ``--configs`` name)."""
         return self._source
 
     @property

@@ -378,13 +378,19 @@ class Running:
 
     def _watch(self) -> None:
         while not self._stopping.wait(WATCH_S):
-            for p in self.processes:
-                rc = p.poll()
-                if rc is not None:
-                    self.died = {"process": p.name, "status": rc, "log": str(p.log_path),
-                                 "log_tail": log_tail(p.log_path)}
-                    self._stop_processes()
-                    return
+            if self._found_death():
+                self._stop_processes()
+                return
+
+    def _found_death(self) -> bool:
+        """Record in :attr:`died` the first of its processes that has exited, if any."""
+        for p in self.processes:
+            rc = p.poll()
+            if rc is not None:
+                self.died = {"process": p.name, "status": rc, "log": str(p.log_path),
+                             "log_tail": log_tail(p.log_path)}
+                return True
+        return False
 
     def died_reason(self) -> str:
         """One line on the death in :attr:`died` ('' if none)."""
@@ -413,8 +419,10 @@ class Running:
     def stop(self) -> None:
         """Stop watching, then stop every process it started (none for base_url)."""
         self._stopping.set()
-        if self._watchdog is not None:
+        if self._watchdog is not None:  # it ran: a process may have died since its last look
             self._watchdog.join()
+            if self.died is None:
+                self._found_death()
         self._stop_processes()
 
 
