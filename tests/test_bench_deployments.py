@@ -12,7 +12,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -259,6 +258,25 @@ def test_a_program_that_cannot_run_is_a_clear_error(tmp_path):
         compare.run_config(dep, [req(0.0, "x")], compare_args(), tmp_path)
 
 
+def test_a_process_that_exits_before_ready_gives_its_status_and_log(tmp_path):
+    port = free_port()
+    dep = Deployment.model_validate({
+        "name": "bad", "openai_base_url": f"http://127.0.0.1:{port}/v1",
+        "processes": [{"command": ["sh", "-c", "echo 'error: unknown flag --tp'; exit 2"]}]})
+    with pytest.raises(processes.ServerError) as info:
+        compare.run_config(dep, [req(0.0, "x")], compare_args(), tmp_path)
+    assert info.value.reason == (f"bad.p0 exited with status 2 before "
+                                 f"http://127.0.0.1:{port}/v1/models answered")
+    assert info.value.log_tail == "error: unknown flag --tp"
+
+
+def test_epdserve_args_are_checked_as_serve_will(tmp_path):
+    dep = deployments.load([write(tmp_path / "d.toml", (
+        '[[deployment]]\nname = "e"\nepdserve = "pd"\nargs = ["--no-such-flag"]\n'))])
+    warnings, errors = compare.preflight(compare_args(), None, dep)
+    assert errors == ["[e] args: not epdserve serve options: --no-such-flag"]
+
+
 def test_a_deployment_killed_mid_run_counts_its_failures_and_the_next_one_runs(tmp_path):
     """An ``epdserve serve`` started as a processes entry is SIGKILLed by the test during
     the trace: the requests after it fail (counted), the entry says which process died
@@ -362,17 +380,14 @@ def llama_server() -> Path:
     """The llama-server binary built once by ``benchmarks/llama_build.py`` (cached under
     ~/.cache/epdserve; the first build takes many minutes on 2 cores); the tests using it
     are skipped, with the reason, when it cannot be built here."""
-    missing = [t for t in ("cmake", "c++") if not shutil.which(t)]
-    if missing:
-        pytest.skip(f"llama-server cannot be built: {' and '.join(missing)} not on PATH")
     spec = importlib.util.spec_from_file_location("llama_build", ROOT / "benchmarks" / "llama_build.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
     version = build.LLAMA_CPP_PYTHON_VERSION
     try:
         return build.build_llama_server(version, build.default_cache_dir(version))
-    except build.BuildError as exc:
-        pytest.skip(f"llama-server cannot be built: {str(exc).splitlines()[0]}")
+    except build.BuildError as exc:  # no cmake or compiler, no sdist, a failed build
+        pytest.skip(f"llama-server cannot be built here: {str(exc).splitlines()[0]}")
 
 
 def test_llama_server_and_epdserve_colocated_on_the_same_trace(tmp_path, llama_server, model_info,

@@ -206,7 +206,7 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
     (with --sweep-rates), "host_load": {"cores", "before": <host.quiet_check>, "during":
     <host.LoadMonitor.stop>, "warning": <host.outside_warning> or None} (None for a
     base_url deployment: its CPU time cannot be told from others'), "died": <see
-    :class:`~epdserve.bench.deployments.Running`> (only when a process died)}``.
+    :class:`~epdserve.bench.processes.Running`> (only when a process died)}``.
     ``serve``: the command epdserve deployments start with; ``progress`` prefixes the log
     lines (e.g. "2/4").
 
@@ -231,7 +231,7 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
         entry["died"] = running.died
         print(f"{tag} error: {running.died_reason()}; last lines of its log:\n"
               f"{running.died['log_tail']}", flush=True)
-    entry["host_load"] = during and _host_load(cores, before, during, tag)
+    entry["host_load"] = _host_load(cores, before, during, tag) if during else None
     _add_summaries(entry, running.trace_file)
     result = entry["result"]
     print(f"{tag} done: {result['completed']} completed, {result['failed']} failed, "
@@ -344,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
     if errors:
         for line in errors:
             print(f"epdserve compare: error: {line}", file=sys.stderr)
-        print("epdserve compare: nothing run; drop those configurations from --configs"
+        print("epdserve compare: nothing run; drop those deployments from --configs or the "
+              "--deployments files"
               + ("" if args.allow_oversubscription else " or pass --allow-oversubscription"),
               file=sys.stderr)
         return 2
