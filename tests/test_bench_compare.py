@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from epdserve import host
-from epdserve.bench import compare, report, server_trace, workload
+from epdserve.bench import compare, processes, report, server_trace, workload
 from epdserve.serving.deployment import DeploymentSpec
 from epdserve.trace import RequestTrace
 from test_bench_client import STUB_TTFT_S, bench_args, req
@@ -54,7 +54,7 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
     args = compare_args(free_port())
     entries = [compare.run_config(name, trace, args, tmp_path, serve=STUB)
                for name in ("colocated", "pd")]
-    assert compare.port_is_free(args.port)  # both servers are gone
+    assert processes.port_is_free(args.port)  # both servers are gone
 
     for e in entries:
         r = e["result"]
@@ -80,8 +80,13 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
                      if not err]
         assert sum(b["ttft"]["mean"].values()) == pytest.approx(sum(client_ms) / 3)
         assert e["itl_stalls"] == 0
-        assert e["resources"]["num_cores"] is None  # the stub's /health lists no workers
-        assert e["per_core"]["output_throughput"] is None
+        # The stub's /health lists no workers: no cores known, and so no devices.
+        assert e["resources"] == {"workers": [], "cores": [], "num_cores": None,
+                                  "device_kind": "core", "num_devices": None,
+                                  "price_per_hour": None}
+        assert e["deployment"] == {"name": e["name"], "epdserve": e["name"], "source": "--configs"}
+        assert e["metrics_urls"] == [f"http://127.0.0.1:{args.port}/metrics"]
+        assert "per_core" not in e and "died" not in e
         load = e["host_load"]  # the load on the cores before and during the run
         assert load["cores"] == sorted(os.sched_getaffinity(0))
         assert set(load["before"]) == {"window_s", "loadavg_1m", "outside_share", "steal_share"}
@@ -172,7 +177,7 @@ def test_goodput_sweep_per_configuration_against_the_stub(tmp_path):
 
 
 def test_resources_lists_each_workers_cores(pd_server, tmp_path):
-    res = compare.ServerProcess("pd", [], tmp_path / "x.log", pd_server.url).resources()
+    res = processes.ServerProcess("pd", [], tmp_path / "x.log", pd_server.url).resources()
     roles = {w["role"]: set(w["cores"]) for w in res["workers"]}
     assert set(roles) == {"prefill", "decode"}
     assert roles["prefill"] and roles["decode"]
@@ -343,10 +348,11 @@ def test_stacked_stage_and_goodput_plots_are_written(tmp_path):
 
 def test_server_that_dies_gives_its_log_tail(tmp_path):
     dying = [sys.executable, "-c", "import sys; print('boom: unknown mode'); sys.exit(3)"]
-    with pytest.raises(compare.ServerError, match="status 3") as info:
+    with pytest.raises(processes.ServerError, match="status 3") as info:
         compare.run_config("pd", [req(0.0, "x")], compare_args(free_port()), tmp_path,
                            serve=dying)
-    assert "boom: unknown mode" in str(info.value)
+    assert info.value.log_tail == "boom: unknown mode"
+    assert "\n" not in info.value.reason  # one line for the entry; the tail apart
 
 
 def test_port_in_use_is_refused_before_starting(tmp_path):
@@ -354,7 +360,7 @@ def test_port_in_use_is_refused_before_starting(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(compare.ServerError, match=f"port {port}"):
+        with pytest.raises(processes.ServerError, match=f"port {port}"):
             compare.run_config("colocated", [req(0.0, "x")], compare_args(port), tmp_path,
                                serve=STUB)
 
@@ -363,7 +369,7 @@ def test_stop_kills_the_whole_group_even_if_a_child_ignores_sigterm(tmp_path):
     stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                 "print('ready', flush=True); time.sleep(600)")
     cmd = ["sh", "-c", f"{sys.executable} -c \"{stubborn}\" & wait"]
-    server = compare.ServerProcess("x", cmd, tmp_path / "x.log", "http://127.0.0.1:9")
+    server = processes.ServerProcess("x", cmd, tmp_path / "x.log", "http://127.0.0.1:9")
     server.start()
     pgid = server.proc.pid
     try:
@@ -401,15 +407,15 @@ def test_ctrl_c_during_a_run_stops_the_server(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:
-            if "healthy" in line:
+            if "ready after" in line:
                 break
-        assert not compare.port_is_free(port)
+        assert not processes.port_is_free(port)
         time.sleep(0.3)  # into the run
         proc.send_signal(signal.SIGINT)
         # Generous: stopping may wait out the server's 15 s SIGTERM grace on a loaded machine.
         proc.wait(timeout=60)
         assert proc.returncode != 0
-        assert compare.port_is_free(port)
+        assert processes.port_is_free(port)
     finally:
         proc.kill()
         proc.wait()
@@ -521,11 +527,11 @@ def test_servers_get_the_multimodal_model_for_a_trace_with_images():
 
 
 def test_resources_taken_after_the_run_and_against_the_real_pd_server(pd_server, tmp_path):
-    server = compare.ServerProcess("pd", [], tmp_path / "x.log", pd_server.url)
+    server = processes.ServerProcess("pd", [], tmp_path / "x.log", pd_server.url)
     server.proc = subprocess.Popen(["sleep", "30"])  # wait_healthy checks it is alive
     try:
         assert server.wait_healthy(30, workers=2) >= 0
-        with pytest.raises(compare.ServerError, match="3 workers up"):
+        with pytest.raises(processes.ServerError, match="3 workers up"):
             server.wait_healthy(1, workers=3)  # 200, but only two are up
     finally:
         server.proc.kill()
