@@ -222,7 +222,7 @@ def test_a_deployment_that_never_gets_ready_leaves_the_others_running(tmp_path, 
     assert (out / "sleeper.p0.log").exists() and (out / "stub.p0.log").exists()
     assert processes.port_is_free(stub_port)
     md = (out / "compare.md").read_text()
-    assert "**sleeper failed:**" in md and "| Metric | stub |" in md
+    assert "**sleeper failed:**" in md and "| Metric | Better | stub |" in md
 
 
 def test_a_base_url_that_is_not_an_openai_server_is_a_clear_error(tmp_path):
@@ -427,12 +427,22 @@ def test_llama_server_and_epdserve_colocated_on_the_same_trace(tmp_path, llama_s
     assert (out / "llama-server.p0.log").stat().st_size > 0
     assert (out / "epdserve-colocated.server.log").stat().st_size > 0
     header, rows = report.table([llama_entry, epd])
-    assert header[:3] == ["Metric", "llama-server", "epdserve-colocated"]
-    by_label = {r[0]: r[1:] for r in rows}
-    assert by_label["Cores"][:2] == ["2", str(epd["resources"]["num_cores"])]
-    for label, cells in by_label.items():  # per-device rows: computed from resources
-        if "per core" in label:
-            assert "—" not in cells[:2], (label, cells)
+    assert header[:4] == ["Metric", "Better", "llama-server", "epdserve-colocated"]
+    by_label = {r[0]: r[2:4] for r in rows}
+    assert by_label["Cores"] == ["2", str(epd["resources"]["num_cores"])]
+    per_core = [label for label in by_label if "per core" in label]
+    assert per_core  # per-device rows: computed from resources
+    for label in per_core:
+        assert "—" not in by_label[label], (label, by_label[label])
+    # The server's own view through /metrics, over the measured requests (not the warm-up):
+    # epdserve counts each request; llama.cpp counts none, its means divide by the client's.
+    assert epd["server_metrics"]["engine"] == "epdserve"
+    assert epd["server_metrics"]["stages"]["ttft"]["count"] == 6
+    assert epd["server_metrics"]["stages"]["requests"]["delta"] == 6
+    lm = llama_entry["server_metrics"]
+    assert lm["engine"] == "llama.cpp" and lm["warnings"] == []
+    assert lm["stages"]["ttft"] is None and lm["stages"]["prefill"]["requests"] == 6
+    assert lm["stages"]["decode"]["mean_ms"] > 0
     assert processes.port_is_free(port)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)

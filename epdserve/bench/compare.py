@@ -56,7 +56,8 @@ import sys
 from pathlib import Path
 
 from epdserve import host
-from epdserve.bench import client, plots, recommend, report, server_trace, sweep, workload
+from epdserve.bench import (client, plots, recommend, repeats, report, server_metrics,
+                            server_trace, sweep, workload)
 from epdserve.bench.deployments import Deployment, DeploymentFileError, from_config, load
 from epdserve.bench.processes import (SERVE, LaunchOptions, Running, ServerError, launched,
                                       server_command)
@@ -125,6 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-oversubscription", action="store_true",
                         help="run configurations whose workers' estimated memory exceeds the "
                              "host's available memory (passed to epdserve serve)")
+    parser.add_argument("--repeats", type=workload.positive_int, default=1, metavar="N",
+                        help="run every deployment N times, interleaved (A B A B ...: drift of "
+                             "the machine hits each alike); the report gives each figure's "
+                             "median and range, and the recommendation says when ranges "
+                             "overlap (default 1: the spread is unknown)")
     s = parser.add_argument_group("goodput sweep (needs --goodput)")
     s.add_argument("--sweep-rates", type=parse_rates, default=None, metavar="LO:HI",
                    help="also find each configuration's highest request rate (req/s) within "
@@ -202,7 +208,9 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
     parsed>, "metrics_urls", "result": <bench result>, "server": <trace summary, {}
     without an epdserve trace>, "resources": {"workers", "cores", "num_cores",
     "device_kind", "num_devices", "price_per_hour"}, "itl_stalls": gaps > plots.STALL_MS,
-    "breakdown": <server_trace.breakdown, {} without a trace>, "sweep": <sweep result>
+    "breakdown": <server_trace.breakdown, {} without a trace>, "server_metrics":
+    <server_metrics.MetricsWatcher.stop over the measured requests, {} without metrics
+    URLs>, "sweep": <sweep result>
     (with --sweep-rates), "host_load": {"cores", "before": <host.quiet_check>, "during":
     <host.LoadMonitor.stop>, "warning": <host.outside_warning> or None} (None for a
     base_url deployment: its CPU time cannot be told from others'), "died": <see
@@ -259,9 +267,14 @@ def _run_trace(running: Running, requests: list[workload.Request], args: argpars
         ServerError: a process died and the client could not even start the run.
     """
     # From here on, not from the start: loading the model is not what the run measures.
-    monitor = host.LoadMonitor(cores, running.root_pid).start() if running.root_pid else None
+    pids = running.root_pids
+    monitor = host.LoadMonitor(cores, pids).start() if pids else None
+    # The server's own view of the same requests: from after the warm-up to the run's end.
+    watcher = server_metrics.MetricsWatcher(running.metrics_urls)
     try:
-        entry["result"] = bench(running.client_url, requests, args, model=running.model)
+        entry["result"] = bench(running.client_url, requests, args, model=running.model,
+                                on_start=watcher.start if watcher.urls else None)
+        entry["server_metrics"] = _stop_watcher(watcher, entry["result"]["completed"], tag)
         entry["resources"] = running.resources()
         if args.sweep_rates and not running.died:
             print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s",
@@ -277,8 +290,20 @@ def _run_trace(running: Running, requests: list[workload.Request], args: argpars
         if "result" not in entry:  # the cause, not the client's view of it
             raise ServerError(running.died_reason(), running.died["log_tail"]) from None
     finally:
+        if "server_metrics" not in entry and watcher.urls:
+            watcher.stop()  # the run failed: end the sampling thread, the numbers are moot
         load = monitor.stop() if monitor else None
     return load
+
+
+def _stop_watcher(watcher: server_metrics.MetricsWatcher, completed: int, tag: str) -> dict:
+    """The watcher's stages (``{}`` without metrics URLs); prints its warnings."""
+    if not watcher.urls:
+        return {}
+    found = watcher.stop(completed_requests=completed)
+    for line in found["warnings"]:
+        print(f"{tag} warning: {line}", flush=True)
+    return found
 
 
 def _add_summaries(entry: dict, trace_file: Path | None) -> None:
@@ -364,6 +389,11 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(report.text_table(entries))
     print()
+    stages = server_metrics.stages_text([e for e in entries if "result" in e])
+    if stages:
+        print("Server-side stages from /metrics (deltas over the measured requests):")
+        print(stages)
+        print()
     print(report.recommendation_markdown(recommend.recommend(entries)))
     for line in report.load_warnings(entries):
         print(f"\nwarning: {line}")
@@ -373,26 +403,30 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_all(chosen: list[Deployment], requests: list[workload.Request],
              args: argparse.Namespace, out_dir: Path) -> tuple[list[dict], int]:
-    """Run every deployment in turn (SIGTERM counts as Ctrl-C: servers are stopped too);
-    return the entries and the exit status (1 when one failed or died, else 0).
+    """Run every deployment ``args.repeats`` times, interleaved (A B A B ...), each run
+    from a fresh start; fold each deployment's runs into one entry
+    (:func:`repeats.combine`). SIGTERM counts as Ctrl-C: servers are stopped too. Returns
+    the entries and the exit status (1 when a run failed or a process died, else 0).
 
     Raises:
         KeyboardInterrupt: Ctrl-C or SIGTERM; what it started is stopped by then.
     """
-    entries, status = [], 0
+    runs: dict[str, list[dict]] = {dep.name: [] for dep in chosen}
+    status, total = 0, len(chosen) * getattr(args, "repeats", 1)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        for i, dep in enumerate(chosen, 1):
+        for k in range(total):
+            dep = chosen[k % len(chosen)]
             try:
-                entries.append(run_config(dep, requests, args, out_dir,
-                                          progress=f"{i}/{len(chosen)}"))
-                status = 1 if "died" in entries[-1] else status
+                runs[dep.name].append(run_config(dep, requests, args, out_dir,
+                                                 progress=f"{k + 1}/{total}"))
+                status = 1 if "died" in runs[dep.name][-1] else status
             except (ServerError, client.ClientError, sweep.SweepError) as exc:
-                entries.append(_failed_entry(dep, exc))
+                runs[dep.name].append(_failed_entry(dep, exc))
                 status = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return entries, status
+    return [repeats.combine(runs[dep.name]) for dep in chosen], status
 
 
 def _failed_entry(dep: Deployment, exc: Exception) -> dict:
@@ -409,7 +443,7 @@ def _failed_entry(dep: Deployment, exc: Exception) -> dict:
 def settings(args: argparse.Namespace) -> dict:
     """The sampling and client settings every configuration ran with."""
     return {"endpoint": args.endpoint, "temperature": args.temperature,
-            "ignore_eos": args.ignore_eos, "warmup": args.warmup,
+            "ignore_eos": args.ignore_eos, "warmup": args.warmup, "repeats": args.repeats,
             "goodput": dict(args.goodput) if args.goodput else None, "model": args.model}
 
 

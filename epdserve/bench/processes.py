@@ -292,10 +292,9 @@ class Running:
         self.metrics_urls = list(dep.metrics_urls or [])
 
     @property
-    def root_pid(self) -> int | None:
-        """The first process's pid (None for base_url, or before start)."""
-        first = self.processes[0].proc if self.processes else None
-        return first.pid if first else None
+    def root_pids(self) -> list[int]:
+        """The pids of the processes started (none for base_url, or before start)."""
+        return [p.proc.pid for p in self.processes if p.proc is not None]
 
     def start(self) -> None:
         """Start its processes in order, wait until it is ready, check that it is an

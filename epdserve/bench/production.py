@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from epdserve.bench import tables
 from epdserve.bench.production_formats import MOONCAKE_BLOCK_TOKENS, TraceFile, TraceRow
 from epdserve.bench.prompts import word_list
 from epdserve.bench.traces import Request, TraceError
@@ -276,13 +277,8 @@ def replay_lines(report: dict) -> list[str]:
         rows.append((f"{label} mean / p50 / p90 / p99", _cell(o[key], fmt), _cell(r[key], fmt)))
     rows.append(("prompt tokens in shared blocks", f"{o['shared_prompt_share']:.0%}",
                  f"{r['shared_prompt_share']:.0%}"))
-    header = ("trace", "original", "replayed")
-    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(3)]
-    line = lambda c: "| " + " | ".join(  # noqa: E731
-        x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))) + " |"
-    lines = [line(header), "|" + "|".join(["-" * (widths[0] + 2)]
-                                           + ["-" * (w + 1) + ":" for w in widths[1:]]) + "|",
-             *map(line, rows)]
+    lines = tables.markdown(["trace", "original", "replayed"], [list(r) for r in rows],
+                            pad=True).splitlines()
     notes = [f"{report[k]} {what}" for k, what in (
         ("reordered_rows", "rows out of time order were sorted"),
         ("hash_count_mismatches", "rows have a hash id count other than ceil(input/512)"))

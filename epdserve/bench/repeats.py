@@ -82,7 +82,8 @@ def combine(runs: list[dict]) -> dict:
     * ``failed_runs``: the error of each run that failed, when one did.
 
     With one run (N = 1) the entry is that run as it is, plus ``runs`` and ``spread``
-    None. When every run failed, the first failure, its error saying how many runs did.
+    None. When every run failed, the first failure (with several runs, its error says
+    that all failed).
 
     Raises:
         ValueError: ``runs`` is empty or holds entries of several deployments.
@@ -95,7 +96,8 @@ def combine(runs: list[dict]) -> dict:
     done = [r for r in runs if "result" in r]
     failed = [r["error"] for r in runs if "result" not in r]
     if not done:
-        return {**runs[0], "error": f"{runs[0]['error']} (all {len(runs)} runs failed)"}
+        return {**runs[0], "error": runs[0]["error"] + (f" (all {len(runs)} runs failed)"
+                                                        if len(runs) > 1 else "")}
     if len(done) == 1:
         entry = {**done[0], "runs": [scalars(done[0]["result"])], "spread": None}
     else:

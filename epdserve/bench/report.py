@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import textwrap
 
-from epdserve.bench import metrics, recommend
+from epdserve.bench import metrics, production, recommend, server_metrics, tables
 from epdserve.bench.server_trace import FIELDS, sort_parts
 
 # (label, better, where, key, format, scale): better is "lower", "higher" or "" (no
@@ -134,17 +134,13 @@ def caption(entries: list[dict]) -> str:
 
 def text_table(entries: list[dict]) -> str:
     """The caption (wrapped) and the comparison table as aligned plain text."""
-    header, rows = table(entries)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w)  # noqa: E731
-                              for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([*textwrap.wrap(caption(entries), 100), "", fmt(header),
-                      "  ".join("-" * w for w in widths), *map(fmt, rows)])
+    return "\n".join([*textwrap.wrap(caption(entries), 100), "",
+                      tables.text(*table(entries), left=2)])
 
 
 def markdown_table(entries: list[dict]) -> str:
     """The comparison table in GitHub markdown (without its caption)."""
-    return _md_table(*table(entries), left=2)
+    return tables.markdown(*table(entries), left=2)
 
 
 def workload_lines(spec: dict, summary: dict) -> list[str]:
@@ -152,7 +148,7 @@ def workload_lines(spec: dict, summary: dict) -> list[str]:
     :func:`epdserve.bench.workload.build_from_args`) and what it holds (``summary``, from
     :func:`epdserve.bench.workload.describe`)."""
     fmt = lambda v: f"{v[0]}:{v[1]}" if isinstance(v, list) else str(v)  # noqa: E731
-    params = ", ".join(f"{k}={fmt(v)}" for k, v in spec.items() if k != "source")
+    params = ", ".join(f"{k}={fmt(v)}" for k, v in spec.items() if k not in ("source", "replay"))
     lines = [f"- generator: {spec.get('source', '?')}" + (f" ({params})" if params else ""),
              f"- {summary['num_requests']} requests, sent over "
              f"{summary['duration_of_arrivals_s']:.1f} s"]
@@ -171,14 +167,9 @@ def workload_lines(spec: dict, summary: dict) -> list[str]:
             lines.append(line)
     lines.append("- prompt token counts are of the message text; the server adds its chat "
                  "template")
+    if spec.get("replay"):  # a production trace: how the replay differs from the original
+        lines += ["", *production.replay_lines(spec["replay"])]
     return lines
-
-
-def _md_table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
-    """A markdown table, its first ``left`` columns left-aligned, the others right."""
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join(["---"] * left + ["---:"] * (len(header) - left)) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def breakdown_markdown(entries: list[dict], which: str) -> str:
@@ -206,7 +197,7 @@ def breakdown_markdown(entries: list[dict], which: str) -> str:
         b = e["breakdown"][which]
         total += [f"**{sum(b['mean'].values()):,.1f}**", f"n={b['n']}"]
     rows.append(["**sum of the means (client)**", *total])
-    return _md_table(header, rows)
+    return tables.markdown(header, rows)
 
 
 def recommendation_markdown(rec: dict) -> str:
@@ -292,6 +283,8 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
     for e in entries:
         if "error" in e:
             parts += [f"**{e['name']} failed:** `{e['error']}`", ""]
+            if e.get("log_tail"):
+                parts += ["Last lines of its log:", "", "```", e["log_tail"], "```", ""]
     for line in load_warnings(ran):
         parts += [f"**Warning, outside load:** {line}.", ""]
     parts += _breakdown_sections(ran)
@@ -305,6 +298,10 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
     stages = server_table_markdown(ran)
     if stages:
         parts += ["## Server-side stages (per request, from the server trace)", "", stages, ""]
+    scraped = server_metrics.stages_markdown(ran)
+    if scraped:
+        parts += ["## Server-side stages from /metrics (deltas over the measured requests)", "",
+                  scraped, ""]
     parts += ["## Goodput vs rate", "", sweep_markdown(ran), ""]
     if recommendation:
         parts += [recommendation_markdown(recommendation), ""]
@@ -355,6 +352,11 @@ def _run_section(e: dict) -> list[str]:
             f"{x['completed']} / {x['failed']}, {x['duration']:.1f} s, "
             f"{x['request_goodput'] or 0:.3f} req/s" for x in runs))
     parts += [f"- failed run: `{why}`" for why in e.get("failed_runs") or []]
+    died = e.get("died")
+    if died:
+        parts += [f"- **{died['process']} exited with status {died['status']} during the run**; "
+                  f"its other processes were stopped (log: `{died['log']}`), last lines:", "",
+                  "```", died["log_tail"], "```", ""]
     errors = [x for x in r.get("errors", []) if x]
     if errors:
         parts.append(f"- first error: `{errors[0]}`")
@@ -391,4 +393,4 @@ def server_table_markdown(entries: list[dict]) -> str:
                 v = (e.get("server") or {}).get(f"{s}_{f}")
                 cells.append("—" if v is None else f"{v:,.1f}")
         rows.append([f, *cells])
-    return _md_table(header, rows)
+    return tables.markdown(header, rows)

@@ -25,6 +25,7 @@ import asyncio
 import json
 import math
 import sys
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -143,12 +144,14 @@ def _rate_field(rate: float | None, requests: list[workload.Request]) -> float |
 
 
 def bench(base_url: str, requests: list[workload.Request], args: argparse.Namespace,
-          model: str | None = None, request_rate: float | None = None) -> dict:
+          model: str | None = None, request_rate: float | None = None,
+          on_start: Callable[[], None] | None = None) -> dict:
     """Run ``requests`` against ``base_url`` with the client options in ``args`` and return
     the result dict: metrics (:func:`epdserve.bench.metrics.compute`) over every request
     but the first ``args.warmup_requests``, plus the run's settings under vLLM's names
     (``request_rate``: ``request_rate`` if given, else ``args.request_rate``, else the
-    trace's mean rate; ``burstiness``, ``max_concurrency``, ``ramp_up_*``).
+    trace's mean rate; ``burstiness``, ``max_concurrency``, ``ramp_up_*``). ``on_start``:
+    called after the warm-up, before the trace (:func:`client.run_trace`).
 
     Raises:
         client.ClientError: the server does not answer, the warm-up failed, or the trace
@@ -169,7 +172,8 @@ def bench(base_url: str, requests: list[workload.Request], args: argparse.Namesp
         records = await client.run_trace(
             base_url, name, requests, endpoint=args.endpoint, temperature=args.temperature,
             ignore_eos=args.ignore_eos, progress=not args.disable_tqdm,
-            timeout_s=args.request_timeout, warmup=args.warmup, max_concurrency=concurrency)
+            timeout_s=args.request_timeout, warmup=args.warmup, max_concurrency=concurrency,
+            on_start=on_start)
         return name, records
 
     client.check_sendable(requests, args.endpoint)  # before any connection: the trace's fault

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from epdserve.bench import tables
+
 ENGINES = {"vllm": "vllm:", "sglang": "sglang:", "llama.cpp": "llamacpp:", "epdserve": "epdserve:"}
 SETTLE_POLL_S = 0.25
 
@@ -482,17 +484,11 @@ def stages_markdown(entries: list[dict]) -> str:
     the watchers' warnings; '' when no entry has ``server_metrics``."""
     if not any(e.get("server_metrics") for e in entries):
         return ""
-    header, rows = stages_table(entries)
-    lines = ["| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows]]
-    return "\n".join([*lines, "", *_notes(entries)])
+    return "\n".join([tables.markdown(*stages_table(entries)), "", *_notes(entries)])
 
 
 def stages_text(entries: list[dict]) -> str:
     """:func:`stages_markdown` as aligned plain text for the terminal."""
     if not any(e.get("server_metrics") for e in entries):
         return ""
-    header, rows = stages_table(entries)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-             for r in [header, ["-" * w for w in widths], *rows]]
-    return "\n".join([*lines, "", *_notes(entries)])
+    return "\n".join([tables.text(*stages_table(entries)), "", *_notes(entries)])
