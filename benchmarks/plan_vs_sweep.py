@@ -52,22 +52,40 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     """This script's options, and the rest: the workload options passed to compare."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 epilog="Other options are compare's workload options, passed to it.")
-    p.add_argument("--configs", type=parse_configs, required=True, help="deployments, e.g. colocated,pd")
-    p.add_argument("--goodput", nargs="+", type=parse_goodput, required=True, metavar="KEY:MS",
+    p.add_argument("--configs", type=parse_configs, default=None, help="deployments, e.g. colocated,pd")
+    p.add_argument("--goodput", nargs="+", type=parse_goodput, default=None, metavar="KEY:MS",
                    help="the SLOs, as compare's --goodput (e.g. ttft:2000 tpot:150)")
     p.add_argument("--sweep-rates", type=parse_rates, default=(0.25, 4.0), metavar="LO:HI",
                    help="compare's bisection range, req/s (default 0.25:4)")
     p.add_argument("--sweep-iters", type=int, default=4, metavar="N", help="compare's bisection steps (default 4)")
     p.add_argument("--goodput-target", type=parse_share, default=0.9, metavar="F",
                    help="share of requests within the SLOs (default 0.9), for both")
-    p.add_argument("--seed", type=int, default=0, help="workload and arrival seed, for both (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="workload and arrival seed, for both (default 0)")
     p.add_argument("--devices", type=int, default=len(os.sched_getaffinity(0)),
                    help="cores compare's deployments run on (default: this process's, as compare uses)")
     p.add_argument("--calibration", default=None, metavar="FILE", help="plan's calibration (default: its own)")
     p.add_argument("--compare-dir", default=None, metavar="DIR",
-                   help="a finished `epdserve compare --sweep-rates` run to read instead of running one")
+                   help="a finished `epdserve compare --sweep-rates` run to read instead of running one "
+                        "(its configurations, SLOs, target and seed: not to be given)")
     p.add_argument("--output", default="results/plan-vs-sweep", metavar="DIR")
-    return p.parse_known_args(argv)
+    args, rest = p.parse_known_args(argv)
+    given = [o for o, v in (("--configs", args.configs), ("--goodput", args.goodput), ("--seed", args.seed))
+             if v is not None]
+    if args.compare_dir and (given or rest):
+        p.error(f"--compare-dir reads a finished run, with its own settings and workload: drop "
+                f"{' '.join(given + rest)}")
+    if not args.compare_dir and not (args.configs and args.goodput):
+        p.error("--configs and --goodput are required (or --compare-dir DIR)")
+    return args, rest
+
+
+def from_compare_run(args: argparse.Namespace, compare: dict) -> None:
+    """Take the configurations, SLOs, target and seed of a finished compare run into ``args``."""
+    args.configs = [e["name"] for e in compare["configs"]]
+    args.goodput = list((compare["sampling"].get("goodput") or {}).items())
+    args.goodput_target = next((e["sweep"]["target_share"] for e in compare["configs"] if e.get("sweep")),
+                               args.goodput_target)
+    args.seed = compare["trace"].get("seed", 0)
 
 
 def run(cmd: list[str]) -> None:
@@ -100,19 +118,23 @@ def run_plan(args: argparse.Namespace, trace: Path, replay: str, out: Path) -> N
 def join(compare: dict, plans: dict[str, dict]) -> list[dict]:
     """One row per deployment of the compare run: ``measured_rps`` (the sweep's highest
     passing rate, None when none passed or the deployment failed), ``bracket`` ([passing,
-    failing] req/s, failing None when HI passed too: the goodput is HI or more), and per
-    replay of ``plans`` (plan.json documents by replay) ``predicted_rps`` and ``ratio`` =
-    predicted / measured."""
+    failing] req/s; failing None when HI passed too: the goodput is HI or more, and no
+    ratio is given), and per replay of ``plans`` (plan.json documents by replay)
+    ``predicted_rps``, ``unbounded`` (plan met the SLOs at every rate it tried: the
+    prediction is a lower bound) and ``ratio`` = predicted / measured."""
     rows = []
     for entry in compare["configs"]:
         sweep = entry.get("sweep") or {}
-        row = {"name": entry["name"], "measured_rps": sweep.get("max_rate"), "bracket": sweep.get("bracket"),
+        bracket = sweep.get("bracket")
+        measured = sweep.get("max_rate") if bracket and bracket[1] is not None else None
+        row = {"name": entry["name"], "measured_rps": sweep.get("max_rate"), "bracket": bracket,
                "error": entry.get("error")}
         for replay, plan in plans.items():
-            cand = next((c for c in plan["candidates"] if c["name"] == entry["name"]), None)
-            predicted = cand and cand["max_goodput_rps"]
-            row[replay] = {"predicted_rps": predicted, "band_rps": cand and cand.get("goodput_band_rps"),
-                           "ratio": predicted / row["measured_rps"] if predicted and row["measured_rps"] else None}
+            cand = next((c for c in plan["candidates"] if c["name"] == entry["name"]), {})
+            predicted = cand.get("max_goodput_rps")
+            row[replay] = {"predicted_rps": predicted, "unbounded": cand.get("unbounded", False),
+                           "band_rps": cand.get("goodput_band_rps"),
+                           "ratio": predicted / measured if predicted and measured else None}
         rows.append(row)
     return rows
 
@@ -126,13 +148,21 @@ def table(rows: list[dict]) -> str:
     lines = ["| deployment | measured req/s [bracket] | plan steady req/s | ratio | plan once req/s | ratio |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        bracket = r["bracket"] and "[{} – {}]".format(*(_fmt(x) for x in r["bracket"]))
-        measured = f"{_fmt(r['measured_rps'])} {bracket}" if r["bracket"] else (r["error"] or "—")
-        cells = [f"{_fmt(r[k]['predicted_rps'])} | {_fmt(r[k]['ratio'], '.2f')}" for k in REPLAYS if k in r]
+        if not r["bracket"]:
+            measured = r["error"] or "—"
+        elif r["bracket"][1] is None:
+            measured = f"≥ {_fmt(r['measured_rps'])} (HI passed)"
+        else:
+            measured = "{} [{} – {}]".format(*map(_fmt, [r["measured_rps"], *r["bracket"]]))
+        cells = [f"{'≥ ' if r[k]['unbounded'] else ''}{_fmt(r[k]['predicted_rps'])} | {_fmt(r[k]['ratio'], '.2f')}"
+                 for k in REPLAYS if k in r]
         lines.append(f"| {r['name']} | {measured} | " + " | ".join(cells) + " |")
     within = [r["name"] for r in rows if r.get("steady", {}).get("ratio") and abs(r["steady"]["ratio"] - 1) <= GOAL]
     lines += ["", f"Within {GOAL:.0%} (plan steady vs measured): {', '.join(within) or 'none'} "
                   f"of {len(rows)} deployments."]
+    if any(r["bracket"] and r["bracket"][1] is None for r in rows):
+        lines.append("≥ (HI passed): the deployment met the SLOs at the sweep's highest rate; rerun with a higher "
+                     "--sweep-rates HI for a ratio.")
     return "\n".join(lines)
 
 
@@ -156,6 +186,9 @@ def plot(rows: list[dict], path: Path) -> None:
                label=f"plan --replay {replay}")
     ax.set_xticks(list(x), [r["name"] for r in rows])
     ax.set_ylabel("goodput (req/s)")
+    values = [v for r in rows for v in [r["measured_rps"]] + [r[k]["predicted_rps"] for k in REPLAYS] if v]
+    if values and max(values) > 10 * min(values):  # a short trace's `once` can be far off: keep the rest readable
+        ax.set_yscale("log")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -167,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output)
     compare_dir = Path(args.compare_dir) if args.compare_dir else out / "compare"
     if not args.compare_dir:
+        args.seed = 0 if args.seed is None else args.seed
         run_compare(args, workload_args, compare_dir)
-    elif workload_args:
-        sys.exit(f"plan_vs_sweep: --compare-dir reads a finished run; drop {' '.join(workload_args)}")
     trace = compare_dir / "trace.jsonl"
     if not (compare_dir / "compare.json").is_file() or not trace.is_file():
         sys.exit(f"plan_vs_sweep: {compare_dir} has no compare.json and trace.jsonl")
     compare = json.loads((compare_dir / "compare.json").read_text())
+    if args.compare_dir:
+        from_compare_run(args, compare)
     plans = {}
     for replay in REPLAYS:
         run_plan(args, trace, replay, out / f"plan-{replay}")

@@ -79,11 +79,12 @@ def _replay_note(mode: str) -> str:
     if mode == "once":
         return ("Replay: the trace once per rate, as `epdserve compare --sweep-rates` sends it; a trace too short "
                 "to build a queue makes this goodput optimistic.")
-    return (f"Replay: at each rate the trace was sent back to back, copy after copy, until the mean number of "
-            f"requests in flight changed by at most {replay.TOLERANCE:.0%} of a copy's requests from one copy to the "
-            f"next (at most {replay.MAX_COPIES} copies or {replay.MAX_REQUESTS} requests), and measured on the last "
-            f"two copies, never the first (the warm-up). A rate whose queue keeps growing fails. The column gives "
-            f"the copies at the goodput rate, then the next rate tried above it and why it failed.")
+    return (f"Replay: at each rate the trace was sent back to back, copy after copy (a trace sent all at once: "
+            f"repeated to {replay.MIN_POISSON_COPY} Poisson arrivals a copy), until the mean number of requests in "
+            f"flight changed by at most {replay.TOLERANCE:.0%} of itself and of a copy's requests from one copy to "
+            f"the next (at most {replay.MAX_COPIES} copies or {replay.MAX_REQUESTS} requests), and measured on the "
+            f"last two copies, never the first (the warm-up). A rate whose queue keeps growing fails. The column "
+            f"gives the copies at the goodput rate, then the next rate tried above it and why it failed.")
 
 
 def plot(curves: dict[str, list[dict]], target: float, path: Path) -> None:

@@ -128,7 +128,6 @@ class Simulation:
             else:
                 self.workers.append(Worker(self, w, platform.step(w.devices), devices))
         self.finished: list[Seq] = []
-        self.arrived = 0
         # Requests in flight (arrived, not finished) as each arrival found them, by index:
         # how :mod:`epdserve.plan.replay` tells a queue that settles from one that grows.
         self.in_flight_seen: dict[int, int] = {}
@@ -171,8 +170,7 @@ class Simulation:
 
     def arrive(self, index: int, req: Request):
         yield self.env.timeout(req.offset_s - self.env.now)
-        self.in_flight_seen[index] = self.arrived - len(self.finished)
-        self.arrived += 1
+        self.in_flight_seen[index] = len(self.in_flight_seen) - len(self.finished)  # arrived before it, not finished
         seq = Seq(index, req, prompt_tokens(self.platform, req), self.env.now)
         yield self.env.timeout(self.platform.router_ms / 1e3)
         if self.encoders and req.images:
