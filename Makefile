@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test fuzz clean
+.PHONY: install demo test fuzz interop clean
 
 # torch is pinned to the CPU build on this machine's disk; a plain requirement
 # would pull a multi-GB CUDA build. The default model ships as a GGUF inside
@@ -21,14 +21,21 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/epdserve compare --workload demo --output results/demo
 
-# The API fuzz suite (>= 1,000 hypothesis cases per deployment) has a target of its own
-# to keep `make test` under 20 minutes; .ci/run runs both.
+# The API fuzz suite (>= 1,000 hypothesis cases per deployment) and the llama.cpp interop
+# test (its first run builds llama-server from source: about half an hour on 2 cores,
+# cached in ~/.cache/epdserve) have targets of their own to keep `make test` under 20
+# minutes; .ci/run runs all three.
+LLAMA_TEST := tests/test_bench_deployments.py::test_llama_server_and_epdserve_colocated_on_the_same_trace
+
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -ra --durations=15 --ignore=tests/test_fuzz_api.py
+	$(VENV)/bin/pytest -q -ra --durations=15 --ignore=tests/test_fuzz_api.py --deselect $(LLAMA_TEST)
 
 fuzz: $(STAMP)
 	$(VENV)/bin/pytest -q -ra tests/test_fuzz_api.py
+
+interop: $(STAMP)
+	$(VENV)/bin/pytest -q -ra --durations=5 $(LLAMA_TEST)
 
 clean:
 	rm -rf $(VENV) results

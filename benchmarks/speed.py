@@ -10,7 +10,7 @@ Engines (``--engines``):
 * ``llama-server``: llama.cpp's server on the GGUF file epdserve loads by default, with
   ``--parallel 32 --threads 2 --cont-batching --jinja`` (the GGUF's own chat template, as
   epdserve uses) and a context of 32 slots x (prompt + output), driven by the same client
-  against its OpenAI endpoint. The binary is built here (:func:`build_llama_server`) from
+  against its OpenAI endpoint. The binary is built (``benchmarks/llama_build.py``) from
   the llama.cpp sources vendored in the ``llama-cpp-python`` sdist from PyPI, once, into
   ``~/.cache/epdserve/llama.cpp-VERSION/``;
 * ``transformers`` (two rows): the float32 Hugging Face directory epdserve converted the
@@ -54,148 +54,25 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
-import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from argparse import Namespace
 from pathlib import Path
 
 from epdserve.bench import client, compare, datasets, metrics, workload
-from epdserve.bench.compare import ServerError, ServerProcess, log_tail, port_is_free
+from epdserve.bench.processes import SERVE, ServerError, ServerProcess, port_is_free
 from epdserve.bench.run import bench, write_json
+from llama_build import (LLAMA_CPP_PYTHON_VERSION, BuildError, build_llama_server,  # benchmarks/
+                         default_cache_dir)
 
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_PARALLEL = 32  # llama-server slots (issue 5: "--parallel 32 and 2 threads")
 LLAMA_THREADS = 2
 ENGINES = ("epdserve", "llama-server", "transformers")
 # Chat-template tokens around a user message (SmolLM2's template with its default system
 # prompt is ~30); a llama-server slot must hold them as well as the prompt and output.
 TEMPLATE_MARGIN = 64
-
-
-class BuildError(RuntimeError):
-    """llama-server could not be built; the message has the command and the log tail."""
-
-
-def default_cache_dir(version: str) -> Path:
-    return Path.home() / ".cache" / "epdserve" / f"llama.cpp-{version}"
-
-
-# ---------------------------------------------------------------------------------------
-# Building llama-server
-
-
-def _run_logged(cmd: list[str], log_path: Path, cwd: Path | None = None,
-                progress: re.Pattern | None = None) -> None:
-    """Run ``cmd``, appending its output to ``log_path``; print each ``progress`` match
-    that reaches a new tenth of the total (ninja/make "[k/N]" lines).
-
-    Raises:
-        BuildError: ``cmd`` exited non-zero (message: the command and the log tail).
-    """
-    print(f"  $ {' '.join(cmd)}", flush=True)
-    shown = -1
-    with open(log_path, "a") as log:
-        log.write(f"$ {' '.join(cmd)}\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, text=True, errors="replace")
-        for line in proc.stdout:
-            log.write(line)
-            m = progress.search(line) if progress else None
-            if m:
-                k, n = int(m[1]), int(m[2])
-                if k * 10 // n > shown or k == n:
-                    shown = k * 10 // n
-                    print(f"  [{k}/{n}] {line.strip()[-90:]}", flush=True)
-        rc = proc.wait()
-    if rc != 0:
-        raise BuildError(f"command failed with status {rc}: {' '.join(cmd)}\n"
-                         f"last lines of {log_path}:\n{log_tail(log_path, 30)}")
-
-
-def _fetch_sdist(version: str, cache_dir: Path, sdist: Path | None) -> Path:
-    """The llama-cpp-python sdist: ``sdist`` if given, else the one in ``cache_dir``, else
-    ``pip download``-ed from PyPI into ``cache_dir`` (source only, no dependencies)."""
-    if sdist is not None:
-        if not sdist.is_file():
-            raise BuildError(f"--sdist {sdist}: no such file")
-        return sdist
-    found = sorted(cache_dir.glob(f"llama_cpp_python-{version}.tar.gz"))
-    if found:
-        return found[0]
-    print(f"[build] downloading llama-cpp-python=={version} sdist from PyPI", flush=True)
-    _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                 f"llama-cpp-python=={version}", "-d", str(cache_dir)], cache_dir / "build.log")
-    found = sorted(cache_dir.glob(f"llama_cpp_python-{version}.tar.gz"))
-    if not found:
-        raise BuildError(f"pip download left no llama_cpp_python-{version}.tar.gz in {cache_dir}")
-    return found[0]
-
-
-def _unpack_llama_cpp(sdist: Path, dest: Path) -> None:
-    """Extract the sdist's ``vendor/llama.cpp`` tree into ``dest``."""
-    tmp = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with tarfile.open(sdist) as tar:
-        root = tar.getnames()[0].split("/")[0]
-        prefix = f"{root}/vendor/llama.cpp/"
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-        if not members:
-            raise BuildError(f"{sdist}: no {prefix} inside (not a llama-cpp-python sdist?)")
-        for m in members:
-            m.name = m.name[len(prefix):]
-        tar.extractall(tmp, members=[m for m in members if m.name], filter="data")
-    tmp.rename(dest)
-
-
-def build_llama_server(version: str, cache_dir: Path, sdist: Path | None = None,
-                       jobs: int = 2) -> Path:
-    """Path of a ``llama-server`` binary built from the llama.cpp sources vendored in the
-    ``llama-cpp-python`` ``version`` sdist; built once into ``cache_dir/build`` (CPU only,
-    Release, ``GGML_NATIVE``, static, no OpenSSL, no web UI download: nothing fetched from
-    the network during the build), reused when it exists. Build output goes to
-    ``cache_dir/build.log``.
-
-    Raises:
-        BuildError: cmake or a C/C++ compiler is missing, the sdist cannot be had, or a
-            build step failed (the message has the command and the log tail).
-    """
-    binary = cache_dir / "build" / "bin" / "llama-server"
-    if binary.is_file():
-        print(f"[build] using cached {binary}", flush=True)
-        return binary
-    missing = [name for name, tools in (("cmake", ("cmake",)),
-                                        ("a C++ compiler", ("c++", "g++", "clang++")))
-               if not any(shutil.which(t) for t in tools)]
-    if missing:
-        raise BuildError(f"building llama-server needs {' and '.join(missing)} on PATH "
-                         f"(e.g. apt-get install cmake g++); or pass --llama-server PATH to "
-                         f"use a built binary, or leave llama-server out of --engines")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    src = cache_dir / "src"
-    if not (src / "CMakeLists.txt").is_file():
-        archive = _fetch_sdist(version, cache_dir, sdist)
-        print(f"[build] unpacking vendor/llama.cpp from {archive} into {src}", flush=True)
-        _unpack_llama_cpp(archive, src)
-    log = cache_dir / "build.log"
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    print(f"[build] configuring (log: {log})", flush=True)
-    _run_logged(["cmake", "-S", str(src), "-B", str(cache_dir / "build"), *generator,
-                 "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
-                 "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], log)
-    print(f"[build] compiling llama-server with {jobs} jobs (minutes on 2 cores)", flush=True)
-    _run_logged(["cmake", "--build", str(cache_dir / "build"), "--target", "llama-server",
-                 "-j", str(jobs)], log, progress=re.compile(r"\[\s*(\d+)\s*/\s*(\d+)\]"))
-    if not binary.is_file():
-        raise BuildError(f"the build finished but {binary} is missing; see {log}")
-    print(f"[build] done: {binary}", flush=True)
-    return binary
 
 
 # ---------------------------------------------------------------------------------------
@@ -255,7 +132,7 @@ def run_server_engine(name: str, cmd: list[str], port: int, traces: dict, out_di
 
 
 def epdserve_command(port: int, model: str | None) -> list[str]:
-    cmd = [*compare.SERVE, "--mode", "colocated", "--workers", "1", "--host", "127.0.0.1",
+    cmd = [*SERVE, "--mode", "colocated", "--workers", "1", "--host", "127.0.0.1",
            "--port", str(port)]
     return cmd + (["--model", model] if model else [])
 

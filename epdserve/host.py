@@ -150,14 +150,15 @@ def quiet_check(cores: list[int], window_s: float = 1.0) -> dict:
 
 class LoadMonitor:
     """Samples, every ``interval_s`` seconds in a thread, the 1-minute load average and the
-    CPU time of the process tree under ``root_pid`` (the deployment: launcher + workers),
+    CPU time of the process trees under ``root_pids`` (the deployment: each of its processes
+    with its children, e.g. a launcher and its workers),
     from :meth:`start` to :meth:`stop`; the CPU time of ``cores`` and of this process (the
     bench client) are read at both ends. Outside load = busy time on ``cores`` minus the
     deployment's and this process's: what other processes used. A process that exits
     between two samples loses at most ``interval_s`` of CPU time from the deployment's."""
 
-    def __init__(self, cores: list[int], root_pid: int, interval_s: float = 1.0):
-        self.cores, self.root_pid, self.interval_s = cores, root_pid, interval_s
+    def __init__(self, cores: list[int], root_pids: list[int], interval_s: float = 1.0):
+        self.cores, self.root_pids, self.interval_s = cores, list(root_pids), interval_s
         self.loads: list[float] = []
         self.first: dict[tuple[int, int], int] = {}  # process -> its ticks at start (0 if born later)
         self.last: dict[tuple[int, int], int] = {}   # process -> ticks when last seen
@@ -168,9 +169,12 @@ class LoadMonitor:
         load = loadavg_1m()
         if load is not None:
             self.loads.append(load)
-        for key, ticks in tree_ticks(self.root_pid).items():
+        for key, ticks in self._ticks().items():
             self.first.setdefault(key, 0)  # born during the run: all its CPU time is the run's
             self.last[key] = ticks
+
+    def _ticks(self) -> dict[tuple[int, int], int]:
+        return {k: v for pid in self.root_pids for k, v in tree_ticks(pid).items()}
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -178,7 +182,7 @@ class LoadMonitor:
 
     def start(self) -> "LoadMonitor":
         self.t0, self.own0, self.cpu0 = time.monotonic(), time.process_time(), cpu_ticks(self.cores)
-        self.first = tree_ticks(self.root_pid)  # what the processes had used before the run
+        self.first = self._ticks()  # what the processes had used before the run
         self._sample()
         self._thread.start()
         return self

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from epdserve import host
-from epdserve.bench import compare, report, server_trace, workload
+from epdserve.bench import compare, processes, report, server_trace, workload
 from epdserve.serving.deployment import DeploymentSpec
 from epdserve.trace import RequestTrace
 from test_bench_client import STUB_TTFT_S, bench_args, req
@@ -54,7 +54,7 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
     args = compare_args(free_port())
     entries = [compare.run_config(name, trace, args, tmp_path, serve=STUB)
                for name in ("colocated", "pd")]
-    assert compare.port_is_free(args.port)  # both servers are gone
+    assert processes.port_is_free(args.port)  # both servers are gone
 
     for e in entries:
         r = e["result"]
@@ -80,8 +80,13 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
                      if not err]
         assert sum(b["ttft"]["mean"].values()) == pytest.approx(sum(client_ms) / 3)
         assert e["itl_stalls"] == 0
-        assert e["resources"]["num_cores"] is None  # the stub's /health lists no workers
-        assert e["per_core"]["output_throughput"] is None
+        # The stub's /health lists no workers: no cores known, and so no devices.
+        assert e["resources"] == {"workers": [], "cores": [], "num_cores": None,
+                                  "device_kind": "core", "num_devices": None,
+                                  "price_per_hour": None}
+        assert e["deployment"] == {"name": e["name"], "epdserve": e["name"], "source": "--configs"}
+        assert e["metrics_urls"] == [f"http://127.0.0.1:{args.port}/metrics"]
+        assert "per_core" not in e and "died" not in e
         load = e["host_load"]  # the load on the cores before and during the run
         assert load["cores"] == sorted(os.sched_getaffinity(0))
         assert set(load["before"]) == {"window_s", "loadavg_1m", "outside_share", "steal_share"}
@@ -109,8 +114,9 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
     assert "**Warning, outside load:** pd: other processes used 30% of the 2 cores" in md
     assert md.count("- host load on cores") == 2
     assert report.load_warnings(entries) == [f"pd: {host.outside_warning(0.3, 0.0, 2)}"]
-    assert "| Metric | colocated | pd | pd/colocated |" in md
-    assert "KV bytes/req" in md and "- long: 1 requests" in md
+    assert "| Metric | Better | colocated | pd | pd (x of colocated) |" in md
+    assert "| KV per request (MB, mean) | lower | 0.00 | 0.00 | — |" in md
+    assert "- long: 1 requests" in md
     assert "| kv_bytes | 0.0 | 0.0 | 4,096.0 | 4,096.0 |" in md  # server-stage table
     assert "**2p1d failed:** `server exited with status 1`" in md
     assert "| queue | 1.0 | 1.0 | — | — |" in md  # TTFT breakdown table
@@ -148,7 +154,7 @@ def test_an_image_workload_through_colocated_and_epd(tmp_path):
     assert epd["breakdown"]["ttft"]["mean"]["embedding transfer"] == pytest.approx(1 / 3)
     compare.write_outputs(entries, trace, {"source": "test"}, tmp_path)
     md = (tmp_path / "compare.md").read_text()
-    assert "| Embedding bytes/req | 0 | 2,000 | — |" in md
+    assert "| Embeddings per request (MB, mean) | lower | 0.000 | 0.002 | — |" in md
     assert "| encode | 2.0 | 3.0 | 2.0 | 3.0 |" in md
     assert "- 4 images (4 distinct)" in md
 
@@ -172,7 +178,7 @@ def test_goodput_sweep_per_configuration_against_the_stub(tmp_path):
 
 
 def test_resources_lists_each_workers_cores(pd_server, tmp_path):
-    res = compare.ServerProcess("pd", [], tmp_path / "x.log", pd_server.url).resources()
+    res = processes.ServerProcess("pd", [], tmp_path / "x.log", pd_server.url).resources()
     roles = {w["role"]: set(w["cores"]) for w in res["workers"]}
     assert set(roles) == {"prefill", "decode"}
     assert roles["prefill"] and roles["decode"]
@@ -301,12 +307,13 @@ def test_server_summary_and_table_with_and_without_image_keys(tmp_path):
     entries = [{"name": "colocated", "result": {"failed": 0}, "server": plain},
                {"name": "1e1p1d", "result": {"failed": 0}, "server": s}]
     by_label = {r[0]: r[1:] for r in report.table(entries)[1]}
-    assert by_label["Embedding bytes/req"] == ["—", "497,664", "—"]
-    assert by_label["Embedding transfer ms/req"] == ["—", "4.00", "—"]
-    assert by_label["Embedding bytes/image"] == ["—", "331,776", "—"]
-    assert by_label["Encode ms/req"] == ["—", "160.0", "—"]
+    assert by_label["Embeddings per request (MB, mean)"] == ["lower", "—", "0.498", "—"]
+    assert by_label["Embedding transfer per request (ms, mean)"] == ["lower", "—", "4.00", "—"]
+    assert by_label["Embeddings per image (MB, mean)"] == ["lower", "—", "0.332", "—"]
+    assert by_label["Encode per request (ms, mean)"] == ["lower", "—", "160.0", "—"]
     labels = [r[0] for r in report.table(entries)[1]]
-    assert labels.index("Embedding bytes/req") == labels.index("KV transfer ms/req") + 1
+    assert (labels.index("Embeddings per request (MB, mean)")
+            == labels.index("KV transfer per request (ms, mean)") + 1)
     stages = report.server_table_markdown(entries)
     assert "| embedding_bytes | — | — | 497,664.0 |" in stages
     assert "Embedding" not in report.text_table(entries[:1])  # text-only runs: no rows
@@ -343,10 +350,11 @@ def test_stacked_stage_and_goodput_plots_are_written(tmp_path):
 
 def test_server_that_dies_gives_its_log_tail(tmp_path):
     dying = [sys.executable, "-c", "import sys; print('boom: unknown mode'); sys.exit(3)"]
-    with pytest.raises(compare.ServerError, match="status 3") as info:
+    with pytest.raises(processes.ServerError, match="status 3") as info:
         compare.run_config("pd", [req(0.0, "x")], compare_args(free_port()), tmp_path,
                            serve=dying)
-    assert "boom: unknown mode" in str(info.value)
+    assert info.value.log_tail == "boom: unknown mode"
+    assert "\n" not in info.value.reason  # one line for the entry; the tail apart
 
 
 def test_port_in_use_is_refused_before_starting(tmp_path):
@@ -354,7 +362,7 @@ def test_port_in_use_is_refused_before_starting(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(compare.ServerError, match=f"port {port}"):
+        with pytest.raises(processes.ServerError, match=f"port {port}"):
             compare.run_config("colocated", [req(0.0, "x")], compare_args(port), tmp_path,
                                serve=STUB)
 
@@ -363,7 +371,7 @@ def test_stop_kills_the_whole_group_even_if_a_child_ignores_sigterm(tmp_path):
     stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                 "print('ready', flush=True); time.sleep(600)")
     cmd = ["sh", "-c", f"{sys.executable} -c \"{stubborn}\" & wait"]
-    server = compare.ServerProcess("x", cmd, tmp_path / "x.log", "http://127.0.0.1:9")
+    server = processes.ServerProcess("x", cmd, tmp_path / "x.log", "http://127.0.0.1:9")
     server.start()
     pgid = server.proc.pid
     try:
@@ -401,15 +409,15 @@ def test_ctrl_c_during_a_run_stops_the_server(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:
-            if "healthy" in line:
+            if "ready after" in line:
                 break
-        assert not compare.port_is_free(port)
+        assert not processes.port_is_free(port)
         time.sleep(0.3)  # into the run
         proc.send_signal(signal.SIGINT)
         # Generous: stopping may wait out the server's 15 s SIGTERM grace on a loaded machine.
         proc.wait(timeout=60)
         assert proc.returncode != 0
-        assert compare.port_is_free(port)
+        assert processes.port_is_free(port)
     finally:
         proc.kill()
         proc.wait()
@@ -437,12 +445,13 @@ def test_table_ratio_column_and_missing_values():
                {"name": "pd", "result": {**base, "median_ttft_ms": 150.0, "failed": 2},
                 "server": {}}]
     header, rows = report.table(entries)
-    assert header == ["Metric", "colocated", "pd", "pd/colocated"]
+    assert header == ["Metric", "Better", "colocated", "pd", "pd (x of colocated)"]
     by_label = {r[0]: r[1:] for r in rows}
-    assert by_label["TTFT p50 (ms)"] == ["100.0", "150.0", "1.50x"]
-    assert by_label["Failed requests"] == ["0", "2", "—"]
-    assert by_label["KV bytes/req"] == ["0", "—", "—"]
-    assert "Goodput req/s" not in by_label
+    assert by_label["TTFT p50 (ms)"] == ["lower", "100.0", "150.0", "1.50x"]
+    assert by_label["Failed requests"] == ["lower", "0", "2", "—"]
+    assert by_label["KV per request (MB, mean)"] == ["lower", "0.00", "—", "—"]
+    # no SLOs and no per-request arrays (a hand-made result): goodput unknown, row left out
+    assert "Goodput (req/s within the SLOs)" not in by_label
     assert "TTFT p50 (ms)" in report.text_table(entries)
 
 
@@ -521,11 +530,11 @@ def test_servers_get_the_multimodal_model_for_a_trace_with_images():
 
 
 def test_resources_taken_after_the_run_and_against_the_real_pd_server(pd_server, tmp_path):
-    server = compare.ServerProcess("pd", [], tmp_path / "x.log", pd_server.url)
+    server = processes.ServerProcess("pd", [], tmp_path / "x.log", pd_server.url)
     server.proc = subprocess.Popen(["sleep", "30"])  # wait_healthy checks it is alive
     try:
         assert server.wait_healthy(30, workers=2) >= 0
-        with pytest.raises(compare.ServerError, match="3 workers up"):
+        with pytest.raises(processes.ServerError, match="3 workers up"):
             server.wait_healthy(1, workers=3)  # 200, but only two are up
     finally:
         server.proc.kill()
@@ -536,3 +545,33 @@ def test_workload_description_of_a_trace():
     d = workload.describe([req(0.0, "a b"), req(2.5, "c d e", kind="long")])
     assert d["num_requests"] == 2 and d["long"]["offsets_s"] == [2.5]
     assert bench_args().endpoint == "chat"
+
+
+def test_repeats_run_interleaved_and_fold_into_one_entry_each(monkeypatch, tmp_path):
+    """--repeats 3: A B A B A B, each deployment's runs folded by repeats.combine (median
+    and range); a run that failed is listed, not averaged in."""
+    order, goodput = [], {"colocated": iter([1.0, 3.0, 2.0]), "pd": iter([5.0, 4.0, None])}
+
+    def fake_run(dep, requests, args, out_dir, progress=""):
+        order.append((dep.name, progress))
+        g = next(goodput[dep.name])
+        if g is None:
+            raise processes.ServerError("pd did not start")
+        return {"name": dep.name, "mode": "colocated", "itl_stalls": 0,
+                "result": {"completed": 4, "failed": 0, "request_goodput": g,
+                           "slo_attainment": 1.0, "goodput_slos_ms": {"ttft": 1.0},
+                           "ttfts": [], "itls": [], "e2els": [], "output_lens": [],
+                           "errors": [], "duration": 1.0}}
+
+    monkeypatch.setattr(compare, "run_config", fake_run)
+    args = argparse.Namespace(repeats=3)
+    chosen = [compare.from_config("colocated"), compare.from_config("pd")]
+    entries, status = compare._run_all(chosen, [], args, tmp_path)
+    assert order == [("colocated", "1/6"), ("pd", "2/6"), ("colocated", "3/6"), ("pd", "4/6"),
+                     ("colocated", "5/6"), ("pd", "6/6")]
+    assert status == 1  # one run failed
+    a, b = entries
+    assert a["result"]["request_goodput"] == 2.0 and a["spread"]["request_goodput"] == [1.0, 3.0]
+    assert len(a["runs"]) == 3 and "failed_runs" not in a
+    assert b["result"]["request_goodput"] == 4.5 and b["spread"]["request_goodput"] == [4.0, 5.0]
+    assert b["failed_runs"] == ["pd did not start"]

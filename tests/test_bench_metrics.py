@@ -15,12 +15,15 @@ Records (times in s; chunk times relative to t0, start/end relative to the run s
 Duration = 2.0 − 0.0 = 2 s; 3 completed, 1 failed; 60 input and 9 output tokens.
 """
 
+import argparse
 import math
 
 import pytest
 
 from epdserve.bench.client import RequestRecord
-from epdserve.bench.metrics import compute, error_kind, tpot_s
+from epdserve.bench.metrics import (DEFAULT_SLOS_MS, compute, describe_slos, error_kind,
+                                    judged_goodput, slo_goodput, slo_values_ms, tpot_s)
+from epdserve.bench.run import parse_goodput
 
 
 def records() -> list[RequestRecord]:
@@ -158,3 +161,83 @@ def test_peaks_per_second_as_vllm():
     assert r["max_concurrent_requests"] == 2
     assert r["start_times"] == [0.0, 0.5, 1.0, 1.2]
     assert compute([records()[3]])["max_output_tokens_per_s"] == 0.0
+
+
+def frozen_and_smooth() -> list[RequestRecord]:
+    """Two requests of 21 chunks, TTFT 0.5 s: "frozen" streams 19 gaps of 10 ms and one of
+    2 s (a long prefill batched in), "smooth" 20 gaps of 100 ms. TPOT is the mean gap:
+    frozen (2.69 − 0.5) / 20 = 109.5 ms, smooth 100 ms; both meet tpot:150."""
+    frozen = [0.5 + 0.01 * i for i in range(10)] + [2.59 + 0.01 * i for i in range(11)]
+    smooth = [0.5 + 0.1 * i for i in range(21)]
+    return [RequestRecord(index=0, start_s=0.0, chunk_times_s=frozen, last_chunk_s=frozen[-1],
+                          end_s=frozen[-1], usage_completion_tokens=21, request_id="frozen",
+                          success=True),
+            RequestRecord(index=1, start_s=0.0, chunk_times_s=smooth, last_chunk_s=smooth[-1],
+                          end_s=smooth[-1], usage_completion_tokens=21, request_id="smooth",
+                          success=True)]
+
+
+def test_a_frozen_stream_meets_tpot_but_fails_the_itl_slo():
+    recs = frozen_and_smooth()
+    assert tpot_s(recs[0]) == approx((2.69 - 0.5) / 20)
+    by = lambda slos: compute(recs, slos)["slo_attainment"]  # noqa: E731
+    assert by({"tpot": 150}) == approx(1.0)       # the mean hides the 2 s freeze
+    assert by({"itl": 1000}) == approx(0.5)       # the longest gap does not
+    assert by({"itl": 2001}) == approx(1.0)       # a 2 s gap
+    assert by({"tpot": 150, "itl": 1000}) == approx(0.5)
+    assert compute(recs, {"itl": 1000})["goodput_slos_ms"] == {"itl": 1000}
+
+
+def test_itl_p99_slo_is_the_requests_own_linear_p99_gap():
+    recs = frozen_and_smooth()
+    # frozen: 20 gaps, 19 of 10 ms and one of 2000 ms; numpy's linear p99 of 20 values
+    # lies 0.81 of the way from the 19th (10 ms) to the 20th: 10 + 0.81 * 1990 = 1621.9 ms.
+    values = slo_values_ms(recs[0].ttft_s, recs[0].e2el_s, 21, recs[0].itls_s)
+    assert values["itl"] == pytest.approx(2000.0)
+    assert values["itl_p99"] == pytest.approx(1621.9)
+    assert values["tpot"] == pytest.approx(109.5)
+    assert compute(recs, {"itl_p99": 1621})["slo_attainment"] == approx(0.5)
+    assert compute(recs, {"itl_p99": 1622})["slo_attainment"] == approx(1.0)
+
+
+def test_a_request_without_a_gap_meets_the_itl_slos():
+    r = compute([records()[1]], {"itl": 0, "itl_p99": 0})  # one chunk: no gap
+    assert r["slo_attainment"] == 1.0
+    assert slo_values_ms(0.1, 0.1, 1, [])["itl"] == 0.0
+
+
+def test_goodput_from_a_saved_result_equals_the_measured_one():
+    # what compare does with a result that had no SLOs: judge it later from its arrays
+    recs = [*records(), *frozen_and_smooth()]
+    measured = compute(recs, DEFAULT_SLOS_MS)
+    plain = compute(recs)
+    assert slo_goodput(plain, DEFAULT_SLOS_MS) == {
+        "request_goodput": measured["request_goodput"],
+        "slo_attainment": measured["slo_attainment"]}
+    judged = judged_goodput(plain)
+    assert judged["goodput_slos_default"] is True
+    assert judged["goodput_slos_ms"] == DEFAULT_SLOS_MS == {"ttft": 2000, "tpot": 200,
+                                                            "itl": 1000}
+    # 4 of 6 requests meet them: r0-r2 and smooth; r3 failed, frozen has a 2 s gap
+    assert judged["slo_attainment"] == approx(4 / 6)
+    given = judged_goodput(measured)  # SLOs given: as measured, not the defaults
+    assert given["goodput_slos_default"] is False
+    assert given["request_goodput"] == measured["request_goodput"]
+    assert describe_slos(DEFAULT_SLOS_MS) == ("TTFT ≤ 2000 ms, TPOT ≤ 200 ms, "
+                                              "longest ITL gap ≤ 1000 ms")
+
+
+@pytest.mark.parametrize("text, parsed", [("itl:1000", ("itl", 1000.0)),
+                                          ("itl_p99:250.5", ("itl_p99", 250.5)),
+                                          ("ttft:0", ("ttft", 0.0))])
+def test_parse_goodput_takes_the_itl_slos(text, parsed):
+    assert parse_goodput(text) == parsed
+
+
+@pytest.mark.parametrize("text, needle", [("itl_p95:100", "itl_p99"), ("itl", "KEY:MS"),
+                                          ("itl:fast", "'fast' is not a number"),
+                                          ("itl:-1", ">= 0"), ("itl:inf", "finite")])
+def test_parse_goodput_names_the_bad_value(text, needle):
+    with pytest.raises(argparse.ArgumentTypeError, match=needle) as info:
+        parse_goodput(text)
+    assert text in str(info.value)

@@ -1,21 +1,27 @@
-"""The recommendation rules (epdserve/bench/recommend.py) on hand-made compare entries."""
+"""The recommendation rules (epdserve/bench/recommend.py) on hand-made compare entries and
+on results computed from hand-made client records."""
 
 import pytest
 
 from epdserve.bench import report
-from epdserve.bench.recommend import recommend
+from epdserve.bench.client import RequestRecord
+from epdserve.bench.metrics import compute
+from epdserve.bench.recommend import cannot_tell_apart, figures, recommend
+from epdserve.bench.repeats import combine
+
+SLOS = {"ttft": 2000.0, "tpot": 200.0}
 
 
 def entry(name, mode="colocated", *, ttft95=1000.0, itl50=100.0, itl95=200.0, itl99=400.0,
-          tput=20.0, goodput=None, cores=2, failed=0, completed=20, stalls=0, handoff=None):
-    """A compare entry with the fields the rules read (ms, tok/s, req/s)."""
+          tput=20.0, goodput=0.5, cores=2, failed=0, completed=20, stalls=0, handoff=None):
+    """A compare entry measured with --goodput SLOS, with the fields the rules read (ms,
+    tok/s, req/s)."""
     e = {"name": name, "mode": mode,
          "result": {"p95_ttft_ms": ttft95, "mean_ttft_ms": ttft95 / 2, "median_itl_ms": itl50,
                     "p95_itl_ms": itl95, "p99_itl_ms": itl99, "output_throughput": tput,
-                    "request_goodput": goodput, "completed": completed, "failed": failed},
+                    "request_goodput": goodput, "slo_attainment": goodput and 0.9,
+                    "goodput_slos_ms": SLOS, "completed": completed, "failed": failed},
          "resources": {"num_cores": cores},
-         "per_core": {"output_throughput": tput / cores,
-                      "request_goodput": None if goodput is None else goodput / cores},
          "itl_stalls": stalls,
          "breakdown": {"ttft": {"n": 20, "parts": ["router", "prefill", "other"],
                                 "mean": {"router": 5.0, "prefill": 350.0, "other": 145.0},
@@ -30,75 +36,216 @@ GAP = {"n": 20, "parts": ["KV import", "other"], "mean": {"KV import": 10.0, "ot
        "p95": {"KV import": 20.0, "other": 200.0}}
 
 
-def test_replicas_win_and_the_report_says_do_not_split():
-    entries = [entry("colocated", itl50=150, itl95=900, stalls=4),
-               entry("colocated-2", itl50=80, itl95=180),
-               entry("pd", "pd", itl50=114, itl95=230, handoff=GAP)]
+def stream(i: int, ttft: float, gap: float, freeze: float = 0.0) -> RequestRecord:
+    """Request i, sent at i s: 21 chunks from ``ttft``, ``gap`` apart, the 10th gap
+    ``freeze`` longer (s)."""
+    times = [ttft + gap * k + (freeze if k >= 10 else 0.0) for k in range(21)]
+    return RequestRecord(index=i, start_s=float(i), chunk_times_s=times, last_chunk_s=times[-1],
+                         end_s=i + times[-1], usage_completion_tokens=21, request_id=str(i),
+                         success=True)
+
+
+def measured(name, mode, records, slos=None):
+    """A compare entry whose result comes from the client records, as bench computes it."""
+    return {"name": name, "mode": mode, "result": compute(records, slos),
+            "resources": {"num_cores": 2}, "itl_stalls": 0}
+
+
+def frozen_colocated_and_slow_pd(slos=None):
+    """colocated: TTFT 0.5 s, but 5 of 10 streams freeze for 2 s (TPOT still ~150 ms); pd:
+    TTFT 1.5 s (3x worse at p50), no freeze."""
+    colocated = [stream(i, 0.5, 0.05, 2.0 if i % 2 else 0.0) for i in range(10)]
+    pd = [stream(i, 1.5, 0.05) for i in range(10)]
+    return [measured("colocated", "colocated", colocated, slos), measured("pd", "pd", pd, slos)]
+
+
+def test_one_rule_default_slos_judge_and_are_stated():
+    entries = frozen_colocated_and_slow_pd()
+    assert entries[0]["result"]["request_goodput"] is None  # no --goodput given
     rec = recommend(entries)
-    assert rec["choice"] == "colocated-2" and rec["split"] is False
-    assert rec["meets_slos"] is None and rec["not_considered"] == {}
+    assert rec["choice"] == "pd" and rec["split"] is True  # the stutter counts
+    assert rec["slos_default"] is True
+    assert rec["slos_ms"] == {"ttft": 2000.0, "tpot": 200.0, "itl": 1000.0}
+    assert rec["slos"] == ("Judged by goodput per core against the default SLOs: TTFT ≤ 2000 "
+                           "ms, TPOT ≤ 200 ms, longest ITL gap ≤ 1000 ms; pass --goodput to "
+                           "set yours.")
+    # colocated: 5 of 10 within the SLOs over a 12.5 s run; pd: 10 over 11.5 s; 2 cores.
+    # The freezes are 5 of 200 gaps: the pooled ITL p95 does not show them.
+    assert figures(entries[0])["slo_attainment"] == pytest.approx(0.5)
+    assert rec["reasons"][0].startswith("Split prefill and decode: pd vs colocated on the same "
+                                        "cores (2): pd serves 0.435 req/s per core within the "
+                                        "SLOs, colocated 0.2; ITL p50 50.0 vs 50.0 ms, ITL p95 "
+                                        "50.0 vs 50.0 ms, TTFT p95 1,500 vs 500 ms.")
+    md = report.recommendation_markdown(rec)
+    assert md.startswith("## Recommendation\n\n**Use pd** (a PD split).\n\nJudged by goodput "
+                         "per core against the default SLOs")
+
+
+def test_with_slos_given_the_same_rule_uses_them():
+    rec = recommend(frozen_colocated_and_slow_pd({"ttft": 1000.0}))
+    assert rec["choice"] == "colocated" and rec["slos_default"] is False  # pd misses TTFT
+    assert rec["slos"] == "Judged by goodput per core against your SLOs (--goodput): TTFT ≤ 1000 ms."
+    assert rec["reasons"][0].startswith("Do not split at this load: colocated vs pd")
+
+
+def test_one_run_says_the_spread_is_unknown_and_ties_within_5_percent():
+    entries = [entry("colocated", goodput=0.50, itl95=210), entry("pd", "pd", goodput=0.52)]
+    assert cannot_tell_apart(*entries)
+    rec = recommend(entries)
+    assert rec["choice"] == "colocated" and rec["cannot_tell_apart"] == ["colocated", "pd"]
+    assert rec["runs"] == 1 and rec["n"] == 20
+    assert rec["evidence"] == ("n = 20 requests, 1 run per configuration: the spread is unknown, "
+                               "so goodputs within 5% count as a tie and larger differences "
+                               "may still be noise; run with --repeats 3 to measure it.")
+    assert ("cannot tell apart by goodput (within 5%, one run each: colocated 0.25, pd 0.26 "
+            "req/s per core); colocated is the simpler (no prefill/decode split, no KV "
+            "hand-off);") in rec["reasons"][0]
+    md = report.recommendation_markdown(rec)
+    assert "**Cannot tell colocated and pd apart by goodput; use colocated** (the simpler" in md
+    assert "run with --repeats 3" in md
+
+
+def runs(name, mode, goodputs, cores=2):
+    return [entry(name, mode, goodput=g, cores=cores) for g in goodputs]
+
+
+def test_overlapping_ranges_over_repeats_cannot_be_told_apart():
+    colocated = combine(runs("colocated", "colocated", [0.20, 0.28, 0.24]))
+    pd = combine(runs("pd", "pd", [0.26, 0.30, 0.22]))  # median 0.26 > 0.24: noise
+    rec = recommend([colocated, pd])
+    assert rec["choice"] == "colocated" and rec["cannot_tell_apart"] == ["colocated", "pd"]
+    assert rec["runs"] == 3
+    assert ("cannot tell apart by goodput (ranges overlap: colocated 0.12 (0.1–0.14), pd 0.13 "
+            "(0.11–0.15) req/s per core)") in rec["reasons"][0]
+    assert rec["evidence"] == ("n = 20 requests per run, 3 runs per configuration; goodput per "
+                               "core, median (min–max): colocated 0.12 (0.1–0.14); pd 0.13 "
+                               "(0.11–0.15) req/s per core.")
+
+
+def test_separate_ranges_over_repeats_decide():
+    colocated = combine(runs("colocated", "colocated", [0.20, 0.22, 0.24]))
+    pd = combine(runs("pd", "pd", [0.26, 0.30, 0.28]))
+    rec = recommend([colocated, pd])
+    assert rec["choice"] == "pd" and rec["cannot_tell_apart"] == []
+    assert "pd serves 0.14 (0.13–0.15) req/s per core within the SLOs, colocated 0.11 " \
+           "(0.1–0.12)" in rec["reasons"][0]
+
+
+def test_replicas_win_and_the_report_says_do_not_split():
+    entries = [entry("colocated", itl50=150, itl95=900, stalls=4, goodput=0.3),
+               entry("colocated-2", itl50=80, itl95=180, goodput=0.8),
+               entry("pd", "pd", itl50=114, itl95=230, handoff=GAP, goodput=0.6)]
+    rec = recommend(entries)
+    assert rec["choice"] == "colocated-2" and rec["split"] is False and rec["meets_slos"]
+    assert rec["not_considered"] == {}
     verdict = rec["reasons"][0]
-    assert verdict.startswith("Do not split at this load: colocated-2 vs pd at the same cores (2)")
-    assert "ITL p50 80.0 vs 114 ms" in verdict and "lower ITL p95 (22% lower)" in verdict  # 1 - 180/230
+    assert verdict.startswith("Do not split at this load: colocated-2 vs pd on the same cores (2)")
+    assert "colocated-2 serves 0.4 req/s per core within the SLOs, pd 0.3;" in verdict
+    assert "ITL p50 80.0 vs 114 ms" in verdict
     assert "Bottleneck of colocated-2: prefill is 70% of TTFT (mean 350 of 500 ms)." in rec["reasons"]
     hand = [r for r in rec["reasons"] if r.startswith("Hand-off of pd")]
     # gap 120 ms = 24% of the mean TTFT of 500 ms (sum of the parts), 120/114 = 1.1x ITL p50
     assert hand == ["Hand-off of pd (token 1 -> 2): mean 120 ms = 24% of its mean TTFT and "
-                    "1.1x its ITL p50, 16.0 MB of KV per request; other is 92% of the gap "
-                    "(mean 110 of 120 ms); other is the decode worker's first step, batched with "
-                    "the running requests, plus IPC hops."]
+                    "1.1x its ITL p50, 16.0 MB of KV per request (mean); other is 92% of the "
+                    "gap (mean 110 of 120 ms); other is the decode worker's first step, batched "
+                    "with the running requests, plus IPC hops."]
     assert any("colocated 900 / 400 ms, 4 stalls" in r for r in rec["reasons"])
-    md = report.recommendation_markdown(rec)
-    assert md.startswith("## Recommendation\n\n**Use colocated-2** (no prefill/decode split).")
+    assert ("Goodput per core (share of requests within the SLOs): colocated 0.15 req/s per "
+            "core (90%); colocated-2 0.4 req/s per core (90%); pd 0.3 req/s per core (90%); "
+            "colocated-2 leads per core.") in rec["reasons"]
 
 
-def test_split_wins_when_colocated_ttft_is_far_worse():
-    # colocated has the lower ITL p95, but its TTFT p95 is 3x the best: out of tolerance.
-    entries = [entry("colocated", ttft95=3000, itl95=150),
-               entry("pd", "pd", ttft95=1000, itl95=160, handoff=GAP)]
+def test_tied_splits_go_to_the_latency_rule():
+    # Both split: the simpler-kind preference has nothing to choose; TTFT p95 of 2p1d is 3x
+    # the best, out of the 25% tolerance.
+    entries = [entry("2p1d", "pd", ttft95=3000, itl95=150), entry("pd", "pd", itl95=160)]
     rec = recommend(entries)
-    assert rec["choice"] == "pd" and rec["split"] is True
-    assert rec["reasons"][0].startswith("Split prefill and decode: pd vs colocated at the same "
-                                        "cores (2): colocated's TTFT p95 is 200% higher")
+    assert rec["choice"] == "pd" and rec["cannot_tell_apart"] == ["2p1d", "pd"]
 
 
-def test_ttft_within_tolerance_and_itl_tie_go_to_throughput_per_core():
-    entries = [entry("colocated", ttft95=1100, itl95=203, tput=30),
+def test_ttft_within_tolerance_and_itl_tie_go_to_throughput_per_device():
+    entries = [entry("colocated-2", ttft95=1000, itl95=200, tput=20),
+               entry("colocated", ttft95=1100, itl95=203, tput=30),
                entry("pd", "pd", ttft95=1000, itl95=200, tput=20)]
     rec = recommend(entries)
-    assert rec["choice"] == "colocated"
-    assert "colocated makes more output tok/s per core (15.00 vs 10.00)" in rec["reasons"][0]
+    assert rec["choice"] == "colocated"  # 15 vs 10 output tok/s per core
+    assert rec["cannot_tell_apart"] == ["colocated-2", "colocated", "pd"]
+    assert rec["reasons"][0].endswith(
+        "colocated is the simpler (no prefill/decode split, no KV hand-off); ITL p50 100 vs "
+        "100 ms, ITL p95 203 vs 200 ms, TTFT p95 1,100 vs 1,000 ms.")
+    for e in entries:  # nothing meets the SLOs: the latency rule decides, and says how
+        e["result"]["request_goodput"] = 0.0
+    rec = recommend(entries[1:])
+    assert rec["choice"] == "colocated" and rec["cannot_tell_apart"] == []
+    assert ("colocated vs pd on the same cores (2): ITL p95 within 5%, colocated makes more "
+            "output tok/s per device (15.00 vs 10.00);") in rec["reasons"][1]
 
 
-def test_with_slos_goodput_per_core_decides():
+def test_goodput_per_core_decides_across_core_counts():
     entries = [entry("colocated", goodput=0.4, itl95=100),
                entry("2p1d", "pd", goodput=0.9, itl95=300, cores=2),
                entry("colocated-2", goodput=0.9, itl95=100, cores=4)]  # more cores: 0.225/core
     rec = recommend(entries)
     assert rec["choice"] == "2p1d" and rec["meets_slos"] is True
     assert rec["reasons"][0].startswith(
-        "Split prefill and decode: 2p1d vs colocated-2 with 2 vs 4 cores: 2p1d serves 0.450 "
-        "req/s per core within the SLOs, colocated-2 0.225;")
-    assert any(r.startswith("Goodput per core: colocated 0.200 req/s; 2p1d 0.450") for r in rec["reasons"])
+        "Split prefill and decode: 2p1d vs colocated-2 with 2 cores vs 4 cores: 2p1d serves "
+        "0.45 req/s per core within the SLOs, colocated-2 0.225;")
+
+
+def gpu(name, mode, goodput, gpus, price):
+    e = entry(name, mode, goodput=goodput, tput=100.0 * gpus)
+    e["resources"] = {"device_kind": "GPU", "num_devices": gpus, "price_per_hour": price}
+    return e
+
+
+def test_per_dollar_decides_when_every_candidate_has_a_price():
+    # vllm-8: 0.5 req/s per GPU, 4 * 3600 / 16 = 900 requests per USD;
+    # sglang-1p1d: 0.6 req/s per GPU on dearer GPUs, 2.4 * 3600 / 12 = 720 per USD.
+    entries = [gpu("vllm-8", "colocated", 4.0, 8, 16.0), gpu("sglang-1p1d", "pd", 2.4, 4, 12.0)]
+    f = figures(entries[0])
+    assert (f["goodput_per_device"], f["goodput_per_usd"]) == (0.5, pytest.approx(900.0))
+    assert f["output_per_usd"] == pytest.approx(800 * 3600 / 16)
+    rec = recommend(entries)
+    assert rec["choice"] == "vllm-8" and rec["basis"] == "per USD"
+    assert "vllm-8 serves 900 requests per USD within the SLOs, sglang-1p1d 720" in rec["reasons"][0]
+    assert any(r.endswith("sglang-1p1d leads per GPU.") for r in rec["reasons"])
+    assert any(r.endswith("vllm-8 leads per USD.") for r in rec["reasons"])
+    assert rec["slos"].startswith("Judged by goodput per USD against your SLOs")
+    del entries[1]["resources"]["price_per_hour"]  # one price missing: per GPU decides
+    rec = recommend(entries)
+    assert rec["choice"] == "sglang-1p1d" and rec["basis"] == "per GPU"
+
+
+def test_cores_and_gpus_mixed_without_prices_say_so():
+    entries = [entry("epdserve", goodput=0.2), gpu("vllm", "colocated", 4.0, 1, None)]
+    rec = recommend(entries)
+    assert rec["basis"] == "per device"
+    assert ("Per device compares CPU cores with GPUs; give each deployment's price_per_hour to "
+            "compare per USD.") in rec["reasons"]
 
 
 def test_nothing_meets_the_slos_falls_back_to_latency_and_says_so():
     entries = [entry("colocated", goodput=0.0, itl95=100), entry("pd", "pd", goodput=0.0, itl95=300)]
     rec = recommend(entries)
     assert rec["meets_slos"] is False and rec["choice"] == "colocated"
+    assert rec["cannot_tell_apart"] == []
     assert rec["reasons"][0].startswith("No configuration meets the SLOs at this load")
 
 
-def test_failed_configurations_are_not_considered():
+def test_failed_configurations_and_runs_are_not_considered():
+    flaky = combine([entry("colocated-3", itl95=10),
+                     {"name": "colocated-3", "mode": "colocated", "error": "died"}])
     entries = [{"name": "pd", "mode": "pd", "error": "pd server exited with status 1"},
                entry("colocated-2", failed=3, itl95=50),
                entry("colocated", itl95=300),
-               entry("colocated-chunked", completed=0)]
+               entry("colocated-chunked", completed=0),
+               flaky]
     rec = recommend(entries)
     assert rec["choice"] == "colocated"  # the only one that served every request
     assert rec["not_considered"] == {"pd": "pd server exited with status 1",
                                      "colocated-2": "3 failed requests",
-                                     "colocated-chunked": "no request completed"}
+                                     "colocated-chunked": "no request completed",
+                                     "colocated-3": "1 failed runs (died)"}
     assert rec["reasons"][0] == "Use colocated (the only kind measured: colocated)."
     assert "Not considered: pd (pd server exited with status 1)." in rec["reasons"]
 
@@ -109,7 +256,7 @@ def test_nothing_ran():
     assert report.recommendation_markdown(rec).startswith("## Recommendation\n\n**No recommendation.**")
 
 
-@pytest.mark.parametrize("missing", ["breakdown", "resources", "per_core", "itl_stalls"])
+@pytest.mark.parametrize("missing", ["breakdown", "resources", "itl_stalls"])
 def test_missing_optional_fields_do_not_break_it(missing):
     entries = [entry("colocated"), entry("pd", "pd", handoff=GAP)]
     for e in entries:

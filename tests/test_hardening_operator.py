@@ -200,7 +200,7 @@ def test_load_monitor_tells_the_deployment_from_other_processes():
     deployment = subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"{BURN.format(cpu=0.6, sleep=30)}\""
                                    " & wait"], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        monitor = host.LoadMonitor(cores, deployment.pid, interval_s=0.1).start()
+        monitor = host.LoadMonitor(cores, [deployment.pid], interval_s=0.1).start()
         outside = subprocess.run([sys.executable, "-c", BURN.format(cpu=0.6, sleep=0)], timeout=60)
         assert outside.returncode == 0
         assert deployment.stdout.readline().strip() == "done"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -327,9 +328,13 @@ async def warm_up(client: httpx.AsyncClient, url: str, model: str, num: int,
 async def run_trace(base_url: str, model: str, requests: list[Request], endpoint: str = "chat",
                     temperature: float = 0.0, ignore_eos: bool = True, progress: bool = True,
                     timeout_s: float = 600.0, warmup: int = 1,
-                    max_concurrency: int | None = None) -> list[RequestRecord]:
+                    max_concurrency: int | None = None,
+                    on_start: Callable[[], None] | None = None) -> list[RequestRecord]:
     """Send ``warmup`` unmeasured requests, then every request of the trace at its offset
     after a common start; return the records in trace order.
+
+    ``on_start``: called (blocking) after the warm-up, right before the first request is
+    due, e.g. to take the server's metrics before the measured requests only.
 
     ``max_concurrency``: at most this many requests in flight; a request due while all
     slots are busy waits for one and is sent (t0) when it gets it — vLLM ``bench
@@ -352,6 +357,8 @@ async def run_trace(base_url: str, model: str, requests: list[Request], endpoint
         await fetch_model_name(client, base_url)  # fail fast, one line, if nobody answers
         await warm_up(client, url, model, warmup, endpoint,
                       next((r.images for r in requests if r.images), ()))
+        if on_start is not None:
+            on_start()
         bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
         run_start = time.perf_counter()
 

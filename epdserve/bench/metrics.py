@@ -10,8 +10,17 @@ Per request, with t0 = just before the HTTP request was sent:
 * E2EL = last chunk − t0.
 
 Run-wide: ``duration`` is first send → last completion (s); throughputs divide by it;
-goodput counts completed requests meeting every SLO given (TTFT, TPOT, E2EL, in ms; a
+goodput counts completed requests meeting every SLO given (ms; see :data:`SLO_METRICS`; a
 one-token request has TPOT 0 for this test, as in vLLM).
+
+SLOs: ``ttft``, ``tpot`` and ``e2el`` are the ones of vLLM ``bench serve --goodput`` and of
+DistServe (Zhong et al., OSDI 2024, which judges by TTFT and TPOT). TPOT is a per-request
+*mean*, so a stream that froze for 2 s among fast tokens still meets it: it hides the
+stutter that a long prefill causes in colocated decodes, exactly what splitting prefill
+from decode removes. Hence two per-request inter-token SLOs: ``itl`` (the request's
+longest gap between text-carrying chunks) and ``itl_p99`` (its p99 gap, ``numpy.percentile``
+linear); a request with one chunk or none has no gap and meets both.
+:data:`DEFAULT_SLOS_MS` are the SLOs a comparison is judged by when none are given.
 
 The result dict uses vLLM ``bench serve`` field names: aggregates in milliseconds
 (``mean_ttft_ms``, ``median_ttft_ms``, ``std_ttft_ms``, ``p90/p95/p99_ttft_ms`` and the same
@@ -32,13 +41,22 @@ an empty set of values gives 0.0 aggregates, also as in vLLM.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 
 import numpy as np
 
 from epdserve.bench.client import RequestRecord
 
 PERCENTILES = (90, 95, 99)
-SLO_METRICS = ("ttft", "tpot", "e2el")
+SLO_METRICS = ("ttft", "tpot", "e2el", "itl", "itl_p99")
+# What each SLO bounds, in the words a report uses.
+SLO_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "e2el": "E2EL", "itl": "longest ITL gap",
+              "itl_p99": "ITL p99 per request"}
+STALL_MS = 1000.0  # an ITL gap this long is a stall a user notices; a p99 can hide a few
+# The SLOs a comparison is judged by when none are given: loose chat SLOs (a first token
+# within 2 s, 5 tokens/s on average, about reading speed) that the default small model
+# meets on CPUs at a light load, and no gap over STALL_MS, the stall the mean (TPOT) hides.
+DEFAULT_SLOS_MS = {"ttft": 2000.0, "tpot": 200.0, "itl": STALL_MS}
 
 
 def tpot_s(record: RequestRecord) -> float | None:
@@ -62,13 +80,76 @@ def summarize(name: str, values_s: list[float]) -> dict:
     return out
 
 
-def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
-    """True when a completed request is within every SLO (ms) in ``slos_ms``."""
-    if not record.success:
-        return False
-    values_ms = {"ttft": record.ttft_s * 1000.0, "e2el": record.e2el_s * 1000.0,
-                 "tpot": (tpot_s(record) or 0.0) * 1000.0}
-    return all(values_ms[k] <= v for k, v in slos_ms.items())
+def slo_values_ms(ttft_s: float, e2el_s: float, output_tokens: int, itls_s: list[float],
+                  keys: Collection[str] = SLO_METRICS) -> dict[str, float]:
+    """The value each SLO in ``keys`` (of :data:`SLO_METRICS`) is checked against for one
+    completed request (ms): TTFT, TPOT (0 for a one-token request, as vLLM), E2EL, its
+    longest ITL gap and its p99 gap (both 0 without a gap). Only the asked keys are
+    computed: the planner checks thousands of simulated requests per rate."""
+    values = {"ttft": ttft_s * 1000.0, "e2el": e2el_s * 1000.0}
+    if "tpot" in keys:
+        values["tpot"] = ((e2el_s - ttft_s) / (output_tokens - 1) * 1000.0
+                          if output_tokens > 1 else 0.0)
+    if "itl" in keys:
+        values["itl"] = max(itls_s, default=0.0) * 1000.0
+    if "itl_p99" in keys:
+        values["itl_p99"] = float(np.percentile(itls_s, 99)) * 1000.0 if itls_s else 0.0
+    return values
+
+
+def check_slos(slos_ms: dict[str, float]) -> None:
+    """Raises ValueError naming the keys of ``slos_ms`` not in :data:`SLO_METRICS`."""
+    unknown = set(slos_ms) - set(SLO_METRICS)
+    if unknown:
+        raise ValueError(f"unknown SLO metric(s) {sorted(unknown)}; use {SLO_METRICS}")
+
+
+def slo_goodput(result: dict, slos_ms: dict[str, float]) -> dict:
+    """``{"request_goodput": req/s, "slo_attainment": share}`` of a result dict against
+    ``slos_ms`` (ms), from its per-request arrays (``ttfts``, ``e2els``, ``output_lens``,
+    ``itls``, ``errors``) and ``duration``: requests without an error meeting every SLO,
+    per second of the run and as a share of all its requests (failed ones count as misses,
+    as DistServe's attainment is over all requests, so a server that drops requests cannot
+    look better than one that serves them). Works on results read back from disk.
+
+    Raises:
+        ValueError: an SLO key not in :data:`SLO_METRICS`.
+        KeyError: the result has no per-request arrays.
+    """
+    check_slos(slos_ms)
+    good = 0
+    for ttft, e2el, n, itls, error in zip(result["ttfts"], result["e2els"],
+                                          result["output_lens"], result["itls"],
+                                          result["errors"]):
+        if not error:
+            values = slo_values_ms(ttft, e2el, n, itls, slos_ms)
+            good += all(values[k] <= v for k, v in slos_ms.items())
+    duration, total = result["duration"], len(result["errors"])
+    return {"request_goodput": good / duration if duration > 0 else 0.0,
+            "slo_attainment": good / total if total else 0.0}
+
+
+def judged_goodput(result: dict) -> dict:
+    """The goodput a comparison judges a result by: ``{"request_goodput", "slo_attainment",
+    "goodput_slos_ms", "goodput_slos_default"}`` — as measured when the run had SLOs,
+    else against :data:`DEFAULT_SLOS_MS` from the per-request arrays
+    (``goodput_slos_default`` True). All None for a result with neither (e.g. a combined
+    result, see :mod:`epdserve.bench.repeats`, whose runs had no SLOs: it stores these)."""
+    if result.get("request_goodput") is not None:
+        return {"request_goodput": result["request_goodput"],
+                "slo_attainment": result.get("slo_attainment"),
+                "goodput_slos_ms": result.get("goodput_slos_ms"),
+                "goodput_slos_default": bool(result.get("goodput_slos_default"))}
+    if "ttfts" not in result:
+        return dict.fromkeys(("request_goodput", "slo_attainment", "goodput_slos_ms",
+                              "goodput_slos_default"))
+    return {**slo_goodput(result, DEFAULT_SLOS_MS), "goodput_slos_ms": dict(DEFAULT_SLOS_MS),
+            "goodput_slos_default": True}
+
+
+def describe_slos(slos_ms: dict[str, float]) -> str:
+    """``"TTFT ≤ 2000 ms, TPOT ≤ 200 ms, longest ITL gap ≤ 1000 ms"`` for ``slos_ms``."""
+    return ", ".join(f"{SLO_LABELS.get(k, k)} ≤ {v:g} ms" for k, v in slos_ms.items())
 
 
 # Names for httpx exceptions an operator recognises; other exceptions keep their class name.
@@ -108,10 +189,15 @@ def peaks_per_second(ok: list[RequestRecord]) -> tuple[float, int]:
 def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = None) -> dict:
     """The result dict (see the module doc) for ``records``, in trace order.
 
-    ``slos_ms``: optional SLOs, keys among ttft, tpot, e2el, values in ms; when given,
+    ``slos_ms``: optional SLOs, keys among :data:`SLO_METRICS`, values in ms; when given,
     ``request_goodput`` = completed requests meeting all of them / duration (req/s) and
     ``slo_attainment`` = those requests / all requests of the run (failed ones miss),
-    else both are None.
+    both by :func:`slo_goodput`, and ``goodput_slos_ms`` = ``slos_ms``; else both are None
+    (:func:`judged_goodput` judges such a result by :data:`DEFAULT_SLOS_MS` later, from
+    the per-request arrays kept here).
+
+    Raises:
+        ValueError: an SLO key not in :data:`SLO_METRICS`.
     """
     ok = [r for r in records if r.success]
     if records:
@@ -130,38 +216,35 @@ def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = Non
         "request_throughput": per_s(len(ok)),
         "output_throughput": per_s(total_out),
         "total_token_throughput": per_s(total_in + total_out),
+        "request_goodput": None,
+        "slo_attainment": None,
     }
-    if slos_ms:
-        unknown = set(slos_ms) - set(SLO_METRICS)
-        if unknown:
-            raise ValueError(f"unknown SLO metric(s) {sorted(unknown)}; use {SLO_METRICS}")
-        good = sum(meets_slos(r, slos_ms) for r in ok)
-        result["request_goodput"] = per_s(good)
-        # Failed requests count as misses (DistServe's attainment is over all requests),
-        # so a server that drops requests cannot look better than one that serves them.
-        result["slo_attainment"] = good / len(records) if records else 0.0
-        result["goodput_slos_ms"] = dict(slos_ms)
-    else:
-        result["request_goodput"] = None
-        result["slo_attainment"] = None
     result["max_output_tokens_per_s"], result["max_concurrent_requests"] = peaks_per_second(ok)
     result.update(summarize("ttft", [r.ttft_s for r in ok]))
     result.update(summarize("tpot", [t for t in map(tpot_s, ok) if t is not None]))
     result.update(summarize("itl", [g for r in ok for g in r.itls_s]))
     result.update(summarize("e2el", [r.e2el_s for r in ok]))
-    result.update({
+    result.update(_per_request(records))
+    if slos_ms:
+        result.update(slo_goodput(result, slos_ms), goodput_slos_ms=dict(slos_ms))
+    return result
+
+
+def _per_request(records: list[RequestRecord]) -> dict:
+    """The per-request arrays of the result dict (see the module doc), in trace order."""
+    return {
         "input_lens": [r.prompt_tokens for r in records],
         "output_lens": [r.output_tokens if r.success else 0 for r in records],
         "ttfts": [r.ttft_s if r.success else 0.0 for r in records],
         "itls": [r.itls_s if r.success else [] for r in records],
         "e2els": [r.e2el_s if r.success else 0.0 for r in records],
         "generated_texts": [r.generated_text for r in records],
-        "errors": [r.error for r in records],
+        # "" for a completed request: slo_goodput and the plots read success from here.
+        "errors": [r.error or ("" if r.success else "failed") for r in records],
         "error_counts": dict(Counter(error_kind(r.error) for r in records
                                      if not r.success).most_common()),
         "request_ids": [r.request_id for r in records],
         "start_times": [r.start_s for r in records],
         "start_offsets": [r.start_s for r in records],
         "kinds": [r.kind for r in records],
-    })
-    return result
+    }

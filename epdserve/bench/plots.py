@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from epdserve.bench.metrics import STALL_MS  # noqa: E402  (also the default ITL SLO)
 from epdserve.bench.server_trace import PART_ORDER  # noqa: E402
 
 
@@ -32,9 +33,6 @@ def ttfts_ms(result: dict) -> np.ndarray:
 def itls_ms(result: dict) -> np.ndarray:
     """Every ITL gap of completed requests, pooled (ms)."""
     return np.array([g * 1000.0 for i in _ok(result) for g in result["itls"][i]])
-
-
-STALL_MS = 1000.0  # an ITL gap this long is a stall a user notices; a p99 can hide a few
 
 
 def itl_stalls(result: dict) -> int:

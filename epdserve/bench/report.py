@@ -1,84 +1,146 @@
 """Side-by-side comparison table of several configurations, as text and as markdown.
 
-Input: the entries of ``compare.json`` (see :func:`epdserve.bench.compare.run_config`;
-at least ``{"name", "result": <bench result dict>, "server": <trace summary or {}>}``);
-entries with an ``error`` instead of a result (configurations that failed) get no column.
-Rows are the metrics of :data:`ROWS`; columns are the configurations, then one ratio
-column per configuration after the first (its value / the first's; "—" where undefined).
+Input: the entries of ``compare.json`` (see :func:`epdserve.bench.compare.run_config`, or
+:func:`epdserve.bench.repeats.combine` over repeated runs; at least ``{"name", "result":
+<bench result dict>, "server": <trace summary or {}>}``); entries with an ``error`` instead
+of a result (configurations that failed) get no column. Rows are the metrics of
+:data:`ROWS`, each with the direction that is better ("lower" or "higher") and its unit;
+columns are the configurations, then one "x of BASELINE" column per configuration after the
+first (its value / the first's; "—" where undefined). An entry with repeats shows "median
+(min–max)" over its runs. The table is preceded by :func:`caption`, which says what the
+cells are. Per-device and per-dollar figures come from :func:`epdserve.bench.recommend.
+figures`, the one place they are computed.
 """
 
 from __future__ import annotations
 
+import textwrap
+
+from epdserve.bench import metrics, production, recommend, server_metrics, tables
 from epdserve.bench.server_trace import FIELDS, sort_parts
 
-# (label, where, key, format): where is "result" (bench result), "server" (trace summary),
-# "per_core" or "resources" (see compare.run_config), or "" for the entry itself.
+# (label, better, where, key, format, scale): better is "lower", "higher" or "" (no
+# direction); where is "result" (bench result), "server" (trace summary, means per
+# request), "figures" (recommend.figures), "devices" (key: the device kind whose count
+# it is) or "entry" (the entry itself); the value is multiplied by scale before
+# formatting. "{unit}" in a label is "per core", "per GPU" or "per device".
 ROWS = [
-    ("TTFT p50 (ms)", "result", "median_ttft_ms", "{:.1f}"),
-    ("TTFT p95 (ms)", "result", "p95_ttft_ms", "{:.1f}"),
-    ("TTFT p99 (ms)", "result", "p99_ttft_ms", "{:.1f}"),
-    ("ITL p50 (ms)", "result", "median_itl_ms", "{:.1f}"),
-    ("ITL p95 (ms)", "result", "p95_itl_ms", "{:.1f}"),
-    ("ITL p99 (ms)", "result", "p99_itl_ms", "{:.1f}"),
-    ("TPOT p50 (ms)", "result", "median_tpot_ms", "{:.1f}"),
-    ("E2EL p50 (ms)", "result", "median_e2el_ms", "{:.1f}"),
-    ("E2EL p95 (ms)", "result", "p95_e2el_ms", "{:.1f}"),
-    ("Output tok/s", "result", "output_throughput", "{:.2f}"),
-    ("Requests/s", "result", "request_throughput", "{:.3f}"),
-    ("Goodput req/s", "result", "request_goodput", "{:.3f}"),
-    ("ITL stalls (> 1 s)", "", "itl_stalls", "{:d}"),
-    ("Cores", "resources", "num_cores", "{:d}"),
-    ("Output tok/s per core", "per_core", "output_throughput", "{:.2f}"),
-    ("Goodput req/s per core", "per_core", "request_goodput", "{:.3f}"),
-    ("Failed requests", "result", "failed", "{:d}"),
-    ("KV bytes/req", "server", "mean_kv_bytes", "{:,.0f}"),
-    ("KV transfer ms/req", "server", "mean_kv_transfer_ms", "{:.2f}"),
+    ("TTFT p50 (ms)", "lower", "result", "median_ttft_ms", "{:.1f}", 1),
+    ("TTFT p95 (ms)", "lower", "result", "p95_ttft_ms", "{:.1f}", 1),
+    ("TTFT p99 (ms)", "lower", "result", "p99_ttft_ms", "{:.1f}", 1),
+    ("ITL p50 (ms)", "lower", "result", "median_itl_ms", "{:.1f}", 1),
+    ("ITL p95 (ms)", "lower", "result", "p95_itl_ms", "{:.1f}", 1),
+    ("ITL p99 (ms)", "lower", "result", "p99_itl_ms", "{:.1f}", 1),
+    ("TPOT p50 (ms)", "lower", "result", "median_tpot_ms", "{:.1f}", 1),
+    ("E2EL p50 (ms)", "lower", "result", "median_e2el_ms", "{:.1f}", 1),
+    ("E2EL p95 (ms)", "lower", "result", "p95_e2el_ms", "{:.1f}", 1),
+    ("Output tok/s", "higher", "result", "output_throughput", "{:.2f}", 1),
+    ("Requests/s", "higher", "result", "request_throughput", "{:.3f}", 1),
+    ("Goodput (req/s within the SLOs)", "higher", "figures", "request_goodput", "{:.3f}", 1),
+    ("SLO attainment (% of requests)", "higher", "figures", "slo_attainment", "{:.0%}", 1),
+    ("ITL stalls (gaps > 1 s)", "lower", "entry", "itl_stalls", "{:d}", 1),
+    ("Failed requests", "lower", "result", "failed", "{:d}", 1),
+    ("Cores", "", "devices", "core", "{:d}", 1),
+    ("GPUs", "", "devices", "GPU", "{:d}", 1),
+    ("Output tok/s {unit}", "higher", "figures", "output_per_device", "{:.2f}", 1),
+    ("Goodput req/s {unit}", "higher", "figures", "goodput_per_device", "{:.3f}", 1),
+    ("Price (USD/h)", "lower", "figures", "price_per_hour", "{:.2f}", 1),
+    ("Goodput requests per USD", "higher", "figures", "goodput_per_usd", "{:,.1f}", 1),
+    ("Output tokens per USD", "higher", "figures", "output_per_usd", "{:,.0f}", 1),
+    ("KV per request (MB, mean)", "lower", "server", "mean_kv_bytes", "{:.2f}", 1e-6),
+    ("KV transfer per request (ms, mean)", "lower", "server", "mean_kv_transfer_ms",
+     "{:.2f}", 1),
     # over the requests with images (the trace's image keys; rows absent without images)
-    ("Embedding bytes/req", "server", "mean_embedding_bytes", "{:,.0f}"),
-    ("Embedding transfer ms/req", "server", "mean_embedding_transfer_ms", "{:.2f}"),
-    ("Embedding bytes/image", "server", "mean_embedding_bytes_per_image", "{:,.0f}"),
-    ("Encode ms/req", "server", "mean_encode_ms", "{:.1f}"),
+    ("Embeddings per request (MB, mean)", "lower", "server", "mean_embedding_bytes",
+     "{:.3f}", 1e-6),
+    ("Embedding transfer per request (ms, mean)", "lower", "server",
+     "mean_embedding_transfer_ms", "{:.2f}", 1),
+    ("Embeddings per image (MB, mean)", "lower", "server", "mean_embedding_bytes_per_image",
+     "{:.3f}", 1e-6),
+    ("Encode per request (ms, mean)", "lower", "server", "mean_encode_ms", "{:.1f}", 1),
 ]
 
 
-def value(entry: dict, where: str, key: str):
-    """The number for one table cell, or None when absent."""
-    v = (entry.get(where) if where else entry) or {}
-    v = v.get(key)
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def value(entry: dict, where: str, key: str) -> tuple[float | None, list | None]:
+    """(the number for one table cell or None when absent, its [min, max] over the runs
+    or None without repeats), unscaled."""
+    if where == "devices":
+        kind, n = recommend.devices(entry)
+        return (n if kind == key else None), None
+    if where == "figures":
+        f = recommend.figures(entry)
+        return f.get(key), f["spread"].get(key)
+    v = ((entry.get(where) if where != "entry" else entry) or {}).get(key)
+    spread = (entry.get("spread") or {}).get(key) if where in ("result", "entry") else None
+    return (v if _number(v) else None), spread
+
+
+def _cell(fmt: str, v: float) -> str:
+    """``fmt`` applied to ``v``; a median count that is not a whole number gets a decimal."""
+    if fmt == "{:d}" and not float(v).is_integer():
+        return f"{v:.1f}"
+    return fmt.format(int(v) if fmt == "{:d}" else v)
 
 
 def table(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows (strings) of the comparison table. Rows whose value is absent in
-    every configuration (e.g. goodput without SLOs) are left out."""
+    """Header and rows (strings) of the comparison table: metric, the better direction,
+    one column per configuration ("median (min–max)" with repeats), and "NAME (x of
+    BASELINE)" ratio columns. Rows whose value is absent in every configuration (e.g.
+    prices when none are given) are left out."""
     entries = [e for e in entries if "result" in e]
     names = [e["name"] for e in entries]
-    header = ["Metric", *names, *(f"{n}/{names[0]}" for n in names[1:])]
+    header = ["Metric", "Better", *names, *(f"{n} (x of {names[0]})" for n in names[1:])]
+    unit = recommend.unit_label(entries)
     rows = []
-    for label, where, key, fmt in ROWS:
-        values = [value(e, where, key) for e in entries]
-        if all(v is None for v in values):
+    for label, better, where, key, fmt, scale in ROWS:
+        cells = [value(e, where, key) for e in entries]
+        if all(v is None for v, _ in cells):
             continue
-        cells = [fmt.format(v) if v is not None else "—" for v in values]
-        base = values[0]
-        for v in values[1:]:
-            cells.append(f"{v / base:.2f}x" if v is not None and base else "—")
-        rows.append([label, *cells])
+        texts = [("—" if v is None else _cell(fmt, v * scale))
+                 + (f" ({_cell(fmt, r[0] * scale)}–{_cell(fmt, r[1] * scale)})" if r and
+                    v is not None else "") for v, r in cells]
+        base = cells[0][0]
+        texts += [f"{v / base:.2f}x" if v is not None and base else "—" for v, _ in cells[1:]]
+        rows.append([label.format(unit=unit), better or "—", *texts])
     return header, rows
 
 
+def caption(entries: list[dict]) -> str:
+    """What the table's cells are, to read before it: percentiles, the SLOs of goodput,
+    medians and ranges over repeats, ratios and the better direction."""
+    ran = [e for e in entries if "result" in e]
+    if not ran:
+        return ""
+    judged = recommend.figures(ran[0])
+    slos = judged["slos_ms"] or metrics.DEFAULT_SLOS_MS
+    runs = min(len(e.get("runs") or [None]) for e in ran)
+    which = "the default SLOs" if judged["slos_default"] or not judged["slos_ms"] else "your SLOs"
+    return " ".join([
+        "Latencies are client-side percentiles over the requests (p50 = median; ITL over "
+        "every gap between streamed chunks, pooled), as vLLM's `bench serve` measures them; "
+        "throughputs are over the run's duration.",
+        f"Goodput = requests/s meeting every SLO ({which}: {metrics.describe_slos(slos)}).",
+        f"Each cell is the median of {runs} runs (min–max)." if runs > 1 else
+        "One run per configuration: the spread is unknown (--repeats 3 measures it).",
+        f"\"x of {ran[0]['name']}\" = the value ÷ {ran[0]['name']}'s; Better says which "
+        "direction wins on that row (lower: under 1.00x is better; higher: over 1.00x is "
+        "better).",
+        "KV and encode rows are server-trace means per request."])
+
+
 def text_table(entries: list[dict]) -> str:
-    """The comparison table as aligned plain text."""
-    header, rows = table(entries)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                              for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *map(fmt, rows)])
+    """The caption (wrapped) and the comparison table as aligned plain text."""
+    return "\n".join([*textwrap.wrap(caption(entries), 100), "",
+                      tables.text(*table(entries), left=2)])
 
 
 def markdown_table(entries: list[dict]) -> str:
-    """The comparison table in GitHub markdown."""
-    return _md_table(*table(entries))
+    """The comparison table in GitHub markdown (without its caption)."""
+    return tables.markdown(*table(entries), left=2)
 
 
 def workload_lines(spec: dict, summary: dict) -> list[str]:
@@ -86,7 +148,7 @@ def workload_lines(spec: dict, summary: dict) -> list[str]:
     :func:`epdserve.bench.workload.build_from_args`) and what it holds (``summary``, from
     :func:`epdserve.bench.workload.describe`)."""
     fmt = lambda v: f"{v[0]}:{v[1]}" if isinstance(v, list) else str(v)  # noqa: E731
-    params = ", ".join(f"{k}={fmt(v)}" for k, v in spec.items() if k != "source")
+    params = ", ".join(f"{k}={fmt(v)}" for k, v in spec.items() if k not in ("source", "replay"))
     lines = [f"- generator: {spec.get('source', '?')}" + (f" ({params})" if params else ""),
              f"- {summary['num_requests']} requests, sent over "
              f"{summary['duration_of_arrivals_s']:.1f} s"]
@@ -105,20 +167,17 @@ def workload_lines(spec: dict, summary: dict) -> list[str]:
             lines.append(line)
     lines.append("- prompt token counts are of the message text; the server adds its chat "
                  "template")
+    if spec.get("replay"):  # a production trace: how the replay differs from the original
+        lines += ["", *production.replay_lines(spec["replay"])]
     return lines
-
-
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join(["---", *["---:"] * (len(header) - 1)]) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def breakdown_markdown(entries: list[dict], which: str) -> str:
     """Mean and p95 (ms) of each part of TTFT (``which`` = "ttft") or of the PD hand-off
     gap ("handoff") per configuration, from each entry's ``breakdown`` (see
-    :func:`epdserve.bench.server_trace.breakdown`), with a last row for the sum of the
-    means (= the client's mean TTFT or gap); '' when no entry has one."""
+    :func:`epdserve.bench.server_trace.breakdown`; with repeats, the first run's), with a
+    last row for the sum of the means (= the client's mean TTFT or gap) and n, the
+    requests joined; '' when no entry has one."""
     have = [e for e in entries if ((e.get("breakdown") or {}).get(which))]
     if not have:
         return ""
@@ -137,18 +196,32 @@ def breakdown_markdown(entries: list[dict], which: str) -> str:
     for e in have:
         b = e["breakdown"][which]
         total += [f"**{sum(b['mean'].values()):,.1f}**", f"n={b['n']}"]
-    rows.append(["**sum (client)**", *total])
-    return _md_table(header, rows)
+    rows.append(["**sum of the means (client)**", *total])
+    return tables.markdown(header, rows)
 
 
 def recommendation_markdown(rec: dict) -> str:
-    """The "## Recommendation" section from :func:`epdserve.bench.recommend.recommend`."""
-    head = (f"**Use {rec['choice']}**" + (" (a PD split)." if rec["split"] else
-                                          " (no prefill/decode split).")
-            if rec["choice"] else "**No recommendation.**")
-    return "\n".join(["## Recommendation", "", head, "",
+    """The "## Recommendation" section from :func:`epdserve.bench.recommend.recommend`:
+    the verdict, then what it was judged by (the SLOs) and on how much (n, runs, spread),
+    the reasons, the rule."""
+    kind = " (a PD split)." if rec["split"] else " (no prefill/decode split)."
+    tied = rec.get("cannot_tell_apart") or []
+    if not rec["choice"]:
+        head = "**No recommendation.**"
+    elif tied:
+        head = (f"**Cannot tell {_names(tied)} apart by goodput; use {rec['choice']}**"
+                + (" (the simpler: no prefill/decode split)." if not rec["split"] else kind))
+    else:
+        head = f"**Use {rec['choice']}**{kind}"
+    basis = " ".join(x for x in (rec.get("slos"), rec.get("evidence")) if x)
+    return "\n".join(["## Recommendation", "", head, "", *([basis, ""] if basis else []),
                       *[f"- {r}" for r in rec["reasons"]], "",
                       f"Rule: {rec['rule']} (epdserve/bench/recommend.py)."])
+
+
+def _names(names: list[str]) -> str:
+    """"a and b", "a, b and c"."""
+    return " and ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
 
 
 def sweep_markdown(entries: list[dict]) -> str:
@@ -166,11 +239,11 @@ def sweep_markdown(entries: list[dict]) -> str:
         if sw["max_rate"] is not None and sw["bracket"][1] is None:
             best += " (the highest rate tried: raise HI)"
         pts = ", ".join(f"{p['rate']:.3g}: {p['slo_attainment']:.0%}" for p in sw["points"])
-        cores = (e.get("resources") or {}).get("num_cores")
-        per_core = (f" ({sw['max_rate'] / cores:.3g} req/s per core)"
-                    if cores and sw["max_rate"] is not None else "")
+        kind, n = recommend.devices(e)
+        per_device = (f" ({sw['max_rate'] / n:.3g} req/s per {kind})"
+                      if n and sw["max_rate"] is not None else "")
         lines.append(f"- {e['name']}: max rate with {sw['target_share']:.0%} of requests "
-                     f"within the SLOs: {best}{per_core}; attainment by rate: {pts}")
+                     f"within the SLOs: {best}{per_device}; attainment by rate: {pts}")
     return "\n".join(lines)
 
 
@@ -200,17 +273,18 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
     the host around it), goodput vs rate, and the recommendation (when given, from
     :func:`epdserve.bench.recommend.recommend`)."""
     ran = [e for e in entries if "result" in e]
-    parts = ["# epdserve compare", "", markdown_table(ran), "",
-             "Ratios are each configuration's value divided by the first's. Latencies are "
-             "client-side (TTFT, ITL, TPOT, E2EL as vLLM's `bench serve` measures them, from "
-             "the request's send); KV, encode and embedding "
-             "rows come from the server trace (mean per request; encode and embedding rows "
-             "over the requests with images, embedding bytes and transfer 0 unless EPD); "
-             "cores are the CPU cores the workers were pinned to (from /health). Prefix "
-             "caching is on unless a configuration's name ends in -noprefix.", ""]
+    parts = ["# epdserve compare", "", caption(ran), "", markdown_table(ran), "",
+             "Latencies are measured from the request's send. KV, encode and embedding rows "
+             "come from the server trace (mean per request; encode and embedding rows over "
+             "the requests with images, embedding size and transfer 0 unless EPD); cores "
+             "are the CPU cores the workers were pinned to (from /health), GPUs and prices "
+             "those a deployments file gives. Prefix caching is on unless a configuration's "
+             "name ends in -noprefix.", ""]
     for e in entries:
         if "error" in e:
             parts += [f"**{e['name']} failed:** `{e['error']}`", ""]
+            if e.get("log_tail"):
+                parts += ["Last lines of its log:", "", "```", e["log_tail"], "```", ""]
     for line in load_warnings(ran):
         parts += [f"**Warning, outside load:** {line}.", ""]
     parts += _breakdown_sections(ran)
@@ -224,6 +298,10 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
     stages = server_table_markdown(ran)
     if stages:
         parts += ["## Server-side stages (per request, from the server trace)", "", stages, ""]
+    scraped = server_metrics.stages_markdown(ran)
+    if scraped:
+        parts += ["## Server-side stages from /metrics (deltas over the measured requests)", "",
+                  scraped, ""]
     parts += ["## Goodput vs rate", "", sweep_markdown(ran), ""]
     if recommendation:
         parts += [recommendation_markdown(recommendation), ""]
@@ -235,8 +313,10 @@ def _breakdown_sections(ran: list[dict]) -> list[str]:
     a server trace)."""
     parts = []
     ttft = breakdown_markdown(ran, "ttft")
+    first = (" With repeats: the first run's." if any(len(e.get("runs") or []) > 1 for e in ran)
+             else "")
     if ttft:
-        parts += ["## Where TTFT goes", "", ttft, "",
+        parts += ["## Where TTFT goes (mean and p95 of each part, ms)", "", ttft, "",
                   "Per request, the client's TTFT joined with the server trace by request id: "
                   "http = client TTFT − the router's TTFT (request send, HTTP, SSE write); "
                   "router = HTTP arrival to dispatch (tokenize, pick a worker); encode queue = "
@@ -247,21 +327,36 @@ def _breakdown_sections(ran: list[dict]) -> list[str]:
                   "at the worker to first scheduled; prefill = first scheduled to first token; "
                   "KV export (PD) happens before the first token leaves the prefill worker; "
                   "IPC hops = the router's remainder (ZeroMQ, event loop); other = what no "
-                  "stage covers. Means add up to the mean TTFT; p95s do not add up.", ""]
+                  "stage covers. Means add up to the mean TTFT; p95s do not add up." + first,
+                  ""]
     gap = breakdown_markdown(ran, "handoff")
     if gap:
-        parts += ["## PD hand-off (client gap token 1 → token 2)", "", gap, "",
+        parts += ["## PD hand-off (client gap token 1 → token 2; mean and p95 of each part, "
+                  "ms)", "", gap, "",
                   "KV import runs within the decode worker's first step; other = the rest "
-                  "of that step and IPC hops.", ""]
+                  "of that step and IPC hops." + first, ""]
     return parts
 
 
 def _run_section(e: dict) -> list[str]:
-    """One configuration's run: requests, first error, workers, server trace, host load."""
+    """One configuration's run(s): requests, each run with repeats, first error, workers,
+    server trace, host load (with repeats: of the most disturbed run)."""
     parts = [f"## {e['name']}", ""]
     r = e["result"]
-    parts.append(f"- completed {r['completed']}, failed {r['failed']}, "
-                 f"duration {r['duration']:.1f} s")
+    runs = e.get("runs") or []
+    median = f"median of {len(runs)} runs: " if len(runs) > 1 else ""
+    parts.append(f"- {median}completed {_cell('{:d}', r['completed'])}, failed "
+                 f"{_cell('{:d}', r['failed'])}, duration {r['duration']:.1f} s")
+    if len(runs) > 1:
+        parts.append("- per run (completed / failed, duration, goodput): " + "; ".join(
+            f"{x['completed']} / {x['failed']}, {x['duration']:.1f} s, "
+            f"{x['request_goodput'] or 0:.3f} req/s" for x in runs))
+    parts += [f"- failed run: `{why}`" for why in e.get("failed_runs") or []]
+    died = e.get("died")
+    if died:
+        parts += [f"- **{died['process']} exited with status {died['status']} during the run**; "
+                  f"its other processes were stopped (log: `{died['log']}`), last lines:", "",
+                  "```", died["log_tail"], "```", ""]
     errors = [x for x in r.get("errors", []) if x]
     if errors:
         parts.append(f"- first error: `{errors[0]}`")
@@ -298,4 +393,4 @@ def server_table_markdown(entries: list[dict]) -> str:
                 v = (e.get("server") or {}).get(f"{s}_{f}")
                 cells.append("—" if v is None else f"{v:,.1f}")
         rows.append([f, *cells])
-    return _md_table(header, rows)
+    return tables.markdown(header, rows)

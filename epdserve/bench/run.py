@@ -25,6 +25,7 @@ import asyncio
 import json
 import math
 import sys
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -32,7 +33,14 @@ from epdserve.bench import client, metrics, sweep, workload
 
 
 def parse_goodput(text: str) -> tuple[str, float]:
-    """argparse type for one SLO ``KEY:MS`` (KEY in ttft, tpot, e2el; MS >= 0)."""
+    """argparse type for one SLO ``KEY:MS`` (KEY one of :data:`metrics.SLO_METRICS`: ttft,
+    tpot, e2el as vLLM ``bench serve --goodput``; itl, the request's longest inter-token
+    gap, and itl_p99, its p99 gap, because TPOT is a per-request mean that a frozen stream
+    still meets; MS a finite number >= 0). Also ``epdserve plan --slo``'s type.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the text, for another KEY or a bad MS.
+    """
     key, sep, value = text.partition(":")
     if not sep or key not in metrics.SLO_METRICS:
         raise argparse.ArgumentTypeError(
@@ -63,7 +71,12 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
                    help="let the model stop at EOS (default: ignore_eos=true, so output "
                         "lengths are as asked)")
     g.add_argument("--goodput", nargs="+", type=parse_goodput, default=None, metavar="KEY:MS",
-                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (ms)")
+                   help="SLOs for goodput in ms, e.g. ttft:2000 tpot:200 itl:1000: ttft, tpot "
+                        "(the request's mean gap, as vLLM), e2el, itl (the request's longest "
+                        "inter-token gap: a stall fails it, the mean hides it), itl_p99 (its "
+                        "p99 gap); compare judges by " + " ".join(
+                            f"{k}:{v:g}" for k, v in metrics.DEFAULT_SLOS_MS.items())
+                        + " when none are given")
     g.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="per-read timeout of a request in seconds (default 600)")
     g.add_argument("--warmup", type=workload.nonnegative_int, default=1, metavar="N",
@@ -131,12 +144,14 @@ def _rate_field(rate: float | None, requests: list[workload.Request]) -> float |
 
 
 def bench(base_url: str, requests: list[workload.Request], args: argparse.Namespace,
-          model: str | None = None, request_rate: float | None = None) -> dict:
+          model: str | None = None, request_rate: float | None = None,
+          on_start: Callable[[], None] | None = None) -> dict:
     """Run ``requests`` against ``base_url`` with the client options in ``args`` and return
     the result dict: metrics (:func:`epdserve.bench.metrics.compute`) over every request
     but the first ``args.warmup_requests``, plus the run's settings under vLLM's names
     (``request_rate``: ``request_rate`` if given, else ``args.request_rate``, else the
-    trace's mean rate; ``burstiness``, ``max_concurrency``, ``ramp_up_*``).
+    trace's mean rate; ``burstiness``, ``max_concurrency``, ``ramp_up_*``). ``on_start``:
+    called after the warm-up, before the trace (:func:`client.run_trace`).
 
     Raises:
         client.ClientError: the server does not answer, the warm-up failed, or the trace
@@ -157,7 +172,8 @@ def bench(base_url: str, requests: list[workload.Request], args: argparse.Namesp
         records = await client.run_trace(
             base_url, name, requests, endpoint=args.endpoint, temperature=args.temperature,
             ignore_eos=args.ignore_eos, progress=not args.disable_tqdm,
-            timeout_s=args.request_timeout, warmup=args.warmup, max_concurrency=concurrency)
+            timeout_s=args.request_timeout, warmup=args.warmup, max_concurrency=concurrency,
+            on_start=on_start)
         return name, records
 
     client.check_sendable(requests, args.endpoint)  # before any connection: the trace's fault

@@ -12,9 +12,14 @@ module re-exports (so ``workload.Request``, ``workload.load_trace`` etc. keep wo
 * :mod:`epdserve.bench.prompts` — token lengths (:func:`draw_lengths`) and prompt text of
   an exact token count (:func:`make_prompt`), the tokenizer that sizes them;
 * :mod:`epdserve.bench.datasets` — the generators: synthetic chat, shared prefixes, chat
-  with long-prompt bursts (the demo), ShareGPT files, images added to a trace.
+  with long-prompt bursts (the demo), ShareGPT files, images added to a trace;
+* :mod:`epdserve.bench.production_formats` and :mod:`epdserve.bench.production` —
+  production traces (Mooncake JSON lines, Azure CSV) replayed with their arrivals, lengths
+  and prefix sharing, fitted to a small model and machine (:func:`add_production_arguments`,
+  :func:`production_requests`; ``epdserve plan`` can call both).
 
-Imports go one way: traces <- arrivals, prompts <- datasets <- workload.
+Imports go one way: traces <- arrivals, prompts <- datasets, production_formats <-
+production <- workload.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import asdict
 
 from epdserve.argtypes import int_at_least
-from epdserve.bench import datasets
+from epdserve.bench import datasets, production
 # Re-exported (noqa: F401): the names callers import from here, defined in the part modules.
 from epdserve.bench.arrivals import arrival_offsets, check_rate, retime  # noqa: F401
+from epdserve.bench.production_formats import read_production
 from epdserve.bench.prompts import (LENGTH_DISTRIBUTIONS, check_range, count_tokens,  # noqa: F401
                                     draw_lengths, load_tokenizer_for, make_prompt, word_list)
 from epdserve.bench.traces import KINDS, Request, TraceError, describe, load_trace, save_trace  # noqa: F401
@@ -68,14 +75,25 @@ positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
 
 
-def positive_float(text: str) -> float:
+def _finite_float(text: str, zero_ok: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
-    if not (0 < value < math.inf):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+    if not ((0 <= value if zero_ok else 0 < value) and value < math.inf):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number "
+                                         f"{'>=' if zero_ok else '>'} 0")
     return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type for a finite number > 0."""
+    return _finite_float(text, zero_ok=False)
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type for a finite number >= 0."""
+    return _finite_float(text, zero_ok=True)
 
 
 def parse_fraction(text: str) -> float:
@@ -101,7 +119,19 @@ def parse_size(text: str) -> tuple[int, int]:
     return size
 
 
-WORKLOADS = ("synthetic", "prefix", "demo", "sharegpt")
+PRODUCTION_WORKLOADS = ("mooncake", "azure")
+WORKLOADS = ("synthetic", "prefix", "demo", "sharegpt", *PRODUCTION_WORKLOADS)
+DATASET_FORMATS = {"sharegpt": "ShareGPT-format JSON", "mooncake": "Mooncake JSON lines",
+                   "azure": "Azure LLM inference trace CSV"}
+# (option, dest) of the production-trace options, for the checks of build_from_args.
+PRODUCTION_OPTIONS = (("--start", "start"), ("--duration", "duration"),
+                      ("--time-scale", "time_scale"), ("--length-scale", "length_scale"),
+                      ("--max-input-len", "max_input_len"), ("--max-output-len", "max_output_len"))
+# Generator options that a production trace replaces with its own arrivals and lengths.
+TRACE_SET_OPTIONS = (("--input-len", "input_len"), ("--output-len", "output_len"),
+                     ("--request-rate", "request_rate"),
+                     ("--ramp-up-start-rps", "ramp_up_start_rps"),
+                     ("--ramp-up-end-rps", "ramp_up_end_rps"))
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "synthetic") -> None:
@@ -112,15 +142,18 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "synt
     _add_arrival_arguments(parser.add_argument_group("arrivals"))
     _add_prefix_arguments(parser.add_argument_group("shared prefixes (--workload prefix)"))
     _add_demo_arguments(parser.add_argument_group("long-prompt bursts (--workload demo)"))
+    add_production_arguments(parser)
     _add_source_arguments(g)
 
 
 def _add_generator_arguments(g, default: str) -> None:
     """Which generator, how many requests, their lengths."""
     g.add_argument("--workload", choices=WORKLOADS, default=default,
-                   help=f"trace generator (default {default}); sharegpt needs --dataset-path")
+                   help=f"trace generator (default {default}); sharegpt, mooncake and azure "
+                        f"need --dataset-path")
     g.add_argument("--num-prompts", type=positive_int, default=None,
-                   help="requests (default 50) or chat requests (demo, default 24)")
+                   help="requests (default 50), chat requests (demo, default 24), or the "
+                        "first N requests of the window (mooncake, azure; default all)")
     g.add_argument("--input-len", type=parse_range, default=None, metavar="MIN:MAX",
                    help="prompt tokens (synthetic default 100:400, demo 50:250; N = fixed)")
     g.add_argument("--output-len", type=parse_range, default=None, metavar="MIN:MAX",
@@ -176,10 +209,35 @@ def _add_demo_arguments(d) -> None:
                    help="long prompts sent at the same instant (default 1)")
 
 
+def add_production_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options that fit a production trace to a small model and machine (a group
+    "production traces"): ``--start``, ``--duration``, ``--time-scale``, ``--length-scale``,
+    ``--max-input-len``, ``--max-output-len``; all default to None (= not given; see
+    :func:`fit_from_args` for what that means). ``--num-prompts`` is the workload option."""
+    p = parser.add_argument_group("production traces (--workload mooncake|azure)")
+    p.add_argument("--start", type=nonnegative_float, default=None, metavar="S",
+                   help="replay from S seconds after the trace's first arrival (default 0)")
+    p.add_argument("--duration", type=positive_float, default=None, metavar="S",
+                   help="replay the requests arriving in the S seconds from --start "
+                        "(default: to the end; --num-prompts N keeps the first N)")
+    p.add_argument("--time-scale", type=positive_float, default=None, metavar="F",
+                   help="multiply every arrival offset by F: 0.1 replays 10 minutes of "
+                        "trace in 1, 2 at half speed (default 1)")
+    p.add_argument("--length-scale", type=positive_float, default=None, metavar="F",
+                   help="multiply input and output token lengths by F, rounded, at least 1 "
+                        "(a Mooncake block of 512 tokens becomes round(512*F)) (default 1)")
+    p.add_argument("--max-input-len", type=positive_int, default=None, metavar="N",
+                   help="cap prompt tokens after scaling (a capped prompt keeps its first "
+                        "blocks; default no cap)")
+    p.add_argument("--max-output-len", type=positive_int, default=None, metavar="N",
+                   help="cap output tokens after scaling (default no cap)")
+
+
 def _add_source_arguments(g) -> None:
     """The dataset file, images, seed, tokenizer, and a trace to replay or save."""
     g.add_argument("--dataset-path", default=None, metavar="FILE",
-                   help="ShareGPT-format JSON file (--workload sharegpt)")
+                   help="dataset file: " + "; ".join(f"{v} (--workload {k})"
+                                                     for k, v in DATASET_FORMATS.items()))
     g.add_argument("--images-per-request", type=nonnegative_int, default=0, metavar="N",
                    help="images attached to every request (default 0; needs a server with "
                         "vision support, e.g. --model vlm, and --endpoint chat)")
@@ -221,11 +279,16 @@ def build_from_args(args: argparse.Namespace, tokenizer_path: str | None = None
     Raises:
         TraceError: a bad trace or dataset file or setting (the message names it).
     """
-    if getattr(args, "dataset_path", None) and args.workload != "sharegpt":
-        raise TraceError(f"--dataset-path is for --workload sharegpt, not {args.workload}")
+    _check_options(args)
     if args.trace:
         requests = load_trace(args.trace)
         spec = {"source": "trace", "trace": str(args.trace)}
+    elif args.workload in PRODUCTION_WORKLOADS:
+        tok = load_tokenizer_for(args.tokenizer or tokenizer_path)
+        requests, spec = production_requests(args, tok)
+        _print_replay(spec)
+        requests = _add_images(requests, args, spec)
+        spec = {k: _jsonable(v) for k, v in spec.items()}
     else:
         tok = load_tokenizer_for(args.tokenizer or tokenizer_path)
         requests, params, extra = _generate(args, tok)
@@ -234,6 +297,68 @@ def build_from_args(args: argparse.Namespace, tokenizer_path: str | None = None
     if args.save_trace:
         save_trace(requests, args.save_trace)
     return requests, spec
+
+
+def _given(args: argparse.Namespace, options) -> list[str]:
+    return [flag for flag, dest in options if getattr(args, dest, None) is not None]
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """TraceError for options given with a workload that does not take them."""
+    if getattr(args, "dataset_path", None) and args.workload not in DATASET_FORMATS:
+        raise TraceError(f"--dataset-path is for --workload {'|'.join(DATASET_FORMATS)}, "
+                         f"not {args.workload}")
+    production_only = _given(args, PRODUCTION_OPTIONS)
+    if production_only and args.workload not in PRODUCTION_WORKLOADS:
+        raise TraceError(f"{', '.join(production_only)}: for --workload "
+                         f"{'|'.join(PRODUCTION_WORKLOADS)} only, not {args.workload}")
+    generator_only = _given(args, TRACE_SET_OPTIONS)
+    if generator_only and args.workload in PRODUCTION_WORKLOADS:
+        raise TraceError(f"{', '.join(generator_only)}: --workload {args.workload} takes "
+                         f"arrivals and lengths from the trace; fit them with --time-scale, "
+                         f"--length-scale, --max-input-len and --max-output-len")
+
+
+def fit_from_args(args: argparse.Namespace) -> production.Fit:
+    """The :class:`~epdserve.bench.production.Fit` of the production-trace options (None =
+    not given: start 0, to the end, all requests, scales 1, no caps); ``num_prompts`` is
+    read from ``args.num_prompts`` when the parser has it."""
+    given = {"start_s": args.start, "duration_s": args.duration,
+             "num_prompts": getattr(args, "num_prompts", None), "time_scale": args.time_scale,
+             "length_scale": args.length_scale, "max_input_len": args.max_input_len,
+             "max_output_len": args.max_output_len}
+    return production.Fit(**{k: v for k, v in given.items() if v is not None})
+
+
+def production_requests(args: argparse.Namespace, tokenizer) -> tuple[list[Request], dict]:
+    """The requests replaying ``--dataset-path`` in the format ``--workload`` (mooncake or
+    azure), fitted by the production-trace options (:func:`fit_from_args`), prompts built
+    with ``tokenizer`` (None: empty prompts with their token counts, for the planner), and
+    the spec: ``{"source", "dataset_path", the Fit's fields, "block_tokens", "seed",
+    "replay": the replay report}`` (:func:`epdserve.bench.production.replay_trace`).
+
+    Raises:
+        TraceError: no --dataset-path, a bad file, an empty window, or prompts that cannot
+            be built.
+    """
+    if not args.dataset_path:
+        raise TraceError(f"--workload {args.workload} needs --dataset-path FILE "
+                         f"({DATASET_FORMATS[args.workload]})")
+    fit = fit_from_args(args)
+    trace = read_production(args.dataset_path, args.workload)
+    requests, report = production.replay_trace(trace, fit, tokenizer, args.seed)
+    spec = {"source": args.workload, "dataset_path": str(args.dataset_path), **asdict(fit),
+            "block_tokens": fit.block_tokens, "seed": args.seed, "replay": report}
+    return requests, spec
+
+
+def _print_replay(spec: dict) -> None:
+    """Say on stderr how the replayed trace differs from the original (as sharegpt says
+    what it used)."""
+    report = spec["replay"]
+    print(f"trace {spec['dataset_path']} ({spec['source']}): {report['replayed']['count']} of "
+          f"{report['original']['count']} requests replayed", file=sys.stderr)
+    print("\n".join(production.replay_lines(report)), file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace, tok) -> tuple[list[Request], dict, dict]:

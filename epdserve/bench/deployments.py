@@ -1,0 +1,324 @@
+"""Deployment files for ``epdserve compare --deployments FILE [FILE ...]``: what each
+deployment is, how it starts and how to tell it is ready (the schema, the loading with
+one-line errors, and variable expansion; :mod:`epdserve.bench.processes` starts and stops
+them).
+
+A file is TOML with one ``[[deployment]]`` table per deployment (names unique across every
+file and ``--configs``). Each entry is one of three kinds:
+
+* ``epdserve = "1p1d"`` — an epdserve deployment by the names ``--configs`` takes
+  (:class:`~epdserve.serving.deployment.DeploymentSpec`); optional ``model`` (serve's
+  ``--model``) and ``args = [...]`` (more ``epdserve serve`` flags). Started on compare's
+  ``--port``; ready when ``/health`` answers 200 with all its workers up;
+* ``processes = [{command = [...], env = {...}, cwd = "...", ready = {...}}, ...]`` —
+  started in this order, each in its own process group with its log in
+  ``OUTPUT/NAME.pI.log``; a process's own ``ready`` is waited for before the next starts
+  (e.g. two ``vllm serve`` before their proxy). ``~`` and ``${VAR}`` (or
+  ``${VAR:-default}``) are expanded in ``command``, ``cwd`` and ``env`` values; ``env``
+  adds to the inherited environment;
+* ``base_url = "http://host:port"`` — something already running: never started nor
+  stopped.
+
+Other keys: ``ready = {url, status = 200, timeout_s = 300}`` (processes and base_url;
+default: GET ``OPENAI_BASE_URL/v1/models``); ``openai_base_url`` (the root the client
+appends ``/v1/chat/completions`` to, with or without a trailing ``/v1``; required for
+processes, default ``base_url``, derived for epdserve); ``model`` (processes and base_url:
+the name sent in requests, default the first id of ``GET /v1/models``); ``metrics_urls``
+(Prometheus, one per process; default for epdserve its router's ``/metrics``, else none);
+``resources = {cpu_cores = N} | {gpus = N}`` with an optional ``price_per_hour`` (USD;
+epdserve entries read their cores from ``/health`` and take only the price); ``mode``
+(processes and base_url: ``colocated``, ``pd`` or ``epd``, so that the recommendation
+knows a split deployment; derived for epdserve).
+
+A malformed file is one :class:`DeploymentFileError` line naming the file, the entry and
+the key (``deployments.toml: deployment "vllm-pd": ready.timeout_s: must be > 0 (got
+-1)``; a TOML syntax error names ``file:line``), before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+import typing
+from pathlib import Path
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
+                      ValidationError, field_validator, model_validator)
+
+from epdserve.serving.deployment import DeploymentSpec
+
+KINDS = ("epdserve", "processes", "base_url")  # how a deployment starts: exactly one
+
+
+class DeploymentFileError(ValueError):
+    """A deployments file that cannot be used; the message is one line naming the file,
+    the entry and the key."""
+
+
+def _http_url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{text!r} is not an http(s)://HOST[:PORT] URL")
+    return text.rstrip("/")
+
+
+Url = Annotated[str, AfterValidator(_http_url)]
+
+
+class _Strict(BaseModel):
+    # Unknown keys are errors (a misspelt key must not be silently ignored); no coercion
+    # of strings into numbers.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ReadyCheck(_Strict):
+    """When a deployment (or one of its processes) is ready: ``url`` answers ``status``
+    within ``timeout_s`` seconds of its start."""
+
+    url: Url
+    status: int = Field(200, ge=100, le=599)
+    timeout_s: float = Field(300.0, gt=0)
+
+
+class ProcessSpec(_Strict):
+    """One process of a deployment: ``command`` (program and arguments, no shell),
+    ``env`` (added to the inherited environment), ``cwd``, and an optional ``ready``
+    check waited for before the next process starts."""
+
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = {}
+    cwd: str | None = None
+    ready: ReadyCheck | None = None
+
+
+class Resources(_Strict):
+    """What a deployment uses, for the per-device and per-dollar figures: CPU cores or
+    GPUs (one of them), and its price in USD per hour."""
+
+    cpu_cores: int | None = Field(None, gt=0)
+    gpus: int | None = Field(None, gt=0)
+    price_per_hour: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_device_kind(self) -> Resources:
+        if self.cpu_cores is not None and self.gpus is not None:
+            raise ValueError("give cpu_cores or gpus, not both")
+        return self
+
+
+class Deployment(_Strict):
+    """One ``[[deployment]]`` entry (the keys: module doc). ``source`` is the file it came
+    from ("--configs" for a ``--configs`` name).
+
+    Raises:
+        pydantic.ValidationError: (on validation) a bad key or value; see :func:`load`.
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
+    epdserve: str | None = None
+    args: list[str] | None = None
+    processes: list[ProcessSpec] | None = Field(None, min_length=1)
+    base_url: Url | None = None
+    ready: ReadyCheck | None = None
+    openai_base_url: Url | None = None
+    model: str | None = None
+    metrics_urls: list[Url] | None = None
+    resources: Resources | None = None
+    mode: Literal["colocated", "pd", "epd"] | None = None
+    _source: str = PrivateAttr("--configs")
+
+    @field_validator("epdserve")
+    @classmethod
+    def _known_epdserve_name(cls, name: str) -> str:
+        return DeploymentSpec.parse(name).name  # canonical; ValueError names the forms
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Deployment:
+        kinds = [k for k in KINDS if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError(f"give exactly one of {', '.join(KINDS)}"
+                             + (f" (got {' and '.join(kinds)})" if kinds else ""))
+        if self.epdserve is None:
+            if self.args is not None:
+                raise ValueError("args: only for an epdserve entry (put the flags in "
+                                 "processes' command)")
+            if self.processes is not None and self.openai_base_url is None:
+                raise ValueError("openai_base_url: required with processes (the URL "
+                                 "their OpenAI server answers on)")
+            return self
+        derived = [k for k in ("ready", "openai_base_url", "mode") if getattr(self, k)]
+        if self.resources and (self.resources.cpu_cores or self.resources.gpus):
+            derived.append("resources.cpu_cores/gpus")
+        if derived:
+            raise ValueError(f"{', '.join(derived)}: not for an epdserve entry (compare "
+                             f"derives them: /health, its router's URL and cores)")
+        return self
+
+    @property
+    def source(self) -> str:
+        """The file it came from ("--configs" for a ``--configs`` name)."""
+        return self._source
+
+    @property
+    def kind(self) -> str:
+        """``epdserve``, ``processes`` or ``base_url``: how it starts."""
+        return next(k for k in KINDS if getattr(self, k) is not None)
+
+    @property
+    def entry_mode(self) -> str | None:
+        """``colocated``, ``pd`` or ``epd`` (epdserve: from its name), None if unknown."""
+        return DeploymentSpec.parse(self.epdserve).mode if self.epdserve else self.mode
+
+    def where(self) -> str:
+        """``FILE: deployment "NAME"``, for messages."""
+        return f'{self._source}: deployment "{self.name}"'
+
+    def record(self) -> dict:
+        """The entry as parsed (JSON-able; variables not expanded), with its source."""
+        return {**self.model_dump(mode="json", exclude_none=True), "source": self._source}
+
+    def resolved_processes(self, env: typing.Mapping[str, str] | None = None) -> list[ProcessSpec]:
+        """``processes`` with ``~`` and ``${VAR}`` expanded in command, cwd and env values
+        (from ``env``, default ``os.environ``).
+
+        Raises:
+            DeploymentFileError: a variable without a default is not set.
+        """
+        env = os.environ if env is None else env
+        out = []
+        for i, p in enumerate(self.processes or []):
+            at = f"processes[{i}]"
+            out.append(p.model_copy(update={
+                "command": [_expand(a, env, self, f"{at}.command[{j}]")
+                            for j, a in enumerate(p.command)],
+                "cwd": _expand(p.cwd, env, self, f"{at}.cwd") if p.cwd else None,
+                "env": {k: _expand(v, env, self, f"{at}.env.{k}") for k, v in p.env.items()}}))
+        return out
+
+
+class DeploymentsFile(_Strict):
+    """A whole file: one or more ``[[deployment]]`` tables."""
+
+    deployment: list[Deployment] = Field(min_length=1)
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _expand(text: str, env: typing.Mapping[str, str], dep: Deployment, key: str) -> str:
+    """``${VAR}`` / ``${VAR:-default}`` (default when unset or empty, as in sh), then a
+    leading ``~``."""
+    def value(m: re.Match) -> str:
+        found = env.get(m[1])
+        if found:
+            return found
+        if m[2] is not None:
+            return m[2]
+        if found is None:
+            raise DeploymentFileError(f"{dep.where()}: {key}: ${{{m[1]}}} is not set "
+                                      f"(export it, or write ${{{m[1]}:-default}})")
+        return found
+    return os.path.expanduser(_VAR.sub(value, text))
+
+
+def from_config(name: str) -> Deployment:
+    """The epdserve entry of a ``--configs`` name (raises ValueError for an unknown one)."""
+    return Deployment(name=name, epdserve=name)
+
+
+def load(paths: list[str | Path]) -> list[Deployment]:
+    """Every deployment of ``paths``, in order.
+
+    Raises:
+        DeploymentFileError: a file cannot be read, is not TOML (``file:line``), does not
+            match the schema (file, entry and key), or names a deployment twice.
+    """
+    found: list[Deployment] = []
+    for path in paths:
+        for dep in load_file(path):
+            twin = next((d for d in found if d.name == dep.name), None)
+            if twin:
+                raise DeploymentFileError(f"{dep.where()}: name: already used by an entry "
+                                          f"of {twin.source}; names must be unique")
+            found.append(dep)
+    return found
+
+
+def load_file(path: str | Path) -> list[Deployment]:
+    """The deployments of one file (errors: :func:`load`)."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DeploymentFileError(f"{path}: cannot read it: {exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        m = re.search(r"\(at line (\d+), column (\d+)\)$", str(exc))
+        where, what = (f"{path}:{m[1]}", str(exc)[:m.start()].strip() + f" (column {m[2]})"
+                       ) if m else (str(path), str(exc))
+        raise DeploymentFileError(f"{where}: not valid TOML: {what}") from None
+    try:
+        deps = DeploymentsFile.model_validate(data).deployment
+    except ValidationError as exc:
+        raise DeploymentFileError(_describe(path, data, exc)) from None
+    for dep in deps:
+        dep._source = str(path)
+    return deps
+
+
+def _describe(path: str | Path, data: dict, exc: ValidationError) -> str:
+    """One line for the first error of ``exc``: file, entry, key, what is wrong."""
+    errors = exc.errors()
+    err, loc = errors[0], errors[0]["loc"]
+    who = ""
+    if len(loc) >= 2 and loc[0] == "deployment" and isinstance(loc[1], int):
+        entry = (data.get("deployment") or [None] * (loc[1] + 1))[loc[1]]
+        name = entry.get("name") if isinstance(entry, dict) else None
+        who = f'deployment "{name}": ' if isinstance(name, str) else f"deployment #{loc[1] + 1}: "
+        loc = loc[2:]
+    key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{path}: {who}{key + ': ' if key else ''}{_message(err, errors[0]['loc'])}{more}"
+
+
+def _message(err: dict, loc: tuple) -> str:
+    """pydantic's error as this module's users read it."""
+    kind, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
+    if loc == ("deployment",) and kind in ("missing", "list_type"):
+        return "expected one or more [[deployment]] tables"
+    if kind == "missing":
+        return "required"
+    if kind == "extra_forbidden":
+        return f"unknown key (the keys here: {', '.join(_fields_at(loc[:-1]))})"
+    if kind in ("greater_than", "greater_than_equal", "less_than_equal"):
+        op = {"greater_than": ">", "greater_than_equal": ">=", "less_than_equal": "<="}[kind]
+        bound = next(iter(ctx.values()))
+        return f"must be {op} {bound:g} (got {got!r})"
+    if kind == "too_short":
+        return "must not be empty"
+    if kind == "string_pattern_mismatch":
+        return f"{got!r}: letters, digits, '.', '_' and '-' only (it names files)"
+    msg = err["msg"].removeprefix("Value error, ")
+    return msg if kind == "value_error" else f"{msg} (got {got!r})"
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """The keys the model at ``loc`` (from the file's top) accepts."""
+    model: type[BaseModel] = DeploymentsFile
+    for part in loc:
+        if isinstance(part, str) and part in model.model_fields:
+            nested = _model_in(model.model_fields[part].annotation)
+            if nested is None:
+                break
+            model = nested
+    return list(model.model_fields)
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation like ``list[X] | None``, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for a in typing.get_args(annotation) if (m := _model_in(a))), None)

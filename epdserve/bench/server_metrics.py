@@ -1,0 +1,494 @@
+"""Server-side stages of any engine, from its Prometheus ``/metrics``, before and after a run.
+
+:class:`MetricsWatcher` scrapes every metrics URL of a deployment (one per process: a split
+deployment has several, each counting what it saw; ``per_url`` keeps them apart) before and
+after the run, samples the gauges in between, and turns the difference into the stages of
+:data:`STAGES`, the one table mapping each engine's metric names (vLLM ``vllm:*``, SGLang
+``sglang:*``, llama.cpp's ``llamacpp:*``, epdserve's ``epdserve:*``) to queue, prefill and
+decode time, TTFT, inter-token latency (ITL), E2E latency, requests, KV cache usage and
+prefix-cache hit rate; a stage an engine does not export is None ("—"). From each kind:
+
+* a histogram (seconds): after - before of its ``_count``, ``_sum`` and cumulative
+  ``_bucket`` samples, summed over label sets and URLs (on the bounds every series has):
+  count, mean (ms), and p50 / p95 (ms) interpolated within a bucket as Prometheus's
+  ``histogram_quantile`` does (promql/quantile.go ``bucketQuantile``); a quantile in the
+  +Inf bucket is the highest finite bound, flagged "at least" ("≥");
+* a counter: after - before (one that went down restarted: its after value is the
+  increase, as Prometheus's ``increase()``); prometheus_client's parser names counter
+  ``x_total`` family ``x``, so names here go without ``_total`` and both spellings are
+  read; ``_created`` samples (timestamps) are skipped;
+* a gauge: sampled every ``interval_s`` and at both ends: the mean over samples of the mean
+  over series (workers, URLs), and the highest value any series had;
+* a counter of seconds (llama.cpp): per request (the server's request count, or the
+  client's where the engine counts none) and per token.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from epdserve.bench import tables
+
+ENGINES = {"vllm": "vllm:", "sglang": "sglang:", "llama.cpp": "llamacpp:", "epdserve": "epdserve:"}
+SETTLE_POLL_S = 0.25
+
+
+class MetricsUnavailable(RuntimeError):
+    """A metrics URL that gave no Prometheus text; the message is one line naming the URL."""
+
+
+@dataclass
+class Scrape:
+    """One parsed ``/metrics`` answer: ``samples`` maps each sample name (``x_total``,
+    ``x_bucket``, ``x_count``, ...) to its ``(labels, value)`` pairs."""
+
+    url: str
+    samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, url: str, text: str) -> Scrape:
+        """Parse a text exposition with prometheus_client's parser.
+
+        Raises:
+            MetricsUnavailable: the text is not Prometheus text (the parser's error).
+        """
+        scrape = cls(url)
+        try:
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    if not s.name.endswith("_created"):  # a timestamp, not a value
+                        scrape.samples.setdefault(s.name, []).append((s.labels, float(s.value)))
+        except (ValueError, TypeError, IndexError, KeyError) as exc:
+            raise MetricsUnavailable(f"{url}: not Prometheus text ({str(exc)[:80]})") from None
+        return scrape
+
+    def series(self, name: str, exclude: tuple[tuple[str, str], ...] = ()) -> list[tuple[dict, float]]:
+        """The ``(labels, value)`` of sample ``name`` whose labels match none of ``exclude``."""
+        return [(lab, v) for lab, v in self.samples.get(name, [])
+                if not any(lab.get(k) == val for k, val in exclude)]
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> Scrape:
+    """GET ``url`` (a ``/metrics`` endpoint) and parse it.
+
+    Raises:
+        MetricsUnavailable: connection refused or failed, no answer within ``timeout_s``
+            seconds, an HTTP status other than 200, or not Prometheus text.
+    """
+    try:
+        answer = httpx.get(url, timeout=timeout_s, trust_env=False)
+    except httpx.TimeoutException:
+        raise MetricsUnavailable(f"{url}: no answer within {timeout_s:g} s") from None
+    except httpx.HTTPError as exc:
+        raise MetricsUnavailable(f"{url}: cannot connect ({type(exc).__name__}: {exc})") from None
+    if answer.status_code != 200:
+        raise MetricsUnavailable(f"{url}: HTTP {answer.status_code} (is the metrics endpoint on? "
+                                 f"llama-server needs --metrics, SGLang --enable-metrics)")
+    return Scrape.parse(url, answer.text)
+
+
+# ------------------------------------------------------------------ the mapping
+@dataclass(frozen=True)
+class Source:
+    """Where an engine keeps a stage. ``kind``: "histogram" (seconds), "counter", "gauge",
+    "ratio" (Δ``metric`` / the sum of Δ``over``) or "seconds" (a counter of seconds, per
+    request and per token of Δ``over[0]``; with ``per_gap`` the mean is per gap between
+    tokens: tokens - requests, a request's first token having no gap before it).
+    ``exclude``: label values whose series are left out. ``note``: what the number is."""
+
+    kind: str
+    metric: str
+    note: str
+    over: tuple[str, ...] = ()
+    exclude: tuple[tuple[str, str], ...] = ()
+    per_gap: bool = False
+
+    def present(self, s: Scrape) -> bool:
+        suffixes = {"histogram": ("_count",), "gauge": ("",)}.get(self.kind, ("_total", ""))
+        return any(self.metric + x in s.samples for x in suffixes)
+
+
+def _h(metric: str, note: str, **kw) -> Source:
+    return Source("histogram", metric, note, **kw)
+
+
+# stage -> (row label, unit)
+STAGE_INFO = {"queue": ("queue time", "ms"), "prefill": ("prefill time", "ms"),
+              "decode": ("decode time", "ms"), "ttft": ("TTFT", "ms"),
+              "itl": ("inter-token latency", "ms"), "e2e": ("E2E latency", "ms"),
+              "requests": ("requests finished", "count"), "kv_cache_usage": ("KV cache usage", "share"),
+              "prefix_cache_hit_rate": ("prefix-cache hit rate", "share of prompt tokens")}
+
+# stage -> engine -> the places to look, first found wins (newer names first); an engine
+# missing from a stage's dict does not export it ("—").
+# vLLM V1: docs/design/metrics.md and vllm/v1/metrics/loggers.py (labels model_name, engine);
+# time_per_output_token_seconds is the per-token histogram's name before it became
+# inter_token_latency_seconds, gpu_cache_usage_perc / gpu_prefix_cache_* the older KV names.
+# SGLang: python/sglang/srt/metrics/collector.py (TokenizerMetricsCollector: TTFT, ITL, E2E,
+# num_requests; SchedulerMetricsCollector: queue_time_seconds, token_usage, cache_hit_rate)
+# and docs/references/production_metrics.md (older: time_per_output_token_seconds); no
+# prefill or decode time. llama.cpp: tools/server/server-task.cpp to_metrics() of the
+# llama.cpp vendored by llama-cpp-python 0.3.36 and tools/server/README.md "GET /metrics";
+# kv_cache_usage_ratio is in older READMEs only; no per-request histogram, no request counter.
+# epdserve: epdserve/serving/metrics.py (vLLM's names and buckets with its own prefix).
+_GAP = "gap between successive tokens"
+_HITS = "Δ hits ÷ Δ queries (prompt tokens)"
+STAGES: dict[str, dict[str, tuple[Source, ...]]] = {
+    "queue": {
+        "vllm": (_h("vllm:request_queue_time_seconds", "engine core: queued → first scheduled"),),
+        "sglang": (_h("sglang:queue_time_seconds", "scheduler: waiting queue → forward"),),
+        "epdserve": (_h("epdserve:request_queue_time_seconds", "worker queues: arrival at a worker → first "
+                        "scheduled (router queue left out); in PD a request waits twice, prefill and decode "
+                        "worker", exclude=(("stage", "router"),)),)},
+    "prefill": {
+        "vllm": (_h("vllm:request_prefill_time_seconds", "first scheduled → first token"),),
+        "llama.cpp": (Source("seconds", "llamacpp:prompt_seconds", "Σ prompt-processing wall time (batched "
+                             "prompts counted once) ÷ requests; ms/token over uncached prompt tokens",
+                             over=("llamacpp:prompt_tokens",)),),
+        "epdserve": (_h("epdserve:request_prefill_time_seconds", "first scheduled → first token, on the "
+                        "worker that prefilled"),)},
+    "decode": {
+        "vllm": (_h("vllm:request_decode_time_seconds", "first token → last token"),),
+        "llama.cpp": (Source("seconds", "llamacpp:tokens_predicted_seconds", "Σ per-request generation "
+                             "time (first → last token) ÷ requests", over=("llamacpp:tokens_predicted",)),),
+        "epdserve": (_h("epdserve:request_decode_time_seconds", "first token → last token on the worker "
+                        "that decoded (an imported request: from first scheduled)"),)},
+    "ttft": {
+        "vllm": (_h("vllm:time_to_first_token_seconds", "frontend arrival → first token"),),
+        "sglang": (_h("sglang:time_to_first_token_seconds", "tokenizer arrival → first token"),),
+        "epdserve": (_h("epdserve:time_to_first_token_seconds", "HTTP arrival at the router → first token"),)},
+    "itl": {
+        "vllm": (_h("vllm:inter_token_latency_seconds", _GAP),
+                 _h("vllm:time_per_output_token_seconds", _GAP + " (older name)")),
+        "sglang": (_h("sglang:inter_token_latency_seconds", _GAP),
+                   _h("sglang:time_per_output_token_seconds", _GAP + " (older name)")),
+        "llama.cpp": (Source("seconds", "llamacpp:tokens_predicted_seconds", "Σ generation time ÷ (tokens - "
+                             "requests): the mean gap, no percentiles", over=("llamacpp:tokens_predicted",),
+                             per_gap=True),),
+        "epdserve": (_h("epdserve:inter_token_latency_seconds", "gap between outputs reaching the router"),)},
+    "e2e": {
+        "vllm": (_h("vllm:e2e_request_latency_seconds", "frontend arrival → last token"),),
+        "sglang": (_h("sglang:e2e_request_latency_seconds", "arrival → finish"),),
+        "epdserve": (_h("epdserve:e2e_request_latency_seconds", "HTTP arrival at the router → last token"),)},
+    "requests": {
+        "vllm": (Source("counter", "vllm:request_success", "finished requests, all finish reasons"),),
+        "sglang": (Source("counter", "sglang:num_requests", "requests processed"),),
+        "epdserve": (Source("counter", "epdserve:request_success", "finished requests, all finish reasons"),)},
+    "kv_cache_usage": {
+        "vllm": (Source("gauge", "vllm:kv_cache_usage_perc", "share of KV blocks in use"),
+                 Source("gauge", "vllm:gpu_cache_usage_perc", "share of KV blocks in use (older name)")),
+        "sglang": (Source("gauge", "sglang:token_usage", "share of KV token slots in use"),),
+        "llama.cpp": (Source("gauge", "llamacpp:kv_cache_usage_ratio", "share of KV cells in use (older "
+                             "llama.cpp only)"),),
+        "epdserve": (Source("gauge", "epdserve:kv_cache_usage_perc", "share of KV blocks in use, per worker"),)},
+    "prefix_cache_hit_rate": {
+        "vllm": (Source("ratio", "vllm:prefix_cache_hits", _HITS, over=("vllm:prefix_cache_queries",)),
+                 Source("ratio", "vllm:gpu_prefix_cache_hits", _HITS + ", older name",
+                        over=("vllm:gpu_prefix_cache_queries",))),
+        "sglang": (Source("gauge", "sglang:cache_hit_rate", "the scheduler's hit-rate gauge, sampled"),),
+        "llama.cpp": (Source("ratio", "llamacpp:prompt_tokens_cached", "Δ cached ÷ Δ (cached + processed) "
+                             "prompt tokens", over=("llamacpp:prompt_tokens_cached", "llamacpp:prompt_tokens")),),
+        "epdserve": (Source("ratio", "epdserve:prefix_cache_hits", _HITS,
+                            over=("epdserve:prefix_cache_queries",)),)},
+}
+
+
+STAGES_OF = {engine: {stage: by[engine] for stage, by in STAGES.items() if engine in by} for engine in ENGINES}
+
+
+def detect_engine(scrapes: list[Scrape]) -> str | None:
+    """The engine whose name prefix (:data:`ENGINES`) most sample names carry; None: none."""
+    seen = Counter(engine for s in scrapes for name in s.samples
+                   for engine, prefix in ENGINES.items() if name.startswith(prefix))
+    return seen.most_common(1)[0][0] if seen else None
+
+
+# ------------------------------------------------------------------ deltas
+def _series_delta(before: Scrape, after: Scrape, name: str, exclude=()) -> dict[tuple, float]:
+    """After - before of each series of sample ``name``, by its sorted labels; a series
+    absent before counts from 0, one that went down restarted and counts from 0 too."""
+    prior = {tuple(sorted(lab.items())): v for lab, v in before.series(name, exclude)}
+    out = {}
+    for lab, v in after.series(name, exclude):
+        was = prior.get(key := tuple(sorted(lab.items())), 0.0)
+        out[key] = v - was if v >= was else v
+    return out
+
+
+def counter_delta(before: Scrape, after: Scrape, metric: str, exclude=()) -> float:
+    """The increase of counter ``metric`` (``metric_total`` or ``metric``) over its series."""
+    name = metric + "_total" if metric + "_total" in after.samples else metric
+    return sum(_series_delta(before, after, name, exclude).values())
+
+
+def histogram_delta(pairs: list[tuple[Scrape, Scrape]], metric: str, exclude=()) -> dict:
+    """The observations of histogram ``metric`` between the (before, after) scrapes of
+    ``pairs`` (one per URL), over all their series: ``{"count", "sum", "buckets": [(upper
+    bound, cumulative count)]}``; buckets on the bounds every series has (adding cumulative
+    counts is only right on shared bounds)."""
+    per_series: dict[tuple, dict[float, float]] = {}
+    for i, (before, after) in enumerate(pairs):
+        for labels, v in _series_delta(before, after, metric + "_bucket", exclude).items():
+            series = (i, *(kv for kv in labels if kv[0] != "le"))
+            per_series.setdefault(series, {})[float(dict(labels)["le"])] = v
+    shared = set.intersection(*map(set, per_series.values())) if per_series else set()
+    return {"count": sum(counter_delta(b, a, metric + "_count", exclude) for b, a in pairs),
+            "sum": sum(counter_delta(b, a, metric + "_sum", exclude) for b, a in pairs),
+            "buckets": sorted((le, sum(b[le] for b in per_series.values())) for le in shared)}
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> tuple[float | None, bool]:
+    """The ``q``-quantile (0-1) of cumulative ``buckets`` [(upper bound, count)], as
+    Prometheus's ``histogram_quantile`` (promql/quantile.go ``bucketQuantile``): linear within
+    the bucket that holds rank q × total, from the bucket below's bound (0 for the first).
+    Returns ``(value, at_least)``: at_least when the rank falls in the +Inf bucket (the value
+    is the highest finite bound); ``(None, False)`` without observations or +Inf bucket."""
+    if len(buckets) < 2 or buckets[-1][0] != math.inf or buckets[-1][1] <= 0:
+        return None, False
+    rank = q * buckets[-1][1]
+    b = next(i for i, (_, c) in enumerate(buckets) if c >= rank)
+    if b == len(buckets) - 1:
+        return buckets[-2][0], True
+    if b == 0 and buckets[0][0] <= 0:
+        return buckets[0][0], False
+    start, end, count = 0.0, buckets[b][0], buckets[b][1]
+    if b > 0:
+        start, count, rank = buckets[b - 1][0], count - buckets[b - 1][1], rank - buckets[b - 1][1]
+    return start + (end - start) * (rank / count), False
+
+
+def histogram_stage(h: dict) -> dict:
+    """Count, mean, p50, p95 (ms) of a :func:`histogram_delta` in seconds."""
+    out = {"kind": "histogram", "count": int(round(h["count"])),
+           "mean_ms": h["sum"] / h["count"] * 1000 if h["count"] > 0 else None}
+    for q in (50, 95):
+        v, at_least = histogram_quantile(q / 100, h["buckets"])
+        out[f"p{q}_ms"], out[f"p{q}_at_least"] = (None if v is None else v * 1000), at_least
+    return out
+
+
+def gauge_stats(rounds: list[list[Scrape]], metric: str) -> dict | None:
+    """Mean over ``rounds`` (scrapes of all URLs at one time) of the mean over series of
+    gauge ``metric``, and the highest value any series had; None when never present."""
+    means, highest = [], []
+    for scrapes in rounds:
+        values = [v for s in scrapes for _, v in s.series(metric)]
+        if values:
+            means.append(sum(values) / len(values))
+            highest.append(max(values))
+    if not means:
+        return None
+    return {"kind": "gauge", "mean": sum(means) / len(means), "max": max(highest), "samples": len(means)}
+
+
+# ------------------------------------------------------------------ stages of a run
+def _stage(src: Source, pairs: dict[str, tuple[Scrape, Scrape]], rounds: list[list[Scrape]],
+           requests: tuple[float | None, str | None]) -> dict | None:
+    """One stage from ``src`` (see :class:`Source`) over the (before, after) ``pairs`` of
+    each URL and the gauge ``rounds``; ``requests``: (count, "server" | "client") for the
+    "seconds" kind."""
+    if src.kind == "gauge":
+        return gauge_stats(rounds, src.metric)
+    if src.kind == "histogram":
+        return {**histogram_stage(histogram_delta(list(pairs.values()), src.metric, src.exclude)),
+                "per_url": {url: int(round(counter_delta(b, a, src.metric + "_count", src.exclude)))
+                            for url, (b, a) in pairs.items()}}
+    per_url = {m: {url: counter_delta(b, a, m, src.exclude) for url, (b, a) in pairs.items()}
+               for m in (src.metric, *src.over)}
+    delta = {m: sum(d.values()) for m, d in per_url.items()}
+    if src.kind == "counter":
+        return {"kind": "counter", "delta": delta[src.metric], "per_url": per_url[src.metric]}
+    if src.kind == "ratio":
+        total = sum(delta[m] for m in src.over)
+        return {"kind": "ratio", "value": delta[src.metric] / total if total > 0 else None,
+                "numerator": delta[src.metric], "denominator": total}
+    seconds, tokens, (n, n_from) = delta[src.metric], delta[src.over[0]], requests
+    divisor = (tokens - n if n is not None else None) if src.per_gap else n
+    return {"kind": "seconds", "total_s": seconds, "tokens": tokens, "requests": n, "requests_from": n_from,
+            "per_token_ms": seconds / tokens * 1000 if tokens > 0 else None,
+            "mean_ms": seconds / divisor * 1000 if divisor else None}
+
+
+def stages_between(before: dict[str, Scrape], after: dict[str, Scrape], rounds: list[list[Scrape]] = (),
+                   completed_requests: int | None = None) -> dict:
+    """The stages of a run from the scrapes of each URL before and after it (a URL missing
+    from either is left out) and the gauge sampling ``rounds`` (lists of scrapes taken at one
+    time; the before and after scrapes count as rounds too): ``{"engine", "stages": {stage:
+    dict | None}}``, see :meth:`MetricsWatcher.stop`. A stage is None when the engine lacks
+    it or its metric is absent. The "seconds" stages divide by the server's request count,
+    or else by ``completed_requests`` (the client's)."""
+    engine = detect_engine([*before.values(), *after.values()])
+    pairs = {u: (before[u], after[u]) for u in after if u in before}
+    rounds = [list(before.values()), *rounds, list(after.values())]
+    sources = STAGES_OF.get(engine, {})
+    found = {stage: next((s for s in sources.get(stage, ()) if any(s.present(a) for _, a in pairs.values())),
+                         None) for stage in STAGES}
+    requests = (None, None) if completed_requests is None else (completed_requests, "client")
+    if found["requests"]:  # the divisor of the "seconds" stages
+        requests = (_stage(found["requests"], pairs, rounds, requests)["delta"], "server")
+    return {"engine": engine, "stages": {
+        stage: src and {**_stage(src, pairs, rounds, requests), "metric": src.metric, "note": src.note}
+        for stage, src in found.items()}}
+
+
+# ------------------------------------------------------------------ the watcher
+class MetricsWatcher:
+    """Scrapes a deployment's metrics URLs around a run (see the module docstring).
+
+    ``urls``: one ``/metrics`` URL per process of the deployment; ``interval_s``: seconds
+    between gauge samples; ``timeout_s``: per scrape; ``settle_s``: the longest :meth:`stop`
+    waits for counters to stop moving. A URL that does not answer is a warning and its
+    stages are left out, never an exception."""
+
+    def __init__(self, urls: list[str], interval_s: float = 1.0, timeout_s: float = 5.0,
+                 settle_s: float = 2.0):
+        self.urls, self.interval_s, self.timeout_s, self.settle_s = list(urls), interval_s, timeout_s, settle_s
+        self.warnings, self.before, self.rounds, self.failed_samples = [], {}, [], 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_loop, name="epdserve-metrics", daemon=True)
+
+    def _scrape_all(self, urls, when: str | None = None) -> dict[str, Scrape]:
+        """Scrape ``urls``; one that does not answer is a warning when ``when`` names the end
+        of the run, else a failed sample."""
+        out = {}
+        for url in urls:
+            try:
+                out[url] = scrape(url, self.timeout_s)
+            except MetricsUnavailable as exc:
+                if when:
+                    self.warnings.append(f"metrics {when} the run: {exc}; its stages are left out")
+                else:
+                    self.failed_samples += 1
+        return out
+
+    def _sample_loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.rounds.append(list(self._scrape_all(self.before).values()))
+
+    def start(self) -> MetricsWatcher:
+        """Scrape every URL ("before") and start sampling the gauges."""
+        self.before = self._scrape_all(self.urls, "before")
+        self._thread.start()
+        return self
+
+    def _settled_after(self) -> dict[str, Scrape]:
+        """The "after" scrapes, taken again every :data:`SETTLE_POLL_S` until the sum of the
+        counters and histogram counts stops changing, or ``settle_s`` passes: a server records
+        a request after its last byte, so one the client saw end may not be counted yet."""
+        def moved(scrapes: dict[str, Scrape]) -> float:
+            return sum(v for s in scrapes.values() for name, vals in s.samples.items()
+                       if name.endswith(("_total", "_count")) for _, v in vals)
+
+        after = self._scrape_all(self.before, "after")
+        deadline = time.monotonic() + self.settle_s
+        while after and time.monotonic() < deadline:
+            time.sleep(SETTLE_POLL_S)
+            again = self._scrape_all(after)
+            if again.keys() == after.keys() and moved(again) == moved(after):
+                break
+            after = again
+        return after
+
+    def stop(self, completed_requests: int | None = None) -> dict:
+        """Stop sampling, scrape "after" and return the run's stages, JSON-serializable:
+        ``{"engine": "vllm" | "sglang" | "llama.cpp" | "epdserve" | None, "urls": [...],
+        "stages": {stage: {...} | None}, "warnings": [str]}``; a histogram stage is
+        ``{"kind": "histogram", "metric", "count", "mean_ms", "p50_ms", "p50_at_least",
+        "p95_ms", "p95_at_least", "per_url": {url: count}}``, a counter ``{"kind": "counter",
+        "delta", "per_url"}``, a gauge ``{"kind": "gauge", "mean", "max", "samples"}``, a
+        ratio ``{"kind": "ratio", "value", "numerator", "denominator"}``, a time counter
+        ``{"kind": "seconds", "total_s", "tokens", "per_token_ms", "requests",
+        "requests_from": "server" | "client", "mean_ms"}``.
+
+        ``completed_requests``: the client's count of completed requests, used only by an
+        engine that counts none itself (llama.cpp) for its per-request means.
+        """
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        after = self._settled_after()
+        if self.failed_samples:
+            self.warnings.append(f"{self.failed_samples} scrapes during the run got no answer")
+        result = stages_between(self.before, after, self.rounds, completed_requests)
+        if after and result["engine"] is None:
+            self.warnings.append("no vllm:, sglang:, llamacpp: or epdserve: metric at "
+                                 + ", ".join(after) + ": engine not recognised")
+        return {"engine": result["engine"], "urls": self.urls, "stages": result["stages"],
+                "warnings": self.warnings}
+
+
+# ------------------------------------------------------------------ report
+def _ms(v: float | None, at_least: bool = False) -> str:
+    return "—" if v is None else ("≥" if at_least else "") + f"{v:,.1f}"
+
+
+def _per_url(counts: dict) -> str:
+    return " (" + ", ".join(f"{u}: {c:g}" for u, c in counts.items()) + ")" if len(counts) > 1 else ""
+
+
+def stage_cell(stage: dict | None) -> str:
+    """One stage of one deployment as table text; "—" when None."""
+    if stage is None:
+        return "—"
+    kind = stage["kind"]
+    if kind == "histogram":
+        if not stage["count"]:
+            return "n=0"
+        return (f"{_ms(stage['mean_ms'])} (p50 {_ms(stage['p50_ms'], stage['p50_at_least'])}, "
+                f"p95 {_ms(stage['p95_ms'], stage['p95_at_least'])}) n={stage['count']}{_per_url(stage['per_url'])}")
+    if kind == "counter":
+        return f"{stage['delta']:g}{_per_url(stage['per_url'])}"
+    if kind == "gauge":
+        return f"{stage['mean']:.1%} (max {stage['max']:.1%})"
+    if kind == "ratio":
+        return "—" if stage["value"] is None else f"{stage['value']:.1%}"
+    per_token = f"{_ms(stage['per_token_ms'])} ms/token"
+    if stage["mean_ms"] is None:
+        return f"Σ {stage['total_s']:.2f} s; {per_token}"
+    n = f"{stage['requests']:g} {'requests' if stage['requests_from'] == 'server' else 'requests (client)'}"
+    return f"{_ms(stage['mean_ms'])}; {per_token}; {n}"
+
+
+def stages_table(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the stages table: a row per stage (label, unit), a column per
+    entry (``entry["name"]``, its stages in ``entry["server_metrics"]``)."""
+    cell = lambda e, stage: stage_cell(((e.get("server_metrics") or {}).get("stages") or {}).get(stage))  # noqa: E731
+    return ["Stage", *(e["name"] for e in entries)], [
+        [f"{label}, {'mean (p50, p95) ms' if unit == 'ms' else unit}", *(cell(e, stage) for e in entries)]
+        for stage, (label, unit) in STAGE_INFO.items()]
+
+
+def _notes(entries: list[dict]) -> list[str]:
+    """What each engine's number is (each metric used once), then the watchers' warnings."""
+    seen: dict[tuple, str] = {}
+    for e in entries:
+        m = e.get("server_metrics") or {}
+        for stage, s in (m.get("stages") or {}).items():
+            if s:
+                seen.setdefault((m["engine"], STAGE_INFO[stage][0], s["metric"]), s["note"])
+    lines = [f"- {engine}, {label}: `{metric}`: {note}" for (engine, label, metric), note in seen.items()]
+    return lines + [f"- warning [{e['name']}]: {w}" for e in entries
+                    for w in (e.get("server_metrics") or {}).get("warnings", [])]
+
+
+def stages_markdown(entries: list[dict]) -> str:
+    """The server-side stages of each deployment as a markdown table ("—": the engine has no
+    such metric, or its metrics URL did not answer), then what each engine's number is and
+    the watchers' warnings; '' when no entry has ``server_metrics``."""
+    if not any(e.get("server_metrics") for e in entries):
+        return ""
+    return "\n".join([tables.markdown(*stages_table(entries)), "", *_notes(entries)])
+
+
+def stages_text(entries: list[dict]) -> str:
+    """:func:`stages_markdown` as aligned plain text for the terminal."""
+    if not any(e.get("server_metrics") for e in entries):
+        return ""
+    return "\n".join([tables.text(*stages_table(entries)), "", *_notes(entries)])
