@@ -299,10 +299,12 @@ def test_a_trace_too_short_to_load_a_deployment_is_flagged():
     cand = search.evaluate(COLOCATED, flat_platform(), [req(0.0, 5, 2)] * 3, {"ttft": 1000.0}, 0.9, EngineLimits(),
                            steady=False)
     assert cand.unbounded and cand.row(flat_platform())["unbounded"]
-    # Replayed back to back until steady, they find one, where the queue starts to grow.
-    steady = search.evaluate(COLOCATED, flat_platform(), [req(0.0, 5, 2)] * 3, {"ttft": 1000.0}, 0.9,
-                             EngineLimits())
-    row = steady.row(flat_platform())
+    # Replayed back to back until steady, they find one, where the queue starts to grow
+    # (steps of 10 ms + 5 per sequence: at most 200 sequence-steps/s, 100 of these requests).
+    platform = flat_platform(per_seq_ms=5.0)
+    steady = search.evaluate(COLOCATED, platform, [req(0.0, 5, 2)] * 3, {"ttft": 1000.0}, 0.9, EngineLimits())
+    row = steady.row(platform)
+    assert 50 < row["max_goodput_rps"] < 100
     assert not row["unbounded"] and row["max_goodput_rps"] > 0 and row["steady_state"]
     assert row["above_rate_rps"] > row["max_goodput_rps"] and row["above_steady_state"] is False
     text = markdown({"platform": "flat", "devices": 1, "workload": "w", "slos_ms": {"ttft": 1000.0},

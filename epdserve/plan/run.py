@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from epdserve.bench import workload
+from epdserve.bench import metrics, workload
 from epdserve.bench.compare import parse_configs
 from epdserve.bench.datasets import with_images
 from epdserve.bench.run import parse_goodput
@@ -70,8 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the planned trace's lengths and images, and of the arrivals of a trace "
                              "sent all at once re-timed to each rate (default 0; as compare's --seed)")
-    parser.add_argument("--slo", nargs="+", type=parse_goodput, default=[("ttft", 1000.0), ("tpot", 200.0)],
-                        metavar="KEY:MS", help="SLOs, e.g. ttft:300 tpot:10 (default ttft:1000 tpot:200)")
+    parser.add_argument("--slo", nargs="+", type=parse_goodput, default=list(metrics.DEFAULT_SLOS_MS.items()),
+                        metavar="KEY:MS",
+                        help="SLOs in ms, as compare's --goodput: ttft, tpot, e2el, itl (the longest gap of a "
+                             "request), itl_p99, e.g. ttft:300 tpot:10 itl:100 (default compare's: "
+                             + " ".join(f"{k}:{v:g}" for k, v in metrics.DEFAULT_SLOS_MS.items()) + ")")
     parser.add_argument("--target", type=float, default=0.9,
                         help="share of requests that must meet every SLO (default 0.9)")
     parser.add_argument("--max-num-seqs", type=workload.positive_int, default=64)
