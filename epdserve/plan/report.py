@@ -101,11 +101,12 @@ def plot(curves: dict[str, list[dict]], target: float, path: Path) -> None:
             (line,) = ax.plot([p["rate"] for p in points], [p["slo_attainment"] for p in points], marker="o",
                               label=name)
             grows = [p["rate"] for p in points if p.get("steady_state") is False]
-            ax.plot(grows, [0.0] * len(grows), "x", color=line.get_color(), markersize=9)
+            if grows:
+                ax.plot(grows, [0.0] * len(grows), "x", color=line.get_color(), markersize=9)
+                ax.set_title("x: the queue keeps growing (the rate is not sustained)", fontsize=8)
     ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.0%}")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("share of requests meeting the SLOs")
-    ax.set_title("x: the queue keeps growing (not sustained)", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
