@@ -20,7 +20,8 @@ from epdserve.plan import calibrate, hardware, search
 from epdserve.plan.costmodel import (ImageCost, LinearStep, Link, Platform, Roofline, roofline_encode_ms,
                                      roofline_platform)
 from epdserve.plan.model_spec import BUILTIN
-from epdserve.plan.run import VALIDATED, _markdown, compare_deployment, compare_limits
+from epdserve.plan.report import markdown
+from epdserve.plan.validation import VALIDATED, compare_deployment, compare_limits
 from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError, WorkerSpec, simulate
 from epdserve.transfer import embedding
 
@@ -294,10 +295,19 @@ def test_validate_refuses_a_directory_named_twice_and_foreign_outputs(tmp_path):
 
 
 def test_a_trace_too_short_to_load_a_deployment_is_flagged():
-    # Three tiny requests meet the SLOs even all at once: no rate finds the goodput.
-    cand = search.evaluate(COLOCATED, flat_platform(), [req(0.0, 5, 2)] * 3, {"ttft": 1000.0}, 0.9, EngineLimits())
+    # Three tiny requests sent once meet the SLOs even all at once: no rate finds the goodput.
+    cand = search.evaluate(COLOCATED, flat_platform(), [req(0.0, 5, 2)] * 3, {"ttft": 1000.0}, 0.9, EngineLimits(),
+                           steady=False)
     assert cand.unbounded and cand.row(flat_platform())["unbounded"]
-    text = _markdown({"platform": "flat", "devices": 1, "workload": "w", "slos_ms": {"ttft": 1000.0},
+    # Replayed back to back until steady, they find one, where the queue starts to grow
+    # (steps of 10 ms + 5 per sequence: at most 200 sequence-steps/s, 100 of these requests).
+    platform = flat_platform(per_seq_ms=5.0)
+    steady = search.evaluate(COLOCATED, platform, [req(0.0, 5, 2)] * 3, {"ttft": 1000.0}, 0.9, EngineLimits())
+    row = steady.row(platform)
+    assert 50 < row["max_goodput_rps"] < 100
+    assert not row["unbounded"] and row["max_goodput_rps"] > 0 and row["steady_state"]
+    assert row["above_rate_rps"] > row["max_goodput_rps"] and row["above_steady_state"] is False
+    text = markdown({"platform": "flat", "devices": 1, "workload": "w", "slos_ms": {"ttft": 1000.0},
                       "target": 0.9, "candidates": [cand.row(flat_platform())], "skipped": {},
                       "recommendation": "colocated", "reason": "r", "validations": None})
     assert "| colocated | 1 | ≥ " in text and "the trace is too short" in text
@@ -650,7 +660,7 @@ def test_validate_takes_repeats_and_reports_their_spread(tmp_path):
     assert "holds 2 of 2 measured latencies" in proc.stdout
     doc = {"platform": "m on this CPU", "devices": 2, "workload": "w", "slos_ms": {"ttft": 100.0}, "target": 0.9,
            "candidates": [], "skipped": {}, "recommendation": None, "reason": "none", "validations": [validation]}
-    text = _markdown(doc)
+    text = markdown(doc)
     assert "largest |error| p95_ttft_ms 0%" in text and "moved by up to p95_ttft_ms 20%" in text
     assert "the prediction's band held 2 of 2 measured latencies" in text
     # A "repeat" of another trace is refused.

@@ -17,8 +17,6 @@ import argparse
 import hashlib
 import json
 import sys
-from collections import Counter
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,20 +24,19 @@ import numpy as np
 from tqdm import tqdm
 
 from epdserve.bench import metrics, workload
+from epdserve.bench.compare import parse_configs
 from epdserve.bench.datasets import with_images
 from epdserve.bench.run import parse_goodput
 from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
-from epdserve.plan import calibrate, hardware, search
+from epdserve.plan import calibrate, hardware, report, search
 from epdserve.plan.costmodel import FEATURES, Platform, roofline_platform
 from epdserve.plan.model_spec import BUILTIN, ModelSpec
-from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError, WorkerSpec, simulate
-from epdserve.serving.deployment import DeploymentSpec
+from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError
+from epdserve.plan.validation import (BANDED, VALIDATED, compare_deployment, compare_limits, distinct_dirs,
+                                      has_images, validate)
 
 ACTIONS = ("search", "calibrate", "validate")
-VALIDATED = ("p95_ttft_ms", "p95_itl_ms", "output_throughput")
-# Those whose band is counted: below saturation throughput follows the arrivals, whatever the
-# step times, so its band is a hair wide and says nothing.
-BANDED = ("p95_ttft_ms", "p95_itl_ms")
+REPLAYS = ("steady", "once")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,15 +67,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pixel size of those images (default 448x448)")
     parser.add_argument("--image-repeat-share", type=workload.parse_fraction, default=0.0, metavar="F",
                         help="share of requests that send the same images as an earlier one (default 0)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slo", nargs="+", type=parse_goodput, default=[("ttft", 1000.0), ("tpot", 200.0)],
-                        metavar="KEY:MS", help="SLOs, e.g. ttft:300 tpot:10 (default ttft:1000 tpot:200)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the planned trace's lengths and images, and of the arrivals of a trace "
+                             "sent all at once re-timed to each rate (default 0; as compare's --seed)")
+    parser.add_argument("--slo", nargs="+", type=parse_goodput, default=list(metrics.DEFAULT_SLOS_MS.items()),
+                        metavar="KEY:MS",
+                        help="SLOs in ms, as compare's --goodput: ttft, tpot, e2el, itl (the longest gap of a "
+                             "request), itl_p99, e.g. ttft:300 tpot:10 itl:100 (default compare's: "
+                             + " ".join(f"{k}:{v:g}" for k, v in metrics.DEFAULT_SLOS_MS.items()) + ")")
     parser.add_argument("--target", type=float, default=0.9,
                         help="share of requests that must meet every SLO (default 0.9)")
     parser.add_argument("--max-num-seqs", type=workload.positive_int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=workload.positive_int, default=8192)
     parser.add_argument("--enable-chunked-prefill", action="store_true")
     parser.add_argument("--price-per-hour", type=float, default=None, help="USD per device-hour")
+    parser.add_argument("--configs", type=parse_configs, default=None, metavar="NAMES",
+                        help="simulate these `epdserve compare` configurations (e.g. colocated,colocated-2,pd), "
+                             "placed on the --devices as its launcher places them and with their scheduler "
+                             "settings (--max-num-seqs etc. do not apply), instead of every candidate")
+    parser.add_argument("--replay", choices=REPLAYS, default="steady",
+                        help="steady (default): at each rate, replay the trace back to back until the queue is "
+                             "steady and measure the steady copies; once: the trace once, as "
+                             "`epdserve compare --sweep-rates` sends it (optimistic for a short trace)")
     parser.add_argument("--calibration", default=None, metavar="FILE",
                         help="calibration file (default ~/.cache/epdserve/calibration/MODEL-cpu.json)")
     parser.add_argument("--compare-dir", nargs="+", default=None, metavar="DIR",
@@ -136,39 +146,45 @@ def _requests(args) -> list[workload.Request]:
     return with_images(requests, args.images_per_request, args.image_size, args.image_repeat_share, args.seed)
 
 
-def _limits(args) -> EngineLimits:
-    return EngineLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill)
+def _deployments(args, platform: Platform, requests: list[workload.Request]) -> list[tuple[Deployment, EngineLimits]]:
+    """The deployments to simulate, with their scheduler settings: ``--configs``, or every
+    candidate of the device budget."""
+    if args.configs:
+        return [(compare_deployment(name, args.devices), compare_limits(name)) for name in args.configs]
+    limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill)
+    return [(d, limits) for d in search.candidates(platform, args.devices, images=any(r.images for r in requests))]
 
 
 def run_search(args) -> int:
     platform = _platform(args)
     requests, slos = _requests(args), dict(args.slo)
-    deployments = search.candidates(platform, args.devices, images=any(r.images for r in requests))
     rows, curves, skipped = [], {}, {}
-    for dep in tqdm(deployments, desc="plan", unit="deployment"):
+    for dep, limits in tqdm(_deployments(args, platform, requests), desc="plan", unit="deployment"):
+        def goodput(p: Platform) -> search.Candidate:
+            return search.evaluate(dep, p, requests, slos, args.target, limits, steady=args.replay == "steady",
+                                   seed=args.seed)
         try:
-            cand = search.evaluate(dep, platform, requests, slos, args.target, _limits(args))
+            cand = goodput(platform)
         except KVCapacityError as exc:
             skipped[dep.name] = str(exc)
             continue
         rows.append(cand.row(platform))
         curves[dep.name] = cand.points
         if band := platform.band():
-            rates = [cand.max_rate or 0.0] + [search.evaluate(dep, p, requests, slos, args.target,
-                                                              _limits(args)).max_rate or 0.0 for p in band]
+            rates = [cand.max_rate or 0.0] + [goodput(p).max_rate or 0.0 for p in band]
             rows[-1]["goodput_band_rps"] = [min(rates), max(rates)]
     rows.sort(key=lambda r: -r["goodput_per_device"])
     pick, why = search.recommend(rows) if rows else (None, "every deployment was skipped (see the table)")
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"platform": platform.name, "devices": args.devices, "workload": _workload(args, requests),
-           "slos_ms": slos, "target": args.target, "step_uncertainty": platform.step_uncertainty,
-           "candidates": rows, "skipped": skipped, "recommendation": pick and pick["name"], "reason": why,
-           "validations": platform.error}
+           "slos_ms": slos, "target": args.target, "replay": args.replay,
+           "step_uncertainty": platform.step_uncertainty, "candidates": rows, "skipped": skipped,
+           "recommendation": pick and pick["name"], "reason": why, "validations": platform.error}
     (out / "plan.json").write_text(json.dumps(doc, indent=1))
-    text = _markdown(doc)
+    text = report.markdown(doc)
     (out / "plan.md").write_text(text)
-    _plot(curves, args.target, out / "goodput.png")
+    report.plot(curves, args.target, out / "goodput.png")
     print(text)
     print(f"written: {out / 'plan.md'}, {out / 'plan.json'}, {out / 'goodput.png'}")
     return 0
@@ -183,192 +199,18 @@ def _workload(args, requests: list[workload.Request]) -> str:
     return f"{len(requests)} requests, {source}" + (f", {images} images" if images else "")
 
 
-def _fmt(v, spec: str = ".3g") -> str:
-    return "—" if v is None else format(v, spec)
-
-
-def _validation_line(v: dict) -> str:
-    """One workload's validation (as :func:`run_validate` stores it) in a sentence or three."""
-    errs = ", ".join(f"{k} {v['max_abs_error'][k]:.0%}" for k in VALIDATED)
-    dirs = v["compare_dirs"]
-    line = f"- {', '.join(f'`{d}`' for d in dirs)} ({v['date']}, {len(v['rows'])} deployments): largest |error| {errs}."
-    if len(dirs) > 1:
-        spread = ", ".join(f"{k} {v['max_spread'][k]:.0%}" for k in VALIDATED)
-        line += f" The same trace measured {len(dirs)} times moved by up to {spread} (max - min over mean)."
-    if v["step_uncertainty"]:
-        line += (f" With step times {v['step_uncertainty']:.0%} faster or slower, the prediction's band held "
-                 f"{v['in_band']} of {v['values']} measured latencies.")
-    return line
-
-
-def _markdown(doc: dict) -> str:
-    slos = " ".join(f"{k} ≤ {v:g} ms" for k, v in doc["slos_ms"].items())
-    lines = [f"# Plan: {doc['platform']}, {doc['devices']} device{'s' if doc['devices'] > 1 else ''}", "",
-             f"Workload: {doc['workload']}. SLOs: {slos} for {doc['target']:.0%} of requests (goodput as "
-             f"DistServe defines it).", "",
-             "| deployment | devices | goodput req/s | per device | TTFT p50/p95 ms | ITL p50/p95 ms "
-             "| out tok/s/device | USD / M out tokens |", "|---|---|---|---|---|---|---|---|"]
-    for r in doc["candidates"]:
-        band = " ({} – {})".format(*map(_fmt, r["goodput_band_rps"])) if "goodput_band_rps" in r else ""
-        at_least = "≥ " if r["unbounded"] else ""
-        lines.append(f"| {r['name']} | {r['devices']} | {at_least}{_fmt(r['max_goodput_rps'])}{band} | "
-                     f"{at_least}{_fmt(r['goodput_per_device'])} | {_fmt(r['p50_ttft_ms'], '.0f')} / "
-                     f"{_fmt(r['p95_ttft_ms'], '.0f')} | {_fmt(r['p50_itl_ms'], '.1f')} / "
-                     f"{_fmt(r['p95_itl_ms'], '.1f')} | {_fmt(r['output_tok_s_per_device'])} | "
-                     f"{_fmt(r['usd_per_m_output_tokens'])} |")
-    lines += [f"| {name} | skipped: {why} |||||||" for name, why in doc["skipped"].items()]
-    lines += ["", f"**Recommendation: {doc['recommendation'] or 'none'}** — {doc['reason']}.", ""]
-    if unbounded := [r["name"] for r in doc["candidates"] if r["unbounded"]]:
-        lines += [f"≥: {', '.join(unbounded)} met the SLOs at every rate tried, the whole trace in flight at "
-                  f"once: the trace is too short to find their goodput; plan with more requests.", ""]
-    if any("goodput_band_rps" in r for r in doc["candidates"]):
-        lines += [f"Goodput in brackets: with every step {doc['step_uncertainty']:.0%} faster or slower, the "
-                  f"spread of the served runs this machine's serving slowdown was fitted on.", ""]
-    if doc.get("validations"):
-        lines.append("Prediction errors at the last validation of each workload:")
-        lines += [_validation_line(v) for v in doc["validations"]]
-    elif doc["platform"].endswith("this CPU"):
-        lines.append("Not validated yet: run `epdserve compare`, then `epdserve plan validate --compare-dir DIR`.")
-    else:
-        lines.append("Roofline estimate from datasheet peaks and efficiency factors; not validated "
-                     "against measurements on this hardware.")
-    return "\n".join(lines) + "\n"
-
-
-def _plot(curves: dict[str, list[dict]], target: float, path: Path) -> None:
-    import matplotlib  # only here: plotting is slow to import and only plan search draws
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, points in curves.items():
-        if points:
-            ax.plot([p["rate"] for p in points], [p["slo_attainment"] for p in points], marker="o", label=name)
-    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.0%}")
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("share of requests meeting the SLOs")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def compare_deployment(name: str, cores: int) -> Deployment:
-    """The simulated :class:`Deployment` of an ``epdserve compare`` configuration name on
-    ``cores`` cores, placed by the launcher's rule (:meth:`DeploymentSpec.place`); workers
-    placed on the same cores share them (EPD on 2 cores: encode and prefill on core 0).
-
-    Raises:
-        ValueError: an unknown name (:meth:`DeploymentSpec.parse`), local prefill
-            (``pd-localN``) or workers whose cores overlap only in part (not simulated).
-    """
-    spec = DeploymentSpec.parse(name)
-    if spec.local_prefill_threshold is not None:
-        raise ValueError(f"{name}: prefill of short prompts on the decode worker is not simulated")
-    placed = spec.place(list(range(cores)))
-    workers_on = Counter(tuple(cs) for _, _, cs in placed)
-    used = [c for cs in workers_on for c in cs]
-    if len(used) != len(set(used)):
-        raise ValueError(f"{name}: workers partly share cores on {cores} cores; not simulated")
-    return Deployment(name, tuple(WorkerSpec(role, len(cs), ",".join(map(str, cs)) if workers_on[tuple(cs)] > 1 else "")
-                                  for role, _, cs in placed))
-
-
-def compare_limits(name: str) -> EngineLimits:
-    """The scheduler settings of an ``epdserve compare`` configuration name
-    (:class:`DeploymentSpec`): chunked prefill and its token budget, prefix caching; the
-    serve defaults otherwise (an unknown name included)."""
-    try:
-        spec = DeploymentSpec.parse(name)
-    except ValueError:
-        return EngineLimits()
-    limits = EngineLimits()
-    if spec.chunked_prefill:
-        limits = replace(limits, enable_chunked_prefill=True, max_num_batched_tokens=spec.max_num_batched_tokens)
-    if not spec.prefix_caching:
-        limits = replace(limits, enable_prefix_caching=False)
-    return limits
-
-
-def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
-    """Predicted vs measured :data:`VALIDATED` metrics for each configuration of one or
-    more compare runs of the same trace (repeats), on the cores it ran on. Per metric: ``runs`` (the measured value
-    of each run that has the configuration), ``measured`` (their mean), ``error`` =
-    (predicted − measured) / measured, ``spread`` = (max − min) / measured of the runs
-    (0 for one run): how far the measurement itself moves between identical runs, and
-    ``band``: the lowest and highest prediction with every step and encode time scaled by
-    1 ± ``platform.step_uncertainty`` (and 1), ``in_band`` whether ``measured`` lies within.
-    Near saturation a few % on step times moves p95s by tens of %: the band shows it.
-
-    Raises:
-        ValueError: the runs replayed different traces.
-    """
-    requests = workload.load_trace(compare_dirs[0] / "trace.jsonl")
-    for d in compare_dirs[1:]:
-        if workload.load_trace(d / "trace.jsonl") != requests:
-            raise ValueError(f"{d} replayed another trace than {compare_dirs[0]}; repeats of one "
-                             f"workload are needed")
-    results: dict[str, list[dict]] = {}
-    cores: dict[str, int] = {}  # that each configuration ran on
-    for d in compare_dirs:
-        for entry in calibrate.compare_configs(d):
-            if "result" in entry:  # else the configuration failed to run
-                results.setdefault(entry["name"], []).append(entry["result"])
-                cores[entry["name"]] = len({c for w in entry["resources"]["workers"] for c in w["cores"]})
-    rows = []
-    for name, runs in results.items():
-        try:
-            dep = compare_deployment(name, cores[name])
-        except ValueError as exc:
-            print(f"skipped {name}: {exc}", file=sys.stderr)
-            continue
-        predicted = [metrics.compute(simulate(dep, p, requests, compare_limits(name))[0])
-                     for p in [platform, *platform.band()]]
-        row = {"name": name}
-        for key in VALIDATED:
-            values = [r[key] for r in runs]
-            mean = float(np.mean(values))
-            band = [min(p[key] for p in predicted), max(p[key] for p in predicted)]
-            row[key] = {"predicted": predicted[0][key], "band": band, "in_band": band[0] <= mean <= band[1],
-                        "measured": mean, "runs": values,
-                        "error": (predicted[0][key] - mean) / mean if mean else None,
-                        "spread": (max(values) - min(values)) / mean if mean else None}
-        rows.append(row)
-    return rows
-
-
-def _distinct_dirs(dirs: list[str]) -> list[Path]:
-    """``dirs`` as paths; a directory named twice would count as a repeat of itself.
-
-    Raises:
-        ValueError: a directory named twice.
-    """
-    paths = [Path(d) for d in dirs]
-    if len({p.resolve() for p in paths}) < len(paths):
-        raise ValueError(f"a directory is named twice in {' '.join(dirs)}: repeats must be separate runs")
-    return paths
-
-
-def _has_images(compare_dir: Path) -> bool:
-    """Whether a compare run's trace sends images: it was served by a vision-language model
-    (False when it has no trace: :func:`calibrate.compare_gaps` names the missing file)."""
-    trace = compare_dir / "trace.jsonl"
-    return trace.is_file() and any(r.images for r in workload.load_trace(trace))
-
-
 def run_validate(args) -> int:
     if not args.compare_dir:
         print("epdserve plan validate: error: --compare-dir DIR is required", file=sys.stderr)
         return 2
     path = _calibration_path(args)
     cal = calibrate.load(path)
-    compare_dirs = _distinct_dirs(args.compare_dir)
+    compare_dirs = distinct_dirs(args.compare_dir)
     for d in compare_dirs:
         if not (d / "compare.json").is_file() or not (d / "trace.jsonl").is_file():
             print(f"epdserve plan validate: error: {d} has no compare.json and trace.jsonl", file=sys.stderr)
             return 2
-    platform = calibrate.platform_from(cal, vlm=_has_images(compare_dirs[0]))
+    platform = calibrate.platform_from(cal, vlm=has_images(compare_dirs[0]))
     rows = validate(compare_dirs, platform)
     if not rows:
         print("epdserve plan validate: error: no configuration could be simulated", file=sys.stderr)
@@ -379,8 +221,8 @@ def run_validate(args) -> int:
     for row in rows:
         print(f"{row['name']:<{width}}" + "".join(
             f"{row[k]['predicted']:>10.1f} [{row[k]['band'][0]:>7.1f}-{row[k]['band'][1]:>7.1f}] vs "
-            f"{row[k]['measured']:>9.1f} ({_fmt(row[k]['error'], '+.0%'):>6})"
-            + (f" spread {_fmt(row[k]['spread'], '.0%'):>4}" if repeats else "") for k in VALIDATED))
+            f"{row[k]['measured']:>9.1f} ({report.fmt(row[k]['error'], '+.0%'):>6})"
+            + (f" spread {report.fmt(row[k]['spread'], '.0%'):>4}" if repeats else "") for k in VALIDATED))
     if repeats:
         print(f"measured: the mean of {len(compare_dirs)} runs of the same trace; spread: (max - min) / mean "
               f"of those runs")
@@ -411,8 +253,8 @@ def run_fit_serving(args) -> int:
     and print each run's ratios."""
     path = _calibration_path(args)
     cal = calibrate.load(path)
-    runs = {f"{d}:{name}": gaps for d in _distinct_dirs(args.from_compare) for name, gaps in calibrate.compare_gaps(
-        d, calibrate.platform_from(cal, vlm=_has_images(d))).items()}
+    runs = {f"{d}:{name}": gaps for d in distinct_dirs(args.from_compare) for name, gaps in calibrate.compare_gaps(
+        d, calibrate.platform_from(cal, vlm=has_images(d))).items()}
     slowdown, contended = calibrate.fit_serving(list(runs.values()))
     p = calibrate.SERVING_PERCENTILE
     ratios, contention = {}, {}

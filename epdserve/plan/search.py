@@ -7,7 +7,10 @@ DistServe defines it (Zhong et al., OSDI 2024): the highest request rate at whic
 least ``target`` of the requests meet every SLO, by doubling the rate until the target
 is missed and then bisecting (:func:`epdserve.bench.sweep.find_max_goodput_rate`). The
 trace is re-timed to each rate as ``bench --sweep`` does (:func:`epdserve.bench.workload.retime`:
-its arrival pattern scaled, or seeded Poisson arrivals for a trace sent all at once). Candidates are ranked by goodput per device.
+its arrival pattern scaled, or seeded Poisson arrivals for a trace sent all at once) and
+replayed back to back until the deployment's queue is steady
+(:mod:`epdserve.plan.replay`): a rate at which it keeps growing fails, however short the
+trace. Candidates are ranked by goodput per device.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 from epdserve.bench import metrics, workload
 from epdserve.bench.sweep import find_max_goodput_rate
+from epdserve.plan import replay
 from epdserve.plan.costmodel import Platform
 from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
 
@@ -76,13 +80,16 @@ def candidates(platform: Platform, budget: int, images: bool = False) -> list[De
 class Candidate:
     """A deployment's predicted goodput and latencies at that rate (at the lowest rate
     tried when it meets the SLOs at none); ``unbounded``: it met them at every rate tried,
-    with the whole trace in flight at once, so its goodput is beyond what the trace shows."""
+    with the whole trace in flight at once, so its goodput is beyond what the trace shows;
+    ``above``: the lowest rate tried above the goodput that failed, and its result (why it
+    failed: the queue grew, or too few requests met the SLOs)."""
 
     deployment: Deployment
     max_rate: float | None
     result: dict | None
     points: list[dict]
     unbounded: bool = False
+    above: tuple[float, dict] | None = None
 
     def row(self, platform: Platform) -> dict:
         """The candidate as a table row; throughput and cost only where it meets the SLOs."""
@@ -95,19 +102,48 @@ class Candidate:
                 "p50_ttft_ms": r.get("median_ttft_ms"), "p95_ttft_ms": r.get("p95_ttft_ms"),
                 "p50_itl_ms": r.get("median_itl_ms"), "p95_itl_ms": r.get("p95_itl_ms"),
                 "p95_tpot_ms": r.get("p95_tpot_ms"),
-                "output_tok_s_per_device": tok_s and tok_s / devices, "usd_per_m_output_tokens": cost}
+                "output_tok_s_per_device": tok_s and tok_s / devices, "usd_per_m_output_tokens": cost,
+                "replay_copies": r.get("replay_copies"), "steady_state": r.get("steady_state"),
+                "above_rate_rps": self.above and self.above[0],
+                "above_steady_state": self.above and self.above[1].get("steady_state"),
+                "above_slo_attainment": self.above and self.above[1]["slo_attainment"]}
+
+
+def measure_rate(deployment: Deployment, platform: Platform, requests: list[workload.Request],
+                 slos_ms: dict[str, float], rate: float, limits: EngineLimits, steady: bool = True,
+                 seed: int = 0) -> dict:
+    """The simulated result at ``rate`` req/s (:func:`epdserve.bench.metrics.compute`, with
+    ``slo_attainment``) and how it was replayed: with ``steady``, back to back until the
+    queue is steady (:func:`epdserve.plan.replay.replay`), measured on the steady copies,
+    with ``replay_copies``, ``steady_state`` and ``in_flight`` (the mean number of
+    requests in flight at the last copy's arrivals); a rate at which no steady state comes
+    has ``slo_attainment`` 0 (the deployment does not sustain it: its queue keeps growing)
+    and no latencies. Without ``steady``, the trace once, as
+    ``epdserve compare --sweep-rates`` sends it.
+
+    Raises:
+        KVCapacityError, ValueError: as :func:`~epdserve.plan.simulate.simulate`.
+    """
+    if not steady:
+        records, _ = simulate(deployment, platform, workload.retime(requests, rate, seed), limits)
+        return metrics.compute(records, slos_ms)
+    run = replay.replay(deployment, platform, requests, rate, limits, seed)
+    result = metrics.compute(run.records, slos_ms) if run.steady else {"slo_attainment": 0.0,
+                                                                       "request_goodput": 0.0}
+    result.update(replay_copies=run.copies, steady_state=run.steady, in_flight=run.in_flight[-1])
+    return result
 
 
 def evaluate(deployment: Deployment, platform: Platform, requests: list[workload.Request],
              slos_ms: dict[str, float], target: float, limits: EngineLimits,
-             iters: int = 6) -> Candidate:
-    """Simulated goodput of one deployment (see the module doc)."""
+             iters: int = 6, steady: bool = True, seed: int = 0) -> Candidate:
+    """Simulated goodput of one deployment (see the module doc), each rate measured by
+    :func:`measure_rate` (``steady``, ``seed``: as there)."""
     cache: dict[float, dict] = {}
 
     def measure(rate: float) -> dict:
         if rate not in cache:
-            records, _ = simulate(deployment, platform, workload.retime(requests, rate), limits)
-            cache[rate] = metrics.compute(records, slos_ms)
+            cache[rate] = measure_rate(deployment, platform, requests, slos_ms, rate, limits, steady, seed)
         return cache[rate]
 
     def ok(rate: float) -> bool:
@@ -115,7 +151,7 @@ def evaluate(deployment: Deployment, platform: Platform, requests: list[workload
 
     lo = 0.01 * deployment.devices
     if not ok(lo):
-        return Candidate(deployment, None, measure(lo), [])
+        return Candidate(deployment, None, measure(lo), [], above=(lo, measure(lo)))
     hi = lo * 2
     for _ in range(MAX_DOUBLINGS):
         if not ok(hi):
@@ -125,8 +161,9 @@ def evaluate(deployment: Deployment, platform: Platform, requests: list[workload
         points = [{"rate": rate, "slo_attainment": r["slo_attainment"]} for rate, r in sorted(cache.items())]
         return Candidate(deployment, lo, measure(lo), points, unbounded=True)
     sweep = find_max_goodput_rate(measure, target, lo, hi, iters, progress=False)
-    rate = sweep["max_rate"]
-    return Candidate(deployment, rate, measure(rate) if rate else None, sweep["points"])
+    rate, failed = sweep["bracket"]
+    return Candidate(deployment, rate, measure(rate) if rate else None, sweep["points"],
+                     above=(failed, measure(failed)))
 
 
 def _per_device_band(row: dict) -> list[float] | None:

@@ -8,6 +8,7 @@ Times are simulated seconds; stages (``Seq.stages``) are ms, named as
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import Counter, deque
 from typing import TYPE_CHECKING
@@ -46,7 +47,7 @@ class Seq:
 TEXT_KEY_CHARS = 32
 
 
-def _common_start(a: str, b: str) -> int:
+def common_start(a: str, b: str) -> int:
     """Characters ``a`` and ``b`` share from the start (bisection on C-speed slice compares)."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
@@ -56,6 +57,14 @@ def _common_start(a: str, b: str) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def longest_shared_start(text: str, texts: list[str]) -> int:
+    """Characters ``text`` shares from the start with the text of ``texts`` (sorted) that
+    shares the most: in sorted order that is one of its two neighbours, so a lookup costs
+    two comparisons however many texts there are."""
+    i = bisect.bisect_left(texts, text)
+    return max((common_start(text, t) for t in texts[max(i - 1, 0):i + 1]), default=0)
 
 
 def request_kv_blocks(role: str, prompt: int, max_tokens: int, block_size: int) -> int:
@@ -142,7 +151,7 @@ class Worker:
         self.free_blocks = None if capacity is None else capacity(spec.devices) // sim.limits.block_size
         self.import_bytes = 0.0          # KV to copy in during the next step
         self.prefix_cached = False       # the template's full blocks are in its prefix cache
-        self.texts: dict[str, list[str]] = {}  # texts prefilled here, by their first TEXT_KEY_CHARS
+        self.texts: dict[str, list[str]] = {}  # texts prefilled here (sorted), by their first TEXT_KEY_CHARS
         self.wake = sim.env.event()
 
     def submit(self, seq: Seq) -> None:
@@ -269,7 +278,7 @@ class Worker:
         hit = self.sim.cached_prefix
         text = s.req.prompt
         if text and not s.req.images:
-            shared = max((_common_start(text, t) for t in self.texts.get(text[:TEXT_KEY_CHARS], ())), default=0)
+            shared = longest_shared_start(text, self.texts.get(text[:TEXT_KEY_CHARS], []))
             if shared:
                 hit = self.sim.platform.template_prefix_tokens + shared * s.req.prompt_tokens // len(text)
         size = self.sim.limits.block_size
@@ -308,7 +317,7 @@ class Worker:
                 continue
             self.prefilling.remove(s)
             if self.sim.limits.enable_prefix_caching and not s.req.images:
-                self.texts.setdefault(s.req.prompt[:TEXT_KEY_CHARS], []).append(s.req.prompt)
+                bisect.insort(self.texts.setdefault(s.req.prompt[:TEXT_KEY_CHARS], []), s.req.prompt)
             s.tokens.append(now)
             s.stages["prefill_ms"] = (now - s.first_scheduled) * 1e3
             if len(s.tokens) >= s.req.max_tokens:

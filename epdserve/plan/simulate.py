@@ -128,8 +128,28 @@ class Simulation:
             else:
                 self.workers.append(Worker(self, w, platform.step(w.devices), devices))
         self.finished: list[Seq] = []
+        # Requests in flight (arrived, not finished) as each arrival found them, by index:
+        # how :mod:`epdserve.plan.replay` tells a queue that settles from one that grows.
+        self.in_flight_seen: dict[int, int] = {}
+        self._awaited: set[int] = set()  # see until_finished
+        self._all_finished: simpy.Event | None = None
         for w in self.workers + self.encoders:
             self.env.process(w.run())
+
+    def add(self, requests: list[Request], first_index: int = 0) -> None:
+        """Schedule the arrivals of ``requests`` (indices from ``first_index``) at their
+        ``offset_s``, counted from the start of the simulation; none may lie in its past."""
+        for i, req in enumerate(requests, first_index):
+            self.env.process(self.arrive(i, req))
+
+    def results(self, indices) -> tuple[list[RequestRecord | None], list[RequestTrace | None]]:
+        """The client record and server trace of each request of ``indices`` (None: not
+        finished yet)."""
+        done = {s.index: s for s in self.finished}
+        records = [_client_record(done[i]) if i in done else None for i in indices]
+        traces = [_trace(done[i], self.deployment.mode, self.platform.router_ms) if i in done else None
+                  for i in indices]
+        return records, traces
 
     def contended(self, devices: Devices) -> bool:
         """Whether every device of the deployment but ``devices`` is busy: no core is left
@@ -149,7 +169,8 @@ class Simulation:
         return cost.encode_ms(sum(cost.tiles((w, h)) for w, h, _ in new), worker.size) * self.platform.time_scale
 
     def arrive(self, index: int, req: Request):
-        yield self.env.timeout(req.offset_s)
+        yield self.env.timeout(req.offset_s - self.env.now)
+        self.in_flight_seen[index] = len(self.in_flight_seen) - len(self.finished)  # arrived before it, not finished
         seq = Seq(index, req, prompt_tokens(self.platform, req), self.env.now)
         yield self.env.timeout(self.platform.router_ms / 1e3)
         if self.encoders and req.images:
@@ -173,8 +194,20 @@ class Simulation:
         s.computed = s.prompt
         self.pick("decode").submit(s)
 
+    def until_finished(self, indices: range) -> simpy.Event:
+        """An event that fires once every request of ``indices`` has finished."""
+        self._awaited = set(indices) - {s.index for s in self.finished}
+        self._all_finished = self.env.event()
+        if not self._awaited:
+            self._all_finished.succeed()
+        return self._all_finished
+
     def finish(self, s: Seq) -> None:
         self.finished.append(s)
+        if s.index in self._awaited:
+            self._awaited.discard(s.index)
+            if not self._awaited:
+                self._all_finished.succeed()
 
 
 def prompt_tokens(platform: Platform, req: Request) -> int:
@@ -203,7 +236,12 @@ def _check_kv_capacity(deployment: Deployment, platform: Platform, requests: lis
                                   f"the largest request needs {need}")
 
 
-def _check(deployment: Deployment, platform: Platform, requests: list[Request], limits: EngineLimits) -> None:
+def check(deployment: Deployment, platform: Platform, requests: list[Request], limits: EngineLimits) -> None:
+    """That ``deployment`` can serve ``requests`` on ``platform`` (the errors of :func:`simulate`).
+
+    Raises:
+        KVCapacityError, ValueError: as :func:`simulate`.
+    """
     roles = {w.role for w in deployment.workers}
     if not deployment.workers or roles - set(ROLES) or ("prefill" in roles) != ("decode" in roles) \
             or ("colocated" in roles and "prefill" in roles) or ("encode" in roles and "prefill" not in roles):
@@ -241,16 +279,11 @@ def simulate(deployment: Deployment, platform: Platform, requests: list[Request]
             by workers of different sizes, an empty request, images for a platform that
             takes none, or a prompt that can never be scheduled with these limits.
     """
-    _check(deployment, platform, requests, limits)
+    check(deployment, platform, requests, limits)
     sim = Simulation(deployment, platform, limits)
-    for i, req in enumerate(requests):
-        sim.env.process(sim.arrive(i, req))
+    sim.add(requests)
     sim.env.run()
-    records, traces = [None] * len(requests), [None] * len(requests)
-    for s in sim.finished:
-        records[s.index] = _client_record(s)
-        traces[s.index] = _trace(s, deployment.mode, platform.router_ms)
-    return records, traces
+    return sim.results(range(len(requests)))
 
 
 def _client_record(s: Seq) -> RequestRecord:

@@ -1,0 +1,114 @@
+"""What ``epdserve plan`` writes: ``plan.md`` (:func:`markdown`) and ``goodput.png`` (:func:`plot`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from epdserve.plan import replay
+from epdserve.plan.validation import VALIDATED
+
+
+def fmt(v, spec: str = ".3g") -> str:
+    """``v`` formatted with ``spec``; "—" for None (no value)."""
+    return "—" if v is None else format(v, spec)
+
+
+def _validation_line(v: dict) -> str:
+    """One workload's validation (as ``epdserve plan validate`` stores it) in a sentence or three."""
+    errs = ", ".join(f"{k} {v['max_abs_error'][k]:.0%}" for k in VALIDATED)
+    dirs = v["compare_dirs"]
+    line = f"- {', '.join(f'`{d}`' for d in dirs)} ({v['date']}, {len(v['rows'])} deployments): largest |error| {errs}."
+    if len(dirs) > 1:
+        spread = ", ".join(f"{k} {v['max_spread'][k]:.0%}" for k in VALIDATED)
+        line += f" The same trace measured {len(dirs)} times moved by up to {spread} (max - min over mean)."
+    if v["step_uncertainty"]:
+        line += (f" With step times {v['step_uncertainty']:.0%} faster or slower, the prediction's band held "
+                 f"{v['in_band']} of {v['values']} measured latencies.")
+    return line
+
+
+def markdown(doc: dict) -> str:
+    """``plan.md``: the table of candidates, the recommendation and what qualifies them, from
+    the ``plan.json`` document ``doc``."""
+    slos = " ".join(f"{k} ≤ {v:g} ms" for k, v in doc["slos_ms"].items())
+    lines = [f"# Plan: {doc['platform']}, {doc['devices']} device{'s' if doc['devices'] > 1 else ''}", "",
+             f"Workload: {doc['workload']}. SLOs: {slos} for {doc['target']:.0%} of requests (goodput as "
+             f"DistServe defines it).", "",
+             "| deployment | devices | goodput req/s | per device | TTFT p50/p95 ms | ITL p50/p95 ms "
+             "| out tok/s/device | USD / M out tokens | replay |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["candidates"]:
+        band = " ({} – {})".format(*map(fmt, r["goodput_band_rps"])) if "goodput_band_rps" in r else ""
+        at_least = "≥ " if r["unbounded"] else ""
+        lines.append(f"| {r['name']} | {r['devices']} | {at_least}{fmt(r['max_goodput_rps'])}{band} | "
+                     f"{at_least}{fmt(r['goodput_per_device'])} | {fmt(r['p50_ttft_ms'], '.0f')} / "
+                     f"{fmt(r['p95_ttft_ms'], '.0f')} | {fmt(r['p50_itl_ms'], '.1f')} / "
+                     f"{fmt(r['p95_itl_ms'], '.1f')} | {fmt(r['output_tok_s_per_device'])} | "
+                     f"{fmt(r['usd_per_m_output_tokens'])} | {_replay_cell(r)} |")
+    lines += [f"| {name} | skipped: {why} ||||||||" for name, why in doc["skipped"].items()]
+    lines += ["", _replay_note(doc.get("replay", "steady")), "",
+              f"**Recommendation: {doc['recommendation'] or 'none'}** — {doc['reason']}.", ""]
+    if unbounded := [r["name"] for r in doc["candidates"] if r["unbounded"]]:
+        lines += [f"≥: {', '.join(unbounded)} met the SLOs at every rate tried, the whole trace in flight at "
+                  f"once: the trace is too short to find their goodput; plan with more requests.", ""]
+    if any("goodput_band_rps" in r for r in doc["candidates"]):
+        lines += [f"Goodput in brackets: with every step {doc['step_uncertainty']:.0%} faster or slower, the "
+                  f"spread of the served runs this machine's serving slowdown was fitted on.", ""]
+    if doc.get("validations"):
+        lines.append("Prediction errors at the last validation of each workload:")
+        lines += [_validation_line(v) for v in doc["validations"]]
+    elif doc["platform"].endswith("this CPU"):
+        lines.append("Not validated yet: run `epdserve compare`, then `epdserve plan validate --compare-dir DIR`.")
+    else:
+        lines.append("Roofline estimate from datasheet peaks and efficiency factors; not validated "
+                     "against measurements on this hardware.")
+    return "\n".join(lines) + "\n"
+
+
+def _replay_cell(row: dict) -> str:
+    """How the goodput rate was replayed (copies, steady or not) and why the next rate tried
+    above it failed."""
+    copies = row.get("replay_copies")
+    cell = "once" if copies is None else f"{copies} copies, {'steady' if row['steady_state'] else 'not steady'}"
+    if row.get("above_rate_rps") is not None:
+        why = "queue grows" if row["above_steady_state"] is False else f"{row['above_slo_attainment']:.1%} in SLOs"
+        cell += f"; {row['above_rate_rps']:.3g} req/s: {why}"
+    return cell
+
+
+def _replay_note(mode: str) -> str:
+    if mode == "once":
+        return ("Replay: the trace once per rate, as `epdserve compare --sweep-rates` sends it; a trace too short "
+                "to build a queue makes this goodput optimistic.")
+    return (f"Replay: at each rate the trace was sent back to back, copy after copy (a trace sent all at once: "
+            f"repeated to {replay.MIN_POISSON_COPY} Poisson arrivals a copy), until the mean number of requests in "
+            f"flight changed by at most {replay.TOLERANCE:.0%} of itself and of a copy's requests from one copy to "
+            f"the next (at most {replay.MAX_COPIES} copies or {replay.MAX_REQUESTS} requests), and measured on the "
+            f"last two copies, never the first (the warm-up). A rate whose queue keeps growing fails. The column "
+            f"gives the copies at the goodput rate, then the next rate tried above it and why it failed.")
+
+
+def plot(curves: dict[str, list[dict]], target: float, path: Path) -> None:
+    """``goodput.png``: the share of requests meeting the SLOs against the rate, per deployment
+    (``curves``: each one's measured points, ``{"rate", "slo_attainment"}``, and
+    ``steady_state`` False where the queue kept growing: drawn as an x at 0)."""
+    import matplotlib  # only here: plotting is slow to import and only plan search draws
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, points in curves.items():
+        if points:
+            (line,) = ax.plot([p["rate"] for p in points], [p["slo_attainment"] for p in points], marker="o",
+                              label=name)
+            grows = [p["rate"] for p in points if p.get("steady_state") is False]
+            if grows:
+                ax.plot(grows, [0.0] * len(grows), "x", color=line.get_color(), markersize=9)
+                ax.set_title("x: the queue keeps growing (the rate is not sustained)", fontsize=8)
+    ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.0%}")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("share of requests meeting the SLOs")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,128 @@
+"""Simulating ``epdserve compare`` configurations: the deployment and scheduler settings of
+a configuration name (:func:`compare_deployment`, :func:`compare_limits`), and the
+predicted against measured metrics of compare runs (:func:`validate`, behind ``epdserve
+plan validate``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from epdserve.bench import metrics, workload
+from epdserve.plan import calibrate
+from epdserve.plan.costmodel import Platform
+from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
+from epdserve.serving.deployment import DeploymentSpec
+
+VALIDATED = ("p95_ttft_ms", "p95_itl_ms", "output_throughput")
+# Those whose band is counted: below saturation throughput follows the arrivals, whatever the
+# step times, so its band is a hair wide and says nothing.
+BANDED = ("p95_ttft_ms", "p95_itl_ms")
+
+
+def compare_deployment(name: str, cores: int) -> Deployment:
+    """The simulated :class:`Deployment` of an ``epdserve compare`` configuration name on
+    ``cores`` cores, placed by the launcher's rule (:meth:`DeploymentSpec.place`); workers
+    placed on the same cores share them (EPD on 2 cores: encode and prefill on core 0).
+
+    Raises:
+        ValueError: an unknown name (:meth:`DeploymentSpec.parse`), local prefill
+            (``pd-localN``) or workers whose cores overlap only in part (not simulated).
+    """
+    spec = DeploymentSpec.parse(name)
+    if spec.local_prefill_threshold is not None:
+        raise ValueError(f"{name}: prefill of short prompts on the decode worker is not simulated")
+    placed = spec.place(list(range(cores)))
+    workers_on = Counter(tuple(cs) for _, _, cs in placed)
+    used = [c for cs in workers_on for c in cs]
+    if len(used) != len(set(used)):
+        raise ValueError(f"{name}: workers partly share cores on {cores} cores; not simulated")
+    return Deployment(name, tuple(WorkerSpec(role, len(cs), ",".join(map(str, cs)) if workers_on[tuple(cs)] > 1 else "")
+                                  for role, _, cs in placed))
+
+
+def compare_limits(name: str) -> EngineLimits:
+    """The scheduler settings of an ``epdserve compare`` configuration name
+    (:class:`DeploymentSpec`): chunked prefill and its token budget, prefix caching; the
+    serve defaults otherwise (an unknown name included)."""
+    try:
+        spec = DeploymentSpec.parse(name)
+    except ValueError:
+        return EngineLimits()
+    limits = EngineLimits()
+    if spec.chunked_prefill:
+        limits = replace(limits, enable_chunked_prefill=True, max_num_batched_tokens=spec.max_num_batched_tokens)
+    if not spec.prefix_caching:
+        limits = replace(limits, enable_prefix_caching=False)
+    return limits
+
+
+def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
+    """Predicted vs measured :data:`VALIDATED` metrics for each configuration of one or
+    more compare runs of the same trace (repeats), on the cores it ran on. Per metric: ``runs`` (the measured value
+    of each run that has the configuration), ``measured`` (their mean), ``error`` =
+    (predicted − measured) / measured, ``spread`` = (max − min) / measured of the runs
+    (0 for one run): how far the measurement itself moves between identical runs, and
+    ``band``: the lowest and highest prediction with every step and encode time scaled by
+    1 ± ``platform.step_uncertainty`` (and 1), ``in_band`` whether ``measured`` lies within.
+    Near saturation a few % on step times moves p95s by tens of %: the band shows it.
+
+    Raises:
+        ValueError: the runs replayed different traces.
+    """
+    requests = workload.load_trace(compare_dirs[0] / "trace.jsonl")
+    for d in compare_dirs[1:]:
+        if workload.load_trace(d / "trace.jsonl") != requests:
+            raise ValueError(f"{d} replayed another trace than {compare_dirs[0]}; repeats of one "
+                             f"workload are needed")
+    results: dict[str, list[dict]] = {}
+    cores: dict[str, int] = {}  # that each configuration ran on
+    for d in compare_dirs:
+        for entry in calibrate.compare_configs(d):
+            if "result" in entry:  # else the configuration failed to run
+                results.setdefault(entry["name"], []).append(entry["result"])
+                cores[entry["name"]] = len({c for w in entry["resources"]["workers"] for c in w["cores"]})
+    rows = []
+    for name, runs in results.items():
+        try:
+            dep = compare_deployment(name, cores[name])
+        except ValueError as exc:
+            print(f"skipped {name}: {exc}", file=sys.stderr)
+            continue
+        predicted = [metrics.compute(simulate(dep, p, requests, compare_limits(name))[0])
+                     for p in [platform, *platform.band()]]
+        row = {"name": name}
+        for key in VALIDATED:
+            values = [r[key] for r in runs]
+            mean = float(np.mean(values))
+            band = [min(p[key] for p in predicted), max(p[key] for p in predicted)]
+            row[key] = {"predicted": predicted[0][key], "band": band, "in_band": band[0] <= mean <= band[1],
+                        "measured": mean, "runs": values,
+                        "error": (predicted[0][key] - mean) / mean if mean else None,
+                        "spread": (max(values) - min(values)) / mean if mean else None}
+        rows.append(row)
+    return rows
+
+
+def distinct_dirs(dirs: list[str]) -> list[Path]:
+    """``dirs`` as paths; a directory named twice would count as a repeat of itself.
+
+    Raises:
+        ValueError: a directory named twice.
+    """
+    paths = [Path(d) for d in dirs]
+    if len({p.resolve() for p in paths}) < len(paths):
+        raise ValueError(f"a directory is named twice in {' '.join(dirs)}: repeats must be separate runs")
+    return paths
+
+
+def has_images(compare_dir: Path) -> bool:
+    """Whether a compare run's trace sends images: it was served by a vision-language model
+    (False when it has no trace: :func:`calibrate.compare_gaps` names the missing file)."""
+    trace = compare_dir / "trace.jsonl"
+    return trace.is_file() and any(r.images for r in workload.load_trace(trace))
