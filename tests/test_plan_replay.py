@@ -3,6 +3,7 @@ trace planning as a long one of the same shape does. Simulation only: fast."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from epdserve.bench.workload import Request, save_trace
 from epdserve.plan import replay, search
+from epdserve.plan import run as plan_run
 from epdserve.plan.costmodel import LinearStep, Link, Platform
 from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
 
@@ -166,3 +168,44 @@ def test_plan_cli_simulates_compare_configs_and_says_how_it_replayed(tmp_path):
                           "--trace", str(trace), "--configs", "colocated,3x"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "unknown deployment '3x'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_plan_reads_mooncake_and_azure_traces_with_the_fitting_options(tmp_path):
+    """`plan --trace` takes the production formats and compare's fitting options; the
+    stand-in prompts keep a Mooncake trace's shared blocks (the prefix cache hits them)."""
+    cal = {"model": "m", "steps": {str(n): {"coef": list(CPU_LIKE)} for n in (1, 2)},
+           "kv_link": {"gbs": 1.0, "latency_ms": 0.5}, "kv_bytes_per_token": 10}
+    cal_path = tmp_path / "cal.json"
+    cal_path.write_text(json.dumps(cal))
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text("".join(
+        json.dumps({"timestamp": 500 * i, "input_length": 1500, "output_length": 200,
+                    "hash_ids": [0, 1, 10 + i]}) + "\n" for i in range(12)))
+    azure = tmp_path / "a.csv"
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:15:{10 + i:02d}.5000000,{600 + 10 * i},{80}\n" for i in range(12)))
+    base = [sys.executable, "-m", "epdserve", "plan", "--calibration", str(cal_path), "--devices", "2",
+            "--configs", "colocated", "--slo", "ttft:2000", "tpot:150", "--length-scale", "0.1"]
+    for trace, fmt in ((mooncake, "mooncake"), (azure, "azure")):
+        out = tmp_path / fmt
+        proc = subprocess.run([*base, "--trace", str(trace), "--num-requests", "10", "--output", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert "| requests" in proc.stderr and "prompt tokens in shared blocks" in proc.stderr
+        doc = json.loads((out / "plan.json").read_text())
+        assert doc["candidates"][0]["name"] == "colocated"
+    # Mooncake's shared blocks: every prompt starts with blocks 0 and 1, 51 tokens each
+    # (512 x 0.1), 4 characters a token in the stand-in prompts; the third block is its own.
+    parser = argparse.ArgumentParser()
+    plan_run.add_arguments(parser)
+    requests = plan_run._trace_requests(parser.parse_args(["--trace", str(mooncake), "--length-scale", "0.1"]))
+    assert [r.prompt_tokens for r in requests] == [150] * 12
+    assert all(4 * 102 <= n < 4 * 103 for n in replay.shared_starts([r.prompt for r in requests]))
+    bad = subprocess.run([*base[:-2], "--input-len", "10:20", "--trace", str(azure)], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "is a azure trace: --input-len do not apply" in bad.stderr
+    saved = tmp_path / "saved.jsonl"
+    save_trace(chat(4), saved)
+    bad = subprocess.run([*base, "--trace", str(saved)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "is a saved bench trace: --length-scale do not apply" in bad.stderr
+    assert "Traceback" not in bad.stderr

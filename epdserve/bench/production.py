@@ -163,19 +163,44 @@ class PromptBuilder:
         return "".join([words[i] for i in np.concatenate(parts)])
 
 
+# Characters per token of the planner's stand-in prompts: the simulator turns a shared
+# start of c characters into c / len(text) of the prompt's tokens (plan/sim_worker.py).
+MARKER_CHARS_PER_TOKEN = 4
+
+
+def marker_prompt(row: TraceRow, index: int, block_tokens: int) -> str:
+    """A stand-in prompt for the planner, which needs no tokenizer but must see the
+    trace's prefix sharing: :data:`MARKER_CHARS_PER_TOKEN` characters per token, each
+    block ``"<id>"`` padded with dots, the last block cut to ``row.input_len``, then the
+    request's own part ``"<r index>"`` padded. Equal ids give equal starts; a different id
+    differs within its first characters (blocks of 1 token, 4 characters, may cut long
+    ids: two such blocks can then look equal)."""
+    width, parts, n = MARKER_CHARS_PER_TOKEN * block_tokens, [], 0
+    for hash_id in row.hash_ids or ():
+        if n >= row.input_len:
+            break
+        take = min(block_tokens, row.input_len - n)
+        parts.append(f"<{hash_id}>".ljust(width, ".")[:MARKER_CHARS_PER_TOKEN * take])
+        n += take
+    if n < row.input_len:
+        own = MARKER_CHARS_PER_TOKEN * (row.input_len - n)
+        parts.append(f"<r{index}>".ljust(own, ".")[:own])
+    return "".join(parts)
+
+
 def build_requests(rows: list[TraceRow], tokenizer, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
                    seed: int = 0) -> list[Request]:
     """Chat requests of fitted ``rows``: sent at ``timestamp_s``, ``max_tokens`` =
     ``output_len``, a prompt of exactly ``input_len`` tokens (text only, no chat template)
-    from :class:`PromptBuilder`. ``tokenizer`` None gives empty prompts with the counts
-    (what the planner needs).
+    from :class:`PromptBuilder`. ``tokenizer`` None gives the planner's stand-in prompts
+    (:func:`marker_prompt`: not text to send, but with the trace's prefix sharing).
 
     Raises:
         TraceError: a prompt does not tokenize to its length (a tokenizer that merges
             tokens across words; names the request).
     """
     if tokenizer is None:
-        texts = [""] * len(rows)
+        texts = [marker_prompt(r, i, block_tokens) for i, r in enumerate(rows)]
     else:
         builder = PromptBuilder(tokenizer, block_tokens, seed)
         texts = [builder.prompt(r, i) for i, r in enumerate(rows)]
@@ -192,7 +217,7 @@ def build_requests(rows: list[TraceRow], tokenizer, block_tokens: int = MOONCAKE
 def replay_trace(trace: TraceFile, fit: Fit, tokenizer, seed: int = 0
                  ) -> tuple[list[Request], dict]:
     """The requests replaying ``trace`` as ``fit`` says (:func:`fit_rows`,
-    :func:`build_requests`; ``tokenizer`` None: empty prompts) and the report
+    :func:`build_requests`; ``tokenizer`` None: the planner's stand-in prompts) and the report
     (:func:`describe_replay`) with the reader's counts of ``reordered_rows`` and
     ``hash_count_mismatches``.
 

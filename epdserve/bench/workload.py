@@ -333,7 +333,7 @@ def fit_from_args(args: argparse.Namespace) -> production.Fit:
 def production_requests(args: argparse.Namespace, tokenizer) -> tuple[list[Request], dict]:
     """The requests replaying ``--dataset-path`` in the format ``--workload`` (mooncake or
     azure), fitted by the production-trace options (:func:`fit_from_args`), prompts built
-    with ``tokenizer`` (None: empty prompts with their token counts, for the planner), and
+    with ``tokenizer`` (None: the planner's stand-in prompts, :func:`production.marker_prompt`), and
     the spec: ``{"source", "dataset_path", the Fit's fields, "block_tokens", "seed",
     "replay": the replay report}`` (:func:`epdserve.bench.production.replay_trace`).
 

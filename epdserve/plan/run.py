@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from epdserve.bench import metrics, workload
+from epdserve.bench import metrics, production, production_formats, workload
 from epdserve.bench.compare import parse_configs
 from epdserve.bench.datasets import with_images
 from epdserve.bench.run import parse_goodput
@@ -53,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=workload.positive_int, default=2,
                         help="device budget: GPUs, or cores for --hardware cpu (default 2)")
     parser.add_argument("--trace", default=None, metavar="FILE",
-                        help="a saved bench trace (JSON lines) to plan for, instead of --input-len etc.")
+                        help="the trace to plan for, instead of --input-len etc.: a saved bench trace "
+                             "(JSON lines), or a Mooncake (JSON lines) or Azure (CSV) production trace, "
+                             "fitted by the production-trace options below (--num-requests N: its "
+                             "first N requests)")
     parser.add_argument("--input-len", type=workload.parse_range, default=None, metavar="MIN:MAX",
                         help="prompt tokens, uniform (default 100:400; not with --trace)")
     parser.add_argument("--output-len", type=workload.parse_range, default=None, metavar="MIN:MAX",
@@ -70,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the planned trace's lengths and images, and of the arrivals of a trace "
                              "sent all at once re-timed to each rate (default 0; as compare's --seed)")
+    workload.add_production_arguments(parser)  # fit a Mooncake or Azure --trace
     parser.add_argument("--slo", nargs="+", type=parse_goodput, default=list(metrics.DEFAULT_SLOS_MS.items()),
                         metavar="KEY:MS",
                         help="SLOs in ms, as compare's --goodput: ttft, tpot, e2el, itl (the longest gap of a "
@@ -131,11 +135,11 @@ def _requests(args) -> list[workload.Request]:
     """The trace to plan for: ``--trace``, or uniform lengths sent at once (the search
     re-times them to each rate with seeded Poisson arrivals) with the images of
     ``--images-per-request`` as bench attaches them. No prompt text is needed."""
-    given = [f"--{k.replace('_', '-')}" for k in SYNTHETIC_DEFAULTS if getattr(args, k) is not None]
-    if args.trace and given:
-        raise ValueError(f"--trace excludes {', '.join(given)}: the trace has its own requests")
     if args.trace:
-        return workload.load_trace(args.trace)
+        return _trace_requests(args)
+    fitting = [f"--{k.replace('_', '-')}" for k in FIT_OPTIONS if getattr(args, k) is not None]
+    if fitting:
+        raise ValueError(f"{', '.join(fitting)}: fit a Mooncake or Azure trace, given by --trace")
     for k, v in SYNTHETIC_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -144,6 +148,33 @@ def _requests(args) -> list[workload.Request]:
     requests = [workload.Request(0.0, "", int(rng.integers(c, d + 1)), "chat", int(rng.integers(a, b + 1)))
                 for _ in range(args.num_requests)]
     return with_images(requests, args.images_per_request, args.image_size, args.image_repeat_share, args.seed)
+
+
+# The options of workload.add_production_arguments, which fit a production trace.
+FIT_OPTIONS = ("start", "duration", "time_scale", "length_scale", "max_input_len", "max_output_len")
+
+
+def _trace_requests(args) -> list[workload.Request]:
+    """``--trace``: a Mooncake or Azure trace fitted by the production-trace options (the
+    prompts are the planner's stand-ins, which keep the trace's shared blocks), or a saved
+    bench trace, which those options and the synthetic ones do not apply to.
+
+    Raises:
+        TraceError: a bad trace file or window; ValueError: options that do not apply.
+    """
+    fmt = production_formats.detect_format(args.trace)
+    excluded = [*SYNTHETIC_DEFAULTS, *FIT_OPTIONS] if fmt is None else ["input_len", "output_len"]
+    given = [f"--{k.replace('_', '-')}" for k in excluded if getattr(args, k) is not None]
+    if given:
+        kind = "a saved bench trace" if fmt is None else f"a {fmt} trace"
+        raise ValueError(f"--trace {args.trace} is {kind}: {', '.join(given)} do not apply to it")
+    if fmt is None:
+        return workload.load_trace(args.trace)
+    args.num_prompts = args.num_requests  # the fit's "first N requests"
+    requests, report_ = production.replay_trace(production_formats.read_production(args.trace, fmt),
+                                                workload.fit_from_args(args), None, args.seed)
+    print("\n".join(production.replay_lines(report_)), file=sys.stderr)
+    return requests
 
 
 def _deployments(args, platform: Platform, requests: list[workload.Request]) -> list[tuple[Deployment, EngineLimits]]:
