@@ -52,28 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and KV precision on GPU profiles (default bf16)")
     parser.add_argument("--devices", type=workload.positive_int, default=2,
                         help="device budget: GPUs, or cores for --hardware cpu (default 2)")
-    parser.add_argument("--trace", default=None, metavar="FILE",
-                        help="the trace to plan for, instead of --input-len etc.: a saved bench trace "
-                             "(JSON lines), or a Mooncake (JSON lines) or Azure (CSV) production trace, "
-                             "fitted by the production-trace options below (--num-requests N: its "
-                             "first N requests)")
-    parser.add_argument("--input-len", type=workload.parse_range, default=None, metavar="MIN:MAX",
-                        help="prompt tokens, uniform (default 100:400; not with --trace)")
-    parser.add_argument("--output-len", type=workload.parse_range, default=None, metavar="MIN:MAX",
-                        help="output tokens, uniform (default 32:128; not with --trace)")
-    parser.add_argument("--num-requests", type=workload.positive_int, default=None,
-                        help="requests of the planned trace (default 300; not with --trace)")
-    parser.add_argument("--images-per-request", type=workload.nonnegative_int, default=0, metavar="N",
-                        help="images sent with every request (default 0; needs a vision-language model, "
-                             "e.g. --model vlm or SmolVLM-256M); adds EPD candidates")
-    parser.add_argument("--image-size", type=workload.parse_size, default=(448, 448), metavar="WxH",
-                        help="pixel size of those images (default 448x448)")
-    parser.add_argument("--image-repeat-share", type=workload.parse_fraction, default=0.0, metavar="F",
-                        help="share of requests that send the same images as an earlier one (default 0)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the planned trace's lengths and images, and of the arrivals of a trace "
-                             "sent all at once re-timed to each rate (default 0; as compare's --seed)")
-    workload.add_production_arguments(parser)  # fit a Mooncake or Azure --trace
+    _add_workload_arguments(parser)
     parser.add_argument("--slo", nargs="+", type=parse_goodput, default=list(metrics.DEFAULT_SLOS_MS.items()),
                         metavar="KEY:MS",
                         help="SLOs in ms, as compare's --goodput: ttft, tpot, e2el, itl (the longest gap of a "
@@ -103,6 +82,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=workload.positive_int, default=3, metavar="N",
                         help="calibrate: time every step N times and fit the medians (default 3)")
     parser.add_argument("--output", default="results/plan", metavar="DIR")
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trace planned for: --trace (with the production-trace fitting options) or the
+    synthetic lengths, images, seed."""
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="the trace to plan for, instead of --input-len etc.: a saved bench trace "
+                             "(JSON lines), or a Mooncake (JSON lines) or Azure (CSV) production trace, "
+                             "fitted by the production-trace options below (--num-requests N: its "
+                             "first N requests)")
+    parser.add_argument("--input-len", type=workload.parse_range, default=None, metavar="MIN:MAX",
+                        help="prompt tokens, uniform (default 100:400; not with --trace)")
+    parser.add_argument("--output-len", type=workload.parse_range, default=None, metavar="MIN:MAX",
+                        help="output tokens, uniform (default 32:128; not with --trace)")
+    parser.add_argument("--num-requests", type=workload.positive_int, default=None,
+                        help="requests of the planned trace (default 300; not with --trace)")
+    parser.add_argument("--images-per-request", type=workload.nonnegative_int, default=0, metavar="N",
+                        help="images sent with every request (default 0; needs a vision-language model, "
+                             "e.g. --model vlm or SmolVLM-256M); adds EPD candidates")
+    parser.add_argument("--image-size", type=workload.parse_size, default=(448, 448), metavar="WxH",
+                        help="pixel size of those images (default 448x448)")
+    parser.add_argument("--image-repeat-share", type=workload.parse_fraction, default=0.0, metavar="F",
+                        help="share of requests that send the same images as an earlier one (default 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the planned trace's lengths and images, and of the arrivals of a trace "
+                             "sent all at once re-timed to each rate (default 0; as compare's --seed)")
+    workload.add_production_arguments(parser)  # fit a Mooncake or Azure --trace
 
 
 def _model_spec(name: str | None) -> ModelSpec:
