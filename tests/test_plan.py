@@ -233,7 +233,8 @@ def roofline_plan(out, hardware_name: str, model: str, input_len: int, output_le
     return subprocess.run([sys.executable, "-m", "epdserve", "plan", "--hardware", hardware_name, "--model", model,
                            "--devices", "2", "--input-len", f"{input_len}:{input_len}", "--output-len",
                            f"{output_len}:{output_len}", "--num-requests", str(num), "--slo", *slo,
-                           "--output", str(out)], capture_output=True, text=True, timeout=300)
+                           # the CLI's output, not the replay (tests/test_plan_replay.py): one pass is quicker
+                           "--replay", "once", "--output", str(out)], capture_output=True, text=True, timeout=300)
 
 
 def test_roofline_plan_cli(tmp_path):
@@ -454,7 +455,7 @@ def test_roofline_plan_cli_with_images(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "--hardware", "H100", "--model",
                            "SmolVLM-256M", "--devices", "3", "--input-len", "100:100", "--output-len", "20:20",
                            "--num-requests", "40", "--images-per-request", "2", "--image-size", "1024x768",
-                           "--slo", "ttft:500", "tpot:30", "--output", str(tmp_path)],
+                           "--slo", "ttft:500", "tpot:30", "--replay", "once", "--output", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "| 1e1p1d |" in proc.stdout and "**Recommendation:" in proc.stdout

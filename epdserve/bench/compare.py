@@ -18,20 +18,25 @@ with the bench client, stop it (SIGTERM to each group, SIGKILL after a grace per
 every exit path: normal end, error, Ctrl-C or SIGTERM, a process that dies), and
 summarise epdserve's per-request trace. Around the run it records the load on the cores
 (:mod:`epdserve.host`): a second before the deployment starts, and during the trace the
-load average, CPU steal, and the CPU time of the deployment (its first process's tree),
-of the bench client (this process) and of every other process; a run in which others
+load average, CPU steal, and the CPU time of the deployment (each of its processes'
+trees), of the bench client (this process) and of every other process; a run in which others
 took :data:`~epdserve.host.OUTSIDE_SHARE_WARN` or more of the cores is flagged on stdout
 and in compare.md. Faults: a deployment that never gets ready, is not an OpenAI server,
 or whose process dies before the trace is an entry ``{"name", "mode", "deployment",
 "error", "log_tail"}`` and the others still run; one whose process dies during the trace
 keeps its result (the requests that failed are counted) with ``"died"``, and its other
-processes are stopped at once. Then write under ``--output DIR``:
+processes are stopped at once. From the end of the warm-up to the end of the trace, every
+metrics URL of the deployment is scraped (:mod:`epdserve.bench.server_metrics`: the
+server's own stages, for any engine). With ``--repeats N`` every deployment runs N times,
+interleaved (A B A B ...), and its runs are folded into one entry
+(:func:`epdserve.bench.repeats.combine`: medians and ranges). Then write under ``--output DIR``:
 
 * ``trace.jsonl`` — the trace sent to every deployment;
 * ``compare.json`` — ``{"trace", "sampling", "configs": [<entry>], "recommendation"}``
   (an entry: see :func:`run_config`);
-* ``compare.md`` — the comparison table, the TTFT breakdown, the workload and the
-  recommendation (:mod:`epdserve.bench.recommend`);
+* ``compare.md`` — the comparison table, the TTFT breakdown, the workload (with a
+  production trace: how the replay differs from the original), the stages from /metrics
+  and the recommendation (:mod:`epdserve.bench.recommend`);
 * ``ttft_cdf.png``, ``itl_cdf.png``, ``itl_over_time.png``, ``stages.png`` and, with
   ``--sweep-rates``, ``goodput_vs_rate.png``.
 

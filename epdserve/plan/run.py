@@ -168,13 +168,14 @@ def _trace_requests(args) -> list[workload.Request]:
     Raises:
         TraceError: a bad trace file or window; ValueError: options that do not apply.
     """
+    synthetic = [f"--{k.replace('_', '-')}" for k in ("input_len", "output_len") if getattr(args, k) is not None]
+    if synthetic:
+        raise ValueError(f"--trace excludes {', '.join(synthetic)}: the trace has its own requests")
     fmt = production_formats.detect_format(args.trace)
-    excluded = [*SYNTHETIC_DEFAULTS, *FIT_OPTIONS] if fmt is None else ["input_len", "output_len"]
-    given = [f"--{k.replace('_', '-')}" for k in excluded if getattr(args, k) is not None]
-    if given:
-        kind = "a saved bench trace" if fmt is None else f"a {fmt} trace"
-        raise ValueError(f"--trace {args.trace} is {kind}: {', '.join(given)} do not apply to it")
-    if fmt is None:
+    if fmt is None:  # a saved bench trace: its requests as they are
+        given = [f"--{k.replace('_', '-')}" for k in ("num_requests", *FIT_OPTIONS) if getattr(args, k) is not None]
+        if given:
+            raise ValueError(f"--trace {args.trace} is a saved bench trace: {', '.join(given)} do not apply to it")
         return workload.load_trace(args.trace)
     args.num_prompts = args.num_requests  # the fit's "first N requests"
     requests, report_ = production.replay_trace(production_formats.read_production(args.trace, fmt),
