@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test fuzz interop clean
+.PHONY: install demo test fuzz interop epd clean
 
 # torch is pinned to the CPU build on this machine's disk; a plain requirement
 # would pull a multi-GB CUDA build. The default model ships as a GGUF inside
@@ -21,22 +21,27 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/epdserve compare --workload demo --output results/demo
 
-# The API fuzz suite (>= 1,000 hypothesis cases per deployment) and the interop suite
+# The API fuzz suite (>= 1,000 hypothesis cases per deployment), the interop suite
 # (deployment files: other servers' processes, their faults, and llama-server next to
 # epdserve; its first run builds llama-server from source: 15-30 minutes on 2 cores,
-# cached in ~/.cache/epdserve) have targets of their own to keep `make test` under 20
-# minutes; .ci/run runs all three.
+# cached in ~/.cache/epdserve) and the EPD suite (the vision-language model served
+# colocated, PD and EPD, with a killed prefill worker) have targets of their own to keep
+# `make test` under 20 minutes; .ci/run runs all four.
 INTEROP := tests/test_bench_deployments.py
+EPD := tests/test_epd.py
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -ra --durations=15 --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP)
+	$(VENV)/bin/pytest -q -ra --durations=15 --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD)
 
 fuzz: $(STAMP)
 	$(VENV)/bin/pytest -q -ra tests/test_fuzz_api.py
 
 interop: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 $(INTEROP)
+
+epd: $(STAMP)
+	$(VENV)/bin/pytest -q -ra --durations=5 $(EPD)
 
 clean:
 	rm -rf $(VENV) results
