@@ -170,6 +170,10 @@ def test_goodput_sweep_per_configuration_against_the_stub(tmp_path):
     assert sw["max_rate"] == 8.0
     assert e["result"]["request_goodput"] is not None
     assert e["server"]["matched_client_requests"] == 4  # the sweep's requests not mixed in
+    # Each rate on a fresh start (a warm prefix cache would hold the trace's prompts).
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["pd-2", "pd-8"]
+    assert all((tmp_path / "sweep" / d / "pd.server.log").is_file() for d in ("pd-2", "pd-8"))
+    assert all("host_load" in p for p in sw["points"])
     paths = compare.write_outputs([e], trace, {"source": "test"}, tmp_path)
     assert tmp_path / "goodput_vs_rate.png" in paths
     assert "- pd: max rate with 90% of requests within the SLOs: 8 req/s (the highest rate " \

@@ -215,8 +215,8 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
     "device_kind", "num_devices", "price_per_hour"}, "itl_stalls": gaps > plots.STALL_MS,
     "breakdown": <server_trace.breakdown, {} without a trace>, "server_metrics":
     <server_metrics.MetricsWatcher.stop over the measured requests, {} without metrics
-    URLs>, "sweep": <sweep result>
-    (with --sweep-rates), "host_load": {"cores", "before": <host.quiet_check>, "during":
+    URLs>, "sweep": <sweep result> (with --sweep-rates: :func:`_sweep`; "sweep_error"
+    instead when a start or run of the sweep failed), "host_load": {"cores", "before": <host.quiet_check>, "during":
     <host.LoadMonitor.stop>, "warning": <host.outside_warning> or None} (None for a
     base_url deployment: its CPU time cannot be told from others'), "died": <see
     :class:`~epdserve.bench.processes.Running`> (only when a process died)}``.
@@ -240,6 +240,12 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
         entry["metrics_urls"] = running.metrics_urls
         print(f"{tag} sending {len(requests)} requests", flush=True)
         during = _run_trace(running, requests, args, entry, cores, tag)
+    if args.sweep_rates and not running.died:
+        try:
+            entry["sweep"] = _sweep(dep, requests, args, out_dir, opts, tag)
+        except (ServerError, client.ClientError) as exc:  # the run's result stands
+            entry["sweep_error"] = str(exc).splitlines()[0]
+            print(f"{tag} error: the goodput sweep stopped: {entry['sweep_error']}", flush=True)
     if running.died:
         entry["died"] = running.died
         print(f"{tag} error: {running.died_reason()}; last lines of its log:\n"
@@ -252,8 +258,8 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
     return entry
 
 
-def _host_load(cores: list[int], before: dict, during: dict, tag: str) -> dict:
-    """``host_load`` of an entry; prints its warning."""
+def _host_load(cores: list[int], before: dict | None, during: dict, tag: str) -> dict:
+    """``host_load`` of an entry (or of a sweep point: no ``before``); prints its warning."""
     warning = host.outside_warning(during["outside_share"], during["steal_share"], len(cores))
     if warning:
         print(f"{tag} warning: {warning}", flush=True)
@@ -262,11 +268,9 @@ def _host_load(cores: list[int], before: dict, during: dict, tag: str) -> dict:
 
 def _run_trace(running: Running, requests: list[workload.Request], args: argparse.Namespace,
                entry: dict, cores: list[int], tag: str) -> dict | None:
-    """Send the trace to the ready deployment (and run the sweep with ``args.sweep_rates``,
-    unless a process died) while measuring the load on ``cores``; puts ``result``,
-    ``resources`` and ``sweep`` in ``entry`` and returns the load
-    (:meth:`host.LoadMonitor.stop`; None for a base_url deployment). A process that dies
-    during the sweep ends the sweep; the run's result stands.
+    """Send the trace to the ready deployment while measuring the load on ``cores``; puts
+    ``result``, ``server_metrics`` and ``resources`` in ``entry`` and returns the load
+    (:meth:`host.LoadMonitor.stop`; None for a base_url deployment).
 
     Raises:
         ServerError: a process died and the client could not even start the run.
@@ -281,14 +285,6 @@ def _run_trace(running: Running, requests: list[workload.Request], args: argpars
                                 on_start=watcher.start if watcher.urls else None)
         entry["server_metrics"] = _stop_watcher(watcher, entry["result"]["completed"], tag)
         entry["resources"] = running.resources()
-        if args.sweep_rates and not running.died:
-            print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s",
-                  flush=True)
-            entry["sweep"] = sweep.find_max_goodput_rate(
-                lambda rate: bench(running.client_url, workload.retime(requests, rate, args.seed),
-                                   args, model=running.model),
-                target_share=args.goodput_target, lo=args.sweep_rates[0], hi=args.sweep_rates[1],
-                iters=args.sweep_iters, progress=not args.disable_tqdm)
     except client.ClientError:
         if not running.died:
             raise
@@ -299,6 +295,48 @@ def _run_trace(running: Running, requests: list[workload.Request], args: argpars
             watcher.stop()  # the run failed: end the sampling thread, the numbers are moot
         load = monitor.stop() if monitor else None
     return load
+
+
+def _sweep(dep: Deployment, requests: list[workload.Request], args: argparse.Namespace,
+           out_dir: Path, opts: LaunchOptions, tag: str) -> dict:
+    """The goodput sweep (:func:`sweep.find_max_goodput_rate`) of ``dep``: the trace
+    re-timed to each rate, each rate on a fresh start of the deployment, its logs and
+    server trace under ``DIR/sweep/NAME-RATE/``, each point with its ``host_load``.
+
+    A fresh start because a server that served the trace holds its prompts in its prefix
+    cache: sent again, they are cache hits. Sweeping the running server, a synthetic trace
+    (100-300 prompt tokens, 2 cores) had prefills of 3.8 s median on its first pass and
+    61 ms on every later one, and so "passed" rates it could not serve. A base_url
+    deployment (not ours to restart) gets every rate on the same server, with a warning.
+
+    Raises:
+        ServerError, client.ClientError: a start or a run failed (the sweep ends there).
+    """
+    if dep.kind == "base_url":
+        print(f"{tag} warning: {dep.name} is a running server (base_url): every sweep rate is sent to it "
+              "as it is, and from the second on its prefix cache may hold the trace's prompts", flush=True)
+    print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s, "
+          "each rate on a fresh start", flush=True)
+
+    def measure(rate: float) -> dict:
+        point_dir = out_dir / "sweep" / f"{dep.name}-{rate:g}"
+        point_dir.mkdir(parents=True, exist_ok=True)
+        cores = sorted(os.sched_getaffinity(0))
+        with launched(dep, point_dir, opts, lambda line: print(f"{tag} [{rate:g} req/s] {line}", flush=True)
+                      ) as running:
+            monitor = host.LoadMonitor(cores, running.root_pids).start() if running.root_pids else None
+            try:
+                result = bench(running.client_url, workload.retime(requests, rate, args.seed), args,
+                               model=running.model)
+            finally:
+                during = monitor.stop() if monitor else None
+        if during:
+            result["host_load"] = _host_load(cores, None, during, f"{tag} [{rate:g} req/s]")
+        return result
+
+    return sweep.find_max_goodput_rate(measure, target_share=args.goodput_target, lo=args.sweep_rates[0],
+                                       hi=args.sweep_rates[1], iters=args.sweep_iters,
+                                       progress=not args.disable_tqdm)
 
 
 def _stop_watcher(watcher: server_metrics.MetricsWatcher, completed: int, tag: str) -> dict:

@@ -227,7 +227,8 @@ def _names(names: list[str]) -> str:
 def sweep_markdown(entries: list[dict]) -> str:
     """The goodput-vs-rate results (one line per configuration), or how to get them."""
     have = [e for e in entries if e.get("sweep")]
-    if not have:
+    stopped = [f"- {e['name']}: the sweep stopped: {e['sweep_error']}" for e in entries if e.get("sweep_error")]
+    if not have and not stopped:
         return ("Not measured. Add `--goodput ttft:MS tpot:MS --sweep-rates LO:HI` to "
                 "`epdserve compare` to find each configuration's highest request rate within "
                 "the SLOs (goodput_vs_rate.png).")
@@ -244,7 +245,7 @@ def sweep_markdown(entries: list[dict]) -> str:
                       if n and sw["max_rate"] is not None else "")
         lines.append(f"- {e['name']}: max rate with {sw['target_share']:.0%} of requests "
                      f"within the SLOs: {best}{per_device}; attainment by rate: {pts}")
-    return "\n".join(lines)
+    return "\n".join(lines + stopped)
 
 
 def load_warnings(entries: list[dict]) -> list[str]:
