@@ -55,19 +55,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import signal
 import sys
 from pathlib import Path
 
 from epdserve import host
-from epdserve.bench import (client, plots, recommend, repeats, report, server_metrics,
-                            server_trace, sweep, workload)
+from epdserve.bench import client, plots, recommend, repeats, report, server_metrics, sweep, workload
+from epdserve.bench.deployment_run import run_config
 from epdserve.bench.deployments import Deployment, DeploymentFileError, from_config, load
-from epdserve.bench.processes import (SERVE, LaunchOptions, Running, ServerError, launched,
-                                      server_command)
-from epdserve.bench.run import (add_client_arguments, bench, parse_rates, parse_share,
-                                write_json)
+from epdserve.bench.processes import ServerError, server_command
+from epdserve.bench.run import add_client_arguments, parse_rates, parse_share, write_json
 from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
 from epdserve.serving.deployment import NAME_HELP, DeploymentSpec
 
@@ -200,166 +197,6 @@ def preflight(args: argparse.Namespace, available_bytes: int | None,
         if error:
             errors.append(f"[{dep.name}] {error}")
     return warnings, errors
-
-
-def run_config(deployment: str | Deployment, requests: list[workload.Request],
-               args: argparse.Namespace, out_dir: Path, serve: list[str] = SERVE,
-               progress: str = "") -> dict:
-    """Start ``deployment`` (a ``--configs`` name or a deployments-file entry), wait until
-    it is ready, run the trace (and the goodput sweep when ``args.sweep_rates`` is set),
-    read its resources, stop it; return the compare.json entry:
-
-    ``{"name", "mode" ("colocated", "pd", "epd" or None), "deployment": <the entry as
-    parsed>, "metrics_urls", "result": <bench result>, "server": <trace summary, {}
-    without an epdserve trace>, "resources": {"workers", "cores", "num_cores",
-    "device_kind", "num_devices", "price_per_hour"}, "itl_stalls": gaps > plots.STALL_MS,
-    "breakdown": <server_trace.breakdown, {} without a trace>, "server_metrics":
-    <server_metrics.MetricsWatcher.stop over the measured requests, {} without metrics
-    URLs>, "sweep": <sweep result> (with --sweep-rates: :func:`_sweep`; "sweep_error"
-    instead when a start or run of the sweep failed), "host_load": {"cores", "before": <host.quiet_check>, "during":
-    <host.LoadMonitor.stop>, "warning": <host.outside_warning> or None} (None for a
-    base_url deployment: its CPU time cannot be told from others'), "died": <see
-    :class:`~epdserve.bench.processes.Running`> (only when a process died)}``.
-    ``serve``: the command epdserve deployments start with; ``progress`` prefixes the log
-    lines (e.g. "2/4").
-
-    Raises:
-        ServerError: it did not get ready (a taken port, a process that exited, a timeout,
-            not an OpenAI server), or it died before the trace ran.
-        client.ClientError: it stopped answering before the run, or the warm-up failed.
-        sweep.SweepError: a sweep result without ``slo_attainment`` (no SLOs given).
-    """
-    dep = from_config(deployment) if isinstance(deployment, str) else deployment
-    tag = f"[{progress} {dep.name}]" if progress else f"[{dep.name}]"
-    entry: dict = {"name": dep.name, "mode": dep.entry_mode, "deployment": dep.record()}
-    cores = sorted(os.sched_getaffinity(0))  # the launcher splits these among its workers
-    before = host.quiet_check(cores)
-    opts = LaunchOptions(args.port, args.model, args.startup_timeout,
-                         args.allow_oversubscription, serve)
-    with launched(dep, out_dir, opts, lambda line: print(f"{tag} {line}", flush=True)) as running:
-        entry["metrics_urls"] = running.metrics_urls
-        print(f"{tag} sending {len(requests)} requests", flush=True)
-        during = _run_trace(running, requests, args, entry, cores, tag)
-    if args.sweep_rates and not running.died:
-        try:
-            entry["sweep"] = _sweep(dep, requests, args, out_dir, opts, tag)
-        except (ServerError, client.ClientError) as exc:  # the run's result stands
-            entry["sweep_error"] = str(exc).splitlines()[0]
-            print(f"{tag} error: the goodput sweep stopped: {entry['sweep_error']}", flush=True)
-    if running.died:
-        entry["died"] = running.died
-        print(f"{tag} error: {running.died_reason()}; last lines of its log:\n"
-              f"{running.died['log_tail']}", flush=True)
-    entry["host_load"] = _host_load(cores, before, during, tag) if during else None
-    _add_summaries(entry, running.trace_file)
-    result = entry["result"]
-    print(f"{tag} done: {result['completed']} completed, {result['failed']} failed, "
-          f"{result['duration']:.1f} s", flush=True)
-    return entry
-
-
-def _host_load(cores: list[int], before: dict | None, during: dict, tag: str) -> dict:
-    """``host_load`` of an entry (or of a sweep point: no ``before``); prints its warning."""
-    warning = host.outside_warning(during["outside_share"], during["steal_share"], len(cores))
-    if warning:
-        print(f"{tag} warning: {warning}", flush=True)
-    return {"cores": cores, "before": before, "during": during, "warning": warning}
-
-
-def _run_trace(running: Running, requests: list[workload.Request], args: argparse.Namespace,
-               entry: dict, cores: list[int], tag: str) -> dict | None:
-    """Send the trace to the ready deployment while measuring the load on ``cores``; puts
-    ``result``, ``server_metrics`` and ``resources`` in ``entry`` and returns the load
-    (:meth:`host.LoadMonitor.stop`; None for a base_url deployment).
-
-    Raises:
-        ServerError: a process died and the client could not even start the run.
-    """
-    # From here on, not from the start: loading the model is not what the run measures.
-    pids = running.root_pids
-    monitor = host.LoadMonitor(cores, pids).start() if pids else None
-    # The server's own view of the same requests: from after the warm-up to the run's end.
-    watcher = server_metrics.MetricsWatcher(running.metrics_urls)
-    try:
-        entry["result"] = bench(running.client_url, requests, args, model=running.model,
-                                on_start=watcher.start if watcher.urls else None)
-        entry["server_metrics"] = _stop_watcher(watcher, entry["result"]["completed"], tag)
-        entry["resources"] = running.resources()
-    except client.ClientError:
-        if not running.died:
-            raise
-        if "result" not in entry:  # the cause, not the client's view of it
-            raise ServerError(running.died_reason(), running.died["log_tail"]) from None
-    finally:
-        if "server_metrics" not in entry and watcher.urls:
-            watcher.stop()  # the run failed: end the sampling thread, the numbers are moot
-        load = monitor.stop() if monitor else None
-    return load
-
-
-def _sweep(dep: Deployment, requests: list[workload.Request], args: argparse.Namespace,
-           out_dir: Path, opts: LaunchOptions, tag: str) -> dict:
-    """The goodput sweep (:func:`sweep.find_max_goodput_rate`) of ``dep``: the trace
-    re-timed to each rate, each rate on a fresh start of the deployment, its logs and
-    server trace under ``DIR/sweep/NAME-RATE/``, each point with its ``host_load``.
-
-    A fresh start because a server that served the trace holds its prompts in its prefix
-    cache: sent again, they are cache hits. Sweeping the running server, a synthetic trace
-    (100-300 prompt tokens, 2 cores) had prefills of 3.8 s median on its first pass and
-    61 ms on every later one, and so "passed" rates it could not serve. A base_url
-    deployment (not ours to restart) gets every rate on the same server, with a warning.
-
-    Raises:
-        ServerError, client.ClientError: a start or a run failed (the sweep ends there).
-    """
-    if dep.kind == "base_url":
-        print(f"{tag} warning: {dep.name} is a running server (base_url): every sweep rate is sent to it "
-              "as it is, and from the second on its prefix cache may hold the trace's prompts", flush=True)
-    print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s, "
-          "each rate on a fresh start", flush=True)
-
-    def measure(rate: float) -> dict:
-        point_dir = out_dir / "sweep" / f"{dep.name}-{rate:g}"
-        point_dir.mkdir(parents=True, exist_ok=True)
-        cores = sorted(os.sched_getaffinity(0))
-        with launched(dep, point_dir, opts, lambda line: print(f"{tag} [{rate:g} req/s] {line}", flush=True)
-                      ) as running:
-            monitor = host.LoadMonitor(cores, running.root_pids).start() if running.root_pids else None
-            try:
-                result = bench(running.client_url, workload.retime(requests, rate, args.seed), args,
-                               model=running.model)
-            finally:
-                during = monitor.stop() if monitor else None
-        if during:
-            result["host_load"] = _host_load(cores, None, during, f"{tag} [{rate:g} req/s]")
-        return result
-
-    return sweep.find_max_goodput_rate(measure, target_share=args.goodput_target, lo=args.sweep_rates[0],
-                                       hi=args.sweep_rates[1], iters=args.sweep_iters,
-                                       progress=not args.disable_tqdm)
-
-
-def _stop_watcher(watcher: server_metrics.MetricsWatcher, completed: int, tag: str) -> dict:
-    """The watcher's stages (``{}`` without metrics URLs); prints its warnings."""
-    if not watcher.urls:
-        return {}
-    found = watcher.stop(completed_requests=completed)
-    for line in found["warnings"]:
-        print(f"{tag} warning: {line}", flush=True)
-    return found
-
-
-def _add_summaries(entry: dict, trace_file: Path | None) -> None:
-    """What the server's trace (epdserve's; none for other deployments) and the bench
-    result say, into ``entry``: ``server``, ``breakdown`` and ``itl_stalls``."""
-    result = entry["result"]
-    entry["itl_stalls"] = plots.itl_stalls(result)
-    if trace_file is None:
-        entry["server"], entry["breakdown"] = {}, {}
-        return
-    records, _ = server_trace.read(trace_file)
-    entry["server"] = server_trace.summarize(trace_file, result["request_ids"])
-    entry["breakdown"] = server_trace.breakdown(result, records)
 
 
 def _raise_interrupt(signum, frame):
