@@ -229,8 +229,10 @@ def test_grammar_state_continues_across_handoff_and_preemption(engine_parts, tok
                        kv=kv, first_token=first[0])
     assert first + rest == whole and reason == "stop"
 
+    # Room for one request and a bit: the second preempts the first (no prefix cache, so
+    # they share no blocks).
     blocks = -(-(len(prompt) + 40) // 16)
-    tight = LLMEngine(model_dir, EngineConfig(num_kv_blocks=blocks + 2))
+    tight = LLMEngine(model_dir, EngineConfig(num_kv_blocks=blocks + 2, enable_prefix_caching=False))
     for rid in ("x", "y"):
         tight.add_request(rid, prompt, sampling)
     outs = {"x": [], "y": []}
