@@ -21,6 +21,7 @@ refuses, which the engine fails the same way).
 from __future__ import annotations
 
 import math
+
 import torch
 
 from epdserve.engine.request import Sequence
