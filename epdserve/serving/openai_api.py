@@ -5,8 +5,12 @@ Only what the router serves: ``/v1/chat/completions`` (text messages) and
 :data:`MAX_N`), ``logprobs`` (completions: an int; chat: ``logprobs`` + ``top_logprobs``;
 at most :data:`~epdserve.engine.request.MAX_LOGPROBS`, as vLLM), OpenAI's penalties and
 vLLM's extensions ``top_k``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``ignore_eos`` and ``include_stop_str_in_output``. Unknown request fields are accepted
-and ignored, as vLLM does.
+``ignore_eos`` and ``include_stop_str_in_output``, ``logit_bias`` (OpenAI) and ``min_p``
+(vLLM), and structured output: OpenAI's ``response_format`` (``json_object``,
+``json_schema``) and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar`` and ``structured_outputs`` (one constraint per request; see
+``epdserve/serving/structured_output.py``). Unknown request fields are accepted and
+ignored, as vLLM does.
 
 Every per-request cost has a bound, so that one request cannot hold the router: at most
 :data:`MAX_STOP_STRINGS` stop strings of :data:`MAX_STOP_CHARS` characters (SGLang bounds
@@ -38,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.engine.request import MAX_LOGPROBS
+from epdserve.serving.structured_output import GuidedFields
 
 log = logging.getLogger("epdserve.api")
 
@@ -162,7 +167,7 @@ class ChatMessage(_Req):
         return out
 
 
-class _SamplingFields(_Req):
+class _SamplingFields(GuidedFields, _Req):
     """Fields shared by chat and completions. ``max_tokens`` None = the endpoint's default."""
 
     model: str | None = None

@@ -13,6 +13,7 @@ whose texts are merged (:func:`merged`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import json
 import logging
@@ -21,12 +22,15 @@ from typing import AsyncIterator
 
 import pydantic
 
+from epdserve.engine.guided import GuidedDecoder, GuidedError
+from epdserve.engine.request import GuidedSpec
 from epdserve.model.tokenizer import chat_prompt_ids
 from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
 from epdserve.serving.detokenizer import TextStream
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.multimodal import ImagePrompter
+from epdserve.serving.structured_output import FieldError
 from epdserve.serving.router.flows import Flow, FlowConfig, new_flow
 from epdserve.serving.router.registry import Registry
 
@@ -39,6 +43,16 @@ log = logging.getLogger("epdserve.router")
 # waiting for the threads.
 PREPROCESS_THREADS = 4
 MAX_PREPROCESS_QUEUE = 256
+# A request's grammar must compile within this (s) on the router's grammar thread, or the
+# request gets 400. A thread cannot be stopped, so one that takes longer goes on (a large
+# grammar of overlapping alternatives took minutes here); it has a thread of its own so
+# that it holds up only other new grammars, never the prompts' preprocessing, and at most
+# MAX_COMPILE_QUEUE requests wait for it. Each worker compiles an accepted grammar again,
+# off its loop (serving/grammar_prep.py). Grammars that compiled are remembered (up to
+# MAX_CHECKED_GRAMMARS, least recently used out) and not compiled here again.
+GUIDED_COMPILE_TIMEOUT_S = 10.0
+MAX_COMPILE_QUEUE = 16
+MAX_CHECKED_GRAMMARS = 1024
 
 
 @dataclass
@@ -58,8 +72,9 @@ class Choice:
         return None if self.logprobs is None else self.logprobs(entries)
 
 
-def sampling_params(body, max_tokens: int, i: int) -> P.SamplingParams:
-    """Choice ``i``'s sampling settings. As vLLM's parallel sampling, choice i of a
+def sampling_params(body, max_tokens: int, i: int, guided: GuidedSpec | None = None) -> P.SamplingParams:
+    """Choice ``i``'s sampling settings, ``guided`` its structured-output constraint (see
+    :meth:`Front.guided_spec`). As vLLM's parallel sampling, choice i of a
     seeded request draws with seed + i (wrapped into int64), so choices differ but repeat.
 
     Raises:
@@ -71,7 +86,8 @@ def sampling_params(body, max_tokens: int, i: int) -> P.SamplingParams:
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             seed=seed, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logprobs=body.num_logprobs)
+            repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logprobs=body.num_logprobs,
+            logit_bias=body.logit_bias_ids, min_p=body.min_p, guided=guided)
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         field_ = ".".join(map(str, err["loc"])) or None
@@ -98,10 +114,16 @@ class Front:
         self._preprocess = concurrent.futures.ThreadPoolExecutor(PREPROCESS_THREADS,
                                                                  thread_name_prefix="epdserve-preprocess")
         self._preprocess_queued = 0
+        # Compiles requests' grammars to check them (a worker compiles them again).
+        self.guided = GuidedDecoder(tokenizer, len(tokenizer))
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="epdserve-grammar")
+        self._compiles_queued = 0
+        self._checked: collections.OrderedDict[GuidedSpec, None] = collections.OrderedDict()
 
     def close(self) -> None:
         """Drop the preprocessing queue (requests waiting there get cancelled)."""
         self._preprocess.shutdown(wait=False, cancel_futures=True)
+        self._compiler.shutdown(wait=False, cancel_futures=True)
 
     # -- checks
     def check_model(self, model: str | None) -> None:
@@ -185,6 +207,44 @@ class Front:
         finally:
             self._preprocess_queued -= 1
 
+    async def guided_spec(self, body) -> GuidedSpec | None:
+        """The request's structured-output constraint (None: none), checked by compiling it
+        on the grammar thread (see :data:`GUIDED_COMPILE_TIMEOUT_S`) unless checked before.
+
+        Raises:
+            APIError: 400 naming the field: two constraints, a value the grammar library
+                cannot compile (with its message), or one not compiled in time; 503 when
+                :data:`MAX_COMPILE_QUEUE` requests already wait for the grammar thread.
+        """
+        try:
+            found = body.guided_spec()
+        except FieldError as exc:
+            raise api.APIError(str(exc), param=exc.param) from None
+        if found is None:
+            return None
+        param, spec = found
+        if spec in self._checked:
+            self._checked.move_to_end(spec)
+            return spec
+        if self._compiles_queued >= MAX_COMPILE_QUEUE:
+            raise api.APIError(f"the server is busy compiling {self._compiles_queued} grammars; retry later",
+                               status=503, type="service_unavailable", code=503)
+        self._compiles_queued += 1
+        try:
+            work = asyncio.get_running_loop().run_in_executor(self._compiler, self.guided.compile, spec)
+            await asyncio.wait_for(work, GUIDED_COMPILE_TIMEOUT_S)
+        except GuidedError as exc:
+            raise api.APIError(f"{param}: {exc}", param=param) from None
+        except asyncio.TimeoutError:
+            raise api.APIError(f"{param}: not compiled within {GUIDED_COMPILE_TIMEOUT_S:g} s (too complex, or the "
+                               "server is compiling others); simplify it or retry", param=param) from None
+        finally:
+            self._compiles_queued -= 1
+        self._checked[spec] = None
+        if len(self._checked) > MAX_CHECKED_GRAMMARS:
+            self._checked.popitem(last=False)
+        return spec
+
     def _prompt(self, body) -> tuple[list[int], list[P.ImageRef]]:
         if not isinstance(body, api.ChatCompletionRequest):
             return self.prompt_ids(body), []
@@ -226,7 +286,8 @@ class Front:
         """Check and prepare ``body`` (``kind`` "chat" or "completion"): its choices, not started.
 
         Raises:
-            APIError: 400 (see the checks above, and ``min_tokens`` over ``max_tokens``), 503.
+            APIError: 400 (see the checks above, ``min_tokens`` over ``max_tokens``, a
+                ``logit_bias`` token outside the vocabulary, and :meth:`guided_spec`), 503.
         """
         self.check_model(body.model)
         prompt_ids, images = await self.prompt(body)
@@ -235,8 +296,10 @@ class Front:
             raise api.APIError(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
                                param="min_tokens")
         self.check_token_ids(body.stop_token_ids, "stop_token_ids")
+        self.check_token_ids(list(body.logit_bias_ids), "logit_bias")
+        guided = await self.guided_spec(body)
         return [Choice(i, new_flow(self.registry, self.config, request_id if body.n == 1 else f"{request_id}-{i}",
-                                   prompt_ids, sampling_params(body, max_tokens, i), t_arrival, images),
+                                   prompt_ids, sampling_params(body, max_tokens, i, guided), t_arrival, images),
                        TextStream(self.tokenizer, prompt_ids, body.stop_list, body.include_stop_str_in_output),
                        None if body.num_logprobs is None else api.LogprobsFormatter(kind, self.token_text))
                 for i in range(body.n)]
