@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.engine.request import MAX_LOGPROBS
+from epdserve.serving.tool_calls import ToolCallIn, ToolChoice, ToolDef
 
 log = logging.getLogger("epdserve.api")
 
@@ -122,9 +123,22 @@ class ImagePart(_Req):
 
 
 class ChatMessage(_Req):
+    """A chat message; an assistant's may carry its earlier ``tool_calls``, a ``tool``
+    message answers one (``tool_call_id``, required as OpenAI requires it)."""
+
     role: str
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_MESSAGES)
+    tool_call_id: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages carry tool calls, not {self.role!r}")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message must name the call it answers")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -159,6 +173,10 @@ class ChatMessage(_Req):
         out = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -239,6 +257,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Checked against the server's template and flags by tool_calls.plan_tools.
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -289,8 +311,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text},
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
+                message: dict | None = None) -> dict:
+    """A chat choice: ``message`` if given (with tool calls: see tool_calls.ToolOutput), else ``text``'s."""
+    return {"index": index, "message": message or {"role": "assistant", "content": text},
             "logprobs": logprobs, "finish_reason": finish_reason}
 
 
