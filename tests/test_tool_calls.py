@@ -112,7 +112,7 @@ def test_hermes_length_cut_and_parallel_and_strict():
 def test_required_and_named_outputs():
     """Required: vLLM's array of {name, parameters} becomes calls, element by element,
     whatever the split; the schema validates such arrays. Named: the whole output is the
-    arguments, streamed as they come."""
+    arguments, streamed as they come, and the finish reason stays "stop" (OpenAI's and vLLM's)."""
     plan = ToolPlan("required", TOOLS)
     items = [{"name": "get_weather", "parameters": {"city": "Lima", "unit": "celsius"}},
              {"name": "get_time", "parameters": {}}]
@@ -136,7 +136,7 @@ def test_required_and_named_outputs():
     assert json.loads(named.guided_schema()) == WEATHER["function"]["parameters"]
     args = '{"city": "Kyiv", "unit": "celsius"}'
     assert merged(NamedOutput("get_weather"), list(args)) == (
-        {"content": "", "calls": [{"name": "get_weather", "arguments": args}]}, "tool_calls")
+        {"content": "", "calls": [{"name": "get_weather", "arguments": args}]}, "stop")
 
 
 def test_plan_checks():

@@ -16,7 +16,7 @@ against the server's :class:`ToolSettings` and gives the :class:`ToolPlan` that 
 
 Each output class turns a choice's text, piece by piece, into OpenAI chat ``delta`` dicts
 (``{"content"}`` or ``{"tool_calls": [{"index", ...}]}``) and a final ``finish_reason``
-("tool_calls" when a call was made and the model stopped by itself); a non-streamed
+("tool_calls" when the model chose to call and stopped by itself); a non-streamed
 message is those deltas merged (:meth:`ToolOutput.message`), so both always agree.
 """
 
@@ -408,7 +408,8 @@ class HermesOutput(ToolOutput):
 @dataclass
 class NamedOutput(ToolOutput):
     """The output is the named function's arguments (forced by the schema): one call,
-    its arguments streamed as they are generated."""
+    its arguments streamed as they are generated. The finish reason stays the engine's
+    ("stop"), as OpenAI answers a forced function and vLLM follows."""
 
     name: str
     calls: int = 0
@@ -424,6 +425,9 @@ class NamedOutput(ToolOutput):
 
     def flush(self) -> list[dict]:
         return self.feed("")
+
+    def finish(self, reason: str) -> tuple[list[dict], str]:
+        return self.flush(), reason
 
 
 @dataclass

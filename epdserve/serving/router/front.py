@@ -244,6 +244,10 @@ class Front:
         if plan is not None and self.images is not None:
             raise api.APIError(f"tools: not supported with the vision-language model `{self.model.name}`",
                                param="tools")
+        if plan is not None and plan.guided_schema() is not None:
+            # Forcing the call needs structured output (SamplingParams.guided), not in this build.
+            raise api.APIError(f"tool_choice: {plan.mode!r} needs structured output, not available in this build; "
+                               'use "auto" or "none"', param="tool_choice")
         return plan
 
     def token_text(self, token_id: int) -> str:
