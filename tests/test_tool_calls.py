@@ -270,3 +270,41 @@ def test_tool_requests_refused(tool_server, colocated_server):
         with pytest.raises(openai.BadRequestError) as err:
             plain.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4, **kw)
         assert err.value.body["param"] == param and "--chat-template" in err.value.body["message"]
+
+
+def test_named_tool_call_round_trip(tool_server):
+    """A named function (forced by structured output): one call whose arguments validate
+    against its parameters, finish_reason "stop" (OpenAI's, vLLM's); the streamed deltas
+    merge to the same call; the assistant's message (the SDK's own object) and the tool's
+    result go back through the template and get a text answer."""
+    client = tool_server.openai()
+    kw = dict(model="SmolLM2-135M-Instruct", messages=ASK, tools=[WEATHER, TIME], max_tokens=60, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    content, streamed, finish = stream_message(client, **kw)
+    assert (content, finish) == ("", "stop")
+    assert [(c["name"], c["arguments"]) for c in streamed] == [("get_weather", call.function.arguments)]
+
+    answer = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", tools=[WEATHER, TIME], tool_choice="none", max_tokens=12, temperature=0,
+        messages=ASK + [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "21 C and sunny"}])
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+
+
+def test_required_tool_calls(tool_server):
+    """tool_choice "required": at least one call, each of a given tool with arguments valid
+    against its parameters, finish_reason "tool_calls"; with parallel_tool_calls false, one."""
+    client = tool_server.openai()
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for parallel in (True, False):
+        choice = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, tools=[WEATHER, TIME],
+                                                tool_choice="required", parallel_tool_calls=parallel,
+                                                max_tokens=80, temperature=0).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        assert parallel or len(choice.message.tool_calls) == 1
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])

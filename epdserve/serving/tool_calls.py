@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import jsonschema
+import referencing.exceptions
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the Hermes format's markers
@@ -70,6 +71,8 @@ class FunctionDef(BaseModel):
                 jsonschema.Draft202012Validator.check_schema(v)
             except jsonschema.SchemaError as exc:
                 raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
+            except RecursionError:
+                raise ValueError("not a valid JSON Schema: nested too deeply") from None
         return v
 
     @property
@@ -220,12 +223,12 @@ def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, para
         if tool_choice is not None and tool_choice != "none":
             raise ToolRequestError("When using `tool_choice`, `tools` must be set.", "tool_choice")
         return None
-    names = [t.function.name for t in tools]
-    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if dup is not None:
-        raise ToolRequestError(f"tools: two functions are named {dup!r}", "tools")
     if len(tools) > MAX_TOOLS:
         raise ToolRequestError(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+    names = [t.function.name for t in tools]
+    if len(set(names)) < len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ToolRequestError(f"tools: two functions are named {dup!r}", "tools")
     if not settings.template_tools:
         raise ToolRequestError("tools: the model's chat template has no tool-call format (it ignores `tools`); "
                                "serve it with --chat-template FILE, a template that renders them (e.g. "
@@ -239,6 +242,19 @@ def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, para
         raise ToolRequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                'to be set (or pass tool_choice "none", "required" or a function)', "tool_choice")
     return ToolPlan(choice, tools, parallel is not False)
+
+
+def tool_chars(body) -> int:
+    """Characters a chat request's tools put in its prompt, at the least: each function's
+    name and parameters JSON (a tool format renders the signatures), and the earlier
+    calls' names and arguments. Counted with the messages' text by the router's length
+    check, which must stay a lower bound."""
+    def shortest(value) -> int:  # the fewest characters any JSON rendering of value takes
+        return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+    tools = sum(len(t.function.name) + shortest(t.function.parameters or {}) for t in body.tools or ())
+    calls = (c.as_template_dict()["function"] for m in body.messages for c in m.tool_calls or ())
+    return tools + sum(len(f["name"]) + shortest(f["arguments"]) for f in calls)
 
 
 def add_tool_options(parser: argparse.ArgumentParser) -> None:
@@ -265,6 +281,16 @@ def tool_settings(args: argparse.Namespace, template_tools: bool) -> ToolSetting
 
 
 # ----------------------------------------------------------------------------- outputs
+
+def conforms(value, schema: dict) -> bool:
+    """Whether ``value`` is valid against ``schema``; False too when the schema cannot be
+    applied (a ``$ref`` it cannot resolve: no reference is fetched; too deep a nesting),
+    since then it is not known to conform."""
+    try:
+        return jsonschema.Draft202012Validator(schema).is_valid(value)
+    except (jsonschema.SchemaError, referencing.exceptions.Unresolvable, RecursionError):
+        return False
+
 
 def new_call_id() -> str:
     """A tool call id in OpenAI's form, ``call_`` and 24 characters."""
@@ -400,7 +426,7 @@ class HermesOutput(ToolOutput):
         function = self.plan.function(obj.get("name")) if isinstance(obj.get("name"), str) else None
         if function is None:
             return None
-        if function.strict and not jsonschema.Draft202012Validator(function.schema).is_valid(obj["arguments"]):
+        if function.strict and not conforms(obj["arguments"], function.schema):
             return None
         return function.name, json.dumps(obj["arguments"], ensure_ascii=False)
 

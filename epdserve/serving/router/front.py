@@ -27,7 +27,7 @@ from epdserve.serving import protocol as P
 from epdserve.serving.detokenizer import TextStream
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.multimodal import ImagePrompter
-from epdserve.serving.tool_calls import ToolOutput, ToolPlan, ToolRequestError, ToolSettings, plan_tools
+from epdserve.serving.tool_calls import ToolOutput, ToolPlan, ToolRequestError, ToolSettings, plan_tools, tool_chars
 from epdserve.serving.router.flows import Flow, FlowConfig, new_flow
 from epdserve.serving.router.registry import Registry
 
@@ -127,7 +127,7 @@ class Front:
             APIError: 400 ``context_length_exceeded`` when that bound is over ``max_model_len``.
         """
         if isinstance(body, api.ChatCompletionRequest):
-            chars, param = sum(m.text_chars for m in body.messages), "messages"
+            chars, param = sum(m.text_chars for m in body.messages) + tool_chars(body), "messages"
         elif isinstance(body.prompt, str):
             chars, param = len(body.prompt), "prompt"
         else:
