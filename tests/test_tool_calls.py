@@ -5,6 +5,8 @@ driven with the ``openai`` SDK (a tool-call round trip, streamed calls, 400s).""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -308,3 +310,34 @@ def test_required_tool_calls(tool_server):
         assert parallel or len(choice.message.tool_calls) == 1
         for call in choice.message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_serve_refuses_bad_tool_options(tmp_path):
+    """serve exits 2 before any worker starts, naming the problem: a --chat-template that
+    is no file, one that does not render, --enable-auto-tool-choice without a parser."""
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }}")  # no endfor
+    for extra, words in [(["--chat-template", str(tmp_path / "none.jinja")], "no such file"),
+                         (["--chat-template", str(broken)], "chat template failed"),
+                         (["--enable-auto-tool-choice"], "--tool-call-parser")]:
+        proc = subprocess.run([sys.executable, "-m", "epdserve", "serve", "--port", "0", *extra],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and words in proc.stderr, (extra, proc.stderr[-2000:])
+        assert "worker" not in proc.stdout
+
+
+def test_tool_chars_bound_the_rendered_prompt(tokenizer, model_info):
+    """The characters tool_chars counts never exceed what the template renders of them."""
+    from epdserve.serving.openai_api import ChatCompletionRequest
+    from epdserve.serving.tool_calls import tool_chars
+
+    tok = load_tokenizer(model_info.path, TEMPLATE.read_text())
+    messages = [{"role": "user", "content": ""},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{ "city" :  "Zürich",  "unit": "celsius" }'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": ""}]
+    body = ChatCompletionRequest(messages=messages, tools=[WEATHER, TIME])
+    plain = chat_prompt_text(tok, [{"role": m["role"], "content": ""} for m in messages])
+    full = chat_prompt_text(tok, [m.as_template_dict() for m in body.messages], [WEATHER, TIME])
+    assert 0 < tool_chars(body) <= len(full) - len(plain)
