@@ -15,7 +15,8 @@ import pytest
 
 from conftest import _stop, start_deployment
 from epdserve.model.tokenizer import chat_prompt_text, load_tokenizer, template_renders_tools
-from epdserve.serving.tool_calls import (NamedOutput, NamedToolChoice, ToolDef, ToolPlan, ToolRequestError,
+from epdserve.serving.structured_output import FieldError
+from epdserve.serving.tool_calls import (NamedOutput, NamedToolChoice, ToolDef, ToolPlan,
                                          ToolSettings, plan_tools)
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "examples" / "templates" / "hermes_tools.jinja"
@@ -119,7 +120,7 @@ def test_required_and_named_outputs():
     items = [{"name": "get_weather", "parameters": {"city": "Lima", "unit": "celsius"}},
              {"name": "get_time", "parameters": {}}]
     text = json.dumps(items)
-    schema = json.loads(plan.guided_schema())
+    schema = json.loads(plan.guided_spec().value)
     jsonschema.validate(items, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([], schema)
@@ -130,12 +131,12 @@ def test_required_and_named_outputs():
     assert whole(plan, text) == expected
     for k in range(len(text) + 1):
         assert merged(plan.output(), [text[:k], text[k:]]) == expected, k
-    assert json.loads(ToolPlan("required", TOOLS, parallel=False).guided_schema())["maxItems"] == 1
+    assert json.loads(ToolPlan("required", TOOLS, parallel=False).guided_spec().value)["maxItems"] == 1
     cut = text[:30]
     assert whole(plan, cut, "length") == ({"content": cut[1:], "calls": []}, "length")
 
     named = ToolPlan("named", TOOLS, named="get_weather")
-    assert json.loads(named.guided_schema()) == WEATHER["function"]["parameters"]
+    assert json.loads(named.guided_spec().value) == WEATHER["function"]["parameters"]
     args = '{"city": "Kyiv", "unit": "celsius"}'
     assert merged(NamedOutput("get_weather"), list(args)) == (
         {"content": "", "calls": [{"name": "get_weather", "arguments": args}]}, "stop")
@@ -151,7 +152,7 @@ def test_plan_checks():
              ((TOOLS, "none", ToolSettings(auto=True, parser="hermes")), "tools"),
              ((TOOLS, None, ToolSettings(template_tools=True)), "tool_choice")]
     for (tools, choice, settings), param in cases:
-        with pytest.raises(ToolRequestError) as err:
+        with pytest.raises(FieldError) as err:
             plan_tools(tools, choice, None, settings)
         assert err.value.param == param
     assert plan_tools(None, "none", None, ENABLED) is None

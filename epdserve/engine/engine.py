@@ -34,6 +34,7 @@ from epdserve.engine.scheduler import Scheduler, SchedulerConfig
 from epdserve.model.base import MULTIMODAL_MODEL_TYPES
 from epdserve.model.llama import LlamaModel
 from epdserve.model.smolvlm import load_text
+from epdserve.model.tokenizer import load_tokenizer
 from epdserve.trace import StageTimings
 
 log = logging.getLogger(__name__)
@@ -81,9 +82,10 @@ class StepOutput:
     """One request's result of a step.
 
     ``token_ids``: tokens generated this step (one, or none for an abort).
-    ``finished``/``finish_reason``: "stop" (EOS or a stop token), "length" (max_tokens or
-    the context window), "abort", "error" (then ``error`` says why: the request's imported
-    KV was void, or its next token could not be sampled; other requests go on).
+    ``finished``/``finish_reason``: "stop" (EOS, a stop token, or the end of a guided
+    request's grammar), "length" (max_tokens or the context window), "abort", "error"
+    (then ``error`` says why: the request's imported KV was void, or its next token could
+    not be sampled; other requests go on).
     ``kv_block_ids``: for a request that asked to ``hold_kv`` (finished False), the handle of
     the hold: the blocks holding the prompt's KV; they stay allocated until
     :meth:`LLMEngine.release_kv`. ``timings``: ms,
@@ -116,6 +118,7 @@ class LLMEngine:
         if config.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {config.dtype!r} (choose from {', '.join(DTYPES)})")
         self.config = config
+        self.model_dir = model_dir
         self.model, self.image_token_id = load_language_model(model_dir, DTYPES[config.dtype],
                                                                   config.quantized_weights)
         mc = self.model.config
@@ -133,6 +136,9 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         # The prompt blocks of requests that asked to hold their KV, until release_kv.
         self.held: dict[str, list[int]] = {}
+        # Structured output (engine/guided.py), made at the first guided request.
+        self.guided = None
+        self._mask_guided = None
 
     def kv_layout(self) -> dict:
         """What a peer must match to exchange KV blocks with this engine."""
@@ -160,22 +166,18 @@ class LLMEngine:
 
         Raises:
             ValueError: duplicate id, empty or out-of-vocabulary prompt, a stop token id
-                outside the vocabulary, prompt plus ``max_tokens`` over the context window
-                or the whole KV pool, KV of the wrong shape or dtype, images for a text
-                model, images whose tokens or embeddings do not match the prompt, or
-                images without embeddings to prefill.
+                or ``logit_bias`` token outside the vocabulary, prompt plus ``max_tokens``
+                over the context window or the whole KV pool, KV of the wrong shape or
+                dtype, images for a text model, images whose tokens or embeddings do not
+                match the prompt, images without embeddings to prefill, or a ``guided``
+                grammar that does not compile or that ``first_token`` breaks (``GuidedError``).
         """
         if request_id in self.seqs or request_id in self.held:
             raise ValueError(f"duplicate request id {request_id!r}")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty")
-        vocab = self.model.config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
-        bad_stop = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
-        if bad_stop is not None:
-            raise ValueError(f"stop_token_ids has {bad_stop}, outside the vocabulary [0, {vocab})")
+        self._check_vocabulary(prompt_token_ids, sampling)
         total = n + sampling.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({n} tokens) plus max_tokens ({sampling.max_tokens}) is "
@@ -188,6 +190,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, sampling, kv, first_token,
                        self._prompt_images(prompt_token_ids, images, image_embeddings, kv is not None))
         seq.hold_kv, seq.layer_sink = hold_kv, layer_sink
+        seq.guided = self._guided_matcher(sampling, first_token)
         if timings is not None:
             seq.timings.update(timings)
         if arrival is not None:
@@ -197,6 +200,45 @@ class LLMEngine:
             seq.num_computed_tokens = n  # the prompt's K/V arrives with the request
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def _check_vocabulary(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Raises ValueError for a prompt, stop or ``logit_bias`` token outside the vocabulary."""
+        vocab = self.model.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        bad_stop = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
+        if bad_stop is not None:
+            raise ValueError(f"stop_token_ids has {bad_stop}, outside the vocabulary [0, {vocab})")
+        bad_bias = next((t for t in sampling.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise ValueError(f"logit_bias has token {bad_bias}, outside the vocabulary [0, {vocab})")
+
+    def guided_decoder(self):
+        """This engine's :class:`~epdserve.engine.guided.GuidedDecoder` (grammar compiler
+        and cache), made at first use. Not thread-safe against itself: a worker calls it
+        from one thread, where it compiles requests' grammars off its loop before queueing
+        them here (``add_request`` then finds them compiled)."""
+        if self.guided is None:
+            # Imported at the first guided request: xgrammar brings transformers (~2 s of
+            # start-up, ~100 MB) that a worker serving none does not need.
+            from epdserve.engine import guided
+
+            mc = self.model.config
+            self.guided = guided.GuidedDecoder(load_tokenizer(self.model_dir), mc.vocab_size, mc.eos_token_ids)
+            self._mask_guided = guided.mask_logits
+        return self.guided
+
+    def _guided_matcher(self, sampling: SamplingParams, first_token: int | None):
+        """A guided request's grammar matcher (None for another), advanced over
+        ``first_token`` when the request comes with it (the prefill worker sampled it under
+        the same grammar).
+
+        Raises:
+            GuidedError: (a ValueError) the grammar does not compile, or ``first_token`` breaks it.
+        """
+        if sampling.guided is None:
+            return None
+        return self.guided_decoder().matcher(sampling.guided, [] if first_token is None else [first_token])
 
     def _prompt_images(self, prompt_token_ids: list[int], images: list[tuple[str, int]],
                        embeddings: torch.Tensor | None, has_kv: bool) -> PromptImages | None:
@@ -281,7 +323,7 @@ class LLMEngine:
         seqs = [batch.seqs[i] for i in sampled]
         eos = self.model.config.eos_token_ids
         try:
-            tokens, logprobs = sample(logits, seqs, eos)
+            tokens, logprobs = sample(logits, seqs, eos, self._mask_guided)
         except Exception:
             # One request's row broke the batch's sampling (sample() leaves ``logits``
             # as it was): sample each row alone, and fail only the rows that still fail.
@@ -312,7 +354,7 @@ class LLMEngine:
         """``seq``'s output of this step from its ``logits [1, vocab]``, or an error output
         (and ``seq`` leaves the engine, its blocks freed) if its sampling fails."""
         try:
-            (token,), (lp,) = sample(logits, [seq], eos)
+            (token,), (lp,) = sample(logits, [seq], eos, self._mask_guided)
         except Exception:
             log.exception("request %s: sampling failed", seq.request_id)
             return self._fail(seq, "sampling the next token failed for this request")
@@ -344,6 +386,10 @@ class LLMEngine:
         # machine (benchmarks/kv_handoff.py sizes) and shows in a trace as decode time.
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
+        if seq.guided is not None and not seq.guided.accept_token(token):
+            # Only when the masks left no token (e.g. the grammar allows only EOS and
+            # min_tokens masks it): the argmax then picks a refused one.
+            return self._fail(seq, "no token satisfies both the request's grammar and its other settings")
         seq.token_ids.append(token)
         seq.num_output_tokens += 1
         now = time.perf_counter()
@@ -351,7 +397,8 @@ class LLMEngine:
             seq.first_token_time = now
         p = seq.sampling
         reason = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.model.config.eos_token_ids):
+        if (token in p.stop_token_ids or (not p.ignore_eos and token in self.model.config.eos_token_ids)
+                or (seq.guided is not None and seq.guided.is_terminated())):
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from epdserve.engine.kv_source import KVSource, LayerSink
 from epdserve.trace import StageTimings
+
+if TYPE_CHECKING:  # xgrammar is imported only by a worker that gets a guided request
+    import xgrammar
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs limit
 # vLLM's _MAX_TEMP (vllm/sampling_params.py, SamplingParams.__post_init__): a temperature
@@ -26,6 +29,28 @@ MAX_STOP_TOKEN_IDS = 1024
 # A token id (no vocabulary comes near 2^31 tokens, nor a context near 2^31 positions,
 # which bounds top_k, max_tokens and min_tokens alike).
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# A guided request's schema, regex, grammar or choice list, in characters. It rides in the
+# request's wire message to every worker that serves it and each compiles it (the compile's
+# cost follows the grammar's size); real JSON schemas, tool sets included, are a few KB.
+MAX_GUIDED_CHARS = 1 << 16
+# OpenAI's logit_bias: at most 300 tokens, each biased by -100 .. 100.
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class GuidedSpec(BaseModel):
+    """A structured-output constraint (see :mod:`epdserve.engine.guided`): ``kind`` "json"
+    (``value``: a JSON schema's JSON text), "json_object" (any JSON object; ``value`` "",
+    unused), "regex" (a regular expression), "choice" (a JSON list of strings) or "grammar"
+    (an EBNF grammar in xgrammar's syntax), ``value`` at most 65,536 characters.
+
+    Raises (validation): ``pydantic.ValidationError`` for another kind or a longer value.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    value: str = Field("", max_length=MAX_GUIDED_CHARS)
 
 
 class SamplingParams(BaseModel):
@@ -39,7 +64,10 @@ class SamplingParams(BaseModel):
     and ``stop_token_ids`` until that many tokens are generated; ``logprobs`` (None = none)
     returns each generated token's logprob and the top ``logprobs`` alternatives, of the
     model's raw distribution (vLLM's default ``logprobs_mode`` "raw_logprobs").
-    See ``epdserve.engine.sampler`` for the order they apply in.
+    ``logit_bias`` (OpenAI) adds a bias in [-100, 100] to up to 300 tokens' logits;
+    ``min_p`` (vLLM, 0..1, 0 = none) drops tokens whose probability is under ``min_p``
+    times the most likely one's; ``guided`` constrains the output to a grammar
+    (:class:`GuidedSpec`). See ``epdserve.engine.sampler`` for the order they apply in.
 
     Bounds (this is also the router -> worker wire type, so they hold on every path):
     floats finite; ``temperature`` >= 0, a value in (0, 1e-2) raised to 1e-2 (vLLM's
@@ -47,7 +75,9 @@ class SamplingParams(BaseModel):
     and what msgpack packs); ``top_k`` -1 or 1 .. 2^31-1; ``stop_token_ids`` at most 1024
     ids in [0, 2^31-1] (the engine also refuses ids outside its vocabulary);
     ``max_tokens`` and ``min_tokens`` at most 2^31-1; ``repetition_penalty`` any finite
-    value > 0 (the sampler keeps the logits finite for all of them).
+    value > 0 (the sampler keeps the logits finite for all of them). ``logit_bias`` keys
+    are token ids (the engine refuses ids outside its vocabulary); on the wire they are
+    strings, as msgpack maps here take only string keys (and as OpenAI sends them).
 
     Raises (validation): ``pydantic.ValidationError`` for a value out of range or
     ``min_tokens`` > ``max_tokens``.
@@ -67,6 +97,14 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] = Field(
+        {}, max_length=MAX_LOGIT_BIAS)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    guided: GuidedSpec | None = None
+
+    @field_serializer("logit_bias")
+    def _string_keys(self, v: dict[int, float]) -> dict[str, float]:
+        return {str(k): b for k, b in v.items()}
 
     @field_validator("temperature")
     @classmethod
@@ -142,6 +180,8 @@ class Sequence:
     KV blocks in ``pending_kv`` (an :class:`~epdserve.engine.kv_source.KVSource`) and its
     first token already generated elsewhere. ``images``: its prompt's images, if any.
     ``hold_kv`` / ``layer_sink``: see :meth:`~epdserve.engine.engine.LLMEngine.add_request`.
+    ``guided``: a guided request's grammar matcher, in the state after its output tokens
+    (it survives a preemption as the tokens do: recompute rebuilds KV, not tokens).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -163,6 +203,7 @@ class Sequence:
         self.pending_kv = pending_kv
         self.hold_kv = False
         self.layer_sink: LayerSink | None = None
+        self.guided: xgrammar.GrammarMatcher | None = None
         self.num_output_tokens = 0
         if first_token is not None:
             self.token_ids.append(first_token)

@@ -1,20 +1,27 @@
-"""Next-token sampling: min_tokens masking, penalties, greedy/temperature/top-k/top-p,
-per-request seeds, and logprobs.
+"""Next-token sampling: logit bias, min_tokens masking, penalties, grammar masks,
+greedy/temperature/min-p/top-k/top-p, per-request seeds, and logprobs.
 
-Order (vLLM's, but for the mask): logprobs are taken from the raw logits (vLLM's default
-``logprobs_mode`` "raw_logprobs": before any penalty, mask or temperature); then the
-repetition penalty, then the frequency and presence penalties, then stop tokens are masked
-until ``min_tokens``; then a greedy row takes the argmax, another row divides by its
-temperature, applies top-k and top-p and draws. (vLLM masks before the penalties; a masked
-logit is -inf either way, and masking last keeps the penalties' clamp from lifting it.)
+Order (vLLM's, but for the masks): logprobs are taken from the raw logits (vLLM's default
+``logprobs_mode`` "raw_logprobs": before any bias, penalty, mask or temperature); then
+``logit_bias`` is added, then the repetition penalty, then the frequency and presence
+penalties, then stop tokens are masked until ``min_tokens``, then the tokens a guided
+request's grammar does not allow next; then a greedy row takes the argmax, another row
+divides by its temperature, applies min-p, top-k and top-p and draws. (vLLM masks before
+the penalties; a masked logit is -inf either way, and masking last keeps the penalties'
+clamp from lifting it.)
 
 Every value that ``SamplingParams`` allows gives a finite distribution with mass: see the
 guards in :func:`sample` and :func:`_apply_penalties`. A row can still fail if the model
-gave it NaN logits or every token of the vocabulary is a masked stop token; the engine then
-samples the rows one by one and fails only that one.
+gave it NaN logits or its masks leave no token (every token a masked stop token, or a
+grammar that allows only EOS before ``min_tokens``); the engine then samples the rows one
+by one and fails only that one (a greedy row's argmax then picks a token its grammar
+refuses, which the engine fails the same way).
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any, Callable
 
 import torch
 
@@ -22,61 +29,49 @@ from epdserve.engine.request import Sequence
 
 # (the chosen token's logprob, [(token id, logprob)] of the top ``logprobs`` tokens, best first)
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
+# (logits [S, vocab], rows, their sequences' matchers): masks those rows in place.
+GuidedMask = Callable[[torch.Tensor, list[int], list[Any]], None]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @torch.inference_mode()  # the model's logits are inference tensors; we edit a copy in place
-def sample(logits: torch.Tensor, seqs: list[Sequence],
-           eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...] = (),
+           mask_guided: GuidedMask | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Pick one token per row of ``logits [S, vocab]`` (float32; not modified) for
-    ``seqs`` (one per row, their tokens so far in ``token_ids``).
+    ``seqs`` (one per row, their tokens so far in ``token_ids``). ``mask_guided``: masks
+    the rows of sequences with a grammar matcher (``seq.guided``), as
+    :func:`epdserve.engine.guided.mask_logits`; needed when one has.
 
     Returns the tokens and, per row, its :data:`TokenLogprobs` if the request asked for
-    logprobs, else None. Greedy rows without penalties, ``min_tokens`` or logprobs cost
-    one argmax; a batch with penalties or ``min_tokens`` in some row pays one copy of
-    ``logits``, and those rows are processed together. A seeded row draws with a
-    generator seeded by (seed, number of tokens generated so far), so it gives the same
-    tokens in any batch, after a preemption, and across a prefill → decode hand-off.
+    logprobs, else None. Greedy rows without penalties, ``logit_bias``, ``min_tokens``, a
+    grammar or logprobs cost one argmax; a batch with any of those in some row pays one
+    copy of ``logits``, and those rows are processed together (a batch without a guided
+    row allocates no bitmask). A seeded row draws with a generator seeded by (seed, number
+    of tokens generated so far), so it gives the same tokens in any batch, after a
+    preemption, and across a prefill → decode hand-off.
 
     Raises:
         RuntimeError: (torch's) a row has no distribution to draw from: NaN logits, or
             every token masked. ``logits`` is left as it was, so the caller can sample
             the rows again one by one to find which.
+        ValueError: a row has a grammar matcher and ``mask_guided`` is None.
     """
     want = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
     raw = torch.log_softmax(logits[want], dim=-1) if want else None
-    if any(_has_penalty(s) or s.num_output_tokens < s.sampling.min_tokens for s in seqs):
+    if any(_edits_logits(s) for s in seqs):
         # Edit a copy: the penalties are not idempotent, and the engine samples the rows
         # again from ``logits`` when the batch fails. (A copy costs about a tenth of the
-        # argmax below, and only batches with penalties or min_tokens pay it.)
+        # argmax below, and only batches with such rows pay it.)
         logits = logits.clone()
+        _apply_logit_bias(logits, seqs)
         _apply_penalties(logits, seqs)
         _mask_stop_tokens(logits, seqs, eos_token_ids)
+        _mask_guided(logits, seqs, mask_guided)
     tokens = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
-        p = seq.sampling
-        if p.temperature == 0:
-            continue
-        # Shift the top logit to 0 (softmax does not change): dividing by the temperature
-        # then only moves values down, at worst to -inf (probability 0), never to +inf or
-        # NaN, though penalties may leave logits near float32's max and T may be 1e-2. A
-        # T over float32's max would be inf in float32, and -inf / inf is NaN.
-        row_logits = (logits[row] - logits[row].max()) / min(p.temperature, _FLOAT32_MAX)
-        if 0 < p.top_k < row_logits.shape[-1]:
-            kth = torch.topk(row_logits, p.top_k).values[-1]
-            row_logits = row_logits.masked_fill(row_logits < kth, float("-inf"))
-        probs = torch.softmax(row_logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep a token while the mass before it is below top_p, and the first always
-            # (as vLLM keeps one): a top_p under float32's smallest value, e.g. 1e-300,
-            # compares as 0, and 0 >= 0 would drop every token.
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-            drop[0] = False
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=_generator(seq)))
+        if seq.sampling.temperature != 0:
+            tokens[row] = _draw(logits[row], seq)
     logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
     if want:
         chosen = raw.gather(1, torch.tensor([[tokens[i]] for i in want])).squeeze(1).tolist()
@@ -86,6 +81,61 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
             n = seqs[row].sampling.logprobs
             logprobs[row] = (chosen[j], list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist())))
     return tokens, logprobs
+
+
+def _draw(logits: torch.Tensor, seq: Sequence) -> int:
+    """A token drawn from one row's ``logits [vocab]`` at the row's temperature, after
+    ``min_p``, top-k and top-p (vLLM's order: min_p on the tempered distribution first)."""
+    p = seq.sampling
+    # Shift the top logit to 0 (softmax does not change): dividing by the temperature
+    # then only moves values down, at worst to -inf (probability 0), never to +inf or
+    # NaN, though penalties may leave logits near float32's max and T may be 1e-2. A
+    # T over float32's max would be inf in float32, and -inf / inf is NaN.
+    row_logits = (logits - logits.max()) / min(p.temperature, _FLOAT32_MAX)
+    if p.min_p > 0:
+        # With the top logit at 0, a token's probability over the top one's is exp(logit):
+        # it is kept when that is at least min_p (the top token always is).
+        row_logits = row_logits.masked_fill(row_logits < math.log(p.min_p), float("-inf"))
+    if 0 < p.top_k < row_logits.shape[-1]:
+        kth = torch.topk(row_logits, p.top_k).values[-1]
+        row_logits = row_logits.masked_fill(row_logits < kth, float("-inf"))
+    probs = torch.softmax(row_logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep a token while the mass before it is below top_p, and the first always
+        # (as vLLM keeps one): a top_p under float32's smallest value, e.g. 1e-300,
+        # compares as 0, and 0 >= 0 would drop every token.
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+        drop[0] = False
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=_generator(seq)))
+
+
+def _edits_logits(seq: Sequence) -> bool:
+    """Whether ``seq``'s row needs its logits edited before the argmax."""
+    return (_has_penalty(seq) or seq.num_output_tokens < seq.sampling.min_tokens
+            or bool(seq.sampling.logit_bias) or seq.guided is not None)
+
+
+def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """OpenAI's ``logit_bias``: each listed token's logit gets its bias added, before the
+    penalties (vLLM's order). Ids outside ``logits [S, vocab]`` are skipped (the engine
+    refuses them at ``add_request``)."""
+    vocab = logits.shape[-1]
+    for row, seq in enumerate(seqs):
+        bias = {t: b for t, b in seq.sampling.logit_bias.items() if t < vocab}
+        if bias:
+            logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+
+
+def _mask_guided(logits: torch.Tensor, seqs: list[Sequence], mask_guided: GuidedMask | None) -> None:
+    rows = [i for i, s in enumerate(seqs) if s.guided is not None]
+    if not rows:
+        return
+    if mask_guided is None:
+        raise ValueError("a guided sequence needs mask_guided")
+    mask_guided(logits, rows, [seqs[i].guided for i in rows])
 
 
 def _generator(seq: Sequence) -> torch.Generator | None:

@@ -5,8 +5,12 @@ Only what the router serves: ``/v1/chat/completions`` (text messages) and
 :data:`MAX_N`), ``logprobs`` (completions: an int; chat: ``logprobs`` + ``top_logprobs``;
 at most :data:`~epdserve.engine.request.MAX_LOGPROBS`, as vLLM), OpenAI's penalties and
 vLLM's extensions ``top_k``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``ignore_eos`` and ``include_stop_str_in_output``. Unknown request fields are accepted
-and ignored, as vLLM does.
+``ignore_eos`` and ``include_stop_str_in_output``, ``logit_bias`` (OpenAI) and ``min_p``
+(vLLM), and structured output: OpenAI's ``response_format`` (``json_object``,
+``json_schema``) and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar`` and ``structured_outputs`` (one constraint per request; see
+``epdserve/serving/structured_output.py``). Unknown request fields are accepted and
+ignored, as vLLM does.
 
 Every per-request cost has a bound, so that one request cannot hold the router: at most
 :data:`MAX_STOP_STRINGS` stop strings of :data:`MAX_STOP_CHARS` characters (SGLang bounds
@@ -38,7 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.engine.request import MAX_LOGPROBS
-from epdserve.serving.tool_calls import ToolCallIn, ToolChoice, ToolDef
+from epdserve.serving.structured_output import GuidedFields
+from epdserve.serving.tool_calls import ToolMessageFields, ToolRequestFields
 
 log = logging.getLogger("epdserve.api")
 
@@ -122,23 +127,10 @@ class ImagePart(_Req):
     image_url: dict | str
 
 
-class ChatMessage(_Req):
-    """A chat message; an assistant's may carry its earlier ``tool_calls``, a ``tool``
-    message answers one (``tool_call_id``, required as OpenAI requires it)."""
-
+class ChatMessage(ToolMessageFields, _Req):
     role: str
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_MESSAGES)
-    tool_call_id: str | None = Field(None, max_length=256)
-
-    @model_validator(mode="after")
-    def _tool_fields(self):
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError(f"tool_calls: only assistant messages carry tool calls, not {self.role!r}")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("tool_call_id: a tool message must name the call it answers")
-        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -173,14 +165,10 @@ class ChatMessage(_Req):
         out = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
-        if self.tool_calls:
-            out["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
+        return out | self.tool_template_fields()
 
 
-class _SamplingFields(_Req):
+class _SamplingFields(GuidedFields, _Req):
     """Fields shared by chat and completions. ``max_tokens`` None = the endpoint's default."""
 
     model: str | None = None
@@ -252,15 +240,11 @@ class _SamplingFields(_Req):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(ToolRequestFields, _SamplingFields):
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Checked against the server's template and flags by tool_calls.plan_tools.
-    tools: list[ToolDef] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
 
     @field_validator("top_logprobs")
     @classmethod

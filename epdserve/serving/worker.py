@@ -50,6 +50,7 @@ from epdserve.serving import protocol as P
 from epdserve.serving.encode_worker import EncodeWorker, handle_control, image_inputs
 # FETCH_THREADS and fetch_embeddings are re-exported (noqa: F401): callers import them from here.
 from epdserve.serving.fetch import FETCH_THREADS, Fetch, Fetcher, fetch_embeddings  # noqa: F401
+from epdserve.serving.grammar_prep import GrammarPrep, Prepared
 from epdserve.serving.handshake import auth_tag, model_fingerprint
 # HEARTBEAT_INTERVAL_S, heartbeat and receive_commands are re-exported (noqa: F401).
 from epdserve.serving.worker_threads import (HEARTBEAT_INTERVAL_S, IDLE_WAIT_S, heartbeat,  # noqa: F401
@@ -163,6 +164,7 @@ class Worker:
         self.running = True
         self.exit_code = 0
         self.fetcher = Fetcher(importer, inbox, worker_id)
+        self.grammars = GrammarPrep(engine, inbox)  # guided requests' compiles, off the loop
 
     @property
     def fetching(self) -> dict[str, Fetch]:
@@ -176,6 +178,8 @@ class Worker:
         """Abort every request and release every export (see ``P.Reset``: the router has
         failed or moved them all); returns what was dropped, for the log."""
         requests, exports = list(self.engine.seqs) + list(self.fetching), self.exporter.table.ids()
+        requests += list(self.grammars.pending)
+        self.grammars.pending.clear()
         self.fetcher.cancel_all()
         for request_id in requests:
             self.engine.abort(request_id)
@@ -195,6 +199,7 @@ class Worker:
             self.report_stats()
             self.expire_exports()
         self.stop_fetches()
+        self.grammars.close()
         self.exporter.close()
 
     def drain_commands(self, block_s: float) -> None:
@@ -215,10 +220,13 @@ class Worker:
         ``time.perf_counter()`` on receipt."""
         if isinstance(msg, Fetch):
             self.fetched(msg)
+        elif isinstance(msg, Prepared):
+            self.prepared(msg)
         elif isinstance(msg, P.AddRequest):
             self.add(msg, arrival)
         elif isinstance(msg, P.Abort):
             self.fetcher.cancel(msg.request_id)  # its result is dropped when it comes (see fetched)
+            self.grammars.cancel(msg.request_id)  # the same (see prepared)
             self.engine.abort(msg.request_id)
             self.release(msg.request_id)
         elif isinstance(msg, P.ReleaseKV):
@@ -229,13 +237,17 @@ class Worker:
         else:
             handle_control(self, msg)
 
-    def add(self, msg: P.AddRequest, arrival: float) -> None:
+    def add(self, msg: P.AddRequest, arrival: float, compiled: bool = False) -> None:
         """Queue ``msg`` (received at ``arrival``, ``time.perf_counter()``) in the engine;
         or, when its KV or its images' embeddings lie with a peer, start fetching them on a
         fetch thread and return at once (:meth:`fetched` queues it when they are here).
-        A request that cannot be queued gets a ``P.Error``."""
-        if msg.request_id in self.fetching:
+        A guided request's grammar is compiled first, off the loop, unless ``compiled``
+        (see :mod:`~epdserve.serving.grammar_prep`). A request that cannot be queued gets
+        a ``P.Error``."""
+        if msg.request_id in self.fetching or msg.request_id in self.grammars.pending:
             self.fail(msg.request_id, f"duplicate request id {msg.request_id!r}")
+        elif msg.sampling.guided is not None and not compiled:
+            self.grammars.start(msg, arrival)
         elif msg.kv is not None or (msg.images and msg.embeddings):
             self.fetcher.start(Fetch(msg, arrival, self.engine.kv_layout(), self.engine.kv_cache.dtype,
                                      self.engine.model.config.hidden_size))
@@ -248,6 +260,16 @@ class Worker:
                 self.enqueue(msg, arrival, timings, embeddings=embeddings)
             except (ValueError, ImageError) as exc:
                 self.fail(msg.request_id, str(exc))
+
+    def prepared(self, job: Prepared) -> None:
+        """The grammar thread is done with ``job``: go on with its request, or send its
+        error. One aborted meanwhile is dropped."""
+        if not self.grammars.take(job):
+            return
+        if job.error is not None:
+            self.fail(job.msg.request_id, job.error)
+        else:
+            self.add(job.msg, job.arrival, compiled=True)
 
     def fetched(self, fetch: Fetch) -> None:
         """A fetch thread is done with ``fetch``: queue its request in the engine, or send

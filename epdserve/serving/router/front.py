@@ -21,13 +21,16 @@ from typing import AsyncIterator
 
 import pydantic
 
+from epdserve.engine.guided import GuidedDecoder, GuidedError
+from epdserve.engine.request import GuidedSpec
 from epdserve.model.tokenizer import chat_prompt_ids
 from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
 from epdserve.serving.detokenizer import TextStream
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.multimodal import ImagePrompter
-from epdserve.serving.tool_calls import ToolOutput, ToolPlan, ToolRequestError, ToolSettings, plan_tools, tool_chars
+from epdserve.serving.structured_output import FieldError
+from epdserve.serving.tool_calls import ToolOutput, ToolPlan, ToolSettings, plan_tools, tool_chars
 from epdserve.serving.router.flows import Flow, FlowConfig, new_flow
 from epdserve.serving.router.registry import Registry
 
@@ -40,6 +43,10 @@ log = logging.getLogger("epdserve.router")
 # waiting for the threads.
 PREPROCESS_THREADS = 4
 MAX_PREPROCESS_QUEUE = 256
+# A request's grammar must compile within this (s), on a preprocessing thread; over it the
+# request gets 400 (the thread finishes the compile; the next request with that grammar
+# finds it cached). Each worker that serves the request compiles it again, as long.
+GUIDED_COMPILE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -62,8 +69,9 @@ class Choice:
         return None if self.logprobs is None else self.logprobs(entries)
 
 
-def sampling_params(body, max_tokens: int, i: int) -> P.SamplingParams:
-    """Choice ``i``'s sampling settings. As vLLM's parallel sampling, choice i of a
+def sampling_params(body, max_tokens: int, i: int, guided: GuidedSpec | None = None) -> P.SamplingParams:
+    """Choice ``i``'s sampling settings, ``guided`` its structured-output constraint (see
+    :meth:`Front.guided_spec`). As vLLM's parallel sampling, choice i of a
     seeded request draws with seed + i (wrapped into int64), so choices differ but repeat.
 
     Raises:
@@ -75,7 +83,8 @@ def sampling_params(body, max_tokens: int, i: int) -> P.SamplingParams:
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             seed=seed, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logprobs=body.num_logprobs)
+            repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logprobs=body.num_logprobs,
+            logit_bias=body.logit_bias_ids, min_p=body.min_p, guided=guided)
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         field_ = ".".join(map(str, err["loc"])) or None
@@ -104,6 +113,8 @@ class Front:
         self._preprocess = concurrent.futures.ThreadPoolExecutor(PREPROCESS_THREADS,
                                                                  thread_name_prefix="epdserve-preprocess")
         self._preprocess_queued = 0
+        # Compiles requests' grammars to check them (a worker compiles them again).
+        self.guided = GuidedDecoder(tokenizer, len(tokenizer))
 
     def close(self) -> None:
         """Drop the preprocessing queue (requests waiting there get cancelled)."""
@@ -182,14 +193,55 @@ class Front:
                 preprocessing queue is full.
         """
         self.check_text_length(body)
+        return await self._preprocessed(self._prompt, body)
+
+    async def _preprocessed(self, fn, *args, timeout_s: float | None = None):
+        """``fn(*args)`` on a preprocessing thread, waited for at most ``timeout_s``.
+
+        Raises:
+            APIError: 503 when :data:`MAX_PREPROCESS_QUEUE` requests already wait.
+            asyncio.TimeoutError: ``timeout_s`` passed (the thread goes on).
+        """
         if self._preprocess_queued >= MAX_PREPROCESS_QUEUE:
             raise api.APIError(f"the server is busy preparing {self._preprocess_queued} requests; retry later",
                                status=503, type="service_unavailable", code=503)
         self._preprocess_queued += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._preprocess, self._prompt, body)
+            work = asyncio.get_running_loop().run_in_executor(self._preprocess, fn, *args)
+            return await asyncio.wait_for(work, timeout_s)
         finally:
             self._preprocess_queued -= 1
+
+    async def guided_spec(self, body, tools: ToolPlan | None = None) -> GuidedSpec | None:
+        """The request's structured-output constraint (None: none), checked by compiling it
+        on a preprocessing thread (see :data:`GUIDED_COMPILE_TIMEOUT_S`); a "required" or
+        named ``tool_choice`` of plan ``tools`` brings its own (see ``ToolPlan.guided_spec``).
+
+        Raises:
+            APIError: 400 naming the field: two constraints, a value the grammar library
+                cannot compile (with its message), or one that takes too long to compile.
+        """
+        try:
+            found = body.guided_spec()
+            forced = tools.guided_spec() if tools else None
+        except FieldError as exc:
+            raise api.APIError(str(exc), param=exc.param) from None
+        if forced is not None:
+            if found is not None:
+                raise api.APIError(f"tool_choice: {tools.mode!r} forces the output, so it cannot be combined with "
+                                   f"{found[0]}", param="tool_choice")
+            found = ("tools", forced)
+        if found is None:
+            return None
+        param, spec = found
+        try:
+            await self._preprocessed(self.guided.compile, spec, timeout_s=GUIDED_COMPILE_TIMEOUT_S)
+        except GuidedError as exc:
+            raise api.APIError(f"{param}: {exc}", param=param) from None
+        except asyncio.TimeoutError:
+            raise api.APIError(f"{param}: took over {GUIDED_COMPILE_TIMEOUT_S:g} s to compile; simplify it",
+                               param=param) from None
+        return spec
 
     def _prompt(self, body) -> tuple[list[int], list[P.ImageRef]]:
         if not isinstance(body, api.ChatCompletionRequest):
@@ -234,7 +286,7 @@ class Front:
         """
         try:
             plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tools)
-        except ToolRequestError as exc:
+        except FieldError as exc:
             raise api.APIError(str(exc), param=exc.param) from None
         if any(m.tool_calls or m.role == "tool" for m in body.messages):
             if not self.tools.template_tools:
@@ -244,10 +296,6 @@ class Front:
         if plan is not None and self.images is not None:
             raise api.APIError(f"tools: not supported with the vision-language model `{self.model.name}`",
                                param="tools")
-        if plan is not None and plan.guided_schema() is not None:
-            # Forcing the call needs structured output (SamplingParams.guided), not in this build.
-            raise api.APIError(f"tool_choice: {plan.mode!r} needs structured output, not available in this build; "
-                               'use "auto" or "none"', param="tool_choice")
         return plan
 
     def token_text(self, token_id: int) -> str:
@@ -259,7 +307,8 @@ class Front:
         """Check and prepare ``body`` (``kind`` "chat" or "completion"): its choices, not started.
 
         Raises:
-            APIError: 400 (see the checks above, and ``min_tokens`` over ``max_tokens``), 503.
+            APIError: 400 (see the checks above, ``min_tokens`` over ``max_tokens``, a
+                ``logit_bias`` token outside the vocabulary, and :meth:`guided_spec`), 503.
         """
         self.check_model(body.model)
         plan = self.tool_plan(body) if kind == "chat" else None  # cheap 400s before the tokenizer's work
@@ -269,8 +318,10 @@ class Front:
             raise api.APIError(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
                                param="min_tokens")
         self.check_token_ids(body.stop_token_ids, "stop_token_ids")
+        self.check_token_ids(list(body.logit_bias_ids), "logit_bias")
+        guided = await self.guided_spec(body, plan)
         return [Choice(i, new_flow(self.registry, self.config, request_id if body.n == 1 else f"{request_id}-{i}",
-                                   prompt_ids, sampling_params(body, max_tokens, i), t_arrival, images),
+                                   prompt_ids, sampling_params(body, max_tokens, i, guided), t_arrival, images),
                        TextStream(self.tokenizer, prompt_ids, body.stop_list, body.include_stop_str_in_output),
                        None if body.num_logprobs is None else api.LogprobsFormatter(kind, self.token_text),
                        plan.output() if plan else None)
