@@ -248,7 +248,8 @@ def test_tool_choice_none_renders_tools_and_answers_text(tool_server):
 
 def test_tool_requests_refused(tool_server, colocated_server):
     """400 naming the field: a named function not in tools, tool_choice without tools, a
-    bad parameters schema, an unknown key in a tool, a tool message without its call id;
+    bad parameters schema, an unknown key in a tool, a tool message without its call id,
+    "required" with another structured-output constraint;
     with the model's own template (no tool format), tools and tool messages."""
     client = tool_server.openai()
     bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
@@ -257,7 +258,9 @@ def test_tool_requests_refused(tool_server, colocated_server):
              (dict(tool_choice="required"), "tool_choice", "`tools` must be set"),
              (dict(tools=[bad_schema]), "tools", "JSON Schema"),
              (dict(tools=[{"type": "function", "function": {"name": "f", "paramters": {}}}]), "tools", "paramters"),
-             (dict(messages=ASK + [{"role": "tool", "content": "x"}]), "messages", "tool_call_id")]
+             (dict(messages=ASK + [{"role": "tool", "content": "x"}]), "messages", "tool_call_id"),
+             (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+              "tool_choice", "cannot be combined with response_format")]
     for kw, param, words in cases:
         kw = {"messages": ASK, **kw}
         with pytest.raises(openai.BadRequestError) as err:
