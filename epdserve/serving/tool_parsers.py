@@ -242,4 +242,6 @@ class RequiredOutput(ToolOutput):
     def flush(self) -> list[dict]:
         rest = self.held.strip()
         self.held = ""
-        return [] if rest in ("]", "") and self.opened else [{"content": rest}] if rest else []
+        if not rest or (self.opened and rest == "]"):
+            return []
+        return [{"content": rest}]
