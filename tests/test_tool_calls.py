@@ -15,9 +15,12 @@ import pytest
 
 from conftest import _stop, start_deployment
 from epdserve.model.tokenizer import chat_prompt_text, load_tokenizer, template_renders_tools
+from epdserve.serving.openai_api import ChatCompletionRequest, LogprobsFormatter
+from epdserve.serving.router.front import Choice
+from epdserve.serving.router.routes import chat_chunks
 from epdserve.serving.structured_output import FieldError
-from epdserve.serving.tool_calls import (NamedOutput, NamedToolChoice, ToolDef, ToolPlan,
-                                         ToolSettings, plan_tools)
+from epdserve.serving.tool_calls import NamedToolChoice, ToolDef, ToolPlan, ToolSettings, plan_tools, tool_chars
+from epdserve.serving.tool_parsers import NamedOutput
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "examples" / "templates" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {
@@ -140,6 +143,21 @@ def test_required_and_named_outputs():
     args = '{"city": "Kyiv", "unit": "celsius"}'
     assert merged(NamedOutput("get_weather"), list(args)) == (
         {"content": "", "calls": [{"name": "get_weather", "arguments": args}]}, "stop")
+
+
+def test_streamed_chunks_keep_the_logprobs_of_held_text():
+    """While the parser holds text back (a possible call), its tokens' logprobs wait and
+    come with the next chunk: every token's entry is sent once, in order; the last chunk
+    carries finish_reason "tool_calls"."""
+    choice = Choice(0, None, None, LogprobsFormatter("chat", str), AUTO.output())
+    pieces = ["Hi ", "<tool", "_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>", ""]
+    chunks = [c for k, p in enumerate(pieces)
+              for c in chat_chunks("chatcmpl-1", "m", 0, choice, p, "stop" if k == len(pieces) - 1 else None,
+                                   [(k, -0.5, [])], False)]
+    sent = [e["token"] for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    assert sent == [str(k) for k in range(len(pieces))]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hi"
 
 
 def test_plan_checks():
@@ -332,9 +350,6 @@ def test_serve_refuses_bad_tool_options(tmp_path):
 
 def test_tool_chars_bound_the_rendered_prompt(tokenizer, model_info):
     """The characters tool_chars counts never exceed what the template renders of them."""
-    from epdserve.serving.openai_api import ChatCompletionRequest
-    from epdserve.serving.tool_calls import tool_chars
-
     tok = load_tokenizer(model_info.path, TEMPLATE.read_text())
     messages = [{"role": "user", "content": ""},
                 {"role": "assistant", "content": None, "tool_calls": [
