@@ -161,7 +161,7 @@ class ToolMessageFields(BaseModel):
 
     @model_validator(mode="after")
     def _tool_fields(self):
-        if self.tool_calls is not None and self.role != "assistant":
+        if self.tool_calls and self.role != "assistant":  # an empty list, as some clients send, is no call
             raise ValueError(f"tool_calls: only assistant messages carry tool calls, not {self.role!r}")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("tool_call_id: a tool message must name the call it answers")
