@@ -185,6 +185,36 @@ def test_request_fields_become_one_guided_spec():
             body(**bad)
 
 
+def test_router_compile_is_bounded_in_time_and_remembered(tokenizer, monkeypatch):
+    """The router's check: a compile over the time limit is a 400 naming the field (the
+    request does not wait for it), a grammar that compiled is not compiled again, and
+    with the grammar thread's queue full a request gets 503."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from epdserve.serving.router import front as front_mod
+
+    front = front_mod.Front(SimpleNamespace(), tokenizer, SimpleNamespace(metrics=None), None)
+    compiled = []
+    front.guided.compile = lambda spec: (compiled.append(spec), time.sleep(0.3 if spec.value == "slow" else 0))
+    monkeypatch.setattr(front_mod, "GUIDED_COMPILE_TIMEOUT_S", 0.1)
+    try:
+        with pytest.raises(api.APIError, match="guided_regex: not compiled within 0.1 s") as info:
+            asyncio.run(front.guided_spec(body(guided_regex="slow")))
+        assert info.value.status == 400 and info.value.param == "guided_regex"
+        time.sleep(0.3)
+        for _ in range(2):
+            assert asyncio.run(front.guided_spec(body(guided_regex="a+"))) == GuidedSpec(kind="regex", value="a+")
+        assert [s.value for s in compiled] == ["slow", "a+"]
+        front._compiles_queued = front_mod.MAX_COMPILE_QUEUE
+        with pytest.raises(api.APIError) as info:
+            asyncio.run(front.guided_spec(body(guided_regex="b+")))
+        assert info.value.status == 503
+    finally:
+        front.close()
+
+
 # ------------------------------------------------------------------ the engine, in process
 
 @pytest.fixture(scope="module")
@@ -229,8 +259,10 @@ def test_grammar_state_continues_across_handoff_and_preemption(engine_parts, tok
                        kv=kv, first_token=first[0])
     assert first + rest == whole and reason == "stop"
 
+    # Room for one request and a bit: the second preempts the first (no prefix cache, so
+    # they share no blocks).
     blocks = -(-(len(prompt) + 40) // 16)
-    tight = LLMEngine(model_dir, EngineConfig(num_kv_blocks=blocks + 2))
+    tight = LLMEngine(model_dir, EngineConfig(num_kv_blocks=blocks + 2, enable_prefix_caching=False))
     for rid in ("x", "y"):
         tight.add_request(rid, prompt, sampling)
     outs = {"x": [], "y": []}

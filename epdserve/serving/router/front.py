@@ -13,6 +13,7 @@ whose texts are merged (:func:`merged`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import json
 import logging
@@ -43,10 +44,16 @@ log = logging.getLogger("epdserve.router")
 # waiting for the threads.
 PREPROCESS_THREADS = 4
 MAX_PREPROCESS_QUEUE = 256
-# A request's grammar must compile within this (s), on a preprocessing thread; over it the
-# request gets 400 (the thread finishes the compile; the next request with that grammar
-# finds it cached). Each worker that serves the request compiles it again, as long.
+# A request's grammar must compile within this (s) on the router's grammar thread, or the
+# request gets 400. A thread cannot be stopped, so one that takes longer goes on (a large
+# grammar of overlapping alternatives took minutes here); it has a thread of its own so
+# that it holds up only other new grammars, never the prompts' preprocessing, and at most
+# MAX_COMPILE_QUEUE requests wait for it. Each worker compiles an accepted grammar again,
+# off its loop (serving/grammar_prep.py). Grammars that compiled are remembered (up to
+# MAX_CHECKED_GRAMMARS, least recently used out) and not compiled here again.
 GUIDED_COMPILE_TIMEOUT_S = 10.0
+MAX_COMPILE_QUEUE = 16
+MAX_CHECKED_GRAMMARS = 1024
 
 
 @dataclass
@@ -115,10 +122,14 @@ class Front:
         self._preprocess_queued = 0
         # Compiles requests' grammars to check them (a worker compiles them again).
         self.guided = GuidedDecoder(tokenizer, len(tokenizer))
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="epdserve-grammar")
+        self._compiles_queued = 0
+        self._checked: collections.OrderedDict[GuidedSpec, None] = collections.OrderedDict()
 
     def close(self) -> None:
         """Drop the preprocessing queue (requests waiting there get cancelled)."""
         self._preprocess.shutdown(wait=False, cancel_futures=True)
+        self._compiler.shutdown(wait=False, cancel_futures=True)
 
     # -- checks
     def check_model(self, model: str | None) -> None:
@@ -193,33 +204,25 @@ class Front:
                 preprocessing queue is full.
         """
         self.check_text_length(body)
-        return await self._preprocessed(self._prompt, body)
-
-    async def _preprocessed(self, fn, *args, timeout_s: float | None = None):
-        """``fn(*args)`` on a preprocessing thread, waited for at most ``timeout_s``.
-
-        Raises:
-            APIError: 503 when :data:`MAX_PREPROCESS_QUEUE` requests already wait.
-            asyncio.TimeoutError: ``timeout_s`` passed (the thread goes on).
-        """
         if self._preprocess_queued >= MAX_PREPROCESS_QUEUE:
             raise api.APIError(f"the server is busy preparing {self._preprocess_queued} requests; retry later",
                                status=503, type="service_unavailable", code=503)
         self._preprocess_queued += 1
         try:
-            work = asyncio.get_running_loop().run_in_executor(self._preprocess, fn, *args)
-            return await asyncio.wait_for(work, timeout_s)
+            return await asyncio.get_running_loop().run_in_executor(self._preprocess, self._prompt, body)
         finally:
             self._preprocess_queued -= 1
 
     async def guided_spec(self, body, tools: ToolPlan | None = None) -> GuidedSpec | None:
         """The request's structured-output constraint (None: none), checked by compiling it
-        on a preprocessing thread (see :data:`GUIDED_COMPILE_TIMEOUT_S`); a "required" or
-        named ``tool_choice`` of plan ``tools`` brings its own (see ``ToolPlan.guided_spec``).
+        on the grammar thread (see :data:`GUIDED_COMPILE_TIMEOUT_S`) unless checked before; a
+        "required" or named ``tool_choice`` of plan ``tools`` brings its own (see
+        ``ToolPlan.guided_spec``).
 
         Raises:
             APIError: 400 naming the field: two constraints, a value the grammar library
-                cannot compile (with its message), or one that takes too long to compile.
+                cannot compile (with its message), or one not compiled in time; 503 when
+                :data:`MAX_COMPILE_QUEUE` requests already wait for the grammar thread.
         """
         try:
             found = body.guided_spec()
@@ -234,13 +237,26 @@ class Front:
         if found is None:
             return None
         param, spec = found
+        if spec in self._checked:
+            self._checked.move_to_end(spec)
+            return spec
+        if self._compiles_queued >= MAX_COMPILE_QUEUE:
+            raise api.APIError(f"the server is busy compiling {self._compiles_queued} grammars; retry later",
+                               status=503, type="service_unavailable", code=503)
+        self._compiles_queued += 1
         try:
-            await self._preprocessed(self.guided.compile, spec, timeout_s=GUIDED_COMPILE_TIMEOUT_S)
+            work = asyncio.get_running_loop().run_in_executor(self._compiler, self.guided.compile, spec)
+            await asyncio.wait_for(work, GUIDED_COMPILE_TIMEOUT_S)
         except GuidedError as exc:
             raise api.APIError(f"{param}: {exc}", param=param) from None
         except asyncio.TimeoutError:
-            raise api.APIError(f"{param}: took over {GUIDED_COMPILE_TIMEOUT_S:g} s to compile; simplify it",
-                               param=param) from None
+            raise api.APIError(f"{param}: not compiled within {GUIDED_COMPILE_TIMEOUT_S:g} s (too complex, or the "
+                               "server is compiling others); simplify it or retry", param=param) from None
+        finally:
+            self._compiles_queued -= 1
+        self._checked[spec] = None
+        if len(self._checked) > MAX_CHECKED_GRAMMARS:
+            self._checked.popitem(last=False)
         return spec
 
     def _prompt(self, body) -> tuple[list[int], list[P.ImageRef]]:
