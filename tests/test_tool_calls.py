@@ -360,3 +360,20 @@ def test_tool_chars_bound_the_rendered_prompt(tokenizer, model_info):
     plain = chat_prompt_text(tok, [{"role": m["role"], "content": ""} for m in messages])
     full = chat_prompt_text(tok, [m.as_template_dict() for m in body.messages], [WEATHER, TIME])
     assert 0 < tool_chars(body) <= len(full) - len(plain)
+
+
+def test_named_tool_call_in_pd_equals_colocated(tool_server, tmp_path):
+    """PD (1P1D, the forcing grammar continued by the decode worker): the same greedy
+    call as colocated, streamed and not."""
+    kw = dict(model="SmolLM2-135M-Instruct", messages=ASK, tools=[WEATHER, TIME], max_tokens=60, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    want = tool_server.openai().chat.completions.create(**kw).choices[0].message.tool_calls[0].function
+    pd = start_deployment("pd", tmp_path, "--chat-template", str(TEMPLATE))
+    try:
+        client = pd.openai()
+        got = client.chat.completions.create(**kw).choices[0].message.tool_calls[0].function
+        assert (got.name, got.arguments) == (want.name, want.arguments)
+        _, streamed, finish = stream_message(client, **kw)
+        assert [(c["name"], c["arguments"]) for c in streamed] == [(want.name, want.arguments)] and finish == "stop"
+    finally:
+        _stop(pd.proc)
