@@ -297,7 +297,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
                 message: dict | None = None) -> dict:
-    """A chat choice: ``message`` if given (with tool calls: see tool_calls.ToolOutput), else ``text``'s."""
+    """A chat choice: ``message`` if given (with tool calls: see tool_parsers.ToolOutput), else ``text``'s."""
     return {"index": index, "message": message or {"role": "assistant", "content": text},
             "logprobs": logprobs, "finish_reason": finish_reason}
 
