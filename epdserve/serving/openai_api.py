@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.engine.request import MAX_LOGPROBS
 from epdserve.serving.structured_output import GuidedFields
+from epdserve.serving.tool_calls import ToolMessageFields, ToolRequestFields
 
 log = logging.getLogger("epdserve.api")
 
@@ -126,7 +127,7 @@ class ImagePart(_Req):
     image_url: dict | str
 
 
-class ChatMessage(_Req):
+class ChatMessage(ToolMessageFields, _Req):
     role: str
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
@@ -164,7 +165,7 @@ class ChatMessage(_Req):
         out = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
-        return out
+        return out | self.tool_template_fields()
 
 
 class _SamplingFields(GuidedFields, _Req):
@@ -239,7 +240,7 @@ class _SamplingFields(GuidedFields, _Req):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(ToolRequestFields, _SamplingFields):
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -294,8 +295,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text},
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
+                message: dict | None = None) -> dict:
+    """A chat choice: ``message`` if given (with tool calls: see tool_parsers.ToolOutput), else ``text``'s."""
+    return {"index": index, "message": message or {"role": "assistant", "content": text},
             "logprobs": logprobs, "finish_reason": finish_reason}
 
 

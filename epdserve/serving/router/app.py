@@ -13,7 +13,7 @@ import uvicorn
 
 from epdserve.argtypes import int_at_least
 from epdserve.model.loader import ModelLoadError, resolve_model
-from epdserve.model.tokenizer import load_tokenizer
+from epdserve.model.tokenizer import check_chat_template, load_tokenizer, read_chat_template, template_renders_tools
 from epdserve.serving import auth
 from epdserve.serving.handshake import model_fingerprint, model_kv_shape
 from epdserve.serving.http_guard import add_http_options, uvicorn_config
@@ -24,6 +24,7 @@ from epdserve.serving.router.front import Front
 from epdserve.serving.router.registry import MODE_ROLES, Compat, Registry, WorkerState
 from epdserve.serving.router.routes import create_app
 from epdserve.serving.router.zmq_port import EventsLoop, ZmqPort
+from epdserve.serving.tool_calls import ToolSettings, add_tool_options, tool_settings
 
 log = logging.getLogger("epdserve.router")
 
@@ -40,7 +41,8 @@ class Router:
     must carry its HMAC (see :mod:`epdserve.serving.auth`, ``epdserve.serving.handshake``);
     ``internal_encryption`` "curve": TCP sockets use CURVE (needs the token).
     ``local_prefill_threshold`` (pd, tokens): a prompt shorter than this goes straight to a
-    decode worker, which prefills it itself; 0 disaggregates every prompt.
+    decode worker, which prefills it itself; 0 disaggregates every prompt. ``tools``: the
+    tool-calling options (:func:`~epdserve.serving.tool_calls.tool_settings`).
 
     Raises (constructor):
         ValueError: an unknown mode, or CURVE without a token or without libzmq support.
@@ -49,7 +51,8 @@ class Router:
     def __init__(self, mode: str, model, tokenizer, events_addr: str, *, trace_file: str | None = None,
                  worker_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
                  auth_token: str | None = None, local_prefill_threshold: int = 0,
-                 media: MediaOptions = MediaOptions(), internal_encryption: str = "none"):
+                 media: MediaOptions = MediaOptions(), internal_encryption: str = "none",
+                 tools: ToolSettings = ToolSettings()):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
         self.mode, self.model, self.events_addr = mode, model, events_addr
@@ -65,7 +68,7 @@ class Router:
         self.front = Front(model, tokenizer, self.registry,
                            FlowConfig(mode, request_timeout_s=request_timeout_s,
                                       local_prefill_threshold=local_prefill_threshold),
-                           images=images, metrics=self.metrics, trace_file=trace_file)
+                           images=images, metrics=self.metrics, trace_file=trace_file, tools=tools)
 
     @property
     def workers(self) -> dict[str, WorkerState]:
@@ -129,6 +132,7 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                              "itself, without a KV hand-off (0: never)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_http_options(parser)
+    add_tool_options(parser)
     auth.add_arguments(parser, "shared secret that seals every frame between the router and its workers "
                                "(default: $EPDSERVE_AUTH_TOKEN; serve: a random one)")
 
@@ -144,17 +148,23 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
     """Resolve the model, load its tokenizer and make a Router from parsed options.
 
     Raises:
-        ModelLoadError: the model cannot be found or read.
+        ModelLoadError: the model cannot be found or read; a bad ``--chat-template`` or tool option.
     """
     model = resolve_model(args.model)
     if args.mode == "epd" and not model.multimodal:
         raise ModelLoadError(f"--mode epd needs a vision-language model (e.g. --model vlm), not {model.name}")
     media = MediaOptions(max_images=args.limit_images_per_prompt, allowed_local_dir=args.allowed_local_media_path,
                          allow_remote=args.allow_remote_images)
-    return Router(args.mode, model, load_tokenizer(model.path), events_addr, trace_file=args.trace_file,
+    try:
+        tokenizer = load_tokenizer(model.path, args.chat_template and read_chat_template(args.chat_template))
+        check_chat_template(tokenizer)
+        tools = tool_settings(args, template_renders_tools(tokenizer))
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    return Router(args.mode, model, tokenizer, events_addr, trace_file=args.trace_file,
                   worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout,
                   auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold, media=media,
-                  internal_encryption=args.internal_encryption)
+                  internal_encryption=args.internal_encryption, tools=tools)
 
 
 def setup_logging(level: str) -> None:

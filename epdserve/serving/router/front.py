@@ -31,6 +31,7 @@ from epdserve.serving.detokenizer import TextStream
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.multimodal import ImagePrompter
 from epdserve.serving.structured_output import FieldError
+from epdserve.serving.tool_calls import ToolOutput, ToolPlan, ToolSettings, plan_tools, tool_chars
 from epdserve.serving.router.flows import Flow, FlowConfig, new_flow
 from epdserve.serving.router.registry import Registry
 
@@ -57,15 +58,18 @@ MAX_CHECKED_GRAMMARS = 1024
 
 @dataclass
 class Choice:
-    """One of a request's ``n`` choices: its flow, text stream, and (if logprobs were
-    asked) the formatter of its logprobs; ``parts``/``entries`` collect a non-streamed answer."""
+    """One of a request's ``n`` choices: its flow, text stream, (if logprobs were asked)
+    the formatter of its logprobs and (with tools) the parser of its tool calls;
+    ``parts``/``entries`` collect a non-streamed answer."""
 
     index: int
     gen: Flow
     text: TextStream
     logprobs: api.LogprobsFormatter | None
+    tools: ToolOutput | None = None
     parts: list[str] = field(default_factory=list)
     entries: list = field(default_factory=list)
+    held_entries: list = field(default_factory=list)  # logprobs of text the tool parser holds back
 
     def logprobs_object(self, entries: list) -> dict | None:
         """The OpenAI ``logprobs`` object of ``entries`` (see :func:`texts`), None if not asked for."""
@@ -97,12 +101,14 @@ def sampling_params(body, max_tokens: int, i: int, guided: GuidedSpec | None = N
 class Front:
     """Requests in, flows out. ``model``: a :class:`~epdserve.model.loader.ModelInfo`;
     ``images``: the model's :class:`ImagePrompter` (None: a text model, images get 400);
-    ``trace_file``: where each finished request's trace line is appended (None: nowhere)."""
+    ``trace_file``: where each finished request's trace line is appended (None: nowhere);
+    ``tools``: the tool-calling options (``--enable-auto-tool-choice``, the template's format)."""
 
     def __init__(self, model, tokenizer, registry: Registry, config: FlowConfig, *,
                  images: ImagePrompter | None = None, metrics: RouterMetrics | None = None,
-                 trace_file: str | None = None):
+                 trace_file: str | None = None, tools: ToolSettings = ToolSettings()):
         self.model = model
+        self.tools = tools
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.registry = registry
@@ -143,7 +149,7 @@ class Front:
             APIError: 400 ``context_length_exceeded`` when that bound is over ``max_model_len``.
         """
         if isinstance(body, api.ChatCompletionRequest):
-            chars, param = sum(m.text_chars for m in body.messages), "messages"
+            chars, param = sum(m.text_chars for m in body.messages) + tool_chars(body), "messages"
         elif isinstance(body.prompt, str):
             chars, param = len(body.prompt), "prompt"
         else:
@@ -207,9 +213,11 @@ class Front:
         finally:
             self._preprocess_queued -= 1
 
-    async def guided_spec(self, body) -> GuidedSpec | None:
+    async def guided_spec(self, body, tools: ToolPlan | None = None) -> GuidedSpec | None:
         """The request's structured-output constraint (None: none), checked by compiling it
-        on the grammar thread (see :data:`GUIDED_COMPILE_TIMEOUT_S`) unless checked before.
+        on the grammar thread (see :data:`GUIDED_COMPILE_TIMEOUT_S`) unless checked before; a
+        "required" or named ``tool_choice`` of plan ``tools`` brings its own (see
+        ``ToolPlan.guided_spec``).
 
         Raises:
             APIError: 400 naming the field: two constraints, a value the grammar library
@@ -218,8 +226,14 @@ class Front:
         """
         try:
             found = body.guided_spec()
+            forced = tools.guided_spec() if tools else None
         except FieldError as exc:
             raise api.APIError(str(exc), param=exc.param) from None
+        if forced is not None:
+            if found is not None:
+                raise api.APIError(f"tool_choice: {tools.mode!r} forces the output, so it cannot be combined with "
+                                   f"{found[0]}", param="tool_choice")
+            found = ("tools", forced)
         if found is None:
             return None
         param, spec = found
@@ -262,8 +276,10 @@ class Front:
             APIError: 400, empty prompt, bad token ids, or a chat template failure.
         """
         if isinstance(body, api.ChatCompletionRequest):
+            plan = self.tool_plan(body)
             try:
-                ids = chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in body.messages])
+                ids = chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in body.messages],
+                                      plan.template_tools() if plan else None)
             except ValueError as exc:
                 raise api.APIError(str(exc), param="messages") from None
             param = "messages"
@@ -276,6 +292,27 @@ class Front:
         if not ids:
             raise api.APIError("the prompt is empty", param=param)
         return ids
+
+    def tool_plan(self, body) -> ToolPlan | None:
+        """How a chat request uses its tools (see :func:`plan_tools`); None: it has none.
+
+        Raises:
+            APIError: 400, as :func:`plan_tools`; tool calls or results in ``messages`` while
+                the chat template has no tool format; tools with a vision-language model.
+        """
+        try:
+            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tools)
+        except FieldError as exc:
+            raise api.APIError(str(exc), param=exc.param) from None
+        if any(m.tool_calls or m.role == "tool" for m in body.messages):
+            if not self.tools.template_tools:
+                raise api.APIError("messages: tool calls and tool results need a chat template with a tool-call "
+                                   "format; serve the model with --chat-template FILE", param="messages")
+            plan = plan or ToolPlan("none", [])
+        if plan is not None and self.images is not None:
+            raise api.APIError(f"tools: not supported with the vision-language model `{self.model.name}`",
+                               param="tools")
+        return plan
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own, as logprobs show it (vLLM decodes it alone too)."""
@@ -290,6 +327,7 @@ class Front:
                 ``logit_bias`` token outside the vocabulary, and :meth:`guided_spec`), 503.
         """
         self.check_model(body.model)
+        plan = self.tool_plan(body) if kind == "chat" else None  # cheap 400s before the tokenizer's work
         prompt_ids, images = await self.prompt(body)
         max_tokens = self.max_tokens(body, len(prompt_ids))
         if body.min_tokens > max_tokens:  # vLLM's rule
@@ -297,11 +335,12 @@ class Front:
                                param="min_tokens")
         self.check_token_ids(body.stop_token_ids, "stop_token_ids")
         self.check_token_ids(list(body.logit_bias_ids), "logit_bias")
-        guided = await self.guided_spec(body)
+        guided = await self.guided_spec(body, plan)
         return [Choice(i, new_flow(self.registry, self.config, request_id if body.n == 1 else f"{request_id}-{i}",
                                    prompt_ids, sampling_params(body, max_tokens, i, guided), t_arrival, images),
                        TextStream(self.tokenizer, prompt_ids, body.stop_list, body.include_stop_str_in_output),
-                       None if body.num_logprobs is None else api.LogprobsFormatter(kind, self.token_text))
+                       None if body.num_logprobs is None else api.LogprobsFormatter(kind, self.token_text),
+                       plan.output() if plan else None)
                 for i in range(body.n)]
 
     def finish(self, flow: Flow) -> None:

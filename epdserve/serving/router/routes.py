@@ -102,13 +102,12 @@ class Completions:
                                                  include_usage=usage, index=c.index))
             async with contextlib.aclosing(merged(choices)) as events:
                 async for i, delta, finish, entries in events:
-                    lp = choices[i].logprobs_object(entries)
                     if kind == "chat":
-                        chunk = api.chat_chunk(rid, model, created, {"content": delta} if delta else {},
-                                               finish, include_usage=usage, index=i, logprobs=lp)
-                    else:
-                        chunk = api.completion_chunk(rid, model, created, delta, finish, include_usage=usage,
-                                                     index=i, logprobs=lp)
+                        for chunk in chat_chunks(rid, model, created, choices[i], delta, finish, entries, usage):
+                            yield api.sse(chunk)
+                        continue
+                    chunk = api.completion_chunk(rid, model, created, delta, finish, include_usage=usage,
+                                                 index=i, logprobs=choices[i].logprobs_object(entries))
                     yield api.sse(chunk)
             if usage:
                 obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -148,11 +147,8 @@ class Completions:
             await asyncio.gather(task, watch, return_exceptions=True)
             for c in choices:
                 self.front.finish(c.gen)
-        build, choice = ((api.chat_completion, api.chat_choice) if kind == "chat"
-                         else (api.text_completion, api.completion_choice))
-        return JSONResponse(build(rid, self.front.model.name, api.now_s(),
-                                  [choice(c.index, "".join(c.parts), c.gen.finish_reason,
-                                          c.logprobs_object(c.entries)) for c in choices],
+        build = api.chat_completion if kind == "chat" else api.text_completion
+        return JSONResponse(build(rid, self.front.model.name, api.now_s(), [answer(c, kind) for c in choices],
                                   len(choices[0].gen.prompt_ids), sum(c.gen.output_tokens for c in choices),
                                   choices[0].gen.cached_tokens))
 
@@ -162,6 +158,39 @@ class Completions:
             async for i, delta, _, entries in events:
                 choices[i].parts.append(delta)
                 choices[i].entries += entries
+
+
+def chat_chunks(rid: str, model: str, created: int, choice: Choice, text: str, finish: str | None,
+                entries: list, usage: bool) -> list[dict]:
+    """The chat chunks of a choice's new ``text`` (``finish``: its finish reason, if it
+    ended): one content delta, or with tools what its parser gives (content, tool call
+    deltas; none while it holds text back: the logprob entries then wait for the next)."""
+    if choice.tools is None:
+        deltas = [{"content": text}] if text else []
+    else:
+        deltas = choice.tools.feed(text)
+        if finish is not None:
+            more, finish = choice.tools.finish(finish)
+            deltas += more
+        if not deltas and finish is None:
+            choice.held_entries += entries
+            return []
+        entries, choice.held_entries = choice.held_entries + entries, []
+    deltas = deltas or [{}]
+    lp = choice.logprobs_object(entries)
+    return [api.chat_chunk(rid, model, created, d, finish if k == len(deltas) - 1 else None, include_usage=usage,
+                           index=choice.index, logprobs=lp if k == 0 else None) for k, d in enumerate(deltas)]
+
+
+def answer(choice: Choice, kind: str) -> dict:
+    """A non-streamed choice of ``kind`` "chat" or "completion"."""
+    text, lp = "".join(choice.parts), choice.logprobs_object(choice.entries)
+    if kind != "chat":
+        return api.completion_choice(choice.index, text, choice.gen.finish_reason, lp)
+    if choice.tools is None:
+        return api.chat_choice(choice.index, text, choice.gen.finish_reason, lp)
+    message, finish = choice.tools.message(text, choice.gen.finish_reason)
+    return api.chat_choice(choice.index, None, finish, lp, message=message)
 
 
 def model_card(model) -> dict:

@@ -1,0 +1,313 @@
+"""Tool calling: OpenAI's ``tools`` / ``tool_choice`` on chat completions, as vLLM serves them.
+
+The request side: :class:`ToolDef` (a function with a JSON-schema ``parameters``),
+``tool_choice`` "none" | "auto" | "required" | :class:`NamedToolChoice`, and the
+assistant's earlier :class:`ToolCallIn` in messages. :func:`plan_tools` checks a request
+against the server's :class:`ToolSettings` and gives the :class:`ToolPlan` that drives it:
+
+* "none": the tools are rendered into the prompt (vLLM does so too), the output is text;
+* "auto" (needs ``--enable-auto-tool-choice --tool-call-parser hermes``, as vLLM): the
+  model writes Hermes-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks, which :class:`HermesOutput` turns into ``tool_calls``;
+* "required" and a named function: the output is forced with structured output, on
+  vLLM's schemas (:meth:`ToolPlan.guided_spec`): an array of ``{"name", "parameters"}``
+  (at least one) or the named function's ``parameters`` object, and becomes ``tool_calls``
+  directly (:class:`RequiredOutput`, :class:`NamedOutput`).
+
+The parsers of the output are in :mod:`epdserve.serving.tool_parsers`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jsonschema
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from epdserve.engine.request import MAX_GUIDED_CHARS, GuidedSpec
+from epdserve.serving.structured_output import FieldError
+from epdserve.serving.tool_parsers import HermesOutput, NamedOutput, RequiredOutput, ToolOutput
+
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
+MAX_CALLS = 1024  # calls in one assistant message (each is rendered into the prompt)
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
+PARSERS = ("hermes",)  # --tool-call-parser values (vLLM's names)
+# Parameters of a function that declares none (vLLM uses the same for named tool_choice).
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+# ---------------------------------------------------------------------------- requests
+
+class FunctionDef(BaseModel):
+    """A tool's function (OpenAI): ``name`` (``[a-zA-Z0-9_-]{1,64}``), ``description``,
+    ``parameters`` (a JSON Schema, checked against the 2020-12 metaschema), ``strict``
+    (its calls conform to ``parameters``: see :class:`HermesOutput`). Unknown keys are a
+    400: a misspelt ``parameters`` must not make an unconstrained tool."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not TOOL_NAME.fullmatch(v):
+            raise ValueError(f"function name {v!r} must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, v: dict | None) -> dict | None:
+        if v is not None:
+            try:
+                jsonschema.Draft202012Validator.check_schema(v)
+            except jsonschema.SchemaError as exc:
+                raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
+            except RecursionError:
+                raise ValueError("not a valid JSON Schema: nested too deeply") from None
+        return v
+
+    @property
+    def schema(self) -> dict:
+        """``parameters``, or an object of no properties when none were given."""
+        return self.parameters if self.parameters is not None else NO_PARAMETERS
+
+
+class ToolDef(BaseModel):
+    """One entry of ``tools``: ``{"type": "function", "function": FunctionDef}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function: ``{"type": "function", "function": {"name"}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCallIn(BaseModel):
+    """A call the assistant made earlier: ``arguments`` is OpenAI's JSON text (an object
+    is taken too, as vLLM does)."""
+
+    model_config = ConfigDict(extra="ignore")  # SDK message objects carry more, all None
+
+    name: str
+    arguments: str | dict[str, Any]
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, v):
+        if isinstance(v, str):
+            try:
+                json.loads(v)
+            except ValueError as exc:
+                raise ValueError(f"arguments is not valid JSON: {exc}") from None
+        return v
+
+
+class ToolCallIn(BaseModel):
+    """An entry of an assistant message's ``tool_calls``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+    def as_template_dict(self) -> dict:
+        """The call as chat templates read it (transformers' convention, as vLLM passes
+        it): ``arguments`` parsed into its JSON value."""
+        args = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": json.loads(args) if isinstance(args, str) else args}}
+
+
+class ToolRequestFields(BaseModel):
+    """A chat request's tool fields (OpenAI's), checked against the server's template and
+    flags by :func:`plan_tools`."""
+
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class ToolMessageFields(BaseModel):
+    """A chat message's tool fields: an assistant's earlier ``tool_calls``; a ``tool``
+    message's ``tool_call_id``, the call it answers (required, as OpenAI requires it)."""
+
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_CALLS)
+    tool_call_id: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls and self.role != "assistant":  # an empty list, as some clients send, is no call
+            raise ValueError(f"tool_calls: only assistant messages carry tool calls, not {self.role!r}")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message must name the call it answers")
+        return self
+
+    def tool_template_fields(self) -> dict:
+        """These fields as the chat template gets them (only those given)."""
+        out = {}
+        if self.tool_calls:
+            out["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+# ------------------------------------------------------------------------------- plans
+
+@dataclass(frozen=True)
+class ToolSettings:
+    """The server's tool options: ``auto`` (``--enable-auto-tool-choice``), ``parser``
+    (``--tool-call-parser``), ``template_tools`` (the chat template renders ``tools``)."""
+
+    auto: bool = False
+    parser: str | None = None
+    template_tools: bool = False
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one request uses its tools: ``mode`` "none", "auto", "required" or "named"
+    (``named``: the function's name); ``parallel``: False allows one call at most."""
+
+    mode: str
+    tools: list[ToolDef]
+    parallel: bool = True
+    named: str | None = None
+
+    def template_tools(self) -> list[dict]:
+        """``tools`` as the chat template gets them (OpenAI's JSON, as transformers and vLLM pass it)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """The structured-output constraint that forces the output, a JSON Schema as vLLM
+        builds it: for "required" an array (1 item at least; at most 1 without parallel
+        calls) of ``{"name": <a tool>, "parameters": <its schema>}`` (``anyOf`` over the
+        tools); for a named function its parameters object; None otherwise.
+
+        Raises:
+            FieldError: ``tools``, a schema over the engine's ``MAX_GUIDED_CHARS``.
+        """
+        if self.mode == "named":
+            schema = self.function(self.named).schema
+        elif self.mode == "required":
+            items = {"anyOf": [{"type": "object", "required": ["name", "parameters"], "properties": {
+                "name": {"type": "string", "enum": [t.function.name]}, "parameters": t.function.schema}}
+                for t in self.tools]}
+            schema = {"type": "array", "minItems": 1, "items": items, **({} if self.parallel else {"maxItems": 1})}
+        else:
+            return None
+        try:
+            return GuidedSpec(kind="json", value=json.dumps(schema, ensure_ascii=False))
+        except ValidationError:
+            raise FieldError(f"tools: the schema forcing tool_choice {self.mode!r} is over {MAX_GUIDED_CHARS} "
+                             "characters; send fewer or smaller tools", "tools") from None
+
+    def function(self, name: str) -> FunctionDef | None:
+        """The tool function called ``name``, None if there is none."""
+        return next((t.function for t in self.tools if t.function.name == name), None)
+
+    def output(self) -> ToolOutput | None:
+        """A fresh parser of one choice's output; None: the output is plain text."""
+        functions = {t.function.name: t.function for t in self.tools}
+        if self.mode == "auto":
+            return HermesOutput(functions, self.parallel)
+        if self.mode == "required":
+            return RequiredOutput(functions)
+        return NamedOutput(self.named) if self.mode == "named" else None
+
+
+def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, parallel: bool | None,
+               settings: ToolSettings) -> ToolPlan | None:
+    """The :class:`ToolPlan` of a request's ``tools``, ``tool_choice`` and
+    ``parallel_tool_calls``; None when it has no tools. ``tool_choice`` defaults to "auto"
+    with tools (OpenAI); "none" needs no tools (vLLM).
+
+    Raises:
+        FieldError: ``tool_choice`` without ``tools``; a named function not among
+            them; two tools of one name; ``tools`` with a chat template that has no tool
+            format; "auto" without ``--enable-auto-tool-choice`` (vLLM's rule).
+    """
+    if not tools:
+        if tool_choice is not None and tool_choice != "none":
+            raise FieldError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        return None
+    if len(tools) > MAX_TOOLS:
+        raise FieldError(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+    names = [t.function.name for t in tools]
+    if len(set(names)) < len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise FieldError(f"tools: two functions are named {dup!r}", "tools")
+    if not settings.template_tools:
+        raise FieldError("tools: the model's chat template has no tool-call format (it ignores `tools`); "
+                               "serve it with --chat-template FILE, a template that renders them (e.g. "
+                               "examples/templates/hermes_tools.jinja)", "tools")
+    choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise FieldError(f"tool_choice: function {choice.function.name!r} is not in tools", "tool_choice")
+        return ToolPlan("named", tools, parallel is not False, choice.function.name)
+    if choice == "auto" and not (settings.auto and settings.parser):
+        raise FieldError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                               'to be set (or pass tool_choice "none", "required" or a function)', "tool_choice")
+    return ToolPlan(choice, tools, parallel is not False)
+
+
+def tool_chars(body) -> int:
+    """Characters a chat request's tools put in its prompt, at the least: each function's
+    name and parameters JSON (a tool format renders the signatures), and the earlier
+    calls' names and arguments. Counted with the messages' text by the router's length
+    check, which must stay a lower bound."""
+    def shortest(value) -> int:  # the fewest characters any JSON rendering of value takes
+        return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+    tools = sum(len(t.function.name) + shortest(t.function.parameters or {}) for t in body.tools or ())
+    calls = (c.as_template_dict()["function"] for m in body.messages for c in m.tool_calls or ())
+    return tools + sum(len(f["name"]) + shortest(f["arguments"]) for f in calls)
+
+
+def add_tool_options(parser: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling flags: ``--chat-template``, ``--enable-auto-tool-choice``,
+    ``--tool-call-parser``."""
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="Jinja chat template (a file, or the template itself) to use instead of the model's; "
+                             "one with a tool format (e.g. examples/templates/hermes_tools.jinja) enables `tools`")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model call tools by itself (tool_choice "auto"); needs --tool-call-parser')
+    parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                        help="format of the model's tool calls: hermes, <tool_call>{json}</tool_call> blocks")
+
+
+def tool_settings(args: argparse.Namespace, template_tools: bool) -> ToolSettings:
+    """The :class:`ToolSettings` of parsed options.
+
+    Raises:
+        ValueError: ``--enable-auto-tool-choice`` without ``--tool-call-parser`` (vLLM's rule).
+    """
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    return ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser, template_tools)

@@ -1,0 +1,247 @@
+"""Tool calls out of a choice's text: OpenAI chat ``delta`` dicts, streamed or merged.
+
+Each parser (:class:`HermesOutput` for "auto", :class:`RequiredOutput`,
+:class:`NamedOutput`; :meth:`epdserve.serving.tool_calls.ToolPlan.output` picks one) turns
+the text, piece by piece, into ``{"content"}`` and ``{"tool_calls": [{"index", ...}]}``
+deltas and a final ``finish_reason`` ("tool_calls" when the model chose to call and
+stopped by itself); a non-streamed message is those deltas merged
+(:meth:`ToolOutput.message`), so both always agree. A call streams as OpenAI streams one:
+a first delta with ``id`` (``call_`` + 24 characters), ``type`` and ``function.name``,
+then ``function.arguments`` pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import jsonschema
+import referencing.exceptions
+
+if TYPE_CHECKING:  # annotations only: tool_calls builds these parsers
+    from epdserve.serving.tool_calls import FunctionDef
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the Hermes format's markers
+
+
+def conforms(value, schema: dict) -> bool:
+    """Whether ``value`` is valid against ``schema``; False too when the schema cannot be
+    applied (a ``$ref`` it cannot resolve: no reference is fetched; too deep a nesting),
+    since then it is not known to conform."""
+    try:
+        return jsonschema.Draft202012Validator(schema).is_valid(value)
+    except (jsonschema.SchemaError, referencing.exceptions.Unresolvable, RecursionError):
+        return False
+
+
+def new_call_id() -> str:
+    """A tool call id in OpenAI's form, ``call_`` and 24 characters."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_deltas(index: int, name: str, arguments: str) -> list[dict]:
+    """A whole call as stream deltas: the first names it (id, type, name), the next
+    carries the arguments, as OpenAI streams them."""
+    head = {"index": index, "id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+    return [{"tool_calls": [head]}, {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]}]
+
+
+class ToolOutput:
+    """One choice's output to OpenAI deltas: :meth:`feed` each new piece of text,
+    :meth:`finish` once with the engine's finish reason."""
+
+    calls = 0
+
+    def feed(self, text: str) -> list[dict]:
+        """Deltas for the new ``text`` (possibly none: text held until it is understood)."""
+        raise NotImplementedError
+
+    def flush(self) -> list[dict]:
+        """Deltas for what is still held when the output has ended."""
+        return []
+
+    def finish(self, reason: str) -> tuple[list[dict], str]:
+        """The last deltas and the finish reason: "tool_calls" when a call was made and
+        the model stopped by itself (a "length" cut stays "length")."""
+        deltas = self.flush()
+        return deltas, "tool_calls" if self.calls and reason == "stop" else reason
+
+    def message(self, text: str, reason: str) -> tuple[dict, str]:
+        """A non-streamed answer: the assistant message (``content`` None when only calls
+        were made) and the finish reason, the streamed deltas merged."""
+        deltas = self.feed(text)
+        more, reason = self.finish(reason)
+        content, calls = [], []
+        for d in deltas + more:
+            content.append(d.get("content", ""))
+            for c in d.get("tool_calls", ()):
+                if "id" in c:
+                    calls.append({"id": c["id"], "type": "function", "function": dict(c["function"])})
+                else:
+                    calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
+        text = "".join(content)
+        message = {"role": "assistant", "content": None if calls and not text else text}
+        if calls:
+            message["tool_calls"] = calls
+        return message, reason
+
+
+@dataclass
+class HermesOutput(ToolOutput):
+    """Hermes tool calls in free text (``tool_choice`` "auto", vLLM's ``hermes`` parser).
+
+    Text outside ``<tool_call>...</tool_call>`` is content, streamed as it comes, but never
+    any part of the markers (a piece that may begin one is held until it is clear);
+    whitespace next to a call is dropped. A block is held until it closes (or the output
+    ends, as vLLM takes an unclosed last block too) and becomes a call when it is a JSON
+    object with a ``name`` among the tools and an object ``arguments`` (for a ``strict``
+    tool, arguments valid against its parameters); any other block stays content, markers
+    and all, as vLLM leaves what it cannot parse. With ``parallel_tool_calls`` false, calls
+    after the first are dropped.
+    """
+
+    functions: dict[str, FunctionDef]  # the request's tools, by name
+    parallel: bool = True
+    held: str = ""  # text not yet given out: a possible marker start, or an open block
+    in_block: bool = False
+    space: str = ""  # whitespace held back: dropped if a call follows
+    calls: int = 0
+
+    def feed(self, text: str) -> list[dict]:
+        out: list[dict] = []
+        self.held += text
+        while True:
+            if self.in_block:
+                end = self.held.find(CLOSE)
+                if end < 0:
+                    return out
+                block, self.held, self.in_block = self.held[:end], self.held[end + len(CLOSE):], False
+                self._block(block, CLOSE, out)
+                continue
+            start = self.held.find(OPEN)
+            if start < 0:
+                keep = next((k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1)
+                             if OPEN.startswith(self.held[-k:])), 0)
+                self._content(self.held[:len(self.held) - keep], out)
+                self.held = self.held[len(self.held) - keep:]
+                return out
+            self._content(self.held[:start], out)
+            self.held, self.in_block = self.held[start + len(OPEN):], True
+
+    def flush(self) -> list[dict]:
+        out: list[dict] = []
+        if self.in_block:
+            self._block(self.held, "", out)
+        else:
+            self._content(self.held, out)
+        self.held, self.in_block = "", False
+        if self.space and not self.calls:
+            out.append({"content": self.space})
+        self.space = ""
+        return out
+
+    def _content(self, text: str, out: list[dict]) -> None:
+        text = self.space + text
+        body = text.rstrip()
+        self.space = text[len(body):]
+        if body:
+            out.append({"content": body})
+
+    def _block(self, block: str, close: str, out: list[dict]) -> None:
+        call = self._parse(block)
+        if call is None:
+            self._content(OPEN + block + close, out)
+            return
+        self.space = ""
+        if self.calls and not self.parallel:
+            return
+        out += _call_deltas(self.calls, *call)
+        self.calls += 1
+
+    def _parse(self, block: str) -> tuple[str, str] | None:
+        """``(name, arguments JSON text)`` of a block, None if it is not a valid call."""
+        try:
+            obj = json.loads(block)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("arguments"), dict):
+            return None
+        function = self.functions.get(obj.get("name")) if isinstance(obj.get("name"), str) else None
+        if function is None:
+            return None
+        if function.strict and not conforms(obj["arguments"], function.schema):
+            return None
+        return function.name, json.dumps(obj["arguments"], ensure_ascii=False)
+
+
+@dataclass
+class NamedOutput(ToolOutput):
+    """The output is the named function's arguments (forced by the schema): one call,
+    its arguments streamed as they are generated. The finish reason stays the engine's
+    ("stop"), as OpenAI answers a forced function and vLLM follows."""
+
+    name: str
+    calls: int = 0
+
+    def feed(self, text: str) -> list[dict]:
+        out = []
+        if not self.calls:
+            out = _call_deltas(0, self.name, "")[:1]
+            self.calls = 1
+        if text:
+            out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
+        return out
+
+    def flush(self) -> list[dict]:
+        return self.feed("")
+
+    def finish(self, reason: str) -> tuple[list[dict], str]:
+        return self.flush(), reason
+
+
+@dataclass
+class RequiredOutput(ToolOutput):
+    """The output is vLLM's ``[{"name", "parameters"}, ...]`` (forced by the schema): each
+    element becomes a call as soon as it is complete. Text that does not parse (an output
+    cut by ``max_tokens``) is content."""
+
+    functions: dict[str, FunctionDef]
+    held: str = ""
+    opened: bool = False
+    calls: int = 0
+
+    def feed(self, text: str) -> list[dict]:
+        out: list[dict] = []
+        self.held += text
+        if self.opened and "}" not in text:
+            return out  # an element can only be complete at a "}": no re-parse per token
+        decoder = json.JSONDecoder()
+        while True:
+            rest = self.held.lstrip(" \t\r\n" + ("," if self.opened else ""))
+            if not self.opened:
+                if not rest.startswith("["):
+                    return out
+                rest, self.opened = rest[1:], True
+                self.held = rest
+                continue
+            try:
+                item, end = decoder.raw_decode(rest)
+            except ValueError:
+                self.held = rest
+                return out
+            name = item.get("name") if isinstance(item, dict) else None
+            if not isinstance(name, str) or name not in self.functions or not isinstance(item.get("parameters"), dict):
+                self.held = rest
+                return out
+            out += _call_deltas(self.calls, name, json.dumps(item["parameters"], ensure_ascii=False))
+            self.calls += 1
+            self.held = rest[end:]
+
+    def flush(self) -> list[dict]:
+        rest = self.held.strip()
+        self.held = ""
+        if not rest or (self.opened and rest == "]"):
+            return []
+        return [{"content": rest}]
