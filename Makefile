@@ -2,8 +2,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+CLIENTS_VENV ?= .venv-clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 
-.PHONY: install demo test fuzz interop epd clean
+.PHONY: install demo test fuzz interop epd test-tools clean
 
 # torch is pinned to the CPU build on this machine's disk; a plain requirement
 # would pull a multi-GB CUDA build. The default model ships as a GGUF inside
@@ -18,6 +20,18 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The client tools of the `clients` extra (pyproject.toml) in a venv of their own: they
+# pin packages below what the server runs on (pyzmq, huggingface_hub). The same CPU torch
+# first, or their torch requirement pulls a CUDA build. Only the tools go in, not
+# epdserve: they reach it over HTTP, as a user's would.
+$(CLIENTS_STAMP): pyproject.toml Makefile
+	python3 -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/pip install --quiet torch==2.13.0
+	$(CLIENTS_VENV)/bin/pip install --quiet $$(python3 -c "import tomllib; \
+		print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['clients']))")
+	touch $(CLIENTS_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/epdserve compare --workload demo --output results/demo
 
@@ -26,13 +40,15 @@ demo: $(STAMP)
 # epdserve; its first run builds llama-server from source: 15-30 minutes on 2 cores,
 # cached in ~/.cache/epdserve) and the EPD suite (the vision-language model served
 # colocated, PD and EPD, with a killed prefill worker) have targets of their own to keep
-# `make test` under 20 minutes; .ci/run runs all four.
+# `make test` under 20 minutes, and so has the client-tools suite (AIPerf, GuideLLM,
+# lm-evaluation-harness run from .venv-clients against real deployments; marker
+# `clients`, which `make test` leaves out); .ci/run runs all five.
 INTEROP := tests/test_bench_deployments.py
 EPD := tests/test_epd.py
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -ra --durations=15 --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD)
+	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD)
 
 fuzz: $(STAMP)
 	$(VENV)/bin/pytest -q -ra tests/test_fuzz_api.py
@@ -43,5 +59,8 @@ interop: $(STAMP)
 epd: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 $(EPD)
 
+test-tools: $(STAMP) $(CLIENTS_STAMP)
+	EPDSERVE_CLIENTS_VENV=$(abspath $(CLIENTS_VENV)) $(VENV)/bin/pytest -q -ra --durations=10 -m clients tests/test_clients.py
+
 clean:
-	rm -rf $(VENV) results
+	rm -rf $(VENV) $(CLIENTS_VENV) results
