@@ -38,7 +38,9 @@ class SamplingParams(BaseModel):
     (vLLM, > 0, 1 = none) on prompt and output tokens; ``min_tokens`` (vLLM) suppresses EOS
     and ``stop_token_ids`` until that many tokens are generated; ``logprobs`` (None = none)
     returns each generated token's logprob and the top ``logprobs`` alternatives, of the
-    model's raw distribution (vLLM's default ``logprobs_mode`` "raw_logprobs").
+    model's raw distribution (vLLM's default ``logprobs_mode`` "raw_logprobs");
+    ``prompt_logprobs`` (vLLM, None = none) the same for every prompt token but the first,
+    with the top ``prompt_logprobs`` alternatives (``engine/prompt_logprobs.py``).
     See ``epdserve.engine.sampler`` for the order they apply in.
 
     Bounds (this is also the router -> worker wire type, so they hold on every path):
@@ -67,6 +69,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("temperature")
     @classmethod

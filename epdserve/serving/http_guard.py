@@ -128,7 +128,7 @@ def _replay(messages: list[dict], receive):
 
 
 async def _error(send, status: int, message: str) -> None:
-    body = json.dumps(error_body(message, code=status)).encode()
+    body = json.dumps(error_body(message)).encode()  # 413 or 408: the request is at fault
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
                             (b"content-length", str(len(body)).encode())]})

@@ -13,8 +13,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epdserve.serving import openai_api as api
+from epdserve.serving.api_logprobs import vllm_prompt_logprobs
 from epdserve.serving.router.events import WorkerFailed
-from epdserve.serving.router.front import Choice, Front, failed, merged
+from epdserve.serving.router.front import Choice, Front, best_choices, failed, merged, usage_counts
 from epdserve.serving.router.registry import MODE_ROLES
 
 log = logging.getLogger("epdserve.router")
@@ -89,10 +90,12 @@ class Completions:
             raise
         if body.stream:
             return SSEResponse(self.stream_events(rid, choices, body, kind))
-        return await self.complete(http_request, rid, choices, kind)
+        return await self.complete(http_request, rid, choices, body, kind)
 
     async def stream_events(self, rid: str, choices: list[Choice], body, kind: str):
-        """The SSE chunks of a streamed answer; an error after the start is one error event."""
+        """The SSE chunks of a streamed answer (a choice's chunks carry its index: ``prompt
+        x n + choice``; ``best_of`` over ``n`` is not streamed); an error after the start is
+        one error event with OpenAI's error body."""
         front = self.front
         model, created, usage = front.model.name, api.now_s(), body.include_usage
         try:
@@ -102,30 +105,31 @@ class Completions:
                                                  include_usage=usage, index=c.index))
             async with contextlib.aclosing(merged(choices)) as events:
                 async for i, delta, finish, entries in events:
-                    lp = choices[i].logprobs_object(entries)
+                    choice = choices[i]
+                    delta, entries = choice.shape(delta, entries)
+                    lp = choice.logprobs_object(entries)
                     if kind == "chat":
                         chunk = api.chat_chunk(rid, model, created, {"content": delta} if delta else {},
                                                finish, include_usage=usage, index=i, logprobs=lp)
                     else:
                         chunk = api.completion_chunk(rid, model, created, delta, finish, include_usage=usage,
                                                      index=i, logprobs=lp)
+                    if body.continuous_usage:
+                        chunk["usage"] = api.usage(len(choice.gen.prompt_ids), choice.completion_tokens)
                     yield api.sse(chunk)
             if usage:
                 obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-                yield api.sse(api.usage_chunk(rid, model, created, obj, len(choices[0].gen.prompt_ids),
-                                              sum(c.gen.output_tokens for c in choices),
-                                              choices[0].gen.cached_tokens))
+                yield api.sse(api.usage_chunk(rid, model, created, obj, *usage_counts(choices)))
             yield api.SSE_DONE
         except WorkerFailed as exc:
             failed(choices, exc)
-            err = exc.api_error()
-            yield api.sse(api.error_body(err.message, type=err.type, code=err.status))
+            yield api.sse(exc.api_error().body())
             yield api.SSE_DONE
         finally:
             for c in choices:
                 front.finish(c.gen)
 
-    async def complete(self, http_request: Request, rid: str, choices: list[Choice], kind: str) -> Response:
+    async def complete(self, http_request: Request, rid: str, choices: list[Choice], body, kind: str) -> Response:
         """A non-streamed answer; 499 (read by nobody) if the client goes away first.
 
         Raises:
@@ -148,18 +152,34 @@ class Completions:
             await asyncio.gather(task, watch, return_exceptions=True)
             for c in choices:
                 self.front.finish(c.gen)
-        build, choice = ((api.chat_completion, api.chat_choice) if kind == "chat"
-                         else (api.text_completion, api.completion_choice))
-        return JSONResponse(build(rid, self.front.model.name, api.now_s(),
-                                  [choice(c.index, "".join(c.parts), c.gen.finish_reason,
-                                          c.logprobs_object(c.entries)) for c in choices],
-                                  len(choices[0].gen.prompt_ids), sum(c.gen.output_tokens for c in choices),
-                                  choices[0].gen.cached_tokens))
+        return JSONResponse(self.answer(rid, choices, body, kind))
+
+    def answer(self, rid: str, choices: list[Choice], body, kind: str) -> dict:
+        """The ``chat.completion`` or ``text_completion`` object of collected ``choices``:
+        the best ``n`` per prompt (see :func:`best_choices`), with vLLM's
+        ``prompt_logprobs`` where they were computed (completions: per choice; chat: of
+        the response, and only when asked)."""
+        build, make = ((api.chat_completion, api.chat_choice) if kind == "chat"
+                       else (api.text_completion, api.completion_choice))
+        answered = []
+        for index, c in best_choices(choices, body.n):
+            answered.append(make(index, "".join(c.parts), c.gen.finish_reason, c.logprobs_object(c.entries)))
+            if kind != "chat" and body.prompt_logprobs_k is not None:
+                answered[-1]["prompt_logprobs"] = self.prompt_logprobs(c)
+        out = build(rid, self.front.model.name, api.now_s(), answered, *usage_counts(choices))
+        if kind == "chat" and body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs(choices[0])
+        return out
+
+    def prompt_logprobs(self, choice: Choice) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs`` of ``choice``'s prompt."""
+        return vllm_prompt_logprobs(choice.gen.prompt_ids, choice.gen.prompt_logprobs or [], self.front.token_text)
 
     @staticmethod
     async def _collect(choices: list[Choice]) -> None:
         async with contextlib.aclosing(merged(choices)) as events:
             async for i, delta, _, entries in events:
+                delta, entries = choices[i].shape(delta, entries)
                 choices[i].parts.append(delta)
                 choices[i].entries += entries
 
