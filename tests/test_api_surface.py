@@ -147,6 +147,41 @@ def test_error_code_is_a_string_or_null():
         "error": {"message": "gone", "type": "service_unavailable", "param": None, "code": None}}
 
 
+def test_concurrency_limit_503_has_the_error_body():
+    """uvicorn's --limit-concurrency answer: 503 with OpenAI's body, not plain text."""
+    import argparse
+    import socket
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from epdserve.serving.http_guard import uvicorn_config
+
+    app = FastAPI()
+    app.get("/ok")(lambda: {"ok": True})
+    args = argparse.Namespace(host="127.0.0.1", port=0, http_header_timeout=5.0, http_body_timeout=5.0,
+                              max_request_body_mb=1, limit_concurrency=2)
+    server = uvicorn.Server(uvicorn_config(app, args))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port)):
+            time.sleep(0.2)  # both connections counted: the next request is past the limit
+            r = httpx.get(f"http://127.0.0.1:{port}/ok", timeout=10)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "service_unavailable",
+                                     "param": None, "code": None}
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 def test_logprob_shapes():
     text = {1: "a", 2: "bb", 3: "c"}.get
     entries = prompt_entries([1, 2, 3], [[-1.0, 2, [[3, -0.5]]], [-2.0, 1, [[3, -2.0]]]])

@@ -113,6 +113,7 @@ def check(body: BaseModel) -> None:
 def log_unknown(name: str) -> None:
     """Log ``name`` as an ignored request field, once per process, while fewer than
     :data:`MAX_LOGGED_NAMES` names have been logged (then once that no more will be)."""
+    name = name[:_NAME_CHARS]  # what is kept, and logged, of a name of any length
     if name in _logged or len(_logged) > MAX_LOGGED_NAMES:
         return
     _logged.add(name)
@@ -120,4 +121,4 @@ def log_unknown(name: str) -> None:
         log.warning("more than %d unknown request field names seen: no longer logging new ones", MAX_LOGGED_NAMES)
         return
     # ascii(): a name may hold anything JSON can, control characters included.
-    log.warning("The following fields were present in the request but ignored: %s", ascii(name[:_NAME_CHARS]))
+    log.warning("The following fields were present in the request but ignored: %s", ascii(name))
