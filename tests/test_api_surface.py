@@ -39,8 +39,10 @@ from epdserve.model.llama import AttentionMetadata, PrefillSeq
 from epdserve.model.tokenizer import chat_prompt_ids
 from epdserve.serving import api_fields
 from epdserve.serving import openai_api as api
+from epdserve.serving import protocol as P
 from epdserve.serving.api_logprobs import LogprobsFormatter, prompt_entries, vllm_prompt_logprobs
 from epdserve.serving.router.events import WorkerFailed
+from epdserve.serving.router.flows import new_flow
 from epdserve.serving.router.front import Choice, best_choices
 from epdserve.serving.router.routes import Completions
 
@@ -145,6 +147,35 @@ def test_error_code_is_a_string_or_null():
     assert api.APIError("x", status=503).body()["error"]["code"] is None
     assert WorkerFailed("gone", 503).api_error().body() == {
         "error": {"message": "gone", "type": "service_unavailable", "param": None, "code": None}}
+
+
+def test_pd_flow_keeps_the_prefill_workers_prompt_logprobs_and_spares_the_decode_worker():
+    """In process (test_router_flows' fakes): the prefill worker's first output brings the
+    prompt logprobs, which the flow keeps; the decode worker's request does not ask for them."""
+    from test_router_flows import KV, Reader, Setup, run
+
+    s = Setup("pd", "prefill-0", "decode-0")
+    scored = [(-1.5, 3, [(4, -0.5)]), (-0.25, 1, [(5, -0.25)])]
+
+    async def go():
+        flow = new_flow(s.registry, s.config, "r1", [1, 2, 3], SamplingParams(max_tokens=3, prompt_logprobs=1),
+                        s.clock())
+        flow.start()
+        reader = Reader(flow)
+        await reader.step()
+        s.registry.on_message(P.Output(worker_id="prefill-0", request_id="r1", token_ids=[9], kv=KV,
+                                       prompt_logprobs=scored), s.clock())
+        await reader.step()
+        await reader.step()  # the hand-off
+        assert flow.prompt_logprobs == scored
+        assert s.port.of("prefill-0", P.AddRequest)[0].sampling.prompt_logprobs == 1
+        assert s.port.of("decode-0", P.AddRequest)[0].sampling.prompt_logprobs is None
+        s.output("decode-0", (10,), finished=True)
+        await reader.drain()
+        assert reader.error is None
+        flow.close()
+
+    run(go())
 
 
 def test_concurrency_limit_503_has_the_error_body():
