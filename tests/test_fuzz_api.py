@@ -422,7 +422,9 @@ def corpus(model: str, vocab: int) -> list[Case]:
         ok(h("content parts", messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                       {"type": "text", "text": "b"}]}])),
         ok(h("max_completion_tokens wins", max_tokens=10_000, max_completion_tokens=2)),
-        ok(c("unknown fields", echo=True, suffix="x", logit_bias={"1": 100}, user="u", response_format={})),
+        ok(c("informational and unknown fields", user="u", metadata={"k": "v"}, store=False, zz_unknown=[1])),
+        ok(c("echo with logprobs", echo=True, logprobs=1, prompt=["a b", "c"], max_tokens=1)),
+        c("suffix refused", suffix="x"),
         c("NaN temperature", temperature=NAN), c("Infinity top_p", top_p=INF), c("-Infinity seed", seed=-INF),
         c("NaN repetition_penalty", repetition_penalty=NAN), c("Infinity repetition_penalty", repetition_penalty=INF),
         c("max_tokens 2^64", max_tokens=2**64), c("max_tokens -2^64", max_tokens=-2**64),
@@ -443,7 +445,7 @@ def corpus(model: str, vocab: int) -> list[Case]:
         h("chat max_tokens null", max_tokens=None, max_completion_tokens=2),
         c("best_of 2, n 1", best_of=2), c("model unknown", model="nope"), c("model null", model=None),
         ok(c("model by name", model=model)),
-        c("prompt list of lists", prompt=[[1, 2], [3]]), c("prompt list of strings", prompt=["a", "b"]),
+        ok(c("prompt list of lists", prompt=[[1, 2], [3]])), ok(c("prompt list of strings", prompt=["a", "b"])),
         c("prompt too long (ids)", prompt=list(range(9000))), c("prompt too long", prompt="hello " * 9000),
         c("prompt huge (1 MB)", prompt="lorem ipsum " * 90_000),
         Case("JSON NaN literal", content=b'{"prompt":"x","max_tokens":NaN}'),
@@ -494,6 +496,12 @@ def check_error_body(resp: httpx.Response) -> str | None:
     return None
 
 
+def _num_prompts(body: dict) -> int:
+    """Prompts of a valid request: a completions batch's, else one."""
+    prompt = body.get("prompt")
+    return len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+
+
 def check_completion(case: Case, obj: dict, chat: bool) -> str | None:
     body = case.body if isinstance(case.body, dict) else {}
     if obj.get("object") != ("chat.completion" if chat else "text_completion"):
@@ -502,8 +510,8 @@ def check_completion(case: Case, obj: dict, chat: bool) -> str | None:
     if not isinstance(choices, list) or [c.get("index") for c in choices] != list(range(len(choices))) or not choices:
         return f"choices {choices!r:.200}"
     n = _int(body.get("n"))
-    if n is not None and len(choices) != n:
-        return f"{len(choices)} choices for n={n}"
+    if n is not None and len(choices) != n * _num_prompts(body):
+        return f"{len(choices)} choices for n={n} and {_num_prompts(body)} prompts"
     for c in choices:
         text = c["message"]["content"] if chat else c.get("text")
         if not isinstance(text, str):
@@ -519,8 +527,10 @@ def check_completion(case: Case, obj: dict, chat: bool) -> str | None:
         return f"usage {u!r}"
     limit = _int(body.get("max_completion_tokens")) if chat else None
     limit = limit if limit is not None else _int(body.get("max_tokens"))
-    if limit is not None and u["completion_tokens"] > limit * len(choices):
-        return f"{u['completion_tokens']} completion tokens for max_tokens={limit} x {len(choices)}"
+    # best_of's unanswered choices count too (OpenAI bills them).
+    generated = _num_prompts(body) * max(_int(body.get("best_of")) or 1, n or 1)
+    if limit is not None and u["completion_tokens"] > limit * generated:
+        return f"{u['completion_tokens']} completion tokens for max_tokens={limit} x {generated}"
     return None
 
 
@@ -558,7 +568,7 @@ def check_stream(case: Case, resp: httpx.Response, chat: bool) -> tuple[str | No
         return f"chunks with {len(ids)} ids", error
     if error is None:
         body = case.body if isinstance(case.body, dict) else {}
-        n = _int(body.get("n")) or 1
+        n = (_int(body.get("n")) or 1) * _num_prompts(body)
         if sorted(finished) != list(range(n)) or any(v != 1 for v in finished.values()):
             return f"finish reasons per choice {dict(finished)} for n={n}", None
     return None, error
@@ -589,8 +599,8 @@ def judge(case: Case, resp: httpx.Response) -> str | None:
         if problem:
             return problem
         if error is not None:
-            code = error.get("code")
-            if not isinstance(code, int) or code >= 500 or case.must_succeed:
+            # A 4xx-class failure is the request's (a worker refused it), anything else the server's.
+            if error.get("type") != "invalid_request_error" or case.must_succeed:
                 return f"stream failed: {error!r}"
         return None
     try:

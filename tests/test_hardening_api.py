@@ -66,7 +66,7 @@ def bad_values(vocab: int) -> list[tuple[str, dict, str]]:
         ("stop id out of vocabulary", {"stop_token_ids": [vocab + 5], "min_tokens": 2}, "stop_token_ids"),
         ("100 stop strings", {"stop": [f"s{i}" for i in range(100)]}, "stop"),
         ("a 5000-character stop string", {"stop": "x" * 5000}, "stop"),
-        ("best_of 3 with n 1", {"best_of": 3}, None),
+        ("best_of 1 with n 2", {"best_of": 1, "n": 2}, "best_of"),
         ("lone surrogate in the prompt", {"prompt": "hi \ud800 there"}, None),
         ("lone surrogate in the model", {"model": "\udfff"}, None),
     ]
@@ -172,7 +172,7 @@ def test_body_limits(guarded_server):
     url = f"http://127.0.0.1:{guarded_server}/echo"
     assert httpx.post(url, content=b"x" * 1000).json() == {"bytes": 1000}
     r = httpx.post(url, content=b"x" * (2 << 20))
-    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert r.status_code == 413 and r.json()["error"]["code"] is None
     # Without a Content-Length (chunked), counted as it is read.
     r = httpx.post(url, content=iter([b"x" * (512 << 10)] * 4))
     assert r.status_code == 413, r.text

@@ -28,6 +28,7 @@ import torch
 from epdserve.engine import runner
 from epdserve.engine.block_pool import BlockPool
 from epdserve.engine.kv_source import KVSource, LayerSink, block_runs
+from epdserve.engine.prompt_logprobs import PromptLogprob, PromptLogprobsCollector
 from epdserve.engine.request import PromptImages, SamplingParams, Sequence
 from epdserve.engine.sampler import TokenLogprobs, sample
 from epdserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -94,6 +95,9 @@ class StepOutput:
     first admitted (OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
     ``logprobs``: one :data:`~epdserve.engine.sampler.TokenLogprobs` per token of
     ``token_ids`` if the request asked for logprobs, else None.
+    ``prompt_logprobs``: on the first token's output of a request that asked for them
+    (``SamplingParams.prompt_logprobs``) and prefilled its prompt here, one
+    :data:`~epdserve.engine.prompt_logprobs.PromptLogprob` per prompt token but the first.
     """
 
     request_id: str
@@ -105,6 +109,7 @@ class StepOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class LLMEngine:
@@ -138,6 +143,7 @@ class LLMEngine:
         self.held: dict[str, list[int]] = {}
         # Structured output (engine/guided.py), made at the first guided request.
         self.guided = None
+        self.prompt_logprobs = PromptLogprobsCollector(self.model.logits)
 
     def kv_layout(self) -> dict:
         """What a peer must match to exchange KV blocks with this engine."""
@@ -168,8 +174,9 @@ class LLMEngine:
                 or ``logit_bias`` token outside the vocabulary, prompt plus ``max_tokens``
                 over the context window or the whole KV pool, KV of the wrong shape or
                 dtype, images for a text model, images whose tokens or embeddings do not
-                match the prompt, images without embeddings to prefill, or a ``guided``
-                grammar that does not compile or that ``first_token`` breaks (``GuidedError``).
+                match the prompt, images without embeddings to prefill, prompt logprobs
+                over ``MAX_PROMPT_LOGPROB_ENTRIES``, or a ``guided`` grammar that does not
+                compile or that ``first_token`` breaks (``GuidedError``).
         """
         if request_id in self.seqs or request_id in self.held:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -190,6 +197,8 @@ class LLMEngine:
                        self._prompt_images(prompt_token_ids, images, image_embeddings, kv is not None))
         seq.hold_kv, seq.layer_sink = hold_kv, layer_sink
         seq.guided = self._guided_matcher(sampling, first_token)
+        if sampling.prompt_logprobs is not None and kv is None:  # an imported prompt was scored where it was computed
+            self.prompt_logprobs.start(request_id, n, sampling.prompt_logprobs)
         if timings is not None:
             seq.timings.update(timings)
         if arrival is not None:
@@ -252,6 +261,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks (and any held ones). True if it existed."""
         found = self.release_kv(request_id)
+        self.prompt_logprobs.take(request_id)
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.remove(seq)
@@ -314,7 +324,8 @@ class LLMEngine:
                     failed.append(self._fail(seq, str(exc), batch))
         if not batch:
             return failed
-        logits, sampled = runner.run(self.model, batch, self.kv_cache, self._layer_writer(batch))
+        logits, sampled = runner.run(self.model, batch, self.kv_cache, self._layer_writer(batch),
+                                     self.prompt_logprobs.sink(batch))
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.scheduler.prefix_cache.register(seq)
@@ -366,6 +377,7 @@ class LLMEngine:
             del batch.seqs[i], batch.num_tokens[i]
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
+        self.prompt_logprobs.take(seq.request_id)
         return StepOutput(seq.request_id, [], finished=True, finish_reason="error", error=message)
 
     def _block_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -401,7 +413,8 @@ class LLMEngine:
         elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"
         out = StepOutput(seq.request_id, [token], finished=reason is not None, finish_reason=reason,
-                         logprobs=None if logprobs is None else [logprobs])
+                         logprobs=None if logprobs is None else [logprobs],
+                         prompt_logprobs=self.prompt_logprobs.take(seq.request_id))
         out.num_cached_tokens = seq.num_cached_tokens or 0
         if reason is None and seq.hold_kv:
             # Keep the prompt's blocks (not the first token's, which has no K/V yet) until

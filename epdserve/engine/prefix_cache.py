@@ -49,8 +49,10 @@ class PrefixCache:
         """The cached blocks holding ``seq``'s leading full blocks, not yet referenced. At
         least the last token stays uncached so that its logits get computed (vLLM's rule);
         a sequence whose prompt KV comes with it (decode role) may match all its prompt's
-        full blocks, as those need no computing, only a copy."""
-        if not self.enabled:
+        full blocks, as those need no computing, only a copy. A sequence that wants prompt
+        logprobs and has not had them (no token yet) matches nothing: every prompt position's
+        logits must be computed (vLLM recomputes them too)."""
+        if not self.enabled or (seq.sampling.prompt_logprobs is not None and seq.num_output_tokens == 0):
             return []
         imported = seq.pending_kv is not None
         limit = seq.num_prompt_tokens if imported else len(seq) - 1

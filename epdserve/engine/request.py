@@ -63,7 +63,9 @@ class SamplingParams(BaseModel):
     (vLLM, > 0, 1 = none) on prompt and output tokens; ``min_tokens`` (vLLM) suppresses EOS
     and ``stop_token_ids`` until that many tokens are generated; ``logprobs`` (None = none)
     returns each generated token's logprob and the top ``logprobs`` alternatives, of the
-    model's raw distribution (vLLM's default ``logprobs_mode`` "raw_logprobs").
+    model's raw distribution (vLLM's default ``logprobs_mode`` "raw_logprobs");
+    ``prompt_logprobs`` (vLLM, None = none) the same for every prompt token but the first,
+    with the top ``prompt_logprobs`` alternatives (``engine/prompt_logprobs.py``).
     ``logit_bias`` (OpenAI) adds a bias in [-100, 100] to up to 300 tokens' logits;
     ``min_p`` (vLLM, 0..1, 0 = none) drops tokens whose probability is under ``min_p``
     times the most likely one's; ``guided`` constrains the output to a grammar
@@ -97,6 +99,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[TokenId, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] = Field(
         {}, max_length=MAX_LOGIT_BIAS)
     min_p: float = Field(0.0, ge=0.0, le=1.0)

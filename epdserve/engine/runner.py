@@ -60,8 +60,16 @@ def prepare(batch: ScheduledBatch, block_size: int
 
 
 def run(model: LlamaModel, batch: ScheduledBatch, kv_cache: torch.Tensor,
-        kv_written: Callable[[int], None] | None = None) -> tuple[torch.Tensor, list[int]]:
+        kv_written: Callable[[int], None] | None = None,
+        hidden_sink: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, list[int]]:
     """One forward pass: returns ``(logits [S, vocab], indices of sampled sequences)``.
-    ``kv_written``: see :meth:`LlamaModel.forward`."""
+    ``kv_written``: see :meth:`LlamaModel.forward`. ``hidden_sink``, if given, gets the
+    final hidden states of every row of the batch ``[T, hidden]`` (batch order, each
+    sequence's new tokens in order) before the sampled rows' logits are taken from them
+    (prompt logprobs, ``engine/prompt_logprobs.py``)."""
     input_ids, meta, sampled, embeds = prepare(batch, kv_cache.shape[3])
-    return model.forward(input_ids, meta, kv_cache, embeds, kv_written), sampled
+    if hidden_sink is None:
+        return model.forward(input_ids, meta, kv_cache, embeds, kv_written), sampled
+    hidden = model.hidden_states(input_ids, meta, kv_cache, embeds, kv_written)
+    hidden_sink(hidden)
+    return model.logits(hidden[meta.logits_rows]), sampled

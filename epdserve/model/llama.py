@@ -162,6 +162,21 @@ class LlamaModel:
                 kv_cache: torch.Tensor,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run one step (see :meth:`hidden_states`); returns the logits ``[S, vocab]``
+        (float32) of the rows ``meta.logits_rows``."""
+        return self.logits(self.hidden_states(input_ids, meta, kv_cache, embeds, kv_written)[meta.logits_rows])
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[R, vocab]`` (float32) of final hidden states ``[R, hidden]``
+        (the final norm, then the LM head)."""
+        return quant.linear(layer_ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                      kv_cache: torch.Tensor,
+                      embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run one step; writes the new tokens' K/V into ``kv_cache``.
 
         Args:
@@ -175,7 +190,8 @@ class LlamaModel:
                 in ``kv_cache`` (a layer-pipelined KV export copies it out while later
                 layers compute).
         Returns:
-            Logits ``[S, vocab]`` (float32) for ``meta.logits_rows``.
+            The last layer's hidden states ``[T, hidden]`` of every row, before the final
+            norm (:meth:`logits` turns rows of it into logits).
         """
         c = self.config
         x = self.embed[input_ids]
@@ -191,8 +207,7 @@ class LlamaModel:
                                        c.num_attention_heads, c.rms_norm_eps)
             else:
                 self._layer(i, layer, x, meta, kv_cache, kv_written)
-        x = layer_ops.rms_norm(x[meta.logits_rows], self.norm, c.rms_norm_eps)
-        return quant.linear(x, self.lm_head).float()
+        return x
 
     def _layer(self, i: int, layer: dict, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                kv_written: Callable[[int], None] | None = None) -> None:

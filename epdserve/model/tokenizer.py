@@ -61,24 +61,28 @@ def template_renders_tools(tokenizer) -> bool:
     return bool(template) and re.search(r"\btools\b", template) is not None
 
 
-def chat_prompt_text(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
-    """``messages`` rendered with the model's chat template plus the generation prompt;
-    ``tools`` (OpenAI's tool JSON) go to the template as transformers passes them.
+def chat_prompt_text(tokenizer, messages: list[dict], **template) -> str:
+    """``messages`` rendered with the model's chat template, by default with the generation
+    prompt; ``template``: more arguments of ``apply_chat_template`` (e.g. ``tools``: OpenAI's
+    tool JSON, as transformers passes them; ``add_generation_prompt``,
+    ``continue_final_message``) and variables for the template.
 
     Raises:
         ValueError: the template cannot render these messages.
     """
+    template.setdefault("add_generation_prompt", True)
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, **template)
     except Exception as exc:  # jinja2 raises TemplateError and friends
         raise ValueError(f"chat template failed: {exc}") from None
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """Token ids of :func:`chat_prompt_text`. Special tokens come from the template only
-    (vLLM's convention for chat requests), so no extra BOS is added.
+def chat_prompt_ids(tokenizer, messages: list[dict], add_special_tokens: bool = False, **template) -> list[int]:
+    """Token ids of :func:`chat_prompt_text`. By default special tokens come from the
+    template only (vLLM's convention for chat requests, its ``add_special_tokens`` false),
+    so no extra BOS is added.
 
     Raises:
         ValueError: the template cannot render these messages.
     """
-    return tokenizer(chat_prompt_text(tokenizer, messages, tools), add_special_tokens=False).input_ids
+    return tokenizer(chat_prompt_text(tokenizer, messages, **template), add_special_tokens=add_special_tokens).input_ids

@@ -12,7 +12,8 @@ connection, and an ASGI task waiting on ``receive()``, for as long as it likes. 
   ``max_body_bytes`` (from ``Content-Length`` before reading, else while reading) and
   **408** to a body not complete ``body_timeout_s`` seconds after its head, both with an
   OpenAI-style error body;
-* uvicorn's ``limit_concurrency`` answers 503 past that many connections or requests.
+* uvicorn's ``limit_concurrency`` answers 503 past that many connections or requests,
+  with an OpenAI-style error body too (:func:`_service_unavailable` replaces its plain text).
 
 :func:`uvicorn_config` builds the server configuration with all three for ``epdserve
 serve`` and ``epdserve router``.
@@ -25,6 +26,7 @@ import asyncio
 import json
 
 import uvicorn
+from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from epdserve.argtypes import int_at_least
@@ -127,12 +129,19 @@ def _replay(messages: list[dict], receive):
     return replay
 
 
-async def _error(send, status: int, message: str) -> None:
-    body = json.dumps(error_body(message, code=status)).encode()
+async def _error(send, status: int, message: str, type: str = "invalid_request_error") -> None:
+    body = json.dumps(error_body(message, type=type)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _service_unavailable(scope, receive, send) -> None:
+    """The ASGI app uvicorn answers a request with past ``limit_concurrency``: 503 with
+    OpenAI's error body (uvicorn's own says "Service Unavailable" in plain text)."""
+    await _error(send, 503, "the server has as many open connections and requests as it takes "
+                            "(--limit-concurrency); retry later", type="service_unavailable")
 
 
 def add_http_options(parser: argparse.ArgumentParser) -> None:
@@ -153,5 +162,9 @@ def uvicorn_config(app, args: argparse.Namespace, **kw) -> uvicorn.Config:
     (see :func:`add_http_options`); ``kw`` go to ``uvicorn.Config``."""
     protocol = type("GuardedHttp", (GuardedHttpProtocol,), {"header_timeout_s": args.http_header_timeout})
     guarded = RequestLimits(app, args.max_request_body_mb << 20, args.http_body_timeout)
+    # The httptools protocol looks its 503 app up by this module-level name for each request
+    # past limit_concurrency (uvicorn has no option for it); in the router's process every
+    # uvicorn server is this one. (tests/test_api_surface.py checks the body.)
+    httptools_impl.service_unavailable = _service_unavailable
     return uvicorn.Config(guarded, host=args.host, port=args.port, log_level="warning", http=protocol,
                           limit_concurrency=args.limit_concurrency, **kw)

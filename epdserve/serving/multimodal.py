@@ -379,8 +379,9 @@ class ImagePrompter:
         self.media = media
         self.embedding_shape = {"kind": KIND, "hidden_size": config.text_hidden_size}
 
-    def prompt(self, messages: list[dict]) -> tuple[list[int], list]:
+    def prompt(self, messages: list[dict], add_special_tokens: bool = False, **template) -> tuple[list[int], list]:
         """``(prompt token ids, [ImageRef])`` of chat ``messages`` (request JSON). Blocking.
+        ``add_special_tokens`` and ``template``: see :func:`chat_prompt_ids`.
 
         Raises:
             APIError: as :func:`parse_chat_images` (400, 413, 503); 400 when the chat
@@ -391,7 +392,7 @@ class ImagePrompter:
         messages, images = parse_chat_images(messages, self.media)
         grids = [self.processor.grid(image.size) for image in images]
         try:
-            text = chat_prompt_text(self.tokenizer, messages)
+            text = chat_prompt_text(self.tokenizer, messages, **template)
         except ValueError as exc:
             raise APIError(str(exc), param="messages") from None
         try:
@@ -399,6 +400,6 @@ class ImagePrompter:
         except ValueError as exc:
             raise APIError(f"the chat template's output does not match the images: {exc}", status=500,
                            type="internal_server_error") from None
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         return ids, [ImageRef(hash=image.content_hash, tokens=self.processor.num_tokens(grid), data=image.data)
                      for image, grid in zip(images, grids)]

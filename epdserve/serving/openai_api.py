@@ -1,16 +1,20 @@
 """The OpenAI HTTP API as epdserve speaks it: request models, response builders, errors.
 
 Only what the router serves: ``/v1/chat/completions`` (text messages) and
-``/v1/completions`` (a string prompt or a list of token ids), with ``n`` choices (1 to
-:data:`MAX_N`), ``logprobs`` (completions: an int; chat: ``logprobs`` + ``top_logprobs``;
-at most :data:`~epdserve.engine.request.MAX_LOGPROBS`, as vLLM), OpenAI's penalties and
-vLLM's extensions ``top_k``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``ignore_eos`` and ``include_stop_str_in_output``, ``logit_bias`` (OpenAI) and ``min_p``
-(vLLM), and structured output: OpenAI's ``response_format`` (``json_object``,
-``json_schema``) and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-``guided_grammar`` and ``structured_outputs`` (one constraint per request; see
-``epdserve/serving/structured_output.py``). Unknown request fields are accepted and
-ignored, as vLLM does.
+``/v1/completions`` (a string prompt, a list of token ids, or a batch of up to
+:data:`MAX_PROMPTS` of either), with ``n`` choices (1 to :data:`MAX_N`) out of ``best_of``,
+``logprobs`` (completions: an int; chat: ``logprobs`` + ``top_logprobs``; at most
+:data:`~epdserve.engine.request.MAX_LOGPROBS`, as vLLM), ``echo`` and vLLM's
+``prompt_logprobs``, OpenAI's penalties and vLLM's extensions ``top_k``,
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
+``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``return_tokens_as_token_ids``,
+``add_special_tokens`` and (chat) ``add_generation_prompt``, ``continue_final_message``,
+``chat_template_kwargs``; ``logit_bias`` (OpenAI) and ``min_p`` (vLLM); structured output:
+OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guided_json`` /
+``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and ``structured_outputs`` (one
+constraint per request; see ``epdserve/serving/structured_output.py``); tools (chat: see
+``epdserve/serving/tool_calls.py``). Other fields: see :mod:`epdserve.serving.api_fields`
+(accepted without effect, refused with a 400 naming them, or logged as unknown).
 
 Every per-request cost has a bound, so that one request cannot hold the router: at most
 :data:`MAX_STOP_STRINGS` stop strings of :data:`MAX_STOP_CHARS` characters (SGLang bounds
@@ -19,74 +23,50 @@ them too; OpenAI allows 4), :data:`MAX_MESSAGES` messages, ``n`` up to :data:`MA
 (``seed`` in int64, as OpenAI and vLLM; ``top_k`` and ``stop_token_ids`` in int32). Text
 must be valid Unicode: a lone surrogate (JSON ``"\\ud800"``) is a 400, not a tokenizer crash.
 
-Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``. Every
-malformed request (bad JSON, failed validation, unknown model, prompt too long) is an
-HTTP **400** with type ``invalid_request_error``. OpenAI answers 404 for an unknown
-model; we answer 400 like vLLM's older releases, so that a client sees one status for
-every request it must fix.
+Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, also as
+the one ``data:`` event of a stream that fails after it started; ``code`` is a string as
+OpenAI sends it (``context_length_exceeded``, ``model_not_found``,
+``unsupported_parameter``, ...) or null, never the HTTP status. Every malformed request
+(bad JSON, failed validation, prompt too long) is an HTTP **400** with type
+``invalid_request_error``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import time
-import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epdserve.engine.request import MAX_LOGPROBS
+# The errors are re-exported (noqa: F401): the serving modules take them from here.
+from epdserve.serving.api_errors import (MAX_JSON_VALUES, APIError, BoundedJSONRoute, error_body,  # noqa: F401
+                                         field_error, install_error_handlers)
 from epdserve.serving.structured_output import GuidedFields
 from epdserve.serving.tool_calls import ToolMessageFields, ToolRequestFields
-
-log = logging.getLogger("epdserve.api")
 
 MAX_N = 16  # choices per request; the router runs each as its own engine request
 MAX_STOP_STRINGS = 64  # each is matched against every new piece of text of every choice
 MAX_STOP_CHARS = 1024
 MAX_MESSAGES = 4096
+# Prompts of one completions request (each runs as best_of engine requests); vLLM has no
+# bound, but every one holds router state and worker queue slots.
+MAX_PROMPTS = 256
+MAX_SEQUENCES = 1024  # engine requests of one HTTP request: prompts x best_of
+MAX_TEMPLATE_KWARGS_CHARS = 16384  # chat_template_kwargs, as JSON
 INT32_MAX = 2**31 - 1
 INT64 = (-2**63, 2**63 - 1)
-# JSON values (counted by their separators) in one request body. Python's json builds an
-# object per value, on the event loop and holding the GIL: a 60 MB body of small ints
-# (within --max-request-body-mb) stalled every stream 14 s, a 60 MB token-id prompt 90 s.
-# The largest valid request (8,192 prompt ids, 1,024 stop ids, 4,096 messages of a few
-# parts) has well under a tenth of this.
-MAX_JSON_VALUES = 1 << 18
-
-
-class APIError(Exception):
-    """An error answered to the client with an OpenAI-style body.
-
-    ``status`` is the HTTP status (400 for a request the client must fix, 500/503 for
-    ours); ``param`` names the offending request field, if one does.
-    """
-
-    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
-
-    def body(self) -> dict:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict:
-    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
 # ---------------------------------------------------------------------------- requests
 
 class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _Request(_Req):
+    # A request's own fields outside its model are kept (model_extra) for
+    # api_fields.check: refused, informational or logged, never dropped unseen.
+    model_config = ConfigDict(extra="allow")
 
 
 def _invalid_unicode(value, where: str) -> str | None:
@@ -109,7 +89,11 @@ def _invalid_unicode(value, where: str) -> str | None:
 
 
 class StreamOptions(_Req):
+    """``continuous_usage_stats`` (vLLM; with ``include_usage``): every chunk carries the
+    usage so far of its choice."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class TextPart(_Req):
@@ -168,8 +152,15 @@ class ChatMessage(ToolMessageFields, _Req):
         return out | self.tool_template_fields()
 
 
-class _SamplingFields(GuidedFields, _Req):
-    """Fields shared by chat and completions. ``max_tokens`` None = the endpoint's default."""
+class _SamplingFields(GuidedFields, _Request):
+    """Fields shared by chat and completions. ``max_tokens`` None = the endpoint's default.
+    ``best_of`` (default ``n``) choices are generated per prompt and the ``n`` with the
+    highest mean token logprob returned (OpenAI); ``echo`` (completions: the prompt before
+    the completion; chat: the last message's text before the answer when it is the
+    assistant's, as vLLM); ``prompt_logprobs`` (vLLM): the prompt tokens' logprobs with
+    the top k (not with ``stream``, as vLLM); ``truncate_prompt_tokens`` (vLLM): keep the
+    prompt's last k tokens; ``return_tokens_as_token_ids`` (vLLM): logprobs name tokens
+    ``token_id:<id>``."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -183,7 +174,11 @@ class _SamplingFields(GuidedFields, _Req):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    return_tokens_as_token_ids: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
@@ -194,7 +189,7 @@ class _SamplingFields(GuidedFields, _Req):
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
     def _at_least_one(cls, v, info: ValidationInfo):
-        if v is not None and v < 1:
+        if v is not None and v < 0:  # 0: completions with echo only (see _checks)
             raise ValueError(f"{info.field_name} must be at least 1, got {v}")
         return v
 
@@ -220,9 +215,16 @@ class _SamplingFields(GuidedFields, _Req):
 
     @model_validator(mode="after")
     def _checks(self):
-        # best_of > n would sample choices that are never returned; vLLM's v1 engine dropped it.
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise field_error("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.candidates > self.n and self.stream:  # OpenAI: "Results cannot be streamed."
+            raise field_error("best_of", "best_of greater than n cannot be streamed")
+        if self.prompt_logprobs is not None and self.stream:  # vLLM's rule
+            raise field_error("prompt_logprobs", "prompt_logprobs are not available with stream")
+        if self.max_tokens == 0 and not (self.echo and isinstance(self, CompletionRequest)):
+            raise field_error("max_tokens", "max_tokens must be at least 1 (0 only with echo, on completions)")
+        if getattr(self, "max_completion_tokens", None) == 0:
+            raise field_error("max_completion_tokens", "max_completion_tokens must be at least 1")
         where = _invalid_unicode(self.model_dump(exclude_defaults=True), "request")
         if where is not None:
             raise ValueError(f"{where.removeprefix('request.')}: text is not valid Unicode (a lone surrogate)")
@@ -239,12 +241,57 @@ class _SamplingFields(GuidedFields, _Req):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    @property
+    def candidates(self) -> int:
+        """Choices generated per prompt: ``best_of``, else ``n``."""
+        return self.best_of or self.n
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """Top alternatives per generated token the engine returns: what the client asked,
+        or 0 when ``best_of`` must rank choices by their tokens' logprobs."""
+        return 0 if self.num_logprobs is None and self.candidates > self.n else self.num_logprobs
+
 
 class ChatCompletionRequest(ToolRequestFields, _SamplingFields):
+    """vLLM's chat extras: ``add_generation_prompt``, ``continue_final_message`` (not both),
+    ``add_special_tokens`` (on top of the template's; default off) and
+    ``chat_template_kwargs`` (variables for the chat template, at most
+    :data:`MAX_TEMPLATE_KWARGS_CHARS` as JSON; a name the renderer itself uses is refused
+    by the router)."""
+
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _bounded_kwargs(cls, v):
+        if v is not None and len(json.dumps(v)) > MAX_TEMPLATE_KWARGS_CHARS:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON")
+        return v
+
+    @model_validator(mode="after")
+    def _one_prompt_end(self):
+        if self.continue_final_message and self.add_generation_prompt:  # vLLM's rule
+            raise field_error("continue_final_message",
+                              "continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """Top alternatives per prompt token the engine returns (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
     @field_validator("top_logprobs")
     @classmethod
@@ -272,13 +319,47 @@ class ChatCompletionRequest(ToolRequestFields, _SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    """``prompt``: a string, token ids, or a batch (OpenAI) of 1 to :data:`MAX_PROMPTS` of
+    either, whose choices are indexed ``prompt index * n + choice index``; prompts x
+    ``best_of`` at most :data:`MAX_SEQUENCES`. ``add_special_tokens`` (vLLM, default on):
+    the tokenizer's BOS etc. around a string prompt."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool = True
+
+    @field_validator("prompt")
+    @classmethod
+    def _bounded_batch(cls, v):
+        if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in a batch, got {len(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _bounded_sequences(self):
+        if len(self.prompts) * self.candidates > MAX_SEQUENCES:
+            raise field_error("prompt", f"{len(self.prompts)} prompts x {self.candidates} choices is over the "
+                                        f"limit of {MAX_SEQUENCES} sequences per request")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the batch's."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
     @property
     def num_logprobs(self) -> int | None:
         """Top alternatives per token for the engine; None = no logprobs."""
         return self.logprobs
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """Top alternatives per prompt token the engine returns: ``prompt_logprobs``, else
+        ``logprobs`` with ``echo`` (vLLM); None: no prompt logprobs."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def requested_max_tokens(self) -> int:
         """OpenAI's legacy default for completions is 16 tokens."""
@@ -348,44 +429,6 @@ def completion_chunk(request_id: str, model: str, created: int, text: str,
                   finish_reason, include_usage, index, logprobs)
 
 
-class LogprobsFormatter:
-    """OpenAI ``logprobs`` objects of one choice, built chunk after chunk from the
-    engine's ``(token id, logprob, [(top id, logprob), ...])`` entries.
-
-    ``kind`` "chat": ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
-    "logprob", "bytes"}]}]}``, ``bytes`` being the token text's UTF-8 bytes. Otherwise
-    OpenAI's legacy completions object: ``{"tokens", "token_logprobs", "top_logprobs":
-    [{token: logprob}] (the top alternatives plus the chosen token, so up to logprobs + 1),
-    "text_offset"}``, offsets (characters) counted from the choice's start across chunks,
-    as vLLM does. ``token_text(id)`` gives a token's text. Logprobs are clamped at -9999.0
-    (vLLM) so that the JSON never holds -inf.
-    """
-
-    def __init__(self, kind: str, token_text):
-        self.kind = kind
-        self.token_text = token_text
-        self.offset = 0
-
-    def __call__(self, entries: list[tuple[int, float, list[tuple[int, float]]]]) -> dict:
-        text = self.token_text
-        if self.kind == "chat":
-            def item(token_id: int, logprob: float) -> dict:
-                t = text(token_id)
-                return {"token": t, "logprob": max(logprob, -9999.0), "bytes": list(t.encode())}
-
-            return {"content": [dict(item(t, lp), top_logprobs=[item(i, v) for i, v in top])
-                                for t, lp, top in entries]}
-        tokens = [text(t) for t, _, _ in entries]
-        offsets = []
-        for t in tokens:
-            offsets.append(self.offset)
-            self.offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [max(lp, -9999.0) for _, lp, _ in entries],
-                "top_logprobs": [{**{text(i): max(v, -9999.0) for i, v in top}, tok: max(lp, -9999.0)}
-                                 for tok, (_, lp, top) in zip(tokens, entries)],
-                "text_offset": offsets}
-
-
 def usage_chunk(request_id: str, model: str, created: int, obj: str,
                 prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
@@ -403,81 +446,3 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def now_s() -> int:
     return int(time.time())
-
-
-# ------------------------------------------------------------------------------ errors
-
-class BoundedJSONRoute(APIRoute):
-    """A route that refuses, with 413 before parsing it, a body with more than
-    :data:`MAX_JSON_VALUES` JSON values: every value but one follows a ``,`` or a ``:``,
-    and counting those bytes takes milliseconds where parsing them took seconds. (Commas
-    inside strings count too; a text too long to be refused by that is refused by its
-    length anyway.)"""
-
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def bounded(request: Request):
-            body = await request.body()  # cached on the request: the handler reads it again
-            values = body.count(b",") + body.count(b":")
-            if values > MAX_JSON_VALUES:
-                raise APIError(f"request body has about {values} JSON values, over the limit of "
-                               f"{MAX_JSON_VALUES}", status=413, code=413)
-            return await handler(request)
-
-        return bounded
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """A short, readable message for a pydantic/FastAPI validation error, and its param."""
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    msg = str(first.get("msg", "invalid value"))
-    msg = msg.removeprefix("Value error, ")
-    param = loc[0] if loc else None
-    where = ".".join(loc) or "request body"
-    text = f"{where}: {msg}"
-    if len(errors) > 1:
-        text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return text, param
-
-
-def install_error_handlers(app: FastAPI, on_bad_request=None) -> None:
-    """Make every error an OpenAI-style JSON body: validation errors and invalid JSON → 400
-    (not FastAPI's 422), :class:`APIError` → its status, HTTP errors (404 route, 405) →
-    their status, anything else → 500. ``on_bad_request()`` is called for each 400."""
-
-    def bad(status: int) -> None:
-        if status == 400 and on_bad_request is not None:
-            on_bad_request()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        bad(400)
-        return JSONResponse(error_body(message, param=param), status_code=400)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        bad(exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
-        bad(exc.status_code)
-        return JSONResponse(error_body(str(exc.detail), type=kind, code=exc.status_code),
-                            status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        # The exception's text stays in the log: it can name internals (paths, peers).
-        ref = uuid.uuid4().hex[:12]
-        log.error("internal error %s on %s %s", ref, request.method, request.url.path, exc_info=exc)
-        return JSONResponse(error_body(f"internal server error (reference {ref} in the server log)",
-                                       type="internal_server_error", code=500), status_code=500)

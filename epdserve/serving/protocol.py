@@ -43,8 +43,9 @@ Role = Literal["colocated", "prefill", "decode", "encode"]
 
 # The version of these messages. A router refuses a worker of another version (see
 # ``handshake.refusal``), which would otherwise send frames it cannot read. 1: before the
-# field existed; 2: typed stage timings (``epdserve.trace.StageTimings``).
-PROTOCOL_VERSION = 2
+# field existed; 2: typed stage timings (``epdserve.trace.StageTimings``); 3: prompt
+# logprobs (``SamplingParams.prompt_logprobs``, ``Output.prompt_logprobs``).
+PROTOCOL_VERSION = 3
 
 
 # A count a worker reports (blocks, requests, tokens): what the router and the Prometheus
@@ -134,6 +135,10 @@ class Output(_Msg):
     ``num_cached_tokens``: prompt tokens this worker found in its prefix cache.
     ``logprobs`` (if the request asked): per token of ``token_ids``, ``[its logprob,
     [[token id, logprob], ...] of the top alternatives]`` (see ``engine.sampler``).
+    ``prompt_logprobs`` (on the first token's output of the worker that prefilled a request
+    asking ``SamplingParams.prompt_logprobs``): per prompt token but the first, ``[its
+    logprob, its rank, [[token id, logprob], ...] of the top alternatives]`` (see
+    ``engine.prompt_logprobs``; at most ``MAX_PROMPT_LOGPROB_ENTRIES`` entries).
     """
 
     type: Literal["output"] = "output"
@@ -146,6 +151,7 @@ class Output(_Msg):
     timings: StageTimings = Field(default_factory=StageTimings)
     num_cached_tokens: Count = 0
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 class Error(_Msg):

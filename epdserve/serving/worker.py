@@ -359,7 +359,7 @@ class Worker:
             kv = self.export(out) if out.kv_block_ids is not None else None
             self.send(P.Output(worker_id=self.worker_id, request_id=out.request_id, token_ids=out.token_ids,
                                finished=out.finished, finish_reason=out.finish_reason, kv=kv,
-                               timings=out.timings, logprobs=out.logprobs,
+                               timings=out.timings, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
                                num_cached_tokens=out.num_cached_tokens))
 
     def export(self, out: StepOutput) -> P.KVDescriptor:

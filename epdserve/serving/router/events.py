@@ -26,7 +26,7 @@ class WorkerFailed(Exception):
     def api_error(self) -> api.APIError:
         """The HTTP error the client gets (status as above, OpenAI error type by status)."""
         kind = {400: "invalid_request_error", 503: "service_unavailable"}.get(self.status, "internal_server_error")
-        return api.APIError(str(self), status=self.status, type=kind, code=self.status)
+        return api.APIError(str(self), status=self.status, type=kind)
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,7 @@ class Flow:
         self.t_end: float | None = None
         self.output_tokens = 0
         self.cached_tokens = 0  # prompt tokens its first worker found in its prefix cache
+        self.prompt_logprobs: list | None = None  # Output.prompt_logprobs of its first output, if asked
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.itls_s: list[float] = []  # gaps between outputs reaching the router (s)
@@ -147,8 +148,11 @@ class Flow:
             kw["images"] = self.images if encodes_here else [im.model_copy(update={"data": None})
                                                             for im in self.images]
             kw["embeddings"] = self.embeddings
-        msg = P.AddRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
-                           sampling=self.sampling, **kw)
+        sampling = self.sampling
+        if kw.get("kv") is not None and sampling.prompt_logprobs is not None:
+            # The prefill worker scored the prompt; an importing decode worker never needs to.
+            sampling = sampling.model_copy(update={"prompt_logprobs": None})
+        msg = P.AddRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=sampling, **kw)
         self.worker = worker
         self.held.hold(worker, len(self.prompt_ids) + self.sampling.max_tokens, exports_kv=worker.role == "prefill")
         self.registry.send(worker, msg)
@@ -227,6 +231,7 @@ class Flow:
                 self._dispatch(worker)
         self.t_first = self.clock()
         self.cached_tokens = out.num_cached_tokens  # in pd, the prefill worker's
+        self.prompt_logprobs = out.prompt_logprobs
         return out
 
     async def _stream(self, out: P.Output) -> AsyncIterator[Tokens]:

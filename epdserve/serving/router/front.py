@@ -6,8 +6,10 @@ pool of its own, never on the event loop. A chat request with images (served by 
 vision-language model) is laid out here: the images are checked and decoded
 (:func:`~epdserve.serving.multimodal.parse_chat_images`), each ``<image>`` placeholder
 expanded to its tile tokens, and the image bytes travel to the worker that encodes them.
-A request with ``n`` choices runs as n flows (ids ``<id>-<i>``, one trace line each)
-whose texts are merged (:func:`merged`).
+A request runs as one flow per choice generated: ``best_of`` (default ``n``) per prompt, for
+each prompt of a completions batch (ids ``<id>-<i>``, one trace line each); their texts are
+merged (:func:`merged`). With ``best_of`` over ``n``, the ``n`` choices of a prompt with
+the highest mean token logprob are answered (:func:`best_choices`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import inspect
 import json
 import logging
 from dataclasses import dataclass, field
@@ -24,9 +27,12 @@ import pydantic
 
 from epdserve.engine.guided import GuidedDecoder, GuidedError
 from epdserve.engine.request import GuidedSpec
+from epdserve.engine.prompt_logprobs import check_size
 from epdserve.model.tokenizer import chat_prompt_ids
+from epdserve.serving import api_fields
 from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
+from epdserve.serving.api_logprobs import LogprobsFormatter, prompt_entries
 from epdserve.serving.detokenizer import TextStream
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.multimodal import ImagePrompter
@@ -54,26 +60,72 @@ MAX_PREPROCESS_QUEUE = 256
 GUIDED_COMPILE_TIMEOUT_S = 10.0
 MAX_COMPILE_QUEUE = 16
 MAX_CHECKED_GRAMMARS = 1024
+# Names chat_template_kwargs may not use: the renderer's own (transformers passes its
+# special tokens to the template too); the arguments of apply_chat_template are added.
+TEMPLATE_NAMES = {"messages", "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                  "mask_token", "additional_special_tokens"}
+
+
+@dataclass
+class Prompt:
+    """One prompt of a request: its token ids, images (with their bytes) and, with
+    ``echo``, the text echoed before its choices' output."""
+
+    ids: list[int]
+    images: list[P.ImageRef] = field(default_factory=list)
+    echo: str | None = None
 
 
 @dataclass
 class Choice:
-    """One of a request's ``n`` choices: its flow, text stream, (if logprobs were asked)
-    the formatter of its logprobs and (with tools) the parser of its tool calls;
-    ``parts``/``entries`` collect a non-streamed answer."""
+    """One generated choice: its flow, text stream, (if logprobs were asked) the
+    formatter of its logprobs and (with tools) the parser of its tool calls;
+    ``parts``/``entries`` collect a non-streamed answer.
+    ``index``: its place in the request's choices (prompt x ``best_of`` + candidate; the
+    answer's index unless ``best_of`` reorders); ``prompt``: its prompt's index;
+    ``echo``: text still to put before its output (``echo_logprobs``: with its prompt's
+    logprob entries); ``shown``: False when only the echo is answered (``max_tokens`` 0);
+    ``logprob_sum``: of its generated tokens (``best_of`` ranks by it)."""
 
     index: int
     gen: Flow
     text: TextStream
-    logprobs: api.LogprobsFormatter | None
+    logprobs: LogprobsFormatter | None
+    prompt: int = 0
+    echo: str | None = None
+    echo_logprobs: bool = False
+    shown: bool = True
     tools: ToolOutput | None = None
     parts: list[str] = field(default_factory=list)
     entries: list = field(default_factory=list)
     held_entries: list = field(default_factory=list)  # logprobs of text the tool parser holds back
+    logprob_sum: float = 0.0
 
     def logprobs_object(self, entries: list) -> dict | None:
         """The OpenAI ``logprobs`` object of ``entries`` (see :func:`texts`), None if not asked for."""
         return None if self.logprobs is None else self.logprobs(entries)
+
+    def shape(self, delta: str, entries: list) -> tuple[str, list]:
+        """What the client gets of one output's ``delta`` text and logprob ``entries``:
+        the echo first, once, and nothing generated when not :attr:`shown`."""
+        self.logprob_sum += sum(lp for _, lp, _ in entries)
+        if not self.shown:
+            delta, entries = "", []
+        if self.echo is not None:
+            echoed = prompt_entries(self.gen.prompt_ids, self.gen.prompt_logprobs) if self.echo_logprobs else []
+            delta, entries, self.echo = self.echo + delta, echoed + entries, None
+        return delta, entries
+
+    @property
+    def completion_tokens(self) -> int:
+        """Generated tokens the answer counts (none when not :attr:`shown`)."""
+        return self.gen.output_tokens if self.shown else 0
+
+    @property
+    def mean_logprob(self) -> float:
+        """Mean logprob of its generated tokens (OpenAI's best_of: "the highest log
+        probability per token")."""
+        return self.logprob_sum / max(1, self.gen.output_tokens)
 
 
 def sampling_params(body, max_tokens: int, i: int, guided: GuidedSpec | None = None) -> P.SamplingParams:
@@ -90,8 +142,8 @@ def sampling_params(body, max_tokens: int, i: int, guided: GuidedSpec | None = N
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             seed=seed, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logprobs=body.num_logprobs,
-            logit_bias=body.logit_bias_ids, min_p=body.min_p, guided=guided)
+            repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, logprobs=body.engine_logprobs,
+            prompt_logprobs=body.prompt_logprobs_k, logit_bias=body.logit_bias_ids, min_p=body.min_p, guided=guided)
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         field_ = ".".join(map(str, err["loc"])) or None
@@ -117,6 +169,8 @@ class Front:
         self.metrics = metrics or registry.metrics
         self.trace_file = trace_file
         self.max_token_chars = max(map(len, tokenizer.get_vocab()))  # see check_text_length
+        self.template_names = (TEMPLATE_NAMES | set(tokenizer.special_tokens_map) |
+                               set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"})
         self._preprocess = concurrent.futures.ThreadPoolExecutor(PREPROCESS_THREADS,
                                                                  thread_name_prefix="epdserve-preprocess")
         self._preprocess_queued = 0
@@ -149,11 +203,12 @@ class Front:
             APIError: 400 ``context_length_exceeded`` when that bound is over ``max_model_len``.
         """
         if isinstance(body, api.ChatCompletionRequest):
-            chars, param = sum(m.text_chars for m in body.messages) + tool_chars(body), "messages"
-        elif isinstance(body.prompt, str):
-            chars, param = len(body.prompt), "prompt"
-        else:
-            return  # token ids: max_tokens() checks their number
+            lengths, param = [sum(m.text_chars for m in body.messages) + tool_chars(body)], "messages"
+        else:  # token ids: max_tokens() checks their number
+            lengths, param = [len(p) for p in body.prompts if isinstance(p, str)], "prompt"
+        if body.truncate_prompt_tokens is not None:
+            return  # a long text may be cut to fit
+        chars = max(lengths, default=0)
         at_least = -(-chars // self.max_token_chars)
         if at_least > self.model.max_model_len:
             raise api.APIError(f"This model's maximum context length is {self.model.max_model_len} tokens. However, "
@@ -188,8 +243,8 @@ class Front:
         return requested
 
     # -- prompts
-    async def prompt(self, body) -> tuple[list[int], list[P.ImageRef]]:
-        """Token ids and images (with their bytes) of a chat or completion request.
+    async def prompts(self, body) -> list[Prompt]:
+        """The prompts of a chat request (one) or a completion request (one or a batch).
 
         The work runs on :data:`PREPROCESS_THREADS` threads of its own, never on the event
         loop: a 10 MB prompt takes seconds to tokenize, and the loop also streams every
@@ -206,10 +261,10 @@ class Front:
         self.check_text_length(body)
         if self._preprocess_queued >= MAX_PREPROCESS_QUEUE:
             raise api.APIError(f"the server is busy preparing {self._preprocess_queued} requests; retry later",
-                               status=503, type="service_unavailable", code=503)
+                               status=503, type="service_unavailable")
         self._preprocess_queued += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._preprocess, self._prompt, body)
+            return await asyncio.get_running_loop().run_in_executor(self._preprocess, self._prompts, body)
         finally:
             self._preprocess_queued -= 1
 
@@ -259,39 +314,74 @@ class Front:
             self._checked.popitem(last=False)
         return spec
 
-    def _prompt(self, body) -> tuple[list[int], list[P.ImageRef]]:
+    def _prompts(self, body) -> list[Prompt]:
         if not isinstance(body, api.ChatCompletionRequest):
-            return self.prompt_ids(body), []
+            prompts = [Prompt(self.prompt_ids(body, p)) for p in body.prompts]
+            if body.echo:  # the prompt as sent; token ids as their text
+                for prompt, sent in zip(prompts, body.prompts):
+                    truncated = body.truncate_prompt_tokens is not None
+                    prompt.echo = sent if isinstance(sent, str) and not truncated else self.tokenizer.decode(prompt.ids)
+            return prompts
+        last = body.messages[-1]
+        echo = last.as_template_dict()["content"] if body.echo and last.role == "assistant" else None
         if self.images is None:
             if not any(m.num_images for m in body.messages):
-                return self.prompt_ids(body), []
+                return [Prompt(self.prompt_ids(body), echo=echo)]
             raise api.APIError(f"the model `{self.model.name}` takes no images (serve a vision-language model, "
                                "e.g. --model vlm)", param="messages")
-        return self.images.prompt([m.model_dump(exclude_none=True) for m in body.messages])
+        ids, images = self.images.prompt([m.model_dump(exclude_none=True) for m in body.messages],
+                                         body.add_special_tokens, **self.template_options(body))
+        return [Prompt(self.truncated(body, ids), images, echo)]
 
-    def prompt_ids(self, body) -> list[int]:
-        """Token ids of a chat or completion request without images.
+    def prompt_ids(self, body, prompt: str | list[int] | None = None) -> list[int]:
+        """Token ids of a chat request without images, or of ``prompt``, one prompt of a
+        completion request; truncated to the last ``truncate_prompt_tokens``.
 
         Raises:
-            APIError: 400, empty prompt, bad token ids, or a chat template failure.
+            APIError: 400, empty prompt, bad token ids, a chat template failure or
+                ``chat_template_kwargs`` that use the renderer's own names.
         """
         if isinstance(body, api.ChatCompletionRequest):
             plan = self.tool_plan(body)
             try:
                 ids = chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in body.messages],
-                                      plan.template_tools() if plan else None)
+                                      body.add_special_tokens, **self.template_options(body, plan))
             except ValueError as exc:
                 raise api.APIError(str(exc), param="messages") from None
             param = "messages"
-        elif isinstance(body.prompt, str):
-            ids = self.tokenizer(body.prompt).input_ids
+        elif isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=body.add_special_tokens).input_ids
             param = "prompt"
         else:
-            ids, param = list(body.prompt), "prompt"
+            ids, param = list(prompt), "prompt"
             self.check_token_ids(ids, "prompt")
         if not ids:
             raise api.APIError("the prompt is empty", param=param)
-        return ids
+        return self.truncated(body, ids)
+
+    @staticmethod
+    def truncated(body, ids: list[int]) -> list[int]:
+        """``ids`` cut to their last ``truncate_prompt_tokens`` (vLLM's left truncation)."""
+        return ids if body.truncate_prompt_tokens is None else ids[-body.truncate_prompt_tokens:]
+
+    def template_options(self, body: api.ChatCompletionRequest, plan: ToolPlan | None = None) -> dict:
+        """The chat template's arguments and variables of ``body`` (with ``plan``: its tools).
+
+        Raises:
+            APIError: 400, ``chat_template_kwargs`` naming an argument or variable of the
+                renderer itself (``add_generation_prompt``, ``tools``, ``bos_token``, ...).
+        """
+        extra = body.chat_template_kwargs or {}
+        clash = sorted(set(extra) & self.template_names)
+        if clash:
+            raise api.APIError(f"chat_template_kwargs: {', '.join(map(repr, clash))} "
+                               f"{'is an argument' if len(clash) == 1 else 'are arguments'} of the chat template "
+                               "renderer itself (use the request's own fields)", param="chat_template_kwargs")
+        options = dict(extra, add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message)
+        if plan is not None:
+            options["tools"] = plan.template_tools()
+        return options
 
     def tool_plan(self, body) -> ToolPlan | None:
         """How a chat request uses its tools (see :func:`plan_tools`); None: it has none.
@@ -318,6 +408,11 @@ class Front:
         """One token's text on its own, as logprobs show it (vLLM decodes it alone too)."""
         return self.tokenizer.decode([token_id])
 
+    @staticmethod
+    def token_id_text(token_id: int) -> str:
+        """A token as vLLM's ``return_tokens_as_token_ids`` names it in logprobs."""
+        return f"token_id:{token_id}"
+
     # -- requests
     async def admit(self, body, kind: str, request_id: str, t_arrival: float) -> list[Choice]:
         """Check and prepare ``body`` (``kind`` "chat" or "completion"): its choices, not started.
@@ -327,21 +422,43 @@ class Front:
                 ``logit_bias`` token outside the vocabulary, and :meth:`guided_spec`), 503.
         """
         self.check_model(body.model)
+        api_fields.check(body)
         plan = self.tool_plan(body) if kind == "chat" else None  # cheap 400s before the tokenizer's work
-        prompt_ids, images = await self.prompt(body)
-        max_tokens = self.max_tokens(body, len(prompt_ids))
-        if body.min_tokens > max_tokens:  # vLLM's rule
-            raise api.APIError(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
-                               param="min_tokens")
+        prompts = await self.prompts(body)
         self.check_token_ids(body.stop_token_ids, "stop_token_ids")
         self.check_token_ids(list(body.logit_bias_ids), "logit_bias")
         guided = await self.guided_spec(body, plan)
-        return [Choice(i, new_flow(self.registry, self.config, request_id if body.n == 1 else f"{request_id}-{i}",
-                                   prompt_ids, sampling_params(body, max_tokens, i, guided), t_arrival, images),
-                       TextStream(self.tokenizer, prompt_ids, body.stop_list, body.include_stop_str_in_output),
-                       None if body.num_logprobs is None else api.LogprobsFormatter(kind, self.token_text),
-                       plan.output() if plan else None)
-                for i in range(body.n)]
+        choices: list[Choice] = []
+        single = len(prompts) * body.candidates == 1
+        for p, prompt in enumerate(prompts):
+            max_tokens = self.max_tokens(body, len(prompt.ids))
+            if body.min_tokens > max_tokens:  # vLLM's rule
+                raise api.APIError(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
+                                   param="min_tokens")
+            if body.prompt_logprobs_k is not None:
+                try:
+                    check_size(len(prompt.ids), body.prompt_logprobs_k)
+                except ValueError as exc:
+                    raise api.APIError(str(exc), param="prompt_logprobs" if body.prompt_logprobs is not None
+                                       else "logprobs") from None
+            for c in range(body.candidates):
+                i = len(choices)
+                # max_tokens 0 (echo only): one token is generated, as vLLM does, and not shown.
+                flow = new_flow(self.registry, self.config, request_id if single else f"{request_id}-{i}",
+                                prompt.ids, sampling_params(body, max(max_tokens, 1), c, guided), t_arrival,
+                                prompt.images)
+                choices.append(Choice(i, flow, TextStream(self.tokenizer, prompt.ids, body.stop_list,
+                                                          body.include_stop_str_in_output),
+                                      self.logprobs_formatter(body, kind), p, prompt.echo,
+                                      echo_logprobs=kind != "chat" and body.num_logprobs is not None,
+                                      shown=max_tokens > 0, tools=plan.output() if plan else None))
+        return choices
+
+    def logprobs_formatter(self, body, kind: str) -> LogprobsFormatter | None:
+        """A choice's logprobs formatter, None if the client asked for no logprobs."""
+        if body.num_logprobs is None:
+            return None
+        return LogprobsFormatter(kind, self.token_id_text if body.return_tokens_as_token_ids else self.token_text)
 
     def finish(self, flow: Flow) -> None:
         """Close a request that has ended and record it: metrics and the trace line."""
@@ -357,6 +474,31 @@ class Front:
                     f.write(json.dumps(rec.as_json()) + "\n")
             except OSError as exc:
                 log.warning("cannot write trace %s: %s", self.trace_file, exc)
+
+
+def usage_counts(choices: list[Choice]) -> tuple[int, int, int]:
+    """``(prompt tokens, completion tokens, cached prompt tokens)`` of a request: each
+    prompt counted once (vLLM), the tokens of every choice generated (``best_of``'s
+    unanswered ones too, as OpenAI bills them; none of an echo-only choice)."""
+    firsts: dict[int, Choice] = {}
+    for c in choices:
+        firsts.setdefault(c.prompt, c)
+    return (sum(len(c.gen.prompt_ids) for c in firsts.values()), sum(c.completion_tokens for c in choices),
+            sum(c.gen.cached_tokens for c in firsts.values()))
+
+
+def best_choices(choices: list[Choice], n: int) -> list[tuple[int, Choice]]:
+    """The answered choices with their answer index: per prompt (in order), the ``n`` with
+    the highest :attr:`Choice.mean_logprob` (ties: the earlier), indexed ``prompt * n +
+    rank``; all of them, in order, when there are ``n`` per prompt."""
+    by_prompt: dict[int, list[Choice]] = {}
+    for c in choices:
+        by_prompt.setdefault(c.prompt, []).append(c)
+    out = []
+    for p, group in by_prompt.items():
+        ranked = group if len(group) == n else sorted(group, key=lambda c: -c.mean_logprob)[:n]
+        out += [(p * n + r, c) for r, c in enumerate(ranked)]
+    return out
 
 
 def failed(choices: list[Choice], exc: Exception) -> None:

@@ -13,8 +13,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epdserve.serving import openai_api as api
+from epdserve.serving.api_logprobs import vllm_prompt_logprobs
 from epdserve.serving.router.events import WorkerFailed
-from epdserve.serving.router.front import Choice, Front, failed, merged
+from epdserve.serving.router.front import Choice, Front, best_choices, failed, merged, usage_counts
 from epdserve.serving.router.registry import MODE_ROLES
 
 log = logging.getLogger("epdserve.router")
@@ -89,10 +90,12 @@ class Completions:
             raise
         if body.stream:
             return SSEResponse(self.stream_events(rid, choices, body, kind))
-        return await self.complete(http_request, rid, choices, kind)
+        return await self.complete(http_request, rid, choices, body, kind)
 
     async def stream_events(self, rid: str, choices: list[Choice], body, kind: str):
-        """The SSE chunks of a streamed answer; an error after the start is one error event."""
+        """The SSE chunks of a streamed answer (a choice's chunks carry its index: ``prompt
+        x n + choice``; ``best_of`` over ``n`` is not streamed); an error after the start is
+        one error event with OpenAI's error body."""
         front = self.front
         model, created, usage = front.model.name, api.now_s(), body.include_usage
         try:
@@ -102,29 +105,30 @@ class Completions:
                                                  include_usage=usage, index=c.index))
             async with contextlib.aclosing(merged(choices)) as events:
                 async for i, delta, finish, entries in events:
+                    choice = choices[i]
+                    delta, entries = choice.shape(delta, entries)
                     if kind == "chat":
-                        for chunk in chat_chunks(rid, model, created, choices[i], delta, finish, entries, usage):
-                            yield api.sse(chunk)
-                        continue
-                    chunk = api.completion_chunk(rid, model, created, delta, finish, include_usage=usage,
-                                                 index=i, logprobs=choices[i].logprobs_object(entries))
-                    yield api.sse(chunk)
+                        chunks = chat_chunks(rid, model, created, choice, delta, finish, entries, usage)
+                    else:
+                        chunks = [api.completion_chunk(rid, model, created, delta, finish, include_usage=usage,
+                                                       index=i, logprobs=choice.logprobs_object(entries))]
+                    for chunk in chunks:
+                        if body.continuous_usage:
+                            chunk["usage"] = api.usage(len(choice.gen.prompt_ids), choice.completion_tokens)
+                        yield api.sse(chunk)
             if usage:
                 obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-                yield api.sse(api.usage_chunk(rid, model, created, obj, len(choices[0].gen.prompt_ids),
-                                              sum(c.gen.output_tokens for c in choices),
-                                              choices[0].gen.cached_tokens))
+                yield api.sse(api.usage_chunk(rid, model, created, obj, *usage_counts(choices)))
             yield api.SSE_DONE
         except WorkerFailed as exc:
             failed(choices, exc)
-            err = exc.api_error()
-            yield api.sse(api.error_body(err.message, type=err.type, code=err.status))
+            yield api.sse(exc.api_error().body())
             yield api.SSE_DONE
         finally:
             for c in choices:
                 front.finish(c.gen)
 
-    async def complete(self, http_request: Request, rid: str, choices: list[Choice], kind: str) -> Response:
+    async def complete(self, http_request: Request, rid: str, choices: list[Choice], body, kind: str) -> Response:
         """A non-streamed answer; 499 (read by nobody) if the client goes away first.
 
         Raises:
@@ -147,15 +151,33 @@ class Completions:
             await asyncio.gather(task, watch, return_exceptions=True)
             for c in choices:
                 self.front.finish(c.gen)
+        return JSONResponse(self.answer(rid, choices, body, kind))
+
+    def answer(self, rid: str, choices: list[Choice], body, kind: str) -> dict:
+        """The ``chat.completion`` or ``text_completion`` object of collected ``choices``:
+        the best ``n`` per prompt (see :func:`best_choices`), with vLLM's
+        ``prompt_logprobs`` where they were computed (completions: per choice; chat: of
+        the response, and only when asked)."""
         build = api.chat_completion if kind == "chat" else api.text_completion
-        return JSONResponse(build(rid, self.front.model.name, api.now_s(), [answer(c, kind) for c in choices],
-                                  len(choices[0].gen.prompt_ids), sum(c.gen.output_tokens for c in choices),
-                                  choices[0].gen.cached_tokens))
+        answered = []
+        for index, c in best_choices(choices, body.n):
+            answered.append(answer(c, kind, index))
+            if kind != "chat" and body.prompt_logprobs_k is not None:
+                answered[-1]["prompt_logprobs"] = self.prompt_logprobs(c)
+        out = build(rid, self.front.model.name, api.now_s(), answered, *usage_counts(choices))
+        if kind == "chat" and body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs(choices[0])
+        return out
+
+    def prompt_logprobs(self, choice: Choice) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs`` of ``choice``'s prompt."""
+        return vllm_prompt_logprobs(choice.gen.prompt_ids, choice.gen.prompt_logprobs or [], self.front.token_text)
 
     @staticmethod
     async def _collect(choices: list[Choice]) -> None:
         async with contextlib.aclosing(merged(choices)) as events:
             async for i, delta, _, entries in events:
+                delta, entries = choices[i].shape(delta, entries)
                 choices[i].parts.append(delta)
                 choices[i].entries += entries
 
@@ -182,15 +204,15 @@ def chat_chunks(rid: str, model: str, created: int, choice: Choice, text: str, f
                            index=choice.index, logprobs=lp if k == 0 else None) for k, d in enumerate(deltas)]
 
 
-def answer(choice: Choice, kind: str) -> dict:
-    """A non-streamed choice of ``kind`` "chat" or "completion"."""
+def answer(choice: Choice, kind: str, index: int) -> dict:
+    """A non-streamed choice of ``kind`` "chat" or "completion", answered as choice ``index``."""
     text, lp = "".join(choice.parts), choice.logprobs_object(choice.entries)
     if kind != "chat":
-        return api.completion_choice(choice.index, text, choice.gen.finish_reason, lp)
+        return api.completion_choice(index, text, choice.gen.finish_reason, lp)
     if choice.tools is None:
-        return api.chat_choice(choice.index, text, choice.gen.finish_reason, lp)
+        return api.chat_choice(index, text, choice.gen.finish_reason, lp)
     message, finish = choice.tools.message(text, choice.gen.finish_reason)
-    return api.chat_choice(choice.index, None, finish, lp, message=message)
+    return api.chat_choice(index, None, finish, lp, message=message)
 
 
 def model_card(model) -> dict:

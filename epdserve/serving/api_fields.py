@@ -1,0 +1,116 @@
+"""Request fields outside what epdserve implements: no field is silently dropped.
+
+A chat or completions request field that is not one of the request model's fields is
+one of three kinds (OpenAI's chat/completions reference and vLLM's
+``vllm/entrypoints/openai/protocol.py``):
+
+* :data:`INFORMATIONAL`: accepted, no effect on the output (end-user ids, storage and
+  billing hints, tracing ids); listed with why in ``docs/serving.md``;
+* :data:`REFUSED`: would change the output, and epdserve does not do it: a value other
+  than the field's neutral one (the one that changes nothing, e.g. ``use_beam_search:
+  false``) is a 400 naming the field, code ``unsupported_parameter`` (OpenAI's code for a
+  parameter a model does not take). A field another part of epdserve implements is a
+  request model field, and then this table does not apply to it;
+* anything else is unknown to both APIs: accepted, and logged once per name per process
+  (a WARNING naming it, as vLLM logs "The following fields were present in the request
+  but ignored"), at most :data:`MAX_LOGGED_NAMES` names, so that a client sending random
+  names cannot grow the set without limit.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import BaseModel
+
+from epdserve.serving.api_errors import APIError
+
+log = logging.getLogger("epdserve.api")
+
+MAX_LOGGED_NAMES = 256
+_NAME_CHARS = 64  # of a name in the log line
+
+INFORMATIONAL: dict[str, str] = {
+    "user": "an end-user id (OpenAI: abuse monitoring)",
+    "safety_identifier": "an end-user id (OpenAI: abuse monitoring)",
+    "metadata": "tags for stored completions",
+    "store": "OpenAI's stored completions: nothing is stored",
+    "service_tier": "OpenAI's processing tier: there is one",
+    "prompt_cache_key": "a cache-routing hint: the prefix cache finds shared prefixes itself",
+    "prompt_cache_retention": "a cache-retention hint",
+    "prediction": "predicted output (OpenAI: latency only, the output is the same)",
+    "parallel_tool_calls": "only matters with tools",
+    "request_id": "vLLM's request id for its logs: the response id is the router's",
+    "include_reasoning": "vLLM: drops reasoning content, which no reasoning parser here makes",
+    "guided_decoding_backend": "vLLM: which structured-output backend; there is one",
+}
+
+# name: (values that change nothing, why it is refused otherwise)
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "suffix": ((None,), "no fill-in-the-middle template: the model cannot complete between a prefix and a suffix"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "reasoning_effort": ((None,), "the model has no reasoning control"),
+    "verbosity": ((None,), "the model has no verbosity control"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "functions": ((None, []), "the deprecated functions API is not supported"),
+    "function_call": ((None, "none"), "the deprecated functions API is not supported"),
+    "tools": ((None, []), "tool calling is served on /v1/chat/completions"),
+    "tool_choice": ((None, "none"), "tool calling is served on /v1/chat/completions"),
+    "structural_tag": ((None,), "structural tags are not supported (response_format and guided_* are)"),
+    "guided_whitespace_pattern": ((None,), "a whitespace pattern for structured output is not supported"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search, which is not supported"),
+    "allowed_token_ids": ((None,), "allowed_token_ids is not supported"),
+    "bad_words": ((None, []), "bad_words is not supported"),
+    "skip_special_tokens": ((None, True), "special tokens are always skipped in the output text"),
+    "spaces_between_special_tokens": ((None, True), "special tokens are always skipped in the output text"),
+    "documents": ((None,), "documents for the chat template are not supported"),
+    "chat_template": ((None,), "a chat template per request is not accepted; the server's is used"),
+    "mm_processor_kwargs": ((None, {}), "image processor options are not supported"),
+    "priority": ((None, 0), "priority scheduling is not supported"),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "cache_salt": ((None,), "prefix-cache salting is not supported"),
+    "kv_transfer_params": ((None,), "the router does the KV hand-off: external KV transfer parameters are refused"),
+    "vllm_xargs": ((None, {}), "extension arguments are not supported"),
+    "return_token_ids": ((None, False), "token ids in the response are not supported"),
+    "prompt_embeds": ((None,), "prompt embeddings are not supported"),
+}
+
+_logged: set[str] = set()
+
+
+def _neutral(value, neutral: tuple) -> bool:
+    # bool is an int in Python: true must not pass for 1, nor 0 for false.
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
+
+
+def check(body: BaseModel) -> None:
+    """Refuse ``body``'s extra fields (those not in its model) that are :data:`REFUSED`
+    with a non-neutral value, and log the unknown ones (see the module's docstring).
+
+    Raises:
+        APIError: 400 ``unsupported_parameter``, ``param`` the field's name.
+    """
+    extra = body.model_extra or {}
+    for name, value in extra.items():
+        if name in REFUSED and not _neutral(value, REFUSED[name][0]):
+            raise APIError(f"{name} is not supported by this server: {REFUSED[name][1]}", param=name,
+                           code="unsupported_parameter")
+    for name in extra:
+        if name not in REFUSED and name not in INFORMATIONAL:
+            log_unknown(name)
+
+
+def log_unknown(name: str) -> None:
+    """Log ``name`` as an ignored request field, once per process, while fewer than
+    :data:`MAX_LOGGED_NAMES` names have been logged (then once that no more will be)."""
+    name = name[:_NAME_CHARS]  # what is kept, and logged, of a name of any length
+    if name in _logged or len(_logged) > MAX_LOGGED_NAMES:
+        return
+    _logged.add(name)
+    if len(_logged) > MAX_LOGGED_NAMES:
+        log.warning("more than %d unknown request field names seen: no longer logging new ones", MAX_LOGGED_NAMES)
+        return
+    # ascii(): a name may hold anything JSON can, control characters included.
+    log.warning("The following fields were present in the request but ignored: %s", ascii(name))

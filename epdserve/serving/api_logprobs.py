@@ -1,0 +1,80 @@
+"""Log-probabilities in OpenAI's and vLLM's response shapes: those of generated tokens
+(chat ``logprobs.content``, completions' legacy ``logprobs`` object, also carrying an
+echoed prompt's), and vLLM's ``prompt_logprobs``.
+
+Logprobs are clamped at -9999.0 (vLLM) so that the JSON never holds -inf.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+# (token id, logprob or None (an echoed prompt's first token), [(top id, logprob), ...] or None)
+Entry = tuple[int, float | None, list[tuple[int, float]] | None]
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, -9999.0)
+
+
+class LogprobsFormatter:
+    """OpenAI ``logprobs`` objects of one choice, built chunk after chunk from
+    :data:`Entry` lists.
+
+    ``kind`` "chat": ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}]}]}``, ``bytes`` being the token text's UTF-8 bytes. Otherwise
+    OpenAI's legacy completions object: ``{"tokens", "token_logprobs", "top_logprobs":
+    [{token: logprob}] (the top alternatives plus the chosen token, so up to logprobs + 1),
+    "text_offset"}``, offsets (characters) counted from the choice's start across chunks,
+    as vLLM does; an echoed prompt's first token has ``null`` logprob and top logprobs
+    (OpenAI, vLLM). ``token_text(id)`` gives a token's text.
+    """
+
+    def __init__(self, kind: str, token_text: Callable[[int], str]):
+        self.kind = kind
+        self.token_text = token_text
+        self.offset = 0
+
+    def __call__(self, entries: list[Entry]) -> dict:
+        text = self.token_text
+        if self.kind == "chat":
+            def item(token_id: int, logprob: float) -> dict:
+                t = text(token_id)
+                return {"token": t, "logprob": _clamp(logprob), "bytes": list(t.encode())}
+
+            return {"content": [dict(item(t, lp), top_logprobs=[item(i, v) for i, v in top])
+                                for t, lp, top in entries]}
+        tokens = [text(t) for t, _, _ in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": tokens,
+                "token_logprobs": [None if lp is None else _clamp(lp) for _, lp, _ in entries],
+                "top_logprobs": [None if lp is None else {**{text(i): _clamp(v) for i, v in top}, tok: _clamp(lp)}
+                                 for tok, (_, lp, top) in zip(tokens, entries)],
+                "text_offset": offsets}
+
+
+def prompt_entries(prompt_ids: list[int], prompt_logprobs: list | None) -> list[Entry]:
+    """The :data:`Entry` list of an echoed prompt from a worker's ``Output.prompt_logprobs``
+    (``[logprob, rank, top]`` per prompt token but the first); without them, the tokens
+    alone (None logprobs)."""
+    scored = prompt_logprobs or []
+    return [(prompt_ids[0], None, None)] + [
+        (t, *(scored[j][0::2] if j < len(scored) else (None, None))) for j, t in enumerate(prompt_ids[1:])]
+
+
+def vllm_prompt_logprobs(prompt_ids: list[int], prompt_logprobs: list,
+                         token_text: Callable[[int], str]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` response field: ``None`` for the first prompt token, then
+    per token ``{token id (a string key in JSON): {"logprob", "rank", "decoded_token"}}``
+    for the token itself (its rank in the distribution, 1 = the most likely) and the top
+    alternatives (ranks 1..k), as vLLM's ``Logprob``."""
+    out: list[dict | None] = [None]
+    for token, (logprob, rank, top) in zip(prompt_ids[1:], prompt_logprobs):
+        entry = {str(token): {"logprob": _clamp(logprob), "rank": rank, "decoded_token": token_text(token)}}
+        for r, (i, v) in enumerate(top, 1):
+            entry.setdefault(str(i), {"logprob": _clamp(v), "rank": r, "decoded_token": token_text(i)})
+        out.append(entry)
+    return out
