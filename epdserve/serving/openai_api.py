@@ -16,10 +16,9 @@ them too; OpenAI allows 4), :data:`MAX_MESSAGES` messages, ``n`` up to :data:`MA
 must be valid Unicode: a lone surrogate (JSON ``"\\ud800"``) is a 400, not a tokenizer crash.
 
 Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``. Every
-malformed request (bad JSON, failed validation, unknown model, prompt too long) is an
-HTTP **400** with type ``invalid_request_error``. OpenAI answers 404 for an unknown
-model; we answer 400 like vLLM's older releases, so that a client sees one status for
-every request it must fix.
+malformed request (bad JSON, failed validation, prompt too long) is an HTTP **400** with
+type ``invalid_request_error``; an unknown model is a **404** with code
+``model_not_found``, as OpenAI and vLLM answer it.
 """
 
 from __future__ import annotations

@@ -6,21 +6,24 @@ it together with its workers)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 import uvicorn
 
 from epdserve.argtypes import int_at_least
-from epdserve.model.loader import ModelLoadError, resolve_model
+from epdserve.model.loader import ModelLoadError, generation_defaults, resolve_model
 from epdserve.model.tokenizer import load_tokenizer
 from epdserve.serving import auth
+from epdserve.serving.flags import add_router_flags
 from epdserve.serving.handshake import model_fingerprint, model_kv_shape
 from epdserve.serving.http_guard import add_http_options, uvicorn_config
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
 from epdserve.serving.router.flows import FlowConfig
 from epdserve.serving.router.front import Front
+from epdserve.serving.router import surface
 from epdserve.serving.router.registry import MODE_ROLES, Compat, Registry, WorkerState
 from epdserve.serving.router.routes import create_app
 from epdserve.serving.router.zmq_port import EventsLoop, ZmqPort
@@ -41,6 +44,9 @@ class Router:
     ``internal_encryption`` "curve": TCP sockets use CURVE (needs the token).
     ``local_prefill_threshold`` (pd, tokens): a prompt shorter than this goes straight to a
     decode worker, which prefills it itself; 0 disaggregates every prompt.
+    ``sampling_defaults``: request field defaults (``--generation-config``), applied to the
+    fields a request does not set. ``api_keys``: the keys ``Authorization: Bearer`` must
+    give on the model's endpoints (empty: none needed; see :mod:`.surface`).
 
     Raises (constructor):
         ValueError: an unknown mode, or CURVE without a token or without libzmq support.
@@ -49,10 +55,11 @@ class Router:
     def __init__(self, mode: str, model, tokenizer, events_addr: str, *, trace_file: str | None = None,
                  worker_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
                  auth_token: str | None = None, local_prefill_threshold: int = 0,
-                 media: MediaOptions = MediaOptions(), internal_encryption: str = "none"):
+                 media: MediaOptions = MediaOptions(), internal_encryption: str = "none",
+                 sampling_defaults: dict | None = None, api_keys: tuple[str, ...] = ()):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
-        self.mode, self.model, self.events_addr = mode, model, events_addr
+        self.mode, self.model, self.events_addr, self.api_keys = mode, model, events_addr, api_keys
         self.keyring = auth.Keyring(auth_token, curve=internal_encryption == "curve")
         # A vision-language model's image layout; None: requests with images get a 400.
         images = ImagePrompter(model.path, tokenizer, media) if model.multimodal else None
@@ -65,7 +72,8 @@ class Router:
         self.front = Front(model, tokenizer, self.registry,
                            FlowConfig(mode, request_timeout_s=request_timeout_s,
                                       local_prefill_threshold=local_prefill_threshold),
-                           images=images, metrics=self.metrics, trace_file=trace_file)
+                           images=images, metrics=self.metrics, trace_file=trace_file,
+                           sampling_defaults=sampling_defaults)
 
     @property
     def workers(self) -> dict[str, WorkerState]:
@@ -108,9 +116,6 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                              "and decode workers (a vision-language model)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
-    parser.add_argument("--model", default=None,
-                        help="GGUF file or HF directory (default: SmolLM2-135M); 'vlm': the default vision-language "
-                             "model (SmolLM2-135M with a SmolVLM vision tower of SYNTHETIC weights)")
     parser.add_argument("--limit-images-per-prompt", type=int_at_least(0), default=DEFAULT_MAX_IMAGES,
                         help="most images one request may carry (vLLM's --limit-mm-per-prompt)")
     parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
@@ -128,6 +133,7 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                         help="pd: prompts shorter than this many tokens are prefilled by a decode worker "
                              "itself, without a KV hand-off (0: never)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_router_flags(parser)  # --model and vLLM's front flags (--served-model-name, --api-key, ...)
     add_http_options(parser)
     auth.add_arguments(parser, "shared secret that seals every frame between the router and its workers "
                                "(default: $EPDSERVE_AUTH_TOKEN; serve: a random one)")
@@ -146,15 +152,38 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
     Raises:
         ModelLoadError: the model cannot be found or read.
     """
-    model = resolve_model(args.model)
+    model = served_model(args)
     if args.mode == "epd" and not model.multimodal:
         raise ModelLoadError(f"--mode epd needs a vision-language model (e.g. --model vlm), not {model.name}")
     media = MediaOptions(max_images=args.limit_images_per_prompt, allowed_local_dir=args.allowed_local_media_path,
                          allow_remote=args.allow_remote_images)
+    defaults = surface.checked_defaults(generation_defaults(args.generation_config, model.path),
+                                        args.generation_config)
     return Router(args.mode, model, load_tokenizer(model.path), events_addr, trace_file=args.trace_file,
                   worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout,
                   auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold, media=media,
-                  internal_encryption=args.internal_encryption)
+                  internal_encryption=args.internal_encryption, sampling_defaults=defaults,
+                  api_keys=surface.api_keys(args.api_key))
+
+
+def served_model(args: argparse.Namespace):
+    """The model of ``--model`` as served: named by ``--served-model-name`` (the first is
+    reported, every one accepted), its context window cut to ``--max-model-len``.
+
+    Raises:
+        ModelLoadError: the model cannot be found or read, or ``--max-model-len`` is over
+            its context window (as vLLM refuses it).
+    """
+    model = resolve_model(args.model)
+    if args.max_model_len is not None:
+        if args.max_model_len > model.max_model_len:
+            raise ModelLoadError(f"--max-model-len {args.max_model_len} is over the context window of "
+                                 f"{model.name}, {model.max_model_len} tokens")
+        model = dataclasses.replace(model, max_model_len=args.max_model_len)
+    if args.served_model_name:
+        names = tuple(dict.fromkeys(args.served_model_name))  # in order, once each
+        model = dataclasses.replace(model, name=names[0], served_names=names)
+    return model
 
 
 def setup_logging(level: str) -> None:
