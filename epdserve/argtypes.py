@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Callable
 
 import yaml
@@ -20,6 +21,28 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{text!r}: must be >= {minimum}")
         return value
+
+    return parse
+
+
+# vLLM's human-readable integers (``--max-model-len 32k``): lowercase suffixes are
+# decimal, uppercase binary.
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def tokens_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type accepting whole numbers >= ``minimum`` written plainly or as vLLM
+    writes them: ``32k`` (32,000), ``32K`` (32,768), ``25.6k`` (25,600)."""
+
+    def parse(text: str) -> int:
+        number, scale = (text[:-1], _SUFFIXES[text[-1]]) if text[-1:] in _SUFFIXES else (text, 1)
+        try:
+            value = float(number) * scale if scale > 1 else int(number)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: not a whole number (e.g. 4096, 4k, 4K)") from None
+        if not math.isfinite(value) or value != int(value) or value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a whole number >= {minimum}")
+        return int(value)
 
     return parse
 

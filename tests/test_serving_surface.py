@@ -21,7 +21,7 @@ import pytest
 
 import epdserve
 from conftest import _stop, start_deployment
-from epdserve.argtypes import config_argv
+from epdserve.argtypes import config_argv, tokens_at_least
 from epdserve.model import loader
 from epdserve.model.loader import ModelLoadError, auto_dtype, generation_defaults
 from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
@@ -234,6 +234,14 @@ def test_config_file_keys_types_and_precedence(tmp_path):
 
 
 # ---------------------------------------------------------------------------- units
+
+def test_human_readable_token_counts():
+    parse = tokens_at_least(1)
+    assert [parse(t) for t in ("4096", "4k", "4K", "25.6k", "1M", "1m")] == [4096, 4000, 4096, 25600, 2**20, 10**6]
+    for bad in ("0", "-1", "1.5", "0.0001k", "x", "k", "4kk", "", "infk", "nank"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
+
 
 def test_api_keys_from_flag_then_environment(monkeypatch):
     monkeypatch.delenv("EPDSERVE_API_KEY", raising=False)

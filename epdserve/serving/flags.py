@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from epdserve.argtypes import int_at_least
+from epdserve.argtypes import int_at_least, tokens_at_least
 from epdserve.engine.engine import DTYPES
 from epdserve.transfer import handoff, kv_codec
 
@@ -98,8 +98,9 @@ ROUTER_FLAGS = (
     Flag("--api-key", nargs="+", default=None, metavar="KEY",
          help="require 'Authorization: Bearer KEY' (one of these keys) on /v1/*, /tokenize and /detokenize; "
               "missing or wrong: 401 (default: $EPDSERVE_API_KEY, else $VLLM_API_KEY, else no key)"),
-    Flag("--max-model-len", type=int_at_least(1), default=None,
-         help="context window in tokens (prompt + max_tokens), at most the model's (default: the model's)"),
+    Flag("--max-model-len", type=tokens_at_least(1), default=None,
+         help="context window in tokens (prompt + max_tokens), at most the model's; 4096, 4k (4,000) or 4K "
+              "(4,096) as vLLM's (default: the model's)"),
     Flag("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
          help="request defaults (temperature, top_p, top_k, repetition_penalty, min_p, max_new_tokens as "
               "max_tokens) from generation_config.json: auto, the model's; vllm, none; or that of FOLDER "
