@@ -54,7 +54,7 @@ def surface_server(tmp_path_factory, model_info):
                        {"max_new_tokens": GEN_MAX_TOKENS, "temperature": 0.0, "bos_token_id": 1})
     config = tmp / "serve.yaml"
     config.write_text(f"model: {model}\nserved_model_name: [{', '.join(NAMES)}]\napi-key: {KEY}\n"
-                      f"max-model-len: {MAX_MODEL_LEN}\nenable-prefix-caching: false\n")
+                      f"max-model-len: {MAX_MODEL_LEN}\nenable-prefix-caching: false\ndtype: auto\n")
     dep = start_deployment("colocated", tmp, "--config", str(config), "--kv-cache-memory-mb", "64")
     try:
         yield dep
@@ -91,6 +91,8 @@ def test_open_endpoints_and_api_key(surface_server):
     with pytest.raises(openai.AuthenticationError) as info:
         client(dep, "wrong").completions.create(model=NAMES[0], prompt="hi", max_tokens=1)
     assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+    # dtype: auto (from the config file) reached the worker, which resolved it.
+    assert f"--dtype auto: {auto_dtype(Path(client(dep).models.list().data[0].root))}" in dep.log_tail(10**7)
 
 
 def test_served_names_models_root_and_404(surface_server, tokenizer):
