@@ -21,9 +21,9 @@ from epdserve.serving.handshake import model_fingerprint, model_kv_shape
 from epdserve.serving.http_guard import add_http_options, uvicorn_config
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
+from epdserve.serving.router import surface
 from epdserve.serving.router.flows import FlowConfig
 from epdserve.serving.router.front import Front
-from epdserve.serving.router import surface
 from epdserve.serving.router.registry import MODE_ROLES, Compat, Registry, WorkerState
 from epdserve.serving.router.routes import create_app
 from epdserve.serving.router.zmq_port import EventsLoop, ZmqPort
@@ -147,10 +147,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_router(args: argparse.Namespace, events_addr: str) -> Router:
-    """Resolve the model, load its tokenizer and make a Router from parsed options.
+    """Resolve the model (as :func:`served_model`), load its tokenizer, read the request
+    defaults of ``--generation-config`` and make a Router from parsed options.
 
     Raises:
-        ModelLoadError: the model cannot be found or read.
+        ModelLoadError: the model cannot be found or read, a bad ``--max-model-len``, or a
+            ``--generation-config`` that cannot be read or holds a value no request could.
     """
     model = served_model(args)
     if args.mode == "epd" and not model.multimodal:
