@@ -140,12 +140,17 @@ def test_tokenize_detokenize_round_trip(surface_server, tokenizer):
                        ({"tokens": "abc"}, "tokens")):
         r = post(dep, "/detokenize", bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    for bad in ({}, {"prompt": "a", "messages": messages}, {"prompt": "a", "add_generation_prompt": True},
-                {"messages": messages, "tools": [{"type": "function"}]},
-                {"messages": messages, "add_generation_prompt": True, "continue_final_message": True},
-                {"prompt": "x" * (surface.MAX_TOKENIZE_CHARS + 1)}, {"prompt": "\ud800"}):
+    for bad, param in (({}, "prompt"), ({"prompt": "a", "messages": messages}, "prompt"),
+                       ({"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
+                       ({"messages": messages, "tools": [{"type": "function"}]}, "tools"),
+                       ({"messages": messages, "add_generation_prompt": True, "continue_final_message": True},
+                        "continue_final_message"),
+                       ({"prompt": "x" * (surface.MAX_TOKENIZE_CHARS + 1)}, "prompt"), ({"prompt": "\ud800"}, "prompt"),
+                       ({"messages": [{"role": "user", "content": "\udc00"}]}, "messages"),
+                       ({"messages": []}, "messages"), ({"prompt": 5}, "prompt")):
         r = post(dep, "/tokenize", bad)
-        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (bad, r.text[:300])
+        assert r.status_code == 400, (bad, r.text[:300])
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param, r.text
 
 
 def test_max_model_len_and_generation_config_defaults(surface_server, tokenizer):

@@ -37,7 +37,7 @@ from typing import Any
 
 import pydantic
 from fastapi import FastAPI
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from epdserve import __version__
 from epdserve.model.loader import ModelLoadError
@@ -143,25 +143,32 @@ class TokenizeRequest(api._Req):
     tools: Any = None
     mm_processor_kwargs: Any = None
 
-    @model_validator(mode="after")
-    def _one_form(self):
+    def check(self) -> None:
+        """The checks across fields (pydantic checked each field's type and bound).
+
+        Raises:
+            APIError: 400 naming the field: neither or both forms, a chat field with a
+                prompt, a field not supported here, images, too much text, a lone surrogate.
+        """
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either prompt or messages")
+            raise api.APIError("give either prompt or messages", param="prompt")
         chat_only = ("add_generation_prompt", "continue_final_message", *UNSUPPORTED_CHAT_FIELDS)
         if self.prompt is not None and (given := [f for f in chat_only if getattr(self, f) is not None]):
-            raise ValueError(f"{given[0]} goes with messages, not prompt")
+            raise api.APIError(f"{given[0]} goes with messages, not prompt", param=given[0])
         if unsupported := [f for f in UNSUPPORTED_CHAT_FIELDS if getattr(self, f) is not None]:
-            raise ValueError(f"{unsupported[0]} is not supported by /tokenize here")
+            raise api.APIError(f"{unsupported[0]} is not supported by /tokenize here", param=unsupported[0])
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+            raise api.APIError("continue_final_message and add_generation_prompt cannot both be true",
+                               param="continue_final_message")
         if self.messages is not None and any(m.num_images for m in self.messages):
-            raise ValueError("image parts are not supported by /tokenize here")
+            raise api.APIError("image parts are not supported by /tokenize here", param="messages")
         if (chars := sum(m.text_chars for m in self.messages or [])) > MAX_TOKENIZE_CHARS:
-            raise ValueError(f"the messages have over {MAX_TOKENIZE_CHARS} characters ({chars})")
+            raise api.APIError(f"the messages have over {MAX_TOKENIZE_CHARS} characters ({chars})", param="messages")
         where = api._invalid_unicode(self.model_dump(exclude_defaults=True), "request")
         if where is not None:
-            raise ValueError(f"{where.removeprefix('request.')}: text is not valid Unicode (a lone surrogate)")
-        return self
+            where = where.removeprefix("request.")
+            raise api.APIError(f"{where}: text is not valid Unicode (a lone surrogate)",
+                               param=where.split(".")[0].split("[")[0])
 
 
 class DetokenizeRequest(api._Req):
@@ -220,6 +227,7 @@ def install(app: FastAPI, router) -> None:
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest):
         front.check_model(body.model)
+        body.check()
         try:
             ids = await work.run(tokenize, front.tokenizer, body)
         except ValueError as exc:
