@@ -1,9 +1,13 @@
-"""argparse value types shared by the sub-commands: each names the bad value."""
+"""argparse value types shared by the sub-commands (each names the bad value), and
+``--config FILE``, options read from YAML (:func:`config_argv`)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Callable
+
+import yaml
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -19,3 +23,75 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+# vLLM's human-readable integers (``--max-model-len 32k``): lowercase suffixes are
+# decimal, uppercase binary.
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def tokens_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type accepting whole numbers >= ``minimum`` written plainly or as vLLM
+    writes them: ``32k`` (32,000), ``32K`` (32,768), ``25.6k`` (25,600)."""
+
+    def parse(text: str) -> int:
+        number, scale = (text[:-1], _SUFFIXES[text[-1]]) if text[-1:] in _SUFFIXES else (text, 1)
+        try:
+            value = float(number) * scale if scale > 1 else int(number)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: not a whole number (e.g. 4096, 4k, 4K)") from None
+        if not math.isfinite(value) or value != int(value) or value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a whole number >= {minimum}")
+        return int(value)
+
+    return parse
+
+
+def config_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with the options of its ``--config FILE`` (YAML, as ``vllm serve --config``)
+    put first, so that options on the command line win. FILE maps option names, the long
+    flag without ``--`` and with ``-`` or ``_`` (``max-num-seqs`` or ``max_num_seqs``), to
+    values: a scalar, a list (an option taking several values), or a boolean (a switch:
+    true gives it, false gives ``--no-NAME`` where it has one, else nothing). The values go
+    through the option's own type and choices. Exits through ``parser.error`` (status 2,
+    naming the file and the key) on a file that cannot be read, that is not a mapping, or
+    that names an unknown option."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config")
+    path = pre.parse_known_args(argv)[0].config
+    if path is None:
+        return argv
+    try:
+        with open(path) as f:
+            options = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config {path}: cannot read it as YAML: {exc}")
+    if not isinstance(options, dict):
+        parser.error(f"--config {path}: expected a mapping of option names to values")
+    actions = {s: a for a in parser._actions for s in a.option_strings}
+    words = []
+    for key, value in options.items():
+        name = "--" + str(key).replace("_", "-")
+        action = actions.get(name)
+        if action is None or name in ("--config", "--help"):
+            parser.error(f"--config {path}: unknown option {key!r}")
+        words += _config_words(parser, path, name, action, value)
+    return words + argv
+
+
+def _config_words(parser: argparse.ArgumentParser, path: str, name: str, action, value) -> list[str]:
+    """The command-line words of ``name: value`` from a config file (see :func:`config_argv`)."""
+    if isinstance(value, bool):
+        if action.nargs == 0:  # a switch
+            negative = "--no-" + name[2:]
+            return [name] if value else [negative] if negative in action.option_strings else []
+        value = str(value).lower()
+    if action.nargs == 0:
+        parser.error(f"--config {path}: {name[2:]} is a switch: give true or false, not {value!r}")
+    if isinstance(value, list):
+        if action.nargs not in ("+", "*"):
+            parser.error(f"--config {path}: {name[2:]} takes one value, not a list")
+        return [name, *map(str, value)]
+    if value is None or isinstance(value, dict):
+        parser.error(f"--config {path}: {name[2:]}: expected a value, not {value!r}")
+    return [name, str(value)]

@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from epdserve.argtypes import config_argv
+
 COMMANDS = {
     "serve": ("epdserve.serving.launcher", "start a router and its workers (colocated, PD or EPD)"),
     "worker": ("epdserve.serving.worker", "run one engine worker (colocated, encode, prefill or decode)"),
@@ -20,6 +22,9 @@ COMMANDS = {
     "compare": ("epdserve.bench.compare", "run the same trace against each deployment"),
     "plan": ("epdserve.plan.run", "predict which deployment meets the SLOs at the lowest cost"),
 }
+
+# The commands that take --config FILE (vLLM's serve has it; compare and plan have --configs).
+CONFIG_COMMANDS = ("serve", "router", "worker")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,4 +40,10 @@ def main(argv: list[str] | None = None) -> None:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"epdserve {argv[0]}", description=help_text)
     module.add_arguments(parser)
-    sys.exit(module.run(parser.parse_args(argv[1:])))
+    args = argv[1:]
+    if argv[0] in CONFIG_COMMANDS:
+        parser.add_argument("--config", metavar="FILE",
+                            help="YAML file of options (as vllm serve's --config): keys are the long option names "
+                                 "without '--' ('-' or '_'), e.g. 'max-num-seqs: 8'; the command line wins")
+        args = config_argv(parser, args)
+    sys.exit(module.run(parser.parse_args(args)))

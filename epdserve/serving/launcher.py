@@ -29,7 +29,9 @@ while it keeps dying within a minute, at most 30 s); one that exits with status 
 option, model, or refused by the router) is not restarted.
 
 Before any worker starts, ``serve`` checks every option it passes to the workers (the
-same choices as ``epdserve worker``'s), ``--cores``, the HTTP port (bound at once) and
+worker's own flags, defined once in :mod:`epdserve.serving.flags`), the model and the
+router's options (``--max-model-len``, ``--generation-config``), ``--cores``, the HTTP
+port (bound at once) and
 whether the host can hold the workers (:func:`check_capacity`): workers that share a core
 get a warning, an estimated memory above ``MemAvailable`` is refused unless
 ``--allow-oversubscription``.
@@ -56,15 +58,12 @@ import time
 import uvicorn
 
 from epdserve import host
-from epdserve.argtypes import int_at_least
-from epdserve.engine.engine import DTYPES
 from epdserve.model.loader import ModelLoadError
-from epdserve.serving import auth, worker
+from epdserve.serving import auth, flags
 from epdserve.serving.deployment import DeploymentSpec, Placement, plan_workers  # noqa: F401 (plan_workers: tests)
 from epdserve.serving.http_guard import uvicorn_config
 from epdserve.serving.router import (SYNTHETIC_VISION_NOTE, Router, add_router_options, build_router, create_app,
                                      setup_logging)
-from epdserve.transfer import handoff, kv_codec
 
 log = logging.getLogger("epdserve.launcher")
 
@@ -73,43 +72,19 @@ EXIT_CONFIG = 2  # a worker's exit status for a bad option or model, or a refusa
 RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap; doubled while a worker dies within a minute
 
 
-def _worker_default(dest: str):
-    """The default of ``epdserve worker``'s engine option ``dest`` (read from its parser,
-    so that serve's help and memory estimate follow the worker)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    worker.add_engine_arguments(parser)
-    return parser.get_default(dest)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """serve's options. Those passed to each worker take their choices from the constants
-    ``epdserve worker`` uses, so a bad value stops serve at once (exit 2) instead of every
-    worker; their numbers must be >= 1 (a worker given 0 divides by it or never schedules)."""
+    """serve's options. Those passed to each worker are the worker's own flags, defined once
+    (:mod:`epdserve.serving.flags`), so a bad value stops serve at once (exit 2) instead of
+    every worker; given no value, a worker keeps its own default."""
     add_router_options(parser)
-    passed = lambda dest: f"passed to each worker (default: {_worker_default(dest)})"  # noqa: E731
     parser.add_argument("--cores", default=None,
                         help="comma-separated CPU cores to split among workers (default: all usable)")
-    parser.add_argument("--kv-cache-memory-mb", type=int_at_least(1), default=None,
-                        help=passed("kv_cache_memory_mb") + "; MiB of KV cache per worker")
-    parser.add_argument("--max-num-seqs", type=int_at_least(1), default=None, help=passed("max_num_seqs"))
-    parser.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
-                        help="passed to each worker (default: the context window)")
-    parser.add_argument("--block-size", type=int_at_least(1), default=None, help=passed("block_size"))
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help=passed("dtype"))
-    parser.add_argument("--prefill-dtype", choices=list(DTYPES), default=None,
+    flags.add_worker_flags(parser, passed=True)
+    parser.add_argument("--prefill-dtype", choices=flags.DTYPE_CHOICES, default=None,
                         help="pd: weights and KV cache dtype of the prefill workers (default: --dtype)")
-    parser.add_argument("--decode-dtype", choices=list(DTYPES), default=None,
+    parser.add_argument("--decode-dtype", choices=flags.DTYPE_CHOICES, default=None,
                         help="pd: weights and KV cache dtype of the decode workers, which convert "
                              "imported KV to it (default: --dtype)")
-    parser.add_argument("--enable-chunked-prefill", action="store_true", help="passed to each worker")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                        help="passed to each worker (default: the worker's, on)")
-    parser.add_argument("--quantized-weights", action=argparse.BooleanOptionalAction, default=None,
-                        help="passed to each worker (default: the worker's, on)")
-    parser.add_argument("--kv-transport", choices=handoff.TRANSPORTS, default=None, help="passed to each worker")
-    parser.add_argument("--kv-transfer-dtype", choices=kv_codec.TRANSFER_DTYPES, default=None,
-                        help="passed to each worker")
-    parser.add_argument("--kv-layer-pipeline", action="store_true", help="passed to each worker")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds to wait for every worker's hello")
     parser.add_argument("--workers", type=int, default=1, help="colocated: number of worker replicas")
@@ -180,7 +155,7 @@ def check_capacity(args: argparse.Namespace, plan: Placement, model_dir: str,
                         f"cores avoid it)")
     if available_bytes is None:
         return warnings, None
-    kv_mb = args.kv_cache_memory_mb or _worker_default("kv_cache_memory_mb")
+    kv_mb = args.kv_cache_memory_mb or flags.worker_default("kv_cache_memory_mb")
     weights = host.weight_bytes(model_dir)
     need = sum(weights + (0 if role == "encode" else kv_mb * 2**20) for role, _, _ in plan)
     if need <= available_bytes:
@@ -228,24 +203,13 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def worker_command(args: argparse.Namespace, role: str, worker_id: str, cores: list[int],
                    events: str, cmd: str) -> list[str]:
-    argv = [sys.executable, "-m", "epdserve", "worker", "--role", role, "--router", events,
-            "--bind", cmd, "--worker-id", worker_id, "--cores", ",".join(map(str, cores))]
-    for opt in ("model", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "block_size", "dtype",
-                "kv_transport", "kv_transfer_dtype"):
-        value = getattr(args, opt)
-        if opt == "dtype" and role in ("prefill", "decode"):
-            value = getattr(args, f"{role}_dtype") or value
-        if value is not None:
-            argv += ["--" + opt.replace("_", "-"), str(value)]
-    if args.enable_chunked_prefill:
-        argv.append("--enable-chunked-prefill")
-    for flag in ("enable_prefix_caching", "quantized_weights"):
-        value = getattr(args, flag)
-        if value is not None:
-            argv.append(f"--{'' if value else 'no-'}{flag.replace('_', '-')}")
-    if args.kv_layer_pipeline:
-        argv.append("--kv-layer-pipeline")
-    return argv
+    """The command line of worker ``worker_id``: where it listens and reports, its cores,
+    and the worker flags given to serve (``--prefill-dtype`` / ``--decode-dtype`` as its
+    ``--dtype`` for those roles)."""
+    role_dtype = getattr(args, f"{role}_dtype", None) if role in ("prefill", "decode") else None
+    return [sys.executable, "-m", "epdserve", "worker", "--role", role, "--router", events,
+            "--bind", cmd, "--worker-id", worker_id, "--cores", ",".join(map(str, cores)),
+            *flags.worker_argv(args, dtype=role_dtype or args.dtype)]
 
 
 def worker_env(args: argparse.Namespace) -> dict[str, str]:

@@ -28,7 +28,8 @@ the one ``data:`` event of a stream that fails after it started; ``code`` is a s
 OpenAI sends it (``context_length_exceeded``, ``model_not_found``,
 ``unsupported_parameter``, ...) or null, never the HTTP status. Every malformed request
 (bad JSON, failed validation, prompt too long) is an HTTP **400** with type
-``invalid_request_error``.
+``invalid_request_error``; an unknown model is a **404** with code ``model_not_found``, as
+OpenAI and vLLM answer it.
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import DTYPES, EngineConfig, LLMEngine, StepOutput
 from epdserve.engine.kv_source import KVSource
 from epdserve.model.image_processor import ImageError
-from epdserve.model.loader import ModelLoadError, resolve_model
-from epdserve.serving import auth
+from epdserve.model.loader import ModelLoadError, auto_dtype, resolve_model
+from epdserve.serving import auth, flags
 from epdserve.serving import protocol as P
 from epdserve.serving.encode_worker import EncodeWorker, handle_control, image_inputs
 # FETCH_THREADS and fetch_embeddings are re-exported (noqa: F401): callers import them from here.
@@ -55,7 +55,7 @@ from epdserve.serving.handshake import auth_tag, model_fingerprint
 # HEARTBEAT_INTERVAL_S, heartbeat and receive_commands are re-exported (noqa: F401).
 from epdserve.serving.worker_threads import (HEARTBEAT_INTERVAL_S, IDLE_WAIT_S, heartbeat,  # noqa: F401
                                              receive_commands, serve)
-from epdserve.transfer import handoff, kv_codec, tcp
+from epdserve.transfer import handoff, tcp
 from epdserve.trace import StageTimings
 
 log = logging.getLogger("epdserve.worker")
@@ -64,47 +64,28 @@ STATS_INTERVAL_S = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``epdserve worker``'s options: its own, and the engine's shared with ``serve``
+    (:mod:`epdserve.serving.flags`, one definition)."""
     parser.add_argument("--role", choices=ROLES + ("encode",), required=True)
     parser.add_argument("--router", required=True, help="router events address, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--bind", required=True, help="address for this worker's command socket")
     parser.add_argument("--worker-id", required=True)
-    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    flags.MODEL_FLAG.add(parser)
     parser.add_argument("--cores", default=None, help="CPU cores to pin to, e.g. 0,1 (default: all allowed)")
-    add_engine_arguments(parser)
+    flags.add_worker_flags(parser)
     parser.add_argument("--kv-ttl", type=float, default=120.0,
                         help="seconds a prefill worker keeps an exported KV segment nobody took")
-    parser.add_argument("--kv-transport", choices=handoff.TRANSPORTS, default="auto",
-                        help="KV hand-off: shared memory on the same host, TCP otherwise (auto), or one of them")
     parser.add_argument("--kv-bind", default="tcp://127.0.0.1:0",
                         help="address a prefill (encode) worker serves KV (embeddings) on over TCP "
                              "(port 0: any free port)")
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                         help="seconds a decode worker waits for a KV fetch over TCP")
-    parser.add_argument("--kv-transfer-dtype", choices=kv_codec.TRANSFER_DTYPES, default="none",
-                        help="how a prefill worker sends KV: as cached, bf16, or int8 with per-token, per-head scales")
-    parser.add_argument("--kv-layer-pipeline", action="store_true",
-                        help="a prefill worker writes each layer's KV into the outgoing frame as soon as the layer "
-                             "is computed (a staged frame instead of its shared KV pool)")
     auth.add_arguments(parser, "shared secret that seals every frame between this worker, the router and the "
                                "other workers (default: $EPDSERVE_AUTH_TOKEN)")
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by ``worker`` and ``serve``."""
-    parser.add_argument("--kv-cache-memory-mb", type=int, default=1024, help="KV cache budget per worker (MiB)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--enable-chunked-prefill", action="store_true")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV blocks of cached prompt prefixes (vLLM's default: on)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    parser.add_argument("--quantized-weights", action=argparse.BooleanOptionalAction, default=True,
-                        help="float32 with a Q4_1 / Q8_0 GGUF model: matmuls read the GGUF's weight blocks "
-                             "(model/quant.py; same greedy tokens, less memory traffic); off: dense float32")
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings of a worker's options (``--dtype auto`` resolved first, see :func:`_load`)."""
     return EngineConfig(block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_chunked_prefill=args.enable_chunked_prefill,
@@ -441,6 +422,9 @@ def _load(args: argparse.Namespace):
     encode_role = args.role == "encode"
     cores = pin_to_cores(args.cores)
     info = resolve_model(args.model)
+    if args.dtype == "auto":
+        args.dtype = auto_dtype(info.path, args.quantized_weights)
+        log.info("%s: --dtype auto: %s", args.worker_id, args.dtype)
     encoder = engine = kv_pool = None
     if encode_role or (info.multimodal and args.role in ("colocated", "prefill")):
         encoder = EncodeEngine(info.path, DTYPES[args.dtype])

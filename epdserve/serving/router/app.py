@@ -6,19 +6,22 @@ it together with its workers)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 import uvicorn
 
 from epdserve.argtypes import int_at_least
-from epdserve.model.loader import ModelLoadError, resolve_model
+from epdserve.model.loader import ModelLoadError, generation_defaults, resolve_model
 from epdserve.model.tokenizer import check_chat_template, load_tokenizer, read_chat_template, template_renders_tools
 from epdserve.serving import auth
+from epdserve.serving.flags import add_router_flags
 from epdserve.serving.handshake import model_fingerprint, model_kv_shape
 from epdserve.serving.http_guard import add_http_options, uvicorn_config
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
+from epdserve.serving.router import surface
 from epdserve.serving.router.flows import FlowConfig
 from epdserve.serving.router.front import Front
 from epdserve.serving.router.registry import MODE_ROLES, Compat, Registry, WorkerState
@@ -43,6 +46,9 @@ class Router:
     ``local_prefill_threshold`` (pd, tokens): a prompt shorter than this goes straight to a
     decode worker, which prefills it itself; 0 disaggregates every prompt. ``tools``: the
     tool-calling options (:func:`~epdserve.serving.tool_calls.tool_settings`).
+    ``sampling_defaults``: request field defaults (``--generation-config``), applied to the
+    fields a request does not set. ``api_keys``: the keys ``Authorization: Bearer`` must
+    give on the model's endpoints (empty: none needed; see :mod:`.surface`).
 
     Raises (constructor):
         ValueError: an unknown mode, or CURVE without a token or without libzmq support.
@@ -52,10 +58,11 @@ class Router:
                  worker_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
                  auth_token: str | None = None, local_prefill_threshold: int = 0,
                  media: MediaOptions = MediaOptions(), internal_encryption: str = "none",
-                 tools: ToolSettings = ToolSettings()):
+                 tools: ToolSettings = ToolSettings(), sampling_defaults: dict | None = None,
+                 api_keys: tuple[str, ...] = ()):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
-        self.mode, self.model, self.events_addr = mode, model, events_addr
+        self.mode, self.model, self.events_addr, self.api_keys = mode, model, events_addr, api_keys
         self.keyring = auth.Keyring(auth_token, curve=internal_encryption == "curve")
         # A vision-language model's image layout; None: requests with images get a 400.
         images = ImagePrompter(model.path, tokenizer, media) if model.multimodal else None
@@ -68,7 +75,8 @@ class Router:
         self.front = Front(model, tokenizer, self.registry,
                            FlowConfig(mode, request_timeout_s=request_timeout_s,
                                       local_prefill_threshold=local_prefill_threshold),
-                           images=images, metrics=self.metrics, trace_file=trace_file, tools=tools)
+                           images=images, metrics=self.metrics, trace_file=trace_file, tools=tools,
+                           sampling_defaults=sampling_defaults)
 
     @property
     def workers(self) -> dict[str, WorkerState]:
@@ -111,9 +119,6 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                              "and decode workers (a vision-language model)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
-    parser.add_argument("--model", default=None,
-                        help="GGUF file or HF directory (default: SmolLM2-135M); 'vlm': the default vision-language "
-                             "model (SmolLM2-135M with a SmolVLM vision tower of SYNTHETIC weights)")
     parser.add_argument("--limit-images-per-prompt", type=int_at_least(0), default=DEFAULT_MAX_IMAGES,
                         help="most images one request may carry (vLLM's --limit-mm-per-prompt)")
     parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
@@ -131,6 +136,7 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                         help="pd: prompts shorter than this many tokens are prefilled by a decode worker "
                              "itself, without a KV hand-off (0: never)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_router_flags(parser)  # --model and vLLM's front flags (--served-model-name, --api-key, ...)
     add_http_options(parser)
     add_tool_options(parser)
     auth.add_arguments(parser, "shared secret that seals every frame between the router and its workers "
@@ -145,12 +151,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_router(args: argparse.Namespace, events_addr: str) -> Router:
-    """Resolve the model, load its tokenizer and make a Router from parsed options.
+    """Resolve the model (as :func:`served_model`), load its tokenizer, read the request
+    defaults of ``--generation-config`` and make a Router from parsed options.
 
     Raises:
-        ModelLoadError: the model cannot be found or read; a bad ``--chat-template`` or tool option.
+        ModelLoadError: the model cannot be found or read, a bad ``--max-model-len``, a
+            ``--generation-config`` that cannot be read or holds a value no request could, or
+            a bad ``--chat-template`` or tool option.
     """
-    model = resolve_model(args.model)
+    model = served_model(args)
     if args.mode == "epd" and not model.multimodal:
         raise ModelLoadError(f"--mode epd needs a vision-language model (e.g. --model vlm), not {model.name}")
     media = MediaOptions(max_images=args.limit_images_per_prompt, allowed_local_dir=args.allowed_local_media_path,
@@ -161,10 +170,33 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
         tools = tool_settings(args, template_renders_tools(tokenizer))
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
+    defaults = surface.checked_defaults(generation_defaults(args.generation_config, model.path),
+                                        args.generation_config)
     return Router(args.mode, model, tokenizer, events_addr, trace_file=args.trace_file,
                   worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout,
                   auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold, media=media,
-                  internal_encryption=args.internal_encryption, tools=tools)
+                  internal_encryption=args.internal_encryption, tools=tools, sampling_defaults=defaults,
+                  api_keys=surface.api_keys(args.api_key))
+
+
+def served_model(args: argparse.Namespace):
+    """The model of ``--model`` as served: named by ``--served-model-name`` (the first is
+    reported, every one accepted), its context window cut to ``--max-model-len``.
+
+    Raises:
+        ModelLoadError: the model cannot be found or read, or ``--max-model-len`` is over
+            its context window (as vLLM refuses it).
+    """
+    model = resolve_model(args.model)
+    if args.max_model_len is not None:
+        if args.max_model_len > model.max_model_len:
+            raise ModelLoadError(f"--max-model-len {args.max_model_len} is over the context window of "
+                                 f"{model.name}, {model.max_model_len} tokens")
+        model = dataclasses.replace(model, max_model_len=args.max_model_len)
+    if args.served_model_name:
+        names = tuple(dict.fromkeys(args.served_model_name))  # in order, once each
+        model = dataclasses.replace(model, name=names[0], served_names=names)
+    return model
 
 
 def setup_logging(level: str) -> None:

@@ -158,9 +158,11 @@ class Front:
 
     def __init__(self, model, tokenizer, registry: Registry, config: FlowConfig, *,
                  images: ImagePrompter | None = None, metrics: RouterMetrics | None = None,
-                 trace_file: str | None = None, tools: ToolSettings = ToolSettings()):
+                 trace_file: str | None = None, tools: ToolSettings = ToolSettings(),
+                 sampling_defaults: dict | None = None):
         self.model = model
         self.tools = tools
+        self.sampling_defaults = sampling_defaults or {}  # see with_defaults
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.registry = registry
@@ -187,10 +189,26 @@ class Front:
 
     # -- checks
     def check_model(self, model: str | None) -> None:
-        """Raises APIError 400 ``model_not_found`` unless ``model`` (None: any) names the served one."""
-        if model is not None and model not in (self.model.name, self.model.source, str(self.model.path)):
+        """Check that a request's ``model`` (None: any) names the served one (one of
+        ``--served-model-name``'s names; without it, the model's name, file or directory).
+
+        Raises:
+            APIError: 404 ``model_not_found``, OpenAI's status and code.
+        """
+        if model is not None and not self.model.accepts(model):
             raise api.APIError(f"The model `{model}` does not exist (this server serves "
-                               f"`{self.model.name}`).", param="model", code="model_not_found")
+                               f"`{self.model.name}`).", status=404, param="model", code="model_not_found")
+
+    def with_defaults(self, body):
+        """``body`` with ``sampling_defaults`` (``--generation-config``) in the fields it
+        did not set (pydantic's ``model_fields_set``: a value the client sent, even the
+        field's own default, is kept); ``max_tokens`` is not filled in where a chat
+        request set ``max_completion_tokens``."""
+        unset = {k: v for k, v in self.sampling_defaults.items() if k not in body.model_fields_set
+                 and k in type(body).model_fields}
+        if "max_completion_tokens" in body.model_fields_set:
+            unset.pop("max_tokens", None)
+        return body.model_copy(update=unset) if unset else body
 
     def check_text_length(self, body) -> None:
         """Refuse, without tokenizing it, a prompt whose text alone is too long: no token
@@ -422,6 +440,7 @@ class Front:
                 ``logit_bias`` token outside the vocabulary, and :meth:`guided_spec`), 503.
         """
         self.check_model(body.model)
+        body = self.with_defaults(body)
         api_fields.check(body)
         plan = self.tool_plan(body) if kind == "chat" else None  # cheap 400s before the tokenizer's work
         prompts = await self.prompts(body)

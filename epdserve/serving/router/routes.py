@@ -1,5 +1,6 @@
 """The router's HTTP routes: OpenAI chat and text completions (streamed or not),
-``/v1/models``, ``/health`` and ``/metrics``."""
+``/v1/models``, ``/health`` and ``/metrics``; and, from :mod:`.surface`, vLLM's
+``/tokenize``, ``/detokenize``, ``/version`` and the ``--api-key`` check."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from epdserve.serving import openai_api as api
 from epdserve.serving.api_logprobs import vllm_prompt_logprobs
 from epdserve.serving.router.events import WorkerFailed
 from epdserve.serving.router.front import Choice, Front, best_choices, failed, merged, usage_counts
+from epdserve.serving.router import surface
 from epdserve.serving.router.registry import MODE_ROLES
 
 log = logging.getLogger("epdserve.router")
@@ -215,10 +217,18 @@ def answer(choice: Choice, kind: str, index: int) -> dict:
     return api.chat_choice(index, None, finish, lp, message=message)
 
 
-def model_card(model) -> dict:
-    """``model``'s /v1/models entry (a ModelInfo)."""
-    card = {"id": model.name, "object": "model", "created": api.now_s(), "owned_by": "epdserve",
-            "root": model.source, "max_model_len": model.max_model_len,
+def model_cards(model) -> list[dict]:
+    """``model``'s /v1/models entries (a ModelInfo): one per served name, the first first
+    (vLLM's), each with ``root`` the model's directory, where the tokenizer files
+    (``tokenizer.json``, ``tokenizer_config.json``) and ``config.json`` lie, so that tools
+    can load the tokenizer from it, and ``max_model_len``, the context window."""
+    return [model_card(model, name) for name in model.served_names or (model.name,)]
+
+
+def model_card(model, name: str) -> dict:
+    """The /v1/models entry of ``model`` under ``name``."""
+    card = {"id": name, "object": "model", "created": api.now_s(), "owned_by": "epdserve",
+            "root": str(model.path), "parent": None, "max_model_len": model.max_model_len,
             "input_modalities": ["text", "image"] if model.multimodal else ["text"]}
     if model.synthetic_vision:
         card["synthetic_vision"] = True
@@ -255,7 +265,7 @@ def create_app(router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(router.model)]}
+        return {"object": "list", "data": model_cards(router.model)}
 
     @app.get("/health")
     async def health():
@@ -268,5 +278,7 @@ def create_app(router) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(router.metrics.render(), media_type=router.metrics.content_type)
+
+    surface.install(app, router)  # /tokenize, /detokenize, /version, --api-key
 
     return app

@@ -1,0 +1,133 @@
+"""Every flag that more than one command takes, defined once: its type, choices, default
+and help, so that ``epdserve serve`` refuses a bad value (exit 2, naming it) before it
+starts any worker, exactly as ``epdserve worker`` would.
+
+* :data:`WORKER_FLAGS`: the engine worker's flags. ``epdserve worker`` takes them with
+  their defaults; ``epdserve serve`` takes the same flags with default None ("not given")
+  and passes to each worker only those given (:func:`worker_argv`), so that the worker's
+  own default holds otherwise.
+* :data:`MODEL_FLAG`: ``--model``, taken by ``serve``, ``router`` and ``worker``.
+* :data:`ROUTER_FLAGS`: the OpenAI front's flags, taken by ``serve`` and ``router``, named
+  as ``vllm serve`` names them.
+
+Adding a flag is one line in the right table, e.g.
+``Flag("--metrics-prefix", default="epdserve", help="...")`` in :data:`ROUTER_FLAGS`; its
+value is then ``args.metrics_prefix`` in ``build_router``. ``--config FILE`` (YAML, as
+vLLM's) reaches every flag here: see :func:`epdserve.argtypes.config_argv`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from epdserve.argtypes import int_at_least, tokens_at_least
+from epdserve.engine.engine import DTYPES
+from epdserve.transfer import handoff, kv_codec
+
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+class Flag:
+    """One flag: its long name and ``argparse.add_argument``'s keywords."""
+
+    def __init__(self, name: str, **kwargs):
+        self.name, self.kwargs = name, kwargs
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+    def add(self, parser: argparse.ArgumentParser, passed: bool = False, **overrides) -> None:
+        """Add it to ``parser``; ``passed``: as serve takes a worker flag (default None or
+        False, help naming the worker's default)."""
+        kwargs = dict(self.kwargs, **overrides)
+        if passed:
+            if kwargs.get("action") != "store_true":
+                kwargs["help"] = (f"{kwargs.get('help', '')}; passed to each worker (default: "
+                                  f"{kwargs.get('default')})").lstrip("; ")
+                kwargs["default"] = None
+            else:
+                kwargs["help"] = f"{kwargs.get('help', '')}; passed to each worker".lstrip("; ")
+        parser.add_argument(self.name, **kwargs)
+
+    def argv(self, value) -> list[str]:
+        """The worker command-line words that give it ``value`` (None: not given)."""
+        action = self.kwargs.get("action")
+        if value is None or value is False and action == "store_true":
+            return []
+        if action == "store_true":
+            return [self.name]
+        if action is argparse.BooleanOptionalAction:
+            return [self.name if value else "--no-" + self.name.removeprefix("--")]
+        return [self.name, str(value)]
+
+
+MODEL_FLAG = Flag("--model", default=None,
+                  help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct); 'vlm': the default "
+                       "vision-language model (SmolLM2-135M with a SmolVLM vision tower of SYNTHETIC weights)")
+
+WORKER_FLAGS = (
+    Flag("--kv-cache-memory-mb", type=int_at_least(1), default=1024, help="KV cache budget per worker (MiB)"),
+    Flag("--block-size", type=int_at_least(1), default=16, help="tokens per KV block"),
+    Flag("--max-num-seqs", type=int_at_least(1), default=64, help="most requests a worker runs at once"),
+    Flag("--max-num-batched-tokens", type=int_at_least(1), default=None,
+         help="most tokens in one engine step (None: the context window)"),
+    Flag("--enable-chunked-prefill", action="store_true",
+         help="split long prompts over steps of --max-num-batched-tokens tokens"),
+    Flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+         help="reuse the KV blocks of cached prompt prefixes (vLLM's default: on)"),
+    Flag("--dtype", choices=DTYPE_CHOICES, default="float32",
+         help="weights and KV cache dtype; auto: as vLLM's CPU backend, bfloat16 where the CPU computes it "
+              "natively, else float32, and float32 for a quantized GGUF (its kernels compute in float32)"),
+    Flag("--quantized-weights", action=argparse.BooleanOptionalAction, default=True,
+         help="float32 with a Q4_1 / Q8_0 GGUF model: matmuls read the GGUF's weight blocks "
+              "(model/quant.py; same greedy tokens, less memory traffic); off: dense float32"),
+    Flag("--kv-transport", choices=handoff.TRANSPORTS, default="auto",
+         help="KV hand-off: shared memory on the same host, TCP otherwise (auto), or one of them"),
+    Flag("--kv-transfer-dtype", choices=kv_codec.TRANSFER_DTYPES, default="none",
+         help="how a prefill worker sends KV: as cached, bf16, or int8 with per-token, per-head scales"),
+    Flag("--kv-layer-pipeline", action="store_true",
+         help="a prefill worker writes each layer's KV into the outgoing frame as soon as the layer is "
+              "computed (a staged frame instead of its shared KV pool)"),
+)
+
+ROUTER_FLAGS = (
+    Flag("--served-model-name", nargs="+", default=None, metavar="NAME",
+         help="the model's names in the API (vLLM's): the first is the name in responses and /v1/models, "
+              "each is accepted as a request's model (default: the model file's or directory's name)"),
+    Flag("--api-key", nargs="+", default=None, metavar="KEY",
+         help="require 'Authorization: Bearer KEY' (one of these keys) on /v1/*, /tokenize and /detokenize; "
+              "missing or wrong: 401 (default: $EPDSERVE_API_KEY, else $VLLM_API_KEY, else no key)"),
+    Flag("--max-model-len", type=tokens_at_least(1), default=None,
+         help="context window in tokens (prompt + max_tokens), at most the model's; 4096, 4k (4,000) or 4K "
+              "(4,096) as vLLM's (default: the model's)"),
+    Flag("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+         help="request defaults (temperature, top_p, top_k, repetition_penalty, min_p, max_new_tokens as "
+              "max_tokens) from generation_config.json: auto, the model's; vllm, none; or that of FOLDER "
+              "(vLLM's); a request's own values win"),
+)
+
+
+def add_worker_flags(parser: argparse.ArgumentParser, passed: bool = False) -> None:
+    """Add :data:`WORKER_FLAGS` (``passed``: as serve takes them, see :meth:`Flag.add`)."""
+    for flag in WORKER_FLAGS:
+        flag.add(parser, passed)
+
+
+def add_router_flags(parser: argparse.ArgumentParser) -> None:
+    """Add :data:`MODEL_FLAG` and :data:`ROUTER_FLAGS` (``serve`` and ``router``)."""
+    MODEL_FLAG.add(parser)
+    for flag in ROUTER_FLAGS:
+        flag.add(parser)
+
+
+def worker_argv(args: argparse.Namespace, **values) -> list[str]:
+    """The worker flags given to serve (``args``), as words of a worker's command line;
+    ``values`` replace some (by dest: ``dtype="bfloat16"``)."""
+    return [word for flag in (MODEL_FLAG, *WORKER_FLAGS)
+            for word in flag.argv(values.get(flag.dest, getattr(args, flag.dest)))]
+
+
+def worker_default(dest: str):
+    """The default of ``epdserve worker``'s flag ``dest`` (serve's help, memory estimate)."""
+    return next(f.kwargs.get("default") for f in WORKER_FLAGS if f.dest == dest)

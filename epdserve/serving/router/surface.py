@@ -1,0 +1,246 @@
+"""The parts of ``vllm serve``'s HTTP surface beyond the completions: ``POST /tokenize``,
+``POST /detokenize``, ``GET /version``, the ``--api-key`` check, and the request defaults
+of ``--generation-config``.
+
+* ``/tokenize`` takes vLLM's two forms: ``{"prompt", "add_special_tokens": true}``, or
+  ``{"messages", "add_generation_prompt": true, "continue_final_message": false,
+  "add_special_tokens": false}`` (the chat template applied as for a chat completion);
+  both take ``return_token_strs``. It answers ``{"count", "max_model_len", "tokens",
+  "token_strs"}``, counting a prompt of any length up to :data:`MAX_TOKENIZE_CHARS`
+  characters (as vLLM, no context check: clients use it to measure prompts). vLLM's
+  ``chat_template``, ``chat_template_kwargs``, ``tools`` and ``mm_processor_kwargs``, and
+  image parts, are refused (400 naming them), not ignored.
+* ``/detokenize``: ``{"tokens"}`` → ``{"prompt"}``; an id outside the vocabulary is a 400.
+* ``/version``: ``{"version": epdserve's version}``.
+* ``--api-key`` (or ``$EPDSERVE_API_KEY``, else ``$VLLM_API_KEY``, as vLLM reads it):
+  :class:`APIKeyGuard` requires ``Authorization: Bearer KEY`` on ``/v1/*``, ``/tokenize``
+  and ``/detokenize``, not on ``/health``, ``/metrics`` or ``/version``; a missing or
+  wrong key is a 401 with OpenAI's body (code ``invalid_api_key``). Keys are compared by
+  their SHA-256 digests with :func:`hmac.compare_digest` (time independent of where they
+  differ). This is the clients' key; the workers' frames are sealed by
+  :mod:`epdserve.serving.auth`, a different secret.
+
+Tokenizing runs on :data:`TOKENIZE_THREADS` threads of its own, not on the event loop that
+streams every other request's tokens; at most :data:`MAX_TOKENIZE_QUEUE` wait (more: 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import hmac
+import json
+import logging
+import os
+from typing import Any
+
+import pydantic
+from fastapi import FastAPI
+from pydantic import Field
+
+from epdserve import __version__
+from epdserve.model.loader import ModelLoadError
+from epdserve.serving import openai_api as api
+
+log = logging.getLogger("epdserve.router")
+
+MAX_TOKENIZE_CHARS = 1 << 20  # about 0.5 s of tokenizing, on a thread
+MAX_DETOKENIZE_TOKENS = 1 << 17
+TOKENIZE_THREADS = 2
+MAX_TOKENIZE_QUEUE = 64
+API_KEY_ENV = ("EPDSERVE_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+UNSUPPORTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
+
+
+# ---------------------------------------------------------------------------- api keys
+
+def api_keys(given: list[str] | None) -> tuple[str, ...]:
+    """The keys clients must present: ``--api-key``'s, else the first of :data:`API_KEY_ENV`
+    set (empty strings count as unset), else none (no check)."""
+    if given:
+        return tuple(given)
+    return next(((os.environ[name],) for name in API_KEY_ENV if os.environ.get(name)), ())
+
+
+def _digest(text: bytes) -> bytes:
+    return hashlib.sha256(text).digest()
+
+
+class APIKeyGuard:
+    """ASGI middleware: an HTTP request to a path under :data:`PROTECTED_PREFIXES` without
+    ``Authorization: Bearer K`` for one of ``keys`` gets 401 with OpenAI's error body and
+    ``WWW-Authenticate: Bearer`` (RFC 6750); everything else passes."""
+
+    def __init__(self, app, keys: tuple[str, ...]):
+        self.app = app
+        self.digests = [_digest(k.encode()) for k in keys]
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether ``headers`` carry a valid key; every key is compared, in constant time."""
+        value = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+        scheme, _, token = value.partition(b" ")
+        presented = _digest(token.strip())
+        matches = [hmac.compare_digest(presented, d) for d in self.digests]
+        return scheme.lower() == b"bearer" and any(matches)
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if (scope["type"] != "http" or not (path == "/v1" or path.startswith(PROTECTED_PREFIXES))
+                or self.authorized(scope["headers"])):
+            return await self.app(scope, receive, send)
+        body = json.dumps(api.error_body("Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.",
+                                         code="invalid_api_key")).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+# --------------------------------------------------------------------- generation config
+
+def checked_defaults(defaults: dict, spec: str) -> dict:
+    """``defaults`` (:func:`epdserve.model.loader.generation_defaults`) checked as request
+    values, and as a request would carry them; those no request model has (``min_p``
+    before it is served) are dropped with a warning, since they are the server's defaults
+    and not a client's request.
+
+    Raises:
+        ModelLoadError: a value a request could not carry (e.g. temperature 5), naming it.
+    """
+    fields = set(api.ChatCompletionRequest.model_fields) | set(api.CompletionRequest.model_fields)
+    kept = {}
+    for key, value in defaults.items():
+        if key not in fields:
+            log.warning("--generation-config %s: %s=%r is not applied: requests here have no %s", spec, key,
+                        value, key)
+            continue
+        try:  # the value as a request would carry it (top_k 0 is -1, "disabled")
+            kept[key] = getattr(api.CompletionRequest(prompt="x", **{key: value}), key)
+        except pydantic.ValidationError as exc:
+            raise ModelLoadError(f"--generation-config {spec}: {key}={value!r}: "
+                                 f"{exc.errors()[0]['msg']}") from None
+    return kept
+
+
+# ----------------------------------------------------------------- tokenize, detokenize
+
+class TokenizeRequest(api._Req):
+    """vLLM's ``TokenizeCompletionRequest`` (``prompt``) or ``TokenizeChatRequest``
+    (``messages``): exactly one of them. ``add_special_tokens`` None: the form's default
+    (prompt: true, chat: false, as vLLM's)."""
+
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=MAX_TOKENIZE_CHARS)
+    messages: list[api.ChatMessage] | None = Field(None, min_length=1, max_length=api.MAX_MESSAGES)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    return_token_strs: bool = False
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    tools: Any = None
+    mm_processor_kwargs: Any = None
+
+    def check(self) -> None:
+        """The checks across fields (pydantic checked each field's type and bound).
+
+        Raises:
+            APIError: 400 naming the field: neither or both forms, a chat field with a
+                prompt, a field not supported here, images, too much text, a lone surrogate.
+        """
+        if (self.prompt is None) == (self.messages is None):
+            raise api.APIError("give either prompt or messages", param="prompt")
+        chat_only = ("add_generation_prompt", "continue_final_message", *UNSUPPORTED_CHAT_FIELDS)
+        if self.prompt is not None and (given := [f for f in chat_only if getattr(self, f) is not None]):
+            raise api.APIError(f"{given[0]} goes with messages, not prompt", param=given[0])
+        if unsupported := [f for f in UNSUPPORTED_CHAT_FIELDS if getattr(self, f) is not None]:
+            raise api.APIError(f"{unsupported[0]} is not supported by /tokenize here", param=unsupported[0])
+        if self.continue_final_message and self.add_generation_prompt:
+            raise api.APIError("continue_final_message and add_generation_prompt cannot both be true",
+                               param="continue_final_message")
+        if self.messages is not None and any(m.num_images for m in self.messages):
+            raise api.APIError("image parts are not supported by /tokenize here", param="messages")
+        if (chars := sum(m.text_chars for m in self.messages or [])) > MAX_TOKENIZE_CHARS:
+            raise api.APIError(f"the messages have over {MAX_TOKENIZE_CHARS} characters ({chars})", param="messages")
+        where = api._invalid_unicode(self.model_dump(exclude_defaults=True), "request")
+        if where is not None:
+            where = where.removeprefix("request.")
+            raise api.APIError(f"{where}: text is not valid Unicode (a lone surrogate)",
+                               param=where.split(".")[0].split("[")[0])
+
+
+class DetokenizeRequest(api._Req):
+    """vLLM's ``DetokenizeRequest``."""
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+
+
+def tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
+    """The token ids of ``body`` (see :class:`TokenizeRequest`).
+
+    Raises:
+        ValueError: the chat template cannot render the messages.
+    """
+    if body.prompt is not None:
+        return tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False).input_ids
+    messages = [m.as_template_dict() for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=body.add_generation_prompt is not False
+                                             and not body.continue_final_message,
+                                             continue_final_message=bool(body.continue_final_message))
+    except Exception as exc:  # jinja2 raises TemplateError and friends
+        raise ValueError(f"chat template failed: {exc}") from None
+    return tokenizer(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
+
+
+class Tokenizing:
+    """Runs tokenizer work for the two endpoints on threads of its own, at most
+    :data:`MAX_TOKENIZE_QUEUE` calls waiting (more: 503)."""
+
+    def __init__(self):
+        self.pool = concurrent.futures.ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="epdserve-tokenize")
+        self.queued = 0
+
+    async def run(self, fn, *args):
+        """``fn(*args)`` on a thread. Raises APIError 503 when too many wait."""
+        if self.queued >= MAX_TOKENIZE_QUEUE:
+            raise api.APIError(f"the server is busy tokenizing {self.queued} requests; retry later",
+                               status=503, type="service_unavailable", code=503)
+        self.queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        finally:
+            self.queued -= 1
+
+
+def install(app: FastAPI, router) -> None:
+    """Add ``/tokenize``, ``/detokenize`` and ``/version`` to ``app``, and the API key
+    check when ``router.api_keys`` has keys (see the module's docstring)."""
+    front, work = router.front, Tokenizing()
+    if router.api_keys:
+        app.add_middleware(APIKeyGuard, keys=router.api_keys)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest):
+        front.check_model(body.model)
+        body.check()
+        try:
+            ids = await work.run(tokenize, front.tokenizer, body)
+        except ValueError as exc:
+            raise api.APIError(str(exc), param="messages") from None
+        strs = await work.run(front.tokenizer.convert_ids_to_tokens, ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": front.model.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest):
+        front.check_model(body.model)
+        front.check_token_ids(body.tokens, "tokens")
+        return {"prompt": await work.run(front.tokenizer.decode, body.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
