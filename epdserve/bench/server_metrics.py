@@ -137,7 +137,8 @@ STAGE_INFO = {"queue": ("queue time", "ms"), "prefill": ("prefill time", "ms"),
 # prefill or decode time. llama.cpp: tools/server/server-task.cpp to_metrics() of the
 # llama.cpp vendored by llama-cpp-python 0.3.36 and tools/server/README.md "GET /metrics";
 # kv_cache_usage_ratio is in older READMEs only; no per-request histogram, no request counter.
-# epdserve: epdserve/serving/metrics.py (vLLM's names and buckets with its own prefix).
+# epdserve: epdserve/serving/metrics.py: vLLM's names, buckets and meanings under epdserve: (with labels
+# model_name, and worker/role or stage); its vllm: names (--metrics-prefix vllm) read as vLLM's.
 _GAP = "gap between successive tokens"
 _HITS = "Δ hits ÷ Δ queries (prompt tokens)"
 STAGES: dict[str, dict[str, tuple[Source, ...]]] = {
@@ -204,7 +205,13 @@ STAGES_OF = {engine: {stage: by[engine] for stage, by in STAGES.items() if engin
 
 
 def detect_engine(scrapes: list[Scrape]) -> str | None:
-    """The engine whose name prefix (:data:`ENGINES`) most sample names carry; None: none."""
+    """The engine whose name prefix (:data:`ENGINES`) most sample names carry; None: none.
+    An ``epdserve:`` stage metric makes it "epdserve": an epdserve router may export vLLM's
+    ``vllm:`` names too (``--metrics-prefix both``), for the deployment as a whole, while
+    its ``epdserve:`` names keep the stages apart (the router's queue, each role); with
+    ``--metrics-prefix vllm`` it reads as vLLM, whose names and meanings it then has."""
+    if any(src.present(s) for s in scrapes for sources in STAGES_OF["epdserve"].values() for src in sources):
+        return "epdserve"
     seen = Counter(engine for s in scrapes for name in s.samples
                    for engine, prefix in ENGINES.items() if name.startswith(prefix))
     return seen.most_common(1)[0][0] if seen else None

@@ -17,7 +17,7 @@ from epdserve.model.tokenizer import load_tokenizer
 from epdserve.serving import auth
 from epdserve.serving.handshake import model_fingerprint, model_kv_shape
 from epdserve.serving.http_guard import add_http_options, uvicorn_config
-from epdserve.serving.metrics import RouterMetrics
+from epdserve.serving.metrics import DEFAULT_METRICS_PREFIX, RouterMetrics, add_metrics_options
 from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
 from epdserve.serving.router.flows import FlowConfig
 from epdserve.serving.router.front import Front
@@ -41,6 +41,7 @@ class Router:
     ``internal_encryption`` "curve": TCP sockets use CURVE (needs the token).
     ``local_prefill_threshold`` (pd, tokens): a prompt shorter than this goes straight to a
     decode worker, which prefills it itself; 0 disaggregates every prompt.
+    ``metrics_prefix``: the names on /metrics (see :class:`~epdserve.serving.metrics.RouterMetrics`).
 
     Raises (constructor):
         ValueError: an unknown mode, or CURVE without a token or without libzmq support.
@@ -49,7 +50,8 @@ class Router:
     def __init__(self, mode: str, model, tokenizer, events_addr: str, *, trace_file: str | None = None,
                  worker_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
                  auth_token: str | None = None, local_prefill_threshold: int = 0,
-                 media: MediaOptions = MediaOptions(), internal_encryption: str = "none"):
+                 media: MediaOptions = MediaOptions(), internal_encryption: str = "none",
+                 metrics_prefix: str = DEFAULT_METRICS_PREFIX):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
         self.mode, self.model, self.events_addr = mode, model, events_addr
@@ -58,7 +60,7 @@ class Router:
         images = ImagePrompter(model.path, tokenizer, media) if model.multimodal else None
         compat = Compat(model_fingerprint(model.path), model_kv_shape(model.path),
                         images.embedding_shape if images else None, auth_token)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(model.name, metrics_prefix, model.max_model_len)
         self.port = ZmqPort(self.keyring)
         self.registry = Registry(mode, self.port, compat, worker_timeout_s=worker_timeout_s, metrics=self.metrics)
         self.events = EventsLoop(self.registry, self.keyring, events_addr)
@@ -128,6 +130,7 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                         help="pd: prompts shorter than this many tokens are prefilled by a decode worker "
                              "itself, without a KV hand-off (0: never)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_metrics_options(parser)
     add_http_options(parser)
     auth.add_arguments(parser, "shared secret that seals every frame between the router and its workers "
                                "(default: $EPDSERVE_AUTH_TOKEN; serve: a random one)")
@@ -154,7 +157,7 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
     return Router(args.mode, model, load_tokenizer(model.path), events_addr, trace_file=args.trace_file,
                   worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout,
                   auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold, media=media,
-                  internal_encryption=args.internal_encryption)
+                  internal_encryption=args.internal_encryption, metrics_prefix=args.metrics_prefix)
 
 
 def setup_logging(level: str) -> None:

@@ -235,20 +235,19 @@ class Front:
             raise api.APIError(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
                                param="min_tokens")
         self.check_token_ids(body.stop_token_ids, "stop_token_ids")
-        return [Choice(i, new_flow(self.registry, self.config, request_id if body.n == 1 else f"{request_id}-{i}",
-                                   prompt_ids, sampling_params(body, max_tokens, i), t_arrival, images),
-                       TextStream(self.tokenizer, prompt_ids, body.stop_list, body.include_stop_str_in_output),
-                       None if body.num_logprobs is None else api.LogprobsFormatter(kind, self.token_text))
-                for i in range(body.n)]
+        choices = [Choice(i, new_flow(self.registry, self.config, request_id if body.n == 1 else f"{request_id}-{i}",
+                                      prompt_ids, sampling_params(body, max_tokens, i), t_arrival, images),
+                          TextStream(self.tokenizer, prompt_ids, body.stop_list, body.include_stop_str_in_output),
+                          None if body.num_logprobs is None else api.LogprobsFormatter(kind, self.token_text))
+                   for i in range(body.n)]
+        self.metrics.admitted(request_id, body.n)
+        return choices
 
     def finish(self, flow: Flow) -> None:
         """Close a request that has ended and record it: metrics and the trace line."""
         flow.close()
         rec = flow.trace()
-        if flow.error is not None:
-            self.metrics.request_failure.inc()
-        else:
-            self.metrics.finished(rec, flow.itls_s)
+        self.metrics.ended(rec, None if flow.error is not None else flow.itls_s)
         if self.trace_file:
             try:
                 with open(self.trace_file, "a") as f:
