@@ -206,10 +206,8 @@ STAGES_OF = {engine: {stage: by[engine] for stage, by in STAGES.items() if engin
 
 def detect_engine(scrapes: list[Scrape]) -> str | None:
     """The engine whose name prefix (:data:`ENGINES`) most sample names carry; None: none.
-    An ``epdserve:`` stage metric makes it "epdserve": an epdserve router may export vLLM's
-    ``vllm:`` names too (``--metrics-prefix both``), for the deployment as a whole, while
-    its ``epdserve:`` names keep the stages apart (the router's queue, each role); with
-    ``--metrics-prefix vllm`` it reads as vLLM, whose names and meanings it then has."""
+    An ``epdserve:`` stage metric makes it "epdserve" (its ``vllm:`` names, if exported too,
+    lump the stages together); with ``--metrics-prefix vllm`` it reads as vLLM."""
     if any(src.present(s) for s in scrapes for sources in STAGES_OF["epdserve"].values() for src in sources):
         return "epdserve"
     seen = Counter(engine for s in scrapes for name in s.samples
