@@ -54,6 +54,9 @@ DECODE_ROLE = {"colocated": "colocated", "disaggregated": "decode", "local": "de
 # Worker totals that become counters, in the order :meth:`RouterMetrics.set_worker` keeps them.
 WORKER_TOTALS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "mm_cache_queries",
                  "mm_cache_hits")
+# Requests of n > 1 choices whose choices have not all ended, at most (the oldest is dropped
+# past it: a choice never ended is a leak elsewhere, which must not grow this too).
+MAX_OPEN_PARALLEL = 65536
 # The finished_reason values of request_success (vLLM's FinishReason; abort: the client went away).
 FINISHED_REASONS = ("stop", "length", "abort")
 
@@ -295,6 +298,8 @@ class RouterMetrics:
         ``request_params_n`` and ``request_max_num_generation_tokens``, per parent request)."""
         if n > 1:
             self._parallel[request_id] = [n, n, 0]
+            if len(self._parallel) > MAX_OPEN_PARALLEL:
+                del self._parallel[next(iter(self._parallel))]
 
     def ended(self, rec: RequestTrace, itls_s: list[float] | None) -> None:
         """Record one engine request that ended: finished (``itls_s``, the gaps between its
