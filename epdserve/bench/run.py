@@ -1,10 +1,12 @@
 """``epdserve bench``: send a seeded workload to an OpenAI-compatible server, print a
-summary and write the result JSON (vLLM ``bench serve`` field names, see
-:mod:`epdserve.bench.metrics`).
+summary and write the result JSON as ``vllm bench serve`` does (its field names, see
+:mod:`epdserve.bench.metrics`; its options and file name, see :mod:`epdserve.bench.result_file`).
 
 Examples::
 
     epdserve bench --base-url http://127.0.0.1:8000 --workload demo --result-file out.json
+    epdserve bench --base-url http://127.0.0.1:8000 --dataset-name random --num-prompts 100 \
+        --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --save-result --result-dir results
     epdserve bench --base-url http://127.0.0.1:8000 --sweep --goodput ttft:2000 tpot:200 \
         --sweep-rates 0.25:4 --sweep-iters 4 --result-file sweep/sweep.json
 
