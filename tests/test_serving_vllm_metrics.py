@@ -117,6 +117,7 @@ def test_request_histograms_follow_vllms_meanings():
     assert value(text, "vllm:request_inference_time_seconds_sum") == pytest.approx(2 * 0.065)
     assert value(text, "vllm:request_success_total", finished_reason="length") == 2
     assert value(text, "epdserve:request_failure_total") == 1
+    assert value(text, "vllm:request_success_total", finished_reason="error") == 1
     buckets = {s.labels["le"] for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "vllm:request_prompt_tokens_bucket"}
     assert buckets == {"1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"}

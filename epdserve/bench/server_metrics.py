@@ -141,6 +141,7 @@ STAGE_INFO = {"queue": ("queue time", "ms"), "prefill": ("prefill time", "ms"),
 # model_name, and worker/role or stage); its vllm: names (--metrics-prefix vllm) read as vLLM's.
 _GAP = "gap between successive tokens"
 _HITS = "Δ hits ÷ Δ queries (prompt tokens)"
+_DONE, _ERRORS = "finished requests, all finish reasons but error", (("finished_reason", "error"),)
 STAGES: dict[str, dict[str, tuple[Source, ...]]] = {
     "queue": {
         "vllm": (_h("vllm:request_queue_time_seconds", "engine core: queued → first scheduled"),),
@@ -179,9 +180,9 @@ STAGES: dict[str, dict[str, tuple[Source, ...]]] = {
         "sglang": (_h("sglang:e2e_request_latency_seconds", "arrival → finish"),),
         "epdserve": (_h("epdserve:e2e_request_latency_seconds", "HTTP arrival at the router → last token"),)},
     "requests": {
-        "vllm": (Source("counter", "vllm:request_success", "finished requests, all finish reasons"),),
+        "vllm": (Source("counter", "vllm:request_success", _DONE, exclude=_ERRORS),),
         "sglang": (Source("counter", "sglang:num_requests", "requests processed"),),
-        "epdserve": (Source("counter", "epdserve:request_success", "finished requests, all finish reasons"),)},
+        "epdserve": (Source("counter", "epdserve:request_success", _DONE, exclude=_ERRORS),)},
     "kv_cache_usage": {
         "vllm": (Source("gauge", "vllm:kv_cache_usage_perc", "share of KV blocks in use"),
                  Source("gauge", "vllm:gpu_cache_usage_perc", "share of KV blocks in use (older name)")),

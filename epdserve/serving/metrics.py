@@ -57,8 +57,9 @@ WORKER_TOTALS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
 # Requests of n > 1 choices whose choices have not all ended, at most (the oldest is dropped
 # past it: a choice never ended is a leak elsewhere, which must not grow this too).
 MAX_OPEN_PARALLEL = 65536
-# The finished_reason values of request_success (vLLM's FinishReason; abort: the client went away).
-FINISHED_REASONS = ("stop", "length", "abort")
+# The finished_reason values of request_success: vLLM's FinishReason (vllm/v1/engine/__init__.py);
+# abort: the client went away; error: a worker failed the request; repetition: never here.
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -197,7 +198,8 @@ class RouterMetrics:
     def _request_metrics(self) -> None:
         """The per-request counters and timing histograms."""
         self.request_success = _Named(self, Counter, "request_success",
-                                      "Count of successfully processed requests (abort: the client went away).",
+                                      "Count of processed requests by finish reason (abort: the client went away; "
+                                      "error: a worker failed it).",
                                       vllm_labels=("finished_reason",), epd_labels=("finished_reason",))
         self.prompt_tokens = _Named(self, Counter, "prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = _Named(self, Counter, "generation_tokens", "Number of generation tokens processed.")
@@ -303,9 +305,12 @@ class RouterMetrics:
 
     def ended(self, rec: RequestTrace, itls_s: list[float] | None) -> None:
         """Record one engine request that ended: finished (``itls_s``, the gaps between its
-        outputs reaching the router, in seconds) or failed (``itls_s`` None)."""
+        outputs reaching the router, in seconds) or failed (``itls_s`` None: counted in
+        ``epdserve:request_failure_total`` and, as vLLM, in ``request_success_total`` with
+        ``finished_reason="error"``)."""
         if itls_s is None:
             self.request_failure.inc()
+            self.request_success.inc(vllm=("error",), epd=("error",))
         else:
             self.finished(rec, itls_s)
         parent, _, _ = rec.request_id.rpartition("-")
