@@ -165,3 +165,26 @@ def test_a_deployment_serves_vllms_dashboard_metrics(server):
         assert value(text, f"vllm:{name}") == value(text, f"epdserve:{name}") > 0, name
     assert value(text, "vllm:iteration_tokens_total_count") > 0
     assert value(text, "vllm:request_success_total", finished_reason="length") >= 1
+
+
+def test_the_router_option_sets_the_prefix_and_the_served_name(model_info, capsys):
+    """``--metrics-prefix`` (``epdserve router`` and ``serve``) reaches the router's metrics,
+    labelled with the served model's name; another value is a CLI error naming it."""
+    import argparse
+
+    from epdserve.serving.router.app import add_arguments, build_router
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    router = build_router(parser.parse_args(["--metrics-prefix", "vllm"]), "ipc:///nonexistent/events")
+    try:
+        text = router.metrics.render().decode()
+    finally:
+        router.front.close()
+        router.port.close()
+    assert value(text, "vllm:num_requests_running", model_name=model_info.name) == 0
+    assert "epdserve:time_to_first_token_seconds" not in text and "epdserve:kv_transfer_seconds" in text
+    assert parser.parse_args([]).metrics_prefix == "both"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--metrics-prefix", "prometheus"])
+    assert "invalid choice: 'prometheus'" in capsys.readouterr().err
