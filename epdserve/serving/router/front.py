@@ -240,7 +240,7 @@ class Front:
                           TextStream(self.tokenizer, prompt_ids, body.stop_list, body.include_stop_str_in_output),
                           None if body.num_logprobs is None else api.LogprobsFormatter(kind, self.token_text))
                    for i in range(body.n)]
-        self.metrics.admitted(request_id, body.n)
+        self.metrics.admitted(request_id, body.n)  # once they exist (sampling_params may refuse one)
         return choices
 
     def finish(self, flow: Flow) -> None:
