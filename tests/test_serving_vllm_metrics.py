@@ -165,6 +165,14 @@ def test_a_deployment_serves_vllms_dashboard_metrics(server):
         assert value(text, f"vllm:{name}") == value(text, f"epdserve:{name}") > 0, name
     assert value(text, "vllm:iteration_tokens_total_count") > 0
     assert value(text, "vllm:request_success_total", finished_reason="length") >= 1
+    # n = 2: two engine requests, one parent request observed once with n = 2.
+    before = (value(text, "vllm:request_params_n_count"), value(text, "vllm:request_params_n_sum"),
+              value(text, "vllm:request_prompt_tokens_count"))
+    server.generate("completion", "One, two,", stream=False, max_tokens=3, temperature=0.5, n=2, seed=1)
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    after = (value(text, "vllm:request_params_n_count"), value(text, "vllm:request_params_n_sum"),
+             value(text, "vllm:request_prompt_tokens_count"))
+    assert [b - a for a, b in zip(before, after)] == [1, 2, 2]
 
 
 def test_the_router_option_sets_the_prefix_and_the_served_name(model_info, capsys):
