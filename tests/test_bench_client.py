@@ -273,7 +273,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_latencies_follow_the_stubs_sleeps(stub, endpoint):
     trace = [req(0.0, "one two three"), req(0.05, "four five six"), req(0.1, "seven eight")]
-    result = bench(stub.url, trace, bench_args("--endpoint", endpoint))
+    result = bench(stub.url, trace, bench_args("--endpoint", endpoint, "--ignore-eos"))
     assert result["completed"] == 3 and result["failed"] == 0
     assert result["model_id"] == "stub-model"
     # TTFT: the empty role chunk does not count; the first text comes after STUB_TTFT_S.
@@ -359,7 +359,8 @@ def test_cli_writes_result_json(stub, tmp_path):
     trace_file, out = tmp_path / "t.jsonl", tmp_path / "out" / "result.json"
     workload.save_trace(trace, trace_file)
     proc = run_cli("--base-url", stub.url, "--trace", str(trace_file), "--disable-tqdm",
-                   "--goodput", "ttft:5000", "tpot:1000", "--result-file", str(out))
+                   "--goodput", "ttft:5000", "tpot:1000", "--result-file", str(out),
+                   "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "90,95,99")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["completed"] == 1 and result["failed"] == 1

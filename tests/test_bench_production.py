@@ -329,7 +329,7 @@ def test_workload_azure_and_option_checks(azure_file, mooncake_file):
     (("--duration", "0"), "'0': must be a finite number > 0"),
     (("--max-input-len", "0"), "'0': must be >= 1"),
     (("--max-output-len", "1.5"), "'1.5': not an integer"),
-    (("--workload", "burstgpt"), "invalid choice: 'burstgpt'"),
+    (("--workload", "burstgpt"), "'burstgpt': expected one of synthetic"),
 ])
 def test_bad_option_values_are_rejected_naming_the_value(capsys, argv, needle):
     with pytest.raises(SystemExit):

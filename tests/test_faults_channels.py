@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -115,7 +116,8 @@ def test_incompatible_workers_refused(xpyd_server, model_info, tmp_path):
     assert "rogue-auth" not in {w["worker_id"] for w in dep.health()["workers"]}
     log = dep.log_tail(10**7)
     assert all(f"refused worker {wid}" in log for wid in answered)
-    assert 'epdserve:worker_up{role="decode",worker="rogue-layout"} 0.0' in httpx.get(dep.url + "/metrics").text
+    assert re.search(r'^epdserve:worker_up\{model_name="[^"]+",role="decode",worker="rogue-layout"\} 0\.0$',
+                     httpx.get(dep.url + "/metrics").text, re.M)
     for _ in range(4):  # with two live decode workers, none of these may land on a refused one
         assert_serves(dep)
     assert dep.health()["status"] == "ok"

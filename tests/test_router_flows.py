@@ -554,7 +554,8 @@ def test_hello_is_accepted():
     assert not s.registry.ready()
     s.registry.on_message(hello("decode-0", "decode"), 0.0)
     assert s.registry.ready()
-    assert b'epdserve:worker_up{role="prefill",worker="prefill-0"} 1.0' in s.registry.metrics.render()
+    assert b'epdserve:worker_up{model_name="epdserve",role="prefill",worker="prefill-0"} 1.0' \
+        in s.registry.metrics.render()
 
 
 @pytest.mark.parametrize("msg, reason", [

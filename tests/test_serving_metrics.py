@@ -22,7 +22,8 @@ def histograms(url: str) -> dict[tuple[str, tuple], tuple[float, float]]:
             continue
         for sample in family.samples:
             if sample.name.endswith(("_count", "_sum")):
-                key = (family.name, tuple(sorted(sample.labels.items())))
+                labels = {k: v for k, v in sample.labels.items() if k != "model_name"}  # on every series
+                key = (family.name, tuple(sorted(labels.items())))
                 count, total = out.get(key, (0.0, 0.0))
                 if sample.name.endswith("_count"):
                     count = sample.value
@@ -63,7 +64,8 @@ def test_stage_histograms_match_the_trace(pd_server):
     # One inter-token gap per token after the first; TPOT once per request with two or more.
     itl_count, itl_sum = hist[("epdserve:inter_token_latency_seconds", ())]
     assert itl_count == sum(r["output_tokens"] - 1 for r in recs)
-    assert hist[("epdserve:time_per_output_token_seconds", ())][0] == sum(r["output_tokens"] > 1 for r in recs)
+    tpot_count = hist[("epdserve:request_time_per_output_token_seconds", ())][0]
+    assert tpot_count == sum(r["output_tokens"] > 1 for r in recs)
     # The gaps span first to last token: within TTFT and E2E.
     assert 0 < itl_sum <= sum(r["e2e_ms"] - r["ttft_ms"] for r in recs) / 1000
 

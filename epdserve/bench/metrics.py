@@ -24,9 +24,12 @@ linear); a request with one chunk or none has no gap and meets both.
 
 The result dict uses vLLM ``bench serve`` field names: aggregates in milliseconds
 (``mean_ttft_ms``, ``median_ttft_ms``, ``std_ttft_ms``, ``p90/p95/p99_ttft_ms`` and the same
-for tpot, itl, e2el; percentiles by ``numpy.percentile``, linear; std with ddof 0), and, as
-vLLM does, raw per-request arrays in trace order with times in **seconds**: ``ttfts``,
-``itls`` (a list per request), ``e2els``, ``input_lens``, ``output_lens``,
+for tpot, itl, e2el, or the metrics and percentiles asked for, as ``bench serve
+--percentile-metrics`` and ``--metric-percentiles`` choose them: ``p99.9_ttft_ms`` for 99.9;
+percentiles by ``numpy.percentile``, linear; std with ddof 0), and, as vLLM does, raw
+per-request arrays in trace order with times in **seconds**: ``ttfts``, ``itls`` (a list per
+request), ``latencies`` (E2EL; ``e2els`` holds the same, the name this project used first),
+``input_lens``, ``output_lens``,
 ``generated_texts``, ``errors``, ``start_times`` (actual send time after the run's start,
 s; vLLM's are absolute ``perf_counter`` times, equal up to a constant), plus
 ``request_ids``, ``start_offsets`` (the same as ``start_times``, the name this project
@@ -48,6 +51,8 @@ import numpy as np
 from epdserve.bench.client import RequestRecord
 
 PERCENTILES = (90, 95, 99)
+# The metrics whose mean, median, std and percentiles a result holds (vLLM's names).
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 SLO_METRICS = ("ttft", "tpot", "e2el", "itl", "itl_p99")
 # What each SLO bounds, in the words a report uses.
 SLO_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "e2el": "E2EL", "itl": "longest ITL gap",
@@ -67,16 +72,24 @@ def tpot_s(record: RequestRecord) -> float | None:
     return (record.e2el_s - record.ttft_s) / (n - 1)
 
 
-def summarize(name: str, values_s: list[float]) -> dict:
-    """``mean/median/std/p90/p95/p99_{name}_ms`` of ``values_s`` (seconds in, ms out)."""
+def percentile_key(p: float, name: str) -> str:
+    """``p99_ttft_ms`` for (99, "ttft"), ``p99.9_ttft_ms`` for 99.9: vLLM's ``p{word}``
+    (the integer when the percentile is whole)."""
+    word = str(int(p)) if int(p) == p else str(p)
+    return f"p{word}_{name}_ms"
+
+
+def summarize(name: str, values_s: list[float], percentiles=PERCENTILES) -> dict:
+    """``mean/median/std_{name}_ms`` and one ``p{P}_{name}_ms`` per percentile (0-100)
+    of ``values_s`` (seconds in, ms out)."""
     ms = np.asarray(values_s, dtype=float) * 1000.0
     if ms.size == 0:
         ms = np.zeros(1)
     out = {f"mean_{name}_ms": float(np.mean(ms)),
            f"median_{name}_ms": float(np.median(ms)),
            f"std_{name}_ms": float(np.std(ms))}
-    for p in PERCENTILES:
-        out[f"p{p}_{name}_ms"] = float(np.percentile(ms, p))
+    for p in percentiles:
+        out[percentile_key(p, name)] = float(np.percentile(ms, p))
     return out
 
 
@@ -186,8 +199,12 @@ def peaks_per_second(ok: list[RequestRecord]) -> tuple[float, int]:
     return float(chunks.max()), int(active.max())
 
 
-def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = None) -> dict:
+def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = None,
+            percentiles=PERCENTILES, selected=PERCENTILE_METRICS) -> dict:
     """The result dict (see the module doc) for ``records``, in trace order.
+
+    ``selected``: the metrics of :data:`PERCENTILE_METRICS` whose aggregates it holds;
+    ``percentiles``: which percentiles (0-100) of them.
 
     ``slos_ms``: optional SLOs, keys among :data:`SLO_METRICS`, values in ms; when given,
     ``request_goodput`` = completed requests meeting all of them / duration (req/s) and
@@ -220,10 +237,13 @@ def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = Non
         "slo_attainment": None,
     }
     result["max_output_tokens_per_s"], result["max_concurrent_requests"] = peaks_per_second(ok)
-    result.update(summarize("ttft", [r.ttft_s for r in ok]))
-    result.update(summarize("tpot", [t for t in map(tpot_s, ok) if t is not None]))
-    result.update(summarize("itl", [g for r in ok for g in r.itls_s]))
-    result.update(summarize("e2el", [r.e2el_s for r in ok]))
+    values = {"ttft": lambda: [r.ttft_s for r in ok],
+              "tpot": lambda: [t for t in map(tpot_s, ok) if t is not None],
+              "itl": lambda: [g for r in ok for g in r.itls_s],
+              "e2el": lambda: [r.e2el_s for r in ok]}
+    for name in PERCENTILE_METRICS:
+        if name in selected:
+            result.update(summarize(name, values[name](), percentiles))
     result.update(_per_request(records))
     if slos_ms:
         result.update(slo_goodput(result, slos_ms), goodput_slos_ms=dict(slos_ms))
@@ -237,6 +257,7 @@ def _per_request(records: list[RequestRecord]) -> dict:
         "output_lens": [r.output_tokens if r.success else 0 for r in records],
         "ttfts": [r.ttft_s if r.success else 0.0 for r in records],
         "itls": [r.itls_s if r.success else [] for r in records],
+        "latencies": [r.e2el_s if r.success else 0.0 for r in records],
         "e2els": [r.e2el_s if r.success else 0.0 for r in records],
         "generated_texts": [r.generated_text for r in records],
         # "" for a completed request: slo_goodput and the plots read success from here.

@@ -1,10 +1,12 @@
 """``epdserve bench``: send a seeded workload to an OpenAI-compatible server, print a
-summary and write the result JSON (vLLM ``bench serve`` field names, see
-:mod:`epdserve.bench.metrics`).
+summary and write the result JSON as ``vllm bench serve`` does (its field names, see
+:mod:`epdserve.bench.metrics`; its options and file name, see :mod:`epdserve.bench.result_file`).
 
 Examples::
 
     epdserve bench --base-url http://127.0.0.1:8000 --workload demo --result-file out.json
+    epdserve bench --base-url http://127.0.0.1:8000 --dataset-name random --num-prompts 100 \
+        --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --save-result --result-dir results
     epdserve bench --base-url http://127.0.0.1:8000 --sweep --goodput ttft:2000 tpot:200 \
         --sweep-rates 0.25:4 --sweep-iters 4 --result-file sweep/sweep.json
 
@@ -30,6 +32,7 @@ from datetime import datetime
 from pathlib import Path
 
 from epdserve.bench import client, metrics, sweep, workload
+from epdserve.bench.result_file import add_result_arguments, file_name, options_error
 
 
 def parse_goodput(text: str) -> tuple[str, float]:
@@ -61,15 +64,25 @@ def parse_base_url(text: str) -> str:
     return text.rstrip("/")
 
 
-def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of the client itself (shared with ``epdserve compare``)."""
+def add_client_arguments(parser: argparse.ArgumentParser, replay: bool = True) -> None:
+    """Options of the client itself (shared with ``epdserve compare``). ``replay`` (compare):
+    requests carry ``ignore_eos`` unless ``--no-ignore-eos``, because a comparison replays
+    one trace on every deployment and must reproduce its output lengths on each; else
+    (``epdserve bench``) vLLM's ``--ignore-eos``, off unless the workload sets it
+    (:func:`epdserve.bench.workload.sends_ignore_eos`)."""
     g = parser.add_argument_group("client")
     g.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
                    help="POST /v1/chat/completions (default) or /v1/completions")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
-    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let the model stop at EOS (default: ignore_eos=true, so output "
-                        "lengths are as asked)")
+    if replay:
+        g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                       help="let the model stop at EOS (default: ignore_eos=true, so every deployment "
+                            "generates the trace's output lengths)")
+    else:
+        g.add_argument("--ignore-eos", action="store_true",
+                       help="send ignore_eos, so output lengths are as asked (as vLLM, always on for the "
+                            "synthetic (random), demo, mooncake and azure workloads and a --trace replay; "
+                            "off by default for prefix and sharegpt)")
     g.add_argument("--goodput", nargs="+", type=parse_goodput, default=None, metavar="KEY:MS",
                    help="SLOs for goodput in ms, e.g. ttft:2000 tpot:200 itl:1000: ttft, tpot "
                         "(the request's mean gap, as vLLM), e2el, itl (the request's longest "
@@ -95,10 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="model name sent in requests (default: first id of GET /v1/models)")
     workload.add_workload_arguments(parser)
-    add_client_arguments(parser)
-    parser.add_argument("--result-file", default=None, metavar="FILE",
-                        help="write the result JSON here (default: not written; needed "
-                             "with --sweep)")
+    add_client_arguments(parser, replay=False)
+    add_result_arguments(parser)
     sw = parser.add_argument_group("goodput sweep")
     sw.add_argument("--sweep", action="store_true",
                     help="find the highest request rate meeting --goodput for a share "
@@ -145,13 +156,17 @@ def _rate_field(rate: float | None, requests: list[workload.Request]) -> float |
 
 def bench(base_url: str, requests: list[workload.Request], args: argparse.Namespace,
           model: str | None = None, request_rate: float | None = None,
-          on_start: Callable[[], None] | None = None) -> dict:
+          on_start: Callable[[], None] | None = None, tokenizer_id: str | None = None) -> dict:
     """Run ``requests`` against ``base_url`` with the client options in ``args`` and return
-    the result dict: metrics (:func:`epdserve.bench.metrics.compute`) over every request
-    but the first ``args.warmup_requests``, plus the run's settings under vLLM's names
-    (``request_rate``: ``request_rate`` if given, else ``args.request_rate``, else the
-    trace's mean rate; ``burstiness``, ``max_concurrency``, ``ramp_up_*``). ``on_start``:
-    called after the warm-up, before the trace (:func:`client.run_trace`).
+    the result dict: metrics (:func:`epdserve.bench.metrics.compute`; the percentiles and
+    metrics of ``args.metric_percentiles`` / ``args.percentile_metrics`` when it has them,
+    else all) over every request but the first ``args.warmup_requests``, plus the run's
+    settings under vLLM's names (``label``, ``tokenizer_id`` (the tokenizer that sized the
+    prompts; None: none did), ``--metadata`` fields, ``request_rate``: ``request_rate`` if
+    given, else ``args.request_rate``, else the trace's mean rate; ``burstiness``,
+    ``max_concurrency``, ``ramp_up_*``). Requests carry ``ignore_eos`` as
+    ``args.ignore_eos`` says. ``on_start``: called after the warm-up, before the trace
+    (:func:`client.run_trace`).
 
     Raises:
         client.ClientError: the server does not answer, the warm-up failed, or the trace
@@ -179,20 +194,21 @@ def bench(base_url: str, requests: list[workload.Request], args: argparse.Namesp
     client.check_sendable(requests, args.endpoint)  # before any connection: the trace's fault
     name, records = asyncio.run(go())
     ramp = (getattr(args, "ramp_up_start_rps", None), getattr(args, "ramp_up_end_rps", None))
-    result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-              "backend": "openai-chat" if args.endpoint == "chat" else "openai",
-              "endpoint_type": "openai-chat" if args.endpoint == "chat" else "openai",
-              "base_url": base_url, "model_id": name, "num_prompts": len(requests) - skip,
-              "request_rate": _rate_field(request_rate or getattr(args, "request_rate", None),
-                                          requests),
-              "burstiness": getattr(args, "burstiness", 1.0), "max_concurrency": concurrency,
-              "endpoint": args.endpoint, "temperature": args.temperature,
-              "ignore_eos": args.ignore_eos, "read_timeout": args.request_timeout,
-              "warmup_requests": skip}
+    backend = "openai-chat" if args.endpoint == "chat" else "openai"
+    # vLLM's order: setup, metadata, traffic, then the metrics.
+    result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": backend, "backend": backend,
+              "label": getattr(args, "label", None), "model_id": name, "tokenizer_id": tokenizer_id,
+              "num_prompts": len(requests) - skip, **dict(getattr(args, "metadata", None) or ()),
+              "request_rate": _rate_field(request_rate or getattr(args, "request_rate", None), requests),
+              "burstiness": getattr(args, "burstiness", 1.0), "max_concurrency": concurrency}
     if ramp[0] is not None and request_rate is None:
         result.update(ramp_up_strategy="linear", ramp_up_start_rps=ramp[0],
                       ramp_up_end_rps=ramp[1])
-    result.update(metrics.compute(records[skip:], dict(args.goodput) if args.goodput else None))
+    result.update(base_url=base_url, endpoint=args.endpoint, temperature=args.temperature,
+                  ignore_eos=args.ignore_eos, read_timeout=args.request_timeout, warmup_requests=skip)
+    result.update(metrics.compute(records[skip:], dict(args.goodput) if args.goodput else None,
+                                  getattr(args, "metric_percentiles", metrics.PERCENTILES),
+                                  getattr(args, "percentile_metrics", metrics.PERCENTILE_METRICS)))
     return result
 
 
@@ -218,10 +234,12 @@ def summary_lines(result: dict) -> list[str]:
     if result.get("request_goodput") is not None:
         rows.append(("Request goodput (req/s)", f"{result['request_goodput']:.2f}"))
         rows.append(("SLO attainment", f"{result['slo_attainment']:.1%}"))
-    for key, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
-        rows.append((f"{title} mean / p50 / p99 (ms)",
-                     f"{result[f'mean_{key}_ms']:.1f} / {result[f'median_{key}_ms']:.1f} / "
-                     f"{result[f'p99_{key}_ms']:.1f}"))
+    for key in metrics.PERCENTILE_METRICS:  # those the result has, with its percentiles
+        stats = [(k.split("_")[0], v) for k, v in result.items()
+                 if k.endswith(f"_{key}_ms") and not k.startswith("std_")]
+        if stats:
+            rows.append((f"{key.upper()} {' / '.join(s for s, _ in stats)} (ms)",
+                         " / ".join(f"{v:.1f}" for _, v in stats)))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v:>22}" if len(v) <= 22 else f"{k:<{width}}  {v}"
              for k, v in rows]
@@ -242,9 +260,10 @@ def sweep_table(result: dict) -> list[str]:
     lines = [f"{'rate':>8} {'attain':>7} {'thru':>7} {'goodput':>8} {'p99 TTFT':>9} "
              f"{'p99 TPOT':>9} {'failed':>6}   (req/s, ms)"]
     for p in result["points"]:
+        p99 = [f"{p[k]:>9.1f}" if k in p else f"{'—':>9}" for k in ("p99_ttft_ms", "p99_tpot_ms")]
         lines.append(f"{p['rate']:>8.3f} {p['slo_attainment']:>7.1%} "
                      f"{p['request_throughput']:>7.3f} {p['request_goodput']:>8.3f} "
-                     f"{p['p99_ttft_ms']:>9.1f} {p['p99_tpot_ms']:>9.1f} {p['failed']:>6}")
+                     f"{p99[0]} {p99[1]} {p['failed']:>6}")
     best = result["max_rate"]
     lines.append(f"Max rate with >= {result['target_share']:.0%} of requests within SLOs: "
                  + (f"{best:.3f} req/s" if best is not None else "none (even the lowest "
@@ -268,17 +287,26 @@ def run_sweep(args: argparse.Namespace, requests: list[workload.Request], spec: 
     return result
 
 
-def run(args: argparse.Namespace) -> int:
+def _options_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options together (besides the workload's), or None."""
     if args.sweep and not (args.goodput and args.result_file):
-        print("epdserve bench: error: --sweep needs --goodput KEY:MS ... and --result-file",
-              file=sys.stderr)
+        return "--sweep needs --goodput KEY:MS ... and --result-file"
+    return options_error(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    error = _options_error(args)
+    if error:
+        print(f"epdserve bench: error: {error}", file=sys.stderr)
         return 2
     try:
         requests, spec = workload.build_from_args(args)
+        # As vLLM: on for the workloads whose output lengths are the point (and when asked).
+        args.ignore_eos = workload.sends_ignore_eos(args)
         if args.sweep:
             result = run_sweep(args, requests, spec)
         else:
-            result = bench(args.base_url, requests, args, model=args.model)
+            result = bench(args.base_url, requests, args, model=args.model, tokenizer_id=spec.get("tokenizer"))
     except (workload.TraceError, client.UnsupportedWorkload, client.ServerUnreachable) as exc:
         print(f"epdserve bench: error: {exc}", file=sys.stderr)
         return 2
@@ -296,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     result["workload"] = spec
     print("\n".join(summary_lines(result)))
-    if args.result_file:
-        write_json(result, args.result_file)
-        print(f"result written to {args.result_file}")
+    path = file_name(args, result)
+    if path is not None:
+        write_json(result, path)
+        print(f"result written to {path}")
     return 0

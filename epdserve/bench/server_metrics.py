@@ -137,9 +137,11 @@ STAGE_INFO = {"queue": ("queue time", "ms"), "prefill": ("prefill time", "ms"),
 # prefill or decode time. llama.cpp: tools/server/server-task.cpp to_metrics() of the
 # llama.cpp vendored by llama-cpp-python 0.3.36 and tools/server/README.md "GET /metrics";
 # kv_cache_usage_ratio is in older READMEs only; no per-request histogram, no request counter.
-# epdserve: epdserve/serving/metrics.py (vLLM's names and buckets with its own prefix).
+# epdserve: epdserve/serving/metrics.py: vLLM's names, buckets and meanings under epdserve: (with labels
+# model_name, and worker/role or stage); its vllm: names (--metrics-prefix vllm) read as vLLM's.
 _GAP = "gap between successive tokens"
 _HITS = "Δ hits ÷ Δ queries (prompt tokens)"
+_DONE, _ERRORS = "finished requests, all finish reasons but error", (("finished_reason", "error"),)
 STAGES: dict[str, dict[str, tuple[Source, ...]]] = {
     "queue": {
         "vllm": (_h("vllm:request_queue_time_seconds", "engine core: queued → first scheduled"),),
@@ -178,9 +180,9 @@ STAGES: dict[str, dict[str, tuple[Source, ...]]] = {
         "sglang": (_h("sglang:e2e_request_latency_seconds", "arrival → finish"),),
         "epdserve": (_h("epdserve:e2e_request_latency_seconds", "HTTP arrival at the router → last token"),)},
     "requests": {
-        "vllm": (Source("counter", "vllm:request_success", "finished requests, all finish reasons"),),
+        "vllm": (Source("counter", "vllm:request_success", _DONE, exclude=_ERRORS),),
         "sglang": (Source("counter", "sglang:num_requests", "requests processed"),),
-        "epdserve": (Source("counter", "epdserve:request_success", "finished requests, all finish reasons"),)},
+        "epdserve": (Source("counter", "epdserve:request_success", _DONE, exclude=_ERRORS),)},
     "kv_cache_usage": {
         "vllm": (Source("gauge", "vllm:kv_cache_usage_perc", "share of KV blocks in use"),
                  Source("gauge", "vllm:gpu_cache_usage_perc", "share of KV blocks in use (older name)")),
@@ -204,7 +206,11 @@ STAGES_OF = {engine: {stage: by[engine] for stage, by in STAGES.items() if engin
 
 
 def detect_engine(scrapes: list[Scrape]) -> str | None:
-    """The engine whose name prefix (:data:`ENGINES`) most sample names carry; None: none."""
+    """The engine whose name prefix (:data:`ENGINES`) most sample names carry; None: none.
+    An ``epdserve:`` stage metric makes it "epdserve" (its ``vllm:`` names, if exported too,
+    lump the stages together); with ``--metrics-prefix vllm`` it reads as vLLM."""
+    if any(src.present(s) for s in scrapes for sources in STAGES_OF["epdserve"].values() for src in sources):
+        return "epdserve"
     seen = Counter(engine for s in scrapes for name in s.samples
                    for engine, prefix in ENGINES.items() if name.startswith(prefix))
     return seen.most_common(1)[0][0] if seen else None

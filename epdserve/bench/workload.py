@@ -71,6 +71,29 @@ def parse_rate(text: str) -> float:
     return rate
 
 
+def parse_workload(text: str) -> str:
+    """argparse type for ``--workload`` / ``--dataset-name``: one of :data:`WORKLOADS`, or
+    a vLLM dataset name of :data:`VLLM_DATASET_NAMES` (returned as its workload).
+
+    Raises:
+        argparse.ArgumentTypeError: naming the text and the names taken.
+    """
+    if text in WORKLOADS:
+        return text
+    if text in VLLM_DATASET_NAMES:
+        return VLLM_DATASET_NAMES[text]
+    raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(WORKLOADS)} (or vLLM's "
+                                     f"{', '.join(VLLM_DATASET_NAMES)})")
+
+
+def sends_ignore_eos(args: argparse.Namespace) -> bool:
+    """Whether requests carry ``ignore_eos``: when ``--ignore-eos`` asks for it, and, as
+    vLLM ``bench serve`` sets it for its random datasets and timed traces, for a workload of
+    :data:`IGNORE_EOS_WORKLOADS` or a replayed ``--trace``, whose output lengths are what is
+    being measured."""
+    return bool(getattr(args, "ignore_eos", False) or args.trace or args.workload in IGNORE_EOS_WORKLOADS)
+
+
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
 
@@ -121,6 +144,15 @@ def parse_size(text: str) -> tuple[int, int]:
 
 PRODUCTION_WORKLOADS = ("mooncake", "azure")
 WORKLOADS = ("synthetic", "prefix", "demo", "sharegpt", *PRODUCTION_WORKLOADS)
+# vLLM ``bench serve --dataset-name`` values that name one of these generators: random
+# (random tokens of the asked lengths) is synthetic; prefix_repetition (shared prefixes and
+# their own suffixes) is prefix. Other vLLM datasets (hf, custom, sonnet, burstgpt,
+# random-mm, ...) have no counterpart here and are refused.
+VLLM_DATASET_NAMES = {"random": "synthetic", "prefix_repetition": "prefix"}
+# Workloads whose output lengths are the point, sent with ignore_eos as vLLM does: its
+# random datasets and its timed traces (here also the demo, a random mix of its own, and a
+# replayed --trace); the others (prefix, sharegpt) stop at EOS unless --ignore-eos.
+IGNORE_EOS_WORKLOADS = ("synthetic", "demo", *PRODUCTION_WORKLOADS)
 DATASET_FORMATS = {"sharegpt": "ShareGPT-format JSON", "mooncake": "Mooncake JSON lines",
                    "azure": "Azure LLM inference trace CSV"}
 # (option, dest) of the production-trace options, for the checks of build_from_args.
@@ -148,9 +180,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "synt
 
 def _add_generator_arguments(g, default: str) -> None:
     """Which generator, how many requests, their lengths."""
-    g.add_argument("--workload", choices=WORKLOADS, default=default,
+    g.add_argument("--workload", "--dataset-name", dest="workload", type=parse_workload, default=default,
+                   metavar="{" + ",".join(WORKLOADS) + "}",
                    help=f"trace generator (default {default}); sharegpt, mooncake and azure "
-                        f"need --dataset-path")
+                        f"need --dataset-path; --dataset-name is vLLM's name for it, which also "
+                        f"takes vLLM's " + ", ".join(f"{k} (= {v})" for k, v in VLLM_DATASET_NAMES.items()))
     g.add_argument("--num-prompts", type=positive_int, default=None,
                    help="requests (default 50), chat requests (demo, default 24), or the "
                         "first N requests of the window (mooncake, azure; default all)")
@@ -271,7 +305,8 @@ def _arrivals_from_args(args: argparse.Namespace, default_rate: float) -> dict:
 
 def build_from_args(args: argparse.Namespace, tokenizer_path: str | None = None
                     ) -> tuple[list[Request], dict]:
-    """The trace the workload options ask for, and a dict describing how it was made.
+    """The trace the workload options ask for, and a dict describing how it was made
+    (``tokenizer``: the tokenizer that sized the prompts; absent for a replayed ``--trace``).
 
     ``tokenizer_path`` is used when ``--tokenizer`` is not given. Saves the trace when
     ``--save-trace`` is given.
@@ -288,12 +323,13 @@ def build_from_args(args: argparse.Namespace, tokenizer_path: str | None = None
         requests, spec = production_requests(args, tok)
         _print_replay(spec)
         requests = _add_images(requests, args, spec)
-        spec = {k: _jsonable(v) for k, v in spec.items()}
+        spec = {**{k: _jsonable(v) for k, v in spec.items()}, "tokenizer": tok.name_or_path}
     else:
         tok = load_tokenizer_for(args.tokenizer or tokenizer_path)
         requests, params, extra = _generate(args, tok)
         requests = _add_images(requests, args, params)
-        spec = {"source": args.workload, **{k: _jsonable(v) for k, v in params.items()}, **extra}
+        spec = {"source": args.workload, **{k: _jsonable(v) for k, v in params.items()}, **extra,
+                "tokenizer": tok.name_or_path}
     if args.save_trace:
         save_trace(requests, args.save_trace)
     return requests, spec

@@ -144,6 +144,8 @@ class LLMEngine:
         # Structured output (engine/guided.py), made at the first guided request.
         self.guided = None
         self.prompt_logprobs = PromptLogprobsCollector(self.model.logits)
+        # Forward passes run, and the tokens the last one computed (vLLM's iteration_tokens_total).
+        self.num_steps = self.last_step_tokens = 0
 
     def kv_layout(self) -> dict:
         """What a peer must match to exchange KV blocks with this engine."""
@@ -296,12 +298,14 @@ class LLMEngine:
     def stats(self) -> dict:
         """Block and queue counts (what a worker reports to the router). ``blocks_in_use``
         counts referenced blocks (cached-but-free ones are not in use); the prefix-cache
-        counters are cumulative tokens (see :class:`~epdserve.engine.prefix_cache.PrefixCache`)."""
+        counters are cumulative tokens (see :class:`~epdserve.engine.prefix_cache.PrefixCache`);
+        ``num_steps`` counts forward passes, ``last_step_tokens`` the tokens the last one computed."""
         return {"blocks_total": self.pool.num_blocks, "blocks_in_use": self.pool.num_in_use,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": self.scheduler.prefix_cache.queries,
-                "prefix_cache_hits": self.scheduler.prefix_cache.hits}
+                "prefix_cache_hits": self.scheduler.prefix_cache.hits,
+                "num_steps": self.num_steps, "last_step_tokens": self.last_step_tokens}
 
     def step(self) -> list[StepOutput]:
         """Schedule, run one forward pass, sample, and return the new tokens.
@@ -326,6 +330,7 @@ class LLMEngine:
             return failed
         logits, sampled = runner.run(self.model, batch, self.kv_cache, self._layer_writer(batch),
                                      self.prompt_logprobs.sink(batch))
+        self.num_steps, self.last_step_tokens = self.num_steps + 1, sum(batch.num_tokens)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.scheduler.prefix_cache.register(seq)

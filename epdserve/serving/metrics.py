@@ -1,32 +1,49 @@
 """Prometheus metrics of the router, in a registry of its own (not the global default),
 so that several routers can live in one process (tests).
 
-Names and buckets follow vLLM's ``vllm:*`` metrics (``vllm/v1/metrics/loggers.py``) with the
-``epdserve:`` prefix. Times are in seconds, sizes in bytes. Per-worker gauges carry
-``worker`` and ``role`` labels and are set from the workers'
-:class:`~epdserve.serving.protocol.Stats`. The per-request histograms are observed from
-the request's trace record (:meth:`~epdserve.serving.router.flows.Flow.trace`) when it
-ends, so that /metrics and ``--trace-file`` agree; a stage time splits by ``stage`` (where
-the request waited: router, colocated, prefill or decode worker) or ``role`` (the worker
-role that ran it; a decode-role prefill is a pd request under the local-prefill threshold).
+Two views of the same measurements, chosen by ``--metrics-prefix`` (:data:`METRICS_PREFIXES`):
+
+* ``vllm:`` — the deployment seen as one vLLM server: vLLM V1's names, meanings, labels
+  and buckets (``vllm/v1/metrics/loggers.py``, ``docs/design/metrics.md``), so that vLLM's
+  Grafana dashboard and gateway scrapers (llm-d, the Gateway API inference extension) work
+  unmodified. Scheduler gauges are one series per deployment (a scraper takes one series
+  per endpoint): running and waiting requests summed over the live workers, KV-cache usage
+  as blocks in use over blocks of the live workers that hold KV. Counters of the workers
+  (preemptions, prefix-cache and embedding-cache tokens/images) are summed.
+* ``epdserve:`` — the same names per worker (labels ``worker``, ``role``) and per stage
+  (``stage``, ``role``), plus epdserve's own metrics that vLLM has no name for
+  (``worker_up``, KV blocks, KV transfer time and bytes, failed and bad requests), which
+  are always exported, whatever the prefix.
+
+Every series carries ``model_name``, the served model name, as vLLM's do. Times are in
+seconds, sizes in bytes. The per-request histograms are observed from the request's trace
+record (:meth:`~epdserve.serving.router.flows.Flow.trace`) when it ends, so that /metrics
+and ``--trace-file`` agree.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from epdserve.trace import RequestTrace
 
-# vLLM's buckets.
+METRICS_PREFIXES = ("both", "vllm", "epdserve")
+DEFAULT_METRICS_PREFIX = "both"
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-# vLLM's request_latency_buckets: e2e, queue, prefill and decode time.
+# vLLM's request_latency_buckets: e2e, queue, prefill, decode and inference time.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-# vLLM's buckets for time per output token and inter-token latency.
+# vLLM's buckets for inter-token latency and per-request time per output token.
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
 KV_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                       1.0, 2.5, 5.0, 10.0)
 KV_BYTES_BUCKETS = tuple(float(4 ** k * 1024) for k in range(0, 12))  # 1 KiB .. 4 GiB
@@ -34,105 +51,281 @@ KV_BYTES_BUCKETS = tuple(float(4 ** k * 1024) for k in range(0, 12))  # 1 KiB ..
 # The worker role that prefills / decodes a request, by its trace record's ``path``.
 PREFILL_ROLE = {"colocated": "colocated", "disaggregated": "prefill", "local": "decode"}
 DECODE_ROLE = {"colocated": "colocated", "disaggregated": "decode", "local": "decode"}
+# Worker totals that become counters, in the order :meth:`RouterMetrics.set_worker` keeps them.
+WORKER_TOTALS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "mm_cache_queries",
+                 "mm_cache_hits")
+# Requests of n > 1 choices whose choices have not all ended, at most (the oldest is dropped
+# past it: a choice never ended is a leak elsewhere, which must not grow this too).
+MAX_OPEN_PARALLEL = 65536
+# The finished_reason values of request_success: vLLM's FinishReason (vllm/v1/engine/__init__.py);
+# abort: the client went away; error: a worker failed the request; repetition: never here.
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (inclusive): vLLM's token-count
+    buckets (``build_1_2_5_buckets`` of ``vllm/v1/metrics/loggers.py``), at least ``(1,)``."""
+    out, scale = [], 1
+    while True:  # bounded: scale grows tenfold each pass until it passes max_value
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out) or (1,)
+            out.append(m * scale)
+        scale *= 10
+
+
+class _Named:
+    """One vLLM-named metric under each prefix enabled: ``vllm:NAME`` (labels
+    ``model_name`` + ``vllm_labels``) and ``epdserve:NAME`` (``model_name`` + ``epd_labels``)."""
+
+    def __init__(self, metrics: RouterMetrics, cls, name: str, doc: str, vllm_labels=(), epd_labels=(), **kw):
+        def make(prefix: str, labels) -> object:
+            if prefix not in metrics.prefixes:
+                return None
+            return cls(f"{prefix}:{name}", doc, ["model_name", *labels], registry=metrics.registry, **kw)
+
+        self.model = metrics.model_name
+        self.vllm = make("vllm", vllm_labels)
+        self.epd = make("epdserve", epd_labels)
+        # Series without other labels exist from the start (at 0), as vLLM's: a dashboard
+        # or scraper finds every name before the first request.
+        for metric, labels in ((self.vllm, vllm_labels), (self.epd, epd_labels)):
+            if metric is not None and not labels:
+                metric.labels(self.model)
+
+    def children(self, vllm: tuple = (), epd: tuple = (), views: str = "both") -> list:
+        """The labelled series to update: the vllm one with ``vllm`` label values, the
+        epdserve one with ``epd``; ``views`` "vllm" or "epdserve" picks one."""
+        out = []
+        if self.vllm is not None and views in ("both", "vllm"):
+            out.append(self.vllm.labels(self.model, *vllm))
+        if self.epd is not None and views in ("both", "epdserve"):
+            out.append(self.epd.labels(self.model, *epd))
+        return out
+
+    def observe(self, value: float, **kw) -> None:
+        for child in self.children(**kw):
+            child.observe(value)
+
+    def inc(self, value: float = 1.0, **kw) -> None:
+        for child in self.children(**kw):
+            child.inc(value)
+
+    def set(self, value: float, **kw) -> None:
+        for child in self.children(**kw):
+            child.set(value)
 
 
 class RouterMetrics:
-    """All router metrics; :meth:`render` gives the Prometheus text exposition."""
+    """All router metrics; :meth:`render` gives the Prometheus text exposition.
+
+    ``model_name``: the served model name (the ``model_name`` label, as vLLM's
+    ``--served-model-name``); ``prefix``: one of :data:`METRICS_PREFIXES` (``both``: the
+    vLLM-named metrics under ``vllm:`` and ``epdserve:``); ``max_model_len`` (tokens): the
+    top of the token-count buckets, as vLLM sizes them.
+
+    Raises:
+        ValueError: ``prefix`` is not one of :data:`METRICS_PREFIXES`.
+    """
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self._worker_metrics(r)
+    def __init__(self, model_name: str = "epdserve", prefix: str = DEFAULT_METRICS_PREFIX,
+                 max_model_len: int = 8192) -> None:
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix {prefix!r}: expected one of {', '.join(METRICS_PREFIXES)}")
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.prefixes = ("vllm", "epdserve") if prefix == "both" else (prefix,)
+        self._workers: dict[tuple[str, str], dict] = {}  # last Stats of each live worker
         self._totals_seen: dict[tuple[str, str], tuple[int, ...]] = {}  # last worker-reported totals
-        self._request_metrics(r)
+        self._parallel: dict[str, list[int]] = {}  # n > 1 requests: [n, choices left, most tokens]
+        self._own_metrics()
+        self._worker_metrics()
+        self._request_metrics()
+        self._token_metrics(max_model_len)
+        for reason in FINISHED_REASONS:  # vLLM creates a series per finish reason up front
+            self.request_success.children(vllm=(reason,), epd=(reason,))
+        self._set_deployment_gauges()
 
-    def _worker_metrics(self, r: CollectorRegistry) -> None:
-        """The per-worker gauges and counters (labels ``worker``, ``role``)."""
-        wl = ["worker", "role"]
-        self.worker_up = Gauge("epdserve:worker_up", "1 if the worker is up, 0 if down or refused.", wl, registry=r)
+    def _own_metrics(self) -> None:
+        """epdserve's metrics without a vLLM name, always under ``epdserve:``."""
+        r, m, wl = self.registry, self.model_name, ["model_name", "worker", "role"]
+        self._worker_up = Gauge("epdserve:worker_up", "1 if the worker is up, 0 if down or refused.", wl, registry=r)
         self.kv_blocks_in_use = Gauge("epdserve:kv_blocks_in_use", "KV cache blocks in use.", wl, registry=r)
         self.kv_blocks_total = Gauge("epdserve:kv_blocks_total", "KV cache blocks in the pool.", wl, registry=r)
-        self.num_requests_running = Gauge("epdserve:num_requests_running",
-                                          "Requests in the worker's running batch.", wl, registry=r)
-        self.num_requests_waiting = Gauge("epdserve:num_requests_waiting",
-                                          "Requests waiting in the worker's queue.", wl, registry=r)
-        # vLLM v1's vllm:kv_cache_usage_perc: a fraction, 1 = every block in use.
-        self.kv_cache_usage = Gauge("epdserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
-                                    wl, registry=r)
-        # vLLM's vllm:num_preemptions (a counter, exposed as ..._total).
-        self.num_preemptions = Counter("epdserve:num_preemptions", "Requests preempted (recompute).",
-                                       wl, registry=r)
-        # vLLM's vllm:prefix_cache_queries / vllm:prefix_cache_hits (counters, tokens).
-        self.prefix_cache_queries = Counter("epdserve:prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache.", wl, registry=r)
-        self.prefix_cache_hits = Counter("epdserve:prefix_cache_hits",
-                                         "Prompt tokens found in the prefix cache.", wl, registry=r)
-        # vLLM's vllm:mm_cache_queries / vllm:mm_cache_hits: images looked up in / found in
-        # a worker's embedding cache (encode workers, and workers that encode in-process).
-        self.mm_cache_queries = Counter("epdserve:mm_cache_queries", "Images looked up in the embedding cache.",
-                                        wl, registry=r)
-        self.mm_cache_hits = Counter("epdserve:mm_cache_hits", "Images found in the embedding cache.",
-                                     wl, registry=r)
-
-    def _request_metrics(self, r: CollectorRegistry) -> None:
-        """The per-request counters and histograms."""
-        self.request_success = Counter("epdserve:request_success_total",
-                                       "Finished requests by finish reason (abort = client went away).",
-                                       ["finish_reason"], registry=r)
         self.request_failure = Counter("epdserve:request_failure_total",
                                        "Requests that failed after admission (worker error, timeout, no worker).",
-                                       registry=r)
-        self.bad_request = Counter("epdserve:bad_request_total", "Requests answered with HTTP 400.", registry=r)
-        self.prompt_tokens = Counter("epdserve:prompt_tokens_total", "Prefilled prompt tokens.", registry=r)
-        self.generation_tokens = Counter("epdserve:generation_tokens_total", "Generated tokens.", registry=r)
-        self.ttft = Histogram("epdserve:time_to_first_token_seconds",
-                              "Arrival at the router to the first token back from a worker.",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.e2e = Histogram("epdserve:e2e_request_latency_seconds",
-                             "Arrival at the router to the last token.", buckets=E2E_BUCKETS, registry=r)
-        self.queue_time = Histogram("epdserve:request_queue_time_seconds",
-                                    "Time waiting: at the router (arrival to dispatch) or at a worker "
-                                    "(arrival to first scheduled).", ["stage"], buckets=E2E_BUCKETS, registry=r)
-        self.prefill_time = Histogram("epdserve:request_prefill_time_seconds",
-                                      "First scheduled to first token on the worker that prefilled.",
-                                      ["role"], buckets=E2E_BUCKETS, registry=r)
-        self.decode_time = Histogram("epdserve:request_decode_time_seconds",
-                                     "First token to last token on the worker that decoded (an imported "
-                                     "request: from first scheduled).", ["role"], buckets=E2E_BUCKETS, registry=r)
-        self.tpot = Histogram("epdserve:time_per_output_token_seconds",
-                              "First to last token at the router over the tokens after the first, per request.",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.itl = Histogram("epdserve:inter_token_latency_seconds",
-                             "Time between two consecutive tokens reaching the router.",
-                             buckets=TPOT_BUCKETS, registry=r)
+                                       ["model_name"], registry=r).labels(m)
+        self.bad_request = Counter("epdserve:bad_request_total", "Requests answered with HTTP 400.",
+                                   ["model_name"], registry=r).labels(m)
         self.kv_transfer_seconds = Histogram("epdserve:kv_transfer_seconds",
-                                             "KV export + router hop + KV import, per PD request.",
-                                             buckets=KV_SECONDS_BUCKETS, registry=r)
+                                             "KV export + router hop + KV import, per PD request.", ["model_name"],
+                                             buckets=KV_SECONDS_BUCKETS, registry=r).labels(m)
         self.kv_transfer_bytes = Histogram("epdserve:kv_transfer_bytes", "KV cache bytes per PD request.",
-                                           buckets=KV_BYTES_BUCKETS, registry=r)
+                                           ["model_name"], buckets=KV_BYTES_BUCKETS, registry=r).labels(m)
+
+    def _worker_metrics(self) -> None:
+        """vLLM's scheduler gauges and counters: per worker under ``epdserve:``, for the
+        deployment under ``vllm:``."""
+        wl = ("worker", "role")
+        self.num_requests_running = _Named(self, Gauge, "num_requests_running",
+                                           "Requests in model execution batches.", epd_labels=wl)
+        self.num_requests_waiting = _Named(self, Gauge, "num_requests_waiting",
+                                           "Requests waiting to be processed.", epd_labels=wl)
+        # vLLM V1's kv_cache_usage_perc: a fraction, 1 = every block in use.
+        self.kv_cache_usage = _Named(self, Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                     epd_labels=wl)
+        # vLLM's name before 0.10 (still read by older gateways and dashboards); vllm: only.
+        self.gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
+                                     "DEPRECATED: Use vllm:kv_cache_usage_perc instead.", ["model_name"],
+                                     registry=self.registry) if "vllm" in self.prefixes else None
+        docs = {"num_preemptions": "Cumulative number of preemptions (recompute).",
+                "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+                "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+                "mm_cache_queries": "Multi-modal cache queries, in terms of number of queried images.",
+                "mm_cache_hits": "Multi-modal cache hits, in terms of number of cached images."}
+        self._total_counters = [_Named(self, Counter, name, docs[name], epd_labels=wl) for name in WORKER_TOTALS]
+        self.iteration_tokens = _Named(self, Histogram, "iteration_tokens_total",
+                                       "Histogram of number of tokens per engine_step.", epd_labels=wl,
+                                       buckets=ITERATION_TOKENS_BUCKETS)
+        # vLLM exports LoRA state only with LoRA on; epdserve serves no adapters, and says so
+        # to gateways that read it (their LoRA affinity then has nothing to prefer).
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                               ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                               registry=self.registry) if "vllm" in self.prefixes else None
+
+    def _request_metrics(self) -> None:
+        """The per-request counters and timing histograms."""
+        self.request_success = _Named(self, Counter, "request_success",
+                                      "Count of processed requests by finish reason (abort: the client went away; "
+                                      "error: a worker failed it).",
+                                      vllm_labels=("finished_reason",), epd_labels=("finished_reason",))
+        self.prompt_tokens = _Named(self, Counter, "prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = _Named(self, Counter, "generation_tokens", "Number of generation tokens processed.")
+        self.ttft = _Named(self, Histogram, "time_to_first_token_seconds",
+                           "Arrival at the router to the first token back from a worker.", buckets=TTFT_BUCKETS)
+        self.e2e = _Named(self, Histogram, "e2e_request_latency_seconds", "Arrival at the router to the last token.",
+                          buckets=E2E_BUCKETS)
+        self.queue_time = _Named(self, Histogram, "request_queue_time_seconds",
+                                 "Time waiting in worker queues (arrival to first scheduled; PD: prefill + decode); "
+                                 "epdserve: by stage, the router's own wait included.", epd_labels=("stage",),
+                                 buckets=E2E_BUCKETS)
+        self.prefill_time = _Named(self, Histogram, "request_prefill_time_seconds",
+                                   "First scheduled to first token on the worker that prefilled.",
+                                   epd_labels=("role",), buckets=E2E_BUCKETS)
+        self.decode_time = _Named(self, Histogram, "request_decode_time_seconds",
+                                  "First token to last token on the worker that decoded (an imported request: "
+                                  "from first scheduled).", epd_labels=("role",), buckets=E2E_BUCKETS)
+        self.inference_time = _Named(self, Histogram, "request_inference_time_seconds",
+                                     "Time running on workers: prefill time + decode time.", buckets=E2E_BUCKETS)
+        self.itl = _Named(self, Histogram, "inter_token_latency_seconds",
+                          "Time between two consecutive outputs reaching the router.", buckets=TPOT_BUCKETS)
+        self.tpot = _Named(self, Histogram, "request_time_per_output_token_seconds",
+                           "Per request: first to last token at the router over the tokens after the first.",
+                           buckets=TPOT_BUCKETS)
+
+    def _token_metrics(self, max_model_len: int) -> None:
+        """vLLM's request-level token and parameter histograms."""
+        tokens = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = _Named(self, Histogram, "request_prompt_tokens",
+                                            "Number of prefill tokens processed.", buckets=tokens)
+        self.request_generation_tokens = _Named(self, Histogram, "request_generation_tokens",
+                                                "Number of generation tokens processed.", buckets=tokens)
+        self.request_max_tokens = _Named(self, Histogram, "request_params_max_tokens",
+                                         "Histogram of the max_tokens request parameter.", buckets=tokens)
+        self.request_n = _Named(self, Histogram, "request_params_n", "Histogram of the n request parameter.",
+                                buckets=N_BUCKETS)
+        self.request_max_generation = _Named(self, Histogram, "request_max_num_generation_tokens",
+                                             "Histogram of maximum number of requested generation tokens.",
+                                             buckets=tokens)
+
+    # -- workers
+    def set_worker_up(self, worker: str, role: str, up: bool) -> None:
+        """Mark a worker up (after its Hello) or down (dead, refused, replaced); a down
+        worker leaves the deployment's ``vllm:`` gauges."""
+        self._worker_up.labels(self.model_name, worker, role).set(1 if up else 0)
+        if not up and self._workers.pop((worker, role), None) is not None:
+            self._set_deployment_gauges()
 
     def set_worker(self, worker: str, role: str, *, blocks_in_use: int, blocks_total: int,
-                   num_running: int, num_waiting: int, num_preemptions: int,
+                   num_running: int, num_waiting: int, num_preemptions: int = 0,
                    prefix_cache_queries: int = 0, prefix_cache_hits: int = 0, mm_cache_queries: int = 0,
-                   mm_cache_hits: int = 0) -> None:
+                   mm_cache_hits: int = 0, num_steps: int = 0, last_step_tokens: int = 0) -> None:
         """Update one worker's gauges and counters from its Stats, whose preemption,
         prefix-cache and embedding-cache numbers are the worker's totals since it started
-        (a worker that restarted reports smaller totals: its counters go on from the new totals)."""
-        self.kv_blocks_in_use.labels(worker, role).set(blocks_in_use)
-        self.kv_blocks_total.labels(worker, role).set(blocks_total)
-        self.kv_cache_usage.labels(worker, role).set(blocks_in_use / blocks_total if blocks_total else 0.0)
-        self.num_requests_running.labels(worker, role).set(num_running)
-        self.num_requests_waiting.labels(worker, role).set(num_waiting)
-        totals = (num_preemptions, prefix_cache_queries, prefix_cache_hits, mm_cache_queries, mm_cache_hits)
-        counters = (self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits, self.mm_cache_queries,
-                    self.mm_cache_hits)
-        seen = self._totals_seen.get((worker, role), (0,) * len(totals))
+        (a worker that restarted reports smaller totals: its counters go on from the new totals).
+        A new ``num_steps`` (the worker's forward passes) observes ``last_step_tokens``, the
+        tokens of its latest step, in vLLM's ``iteration_tokens_total``."""
+        epd = (worker, role)
+        self.kv_blocks_in_use.labels(self.model_name, *epd).set(blocks_in_use)
+        self.kv_blocks_total.labels(self.model_name, *epd).set(blocks_total)
+        usage = blocks_in_use / blocks_total if blocks_total else 0.0
+        self.kv_cache_usage.set(usage, epd=epd, views="epdserve")
+        self.num_requests_running.set(num_running, epd=epd, views="epdserve")
+        self.num_requests_waiting.set(num_waiting, epd=epd, views="epdserve")
+        totals = (num_preemptions, prefix_cache_queries, prefix_cache_hits, mm_cache_queries, mm_cache_hits,
+                  num_steps)
+        seen = self._totals_seen.get(epd, (0,) * len(totals))
         if any(now < before for now, before in zip(totals, seen)):
             seen = (0,) * len(totals)
-        for counter, now, before in zip(counters, totals, seen):
-            counter.labels(worker, role).inc(now - before)
-        self._totals_seen[(worker, role)] = totals
+        for counter, now, before in zip(self._total_counters, totals[:-1], seen):
+            counter.inc(now - before, epd=epd)
+        if num_steps > seen[-1] and last_step_tokens:
+            self.iteration_tokens.observe(last_step_tokens, epd=epd)
+        self._totals_seen[epd] = totals
+        self._workers[epd] = {"blocks_in_use": blocks_in_use, "blocks_total": blocks_total,
+                              "num_running": num_running, "num_waiting": num_waiting}
+        self._set_deployment_gauges()
+
+    def _set_deployment_gauges(self) -> None:
+        """The ``vllm:`` scheduler gauges: sums over the live workers, KV usage over those
+        that hold KV (encode workers have no blocks), and the LoRA info's timestamp."""
+        if "vllm" not in self.prefixes:
+            return
+        live = self._workers.values()
+        self.num_requests_running.set(sum(w["num_running"] for w in live), views="vllm")
+        self.num_requests_waiting.set(sum(w["num_waiting"] for w in live), views="vllm")
+        total = sum(w["blocks_total"] for w in live)
+        usage = sum(w["blocks_in_use"] for w in live) / total if total else 0.0
+        self.kv_cache_usage.set(usage, views="vllm")
+        self.gpu_cache_usage.labels(self.model_name).set(usage)
+        # As vLLM: the value is when the state was last recorded (gateways take the newest).
+        self.lora_info.labels(self.model_name, "0", "", "").set(time.time())
+
+    # -- requests
+    def admitted(self, request_id: str, n: int) -> None:
+        """A request of ``n`` choices (engine requests ``<request_id>-<i>`` when n > 1) was
+        admitted; once all have ended, its n and most generated tokens are observed (vLLM's
+        ``request_params_n`` and ``request_max_num_generation_tokens``, per parent request)."""
+        if n > 1:
+            self._parallel[request_id] = [n, n, 0]
+            if len(self._parallel) > MAX_OPEN_PARALLEL:
+                del self._parallel[next(iter(self._parallel))]
+
+    def ended(self, rec: RequestTrace, itls_s: list[float] | None) -> None:
+        """Record one engine request that ended: finished (``itls_s``, the gaps between its
+        outputs reaching the router, in seconds) or failed (``itls_s`` None: counted in
+        ``epdserve:request_failure_total`` and, as vLLM, in ``request_success_total`` with
+        ``finished_reason="error"``)."""
+        if itls_s is None:
+            self.request_failure.inc()
+            self.request_success.inc(vllm=("error",), epd=("error",))
+        else:
+            self.finished(rec, itls_s)
+        parent, _, _ = rec.request_id.rpartition("-")
+        group = self._parallel.get(parent)
+        if group is None:
+            n, most = 1, rec.output_tokens
+        else:
+            group[1] -= 1
+            group[2] = max(group[2], rec.output_tokens)
+            if group[1] > 0:
+                return
+            del self._parallel[parent]
+            n, _, most = group
+        self.request_n.observe(n)
+        self.request_max_generation.observe(most)
 
     def finished(self, rec: RequestTrace, itls_s: list[float]) -> None:
         """Record one request that ended without an error.
@@ -141,20 +334,16 @@ class RouterMetrics:
         between its outputs (one token each) reaching the router, in seconds. TPOT is
         their mean, as vLLM's (decode time / (output tokens - 1)).
         """
-        self.request_success.labels(rec.finish_reason or "abort").inc()
+        self.request_success.inc(vllm=(rec.finish_reason or "abort",), epd=(rec.finish_reason or "abort",))
         self.prompt_tokens.inc(rec.prompt_tokens)
         self.generation_tokens.inc(rec.output_tokens)
+        self.request_prompt_tokens.observe(rec.prompt_tokens)
+        self.request_generation_tokens.observe(rec.output_tokens)
+        self.request_max_tokens.observe(rec.max_tokens)
         if rec.ttft_ms is not None:
             self.ttft.observe(rec.ttft_ms / 1000)
         self.e2e.observe(rec.e2e_ms / 1000)
-        for ms, stage in ((rec.router_queue_ms, "router"), (rec.prefill_queue_ms, "prefill"),
-                          (rec.decode_queue_ms, "decode"), (rec.colocated_queue_ms, "colocated")):
-            if ms is not None:
-                self.queue_time.labels(stage).observe(ms / 1000)
-        if rec.prefill_ms is not None:
-            self.prefill_time.labels(PREFILL_ROLE[rec.path]).observe(rec.prefill_ms / 1000)
-        if rec.decode_ms is not None:
-            self.decode_time.labels(DECODE_ROLE[rec.path]).observe(rec.decode_ms / 1000)
+        self._stage_times(rec)
         for gap in itls_s:
             self.itl.observe(gap)
         if itls_s:
@@ -163,5 +352,31 @@ class RouterMetrics:
             self.kv_transfer_seconds.observe(rec.kv_transfer_ms / 1000)
             self.kv_transfer_bytes.observe(rec.kv_bytes)
 
+    def _stage_times(self, rec: RequestTrace) -> None:
+        """Queue, prefill, decode and inference time: under ``vllm:`` the request's worker
+        queues (vLLM's engine queue) and times, under ``epdserve:`` by stage / role."""
+        for ms, stage in ((rec.router_queue_ms, "router"), (rec.prefill_queue_ms, "prefill"),
+                          (rec.decode_queue_ms, "decode"), (rec.colocated_queue_ms, "colocated")):
+            if ms is not None:
+                self.queue_time.observe(ms / 1000, epd=(stage,), views="epdserve")
+        if rec.queue_ms is not None:
+            self.queue_time.observe(rec.queue_ms / 1000, views="vllm")
+        if rec.prefill_ms is not None:
+            self.prefill_time.observe(rec.prefill_ms / 1000, epd=(PREFILL_ROLE[rec.path],))
+        if rec.decode_ms is not None:
+            self.decode_time.observe(rec.decode_ms / 1000, epd=(DECODE_ROLE[rec.path],))
+        if rec.prefill_ms is not None and rec.decode_ms is not None:
+            self.inference_time.observe((rec.prefill_ms + rec.decode_ms) / 1000)
+
     def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def add_metrics_options(parser) -> None:
+    """``--metrics-prefix``, for ``epdserve router`` and ``epdserve serve``."""
+    parser.add_argument("--metrics-prefix", choices=METRICS_PREFIXES, default=DEFAULT_METRICS_PREFIX,
+                        help="names on /metrics: vllm (vLLM's vllm:* names, labels and meanings, the deployment "
+                             "as one server: vLLM's Grafana dashboard and gateway scrapers read them), epdserve "
+                             "(the same names as epdserve:*, per worker and stage), or both (default); "
+                             "epdserve's own metrics (KV transfer, worker_up, ...) are epdserve:* always")

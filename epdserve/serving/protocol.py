@@ -44,7 +44,8 @@ Role = Literal["colocated", "prefill", "decode", "encode"]
 # The version of these messages. A router refuses a worker of another version (see
 # ``handshake.refusal``), which would otherwise send frames it cannot read. 1: before the
 # field existed; 2: typed stage timings (``epdserve.trace.StageTimings``); 3: prompt
-# logprobs (``SamplingParams.prompt_logprobs``, ``Output.prompt_logprobs``).
+# logprobs (``SamplingParams.prompt_logprobs``, ``Output.prompt_logprobs``) and ``Stats``
+# carrying the engine's steps (``num_steps``, ``last_step_tokens``).
 PROTOCOL_VERSION = 3
 
 
@@ -111,7 +112,8 @@ class Heartbeat(_Msg):
 
 class Stats(_Msg):
     """A worker's block and queue counts (``LLMEngine.stats()``); the prefix-cache counters
-    are cumulative tokens: prompt tokens looked up, and found cached (vLLM's meaning)."""
+    are cumulative tokens: prompt tokens looked up, and found cached (vLLM's meaning). A
+    worker reports after every step, so each new ``num_steps`` comes with its step's tokens."""
 
     type: Literal["stats"] = "stats"
     worker_id: str
@@ -124,6 +126,8 @@ class Stats(_Msg):
     prefix_cache_hits: Count = 0
     mm_cache_queries: Count = 0
     mm_cache_hits: Count = 0
+    num_steps: Count = 0  # forward passes since the worker started
+    last_step_tokens: Count = 0  # tokens the last one computed
 
 
 class Output(_Msg):

@@ -19,7 +19,7 @@ from epdserve.serving import auth
 from epdserve.serving.flags import add_router_flags
 from epdserve.serving.handshake import model_fingerprint, model_kv_shape
 from epdserve.serving.http_guard import add_http_options, uvicorn_config
-from epdserve.serving.metrics import RouterMetrics
+from epdserve.serving.metrics import DEFAULT_METRICS_PREFIX, RouterMetrics, add_metrics_options
 from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
 from epdserve.serving.router import surface
 from epdserve.serving.router.flows import FlowConfig
@@ -49,6 +49,7 @@ class Router:
     ``sampling_defaults``: request field defaults (``--generation-config``), applied to the
     fields a request does not set. ``api_keys``: the keys ``Authorization: Bearer`` must
     give on the model's endpoints (empty: none needed; see :mod:`.surface`).
+    ``metrics_prefix``: the names on /metrics (see :class:`~epdserve.serving.metrics.RouterMetrics`).
 
     Raises (constructor):
         ValueError: an unknown mode, or CURVE without a token or without libzmq support.
@@ -59,7 +60,7 @@ class Router:
                  auth_token: str | None = None, local_prefill_threshold: int = 0,
                  media: MediaOptions = MediaOptions(), internal_encryption: str = "none",
                  tools: ToolSettings = ToolSettings(), sampling_defaults: dict | None = None,
-                 api_keys: tuple[str, ...] = ()):
+                 api_keys: tuple[str, ...] = (), metrics_prefix: str = DEFAULT_METRICS_PREFIX):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
         self.mode, self.model, self.events_addr, self.api_keys = mode, model, events_addr, api_keys
@@ -68,7 +69,7 @@ class Router:
         images = ImagePrompter(model.path, tokenizer, media) if model.multimodal else None
         compat = Compat(model_fingerprint(model.path), model_kv_shape(model.path),
                         images.embedding_shape if images else None, auth_token)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(model.name, metrics_prefix, model.max_model_len)
         self.port = ZmqPort(self.keyring)
         self.registry = Registry(mode, self.port, compat, worker_timeout_s=worker_timeout_s, metrics=self.metrics)
         self.events = EventsLoop(self.registry, self.keyring, events_addr)
@@ -137,6 +138,7 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                              "itself, without a KV hand-off (0: never)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_router_flags(parser)  # --model and vLLM's front flags (--served-model-name, --api-key, ...)
+    add_metrics_options(parser)
     add_http_options(parser)
     add_tool_options(parser)
     auth.add_arguments(parser, "shared secret that seals every frame between the router and its workers "
@@ -176,7 +178,7 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
                   worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout,
                   auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold, media=media,
                   internal_encryption=args.internal_encryption, tools=tools, sampling_defaults=defaults,
-                  api_keys=surface.api_keys(args.api_key))
+                  api_keys=surface.api_keys(args.api_key), metrics_prefix=args.metrics_prefix)
 
 
 def served_model(args: argparse.Namespace):

@@ -471,6 +471,7 @@ class Front:
                                       self.logprobs_formatter(body, kind), p, prompt.echo,
                                       echo_logprobs=kind != "chat" and body.num_logprobs is not None,
                                       shown=max_tokens > 0, tools=plan.output() if plan else None))
+        self.metrics.admitted(request_id, len(choices))  # once they exist (sampling_params may refuse one)
         return choices
 
     def logprobs_formatter(self, body, kind: str) -> LogprobsFormatter | None:
@@ -483,10 +484,7 @@ class Front:
         """Close a request that has ended and record it: metrics and the trace line."""
         flow.close()
         rec = flow.trace()
-        if flow.error is not None:
-            self.metrics.request_failure.inc()
-        else:
-            self.metrics.finished(rec, flow.itls_s)
+        self.metrics.ended(rec, None if flow.error is not None else flow.itls_s)
         if self.trace_file:
             try:
                 with open(self.trace_file, "a") as f:

@@ -168,7 +168,7 @@ class Registry:
             return
         w.dead = reason
         log.error("worker %s (%s) is down: %s", worker_id, w.role, reason)
-        self.metrics.worker_up.labels(worker_id, w.role).set(0)
+        self.metrics.set_worker_up(worker_id, w.role, False)
         for request_id in w.outstanding:
             inbox = self.requests.get(request_id)
             if inbox is not None:
@@ -242,7 +242,8 @@ class Registry:
                                 num_waiting=msg.num_waiting, num_preemptions=msg.num_preemptions,
                                 prefix_cache_queries=msg.prefix_cache_queries,
                                 prefix_cache_hits=msg.prefix_cache_hits,
-                                mm_cache_queries=msg.mm_cache_queries, mm_cache_hits=msg.mm_cache_hits)
+                                mm_cache_queries=msg.mm_cache_queries, mm_cache_hits=msg.mm_cache_hits,
+                                num_steps=msg.num_steps, last_step_tokens=msg.last_step_tokens)
 
     def _on_request_message(self, w: WorkerState, msg: P.Output | P.Error | P.Encoded) -> None:
         # A worker's last word on a request (finished, KV exported, error, frame made): it
@@ -296,7 +297,7 @@ class Registry:
                 log.info("worker %s (%s) is back after a reset", msg.worker_id, msg.role)
             self.port.disconnect(msg.worker_id)
             if old.role != msg.role:  # the id now names another role
-                self.metrics.worker_up.labels(msg.worker_id, old.role).set(0)
+                self.metrics.set_worker_up(msg.worker_id, old.role, False)
         self._admit(msg)
 
     def _refusal(self, msg: P.Hello) -> str | None:
@@ -319,7 +320,7 @@ class Registry:
                                                   heard=self.clock)
         self.metrics.set_worker(msg.worker_id, msg.role, blocks_in_use=0, blocks_total=msg.blocks_total,
                                 num_running=0, num_waiting=0, num_preemptions=0)
-        self.metrics.worker_up.labels(msg.worker_id, msg.role).set(1)
+        self.metrics.set_worker_up(msg.worker_id, msg.role, True)
         log.info("worker %s (%s) is up: hello from %s, cores %s", msg.worker_id, msg.role, msg.addr, msg.cores)
 
     def _refuse(self, msg: P.Hello, reason: str, held: bool) -> None:
@@ -338,7 +339,7 @@ class Registry:
                                            "num_waiting": 0, "outstanding": 0, "outstanding_tokens": 0}
             while len(self.refused) > MAX_REFUSED:
                 self.refused.pop(next(iter(self.refused)))
-            self.metrics.worker_up.labels(msg.worker_id, msg.role).set(0)
+            self.metrics.set_worker_up(msg.worker_id, msg.role, False)
         if held and not self.compat.auth_token:
             return
         self.port.send_refused(msg.worker_id, msg.addr, P.Refused(reason=reason, incarnation=msg.incarnation))

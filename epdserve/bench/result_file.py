@@ -1,0 +1,152 @@
+"""The result file of ``epdserve bench`` as ``vllm bench serve`` writes it
+(``vllm/benchmarks/serve.py``): its options, their checks and the file's name.
+
+* ``--label``: the result's ``label`` and the file name's prefix (default: the backend,
+  ``openai-chat`` or ``openai``);
+* ``--metadata KEY=VALUE ...``: stored as top-level fields of the result (vLLM lets them
+  overwrite its own fields; here a key the result already holds is refused);
+* ``--percentile-metrics ttft,tpot,itl,e2el`` and ``--metric-percentiles 25,50,99``: which
+  metrics get ``mean/median/std_<m>_ms`` and which ``p<P>_<m>_ms`` (vLLM's defaults
+  ``ttft,tpot,itl`` and ``99``);
+* ``--save-result`` writes ``{label}-{rate}qps[-concurrency{C}]-{model}-{date}.json``
+  (``{label}-ramp-up-linear-{A}qps-{B}qps...`` for a ramp), ``--result-filename`` names it
+  instead, ``--result-dir`` puts it in a directory; ``--result-file FILE`` (this
+  project's older option) writes it to FILE.
+
+Unlike vLLM, an option that would do nothing (``--result-dir`` without ``--save-result``) is
+an error, not ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from epdserve.bench import metrics
+
+DEFAULT_PERCENTILE_METRICS = ("ttft", "tpot", "itl")  # vLLM's, for generative models
+DEFAULT_METRIC_PERCENTILES = (99.0,)
+# The run's settings a result holds, besides the metrics of metrics.compute().
+SETTING_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
+                "request_rate", "burstiness", "max_concurrency", "ramp_up_strategy", "ramp_up_start_rps",
+                "ramp_up_end_rps", "base_url", "endpoint", "temperature", "ignore_eos", "read_timeout",
+                "warmup_requests", "workload", "goodput_slos_ms")
+
+
+def parse_metadata(text: str) -> tuple[str, str]:
+    """argparse type for ``KEY=VALUE`` (vLLM's ``--metadata``; both stripped, KEY not empty).
+
+    Raises:
+        argparse.ArgumentTypeError: naming the text.
+    """
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. version=0.3.3")
+    return key.strip(), value.strip()
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """argparse type for comma-separated percentiles, each in (0, 100], e.g. ``25,50,99``.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the value that is not one.
+    """
+    out = []
+    for part in text.split(","):
+        try:
+            p = float(part)
+        except ValueError:
+            p = math.nan
+        if not 0 < p <= 100:
+            raise argparse.ArgumentTypeError(f"{part!r} in {text!r}: a percentile must be a number in (0, 100]")
+        out.append(p)
+    return tuple(out)
+
+
+def parse_percentile_metrics(text: str) -> tuple[str, ...]:
+    """argparse type for comma-separated metric names of
+    :data:`~epdserve.bench.metrics.PERCENTILE_METRICS`, e.g. ``ttft,tpot,itl,e2el``.
+
+    Raises:
+        argparse.ArgumentTypeError: naming a metric this client does not measure (vLLM's
+            client_queue_time and e2el_including_client_queue among them).
+    """
+    names = tuple(part.strip() for part in text.split(","))
+    for name in names:
+        if name not in metrics.PERCENTILE_METRICS:
+            raise argparse.ArgumentTypeError(f"{name!r} in {text!r}: expected metrics among "
+                                             f"{', '.join(metrics.PERCENTILE_METRICS)}")
+    return names
+
+
+def add_result_arguments(parser: argparse.ArgumentParser) -> None:
+    """The result options of ``epdserve bench`` (see the module doc)."""
+    g = parser.add_argument_group("result file (as vllm bench serve)")
+    g.add_argument("--label", default=None, help="the result's label and the file name's prefix "
+                                                 "(default: the backend, openai-chat or openai)")
+    g.add_argument("--metadata", nargs="+", type=parse_metadata, default=None, metavar="KEY=VALUE",
+                   help="fields stored in the result, e.g. --metadata version=0.3.3 tp=1")
+    g.add_argument("--percentile-metrics", type=parse_percentile_metrics, default=DEFAULT_PERCENTILE_METRICS,
+                   metavar="M,...", help="metrics with mean, median, std and percentiles in the result: "
+                                         "ttft, tpot, itl, e2el (default ttft,tpot,itl)")
+    g.add_argument("--metric-percentiles", type=parse_percentiles, default=DEFAULT_METRIC_PERCENTILES,
+                   metavar="P,...", help="their percentiles, e.g. 25,50,99 (default 99)")
+    g.add_argument("--save-result", action="store_true",
+                   help="write the result JSON to {label}-{rate}qps[-concurrency{C}]-{model}-{date}.json")
+    g.add_argument("--result-dir", default=None, metavar="DIR",
+                   help="with --save-result: the directory of the file (default: the current one)")
+    g.add_argument("--result-filename", default=None, metavar="NAME",
+                   help="with --save-result: the file's name instead of the pattern")
+    g.add_argument("--result-file", default=None, metavar="FILE",
+                   help="write the result JSON to FILE (default: not written; --sweep needs it or "
+                        "--save-result)")
+
+
+def options_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the result options together, or None: ``--result-dir`` or
+    ``--result-filename`` without ``--save-result``, ``--save-result`` with ``--result-file``,
+    or a ``--metadata`` key that names a field of the result (or repeats)."""
+    if not args.save_result:
+        lonely = [flag for flag, value in (("--result-dir", args.result_dir),
+                                           ("--result-filename", args.result_filename)) if value]
+        if lonely:
+            return f"{' and '.join(lonely)} need --save-result"
+    elif args.result_file:
+        return "--save-result and --result-file exclude each other (--result-dir/--result-filename name the file)"
+    keys = [k for k, _ in args.metadata or ()]
+    taken = set(SETTING_KEYS) | set(metrics.compute([], {"ttft": 1.0}, args.metric_percentiles,
+                                                    args.percentile_metrics))
+    for key in keys:
+        if key in taken:
+            return f"--metadata {key}=...: {key!r} is a field of the result"
+    if len(set(keys)) < len(keys):
+        return f"--metadata: a key given twice ({', '.join(sorted({k for k in keys if keys.count(k) > 1}))})"
+    return None
+
+
+def file_name(args: argparse.Namespace, result: dict) -> Path | None:
+    """Where the result goes: ``--result-file``; with ``--save-result`` vLLM's name
+    (``--result-filename`` instead of it) under ``--result-dir``; None: nowhere."""
+    if args.result_file:
+        return Path(args.result_file)
+    if not args.save_result:
+        return None
+    concurrency = f"-concurrency{result['max_concurrency']}" if result.get("max_concurrency") is not None else ""
+    label = result.get("label") or result["backend"]
+    model = str(result["model_id"]).split("/")[-1]
+    if result.get("ramp_up_strategy"):
+        rates = (f"ramp-up-{result['ramp_up_strategy']}-{result['ramp_up_start_rps']}qps-"
+                 f"{result['ramp_up_end_rps']}qps")
+    else:
+        rates = f"{_rate_word(getattr(args, 'request_rate', None), result['request_rate'])}qps"
+    name = args.result_filename or f"{label}-{rates}{concurrency}-{model}-{result['date']}.json"
+    return Path(args.result_dir or ".") / name
+
+
+def _rate_word(asked: float | None, measured: float | str) -> str:
+    """The rate in the file name: as vLLM prints the asked one (``inf``, ``2.0``); a rate
+    derived from a trace (none asked) to 4 significant digits."""
+    if asked is not None:
+        return "inf" if math.isinf(asked) else str(float(asked))
+    return measured if isinstance(measured, str) else f"{measured:.4g}"
