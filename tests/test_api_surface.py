@@ -43,7 +43,7 @@ from epdserve.serving import protocol as P
 from epdserve.serving.api_logprobs import LogprobsFormatter, prompt_entries, vllm_prompt_logprobs
 from epdserve.serving.router.events import WorkerFailed
 from epdserve.serving.router.flows import new_flow
-from epdserve.serving.router.front import Choice, best_choices
+from epdserve.serving.router.choices import Choice, best_choices
 from epdserve.serving.router.routes import Completions
 
 TOL = 1e-4

@@ -195,28 +195,27 @@ def test_router_compile_is_bounded_in_time_and_remembered(tokenizer, monkeypatch
     with the grammar thread's queue full a request gets 503."""
     import asyncio
     import time
-    from types import SimpleNamespace
 
-    from epdserve.serving.router import front as front_mod
+    from epdserve.serving.router import grammar_check
 
-    front = front_mod.Front(SimpleNamespace(), tokenizer, SimpleNamespace(metrics=None), None)
+    check = grammar_check.GrammarCheck(tokenizer)
     compiled = []
-    front.guided.compile = lambda spec: (compiled.append(spec), time.sleep(0.3 if spec.value == "slow" else 0))
-    monkeypatch.setattr(front_mod, "GUIDED_COMPILE_TIMEOUT_S", 0.1)
+    check.decoder.compile = lambda spec: (compiled.append(spec), time.sleep(0.3 if spec.value == "slow" else 0))
+    monkeypatch.setattr(grammar_check, "GUIDED_COMPILE_TIMEOUT_S", 0.1)
     try:
         with pytest.raises(api.APIError, match="guided_regex: not compiled within 0.1 s") as info:
-            asyncio.run(front.guided_spec(body(guided_regex="slow")))
+            asyncio.run(check.spec(body(guided_regex="slow")))
         assert info.value.status == 400 and info.value.param == "guided_regex"
         time.sleep(0.3)
         for _ in range(2):
-            assert asyncio.run(front.guided_spec(body(guided_regex="a+"))) == GuidedSpec(kind="regex", value="a+")
+            assert asyncio.run(check.spec(body(guided_regex="a+"))) == GuidedSpec(kind="regex", value="a+")
         assert [s.value for s in compiled] == ["slow", "a+"]
-        front._compiles_queued = front_mod.MAX_COMPILE_QUEUE
+        check._compiles_queued = grammar_check.MAX_COMPILE_QUEUE
         with pytest.raises(api.APIError) as info:
-            asyncio.run(front.guided_spec(body(guided_regex="b+")))
+            asyncio.run(check.spec(body(guided_regex="b+")))
         assert info.value.status == 503
     finally:
-        front.close()
+        check.close()
 
 
 # ------------------------------------------------------------------ the engine, in process

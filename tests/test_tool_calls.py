@@ -15,8 +15,9 @@ import pytest
 
 from conftest import _stop, start_deployment
 from epdserve.model.tokenizer import chat_prompt_text, load_tokenizer, template_renders_tools
-from epdserve.serving.openai_api import ChatCompletionRequest, LogprobsFormatter
-from epdserve.serving.router.front import Choice
+from epdserve.serving.api_logprobs import LogprobsFormatter
+from epdserve.serving.openai_api import ChatCompletionRequest
+from epdserve.serving.router.choices import Choice
 from epdserve.serving.router.routes import chat_chunks
 from epdserve.serving.structured_output import FieldError
 from epdserve.serving.tool_calls import NamedToolChoice, ToolDef, ToolPlan, ToolSettings, plan_tools, tool_chars
@@ -149,7 +150,7 @@ def test_streamed_chunks_keep_the_logprobs_of_held_text():
     """While the parser holds text back (a possible call), its tokens' logprobs wait and
     come with the next chunk: every token's entry is sent once, in order; the last chunk
     carries finish_reason "tool_calls"."""
-    choice = Choice(0, None, None, LogprobsFormatter("chat", str), AUTO.output())
+    choice = Choice(0, None, None, LogprobsFormatter("chat", str), tools=AUTO.output())
     pieces = ["Hi ", "<tool", "_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>", ""]
     chunks = [c for k, p in enumerate(pieces)
               for c in chat_chunks("chatcmpl-1", "m", 0, choice, p, "stop" if k == len(pieces) - 1 else None,
@@ -193,7 +194,7 @@ def test_template_renders_the_round_trip(tokenizer, model_info):
                     {"id": "call_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
-    text = chat_prompt_text(tok, messages, [WEATHER])
+    text = chat_prompt_text(tok, messages, tools=[WEATHER])
     assert "<tools>\n" + json.dumps(WEATHER["function"]) + "\n</tools>" in text
     assert ('<|im_start|>assistant\n' + call("get_weather", {"city": "Paris", "unit": "celsius"}) + "<|im_end|>"
             in text)
@@ -358,7 +359,7 @@ def test_tool_chars_bound_the_rendered_prompt(tokenizer, model_info):
                 {"role": "tool", "tool_call_id": "c1", "content": ""}]
     body = ChatCompletionRequest(messages=messages, tools=[WEATHER, TIME])
     plain = chat_prompt_text(tok, [{"role": m["role"], "content": ""} for m in messages])
-    full = chat_prompt_text(tok, [m.as_template_dict() for m in body.messages], [WEATHER, TIME])
+    full = chat_prompt_text(tok, [m.as_template_dict() for m in body.messages], tools=[WEATHER, TIME])
     assert 0 < tool_chars(body) <= len(full) - len(plain)
 
 

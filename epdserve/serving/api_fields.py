@@ -42,7 +42,6 @@ INFORMATIONAL: dict[str, str] = {
     "parallel_tool_calls": "only matters with tools",
     "request_id": "vLLM's request id for its logs: the response id is the router's",
     "include_reasoning": "vLLM: drops reasoning content, which no reasoning parser here makes",
-    "guided_decoding_backend": "vLLM: which structured-output backend; there is one",
 }
 
 # name: (values that change nothing, why it is refused otherwise)

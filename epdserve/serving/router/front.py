@@ -8,37 +8,38 @@ vision-language model) is laid out here: the images are checked and decoded
 expanded to its tile tokens, and the image bytes travel to the worker that encodes them.
 A request runs as one flow per choice generated: ``best_of`` (default ``n``) per prompt, for
 each prompt of a completions batch (ids ``<id>-<i>``, one trace line each); their texts are
-merged (:func:`merged`). With ``best_of`` over ``n``, the ``n`` choices of a prompt with
-the highest mean token logprob are answered (:func:`best_choices`).
+merged (:func:`~epdserve.serving.router.choices.merged`). With ``best_of`` over ``n``, the
+``n`` choices of a prompt with the highest mean token logprob are answered
+(:func:`~epdserve.serving.router.choices.best_choices`). A structured-output constraint is
+checked by :mod:`~epdserve.serving.router.grammar_check`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import inspect
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import pydantic
 
-from epdserve.engine.guided import GuidedDecoder, GuidedError
 from epdserve.engine.request import GuidedSpec
 from epdserve.engine.prompt_logprobs import check_size
 from epdserve.model.tokenizer import chat_prompt_ids
 from epdserve.serving import api_fields
 from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
-from epdserve.serving.api_logprobs import LogprobsFormatter, prompt_entries
+from epdserve.serving.api_logprobs import LogprobsFormatter
 from epdserve.serving.detokenizer import TextStream
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.multimodal import ImagePrompter
 from epdserve.serving.structured_output import FieldError
-from epdserve.serving.tool_calls import ToolOutput, ToolPlan, ToolSettings, plan_tools, tool_chars
+from epdserve.serving.tool_calls import ToolPlan, ToolSettings, plan_tools, tool_chars
+from epdserve.serving.router.choices import Choice
 from epdserve.serving.router.flows import Flow, FlowConfig, new_flow
+from epdserve.serving.router.grammar_check import GrammarCheck
 from epdserve.serving.router.registry import Registry
 
 log = logging.getLogger("epdserve.router")
@@ -50,16 +51,6 @@ log = logging.getLogger("epdserve.router")
 # waiting for the threads.
 PREPROCESS_THREADS = 4
 MAX_PREPROCESS_QUEUE = 256
-# A request's grammar must compile within this (s) on the router's grammar thread, or the
-# request gets 400. A thread cannot be stopped, so one that takes longer goes on (a large
-# grammar of overlapping alternatives took minutes here); it has a thread of its own so
-# that it holds up only other new grammars, never the prompts' preprocessing, and at most
-# MAX_COMPILE_QUEUE requests wait for it. Each worker compiles an accepted grammar again,
-# off its loop (serving/grammar_prep.py). Grammars that compiled are remembered (up to
-# MAX_CHECKED_GRAMMARS, least recently used out) and not compiled here again.
-GUIDED_COMPILE_TIMEOUT_S = 10.0
-MAX_COMPILE_QUEUE = 16
-MAX_CHECKED_GRAMMARS = 1024
 # Names chat_template_kwargs may not use: the renderer's own (transformers passes its
 # special tokens to the template too); the arguments of apply_chat_template are added.
 TEMPLATE_NAMES = {"messages", "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -74,58 +65,6 @@ class Prompt:
     ids: list[int]
     images: list[P.ImageRef] = field(default_factory=list)
     echo: str | None = None
-
-
-@dataclass
-class Choice:
-    """One generated choice: its flow, text stream, (if logprobs were asked) the
-    formatter of its logprobs and (with tools) the parser of its tool calls;
-    ``parts``/``entries`` collect a non-streamed answer.
-    ``index``: its place in the request's choices (prompt x ``best_of`` + candidate; the
-    answer's index unless ``best_of`` reorders); ``prompt``: its prompt's index;
-    ``echo``: text still to put before its output (``echo_logprobs``: with its prompt's
-    logprob entries); ``shown``: False when only the echo is answered (``max_tokens`` 0);
-    ``logprob_sum``: of its generated tokens (``best_of`` ranks by it)."""
-
-    index: int
-    gen: Flow
-    text: TextStream
-    logprobs: LogprobsFormatter | None
-    prompt: int = 0
-    echo: str | None = None
-    echo_logprobs: bool = False
-    shown: bool = True
-    tools: ToolOutput | None = None
-    parts: list[str] = field(default_factory=list)
-    entries: list = field(default_factory=list)
-    held_entries: list = field(default_factory=list)  # logprobs of text the tool parser holds back
-    logprob_sum: float = 0.0
-
-    def logprobs_object(self, entries: list) -> dict | None:
-        """The OpenAI ``logprobs`` object of ``entries`` (see :func:`texts`), None if not asked for."""
-        return None if self.logprobs is None else self.logprobs(entries)
-
-    def shape(self, delta: str, entries: list) -> tuple[str, list]:
-        """What the client gets of one output's ``delta`` text and logprob ``entries``:
-        the echo first, once, and nothing generated when not :attr:`shown`."""
-        self.logprob_sum += sum(lp for _, lp, _ in entries)
-        if not self.shown:
-            delta, entries = "", []
-        if self.echo is not None:
-            echoed = prompt_entries(self.gen.prompt_ids, self.gen.prompt_logprobs) if self.echo_logprobs else []
-            delta, entries, self.echo = self.echo + delta, echoed + entries, None
-        return delta, entries
-
-    @property
-    def completion_tokens(self) -> int:
-        """Generated tokens the answer counts (none when not :attr:`shown`)."""
-        return self.gen.output_tokens if self.shown else 0
-
-    @property
-    def mean_logprob(self) -> float:
-        """Mean logprob of its generated tokens (OpenAI's best_of: "the highest log
-        probability per token")."""
-        return self.logprob_sum / max(1, self.gen.output_tokens)
 
 
 def sampling_params(body, max_tokens: int, i: int, guided: GuidedSpec | None = None) -> P.SamplingParams:
@@ -176,16 +115,12 @@ class Front:
         self._preprocess = concurrent.futures.ThreadPoolExecutor(PREPROCESS_THREADS,
                                                                  thread_name_prefix="epdserve-preprocess")
         self._preprocess_queued = 0
-        # Compiles requests' grammars to check them (a worker compiles them again).
-        self.guided = GuidedDecoder(tokenizer, len(tokenizer))
-        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="epdserve-grammar")
-        self._compiles_queued = 0
-        self._checked: collections.OrderedDict[GuidedSpec, None] = collections.OrderedDict()
+        self.grammars = GrammarCheck(tokenizer)
 
     def close(self) -> None:
         """Drop the preprocessing queue (requests waiting there get cancelled)."""
         self._preprocess.shutdown(wait=False, cancel_futures=True)
-        self._compiler.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
 
     # -- checks
     def check_model(self, model: str | None) -> None:
@@ -285,52 +220,6 @@ class Front:
             return await asyncio.get_running_loop().run_in_executor(self._preprocess, self._prompts, body)
         finally:
             self._preprocess_queued -= 1
-
-    async def guided_spec(self, body, tools: ToolPlan | None = None) -> GuidedSpec | None:
-        """The request's structured-output constraint (None: none), checked by compiling it
-        on the grammar thread (see :data:`GUIDED_COMPILE_TIMEOUT_S`) unless checked before; a
-        "required" or named ``tool_choice`` of plan ``tools`` brings its own (see
-        ``ToolPlan.guided_spec``).
-
-        Raises:
-            APIError: 400 naming the field: two constraints, a value the grammar library
-                cannot compile (with its message), or one not compiled in time; 503 when
-                :data:`MAX_COMPILE_QUEUE` requests already wait for the grammar thread.
-        """
-        try:
-            found = body.guided_spec()
-            forced = tools.guided_spec() if tools else None
-        except FieldError as exc:
-            raise api.APIError(str(exc), param=exc.param) from None
-        if forced is not None:
-            if found is not None:
-                raise api.APIError(f"tool_choice: {tools.mode!r} forces the output, so it cannot be combined with "
-                                   f"{found[0]}", param="tool_choice")
-            found = ("tools", forced)
-        if found is None:
-            return None
-        param, spec = found
-        if spec in self._checked:
-            self._checked.move_to_end(spec)
-            return spec
-        if self._compiles_queued >= MAX_COMPILE_QUEUE:
-            raise api.APIError(f"the server is busy compiling {self._compiles_queued} grammars; retry later",
-                               status=503, type="service_unavailable", code=503)
-        self._compiles_queued += 1
-        try:
-            work = asyncio.get_running_loop().run_in_executor(self._compiler, self.guided.compile, spec)
-            await asyncio.wait_for(work, GUIDED_COMPILE_TIMEOUT_S)
-        except GuidedError as exc:
-            raise api.APIError(f"{param}: {exc}", param=param) from None
-        except asyncio.TimeoutError:
-            raise api.APIError(f"{param}: not compiled within {GUIDED_COMPILE_TIMEOUT_S:g} s (too complex, or the "
-                               "server is compiling others); simplify it or retry", param=param) from None
-        finally:
-            self._compiles_queued -= 1
-        self._checked[spec] = None
-        if len(self._checked) > MAX_CHECKED_GRAMMARS:
-            self._checked.popitem(last=False)
-        return spec
 
     def _prompts(self, body) -> list[Prompt]:
         if not isinstance(body, api.ChatCompletionRequest):
@@ -446,7 +335,7 @@ class Front:
         prompts = await self.prompts(body)
         self.check_token_ids(body.stop_token_ids, "stop_token_ids")
         self.check_token_ids(list(body.logit_bias_ids), "logit_bias")
-        guided = await self.guided_spec(body, plan)
+        guided = await self.grammars.spec(body, plan)
         choices: list[Choice] = []
         single = len(prompts) * body.candidates == 1
         for p, prompt in enumerate(prompts):
@@ -491,101 +380,3 @@ class Front:
                     f.write(json.dumps(rec.as_json()) + "\n")
             except OSError as exc:
                 log.warning("cannot write trace %s: %s", self.trace_file, exc)
-
-
-def usage_counts(choices: list[Choice]) -> tuple[int, int, int]:
-    """``(prompt tokens, completion tokens, cached prompt tokens)`` of a request: each
-    prompt counted once (vLLM), the tokens of every choice generated (``best_of``'s
-    unanswered ones too, as OpenAI bills them; none of an echo-only choice)."""
-    firsts: dict[int, Choice] = {}
-    for c in choices:
-        firsts.setdefault(c.prompt, c)
-    return (sum(len(c.gen.prompt_ids) for c in firsts.values()), sum(c.completion_tokens for c in choices),
-            sum(c.gen.cached_tokens for c in firsts.values()))
-
-
-def best_choices(choices: list[Choice], n: int) -> list[tuple[int, Choice]]:
-    """The answered choices with their answer index: per prompt (in order), the ``n`` with
-    the highest :attr:`Choice.mean_logprob` (ties: the earlier), indexed ``prompt * n +
-    rank``; all of them, in order, when there are ``n`` per prompt."""
-    by_prompt: dict[int, list[Choice]] = {}
-    for c in choices:
-        by_prompt.setdefault(c.prompt, []).append(c)
-    out = []
-    for p, group in by_prompt.items():
-        ranked = group if len(group) == n else sorted(group, key=lambda c: -c.mean_logprob)[:n]
-        out += [(p * n + r, c) for r, c in enumerate(ranked)]
-    return out
-
-
-def failed(choices: list[Choice], exc: Exception) -> None:
-    """Mark every choice not yet finished as failed with ``exc`` (abandoned with the failed one)."""
-    for c in choices:
-        if c.gen.finish_reason is None:
-            c.gen.error = str(exc)
-
-
-async def texts(flow: Flow, stream: TextStream) -> AsyncIterator[tuple[str, str | None, list]]:
-    """Yield ``(new_text, finish_reason or None, logprob entries)``; stops at a stop
-    string. The entries, ``(token id, logprob, [(top id, logprob), ...])``, are those
-    of the tokens since the last yield (text held back carries its tokens' over).
-
-    Raises:
-        WorkerFailed: as :meth:`Flow.tokens`.
-    """
-    last, entries = None, []
-    async for ids, logprobs, finish in flow.tokens():
-        now = flow.clock()
-        if last is not None:
-            flow.itls_s.append(now - last)
-        last = now
-        flow.output_tokens += len(ids)
-        if logprobs is not None:
-            entries += [(t, lp, top) for t, (lp, top) in zip(ids, logprobs)]
-        delta = stream.add(ids)
-        if stream.stopped:
-            flow.finish_reason = "stop"
-            yield delta, "stop", entries
-            return
-        if finish is not None:
-            flow.finish_reason = finish
-            yield delta + stream.finish(), finish, entries
-            return
-        if delta:
-            yield delta, None, entries
-            entries = []
-
-
-async def merged(choices: list[Choice]) -> AsyncIterator[tuple[int, str, str | None, list]]:
-    """Yield ``(choice index, new_text, finish_reason or None, logprob entries)`` of every
-    choice (see :func:`texts`) as they come. Closing it cancels every choice's reader; the
-    caller still finishes the flows.
-
-    Raises:
-        WorkerFailed: any choice failed (the others are then abandoned).
-    """
-    if len(choices) == 1:  # the usual case: no task and queue hop per token
-        async for item in texts(choices[0].gen, choices[0].text):
-            yield (0, *item)
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(choice: Choice) -> None:
-        try:
-            async for item in texts(choice.gen, choice.text):
-                queue.put_nowait((choice.index, *item))
-            queue.put_nowait(None)
-        except Exception as exc:
-            queue.put_nowait(exc)
-
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
-    try:
-        for _ in tasks:
-            while (item := await queue.get()) is not None:
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from epdserve.serving import openai_api as api
 from epdserve.serving.api_logprobs import vllm_prompt_logprobs
 from epdserve.serving.router.events import WorkerFailed
-from epdserve.serving.router.front import Choice, Front, best_choices, failed, merged, usage_counts
+from epdserve.serving.router.choices import Choice, best_choices, failed, merged, usage_counts
+from epdserve.serving.router.front import Front
 from epdserve.serving.router import surface
 from epdserve.serving.router.registry import MODE_ROLES
 

@@ -209,7 +209,7 @@ class Tokenizing:
         """``fn(*args)`` on a thread. Raises APIError 503 when too many wait."""
         if self.queued >= MAX_TOKENIZE_QUEUE:
             raise api.APIError(f"the server is busy tokenizing {self.queued} requests; retry later",
-                               status=503, type="service_unavailable", code=503)
+                               status=503, type="service_unavailable")
         self.queued += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)

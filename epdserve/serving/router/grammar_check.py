@@ -1,0 +1,87 @@
+"""The router's check of a request's structured-output constraint: its grammar compiled
+once, off the event loop and bounded in time (a worker compiles an accepted grammar again,
+off its own loop: ``serving/grammar_prep.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+
+from epdserve.engine.guided import GuidedDecoder, GuidedError
+from epdserve.engine.request import GuidedSpec
+from epdserve.serving import openai_api as api
+from epdserve.serving.structured_output import FieldError
+from epdserve.serving.tool_calls import ToolPlan
+
+# A request's grammar must compile within this (s) on the router's grammar thread, or the
+# request gets 400. A thread cannot be stopped, so one that takes longer goes on (a large
+# grammar of overlapping alternatives took minutes here); it has a thread of its own so
+# that it holds up only other new grammars, never the prompts' preprocessing, and at most
+# MAX_COMPILE_QUEUE requests wait for it. Each worker compiles an accepted grammar again,
+# off its loop (serving/grammar_prep.py). Grammars that compiled are remembered (up to
+# MAX_CHECKED_GRAMMARS, least recently used out) and not compiled here again.
+GUIDED_COMPILE_TIMEOUT_S = 10.0
+MAX_COMPILE_QUEUE = 16
+MAX_CHECKED_GRAMMARS = 1024
+
+
+class GrammarCheck:
+    """Compiles requests' grammars with ``tokenizer``'s vocabulary to check them, on a
+    thread of its own; :meth:`spec` is the check."""
+
+    def __init__(self, tokenizer):
+        self.decoder = GuidedDecoder(tokenizer, len(tokenizer))
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="epdserve-grammar")
+        self._compiles_queued = 0
+        self._checked: collections.OrderedDict[GuidedSpec, None] = collections.OrderedDict()
+
+    def close(self) -> None:
+        """Drop the grammars waiting for the thread."""
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+
+    async def spec(self, body, tools: ToolPlan | None = None) -> GuidedSpec | None:
+        """The request's structured-output constraint (None: none), checked by compiling it
+        on the grammar thread (see :data:`GUIDED_COMPILE_TIMEOUT_S`) unless checked before; a
+        "required" or named ``tool_choice`` of plan ``tools`` brings its own (see
+        ``ToolPlan.guided_spec``).
+
+        Raises:
+            APIError: 400 naming the field: two constraints, a value the grammar library
+                cannot compile (with its message), or one not compiled in time; 503 when
+                :data:`MAX_COMPILE_QUEUE` requests already wait for the grammar thread.
+        """
+        try:
+            found = body.guided_spec()
+            forced = tools.guided_spec() if tools else None
+        except FieldError as exc:
+            raise api.APIError(str(exc), param=exc.param) from None
+        if forced is not None:
+            if found is not None:
+                raise api.APIError(f"tool_choice: {tools.mode!r} forces the output, so it cannot be combined with "
+                                   f"{found[0]}", param="tool_choice")
+            found = ("tools", forced)
+        if found is None:
+            return None
+        param, spec = found
+        if spec in self._checked:
+            self._checked.move_to_end(spec)
+            return spec
+        if self._compiles_queued >= MAX_COMPILE_QUEUE:
+            raise api.APIError(f"the server is busy compiling {self._compiles_queued} grammars; retry later",
+                               status=503, type="service_unavailable")
+        self._compiles_queued += 1
+        try:
+            work = asyncio.get_running_loop().run_in_executor(self._compiler, self.decoder.compile, spec)
+            await asyncio.wait_for(work, GUIDED_COMPILE_TIMEOUT_S)
+        except GuidedError as exc:
+            raise api.APIError(f"{param}: {exc}", param=param) from None
+        except asyncio.TimeoutError:
+            raise api.APIError(f"{param}: not compiled within {GUIDED_COMPILE_TIMEOUT_S:g} s (too complex, or the "
+                               "server is compiling others); simplify it or retry", param=param) from None
+        finally:
+            self._compiles_queued -= 1
+        self._checked[spec] = None
+        if len(self._checked) > MAX_CHECKED_GRAMMARS:
+            self._checked.popitem(last=False)
+        return spec
