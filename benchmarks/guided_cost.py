@@ -15,11 +15,9 @@ decoded for ``--tokens`` tokens each, greedy, three ways:
 Reported: decode ms per step and per token, the ratio of each to ``plain`` (the added
 cost per token), and the grammar's own part, ms per step in the bitmask fill and mask
 (``mask_logits``; the rest of the difference is the logits copy and advancing the
-matchers); plus the cold compile time of each schema. ``plain`` runs twice per batch
-size: before the engine has loaded the grammar library (``plain-cold``) and after, so a
-batch with no guided row shows it pays nothing either way.
+matchers); plus the cold compile time of each schema.
 
-    .venv/bin/python benchmarks/guided_cost.py [--batch 1 8] [--tokens 48] [--threads 1]
+    .venv/bin/python benchmarks/guided_cost.py [--batch 1 8] [--tokens 48] [--threads 1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ import time
 
 import torch
 
+from epdserve.engine import guided as guided_mod
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import GuidedSpec, SamplingParams
 from epdserve.model.loader import resolve_model
@@ -68,18 +67,17 @@ def decode(engine: LLMEngine, prompt: list[int], batch: int, tokens: int, spec: 
         engine.add_request(f"{spec and spec.kind}-{i}-{time.perf_counter()}", prompt, sampling)
     while any(seq.is_prefilling for seq in engine.seqs.values()):
         engine.step()
-    mask = Timer(engine._mask_guided) if engine._mask_guided else None
-    engine._mask_guided = mask
+    # The sampler looks mask_logits up in its module at each call: time it there.
+    mask = guided_mod.mask_logits = Timer(guided_mod.mask_logits)
     steps, made = [], 0
     while engine.has_unfinished():
         start = time.perf_counter()
         outs = engine.step()
         steps.append(time.perf_counter() - start)
         made += sum(len(o.token_ids) for o in outs)
-    if mask is not None:
-        engine._mask_guided = mask.fn
+    guided_mod.mask_logits = mask.fn
     return {"ms_per_step": 1e3 * statistics.median(steps), "ms_per_token": 1e3 * sum(steps) / max(made, 1),
-            "tokens": made, "mask_ms_per_step": 1e3 * (mask.total if mask else 0.0) / len(steps)}
+            "tokens": made, "mask_ms_per_step": 1e3 * mask.total / len(steps)}
 
 
 def main() -> None:
@@ -87,6 +85,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each kind, interleaved; medians reported")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = str(resolve_model().path)
@@ -95,10 +94,6 @@ def main() -> None:
     engine = LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=256))
     print(f"model {model_dir}, prompt {len(prompt)} tokens, {args.tokens} tokens a request, "
           f"{args.threads} torch thread(s)")
-    cold = {}
-    for batch in args.batch:
-        decode(engine, prompt, batch, 4, None)  # warm-up
-        cold[batch] = decode(engine, prompt, batch, args.tokens, None)
     decoder = engine.guided_decoder()
     specs = {}
     for name, schema in SCHEMAS.items():
@@ -107,15 +102,20 @@ def main() -> None:
         decoder.compile(specs[name])
         print(f"compile {name}: {1e3 * (time.perf_counter() - start):.1f} ms (cold)")
     for batch in args.batch:
-        base = decode(engine, prompt, batch, args.tokens, None)
-        print(f"\nbatch {batch}")
+        decode(engine, prompt, batch, 4, None)  # warm-up
+        kinds = {"plain": None, **specs}
+        runs = {name: [] for name in kinds}
+        for _ in range(args.repeats):  # interleaved, so that a slow moment of the machine hits every kind
+            for name, spec in kinds.items():
+                runs[name].append(decode(engine, prompt, batch, args.tokens, spec))
+        rows = [(name, {k: statistics.median(r[k] for r in rs) for k in rs[0]}) for name, rs in runs.items()]
+        base = rows[0][1]
+        print(f"\nbatch {batch} (medians of {args.repeats} runs)")
         print(f"{'run':<12} {'ms/step':>8} {'x plain':>8} {'ms/token':>9} {'x plain':>8} {'tokens':>7} "
               f"{'mask ms/step':>13}")
-        rows = [("plain-cold", cold[batch]), ("plain", base)] + [
-            (name, decode(engine, prompt, batch, args.tokens, spec)) for name, spec in specs.items()]
         for name, r in rows:
             print(f"{name:<12} {r['ms_per_step']:8.2f} {r['ms_per_step'] / base['ms_per_step']:8.3f} "
-                  f"{r['ms_per_token']:9.2f} {r['ms_per_token'] / base['ms_per_token']:8.3f} {r['tokens']:7d} "
+                  f"{r['ms_per_token']:9.2f} {r['ms_per_token'] / base['ms_per_token']:8.3f} {r['tokens']:7.0f} "
                   f"{r['mask_ms_per_step']:13.3f}")
 
 

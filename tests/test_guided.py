@@ -89,23 +89,27 @@ def test_sampler_masks_guided_rows_and_logprobs_stay_raw():
     logits = torch.tensor([[0.0, 5.0, 1.0, 0.5, 9.0]] * 2)
     seqs = [tiny_seq(SamplingParams(temperature=0, logprobs=1), 'root ::= "c"'),
             tiny_seq(SamplingParams(temperature=0, logprobs=1))]
-    tokens, lps = sample(logits, seqs, (TINY_EOS,), mask_logits)
+    tokens, lps = sample(logits, seqs, (TINY_EOS,))
     assert tokens == [2, 4]  # the guided row takes "c" though EOS has the top logit
     raw = torch.log_softmax(logits[0], -1)
     assert lps[0][0] == pytest.approx(float(raw[2])) and lps[0][1][0][0] == 4  # raw: EOS still on top
     assert logits[0, 4] == 9.0  # not modified
     for seed in range(20):  # drawn rows too
         s = tiny_seq(SamplingParams(temperature=1.0, seed=seed), 'root ::= "a" | "ab"')
-        assert sample(logits[:1], [s], (TINY_EOS,), mask_logits)[0][0] in (0, 3)
+        assert sample(logits[:1], [s], (TINY_EOS,))[0][0] in (0, 3)
 
 
-def test_batch_without_guided_row_never_builds_a_mask():
+def test_batch_without_guided_row_never_builds_a_mask(monkeypatch):
+    import epdserve.engine.guided as guided
+
     calls = []
+    monkeypatch.setattr(guided, "mask_logits", lambda *a: calls.append(a))
     seqs = [tiny_seq(SamplingParams(temperature=0)), tiny_seq(SamplingParams(temperature=0, logit_bias={1: 5.0}))]
-    sample(torch.zeros(2, 5), seqs, (), lambda *a: calls.append(a))
+    sample(torch.zeros(2, 5), seqs, ())
     assert calls == []
-    with pytest.raises(ValueError, match="mask_guided"):
-        sample(torch.zeros(1, 5), [tiny_seq(SamplingParams(temperature=0), 'root ::= "a"')], ())
+    seqs.append(tiny_seq(SamplingParams(temperature=0), 'root ::= "a"'))
+    sample(torch.zeros(3, 5), seqs, ())
+    assert [rows for _, rows, _ in calls] == [[2]]
 
 
 def test_logit_bias_and_min_p():

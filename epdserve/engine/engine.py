@@ -138,7 +138,6 @@ class LLMEngine:
         self.held: dict[str, list[int]] = {}
         # Structured output (engine/guided.py), made at the first guided request.
         self.guided = None
-        self._mask_guided = None
 
     def kv_layout(self) -> dict:
         """What a peer must match to exchange KV blocks with this engine."""
@@ -225,7 +224,6 @@ class LLMEngine:
 
             mc = self.model.config
             self.guided = guided.GuidedDecoder(load_tokenizer(self.model_dir), mc.vocab_size, mc.eos_token_ids)
-            self._mask_guided = guided.mask_logits
         return self.guided
 
     def _guided_matcher(self, sampling: SamplingParams, first_token: int | None):
@@ -323,7 +321,7 @@ class LLMEngine:
         seqs = [batch.seqs[i] for i in sampled]
         eos = self.model.config.eos_token_ids
         try:
-            tokens, logprobs = sample(logits, seqs, eos, self._mask_guided)
+            tokens, logprobs = sample(logits, seqs, eos)
         except Exception:
             # One request's row broke the batch's sampling (sample() leaves ``logits``
             # as it was): sample each row alone, and fail only the rows that still fail.
@@ -354,7 +352,7 @@ class LLMEngine:
         """``seq``'s output of this step from its ``logits [1, vocab]``, or an error output
         (and ``seq`` leaves the engine, its blocks freed) if its sampling fails."""
         try:
-            (token,), (lp,) = sample(logits, [seq], eos, self._mask_guided)
+            (token,), (lp,) = sample(logits, [seq], eos)
         except Exception:
             log.exception("request %s: sampling failed", seq.request_id)
             return self._fail(seq, "sampling the next token failed for this request")

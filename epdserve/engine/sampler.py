@@ -21,7 +21,6 @@ refuses, which the engine fails the same way).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
 
 import torch
 
@@ -29,19 +28,16 @@ from epdserve.engine.request import Sequence
 
 # (the chosen token's logprob, [(token id, logprob)] of the top ``logprobs`` tokens, best first)
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
-# (logits [S, vocab], rows, their sequences' matchers): masks those rows in place.
-GuidedMask = Callable[[torch.Tensor, list[int], list[Any]], None]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @torch.inference_mode()  # the model's logits are inference tensors; we edit a copy in place
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...] = (),
-           mask_guided: GuidedMask | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, seqs: list[Sequence],
+           eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Pick one token per row of ``logits [S, vocab]`` (float32; not modified) for
-    ``seqs`` (one per row, their tokens so far in ``token_ids``). ``mask_guided``: masks
-    the rows of sequences with a grammar matcher (``seq.guided``), as
-    :func:`epdserve.engine.guided.mask_logits`; needed when one has.
+    ``seqs`` (one per row, their tokens so far in ``token_ids``; a guided one's grammar
+    matcher in ``seq.guided``).
 
     Returns the tokens and, per row, its :data:`TokenLogprobs` if the request asked for
     logprobs, else None. Greedy rows without penalties, ``logit_bias``, ``min_tokens``, a
@@ -55,7 +51,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
         RuntimeError: (torch's) a row has no distribution to draw from: NaN logits, or
             every token masked. ``logits`` is left as it was, so the caller can sample
             the rows again one by one to find which.
-        ValueError: a row has a grammar matcher and ``mask_guided`` is None.
     """
     want = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
     raw = torch.log_softmax(logits[want], dim=-1) if want else None
@@ -67,7 +62,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
         _apply_logit_bias(logits, seqs)
         _apply_penalties(logits, seqs)
         _mask_stop_tokens(logits, seqs, eos_token_ids)
-        _mask_guided(logits, seqs, mask_guided)
+        _mask_guided(logits, seqs)
     tokens = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         if seq.sampling.temperature != 0:
@@ -129,13 +124,17 @@ def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
 
 
-def _mask_guided(logits: torch.Tensor, seqs: list[Sequence], mask_guided: GuidedMask | None) -> None:
+def _mask_guided(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """-inf for the tokens each guided row's grammar does not allow next."""
     rows = [i for i, s in enumerate(seqs) if s.guided is not None]
-    if not rows:
-        return
-    if mask_guided is None:
-        raise ValueError("a guided sequence needs mask_guided")
-    mask_guided(logits, rows, [seqs[i].guided for i in rows])
+    if rows:
+        # Imported here, not at the top: a sequence has a matcher only once the engine has
+        # loaded the grammar library for it (``LLMEngine.guided_decoder``), so this import
+        # is then free, and a worker that never serves a guided request never loads
+        # xgrammar and the transformers it brings (~2 s of start-up, ~100 MB).
+        from epdserve.engine.guided import mask_logits
+
+        mask_logits(logits, rows, [seqs[i].guided for i in rows])
 
 
 def _generator(seq: Sequence) -> torch.Generator | None:

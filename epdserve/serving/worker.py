@@ -136,8 +136,9 @@ def pin_to_cores(spec: str | None) -> list[int]:
 class Worker:
     """The command/step/publish loop around one :class:`LLMEngine` of a worker of ``role``
     (one of :data:`ROLES`); commands come from ``inbox`` as ``(message, arrival)`` pairs
-    put there by :func:`receive_commands`, and finished fetches as ``(Fetch, time)`` pairs
-    put there by the fetch threads (:class:`~epdserve.serving.fetch.Fetcher`). The
+    put there by :func:`receive_commands`, finished fetches as ``(Fetch, time)`` pairs
+    put there by the fetch threads (:class:`~epdserve.serving.fetch.Fetcher`), and guided
+    requests whose grammar is compiled as ``(Prepared, time)`` (:class:`GrammarPrep`). The
     exporter's table (``exporter.table``) holds this worker's live exports. ``run`` sets ``sealer`` (seals events),
     ``incarnation`` and ``hello`` (what a Reset is answered with, see
     ``encode_worker.handle_control``)."""
