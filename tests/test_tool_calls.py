@@ -363,6 +363,7 @@ def test_tool_chars_bound_the_rendered_prompt(tokenizer, model_info):
     assert 0 < tool_chars(body) <= len(full) - len(plain)
 
 
+@pytest.mark.timeout(1800)  # two deployments start: minutes each when the cores are shared
 def test_named_tool_call_in_pd_equals_colocated(tool_server, tmp_path):
     """PD (1P1D, the forcing grammar continued by the decode worker): the same greedy
     call as colocated, streamed and not."""
