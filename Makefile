@@ -42,7 +42,7 @@ demo: $(STAMP)
 # colocated, PD and EPD, with a killed prefill worker) have targets of their own to keep
 # `make test` under 20 minutes, and so has the client-tools suite (AIPerf, GuideLLM,
 # lm-evaluation-harness run from .venv-clients against real deployments; marker
-# `clients`, which `make test` leaves out); .ci/run runs all five.
+# `clients`, which `make test` leaves out); .ci/run runs the first four (test-tools: see there).
 INTEROP := tests/test_bench_deployments.py
 EPD := tests/test_epd.py
 
