@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 CLIENTS_VENV ?= .venv-clients
 CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 
-.PHONY: install demo test fuzz interop epd test-tools clean
+.PHONY: install demo test fuzz interop epd api test-tools clean
 
 # torch is pinned to the CPU build on this machine's disk; a plain requirement
 # would pull a multi-GB CUDA build. The default model ships as a GGUF inside
@@ -45,16 +45,22 @@ demo: $(STAMP)
 # `clients`, which `make test` leaves out); .ci/run runs the first four (test-tools: see there).
 INTEROP := tests/test_bench_deployments.py
 EPD := tests/test_epd.py
+# The OpenAI surface beyond the basics: structured output, tool calling, echo/prompt
+# logprobs/best_of/batches (server tests of colocated and PD; ~6 minutes).
+API := tests/test_guided.py tests/test_tool_calls.py tests/test_api_surface.py
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD)
+	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD) $(addprefix --ignore=,$(API))
 
 fuzz: $(STAMP)
 	$(VENV)/bin/pytest -q -ra tests/test_fuzz_api.py
 
 interop: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 $(INTEROP)
+
+api: $(STAMP)
+	$(VENV)/bin/pytest -q -ra --durations=5 $(API)
 
 epd: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 $(EPD)
