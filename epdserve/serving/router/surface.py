@@ -102,9 +102,8 @@ class APIKeyGuard:
 
 def checked_defaults(defaults: dict, spec: str) -> dict:
     """``defaults`` (:func:`epdserve.model.loader.generation_defaults`) checked as request
-    values, and as a request would carry them; those no request model has (``min_p``
-    before it is served) are dropped with a warning, since they are the server's defaults
-    and not a client's request.
+    values, and as a request would carry them; those no request model has are dropped with
+    a warning, since they are the server's defaults and not a client's request.
 
     Raises:
         ModelLoadError: a value a request could not carry (e.g. temperature 5), naming it.
