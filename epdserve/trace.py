@@ -110,6 +110,7 @@ class RequestTrace(WorkerStages):
     mode: str = "colocated"
     path: str = "colocated"
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # of prompt_tokens, found in the first worker's prefix cache
     output_tokens: int = 0
     max_tokens: int = 0
     finish_reason: str | None = None

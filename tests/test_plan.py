@@ -527,6 +527,51 @@ def test_fit_serving_takes_contention_within_each_run():
     assert slowdown == pytest.approx(1.5) and contended == pytest.approx(1.4)
 
 
+def test_prefill_steps_leave_out_batched_prefills():
+    # Worker c (colocated): A's prefill 0.0-0.1 runs alone (40 new, 8 cached: 10 + 1 + 0.1 ×
+    # (40·8 + 40·41/2) = 125 ms by the step model); B's 0.2-0.3 while A decodes (A has 2
+    # tokens before 0.25: 48 + 1 cached): the step's decode part 10 + 1 + 5.0; C's and D's
+    # overlap on worker p and are left out, as is E, whose cached tokens are not known.
+    def seq(worker, times, prefill):
+        return {"worker": worker, "prompt_tokens": 48, "token_times_s": times, "busy_s": None, "prefill": prefill}
+
+    seqs = [seq("c", [0.1, 0.2, 0.4], ("c", 0.0, 0.1, 40, 8)), seq("c", [0.3, 0.5], ("c", 0.2, 0.3, 40, 8)),
+            seq("d", [0.1, 0.2], ("p", 0.0, 0.1, 40, 8)), seq("d", [0.15, 0.2], ("p", 0.05, 0.15, 40, 8)),
+            seq("c", [0.7, 0.8], None)]
+    steps = calibrate.prefill_steps(seqs, lambda worker: GAP_STEP)
+    alone = 10 + 1 + 0.1 * (40 * 8 + 40 * 41 / 2)
+    assert [s[0] for s in steps] == ["c", "c"]
+    assert np.array([s[1:] for s in steps]) == pytest.approx(np.array([(100.0, alone, 0.0),
+                                                                      (100.0, alone - 10.0, 16.0)]))
+
+
+def test_fit_prefill_is_the_median_per_worker_size():
+    # Run 1: two 1-core prefills at x2 and x3 (median 2.5); one 2-core at x1.2, its 10 ms of
+    # decodes taken at the decode slowdown (x1.5): (27 - 15) / 10. Run 2: a 1-core at x1.5.
+    runs = [([("a", 20.0, 10.0, 0.0), ("a", 30.0, 10.0, 0.0), ("b", 27.0, 10.0, 10.0)], {"a": 1, "b": 2}),
+            ([("a", 15.0, 10.0, 0.0)], {"a": 1}), ([], {"a": 1})]
+    assert calibrate.fit_prefill(runs, decode_slowdown=1.5) == pytest.approx({1: 2.0, 2: 1.2})
+    assert calibrate.fit_prefill([], 1.0) == {}
+
+
+def test_served_prefills_take_their_worker_sizes_slowdown():
+    # PD: router 2 ms, the prefill step 10 ms × 2 on the 1-core prefill worker, then the
+    # hand-off 5 ms and decodes of 10 ms, as calibrated.
+    platform = replace(flat_platform(), prefill_slowdown={1: 2.0})
+    records, _ = simulate(PD, platform, [req(0.0, 5, 3)])
+    assert records[0].chunk_times_s == pytest.approx([0.022, 0.037, 0.047])
+    # Another size's slowdown does not apply.
+    assert simulate(PD, replace(platform, prefill_slowdown={2: 2.0}), [req(0.0, 5, 3)])[0][0].chunk_times_s \
+        == pytest.approx([0.012, 0.027, 0.037])
+    # Colocated, 10 ms + 1 per sequence, prefills x3: A's prefill alone 11 × 3 = 33 ms; B
+    # (in at 30 ms) joins A's decode in a step of 12 ms by the model, 11 of them the
+    # decode's: 11 + 1 × 3 = 14 ms, B's first token 17 ms after it came; A's last 11 ms.
+    platform = replace(flat_platform(per_seq_ms=1.0), prefill_slowdown={1: 3.0}, router_ms=0.0)
+    records, _ = simulate(COLOCATED, platform, [req(0.0, 5, 3), req(0.030, 5, 1)])
+    assert records[0].chunk_times_s == pytest.approx([0.033, 0.047, 0.058])
+    assert records[1].chunk_times_s == pytest.approx([0.017])
+
+
 def test_contended_steps_take_longer():
     # Two 1-core replicas, each with one request: while both decode, every step is
     # contended and its decode work takes x2; a lone replica is never contended.
@@ -577,15 +622,20 @@ def test_calibrate_from_compare_cli(tmp_path):
               "itls": [[0.1, 0.1, 0.1], [0.1, 0.1]]}
     (run / "compare.json").write_text(json.dumps({"configs": [{"name": "pd", "resources": {"workers": workers},
                                                                "result": result}]}))
+    # Their prefills (50 ms each, apart, nothing cached) on the 1-core prefill worker: 5
+    # tokens are 10 + 1 + 0.1 × 15 = 12.5 ms by the step model (x4), 7 are 13.8 (x3.62).
     (run / "pd.server.jsonl").write_text("".join(
         json.dumps({"request_id": r, "mode": "pd", "prefill_worker": "prefill-0", "decode_worker": "decode-0",
-                    "prefill_ms": 50.0}) + "\n" for r in "ab"))
+                    "prefill_ms": 50.0, "prompt_tokens": n, "cached_tokens": 0}) + "\n" for r, n in (("a", 5), ("b", 7))))
     cal = calibrate.save(_gap_calibration(), tmp_path / "cal.json")
     proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "calibrate", "--from-compare", str(run),
                            "--calibration", str(cal)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "3 decode steps" in proc.stdout
-    assert calibrate.load(cal)["serving"]["decode_slowdown"] == pytest.approx(100.0 / 13.7)
+    serving = calibrate.load(cal)["serving"]
+    assert serving["decode_slowdown"] == pytest.approx(100.0 / 13.7)
+    assert serving["prefill_slowdown"] == pytest.approx({"1": (50 / 12.5 + 50 / 13.8) / 2})
+    assert "prefills x3.81 on 1-core workers" in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "calibrate", "--from-compare",
                            str(tmp_path / "missing"), "--calibration", str(cal)], capture_output=True, text=True,
                           timeout=120)

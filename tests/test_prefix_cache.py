@@ -205,6 +205,8 @@ def test_cached_tokens_reach_usage_and_metrics(server):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert PREFIX <= cached < second.usage.prompt_tokens and cached % BLOCK == 0
+    # The server trace says so too (the planner's prefill fit reads it there).
+    assert [server.trace(r.id)["cached_tokens"] for r in (first, second)] == [0, cached]
 
     chats = [server.generate("chat", [{"role": "user", "content": prefix + q}], stream=True, max_tokens=4,
                              temperature=0) for q in ("Why?", "How so?")]

@@ -43,8 +43,8 @@ from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
 from epdserve.plan.costmodel import FEATURES, ImageCost, LinearStep, Link, Platform
 from epdserve.plan.model_spec import ModelSpec
 from epdserve.plan.serving_fit import (  # noqa: F401 (exported: plan/run.py calls them as calibrate.*)
-    SERVING_PERCENTILE, compare_configs, compare_gaps, contention_ratio, decode_gaps, fit_serving,
-    gap_percentiles, step_uncertainty)
+    SERVING_PERCENTILE, compare_configs, compare_gaps, compare_runs, contention_ratio, decode_gaps, fit_prefill,
+    fit_serving, gap_percentiles, prefill_steps, step_uncertainty)
 from epdserve.serving.multimodal import ImageInput
 from epdserve.transfer import handoff, loopback
 
@@ -338,7 +338,8 @@ def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platf
     embeddings) over the measured shared-memory hand-off, encoding (``vlm``) at the
     measured ms per tile,
     decode steps slowed by the fitted ``serving.decode_slowdown`` and
-    ``serving.contended_slowdown`` (1 without them: not fitted yet, or older calibrations)
+    ``serving.contended_slowdown``, prefill work by ``serving.prefill_slowdown`` of the
+    worker's size (1 without them: not fitted yet, or older calibrations)
     and known to :func:`step_uncertainty`, the last validation of each workload, and each
     worker's KV cache as ``epdserve serve`` sizes it (``--kv-cache-memory-mb`` default,
     float32 KV, whatever its cores).
@@ -355,7 +356,8 @@ def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platf
                          "model (made before they were taken): rerun `epdserve plan calibrate`")
     steps = {int(k): LinearStep(tuple(float(c) for c in v["coef"])) for k, v in fitted.items()}
     serving = {k: float(cal.get("serving", {}).get(k, 1.0)) for k in ("decode_slowdown", "contended_slowdown")}
-    if any(c < 0 for fit in steps.values() for c in fit.coef) or min(serving.values()) <= 0:
+    prefill_slowdown = {int(k): float(v) for k, v in cal.get("serving", {}).get("prefill_slowdown", {}).items()}
+    if any(c < 0 for fit in steps.values() for c in fit.coef) or min([*serving.values(), *prefill_slowdown.values()]) <= 0:
         raise ValueError("negative step coefficients or serving factors")
 
     def step(devices: int) -> LinearStep:
@@ -376,6 +378,7 @@ def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platf
     return Platform(name=f"{name} on this CPU", step=step, worker_sizes=tuple(sorted(steps)),
                     kv_bytes_per_token=cal["kv_bytes_per_token"], kv_link=Link(**cal["kv_link"]),
                     price_per_device_hour=CPU_CORE_PRICE_PER_HOUR, router_ms=router_ms, **serving,
+                    prefill_slowdown=prefill_slowdown,
                     step_uncertainty=step_uncertainty(cal.get("serving", {})),
                     template_tokens=cal.get("template_tokens", 0),
                     template_prefix_tokens=cal.get("template_prefix_tokens", 0),

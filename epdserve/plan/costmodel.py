@@ -25,7 +25,7 @@ image tokens × hidden × bytes per element (the frame header, well under 1 KB, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
@@ -214,6 +214,10 @@ class Platform:
     still while every other device of the deployment is busy (dimensionless; 1: no such
     effect, as on GPU hosts, whose CPUs the router has to itself; on a CPU host the router
     and the client then take their time from the workers' cores);
+    ``prefill_slowdown``: per worker size (devices), how many times longer the prefill
+    work of a served step takes than the step model says (dimensionless; a size not in it:
+    1; :func:`epdserve.plan.serving_fit.fit_prefill`), whatever the other devices do (it
+    is fitted on served prefills as they came);
     ``time_scale``: a factor on every step and encode time (dimensionless; 1: as modeled),
     to ask what a machine that much slower or faster would do; ``step_uncertainty``: how far
     (relative, dimensionless) served step times are known, from the spread of the served
@@ -237,6 +241,7 @@ class Platform:
     router_ms: float = 1.0
     decode_slowdown: float = 1.0
     contended_slowdown: float = 1.0
+    prefill_slowdown: dict[int, float] = field(default_factory=dict)
     time_scale: float = 1.0
     step_uncertainty: float = 0.0
     template_tokens: int = 0
@@ -245,18 +250,16 @@ class Platform:
     kv_capacity_tokens: Callable[[int], int] | None = None
 
     def served_step_ms(self, step: StepModel, prefill: Prefill, num_decode: int = 0, decode_context: int = 0,
-                       decode_max_context: int = 0, contended: bool = False) -> float:
-        """Time in ms of one served engine step on a worker whose step model is ``step``:
-        its time by ``step``, plus ``decode_slowdown`` − 1 times what its decodes alone
-        would take (a decode-only step takes ``decode_slowdown`` × its step time; prefill
-        work is taken as calibrated: the slowdown is fitted on decode-only steps), and that
-        slowdown × ``contended_slowdown`` when ``contended`` (every other device of the
-        deployment busy), all × ``time_scale``."""
+                       decode_max_context: int = 0, contended: bool = False, devices: int = 1) -> float:
+        """Time in ms of one served engine step on a worker of ``devices`` whose step model
+        is ``step``: what its decodes alone would take by ``step`` × ``decode_slowdown``
+        (× ``contended_slowdown`` when ``contended``: every other device of the deployment
+        busy), plus the rest of its time by ``step`` (its prefill work, all of a
+        prefill-only step) × ``prefill_slowdown`` of its size, all × ``time_scale``."""
         ms = step.step_ms(prefill, num_decode, decode_context, decode_max_context)
+        decodes = step.step_ms([], num_decode, decode_context, decode_max_context) if num_decode else 0.0
         slowdown = self.decode_slowdown * (self.contended_slowdown if contended else 1.0)
-        if num_decode and slowdown != 1.0:
-            ms += (slowdown - 1.0) * step.step_ms([], num_decode, decode_context, decode_max_context)
-        return ms * self.time_scale
+        return (self.prefill_slowdown.get(devices, 1.0) * (ms - decodes) + slowdown * decodes) * self.time_scale
 
     def band(self) -> list["Platform"]:
         """This platform with every step and encode ``1 − step_uncertainty`` and

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-dir", nargs="+", default=None, metavar="DIR",
                         help="validate: `epdserve compare` outputs, several for repeats of one trace")
     parser.add_argument("--from-compare", nargs="+", default=None, metavar="DIR",
-                        help="calibrate: fit the serving slowdown of decode steps to these `epdserve compare` "
+                        help="calibrate: fit the serving slowdown of prefill and decode steps to these `epdserve compare` "
                              "outputs (same engine as the calibration) instead of measuring the engine")
     parser.add_argument("--rounds", type=workload.positive_int, default=3, metavar="N",
                         help="calibrate: time every step N times and fit the medians (default 3)")
@@ -269,8 +269,7 @@ def run_validate(args) -> int:
     print(f"[band]: predicted with step times x{1 - u:.2f} to x{1 + u:.2f} (the spread of the served runs "
           f"the slowdown was fitted on); it holds {held} of {len(rows) * len(BANDED)} measured latencies" if u else
           "[band]: none; fit the serving slowdown on 2 or more runs for one (`plan calibrate --from-compare`)")
-    print(f"served decode steps x{platform.decode_slowdown:.2f} the calibrated time, "
-          f"x{platform.contended_slowdown:.2f} more while every other core is busy"
+    print(_serving_line(platform)
           + ("" if "serving" in cal else " (not fitted: run `epdserve plan calibrate --from-compare DIR...`)"))
     # One entry per workload (trace): validating it again replaces its entry.
     trace = hashlib.sha256((compare_dirs[0] / "trace.jsonl").read_bytes()).hexdigest()[:16]
@@ -286,17 +285,24 @@ def run_validate(args) -> int:
 
 
 def run_fit_serving(args) -> int:
-    """``plan calibrate --from-compare DIR...``: fit ``serving.decode_slowdown`` and
-    ``serving.contended_slowdown`` into the calibration (see :func:`calibrate.fit_serving`)
-    and print each run's ratios."""
+    """``plan calibrate --from-compare DIR...``: fit ``serving.decode_slowdown``,
+    ``serving.contended_slowdown`` and ``serving.prefill_slowdown`` into the calibration
+    (see :func:`calibrate.fit_serving` and :func:`calibrate.fit_prefill`) and print each
+    run's ratios."""
     path = _calibration_path(args)
     cal = calibrate.load(path)
-    runs = {f"{d}:{name}": gaps for d in distinct_dirs(args.from_compare) for name, gaps in calibrate.compare_gaps(
-        d, calibrate.platform_from(cal, vlm=has_images(d))).items()}
-    slowdown, contended = calibrate.fit_serving(list(runs.values()))
+    served = {}
+    for d in distinct_dirs(args.from_compare):
+        platform = calibrate.platform_from(cal, vlm=has_images(d))
+        for name, run in calibrate.compare_runs(d, platform).items():
+            step = (lambda worker, run=run, platform=platform: platform.step(run.sizes[worker]))
+            served[f"{d}:{name}"] = (calibrate.decode_gaps(run.seqs, step, run.contended),
+                                     calibrate.prefill_steps(run.seqs, step), run.sizes)
+    slowdown, contended = calibrate.fit_serving([gaps for gaps, _, _ in served.values()])
+    prefill = calibrate.fit_prefill([(steps, sizes) for _, steps, sizes in served.values()], slowdown)
     p = calibrate.SERVING_PERCENTILE
     ratios, contention = {}, {}
-    for run, gaps in runs.items():
+    for run, (gaps, steps, sizes) in served.items():
         measured, model = calibrate.gap_percentiles(gaps)
         line = f"{run}: {len(gaps)} decode steps"
         if not np.isnan(measured):
@@ -305,15 +311,27 @@ def run_fit_serving(args) -> int:
         if (c := calibrate.contention_ratio(gaps)) is not None:
             contention[run] = c
             line += f"; x{c:.2f} while every other core was busy ({sum(g[2] for g in gaps)} steps)"
+        line += f"; {len(steps)} prefills on their own"
         print(line)
-    cal["serving"] = {"decode_slowdown": slowdown, "contended_slowdown": contended, "percentile": p,
+    cal["serving"] = {"decode_slowdown": slowdown, "contended_slowdown": contended,
+                      "prefill_slowdown": {str(k): v for k, v in prefill.items()}, "percentile": p,
                       "ratios": ratios, "contention_ratios": contention,
                       "compare_dirs": [str(d) for d in args.from_compare],
                       "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     calibrate.save(cal, path)
-    print(f"served decode steps take x{slowdown:.2f} the calibrated time, x{contended:.2f} more while every "
-          f"other core is busy (medians over the runs); written {path}")
+    print(f"{_serving_line(calibrate.platform_from(cal))} (medians over the runs); written {path}")
+    if not prefill:
+        print("no prefill to fit on: these traces predate `cached_tokens` in the server trace, or every "
+              "prefill was batched with another; prefill steps stay as calibrated")
     return 0
+
+
+def _serving_line(platform: Platform) -> str:
+    """What the fitted serving slowdown of ``platform`` is, in words."""
+    prefill = ", ".join(f"x{v:.2f} on {k}-core workers" for k, v in sorted(platform.prefill_slowdown.items()))
+    return (f"served decode steps take x{platform.decode_slowdown:.2f} the calibrated time, "
+            f"x{platform.contended_slowdown:.2f} more while every other core is busy; prefills "
+            + (prefill or "as calibrated"))
 
 
 def run_calibrate(args) -> int:

@@ -1,20 +1,27 @@
-"""The serving slowdown: how much slower served decode steps are than the engine's alone.
+"""The serving slowdown: how much slower served steps are than the engine's alone.
 
 Served steps are slower than the engine alone: the router and the bench client share the
 cores with the workers and every step's outputs are encoded, routed, detokenized and
 streamed. ``epdserve plan calibrate --from-compare DIR...`` learns that from ``compare``
-runs: :func:`compare_gaps` rebuilds, from the client's token times and the server's trace
-(:class:`~epdserve.trace.RequestTrace` records), every decode-only step of every worker
-(:func:`decode_gaps`) and sets the measured gap beside the step model's time for that
-batch; :func:`fit_serving` takes the ratio of their 95th percentiles (steps with a core
-free) as ``serving.decode_slowdown``, and how much slower steps were while every other core
-was busy as ``serving.contended_slowdown``; :func:`step_uncertainty` says how far the runs
-agree.
+runs (:func:`compare_runs`: the client's token times and the server's trace,
+:class:`~epdserve.trace.RequestTrace` records, as one :class:`ServedRun` per configuration).
+
+* Decode: :func:`decode_gaps` rebuilds every decode-only step of every worker and sets the
+  measured gap beside the step model's time for that batch; :func:`fit_serving` takes the
+  ratio of their 95th percentiles (steps with a core free) as ``serving.decode_slowdown``,
+  and how much slower steps were while every other core was busy as
+  ``serving.contended_slowdown``; :func:`step_uncertainty` says how far the runs agree.
+* Prefill: :func:`prefill_steps` takes every served prefill that no other prefill shared
+  a step with and sets its ``prefill_ms`` beside the step model's time for its new and
+  cached tokens (and the decodes batched with it); :func:`fit_prefill` gives, per worker
+  size, the median ratio as ``serving.prefill_slowdown``. 1-core workers need it most:
+  the router and the client take their time from the same two cores.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -62,6 +69,55 @@ def decode_gaps(seqs: list[dict], step: Callable[[str], StepModel],
             out.append(((b - a) * 1e3, step(x["worker"]).step_ms([], len(context), sum(context), max(context)),
                         contended(x["worker"], mid)))
     return out
+
+
+def prefill_steps(seqs: list[dict], step: Callable[[str], StepModel]) -> list[tuple[str, float, float, float]]:
+    """``(worker, measured ms, step-model ms of its prefill, step-model ms of the decodes
+    batched with it)`` of every served prefill that no other prefill shared a step with.
+
+    ``seqs``: as :class:`ServedRun` has them (``prefill``: ``(worker, start s, end s, new
+    tokens, cached tokens)`` or None: left out). A prefill counts unless another prefill on
+    the same worker overlaps it (they were batched, or it waited in a step of the other's);
+    the measured time is its ``prefill_ms`` (first scheduled to first token: one step, as
+    the engine does not chunk prompts by default). The decodes batched with it are the
+    requests that worker decoded with a token before the prefill's middle and another after
+    it, each with its prompt + the tokens before the middle − 1 cached, as in
+    :func:`decode_gaps`; the step model's split is ``step_ms(prefill, decodes) −
+    step_ms([], decodes)`` for the prefill (all of it without decodes) and the rest for the
+    decodes.
+    """
+    prefills = [x["prefill"] for x in seqs if x["prefill"] is not None]
+    out = []
+    for i, (worker, start, end, new, cached) in enumerate(prefills):
+        if any(w == worker and s < end and e > start for j, (w, s, e, _, _) in enumerate(prefills) if j != i):
+            continue
+        mid = (start + end) / 2
+        context = [y["prompt_tokens"] + int(np.searchsorted(y["token_times_s"], mid)) - 1
+                   for y in seqs if y["worker"] == worker and y["token_times_s"][0] <= mid < y["token_times_s"][-1]]
+        model = step(worker)
+        decodes = model.step_ms([], len(context), sum(context), max(context)) if context else 0.0
+        total = model.step_ms([(new, cached)], len(context), sum(context), max(context, default=0))
+        out.append((worker, (end - start) * 1e3, total - decodes, decodes))
+    return out
+
+
+def fit_prefill(runs: list[tuple[list[tuple[str, float, float, float]], dict[str, int]]],
+                decode_slowdown: float) -> dict[int, float]:
+    """``serving.prefill_slowdown``: per worker size (cores), how many times longer a
+    served prefill takes than the step model says (dimensionless), from each run's
+    :func:`prefill_steps` and its workers' sizes: per step, (measured − ``decode_slowdown``
+    × its decodes' model ms) / its prefill's model ms; the median per run and size, then
+    the median over the runs of each size (a size no run has is left out: 1, as
+    calibrated)."""
+    per_size: dict[int, list[float]] = {}
+    for steps, sizes in runs:
+        by_size: dict[int, list[float]] = {}
+        for worker, measured, prefill, decodes in steps:
+            if prefill > 0:
+                by_size.setdefault(sizes[worker], []).append((measured - decode_slowdown * decodes) / prefill)
+        for size, ratios in by_size.items():
+            per_size.setdefault(size, []).append(float(np.median(ratios)))
+    return {size: float(np.median(r)) for size, r in sorted(per_size.items())}
 
 
 def gap_percentiles(gaps: list[tuple[float, float, bool]]) -> tuple[float, float]:
@@ -128,11 +184,25 @@ def compare_configs(compare_dir: Path) -> list[dict]:
     return configs
 
 
-def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[tuple[float, float, bool]]]:
-    """:func:`decode_gaps` of each configuration of an ``epdserve compare`` output (its
-    ``compare.json``, ``trace.jsonl`` and ``NAME.server.jsonl``), with the step models of
-    ``platform`` for the cores each worker had; requests without a server record, failed
-    or with fewer than two tokens are left out.
+@dataclass
+class ServedRun:
+    """One configuration of a ``compare`` output, as the fits read it.
+
+    ``seqs``: one dict per served request as :func:`decode_gaps` takes them, with
+    ``prefill``: ``(worker, start s, end s, new tokens, cached tokens)`` of its prefill,
+    or None when its record does not say how many tokens were cached (traces of
+    epdserve before ``cached_tokens``); ``sizes``: each worker's cores; ``contended(worker,
+    t)``: whether every other core was busy at ``t`` s."""
+
+    seqs: list[dict]
+    sizes: dict[str, int]
+    contended: Callable[[str, float], bool]
+
+
+def compare_runs(compare_dir: str | Path, platform: Platform) -> dict[str, ServedRun]:
+    """Each configuration of an ``epdserve compare`` output (its ``compare.json``,
+    ``trace.jsonl`` and ``NAME.server.jsonl``) that ran, by name; requests without a server
+    record, failed or with fewer than two tokens are left out.
 
     Raises:
         ValueError: ``compare_dir`` lacks those files.
@@ -147,15 +217,26 @@ def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[
     for entry in configs:
         server = compare_dir / f"{entry['name']}.server.jsonl"
         if "result" in entry and server.is_file():
-            runs[entry["name"]] = _run_gaps(entry, requests, server_trace.read(server)[0], platform)
+            runs[entry["name"]] = _served_run(entry, requests, server_trace.read(server)[0], platform)
     return runs
 
 
-def _run_gaps(entry: dict, requests: list[workload.Request], records: list[RequestTrace],
-              platform: Platform) -> list[tuple[float, float, bool]]:
-    """:func:`decode_gaps` of one configuration of a ``compare`` output: ``entry`` (its
-    ``compare.json`` entry: the client's result and each worker's cores), the requests of
-    the trace it served and its server trace ``records``."""
+def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[tuple[float, float, bool]]]:
+    """:func:`decode_gaps` of each configuration of an ``epdserve compare`` output
+    (:func:`compare_runs`), with the step models of ``platform`` for each worker's cores.
+
+    Raises:
+        ValueError: ``compare_dir`` lacks its files.
+    """
+    return {name: decode_gaps(run.seqs, lambda worker, run=run: platform.step(run.sizes[worker]), run.contended)
+            for name, run in compare_runs(compare_dir, platform).items()}
+
+
+def _served_run(entry: dict, requests: list[workload.Request], records: list[RequestTrace],
+                platform: Platform) -> ServedRun:
+    """One configuration of a ``compare`` output: ``entry`` (its ``compare.json`` entry:
+    the client's result and each worker's cores), the requests of the trace it served and
+    its server trace ``records``."""
     m = entry["result"]
     cores = {w["worker_id"]: tuple(w["cores"]) for w in entry["resources"]["workers"]}
     by_id = {r.request_id: r for r in records}
@@ -170,16 +251,20 @@ def _run_gaps(entry: dict, requests: list[workload.Request], records: list[Reque
         for worker, start, end in _busy_s(r, first, times[-1]):
             for core in cores.get(worker, ()):
                 busy[core].append((start, end))
+        prompt = prompt_tokens(platform, req)
+        prefill_start = first - r.prefill_ms / 1e3
         seqs.append({"worker": r.worker if colocated else r.decode_worker,
-                     "prompt_tokens": prompt_tokens(platform, req), "token_times_s": times,
-                     "busy_s": (first - (r.prefill_ms + (r.encode_ms or 0.0)) / 1e3, first)
-                     if colocated else None})
+                     "prompt_tokens": prompt, "token_times_s": times,
+                     "busy_s": (prefill_start - (r.encode_ms or 0.0) / 1e3, first) if colocated else None,
+                     "prefill": None if r.cached_tokens is None else
+                     (r.worker if colocated else r.prefill_worker, prefill_start, first,
+                      r.prompt_tokens - r.cached_tokens, r.cached_tokens)})
 
     def contended(worker: str, t: float) -> bool:
         others = set(busy) - set(cores[worker])
         return bool(others) and all(any(a <= t < b for a, b in busy[core]) for core in others)
 
-    return decode_gaps(seqs, lambda worker: platform.step(len(cores[worker])), contended)
+    return ServedRun(seqs, {w: len(cs) for w, cs in cores.items()}, contended)
 
 
 def _busy_s(record: RequestTrace, first: float, last: float) -> list[tuple[str, float, float]]:

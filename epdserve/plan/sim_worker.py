@@ -204,7 +204,7 @@ class Worker:
                                                   self.num_decode + len(joining),
                                                   self.decode_context + sum(s.prompt for s in joining),
                                                   max([self._max_context(k)] + [s.prompt for s in joining]),
-                                                  self.sim.contended(self.devices))
+                                                  self.sim.contended(self.devices), self.size)
             for s in joining:
                 self._start_decode(s, k, s.prompt)
             for s, _ in chunks:

@@ -4,9 +4,9 @@ The simulated engine follows epdserve's scheduler (engine/scheduler.py, vLLM v1 
 each step gives every running sequence its next tokens (decodes one, a chunked prefill its
 next chunk), then admits waiting sequences while ``max_num_seqs`` and
 ``max_num_batched_tokens`` allow; without chunked prefill a prompt is prefilled whole.
-A step lasts what the platform's step model says, its decodes slowed as served ones are,
-more so while every other device of the deployment is busy (``Platform.served_step_ms``). The router sends a request to the
-worker of the role with the fewest outstanding requests, then tokens (prompt +
+A step lasts what the platform's step model says, its prefills and decodes slowed as
+served ones are, its decodes more so while every other device of the deployment is busy
+(``Platform.served_step_ms``). The router sends a request to the worker of the role with the fewest outstanding requests, then tokens (prompt +
 max_tokens), as serving/router/registry.py picks. In PD the first token is streamed when the
 prefill worker samples it; the KV then crosses ``kv_link`` and the decode worker copies
 it in during its next step (``kv_import_gbs``). KV memory (``Platform.kv_capacity_tokens``

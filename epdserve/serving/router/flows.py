@@ -230,7 +230,7 @@ class Flow:
                 self.embeddings = []
                 self._dispatch(worker)
         self.t_first = self.clock()
-        self.cached_tokens = out.num_cached_tokens  # in pd, the prefill worker's
+        self.cached_tokens = self.record.cached_tokens = out.num_cached_tokens  # in pd, the prefill worker's
         self.prompt_logprobs = out.prompt_logprobs
         return out
 
