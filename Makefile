@@ -42,7 +42,7 @@ demo: $(STAMP)
 # colocated, PD and EPD, with a killed prefill worker) have targets of their own to keep
 # `make test` under 20 minutes, and so has the client-tools suite (AIPerf, GuideLLM,
 # lm-evaluation-harness run from .venv-clients against real deployments; marker
-# `clients`, which `make test` leaves out); .ci/run runs the first four (test-tools: see there).
+# `clients`, which `make test` leaves out; ~5 minutes after a 2.5-minute install); .ci/run runs all five.
 INTEROP := tests/test_bench_deployments.py
 EPD := tests/test_epd.py
 # The OpenAI surface beyond the basics: structured output, tool calling, echo/prompt

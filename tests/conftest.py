@@ -138,9 +138,11 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-def start_deployment(mode: str, directory: Path, *extra: str, env: dict | None = None) -> Deployment:
+def start_deployment(mode: str, directory: Path, *extra: str, env: dict | None = None,
+                     cores: set[int] | None = None) -> Deployment:
     """Start ``epdserve serve --mode MODE --port 0`` and wait for its URL and /health
-    (``env`` is added to its environment).
+    (``env`` is added to its environment; ``cores``: the CPU cores the launcher, its router
+    and so its workers may use, default all).
 
     Raises:
         RuntimeError: it exited or did not become healthy in time (the log tail says why).
@@ -150,7 +152,8 @@ def start_deployment(mode: str, directory: Path, *extra: str, env: dict | None =
             "--port", "0", "--trace-file", str(trace_path), *extra]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, **(env or {})))
+                                env=dict(os.environ, **(env or {})),
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
     events = extra[extra.index("--events") + 1] if "--events" in extra else None
     dep = Deployment(mode, "", proc, log_path, trace_path, events)
     try:

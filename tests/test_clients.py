@@ -19,10 +19,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from conftest import _stop, start_deployment
 
 TOOL_TIMEOUT_S = 600.0  # one tool run (GuideLLM took ~6 min with both cores held by another run)
 # Above pyproject's 600 s default: the lm-eval test makes three tool runs and starts two
@@ -36,8 +39,11 @@ DATA = ROOT / "tests" / "data" / "clients"
 # HF_HUB_OFFLINE it looks a local tokenizer directory up in the hub cache and fails
 # (aiperf 0.13 `Tokenizer._from_pretrained_local`); given a path it reads it directly.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-# One load for both benchmark clients: requests, prompt and output tokens, concurrency.
-LOAD = {"requests": 16, "input": 128, "output": 32, "concurrency": 2}
+# One load for both benchmark clients: requests, prompt and output tokens, concurrency. One
+# request at a time: with two in flight the server's times depend on how their prefills and
+# decodes happen to interleave, which differs between two tools' start-up and pacing (server-side
+# TTFT 1,536 vs 1,330 ms in one trial, each tool within 1 % of the server's own trace).
+LOAD = {"requests": 16, "input": 128, "output": 32, "concurrency": 1}
 AGREEMENT = 0.15  # |AIPerf - epdserve bench| / epdserve bench, for the TTFT and ITL means
 
 
@@ -54,9 +60,10 @@ def clients_bin(name: str) -> Path:
 
 
 def run_tool(argv: list, log: Path, tmp_path: Path, *, offline: bool = True,
-             timeout_s: float = TOOL_TIMEOUT_S) -> None:
+             timeout_s: float = TOOL_TIMEOUT_S, cores: set[int] | None = None) -> None:
     """Run ``argv`` in a process group of its own with its output in ``log``, and kill
-    the group when it ends (AIPerf and lm-eval start helper processes).
+    the group when it ends (AIPerf and lm-eval start helper processes); ``cores``: the CPU
+    cores it and its children may use (default all).
 
     Raises:
         AssertionError: it exited non-zero or ran past ``timeout_s`` (with the log's tail).
@@ -67,7 +74,8 @@ def run_tool(argv: list, log: Path, tmp_path: Path, *, offline: bool = True,
         env.update(OFFLINE)
     with open(log, "w") as out:
         proc = subprocess.Popen([str(a) for a in argv], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=tmp_path, env=env, start_new_session=True)
+                                cwd=tmp_path, env=env, start_new_session=True,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
     try:
         rc = proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -106,20 +114,39 @@ def bench_ignore_eos_flags() -> list[str]:
 # --------------------------------------------------------------------------- AIPerf
 
 
+# The AIPerf comparison runs the deployment on one core and both clients on another: AIPerf
+# is several processes, which on 2 shared cores took enough CPU from 1P1D to slow it by
+# ~28 % (server-side prefill 879 against 687 ms, decode 42 against 28 ms per token) while
+# each client agreed with the server's own trace within 1 %.
+SERVER_CORES, CLIENT_CORES = {0}, {1}
+
+
+@pytest.fixture(scope="module")
+def pd_one_core(tmp_path_factory):
+    """1P1D with its router and both workers on core 0 (skips on a machine without core 1)."""
+    if not SERVER_CORES | CLIENT_CORES <= os.sched_getaffinity(0):
+        pytest.skip(f"needs cores {sorted(SERVER_CORES | CLIENT_CORES)} (one for the server, one for the clients)")
+    dep = start_deployment("pd", tmp_path_factory.mktemp("serve-pd-core0"), cores=SERVER_CORES)
+    try:
+        yield dep
+    finally:
+        _stop(dep.proc)
+
+
 def epdserve_bench(server, tok: Path, tmp_path: Path) -> dict:
     """``epdserve bench`` with LOAD (a closed loop of LOAD["concurrency"] clients, every
-    output exactly LOAD["output"] tokens); its result JSON."""
+    output exactly LOAD["output"] tokens), on CLIENT_CORES; its result JSON."""
     result = tmp_path / "bench.json"
     run_tool([sys.executable, "-m", "epdserve", "bench", "--base-url", server.url, "--endpoint", "chat",
               "--workload", "synthetic", "--num-prompts", LOAD["requests"], "--input-len", LOAD["input"],
               "--output-len", LOAD["output"], "--max-concurrency", LOAD["concurrency"],
               "--tokenizer", tok, "--seed", 0, "--disable-tqdm", "--result-file", result,
-              *bench_ignore_eos_flags()], tmp_path / "bench.log", tmp_path)
+              *bench_ignore_eos_flags()], tmp_path / "bench.log", tmp_path, cores=CLIENT_CORES)
     return json.loads(result.read_text())
 
 
 def aiperf_profile(server, tok: Path, tmp_path: Path) -> dict:
-    """``aiperf profile`` with LOAD on the streaming chat endpoint; its summary JSON
+    """``aiperf profile`` with LOAD on the streaming chat endpoint, on CLIENT_CORES; its summary JSON
     (``profile_export_aiperf.json``). Token counts are the server's ``usage`` (as
     epdserve bench's), not AIPerf's re-tokenization of the streamed text."""
     artifacts = tmp_path / "aiperf"
@@ -131,30 +158,61 @@ def aiperf_profile(server, tok: Path, tmp_path: Path) -> dict:
               "--request-count", LOAD["requests"], "--concurrency", LOAD["concurrency"],
               "--warmup-request-count", 1, "--random-seed", 0, "--artifact-dir", artifacts,
               "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry"],
-             tmp_path / "aiperf.log", tmp_path, offline=False)
+             tmp_path / "aiperf.log", tmp_path, offline=False, cores=CLIENT_CORES)
     return json.loads((artifacts / "profile_export_aiperf.json").read_text())
 
 
-def test_aiperf_pd_agrees_with_bench(pd_server, model_info, tmp_path):
+def trace_records(server, done=lambda records: True, timeout_s: float = 30.0) -> list[dict]:
+    """The server's trace records once ``done(records)`` (the router writes a record as its
+    request ends: a tool may exit a moment before), or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = server.trace_path.read_text().splitlines() if server.trace_path.exists() else []
+        records = [json.loads(line) for line in lines]
+        if done(records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def server_means(records: list[dict]) -> dict[str, float]:
+    """The server's own TTFT and TPOT means (ms) of ``records``: the router's HTTP arrival
+    to first token, and decode time per output token after the first."""
+    return {"TTFT": sum(r["ttft_ms"] for r in records) / len(records),
+            "TPOT": sum(r["decode_ms"] / (r["output_tokens"] - 1) for r in records) / len(records)}
+
+
+def test_aiperf_pd_agrees_with_bench(pd_one_core, model_info, tmp_path):
     """AIPerf's streaming chat run against 1P1D completes with no error, and its TTFT and
-    ITL means are within AGREEMENT of epdserve bench's on the same load and server (ours
-    first). AIPerf's ITL is per request (E2EL - TTFT) / (output tokens - 1), i.e. vLLM's
-    TPOT; with every output LOAD["output"] tokens long it equals bench's pooled ITL mean up
-    to the final chunks, which is why both are checked against it."""
-    tok = tokenizer_dir(pd_server, model_info)
-    ours = epdserve_bench(pd_server, tok, tmp_path)
-    theirs = aiperf_profile(pd_server, tok, tmp_path)
+    ITL means agree with epdserve bench's on the same load and server within AGREEMENT (the
+    server on one core, the clients on another, bench first), each as a ratio to the
+    server's own trace of its requests: two runs one after the other on a shared VM meet
+    servers up to ~15 % apart in speed (server-side TTFT 581 vs 638 ms in one trial), which a
+    raw comparison would blame on a tool. AIPerf's ITL is per request (E2EL - TTFT) /
+    (output tokens - 1), i.e. vLLM's TPOT, so it is set against bench's TPOT."""
+    server = pd_one_core
+    tok = tokenizer_dir(server, model_info)
+    ours = epdserve_bench(server, tok, tmp_path)
+    records = trace_records(server, lambda records: set(ours["request_ids"]) <= {r["request_id"] for r in records})
+    bench_records = [r for r in records if r["request_id"] in set(ours["request_ids"])]
+    mid = len(records)
+    theirs = aiperf_profile(server, tok, tmp_path)
+    # AIPerf's requests: its warm-up request, then LOAD["requests"].
+    records = trace_records(server, lambda records: len(records) >= mid + LOAD["requests"] + 1)
     assert ours["completed"] == LOAD["requests"] and ours["failed"] == 0
     assert not theirs.get("error_summary"), theirs["error_summary"]
     assert theirs["request_count"]["avg"] == LOAD["requests"]
     assert theirs.get("error_request_count", {}).get("avg", 0) == 0
     assert theirs["output_sequence_length"]["avg"] == LOAD["output"]
-    pairs = {"TTFT": (theirs["time_to_first_token"]["avg"], ours["mean_ttft_ms"]),
-             "ITL": (theirs["inter_token_latency"]["avg"], ours["mean_itl_ms"]),
-             "ITL vs TPOT": (theirs["inter_token_latency"]["avg"], ours["mean_tpot_ms"])}
-    report = ", ".join(f"{k}: AIPerf {a:.1f} ms, epdserve bench {b:.1f} ms" for k, (a, b) in pairs.items())
-    for name, (aiperf_ms, bench_ms) in pairs.items():
-        assert abs(aiperf_ms - bench_ms) <= AGREEMENT * bench_ms, f"{name} disagrees: {report}"
+    assert len(bench_records) == LOAD["requests"] and len(records) == mid + LOAD["requests"] + 1
+    assert not any(r["error"] for r in bench_records + records[mid:])
+    served = {"bench": server_means(bench_records), "aiperf": server_means(records[-LOAD["requests"]:])}
+    measured = {"bench": {"TTFT": ours["mean_ttft_ms"], "TPOT": ours["mean_tpot_ms"]},
+                "aiperf": {"TTFT": theirs["time_to_first_token"]["avg"], "TPOT": theirs["inter_token_latency"]["avg"]}}
+    report = "; ".join(f"{tool} {k}: {measured[tool][k]:.1f} ms (server {served[tool][k]:.1f})"
+                       for tool in measured for k in ("TTFT", "TPOT"))
+    for k in ("TTFT", "TPOT"):
+        ratio = {tool: measured[tool][k] / served[tool][k] for tool in measured}
+        assert abs(ratio["aiperf"] / ratio["bench"] - 1) <= AGREEMENT, f"{k} disagrees: {report}"
 
 
 # --------------------------------------------------------------------------- GuideLLM
