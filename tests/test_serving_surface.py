@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -93,6 +94,21 @@ def test_open_endpoints_and_api_key(surface_server):
     assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
     # dtype: auto (from the config file) reached the worker, which resolved it.
     assert f"--dtype auto: {auto_dtype(Path(client(dep).models.list().data[0].root))}" in dep.log_tail(10**7)
+
+
+def test_bench_sends_openai_api_key(surface_server, tmp_path):
+    """`epdserve bench` sends $OPENAI_API_KEY as a bearer token, as `vllm bench serve` and
+    the openai SDK do; without it a keyed server's 401 is the error, not a traceback."""
+    result = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "epdserve", "bench", "--base-url", surface_server.url, "--workload", "synthetic",
+            "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--disable-tqdm",
+            "--result-file", str(result)]
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    ok = subprocess.run(argv, env=dict(env, OPENAI_API_KEY=KEY), capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(result.read_text())["completed"] == 2
+    bad = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "HTTP 401" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_served_names_models_root_and_404(surface_server, tokenizer):

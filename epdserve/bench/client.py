@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -138,11 +139,15 @@ def _url(base_url: str, path: str) -> str:
 
 def make_client(num_requests: int = 100, timeout_s: float = 600.0) -> httpx.AsyncClient:
     """One HTTP client for the whole run: a connection per in-flight request (no queueing
-    in the client), ``timeout_s`` per read, and no proxy from the environment."""
+    in the client), ``timeout_s`` per read, and no proxy from the environment. With
+    ``$OPENAI_API_KEY`` set, every request carries ``Authorization: Bearer`` that key, as
+    ``vllm bench serve`` and the openai SDK send it (a server started with ``--api-key``)."""
     limits = httpx.Limits(max_connections=max(100, num_requests),
                           max_keepalive_connections=max(100, num_requests))
     timeout = httpx.Timeout(timeout_s, connect=30.0)
-    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+    key = os.environ.get("OPENAI_API_KEY")
+    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False,
+                             headers={"Authorization": f"Bearer {key}"} if key else None)
 
 
 async def fetch_model_name(client: httpx.AsyncClient, base_url: str) -> str:
