@@ -295,7 +295,7 @@ def run_fit_serving(args) -> int:
     for d in distinct_dirs(args.from_compare):
         platform = calibrate.platform_from(cal, vlm=has_images(d))
         for name, run in calibrate.compare_runs(d, platform).items():
-            step = (lambda worker, run=run, platform=platform: platform.step(run.sizes[worker]))
+            step = run.step(platform)
             served[f"{d}:{name}"] = (calibrate.decode_gaps(run.seqs, step, run.contended),
                                      calibrate.prefill_steps(run.seqs, step), run.sizes)
     slowdown, contended = calibrate.fit_serving([gaps for gaps, _, _ in served.values()])

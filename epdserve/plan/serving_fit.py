@@ -198,6 +198,10 @@ class ServedRun:
     sizes: dict[str, int]
     contended: Callable[[str, float], bool]
 
+    def step(self, platform: Platform) -> Callable[[str], StepModel]:
+        """Each worker's step model: ``platform``'s for that worker's cores."""
+        return lambda worker: platform.step(self.sizes[worker])
+
 
 def compare_runs(compare_dir: str | Path, platform: Platform) -> dict[str, ServedRun]:
     """Each configuration of an ``epdserve compare`` output (its ``compare.json``,
@@ -228,7 +232,7 @@ def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[
     Raises:
         ValueError: ``compare_dir`` lacks its files.
     """
-    return {name: decode_gaps(run.seqs, lambda worker, run=run: platform.step(run.sizes[worker]), run.contended)
+    return {name: decode_gaps(run.seqs, run.step(platform), run.contended)
             for name, run in compare_runs(compare_dir, platform).items()}
 
 
