@@ -59,7 +59,7 @@ import uvicorn
 
 from epdserve import host
 from epdserve.model.loader import ModelLoadError
-from epdserve.serving import auth, flags
+from epdserve.serving import auth, flags, ray_cluster
 from epdserve.serving.deployment import DeploymentSpec, Placement, plan_workers  # noqa: F401 (plan_workers: tests)
 from epdserve.serving.http_guard import uvicorn_config
 from epdserve.serving.router import (SYNTHETIC_VISION_NOTE, Router, add_router_options, build_router, create_app,
@@ -96,7 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--kv-cache-memory-mb each) exceeds the host's available memory")
     parser.add_argument("--events", default=None,
                         help="ZeroMQ address of the router's events socket (default: ipc in a private "
-                             "directory); e.g. tcp://127.0.0.1:5557 to let other workers join")
+                             "directory; --cluster ray: tcp:// on this node's Ray IP, a free port); e.g. "
+                             "tcp://127.0.0.1:5557 to let other workers join")
+    ray_cluster.add_arguments(parser)
 
 
 def usable_cores(spec: str | None) -> list[int]:
@@ -201,15 +203,21 @@ def _die_with_parent(parent_pid: int) -> None:
     os.setpgid(0, 0)
 
 
+def worker_flags(args: argparse.Namespace, role: str, worker_id: str, events: str) -> list[str]:
+    """The flags of worker ``worker_id`` wherever it runs: its role and id, where it
+    reports, and the worker flags given to serve (``--prefill-dtype`` / ``--decode-dtype``
+    as its ``--dtype`` for those roles)."""
+    role_dtype = getattr(args, f"{role}_dtype", None) if role in ("prefill", "decode") else None
+    return ["--role", role, "--router", events, "--worker-id", worker_id,
+            *flags.worker_argv(args, dtype=role_dtype or args.dtype)]
+
+
 def worker_command(args: argparse.Namespace, role: str, worker_id: str, cores: list[int],
                    events: str, cmd: str) -> list[str]:
-    """The command line of worker ``worker_id``: where it listens and reports, its cores,
-    and the worker flags given to serve (``--prefill-dtype`` / ``--decode-dtype`` as its
-    ``--dtype`` for those roles)."""
-    role_dtype = getattr(args, f"{role}_dtype", None) if role in ("prefill", "decode") else None
-    return [sys.executable, "-m", "epdserve", "worker", "--role", role, "--router", events,
-            "--bind", cmd, "--worker-id", worker_id, "--cores", ",".join(map(str, cores)),
-            *flags.worker_argv(args, dtype=role_dtype or args.dtype)]
+    """The command line of local worker ``worker_id``: :func:`worker_flags`, where it
+    listens (``cmd``) and its cores."""
+    return [sys.executable, "-m", "epdserve", "worker", *worker_flags(args, role, worker_id, events),
+            "--bind", cmd, "--cores", ",".join(map(str, cores))]
 
 
 def worker_env(args: argparse.Namespace) -> dict[str, str]:
@@ -225,7 +233,11 @@ def worker_env(args: argparse.Namespace) -> dict[str, str]:
 class Children:
     """The worker subprocesses. :meth:`watch` reports the ones that exited and restarts
     them after a backoff; :meth:`stop` (idempotent) terminates them, then kills whatever is
-    still alive after ``grace_s`` seconds. ``env`` is added to each worker's environment."""
+    still alive after ``grace_s`` seconds. ``env`` is added to each worker's environment.
+    :meth:`launch`, :meth:`ids`, :meth:`exits` and :meth:`stop` are what ``serve`` uses,
+    as of :class:`~epdserve.serving.ray_cluster.RayWorkers`."""
+
+    restart_note = "restarting it"
 
     def __init__(self, env: dict[str, str]):
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
@@ -241,6 +253,20 @@ class Children:
         self.procs[worker_id] = subprocess.Popen(argv, env=self.env, preexec_fn=lambda: _die_with_parent(parent))
         self.started[worker_id] = time.monotonic()
         log.info("started worker %s (pid %d): %s", worker_id, self.procs[worker_id].pid, " ".join(argv[3:]))
+
+    def launch(self, plan: Placement, commands: dict[str, list[str]]) -> None:
+        """Start each worker of ``plan`` with its command line ``commands[worker id]``."""
+        for _, wid, _ in plan:
+            self.start(wid, commands[wid])
+
+    def ids(self) -> list[str]:
+        """The worker ids started."""
+        return list(self.procs)
+
+    def exits(self) -> list[tuple[str, str, bool]]:
+        """:meth:`watch` as ``(worker id, why, fatal)``: fatal for EXIT_CONFIG."""
+        return [(wid, f"process (pid {p.pid}) exited with code {p.returncode}", p.returncode == EXIT_CONFIG)
+                for wid, p in self.watch()]
 
     def watch(self) -> list[tuple[str, subprocess.Popen]]:
         """Workers that exited since the last call; restart those whose backoff is over.
@@ -263,6 +289,10 @@ class Children:
                 self.start(wid, self.argv[wid])
         return exited
 
+    def drain(self, router: Router) -> None:
+        """Nothing before the router stops: :meth:`stop` SIGTERMs the workers, which free
+        their shared memory on the way out."""
+
     def stop(self, grace_s: float = 10.0) -> None:
         for p in self.procs.values():
             if p.poll() is None:
@@ -277,29 +307,28 @@ class Children:
                 p.wait()
 
 
-async def _supervise(server, router: Router, children: Children, args, placement: str,
-                     sock: socket.socket) -> int:
-    """Run uvicorn, announce the URL once every worker said hello, mark dead workers down
-    (they are restarted), and stop everything when a worker exits with EXIT_CONFIG or the
-    workers do not come up in time (returns 1), or a signal arrives (returns 0)."""
+async def _supervise(server, router: Router, children, args, placement: str, sock: socket.socket) -> int:
+    """Run uvicorn, announce the URL once every worker of ``children`` (:class:`Children` or
+    Ray's) said hello, mark dead workers down (they are restarted), and stop everything when
+    a worker exits fatally (EXIT_CONFIG) or the workers do not come up in time (returns 1),
+    or a signal arrives (returns 0)."""
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
     rc = 0
     announced = False
     deadline = time.monotonic() + args.startup_timeout
     while not serve_task.done():
-        for wid, proc in children.watch():
-            fatal = proc.returncode == EXIT_CONFIG
-            msg = (f"epdserve serve: worker {wid} (pid {proc.pid}) exited with code {proc.returncode}; "
-                   + ("stopping (its configuration is wrong)" if fatal else "restarting it"))
+        for wid, why, fatal in children.exits():
+            msg = (f"epdserve serve: worker {wid}: {why}; "
+                   + ("stopping (its configuration is wrong)" if fatal else children.restart_note))
             log.error(msg)
             print(msg, file=sys.stderr, flush=True)
-            router.mark_dead(wid, f"process exited with code {proc.returncode}")
+            router.mark_dead(wid, why)
             if fatal:
                 rc, server.should_exit = 1, True
         if rc:
             break
         if not announced and server.started and all(w in router.workers and router.live(router.workers[w])
-                                                     for w in children.procs):
+                                                     for w in children.ids()):
             port = server.servers[0].sockets[0].getsockname()[1]
             print(f"epdserve serve: ready at http://{args.host}:{port} (mode {args.mode}, model "
                   f"{router.model.name}; {placement})", flush=True)
@@ -333,17 +362,27 @@ def run(args: argparse.Namespace) -> int:
               f"{'stop what listens there or ' if busy else ''}pass another --port (0: any free port)",
               file=sys.stderr)
         return 1
+    workers = Children(worker_env(args))
+    if args.cluster == "ray":
+        workers = ray_cluster.RayWorkers(args, worker_env(args))
+        try:
+            workers.connect()
+        except ConnectionError as exc:
+            print(f"epdserve serve: error: {exc}", file=sys.stderr)
+            sock.close()
+            return 1
     tmp = tempfile.mkdtemp(prefix="epdserve-")  # mode 0700: only we can reach the sockets
-    events = args.events or f"ipc://{tmp}/events"
+    events = args.events or (ray_cluster.events_address() if args.cluster == "ray" else f"ipc://{tmp}/events")
     router, warnings, error = _load_router(args, plan, events)
     if error:
         print(f"epdserve serve: error: {error}", file=sys.stderr)
         sock.close()
+        workers.stop()
         shutil.rmtree(tmp, ignore_errors=True)
         return 2
     for text in warnings:
         print(f"epdserve serve: warning: {text}", file=sys.stderr, flush=True)
-    return _serve(args, router, plan, tmp, events, sock)
+    return _serve(args, router, plan, tmp, events, sock, workers)
 
 
 def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
@@ -351,6 +390,8 @@ def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
     options hold; makes up an auth token when one is needed and none was given."""
     try:
         plan = plan_for(args)
+        if args.cluster == "ray":
+            ray_cluster.role_resources(args)
     except ValueError as exc:
         return [], str(exc)
     if not args.auth_token and (not args.allow_unauthenticated or args.internal_encryption == "curve"):
@@ -368,6 +409,8 @@ def _load_router(args: argparse.Namespace, plan: Placement, events: str) -> tupl
         router = build_router(args, events)
     except ModelLoadError as exc:
         return None, [], str(exc)
+    if args.cluster == "ray":  # the workers' memory and cores are on the cluster's nodes, Ray's to place
+        return router, [], None
     warnings, error = check_capacity(args, plan, router.model.path, host.mem_available_bytes())
     if error:
         error += "; use fewer workers or a smaller --kv-cache-memory-mb, or pass --allow-oversubscription"
@@ -375,10 +418,10 @@ def _load_router(args: argparse.Namespace, plan: Placement, events: str) -> tupl
 
 
 def _serve(args: argparse.Namespace, router: Router, plan: Placement, tmp: str, events: str,
-           sock: socket.socket) -> int:
-    """Start the workers of ``plan``, serve HTTP on ``sock`` until a signal or a fatal
-    worker exit (:func:`_supervise`), then stop the workers and remove ``tmp``."""
-    children = Children(worker_env(args))
+           sock: socket.socket, children) -> int:
+    """Start the workers of ``plan`` (``children``: :class:`Children`, or Ray's actors), serve
+    HTTP on ``sock`` until a signal or a fatal worker exit (:func:`_supervise`), then stop
+    the workers and remove ``tmp``."""
     stopped = False
 
     def cleanup() -> None:
@@ -401,13 +444,35 @@ def _serve(args: argparse.Namespace, router: Router, plan: Placement, tmp: str, 
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    placement = ", ".join(f"{wid} on cores {','.join(map(str, c))}" for _, wid, c in plan)
+    if args.cluster == "ray":
+        placement = children.placement(plan)
+        commands = {wid: worker_flags(args, role, wid, events) for role, wid, _ in plan}
+    else:
+        placement = ", ".join(f"{wid} on cores {','.join(map(str, c))}" for _, wid, c in plan)
+        commands = {wid: worker_command(args, role, wid, c, events, f"ipc://{tmp}/{wid}") for role, wid, c in plan}
     log.info("placement: %s", placement)
     try:
-        for role, wid, wcores in plan:
-            children.start(wid, worker_command(args, role, wid, wcores, events, f"ipc://{tmp}/{wid}"))
-        config = uvicorn_config(create_app(router), args, lifespan="on", timeout_graceful_shutdown=5)
+        children.launch(plan, commands)
+        app = _before_router_stops(create_app(router), lambda: children.drain(router))
+        config = uvicorn_config(app, args, lifespan="on", timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
         return asyncio.run(_supervise(server, router, children, args, placement, sock))
     finally:
         cleanup()
+
+
+def _before_router_stops(app, hook):
+    """``app`` (ASGI) calling ``hook()`` when the server's lifespan shutdown arrives: after
+    uvicorn's graceful wait for open requests and before the router closes its sockets,
+    so that the workers can still be told to shut down through them."""
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await app(scope, receive, send)
+
+        async def receive_then_hook():
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                hook()
+            return message
+        return await app(scope, receive_then_hook, send)
+    return wrapped

@@ -152,6 +152,12 @@ class RouterMetrics:
         """epdserve's metrics without a vLLM name, always under ``epdserve:``."""
         r, m, wl = self.registry, self.model_name, ["model_name", "worker", "role"]
         self._worker_up = Gauge("epdserve:worker_up", "1 if the worker is up, 0 if down or refused.", wl, registry=r)
+        # Where each worker runs, as an info series (kube-state-metrics' *_info convention):
+        # join it on ``worker`` to split any per-worker series by node; the per-worker series
+        # keep their labels, so dashboards and scrapers built on them are unchanged.
+        self._worker_node = Gauge("epdserve:worker_node_info", "1 per worker and the node it runs on "
+                                  "(Ray node id or host name, and its IP).", wl + ["node", "node_ip"], registry=r)
+        self._nodes: dict[tuple[str, str], tuple[str, str]] = {}  # (worker, role) -> its (node, node_ip)
         self.kv_blocks_in_use = Gauge("epdserve:kv_blocks_in_use", "KV cache blocks in use.", wl, registry=r)
         self.kv_blocks_total = Gauge("epdserve:kv_blocks_total", "KV cache blocks in the pool.", wl, registry=r)
         self.request_failure = Counter("epdserve:request_failure_total",
@@ -247,6 +253,15 @@ class RouterMetrics:
         self._worker_up.labels(self.model_name, worker, role).set(1 if up else 0)
         if not up and self._workers.pop((worker, role), None) is not None:
             self._set_deployment_gauges()
+
+    def set_worker_node(self, worker: str, role: str, node: str, node_ip: str) -> None:
+        """Record where ``worker`` runs (from its Hello): ``epdserve:worker_node_info`` is 1
+        for its current node and the series of a node it left is removed."""
+        old = self._nodes.get((worker, role))
+        if old is not None and old != (node, node_ip):
+            self._worker_node.remove(self.model_name, worker, role, *old)
+        self._nodes[(worker, role)] = (node, node_ip)
+        self._worker_node.labels(self.model_name, worker, role, node, node_ip).set(1)
 
     def set_worker(self, worker: str, role: str, *, blocks_in_use: int, blocks_total: int,
                    num_running: int, num_waiting: int, num_preemptions: int = 0,

@@ -85,7 +85,10 @@ class Hello(_Msg):
     """A worker's first message (and its answer to :class:`Reset`). ``fingerprint``
     identifies its weights and ``auth`` is the HMAC of ``worker_id`` under the deployment's
     token (see ``epdserve.serving.handshake``); ``cores`` are the CPU cores it is pinned
-    to; ``incarnation``: the random id of this worker process."""
+    to; ``incarnation``: the random id of this worker process. ``node_id``, ``node_ip``
+    and ``resources`` say where it runs: on Ray its node's id and IP and the resources
+    its actor holds (``{"CPU": 1.0, "prefill_node": 1.0}``); under the local launcher
+    (or by hand) the host name, "" and {}; ``pid`` its process on that node."""
 
     type: Literal["hello"] = "hello"
     worker_id: str
@@ -99,6 +102,10 @@ class Hello(_Msg):
     auth: str = ""
     incarnation: str = Field(min_length=8, max_length=64)
     protocol: int = 1  # PROTOCOL_VERSION of the worker's code; absent (1) from older workers
+    node_id: str = Field(default="", max_length=128)
+    node_ip: str = Field(default="", max_length=64)
+    resources: dict[str, float] = {}
+    pid: int = Field(default=0, ge=0)  # its process id on its node (0: not given)
 
 
 class Heartbeat(_Msg):

@@ -29,11 +29,14 @@ it drops every request and export it holds and says Hello again.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import queue
 import secrets
 import signal
+import socket
+import threading
 import time
 import traceback
 
@@ -398,18 +401,34 @@ def run(args: argparse.Namespace) -> int:
         print(f"epdserve worker: error: --kv-bind {args.kv_bind}: {exc}", flush=True)
         ctx.destroy(linger=0)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
+    if threading.current_thread() is threading.main_thread():  # a Ray actor may run us on another thread
+        signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
     worker.sealer, worker.incarnation = keyring.sealer("events"), incarnation
-    worker.hello = P.Hello(worker_id=args.worker_id, role=args.role, addr=args.bind, model=info.name,
+    # The address bound, not the one asked for: "tcp://IP:0" (Ray actors) resolves to a free port.
+    addr = cmd.getsockopt_string(zmq.LAST_ENDPOINT) if args.bind.startswith("tcp://") else args.bind
+    worker.hello = P.Hello(worker_id=args.worker_id, role=args.role, addr=addr, model=info.name,
                            fingerprint=model_fingerprint(info.path), kv_layout=kv_layout,
                            blocks_total=blocks_total, cores=cores, auth=auth_tag(args.auth_token, args.worker_id),
-                           incarnation=incarnation, protocol=P.PROTOCOL_VERSION)
+                           incarnation=incarnation, protocol=P.PROTOCOL_VERSION, **node_identity())
     worker.send(worker.hello)
     log.info("%s: %s worker on cores %s, %d KV blocks, listening on %s%s",
-             args.worker_id, args.role, cores, blocks_total, args.bind, " (CURVE on TCP)" if keyring.curve else "")
+             args.worker_id, args.role, cores, blocks_total, addr, " (CURVE on TCP)" if keyring.curve else "")
     serve(worker, ctx, cmd, inbox, args.router, args.worker_id, keyring, incarnation)
     ctx.destroy(linger=1000)
     return worker.exit_code
+
+
+def node_identity() -> dict:
+    """Where this worker runs, for its Hello: ``node_id``, ``node_ip`` and ``resources``
+    from ``$EPDSERVE_NODE_ID`` / ``$EPDSERVE_NODE_IP`` / ``$EPDSERVE_NODE_RESOURCES`` (JSON),
+    which a Ray actor sets (``epdserve.serving.ray_cluster``); else the host name, "" and {};
+    and ``pid``, this process."""
+    try:
+        resources = json.loads(os.environ.get("EPDSERVE_NODE_RESOURCES") or "{}")
+    except json.JSONDecodeError:
+        resources = {}
+    return {"node_id": os.environ.get("EPDSERVE_NODE_ID") or socket.gethostname(),
+            "node_ip": os.environ.get("EPDSERVE_NODE_IP", ""), "resources": resources, "pid": os.getpid()}
 
 
 def _load(args: argparse.Namespace):
@@ -421,6 +440,8 @@ def _load(args: argparse.Namespace):
     """
     encode_role = args.role == "encode"
     cores = pin_to_cores(args.cores)
+    if os.environ.get("EPDSERVE_NUM_THREADS"):  # a Ray actor: its CPU count, not the node's
+        torch.set_num_threads(max(1, int(os.environ["EPDSERVE_NUM_THREADS"])))
     info = resolve_model(args.model)
     if args.dtype == "auto":
         args.dtype = auto_dtype(info.path, args.quantized_weights)

@@ -102,6 +102,10 @@ class WorkerState:
     incarnation: str = ""
     heard: float = 0.0
     reset_sent: float = -float("inf")  # time.monotonic() of the last Reset
+    node_id: str = ""  # where it runs (its Hello's): the Ray node id, or the host name
+    node_ip: str = ""
+    resources: dict[str, float] = field(default_factory=dict)  # what its Ray actor holds
+    pid: int = 0  # its process on its node
 
     def as_json(self, now: float) -> dict:
         """Its /health entry (``now``: a ``time.monotonic()``)."""
@@ -112,7 +116,9 @@ class WorkerState:
                 "num_running": self.num_running, "num_waiting": self.num_waiting,
                 "outstanding": len(self.outstanding),
                 "outstanding_tokens": sum(self.outstanding.values()),
-                "last_seen_s_ago": round(now - self.last_seen, 3)}
+                "last_seen_s_ago": round(now - self.last_seen, 3),
+                "node_id": self.node_id, "node_ip": self.node_ip, "resources": self.resources,
+                "pid": self.pid}
 
 
 class Registry:
@@ -317,11 +323,14 @@ class Registry:
         self.workers[msg.worker_id] = WorkerState(worker_id=msg.worker_id, role=msg.role, addr=msg.addr,
                                                   model=msg.model, kv_layout=msg.kv_layout, cores=msg.cores,
                                                   blocks_total=msg.blocks_total, incarnation=msg.incarnation,
-                                                  heard=self.clock)
+                                                  heard=self.clock, node_id=msg.node_id, node_ip=msg.node_ip,
+                                                  resources=dict(msg.resources), pid=msg.pid)
+        self.metrics.set_worker_node(msg.worker_id, msg.role, msg.node_id, msg.node_ip)
         self.metrics.set_worker(msg.worker_id, msg.role, blocks_in_use=0, blocks_total=msg.blocks_total,
                                 num_running=0, num_waiting=0, num_preemptions=0)
         self.metrics.set_worker_up(msg.worker_id, msg.role, True)
-        log.info("worker %s (%s) is up: hello from %s, cores %s", msg.worker_id, msg.role, msg.addr, msg.cores)
+        log.info("worker %s (%s) is up: hello from %s, cores %s, node %s", msg.worker_id, msg.role, msg.addr,
+                 msg.cores, msg.node_id or "?")
 
     def _refuse(self, msg: P.Hello, reason: str, held: bool) -> None:
         """Turn ``msg``'s sender away. ``held``: its id names a registered worker, whose state
@@ -336,7 +345,9 @@ class Registry:
                                            "cores": msg.cores, "state": "refused", "reason": reason,
                                            "kv_dtype": msg.kv_layout.get("dtype"),
                                            "blocks_in_use": 0, "blocks_total": 0, "num_running": 0,
-                                           "num_waiting": 0, "outstanding": 0, "outstanding_tokens": 0}
+                                           "num_waiting": 0, "outstanding": 0, "outstanding_tokens": 0,
+                                           "node_id": msg.node_id, "node_ip": msg.node_ip,
+                                           "resources": dict(msg.resources)}
             while len(self.refused) > MAX_REFUSED:
                 self.refused.pop(next(iter(self.refused)))
             self.metrics.set_worker_up(msg.worker_id, msg.role, False)

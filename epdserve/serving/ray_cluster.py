@@ -1,0 +1,302 @@
+"""``epdserve serve --cluster ray``: the workers as Ray actors on an existing Ray cluster.
+
+The router runs in the driver (the ``serve`` process, connected with ``ray.init(address=
+--ray-address)``); every worker is one Ray actor (:class:`WorkerActor`) that runs the same
+entry point as ``epdserve worker`` (:func:`epdserve.serving.worker.run`) in the actor's own
+process, so the actor's process dying is the worker dying. Per role, its workers'
+resources (``--prefill-resources CPU=1,prefill_node=1``; colocated: ``--worker-resources``)
+form the bundles of one Ray placement group with that role's strategy
+(``--prefill-placement PACK|SPREAD|STRICT_PACK|STRICT_SPREAD``, Ray's own), and each actor
+takes one bundle: custom resources given to a node at ``ray start --resources`` pick the
+node. ``CPU`` (default 1) also sets the worker's torch threads.
+
+Addresses: the router's events socket binds ``tcp://HEAD_IP:PORT`` (the driver's node IP as
+Ray knows it, a free port) unless ``--events`` names one; each worker binds its command
+socket and its KV (embedding) server on its own node's IP, port 0 (any free port), and says
+in its Hello where it is (node id, IP, the actor's resources). The auth token reaches the
+actors as an actor argument (Ray's object store), never in a command line.
+
+Supervision is Ray's: actors are created with ``max_restarts=-1`` and ``max_task_retries=-1``,
+so a worker process that dies is started again by Ray (on a node with the bundle's
+resources; a placement group's bundles on a lost node are rescheduled by Ray once a node
+with the resources is back) and its ``run`` task resubmitted; the router marks the dead one
+down by heartbeat silence (5 s) and takes the new process at its Hello. A worker whose
+``run`` returns (status 2: bad option or model, refused by the router) stops ``serve`` as
+under the local launcher.
+
+Stop (every exit path of ``serve``): the router asks the workers to shut down (they free
+their shared memory), the actors are killed (``no_restart``), the placement groups removed,
+and the driver disconnects; a cluster ``serve`` did not start is left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import socket
+
+log = logging.getLogger("epdserve.ray")
+
+CLUSTERS = ("local", "ray")
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
+# The option prefix of each role's resources and placement (colocated workers: "worker").
+ROLE_OPTION = {"colocated": "worker", "prefill": "prefill", "decode": "decode", "encode": "encode"}
+_RESOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]*")
+STOP_GRACE_S = 5.0  # seconds the workers get to exit after Shutdown before their actors are killed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``serve``'s cluster options: ``--cluster``, ``--ray-address`` and per role
+    ``--{worker,prefill,decode,encode}-resources`` and ``-placement``."""
+    parser.add_argument("--cluster", choices=CLUSTERS, default="local",
+                        help="local: workers are subprocesses on this host; ray: Ray actors on the Ray cluster "
+                             "at --ray-address (see docs/ray.md)")
+    parser.add_argument("--ray-address", default="auto",
+                        help="--cluster ray: the cluster to join, as ray.init's address (default: auto, the "
+                             "cluster started on this host by `ray start`)")
+    for option, role in (("worker", "colocated"), ("prefill", "prefill"), ("decode", "decode"),
+                         ("encode", "encode")):
+        parser.add_argument(f"--{option}-resources", default="CPU=1", metavar="K=V,...",
+                            help=f"--cluster ray: Ray resources of each {role} worker, e.g. CPU=1,GPU=1,"
+                                 f"{role}_node=1 (custom resources name the nodes given them at ray start)")
+        parser.add_argument(f"--{option}-placement", default="PACK", type=str.upper, choices=STRATEGIES,
+                            help=f"--cluster ray: Ray placement-group strategy of the {role} workers")
+
+
+def parse_resources(text: str, option: str) -> dict[str, float]:
+    """``"CPU=1,GPU=0.5,prefill_node=1"`` as ``{"CPU": 1.0, "GPU": 0.5, "prefill_node": 1.0}``
+    (Ray resource amounts; ``CPU`` defaults to 1 when not given).
+
+    Raises:
+        ValueError: an empty item, a name that is not a resource name, a repeated name, or
+            an amount that is not a number >= 0, naming ``option`` and the bad item.
+    """
+    out: dict[str, float] = {}
+    for item in text.split(","):
+        name, eq, amount = item.strip().partition("=")
+        bad = f"{option} {text!r}: {item.strip()!r}"
+        if not eq or not _RESOURCE_NAME.fullmatch(name.strip()):
+            raise ValueError(f"{bad} is not NAME=AMOUNT (e.g. CPU=1,prefill_node=1)")
+        try:
+            value = float(amount)
+        except ValueError:
+            raise ValueError(f"{bad}: the amount is not a number") from None
+        if not value >= 0 or value == float("inf"):
+            raise ValueError(f"{bad}: the amount must be a finite number >= 0")
+        if name.strip() in out:
+            raise ValueError(f"{bad}: {name.strip()} is given twice")
+        out[name.strip()] = value
+    out.setdefault("CPU", 1.0)
+    return out
+
+
+def role_resources(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Each role's resources per worker from serve's options (:func:`parse_resources`).
+
+    Raises:
+        ValueError: a bad ``--*-resources`` value.
+    """
+    return {role: parse_resources(getattr(args, f"{opt}_resources"), f"--{opt}-resources")
+            for role, opt in ROLE_OPTION.items()}
+
+
+class WorkerActor:
+    """One worker as a Ray actor: :meth:`run` runs ``epdserve worker``'s entry point with
+    ``argv`` (its flags, less ``--bind``/``--kv-bind``, which are added on this node's IP)
+    in this actor's process. ``env`` (the auth token and security options) goes into this
+    process's environment, where the worker reads it; ``num_threads``: torch's threads (the
+    actor's CPUs). Created by :class:`RayWorkers` with ``ray.remote``."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], num_threads: int):
+        import ray
+
+        context = ray.get_runtime_context()
+        ip = ray.util.get_node_ip_address()
+        resources = {k: float(v) for k, v in context.get_assigned_resources().items()}
+        os.environ.update(env, EPDSERVE_NODE_ID=context.get_node_id(), EPDSERVE_NODE_IP=ip,
+                          EPDSERVE_NODE_RESOURCES=json.dumps(resources), EPDSERVE_NUM_THREADS=str(num_threads),
+                          PYTHONUNBUFFERED="1")
+        host = f"[{ip}]" if ":" in ip else ip
+        self.argv = [*argv, "--bind", f"tcp://{host}:0", "--kv-bind", f"tcp://{host}:0"]
+
+    def run(self) -> int:
+        """The worker's loop until it is told to shut down: its exit status (0; 2: a bad
+        option or model, or refused by the router)."""
+        from epdserve.serving import worker
+
+        parser = argparse.ArgumentParser(prog="epdserve worker")
+        worker.add_arguments(parser)
+        return worker.run(parser.parse_args(self.argv))
+
+
+def events_address(port: int | None = None) -> str:
+    """``tcp://IP:PORT`` for the router's events socket: the IP of this driver's Ray node
+    (``ray.util.get_node_ip_address()``, reachable by the cluster's nodes) and ``port``
+    (default: a free one)."""
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    if port is None:
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+
+
+class RayWorkers:
+    """The workers of one ``serve`` as Ray actors (the local launcher's ``Children``
+    counterpart: :meth:`launch`, :meth:`ids`, :meth:`exits`, :meth:`stop`).
+
+    Raises (:meth:`connect`):
+        ConnectionError: no Ray cluster at ``--ray-address``.
+    """
+
+    restart_note = "Ray restarts it"
+
+    def __init__(self, args: argparse.Namespace, env: dict[str, str]):
+        self.args = args
+        self.env = env
+        self.resources = role_resources(args)
+        self.actors: dict[str, object] = {}
+        self.runs: dict[str, object] = {}  # worker id -> ObjectRef of its run()
+        self.groups: list = []
+        self.connected = False
+        self.draining = False  # set by drain: runs that end now end on purpose
+
+    def connect(self) -> None:
+        """Join the cluster (never start one: ``address`` is always given)."""
+        import ray
+
+        _check_reachable(self.args.ray_address)
+        try:
+            ray.init(address=self.args.ray_address, log_to_driver=True, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ConnectionError(f"--ray-address {self.args.ray_address}: cannot join a Ray cluster: {exc}") from None
+        self.connected = True
+
+    def placement(self, plan) -> str:
+        """The placement line ``serve`` logs and prints."""
+        return ", ".join(f"{wid} on Ray ({_format(self.resources[role])}, "
+                         f"{getattr(self.args, ROLE_OPTION[role] + '_placement')})" for role, wid, _ in plan)
+
+    def launch(self, plan, argv: dict[str, list[str]]) -> None:
+        """Reserve a placement group per role and start an actor per worker of ``plan``
+        (``(role, worker id, cores)``; cores are the local launcher's and ignored here), each
+        running the worker with its flags ``argv[worker id]``.
+
+        Raises:
+            TimeoutError: a role's placement group is not placed within ``--startup-timeout``
+                (the cluster lacks the resources; the message lists what it has).
+        """
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor_cls = ray.remote(WorkerActor)
+        for role in dict.fromkeys(r for r, _, _ in plan):
+            ids = [wid for r, wid, _ in plan if r == role]
+            res = self.resources[role]
+            strategy = getattr(self.args, f"{ROLE_OPTION[role]}_placement")
+            group = placement_group([dict(res) for _ in ids], strategy=strategy)
+            self.groups.append(group)
+            ready, _ = ray.wait([group.ready()], timeout=self.args.startup_timeout)
+            if not ready:
+                raise TimeoutError(f"Ray could not place {len(ids)} {role} worker(s) of {_format(res)} ({strategy}) "
+                                   f"within {self.args.startup_timeout:g} s; the cluster has "
+                                   f"{_format(ray.cluster_resources())} (custom resources come from "
+                                   f"`ray start --resources`)")
+            custom = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
+            for index, wid in enumerate(ids):
+                actor = actor_cls.options(
+                    num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), resources=custom, max_restarts=-1,
+                    max_task_retries=-1, max_concurrency=1,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+                ).remote(argv[wid], self.env, max(1, int(res["CPU"])))
+                self.actors[wid] = actor
+                self.runs[wid] = actor.run.remote()
+                log.info("started worker %s as a Ray actor (%s)", wid, _format(res))
+
+    def ids(self) -> list[str]:
+        """The worker ids started."""
+        return list(self.actors)
+
+    def exits(self) -> list[tuple[str, str, bool]]:
+        """Workers whose ``run`` ended since the last call: ``(id, why, fatal)``. A worker
+        that returns ended on purpose (status 2: its configuration is wrong), fatal; one
+        whose actor Ray gave up on, fatal too. A dead process Ray restarts is not reported
+        here (its run is retried); the router notices the silence."""
+        import ray
+
+        if self.draining or not self.runs:
+            return []
+        done, _ = ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=0)
+        out = []
+        for wid in [w for w, ref in self.runs.items() if ref in done]:
+            ref = self.runs.pop(wid)
+            try:
+                out.append((wid, f"Ray actor's worker exited with code {ray.get(ref)}", True))
+            except ray.exceptions.RayError as exc:
+                out.append((wid, f"Ray actor failed: {str(exc).splitlines()[0]}", True))
+        return out
+
+    def drain(self, router) -> None:
+        """Tell every worker to shut down through ``router`` (they free their shared memory
+        and their ``run`` returns) and wait up to :data:`STOP_GRACE_S` for them; called
+        before the router closes its sockets. Never raises."""
+        import ray
+
+        self.draining = True
+        try:
+            router.shutdown_workers()
+            if self.runs:
+                ray.wait(list(self.runs.values()), num_returns=len(self.runs), timeout=STOP_GRACE_S)
+        except Exception as exc:  # noqa: BLE001 (best effort: stop() kills the actors anyway)
+            log.warning("asking the Ray workers to shut down: %s", exc)
+
+    def stop(self) -> None:
+        """Kill every actor, remove the placement groups and disconnect the driver (a
+        cluster it joined keeps running). Idempotent; never raises (it runs on every exit
+        path)."""
+        import ray
+
+        if not self.connected:
+            return
+        try:
+            for actor in self.actors.values():
+                ray.kill(actor, no_restart=True)
+            for group in self.groups:
+                ray.util.remove_placement_group(group)
+        except Exception as exc:  # noqa: BLE001 (a cluster gone meanwhile: nothing left to stop there)
+            log.warning("stopping the Ray actors: %s", exc)
+        finally:
+            self.actors.clear()
+            self.runs.clear()
+            self.groups.clear()
+            ray.shutdown()
+            self.connected = False
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a ``HOST:PORT`` address where nothing listens: ``ray.init`` would retry
+    for minutes. ("auto" and ``ray://`` addresses are left to Ray.)
+
+    Raises:
+        ConnectionError: nothing accepts a TCP connection there within ``timeout_s``.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"--ray-address {address}: cannot join a Ray cluster: nothing answers there "
+                              f"({exc.strerror or exc}); start one with `ray start --head` or give its GCS "
+                              f"address") from None
+
+
+def _format(resources: dict) -> str:
+    return ",".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if not k.startswith("node:") and
+                    not k.startswith("bundle_group") and v) or "nothing"

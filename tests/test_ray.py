@@ -1,0 +1,205 @@
+"""``epdserve serve --cluster ray`` on a real one-node Ray cluster (``ray start --head``,
+stopped by the module on every outcome):
+
+* 1P1D: the workers are Ray actors on the one node; /health and /metrics say where they
+  run, and the KV hand-off goes by shared memory (the trace's ``kv_tcp`` is 0);
+* 1P2D, kill -9 of a decode actor's process mid-stream: its stream ends with an error
+  event, the stream on the other decode worker finishes, Ray restarts the actor (no
+  launcher loop), the next request succeeds and no KV block stays in use;
+* bad cluster options stop ``serve`` with a one-line error naming the value.
+
+The helpers here (a Ray node started in a session of its own and stopped by killing that
+session) serve tests/test_ray_multinode.py too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import _stop, free_port, start_deployment
+from test_faults_workers import Stream, outstanding, states, wait_for
+from test_serving_cleanup import wait_all_free
+
+RAY = str(Path(sys.executable).with_name("ray"))
+RESTART_TIMEOUT_S = 120
+PROMPT = "The lighthouse keeper climbed the spiral stairs every evening at dusk, and"
+
+
+class RayNode:
+    """One ``ray start`` (head or joining) in a session of its own, with its own temporary
+    directory: :meth:`stop` kills every process of that session (Ray's daemons keep it,
+    whatever name they give themselves), so nothing outlives the test and no other Ray
+    cluster is touched. ``netns``: run it inside that network namespace.
+
+    Raises (constructor):
+        RuntimeError: ``ray start`` failed (its output says why).
+    """
+
+    def __init__(self, *args: str, netns: str | None = None, num_cpus: int = 4):
+        # Short: Ray puts unix sockets under it (at most 107 bytes a path).
+        self.temp_dir = tempfile.mkdtemp(prefix="epray-", dir="/tmp")
+        argv = [RAY, "start", *args, "--num-cpus", str(num_cpus), "--object-store-memory", str(80 * 2**20),
+                "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", self.temp_dir]
+        if netns:
+            argv = ["ip", "netns", "exec", netns, *argv]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+        self.session = proc.pid
+        try:
+            out, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise RuntimeError(f"{' '.join(argv)} did not return in 120 s") from None
+        if proc.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"{' '.join(argv)} failed:\n{out[-3000:]}")
+
+    def pids(self) -> list[int]:
+        """The live processes of this node's session."""
+        out = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[3]) == self.session:  # field 6: session id
+                    out.append(int(entry.name))
+        return out
+
+    def raylet_pid(self) -> int:
+        """The pid of this node's raylet."""
+        for pid in self.pids():
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "raylet":
+                    return pid
+            except OSError:
+                continue
+        raise LookupError(f"no raylet in session {self.session}")
+
+    def stop(self) -> None:
+        """SIGTERM every process of the session, SIGKILL what is left after 10 s, remove
+        the temporary directory. Idempotent."""
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            for pid in self.pids():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + wait_s
+            while self.pids() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def ray_deployment(mode: str, directory: Path, address: str, *extra: str):
+    """``epdserve serve --mode MODE --cluster ray --ray-address ADDRESS`` (small KV pools)."""
+    return start_deployment(mode, directory, "--cluster", "ray", "--ray-address", address,
+                            "--kv-cache-memory-mb", "128", *extra)
+
+
+def worker(dep, worker_id: str) -> dict:
+    """``worker_id``'s /health entry."""
+    return next(w for w in dep.health()["workers"] if w["worker_id"] == worker_id)
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A one-node Ray cluster (4 logical CPUs); its GCS address."""
+    port = free_port()
+    node = RayNode("--head", "--port", str(port))
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        node.stop()
+
+
+def test_one_node_pd_hands_kv_over_shared_memory(ray_head, tmp_path):
+    dep = ray_deployment("pd", tmp_path, ray_head)
+    try:
+        result = dep.generate("completion", PROMPT, stream=False, max_tokens=12, temperature=0,
+                              extra_body={"ignore_eos": True})
+        trace = dep.trace(result.id)
+        prefill, decode = worker(dep, "prefill-0"), worker(dep, "decode-0")
+        assert trace["path"] == "disaggregated" and trace["kv_bytes"] > 0
+        assert trace["kv_tcp"] == 0.0, trace  # same node: shared memory
+        assert prefill["node_id"] == decode["node_id"] and len(prefill["node_id"]) > 16
+        assert prefill["resources"] == {"CPU": 1.0} and decode["state"] == "up"
+        assert prefill["addr"].startswith(f"tcp://{prefill['node_ip']}:")
+        metrics = httpx.get(dep.url + "/metrics", timeout=10).text
+        assert (f'epdserve:worker_node_info{{model_name="{dep.openai().models.list().data[0].id}",'
+                f'node="{decode["node_id"]}",node_ip="{decode["node_ip"]}",role="decode",worker="decode-0"}} 1.0'
+                in metrics)
+    finally:
+        _stop(dep.proc)
+    log = dep.log_tail(10**6)
+    assert "all workers stopped" in log
+    assert "Ray restarts it" not in log  # nothing died on the way
+
+
+def test_kill_decode_actor_mid_stream(ray_head, tmp_path):
+    dep = ray_deployment("pd", tmp_path, ray_head, "--decode-workers", "2")
+    try:
+        wait_for(lambda: all(s == "up" for s in states(dep).values()), 60, "every worker up")
+        victim_stream = Stream(dep.url, "Once upon a time, in a land far away,", 400)
+        victim_stream.start()
+        wait_for(lambda: len(victim_stream.events) >= 3, 60, "the first stream's tokens")
+        victim = next(w for w, n in outstanding(dep, "decode").items() if n)
+        other_stream = Stream(dep.url, "The history of the printing press", 60)
+        other_stream.start()
+        wait_for(lambda: len(other_stream.events) >= 2 and all(outstanding(dep, "decode").values()), 60,
+                 "the second stream on the other decode worker")
+        old_pid = worker(dep, victim)["pid"]
+
+        os.kill(old_pid, signal.SIGKILL)  # the actor's own process: the worker runs in it
+        t_kill = time.monotonic()
+        victim_stream.join(30)
+        assert victim_stream.failure is None and victim_stream.error is not None, victim_stream.events[-1:]
+        assert victim in victim_stream.error["message"]
+        t_error = victim_stream.events[-1][0] - t_kill
+        other_stream.join(120)
+        assert other_stream.failure is None and other_stream.error is None
+        assert other_stream.events[-1][1]["choices"][0]["finish_reason"] == "length"
+
+        wait_for(lambda: worker(dep, victim)["state"] == "up" and worker(dep, victim)["pid"] != old_pid,
+                 RESTART_TIMEOUT_S, f"Ray to restart {victim}")
+        print(f"\nkill -9 {victim} (Ray actor): error event after {t_error:.2f} s, "
+              f"restarted by Ray after {time.monotonic() - t_kill:.1f} s")
+        again = dep.generate("completion", other_stream.body["prompt"], stream=False, max_tokens=60,
+                             temperature=0, extra_body={"ignore_eos": True})
+        assert again.text == other_stream.text
+        wait_all_free(dep.url)
+    finally:
+        _stop(dep.proc)
+    assert "restarting it" not in dep.log_tail(10**6)  # no launcher restart loop on Ray
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--decode-resources", "CPU=one", "--decode-resources 'CPU=one': 'CPU=one': the amount is not a number"),
+    ("--prefill-resources", "node_a", "--prefill-resources 'node_a': 'node_a' is not NAME=AMOUNT"),
+    ("--worker-resources", "GPU=-1", "the amount must be a finite number >= 0"),
+])
+def test_bad_resources_are_refused(option, value, message):
+    proc = subprocess.run([sys.executable, "-m", "epdserve", "serve", "--cluster", "ray", option, value,
+                           "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_no_cluster_at_the_address_is_a_clear_error():
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.run([sys.executable, "-m", "epdserve", "serve", "--cluster", "ray", "--ray-address", address,
+                           "--port", "0"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stderr
+    assert f"--ray-address {address}: cannot join a Ray cluster: nothing answers there" in proc.stderr
+    assert "Traceback" not in proc.stderr
