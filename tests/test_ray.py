@@ -49,7 +49,9 @@ class RayNode:
         # Short: Ray puts unix sockets under it (at most 107 bytes a path).
         self.temp_dir = tempfile.mkdtemp(prefix="epray-", dir="/tmp")
         argv = [RAY, "start", *args, "--num-cpus", str(num_cpus), "--object-store-memory", str(80 * 2**20),
-                "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", self.temp_dir]
+                "--disable-usage-stats", "--temp-dir", self.temp_dir]
+        if "--head" in args:  # the head's option only
+            argv.append("--include-dashboard=false")
         if netns:
             argv = ["ip", "netns", "exec", netns, *argv]
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
