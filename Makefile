@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 CLIENTS_VENV ?= .venv-clients
 CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 
-.PHONY: install demo test fuzz interop epd api test-tools clean
+.PHONY: install demo test fuzz interop epd api cluster test-tools clean
 
 # torch is pinned to the CPU build on this machine's disk; a plain requirement
 # would pull a multi-GB CUDA build. The default model ships as a GGUF inside
@@ -49,9 +49,14 @@ EPD := tests/test_epd.py
 # logprobs/best_of/batches (server tests of colocated and PD; ~6 minutes).
 API := tests/test_guided.py tests/test_tool_calls.py tests/test_api_surface.py
 
+# Real Ray clusters started and stopped by the tests themselves (`ray start` in a session of
+# their own; the two-node tests put a node in a network namespace and skip, saying why, where
+# one cannot be made), and routing across several workers (its file, when present): ~8 minutes.
+CLUSTER := tests/test_ray.py tests/test_ray_multinode.py $(wildcard tests/test_routing_server.py)
+
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD) $(addprefix --ignore=,$(API))
+	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD) $(addprefix --ignore=,$(API)) $(addprefix --ignore=,$(CLUSTER))
 
 fuzz: $(STAMP)
 	$(VENV)/bin/pytest -q -ra tests/test_fuzz_api.py
@@ -61,6 +66,9 @@ interop: $(STAMP)
 
 api: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 $(API)
+
+cluster: $(STAMP)
+	$(VENV)/bin/pytest -q -ra --durations=10 $(CLUSTER)
 
 epd: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 $(EPD)

@@ -14,6 +14,7 @@ session) serve tests/test_ray_multinode.py too.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -29,6 +30,9 @@ import pytest
 from conftest import _stop, free_port, start_deployment
 from test_faults_workers import Stream, outstanding, states, wait_for
 from test_serving_cleanup import wait_all_free
+
+from epdserve.bench import deployments, server_trace
+from epdserve.serving.ray_cluster import parse_resources
 
 RAY = str(Path(sys.executable).with_name("ray"))
 RESTART_TIMEOUT_S = 120
@@ -186,16 +190,24 @@ def test_kill_decode_actor_mid_stream(ray_head, tmp_path):
     assert "restarting it" not in dep.log_tail(10**6)  # no launcher restart loop on Ray
 
 
-@pytest.mark.parametrize("option,value,message", [
-    ("--decode-resources", "CPU=one", "--decode-resources 'CPU=one': 'CPU=one': the amount is not a number"),
-    ("--prefill-resources", "node_a", "--prefill-resources 'node_a': 'node_a' is not NAME=AMOUNT"),
-    ("--worker-resources", "GPU=-1", "the amount must be a finite number >= 0"),
+@pytest.mark.parametrize("value,message", [
+    ("CPU=one", "--decode-resources 'CPU=one': 'CPU=one': the amount is not a number"),
+    ("node_a", "--decode-resources 'node_a': 'node_a' is not NAME=AMOUNT"),
+    ("GPU=-1", "--decode-resources 'GPU=-1': 'GPU=-1': the amount must be a finite number >= 0"),
+    ("CPU=1,CPU=2", "CPU is given twice"),
 ])
-def test_bad_resources_are_refused(option, value, message):
-    proc = subprocess.run([sys.executable, "-m", "epdserve", "serve", "--cluster", "ray", option, value,
-                           "--port", "0"], capture_output=True, text=True, timeout=120)
+def test_bad_resources_name_the_value(value, message):
+    with pytest.raises(ValueError) as err:
+        parse_resources(value, "--decode-resources")
+    assert message in str(err.value)
+    assert parse_resources("GPU=0.5,node_b=1", "--decode-resources") == {"GPU": 0.5, "node_b": 1.0, "CPU": 1.0}
+
+
+def test_bad_resources_stop_serve_with_status_2():
+    proc = subprocess.run([sys.executable, "-m", "epdserve", "serve", "--cluster", "ray", "--prefill-resources",
+                           "CPU=one", "--port", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert "--prefill-resources 'CPU=one'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_no_cluster_at_the_address_is_a_clear_error():
@@ -205,3 +217,33 @@ def test_no_cluster_at_the_address_is_a_clear_error():
     assert proc.returncode == 1, proc.stderr
     assert f"--ray-address {address}: cannot join a Ray cluster: nothing answers there" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_deployment_entry_names_the_cluster(tmp_path):
+    path = tmp_path / "deployments.toml"
+    path.write_text('[[deployment]]\nname = "pd-ray"\nepdserve = "1p1d"\ncluster = "ray"\n'
+                    'ray_address = "10.0.0.1:6379"\nray_resources = {prefill = "CPU=1,node_a=1"}\n'
+                    'ray_placement = {decode = "SPREAD"}\nargs = ["--max-num-seqs", "8"]\n'
+                    '[[deployment]]\nname = "pd-local"\nepdserve = "1p1d"\n')
+    ray_entry, local_entry = deployments.load([path])
+    assert ray_entry.args == ["--cluster", "ray", "--ray-address", "10.0.0.1:6379", "--prefill-resources",
+                              "CPU=1,node_a=1", "--decode-placement", "SPREAD", "--max-num-seqs", "8"]
+    assert local_entry.args is None and ray_entry.record()["cluster"] == "ray"
+    path.write_text('[[deployment]]\nname = "x"\nepdserve = "1p1d"\ncluster = "ray"\n'
+                    'ray_resources = {decode = "CPU=lots"}\n')
+    with pytest.raises(deployments.DeploymentFileError, match="ray_resources.decode 'CPU=lots'"):
+        deployments.load([path])
+
+
+def test_trace_summary_splits_same_node_and_cross_node_handoffs(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    stages = {"mode": "pd", "path": "disaggregated", "kv_export_ms": 1.0, "kv_fetch_ms": 2.0, "kv_import_ms": 1.0}
+    lines = [dict(stages, request_id="a", kv_tcp=0.0, kv_bytes=1000.0),
+             dict(stages, request_id="b", kv_tcp=1.0, kv_bytes=3000.0, kv_fetch_ms=10.0),
+             dict(stages, request_id="c", kv_tcp=1.0, kv_bytes=5000.0, kv_fetch_ms=20.0),
+             {"request_id": "d", "mode": "colocated"}]
+    path.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    summary = server_trace.summarize(path)
+    assert summary["same_node_requests"] == 1 and summary["cross_node_requests"] == 2
+    assert summary["mean_kv_bytes_same_node"] == 1000.0 and summary["mean_kv_bytes_cross_node"] == 4000.0
+    assert summary["mean_kv_transfer_ms_same_node"] == 4.0 and summary["mean_kv_transfer_ms_cross_node"] == 17.0

@@ -9,7 +9,12 @@ file and ``--configs``). Each entry is one of three kinds:
 * ``epdserve = "1p1d"`` — an epdserve deployment by the names ``--configs`` takes
   (:class:`~epdserve.serving.deployment.DeploymentSpec`); optional ``model`` (serve's
   ``--model``) and ``args = [...]`` (more ``epdserve serve`` flags). Started on compare's
-  ``--port``; ready when ``/health`` answers 200 with all its workers up;
+  ``--port``; ready when ``/health`` answers 200 with all its workers up. Where its
+  workers run: ``cluster = "local"`` (default: subprocesses of serve) or ``"ray"`` (Ray
+  actors, docs/ray.md), with ``ray_address`` (default ``auto``), ``ray_resources = {prefill
+  = "CPU=1,node_a=1", decode = "CPU=1,node_b=1"}`` and ``ray_placement = {decode =
+  "SPREAD"}`` per role (``worker`` for colocated): serve's ``--cluster``, ``--ray-address``,
+  ``--ROLE-resources`` and ``--ROLE-placement``, put before ``args``;
 * ``processes = [{command = [...], env = {...}, cwd = "...", ready = {...}}, ...]`` —
   started in this order, each in its own process group with its log in
   ``OUTPUT/NAME.pI.log``; a process's own ``ready`` is waited for before the next starts
@@ -49,6 +54,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
 from epdserve.serving.deployment import DeploymentSpec
+from epdserve.serving.ray_cluster import CLUSTERS, STRATEGIES, parse_resources
 
 KINDS = ("epdserve", "processes", "base_url")  # how a deployment starts: exactly one
 
@@ -109,6 +115,9 @@ class Resources(_Strict):
         return self
 
 
+RayRole = Literal["worker", "prefill", "decode", "encode"]  # serve's --ROLE-resources / --ROLE-placement
+
+
 class Deployment(_Strict):
     """One ``[[deployment]]`` entry (the keys: module doc). ``source`` is the file it came
     from ("--configs" for a ``--configs`` name).
@@ -128,6 +137,10 @@ class Deployment(_Strict):
     metrics_urls: list[Url] | None = None
     resources: Resources | None = None
     mode: Literal["colocated", "pd", "epd"] | None = None
+    cluster: Literal[CLUSTERS] | None = None
+    ray_address: str | None = Field(None, min_length=1)
+    ray_resources: dict[RayRole, str] | None = None
+    ray_placement: dict[RayRole, Literal[STRATEGIES]] | None = None
     _source: str = PrivateAttr("--configs")
 
     @field_validator("epdserve")
@@ -137,6 +150,7 @@ class Deployment(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> Deployment:
+        self._cluster_args()
         kinds = [k for k in KINDS if getattr(self, k) is not None]
         if len(kinds) != 1:
             raise ValueError(f"give exactly one of {', '.join(KINDS)}"
@@ -156,6 +170,28 @@ class Deployment(_Strict):
             raise ValueError(f"{', '.join(derived)}: not for an epdserve entry (compare "
                              f"derives them: /health, its router's URL and cores)")
         return self
+
+    def _cluster_args(self) -> None:
+        """Check the cluster keys and put their serve flags before ``args`` (so that the
+        entry starts as ``epdserve serve ... --cluster ray ...``; raises ValueError)."""
+        ray_keys = [k for k in ("ray_address", "ray_resources", "ray_placement") if getattr(self, k) is not None]
+        if self.cluster is None and not ray_keys:
+            return
+        if self.epdserve is None:
+            keys = (["cluster"] if self.cluster else []) + ray_keys
+            raise ValueError(f"{', '.join(keys)}: only for an epdserve entry")
+        if ray_keys and self.cluster != "ray":
+            raise ValueError(f"{', '.join(ray_keys)}: only with cluster = \"ray\"")
+        flags = ["--cluster", self.cluster or "local"]
+        if self.ray_address:
+            flags += ["--ray-address", self.ray_address]
+        for role, text in (self.ray_resources or {}).items():
+            parse_resources(text, f"ray_resources.{role}")
+            flags += [f"--{role}-resources", text]
+        for role, strategy in (self.ray_placement or {}).items():
+            flags += [f"--{role}-placement", strategy]
+        if (self.args or [])[:len(flags)] != flags:  # once (a record read back holds them already)
+            self.args = [*flags, *(self.args or [])]
 
     @property
     def source(self) -> str:

@@ -89,6 +89,33 @@ def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> di
         if values:
             out[f"mean_{key}"] = float(np.mean(values))
             out[f"p95_{key}"] = float(np.percentile(values, 95))
+    out.update(by_transport(use))
+    return out
+
+
+# A hand-off's transport (the trace's ``kv_tcp``) by the name summaries give it: with
+# ``--kv-transport auto`` (the default) shared memory means producer and consumer on the
+# same node (host), TCP on different ones (epdserve.transfer.handoff.host_id).
+TRANSPORT_GROUPS = {0.0: "same_node", 1.0: "cross_node"}
+
+
+def by_transport(records: list[RequestTrace]) -> dict:
+    """KV bytes and transfer time per request, separately for the hand-offs made by shared
+    memory (``same_node``) and over TCP (``cross_node``): ``{group}_requests``,
+    ``mean_kv_bytes_{group}``, ``p95_kv_bytes_{group}``, ``mean_kv_transfer_ms_{group}``,
+    ``p95_kv_transfer_ms_{group}`` (bytes, ms; numpy linear p95) for each group that has
+    hand-offs; records without one (colocated, local prefill) are left out."""
+    out: dict = {}
+    for tcp, group in TRANSPORT_GROUPS.items():
+        rows = [r for r in records if r.kv_tcp == tcp and r.kv_transfer_ms is not None]
+        if not rows:
+            continue
+        out[f"{group}_requests"] = len(rows)
+        for key in ("kv_bytes", "kv_transfer_ms"):
+            values = [getattr(r, key) for r in rows if getattr(r, key) is not None]
+            if values:
+                out[f"mean_{key}_{group}"] = float(np.mean(values))
+                out[f"p95_{key}_{group}"] = float(np.percentile(values, 95))
     return out
 
 
