@@ -28,6 +28,11 @@ router at once and restarted with the same id and address after a backoff (1 s, 
 while it keeps dying within a minute, at most 30 s); one that exits with status 2 (bad
 option, model, or refused by the router) is not restarted.
 
+With ``--cluster ray`` the workers are Ray actors on an existing Ray cluster instead
+(:mod:`epdserve.serving.ray_cluster`: placement by per-role resources, restarts by Ray, the
+events socket on TCP at the driver's node IP); everything else here (options, router,
+readiness, stop on every exit path) is shared.
+
 Before any worker starts, ``serve`` checks every option it passes to the workers (the
 worker's own flags, defined once in :mod:`epdserve.serving.flags`), the model and the
 router's options (``--max-model-len``, ``--generation-config``), ``--cores``, the HTTP
@@ -452,7 +457,11 @@ def _serve(args: argparse.Namespace, router: Router, plan: Placement, tmp: str, 
         commands = {wid: worker_command(args, role, wid, c, events, f"ipc://{tmp}/{wid}") for role, wid, c in plan}
     log.info("placement: %s", placement)
     try:
-        children.launch(plan, commands)
+        try:
+            children.launch(plan, commands)
+        except TimeoutError as exc:  # Ray could not place a role's workers: one line, no traceback
+            print(f"epdserve serve: error: {exc}", file=sys.stderr, flush=True)
+            return 1
         app = _before_router_stops(create_app(router), lambda: children.drain(router))
         config = uvicorn_config(app, args, lifespan="on", timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)

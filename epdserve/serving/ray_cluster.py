@@ -132,17 +132,15 @@ class WorkerActor:
         return worker.run(parser.parse_args(self.argv))
 
 
-def events_address(port: int | None = None) -> str:
+def events_address() -> str:
     """``tcp://IP:PORT`` for the router's events socket: the IP of this driver's Ray node
-    (``ray.util.get_node_ip_address()``, reachable by the cluster's nodes) and ``port``
-    (default: a free one)."""
+    (``ray.util.get_node_ip_address()``, reachable by the cluster's nodes) and a free port."""
     import ray
 
     ip = ray.util.get_node_ip_address()
-    if port is None:
-        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
-            s.bind((ip, 0))
-            port = s.getsockname()[1]
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
     return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
 
 
