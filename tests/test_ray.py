@@ -147,10 +147,21 @@ def test_one_node_pd_hands_kv_over_shared_memory(ray_head, tmp_path):
                 f'node="{decode["node_id"]}",node_ip="{decode["node_ip"]}",role="decode",worker="decode-0"}} 1.0'
                 in metrics)
     finally:
-        _stop(dep.proc)
+        dep.proc.send_signal(signal.SIGINT)  # Ctrl-C
+        try:
+            dep.proc.wait(60)
+        finally:
+            _stop(dep.proc)
     log = dep.log_tail(10**6)
-    assert "all workers stopped" in log
+    assert dep.proc.returncode == 0 and "all workers stopped" in log
     assert "Ray restarts it" not in log  # nothing died on the way
+    # The actors are gone and their placement groups removed: the cluster holds nothing.
+    wait_for(lambda: " 0.0/4.0 CPU" in cluster_status(ray_head), 30, "the cluster's CPUs free again")
+
+
+def cluster_status(address: str) -> str:
+    """``ray status`` of the cluster at ``address``."""
+    return subprocess.run([RAY, "status", "--address", address], capture_output=True, text=True, timeout=60).stdout
 
 
 def test_kill_decode_actor_mid_stream(ray_head, tmp_path):

@@ -270,7 +270,7 @@ class Children:
 
     def exits(self) -> list[tuple[str, str, bool]]:
         """:meth:`watch` as ``(worker id, why, fatal)``: fatal for EXIT_CONFIG."""
-        return [(wid, f"process (pid {p.pid}) exited with code {p.returncode}", p.returncode == EXIT_CONFIG)
+        return [(wid, f"process exited with code {p.returncode}", p.returncode == EXIT_CONFIG)
                 for wid, p in self.watch()]
 
     def watch(self) -> list[tuple[str, subprocess.Popen]]:

@@ -104,7 +104,7 @@ class Hello(_Msg):
     protocol: int = 1  # PROTOCOL_VERSION of the worker's code; absent (1) from older workers
     node_id: str = Field(default="", max_length=128)
     node_ip: str = Field(default="", max_length=64)
-    resources: dict[str, float] = {}
+    resources: dict[str, float] = Field(default_factory=dict, max_length=64)
     pid: int = Field(default=0, ge=0)  # its process id on its node (0: not given)
 
 
