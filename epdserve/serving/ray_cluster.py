@@ -22,7 +22,8 @@ resources; a placement group's bundles on a lost node are rescheduled by Ray onc
 with the resources is back) and its ``run`` task resubmitted; the router marks the dead one
 down by heartbeat silence (5 s) and takes the new process at its Hello. A worker whose
 ``run`` returns (status 2: bad option or model, refused by the router) stops ``serve`` as
-under the local launcher.
+under the local launcher. An actor dies with its node's raylet (``PR_SET_PDEATHSIG``), so a
+lost node's workers go silent at once.
 
 Stop (every exit path of ``serve``): the router asks the workers to shut down (they free
 their shared memory), the actors are killed (``no_restart``), the placement groups removed,
@@ -32,10 +33,12 @@ and the driver disconnects; a cluster ``serve`` did not start is left running.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
 import re
+import signal
 import socket
 
 log = logging.getLogger("epdserve.ray")
@@ -45,6 +48,7 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placeme
 # The option prefix of each role's resources and placement (colocated workers: "worker").
 ROLE_OPTION = {"colocated": "worker", "prefill": "prefill", "decode": "decode", "encode": "encode"}
 _RESOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]*")
+PR_SET_PDEATHSIG = 1  # prctl(2)
 STOP_GRACE_S = 5.0  # seconds the workers get to exit after Shutdown before their actors are killed
 
 
@@ -113,6 +117,7 @@ class WorkerActor:
     def __init__(self, argv: list[str], env: dict[str, str], num_threads: int):
         import ray
 
+        _die_with_raylet()
         context = ray.get_runtime_context()
         ip = ray.util.get_node_ip_address()
         resources = {k: float(v) for k, v in context.get_assigned_resources().items()}
@@ -130,6 +135,19 @@ class WorkerActor:
         parser = argparse.ArgumentParser(prog="epdserve worker")
         worker.add_arguments(parser)
         return worker.run(parser.parse_args(self.argv))
+
+
+def _die_with_raylet() -> None:
+    """Have the kernel SIGKILL this actor's process when its parent, the node's raylet, dies
+    (``PR_SET_PDEATHSIG``, as the local launcher does for its workers): a node whose raylet
+    is gone then loses its workers at once, and the router marks them down 5 s later,
+    instead of after the seconds Ray's own worker takes to notice (3-4 s measured here)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return  # not Linux: Ray's own fate-sharing applies
+    if os.getppid() == 1:  # the raylet died before prctl took effect
+        os._exit(1)
 
 
 def events_address() -> str:
