@@ -159,6 +159,17 @@ def test_one_node_pd_hands_kv_over_shared_memory(ray_head, tmp_path):
     wait_for(lambda: " 0.0/4.0 CPU" in cluster_status(ray_head), 30, "the cluster's CPUs free again")
 
 
+def test_unplaceable_role_stops_serve_and_frees_the_cluster(ray_head):
+    proc = subprocess.run([sys.executable, "-m", "epdserve", "serve", "--mode", "pd", "--cluster", "ray",
+                           "--ray-address", ray_head, "--decode-resources", "CPU=1,gpu_node=1", "--startup-timeout", "5",
+                           "--port", "0", "--kv-cache-memory-mb", "128"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Ray could not place 1 decode worker(s) of CPU=1,gpu_node=1 (PACK) within 5 s" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    # The prefill actor started before it and both placement groups are gone.
+    wait_for(lambda: " 0.0/4.0 CPU" in cluster_status(ray_head), 30, "the cluster's CPUs free again")
+
+
 def cluster_status(address: str) -> str:
     """``ray status`` of the cluster at ``address``."""
     return subprocess.run([RAY, "status", "--address", address], capture_output=True, text=True, timeout=60).stdout

@@ -446,6 +446,8 @@ def _serve(args: argparse.Namespace, router: Router, plan: Placement, tmp: str, 
     def on_signal(signum, frame):
         if server is not None:
             server.should_exit = True
+        elif args.cluster == "ray":  # still waiting for Ray to place the workers: give up now
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -461,6 +463,9 @@ def _serve(args: argparse.Namespace, router: Router, plan: Placement, tmp: str, 
             children.launch(plan, commands)
         except TimeoutError as exc:  # Ray could not place a role's workers: one line, no traceback
             print(f"epdserve serve: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        except KeyboardInterrupt:
+            print("epdserve serve: stopped while Ray was placing the workers", file=sys.stderr, flush=True)
             return 1
         app = _before_router_stops(create_app(router), lambda: children.drain(router))
         config = uvicorn_config(app, args, lifespan="on", timeout_graceful_shutdown=5)
