@@ -220,3 +220,21 @@ def test_the_decision_reaches_the_trace_and_metrics(routing):
         line = (f'epdserve:routed_requests_total{{believed="{bel}",hit="{hit}",model_name="m",'
                 f'policy="{routing}"}} 1.0')
         assert line in text
+
+
+def test_pd_routes_prefill_by_prefix_and_decode_by_load():
+    registry = Registry("pd", RecordingPort(), Compat("fp", {"num_layers": 2}))
+    for wid, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        registry.on_hello(hello(wid, f"{wid}-first-process").model_copy(update={"role": role}))
+    config = FlowConfig("pd", routing=make_policy("prefix-aware"))
+    image = P.ImageRef(hash="cc" * 32, tokens=4)
+    flows = [new_flow(registry, config, f"req-{i}", prompt(1, 33, suffix=2, salt=i), P.SamplingParams(max_tokens=4),
+                      0.0, images=[image] if i == 2 else []) for i in range(3)]
+    for flow in flows:
+        flow.start()
+    first, second, with_image = (f.prefill_worker.worker_id for f in flows)
+    assert second == first and flows[1].blocks.decision.reason == "prefix"
+    assert with_image != first and flows[2].blocks.decision.matched_blocks == 0  # same tokens, an image
+    decode = flows[0]._choose("decode")
+    assert decode.role == "decode" and flows[0].blocks.decision.worker_id == first  # decode left it alone
+    assert set(config.routing.indexes) == {"p0", "p1"}  # nothing believed of decode workers
