@@ -51,7 +51,7 @@ API := tests/test_guided.py tests/test_tool_calls.py tests/test_api_surface.py
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD) $(addprefix --ignore=,$(API))
+	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD) $(addprefix --ignore=,$(API)) --ignore=tests/test_routing_server.py
 
 fuzz: $(STAMP)
 	$(VENV)/bin/pytest -q -ra tests/test_fuzz_api.py
