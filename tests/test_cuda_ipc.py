@@ -74,6 +74,7 @@ BAD_FIELDS = [
     ({"device_uuid": ""}, "not a process and a GPU"),
     ({"ref_counter": b"/dev/shm/other"}, "ref counter"),
     ({"ref_counter_offset": cuda_ipc.REF_COUNTER_SLOTS}, "ref counter"),
+    ({"ref_counter": b"/torch_1_2_3"}, r"ref counter b'/torch_1_2_3' slot 0 is not torch's of process \d+"),
     ({"backend": "rdma"}, "backend: Input should be 'cuda' or 'fake'"),
     ({"owner_pid": "12"}, "owner_pid: Input should be a valid integer"),
     ({"handle": "text"}, "handle: Input should be a valid bytes"),

@@ -70,7 +70,7 @@ EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
 MAX_PACKED_BYTES = 4096
 # torch's ref-counter file (at::NewProcessWideShmHandle: /torch_<pid>_<random>_<counter>) and its
 # slots (torch::CUDA_IPC_REF_COUNTER_FILE_SIZE): the importer decrements one slot when it closes.
-_REF_COUNTER = re.compile(rb"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
+_REF_COUNTER = re.compile(rb"/torch_([0-9]{1,10})_[0-9]{1,20}_[0-9]{1,20}")
 REF_COUNTER_SLOTS = 10000
 KV_DTYPES = {name: dtype for name, dtype in wire.DTYPES.items() if name != "int8"}
 _DTYPE_NAMES = {dtype: name for name, dtype in KV_DTYPES.items()}
@@ -147,8 +147,11 @@ def _problems(h: IpcHandle) -> list[str]:
                    "PYTORCH_CUDA_ALLOC_CONF")
     if len(h.event_handle) != EVENT_HANDLE_BYTES:
         out.append(f"event_handle is {len(h.event_handle)} bytes, a CUDA IPC event handle is {EVENT_HANDLE_BYTES}")
-    if not _REF_COUNTER.fullmatch(h.ref_counter) or not 0 <= h.ref_counter_offset < REF_COUNTER_SLOTS:
-        out.append(f"ref counter {h.ref_counter[:64]!r} slot {h.ref_counter_offset} is not torch's")
+    counter = _REF_COUNTER.fullmatch(h.ref_counter)
+    # The importer writes into this file when it closes the handle: only ever the owner's.
+    if not counter or int(counter.group(1)) != h.owner_pid or not 0 <= h.ref_counter_offset < REF_COUNTER_SLOTS:
+        out.append(f"ref counter {h.ref_counter[:64]!r} slot {h.ref_counter_offset} is not torch's of "
+                   f"process {h.owner_pid}")
     if h.dtype not in KV_DTYPES:
         return out + [f"dtype {h.dtype!r} is not a KV cache dtype ({', '.join(KV_DTYPES)})"]
     if len(h.shape) != 6 or h.shape[1] != 2 or min(h.shape) < 1:
@@ -298,6 +301,11 @@ class CudaBackend:
 _FAKE_POOLS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
 
+def _fake_handle(pool_id: str) -> bytes:
+    """The fake's handle of pool ``pool_id``: shaped as torch's (version, b"c", 64 bytes)."""
+    return b"\x03c" + hashlib.sha256(pool_id.encode()).digest() * 2
+
+
 class FakeBackend:
     """A CPU stand-in for :class:`CudaBackend` in tests: :meth:`share` registers the CPU
     tensor under its pool id in this process; :meth:`open` looks it up (same process only).
@@ -320,13 +328,13 @@ class FakeBackend:
         _FAKE_POOLS[pool_id] = kv
         pid = self.owner_pid or os.getpid()
         return {"owner_pid": pid, "device_index": 0, "device_uuid": self.uuids[0],
-                "handle": b"\x03c" + hashlib.sha256(pool_id.encode()).digest() * 2, "size_bytes": kv.nbytes,
+                "handle": _fake_handle(pool_id), "size_bytes": kv.nbytes,
                 "offset_bytes": 0, "ref_counter": f"/torch_{pid}_0_0".encode(), "ref_counter_offset": 0,
                 "event_handle": bytes(EVENT_HANDLE_BYTES), "event_sync": False}
 
     def open(self, handle: IpcHandle, index: int) -> torch.Tensor:
         kv = _FAKE_POOLS.get(handle.pool_id)
-        if kv is None or handle.handle != b"\x03c" + hashlib.sha256(handle.pool_id.encode()).digest() * 2:
+        if kv is None or handle.handle != _fake_handle(handle.pool_id):
             raise IpcError(f"cudaIpcOpenMemHandle failed (fake): no allocation for pool {handle.pool_id}")
         self.open_count += 1
         return kv.view(handle.torch_dtype).view(handle.shape)
