@@ -179,12 +179,13 @@ def engines(model_info, tokenizer):
     prefill, pool = handoff.new_engine(path, EngineConfig(kv_cache_memory_mb=32), True, FakeBackend())
     assert isinstance(pool, cuda_ipc.DevicePool) and pool.kv.data_ptr() == prefill.kv_cache.data_ptr()
     decode = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))
+    colocated = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))  # not decode: its prefix cache would skip copies
     reference = []
     for i, prompt in enumerate(PROMPTS):
-        decode.add_request(f"colocated-{i}", tokenizer(prompt).input_ids, SAMPLING)
+        colocated.add_request(f"colocated-{i}", tokenizer(prompt).input_ids, SAMPLING)
         tokens = []
-        while decode.has_unfinished():
-            tokens += [t for out in decode.step() for t in out.token_ids]
+        while colocated.has_unfinished():
+            tokens += [t for out in colocated.step() for t in out.token_ids]
         reference.append(tokens)
     ctx = zmq.Context()
     try:
