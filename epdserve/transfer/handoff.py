@@ -22,8 +22,8 @@ The prefill side (:class:`Exporter`) hands KV over in one of these ways:
   each layer's blocks are written as soon as the forward pass has computed that layer
   (the copy moves into the prefill step, the hand-off after it shrinks to closing the
   frame). The decode side maps the segment (same host) or fetches it over TCP. From a
-  GPU cache the frame is written device → host (bf16/int8 are converted where the blocks
-  are read, see ``LLMEngine.read_kv``).
+  GPU cache the frame is written device → host, converted first on the GPU (int8:
+  :func:`~epdserve.transfer.pipeline.read_where_cached`; bf16: the casting copy).
 
 :class:`Importer` picks shared memory (or CUDA IPC, for a GPU pool it can open) when the
 KV lies on its own host and the transport allows it (transport ``auto``, the default), TCP
@@ -62,7 +62,7 @@ from epdserve.engine.kv_source import KVSource, TensorKV, block_runs
 from epdserve.transfer import cuda_ipc, kv_codec, shm, tcp, wire
 from epdserve.transfer.descriptor import KVDescriptor
 from epdserve.transfer.exports import ExportTable
-from epdserve.transfer.pipeline import LayerPipeline
+from epdserve.transfer.pipeline import LayerPipeline, read_where_cached
 from epdserve.transfer.pooled import PooledKV, wait_for_copies
 from epdserve.transfer.wire import TensorHeader, WireError
 from epdserve.trace import StageTimings
@@ -202,7 +202,7 @@ class Exporter:
 
         def fill(views: dict[str, torch.Tensor]) -> None:
             if "scales" in views:
-                kv_codec.encode(self.engine.read_kv(ids), views)
+                kv_codec.encode(read_where_cached(self.engine, ids, views["kv"].shape), views)
             else:  # none, bf16: straight from the cache into the frame, one (casting) copy
                 self.engine.read_kv(ids, out=views["kv"])
 
