@@ -197,8 +197,8 @@ def test_engine_refuses_devices_it_cannot_use(tmp_path):
         with pytest.raises(ValueError, match="'cuda:0': no CUDA device"):
             LLMEngine(path, EngineConfig(device="cuda:0"))
     model = LlamaModel.load(path, device="meta")
-    with pytest.raises(ValueError, match="host memory; this model runs on meta"):
-        model.allocate_kv_cache(4, 16, allocator=torch.zeros)
+    with pytest.raises(ValueError, match=r"allocator gave .* on cpu, not .* on meta"):
+        model.allocate_kv_cache(4, 16, allocator=lambda shape, dtype, device: torch.zeros(shape, dtype=dtype))
     with pytest.raises(ValueError, match="run on the CPU only"):
         LlamaModel(model.config, {}, torch.float32, blocks={"x": None}, device="meta")
 

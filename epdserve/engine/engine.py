@@ -122,7 +122,7 @@ class LLMEngine:
 
     Raises (constructor): ``ValueError`` for an unknown dtype, a device that is not one
     or is not here (``parse_device``), a budget too small for one block, or a
-    ``kv_allocator`` (host memory) off the CPU; ``ModelLoadError`` for a model that cannot
+    ``kv_allocator`` whose tensor does not fit the cache; ``ModelLoadError`` for a model that cannot
     be loaded.
     """
 
@@ -140,7 +140,7 @@ class LLMEngine:
         block_bytes = config.block_size * mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize)
         num_blocks = config.num_kv_blocks or config.kv_cache_memory_mb * 2**20 // block_bytes
         self.pool = BlockPool(num_blocks, config.block_size)
-        # kv_allocator(shape, dtype): e.g. a prefill worker's shared-memory KV pool.
+        # kv_allocator(shape, dtype, device): a prefill worker's shared KV pool (/dev/shm or CUDA IPC).
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size, kv_allocator)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,

@@ -166,20 +166,25 @@ class LlamaModel:
             raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, allocator=None) -> torch.Tensor:
-        """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` on the
-        model's device, from ``allocator(shape, dtype)`` when given (host memory, e.g. a
-        shared-memory pool: CPU models only), else ``torch.zeros``.
+        """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in the
+        model's dtype on the model's device, from ``allocator(shape, dtype, device)`` when
+        given (a pool other processes map or open: a /dev/shm ``KVPool`` for a CPU model, a
+        CUDA-IPC-shared ``DevicePool`` for a GPU one; see ``transfer/handoff.new_engine``),
+        else ``torch.zeros``.
 
         Raises:
-            ValueError: an ``allocator`` for a model off the CPU.
+            ValueError: the allocator returned a tensor of another shape, dtype or device.
         """
         c = self.config
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        if allocator is not None:
-            if self.device.type != "cpu":
-                raise ValueError(f"a KV cache allocator gives host memory; this model runs on {self.device}")
-            return allocator(shape, dtype=self.dtype)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if allocator is None:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        kv = allocator(shape, self.dtype, self.device)
+        on_device = kv.device.type == self.device.type and self.device.index in (None, kv.device.index)
+        if tuple(kv.shape) != shape or kv.dtype != self.dtype or not on_device:
+            raise ValueError(f"the KV cache allocator gave {tuple(kv.shape)} {kv.dtype} on {kv.device}, "
+                             f"not {shape} {self.dtype} on {self.device}")
+        return kv
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,

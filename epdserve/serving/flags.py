@@ -92,8 +92,9 @@ WORKER_FLAGS = (
     Flag("--device", type=device_type, default="cpu", metavar=DEVICE_METAVAR,
          help="where the weights, KV cache, activations and sampler live: the CPU, or a CUDA GPU "
               "(docs/gpu.md)"),
-    Flag("--dtype", choices=DTYPE_CHOICES, default="float32",
-         help="weights and KV cache dtype; auto: bfloat16 on CUDA; on the CPU as vLLM's CPU backend, bfloat16 "
+    Flag("--dtype", choices=DTYPE_CHOICES, default=None,
+         help="weights and KV cache dtype (default: bfloat16 on CUDA, float32 on the CPU); auto: bfloat16 on "
+              "CUDA; on the CPU as vLLM's CPU backend, bfloat16 "
               "where the CPU computes it natively, else float32, and float32 for a quantized GGUF (its kernels "
               "compute in float32)"),
     Flag("--quantized-weights", action=argparse.BooleanOptionalAction, default=True,

@@ -183,6 +183,7 @@ class Worker:
         self.stop_fetches()
         self.grammars.close()
         self.exporter.close()
+        self.importer.close()  # GPU pools opened by CUDA IPC: their handles closed (host pools unmapped)
 
     def drain_commands(self, block_s: float) -> None:
         """Handle every command in the inbox, waiting up to ``block_s`` seconds for the first."""
@@ -231,8 +232,9 @@ class Worker:
         elif msg.sampling.guided is not None and not compiled:
             self.grammars.start(msg, arrival)
         elif msg.kv is not None or (msg.images and msg.embeddings):
-            self.fetcher.start(Fetch(msg, arrival, self.engine.kv_layout(), self.engine.kv_cache.dtype,
-                                     self.engine.model.config.hidden_size))
+            cache = self.engine.kv_cache
+            self.fetcher.start(Fetch(msg, arrival, self.engine.kv_layout(), cache.dtype,
+                                     self.engine.model.config.hidden_size, cache.device))
         else:
             try:
                 timings, embeddings = StageTimings(), None
@@ -422,7 +424,9 @@ def _load(args: argparse.Namespace):
     encode_role = args.role == "encode"
     cores = pin_to_cores(args.cores)
     info = resolve_model(args.model)
-    if args.dtype == "auto":
+    if args.dtype is None:  # bfloat16 on CUDA (as vLLM), float32 on the CPU (as before the GPU path)
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    elif args.dtype == "auto":
         args.dtype = auto_dtype(info.path, args.quantized_weights, args.device)
         log.info("%s: --dtype auto: %s on %s", args.worker_id, args.dtype, args.device)
     encoder = engine = kv_pool = None
@@ -432,11 +436,10 @@ def _load(args: argparse.Namespace):
             log.warning("%s: the vision tower of %s has SYNTHETIC (seeded random) weights: image outputs "
                         "carry no meaning", args.worker_id, info.name)
     if not encode_role:
-        # A prefill worker keeps its KV cache in shared memory: a same-host hand-off copies it
-        # once. Not on a GPU, whose cache is device memory: it stages a frame per hand-off
-        # (device to host, then the same shm / TCP paths).
-        shared = (args.role == "prefill" and args.kv_transfer_dtype == "none" and not args.kv_layer_pipeline
-                  and args.device == "cpu")
+        # A prefill worker keeps its KV cache where a same-host decode worker can read it, so a
+        # hand-off copies it once: /dev/shm on the CPU, a CUDA-IPC-shared pool on a GPU
+        # (docs/gpu-handoff.md). Converted or layer-pipelined KV is staged as a frame instead.
+        shared = args.role == "prefill" and args.kv_transfer_dtype == "none" and not args.kv_layer_pipeline
         engine, kv_pool = handoff.new_engine(str(info.path), engine_config(args), shared)
     return cores, info, encoder, engine, kv_pool
 

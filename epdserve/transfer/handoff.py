@@ -105,10 +105,9 @@ def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_back
         return LLMEngine(model_dir, config), None
     pools: list[shm.KVPool | cuda_ipc.DevicePool] = []
 
-    def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
-        # The engine names the cache's device when it has one (a GPU engine); today's CPU engine does not.
-        if ipc_backend is not None or (device is not None and torch.device(device).type == "cuda"):
-            pools.append(cuda_ipc.DevicePool(shape, dtype, device or "cpu", ipc_backend))
+    def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if ipc_backend is not None or device.type == "cuda":
+            pools.append(cuda_ipc.DevicePool(shape, dtype, device, ipc_backend))
         else:
             pools.append(shm.KVPool(shape, dtype))
         return pools[-1].kv
