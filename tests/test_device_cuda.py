@@ -152,3 +152,29 @@ def test_vision_encoder_on_cuda_matches_the_cpu(monkeypatch):
     gpu = VisionEncoder(config, weights, device="cuda").encode(tiles)
     assert gpu.is_cuda and gpu.shape == cpu.shape == (3, config.tokens_per_image, 96)
     torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-3, atol=1e-4)
+
+
+def test_pd_on_one_gpu_hands_kv_over_by_cuda_ipc(tmp_path):
+    """Real processes: ``serve --mode pd --device cuda`` (router, prefill and decode worker
+    on one GPU). The prefill worker's pool is shared by CUDA IPC and the decode worker
+    opens it (the trace: KV not over TCP, export and import measured); greedy text equals
+    a colocated CUDA deployment's, both float32."""
+    httpx = pytest.importorskip("httpx")
+    from conftest import _stop, start_deployment
+
+    texts = {}
+    for mode in ("pd", "colocated"):
+        dep = start_deployment(mode, tmp_path, "--device", "cuda", "--dtype", "float32", "--served-model-name", "m")
+        try:
+            texts[mode] = []
+            for i, prompt in enumerate(["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]):
+                body = {"model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+                reply = httpx.post(dep.url + "/v1/completions", json=body, timeout=120).json()
+                texts[mode].append(reply["choices"][0]["text"])
+                if mode == "pd":
+                    rec = dep.trace(reply["id"])
+                    assert rec["path"] == "disaggregated" and rec["kv_tcp"] == 0.0 and rec["kv_bytes"] > 0
+                    assert rec["kv_export_ms"] >= 0 and rec["kv_import_ms"] > 0
+        finally:
+            _stop(dep.proc)
+    assert texts["pd"] == texts["colocated"]
