@@ -277,14 +277,14 @@ def ipc_copy(device: str, shape: dict) -> dict:
     """The 8B shape's KV copied by CUDA IPC from another process vs a device copy."""
     from epdserve.transfer import ipc_bench
 
-    out = {}
+    out, gpu = {}, device if ":" in device else "cuda:0"
     for n in shape["handoff_sizes"]:
-        row = ipc_bench.ipc_copy_benchmark(n, device=torch.device(device).type + ":0")
+        row = ipc_bench.ipc_copy_benchmark(n, device=gpu)
         out[str(n)] = row
         report(f"CUDA IPC copy of {n} tokens' KV ({row['kv_bytes'] / 2**20:.0f} MiB)", row["ipc_gbps"],
                row["d2d_gbps"], "GB/s", row["ipc_vs_d2d"])
         report(f"CUDA IPC copy of {n} tokens, time", row["ipc_ms"], unit="ms")
-    out["check"] = ipc_bench.two_process_check(torch.device(device).type + ":0")
+    out["check"] = ipc_bench.two_process_check(gpu)
     report("CUDA IPC two-process check", out["check"])
     return out
 
@@ -435,14 +435,20 @@ def main(argv: list[str] | None = None) -> int:
         if ceiling and results["model"].get("ok"):
             guarded(results, "throughput", lambda: throughput(device, shape, model_dir, config, ceiling), save,
                     deadline)
+        else:
+            results["throughput"] = {"ok": None, "skipped": "needs the ceilings and the model directory"}
         steps.update()
         if device.startswith("cuda"):
             guarded(results, "ipc_copy", lambda: ipc_copy(device, shape), save, deadline)
         else:
             results["ipc_copy"] = {"ok": None, "skipped": "CUDA only"}
         steps.update()
-        if results["model"].get("ok"):
+        if results["model"].get("ok") and time.monotonic() < deadline:
             served(results, device, shape, model_dir, config, workdir, save, deadline)
+        else:
+            why = "--budget-s spent" if results["model"].get("ok") else "no model directory"
+            results.update(handoff_1p1d={"ok": None, "skipped": why}, bursty={"ok": None, "skipped": why})
+            save()
         steps.update(2)
         steps.close()
     for goal in results["goals"]:

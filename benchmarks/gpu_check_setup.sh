@@ -23,7 +23,7 @@ wheels=(
     pyzmq==27.3.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
     fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 sniffio==1.3.1
     jsonschema==4.25.1 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
-    xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+    xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 opentelemetry-api==1.45.2 typing-extensions==4.16.0
 )
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
