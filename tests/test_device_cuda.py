@@ -58,6 +58,25 @@ def test_greedy_float32_on_cuda_equals_the_cpu_one_at_a_time_and_batched(model_d
     assert generate(chunked, prompts) == reference
 
 
+def test_paged_attention_on_cuda_prefix_hits_and_split_k_equal_the_cpu(model_dir):
+    """The Triton kernels in the engine (docs/gpu.md, "Attention on the GPU"): prompts
+    behind a cached 40-token prefix (prefill read from the pool in place), and a 700-token
+    one whose decode steps split the context (``decode_splits``: 2 KV heads, 44 blocks)."""
+    from epdserve.model import triton_attention
+
+    vocab = TINY["vocab_size"]
+    shared = [(13 * k + 5) % vocab for k in range(40)]
+    prompts = [shared + [(7 * i + k) % vocab for k in range(n)] for i, n in enumerate([3, 20, 60])]
+    long_prompt = [(11 * k + 3) % vocab for k in range(700)]
+    assert triton_attention.decode_splits(1, TINY["num_key_value_heads"], 44 * 16) > 1
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        e = engine(model_dir, device)
+        tokens[device] = [generate(e, prompts[:1])[0], *generate(e, prompts[1:]), generate(e, [long_prompt])[0]]
+        assert e.stats()["prefix_cache_hits"] >= 2 * 32
+    assert tokens["cuda"] == tokens["cpu"]
+
+
 def test_bfloat16_logits_on_cuda_within_tolerance_of_float32(model_dir, prompts):
     """Prompt logprobs (the raw log-softmax of every prompt position) of a bfloat16 GPU
     engine against the float32 CPU engine's; float32 on the GPU matches far closer."""

@@ -253,7 +253,11 @@ class LlamaModel:
         x.add_(quant.linear(F.silu(gate) * up, layer["down"]))
 
     def _attention(self, q, k, v, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention output ``[T, heads, head_dim]`` for every row of the batch."""
+        """Attention output ``[T, heads, head_dim]`` for every row of the batch: decode rows
+        over the paged pool (``layer_ops.paged_decode_attention``), a prefill without cached
+        tokens by causal SDPA over its own K/V, one behind cached tokens over the pool (on
+        CUDA by ``triton_attention.paged_prefill_attention``, in place; elsewhere its blocks
+        gathered, then SDPA)."""
         block_size = layer_cache.shape[2]
         decode = None
         if len(meta.decode_rows):
@@ -267,7 +271,14 @@ class LlamaModel:
             rows = slice(seq.start, seq.start + seq.q_len)
             qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             cached = seq.ctx_len - seq.q_len
-            if cached == 0:  # attend to this step's K/V
+            if cached and q.is_cuda:  # read the cached prefix from the pool in place, no gather
+                from epdserve.model import triton_attention  # CUDA builds of torch only: see layer_ops
+
+                out[rows] = triton_attention.paged_prefill_attention(
+                    q[rows], layer_cache[0].flatten(0, 1), layer_cache[1].flatten(0, 1), seq.block_table,
+                    seq.ctx_len, block_size)
+                continue
+            if cached == 0:  # attend to this step's K/V (fused SDPA, causal)
                 ks, vs, mask = k[rows], v[rows], None
             else:
                 ks, vs = (layer_ops.gather_blocks(layer_cache[j], seq.block_table)[: seq.ctx_len] for j in (0, 1))
