@@ -177,3 +177,28 @@ def test_benchmark_hook_reports_both_paths():
     assert result["kv_bytes"] == 2 * 2 * 40 * 2 * HEAD_DIM * 4
     assert result["triton_ms"] > 0 and result["torch_ms"] > 0 and result["triton_gbps"] > 0
     assert result["max_abs_diff"] < 1e-5 and result["splits"] == 1
+
+
+def test_prefill_benchmark_hook_compares_with_the_gathering_path():
+    result = triton_attention.benchmark_prefill_attention(20, 50, 4, 2, HEAD_DIM, torch.float32, DEVICE, iters=1)
+    assert result["kv_bytes"] == 2 * 50 * 2 * HEAD_DIM * 4 and result["q_len"] == 20
+    assert result["triton_tflops"] > 0 and result["torch_ms"] > 0 and result["max_abs_diff"] < 1e-5
+    with pytest.raises(ValueError, match="q_len 50"):
+        triton_attention.benchmark_prefill_attention(50, 50, 4, 2, HEAD_DIM, torch.float32, DEVICE)
+
+
+def test_cuda_graph_buckets_are_vllms(tmp_path):
+    """``model/cuda_graphs.py`` (its replay is checked in test_device_cuda.py): vLLM's
+    default capture sizes, and a refusal of a model on the CPU."""
+    from epdserve.model import cuda_graphs
+    from epdserve.model.llama import LlamaModel
+    from test_device import write_tiny_llama
+
+    assert cuda_graphs.capture_sizes(1) == [1]
+    assert cuda_graphs.capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert cuda_graphs.capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    with pytest.raises(ValueError, match="max_batch 0"):
+        cuda_graphs.capture_sizes(0)
+    model = LlamaModel.load(write_tiny_llama(tmp_path / "tiny"))
+    with pytest.raises(ValueError, match="need a CUDA model and cache, not cpu / cpu"):
+        cuda_graphs.DecodeGraphs(model, model.allocate_kv_cache(4, 16), 8, 4)

@@ -11,11 +11,11 @@ block_size`` (PagedAttention, Kwon et al., SOSP 2023), the layout ``layer_ops`` 
 
 **Split-K** ("flash-decoding", Dao et al., 2023): decode has one program per (sequence, KV
 head), too few to fill a GPU when the batch is small, and each walks the whole context.
-:func:`decode_splits` cuts the context into ``S`` chunks of whole ``BLOCK_N`` tiles, each a
-program that writes its unnormalized output with its running max and sum; a second kernel
-merges the ``S`` parts. The rule uses only shapes known on the host (the block table's width,
-not the context lengths, which live on the device), so a step never waits for the GPU and a
-CUDA graph replays the same split.
+:func:`decode_splits` chooses ``S`` from shapes known on the host (the block table's width,
+not the context lengths, which live on the device: a step never waits for the GPU, and a CUDA
+graph replays the same launch); each sequence's own context is then cut, on the device, into
+``S`` equal parts of whole ``BLOCK_N`` tiles, each a program that writes its unnormalized
+output with its running max and sum, and a second kernel merges the ``S`` parts.
 
 Triton ships with the CUDA build of PyTorch; this module imports it at import time, so only
 CUDA code paths import this module (``layer_ops`` does so lazily). With
@@ -53,7 +53,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _paged_attention_kernel(  # long: one kernel, its arguments and its online-softmax loop
         Q, K, V, Out, BlockTables, CtxLens, PartAcc, PartM, PartL,
-        qk_scale, q_len_arg, ctx_len_arg, block_size, tokens_per_split,
+        qk_scale, q_len_arg, ctx_len_arg, block_size,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
         stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -83,10 +83,13 @@ def _paged_attention_kernel(  # long: one kernel, its arguments and its online-s
         q = q.to(tl.float32)
     # Causal: query token i (of q_len) sees positions up to ctx_len - q_len + i.
     limit = ctx_len - q_len + q_idx
-    start = split * tokens_per_split
-    end = tl.minimum(ctx_len, start + tokens_per_split)
-    if not DECODE:  # the tile's last query bounds the keys it needs
-        end = tl.minimum(end, ctx_len - q_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len))
+    if DECODE:  # this sequence's context in equal parts of whole tiles, one per split
+        tokens_per_split = tl.cdiv(tl.cdiv(ctx_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        start = split * tokens_per_split
+        end = tl.minimum(ctx_len, start + tokens_per_split)
+    else:  # no split; the tile's last query bounds the keys it needs
+        start = 0
+        end = ctx_len - q_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -154,10 +157,12 @@ def decode_splits(batch: int, kv_heads: int, max_ctx: int, programs: int | None 
     """How many parts decode attention cuts each context into (split-K).
 
     1 when ``batch × kv_heads`` programs already fill ``programs`` (the device's
-    multiprocessor count; :data:`DEFAULT_PROGRAMS` where unknown) or the context is
-    shorter than ``2 × MIN_SPLIT_TOKENS``; else enough parts to reach ``programs``, each
-    at least ``MIN_SPLIT_TOKENS`` long, at most :data:`MAX_SPLITS`.
-    ``max_ctx``: the longest context the block table can hold (tokens).
+    multiprocessor count; :data:`DEFAULT_PROGRAMS` where unknown) or ``max_ctx`` is
+    shorter than ``2 × MIN_SPLIT_TOKENS``; else enough parts to reach ``programs``, at
+    most ``max_ctx // MIN_SPLIT_TOKENS`` (the widest context's parts are at least
+    ``MIN_SPLIT_TOKENS`` long) and :data:`MAX_SPLITS`. ``max_ctx``: the longest context
+    the block table can hold (its width × block size, tokens). Each sequence splits its
+    own context into that many equal parts (shorter contexts, shorter parts).
     """
     programs = programs or DEFAULT_PROGRAMS
     base = batch * kv_heads
@@ -200,12 +205,12 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
 
 
 def _launch(grid, q, k_cache, v_cache, out, block_table, ctx_lens, parts, q_len, ctx_len, block_size,
-            tokens_per_split, block_m, block_q, decode, split):
+            block_m, block_q, decode, split):
     kv_heads, group = k_cache.shape[1], q.shape[1] // k_cache.shape[1]
     acc, m, l_part = parts
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_table, ctx_lens, acc, m, l_part,
-        LOG2E / math.sqrt(q.shape[-1]), q_len, ctx_len, block_size, tokens_per_split,
+        LOG2E / math.sqrt(q.shape[-1]), q_len, ctx_len, block_size,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0) if block_table.dim() == 2 else 0,
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
@@ -243,10 +248,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    max_ctx = block_tables.shape[1] * block_size
-    splits = num_splits or decode_splits(batch, kv_heads, max_ctx, _device_programs(q.device))
-    tokens_per_split = -(-max(-(-max_ctx // splits), 1) // BLOCK_N) * BLOCK_N
-    splits = max(1, -(-max_ctx // tokens_per_split))
+    splits = num_splits or decode_splits(batch, kv_heads, block_tables.shape[1] * block_size,
+                                         _device_programs(q.device))
     block_m = max(16, triton.next_power_of_2(group))
     if splits == 1:
         parts = (out.new_empty(0, 0, 0, dtype=torch.float32), *(out.new_empty(0, 0, dtype=torch.float32),) * 2)
@@ -256,7 +259,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                  torch.empty(batch, q.shape[1], splits, device=q.device, dtype=torch.float32),
                  torch.empty(batch, q.shape[1], splits, device=q.device, dtype=torch.float32))
     _launch((batch, kv_heads, splits), q, k_cache, v_cache, out, block_tables, ctx_lens, parts, 1, 0,
-            block_size, tokens_per_split, block_m, 1, True, splits > 1)
+            block_size, block_m, 1, True, splits > 1)
     if splits > 1:
         acc, m, l_part = parts
         _merge_splits_kernel[(batch, q.shape[1])](
@@ -293,7 +296,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_q = block_m // group
     parts = (out.new_empty(0, 0, 0, dtype=torch.float32), *(out.new_empty(0, 0, dtype=torch.float32),) * 2)
     _launch((1, kv_heads * -(-q_len // block_q), 1), q, k_cache, v_cache, out, block_table, block_table, parts,
-            q_len, ctx_len, block_size, ctx_len, block_m, block_q, False, False)
+            q_len, ctx_len, block_size, block_m, block_q, False, False)
     return out
 
 
@@ -314,15 +317,60 @@ def benchmark_decode_attention(batch: int, ctx: int, heads: int, kv_heads: int, 
     from epdserve.model import layer_ops  # (layer_ops imports this module lazily: no cycle at import)
 
     device = torch.device(device)
+    k_cache, v_cache, block_tables, gen = _random_pool(batch, ctx, kv_heads, head_dim, dtype, device, block_size,
+                                                       seed)
+    ctx_lens = torch.full((batch,), ctx, dtype=torch.long, device=device)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(device, dtype)
+    result = _compare(lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size),
+                      lambda: layer_ops.paged_decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens,
+                                                                     block_size),
+                      2 * batch * ctx * kv_heads * head_dim * k_cache.element_size(), iters, device)
+    splits = decode_splits(batch, kv_heads, block_tables.shape[1] * block_size, _device_programs(device))
+    return {"batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "dtype": str(dtype).removeprefix("torch."), "device": str(device), "block_size": block_size,
+            "splits": splits, **result}
+
+
+def benchmark_prefill_attention(q_len: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
+                                dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+                                block_size: int = 16, iters: int = 10, seed: int = 0) -> dict:
+    """Time one sequence's prefill of ``q_len`` tokens behind ``ctx - q_len`` cached ones,
+    :func:`paged_prefill_attention` (the pool read in place) against gathering the blocks,
+    then SDPA (``llama.gathered_prefill_attention``, the CPU's way), as
+    :func:`benchmark_decode_attention` times them. Returns its keys (``kv_bytes``: the
+    context's K/V once) plus ``q_len`` and ``tflops`` of each (the causal half of
+    ``4 × q_len × ctx × heads × head_dim`` flops). Raises ValueError for ``q_len >= ctx``.
+    """
+    from epdserve.model.llama import gathered_prefill_attention  # (llama imports this module lazily)
+
+    if not 0 < q_len < ctx:
+        raise ValueError(f"q_len {q_len} must be in [1, ctx {ctx}): a prefill behind cached tokens")
+    device = torch.device(device)
+    k_cache, v_cache, block_tables, gen = _random_pool(1, ctx, kv_heads, head_dim, dtype, device, block_size, seed)
+    layer_cache = torch.stack([k_cache, v_cache]).view(2, -1, block_size, kv_heads, head_dim)
+    q = torch.randn(q_len, heads, head_dim, generator=gen).to(device, dtype)
+    result = _compare(lambda: paged_prefill_attention(q, k_cache, v_cache, block_tables[0], ctx, block_size),
+                      lambda: gathered_prefill_attention(q, layer_cache, block_tables[0], ctx),
+                      2 * ctx * kv_heads * head_dim * k_cache.element_size(), iters, device)
+    flops = 2 * q_len * (2 * ctx - q_len) * heads * head_dim  # the visible (causal) scores, QK and PV
+    result.update(triton_tflops=flops / result["triton_ms"] / 1e9, torch_tflops=flops / result["torch_ms"] / 1e9)
+    return {"q_len": q_len, "ctx": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "dtype": str(dtype).removeprefix("torch."), "device": str(device), "block_size": block_size, **result}
+
+
+def _random_pool(batch, ctx, kv_heads, head_dim, dtype, device, block_size, seed):
+    """K and V caches of ``batch × ceil(ctx / block_size)`` blocks, scattered block tables,
+    and the generator for the rest."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = -(-ctx // block_size)
     num_blocks = batch * blocks_per_seq
     k_cache, v_cache = (torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
                         for _ in range(2))
     block_tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).to(device)
-    ctx_lens = torch.full((batch,), ctx, dtype=torch.long, device=device)
-    q = torch.randn(batch, heads, head_dim, generator=gen).to(device, dtype)
+    return k_cache, v_cache, block_tables, gen
 
+
+def _compare(triton_fn, torch_fn, kv_bytes: int, iters: int, device: torch.device) -> dict:
     def timed(fn) -> tuple[float, torch.Tensor]:
         for _ in range(3):
             out = fn()
@@ -333,15 +381,9 @@ def benchmark_decode_attention(batch: int, ctx: int, heads: int, kv_heads: int, 
         _sync(device)
         return (time.perf_counter() - start) * 1e3 / iters, out
 
-    triton_ms, triton_out = timed(lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens,
-                                                                 block_size))
-    torch_ms, torch_out = timed(lambda: layer_ops.paged_decode_attention_torch(q, k_cache, v_cache, block_tables,
-                                                                               ctx_lens, block_size))
-    kv_bytes = 2 * batch * ctx * kv_heads * head_dim * k_cache.element_size()
-    return {"batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "dtype": str(dtype).removeprefix("torch."), "device": str(device), "block_size": block_size,
-            "splits": decode_splits(batch, kv_heads, blocks_per_seq * block_size, _device_programs(device)),
-            "kv_bytes": kv_bytes, "triton_ms": triton_ms, "torch_ms": torch_ms,
+    triton_ms, triton_out = timed(triton_fn)
+    torch_ms, torch_out = timed(torch_fn)
+    return {"kv_bytes": kv_bytes, "triton_ms": triton_ms, "torch_ms": torch_ms,
             "triton_gbps": kv_bytes / triton_ms / 1e6, "torch_gbps": kv_bytes / torch_ms / 1e6,
             "max_abs_diff": (triton_out.float() - torch_out.float()).abs().max().item()}
 
