@@ -24,6 +24,7 @@ CUDA code paths import this module (``layer_ops`` does so lazily). With
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -176,7 +177,9 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+@functools.cache
 def _device_programs(device: torch.device) -> int | None:
+    """The device's multiprocessor count (asked once per device), None off CUDA."""
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).multi_processor_count
