@@ -51,7 +51,9 @@ LOG2E = 1.4426950408889634
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+# A prefill's lengths change with every request: specializing on them (Triton does for a value
+# of 1 or a multiple of 16) would compile new variants, seconds each, in the serving path.
+@triton.jit(do_not_specialize=["q_len_arg", "ctx_len_arg"])
 def _paged_attention_kernel(  # long: one kernel, its arguments and its online-softmax loop
         Q, K, V, Out, BlockTables, CtxLens, PartAcc, PartM, PartL,
         qk_scale, q_len_arg, ctx_len_arg, block_size,
