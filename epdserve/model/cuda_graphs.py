@@ -101,14 +101,16 @@ class DecodeGraphs:
                 or meta.decode_block_tables.shape[1] > self.max_blocks):
             return None
         size = next(s for s in self.sizes if s >= batch)
-        tables = torch.zeros(batch, self.max_blocks, dtype=torch.long)
-        tables[:, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+        width = meta.decode_block_tables.shape[1]
 
         def padded(t: torch.Tensor) -> torch.Tensor:  # rows past the batch repeat its first row
             return torch.cat([t, t[:1].expand(size - batch, *t.shape[1:])])
 
-        host = [padded(t) for t in (input_ids, meta.positions, meta.slot_mapping, meta.decode_ctx_lens, tables)]
-        for static, value in zip((self.ids, self.positions, self.slots, self.ctx_lens, self.tables),
+        host = [padded(t) for t in (input_ids, meta.positions, meta.slot_mapping, meta.decode_ctx_lens,
+                                    meta.decode_block_tables)]
+        # Only the step's own table columns move: the ones past them are never read (no
+        # context reaches them), so what an earlier step left there does no harm.
+        for static, value in zip((self.ids, self.positions, self.slots, self.ctx_lens, self.tables[:, :width]),
                                  to_device(host, self.kv_cache.device)):
             static[:size].copy_(value)
         graph, logits = self.graphs[size]
