@@ -25,6 +25,7 @@ if not torch.cuda.is_available():
 
 triton_attention = pytest.importorskip("epdserve.model.triton_attention", reason="needs triton")
 from epdserve.model import layer_ops  # noqa: E402
+from epdserve.model.llama import gathered_prefill_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 16
@@ -159,6 +160,22 @@ def test_prefill_behind_a_cached_prefix(group, q_len, ctx_len, dtype):
     got = triton_attention.paged_prefill_attention(q, k_cache, v_cache, block_table, ctx_len, BLOCK)
     assert got.shape == q.shape and got.dtype == dtype
     assert_within_rounding(got, prefill_reference(q, k_cache, v_cache, block_table, ctx_len))
+
+
+def test_head_dim_not_a_power_of_two():
+    """head_dim 24 (as 80 or 96 in some models) is padded to 32 lanes, masked."""
+    d, kv_heads = 24, 2
+    k_cache, v_cache = (randn(NUM_BLOCKS * BLOCK, kv_heads, d, seed=s) for s in (15, 16))
+    ctx_lens = [40, 7]
+    block_tables = tables(ctx_lens, seed=17)
+    lens = torch.tensor(ctx_lens, device=DEVICE)
+    q = randn(2, 6, d, seed=18) * 3
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, BLOCK)
+    ref = layer_ops.paged_decode_attention_torch(q, k_cache, v_cache, block_tables, lens, BLOCK)
+    assert_within_rounding(got, ref)
+    layer_cache = torch.stack([k_cache, v_cache]).view(2, NUM_BLOCKS, BLOCK, kv_heads, d)
+    got = triton_attention.paged_prefill_attention(q.repeat(5, 1, 1), k_cache, v_cache, block_tables[0], 40, BLOCK)
+    assert_within_rounding(got, gathered_prefill_attention(q.repeat(5, 1, 1), layer_cache, block_tables[0], 40))
 
 
 def test_bad_shapes_are_named():
