@@ -11,6 +11,8 @@ are seeded random ones (``test_device.write_tiny_llama``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -56,6 +58,25 @@ def test_greedy_float32_on_cuda_equals_the_cpu_one_at_a_time_and_batched(model_d
     assert gpu.stats()["blocks_in_use"] == 0
     chunked = engine(model_dir, "cuda:0", max_num_batched_tokens=64, enable_chunked_prefill=True)
     assert generate(chunked, prompts) == reference
+
+
+def test_paged_attention_on_cuda_prefix_hits_and_split_k_equal_the_cpu(model_dir):
+    """The Triton kernels in the engine (docs/gpu.md, "Attention on the GPU"): prompts
+    behind a cached 40-token prefix (prefill read from the pool in place), and a 700-token
+    one whose decode steps split the context (``decode_splits``: 2 KV heads, 44 blocks)."""
+    from epdserve.model import triton_attention
+
+    vocab = TINY["vocab_size"]
+    shared = [(13 * k + 5) % vocab for k in range(40)]
+    prompts = [shared + [(7 * i + k) % vocab for k in range(n)] for i, n in enumerate([3, 20, 60])]
+    long_prompt = [(11 * k + 3) % vocab for k in range(700)]
+    assert triton_attention.decode_splits(1, TINY["num_key_value_heads"], 44 * 16) > 1
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        e = engine(model_dir, device)
+        tokens[device] = [generate(e, prompts[:1])[0], *generate(e, prompts[1:]), generate(e, [long_prompt])[0]]
+        assert e.stats()["prefix_cache_hits"] >= 2 * 32
+    assert tokens["cuda"] == tokens["cpu"]
 
 
 def test_bfloat16_logits_on_cuda_within_tolerance_of_float32(model_dir, prompts):
@@ -178,3 +199,42 @@ def test_pd_on_one_gpu_hands_kv_over_by_cuda_ipc(tmp_path):
         finally:
             _stop(dep.proc)
     assert texts["pd"] == texts["colocated"]
+
+
+def test_decode_graphs_replay_the_eager_step(model_dir):
+    """CUDA graphs of decode steps (model/cuda_graphs.py): batches of 1, 3 (padded to the
+    bucket of 4) and 8 over ragged contexts in scattered blocks give the eager step's
+    logits and writes the same K/V; a step with a prefill, or wider than the captured
+    block tables, is left to the eager path (None)."""
+    from epdserve.engine.runner import on_device
+    from epdserve.model.cuda_graphs import DecodeGraphs
+    from epdserve.model.llama import AttentionMetadata, LlamaModel, PrefillSeq
+
+    model = LlamaModel.load(model_dir, torch.float32, device="cuda")
+    kv_cache = model.allocate_kv_cache(96, 16)
+    graphs = DecodeGraphs(model, kv_cache, max_batch=8, max_blocks=12)
+    graphs.capture()
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    kv_cache.normal_(generator=torch.Generator("cuda").manual_seed(0))  # the sequences' earlier K/V
+    perm = torch.randperm(96, generator=torch.Generator().manual_seed(1))
+    for ctx_lens in ([37], [1, 16, 150], [5, 17, 33, 64, 100, 2, 180, 48]):
+        batch, width = len(ctx_lens), max(-(-n // 16) for n in ctx_lens)
+        tables = perm[:batch * width].view(batch, width)
+        positions = torch.tensor(ctx_lens) - 1
+        meta = AttentionMetadata(positions=positions, slot_mapping=tables[torch.arange(batch), positions // 16] * 16
+                                 + positions % 16, prefills=[], decode_rows=torch.arange(batch),
+                                 decode_block_tables=tables, decode_ctx_lens=torch.tensor(ctx_lens),
+                                 logits_rows=torch.arange(batch))
+        ids = torch.arange(batch) * 37 % TINY["vocab_size"]
+        eager_ids, eager_meta, _ = on_device(ids, meta, None, kv_cache.device)
+        eager = model.forward(eager_ids, eager_meta, kv_cache)
+        written = kv_cache.clone()
+        replayed = graphs.replay(ids, meta)
+        assert replayed is not None and replayed.shape == eager.shape
+        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+        assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+        torch.testing.assert_close(kv_cache, written, rtol=1e-5, atol=1e-5)  # the same K/V, the same slots
+    wide = dataclasses.replace(meta, decode_block_tables=torch.zeros(8, 13, dtype=torch.long))
+    assert graphs.replay(ids, wide) is None
+    prefill = dataclasses.replace(meta, prefills=[PrefillSeq(0, 2, 2, tables[0])])
+    assert graphs.replay(ids, prefill) is None

@@ -33,6 +33,7 @@ from epdserve.engine.request import PromptImages, SamplingParams, Sequence
 from epdserve.engine.sampler import TokenLogprobs, sample
 from epdserve.engine.scheduler import Scheduler, SchedulerConfig
 from epdserve.model.base import MULTIMODAL_MODEL_TYPES
+from epdserve.model.cuda_graphs import DecodeGraphs
 from epdserve.model.device import parse_device, synchronize
 from epdserve.model.llama import LlamaModel
 from epdserve.model.smolvlm import load_text
@@ -69,7 +70,10 @@ class EngineConfig:
     Q8_0 GGUF, the linear layers keep only the GGUF's blocks and compute from them
     (``model/quant.py``). ``device``: ``cpu``, ``cuda`` or ``cuda:N`` (``model/device.py``):
     where the weights, the KV cache, the activations and the sampler live; each step
-    moves its metadata there once and brings back only token ids (and logprobs)."""
+    moves its metadata there once and brings back only token ids (and logprobs).
+    ``cuda_graph``: on CUDA, decode-only steps replay CUDA graphs captured per batch-size
+    bucket at start-up (``model/cuda_graphs.py``; vLLM's default, the inverse of its
+    ``--enforce-eager``); ignored on the CPU."""
 
     block_size: int = 16
     kv_cache_memory_mb: int = 1024
@@ -81,6 +85,7 @@ class EngineConfig:
     dtype: str = "float32"
     quantized_weights: bool = True
     device: str = "cpu"
+    cuda_graph: bool = False
 
 
 @dataclass
@@ -142,6 +147,12 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.block_size)
         # kv_allocator(shape, dtype, device): a prefill worker's shared KV pool (/dev/shm or CUDA IPC).
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size, kv_allocator)
+        # Captured before any request holds a block: the capture's warm-up writes slot 0.
+        self.graphs = None
+        if config.cuda_graph and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
+                                       -(-self.max_model_len // config.block_size))
+            self.graphs.capture()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or self.max_model_len,
@@ -341,7 +352,7 @@ class LLMEngine:
         if not batch:
             return failed
         logits, sampled = runner.run(self.model, batch, self.kv_cache, self._layer_writer(batch),
-                                     self.prompt_logprobs.sink(batch))
+                                     self.prompt_logprobs.sink(batch), self.graphs)
         self.num_steps, self.last_step_tokens = self.num_steps + 1, sum(batch.num_tokens)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from epdserve.engine.scheduler import ScheduledBatch
+from epdserve.model.cuda_graphs import DecodeGraphs
 from epdserve.model.device import to_device
 from epdserve.model.llama import AttentionMetadata, LlamaModel, PrefillSeq
 
@@ -88,13 +89,20 @@ def on_device(input_ids: torch.Tensor, meta: AttentionMetadata, embeds: tuple[to
 
 def run(model: LlamaModel, batch: ScheduledBatch, kv_cache: torch.Tensor,
         kv_written: Callable[[int], None] | None = None,
-        hidden_sink: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, list[int]]:
+        hidden_sink: Callable[[torch.Tensor], None] | None = None,
+        graphs: DecodeGraphs | None = None) -> tuple[torch.Tensor, list[int]]:
     """One forward pass: returns ``(logits [S, vocab], indices of sampled sequences)``.
     ``kv_written``: see :meth:`LlamaModel.forward`. ``hidden_sink``, if given, gets the
     final hidden states of every row of the batch ``[T, hidden]`` (batch order, each
     sequence's new tokens in order) before the sampled rows' logits are taken from them
-    (prompt logprobs, ``engine/prompt_logprobs.py``)."""
+    (prompt logprobs, ``engine/prompt_logprobs.py``). ``graphs``: a decode-only step
+    without either replays its batch-size bucket's CUDA graph when there is one
+    (``model/cuda_graphs.py``; its logits are valid until the next step)."""
     input_ids, meta, sampled, embeds = prepare(batch, kv_cache.shape[3])
+    if graphs is not None and kv_written is None and hidden_sink is None and embeds is None:
+        logits = graphs.replay(input_ids, meta)
+        if logits is not None:
+            return logits, sampled
     input_ids, meta, embeds = on_device(input_ids, meta, embeds, kv_cache.device)
     if hidden_sink is None:
         return model.forward(input_ids, meta, kv_cache, embeds, kv_written), sampled

@@ -258,7 +258,11 @@ class LlamaModel:
         x.add_(quant.linear(F.silu(gate) * up, layer["down"]))
 
     def _attention(self, q, k, v, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention output ``[T, heads, head_dim]`` for every row of the batch."""
+        """Attention output ``[T, heads, head_dim]`` for every row of the batch: decode rows
+        over the paged pool (``layer_ops.paged_decode_attention``), a prefill without cached
+        tokens by causal SDPA over its own K/V, one behind cached tokens over the pool (on
+        CUDA by ``triton_attention.paged_prefill_attention``, in place; elsewhere its blocks
+        gathered, then SDPA)."""
         block_size = layer_cache.shape[2]
         decode = None
         if len(meta.decode_rows):
@@ -270,25 +274,49 @@ class LlamaModel:
         out = torch.empty_like(q)
         for seq in meta.prefills:
             rows = slice(seq.start, seq.start + seq.q_len)
-            qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            cached = seq.ctx_len - seq.q_len
-            if cached == 0:  # attend to this step's K/V
-                ks, vs, mask = k[rows], v[rows], None
+            if seq.ctx_len == seq.q_len:  # nothing cached: this step's own K/V, fused causal SDPA
+                qs, ks, vs = (t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, q_len, D]
+                out[rows] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            elif q.is_cuda:  # read the cached prefix from the pool in place, no gather
+                from epdserve.model import triton_attention  # CUDA builds of torch only: see layer_ops
+
+                out[rows] = triton_attention.paged_prefill_attention(
+                    q[rows], layer_cache[0].flatten(0, 1), layer_cache[1].flatten(0, 1), seq.block_table,
+                    seq.ctx_len, block_size)
             else:
-                ks, vs = (layer_ops.gather_blocks(layer_cache[j], seq.block_table)[: seq.ctx_len] for j in (0, 1))
-                if cached < seq.q_len:
-                    # Causal over the whole context behind `cached` zero queries, whose rows are
-                    # dropped: the causal kernel skips the masked half of the scores, which an
-                    # explicit mask computes (1.5-1.9x the attention time for a chat prompt
-                    # whose template block hits the prefix cache).
-                    qs, mask = torch.cat([qs.new_zeros(1, qs.shape[1], cached, qs.shape[3]), qs], dim=2), None
-                else:
-                    q_pos = torch.arange(seq.q_len, device=q.device).unsqueeze(1) + cached
-                    mask = torch.arange(seq.ctx_len, device=q.device).unsqueeze(0) <= q_pos
-            o = F.scaled_dot_product_attention(
-                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-            out[rows] = o[0, :, -seq.q_len:].transpose(0, 1)
+                out[rows] = gathered_prefill_attention(q[rows], layer_cache, seq.block_table, seq.ctx_len)
         if decode is not None:
             out[meta.decode_rows] = decode
         return out
+
+
+def gathered_prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_table: torch.Tensor,
+                               ctx_len: int) -> torch.Tensor:
+    """Causal attention of a sequence's ``q_len`` new tokens behind cached ones, over its
+    ``ctx_len`` positions gathered from the pool into one contiguous copy, then SDPA (the
+    CPU's way; on CUDA ``triton_attention.paged_prefill_attention`` reads the pool in
+    place). Query token i sees positions ``<= ctx_len - q_len + i``.
+
+    Args:
+        q: ``[q_len, heads, head_dim]``, ``q_len < ctx_len``.
+        layer_cache: one layer's ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+        block_table: ``[n_blocks]`` int64 covering ``ctx_len`` positions.
+    Returns:
+        ``[q_len, heads, head_dim]``.
+    """
+    q_len = q.shape[0]
+    cached = ctx_len - q_len
+    qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+    ks, vs = (layer_ops.gather_blocks(layer_cache[j], block_table)[:ctx_len] for j in (0, 1))
+    if cached < q_len:
+        # Causal over the whole context behind `cached` zero queries, whose rows are
+        # dropped: the causal kernel skips the masked half of the scores, which an
+        # explicit mask computes (1.5-1.9x the attention time for a chat prompt
+        # whose template block hits the prefix cache).
+        qs, mask = torch.cat([qs.new_zeros(1, qs.shape[1], cached, qs.shape[3]), qs], dim=2), None
+    else:
+        q_pos = torch.arange(q_len, device=q.device).unsqueeze(1) + cached
+        mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= q_pos
+    o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                       attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    return o[0, :, -q_len:].transpose(0, 1)

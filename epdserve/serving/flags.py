@@ -92,6 +92,10 @@ WORKER_FLAGS = (
     Flag("--device", type=device_type, default="cpu", metavar=DEVICE_METAVAR,
          help="where the weights, KV cache, activations and sampler live: the CPU, or a CUDA GPU "
               "(docs/gpu.md)"),
+    Flag("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+         help="CUDA workers: run every step eagerly (vLLM's flag; here on by default until CUDA graphs are "
+              "measured faster); --no-enforce-eager replays decode steps as CUDA graphs, one per batch-size "
+              "bucket (model/cuda_graphs.py, docs/gpu.md). Ignored on the CPU"),
     Flag("--dtype", choices=DTYPE_CHOICES, default=None,
          help="weights and KV cache dtype (default: bfloat16 on CUDA, float32 on the CPU); auto: bfloat16 on "
               "CUDA; on the CPU as vLLM's CPU backend, bfloat16 "

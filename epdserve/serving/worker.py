@@ -90,7 +90,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_chunked_prefill=args.enable_chunked_prefill,
                         enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype,
-                        quantized_weights=args.quantized_weights, device=args.device)
+                        quantized_weights=args.quantized_weights, device=args.device,
+                        cuda_graph=not args.enforce_eager)
 
 
 def pin_to_cores(spec: str | None) -> list[int]:
