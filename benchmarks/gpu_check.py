@@ -16,7 +16,12 @@ measured; ``--budget-s`` skips what would start after it):
   of the matrix peak (FLOPs = 2 x matmul parameters per token + causal attention), and
   decode tokens/s at batch 1, 32 and 128 as a fraction of the memory-bandwidth bound
   (bytes per step = matmul weights + the KV of every sequence's context; bound = bytes /
-  bandwidth).
+  bandwidth); on CUDA the decode steps replay CUDA graphs (``decode``) and run eagerly
+  (``decode_eager``) on the same engine.
+* ``attention`` (CUDA only): the Triton paged-attention kernels against the gathering
+  PyTorch path on the 8B shape's heads (:mod:`epdserve.model.triton_attention`'s
+  benchmark hooks): decode at batch 1, 32 and 128 over 4,096-token contexts (GB/s of K/V
+  read, against the copy bandwidth) and a 2,048-token prefill behind 2,048 cached tokens.
 * ``ipc_copy`` (CUDA only): the 8B shape's KV of 512 and 2,048-token prompts copied from
   another process's pool by CUDA IPC vs a device-to-device copy of the same bytes
   (:func:`epdserve.transfer.ipc_bench.ipc_copy_benchmark`).
@@ -256,15 +261,43 @@ def throughput(device: str, shape: dict, model_dir: Path, config: dict, ceiling:
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     engine = LLMEngine(str(model_dir), EngineConfig(
         device=device, dtype=dtype, kv_cache_memory_mb=shape["kv_mb"], max_num_seqs=max(shape["decode_batches"]),
-        enable_prefix_caching=False, max_num_batched_tokens=max(16384, shape["prefill_len"] * shape["prefill_batch"])))
+        enable_prefix_caching=False, max_num_batched_tokens=max(16384, shape["prefill_len"] * shape["prefill_batch"]),
+        cuda_graph=device.startswith("cuda")))
+
+    def decode() -> dict:
+        return {str(b): decode_rate(engine, config, shape, b, device, ceiling["bandwidth_gbps"])
+                for b in shape["decode_batches"]}
+
     try:
-        out = {"dtype": dtype, "prefill": prefill_rate(engine, config, shape, device, ceiling["matmul_tflops"])}
-        out["decode"] = {str(b): decode_rate(engine, config, shape, b, device, ceiling["bandwidth_gbps"])
-                         for b in shape["decode_batches"]}
+        out = {"dtype": dtype, "prefill": prefill_rate(engine, config, shape, device, ceiling["matmul_tflops"]),
+               "cuda_graphs": engine.graphs is not None}
+        out["decode"] = decode()
+        if engine.graphs is not None:  # the same steps eager: what the graphs are worth
+            graphs, engine.graphs = engine.graphs, None
+            tqdm.write("  decode without CUDA graphs:")
+            out["decode_eager"] = decode()
+            engine.graphs = graphs
         return out
     finally:
         del engine
         free(device)
+
+
+def attention(device: str, config: dict, bandwidth: float) -> dict:
+    """The Triton kernels vs the gathering PyTorch path on the model's heads."""
+    from epdserve.model.triton_attention import benchmark_decode_attention, benchmark_prefill_attention
+
+    heads, kv_heads, head_dim = (config[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    out = {"bandwidth_gbps": bandwidth, "decode": {}}
+    for batch in (1, 32, 128):
+        row = benchmark_decode_attention(batch, 4096, heads, kv_heads, head_dim, device=device)
+        out["decode"][str(batch)] = row
+        report(f"decode attention batch {batch} x 4096 (Triton; torch {row['torch_gbps']:.0f} GB/s)",
+               row["triton_gbps"], bandwidth, "GB/s", row["triton_gbps"] / bandwidth)
+    out["prefill"] = benchmark_prefill_attention(2048, 4096, heads, kv_heads, head_dim, device=device)
+    report("prefill attention 2048 behind 2048 (Triton; torch "
+           f"{out['prefill']['torch_tflops']:.0f} TFLOP/s)", out["prefill"]["triton_tflops"], unit="TFLOP/s")
+    return out
 
 
 def free(device: str) -> None:
@@ -424,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         workdir = Path(tmp)
-        steps = tqdm(total=6, desc="gpu_check", unit="section")
+        steps = tqdm(total=7, desc="gpu_check", unit="section")
         guarded(results, "ceilings", lambda: ceilings(device, shape), save, math.inf)
         steps.update()
         guarded(results, "parity", lambda: parity(device, shape, workdir), save, deadline)
@@ -438,11 +471,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results["throughput"] = {"ok": None, "skipped": "needs the ceilings and the model directory"}
         steps.update()
-        if device.startswith("cuda"):
+        if device.startswith("cuda") and ceiling:
+            guarded(results, "attention", lambda: attention(device, config, ceiling["bandwidth_gbps"]), save,
+                    deadline)
             guarded(results, "ipc_copy", lambda: ipc_copy(device, shape), save, deadline)
         else:
-            results["ipc_copy"] = {"ok": None, "skipped": "CUDA only"}
-        steps.update()
+            results["attention"] = results["ipc_copy"] = {"ok": None, "skipped": "CUDA only"}
+        steps.update(2)
         if results["model"].get("ok") and time.monotonic() < deadline:
             served(results, device, shape, model_dir, config, workdir, save, deadline)
         else:
