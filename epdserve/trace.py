@@ -118,6 +118,12 @@ class RequestTrace(WorkerStages):
     worker: str | None = None  # colocated: the worker that served it
     prefill_worker: str | None = None
     decode_worker: str | None = None
+    # How the first worker (colocated or prefill) was picked: the --routing policy, and with
+    # prefix-aware its reason and the prompt tokens believed cached there (to set beside
+    # cached_tokens, what the worker found).
+    routing: str | None = None
+    routing_reason: str | None = None
+    routing_believed_tokens: int | None = None
     encode_workers: list[str] | None = None
     num_images: int | None = None
     router_queue_ms: float | None = None

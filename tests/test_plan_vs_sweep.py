@@ -59,3 +59,33 @@ def test_a_finished_run_brings_its_own_settings(pvs, capsys):
                                 "sampling": {"goodput": {"ttft": 2000.0}}, "trace": {"seed": 7}})
     assert (args.configs, args.goodput, args.goodput_target, args.seed) == (["pd", "colocated"], [("ttft", 2000.0)],
                                                                             0.8, 7)
+
+
+def test_wilson_interval_brackets_a_measured_share():
+    from epdserve.plan.validation import wilson_interval
+
+    lo, hi = wilson_interval(72 / 80, 80)  # Wilson (1927): 0.8148 - 0.9484 for 72 of 80
+    assert (round(lo, 3), round(hi, 3)) == (0.815, 0.948)
+    assert wilson_interval(1.0, 80)[1] == 1.0 and wilson_interval(0.0, 80)[0] == 0.0
+    assert wilson_interval(0.5, 0) == (0.0, 1.0)
+
+
+def test_sweep_attainment_simulates_each_swept_rate(pvs):
+    from epdserve.bench.workload import Request
+    from epdserve.plan.costmodel import roofline_platform
+    from epdserve.plan.hardware import device
+    from epdserve.plan.model_spec import BUILTIN
+    from epdserve.plan.validation import sweep_attainment
+
+    platform = roofline_platform(BUILTIN["Llama-3.1-8B"], device("H100"))
+    requests = [Request(0.5 * i, "", 8, "chat", 200) for i in range(20)]
+    entry = {"name": "pd", "sweep": {"points": [
+        {"rate": 1000.0, "slo_attainment": 0.5, "completed": 20, "failed": 0},
+        {"rate": 0.5, "slo_attainment": 1.0, "completed": 20, "failed": 0}]}}
+    rows = sweep_attainment(entry, 2, platform, requests, {"ttft": 10_000.0, "tpot": 1_000.0}, seed=0)
+    assert [r["rate"] for r in rows] == [0.5, 1000.0]  # by rate
+    assert rows[0]["simulated"] == 1.0 and rows[0]["in_interval"] and rows[0]["error"] == 0.0
+    assert rows[1]["interval"][0] < 0.5 < rows[1]["interval"][1]
+    text = pvs.attainment_table({"pd": rows})
+    assert "| pd | 0.5 | 100.0% [83.9% – 100.0%] | 100.0% | +0.0 pt |" in text
+    assert f"inside the measured 95 % interval at {sum(r['in_interval'] for r in rows)} of 2 swept rates" in text

@@ -77,7 +77,9 @@ class EmbeddingCache:
 class EncodeEngine:
     """The vision side of a SmolVLM / Idefics3 directory (no language model) and an
     :class:`EmbeddingCache` of ``cache_bytes``. ``dtype``: the vision encoder's and the
-    embeddings' dtype.
+    embeddings' dtype. ``device``: where the vision encoder computes (``model/device.py``);
+    the embeddings come back to the host either way (they leave as frames, or enter an
+    engine step whose metadata is built on the host), and the cache holds them there.
 
     Raises (constructor):
         ModelLoadError: not a vision-language model directory, or missing weights or
@@ -85,8 +87,9 @@ class EncodeEngine:
     """
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES, max_batch_tiles: int = DEFAULT_MAX_BATCH_TILES):
-        self.vision = VisionEncoder.load(model_dir, dtype)
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, max_batch_tiles: int = DEFAULT_MAX_BATCH_TILES,
+                 device: str | torch.device = "cpu"):
+        self.vision = VisionEncoder.load(model_dir, dtype, device)
         self.processor = ImageProcessor.from_dir(model_dir, self.vision.config.tokens_per_image)
         self.cache = EmbeddingCache(cache_bytes)
         self.max_batch_tiles = max_batch_tiles
@@ -135,6 +138,9 @@ class EncodeEngine:
         start = time.perf_counter()
         out = torch.cat([self.vision.encode(tiles[k:k + self.max_batch_tiles])
                          for k in range(0, len(tiles), self.max_batch_tiles)])
+        # To the host inside the timed span: on CUDA the copy waits for the encoder, so
+        # encode_ms holds the device's time (a no-op on the CPU).
+        out = out.cpu()
         forward_ms = (time.perf_counter() - start) * 1e3
         counts = [len(p.pixel_values) for _, p, _ in misses]
         # clone(): a view would keep the whole batch's output alive in the cache, whose

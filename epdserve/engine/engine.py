@@ -33,6 +33,8 @@ from epdserve.engine.request import PromptImages, SamplingParams, Sequence
 from epdserve.engine.sampler import TokenLogprobs, sample
 from epdserve.engine.scheduler import Scheduler, SchedulerConfig
 from epdserve.model.base import MULTIMODAL_MODEL_TYPES
+from epdserve.model.cuda_graphs import DecodeGraphs
+from epdserve.model.device import parse_device, synchronize
 from epdserve.model.llama import LlamaModel
 from epdserve.model.smolvlm import load_text
 from epdserve.model.tokenizer import load_tokenizer
@@ -43,19 +45,19 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def load_language_model(model_dir: str, dtype: torch.dtype,
-                        quantized: bool = False) -> tuple[LlamaModel, int | None]:
-    """The language model of a text model directory or of a SmolVLM / Idefics3 one, and
-    the latter's ``image_token_id`` (None for a text model). ``quantized``: see
-    :meth:`LlamaModel.load` (text models only).
+def load_language_model(model_dir: str, dtype: torch.dtype, quantized: bool = False,
+                        device: str = "cpu") -> tuple[LlamaModel, int | None]:
+    """The language model of a text model directory or of a SmolVLM / Idefics3 one, on
+    ``device``, and the latter's ``image_token_id`` (None for a text model). ``quantized``:
+    see :meth:`LlamaModel.load` (text models only).
 
     Raises:
         ModelLoadError: the model cannot be loaded.
     """
     config = json.loads((Path(model_dir) / "config.json").read_text())
     if config.get("model_type") in MULTIMODAL_MODEL_TYPES:
-        return load_text(model_dir, dtype)
-    return LlamaModel.load(model_dir, dtype, quantized), None
+        return load_text(model_dir, dtype, device)
+    return LlamaModel.load(model_dir, dtype, quantized, device), None
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,14 @@ class EngineConfig:
     ``num_kv_blocks`` fixes the block count (as vLLM's ``num_gpu_blocks_override``);
     ``max_num_batched_tokens`` defaults to the context window (no chunking needed);
     ``enable_prefix_caching`` as vLLM's (on by default, see ``engine/prefix_cache.py``);
-    ``quantized_weights``: with dtype float32 and a model converted from a Q4_1 / Q8_0 GGUF,
-    the linear layers keep only the GGUF's blocks and compute from them (``model/quant.py``)."""
+    ``quantized_weights``: with dtype float32 on the CPU and a model converted from a Q4_1 /
+    Q8_0 GGUF, the linear layers keep only the GGUF's blocks and compute from them
+    (``model/quant.py``). ``device``: ``cpu``, ``cuda`` or ``cuda:N`` (``model/device.py``):
+    where the weights, the KV cache, the activations and the sampler live; each step
+    moves its metadata there once and brings back only token ids (and logprobs).
+    ``cuda_graph``: on CUDA, decode-only steps replay CUDA graphs captured per batch-size
+    bucket at start-up (``model/cuda_graphs.py``; vLLM's default, the inverse of its
+    ``--enforce-eager``); ignored on the CPU."""
 
     block_size: int = 16
     kv_cache_memory_mb: int = 1024
@@ -76,6 +84,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     dtype: str = "float32"
     quantized_weights: bool = True
+    device: str = "cpu"
+    cuda_graph: bool = False
 
 
 @dataclass
@@ -115,8 +125,10 @@ class StepOutput:
 class LLMEngine:
     """A paged-KV engine over one :class:`LlamaModel`.
 
-    Raises (constructor): ``ValueError`` for an unknown dtype, or a budget too
-    small for one block; ``ModelLoadError`` for a model that cannot be loaded.
+    Raises (constructor): ``ValueError`` for an unknown dtype, a device that is not one
+    or is not here (``parse_device``), a budget too small for one block, or a
+    ``kv_allocator`` whose tensor does not fit the cache; ``ModelLoadError`` for a model that cannot
+    be loaded.
     """
 
     def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), kv_allocator=None):
@@ -124,15 +136,23 @@ class LLMEngine:
             raise ValueError(f"unknown dtype {config.dtype!r} (choose from {', '.join(DTYPES)})")
         self.config = config
         self.model_dir = model_dir
+        device = parse_device(config.device)
+        self.device = torch.device(device)
         self.model, self.image_token_id = load_language_model(model_dir, DTYPES[config.dtype],
-                                                                  config.quantized_weights)
+                                                              config.quantized_weights, device)
         mc = self.model.config
         self.max_model_len = mc.max_position_embeddings
         block_bytes = config.block_size * mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize)
         num_blocks = config.num_kv_blocks or config.kv_cache_memory_mb * 2**20 // block_bytes
         self.pool = BlockPool(num_blocks, config.block_size)
-        # kv_allocator(shape, dtype): e.g. a prefill worker's shared-memory KV pool.
+        # kv_allocator(shape, dtype, device): a prefill worker's shared KV pool (/dev/shm or CUDA IPC).
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size, kv_allocator)
+        # Captured before any request holds a block: the capture's warm-up writes slot 0.
+        self.graphs = None
+        if config.cuda_graph and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
+                                       -(-self.max_model_len // config.block_size))
+            self.graphs.capture()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or self.max_model_len,
@@ -280,12 +300,15 @@ class LLMEngine:
     def read_kv(self, block_ids: list[int], out: torch.Tensor | None = None,
                 layer: int | None = None) -> torch.Tensor:
         """Copy blocks out of the cache into ``out [layers, 2, len(block_ids), block_size,
-        kv_heads, head_dim]`` (any float dtype; allocated in the cache's when None) and
-        return it; with ``layer``, only that layer's: ``out [2, len(block_ids), ...]``."""
+        kv_heads, head_dim]`` (any float dtype, any device: a frame in host memory; allocated
+        on the host in the cache's dtype when None) and return it; with ``layer``, only that
+        layer's: ``out [2, len(block_ids), ...]``. From a CUDA cache into host memory this
+        is the device-to-host staging of a hand-off; the copies are synchronous, so ``out``
+        holds the blocks when it returns."""
         cache = self.kv_cache if layer is None else self.kv_cache[layer]
         if out is None:
             shape = self._block_shape(len(block_ids))
-            out = torch.empty(shape if layer is None else shape[1:], dtype=self.kv_cache.dtype)
+            out = torch.empty(shape if layer is None else shape[1:], dtype=self.kv_cache.dtype, device="cpu")
         # One strided copy per run of consecutive blocks: faster than index_select, and
         # index_select's threaded path stalls for seconds on a busy machine.
         for pos, start, n in block_runs(block_ids):
@@ -329,7 +352,7 @@ class LLMEngine:
         if not batch:
             return failed
         logits, sampled = runner.run(self.model, batch, self.kv_cache, self._layer_writer(batch),
-                                     self.prompt_logprobs.sink(batch))
+                                     self.prompt_logprobs.sink(batch), self.graphs)
         self.num_steps, self.last_step_tokens = self.num_steps + 1, sum(batch.num_tokens)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
@@ -395,6 +418,7 @@ class LLMEngine:
         start = time.perf_counter()
         kv, seq.pending_kv = seq.pending_kv, None
         kv.copy_into(self.kv_cache, seq.block_table, seq.num_cached_blocks)
+        synchronize(self.device)  # a host-to-device copy's time is the import's
         seq.timings.kv_import_ms = (time.perf_counter() - start) * 1e3
         # kv_import_ms is the copy alone: the source (and a /dev/shm mapping or TCP buffer
         # it holds) is freed on return, which takes 3-17 ms for a 24-94 MB frame on this

@@ -121,9 +121,11 @@ def clean_message(exc: Exception) -> str:
 
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[xgr.GrammarMatcher]) -> None:
     """Set to -inf, in place, the logits of row ``rows[i]`` of ``logits [S, vocab]``
-    (float32) whose tokens ``matchers[i]``'s grammar does not allow next. The bitmask
-    (1 bit a token) is allocated here, so only a batch with a guided row pays for it."""
+    (float32, on any device) whose tokens ``matchers[i]``'s grammar does not allow next.
+    The bitmask (1 bit a token) is allocated and filled on the host, so only a batch with a
+    guided row pays for it, and applied on the logits' device (xgrammar's GPU kernel on
+    CUDA; it wants both tensors on one device, as vLLM moves its bitmask)."""
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
     for row, m in zip(rows, matchers):
         m.fill_next_token_bitmask(bitmask, row)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1], indices=rows)

@@ -45,11 +45,12 @@ def check_size(num_prompt_tokens: int, k: int) -> None:
 def compute(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: list[int],
             k: int) -> list[PromptLogprob]:
     """The :data:`PromptLogprob` of each row of ``hidden [R, hidden]`` (the final hidden
-    states of the positions before the ``targets``, R token ids); ``logits_of(hidden rows)``
-    gives their logits ``[r, vocab]`` (``LlamaModel.logits``), :data:`CHUNK_ROWS` rows at
-    a time."""
+    states of the positions before the ``targets``, R token ids; on any device, where the
+    logprobs are computed and from which only the entries come back); ``logits_of(hidden
+    rows)`` gives their logits ``[r, vocab]`` (``LlamaModel.logits``), :data:`CHUNK_ROWS`
+    rows at a time."""
     out: list[PromptLogprob] = []
-    target = torch.tensor(targets, dtype=torch.long)
+    target = torch.tensor(targets, dtype=torch.long, device=hidden.device)
     for lo in range(0, len(targets), CHUNK_ROWS):
         logprobs = torch.log_softmax(logits_of(hidden[lo:lo + CHUNK_ROWS]), dim=-1)
         t = target[lo:lo + CHUNK_ROWS]

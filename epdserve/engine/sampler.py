@@ -10,6 +10,11 @@ divides by its temperature, applies min-p, top-k and top-p and draws. (vLLM mask
 the penalties; a masked logit is -inf either way, and masking last keeps the penalties'
 clamp from lifting it.)
 
+Everything runs on the logits' device (a CUDA worker's sampler is on its GPU); only the
+chosen token ids, and the logprobs asked for, come back to the host. A seeded row's
+generator is on that device too: a seeded request repeats its tokens on the same kind of
+device, but a GPU does not draw the CPU's tokens.
+
 Every value that ``SamplingParams`` allows gives a finite distribution with mass: see the
 guards in :func:`sample` and :func:`_apply_penalties`. A row can still fail if the model
 gave it NaN logits or its masks leave no token (every token a masked stop token, or a
@@ -69,7 +74,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
             tokens[row] = _draw(logits[row], seq)
     logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
     if want:
-        chosen = raw.gather(1, torch.tensor([[tokens[i]] for i in want])).squeeze(1).tolist()
+        chosen = raw.gather(1, torch.tensor([[tokens[i]] for i in want], device=raw.device)).squeeze(1).tolist()
         k = max(seqs[i].sampling.logprobs for i in want)
         top_lp, top_ids = raw.topk(k, dim=-1)
         for j, row in enumerate(want):
@@ -104,7 +109,7 @@ def _draw(logits: torch.Tensor, seq: Sequence) -> int:
         drop[0] = False
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=_generator(seq)))
+    return int(torch.multinomial(probs, 1, generator=_generator(seq, probs.device)))
 
 
 def _edits_logits(seq: Sequence) -> bool:
@@ -121,7 +126,7 @@ def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     for row, seq in enumerate(seqs):
         bias = {t: b for t, b in seq.sampling.logit_bias.items() if t < vocab}
         if bias:
-            logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+            logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
 
 
 def _mask_guided(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -137,13 +142,14 @@ def _mask_guided(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         mask_logits(logits, rows, [seqs[i].guided for i in rows])
 
 
-def _generator(seq: Sequence) -> torch.Generator | None:
+def _generator(seq: Sequence, device: torch.device) -> torch.Generator | None:
+    """The seeded row's generator on ``device`` (None: unseeded, the device's default)."""
     seed = seq.sampling.seed
     if seed is None:
         return None
     # One seed per (request seed, output position): the draw does not depend on what the
     # generator drew before, so a decode worker continues a prefill worker's sequence.
-    return torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + seq.num_output_tokens) % 2**64)
+    return torch.Generator(device).manual_seed((seed * 0x9E3779B97F4A7C15 + seq.num_output_tokens) % 2**64)
 
 
 def _has_penalty(seq: Sequence) -> bool:
@@ -178,29 +184,30 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     entries that occur are touched, so the cost follows the sequences' lengths, not rows x
     vocabulary."""
     rep_keys, out_keys = [], []
-    vocab = logits.shape[-1]
+    vocab, device = logits.shape[-1], logits.device
     for row, seq in enumerate(seqs):
         p = seq.sampling
         if p.repetition_penalty != 1.0:
-            rep_keys.append(torch.tensor(seq.token_ids) + row * vocab)
+            rep_keys.append(torch.tensor(seq.token_ids, dtype=torch.long) + row * vocab)
         if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             out_keys.append(torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.long) + row * vocab)
     if not rep_keys and not out_keys:
         return
     flat = logits.view(-1)  # (row, token) -> row * vocab + token
     if rep_keys:
-        keys = torch.cat(rep_keys).unique()
+        keys = torch.cat(rep_keys).unique().to(device)
         # In float64, where every allowed penalty (finite, > 0) stays finite and non-zero
         # (in float32 1e-300 is 0 and 1e300 inf: x / 0 is inf and 0 * inf NaN); the result
         # is clamped into float32's range, so a tiny penalty ties its favoured tokens at
         # the top instead of making them inf.
-        rep = torch.tensor([s.sampling.repetition_penalty for s in seqs], dtype=torch.float64)[keys // vocab]
+        rep = torch.tensor([s.sampling.repetition_penalty for s in seqs], dtype=torch.float64, device=device)[
+            keys // vocab]
         values = flat[keys].double()
         flat[keys] = torch.where(values > 0, values / rep, values * rep).clamp(-_FLOAT32_MAX, _FLOAT32_MAX).float()
     if out_keys:
-        keys, counts = torch.cat(out_keys).unique(return_counts=True)
+        keys, counts = (t.to(device) for t in torch.cat(out_keys).unique(return_counts=True))
         rows = keys // vocab
-        freq = torch.tensor([s.sampling.frequency_penalty for s in seqs])[rows]
-        pres = torch.tensor([s.sampling.presence_penalty for s in seqs])[rows]
+        freq = torch.tensor([s.sampling.frequency_penalty for s in seqs], device=device)[rows]
+        pres = torch.tensor([s.sampling.presence_penalty for s in seqs], device=device)[rows]
         # Cannot overflow: a shift of at most 2 * (count + 1) rounds away near float32's max.
         flat[keys] -= freq * counts + pres

@@ -1,9 +1,10 @@
 """The small operators of a decoder layer: RMSNorm, RoPE with the KV cache write, and
 attention of decode tokens over the paged KV cache.
 
-Each runs the fused C++ kernel (``layer_kernels.cpp``) for float32 tensors when the
-kernels are built (``kernels.available()``), else its PyTorch version (``*_torch``: the
-fallback for other dtypes and CPUs without AVX2, and the tests' reference). At decode
+Each runs the fused C++ kernel (``layer_kernels.cpp``) for float32 tensors on the CPU when
+the kernels are built (``kernels.available()``), else its PyTorch version (``*_torch``: the
+fallback for other dtypes and CPUs without AVX2, and the tests' reference); on CUDA, decode
+attention runs the Triton kernel of ``triton_attention`` and the rest the PyTorch versions. At decode
 batch 1 the PyTorch versions cost SmolLM2-135M about as much time as its weight matmuls
 (~150 operators per layer, a few microseconds of dispatch each); the kernels are three.
 The maths follows transformers' ``modeling_llama``.
@@ -20,9 +21,10 @@ from epdserve.model import kernels
 
 
 def fused(x: torch.Tensor) -> bool:
-    """Whether the kernels run for tensors like ``x`` (float32, kernels built); else the
-    PyTorch versions do, and :func:`decode_layer` must not be called."""
-    return x.dtype == torch.float32 and kernels.available()
+    """Whether the kernels run for tensors like ``x`` (float32 on the CPU, kernels built);
+    else the PyTorch versions do, and :func:`decode_layer` must not be called. (The device
+    is checked first: a CUDA worker never builds the CPU kernels.)"""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and kernels.available()
 
 
 def decode_layer(x: torch.Tensor, weights: tuple, layer_cache: torch.Tensor, positions: torch.Tensor,
@@ -101,6 +103,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     al., SOSP 2023), scale ``1/sqrt(head_dim)``, grouped-query heads (query head h reads
     KV head ``h // (heads / kv_heads)``).
 
+    On CUDA the Triton kernel runs (``triton_attention.paged_decode_attention``: blocks
+    read in place, split-K for long contexts); on the CPU the C++ kernel, else the PyTorch
+    version (which gathers the blocks).
+
     Args:
         q: ``[B, heads, head_dim]``.
         k_cache, v_cache: one layer's ``[slots, kv_heads, head_dim]``; slot = block id ×
@@ -110,11 +116,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns:
         ``[B, heads, head_dim]``.
     Raises:
-        RuntimeError: shapes disagree, or a context outruns its block table or the cache.
+        RuntimeError: shapes disagree, or a context outruns its block table or the cache
+            (CPU); ValueError: shapes or dtypes disagree (CUDA).
     """
     if fused(q):
         return torch.ops.epdserve.paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens,
                                                          block_size, 1.0 / math.sqrt(q.shape[-1]))
+    if q.is_cuda:
+        # Imported here: Triton ships with CUDA builds of torch only, and CPU workers never need it.
+        from epdserve.model import triton_attention
+        return triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size)
     return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens, block_size)
 
 
@@ -123,7 +134,7 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens, bl
     batch, max_ctx = block_tables.shape[0], block_tables.shape[1] * block_size
     ks, vs = (gather_blocks(cache.view(-1, block_size, *cache.shape[1:]), block_tables.flatten())
               .view(batch, max_ctx, *cache.shape[1:]) for cache in (k_cache, v_cache))  # [B, ctx, Hkv, D]
-    mask = torch.arange(max_ctx).unsqueeze(0) < ctx_lens.unsqueeze(1)
+    mask = torch.arange(max_ctx, device=ctx_lens.device).unsqueeze(0) < ctx_lens.unsqueeze(1)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2),
                                        attn_mask=mask[:, None, None, :], enable_gqa=True)
     return o.squeeze(2)

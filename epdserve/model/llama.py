@@ -85,12 +85,25 @@ class LlamaModel:
     The KV cache is owned by the caller: ``kv_cache [layers, 2, num_blocks, block_size,
     kv_heads, head_dim]`` (see :meth:`allocate_kv_cache`). See :meth:`forward`'s
     ``kv_written`` for a layer-pipelined KV export.
+
+    ``device``: where the weights, the RoPE tables and every activation live (see
+    ``model/device.py``); the forward pass's inputs must be there too. Off the CPU the
+    weights are dense (``blocks`` must be None: the GGUF block kernels are CPU-only) and
+    the PyTorch operators run (``layer_ops.fused`` is False).
+
+    Raises (constructor): ``KeyError`` for a missing tensor; ``ValueError`` for ``blocks``
+    off the CPU.
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 blocks: dict[str, quant.Blocks] | None = None):
+                 blocks: dict[str, quant.Blocks] | None = None, device: str | torch.device = "cpu"):
         self.config = config
         self.dtype = dtype
+        self.device = torch.device(device)
+        if blocks and self.device.type != "cpu":
+            raise ValueError(f"GGUF weight blocks run on the CPU only, not on {self.device}")
+        if self.device.type != "cpu":  # (on the CPU the tensors are used as they are)
+            weights = {name: w.to(self.device) for name, w in weights.items()}
         self.embed = weights["model.embed_tokens.weight"]
         # Linear layers whose GGUF blocks are in ``blocks`` run on them (quant.QuantLinear).
         self.lm_head = quant.projection(weights, blocks, [
@@ -120,15 +133,17 @@ class LlamaModel:
         t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        # Computed on the host (the same float32 values on every device), then moved.
+        self.cos = emb.cos().to(self.device, dtype)
+        self.sin = emb.sin().to(self.device, dtype)
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
-             quantized: bool = False) -> "LlamaModel":
-        """Load ``model_dir`` (Hugging Face layout) into ``dtype`` tensors. ``quantized``
-        (float32 only): linear layers run on the Q4_1 / Q8_0 blocks a GGUF conversion
-        stored (see ``model/quant.py``) when there are some and the kernel builds.
+             quantized: bool = False, device: str | torch.device = "cpu") -> "LlamaModel":
+        """Load ``model_dir`` (Hugging Face layout) into ``dtype`` tensors on ``device``.
+        ``quantized`` (float32 on the CPU only; ignored elsewhere): linear layers run on the
+        Q4_1 / Q8_0 blocks a GGUF conversion stored (see ``model/quant.py``) when there are
+        some and the kernel builds.
 
         Raises:
             ModelLoadError: a weight file is corrupt or a tensor is missing.
@@ -142,20 +157,34 @@ class LlamaModel:
                 part = load_file(str(file))
             except Exception as exc:
                 raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from None
-            weights.update({k: v.to(dtype) for k, v in part.items()})
-        blocks = quant.load_blocks(model_dir) if quantized and dtype == torch.float32 else None
+            weights.update({k: v.to(device, dtype) for k, v in part.items()})
+        on_cpu = torch.device(device).type == "cpu"
+        blocks = quant.load_blocks(model_dir) if quantized and dtype == torch.float32 and on_cpu else None
         try:
-            return cls(config, weights, dtype, blocks)
+            return cls(config, weights, dtype, blocks, device)
         except KeyError as exc:
             raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, allocator=None) -> torch.Tensor:
-        """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``, from
-        ``allocator(shape, dtype)`` when given (e.g. a shared-memory pool), else
-        ``torch.zeros``."""
+        """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in the
+        model's dtype on the model's device, from ``allocator(shape, dtype, device)`` when
+        given (a pool other processes map or open: a /dev/shm ``KVPool`` for a CPU model, a
+        CUDA-IPC-shared ``DevicePool`` for a GPU one; see ``transfer/handoff.new_engine``),
+        else ``torch.zeros``.
+
+        Raises:
+            ValueError: the allocator returned a tensor of another shape, dtype or device.
+        """
         c = self.config
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        return (allocator or torch.zeros)(shape, dtype=self.dtype)
+        if allocator is None:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        kv = allocator(shape, self.dtype, self.device)
+        on_device = kv.device.type == self.device.type and self.device.index in (None, kv.device.index)
+        if tuple(kv.shape) != shape or kv.dtype != self.dtype or not on_device:
+            raise ValueError(f"the KV cache allocator gave {tuple(kv.shape)} {kv.dtype} on {kv.device}, "
+                             f"not {shape} {self.dtype} on {self.device}")
+        return kv
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
@@ -229,7 +258,11 @@ class LlamaModel:
         x.add_(quant.linear(F.silu(gate) * up, layer["down"]))
 
     def _attention(self, q, k, v, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention output ``[T, heads, head_dim]`` for every row of the batch."""
+        """Attention output ``[T, heads, head_dim]`` for every row of the batch: decode rows
+        over the paged pool (``layer_ops.paged_decode_attention``), a prefill without cached
+        tokens by causal SDPA over its own K/V, one behind cached tokens over the pool (on
+        CUDA by ``triton_attention.paged_prefill_attention``, in place; elsewhere its blocks
+        gathered, then SDPA)."""
         block_size = layer_cache.shape[2]
         decode = None
         if len(meta.decode_rows):
@@ -241,25 +274,49 @@ class LlamaModel:
         out = torch.empty_like(q)
         for seq in meta.prefills:
             rows = slice(seq.start, seq.start + seq.q_len)
-            qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            cached = seq.ctx_len - seq.q_len
-            if cached == 0:  # attend to this step's K/V
-                ks, vs, mask = k[rows], v[rows], None
+            if seq.ctx_len == seq.q_len:  # nothing cached: this step's own K/V, fused causal SDPA
+                qs, ks, vs = (t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, q_len, D]
+                out[rows] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            elif q.is_cuda:  # read the cached prefix from the pool in place, no gather
+                from epdserve.model import triton_attention  # CUDA builds of torch only: see layer_ops
+
+                out[rows] = triton_attention.paged_prefill_attention(
+                    q[rows], layer_cache[0].flatten(0, 1), layer_cache[1].flatten(0, 1), seq.block_table,
+                    seq.ctx_len, block_size)
             else:
-                ks, vs = (layer_ops.gather_blocks(layer_cache[j], seq.block_table)[: seq.ctx_len] for j in (0, 1))
-                if cached < seq.q_len:
-                    # Causal over the whole context behind `cached` zero queries, whose rows are
-                    # dropped: the causal kernel skips the masked half of the scores, which an
-                    # explicit mask computes (1.5-1.9x the attention time for a chat prompt
-                    # whose template block hits the prefix cache).
-                    qs, mask = torch.cat([qs.new_zeros(1, qs.shape[1], cached, qs.shape[3]), qs], dim=2), None
-                else:
-                    q_pos = torch.arange(seq.q_len).unsqueeze(1) + cached
-                    mask = torch.arange(seq.ctx_len).unsqueeze(0) <= q_pos
-            o = F.scaled_dot_product_attention(
-                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-            out[rows] = o[0, :, -seq.q_len:].transpose(0, 1)
+                out[rows] = gathered_prefill_attention(q[rows], layer_cache, seq.block_table, seq.ctx_len)
         if decode is not None:
             out[meta.decode_rows] = decode
         return out
+
+
+def gathered_prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_table: torch.Tensor,
+                               ctx_len: int) -> torch.Tensor:
+    """Causal attention of a sequence's ``q_len`` new tokens behind cached ones, over its
+    ``ctx_len`` positions gathered from the pool into one contiguous copy, then SDPA (the
+    CPU's way; on CUDA ``triton_attention.paged_prefill_attention`` reads the pool in
+    place). Query token i sees positions ``<= ctx_len - q_len + i``.
+
+    Args:
+        q: ``[q_len, heads, head_dim]``, ``q_len < ctx_len``.
+        layer_cache: one layer's ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+        block_table: ``[n_blocks]`` int64 covering ``ctx_len`` positions.
+    Returns:
+        ``[q_len, heads, head_dim]``.
+    """
+    q_len = q.shape[0]
+    cached = ctx_len - q_len
+    qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+    ks, vs = (layer_ops.gather_blocks(layer_cache[j], block_table)[:ctx_len] for j in (0, 1))
+    if cached < q_len:
+        # Causal over the whole context behind `cached` zero queries, whose rows are
+        # dropped: the causal kernel skips the masked half of the scores, which an
+        # explicit mask computes (1.5-1.9x the attention time for a chat prompt
+        # whose template block hits the prefix cache).
+        qs, mask = torch.cat([qs.new_zeros(1, qs.shape[1], cached, qs.shape[3]), qs], dim=2), None
+    else:
+        q_pos = torch.arange(q_len, device=q.device).unsqueeze(1) + cached
+        mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= q_pos
+    o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                                       attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    return o[0, :, -q_len:].transpose(0, 1)

@@ -60,8 +60,9 @@ class SmolVLM:
     synthetic_vision: bool
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "SmolVLM":
-        """Load a SmolVLM / Idefics3 Hugging Face directory.
+    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "cpu") -> "SmolVLM":
+        """Load a SmolVLM / Idefics3 Hugging Face directory, both towers on ``device``.
 
         Raises:
             ModelLoadError: wrong model type, unreadable or missing weights.
@@ -70,10 +71,10 @@ class SmolVLM:
         vision_config = VisionConfig.from_dict(cfg)
         weights = read_weights(model_dir)
         try:
-            vision = VisionEncoder(vision_config, weights, dtype)
+            vision = VisionEncoder(vision_config, weights, dtype, device)
         except KeyError as exc:
             raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
-        return cls(path=Path(model_dir), vision=vision, text=_text_model(model_dir, cfg, weights, dtype),
+        return cls(path=Path(model_dir), vision=vision, text=_text_model(model_dir, cfg, weights, dtype, device),
                    processor=ImageProcessor.from_dir(model_dir, vision_config.tokens_per_image),
                    image_token_id=cfg["image_token_id"], synthetic_vision=bool(cfg.get("synthetic_vision")))
 
@@ -92,26 +93,28 @@ class SmolVLM:
         return rows, values
 
 
-def load_text(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, int]:
+def load_text(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> tuple[LlamaModel, int]:
     """The language model of a SmolVLM / Idefics3 directory alone (what prefill and decode
-    workers run; the vision tower stays unread) and its ``image_token_id``.
+    workers run; the vision tower stays unread), on ``device``, and its ``image_token_id``.
 
     Raises:
         ModelLoadError: as :meth:`SmolVLM.load`.
     """
     cfg = read_config(model_dir)
     weights = read_weights(model_dir, keep=lambda name: not is_vision_weight(name))
-    return _text_model(model_dir, cfg, weights, dtype), cfg["image_token_id"]
+    return _text_model(model_dir, cfg, weights, dtype, device), cfg["image_token_id"]
 
 
-def _text_model(model_dir: str | Path, cfg: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> LlamaModel:
+def _text_model(model_dir: str | Path, cfg: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: str | torch.device = "cpu") -> LlamaModel:
     text_weights = {("model." + k[len(TEXT_PREFIX):] if k.startswith(TEXT_PREFIX) else k): v.to(dtype)
                     for k, v in weights.items() if not is_vision_weight(k)}
     # Tied exactly when the checkpoint has no lm_head (transformers does not save tied copies).
     text_config = dataclasses.replace(ModelConfig.from_dict(cfg["text_config"], f"{model_dir}/config.json"),
                                       tie_word_embeddings="lm_head.weight" not in text_weights)
     try:
-        return LlamaModel(text_config, text_weights, dtype)
+        return LlamaModel(text_config, text_weights, dtype, device=device)
     except KeyError as exc:
         raise ModelLoadError(f"{model_dir}: missing tensor {exc}"
                              " (language model names are given without 'text_model.')") from None

@@ -82,18 +82,20 @@ class VisionEncoder:
     directory) or the constructor (a weights dict and a :class:`VisionConfig`)."""
 
     def __init__(self, config: VisionConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         """``weights`` uses Hugging Face names (``model.vision_model.*`` and
         ``model.connector.modality_projection.proj.weight``); extra names are ignored.
+        ``device``: where the weights live and :meth:`encode` computes.
 
         Raises:
             KeyError: a tensor is missing.
         """
         self.config = config
         self.dtype = dtype
+        self.device = torch.device(device)
 
         def w(name: str) -> torch.Tensor:
-            return weights[VISION_PREFIX + name].to(dtype)
+            return weights[VISION_PREFIX + name].to(self.device, dtype)
 
         self.patch_weight = w("embeddings.patch_embedding.weight")
         self.patch_bias = w("embeddings.patch_embedding.bias")
@@ -112,10 +114,11 @@ class VisionEncoder:
                 "fc2": (w(p + "mlp.fc2.weight"), w(p + "mlp.fc2.bias")),
             })
         self.post_norm = (w("post_layernorm.weight"), w("post_layernorm.bias"))
-        self.projection = weights[CONNECTOR_WEIGHT].to(dtype)
+        self.projection = weights[CONNECTOR_WEIGHT].to(self.device, dtype)
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "VisionEncoder":
+    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "cpu") -> "VisionEncoder":
         """Load only the vision side of a SmolVLM / Idefics3 Hugging Face directory (an
         encode worker needs no language model). From a weights dict, use the constructor.
 
@@ -125,7 +128,7 @@ class VisionEncoder:
         config = VisionConfig.from_dict(read_config(model_dir))
         weights = read_weights(model_dir, is_vision_weight)
         try:
-            return cls(config, weights, dtype)
+            return cls(config, weights, dtype, device)
         except KeyError as exc:
             raise ModelLoadError(f"{model_dir}: missing vision tensor {exc}") from None
 
@@ -134,7 +137,8 @@ class VisionEncoder:
         unpadded image: fractional patch coordinates bucketed onto the
         ``patches_per_side``² grid the embeddings were trained on (NaViT, as
         transformers' ``Idefics3VisionEmbeddings``); the identity for a full
-        ``image_size`` tile."""
+        ``image_size`` tile. On the encoder's device, computed on the host: bucketing
+        compares floats at exact boundaries, so every device gets the CPU's buckets."""
         side = self.config.patches_per_side
         boundaries = torch.arange(1 / side, 1.0, 1 / side)
 
@@ -143,7 +147,7 @@ class VisionEncoder:
                                  max=1.0 - 1e-6)
             return torch.bucketize(coords, boundaries, right=True)
 
-        return (buckets(patches_h)[:, None] * side + buckets(patches_w)[None, :]).flatten()
+        return (buckets(patches_h)[:, None] * side + buckets(patches_w)[None, :]).flatten().to(self.device)
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -152,14 +156,17 @@ class VisionEncoder:
         Args:
             pixel_values: ``[N, 3, H, W]`` normalised tiles (see
                 :class:`epdserve.model.image_processor.ImageProcessor`), no padding;
-                ``H`` and ``W`` multiples of ``patch_size`` (normally both ``image_size``).
+                ``H`` and ``W`` multiples of ``patch_size`` (normally both ``image_size``);
+                on any device (moved to the encoder's).
         Returns:
-            ``[N, tokens_per_image, text_hidden_size]`` in ``self.dtype``, one row per
-            ``<image>`` token, in the order Idefics3 scatters them into the prompt.
+            ``[N, tokens_per_image, text_hidden_size]`` in ``self.dtype`` on the encoder's
+            device (not waited for on CUDA), one row per ``<image>`` token, in the order
+            Idefics3 scatters them into the prompt.
         """
         c = self.config
         n, _, height, width = pixel_values.shape
-        x = F.conv2d(pixel_values.to(self.dtype), self.patch_weight, self.patch_bias, stride=c.patch_size)
+        x = F.conv2d(pixel_values.to(self.device, self.dtype), self.patch_weight, self.patch_bias,
+                     stride=c.patch_size)
         x = x.flatten(2).transpose(1, 2)  # [N, patches, hidden]
         x = x + self.position[self.position_ids(height // c.patch_size, width // c.patch_size)]
         heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads

@@ -40,15 +40,17 @@ FETCH_THREADS = 8
 @dataclass
 class Fetch:
     """An AddRequest whose KV or image embeddings a fetch thread is getting from a peer,
-    with what the thread needs of the engine (``layout``, ``dtype``, ``hidden_size``); the
-    thread sets ``kv`` or ``embeddings`` and ``timings``, or ``error``. ``cancel``: set
-    on Abort or shutdown, ending a TCP wait early."""
+    with what the thread needs of the engine (``layout``, ``dtype``, ``hidden_size``, and
+    ``device``: its KV cache's, where a fetched frame is converted); the thread sets ``kv``
+    or ``embeddings`` and ``timings``, or ``error``. ``cancel``: set on Abort or shutdown,
+    ending a TCP wait early."""
 
     msg: P.AddRequest
     arrival: float  # time.perf_counter() on receipt
     layout: dict
     dtype: torch.dtype
     hidden_size: int
+    device: torch.device = torch.device("cpu")
     cancel: threading.Event = field(default_factory=threading.Event)
     kv: KVSource | None = None
     embeddings: torch.Tensor | None = None
@@ -81,7 +83,7 @@ class Fetcher:
         try:
             if msg.kv is not None:
                 fetch.kv, fetch.timings = self.importer.take(msg.request_id, msg.kv, fetch.layout, fetch.dtype,
-                                                             fetch.cancel)
+                                                             fetch.cancel, fetch.device)
             else:
                 fetch.embeddings = fetch_embeddings(self.importer, msg, fetch.hidden_size, fetch.timings,
                                                     fetch.cancel)

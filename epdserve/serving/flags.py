@@ -22,9 +22,22 @@ import argparse
 
 from epdserve.argtypes import int_at_least, tokens_at_least
 from epdserve.engine.engine import DTYPES
+from epdserve.model.device import parse_device
 from epdserve.transfer import handoff, kv_codec
 
 DTYPE_CHOICES = ("auto", *DTYPES)
+DEVICE_METAVAR = "cpu|cuda|cuda:N"
+
+
+def device_type(text: str) -> str:
+    """The argparse type of every device flag (``--device``, serve's ``--prefill-device``
+    ...): :func:`~epdserve.model.device.parse_device`, whose error (naming the value: not a
+    device, no CUDA in this torch or on this host, no such GPU) argparse prints with exit
+    status 2, before anything loads."""
+    try:
+        return parse_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class Flag:
@@ -76,11 +89,20 @@ WORKER_FLAGS = (
          help="split long prompts over steps of --max-num-batched-tokens tokens"),
     Flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
          help="reuse the KV blocks of cached prompt prefixes (vLLM's default: on)"),
-    Flag("--dtype", choices=DTYPE_CHOICES, default="float32",
-         help="weights and KV cache dtype; auto: as vLLM's CPU backend, bfloat16 where the CPU computes it "
-              "natively, else float32, and float32 for a quantized GGUF (its kernels compute in float32)"),
+    Flag("--device", type=device_type, default="cpu", metavar=DEVICE_METAVAR,
+         help="where the weights, KV cache, activations and sampler live: the CPU, or a CUDA GPU "
+              "(docs/gpu.md)"),
+    Flag("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+         help="CUDA workers: run every step eagerly (vLLM's flag; here on by default until CUDA graphs are "
+              "measured faster); --no-enforce-eager replays decode steps as CUDA graphs, one per batch-size "
+              "bucket (model/cuda_graphs.py, docs/gpu.md). Ignored on the CPU"),
+    Flag("--dtype", choices=DTYPE_CHOICES, default=None,
+         help="weights and KV cache dtype (default: bfloat16 on CUDA, float32 on the CPU); auto: bfloat16 on "
+              "CUDA; on the CPU as vLLM's CPU backend, bfloat16 "
+              "where the CPU computes it natively, else float32, and float32 for a quantized GGUF (its kernels "
+              "compute in float32)"),
     Flag("--quantized-weights", action=argparse.BooleanOptionalAction, default=True,
-         help="float32 with a Q4_1 / Q8_0 GGUF model: matmuls read the GGUF's weight blocks "
+         help="float32 on the CPU with a Q4_1 / Q8_0 GGUF model: matmuls read the GGUF's weight blocks "
               "(model/quant.py; same greedy tokens, less memory traffic); off: dense float32"),
     Flag("--kv-transport", choices=handoff.TRANSPORTS, default="auto",
          help="KV hand-off: shared memory on the same host, TCP otherwise (auto), or one of them"),

@@ -75,6 +75,7 @@ log = logging.getLogger("epdserve.launcher")
 PR_SET_PDEATHSIG = 1
 EXIT_CONFIG = 2  # a worker's exit status for a bad option or model, or a refusal: no restart
 RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap; doubled while a worker dies within a minute
+ROLE_DEVICES = ("prefill", "decode", "encode")  # the roles with a --ROLE-device of their own
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-dtype", choices=flags.DTYPE_CHOICES, default=None,
                         help="pd: weights and KV cache dtype of the decode workers, which convert "
                              "imported KV to it (default: --dtype)")
+    for role in ROLE_DEVICES:
+        parser.add_argument(f"--{role}-device", type=flags.device_type, default=None, metavar=flags.DEVICE_METAVAR,
+                            help=f"pd, epd: the device of the {role} workers (default: --device; docs/gpu.md)")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds to wait for every worker's hello")
     parser.add_argument("--workers", type=int, default=1, help="colocated: number of worker replicas")
@@ -147,8 +151,11 @@ def check_capacity(args: argparse.Namespace, plan: Placement, model_dir: str,
       error, a warning with ``--allow-oversubscription``. Workers that do not fit get
       killed by the OOM killer or swap the host to a halt, each after a slow start.
       Estimate per worker: the model's weights (:func:`epdserve.host.weight_bytes`) plus,
-      for every role but encode, ``--kv-cache-memory-mb`` of KV cache; the launcher's own
-      few hundred MB are not counted.
+      for every role but encode, ``--kv-cache-memory-mb`` of KV cache, which a worker on
+      a GPU keeps in device memory instead (its weights pass through host memory as they
+      load); the launcher's own few hundred MB are not counted. Device memory is not
+      checked here: a GPU worker that does not fit fails its start with CUDA's
+      out-of-memory error.
     """
     warnings = []
     per_core: dict[int, int] = {}
@@ -164,12 +171,13 @@ def check_capacity(args: argparse.Namespace, plan: Placement, model_dir: str,
         return warnings, None
     kv_mb = args.kv_cache_memory_mb or flags.worker_default("kv_cache_memory_mb")
     weights = host.weight_bytes(model_dir)
-    need = sum(weights + (0 if role == "encode" else kv_mb * 2**20) for role, _, _ in plan)
+    host_kv = [role != "encode" and (role_device(args, role) or "cpu") == "cpu" for role, _, _ in plan]
+    need = sum(weights + kv_mb * 2**20 * kv for kv in host_kv)
     if need <= available_bytes:
         return warnings, None
-    encode = "; encode workers: no KV cache" if any(role == "encode" for role, _, _ in plan) else ""
+    exempt = "; encode and GPU workers: no KV cache in host memory" if not all(host_kv) else ""
     fact = (f"{len(plan)} workers need about {need / 2**30:.1f} GiB ({weights / 2**30:.2f} GiB of weights + "
-            f"{kv_mb} MiB of KV cache per worker{encode}) but {available_bytes / 2**30:.1f} GiB is available "
+            f"{kv_mb} MiB of KV cache per worker{exempt}) but {available_bytes / 2**30:.1f} GiB is available "
             f"(MemAvailable)")
     if args.allow_oversubscription:
         return warnings + [fact + "; starting anyway (--allow-oversubscription)"], None
@@ -208,13 +216,20 @@ def _die_with_parent(parent_pid: int) -> None:
     os.setpgid(0, 0)
 
 
+def role_device(args: argparse.Namespace, role: str) -> str | None:
+    """The device given to serve for ``role``'s workers: its ``--ROLE-device``, else
+    ``--device``; None when neither was given (the worker's default, the CPU)."""
+    return (getattr(args, f"{role}_device", None) if role in ROLE_DEVICES else None) or args.device
+
+
 def worker_flags(args: argparse.Namespace, role: str, worker_id: str, events: str) -> list[str]:
     """The flags of worker ``worker_id`` wherever it runs: its role and id, where it
     reports, and the worker flags given to serve (``--prefill-dtype`` / ``--decode-dtype``
-    as its ``--dtype`` for those roles)."""
+    as its ``--dtype`` and ``--prefill-device`` / ``--decode-device`` / ``--encode-device``
+    as its ``--device`` for those roles)."""
     role_dtype = getattr(args, f"{role}_dtype", None) if role in ("prefill", "decode") else None
     return ["--role", role, "--router", events, "--worker-id", worker_id,
-            *flags.worker_argv(args, dtype=role_dtype or args.dtype)]
+            *flags.worker_argv(args, dtype=role_dtype or args.dtype, device=role_device(args, role))]
 
 
 def worker_command(args: argparse.Namespace, role: str, worker_id: str, cores: list[int],
@@ -467,26 +482,10 @@ def _serve(args: argparse.Namespace, router: Router, plan: Placement, tmp: str, 
         except KeyboardInterrupt:
             print("epdserve serve: stopped while Ray was placing the workers", file=sys.stderr, flush=True)
             return 1
-        app = _before_router_stops(create_app(router), lambda: children.drain(router))
+        app = ray_cluster.before_router_stops(create_app(router), lambda: children.drain(router))
         config = uvicorn_config(app, args, lifespan="on", timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
         return asyncio.run(_supervise(server, router, children, args, placement, sock))
     finally:
         cleanup()
 
-
-def _before_router_stops(app, hook):
-    """``app`` (ASGI) calling ``hook()`` when the server's lifespan shutdown arrives: after
-    uvicorn's graceful wait for open requests and before the router closes its sockets,
-    so that the workers can still be told to shut down through them."""
-    async def wrapped(scope, receive, send):
-        if scope["type"] != "lifespan":
-            return await app(scope, receive, send)
-
-        async def receive_then_hook():
-            message = await receive()
-            if message["type"] == "lifespan.shutdown":
-                hook()
-            return message
-        return await app(scope, receive_then_hook, send)
-    return wrapped

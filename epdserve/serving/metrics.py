@@ -165,6 +165,12 @@ class RouterMetrics:
                                        ["model_name"], registry=r).labels(m)
         self.bad_request = Counter("epdserve:bad_request_total", "Requests answered with HTTP 400.",
                                    ["model_name"], registry=r).labels(m)
+        # Labels: policy (--routing); hit: the first worker found some of the prompt in its
+        # prefix cache; believed: the router expected it to ("none": least-loaded keeps no belief).
+        self.routed = Counter("epdserve:routed_requests_total",
+                              "Requests routed to their first worker, by routing policy, whether the worker's prefix "
+                              "cache hit, and whether the router believed it would.",
+                              ["model_name", "policy", "hit", "believed"], registry=r)
         self.kv_transfer_seconds = Histogram("epdserve:kv_transfer_seconds",
                                              "KV export + router hop + KV import, per PD request.", ["model_name"],
                                              buckets=KV_SECONDS_BUCKETS, registry=r).labels(m)
@@ -322,7 +328,11 @@ class RouterMetrics:
         """Record one engine request that ended: finished (``itls_s``, the gaps between its
         outputs reaching the router, in seconds) or failed (``itls_s`` None: counted in
         ``epdserve:request_failure_total`` and, as vLLM, in ``request_success_total`` with
-        ``finished_reason="error"``)."""
+        ``finished_reason="error"``). A request its first worker answered counts in
+        ``epdserve:routed_requests_total``."""
+        if rec.routing is not None and rec.cached_tokens is not None:
+            believed = "none" if rec.routing_believed_tokens is None else str(rec.routing_believed_tokens > 0).lower()
+            self.routed.labels(self.model_name, rec.routing, str(rec.cached_tokens > 0).lower(), believed).inc()
         if itls_s is None:
             self.request_failure.inc()
             self.request_success.inc(vllm=("error",), epd=("error",))

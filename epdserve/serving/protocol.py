@@ -45,8 +45,9 @@ Role = Literal["colocated", "prefill", "decode", "encode"]
 # ``handshake.refusal``), which would otherwise send frames it cannot read. 1: before the
 # field existed; 2: typed stage timings (``epdserve.trace.StageTimings``); 3: prompt
 # logprobs (``SamplingParams.prompt_logprobs``, ``Output.prompt_logprobs``) and ``Stats``
-# carrying the engine's steps (``num_steps``, ``last_step_tokens``).
-PROTOCOL_VERSION = 3
+# carrying the engine's steps (``num_steps``, ``last_step_tokens``); 4: KV descriptors of
+# kind ``cuda_ipc`` with their ``ipc`` handle bytes (a GPU prefill worker's pool).
+PROTOCOL_VERSION = 4
 
 
 # A count a worker reports (blocks, requests, tokens): what the router and the Prometheus

@@ -295,6 +295,24 @@ class RayWorkers:
             self.connected = False
 
 
+def before_router_stops(app, hook):
+    """``app`` (ASGI) calling ``hook()`` when the server's lifespan shutdown arrives: after
+    uvicorn's graceful wait for open requests and before the router closes its sockets,
+    so that Ray's workers can still be told to shut down through them (:meth:`RayWorkers.drain`;
+    a local launcher's workers get SIGTERM instead)."""
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await app(scope, receive, send)
+
+        async def receive_then_hook():
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                hook()
+            return message
+        return await app(scope, receive_then_hook, send)
+    return wrapped
+
+
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail fast on a ``HOST:PORT`` address where nothing listens: ``ray.init`` would retry
     for minutes. ("auto" and ``ray://`` addresses are left to Ray.)

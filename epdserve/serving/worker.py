@@ -93,7 +93,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_chunked_prefill=args.enable_chunked_prefill,
                         enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype,
-                        quantized_weights=args.quantized_weights)
+                        quantized_weights=args.quantized_weights, device=args.device,
+                        cuda_graph=not args.enforce_eager)
 
 
 def pin_to_cores(spec: str | None) -> list[int]:
@@ -186,6 +187,7 @@ class Worker:
         self.stop_fetches()
         self.grammars.close()
         self.exporter.close()
+        self.importer.close()  # GPU pools opened by CUDA IPC: their handles closed (host pools unmapped)
 
     def drain_commands(self, block_s: float) -> None:
         """Handle every command in the inbox, waiting up to ``block_s`` seconds for the first."""
@@ -234,8 +236,9 @@ class Worker:
         elif msg.sampling.guided is not None and not compiled:
             self.grammars.start(msg, arrival)
         elif msg.kv is not None or (msg.images and msg.embeddings):
-            self.fetcher.start(Fetch(msg, arrival, self.engine.kv_layout(), self.engine.kv_cache.dtype,
-                                     self.engine.model.config.hidden_size))
+            cache = self.engine.kv_cache
+            self.fetcher.start(Fetch(msg, arrival, self.engine.kv_layout(), cache.dtype,
+                                     self.engine.model.config.hidden_size, cache.device))
         else:
             try:
                 timings, embeddings = StageTimings(), None
@@ -411,8 +414,8 @@ def run(args: argparse.Namespace) -> int:
                            blocks_total=blocks_total, cores=cores, auth=auth_tag(args.auth_token, args.worker_id),
                            incarnation=incarnation, protocol=P.PROTOCOL_VERSION, **node_identity())
     worker.send(worker.hello)
-    log.info("%s: %s worker on cores %s, %d KV blocks, listening on %s%s",
-             args.worker_id, args.role, cores, blocks_total, addr, " (CURVE on TCP)" if keyring.curve else "")
+    log.info("%s: %s worker on cores %s, device %s, %d KV blocks, listening on %s%s", args.worker_id, args.role,
+             cores, args.device, blocks_total, addr, " (CURVE on TCP)" if keyring.curve else "")
     serve(worker, ctx, cmd, inbox, args.router, args.worker_id, keyring, incarnation)
     ctx.destroy(linger=1000)
     return worker.exit_code
@@ -443,17 +446,21 @@ def _load(args: argparse.Namespace):
     if os.environ.get("EPDSERVE_NUM_THREADS"):  # a Ray actor: its CPU count, not the node's
         torch.set_num_threads(max(1, int(os.environ["EPDSERVE_NUM_THREADS"])))
     info = resolve_model(args.model)
-    if args.dtype == "auto":
-        args.dtype = auto_dtype(info.path, args.quantized_weights)
-        log.info("%s: --dtype auto: %s", args.worker_id, args.dtype)
+    if args.dtype is None:  # bfloat16 on CUDA (as vLLM), float32 on the CPU (as before the GPU path)
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    elif args.dtype == "auto":
+        args.dtype = auto_dtype(info.path, args.quantized_weights, args.device)
+        log.info("%s: --dtype auto: %s on %s", args.worker_id, args.dtype, args.device)
     encoder = engine = kv_pool = None
     if encode_role or (info.multimodal and args.role in ("colocated", "prefill")):
-        encoder = EncodeEngine(info.path, DTYPES[args.dtype])
+        encoder = EncodeEngine(info.path, DTYPES[args.dtype], device=args.device)
         if info.synthetic_vision:
             log.warning("%s: the vision tower of %s has SYNTHETIC (seeded random) weights: image outputs "
                         "carry no meaning", args.worker_id, info.name)
     if not encode_role:
-        # A prefill worker keeps its KV cache in shared memory: a same-host hand-off copies it once.
+        # A prefill worker keeps its KV cache where a same-host decode worker can read it, so a
+        # hand-off copies it once: /dev/shm on the CPU, a CUDA-IPC-shared pool on a GPU
+        # (docs/gpu-handoff.md). Converted or layer-pipelined KV is staged as a frame instead.
         shared = args.role == "prefill" and args.kv_transfer_dtype == "none" and not args.kv_layer_pipeline
         engine, kv_pool = handoff.new_engine(str(info.path), engine_config(args), shared)
     return cores, info, encoder, engine, kv_pool

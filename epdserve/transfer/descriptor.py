@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class KVDescriptor(BaseModel):
@@ -24,11 +24,16 @@ class KVDescriptor(BaseModel):
     or None) is the prefill worker's KV socket that serves the same KV as one frame of
     ``nbytes`` bytes to a decode worker on another host. The receiver validates every
     field against what it maps or fetches.
+
+    ``kind`` "cuda_ipc": as "pool", but the cache lies on a GPU of host ``host_id``: ``ipc``
+    is its CUDA IPC handle (``epdserve.transfer.cuda_ipc.pack_handle``: msgpack bytes, the
+    same in every descriptor of the pool) and ``name`` the pool's id, its tag file in
+    /dev/shm; a decode worker opens the handle once and copies the blocks GPU to GPU.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["shm", "pool"] = "shm"
+    kind: Literal["shm", "pool", "cuda_ipc"] = "shm"
     name: str
     num_tokens: int
     nbytes: int
@@ -38,3 +43,4 @@ class KVDescriptor(BaseModel):
     pool_blocks: int = 0
     layout: dict = {}
     tag: int = 0
+    ipc: bytes = Field(b"", max_length=4096)

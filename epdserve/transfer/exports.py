@@ -2,7 +2,8 @@
 each under a lease (``ttl_s``).
 
 An export is a **segment** (a /dev/shm file holding a staged frame; released: the file is
-deleted) or **held blocks** of the shared pool (:class:`~epdserve.transfer.shm.KVPool`;
+deleted) or **held blocks** of the shared pool (:class:`~epdserve.transfer.shm.KVPool`, or
+a GPU's :class:`~epdserve.transfer.cuda_ipc.DevicePool` whose tags lie in /dev/shm beside it;
 held: the blocks carry the export's tag in the pool's tag array, which a decode worker
 checks before and after it copies them; released: the tags are cleared first, then the
 blocks go back to the engine through ``free_blocks``, its ``release_kv``). The table is
@@ -22,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from epdserve.transfer import shm
+from epdserve.transfer import cuda_ipc, shm
 from epdserve.transfer.wire import TensorHeader
 
 
@@ -41,10 +42,12 @@ class Export:
 
 class ExportTable:
     """The live exports by request id. ``pool``: the shared pool whose blocks may be held
-    (None: segments only); ``free_blocks(request_id)``: gives a held export's blocks back
+    (its ``name`` and ``tags`` are used; None: segments only); ``free_blocks(request_id)``:
+    gives a held export's blocks back
     to the engine."""
 
-    def __init__(self, ttl_s: float, pool: shm.KVPool | None, free_blocks: Callable[[str], object]):
+    def __init__(self, ttl_s: float, pool: shm.KVPool | cuda_ipc.DevicePool | None,
+                 free_blocks: Callable[[str], object]):
         self.ttl_s = ttl_s
         self.pool = pool
         self.free_blocks = free_blocks

@@ -1,6 +1,6 @@
 """One request's KV blocks from a prefill worker to a decode worker, end to end.
 
-The prefill side (:class:`Exporter`) hands KV over in one of two ways:
+The prefill side (:class:`Exporter`) hands KV over in one of these ways:
 
 * **held pool blocks** (``--kv-transfer-dtype none`` with the engine's cache in a shared
   :class:`~epdserve.transfer.shm.KVPool`, the prefill worker's default): it copies
@@ -11,15 +11,23 @@ The prefill side (:class:`Exporter`) hands KV over in one of two ways:
   frame, built from the held blocks when asked. Should ``--kv-ttl`` pass before the decode
   engine imports them (a decode worker queueing the request that long), the import finds
   the tags gone and raises rather than use reused blocks.
+* **held GPU blocks** (the same, with the engine's cache on a GPU in a
+  :class:`~epdserve.transfer.cuda_ipc.DevicePool`): the descriptor carries the pool's CUDA
+  IPC handle; a decode worker on the same host that sees that GPU opens it once and its
+  engine copies the blocks GPU to GPU (same or another GPU); any other decode worker
+  fetches them over TCP, staged through page-locked host memory.
 * a **staged frame** (bf16/int8, ``--kv-layer-pipeline``, or no pool): it writes the
   blocks, converted as ``--kv-transfer-dtype`` says (:mod:`epdserve.transfer.kv_codec`),
   as one wire frame to a /dev/shm segment and frees them; with ``--kv-layer-pipeline``
   each layer's blocks are written as soon as the forward pass has computed that layer
   (the copy moves into the prefill step, the hand-off after it shrinks to closing the
-  frame). The decode side maps the segment (same host) or fetches it over TCP.
+  frame). The decode side maps the segment (same host) or fetches it over TCP. From a
+  GPU cache the frame is written device → host, converted first on the GPU (int8:
+  :func:`~epdserve.transfer.pipeline.read_where_cached`; bf16: the casting copy).
 
-:class:`Importer` picks shared memory when the KV lies on its own host and the transport
-allows it (transport ``auto``, the default), TCP otherwise, and converts the blocks to its
+:class:`Importer` picks shared memory (or CUDA IPC, for a GPU pool it can open) when the
+KV lies on its own host and the transport allows it (transport ``auto``, the default), TCP
+otherwise (docs/gpu-handoff.md has the table), and converts the blocks to its
 own cache dtype, which may differ from the prefill side's.
 
 The prefill side holds a request's KV (blocks or segment) in its one table of live
@@ -38,6 +46,7 @@ TTL → ``ExportTable.release``. Decode side: :meth:`Importer.take` (a ``KVSourc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import socket
@@ -49,11 +58,12 @@ import torch
 import zmq
 
 from epdserve.engine.engine import EngineConfig, LLMEngine, StepOutput
-from epdserve.engine.kv_source import KVSource, TensorKV, block_runs, check_kv
-from epdserve.transfer import kv_codec, shm, tcp, wire
+from epdserve.engine.kv_source import KVSource, TensorKV, block_runs
+from epdserve.transfer import cuda_ipc, kv_codec, shm, tcp, wire
 from epdserve.transfer.descriptor import KVDescriptor
 from epdserve.transfer.exports import ExportTable
-from epdserve.transfer.pipeline import LayerPipeline
+from epdserve.transfer.pipeline import LayerPipeline, read_where_cached
+from epdserve.transfer.pooled import PooledKV, wait_for_copies
 from epdserve.transfer.wire import TensorHeader, WireError
 from epdserve.trace import StageTimings
 
@@ -77,21 +87,29 @@ def host_id() -> str:
     return hashlib.sha256(f"{machine}|{st.st_dev}|{st.st_ino}|{netns}".encode()).hexdigest()[:16]
 
 
-def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool) -> tuple[LLMEngine, shm.KVPool | None]:
-    """An engine and, with ``shared_pool``, the :class:`~epdserve.transfer.shm.KVPool` its
-    KV cache lives in (for an :class:`Exporter` that hands blocks over without copying
-    them). The pool's file is deleted by :meth:`Exporter.close` or, failing that, at
-    interpreter exit.
+def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_backend: cuda_ipc.IpcBackend | None = None
+               ) -> tuple[LLMEngine, shm.KVPool | cuda_ipc.DevicePool | None]:
+    """An engine and, with ``shared_pool``, the pool its KV cache lives in (for an
+    :class:`Exporter` that hands blocks over without copying them): a
+    :class:`~epdserve.transfer.shm.KVPool` for a cache in host memory, a
+    :class:`~epdserve.transfer.cuda_ipc.DevicePool` for one on a GPU (or on the CPU with a
+    test's ``ipc_backend``, e.g. :class:`~epdserve.transfer.cuda_ipc.FakeBackend`). The
+    pool's file is deleted by :meth:`Exporter.close` or, failing that, at interpreter exit.
 
     Raises:
-        as :class:`LLMEngine`, and ``OSError`` when /dev/shm cannot hold the pool.
+        as :class:`LLMEngine`; ``OSError`` when /dev/shm cannot hold the pool (or its
+        tags); :class:`~epdserve.transfer.cuda_ipc.IpcError` when a GPU cache cannot be
+        shared.
     """
     if not shared_pool:
         return LLMEngine(model_dir, config), None
-    pools: list[shm.KVPool] = []
+    pools: list[shm.KVPool | cuda_ipc.DevicePool] = []
 
-    def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        pools.append(shm.KVPool(shape, dtype))
+    def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if ipc_backend is not None or device.type == "cuda":
+            pools.append(cuda_ipc.DevicePool(shape, dtype, device, ipc_backend))
+        else:
+            pools.append(shm.KVPool(shape, dtype))
         return pools[-1].kv
 
     return LLMEngine(model_dir, config, kv_allocator=allocate), pools[0]
@@ -101,10 +119,10 @@ class Exporter:
     """Prefill side. ``bind``: the TCP address to serve KV on (``tcp://HOST:PORT``, port 0
     = any free one), or None for shared memory only. ``ttl_s``: seconds KV nobody took is
     kept. ``transfer_dtype``: one of ``kv_codec.TRANSFER_DTYPES``. ``pool``: the shared
-    pool holding ``engine.kv_cache``, or None. ``layer_pipeline``: write staged frames
-    layer by layer during the prefill step: ``layer_sink`` (None without) is then the
-    :class:`~epdserve.transfer.pipeline.LayerPipeline` that requests to export pass to
-    :meth:`LLMEngine.add_request` with ``hold_kv``.
+    pool holding ``engine.kv_cache`` (host or GPU, see :func:`new_engine`), or None.
+    ``layer_pipeline``: write staged frames layer by layer during the prefill step:
+    ``layer_sink`` (None without) is then the :class:`~epdserve.transfer.pipeline.LayerPipeline`
+    that requests to export pass to :meth:`LLMEngine.add_request` with ``hold_kv``.
 
     The exporter's live exports are :attr:`table` (:class:`~epdserve.transfer.exports.ExportTable`):
     :meth:`export` adds to it, :meth:`release` and :meth:`expire` go through it.
@@ -114,7 +132,8 @@ class Exporter:
     """
 
     def __init__(self, engine: LLMEngine, ttl_s: float, ctx: zmq.Context, bind: str | None,
-                 transfer_dtype: str = "none", pool: shm.KVPool | None = None, layer_pipeline: bool = False):
+                 transfer_dtype: str = "none", pool: shm.KVPool | cuda_ipc.DevicePool | None = None,
+                 layer_pipeline: bool = False):
         if transfer_dtype not in kv_codec.TRANSFER_DTYPES:
             raise ValueError(f"unknown KV transfer dtype {transfer_dtype!r}")
         if pool is not None and pool.kv.data_ptr() != engine.kv_cache.data_ptr():
@@ -159,9 +178,11 @@ class Exporter:
         # A block already held for another hand-off cannot be held twice: such an export is staged (copied).
         if self.hold and self.table.can_hold(ids):
             entry = self.table.hold(request_id, ids, header)
-            desc = KVDescriptor(kind="pool", name=self.pool.name, num_tokens=header.num_tokens, nbytes=nbytes,
+            wait_for_copies(self.engine.kv_cache)  # a GPU's writes of the prompt's KV end before a peer reads it
+            desc = KVDescriptor(kind=self.pool.kind, name=self.pool.name, num_tokens=header.num_tokens, nbytes=nbytes,
                                 host_id=self.host, addr=addr, block_runs=[(b, n) for _, b, n in block_runs(ids)],
-                                pool_blocks=self.pool.shape[2], layout=header.layout, tag=entry.tag)
+                                pool_blocks=self.pool.shape[2], layout=header.layout, tag=entry.tag,
+                                ipc=self.pool.handle_bytes if isinstance(self.pool, cuda_ipc.DevicePool) else b"")
         else:
             name = self._stage(request_id, ids, header, out.timings)
             self.engine.release_kv(request_id)
@@ -180,7 +201,7 @@ class Exporter:
 
         def fill(views: dict[str, torch.Tensor]) -> None:
             if "scales" in views:
-                kv_codec.encode(self.engine.read_kv(ids), views)
+                kv_codec.encode(read_where_cached(self.engine, ids, views["kv"].shape), views)
             else:  # none, bf16: straight from the cache into the frame, one (casting) copy
                 self.engine.read_kv(ids, out=views["kv"])
 
@@ -196,7 +217,15 @@ class Exporter:
             raise WireError(f"no KV {name} for request {request_id}")
         if entry.blocks is None:
             return shm.open_segment(name)
-        frame = wire.pack(entry.header, lambda views: self.engine.read_kv(entry.blocks, out=views["kv"]))
+
+        def fill(views: dict[str, torch.Tensor]) -> None:
+            self.engine.read_kv(entry.blocks, out=views["kv"])
+
+        # From a GPU: device → page-locked buffer → socket (an RDMA/NIXL transport would read the blocks instead).
+        if self.engine.kv_cache.is_cuda:
+            frame = cuda_ipc.pinned_frame(entry.header, fill)
+        else:
+            frame = wire.pack(entry.header, fill)
         if self.table.get(request_id) is not entry:  # released, so maybe reused, during the copy
             raise WireError(f"KV of request {request_id} was released while it was being sent")
         return frame
@@ -225,13 +254,16 @@ class Exporter:
 
 
 class Importer:
-    """Decode side. ``transport``: "auto" (shared memory on the same host, else TCP),
-    "shm" or "tcp". ``timeout_s``: the longest a TCP fetch may take. Keeps each prefill
-    pool it maps mapped (one mapping per pool, dropped once the pool's file is gone).
+    """Decode side. ``transport``: "auto" (the same host's shared memory or CUDA IPC, else
+    TCP), "shm" (same host only) or "tcp". ``timeout_s``: the longest a TCP fetch may take.
+    Keeps each prefill pool it maps mapped (one mapping per pool, dropped once the pool's
+    file is gone) and each GPU pool it opens open (:attr:`ipc`, an
+    :class:`~epdserve.transfer.cuda_ipc.IpcImporter` of ``ipc_backend``, default CUDA).
     :meth:`take` and :meth:`fetch_frame` may run on several threads at once (a worker
     fetches off its step loop); they never touch an engine."""
 
-    def __init__(self, ctx: zmq.Context, transport: str, timeout_s: float):
+    def __init__(self, ctx: zmq.Context, transport: str, timeout_s: float,
+                 ipc_backend: cuda_ipc.IpcBackend | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown KV transport {transport!r} (choose from {', '.join(TRANSPORTS)})")
         self.ctx = ctx
@@ -240,36 +272,58 @@ class Importer:
         self.host = host_id()
         self.pools: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pools_lock = threading.Lock()  # fetch threads map pools concurrently
+        self.ipc = cuda_ipc.IpcImporter(ipc_backend)
 
     def take(self, request_id: str, desc: KVDescriptor, layout: dict, dtype: torch.dtype,
-             cancel: threading.Event | None = None) -> tuple[KVSource, StageTimings]:
+             cancel: threading.Event | None = None,
+             device: torch.device | str | None = None) -> tuple[KVSource, StageTimings]:
         """Get the KV blocks ``desc`` describes as a :class:`~epdserve.engine.kv_source.KVSource`
         of blocks ``[layers, 2, n_blocks, block_size, kv_heads, head_dim]`` in ``dtype``: a
-        :class:`~epdserve.engine.kv_source.TensorKV` of the frame's tensor, or for blocks of
-        a same-host pool a :class:`PooledKV` (the engine copies them straight into its
-        cache on import); and timings ``kv_fetch_ms`` (ms: fetch or map, validation and
-        conversion) and ``kv_tcp`` (1.0 if it came over TCP, else 0.0). Blocks up to
-        ``timeout_s`` on TCP, or until ``cancel`` is set.
+        :class:`~epdserve.engine.kv_source.TensorKV` of the frame's tensor (moved to
+        ``device`` first when given, so that int8 is dequantized there), or for blocks of a
+        same-host pool a :class:`~epdserve.transfer.pooled.PooledKV` (the engine copies
+        them straight into its cache on import; from a GPU pool by CUDA IPC when this
+        process sees that GPU, else, with "auto", over TCP); and timings ``kv_fetch_ms``
+        (ms: fetch, map or open, validation and conversion) and ``kv_tcp`` (1.0 if it came
+        over TCP, else 0.0). Blocks up to ``timeout_s`` on TCP, or until ``cancel`` is set.
 
         Raises:
             WireError: the KV is gone (expired, released), unreachable, malformed, on another
                 host while the transport is "shm", or without a TCP address while TCP is
                 needed; a pool descriptor whose name, blocks, tag or sizes do not check out;
-                a TCP fetch cancelled.
+                a TCP fetch cancelled; (``IpcError``) a CUDA IPC handle that is malformed,
+                of another layout or a GPU this process does not see, or whose exporter is
+                gone.
             ValueError: its KV layout differs from ``layout`` (in anything but the dtype).
         """
         start = time.perf_counter()
-        if desc.kind == "pool" and not self.uses_tcp(desc) and desc.host_id == self.host:
-            kv = self._from_pool(request_id, desc, layout, dtype)
+        handle = cuda_ipc.unpack_handle(desc.ipc) if desc.kind == "cuda_ipc" else None
+        if self._from_same_host_pool(desc, handle):
+            kv = self._from_pool(request_id, desc, layout, dtype, handle)
             return kv, StageTimings(kv_fetch_ms=(time.perf_counter() - start) * 1e3, kv_tcp=0.0)
         header, tensors = self.fetch_frame(request_id, desc, cancel)
         _check_layout(header.layout, layout)
+        if device is not None:
+            tensors = {name: t.to(device) for name, t in tensors.items()}
         kv = TensorKV(kv_codec.decode(tensors, dtype))
-        return kv, StageTimings(kv_fetch_ms=(time.perf_counter() - start) * 1e3, kv_tcp=float(self.uses_tcp(desc)))
+        return kv, StageTimings(kv_fetch_ms=(time.perf_counter() - start) * 1e3, kv_tcp=float(self._over_tcp(desc)))
+
+    def _from_same_host_pool(self, desc: KVDescriptor, handle: cuda_ipc.IpcHandle | None) -> bool:
+        """Whether to copy ``desc``'s blocks straight out of its pool: it is one on this host
+        and the transport allows it; for a GPU pool this process cannot open, "auto" falls
+        back to TCP (staged by the prefill worker) when the worker serves it."""
+        if desc.kind == "shm" or self.uses_tcp(desc) or desc.host_id != self.host:
+            return False
+        return handle is None or self.transport != "auto" or desc.addr is None or self.ipc.can_open(handle)
 
     def uses_tcp(self, desc: KVDescriptor) -> bool:
         """Whether what ``desc`` describes comes over TCP (else from this host's /dev/shm)."""
         return self.transport == "tcp" or (self.transport == "auto" and desc.host_id != self.host)
+
+    def _over_tcp(self, desc: KVDescriptor) -> bool:
+        """Whether a frame of ``desc`` is fetched over TCP: :meth:`uses_tcp`, or the blocks
+        of a GPU pool (a frame of them exists only as the prefill worker's TCP reply)."""
+        return self.uses_tcp(desc) or desc.kind == "cuda_ipc"
 
     def fetch_frame(self, request_id: str, desc: KVDescriptor,
                     cancel: threading.Event | None = None) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
@@ -281,7 +335,7 @@ class Importer:
         Raises:
             WireError: as :meth:`take`.
         """
-        if self.uses_tcp(desc):
+        if self._over_tcp(desc):
             if desc.addr is None:
                 raise WireError(f"{desc.name} lies on another host and its sender serves no TCP address")
             return tcp.fetch(self.ctx, desc.addr, request_id, desc.name, desc.nbytes, self.timeout_s, cancel)
@@ -289,23 +343,27 @@ class Importer:
             raise WireError(f"{desc.name} lies on another host and --kv-transport is shm")
         return shm.read(desc.name)
 
-    def _from_pool(self, request_id: str, desc: KVDescriptor, layout: dict, dtype: torch.dtype) -> PooledKV:
-        _check_layout(desc.layout, layout)
-        name = desc.layout.get("dtype")
-        pool_dtype = wire.DTYPES.get(name) if isinstance(name, str) else None
-        if pool_dtype is None or pool_dtype == torch.int8:
-            raise WireError(f"unsupported KV pool dtype {name!r}")
+    def _from_pool(self, request_id: str, desc: KVDescriptor, layout: dict, dtype: torch.dtype,
+                   handle: cuda_ipc.IpcHandle | None) -> PooledKV:
         block_size = layout["block_size"]
-        num_blocks = -(-desc.num_tokens // block_size)
-        runs = desc.block_runs
-        if (desc.num_tokens < 1 or desc.tag < 1 or sum(n for _, n in runs) != num_blocks
-                or any(first < 0 or n < 1 or first + n > desc.pool_blocks for first, n in runs)):
-            shown = f"{runs[:4]}{'...' if len(runs) > 4 else ''}"
-            raise WireError(f"KV descriptor for {request_id} is invalid: blocks {shown} for {desc.num_tokens} "
-                            f"tokens in a pool of {desc.pool_blocks} blocks, tag {desc.tag}")
-        shape = (layout["num_layers"], 2, desc.pool_blocks, block_size, layout["num_kv_heads"], layout["head_dim"])
-        pool, tags = self._map(desc.name, shape, pool_dtype)
-        kv = PooledKV(request_id, pool, tags, [tuple(run) for run in runs], desc.tag, dtype)
+        _check_runs(request_id, desc, block_size, handle.num_blocks if handle is not None else desc.pool_blocks)
+        runs = [tuple(run) for run in desc.block_runs]
+        if handle is not None:
+            if desc.name != handle.pool_id:
+                raise cuda_ipc.IpcError(f"KV descriptor for {request_id} names pool {desc.name}, "
+                                        f"its handle {handle.pool_id}")
+            pool, tags = self.ipc.open(handle, layout)
+            alive = functools.partial(cuda_ipc.exporter_alive, handle)
+            kv = PooledKV(request_id, pool, tags, runs, desc.tag, dtype, alive)
+        else:
+            _check_layout(desc.layout, layout)
+            name = desc.layout.get("dtype")
+            pool_dtype = wire.DTYPES.get(name) if isinstance(name, str) else None
+            if pool_dtype is None or pool_dtype == torch.int8:
+                raise WireError(f"unsupported KV pool dtype {name!r}")
+            shape = (layout["num_layers"], 2, desc.pool_blocks, block_size, layout["num_kv_heads"], layout["head_dim"])
+            pool, tags = self._map(desc.name, shape, pool_dtype)
+            kv = PooledKV(request_id, pool, tags, runs, desc.tag, dtype)
         kv.check()
         return kv
 
@@ -319,58 +377,23 @@ class Importer:
                 self.pools[key] = shm.map_pool(name, shape, dtype)
             return self.pools[key]
 
-
-class PooledKV:
-    """One request's KV blocks in a prefill worker's pool mapped by this process: the
-    ``runs`` (``(first block, count)``, in order) of ``pool [layers, 2, pool_blocks,
-    block_size, kv_heads, head_dim]``, tagged ``tag`` in ``tags``: a
-    :class:`~epdserve.engine.kv_source.KVSource` with the ``shape`` and ``dtype`` of the
-    tensor it stands for, which the decode engine's import copies with :meth:`copy_into`:
-    one copy from the prefill worker's cache into the decode worker's."""
-
-    def __init__(self, request_id: str, pool: torch.Tensor, tags: torch.Tensor, runs: list[tuple[int, int]],
-                 tag: int, dtype: torch.dtype):
-        self.request_id = request_id
-        self.pool, self.tags, self.runs, self.tag = pool, tags, runs, tag
-        self.ids = [block for first, n in runs for block in range(first, first + n)]
-        self.shape = pool.shape[:2] + (len(self.ids),) + pool.shape[3:]
-        self.dtype = dtype
-
-    def check(self) -> None:
-        """Raises :class:`WireError` unless every block still carries this hand-off's tag."""
-        if not bool((self.tags[self.ids] == self.tag).all()):
-            raise WireError(f"KV blocks of {self.request_id} are no longer held by the prefill worker "
-                            f"(released, expired, or not this request's)")
-
-    def validate(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        check_kv(self.shape, self.dtype, shape, dtype)
-
-    def copy_into(self, kv_cache: torch.Tensor, block_table: list[int], first_block: int = 0) -> None:
-        """Copy the blocks into ``kv_cache`` (converting the dtype) at the leading entries of
-        ``block_table``, one strided copy per stretch that is consecutive on both sides; the
-        first ``first_block`` blocks are skipped (the receiver's prefix cache holds them
-        already).
-
-        Raises:
-            WireError: the prefill worker released the blocks before the copy ended (its
-                ``--kv-ttl`` passed while the request waited here), so the copy is void.
-        """
-        first = first_block
-        for src, dst, n in _paired_runs(self.ids[first:], block_table[first:len(self.ids)]):
-            kv_cache[:, :, dst:dst + n].copy_(self.pool[:, :, src:src + n])
-        self.check()
+    def close(self) -> None:
+        """Drop every mapped pool and close every GPU pool opened (a stopping worker)."""
+        with self._pools_lock:
+            self.pools.clear()
+        self.ipc.close()
 
 
-def _paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """``(src start, dst start, length)`` of each stretch where both id lists count up by one:
-    [4, 5, 6, 9], [0, 1, 7, 8] → [(4, 0, 2), (6, 7, 1), (9, 8, 1)]."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
-        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+def _check_runs(request_id: str, desc: KVDescriptor, block_size: int, pool_blocks: int) -> None:
+    """Raises :class:`WireError` unless ``desc``'s block runs cover its tokens inside a pool
+    of ``pool_blocks`` blocks and it names a tag."""
+    num_blocks = -(-desc.num_tokens // block_size)
+    runs = desc.block_runs
+    if (desc.num_tokens < 1 or desc.tag < 1 or sum(n for _, n in runs) != num_blocks
+            or any(first < 0 or n < 1 or first + n > pool_blocks for first, n in runs)):
+        shown = f"{runs[:4]}{'...' if len(runs) > 4 else ''}"
+        raise WireError(f"KV descriptor for {request_id} is invalid: blocks {shown} for {desc.num_tokens} "
+                        f"tokens in a pool of {pool_blocks} blocks, tag {desc.tag}")
 
 
 def _check_layout(theirs: dict, ours: dict) -> None:

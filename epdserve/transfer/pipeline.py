@@ -33,6 +33,16 @@ class _Pending:
     copy_ms: float = 0.0
 
 
+def read_where_cached(engine: LLMEngine, ids: list[int], shape: torch.Size, layer: int | None = None) -> torch.Tensor:
+    """Blocks ``ids`` (of ``layer``, or of every layer) of ``engine``'s cache copied into a
+    new tensor of ``shape`` (``[layers, 2, len(ids), block_size, kv_heads, head_dim]``, no
+    layer axis with ``layer``) on the cache's device and in its dtype: quantizing them
+    (int8) then runs on the GPU of a GPU cache, and only the int8 bytes and scales cross to
+    the host."""
+    cache = engine.kv_cache
+    return engine.read_kv(ids, out=torch.empty(shape, dtype=cache.dtype, device=cache.device), layer=layer)
+
+
 class LayerPipeline:
     """Writes the prompts of ``engine`` into segments layer by layer; ``header(n_blocks)``:
     the frame header of ``n_blocks`` blocks. ``pending``: segments being written, by
@@ -59,7 +69,7 @@ class LayerPipeline:
             pending = self.pending[request_id]
             views = {key: tensor[layer] for key, tensor in pending.views.items()}
             if "scales" in views:
-                kv_codec.encode(self.engine.read_kv(ids, layer=layer), views)
+                kv_codec.encode(read_where_cached(self.engine, ids, views["kv"].shape, layer), views)
             else:
                 self.engine.read_kv(ids, out=views["kv"], layer=layer)
             pending.copy_ms += (time.perf_counter() - start) * 1e3

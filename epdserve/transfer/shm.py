@@ -1,6 +1,6 @@
 """KV hand-off between workers on one host through POSIX shared memory (/dev/shm).
 
-Two kinds of files, both named ``epdserve-<kind>-<owner pid>-<32 hex digits>``:
+Three kinds of files, all named ``epdserve-<kind>-<owner pid>-<32 hex digits>``:
 
 * a **pool** (``kvpool``): a prefill worker's whole KV cache, created once at start-up
   (:class:`KVPool`). A same-host hand-off then copies nothing on the prefill side: the
@@ -12,6 +12,10 @@ Two kinds of files, both named ``epdserve-<kind>-<owner pid>-<32 hex digits>``:
 * a **segment** (``kv``): one wire frame (:mod:`epdserve.transfer.wire`) holding one
   request's blocks, for compressed KV (bf16, int8) and layer-pipelined hand-offs. The
   reader maps it, unlinks it at once (the mapping keeps the memory) and copies from it.
+* a **tag file** (``kvtags``): only the tags, one int64 per block, of a prefill worker's KV
+  cache that lives on a GPU (:class:`TagFile`, used by :mod:`epdserve.transfer.cuda_ipc`):
+  the same tags with the same rules as a pool's, next to device memory a decode worker
+  opens by CUDA IPC. Its name is also the pool's id.
 
 The owner pid in the name lets :func:`remove_stale` delete the files of a worker that was
 killed (SIGKILL skips every cleanup handler).
@@ -34,6 +38,7 @@ from epdserve.transfer.wire import ALIGN, TensorHeader, WireError, frame_size, h
 SHM_DIR = Path("/dev/shm")
 _SEGMENT = re.compile(r"epdserve-kv-([0-9]{1,10})-[0-9a-f]{32}")
 _POOL = re.compile(r"epdserve-kvpool-([0-9]{1,10})-[0-9a-f]{32}")
+TAGS = re.compile(r"epdserve-kvtags-([0-9]{1,10})-[0-9a-f]{32}")
 
 
 def new_name(kind: str = "kv") -> str:
@@ -41,7 +46,8 @@ def new_name(kind: str = "kv") -> str:
     return f"epdserve-{kind}-{os.getpid()}-{uuid.uuid4().hex}"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a reused pid reads as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -52,12 +58,12 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale() -> list[str]:
-    """Delete every epdserve segment and pool whose owner process is gone; returns their
+    """Delete every epdserve segment, pool and tag file whose owner process is gone; returns their
     names. (A pid reused by an unrelated process keeps its files until that one exits.)"""
     removed = []
     for path in SHM_DIR.glob("epdserve-*"):
-        match = _SEGMENT.fullmatch(path.name) or _POOL.fullmatch(path.name)
-        if match and not _alive(int(match.group(1))):
+        match = _SEGMENT.fullmatch(path.name) or _POOL.fullmatch(path.name) or TAGS.fullmatch(path.name)
+        if match and not pid_alive(int(match.group(1))):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
@@ -98,21 +104,12 @@ class KVPool:
         OSError: /dev/shm is missing, full or not writable.
     """
 
+    kind = "pool"  # the descriptor kind of its exports
+
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
-        remove_stale()
         self.name = new_name("kvpool")
         self.shape = tuple(shape)
-        _, size = _pool_layout(self.shape, dtype)
-        fd = os.open(SHM_DIR / self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self._mm = mmap.mmap(fd, size)
-        except BaseException:
-            (SHM_DIR / self.name).unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
-        atexit.register(self.close)  # also on a bad option or an error before the worker's loop
+        self._mm = _create_owned(self.name, _pool_layout(self.shape, dtype)[1], self.close)
         self.kv, self.tags = _views(self._mm, self.shape, dtype)
         self.kv.zero_()
         self.tags.zero_()
@@ -121,6 +118,78 @@ class KVPool:
         """Delete the file (idempotent). Mappings, ours and readers', stay valid until
         dropped."""
         (SHM_DIR / self.name).unlink(missing_ok=True)
+
+
+def _create_owned(name: str, size: int, close) -> mmap.mmap:
+    """Create and map ``/dev/shm/name`` of ``size`` bytes for this process (deleting stale
+    files first), with ``close`` registered to delete it at interpreter exit (also on a bad
+    option or an error before the worker's loop)."""
+    remove_stale()
+    fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+    except BaseException:
+        (SHM_DIR / name).unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    atexit.register(close)
+    return mm
+
+
+def _map_readonly(name: str, size: int, what: str, expected: str) -> mmap.mmap:
+    """Map another process's ``/dev/shm/name`` read-only with its page tables filled
+    (MAP_POPULATE), checking it is ``size`` bytes; ``what`` names it in errors and
+    ``expected`` says what holds ``size`` bytes."""
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDONLY)
+    except FileNotFoundError:
+        raise WireError(f"{what} {name} is gone (its prefill worker stopped)") from None
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise WireError(f"{what} {name} is {actual} bytes, {expected} is {size}")
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+class TagFile:
+    """The block tags ``tags [num_blocks]`` (int64, 0 = not exported) of a KV cache that is
+    not in this file (a GPU's), in a new /dev/shm file ``name`` (``epdserve-kvtags-<pid>-<hex>``),
+    mapped shared: the same tags as a :class:`KVPool`'s, written and cleared by the
+    :class:`~epdserve.transfer.exports.ExportTable`, read by the decode side around its
+    copy.
+
+    Raises:
+        OSError: /dev/shm is missing, full or not writable.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.name = new_name("kvtags")
+        self._mm = _create_owned(self.name, 8 * num_blocks, self.close)
+        self.tags = torch.frombuffer(self._mm, dtype=torch.int64, count=num_blocks)
+        self.tags.zero_()
+
+    def close(self) -> None:
+        """Delete the file (idempotent); mappings stay valid until dropped."""
+        (SHM_DIR / self.name).unlink(missing_ok=True)
+
+
+def map_tags(name: str, num_blocks: int) -> torch.Tensor:
+    """Map another process's :class:`TagFile` read-only; returns its ``tags [num_blocks]``.
+
+    Raises:
+        WireError: a name that is not a tag file's, a missing file, or one whose size is not
+            that of ``num_blocks`` tags.
+    """
+    if not TAGS.fullmatch(name):
+        raise WireError(f"refusing KV tag file name {name!r}")
+    mm = _map_readonly(name, 8 * num_blocks, "KV tag file", f"a tag file of {num_blocks} blocks")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mm, dtype=torch.int64, count=num_blocks)
 
 
 def map_pool(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,22 +204,12 @@ def map_pool(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tor
     if not _POOL.fullmatch(name):
         raise WireError(f"refusing shared-memory pool name {name!r}")
     _, size = _pool_layout(shape, dtype)
-    try:
-        fd = os.open(SHM_DIR / name, os.O_RDONLY)
-    except FileNotFoundError:
-        raise WireError(f"KV pool {name} is gone (its prefill worker stopped)") from None
-    try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise WireError(f"KV pool {name} is {actual} bytes, a pool of {list(shape)} {dtype} is {size}")
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    return _views(mm, shape, dtype)
+    return _views(_map_readonly(name, size, "KV pool", f"a pool of {list(shape)} {dtype}"), shape, dtype)
 
 
 def pool_exists(name: str) -> bool:
-    return _POOL.fullmatch(name) is not None and (SHM_DIR / name).exists()
+    """Whether ``name`` is a pool's or tag file's name and the file is still there."""
+    return (_POOL.fullmatch(name) or TAGS.fullmatch(name)) is not None and (SHM_DIR / name).exists()
 
 
 def create(name: str, header: TensorHeader) -> tuple[mmap.mmap, dict[str, torch.Tensor]]:

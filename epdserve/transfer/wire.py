@@ -87,12 +87,21 @@ def frame_size(header: TensorHeader) -> int:
     return _offsets(header, len(header_bytes(header)))[1]
 
 
-def pack(header: TensorHeader, fill) -> bytearray:
-    """A frame with ``header`` in a new bytearray; ``fill(tensors)`` writes the tensors (a
-    dict by name of tensors viewing the array)."""
+def pack(header: TensorHeader, fill, buffer=None):
+    """A frame with ``header`` in ``buffer`` (any writable buffer of :func:`frame_size`
+    bytes, e.g. page-locked memory) or a new bytearray; ``fill(tensors)`` writes the
+    tensors (a dict by name of tensors viewing the buffer). Returns the buffer.
+
+    Raises:
+        WireError: a ``buffer`` of another size.
+    """
     prefix = header_bytes(header)
-    buffer = bytearray(frame_size(header))
-    buffer[: len(prefix)] = prefix
+    size = frame_size(header)
+    buffer = bytearray(size) if buffer is None else buffer
+    view = memoryview(buffer).cast("B")
+    if len(view) != size:
+        raise WireError(f"a buffer of {len(view)} bytes cannot hold a frame of {size}")
+    view[: len(prefix)] = prefix
     fill(parse(buffer)[1])
     return buffer
 

@@ -24,6 +24,7 @@ from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, Media
 from epdserve.serving.router import surface
 from epdserve.serving.router.flows import FlowConfig
 from epdserve.serving.router.front import Front
+from epdserve.serving.router.prefix_index import DEFAULT_POLICY, POLICIES, make_policy
 from epdserve.serving.router.registry import MODE_ROLES, Compat, Registry, WorkerState
 from epdserve.serving.router.routes import create_app
 from epdserve.serving.router.zmq_port import EventsLoop, ZmqPort
@@ -50,9 +51,11 @@ class Router:
     fields a request does not set. ``api_keys``: the keys ``Authorization: Bearer`` must
     give on the model's endpoints (empty: none needed; see :mod:`.surface`).
     ``metrics_prefix``: the names on /metrics (see :class:`~epdserve.serving.metrics.RouterMetrics`).
+    ``routing``: how a request's first worker is chosen among its role's, one of
+    :data:`~epdserve.serving.router.prefix_index.POLICIES`.
 
     Raises (constructor):
-        ValueError: an unknown mode, or CURVE without a token or without libzmq support.
+        ValueError: an unknown mode or routing policy, or CURVE without a token or without libzmq support.
     """
 
     def __init__(self, mode: str, model, tokenizer, events_addr: str, *, trace_file: str | None = None,
@@ -60,7 +63,8 @@ class Router:
                  auth_token: str | None = None, local_prefill_threshold: int = 0,
                  media: MediaOptions = MediaOptions(), internal_encryption: str = "none",
                  tools: ToolSettings = ToolSettings(), sampling_defaults: dict | None = None,
-                 api_keys: tuple[str, ...] = (), metrics_prefix: str = DEFAULT_METRICS_PREFIX):
+                 api_keys: tuple[str, ...] = (), metrics_prefix: str = DEFAULT_METRICS_PREFIX,
+                 routing: str = DEFAULT_POLICY):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
         self.mode, self.model, self.events_addr, self.api_keys = mode, model, events_addr, api_keys
@@ -75,7 +79,8 @@ class Router:
         self.events = EventsLoop(self.registry, self.keyring, events_addr)
         self.front = Front(model, tokenizer, self.registry,
                            FlowConfig(mode, request_timeout_s=request_timeout_s,
-                                      local_prefill_threshold=local_prefill_threshold),
+                                      local_prefill_threshold=local_prefill_threshold,
+                                      routing=make_policy(routing)),
                            images=images, metrics=self.metrics, trace_file=trace_file, tools=tools,
                            sampling_defaults=sampling_defaults)
 
@@ -136,6 +141,12 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-threshold", type=int_at_least(0), default=0,
                         help="pd: prompts shorter than this many tokens are prefilled by a decode worker "
                              "itself, without a KV hand-off (0: never)")
+    parser.add_argument("--routing", choices=POLICIES, default=DEFAULT_POLICY,
+                        help="how a request's first worker (colocated or prefill) is chosen among its role's: "
+                             "least-loaded (fewest outstanding requests; default: no state, no hashing, best "
+                             "when prompts share little) or prefix-aware (the worker believed to hold the longest "
+                             "leading run of the prompt's KV blocks, unless load is imbalanced; as SGLang's "
+                             "cache-aware router). Decode workers are always least-loaded")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_router_flags(parser)  # --model and vLLM's front flags (--served-model-name, --api-key, ...)
     add_metrics_options(parser)
@@ -178,7 +189,8 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
                   worker_timeout_s=args.worker_timeout, request_timeout_s=args.request_timeout,
                   auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold, media=media,
                   internal_encryption=args.internal_encryption, tools=tools, sampling_defaults=defaults,
-                  api_keys=surface.api_keys(args.api_key), metrics_prefix=args.metrics_prefix)
+                  api_keys=surface.api_keys(args.api_key), metrics_prefix=args.metrics_prefix,
+                  routing=args.routing)
 
 
 def served_model(args: argparse.Namespace):

@@ -33,6 +33,7 @@ from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
 from epdserve.serving.router.events import Encoded, Tick, WorkerDown, WorkerError, WorkerFailed, WorkerOutput
 from epdserve.serving.router.holdings import Holdings
+from epdserve.serving.router.prefix_index import DEFAULT_POLICY, PrefixAware, PromptBlocks
 from epdserve.serving.router.registry import Registry, WorkerState
 from epdserve.trace import RequestTrace
 
@@ -47,13 +48,16 @@ class FlowConfig:
     """``mode``: the router's; ``request_timeout_s``: seconds without an event after which
     a request fails (504); ``local_prefill_threshold`` (pd, tokens): a shorter prompt is
     prefilled by its decode worker; ``poll_s``: how often a waiting flow ticks;
-    ``clock``: seconds, monotonic."""
+    ``clock``: seconds, monotonic; ``routing``: how a request's first worker (colocated or
+    prefill) is chosen among its role's, a :class:`PrefixAware` policy or None for
+    least-loaded (``--routing``; decode workers are always least-loaded)."""
 
     mode: str
     request_timeout_s: float = 600.0
     local_prefill_threshold: int = 0
     poll_s: float = 1.0
     clock: Callable[[], float] = field(default=time.monotonic)
+    routing: PrefixAware | None = None
 
 
 def new_flow(registry: Registry, config: FlowConfig, request_id: str, prompt_ids: list[int],
@@ -86,6 +90,8 @@ class Flow:
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.images = list(images)  # with their bytes
+        # The prompt's block keys, made only when a policy routes by them.
+        self.blocks = PromptBlocks(prompt_ids, [im.hash for im in self.images]) if config.routing else None
         self.embeddings: list[P.EmbeddingRef] = []
         self.encoders: dict[str, tuple[WorkerState, list[int]]] = {}  # epd: id -> (worker, its images)
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -123,7 +129,13 @@ class Flow:
         self._begin()
 
     def _begin(self) -> None:
-        self._dispatch(self.registry.pick(self.first_role))
+        self._dispatch(self._choose(self.first_role))
+
+    def _choose(self, role: str) -> WorkerState:
+        """A live worker of ``role``: by ``config.routing`` for the role that prefills
+        (colocated, prefill), least-loaded otherwise. Raises APIError 503 if none."""
+        prefills = role in ("colocated", "prefill")
+        return self.registry.pick(role, self.blocks if prefills else None, self.config.routing)
 
     def tokens(self) -> AsyncIterator[Tokens]:
         """Yield each worker output's ``(token_ids, logprobs, finish_reason)``; the reason
@@ -160,7 +172,7 @@ class Flow:
     def _pick(self, role: str) -> WorkerState:
         """A live worker of ``role`` to go on with. Raises WorkerFailed 503 if none."""
         try:
-            return self.registry.pick(role)
+            return self._choose(role)
         except api.APIError as exc:
             raise WorkerFailed(exc.message, 503) from None
 
@@ -221,7 +233,7 @@ class Flow:
                 if not dead.dead:
                     raise
                 try:
-                    worker = self.registry.pick(dead.role)
+                    worker = self._choose(dead.role)
                 except api.APIError:
                     raise WorkerFailed(f"{exc}; no other live {dead.role} worker to retry on", 503) from None
                 log.warning("%s: %s; retrying on %s", self.request_id, exc, worker.worker_id)
@@ -265,6 +277,10 @@ class Flow:
             rec.encode_workers = sorted(self.encoders)
         if self.images:
             rec.num_images = len(self.images)
+        rec.routing = self.config.routing.name if self.config.routing else DEFAULT_POLICY
+        decision = self.blocks.decision if self.blocks else None
+        if decision is not None:
+            rec.routing_reason, rec.routing_believed_tokens = decision.reason, decision.believed_tokens
         rec.router_queue_ms = _ms(self.t_arrival, self.t_dispatch)
         rec.ttft_ms = _ms(self.t_arrival, self.t_first)
         rec.e2e_ms = _ms(self.t_arrival, self.t_end)

@@ -28,6 +28,7 @@ from epdserve.serving import protocol as P
 from epdserve.serving.handshake import KV_PEER_ROLES, refusal
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.router.events import WorkerDown, WorkerFailed, event_for
+from epdserve.serving.router.prefix_index import PrefixAware, PromptBlocks
 
 log = logging.getLogger("epdserve.router")
 
@@ -182,8 +183,10 @@ class Registry:
         w.outstanding.clear()
 
     # -- picking and sending
-    def pick(self, role: str) -> WorkerState:
-        """The live worker of ``role`` with the fewest outstanding requests (then tokens).
+    def pick(self, role: str, prompt: PromptBlocks | None = None, policy: PrefixAware | None = None) -> WorkerState:
+        """The live worker of ``role`` for a request: with ``policy`` and ``prompt`` (the
+        request's block keys), as :meth:`PrefixAware.choose` rules (the decision lands in
+        ``prompt.decision``); otherwise the one with the fewest outstanding requests (then tokens).
 
         Raises:
             APIError: 503, no live worker of that role.
@@ -191,6 +194,8 @@ class Registry:
         candidates = [w for w in self.workers.values() if w.role == role and self.live(w)]
         if not candidates:
             raise api.APIError(f"no live {role} worker", status=503, type="service_unavailable")
+        if policy is not None and prompt is not None:
+            return policy.choose(candidates, prompt)
         return min(candidates, key=lambda w: (len(w.outstanding), sum(w.outstanding.values())))
 
     def encoders(self) -> list[WorkerState]:

@@ -1,0 +1,398 @@
+"""Attention over the paged KV pool on CUDA, in Triton, reading K/V through the block table
+(no gathered copy): decode (one new token per sequence, split-K over the context for long
+contexts and small batches) and prefill behind a cached prefix (several query rows, causal).
+
+One kernel serves both (as vLLM's ``triton_unified_attention``): a program owns one KV head
+of one sequence and ``BLOCK_M`` query rows — (query token, query head of that KV head's
+group) pairs, so grouped-query heads share each K/V tile they load — and walks the context
+in tiles of ``BLOCK_N`` tokens with the online softmax of FlashAttention (Dao et al., 2022),
+in float32. Each token's slot is ``block_table[pos // block_size] * block_size + pos %
+block_size`` (PagedAttention, Kwon et al., SOSP 2023), the layout ``layer_ops`` documents.
+
+**Split-K** ("flash-decoding", Dao et al., 2023): decode has one program per (sequence, KV
+head), too few to fill a GPU when the batch is small, and each walks the whole context.
+:func:`decode_splits` chooses ``S`` from shapes known on the host (the block table's width,
+not the context lengths, which live on the device: a step never waits for the GPU, and a CUDA
+graph replays the same launch); each sequence's own context is then cut, on the device, into
+``S`` equal parts of whole ``BLOCK_N`` tiles, each a program that writes its unnormalized
+output with its running max and sum, and a second kernel merges the ``S`` parts.
+
+Triton ships with the CUDA build of PyTorch; this module imports it at import time, so only
+CUDA code paths import this module (``layer_ops`` does so lazily). With
+``TRITON_INTERPRET=1`` the kernels run on CPU tensors (Triton's interpreter; the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+# Context tokens per kernel tile; a multiple of any power-of-two block size up to it.
+BLOCK_N = 32
+# Decode programs below which the context is split: about one wave of a GPU's multiprocessors
+# (132 on an H100 / H200) when the device cannot be asked (the interpreter).
+DEFAULT_PROGRAMS = 132
+# A split walks at least this many context tokens: shorter parts cost more in the merge
+# (S partial rows of head_dim float32 per head) than their parallelism returns.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+# Query rows per prefill program (query tokens × heads of a group).
+PREFILL_BLOCK_M = 64
+LOG2E = 1.4426950408889634
+# Triton's interpreter (3.9) multiplies bfloat16 tiles in tl.dot as raw 16-bit integers (numpy has
+# no bfloat16), so under it bfloat16 tiles are widened to float32 before each dot; on a GPU the
+# dots take bfloat16 / float16 operands (float32 accumulation), as FlashAttention does.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# A prefill's lengths change with every request: specializing on them (Triton does for a value
+# of 1 or a multiple of 16) would compile new variants, seconds each, in the serving path.
+@triton.jit(do_not_specialize=["q_len_arg", "ctx_len_arg"])
+def _paged_attention_kernel(  # long: one kernel, its arguments and its online-softmax loop
+        Q, K, V, Out, BlockTables, CtxLens, PartAcc, PartM, PartL,
+        qk_scale, q_len_arg, ctx_len_arg, block_size,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
+        stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h,
+        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        DECODE: tl.constexpr, SPLIT: tl.constexpr, F32_DOTS: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1) % NUM_KV_HEADS
+    q_tile = tl.program_id(1) // NUM_KV_HEADS
+    split = tl.program_id(2)
+    if DECODE:  # sequence `seq` is query row `seq`, one token; its context length on the device
+        q_start = seq
+        q_len = 1
+        ctx_len = tl.load(CtxLens + seq).to(tl.int32)
+    else:  # one sequence, `q_len_arg` query rows, the last ones of its `ctx_len_arg` positions
+        q_start = 0
+        q_len = q_len_arg
+        ctx_len = ctx_len_arg
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if F32_DOTS:
+        q = q.to(tl.float32)
+    # Causal: query token i (of q_len) sees positions up to ctx_len - q_len + i.
+    limit = ctx_len - q_len + q_idx
+    if DECODE:  # this sequence's context in equal parts of whole tiles, one per split
+        tokens_per_split = tl.cdiv(tl.cdiv(ctx_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        start = split * tokens_per_split
+        end = tl.minimum(ctx_len, start + tokens_per_split)
+    else:  # no split; the tile's last query bounds the keys it needs
+        start = 0
+        end = ctx_len - q_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        block = tl.load(BlockTables + seq * stride_bt + pos // block_size, mask=pos_ok, other=0)
+        slot = block.to(tl.int64) * block_size + pos % block_size
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if F32_DOTS:  # full float32 products (no TF32), as the CPU's float32 maths
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(pos_ok[None, :] & (pos[None, :] <= limit[:, None]), s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no visible key in this tile (and none before) keeps m = -inf: shift by 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if F32_DOTS:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if SPLIT:  # decode only: row r is head kvh * GROUP + r
+        part = seq * stride_pa_b + head * stride_pa_h + split * stride_pa_s
+        tl.store(PartAcc + part[:, None] + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        stat = seq * stride_pm_b + head * stride_pm_h + split
+        tl.store(PartM + stat, m_i, mask=row_ok)
+        tl.store(PartL + stat, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(Out + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(PartAcc, PartM, PartL, Out, num_splits,
+                         stride_pa_b, stride_pa_h, stride_pa_s, stride_pm_b, stride_pm_h, stride_ob, stride_oh,
+                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    stat = seq * stride_pm_b + head * stride_pm_h + s
+    m = tl.load(PartM + stat, mask=s_ok, other=float("-inf"))
+    l_part = tl.load(PartL + stat, mask=s_ok, other=0.0)
+    # Split 0 always holds position 0 (a context has at least one token): m_max is finite.
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)
+    acc = tl.load(PartAcc + seq * stride_pa_b + head * stride_pa_h + s[:, None] * stride_pa_s + d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_part * w, 0)
+    tl.store(Out + seq * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def decode_splits(batch: int, kv_heads: int, max_ctx: int, programs: int | None = None) -> int:
+    """How many parts decode attention cuts each context into (split-K).
+
+    1 when ``batch × kv_heads`` programs already fill ``programs`` (the device's
+    multiprocessor count; :data:`DEFAULT_PROGRAMS` where unknown) or ``max_ctx`` is
+    shorter than ``2 × MIN_SPLIT_TOKENS``; else enough parts to reach ``programs``, at
+    most ``max_ctx // MIN_SPLIT_TOKENS`` (the widest context's parts are at least
+    ``MIN_SPLIT_TOKENS`` long) and :data:`MAX_SPLITS`. ``max_ctx``: the longest context
+    the block table can hold (its width × block size, tokens). Each sequence splits its
+    own context into that many equal parts (shorter contexts, shorter parts).
+    """
+    programs = programs or DEFAULT_PROGRAMS
+    base = batch * kv_heads
+    if base >= programs or max_ctx < 2 * MIN_SPLIT_TOKENS:
+        return 1
+    return max(1, min(-(-programs // base), max_ctx // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+def _block_d(head_dim: int) -> int:
+    # tl.dot needs every dimension >= 16; a head_dim that is not a power of two is padded.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+@functools.cache
+def _device_programs(device: torch.device) -> int | None:
+    """The device's multiprocessor count (asked once per device), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> tuple[int, int]:
+    """(kv_heads, group) of q ``[rows, heads, head_dim]`` over caches ``[slots, kv_heads,
+    head_dim]``; ValueError naming what disagrees."""
+    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} must be [rows, heads, head_dim] and k/v caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} equal [slots, kv_heads, head_dim]")
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[1]
+    if k_cache.shape[2] != head_dim or heads % kv_heads:
+        raise ValueError(f"q has {heads} heads of {head_dim}; the cache {kv_heads} KV heads of {k_cache.shape[2]} "
+                         "(heads must be a multiple of KV heads, head sizes equal)")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float32, torch.bfloat16,
+                                                                          torch.float16):
+        raise ValueError(f"dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}: must be one of "
+                         "float32, bfloat16, float16, all the same")
+    if block_size < 1 or k_cache.shape[0] % block_size:
+        raise ValueError(f"block_size {block_size} must divide the cache's {k_cache.shape[0]} slots")
+    if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or q.stride(2) != 1:
+        raise ValueError("q and the caches need a contiguous head_dim")
+    return kv_heads, heads // kv_heads
+
+
+def _launch(grid, q, k_cache, v_cache, out, block_table, ctx_lens, parts, q_len, ctx_len, block_size,
+            block_m, block_q, decode, split):
+    kv_heads, group = k_cache.shape[1], q.shape[1] // k_cache.shape[1]
+    acc, m, l_part = parts
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_table, ctx_lens, acc, m, l_part,
+        LOG2E / math.sqrt(q.shape[-1]), q_len, ctx_len, block_size,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), block_table.stride(0) if block_table.dim() == 2 else 0,
+        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        NUM_KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=q.shape[-1], BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_N=BLOCK_N, BLOCK_D=_block_d(q.shape[-1]), DECODE=decode, SPLIT=split,
+        F32_DOTS=q.dtype == torch.float32 or INTERPRETED)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_size: int,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """``layer_ops.paged_decode_attention`` in Triton: one new token per sequence over its
+    KV blocks, read in place; scale ``1/sqrt(head_dim)``, grouped-query heads (query head
+    h reads KV head ``h // (heads / kv_heads)``), float32 softmax and accumulation.
+
+    Args:
+        q: ``[B, heads, head_dim]`` float32, bfloat16 or float16 (head_dim contiguous).
+        k_cache, v_cache: one layer's ``[slots, kv_heads, head_dim]``, q's dtype and device;
+            slot = block id × ``block_size`` + offset.
+        block_tables: ``[B, max_blocks]`` int32/int64, padded with any value (never read
+            past a context).
+        ctx_lens: ``[B]`` positions attended (the new token's included), each ≥ 1 and ≤
+            ``max_blocks × block_size`` (not checked: that would wait for the device).
+        num_splits: parts of the context (split-K); default :func:`decode_splits`.
+    Returns:
+        ``[B, heads, head_dim]`` in q's dtype.
+    Raises:
+        ValueError: shapes, dtypes or ``block_size`` disagree (named in the message).
+    """
+    kv_heads, group = _check(q, k_cache, v_cache, block_size)
+    batch = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or ctx_lens.shape != (batch,):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} must be [{batch}, max_blocks] and ctx_lens "
+                         f"{tuple(ctx_lens.shape)} [{batch}] for q {tuple(q.shape)}")
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    splits = num_splits or decode_splits(batch, kv_heads, block_tables.shape[1] * block_size,
+                                         _device_programs(q.device))
+    block_m = max(16, triton.next_power_of_2(group))
+    if splits == 1:
+        parts = (out.new_empty(0, 0, 0, dtype=torch.float32), *(out.new_empty(0, 0, dtype=torch.float32),) * 2)
+    else:
+        head_dim = q.shape[-1]
+        parts = (torch.empty(batch, q.shape[1], splits, head_dim, device=q.device, dtype=torch.float32),
+                 torch.empty(batch, q.shape[1], splits, device=q.device, dtype=torch.float32),
+                 torch.empty(batch, q.shape[1], splits, device=q.device, dtype=torch.float32))
+    _launch((batch, kv_heads, splits), q, k_cache, v_cache, out, block_tables, ctx_lens, parts, 1, 0,
+            block_size, block_m, 1, True, splits > 1)
+    if splits > 1:
+        acc, m, l_part = parts
+        _merge_splits_kernel[(batch, q.shape[1])](
+            acc, m, l_part, out, splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+            out.stride(0), out.stride(1), HEAD_DIM=q.shape[-1], BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=_block_d(q.shape[-1]))
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """Causal attention of one sequence's ``q_len`` new tokens over all ``ctx_len`` of its
+    positions (a cached prefix, then the new tokens, whose K/V are already written to the
+    pool), read through the block table in place; the maths of
+    :func:`paged_decode_attention`. Query token i sees positions ``≤ ctx_len - q_len + i``.
+
+    Args:
+        q: ``[q_len, heads, head_dim]``.
+        k_cache, v_cache: one layer's ``[slots, kv_heads, head_dim]``.
+        block_table: ``[n_blocks]`` int32/int64 covering ``ctx_len`` positions.
+        ctx_len: positions attended by the last query (host int, ≥ ``q_len``).
+    Returns:
+        ``[q_len, heads, head_dim]`` in q's dtype.
+    Raises:
+        ValueError: shapes, dtypes or lengths disagree (named in the message).
+    """
+    kv_heads, group = _check(q, k_cache, v_cache, block_size)
+    q_len = q.shape[0]
+    if block_table.dim() != 1 or not 1 <= q_len <= ctx_len <= block_table.shape[0] * block_size:
+        raise ValueError(f"q_len {q_len}, ctx_len {ctx_len} and block_table {tuple(block_table.shape)} "
+                         f"(block_size {block_size}) must satisfy 1 <= q_len <= ctx_len <= blocks × block_size")
+    out = torch.empty_like(q)
+    block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    block_q = block_m // group
+    parts = (out.new_empty(0, 0, 0, dtype=torch.float32), *(out.new_empty(0, 0, dtype=torch.float32),) * 2)
+    _launch((1, kv_heads * -(-q_len // block_q), 1), q, k_cache, v_cache, out, block_table, block_table, parts,
+            q_len, ctx_len, block_size, block_m, block_q, False, False)
+    return out
+
+
+def benchmark_decode_attention(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
+                               dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+                               block_size: int = 16, iters: int = 20, seed: int = 0) -> dict:
+    """Time decode attention over a paged pool, the Triton kernel against the gathering
+    PyTorch path (``layer_ops.paged_decode_attention_torch``), on the same random inputs:
+    ``batch`` sequences of ``ctx`` tokens each, blocks scattered over the pool.
+
+    Both are timed over ``iters`` calls after 3 warm-up calls (the device synchronized
+    around each run; on the CPU, e.g. under ``TRITON_INTERPRET=1``, wall-clock time).
+    Returns a dict: ``triton_ms`` / ``torch_ms`` (per call), ``triton_gbps`` / ``torch_gbps``
+    (the K/V bytes a call must read, ``kv_bytes``, over its time: 1e9 bytes/s),
+    ``splits`` (:func:`decode_splits`' choice), ``max_abs_diff`` between the two outputs,
+    and the arguments. Raises ValueError as :func:`paged_decode_attention`.
+    """
+    from epdserve.model import layer_ops  # (layer_ops imports this module lazily: no cycle at import)
+
+    device = torch.device(device)
+    k_cache, v_cache, block_tables, gen = _random_pool(batch, ctx, kv_heads, head_dim, dtype, device, block_size,
+                                                       seed)
+    ctx_lens = torch.full((batch,), ctx, dtype=torch.long, device=device)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(device, dtype)
+    result = _compare(lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size),
+                      lambda: layer_ops.paged_decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens,
+                                                                     block_size),
+                      2 * batch * ctx * kv_heads * head_dim * k_cache.element_size(), iters, device)
+    splits = decode_splits(batch, kv_heads, block_tables.shape[1] * block_size, _device_programs(device))
+    return {"batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "dtype": str(dtype).removeprefix("torch."), "device": str(device), "block_size": block_size,
+            "splits": splits, **result}
+
+
+def benchmark_prefill_attention(q_len: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
+                                dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+                                block_size: int = 16, iters: int = 10, seed: int = 0) -> dict:
+    """Time one sequence's prefill of ``q_len`` tokens behind ``ctx - q_len`` cached ones,
+    :func:`paged_prefill_attention` (the pool read in place) against gathering the blocks,
+    then SDPA (``llama.gathered_prefill_attention``, the CPU's way), as
+    :func:`benchmark_decode_attention` times them. Returns its keys (``kv_bytes``: the
+    context's K/V once) plus ``q_len`` and ``tflops`` of each (the causal half of
+    ``4 × q_len × ctx × heads × head_dim`` flops). Raises ValueError for ``q_len >= ctx``.
+    """
+    from epdserve.model.llama import gathered_prefill_attention  # (llama imports this module lazily)
+
+    if not 0 < q_len < ctx:
+        raise ValueError(f"q_len {q_len} must be in [1, ctx {ctx}): a prefill behind cached tokens")
+    device = torch.device(device)
+    k_cache, v_cache, block_tables, gen = _random_pool(1, ctx, kv_heads, head_dim, dtype, device, block_size, seed)
+    layer_cache = torch.stack([k_cache, v_cache]).view(2, -1, block_size, kv_heads, head_dim)
+    q = torch.randn(q_len, heads, head_dim, generator=gen).to(device, dtype)
+    result = _compare(lambda: paged_prefill_attention(q, k_cache, v_cache, block_tables[0], ctx, block_size),
+                      lambda: gathered_prefill_attention(q, layer_cache, block_tables[0], ctx),
+                      2 * ctx * kv_heads * head_dim * k_cache.element_size(), iters, device)
+    flops = 2 * q_len * (2 * ctx - q_len) * heads * head_dim  # the visible (causal) scores, QK and PV
+    result.update(triton_tflops=flops / result["triton_ms"] / 1e9, torch_tflops=flops / result["torch_ms"] / 1e9)
+    return {"q_len": q_len, "ctx": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "dtype": str(dtype).removeprefix("torch."), "device": str(device), "block_size": block_size, **result}
+
+
+def _random_pool(batch, ctx, kv_heads, head_dim, dtype, device, block_size, seed):
+    """K and V caches of ``batch × ceil(ctx / block_size)`` blocks, scattered block tables,
+    and the generator for the rest."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = batch * blocks_per_seq
+    k_cache, v_cache = (torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+                        for _ in range(2))
+    block_tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).to(device)
+    return k_cache, v_cache, block_tables, gen
+
+
+def _compare(triton_fn, torch_fn, kv_bytes: int, iters: int, device: torch.device) -> dict:
+    def timed(fn) -> tuple[float, torch.Tensor]:
+        for _ in range(3):
+            out = fn()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn()
+        _sync(device)
+        return (time.perf_counter() - start) * 1e3 / iters, out
+
+    triton_ms, triton_out = timed(triton_fn)
+    torch_ms, torch_out = timed(torch_fn)
+    return {"kv_bytes": kv_bytes, "triton_ms": triton_ms, "torch_ms": torch_ms,
+            "triton_gbps": kv_bytes / triton_ms / 1e6, "torch_gbps": kv_bytes / torch_ms / 1e6,
+            "max_abs_diff": (triton_out.float() - torch_out.float()).abs().max().item()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,74 @@
+"""benchmarks/gpu_check.py end to end on the CPU (``--device cpu --smoke``): every section
+runs at tiny shapes (a real transformers model for parity, real ``epdserve serve``
+deployments for the 1P1D hand-off and the bursty trace) and the JSON has the keys and the
+values a GPU run reports. Speeds are not asserted (a CPU is no GPU); counts and bytes are."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+TIMEOUT_S = 900
+
+
+def run_smoke(output: Path) -> subprocess.CompletedProcess:
+    """Run the script; on a timeout, SIGINT first, so that it stops its deployments."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--output", str(output)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        raise AssertionError(f"gpu_check --smoke ran over {TIMEOUT_S} s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def test_gpu_check_smoke_writes_every_section(tmp_path):
+    output = tmp_path / "gpu_check.json"
+    proc = run_smoke(output)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    r = json.loads(output.read_text())
+    failed = {k: v.get("error") for k, v in r.items() if isinstance(v, dict) and v.get("ok") is False}
+    assert not failed, failed
+    assert r["meta"]["device"] == "cpu" and r["meta"]["smoke"] is True
+
+    assert r["ceilings"]["matmul_tflops"] > 0 and r["ceilings"]["bandwidth_gbps"] > 0
+    assert r["parity"]["exact"] is True and r["parity"]["tokens_equal_batched"] == r["parity"]["tokens"] == 32
+
+    prefill = r["throughput"]["prefill"]
+    assert (prefill["prompts"], prefill["prompt_len"]) == (2, 64) and prefill["vs_matmul_peak"] > 0
+    assert sorted(r["throughput"]["decode"]) == ["1", "4"]
+    for batch, row in r["throughput"]["decode"].items():
+        assert row["tokens"] == int(batch) * row["steps"] and 0 < row["vs_bandwidth_bound"]
+    assert r["ipc_copy"] == {"ok": None, "skipped": "CUDA only"}
+
+    # Tiny shape on the CPU: 2 layers x K/V x 2 heads x 32 dims x float32 per token, whole 16-token blocks.
+    for tokens in (32, 64):
+        row = r["handoff_1p1d"][str(tokens)]
+        raw = tokens * 2 * 2 * 2 * 32 * 4
+        assert raw <= row["kv_bytes"] < raw + 4096, row
+        assert row["kv_tcp"] == 0.0 and row["handoff_ms"]["n"] == 2 and row["gbps"] > 0 and row["d2d_gbps"] > 0
+
+    trace = r["bursty"]["trace"]
+    for mode in ("pd", "colocated"):
+        summary = r["bursty"][mode]
+        assert summary["ok"] and summary["errors"] == []
+        assert summary["chat"]["ttft_ms"]["n"] == trace["chats"]
+        assert summary["long"]["ttft_ms"]["n"] == trace["long_prompts"]
+        gaps = trace["chats"] * (trace["chat_tokens"] - 1) + trace["long_prompts"] * (trace["long_tokens"] - 1)
+        assert summary["all"]["itl_ms"]["n"] == gaps
+        assert summary["all"]["ttft_ms"]["p50"] <= summary["all"]["ttft_ms"]["p99"]
+
+    goals = {g["goal"]: g for g in r["goals"]}
+    assert goals["parity_exact"]["met"] is True and goals["ipc_ms_2048"]["value"] is None
+    assert "goal parity_exact" in proc.stdout and "ceiling" in proc.stdout
