@@ -118,6 +118,10 @@ class RequestTrace(WorkerStages):
     worker: str | None = None  # colocated: the worker that served it
     prefill_worker: str | None = None
     decode_worker: str | None = None
+    # Where they ran (their Hello's node id: the Ray node, else the host name): a PD
+    # hand-off between two nodes went over TCP (kv_tcp), within one by shared memory.
+    prefill_node: str | None = None
+    decode_node: str | None = None
     # How the first worker (colocated or prefill) was picked: the --routing policy, and with
     # prefix-aware its reason and the prompt tokens believed cached there (to set beside
     # cached_tokens, what the worker found).

@@ -140,6 +140,7 @@ def test_one_node_pd_hands_kv_over_shared_memory(ray_head, tmp_path):
         assert trace["path"] == "disaggregated" and trace["kv_bytes"] > 0
         assert trace["kv_tcp"] == 0.0, trace  # same node: shared memory
         assert prefill["node_id"] == decode["node_id"] and len(prefill["node_id"]) > 16
+        assert trace["prefill_node"] == trace["decode_node"] == prefill["node_id"]
         assert prefill["resources"] == {"CPU": 1.0} and decode["state"] == "up"
         assert prefill["addr"].startswith(f"tcp://{prefill['node_ip']}:")
         metrics = httpx.get(dep.url + "/metrics", timeout=10).text

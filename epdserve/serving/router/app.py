@@ -76,7 +76,7 @@ class Router:
         self.metrics = RouterMetrics(model.name, metrics_prefix, model.max_model_len)
         self.port = ZmqPort(self.keyring)
         self.registry = Registry(mode, self.port, compat, worker_timeout_s=worker_timeout_s, metrics=self.metrics)
-        self.events = EventsLoop(self.registry, self.keyring, events_addr)
+        self.events = EventsLoop(self.registry, self.keyring, events_addr, self.port)
         self.front = Front(model, tokenizer, self.registry,
                            FlowConfig(mode, request_timeout_s=request_timeout_s,
                                       local_prefill_threshold=local_prefill_threshold,

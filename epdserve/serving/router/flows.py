@@ -271,6 +271,8 @@ class Flow:
         rec.output_tokens, rec.finish_reason, rec.error = self.output_tokens, self.finish_reason, self.error
         rec.prefill_worker = self.prefill_worker.worker_id if self.prefill_worker else None
         rec.decode_worker = self.decode_worker.worker_id if self.decode_worker else None
+        rec.prefill_node = self.prefill_worker.node_id or None if self.prefill_worker else None
+        rec.decode_node = self.decode_worker.node_id or None if self.decode_worker else None
         if self.config.mode == "colocated":
             rec.worker = getattr(self.worker, "worker_id", None)
         if self.encoders:

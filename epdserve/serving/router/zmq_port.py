@@ -2,9 +2,12 @@
 
 :class:`ZmqPort` is the production :class:`~epdserve.serving.router.registry.WorkerPort`:
 one PUSH socket per worker, every frame sealed (:mod:`epdserve.serving.auth`) for that
-worker's process. :class:`EventsLoop` binds the PULL socket every worker pushes to, opens
-and parses each frame (one that fails is logged, rate-limited, and dropped) and hands the
-message to the registry; it also keeps the registry's read clock and its silence check.
+worker's process, each watched by a ZeroMQ socket monitor so that a closed connection (the
+worker's process or its host gone) is known at once (:meth:`ZmqPort.lost`).
+:class:`EventsLoop` binds the PULL socket every worker pushes to, opens and parses each
+frame (one that fails is logged, rate-limited, and dropped) and hands the message to the
+registry; it also keeps the registry's read clock, its silence check, and marks down the
+workers whose connection closed.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from epdserve.serving import auth
 from epdserve.serving import protocol as P
@@ -42,6 +46,7 @@ class ZmqPort:
         self.keyring = keyring
         self._ctx = zmq.Context()
         self._socks: dict[str, tuple[zmq.Socket, auth.Sealer]] = {}
+        self._monitors: dict[str, list] = {}  # worker id -> [its socket's monitor, connected yet]
 
     def connect(self, worker_id: str, addr: str, incarnation: str) -> None:
         """Connect a PUSH to ``addr`` whose frames only process ``incarnation`` accepts."""
@@ -49,14 +54,38 @@ class ZmqPort:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         self.keyring.secure_client(sock, addr)
+        self._monitors[worker_id] = [sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED), False]
         sock.connect(addr)
         self._socks[worker_id] = (sock, self.keyring.sealer("commands", incarnation))
 
     def disconnect(self, worker_id: str) -> None:
         """Close ``worker_id``'s socket, dropping what is still queued."""
         entry = self._socks.pop(worker_id, None)
+        monitor = self._monitors.pop(worker_id, None)
         if entry is not None:
+            entry[0].disable_monitor()
+            monitor[0].close(linger=0)
             entry[0].close(linger=0)
+
+    def lost(self) -> list[str]:
+        """The workers whose command connection closed since the last call, after it had
+        been made: their process died (the kernel closes its sockets: a kill -9 included)
+        or their host dropped it. ZeroMQ reconnects by itself, so a worker still alive is
+        heard again and re-admitted (:meth:`Registry.on_message`); one that is gone is
+        marked down now rather than after ``--worker-timeout`` of silence."""
+        gone = []
+        for worker_id, entry in self._monitors.items():
+            while True:
+                try:
+                    event = recv_monitor_message(entry[0], zmq.NOBLOCK)["event"]
+                except zmq.Again:
+                    break
+                if event == zmq.EVENT_CONNECTED:
+                    entry[1] = True
+                elif event == zmq.EVENT_DISCONNECTED and entry[1]:
+                    entry[1] = False
+                    gone.append(worker_id)
+        return gone
 
     def send(self, worker_id: str, msg) -> None:
         """Queue one command without blocking.
@@ -94,13 +123,15 @@ class ZmqPort:
 
 
 class EventsLoop:
-    """The task reading the events socket ``addr`` into ``registry``.
+    """The task reading the events socket ``addr`` into ``registry`` (and marking down the
+    workers whose connection on ``port`` closed, see :meth:`ZmqPort.lost`).
 
     Raises (:meth:`bind`): zmq.ZMQError if the address is taken.
     """
 
-    def __init__(self, registry: Registry, keyring: auth.Keyring, addr: str):
+    def __init__(self, registry: Registry, keyring: auth.Keyring, addr: str, port: ZmqPort | None = None):
         self.registry = registry
+        self.port = port
         self.keyring = keyring
         self.addr = addr
         self._opener = keyring.opener("events")
@@ -155,6 +186,8 @@ class EventsLoop:
             now = time.monotonic()
             registry.advance(min(now - last_turn, EVENTS_POLL_S + STALL_GRACE_S))
             last_turn = now
+            for worker_id in self.port.lost() if self.port else ():
+                registry.mark_dead(worker_id, "its connection closed (its process or host is gone)")
             drained = True
             if ready:
                 for _ in range(MAX_EVENTS_BATCH):
