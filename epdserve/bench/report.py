@@ -50,6 +50,10 @@ ROWS = [
     ("KV per request (MB, mean)", "lower", "server", "mean_kv_bytes", "{:.2f}", 1e-6),
     ("KV transfer per request (ms, mean)", "lower", "server", "mean_kv_transfer_ms",
      "{:.2f}", 1),
+    # the hand-offs between two nodes (over TCP; rows absent when every one stayed on its node)
+    ("KV per cross-node request (MB, mean)", "lower", "server", "mean_kv_bytes_cross_node", "{:.2f}", 1e-6),
+    ("KV transfer per cross-node request (ms, mean)", "lower", "server", "mean_kv_transfer_ms_cross_node",
+     "{:.2f}", 1),
     # over the requests with images (the trace's image keys; rows absent without images)
     ("Embeddings per request (MB, mean)", "lower", "server", "mean_embedding_bytes",
      "{:.3f}", 1e-6),
