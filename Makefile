@@ -42,7 +42,8 @@ demo: $(STAMP)
 # colocated, PD and EPD, with a killed prefill worker) have targets of their own to keep
 # `make test` under 20 minutes, and so has the client-tools suite (AIPerf, GuideLLM,
 # lm-evaluation-harness run from .venv-clients against real deployments; marker
-# `clients`, which `make test` leaves out; ~5 minutes after a 2.5-minute install); .ci/run runs all five.
+# `clients`, which `make test` leaves out; ~5 minutes after a 2.5-minute install), the
+# cluster suite and the planner's (below); .ci/run runs them all.
 INTEROP := tests/test_bench_deployments.py
 EPD := tests/test_epd.py
 # The OpenAI surface beyond the basics: structured output, tool calling, echo/prompt
@@ -53,10 +54,13 @@ API := tests/test_guided.py tests/test_tool_calls.py tests/test_api_surface.py
 # their own; the two-node tests put a node in a network namespace and skip, saying why, where
 # one cannot be made), and routing across several workers (its file, when present): ~8 minutes.
 CLUSTER := tests/test_ray.py tests/test_ray_multinode.py $(wildcard tests/test_routing_server.py)
+# The planner (simulation, calibration, replay of traces, plan against compare runs):
+# ~5 minutes of simulations, no servers.
+PLAN := tests/test_plan.py tests/test_plan_replay.py tests/test_plan_vs_sweep.py
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD) $(addprefix --ignore=,$(API)) $(addprefix --ignore=,$(CLUSTER))
+	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD) $(addprefix --ignore=,$(API)) $(addprefix --ignore=,$(CLUSTER)) $(addprefix --ignore=,$(PLAN))
 
 fuzz: $(STAMP)
 	$(VENV)/bin/pytest -q -ra tests/test_fuzz_api.py
@@ -69,6 +73,9 @@ api: $(STAMP)
 
 cluster: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=10 $(CLUSTER)
+
+test-plan: $(STAMP)
+	$(VENV)/bin/pytest -q -ra --durations=5 $(PLAN)
 
 epd: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 $(EPD)
