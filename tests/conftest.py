@@ -23,6 +23,18 @@ STARTUP_TIMEOUT_S = float(os.environ.get("EPDSERVE_TEST_STARTUP_TIMEOUT", "300")
 AUTH_TOKEN = "test-token"
 
 
+def generate(engine, prompts: list[list[int]], params) -> list[list[int]]:
+    """Run ``prompts`` through an :class:`~epdserve.engine.engine.LLMEngine` together with
+    ``params`` (SamplingParams); each one's generated token ids."""
+    outputs = {str(i): [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.token_ids)
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

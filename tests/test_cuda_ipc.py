@@ -15,6 +15,7 @@ import pytest
 import torch
 import zmq
 
+from conftest import generate
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
 from epdserve.transfer import cuda_ipc, handoff, shm, wire
@@ -180,13 +181,7 @@ def engines(model_info, tokenizer):
     assert isinstance(pool, cuda_ipc.DevicePool) and pool.kv.data_ptr() == prefill.kv_cache.data_ptr()
     decode = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))
     colocated = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))  # not decode: its prefix cache would skip copies
-    reference = []
-    for i, prompt in enumerate(PROMPTS):
-        colocated.add_request(f"colocated-{i}", tokenizer(prompt).input_ids, SAMPLING)
-        tokens = []
-        while colocated.has_unfinished():
-            tokens += [t for out in colocated.step() for t in out.token_ids]
-        reference.append(tokens)
+    reference = [generate(colocated, [tokenizer(prompt).input_ids], SAMPLING)[0] for prompt in PROMPTS]
     ctx = zmq.Context()
     try:
         yield prefill, pool, decode, ctx, reference

@@ -27,6 +27,8 @@ from epdserve.model.llama import LlamaModel
 from epdserve.model.loader import auto_dtype, resolve_model
 from epdserve.serving import launcher, worker
 
+from conftest import generate
+
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
             rope_theta=10000.0, tie_word_embeddings=False)
@@ -62,17 +64,6 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
     save_file(weights, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(TINY))
     return path
-
-
-def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
-    """Run ``prompts`` through ``engine`` together; each one's tokens."""
-    outputs = {str(i): [] for i in range(len(prompts))}
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id].extend(out.token_ids)
-    return [outputs[str(i)] for i in range(len(prompts))]
 
 
 @pytest.fixture
@@ -184,7 +175,7 @@ def test_explicit_cpu_is_todays_engine():
     default = LLMEngine(path, EngineConfig(kv_cache_memory_mb=16))
     cpu = LLMEngine(path, EngineConfig(kv_cache_memory_mb=16, device="cpu"))
     assert cpu.device == torch.device("cpu") and cpu.kv_cache.device.type == "cpu"
-    assert generate(cpu, prompts) == generate(default, prompts)
+    assert generate(cpu, prompts, GREEDY) == generate(default, prompts, GREEDY)
     ids, positions = torch.arange(3), torch.arange(3)
     assert all(a is b for a, b in zip(to_device([ids, positions], torch.device("cpu")), [ids, positions]))
 

@@ -18,7 +18,8 @@ import torch
 
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
-from test_device import GREEDY, TINY, generate, write_tiny_llama
+from conftest import generate
+from test_device import GREEDY, TINY, write_tiny_llama
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() "
@@ -47,17 +48,17 @@ def engine(model_dir: str, device: str, dtype: str = "float32", **config) -> LLM
 def reference(model_dir, prompts) -> list[list[int]]:
     """The CPU engine's greedy tokens (float32), each prompt alone."""
     cpu = engine(model_dir, "cpu")
-    return [generate(cpu, [p])[0] for p in prompts]
+    return [generate(cpu, [p], GREEDY)[0] for p in prompts]
 
 
 def test_greedy_float32_on_cuda_equals_the_cpu_one_at_a_time_and_batched(model_dir, prompts, reference):
     gpu = engine(model_dir, "cuda")
     assert gpu.kv_cache.is_cuda and gpu.model.embed.is_cuda and gpu.model.cos.is_cuda
-    assert [generate(gpu, [p])[0] for p in prompts] == reference
-    assert generate(gpu, prompts) == reference
+    assert [generate(gpu, [p], GREEDY)[0] for p in prompts] == reference
+    assert generate(gpu, prompts, GREEDY) == reference
     assert gpu.stats()["blocks_in_use"] == 0
     chunked = engine(model_dir, "cuda:0", max_num_batched_tokens=64, enable_chunked_prefill=True)
-    assert generate(chunked, prompts) == reference
+    assert generate(chunked, prompts, GREEDY) == reference
 
 
 def test_paged_attention_on_cuda_prefix_hits_and_split_k_equal_the_cpu(model_dir):
@@ -74,7 +75,7 @@ def test_paged_attention_on_cuda_prefix_hits_and_split_k_equal_the_cpu(model_dir
     tokens = {}
     for device in ("cpu", "cuda"):
         e = engine(model_dir, device)
-        tokens[device] = [generate(e, prompts[:1])[0], *generate(e, prompts[1:]), generate(e, [long_prompt])[0]]
+        tokens[device] = [generate(e, prompts[:1], GREEDY)[0], *generate(e, prompts[1:], GREEDY), generate(e, [long_prompt], GREEDY)[0]]
         assert e.stats()["prefix_cache_hits"] >= 2 * 32
     assert tokens["cuda"] == tokens["cpu"]
 

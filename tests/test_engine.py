@@ -13,6 +13,8 @@ from epdserve.engine.request import SamplingParams
 from epdserve.model.loader import resolve_model
 from epdserve.model.tokenizer import load_tokenizer
 
+from conftest import generate
+
 BLOCK = 16
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -50,27 +52,16 @@ def reference(model_dir, prompts):
     return refs
 
 
-def generate(engine: LLMEngine, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
-    """Run all prompts through ``engine`` together; returns each one's tokens."""
-    outputs = {str(i): [] for i in range(len(prompts))}
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id].extend(out.token_ids)
-    return [outputs[str(i)] for i in range(len(prompts))]
-
-
 def test_greedy_matches_transformers_one_at_a_time(model_dir, prompts, reference):
     engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=256))
-    got = [generate(engine, [p])[0] for p in prompts]
+    got = [generate(engine, [p], GREEDY)[0] for p in prompts]
     assert got == reference
     assert engine.stats()["blocks_in_use"] == 0
 
 
 def test_greedy_matches_transformers_batched(model_dir, prompts, reference):
     engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=256))
-    assert generate(engine, prompts) == reference
+    assert generate(engine, prompts, GREEDY) == reference
     assert engine.stats()["blocks_in_use"] == 0
 
 

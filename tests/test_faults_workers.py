@@ -78,9 +78,9 @@ def all_up(dep) -> bool:
     return all(s.get(w) == "up" for w in ("prefill-0", "prefill-1", "decode-0", "decode-1"))
 
 
-def test_kill_decode_mid_stream(xpyd_server):
-    dep = xpyd_server
-    wait_for(lambda: all_up(dep), RESTART_TIMEOUT_S, "every worker up")
+def streams_on_two_decoders(dep) -> tuple[str, Stream, Stream]:
+    """``(victim, its stream, the other stream)``: a long stream on one decode worker of a
+    deployment with two (the victim), then a short one, which goes to the other."""
     victim_stream = Stream(dep.url, "Once upon a time, in a land far away,", 400)
     victim_stream.start()
     # Once it streams, it holds one decode worker; the next stream goes to the other one.
@@ -90,20 +90,32 @@ def test_kill_decode_mid_stream(xpyd_server):
     other_stream.start()
     wait_for(lambda: len(other_stream.events) >= 2 and all(outstanding(dep, "decode").values()), 60,
              "the second stream on the other decode worker")
+    return victim, victim_stream, other_stream
 
-    os.kill(dep.worker_pid(victim), signal.SIGKILL)
+
+def kill_mid_stream(pid: int, victim: str, victim_stream: Stream, other_stream: Stream) -> tuple[float, float]:
+    """kill -9 ``pid`` (the victim's process): its stream ends with an error event that
+    names it, the other finishes. Returns ``(time.monotonic() of the kill, seconds from
+    the kill to the error event)``."""
+    os.kill(pid, signal.SIGKILL)
     t_kill = time.monotonic()
     victim_stream.join(30)
     assert victim_stream.failure is None and victim_stream.error is not None, victim_stream.events[-1:]
-    t_error = victim_stream.events[-1][0] - t_kill
-    assert t_error < 5.0, f"error event {t_error:.2f} s after kill -9"
     assert victim in victim_stream.error["message"]
-    assert states(dep)[victim] == "down"
-
     other_stream.join(120)
     assert other_stream.failure is None and other_stream.error is None
-    finish = other_stream.events[-1][1]["choices"][0]["finish_reason"]
-    assert finish == "length"
+    assert other_stream.events[-1][1]["choices"][0]["finish_reason"] == "length"
+    return t_kill, victim_stream.events[-1][0] - t_kill
+
+
+def test_kill_decode_mid_stream(xpyd_server):
+    dep = xpyd_server
+    wait_for(lambda: all_up(dep), RESTART_TIMEOUT_S, "every worker up")
+    victim, victim_stream, other_stream = streams_on_two_decoders(dep)
+
+    t_kill, t_error = kill_mid_stream(dep.worker_pid(victim), victim, victim_stream, other_stream)
+    assert t_error < 5.0, f"error event {t_error:.2f} s after kill -9"
+    assert states(dep)[victim] == "down"
 
     wait_for(lambda: states(dep)[victim] == "up", RESTART_TIMEOUT_S, f"{victim} up again")
     t_restart = time.monotonic() - t_kill

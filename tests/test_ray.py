@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from conftest import _stop, free_port, start_deployment
-from test_faults_workers import Stream, outstanding, states, wait_for
+from test_faults_workers import kill_mid_stream, states, streams_on_two_decoders, wait_for
 from test_serving_cleanup import wait_all_free
 
 from epdserve.bench import deployments, server_trace
@@ -180,25 +180,9 @@ def test_kill_decode_actor_mid_stream(ray_head, tmp_path):
     dep = ray_deployment("pd", tmp_path, ray_head, "--decode-workers", "2")
     try:
         wait_for(lambda: all(s == "up" for s in states(dep).values()), 60, "every worker up")
-        victim_stream = Stream(dep.url, "Once upon a time, in a land far away,", 400)
-        victim_stream.start()
-        wait_for(lambda: len(victim_stream.events) >= 3, 60, "the first stream's tokens")
-        victim = next(w for w, n in outstanding(dep, "decode").items() if n)
-        other_stream = Stream(dep.url, "The history of the printing press", 60)
-        other_stream.start()
-        wait_for(lambda: len(other_stream.events) >= 2 and all(outstanding(dep, "decode").values()), 60,
-                 "the second stream on the other decode worker")
-        old_pid = worker(dep, victim)["pid"]
-
-        os.kill(old_pid, signal.SIGKILL)  # the actor's own process: the worker runs in it
-        t_kill = time.monotonic()
-        victim_stream.join(30)
-        assert victim_stream.failure is None and victim_stream.error is not None, victim_stream.events[-1:]
-        assert victim in victim_stream.error["message"]
-        t_error = victim_stream.events[-1][0] - t_kill
-        other_stream.join(120)
-        assert other_stream.failure is None and other_stream.error is None
-        assert other_stream.events[-1][1]["choices"][0]["finish_reason"] == "length"
+        victim, victim_stream, other_stream = streams_on_two_decoders(dep)
+        old_pid = worker(dep, victim)["pid"]  # the actor's own process: the worker runs in it
+        t_kill, t_error = kill_mid_stream(old_pid, victim, victim_stream, other_stream)
 
         wait_for(lambda: worker(dep, victim)["state"] == "up" and worker(dep, victim)["pid"] != old_pid,
                  RESTART_TIMEOUT_S, f"Ray to restart {victim}")

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from conftest import _stop as _stop_deployment
-from conftest import free_port, start_deployment
+from conftest import free_port, generate, start_deployment
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
 from epdserve.transfer import handoff, shm
@@ -36,13 +36,7 @@ def setup(model_info, tokenizer):
     prefill, pool = handoff.new_engine(path, EngineConfig(kv_cache_memory_mb=32), True)
     decode = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))
     colocated = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))
-    reference = []
-    for i, prompt in enumerate(PROMPTS):
-        colocated.add_request(f"colocated-{i}", tokenizer(prompt).input_ids, SAMPLING)
-        tokens = []
-        while colocated.has_unfinished():
-            tokens += [t for out in colocated.step() for t in out.token_ids]
-        reference.append(tokens)
+    reference = [generate(colocated, [tokenizer(prompt).input_ids], SAMPLING)[0] for prompt in PROMPTS]
     ctx = zmq.Context()
     try:
         yield prefill, pool, decode, ctx, reference
