@@ -6,6 +6,8 @@ stopped by the module on every outcome):
 * 1P2D, kill -9 of a decode actor's process mid-stream: its stream ends with an error
   event, the stream on the other decode worker finishes, Ray restarts the actor (no
   launcher loop), the next request succeeds and no KV block stays in use;
+* 1E1P1D with the vision-language model: the encode worker is an actor too, the
+  embeddings and the KV go by shared memory, and the answer equals a local colocated one;
 * bad cluster options stop ``serve`` with a one-line error naming the value.
 
 The helpers here (a Ray node started in a session of its own and stopped by killing that
@@ -158,6 +160,27 @@ def test_one_node_pd_hands_kv_over_shared_memory(ray_head, tmp_path):
     assert "Ray restarts it" not in log  # nothing died on the way
     # The actors are gone and their placement groups removed: the cluster holds nothing.
     wait_for(lambda: " 0.0/4.0 CPU" in cluster_status(ray_head), 30, "the cluster's CPUs free again")
+
+
+def test_epd_runs_every_role_as_an_actor(ray_head, tmp_path):
+    from test_epd import ask, picture
+
+    image = picture(3)
+    dep = ray_deployment("epd", tmp_path, ray_head, "--model", "vlm")
+    try:
+        assert sorted((w["role"], bool(w["node_id"])) for w in dep.health()["workers"]) == \
+            [("decode", True), ("encode", True), ("prefill", True)]
+        answer = ask(dep, image)
+        trace = dep.trace(answer.id)
+        assert trace["encode_workers"] == ["encode-0"] and trace["embedding_bytes"] > 0
+        assert trace["kv_tcp"] == 0.0 and trace["prefill_node"] == trace["decode_node"]
+    finally:
+        _stop(dep.proc)
+    local = start_deployment("colocated", tmp_path, "--model", "vlm")
+    try:
+        assert ask(local, image).text == answer.text
+    finally:
+        _stop(local.proc)
 
 
 def test_unplaceable_role_stops_serve_and_frees_the_cluster(ray_head):
