@@ -15,11 +15,15 @@ import pickle
 import re
 import subprocess
 import sys
+import time
 
 import httpx
 import zmq
 
 from conftest import AUTH_TOKEN
+from epdserve.serving import protocol as P
+from epdserve.serving.auth import Keyring
+from epdserve.serving.router.zmq_port import ZmqPort
 
 
 class Exploit:
@@ -137,3 +141,33 @@ def test_internal_sockets_default_to_loopback():
     args = parser.parse_args(["--role", "decode", "--router", "x", "--bind", "y", "--worker-id", "z"])
     assert all(v.startswith("tcp://127.0.0.1:") for k, v in vars(args).items()
                if k.endswith("bind") and k != "bind" and isinstance(v, str))
+
+
+def test_a_closed_command_connection_is_reported_once(tmp_path):
+    """ZmqPort.lost: a worker's command connection that closes after it was made (the
+    worker's process died: the kernel closes its sockets) is reported once; one never
+    made (nothing listens yet) is not; one that is replaced is not watched any more."""
+    def wait_lost(port: ZmqPort, seconds: float) -> list[str]:
+        deadline, seen = time.monotonic() + seconds, []
+        while time.monotonic() < deadline and not seen:
+            seen = port.lost()
+            time.sleep(0.05)
+        return seen
+
+    ctx, port = zmq.Context(), ZmqPort(Keyring(AUTH_TOKEN))
+    try:
+        port.connect("w-never", f"ipc://{tmp_path}/nobody", "a" * 16)
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(f"ipc://{tmp_path}/w0")
+        port.connect("w0", f"ipc://{tmp_path}/w0", "b" * 16)
+        port.send("w0", P.Shutdown())
+        assert pull.poll(5000)  # connected: a command arrived
+        assert port.lost() == []
+        pull.close(linger=0)  # the worker is gone
+        assert wait_lost(port, 5.0) == ["w0"]
+        assert wait_lost(port, 0.5) == []  # once, though ZeroMQ keeps trying to reconnect
+        port.connect("w0", f"ipc://{tmp_path}/w0-new", "c" * 16)  # its new process
+        assert wait_lost(port, 0.5) == []
+    finally:
+        port.close()
+        ctx.destroy(linger=0)
