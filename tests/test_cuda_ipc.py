@@ -13,19 +13,15 @@ import time
 import msgpack
 import pytest
 import torch
-import zmq
 
-from conftest import generate
-from epdserve.engine.engine import EngineConfig, LLMEngine
-from epdserve.engine.request import SamplingParams
+from test_transfer_handoff import PROMPTS, SAMPLING, pd_engines
+
 from epdserve.transfer import cuda_ipc, handoff, shm, wire
 from epdserve.transfer.cuda_ipc import FakeBackend, IpcError, IpcImporter
 from epdserve.transfer.loopback import first_output, generate_pd
 from epdserve.transfer.pooled import PooledKV
 from epdserve.transfer.wire import WireError
 
-PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived"]
-SAMPLING = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 BIND = "tcp://127.0.0.1:0"
 SHAPE = (2, 2, 6, 4, 2, 8)  # layers, K/V, blocks, block size, kv heads, head dim
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "dtype": "bfloat16"}
@@ -174,20 +170,13 @@ def test_pinned_frame_is_a_wire_frame():
 
 @pytest.fixture(scope="module")
 def engines(model_info, tokenizer):
-    """A prefill engine whose cache is a fake-shared DevicePool, a decode engine, a ZeroMQ
-    context, and the colocated greedy tokens of each prompt."""
-    path = str(model_info.path)
-    prefill, pool = handoff.new_engine(path, EngineConfig(kv_cache_memory_mb=32), True, FakeBackend())
+    """:func:`pd_engines` with a fake-shared DevicePool as the prefill engine's cache."""
+    yield from pd_engines(model_info, tokenizer, FakeBackend())
+
+
+def test_the_fake_shared_pool_is_the_prefill_cache(engines):
+    prefill, pool = engines[:2]
     assert isinstance(pool, cuda_ipc.DevicePool) and pool.kv.data_ptr() == prefill.kv_cache.data_ptr()
-    decode = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))
-    colocated = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))  # not decode: its prefix cache would skip copies
-    reference = [generate(colocated, [tokenizer(prompt).input_ids], SAMPLING)[0] for prompt in PROMPTS]
-    ctx = zmq.Context()
-    try:
-        yield prefill, pool, decode, ctx, reference
-    finally:
-        pool.close()
-        ctx.destroy(linger=0)
 
 
 @pytest.mark.parametrize("transport, sees_gpu, over_tcp", [("auto", True, 0.0), ("shm", True, 0.0),

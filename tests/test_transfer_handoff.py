@@ -28,14 +28,14 @@ SAMPLING = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 BIND = "tcp://127.0.0.1:0"
 
 
-@pytest.fixture(scope="module")
-def setup(model_info, tokenizer):
-    """A pooled prefill engine, a decode engine, a ZeroMQ context, and the colocated
-    engine's greedy tokens for each prompt."""
+def pd_engines(model_info, tokenizer, *backend):
+    """A prefill engine whose cache is a shared pool (``handoff.new_engine``; ``backend``:
+    its CUDA IPC backend, if any), a decode engine, a ZeroMQ context, and the colocated
+    engine's greedy tokens for each prompt; the pool and context are closed after."""
     path = str(model_info.path)
-    prefill, pool = handoff.new_engine(path, EngineConfig(kv_cache_memory_mb=32), True)
+    prefill, pool = handoff.new_engine(path, EngineConfig(kv_cache_memory_mb=32), True, *backend)
     decode = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))
-    colocated = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))
+    colocated = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))  # not decode: its prefix cache would skip copies
     reference = [generate(colocated, [tokenizer(prompt).input_ids], SAMPLING)[0] for prompt in PROMPTS]
     ctx = zmq.Context()
     try:
@@ -43,6 +43,12 @@ def setup(model_info, tokenizer):
     finally:
         pool.close()
         ctx.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def setup(model_info, tokenizer):
+    """:func:`pd_engines` with a shared-memory pool."""
+    yield from pd_engines(model_info, tokenizer)
 
 
 def _pd(setup, tokenizer, exporter: handoff.Exporter, transport: str, label: str) -> list[list[int]]:
