@@ -423,7 +423,8 @@ def _print_replay(spec: dict) -> None:
 def _generate(args: argparse.Namespace, tok, model: str | None) -> tuple[list[Request], dict, dict]:
     """``(requests, params, extra)`` of ``--workload``'s generator: the parameters it was
     called with and what else it reported (sharegpt: its counts of conversations; shift:
-    its phase windows, :func:`datasets.shift`). ``model``: the model whose window a shift phase must fit."""
+    its phase windows, :func:`datasets.shift`). ``model``: the model (path, None = the
+    default) whose context window every shift phase must fit."""
     dist = getattr(args, "length_dist", "uniform")
     if args.workload == "shift":
         phases = args.shift_phases or datasets.parse_phases(datasets.SHIFT_DEFAULT)
