@@ -1,7 +1,9 @@
 """Trace generators: synthetic chat, shared prefixes, chat with long-prompt bursts
-(the demo), and ShareGPT-format JSON files given by the user. Every generator is seeded
-and deterministic; lengths come from :func:`epdserve.bench.prompts.draw_lengths`,
-send times from :func:`epdserve.bench.arrivals.arrival_offsets`.
+(the demo), a workload shifting in phases (:func:`shift`: each phase its own length mix
+and rate, e.g. long documents, then long answers, then quiet), and ShareGPT-format JSON
+files given by the user. Every generator is seeded and deterministic; lengths come from
+:func:`epdserve.bench.prompts.draw_lengths`, send times from
+:func:`epdserve.bench.arrivals.arrival_offsets` (the shift phases draw theirs alike).
 
 ShareGPT: the format is the one vLLM's ``bench serve --dataset-name sharegpt`` reads, a
 JSON list of ``{"conversations": [{"from": "human" | "gpt", "value": TEXT}, ...], ...}``.
@@ -16,8 +18,9 @@ ones are returned so the caller can say them.
 from __future__ import annotations
 
 import json
+import math
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -269,3 +272,180 @@ def sharegpt(tokenizer, path: str | Path, num_prompts: int = 50,
     requests = [Request(offset_s=round(off, 6), prompt=p, max_tokens=n_out, kind="chat",
                         prompt_tokens=n_in) for off, (p, n_in, n_out) in zip(offsets, kept)]
     return requests, stats
+
+
+# ---------------------------------------------------------------------------------------
+# The shifting workload (--workload shift): phases back to back, each its own mix and rate.
+
+# Sized for a 2-core CPU running SmolLM2-135M (2,048-token window), from the measurements
+# above DEMO_DEFAULTS (prefill ~240 tok/s per core, a decode step ~75 ms at batch 1 and
+# ~150 ms at batch 8): (1) long documents, short answers: 10 prompts of 1,200-1,700 tokens
+# at 0.12 req/s ask ~175 prompt tokens/s, about one core's prefill, so prefill capacity
+# decides TTFT (~85 s); (2) short questions, long answers: 24 requests of 200-400 output
+# tokens at 0.3 req/s keep ~13 sequences decoding (Little's law at ~45 s each), so decode
+# capacity decides ITL (~80 s); (3) quiet: 4 small requests at 0.05 req/s (~80 s), where a
+# split idles half its cores. About 4 minutes of arrivals in all.
+SHIFT_DEFAULT = ("in=1200:1700,out=8:16,rate=0.12,n=10;"
+                 "in=30:120,out=200:400,rate=0.3,n=24;"
+                 "in=50:200,out=32:64,rate=0.05,n=4")
+# Tokens the server's chat template adds to a prompt: 30 for the default model (SmolLM2's
+# system turn and role markers), rounded up.
+TEMPLATE_TOKENS = 32
+_PHASE_KEYS = ("in", "out", "rate", "n")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a shifting workload: ``input_len`` and ``output_len`` inclusive token
+    ranges (MIN, MAX), ``rate`` (req/s, finite > 0) and ``num`` requests."""
+
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+    rate: float
+    num: int
+
+
+def parse_phases(text: str) -> list[Phase]:
+    """The phases of a ``--shift-phases`` SPEC: phases separated by ``;``, each
+    ``in=MIN:MAX,out=MIN:MAX,rate=R,n=N`` (all four keys, any order; ``in``/``out`` take a
+    single N for a fixed length), e.g. :data:`SHIFT_DEFAULT`. A phase is sized by its
+    request count ``n`` (not by seconds) so that the trace's length never depends on the
+    seed.
+
+    Raises:
+        TraceError: naming the phase (1-based) and the bad part: an empty list or phase, an
+            unknown, repeated or missing key, a bad range, a rate not finite and > 0, n < 1.
+    """
+    parts = [p.strip() for p in text.split(";")]
+    if not any(parts):
+        raise TraceError(f"shift phases {text!r}: empty phase list (expected "
+                         f"in=MIN:MAX,out=MIN:MAX,rate=R,n=N;...)")
+    return [_parse_phase(part, k) for k, part in enumerate(parts, 1)]
+
+
+def _parse_phase(part: str, k: int) -> Phase:
+    where = f"shift phase {k} ({part!r})"
+    if not part:
+        raise TraceError(f"{where}: empty phase")
+    fields: dict[str, str] = {}
+    for item in part.split(","):
+        key, sep, value = (s.strip() for s in item.partition("="))
+        if not sep or key not in _PHASE_KEYS:
+            raise TraceError(f"{where}: unknown key {key!r} (expected {', '.join(_PHASE_KEYS)})")
+        if key in fields:
+            raise TraceError(f"{where}: key {key!r} given twice")
+        fields[key] = value
+    missing = [key for key in _PHASE_KEYS if key not in fields]
+    if missing:
+        raise TraceError(f"{where}: missing {', '.join(missing)}")
+    try:
+        rate = float(fields["rate"])
+    except ValueError:
+        rate = math.nan
+    if not (0 < rate < math.inf):
+        raise TraceError(f"{where}: rate={fields['rate']}: must be a finite number > 0 req/s")
+    num = _phase_int(fields["n"], f"{where}: n")
+    if num < 1:
+        raise TraceError(f"{where}: n={num}: must be >= 1")
+    return Phase(_phase_range(fields["in"], f"{where}: in"),
+                 _phase_range(fields["out"], f"{where}: out"), rate, num)
+
+
+def _phase_int(text: str, where: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise TraceError(f"{where}={text}: not an integer") from None
+
+
+def _phase_range(text: str, where: str) -> tuple[int, int]:
+    ends = text.split(":")
+    if len(ends) > 2:
+        raise TraceError(f"{where}={text}: expected MIN:MAX")
+    try:
+        lo, hi = int(ends[0]), int(ends[-1])
+    except ValueError:
+        raise TraceError(f"{where}={text}: not an integer") from None
+    if not 1 <= lo <= hi:
+        raise TraceError(f"{where}={text}: need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def format_phases(phases: list[Phase]) -> str:
+    """The ``--shift-phases`` SPEC of ``phases`` (:func:`parse_phases` reads it back)."""
+    return ";".join(f"in={p.input_len[0]}:{p.input_len[1]},out={p.output_len[0]}:{p.output_len[1]},"
+                    f"rate={p.rate:g},n={p.num}" for p in phases)
+
+
+def check_window(phases: list[Phase], window: int, template_tokens: int = TEMPLATE_TOKENS) -> None:
+    """TraceError naming the first phase whose longest prompt + longest output + the chat
+    template's ``template_tokens`` exceed the model's ``window`` (tokens): its longest
+    request would be refused (400 context_length_exceeded)."""
+    for k, p in enumerate(phases, 1):
+        need = p.input_len[1] + p.output_len[1] + template_tokens
+        if need > window:
+            raise TraceError(f"shift phase {k}: in max {p.input_len[1]} + out max "
+                             f"{p.output_len[1]} + {template_tokens} template tokens = {need} "
+                             f"> the model's {window}-token window")
+
+
+def shift(tokenizer, phases: list[Phase], seed: int = 0, length_dist: str = "uniform",
+          burstiness: float = 1.0) -> tuple[list[Request], dict]:
+    """A trace in ``phases``, back to back: phase k's ``num`` chat requests, lengths from
+    ``length_dist`` over its ranges, each sent a gap after the previous request drawn at
+    phase k's rate (Poisson at ``burstiness`` 1, gamma gaps as :func:`arrival_offsets`
+    otherwise); the first request at 0.
+
+    Returns (requests in send order, phase windows): a table of one list per column, item
+    k for phase k: ``first`` (index of its first request; its requests are ``first ..
+    first + n - 1``), ``n``, ``start_s`` (the previous phase's last send, 0 for the first)
+    and ``end_s`` (its last send), in seconds. Columns, not rows, because the table goes
+    into the workload spec that ``compare.md`` prints one ``key=value`` per item.
+    :func:`epdserve.bench.arrivals.retime` scales every offset by one factor, so a
+    re-timed shift trace keeps its phases (indices unchanged, every phase's rate times the
+    same factor, its times divided by it).
+
+    Raises:
+        TraceError: no phase, a bad range or rate, or burstiness not finite and > 0.
+    """
+    if not phases:
+        raise TraceError("shift: no phase")
+    if not (0 < burstiness < math.inf):
+        raise TraceError(f"burstiness {burstiness}: must be a finite number > 0")
+    for p in phases:
+        check_range("input length", p.input_len)
+        check_range("output length", p.output_len)
+    rng = np.random.default_rng(seed)
+    words = word_list(tokenizer)
+    rates = np.concatenate([np.full(p.num, p.rate) for p in phases])
+    gaps = rng.gamma(burstiness, 1.0 / (rates[1:] * burstiness))
+    offsets = np.concatenate([[0.0], np.cumsum(gaps)])
+    requests: list[Request] = []
+    table: dict[str, list] = {"first": [], "n": [], "start_s": [], "end_s": []}
+    first = 0
+    for p in phases:
+        in_lens = draw_lengths(rng, p.num, p.input_len, length_dist)
+        out_lens = draw_lengths(rng, p.num, p.output_len, length_dist)
+        for i in range(p.num):
+            requests.append(Request(offset_s=round(float(offsets[first + i]), 6),
+                                    prompt=make_prompt(tokenizer, words, int(in_lens[i]), rng),
+                                    max_tokens=int(out_lens[i]), kind="chat",
+                                    prompt_tokens=int(in_lens[i])))
+        for key, value in (("first", first), ("n", p.num), ("end_s", requests[-1].offset_s),
+                           ("start_s", requests[first - 1].offset_s if first else 0.0)):
+            table[key].append(value)
+        first += p.num
+    return requests, table
+
+
+def split_by_phase(requests: list, table: dict) -> list[list]:
+    """``requests`` (a shift trace, or anything in its order: one result per request) cut
+    into its phases by the phase windows of :func:`shift` (``first``, ``n``).
+
+    Raises:
+        TraceError: ``requests`` does not have the table's number of requests.
+    """
+    total = sum(table["n"])
+    if len(requests) != total:
+        raise TraceError(f"{len(requests)} requests, but the phase table has {total}")
+    return [requests[first:first + n] for first, n in zip(table["first"], table["n"])]

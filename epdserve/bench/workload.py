@@ -12,7 +12,8 @@ module re-exports (so ``workload.Request``, ``workload.load_trace`` etc. keep wo
 * :mod:`epdserve.bench.prompts` — token lengths (:func:`draw_lengths`) and prompt text of
   an exact token count (:func:`make_prompt`), the tokenizer that sizes them;
 * :mod:`epdserve.bench.datasets` — the generators: synthetic chat, shared prefixes, chat
-  with long-prompt bursts (the demo), ShareGPT files, images added to a trace;
+  with long-prompt bursts (the demo), a workload shifting in phases, ShareGPT files,
+  images added to a trace;
 * :mod:`epdserve.bench.production_formats` and :mod:`epdserve.bench.production` —
   production traces (Mooncake JSON lines, Azure CSV) replayed with their arrivals, lengths
   and prefix sharing, fitted to a small model and machine (:func:`add_production_arguments`,
@@ -37,6 +38,7 @@ from epdserve.bench.production_formats import read_production
 from epdserve.bench.prompts import (LENGTH_DISTRIBUTIONS, check_range, count_tokens,  # noqa: F401
                                     draw_lengths, load_tokenizer_for, make_prompt, word_list)
 from epdserve.bench.traces import KINDS, Request, TraceError, describe, load_trace, save_trace  # noqa: F401
+from epdserve.model.loader import resolve_model
 
 
 # ---------------------------------------------------------------------------------------
@@ -69,6 +71,15 @@ def parse_rate(text: str) -> float:
     if not (rate > 0):
         raise argparse.ArgumentTypeError(f"{text!r}: must be > 0 (inf = all at once)")
     return rate
+
+
+def parse_shift_phases(text: str) -> list[datasets.Phase]:
+    """argparse type for ``--shift-phases``: :func:`datasets.parse_phases`, its TraceError
+    (naming the phase and part) as an argparse error."""
+    try:
+        return datasets.parse_phases(text)
+    except TraceError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_workload(text: str) -> str:
@@ -143,7 +154,7 @@ def parse_size(text: str) -> tuple[int, int]:
 
 
 PRODUCTION_WORKLOADS = ("mooncake", "azure")
-WORKLOADS = ("synthetic", "prefix", "demo", "sharegpt", *PRODUCTION_WORKLOADS)
+WORKLOADS = ("synthetic", "prefix", "demo", "shift", "sharegpt", *PRODUCTION_WORKLOADS)
 # vLLM ``bench serve --dataset-name`` values that name one of these generators: random
 # (random tokens of the asked lengths) is synthetic; prefix_repetition (shared prefixes and
 # their own suffixes) is prefix. Other vLLM datasets (hf, custom, sonnet, burstgpt,
@@ -151,8 +162,9 @@ WORKLOADS = ("synthetic", "prefix", "demo", "sharegpt", *PRODUCTION_WORKLOADS)
 VLLM_DATASET_NAMES = {"random": "synthetic", "prefix_repetition": "prefix"}
 # Workloads whose output lengths are the point, sent with ignore_eos as vLLM does: its
 # random datasets and its timed traces (here also the demo, a random mix of its own, and a
-# replayed --trace); the others (prefix, sharegpt) stop at EOS unless --ignore-eos.
-IGNORE_EOS_WORKLOADS = ("synthetic", "demo", *PRODUCTION_WORKLOADS)
+# replayed --trace, and the shift workload, whose phases are output-length mixes); the others
+# (prefix, sharegpt) stop at EOS unless --ignore-eos.
+IGNORE_EOS_WORKLOADS = ("synthetic", "demo", "shift", *PRODUCTION_WORKLOADS)
 DATASET_FORMATS = {"sharegpt": "ShareGPT-format JSON", "mooncake": "Mooncake JSON lines",
                    "azure": "Azure LLM inference trace CSV"}
 # (option, dest) of the production-trace options, for the checks of build_from_args.
@@ -174,6 +186,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "synt
     _add_arrival_arguments(parser.add_argument_group("arrivals"))
     _add_prefix_arguments(parser.add_argument_group("shared prefixes (--workload prefix)"))
     _add_demo_arguments(parser.add_argument_group("long-prompt bursts (--workload demo)"))
+    parser.add_argument_group("phases (--workload shift)").add_argument(
+        "--shift-phases", type=parse_shift_phases, default=None, metavar="SPEC",
+        help="phases back to back, ';'-separated, each in=MIN:MAX,out=MIN:MAX,rate=R,n=N "
+             "(prompt and output tokens, req/s, requests); default "
+             f"{datasets.SHIFT_DEFAULT.replace('%', '%%')}")
     add_production_arguments(parser)
     _add_source_arguments(g)
 
@@ -326,7 +343,7 @@ def build_from_args(args: argparse.Namespace, tokenizer_path: str | None = None
         spec = {**{k: _jsonable(v) for k, v in spec.items()}, "tokenizer": tok.name_or_path}
     else:
         tok = load_tokenizer_for(args.tokenizer or tokenizer_path)
-        requests, params, extra = _generate(args, tok)
+        requests, params, extra = _generate(args, tok, args.tokenizer or tokenizer_path)
         requests = _add_images(requests, args, params)
         spec = {"source": args.workload, **{k: _jsonable(v) for k, v in params.items()}, **extra,
                 "tokenizer": tok.name_or_path}
@@ -348,7 +365,13 @@ def _check_options(args: argparse.Namespace) -> None:
     if production_only and args.workload not in PRODUCTION_WORKLOADS:
         raise TraceError(f"{', '.join(production_only)}: for --workload "
                          f"{'|'.join(PRODUCTION_WORKLOADS)} only, not {args.workload}")
+    if getattr(args, "shift_phases", None) is not None and args.workload != "shift":
+        raise TraceError(f"--shift-phases is for --workload shift, not {args.workload}")
     generator_only = _given(args, TRACE_SET_OPTIONS)
+    per_phase = generator_only + _given(args, (("--num-prompts", "num_prompts"),))
+    if per_phase and args.workload == "shift":
+        raise TraceError(f"{', '.join(per_phase)}: --workload shift sets lengths, rates and "
+                         f"counts per phase in --shift-phases")
     if generator_only and args.workload in PRODUCTION_WORKLOADS:
         raise TraceError(f"{', '.join(generator_only)}: --workload {args.workload} takes "
                          f"arrivals and lengths from the trace; fit them with --time-scale, "
@@ -397,10 +420,18 @@ def _print_replay(spec: dict) -> None:
     print("\n".join(production.replay_lines(report)), file=sys.stderr)
 
 
-def _generate(args: argparse.Namespace, tok) -> tuple[list[Request], dict, dict]:
+def _generate(args: argparse.Namespace, tok, model: str | None) -> tuple[list[Request], dict, dict]:
     """``(requests, params, extra)`` of ``--workload``'s generator: the parameters it was
-    called with and what else it reported (sharegpt: its counts of conversations)."""
+    called with and what else it reported (sharegpt: its counts of conversations; shift:
+    its phase windows, :func:`datasets.shift`). ``model``: the model (path, None = the
+    default) whose context window every shift phase must fit."""
     dist = getattr(args, "length_dist", "uniform")
+    if args.workload == "shift":
+        phases = args.shift_phases or datasets.parse_phases(datasets.SHIFT_DEFAULT)
+        datasets.check_window(phases, resolve_model(model).max_model_len)
+        params = dict(seed=args.seed, length_dist=dist, burstiness=getattr(args, "burstiness", 1.0))
+        requests, windows = datasets.shift(tok, phases, **params)
+        return requests, {**params, "phases": datasets.format_phases(phases)}, {"phase_windows": windows}
     if args.workload == "demo":
         params = _demo_params(args, dist)
         return datasets.demo(tok, **params), params, {}
