@@ -169,6 +169,9 @@ def test_build_records_the_phase_table_and_refuses_other_options(tmp_path):
     assert json.loads(json.dumps(spec)) == spec  # goes into the result JSON as it is
     lines = report.workload_lines(spec, workload.describe(requests))  # compare.md's workload
     assert "phases=in=2:9,out=4:4,rate=2,n=3;in=4:9,out=30:40,rate=1,n=2" in lines[0]
+    assert "phase_windows" not in lines[0]
+    assert lines[2] == f"- phase 1: requests 0–2, sent 0.0–{requests[2].offset_s:.1f} s"
+    assert lines[3].startswith("- phase 2: requests 3–4, sent ")
     assert workload.load_trace(tmp_path / "t.jsonl") == requests
     assert workload.sends_ignore_eos(args)
     over = bench_args("--workload", "shift", "--shift-phases", "in=8192,out=1,rate=1,n=1")

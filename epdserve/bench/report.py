@@ -151,11 +151,15 @@ def workload_lines(spec: dict, summary: dict) -> list[str]:
     """Markdown bullets describing the trace: how it was made (``spec``, from
     :func:`epdserve.bench.workload.build_from_args`) and what it holds (``summary``, from
     :func:`epdserve.bench.workload.describe`)."""
-    fmt = lambda v: f"{v[0]}:{v[1]}" if isinstance(v, list) else str(v)  # noqa: E731
-    params = ", ".join(f"{k}={fmt(v)}" for k, v in spec.items() if k not in ("source", "replay"))
+    fmt = lambda v: f"{v[0]}:{v[1]}" if isinstance(v, list) else str(v)  # noqa: E731  (ranges)
+    params = ", ".join(f"{k}={fmt(v)}" for k, v in spec.items() if k not in ("source", "replay", "phase_windows"))
     lines = [f"- generator: {spec.get('source', '?')}" + (f" ({params})" if params else ""),
              f"- {summary['num_requests']} requests, sent over "
              f"{summary['duration_of_arrivals_s']:.1f} s"]
+    windows = spec.get("phase_windows")  # a shifting workload's phases (bench.datasets.shift)
+    for k, (first, n, start, end) in enumerate(zip(*(windows[c] for c in ("first", "n", "start_s", "end_s")))
+                                               if windows else ()):
+        lines.append(f"- phase {k + 1}: requests {first}–{first + n - 1}, sent {start:.1f}–{end:.1f} s")
     if summary.get("num_images"):
         lines.append(f"- {summary['num_images']} images ({summary['distinct_images']} "
                      f"distinct), seeded synthetic JPEGs sent as data URLs")
