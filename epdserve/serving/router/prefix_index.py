@@ -58,8 +58,8 @@ class Candidate(Protocol):
     kv_layout: dict
 
 
-def _load(w: Candidate) -> tuple[int, int]:
-    """Outstanding requests, then their tokens (the least-loaded order the registry uses)."""
+def load(w: Candidate) -> tuple[int, int]:
+    """Outstanding requests, then their tokens: the least-loaded order (lowest first)."""
     return len(w.outstanding), sum(w.outstanding.values())
 
 
@@ -177,10 +177,6 @@ class PrefixAware:
             idx = self.indexes[w.worker_id] = WorkerIndex(w)
         return idx
 
-    def forget(self, worker_id: str) -> None:
-        """Drop what is believed of ``worker_id`` (no-op if nothing)."""
-        self.indexes.pop(worker_id, None)
-
     def imbalanced(self, candidates: list[Candidate]) -> bool:
         """SGLang's test: the outstanding-request gap is over both thresholds."""
         loads = [len(w.outstanding) for w in candidates]
@@ -202,14 +198,14 @@ class PrefixAware:
             hashes = prompt.hashes(_block_size(w))
             matched[w.worker_id] = (self.index(w).match(hashes), len(hashes))
         if self.imbalanced(candidates):
-            chosen, reason = min(candidates, key=_load), "balance"
+            chosen, reason = min(candidates, key=load), "balance"
         else:
-            best = min(candidates, key=lambda w: (-matched[w.worker_id][0], _load(w)))
+            best = min(candidates, key=lambda w: (-matched[w.worker_id][0], load(w)))
             got, total = matched[best.worker_id]
             if got and got >= self.cache_threshold * total:
                 chosen, reason = best, "prefix"
             else:
-                chosen, reason = min(candidates, key=lambda w: (_load(w), len(self.index(w)))), "spread"
+                chosen, reason = min(candidates, key=lambda w: (load(w), len(self.index(w)))), "spread"
         block_size = _block_size(chosen)
         self.index(chosen).insert(prompt.hashes(block_size), chosen.blocks_total)
         prompt.decision = Decision(chosen.worker_id, matched[chosen.worker_id][0], block_size, reason)

@@ -28,7 +28,7 @@ from epdserve.serving import protocol as P
 from epdserve.serving.handshake import KV_PEER_ROLES, refusal
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.router.events import WorkerDown, WorkerFailed, event_for
-from epdserve.serving.router.prefix_index import PrefixAware, PromptBlocks
+from epdserve.serving.router.prefix_index import PrefixAware, PromptBlocks, load
 
 log = logging.getLogger("epdserve.router")
 
@@ -196,7 +196,7 @@ class Registry:
             raise api.APIError(f"no live {role} worker", status=503, type="service_unavailable")
         if policy is not None and prompt is not None:
             return policy.choose(candidates, prompt)
-        return min(candidates, key=lambda w: (len(w.outstanding), sum(w.outstanding.values())))
+        return min(candidates, key=load)
 
     def encoders(self) -> list[WorkerState]:
         """The live encode workers, least loaded (then by id) first."""
