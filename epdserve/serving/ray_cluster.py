@@ -20,7 +20,7 @@ Supervision is Ray's: actors are created with ``max_restarts=-1`` and ``max_task
 so a worker process that dies is started again by Ray (on a node with the bundle's
 resources; a placement group's bundles on a lost node are rescheduled by Ray once a node
 with the resources is back) and its ``run`` task resubmitted; the router marks the dead one
-down when its command connection closes (within half a second; by heartbeat silence, 5 s,
+down when its command connection closes (within a second; by heartbeat silence, 5 s,
 when none closes) and takes the new process at its Hello. A worker whose
 ``run`` returns (status 2: bad option or model, refused by the router) stops ``serve`` as
 under the local launcher. An actor dies with its node's raylet (``PR_SET_PDEATHSIG``), so a

@@ -186,8 +186,6 @@ class EventsLoop:
             now = time.monotonic()
             registry.advance(min(now - last_turn, EVENTS_POLL_S + STALL_GRACE_S))
             last_turn = now
-            for worker_id in self.port.lost() if self.port else ():
-                registry.mark_dead(worker_id, "its connection closed (its process or host is gone)")
             drained = True
             if ready:
                 for _ in range(MAX_EVENTS_BATCH):
@@ -197,7 +195,10 @@ class EventsLoop:
                 else:
                     drained = False  # more queued: read them before judging anyone silent
             if drained and registry.clock - last_check >= SILENCE_CHECK_S:
+                # With the silence check, not every turn (one per batch of worker frames).
                 last_check = registry.clock
+                for worker_id in self.port.lost() if self.port else ():
+                    registry.mark_dead(worker_id, "its connection closed (its process or host is gone)")
                 registry.check_silence()
 
     def _on_frame(self, frame: bytes, now: float) -> None:
