@@ -25,6 +25,40 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def float_at_least(minimum: float) -> Callable[[str], float]:
+    """An argparse type accepting finite numbers >= ``minimum``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+        if not (value >= minimum) or math.isinf(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= {minimum:g}")
+        return value
+
+    return parse
+
+
+def slo_pair(keys: tuple[str, ...]) -> Callable[[str], tuple[str, float]]:
+    """An argparse type for one SLO ``KEY:MS`` as vLLM ``bench serve --goodput`` writes it:
+    KEY one of ``keys``, MS a finite number >= 0 (ms); the error names the text."""
+
+    def parse(text: str) -> tuple[str, float]:
+        key, sep, value = text.partition(":")
+        if not sep or key not in keys:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected KEY:MS with KEY one of {', '.join(keys)}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is not a number of ms") from None
+        if not (ms >= 0) or math.isinf(ms):
+            raise argparse.ArgumentTypeError(f"{text!r}: SLO must be a finite number >= 0 ms")
+        return key, ms
+
+    return parse
+
+
 # vLLM's human-readable integers (``--max-model-len 32k``): lowercase suffixes are
 # decimal, uppercase binary.
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}

@@ -117,7 +117,7 @@ class Deployment:
             if self.trace_path.exists():
                 for line in self.trace_path.read_text().splitlines():
                     rec = json.loads(line)
-                    if rec["request_id"] == request_id:
+                    if rec.get("request_id") == request_id:  # (elastic servers also write event lines)
                         return rec
             if time.monotonic() > deadline:
                 raise AssertionError(f"no trace record for {request_id} in {self.trace_path}")

@@ -31,30 +31,16 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
+from epdserve.argtypes import slo_pair
 from epdserve.bench import client, metrics, sweep, workload
 from epdserve.bench.result_file import add_result_arguments, file_name, options_error
 
 
-def parse_goodput(text: str) -> tuple[str, float]:
-    """argparse type for one SLO ``KEY:MS`` (KEY one of :data:`metrics.SLO_METRICS`: ttft,
-    tpot, e2el as vLLM ``bench serve --goodput``; itl, the request's longest inter-token
-    gap, and itl_p99, its p99 gap, because TPOT is a per-request mean that a frozen stream
-    still meets; MS a finite number >= 0). Also ``epdserve plan --slo``'s type.
-
-    Raises:
-        argparse.ArgumentTypeError: naming the text, for another KEY or a bad MS.
-    """
-    key, sep, value = text.partition(":")
-    if not sep or key not in metrics.SLO_METRICS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected KEY:MS with KEY one of {', '.join(metrics.SLO_METRICS)}")
-    try:
-        ms = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is not a number of ms") from None
-    if not (ms >= 0) or math.isinf(ms):
-        raise argparse.ArgumentTypeError(f"{text!r}: SLO must be a finite number >= 0 ms")
-    return key, ms
+# argparse type for one SLO ``KEY:MS`` (KEY one of :data:`metrics.SLO_METRICS`: ttft, tpot,
+# e2el as vLLM ``bench serve --goodput``; itl, the request's longest inter-token gap, and
+# itl_p99, its p99 gap, because TPOT is a per-request mean that a frozen stream still
+# meets). Also ``epdserve plan --slo``'s type.
+parse_goodput = slo_pair(metrics.SLO_METRICS)
 
 
 def parse_base_url(text: str) -> str:

@@ -65,8 +65,9 @@ def refusal(hello, *, fingerprint: str, kv_shape: dict, auth_token: str | None,
     """Why ``hello`` (a :class:`~epdserve.serving.protocol.Hello`) must be refused, or None.
 
     ``fingerprint`` and ``kv_shape`` are the router's model's; ``peers`` the
-    ``(worker_id, kv_layout)`` of the live workers of the other role, whose layouts may
-    differ from ``hello``'s in ``dtype`` only.
+    ``(worker_id, kv_layout)`` of the live workers it may exchange KV with (PD: of the
+    other role; elastic: every other engine worker), whose layouts may differ from
+    ``hello``'s in ``dtype`` only.
     """
     if not hmac.compare_digest(hello.auth, auth_tag(auth_token, hello.worker_id)):
         return f"worker {hello.worker_id}: bad or missing auth token"
@@ -82,7 +83,7 @@ def refusal(hello, *, fingerprint: str, kv_shape: dict, auth_token: str | None,
     for peer_id, layout in peers:
         if _without_dtype(layout) != _without_dtype(hello.kv_layout):
             return (f"worker {hello.worker_id} ({hello.role}) has KV layout {hello.kv_layout}, "
-                    f"{peer_id} ({KV_PEER_ROLES[hello.role]}) has {layout}")
+                    f"{peer_id} ({KV_PEER_ROLES.get(hello.role, 'its KV peer')}) has {layout}")
     return None
 
 

@@ -25,7 +25,8 @@ http://HOST:PORT``) once every worker has said hello. Every worker is stopped wh
 launcher exits (normal exit, SIGTERM/SIGINT, atexit) and is killed by the kernel if the
 launcher dies abruptly (``PR_SET_PDEATHSIG``). A worker that dies is marked down in the
 router at once and restarted with the same id and address after a backoff (1 s, doubled
-while it keeps dying within a minute, at most 30 s); one that exits with status 2 (bad
+while it keeps dying within a minute, at most 30 s), in the role it last announced
+(``--elastic`` workers change roles; one killed while switching comes back in its old role); one that exits with status 2 (bad
 option, model, or refused by the router) is not restarted.
 
 With ``--cluster ray`` the workers are Ray actors on an existing Ray cluster instead
@@ -133,11 +134,14 @@ def plan_for(args: argparse.Namespace) -> Placement:
     :meth:`DeploymentSpec.place <epdserve.serving.deployment.DeploymentSpec.place>` of
     :meth:`DeploymentSpec.from_serve_args <epdserve.serving.deployment.DeploymentSpec.from_serve_args>`.
 
+    With ``--elastic`` the workers are named ``worker-N`` (in placement order): their role changes.
+
     Raises:
         ValueError: a bad ``--cores`` (:func:`usable_cores`) or worker count.
     """
     cores = usable_cores(args.cores)
-    return DeploymentSpec.from_serve_args(args).place(cores)
+    plan = DeploymentSpec.from_serve_args(args).place(cores)
+    return [(role, f"worker-{i}", c) for i, (role, _, c) in enumerate(plan)] if args.elastic else plan
 
 
 def check_capacity(args: argparse.Namespace, plan: Placement, model_dir: str,
@@ -228,7 +232,7 @@ def worker_flags(args: argparse.Namespace, role: str, worker_id: str, events: st
     as its ``--dtype`` and ``--prefill-device`` / ``--decode-device`` / ``--encode-device``
     as its ``--device`` for those roles)."""
     role_dtype = getattr(args, f"{role}_dtype", None) if role in ("prefill", "decode") else None
-    return ["--role", role, "--router", events, "--worker-id", worker_id,
+    return ["--role", role, "--router", events, "--worker-id", worker_id, *(["--elastic"] if args.elastic else []),
             *flags.worker_argv(args, dtype=role_dtype or args.dtype, device=role_device(args, role))]
 
 
@@ -309,6 +313,12 @@ class Children:
                 self.start(wid, self.argv[wid])
         return exited
 
+    def restart_as(self, worker_id: str, role: str) -> None:
+        """Give ``worker_id``'s next start ``--role role`` (elastic: the role it last
+        announced, which may not be the one it was started in)."""
+        argv = self.argv[worker_id]
+        argv[argv.index("--role") + 1] = role
+
     def drain(self, router: Router) -> None:
         """Nothing before the router stops: :meth:`stop` SIGTERMs the workers, which free
         their shared memory on the way out."""
@@ -343,6 +353,8 @@ async def _supervise(server, router: Router, children, args, placement: str, soc
             log.error(msg)
             print(msg, file=sys.stderr, flush=True)
             router.mark_dead(wid, why)
+            if args.elastic and wid in router.workers:  # back in the role it last announced, not a half-done switch's
+                children.restart_as(wid, router.workers[wid].announced)
             if fatal:
                 rc, server.should_exit = 1, True
         if rc:
@@ -410,6 +422,11 @@ def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
     options hold; makes up an auth token when one is needed and none was given."""
     try:
         plan = plan_for(args)
+        if args.elastic and args.cluster == "ray":
+            raise ValueError("--elastic runs with --cluster local only (elastic workers on Ray come later: "
+                             "Ray would restart a worker in its first role)")
+        if args.elastic and args.mode == "epd":
+            raise ValueError("--elastic switches colocated, prefill and decode workers: use --mode colocated or pd")
         if args.cluster == "ray":
             ray_cluster.role_resources(args)
     except ValueError as exc:

@@ -44,6 +44,7 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 7.5, 10.0, 20.0, 40.0, 80.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
+ENGINE_ROLES = ("colocated", "prefill", "decode")
 KV_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                       1.0, 2.5, 5.0, 10.0)
 KV_BYTES_BUCKETS = tuple(float(4 ** k * 1024) for k in range(0, 12))  # 1 KiB .. 4 GiB
@@ -158,6 +159,16 @@ class RouterMetrics:
         self._worker_node = Gauge("epdserve:worker_node_info", "1 per worker and the node it runs on "
                                   "(Ray node id or host name, and its IP).", wl + ["node", "node_ip"], registry=r)
         self._nodes: dict[tuple[str, str], tuple[str, str]] = {}  # (worker, role) -> its (node, node_ip)
+        # Elastic: each worker's routing role (1) among the engine roles (0), its switches and drains.
+        self._worker_role = Gauge("epdserve:worker_role", "1 for the role the router routes to the worker by, "
+                                  "0 for the other engine roles.", ["model_name", "worker", "role"], registry=r)
+        self._roles: dict[str, str] = {}  # worker -> its role now
+        self.role_switches = Counter("epdserve:role_switches", "Role switches a worker announced (elastic).",
+                                     ["model_name", "worker", "from_role", "to_role"], registry=r)
+        self.role_switch_drain = Histogram("epdserve:role_switch_drain_seconds",
+                                           "From a worker's receipt of a role switch to its announcement: the time "
+                                           "its old role's work took to finish.", ["model_name"],
+                                           buckets=E2E_BUCKETS, registry=r).labels(m)
         self.kv_blocks_in_use = Gauge("epdserve:kv_blocks_in_use", "KV cache blocks in use.", wl, registry=r)
         self.kv_blocks_total = Gauge("epdserve:kv_blocks_total", "KV cache blocks in the pool.", wl, registry=r)
         self.request_failure = Counter("epdserve:request_failure_total",
@@ -259,6 +270,22 @@ class RouterMetrics:
         self._worker_up.labels(self.model_name, worker, role).set(1 if up else 0)
         if not up and self._workers.pop((worker, role), None) is not None:
             self._set_deployment_gauges()
+
+    def set_role(self, worker: str, role: str) -> None:
+        """``worker`` is routed as ``role`` from now (its Hello, or a switch):
+        ``epdserve:worker_role`` is 1 for it and 0 for the other engine roles, and the
+        totals its Stats report carry on under the new role's series."""
+        previous = self._roles.get(worker)
+        if previous is not None and previous != role and (worker, previous) in self._totals_seen:
+            self._totals_seen[(worker, role)] = self._totals_seen.pop((worker, previous))
+        self._roles[worker] = role
+        for r in dict.fromkeys((*ENGINE_ROLES, role)):  # an encode worker's too
+            self._worker_role.labels(self.model_name, worker, r).set(1 if r == role else 0)
+
+    def role_switched(self, worker: str, previous: str, role: str, drain_s: float) -> None:
+        """``worker`` announced its switch from ``previous`` to ``role`` after draining ``drain_s`` seconds."""
+        self.role_switches.labels(self.model_name, worker, previous, role).inc()
+        self.role_switch_drain.observe(drain_s)
 
     def set_worker_node(self, worker: str, role: str, node: str, node_ip: str) -> None:
         """Record where ``worker`` runs (from its Hello): ``epdserve:worker_node_info`` is 1

@@ -15,7 +15,9 @@ Sockets (one direction each, so neither side blocks on the other):
   (a second PUSH of its heartbeat thread sends :class:`Heartbeat`);
 * every worker binds one PULL socket (``cmd``); the router connects a PUSH to it on
   ``Hello`` and sends :class:`AddRequest`, :class:`Abort`, :class:`ReleaseKV`,
-  :class:`Shutdown`, :class:`Reset`, or only :class:`Refused` if it turns the worker away;
+  :class:`Shutdown`, :class:`Reset`, :class:`SetRole` (elastic), or only :class:`Refused`
+  if it turns the worker away (a worker answers SetRole with :class:`RoleSwitched` once
+  it has drained);
   an encode worker gets :class:`Encode` instead of :class:`AddRequest` and answers
   :class:`Encoded`.
 
@@ -46,8 +48,9 @@ Role = Literal["colocated", "prefill", "decode", "encode"]
 # field existed; 2: typed stage timings (``epdserve.trace.StageTimings``); 3: prompt
 # logprobs (``SamplingParams.prompt_logprobs``, ``Output.prompt_logprobs``) and ``Stats``
 # carrying the engine's steps (``num_steps``, ``last_step_tokens``); 4: KV descriptors of
-# kind ``cuda_ipc`` with their ``ipc`` handle bytes (a GPU prefill worker's pool).
-PROTOCOL_VERSION = 4
+# kind ``cuda_ipc`` with their ``ipc`` handle bytes (a GPU prefill worker's pool); 5: live
+# role switches (:class:`SetRole`, :class:`RoleSwitched`).
+PROTOCOL_VERSION = 5
 
 
 # A count a worker reports (blocks, requests, tokens): what the router and the Prometheus
@@ -249,9 +252,32 @@ class Reset(_Msg):
     incarnation: str
 
 
+class SetRole(_Msg):
+    """Change this engine worker's role to ``role`` (``serve --elastic``). It takes the new
+    role's work at once (the router routes by it from the moment it sends this), finishes
+    the work it holds of the old role (its queued and running requests, its fetches, its
+    exports until released) and then answers :class:`RoleSwitched` with ``switch_id``."""
+
+    type: Literal["set_role"] = "set_role"
+    role: Literal["colocated", "prefill", "decode"]
+    switch_id: str = Field(max_length=64)
+
+
+class RoleSwitched(_Msg):
+    """A worker has drained the work of its ``previous`` role and now holds only ``role``'s;
+    ``drain_ms``: from its receipt of :class:`SetRole` ``switch_id`` to now."""
+
+    type: Literal["role_switched"] = "role_switched"
+    worker_id: str
+    role: Literal["colocated", "prefill", "decode"]
+    previous: Literal["colocated", "prefill", "decode"]
+    switch_id: str = Field(max_length=64)
+    drain_ms: float = Field(ge=0.0)
+
+
 Message = Annotated[
     Union[Hello, Heartbeat, Stats, Output, Error, AddRequest, Abort, ReleaseKV, Shutdown, Refused, Reset, Encode,
-          Encoded],
+          Encoded, SetRole, RoleSwitched],
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)

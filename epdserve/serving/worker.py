@@ -24,6 +24,15 @@ alone (its random ``incarnation``). A TCP listener (``--bind``, or ``--kv-bind``
 serves KV) needs a token unless ``--allow-unauthenticated``. On
 :class:`~epdserve.serving.protocol.Reset` (the router took it for down and hears it again)
 it drops every request and export it holds and says Hello again.
+
+Elastic (``--elastic``, docs/elastic.md): the router may change an engine worker's role
+with :class:`~epdserve.serving.protocol.SetRole`. Such a worker is built for every role
+from the start (its KV cache in the shared pool, its KV server up, the vision encoder
+loaded), so a switch reloads nothing. It takes the new role's work at once and drains
+the old one's: what it held when the switch came (queued, running, fetching or
+compiling requests, exports not yet released) finishes under the role it was taken in;
+once none is left it says :class:`~epdserve.serving.protocol.RoleSwitched`, and its Hello
+(said again after a Reset) names the new role.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import socket
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -83,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(port 0: any free port)")
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                         help="seconds a decode worker waits for a KV fetch over TCP")
+    parser.add_argument("--elastic", action="store_true",
+                        help="the router may switch this worker's role live (colocated, prefill, decode): keep "
+                             "the KV cache shareable and serve KV whatever the role (docs/elastic.md)")
     auth.add_arguments(parser, "shared secret that seals every frame between this worker, the router and the "
                                "other workers (default: $EPDSERVE_AUTH_TOKEN)")
 
@@ -118,6 +131,18 @@ def pin_to_cores(spec: str | None) -> list[int]:
     return cores
 
 
+@dataclass
+class Switch:
+    """A role switch being drained: from ``previous``, asked by SetRole ``switch_id``
+    received at ``arrival`` (``time.perf_counter()``); ``held``: the request ids the worker
+    held then, all of ``previous``'s work."""
+
+    previous: str
+    switch_id: str
+    arrival: float
+    held: set[str]
+
+
 class Worker:
     """The command/step/publish loop around one :class:`LLMEngine` of a worker of ``role``
     (one of :data:`ROLES`); commands come from ``inbox`` as ``(message, arrival)`` pairs
@@ -151,6 +176,9 @@ class Worker:
         self.exit_code = 0
         self.fetcher = Fetcher(importer, inbox, worker_id)
         self.grammars = GrammarPrep(engine, inbox)  # guided requests' compiles, off the loop
+        self.switch: Switch | None = None  # a role switch being drained (elastic)
+        # The role a request compiling or fetching was taken in (a switch may come meanwhile).
+        self.taken_as: dict[str, str] = {}
 
     @property
     def fetching(self) -> dict[str, Fetch]:
@@ -166,6 +194,7 @@ class Worker:
         requests, exports = list(self.engine.seqs) + list(self.fetching), self.exporter.table.ids()
         requests += list(self.grammars.pending)
         self.grammars.pending.clear()
+        self.taken_as.clear()
         self.fetcher.cancel_all()
         for request_id in requests:
             self.engine.abort(request_id)
@@ -184,6 +213,8 @@ class Worker:
                 self.step()
             self.report_stats()
             self.expire_exports()
+            if self.switch is not None:
+                self.finish_switch()
         self.stop_fetches()
         self.grammars.close()
         self.exporter.close()
@@ -214,6 +245,7 @@ class Worker:
         elif isinstance(msg, P.Abort):
             self.fetcher.cancel(msg.request_id)  # its result is dropped when it comes (see fetched)
             self.grammars.cancel(msg.request_id)  # the same (see prepared)
+            self.taken_as.pop(msg.request_id, None)
             self.engine.abort(msg.request_id)
             self.release(msg.request_id)
         elif isinstance(msg, P.ReleaseKV):
@@ -221,6 +253,8 @@ class Worker:
             # not end a request here (it did not before fetches left the loop either), and
             # the router sends Abort to end one.
             self.release(msg.request_id)
+        elif isinstance(msg, P.SetRole):
+            self.set_role(msg, arrival)
         else:
             handle_control(self, msg)
 
@@ -234,8 +268,10 @@ class Worker:
         if msg.request_id in self.fetching or msg.request_id in self.grammars.pending:
             self.fail(msg.request_id, f"duplicate request id {msg.request_id!r}")
         elif msg.sampling.guided is not None and not compiled:
+            self.taken_as.setdefault(msg.request_id, self.role)
             self.grammars.start(msg, arrival)
         elif msg.kv is not None or (msg.images and msg.embeddings):
+            self.taken_as.setdefault(msg.request_id, self.role)
             cache = self.engine.kv_cache
             self.fetcher.start(Fetch(msg, arrival, self.engine.kv_layout(), cache.dtype,
                                      self.engine.model.config.hidden_size, cache.device))
@@ -279,21 +315,55 @@ class Worker:
 
     def enqueue(self, msg: P.AddRequest, arrival: float, timings: StageTimings,
                 kv: KVSource | None = None, embeddings: torch.Tensor | None = None) -> None:
-        """Add ``msg`` to the engine, asking it for what this worker's role needs: a prefill
-        worker's requests hold their prompt's KV for :meth:`export` (written layer by layer
-        into the exporter's layer sink with ``--kv-layer-pipeline``); only a decode
-        worker's bring KV. Raises ``ValueError`` as ``LLMEngine.add_request``, or for KV
-        sent to another role."""
-        if kv is not None and msg.first_token is not None and self.role != "decode":
-            raise ValueError(f"a {self.role} worker takes no kv or first_token")
-        prefill = self.role == "prefill"
+        """Add ``msg`` to the engine, asking it for what the role it was taken in needs
+        (``taken_as``, else this worker's role): a prefill worker's requests hold their
+        prompt's KV for :meth:`export` (written layer by layer into the exporter's layer
+        sink with ``--kv-layer-pipeline``); a decode worker's (or, elastic, a colocated
+        worker's, which then decodes it) bring KV. Raises ``ValueError`` as
+        ``LLMEngine.add_request``, or for KV sent to a prefill worker."""
+        role = self.taken_as.pop(msg.request_id, self.role)
+        if kv is not None and msg.first_token is not None and role == "prefill":
+            raise ValueError("a prefill worker takes no kv or first_token")
+        prefill = role == "prefill"
         self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, kv, msg.first_token,
                                 timings=timings, arrival=arrival,
                                 images=[(im.hash, im.tokens) for im in msg.images], image_embeddings=embeddings,
                                 hold_kv=prefill, layer_sink=self.exporter.layer_sink if prefill else None)
 
+    def holding(self) -> set[str]:
+        """The request ids this worker holds: queued or running in the engine, fetching,
+        compiling their grammar, or exported and not yet released."""
+        return (set(self.engine.seqs) | set(self.fetching) | set(self.grammars.pending)
+                | set(self.exporter.table.ids()))
+
+    def set_role(self, msg: P.SetRole, arrival: float) -> None:
+        """Take ``msg.role``'s work from now on and drain the old role's (see the module's
+        docstring); :meth:`finish_switch` announces it. A second SetRole while one drains
+        redirects it: the work of both older roles drains."""
+        previous = self.switch.previous if self.switch else self.role
+        held = self.holding() | (self.switch.held if self.switch else set())
+        log.info("%s: switching role %s -> %s (%d requests to drain)", self.worker_id, self.role, msg.role,
+                 len(held))
+        self.role = msg.role
+        self.switch = Switch(previous, msg.switch_id, arrival, held)
+        self.finish_switch()
+
+    def finish_switch(self) -> None:
+        """Announce the switch being drained once nothing of the old role is left."""
+        switch = self.switch
+        switch.held &= self.holding()
+        if switch.held:
+            return
+        self.switch = None
+        drain_ms = (time.perf_counter() - switch.arrival) * 1e3
+        self.hello = self.hello.model_copy(update={"role": self.role}) if self.hello else None
+        log.info("%s: now %s (was %s; drained in %.0f ms)", self.worker_id, self.role, switch.previous, drain_ms)
+        self.send(P.RoleSwitched(worker_id=self.worker_id, role=self.role, previous=switch.previous,
+                                 switch_id=switch.switch_id, drain_ms=drain_ms))
+
     def fail(self, request_id: str, message: str, status: int = 400) -> None:
         """Tell the router the request ended with an error (see :class:`~epdserve.serving.protocol.Error`)."""
+        self.taken_as.pop(request_id, None)
         self.send(P.Error(worker_id=self.worker_id, request_id=request_id, message=message, status=status))
 
     def stop_fetches(self) -> None:
@@ -371,7 +441,7 @@ def run(args: argparse.Namespace) -> int:
     """Start the worker; returns 0 on shutdown, 2 on a bad option or model (a TCP listener
     without a token, see ``auth.options_error``) or when the router refuses it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serves_tcp = args.role in ("prefill", "encode") and args.kv_transport != "shm"
+    serves_tcp = (args.role in ("prefill", "encode") or args.elastic) and args.kv_transport != "shm"
     listeners = [a for a in (args.bind, args.kv_bind if serves_tcp else "") if a.startswith("tcp://")]
     error = auth.options_error(args, listeners)
     if error is not None:
@@ -452,7 +522,7 @@ def _load(args: argparse.Namespace):
         args.dtype = auto_dtype(info.path, args.quantized_weights, args.device)
         log.info("%s: --dtype auto: %s on %s", args.worker_id, args.dtype, args.device)
     encoder = engine = kv_pool = None
-    if encode_role or (info.multimodal and args.role in ("colocated", "prefill")):
+    if encode_role or (info.multimodal and (args.role in ("colocated", "prefill") or args.elastic)):
         encoder = EncodeEngine(info.path, DTYPES[args.dtype], device=args.device)
         if info.synthetic_vision:
             log.warning("%s: the vision tower of %s has SYNTHETIC (seeded random) weights: image outputs "
@@ -461,7 +531,8 @@ def _load(args: argparse.Namespace):
         # A prefill worker keeps its KV cache where a same-host decode worker can read it, so a
         # hand-off copies it once: /dev/shm on the CPU, a CUDA-IPC-shared pool on a GPU
         # (docs/gpu-handoff.md). Converted or layer-pipelined KV is staged as a frame instead.
-        shared = args.role == "prefill" and args.kv_transfer_dtype == "none" and not args.kv_layer_pipeline
+        exports = args.role == "prefill" or args.elastic  # an elastic worker may become a prefill worker
+        shared = exports and args.kv_transfer_dtype == "none" and not args.kv_layer_pipeline
         engine, kv_pool = handoff.new_engine(str(info.path), engine_config(args), shared)
     return cores, info, encoder, engine, kv_pool
 

@@ -12,25 +12,30 @@ import sys
 
 import uvicorn
 
-from epdserve.argtypes import int_at_least
+from epdserve.argtypes import float_at_least, int_at_least, slo_pair
 from epdserve.model.loader import ModelLoadError, generation_defaults, resolve_model
 from epdserve.model.tokenizer import check_chat_template, load_tokenizer, read_chat_template, template_renders_tools
 from epdserve.serving import auth
+from epdserve.serving.elastic_policy import PolicyConfig
 from epdserve.serving.flags import add_router_flags
 from epdserve.serving.handshake import model_fingerprint, model_kv_shape
 from epdserve.serving.http_guard import add_http_options, uvicorn_config
 from epdserve.serving.metrics import DEFAULT_METRICS_PREFIX, RouterMetrics, add_metrics_options
 from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
 from epdserve.serving.router import surface
+from epdserve.serving.router.elastic import Controller
 from epdserve.serving.router.flows import FlowConfig
 from epdserve.serving.router.front import Front
 from epdserve.serving.router.prefix_index import DEFAULT_POLICY, POLICIES, make_policy
 from epdserve.serving.router.registry import MODE_ROLES, Compat, Registry, WorkerState
 from epdserve.serving.router.routes import create_app
+from epdserve.serving.router.signals import SignalRecorder
 from epdserve.serving.router.zmq_port import EventsLoop, ZmqPort
 from epdserve.serving.tool_calls import ToolSettings, add_tool_options, tool_settings
 
 log = logging.getLogger("epdserve.router")
+# The SLOs the elastic controller serves without --slo: compare's defaults (bench.metrics.DEFAULT_SLOS_MS).
+ELASTIC_SLOS_MS = {"slo_ttft_ms": 2000.0, "slo_tpot_ms": 200.0}
 
 
 class Router:
@@ -52,10 +57,13 @@ class Router:
     give on the model's endpoints (empty: none needed; see :mod:`.surface`).
     ``metrics_prefix``: the names on /metrics (see :class:`~epdserve.serving.metrics.RouterMetrics`).
     ``routing``: how a request's first worker is chosen among its role's, one of
-    :data:`~epdserve.serving.router.prefix_index.POLICIES`.
+    :data:`~epdserve.serving.router.prefix_index.POLICIES`. ``elastic``: workers switch
+    roles live (docs/elastic.md), decided every ``elastic_interval_s`` seconds (0: only
+    when asked, ``POST /roles``) by the policy under ``elastic_policy``'s SLOs and window.
 
     Raises (constructor):
-        ValueError: an unknown mode or routing policy, or CURVE without a token or without libzmq support.
+        ValueError: an unknown mode or routing policy, CURVE without a token or without libzmq
+            support, or elastic with epd.
     """
 
     def __init__(self, mode: str, model, tokenizer, events_addr: str, *, trace_file: str | None = None,
@@ -64,7 +72,8 @@ class Router:
                  media: MediaOptions = MediaOptions(), internal_encryption: str = "none",
                  tools: ToolSettings = ToolSettings(), sampling_defaults: dict | None = None,
                  api_keys: tuple[str, ...] = (), metrics_prefix: str = DEFAULT_METRICS_PREFIX,
-                 routing: str = DEFAULT_POLICY):
+                 routing: str = DEFAULT_POLICY, elastic: bool = False, elastic_interval_s: float = 0.0,
+                 elastic_policy: PolicyConfig | None = None):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
         self.mode, self.model, self.events_addr, self.api_keys = mode, model, events_addr, api_keys
@@ -75,14 +84,20 @@ class Router:
                         images.embedding_shape if images else None, auth_token)
         self.metrics = RouterMetrics(model.name, metrics_prefix, model.max_model_len)
         self.port = ZmqPort(self.keyring)
-        self.registry = Registry(mode, self.port, compat, worker_timeout_s=worker_timeout_s, metrics=self.metrics)
+        self.registry = Registry(mode, self.port, compat, worker_timeout_s=worker_timeout_s, metrics=self.metrics,
+                                 elastic=elastic, on_event=lambda line: self.front.write_trace(line))
         self.events = EventsLoop(self.registry, self.keyring, events_addr, self.port)
+        signals = SignalRecorder() if elastic else None
         self.front = Front(model, tokenizer, self.registry,
                            FlowConfig(mode, request_timeout_s=request_timeout_s,
                                       local_prefill_threshold=local_prefill_threshold,
-                                      routing=make_policy(routing)),
+                                      routing=make_policy(routing), elastic=elastic, signals=signals),
                            images=images, metrics=self.metrics, trace_file=trace_file, tools=tools,
                            sampling_defaults=sampling_defaults)
+        self.controller = None
+        if elastic and elastic_interval_s > 0:
+            self.controller = Controller(self.registry, signals, elastic_policy or PolicyConfig(**ELASTIC_SLOS_MS),
+                                         elastic_interval_s, self.front.write_trace)
 
     @property
     def workers(self) -> dict[str, WorkerState]:
@@ -108,9 +123,13 @@ class Router:
     async def start(self) -> None:
         """Bind the events socket and start reading it. Raises zmq.ZMQError if the address is taken."""
         await self.events.start()
+        if self.controller is not None:
+            self.controller.start()
 
     async def stop(self) -> None:
         """Stop reading events, drop queued preprocessing and close every socket."""
+        if self.controller is not None:
+            await self.controller.stop()
         await self.events.stop()
         self.front.close()
         self.port.close()
@@ -147,6 +166,19 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                              "when prompts share little) or prefix-aware (the worker believed to hold the longest "
                              "leading run of the prompt's KV blocks, unless load is imbalanced; as SGLang's "
                              "cache-aware router). Decode workers are always least-loaded")
+    elastic = parser.add_argument_group("elastic serving (docs/elastic.md)")
+    elastic.add_argument("--elastic", action="store_true",
+                         help="colocated, pd: workers switch role live (colocated, prefill, decode) as the load "
+                              "shifts; --mode and the worker counts give the starting roles")
+    elastic.add_argument("--slo", nargs="+", type=slo_pair(("ttft", "tpot")), default=None, metavar="KEY:MS",
+                         help="the SLOs the elastic controller serves, as bench --goodput writes them: ttft:MS "
+                              f"tpot:MS (default: {' '.join(f'{k[4:]}:{v:g}' for k, v in ELASTIC_SLOS_MS.items())})")
+    elastic.add_argument("--elastic-window", type=float_at_least(0.1), default=20.0, metavar="S",
+                         help="seconds of signals each decision reads (a sliding window)")
+    elastic.add_argument("--elastic-interval", type=float_at_least(0.0), default=2.0, metavar="S",
+                         help="seconds between two decisions (0: no controller; roles change only by POST /roles)")
+    elastic.add_argument("--elastic-min-dwell", type=float_at_least(0.0), default=30.0, metavar="S",
+                         help="seconds the roles stay as they are after a change before the next")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_router_flags(parser)  # --model and vLLM's front flags (--served-model-name, --api-key, ...)
     add_metrics_options(parser)
@@ -173,6 +205,8 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
             a bad ``--chat-template`` or tool option.
     """
     model = served_model(args)
+    if args.elastic and args.mode == "epd":
+        raise ModelLoadError("--elastic switches colocated, prefill and decode workers: use --mode colocated or pd")
     if args.mode == "epd" and not model.multimodal:
         raise ModelLoadError(f"--mode epd needs a vision-language model (e.g. --model vlm), not {model.name}")
     media = MediaOptions(max_images=args.limit_images_per_prompt, allowed_local_dir=args.allowed_local_media_path,
@@ -190,7 +224,14 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
                   auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold, media=media,
                   internal_encryption=args.internal_encryption, tools=tools, sampling_defaults=defaults,
                   api_keys=surface.api_keys(args.api_key), metrics_prefix=args.metrics_prefix,
-                  routing=args.routing)
+                  routing=args.routing, elastic=args.elastic, elastic_interval_s=args.elastic_interval,
+                  elastic_policy=elastic_policy(args))
+
+
+def elastic_policy(args: argparse.Namespace) -> PolicyConfig:
+    """The elastic controller's policy settings of ``--slo`` and ``--elastic-*``."""
+    slos = dict(ELASTIC_SLOS_MS, **{f"slo_{k}_ms": v for k, v in (args.slo or [])})
+    return PolicyConfig(**slos, window_s=args.elastic_window, min_dwell_s=args.elastic_min_dwell)
 
 
 def served_model(args: argparse.Namespace):

@@ -110,7 +110,7 @@ async def texts(flow: Flow, stream: TextStream) -> AsyncIterator[tuple[str, str 
     async for ids, logprobs, finish in flow.tokens():
         now = flow.clock()
         if last is not None:
-            flow.itls_s.append(now - last)
+            flow.note_itl(now - last)
         last = now
         flow.output_tokens += len(ids)
         if logprobs is not None:

@@ -11,6 +11,11 @@
   a disaggregated one, its prefill worker getting the embedding frames instead of the
   image bytes.
 
+Elastic (``serve --elastic``): a request's path is chosen by the roles live when it
+arrives (:meth:`Registry.serving_path`), and each worker is used in the role it had when
+the request was sent to it, whatever it switches to meanwhile (it finishes that work
+first). A decode stage with no decode worker goes to a colocated one.
+
 A flow is driven by the events (:mod:`~epdserve.serving.router.events`) the registry puts
 on its queue. Transitions: a worker that goes down before the request's first output
 (queued or prefilling) -> the request goes to another live worker of the role (nothing
@@ -35,6 +40,7 @@ from epdserve.serving.router.events import Encoded, Tick, WorkerDown, WorkerErro
 from epdserve.serving.router.holdings import Holdings
 from epdserve.serving.router.prefix_index import DEFAULT_POLICY, PrefixAware, PromptBlocks
 from epdserve.serving.router.registry import Registry, WorkerState
+from epdserve.serving.router.signals import SignalRecorder
 from epdserve.trace import RequestTrace
 
 log = logging.getLogger("epdserve.router")
@@ -50,7 +56,9 @@ class FlowConfig:
     prefilled by its decode worker; ``poll_s``: how often a waiting flow ticks;
     ``clock``: seconds, monotonic; ``routing``: how a request's first worker (colocated or
     prefill) is chosen among its role's, a :class:`PrefixAware` policy or None for
-    least-loaded (``--routing``; decode workers are always least-loaded)."""
+    least-loaded (``--routing``; decode workers are always least-loaded); ``elastic``:
+    paths by the roles live (``serve --elastic``), ``signals`` told of every arrival,
+    first token and inter-output gap."""
 
     mode: str
     request_timeout_s: float = 600.0
@@ -58,14 +66,19 @@ class FlowConfig:
     poll_s: float = 1.0
     clock: Callable[[], float] = field(default=time.monotonic)
     routing: PrefixAware | None = None
+    elastic: bool = False
+    signals: SignalRecorder | None = None  # elastic: what the controller reads of each request
 
 
 def new_flow(registry: Registry, config: FlowConfig, request_id: str, prompt_ids: list[int],
              sampling: P.SamplingParams, t_arrival: float, images: list[P.ImageRef] = ()) -> Flow:
     """The flow of a request with these prompt ids and images (with their bytes), by mode
-    and path; ``t_arrival``: its arrival on ``config.clock``."""
-    if config.mode == "colocated":
+    and path (elastic: by the roles live now); ``t_arrival``: its arrival on ``config.clock``."""
+    path = registry.serving_path() if config.elastic else None
+    if config.mode == "colocated" and not config.elastic or path == "colocated":
         cls = SingleWorkerFlow
+    elif path == "local":
+        cls = LocalPrefillFlow
     elif len(prompt_ids) < config.local_prefill_threshold and not images:
         cls = LocalPrefillFlow
     elif config.mode == "epd" and images:
@@ -97,6 +110,7 @@ class Flow:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.held = Holdings(registry, request_id)
         self.worker: WorkerState | None = None  # whose outputs the flow awaits
+        self.worker_role = ""  # the role it was sent the request in (elastic: it may switch since)
         self.prefill_worker: WorkerState | None = None
         self.decode_worker: WorkerState | None = None
         self.closed = False
@@ -110,8 +124,16 @@ class Flow:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.itls_s: list[float] = []  # gaps between outputs reaching the router (s)
-        self.record = RequestTrace(request_id=request_id, mode=config.mode, path=self.path,
+        # Elastic: the mode is the path's, as a static deployment serving the same path writes it.
+        mode = ("colocated" if self.path == "colocated" else "pd") if config.elastic else config.mode
+        self.record = RequestTrace(request_id=request_id, mode=mode, path=self.path,
                                    prompt_tokens=len(prompt_ids), max_tokens=sampling.max_tokens)
+
+    def note_itl(self, gap_s: float) -> None:
+        """Record a gap of ``gap_s`` seconds between two outputs reaching the client."""
+        self.itls_s.append(gap_s)
+        if self.config.signals is not None:
+            self.config.signals.itl(gap_s * 1e3)
 
     def deliver(self, event) -> None:
         """Queue an event for this request (the registry calls it)."""
@@ -126,10 +148,12 @@ class Flow:
         """
         self.registry.requests[self.request_id] = self
         self.t_dispatch = self.clock()
+        if self.config.signals is not None:
+            self.config.signals.arrival(len(self.prompt_ids), self.sampling.max_tokens)
         self._begin()
 
     def _begin(self) -> None:
-        self._dispatch(self._choose(self.first_role))
+        self._dispatch(self._choose(self.first_role), self.first_role)
 
     def _choose(self, role: str) -> WorkerState:
         """A live worker of ``role``: by ``config.routing`` for the role that prefills
@@ -148,15 +172,16 @@ class Flow:
         raise NotImplementedError
 
     # -- sending
-    def _dispatch(self, worker: WorkerState, **kw) -> None:
-        """Send the request to ``worker`` (``kw``: AddRequest's KV hand-off fields)."""
-        if worker.role == "prefill":
+    def _dispatch(self, worker: WorkerState, role: str, **kw) -> None:
+        """Send the request to ``worker`` for the stage of ``role`` (``kw``: AddRequest's
+        KV hand-off fields)."""
+        if role == "prefill":
             self.prefill_worker = worker
-        elif worker.role == "decode":
+        elif role == "decode":
             self.decode_worker = worker
         if self.images:
             # Only a worker that encodes them gets the bytes; the rest need the hashes.
-            encodes_here = worker.role != "decode" and not self.embeddings
+            encodes_here = role != "decode" and not self.embeddings
             kw["images"] = self.images if encodes_here else [im.model_copy(update={"data": None})
                                                             for im in self.images]
             kw["embeddings"] = self.embeddings
@@ -165,8 +190,8 @@ class Flow:
             # The prefill worker scored the prompt; an importing decode worker never needs to.
             sampling = sampling.model_copy(update={"prompt_logprobs": None})
         msg = P.AddRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=sampling, **kw)
-        self.worker = worker
-        self.held.hold(worker, len(self.prompt_ids) + self.sampling.max_tokens, exports_kv=worker.role == "prefill")
+        self.worker, self.worker_role = worker, role
+        self.held.hold(worker, len(self.prompt_ids) + self.sampling.max_tokens, exports_kv=role == "prefill")
         self.registry.send(worker, msg)
 
     def _pick(self, role: str) -> WorkerState:
@@ -214,7 +239,7 @@ class Flow:
             if isinstance(event, WorkerOutput):
                 if event.msg.finished:
                     self.held.done(worker)
-                self.record.add(worker.role, event.msg.timings)
+                self.record.add(self.worker_role, event.msg.timings)
                 return event.msg
 
     async def _first(self) -> P.Output:
@@ -229,19 +254,22 @@ class Flow:
                 out = await self._next()
                 break
             except WorkerFailed as exc:
-                dead = self.worker
+                dead, role = self.worker, self.worker_role
                 if not dead.dead:
                     raise
                 try:
-                    worker = self._choose(dead.role)
+                    worker = self._choose(role)
                 except api.APIError:
-                    raise WorkerFailed(f"{exc}; no other live {dead.role} worker to retry on", 503) from None
+                    raise WorkerFailed(f"{exc}; no other live {role} worker to retry on", 503) from None
                 log.warning("%s: %s; retrying on %s", self.request_id, exc, worker.worker_id)
                 # The dead worker may have read, and so deleted, the embedding frames: the
                 # next one gets the image bytes and encodes them itself.
                 self.embeddings = []
-                self._dispatch(worker)
+                self._dispatch(worker, role)
         self.t_first = self.clock()
+        if self.config.signals is not None:
+            queue_ms = (self.t_dispatch - self.t_arrival + (out.timings.queue_ms or 0.0) / 1e3) * 1e3
+            self.config.signals.first_token((self.t_first - self.t_arrival) * 1e3, queue_ms)
         self.cached_tokens = self.record.cached_tokens = out.num_cached_tokens  # in pd, the prefill worker's
         self.prompt_logprobs = out.prompt_logprobs
         return out
@@ -273,7 +301,7 @@ class Flow:
         rec.decode_worker = self.decode_worker.worker_id if self.decode_worker else None
         rec.prefill_node = self.prefill_worker.node_id or None if self.prefill_worker else None
         rec.decode_node = self.decode_worker.node_id or None if self.decode_worker else None
-        if self.config.mode == "colocated":
+        if self.path == "colocated":
             rec.worker = getattr(self.worker, "worker_id", None)
         if self.encoders:
             rec.encode_workers = sorted(self.encoders)
@@ -327,7 +355,7 @@ class DisaggregatedFlow(Flow):
             yield out.token_ids, out.logprobs, out.finish_reason or "stop"
             return
         yield out.token_ids, out.logprobs, None  # the first token reaches the client before the hand-off
-        self._dispatch(self._pick("decode"), kv=out.kv, first_token=out.token_ids[-1])
+        self._dispatch(self._pick("decode"), "decode", kv=out.kv, first_token=out.token_ids[-1])
         self.record.router_hop_ms = (self.clock() - self.t_first) * 1000
         out = await self._next()
         # The decode worker imports the KV before its first step, so its first output
@@ -359,7 +387,7 @@ class EncodeFlow(DisaggregatedFlow):
 
     async def tokens(self) -> AsyncIterator[Tokens]:
         await self._encoded()
-        self._dispatch(self._pick("prefill"))
+        self._dispatch(self._pick("prefill"), "prefill")
         async for item in super().tokens():
             yield item
 

@@ -374,9 +374,13 @@ class Front:
         flow.close()
         rec = flow.trace()
         self.metrics.ended(rec, None if flow.error is not None else flow.itls_s)
+        self.write_trace(rec.as_json())
+
+    def write_trace(self, line: dict) -> None:
+        """Append ``line`` to the trace file as one JSON line (nothing without one)."""
         if self.trace_file:
             try:
                 with open(self.trace_file, "a") as f:
-                    f.write(json.dumps(rec.as_json()) + "\n")
+                    f.write(json.dumps(line) + "\n")
             except OSError as exc:
                 log.warning("cannot write trace %s: %s", self.trace_file, exc)

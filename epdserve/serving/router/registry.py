@@ -5,6 +5,12 @@ Workers join with ``Hello`` (:meth:`Registry.on_hello`): accepted unless
 another live worker process (it then gets only ``Refused``). ``Stats`` update a worker's
 state and the Prometheus gauges; request messages become events on their request's queue.
 
+Elastic (``serve --elastic``): every engine role may join, and :meth:`Registry.set_role`
+changes a worker's role live: the router routes by the new role at once and the worker
+drains the old one's work, then says ``RoleSwitched``. Each role a worker is admitted in,
+asked for, and announces is handed to ``on_event`` as a ``role`` trace line (elastic only;
+docs/elastic.md).
+
 Worker states: "up"; "down" once :meth:`Registry.mark_dead` is called (by the launcher's
 process watch, or by :meth:`Registry.check_silence` after ``worker_timeout_s`` without any
 message, heartbeats included, on the read clock the events loop keeps); "refused". A down
@@ -19,9 +25,10 @@ request flows) run without sockets in tests.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
@@ -33,6 +40,10 @@ from epdserve.serving.router.prefix_index import PrefixAware, PromptBlocks, load
 log = logging.getLogger("epdserve.router")
 
 MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode"), "epd": ("encode", "prefill", "decode")}
+ELASTIC_ROLES = ("colocated", "prefill", "decode")  # the roles an elastic worker switches between
+# Elastic: a stage with no worker of its role goes to one of these (a colocated worker
+# decodes an imported request as a decode worker does).
+ELASTIC_FALLBACK = {"decode": "colocated"}
 TAKEOVER_SILENCE_S = 1.0  # 2 heartbeat intervals: a worker this silent may be replaced by another process
 RESET_RETRY_S = 2.0  # how often a down worker that is heard again is sent Reset until it says Hello
 MAX_REFUSED = 64  # refused workers listed in /health (the oldest are forgotten)
@@ -107,10 +118,13 @@ class WorkerState:
     node_ip: str = ""
     resources: dict[str, float] = field(default_factory=dict)  # what its Ray actor holds
     pid: int = 0  # its process on its node
+    announced: str = ""  # the role it last announced (Hello, RoleSwitched); ``role`` routes
+    switch_id: str | None = None  # a SetRole it has not answered yet
 
     def as_json(self, now: float) -> dict:
         """Its /health entry (``now``: a ``time.monotonic()``)."""
-        return {"worker_id": self.worker_id, "role": self.role, "addr": self.addr, "cores": self.cores,
+        return {"worker_id": self.worker_id, "role": self.role, "announced_role": self.announced,
+                "switching": self.switch_id is not None, "addr": self.addr, "cores": self.cores,
                 "state": "down" if self.dead else "up", "reason": self.dead,
                 "kv_dtype": self.kv_layout.get("dtype"),
                 "blocks_in_use": self.blocks_in_use, "blocks_total": self.blocks_total,
@@ -125,17 +139,24 @@ class WorkerState:
 class Registry:
     """Workers by id, refused workers, and the requests in flight (``requests``: id ->
     :class:`Inbox`). ``mode``: "colocated", "pd" or "epd"; a worker silent for
-    ``worker_timeout_s`` seconds of read clock is marked down.
+    ``worker_timeout_s`` seconds of read clock is marked down. ``elastic``: workers of any
+    engine role join and may switch (:meth:`set_role`); ``on_event`` gets each ``role``
+    trace line (a dict) as it happens.
 
     Raises (constructor):
-        ValueError: an unknown mode.
+        ValueError: an unknown mode, or elastic with epd.
     """
 
     def __init__(self, mode: str, port: WorkerPort, compat: Compat, *, worker_timeout_s: float = 5.0,
-                 metrics: RouterMetrics | None = None):
+                 metrics: RouterMetrics | None = None, elastic: bool = False,
+                 on_event: Callable[[dict], None] | None = None):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
+        if elastic and mode == "epd":
+            raise ValueError("elastic serving switches colocated, prefill and decode workers; epd is not supported")
         self.mode = mode
+        self.elastic = elastic
+        self.on_event = on_event or (lambda line: None)
         self.port = port
         self.compat = compat
         self.worker_timeout_s = worker_timeout_s
@@ -151,9 +172,25 @@ class Registry:
         return w.dead is None
 
     def ready(self) -> bool:
-        """True when every role the mode needs has a live worker."""
-        return all(any(w.role == role and self.live(w) for w in self.workers.values())
-                   for role in MODE_ROLES[self.mode])
+        """True when every role the mode needs has a live worker (elastic: when a request
+        can be served, see :meth:`serving_path`)."""
+        if self.elastic:
+            return self.serving_path() is not None
+        return all(self.has_live(role) for role in MODE_ROLES[self.mode])
+
+    def has_live(self, role: str) -> bool:
+        """True when some live worker has ``role``."""
+        return any(w.role == role and self.live(w) for w in self.workers.values())
+
+    def serving_path(self) -> str | None:
+        """Elastic: how a text request is served with the roles live now: "disaggregated"
+        (a prefill worker, and a decode or colocated worker to decode), "colocated", "local"
+        (decode workers only: they prefill themselves), or None (no way)."""
+        if self.has_live("prefill") and (self.has_live("decode") or self.has_live("colocated")):
+            return "disaggregated"
+        if self.has_live("colocated"):
+            return "colocated"
+        return "local" if self.has_live("decode") else None
 
     def advance(self, seconds: float) -> None:
         """Move the read clock on by ``seconds`` the events loop could read (it decides how
@@ -192,6 +229,8 @@ class Registry:
             APIError: 503, no live worker of that role.
         """
         candidates = [w for w in self.workers.values() if w.role == role and self.live(w)]
+        if not candidates and self.elastic and role in ELASTIC_FALLBACK:
+            candidates = [w for w in self.workers.values() if w.role == ELASTIC_FALLBACK[role] and self.live(w)]
         if not candidates:
             raise api.APIError(f"no live {role} worker", status=503, type="service_unavailable")
         if policy is not None and prompt is not None:
@@ -217,6 +256,46 @@ class Registry:
             self.port.send(w.worker_id, msg)
         except WorkerFailed as exc:
             log.warning("could not send %s to %s: %s", msg.type, w.worker_id, exc)
+
+    def set_role(self, worker_id: str, role: str, reason: str = "") -> None:
+        """Elastic: make live worker ``worker_id`` a ``role`` worker. Requests are routed
+        by ``role`` from now on; what it holds finishes where it is (see
+        :mod:`~epdserve.serving.worker`) until it says ``RoleSwitched``.
+
+        Raises:
+            ValueError: not elastic, an unknown or down worker, or a role outside
+                :data:`ELASTIC_ROLES`.
+            WorkerFailed: its command queue is full.
+        """
+        w = self.workers.get(worker_id)
+        if not self.elastic or role not in ELASTIC_ROLES or w is None or w.dead:
+            raise ValueError(f"cannot switch worker {worker_id!r} to {role!r} (elastic: {self.elastic}, "
+                             f"worker {'unknown' if w is None else 'down' if w.dead else 'up'})")
+        if role == w.role:
+            return
+        switch_id = secrets.token_hex(6)
+        self.port.send(worker_id, P.SetRole(role=role, switch_id=switch_id))
+        previous, w.role, w.switch_id = w.role, role, switch_id
+        self.metrics.set_worker_up(worker_id, previous, False)
+        self.metrics.set_worker_up(worker_id, role, True)
+        self.metrics.set_role(worker_id, role)
+        log.info("worker %s: %s -> %s (%s)", worker_id, previous, role, reason or "asked")
+        self._role_event(w, "switching", previous, reason=reason or None)
+
+    def _on_role_switched(self, w: WorkerState, msg: P.RoleSwitched) -> None:
+        if msg.switch_id != w.switch_id:
+            return  # an answer to a SetRole that a later one replaced: that one's answer counts
+        w.switch_id, w.announced = None, msg.role
+        self.metrics.role_switched(w.worker_id, msg.previous, msg.role, msg.drain_ms / 1e3)
+        log.info("worker %s is now %s (was %s; drained in %.0f ms)", w.worker_id, msg.role, msg.previous,
+                 msg.drain_ms)
+        self._role_event(w, "switched", msg.previous, drain_ms=round(msg.drain_ms, 3))
+
+    def _role_event(self, w: WorkerState, state: str, previous: str | None, drain_ms: float | None = None,
+                    reason: str | None = None) -> None:
+        if self.elastic:  # a static deployment's trace holds request lines only, as before
+            self.on_event({"event": "role", "at": time.time(), "worker": w.worker_id, "role": w.role,
+                           "previous": previous, "state": state, "drain_ms": drain_ms, "reason": reason})
 
     def shutdown_workers(self) -> None:
         """Ask every live worker to exit (used by the launcher that owns them)."""
@@ -244,6 +323,8 @@ class Registry:
             self._on_stats(w, msg)
         elif isinstance(msg, (P.Output, P.Error, P.Encoded)):
             self._on_request_message(w, msg)
+        elif isinstance(msg, P.RoleSwitched):
+            self._on_role_switched(w, msg)
 
     def _on_stats(self, w: WorkerState, msg: P.Stats) -> None:
         w.blocks_total, w.blocks_in_use = msg.blocks_total, msg.blocks_in_use
@@ -313,11 +394,13 @@ class Registry:
 
     def _refusal(self, msg: P.Hello) -> str | None:
         """Why ``msg``'s worker cannot serve with this deployment, or None."""
-        if msg.role not in MODE_ROLES[self.mode]:
-            return f"worker {msg.worker_id} has role {msg.role}, a {self.mode} router uses {MODE_ROLES[self.mode]}"
+        roles = ELASTIC_ROLES if self.elastic else MODE_ROLES[self.mode]
+        if msg.role not in roles:
+            kind = "an elastic" if self.elastic else f"a {self.mode}"
+            return f"worker {msg.worker_id} has role {msg.role}, {kind} router uses {roles}"
         peer_role = KV_PEER_ROLES.get(msg.role) if self.mode in ("pd", "epd") else None
         peers = [(w.worker_id, w.kv_layout) for w in self.workers.values()
-                 if w.role == peer_role and self.live(w) and w.worker_id != msg.worker_id]
+                 if (self.elastic or w.role == peer_role) and self.live(w) and w.worker_id != msg.worker_id]
         kv_shape = self.compat.embedding_shape if msg.role == "encode" else self.compat.kv_shape
         return refusal(msg, fingerprint=self.compat.fingerprint, kv_shape=kv_shape,
                        auth_token=self.compat.auth_token, peers=peers)
@@ -329,13 +412,16 @@ class Registry:
                                                   model=msg.model, kv_layout=msg.kv_layout, cores=msg.cores,
                                                   blocks_total=msg.blocks_total, incarnation=msg.incarnation,
                                                   heard=self.clock, node_id=msg.node_id, node_ip=msg.node_ip,
-                                                  resources=dict(msg.resources), pid=msg.pid)
+                                                  resources=dict(msg.resources), pid=msg.pid,
+                                                  announced=msg.role)
         self.metrics.set_worker_node(msg.worker_id, msg.role, msg.node_id, msg.node_ip)
+        self.metrics.set_role(msg.worker_id, msg.role)
         self.metrics.set_worker(msg.worker_id, msg.role, blocks_in_use=0, blocks_total=msg.blocks_total,
                                 num_running=0, num_waiting=0, num_preemptions=0)
         self.metrics.set_worker_up(msg.worker_id, msg.role, True)
         log.info("worker %s (%s) is up: hello from %s, cores %s, node %s", msg.worker_id, msg.role, msg.addr,
                  msg.cores, msg.node_id or "?")
+        self._role_event(self.workers[msg.worker_id], "up", None)
 
     def _refuse(self, msg: P.Hello, reason: str, held: bool) -> None:
         """Turn ``msg``'s sender away. ``held``: its id names a registered worker, whose state

@@ -12,6 +12,8 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
 
 from epdserve.serving import openai_api as api
 from epdserve.serving.api_logprobs import vllm_prompt_logprobs
@@ -25,6 +27,16 @@ log = logging.getLogger("epdserve.router")
 
 SYNTHETIC_VISION_NOTE = ("the vision tower has SYNTHETIC (seeded random) weights: the language model is real, "
                          "but what it says about images carries no meaning")
+
+
+class RoleRequest(BaseModel):
+    """``POST /roles``: make ``worker_id`` a ``role`` worker (elastic); ``reason`` goes to the
+    log and the trace's ``role`` line."""
+
+    model_config = ConfigDict(extra="forbid")
+    worker_id: str = Field(max_length=128)
+    role: Literal["colocated", "prefill", "decode"]
+    reason: str | None = Field(default=None, max_length=256)
 
 
 class SSEResponse(StreamingResponse):
@@ -271,10 +283,27 @@ def create_app(router) -> FastAPI:
     @app.get("/health")
     async def health():
         ok = registry.ready()
-        body = {"status": "ok" if ok else "unavailable", "mode": registry.mode, "model": router.model.name,
+        body = {"status": "ok" if ok else "unavailable", "mode": registry.mode, "elastic": registry.elastic,
+                "model": router.model.name,
                 "needs": list(MODE_ROLES[registry.mode]), "requests_in_flight": len(registry.requests),
                 "workers": registry.health(time.monotonic())}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.post("/roles")
+    async def set_role(body: RoleRequest):
+        """Elastic: switch a worker's role by hand (as the controller does)."""
+        if not registry.elastic:
+            raise api.APIError("roles change only on an elastic server (serve --elastic)", status=409,
+                               type="conflict")
+        w = registry.workers.get(body.worker_id)
+        if w is None or not registry.live(w):
+            raise api.APIError(f"no live worker {body.worker_id!r}", status=404, param="worker_id",
+                               code="worker_not_found")
+        try:
+            registry.set_role(body.worker_id, body.role, body.reason or "POST /roles")
+        except WorkerFailed as exc:
+            raise api.APIError(str(exc), status=503, type="service_unavailable") from None
+        return w.as_json(time.monotonic())
 
     @app.get("/metrics")
     async def metrics():

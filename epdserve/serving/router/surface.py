@@ -13,8 +13,8 @@ of ``--generation-config``.
 * ``/detokenize``: ``{"tokens"}`` → ``{"prompt"}``; an id outside the vocabulary is a 400.
 * ``/version``: ``{"version": epdserve's version}``.
 * ``--api-key`` (or ``$EPDSERVE_API_KEY``, else ``$VLLM_API_KEY``, as vLLM reads it):
-  :class:`APIKeyGuard` requires ``Authorization: Bearer KEY`` on ``/v1/*``, ``/tokenize``
-  and ``/detokenize``, not on ``/health``, ``/metrics`` or ``/version``; a missing or
+  :class:`APIKeyGuard` requires ``Authorization: Bearer KEY`` on ``/v1/*``, ``/tokenize``,
+  ``/detokenize`` and ``/roles`` (elastic role switches), not on ``/health``, ``/metrics`` or ``/version``; a missing or
   wrong key is a 401 with OpenAI's body (code ``invalid_api_key``). Keys are compared by
   their SHA-256 digests with :func:`hmac.compare_digest` (time independent of where they
   differ). This is the clients' key; the workers' frames are sealed by
@@ -50,7 +50,7 @@ MAX_DETOKENIZE_TOKENS = 1 << 17
 TOKENIZE_THREADS = 2
 MAX_TOKENIZE_QUEUE = 64
 API_KEY_ENV = ("EPDSERVE_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/roles")
 UNSUPPORTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
 
 
