@@ -289,6 +289,21 @@ def create_app(router) -> FastAPI:
                 "workers": registry.health(time.monotonic())}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type=router.metrics.content_type)
+
+    surface.install(app, router)  # /tokenize, /detokenize, /version, --api-key
+    install_roles(app, registry)
+
+    return app
+
+
+def install_roles(app: FastAPI, registry) -> None:
+    """``POST /roles`` (:class:`RoleRequest`): an elastic server's role switch by hand, as the
+    controller makes them (docs/elastic.md). 409 on a static server, 404 for a worker that
+    is not live, 400 for a bad body; answers the worker's /health entry."""
+
     @app.post("/roles")
     async def set_role(body: RoleRequest):
         """Elastic: switch a worker's role by hand (as the controller does)."""
@@ -304,11 +319,3 @@ def create_app(router) -> FastAPI:
         except WorkerFailed as exc:
             raise api.APIError(str(exc), status=503, type="service_unavailable") from None
         return w.as_json(time.monotonic())
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(router.metrics.render(), media_type=router.metrics.content_type)
-
-    surface.install(app, router)  # /tokenize, /detokenize, /version, --api-key
-
-    return app
