@@ -155,11 +155,11 @@ class Flow:
     def _begin(self) -> None:
         self._dispatch(self._choose(self.first_role), self.first_role)
 
-    def _choose(self, role: str) -> WorkerState:
-        """A live worker of ``role``: by ``config.routing`` for the role that prefills
-        (colocated, prefill), least-loaded otherwise. Raises APIError 503 if none."""
+    def _choose(self, role: str, exclude: WorkerState | None = None) -> WorkerState:
+        """A live worker of ``role`` (not ``exclude``): by ``config.routing`` for the role
+        that prefills (colocated, prefill), least-loaded otherwise. Raises APIError 503 if none."""
         prefills = role in ("colocated", "prefill")
-        return self.registry.pick(role, self.blocks if prefills else None, self.config.routing)
+        return self.registry.pick(role, self.blocks if prefills else None, self.config.routing, exclude)
 
     def tokens(self) -> AsyncIterator[Tokens]:
         """Yield each worker output's ``(token_ids, logprobs, finish_reason)``; the reason
@@ -194,10 +194,10 @@ class Flow:
         self.held.hold(worker, len(self.prompt_ids) + self.sampling.max_tokens, exports_kv=role == "prefill")
         self.registry.send(worker, msg)
 
-    def _pick(self, role: str) -> WorkerState:
-        """A live worker of ``role`` to go on with. Raises WorkerFailed 503 if none."""
+    def _pick(self, role: str, exclude: WorkerState | None = None) -> WorkerState:
+        """A live worker of ``role`` (not ``exclude``) to go on with. Raises WorkerFailed 503 if none."""
         try:
-            return self._choose(role)
+            return self._choose(role, exclude)
         except api.APIError as exc:
             raise WorkerFailed(exc.message, 503) from None
 
@@ -355,7 +355,9 @@ class DisaggregatedFlow(Flow):
             yield out.token_ids, out.logprobs, out.finish_reason or "stop"
             return
         yield out.token_ids, out.logprobs, None  # the first token reaches the client before the hand-off
-        self._dispatch(self._pick("decode"), "decode", kv=out.kv, first_token=out.token_ids[-1])
+        # Never back to the prefill worker (elastic: it may be colocated by now): its engine
+        # holds the request, under the same id, until the KV is released.
+        self._dispatch(self._pick("decode", exclude=prefill), "decode", kv=out.kv, first_token=out.token_ids[-1])
         self.record.router_hop_ms = (self.clock() - self.t_first) * 1000
         out = await self._next()
         # The decode worker imports the KV before its first step, so its first output

@@ -220,17 +220,20 @@ class Registry:
         w.outstanding.clear()
 
     # -- picking and sending
-    def pick(self, role: str, prompt: PromptBlocks | None = None, policy: PrefixAware | None = None) -> WorkerState:
-        """The live worker of ``role`` for a request: with ``policy`` and ``prompt`` (the
-        request's block keys), as :meth:`PrefixAware.choose` rules (the decision lands in
-        ``prompt.decision``); otherwise the one with the fewest outstanding requests (then tokens).
+    def pick(self, role: str, prompt: PromptBlocks | None = None, policy: PrefixAware | None = None,
+             exclude: WorkerState | None = None) -> WorkerState:
+        """The live worker of ``role`` (never ``exclude``) for a request: with ``policy`` and
+        ``prompt`` (the request's block keys), as :meth:`PrefixAware.choose` rules (the
+        decision lands in ``prompt.decision``); otherwise the one with the fewest
+        outstanding requests (then tokens).
 
         Raises:
             APIError: 503, no live worker of that role.
         """
-        candidates = [w for w in self.workers.values() if w.role == role and self.live(w)]
+        candidates = [w for w in self.workers.values() if w.role == role and self.live(w) and w is not exclude]
         if not candidates and self.elastic and role in ELASTIC_FALLBACK:
-            candidates = [w for w in self.workers.values() if w.role == ELASTIC_FALLBACK[role] and self.live(w)]
+            candidates = [w for w in self.workers.values()
+                          if w.role == ELASTIC_FALLBACK[role] and self.live(w) and w is not exclude]
         if not candidates:
             raise api.APIError(f"no live {role} worker", status=503, type="service_unavailable")
         if policy is not None and prompt is not None:
