@@ -26,7 +26,8 @@ the one that entered it (prompt/answer ratio >= 4 to split, <= 2 to colocate; in
 worker >= 0.5 to split, < 0.25 to colocate for low load; TTFT p90 > 1.0 x SLO with ITL p90
 <= 0.8 x SLO to move a worker to prefill, ITL p90 > 1.2 x SLO with TTFT p90 <= 0.8 x SLO
 to move it back), so no steady signal moves the roles back and forth. On top of that: a
-minimum dwell (``min_dwell_s``) after every change, a hold while any worker is switching,
+minimum dwell (``min_dwell_s``) after every change (the Kubernetes HPA's stabilization window
+plays this part for replica counts), a hold while any worker is switching,
 the window cut to the samples taken since the last change settled (older ones describe the
 old roles), and a hold when the window holds too little evidence (fewer than 3 arrivals and
 fewer than 20 ITL gaps) except for the low-load rule, which is about the absence of traffic.
@@ -96,16 +97,17 @@ class Sample:
 def _check_keys(what: str, obj, expected: set[str]) -> None:
     if not isinstance(obj, dict):
         raise ValueError(f"{what}: expected a JSON object, got {type(obj).__name__}")
-    missing, unknown = expected - obj.keys(), obj.keys() - expected
-    if missing or unknown:
-        raise ValueError(f"{what}: missing keys {sorted(missing)}, "
-                         f"unknown keys {sorted(unknown)}")
+    wrong = [f"{kind} keys {sorted(keys)}" for kind, keys in
+             (("missing", expected - obj.keys()), ("unknown", obj.keys() - expected)) if keys]
+    if wrong:
+        raise ValueError(f"{what}: {', '.join(wrong)}")
 
 
 def _number(what: str, value, minimum: float = 0.0) -> float:
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or not math.isfinite(value) or value < minimum):
-        raise ValueError(f"{what}: expected a finite number >= {minimum}, got {value!r}")
+        bound = f" >= {minimum:g}" if minimum > -math.inf else ""
+        raise ValueError(f"{what}: expected a finite number{bound}, got {value!r}")
     return float(value)
 
 
