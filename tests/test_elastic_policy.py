@@ -185,6 +185,18 @@ def test_reason_names_the_numbers():
                         "interference -> 1P1D")
 
 
+def test_decode_heavy_itl_over_the_slo_at_a_small_batch_goes_colocated():
+    """Short prompts leave no prefill to blame: a slow decode worker is decode load."""
+    s = sample(0, P1D1, arrivals=[(60, 300)] * 3, itls=[200.0] * 40, running={"decode": 2})
+    d, _ = decide([s], PolicyState(), CFG)
+    assert d.action == "to-colocated"
+    assert d.reason == ("ITL p90 200 ms > 1.2 x TPOT SLO 150 ms at decode batch 2.0 while "
+                        "prompts avg 60 tok / answers 300 tok (0.2x) <= 2x: decode-heavy "
+                        "-> colocated")
+    quick = sample(0, P1D1, arrivals=[(60, 300)] * 3, itls=[100.0] * 40, running={"decode": 2})
+    assert decide([quick], PolicyState(), CFG)[0].roles is None  # within the SLO: 1P1D is fine
+
+
 def test_big_batch_itl_is_not_interference():
     """Colocated ITL over the SLO with big batches is decode load: splitting would not help."""
     s = sample(0, COLOCATED2, arrivals=[(1480, 24)] * 3, itls=[400.0] * 20, running=6,

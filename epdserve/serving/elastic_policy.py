@@ -22,10 +22,8 @@ x + y = N >= 2). The physics it follows:
   decode when x > 1, or goes colocated when the mix is decode-heavy.
 
 Never flapping: every condition that leaves a configuration is the far side of a band from
-the one that entered it (prompt/answer ratio >= 4 to split, <= 2 to colocate; in flight per
-worker >= 0.5 to split, < 0.25 to colocate for low load; TTFT p90 > 1.0 x SLO with ITL p90
-<= 0.8 x SLO to move a worker to prefill, ITL p90 > 1.2 x SLO with TTFT p90 <= 0.8 x SLO
-to move it back), so no steady signal moves the roles back and forth. On top of that: a
+the one that entered it (prompt/answer tokens >= 4 to split, <= 2 to colocate; the other
+bands: :class:`PolicyConfig`), so no steady signal moves the roles back and forth. Also: a
 minimum dwell (``min_dwell_s``) after every change (the Kubernetes HPA's stabilization window
 plays this part for replica counts), a hold while any worker is switching,
 the window cut to the samples taken since the last change settled (older ones describe the
@@ -196,9 +194,8 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class PolicyState:
-    """What the policy remembers between calls: ``last_switch_t``, when it last changed the
-    roles (the samples' clock, s). The hysteresis lives in the thresholds' bands, so nothing
-    else is needed."""
+    """What the policy remembers: ``last_switch_t``, when it last changed the roles (the
+    samples' clock, s). The hysteresis lives in the thresholds' bands, not in a state."""
     last_switch_t: float = -math.inf
 
 
@@ -333,8 +330,12 @@ def _settled(samples: Sequence[Sample], state: PolicyState) -> list[Sample]:
             if s.t > state.last_switch_t and not any(w.switching for w in s.workers)]
 
 
-def _evidence(win: Window, config: PolicyConfig) -> bool:
-    return win.arrivals >= config.min_arrivals or win.n_itl >= config.min_itl_gaps
+def _no_evidence(win: Window, c: PolicyConfig) -> str | None:
+    """The hold reason of a window with too little evidence, or None."""
+    if win.arrivals >= c.min_arrivals or win.n_itl >= c.min_itl_gaps:
+        return None
+    return (f"too little evidence: {win.arrivals} arrivals < {c.min_arrivals} and "
+            f"{win.n_itl} ITL gaps < {c.min_itl_gaps}")
 
 
 def _mix(win: Window) -> str:
@@ -377,14 +378,19 @@ def _decode_pressure(win: Window, c: PolicyConfig) -> str | None:
 
 
 def _decode_heavy(win: Window, c: PolicyConfig, pressure: str | None) -> str | None:
-    """Short prompts, long answers and decode busy: every worker should decode."""
+    """Short prompts, long answers, decode busy: every worker should decode (no long prefills
+    to blame: an ITL p90 over the SLO is decode load at any batch size)."""
     if win.arrivals < c.min_arrivals or win.ratio > c.decode_heavy_ratio:
         return None
+    heavy = f"while {_mix(win)} <= {c.decode_heavy_ratio:g}x: decode-heavy"
     if pressure:
-        return f"{pressure} while {_mix(win)} <= {c.decode_heavy_ratio:g}x: decode-heavy"
+        return f"{pressure} {heavy}"
+    if win.itl_p90 > c.itl_enter * c.slo_tpot_ms:
+        return (f"ITL p90 {win.itl_p90:.0f} ms > {c.itl_enter:g} x TPOT SLO {c.slo_tpot_ms:g} ms "
+                f"at decode batch {win.decode_batch:.1f} {heavy}")
     if win.decode_batch >= c.big_batch:
-        return (f"decode batch {win.decode_batch:.1f} >= {c.big_batch:g} while {_mix(win)} "
-                f"<= {c.decode_heavy_ratio:g}x: decode-heavy, the prefill side idles")
+        return (f"decode batch {win.decode_batch:.1f} >= {c.big_batch:g} {heavy}, "
+                f"the prefill side idles")
     return None
 
 
@@ -407,12 +413,12 @@ def _prefill_pressure(win: Window, c: PolicyConfig) -> str | None:
     return None
 
 
-def _split(lay: _Layout) -> dict[str, str]:
-    """Colocated -> xPyD: the prefill-heavy mix that caused it gets the odd worker
-    (x = ceil(N / 2)); rebalancing moves on from there. Prefill: the first ids."""
+def _split(lay: _Layout) -> tuple[dict[str, str], str]:
+    """Colocated -> xPyD (roles, and "xPyD"): the prefill-heavy mix that caused it gets the
+    odd worker (x = ceil(N / 2)); rebalancing moves on from there. Prefill: the first ids."""
     ids = sorted(lay.colocated, key=_natural)
     x = (len(ids) + 1) // 2
-    return {i: "prefill" if k < x else "decode" for k, i in enumerate(ids)}
+    return {i: "prefill" if k < x else "decode" for k, i in enumerate(ids)}, f"{x}P{len(ids) - x}D"
 
 
 def _move(lay: _Layout, source: str, target: str) -> tuple[dict[str, str], str]:
@@ -428,13 +434,13 @@ def _move(lay: _Layout, source: str, target: str) -> tuple[dict[str, str], str]:
 
 def _from_colocated(win: Window, lay: _Layout, c: PolicyConfig) -> tuple[str, dict | None, str]:
     """(action, roles or None, reason) for colocated workers: split on interference."""
-    if not _evidence(win, c):
-        return "hold", None, _no_evidence(win, c)
+    thin = _no_evidence(win, c)
+    if thin:
+        return "hold", None, thin
     reason = _interference(win, c)
     if reason:
-        roles = _split(lay)
-        x = sum(r == "prefill" for r in roles.values())
-        return "to-pd", roles, f"{reason} -> {x}P{len(roles) - x}D"
+        roles, shape = _split(lay)
+        return "to-pd", roles, f"{reason} -> {shape}"
     return "hold", None, (f"colocated: no interference (ITL p90 {win.itl_p90:.0f} ms, "
                           f"decode batch {win.decode_batch:.1f}, {_mix(win)})")
 
@@ -446,8 +452,9 @@ def _from_pd(win: Window, lay: _Layout, c: PolicyConfig) -> tuple[str, dict | No
     low = _low_load(win, c)
     if low:
         return "to-colocated", colocated, f"{low} -> colocated"
-    if not _evidence(win, c):
-        return "hold", None, _no_evidence(win, c)
+    thin = _no_evidence(win, c)
+    if thin:
+        return "hold", None, thin
     decode_short = _decode_pressure(win, c)
     heavy = _decode_heavy(win, c, decode_short)
     if heavy:
@@ -463,11 +470,6 @@ def _from_pd(win: Window, lay: _Layout, c: PolicyConfig) -> tuple[str, dict | No
     return "hold", None, (f"{len(lay.prefill)}P{len(lay.decode)}D kept: prefill "
                           f"{prefill_short or 'no pressure'}; decode "
                           f"{decode_short or 'no pressure'}; {_mix(win)}")
-
-
-def _no_evidence(win: Window, c: PolicyConfig) -> str:
-    return (f"too little evidence: {win.arrivals} arrivals < {c.min_arrivals} and "
-            f"{win.n_itl} ITL gaps < {c.min_itl_gaps}")
 
 
 def decide(samples: Sequence[Sample], state: PolicyState,
