@@ -93,6 +93,13 @@ def drive(phases, roles, config=CFG, seed=0):
     return samples, decisions
 
 
+def spanning(s, seconds=CFG.window_s / 2):
+    """``s``'s events in a window that spans ``seconds`` (half a window: enough evidence):
+    ``s``, then its workers every 2 s without further events."""
+    return [s] + [replace(s, t=s.t + k * INTERVAL, arrivals=(), ttfts_ms=(), prefill_queue_ms=(),
+                          itls_ms=()) for k in range(1, int(seconds / INTERVAL) + 1)]
+
+
 def changes(decisions):
     return [d for d in decisions if d.roles is not None]
 
@@ -103,7 +110,7 @@ def test_prefill_heavy_interference_splits():
     assert (d.action, d.roles) == ("to-pd", P1D1)
     assert "prefill interference -> 1P1D" in d.reason and "ITL p90" in d.reason
     assert d.signals["itl_p90_ms"] > 1.2 * 150 and d.signals["prompt_answer_ratio"] > 50
-    assert d.t == 2.0  # the second sample: 4 arrivals, enough evidence
+    assert d.t == CFG.window_s / 2  # the first window spanning half a window: evidence
 
 
 def test_decode_heavy_goes_colocated():
@@ -163,23 +170,34 @@ def test_samples_before_the_change_settled_are_not_used():
 
 def test_window_without_evidence_holds():
     thin = sample(0, COLOCATED2, arrivals=[(1500, 20)] * 2, itls=[400.0] * 19, outstanding=2)
-    d, _ = decide([thin], PolicyState(), CFG)
+    d, _ = decide(spanning(thin), PolicyState(), CFG)
     assert d.roles is None
     assert d.reason == "too little evidence: 2 arrivals < 3 and 19 ITL gaps < 20"
+
+
+def test_a_window_shorter_than_half_a_window_holds():
+    """After a long drain only a few seconds of the new roles' samples are settled: not a
+    measurement, however loud."""
+    rng = random.Random(5)
+    window = [prefill_heavy(rng, t, COLOCATED2) for t in range(100, 120, 2)]
+    window[:7] = [prefill_heavy(rng, t, COLOCATED2, switching=("w1",)) for t in range(100, 114, 2)]
+    d, _ = decide(window, PolicyState(last_switch_t=88.0), CFG)
+    assert d.roles is None and d.reason == "too little evidence: 4 s of settled samples < 10 s"
+    assert d.signals["arrivals"] == 6 and d.signals["itl_p90_ms"] > 300
 
 
 def test_itl_gaps_alone_are_evidence_but_not_of_the_mix():
     """20 gaps are evidence, but splitting needs the mix of >= 3 arrivals."""
     s = sample(0, COLOCATED2, arrivals=[(1500, 20)] * 2, itls=[400.0] * 20, outstanding=2)
-    d, _ = decide([s], PolicyState(), CFG)
+    d, _ = decide(spanning(s), PolicyState(), CFG)
     assert d.roles is None and d.reason.startswith("colocated: no interference")
     s3 = sample(0, COLOCATED2, arrivals=[(1500, 20)] * 3, itls=[400.0] * 20, outstanding=2)
-    assert decide([s3], PolicyState(), CFG)[0].action == "to-pd"
+    assert decide(spanning(s3), PolicyState(), CFG)[0].action == "to-pd"
 
 
 def test_reason_names_the_numbers():
     s = sample(0, COLOCATED2, arrivals=[(1480, 24)] * 3, itls=[412.0] * 20, outstanding=2)
-    d, _ = decide([s], PolicyState(), CFG)
+    d, _ = decide(spanning(s), PolicyState(), CFG)
     assert d.reason == ("ITL p90 412 ms > 1.2 x TPOT SLO 150 ms at decode batch 1.0 < 4 while "
                         "prompts avg 1480 tok / answers 24 tok (61.7x) >= 4x: prefill "
                         "interference -> 1P1D")
@@ -188,20 +206,20 @@ def test_reason_names_the_numbers():
 def test_decode_heavy_itl_over_the_slo_at_a_small_batch_goes_colocated():
     """Short prompts leave no prefill to blame: a slow decode worker is decode load."""
     s = sample(0, P1D1, arrivals=[(60, 300)] * 3, itls=[200.0] * 40, running={"decode": 2})
-    d, _ = decide([s], PolicyState(), CFG)
+    d, _ = decide(spanning(s), PolicyState(), CFG)
     assert d.action == "to-colocated"
     assert d.reason == ("ITL p90 200 ms > 1.2 x TPOT SLO 150 ms at decode batch 2.0 while "
                         "prompts avg 60 tok / answers 300 tok (0.2x) <= 2x: decode-heavy "
                         "-> colocated")
     quick = sample(0, P1D1, arrivals=[(60, 300)] * 3, itls=[100.0] * 40, running={"decode": 2})
-    assert decide([quick], PolicyState(), CFG)[0].roles is None  # within the SLO: 1P1D is fine
+    assert decide(spanning(quick), PolicyState(), CFG)[0].roles is None  # within the SLO: 1P1D is fine
 
 
 def test_big_batch_itl_is_not_interference():
     """Colocated ITL over the SLO with big batches is decode load: splitting would not help."""
     s = sample(0, COLOCATED2, arrivals=[(1480, 24)] * 3, itls=[400.0] * 20, running=6,
                outstanding=6)
-    assert decide([s], PolicyState(), CFG)[0].roles is None
+    assert decide(spanning(s), PolicyState(), CFG)[0].roles is None
 
 
 # --- xPyD rebalancing ------------------------------------------------------------------------
@@ -210,7 +228,7 @@ def test_prefill_pressure_moves_the_least_busy_decode_worker_n3():
     roles = {"w9": "prefill", "w10": "decode", "w11": "decode"}
     s = sample(0, roles, arrivals=[(300, 100)] * 4, ttfts=[3000.0] * 4, itls=[60.0] * 40,
                running=3, outstanding={"w9": 4, "w10": 3, "w11": 2})
-    d, _ = decide([s], PolicyState(), CFG)
+    d, _ = decide(spanning(s), PolicyState(), CFG)
     assert d.action == "rebalance"
     assert d.roles == {"w9": "prefill", "w10": "decode", "w11": "prefill"}
     assert d.reason.startswith("TTFT p90 3000 ms > 1 x TTFT SLO 2000 ms while decode has slack")
@@ -221,7 +239,7 @@ def test_prefill_queue_is_prefill_pressure():
     roles = {"w0": "prefill", "w1": "decode", "w2": "decode"}
     s = sample(0, roles, arrivals=[(300, 100)] * 4, ttfts=[1500.0] * 4, queue=[1200.0] * 4,
                itls=[60.0] * 40)
-    d, _ = decide([s], PolicyState(), CFG)
+    d, _ = decide(spanning(s), PolicyState(), CFG)
     assert d.action == "rebalance" and d.reason.startswith("prefill queue p90 1200 ms > 0.5 x")
 
 
@@ -229,7 +247,7 @@ def test_decode_pressure_moves_a_prefill_worker_n4():
     roles = {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "decode"}
     s = sample(0, roles, arrivals=[(1000, 100)] * 4, ttfts=[800.0] * 4, itls=[250.0] * 40,
                running={"decode": 6}, outstanding={"w0": 2, "w1": 1, "w2": 6, "w3": 6})
-    d, _ = decide([s], PolicyState(), CFG)
+    d, _ = decide(spanning(s), PolicyState(), CFG)
     assert (d.action, d.roles) == ("rebalance", {"w0": "prefill", "w1": "decode", "w2": "decode",
                                                  "w3": "decode"})
     assert "decode pressure -> w1 prefill -> decode (1P3D)" in d.reason
@@ -239,11 +257,11 @@ def test_decode_waiting_is_decode_pressure_but_not_without_prefill_slack():
     roles = {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "decode"}
     busy = sample(0, roles, arrivals=[(1000, 100)] * 4, ttfts=[1900.0] * 4, itls=[100.0] * 40,
                   waiting={"decode": 1})
-    d, _ = decide([busy], PolicyState(), CFG)
+    d, _ = decide(spanning(busy), PolicyState(), CFG)
     assert d.roles is None and "2.0 requests waiting on decode" in d.reason  # TTFT 1900 > 0.8 x SLO
     slack = sample(0, roles, arrivals=[(1000, 100)] * 4, ttfts=[900.0] * 4, itls=[100.0] * 40,
                    waiting={"decode": 1})
-    assert decide([slack], PolicyState(), CFG)[0].action == "rebalance"
+    assert decide(spanning(slack), PolicyState(), CFG)[0].action == "rebalance"
 
 
 def test_decode_pressure_with_one_prefill_worker():
@@ -252,18 +270,18 @@ def test_decode_pressure_with_one_prefill_worker():
     roles = {"w0": "prefill", "w1": "decode", "w2": "decode"}
     long = sample(0, roles, arrivals=[(1000, 100)] * 4, ttfts=[800.0] * 4, itls=[250.0] * 40,
                   running={"decode": 6})
-    d, _ = decide([long], PolicyState(), CFG)
+    d, _ = decide(spanning(long), PolicyState(), CFG)
     assert d.roles is None and d.reason.startswith("1P2D kept")
     short = sample(0, roles, arrivals=[(100, 200)] * 4, ttfts=[800.0] * 4, itls=[250.0] * 40,
                    running={"decode": 6})
-    d, _ = decide([short], PolicyState(), CFG)
+    d, _ = decide(spanning(short), PolicyState(), CFG)
     assert d.action == "to-colocated" and set(d.roles.values()) == {"colocated"}
 
 
 def test_colocated_n3_splits_2p1d():
     roles = {"w0": "colocated", "w1": "colocated", "w2": "colocated"}
     s = sample(0, roles, arrivals=[(1480, 24)] * 3, itls=[400.0] * 20, outstanding=2)
-    d, _ = decide([s], PolicyState(), CFG)
+    d, _ = decide(spanning(s), PolicyState(), CFG)
     assert d.roles == {"w0": "prefill", "w1": "prefill", "w2": "decode"}
     assert d.reason.endswith("-> 2P1D")
 
@@ -276,7 +294,7 @@ def test_colocated_n3_splits_2p1d():
      "roles 0 colocated / 0 prefill / 2 decode are neither all colocated nor xPyD"),
 ])
 def test_holds_on_layouts_it_does_not_choose_between(roles, reason):
-    d, _ = decide([sample(0, roles, arrivals=[(1480, 24)] * 3, itls=[400.0] * 20)],
+    d, _ = decide(spanning(sample(0, roles, arrivals=[(1480, 24)] * 3, itls=[400.0] * 20)),
                   PolicyState(), CFG)
     assert (d.roles, d.reason) == (None, reason)
 

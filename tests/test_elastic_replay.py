@@ -33,7 +33,9 @@ def test_read_samples_reads_only_the_sample_lines():
     assert [s.t for s in samples] == [o["at"] - EPOCH for o in lines]
     assert [s.t for s in samples] == [2.0 * i for i in range(120)]
     assert {w.role for w in samples[0].workers} == {"colocated"}
-    assert samples[3].workers[0].role == "prefill" and samples[2].workers[0].switching
+    # split at 10 s: the next sample has the new roles, switching, the one after settled
+    assert samples[6].workers[0].role == "prefill" and samples[6].workers[0].switching
+    assert not samples[7].workers[0].switching
 
 
 def test_replay_reproduces_the_recorded_decisions():
@@ -50,14 +52,14 @@ def test_replay_reproduces_the_recorded_decisions():
 
 def test_replay_with_a_longer_dwell():
     """What-if: 90 s of dwell. Open loop, so the samples keep the recorded roles: the split
-    at 2 s, then nothing until the interference of the second prefill-heavy minute (the
+    at 10 s, then nothing until the interference of the second prefill-heavy minute (the
     decode-heavy and quiet phases find the recording already colocated by then)."""
     decisions = replay(read_samples(RECORDED), replace(CFG, min_dwell_s=90.0))
-    assert [(d.t, d.action) for d in decisions if d.roles] == [(2.0, "to-pd"), (130.0, "to-pd")]
-    between = decisions[3:37]  # 6-72 s: after the recorded switch, before the next one
+    assert [(d.t, d.action) for d in decisions if d.roles] == [(10.0, "to-pd"), (130.0, "to-pd")]
+    between = decisions[7:38]  # 14-74 s: after the recorded switch, before the next one
     assert [d.reason for d in between] == [
-        f"{d.t - 2.0:.1f} s since the last change < min dwell 90 s" for d in between]
-    assert decisions[2].reason == decisions[38].reason == "w0, w1 still switching"
+        f"{d.t - 10.0:.1f} s since the last change < min dwell 90 s" for d in between]
+    assert decisions[6].reason == decisions[38].reason == "w0, w1 still switching"
 
 
 def test_replay_windows_are_the_last_window_s():

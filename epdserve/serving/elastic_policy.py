@@ -24,13 +24,11 @@ x + y = N >= 2). The physics it follows:
 Never flapping: every condition that leaves a configuration is the far side of a band from
 the one that entered it (prompt/answer tokens >= 4 to split, <= 2 to colocate; the other
 bands: :class:`PolicyConfig`), so no steady signal moves the roles back and forth. Also: a
-minimum dwell (``min_dwell_s``) after every change (the Kubernetes HPA's stabilization window
-plays this part for replica counts), a hold while any worker is switching,
-the window cut to the samples taken since the last change settled (older ones describe the
-old roles), and a hold when the window holds too little evidence (fewer than 3 arrivals and
-fewer than 20 ITL gaps) except for the low-load rule, which is about the absence of traffic.
-The windowed numbers: :class:`Window`; the thresholds and why: docs/elastic.md, "The
-controller's policy".
+minimum dwell (``min_dwell_s``) after every change (as the Kubernetes HPA's stabilization
+window), a hold while any worker is switching, only the samples since the last change
+settled (older ones describe the old roles), and a hold on too little evidence (under half
+a window of them, or fewer than 3 arrivals and 20 ITL gaps; low load needs only the span).
+Thresholds and why: docs/elastic.md, "The controller's policy".
 """
 
 from __future__ import annotations
@@ -331,7 +329,10 @@ def _settled(samples: Sequence[Sample], state: PolicyState) -> list[Sample]:
 
 
 def _no_evidence(win: Window, c: PolicyConfig) -> str | None:
-    """The hold reason of a window with too little evidence, or None."""
+    """The hold reason of too little evidence, or None: half a window of samples (after a
+    long drain, seconds of the new roles are no measurement) and arrivals or ITL gaps."""
+    if win.span_s < c.window_s / 2:
+        return f"too little evidence: {win.span_s:.0f} s of settled samples < {c.window_s / 2:g} s"
     if win.arrivals >= c.min_arrivals or win.n_itl >= c.min_itl_gaps:
         return None
     return (f"too little evidence: {win.arrivals} arrivals < {c.min_arrivals} and "
