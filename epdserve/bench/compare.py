@@ -106,7 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="epdserve deployments to compare, in order (default colocated,pd "
                              "unless --deployments is given): colocated, colocated-chunked, "
                              "colocated-N (N replicas), pd, XpYd (X prefill, Y decode workers), "
-                             "XeYpZd (EPD: X encode, Y prefill, Z decode workers), pd-localN; "
+                             "XeYpZd (EPD: X encode, Y prefill, Z decode workers), pd-localN, "
+                             "elastic (2 workers that change role live; started with --goodput's "
+                             "SLOs, or the default ones), elastic-N (N >= 2 such workers); "
                              "NAME-noprefix: prefix caching off; the first is the baseline of "
                              "the ratio column")
     parser.add_argument("--deployments", nargs="+", default=None, metavar="FILE",
@@ -182,7 +184,7 @@ def preflight(args: argparse.Namespace, available_bytes: int | None,
     for dep in (d for d in deployments if d.epdserve):
         model = dep.model or args.model
         cmd = server_command(dep.epdserve, args.port, Path("trace.jsonl"), model, [],
-                             args.allow_oversubscription) + (dep.args or [])
+                             args.allow_oversubscription, slos(args)) + (dep.args or [])
         try:
             opts, unknown = parser.parse_known_args(cmd)
         except argparse.ArgumentError as exc:
@@ -197,6 +199,12 @@ def preflight(args: argparse.Namespace, available_bytes: int | None,
         if error:
             errors.append(f"[{dep.name}] {error}")
     return warnings, errors
+
+
+def slos(args: argparse.Namespace) -> dict[str, float] | None:
+    """The SLOs (ms) of ``--goodput`` (None without it), which elastic deployments get as
+    serve's ``--slo`` (:func:`~epdserve.bench.processes.server_command`)."""
+    return dict(args.goodput) if getattr(args, "goodput", None) else None
 
 
 def _raise_interrupt(signum, frame):

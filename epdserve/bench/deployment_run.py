@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 from epdserve import host
@@ -13,6 +14,7 @@ from epdserve.bench import client, plots, server_metrics, server_trace, sweep, w
 from epdserve.bench.deployments import Deployment, from_config
 from epdserve.bench.processes import SERVE, LaunchOptions, Running, ServerError, launched
 from epdserve.bench.run import bench
+from epdserve.serving.deployment import DeploymentSpec
 
 
 def run_config(deployment: str | Deployment, requests: list[workload.Request],
@@ -32,7 +34,11 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
     instead when a start or run of the sweep failed), "host_load": {"cores", "before": <host.quiet_check>, "during":
     <host.LoadMonitor.stop>, "warning": <host.outside_warning> or None} (None for a
     base_url deployment: its CPU time cannot be told from others'), "died": <see
-    :class:`~epdserve.bench.processes.Running`> (only when a process died)}``.
+    :class:`~epdserve.bench.processes.Running`> (only when a process died), "run_start_unix",
+    "run_end_unix": <time.time() when the trace's first request was due (the origin of
+    ``start_offsets``, up to the few ms it takes to start the first send) and when its
+    last request ended>, "roles_timeline": <server_trace.role_timeline's "workers">,
+    "role_switches": <its "switches"> (both ``{}`` but for an elastic deployment)}``.
     ``serve``: the command epdserve deployments start with; ``progress`` prefixes the log
     lines (e.g. "2/4").
 
@@ -48,7 +54,8 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
     cores = sorted(os.sched_getaffinity(0))  # the launcher splits these among its workers
     before = host.quiet_check(cores)
     opts = LaunchOptions(args.port, args.model, args.startup_timeout,
-                         args.allow_oversubscription, serve)
+                         args.allow_oversubscription, serve,
+                         dict(args.goodput) if getattr(args, "goodput", None) else None)
     with launched(dep, out_dir, opts, lambda line: print(f"{tag} {line}", flush=True)) as running:
         entry["metrics_urls"] = running.metrics_urls
         print(f"{tag} sending {len(requests)} requests", flush=True)
@@ -64,7 +71,7 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
         print(f"{tag} error: {running.died_reason()}; last lines of its log:\n"
               f"{running.died['log_tail']}", flush=True)
     entry["host_load"] = _host_load(cores, before, during, tag) if during else None
-    _add_summaries(entry, running.trace_file)
+    _add_summaries(entry, running.trace_file, _is_elastic(dep))
     result = entry["result"]
     print(f"{tag} done: {result['completed']} completed, {result['failed']} failed, "
           f"{result['duration']:.1f} s", flush=True)
@@ -93,9 +100,16 @@ def _run_trace(running: Running, requests: list[workload.Request], args: argpars
     monitor = host.LoadMonitor(cores, pids).start() if pids else None
     # The server's own view of the same requests: from after the warm-up to the run's end.
     watcher = server_metrics.MetricsWatcher(running.metrics_urls)
+
+    def on_start() -> None:  # right before the first request is due: the trace's time 0
+        if watcher.urls:
+            watcher.start()
+        entry["run_start_unix"] = time.time()
+
     try:
         entry["result"] = bench(running.client_url, requests, args, model=running.model,
-                                on_start=watcher.start if watcher.urls else None)
+                                on_start=on_start)
+        entry["run_end_unix"] = time.time()
         entry["server_metrics"] = _stop_watcher(watcher, entry["result"]["completed"], tag)
         entry["resources"] = running.resources()
     except client.ClientError:
@@ -162,14 +176,25 @@ def _stop_watcher(watcher: server_metrics.MetricsWatcher, completed: int, tag: s
     return found
 
 
-def _add_summaries(entry: dict, trace_file: Path | None) -> None:
+def _is_elastic(dep: Deployment) -> bool:
+    """Whether ``dep`` is an epdserve deployment whose workers may change role: an elastic
+    name, or ``--elastic`` among its extra serve ``args``."""
+    return bool(dep.epdserve) and (DeploymentSpec.parse(dep.epdserve).elastic or "--elastic" in (dep.args or []))
+
+
+def _add_summaries(entry: dict, trace_file: Path | None, elastic: bool = False) -> None:
     """What the server's trace (epdserve's; none for other deployments) and the bench
-    result say, into ``entry``: ``server``, ``breakdown`` and ``itl_stalls``."""
+    result say, into ``entry``: ``server``, ``breakdown``, ``itl_stalls``, and (of an
+    ``elastic`` deployment; else ``{}``) ``roles_timeline`` and ``role_switches``."""
     result = entry["result"]
     entry["itl_stalls"] = plots.itl_stalls(result)
+    entry["roles_timeline"], entry["role_switches"] = {}, {}
     if trace_file is None:
         entry["server"], entry["breakdown"] = {}, {}
         return
     records, _ = server_trace.read(trace_file)
     entry["server"] = server_trace.summarize(trace_file, result["request_ids"])
     entry["breakdown"] = server_trace.breakdown(result, records)
+    if elastic:
+        roles = server_trace.role_timeline(trace_file, end_unix=entry.get("run_end_unix"))
+        entry["roles_timeline"], entry["role_switches"] = roles["workers"], roles["switches"]

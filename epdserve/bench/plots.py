@@ -84,8 +84,15 @@ def plot_itl_over_time(entries: list[dict], long_offsets_s: list[float],
                        path: str | Path) -> None:
     """Each ITL gap at the time (s since start) it ended, one colour per configuration,
     with the long-prompt send times as dashed vertical lines and the stall threshold as a
-    dotted horizontal one."""
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    dotted horizontal one; under it, for each entry with a ``roles_timeline`` and a
+    ``run_start_unix`` (an elastic deployment), a panel of its workers' roles over the same
+    time axis (:func:`plot_roles`)."""
+    elastic = [e for e in entries if e.get("roles_timeline") and e.get("run_start_unix") is not None]
+    lanes = [len(e["roles_timeline"]) for e in elastic]
+    heights = [0.9 + 0.35 * n for n in lanes]  # inches: a lane per worker, the legend's row
+    fig, axes = plt.subplots(1 + len(elastic), 1, sharex=True, squeeze=False,
+                             figsize=(10, 4.5 + sum(heights)), height_ratios=[4.5, *heights])
+    ax = axes[0, 0]
     for e, marker in zip(entries, "o^sDv<>" * 4):
         t, g = itl_times(e["result"])
         ax.scatter(t, g, s=5, alpha=0.5, marker=marker, label=e["name"])
@@ -94,15 +101,45 @@ def plot_itl_over_time(entries: list[dict], long_offsets_s: list[float],
                    label="long prompt sent" if k == 0 else None)
     ax.axhline(STALL_MS, color="grey", linestyle=":", linewidth=1,
                label=f"stall (> {STALL_MS / 1000:g} s)")
-    ax.set_xlabel("time since start (s)")
     ax.set_ylabel("ITL (ms)")
     ax.set_yscale("log")
     ax.set_title("Inter-token latency over time")
     ax.grid(True, alpha=0.3)
     ax.legend(markerscale=3)
+    x_lo, x_hi = ax.get_xlim()  # the ITL's span: role intervals outside it are cut
+    for e, role_ax in zip(elastic, axes[1:, 0]):
+        plot_roles(role_ax, e["roles_timeline"], e["run_start_unix"], e["name"])
+    if elastic:
+        ax.set_xlim(x_lo, x_hi)
+    axes[-1, 0].set_xlabel("time since start (s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# Role colours of the roles-over-time panels (a draining interval: its new role's colour,
+# hatched).
+ROLE_COLOURS = {"colocated": "tab:green", "prefill": "tab:orange", "decode": "tab:blue"}
+
+
+def plot_roles(ax, timeline: dict[str, list], origin_unix: float, name: str) -> None:
+    """One bar lane per worker of ``timeline`` (:func:`epdserve.bench.server_trace.
+    role_timeline`'s ``workers``: ``[start, end, role, state]`` in unix s) on ``ax``, at
+    times since ``origin_unix`` (the run's start, the ITL plot's time 0, s), coloured by
+    role (:data:`ROLE_COLOURS`), hatched while draining."""
+    workers = sorted(timeline, reverse=True)  # the first worker on top
+    for y, worker in enumerate(workers):
+        for start, end, role, state in timeline[worker]:
+            ax.broken_barh([(start - origin_unix, end - start)], (y - 0.4, 0.8),
+                           facecolors=ROLE_COLOURS.get(role, "lightgrey"), edgecolor="white",
+                           hatch="///" if state == "draining" else None, linewidth=0.5)
+    ax.set_yticks(range(len(workers)), workers, fontsize=8)
+    ax.set_ylim(-0.6, len(workers) + 0.5)  # a row above the lanes for the legend
+    ax.set_ylabel(f"{name}\nroles", fontsize=8)
+    ax.grid(True, axis="x", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ROLE_COLOURS.values()]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="grey", hatch="///"))
+    ax.legend(handles, [*ROLE_COLOURS, "draining"], fontsize=7, loc="upper right", ncol=4)
 
 
 def plot_stages(entries: list[dict], path: str | Path) -> None:

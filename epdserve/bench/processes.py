@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from epdserve.bench import client
+from epdserve.bench import client, metrics
 from epdserve.bench.deployments import Deployment, Resources
 from epdserve.serving.deployment import DeploymentSpec
 
@@ -230,11 +230,20 @@ def group_alive(pgid: int) -> bool:
 
 
 def server_command(name: str, port: int, trace_file: Path, model: str | None,
-                   serve: list[str] = SERVE, allow_oversubscription: bool = False) -> list[str]:
+                   serve: list[str] = SERVE, allow_oversubscription: bool = False,
+                   slos_ms: dict[str, float] | None = None) -> list[str]:
     """The ``epdserve serve`` command line of one configuration (``serve``: the program
-    and sub-command that take the serve options; any stand-in with the same options)."""
-    cmd = [*serve, *DeploymentSpec.parse(name).serve_flags(), "--host", "127.0.0.1",
-           "--port", str(port), "--trace-file", str(trace_file)]
+    and sub-command that take the serve options; any stand-in with the same options).
+
+    An elastic deployment also gets ``--slo KEY:MS ...``: ``slos_ms`` (compare's
+    ``--goodput``), or when None :data:`~epdserve.bench.metrics.DEFAULT_SLOS_MS`, the SLOs
+    compare judges goodput by without ``--goodput`` (:func:`metrics.judged_goodput`): its
+    controller then steers for the SLOs it is judged by."""
+    spec = DeploymentSpec.parse(name)
+    cmd = [*serve, *spec.serve_flags()]
+    if spec.elastic:
+        cmd += ["--slo", *(f"{k}:{v:g}" for k, v in (slos_ms or metrics.DEFAULT_SLOS_MS).items())]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--trace-file", str(trace_file)]
     if model:
         cmd += ["--model", model]
     if allow_oversubscription:
@@ -246,14 +255,16 @@ def server_command(name: str, port: int, trace_file: Path, model: str | None,
 class LaunchOptions:
     """What starting an epdserve entry takes from compare's options: the router ``port``
     on 127.0.0.1, the default ``model`` (None: the default model), the seconds to wait for
-    all its workers (``startup_timeout_s``), ``allow_oversubscription``, and the
-    ``serve`` command (a stand-in in tests)."""
+    all its workers (``startup_timeout_s``), ``allow_oversubscription``, the ``serve``
+    command (a stand-in in tests), and the SLOs (ms) an elastic deployment steers for
+    (``slos_ms``, compare's ``--goodput``; None: :func:`server_command`'s default)."""
 
     port: int = 8100
     model: str | None = None
     startup_timeout_s: float = 300.0
     allow_oversubscription: bool = False
     serve: list[str] = field(default_factory=lambda: list(SERVE))
+    slos_ms: dict[str, float] | None = None
 
 
 class Running:
@@ -279,7 +290,7 @@ class Running:
             self.trace_file: Path | None = (out_dir / f"{dep.name}.server.jsonl").resolve()
             cmd = server_command(dep.epdserve, opts.port, self.trace_file,
                                  dep.model or opts.model, opts.serve,
-                                 opts.allow_oversubscription) + (dep.args or [])
+                                 opts.allow_oversubscription, opts.slos_ms) + (dep.args or [])
             self.processes = [ServerProcess(dep.name, cmd, out_dir / f"{dep.name}.server.log",
                                             self.client_url)]
             self.metrics_urls = dep.metrics_urls or [self.client_url + "/metrics"]

@@ -381,10 +381,32 @@ def _run_section(e: dict) -> list[str]:
                                       if srv.get("malformed_lines") else ""))
     else:
         parts.append("- server trace: none")
+    parts += role_switch_lines(e)
     if e.get("host_load"):
         parts.append(load_line(e["host_load"]))
     parts.append("")
     return parts
+
+
+def role_switch_lines(e: dict) -> list[str]:
+    """An elastic deployment's role switches (its ``role_switches``:
+    :func:`epdserve.bench.server_trace.role_timeline`) as markdown list lines: how many
+    were done and asked, the drain time's p50 and max (ms), then each controller decision
+    (time since the run's start in s, or unix s without ``run_start_unix``; action;
+    reason). [] for a static deployment."""
+    sw = e.get("role_switches") or {}
+    if not sw:
+        return []
+    drain = ("" if sw.get("drain_ms_p50") is None else
+             f", drain p50 {sw['drain_ms_p50']:,.0f} ms, max {sw['drain_ms_max']:,.0f} ms")
+    lines = [f"- role switches: {sw['count']} done ({sw['requested']} asked){drain}"]
+    origin = e.get("run_start_unix")
+    decisions = sw.get("decisions") or []
+    lines.append(f"- controller decisions: {len(decisions)}" + (":" if decisions else ""))
+    for d in decisions:
+        when = f"{d['at'] - origin:+.1f} s" if origin is not None else f"unix {d['at']:.1f}"
+        lines.append(f"  - {when}: {d.get('action')} — {d.get('reason')}")
+    return lines
 
 
 def server_table_markdown(entries: list[dict]) -> str:

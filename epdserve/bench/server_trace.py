@@ -9,6 +9,13 @@ too), joined with the client's view by ``request_id`` (the response ``id``):
 client TTFT (and PD hand-off gap) into stages. Stages a server did not measure are left
 out, never guessed: image stages exist only for requests with images, ``kv_*`` are 0 when
 colocated.
+
+Beside the request records, the router of an elastic deployment (``serve --elastic``)
+writes event lines, JSON objects with an ``event`` key (request records never have one):
+``role`` (a worker admitted in a role, asked to switch, or done switching),
+``elastic_decision`` and ``elastic_sample`` (the format: the contract of issue 20, in
+docs/comparing.md). :func:`read` skips them; :func:`role_timeline` reads the roles over
+time and the switches from them.
 """
 
 from __future__ import annotations
@@ -36,22 +43,93 @@ PER_IMAGE = {"embedding_bytes_per_image": "embedding_bytes",
              "embedding_transfer_ms_per_image": "embedding_transfer_ms"}
 
 
-def read(path: str | Path) -> tuple[list[RequestTrace], int]:
-    """(records, number of malformed lines skipped: not JSON, or not a trace record) of a
-    trace file; ([], 0) if absent."""
-    path = Path(path)
-    if not path.is_file():
-        return [], 0
-    records, bad = [], 0
+def _objects(path: Path):
+    """Each line of a trace file parsed: a dict, or None for a line that is not a JSON
+    object (blank lines left out)."""
     for line in path.read_text(errors="replace").splitlines():
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-            records.append(RequestTrace.from_json(obj if isinstance(obj, dict) else {}))
-        except (json.JSONDecodeError, ValidationError):
+        except json.JSONDecodeError:
+            obj = None
+        yield obj if isinstance(obj, dict) else None
+
+
+def read(path: str | Path) -> tuple[list[RequestTrace], int]:
+    """(records, number of malformed lines skipped: not JSON, or not a trace record) of a
+    trace file; ([], 0) if absent. Event lines (an ``event`` key: module doc) are neither
+    records nor malformed."""
+    path = Path(path)
+    if not path.is_file():
+        return [], 0
+    records, bad = [], 0
+    for obj in _objects(path):
+        if obj is not None and "event" in obj:
+            continue
+        try:
+            records.append(RequestTrace.from_json(obj or {}))
+        except ValidationError:
             bad += 1
     return records, bad
+
+
+def events(path: str | Path, kind: str) -> list[dict]:
+    """The event lines of a trace file whose ``event`` is ``kind`` (``role``,
+    ``elastic_decision``, ``elastic_sample``), in file order, without a line whose ``at``
+    (unix s) is not a number; [] if the file is absent."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [o for o in _objects(path) if o is not None and o.get("event") == kind
+            and isinstance(o.get("at"), (int, float)) and not isinstance(o.get("at"), bool)]
+
+
+ROLES = ("colocated", "prefill", "decode")
+# An interval's state: the worker serves its role ("active"), or the router already routes
+# it by its new role while it finishes its old role's work ("draining": from its
+# ``switching`` line to its ``switched`` line).
+STATES = ("active", "draining")
+
+
+def role_timeline(path: str | Path, end_unix: float | None = None) -> dict:
+    """The roles of each worker over time and the role switches, from the ``role``,
+    ``elastic_decision`` lines of a router trace file (module doc).
+
+    Returns ``{"workers": {worker id: [[start, end, role, state], ...]}, "switches":
+    {"count", "requested", "drain_ms_p50", "drain_ms_max", "decisions": [{"at", "action",
+    "reason", "roles"}]}}``, times in unix seconds (``time.time()``, as the lines have them),
+    intervals in time order; ``{"workers": {}, "switches": {}}`` without role lines. A ``up``
+    line starts an "active" interval of its role, a ``switching`` line a "draining" one of
+    the new role (the router routes by it from then), a ``switched`` line an "active" one;
+    each ends where the worker's next one starts, the last at ``end_unix`` (None: the last
+    event's time). ``count``: switches done (``switched`` lines); ``requested``:
+    ``switching`` lines; ``drain_ms_p50`` (numpy median) and ``drain_ms_max`` over the
+    ``switched`` lines' ``drain_ms`` (None when there is none).
+    """
+    roles = sorted(events(path, "role"), key=lambda o: o["at"])
+    decisions = events(path, "elastic_decision")
+    if not roles and not decisions:
+        return {"workers": {}, "switches": {}}
+    end = end_unix if end_unix is not None else max(o["at"] for o in roles + decisions)
+    workers: dict[str, list[list]] = {}
+    for o in roles:
+        state = {"up": "active", "switching": "draining", "switched": "active"}.get(o.get("state"))
+        if state is None or o.get("role") not in ROLES or not isinstance(o.get("worker"), str):
+            continue  # a line of a later format: not drawn rather than drawn wrong
+        lane = workers.setdefault(o["worker"], [])
+        if lane:
+            lane[-1][1] = o["at"]
+        lane.append([o["at"], None, o["role"], state])
+    for lane in workers.values():
+        lane[-1][1] = max(end, lane[-1][0])
+    done = [o for o in roles if o.get("state") == "switched"]
+    drains = [float(o["drain_ms"]) for o in done if isinstance(o.get("drain_ms"), (int, float))]
+    return {"workers": workers, "switches": {
+        "count": len(done), "requested": sum(o.get("state") == "switching" for o in roles),
+        "drain_ms_p50": float(np.median(drains)) if drains else None,
+        "drain_ms_max": max(drains) if drains else None,
+        "decisions": [{k: o.get(k) for k in ("at", "action", "reason", "roles")} for o in decisions]}}
 
 
 def _norm(request_id) -> str:

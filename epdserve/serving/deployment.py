@@ -13,6 +13,9 @@ Names (:data:`NAME_FORMS`):
 * ``XeYpZd`` — EPD: X encode, Y prefill and Z decode workers (X, Y, Z >= 1);
 * ``pd-localN`` — ``pd`` whose prompts under N tokens are prefilled on the decode worker
   (N >= 0);
+* ``elastic`` — two workers that change role live (``serve --elastic``), starting
+  colocated; ``elastic-N``: N such workers (N >= 2). Placed and given cores as
+  ``colocated-N`` (so ``elastic`` runs on the workers and cores of ``colocated-2``);
 * any of them with the suffix ``-noprefix`` (once): prefix caching off (on by default, as
   in vLLM).
 
@@ -33,16 +36,21 @@ MODES = ("colocated", "pd", "epd")
 CHUNKED_BATCHED_TOKENS = 256
 
 NOPREFIX = "-noprefix"
-NAME_FORMS = ("colocated", "colocated-N", "colocated-chunked", "pd", "XpYd", "XeYpZd", "pd-localN")
+NAME_FORMS = ("colocated", "colocated-N", "colocated-chunked", "pd", "XpYd", "XeYpZd", "pd-localN",
+              "elastic", "elastic-N")
 NAME_HELP = (f"expected one of: {', '.join(NAME_FORMS)}, with an optional {NOPREFIX} suffix "
-             f"(X, Y, Z and colocated-N's N: worker counts >= 1; pd-localN's N: prompt tokens >= 0; "
-             f"e.g. colocated-2, 2p1d, 1e1p1d, pd-local64)")
+             f"(X, Y, Z and colocated-N's N: worker counts >= 1; elastic-N's N: workers >= 2; "
+             f"pd-localN's N: prompt tokens >= 0; e.g. colocated-2, 2p1d, 1e1p1d, pd-local64, elastic-3)")
+# An elastic deployment without a count: two workers, the fewest that can split prefill
+# from decode.
+ELASTIC_WORKERS = 2
 
 _COUNT = r"([1-9][0-9]*)"
 _COLOCATED_N = re.compile(rf"colocated-{_COUNT}")
 _XPYD = re.compile(rf"{_COUNT}p{_COUNT}d")
 _XEYPZD = re.compile(rf"{_COUNT}e{_COUNT}p{_COUNT}d")
 _PD_LOCAL = re.compile(r"pd-local([0-9]+)")
+_ELASTIC_N = re.compile(rf"elastic-{_COUNT}")
 
 Placement = list[tuple[str, str, list[int]]]  # (role, worker id, cores) of each worker
 
@@ -65,10 +73,14 @@ class DeploymentSpec:
         local_prefill_threshold: pd, tokens: a prompt shorter than this is prefilled on the
             decode worker (serve's ``--local-prefill-threshold``); None: not set (serve's 0).
         prefix_caching: prefix caching on (serve's default) or off.
+        elastic: the workers change role live (serve's ``--elastic``); the mode and counts
+            are the starting roles. A colocated elastic deployment without ``workers`` has
+            :data:`ELASTIC_WORKERS`.
 
     Raises:
         ValueError: (on construction) an unknown mode, a count below 1, a count the mode
-            has no workers for, or a negative threshold.
+            has no workers for, a negative threshold, or an elastic deployment in epd mode
+            or of fewer than 2 workers.
     """
 
     mode: str = "colocated"
@@ -79,6 +91,7 @@ class DeploymentSpec:
     chunked_prefill: bool = False
     local_prefill_threshold: int | None = None
     prefix_caching: bool = True
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -92,16 +105,23 @@ class DeploymentSpec:
             raise ValueError(f"mode {self.mode} has no {', '.join(extra)} count")
         if self.local_prefill_threshold is not None and self.local_prefill_threshold < 0:
             raise ValueError(f"local prefill threshold {self.local_prefill_threshold}: must be >= 0")
+        if self.elastic and (self.mode == "epd" or self.num_workers < 2):
+            raise ValueError(f"an elastic deployment needs colocated or pd workers, at least 2 "
+                             f"(got {self.mode} with {self.num_workers})")
 
     @classmethod
     def parse(cls, name: str) -> DeploymentSpec:
         """The deployment a name means (forms: module doc).
 
         Raises:
-            ValueError: an unknown name; the message names it and lists every accepted form.
+            ValueError: an unknown name or a bad count (``elastic-1``); the message names
+                it and lists every accepted form.
         """
         base = name.removesuffix(NOPREFIX)
-        spec = cls._parse_base(base)
+        try:
+            spec = cls._parse_base(base)
+        except ValueError as exc:
+            raise ValueError(f"deployment {name!r}: {exc}; {NAME_HELP}") from None
         if spec is None:
             raise ValueError(f"unknown deployment {name!r}: {NAME_HELP}")
         return spec if base == name else replace(spec, prefix_caching=False)
@@ -121,6 +141,10 @@ class DeploymentSpec:
             return cls("epd", encode=int(m[1]), prefill=int(m[2]), decode=int(m[3]))
         if m := _PD_LOCAL.fullmatch(base):
             return cls("pd", local_prefill_threshold=int(m[1]))
+        if base == "elastic":
+            return cls("colocated", elastic=True)
+        if m := _ELASTIC_N.fullmatch(base):
+            return cls("colocated", workers=int(m[1]), elastic=True)  # ValueError below 2
         return None
 
     @classmethod
@@ -128,11 +152,12 @@ class DeploymentSpec:
         """The deployment of parsed ``epdserve serve`` options: ``mode``, the worker counts
         of the mode (``workers``; ``encode_workers``, ``prefill_workers``,
         ``decode_workers``), ``enable_chunked_prefill``, ``local_prefill_threshold`` (0:
-        None) and ``enable_prefix_caching`` (None: on). Such a deployment need not have a
-        name (:attr:`name`).
+        None), ``enable_prefix_caching`` (None: on) and ``elastic`` (absent: False). Such a
+        deployment need not have a name (:attr:`name`).
 
         Raises:
-            ValueError: any worker count below 1 (those of other modes too), or an unknown mode.
+            ValueError: any worker count below 1 (those of other modes too), an unknown
+                mode, or an elastic deployment serve cannot switch (see the class doc).
         """
         counts = {"workers": args.workers, "encode": args.encode_workers,
                   "prefill": args.prefill_workers, "decode": args.decode_workers}
@@ -143,7 +168,8 @@ class DeploymentSpec:
         return cls(args.mode, **{k: counts[k] for k in roles},
                    chunked_prefill=bool(getattr(args, "enable_chunked_prefill", False)),
                    local_prefill_threshold=getattr(args, "local_prefill_threshold", 0) or None,
-                   prefix_caching=getattr(args, "enable_prefix_caching", None) is not False)
+                   prefix_caching=getattr(args, "enable_prefix_caching", None) is not False,
+                   elastic=bool(getattr(args, "elastic", False)))
 
     @property
     def name(self) -> str:
@@ -152,7 +178,9 @@ class DeploymentSpec:
         Raises:
             ValueError: a deployment no name stands for (e.g. epd with chunked prefill).
         """
-        if self.mode == "colocated":
+        if self.elastic and self.mode == "colocated":
+            base = f"elastic-{self.workers}" if self.workers is not None else "elastic"
+        elif self.mode == "colocated":
             base = ("colocated-chunked" if self.chunked_prefill else
                     f"colocated-{self.workers}" if self.workers is not None else "colocated")
         elif self.mode == "pd":
@@ -178,7 +206,7 @@ class DeploymentSpec:
         """Workers per role (``colocated``, ``encode``, ``prefill``, ``decode``) that serve
         starts, in that order; a count the name leaves out is serve's default, 1."""
         if self.mode == "colocated":
-            return {"colocated": self.workers or 1}
+            return {"colocated": self.workers or (ELASTIC_WORKERS if self.elastic else 1)}
         roles = {"prefill": self.prefill or 1, "decode": self.decode or 1}
         return {"encode": self.encode or 1, **roles} if self.mode == "epd" else roles
 
@@ -190,9 +218,13 @@ class DeploymentSpec:
     def serve_flags(self) -> list[str]:
         """The ``epdserve serve`` options of this deployment: ``--mode``, the worker counts
         the name spells out, chunked prefill and its token budget, the local prefill
-        threshold, ``--no-enable-prefix-caching``; nothing for what is serve's default."""
-        flags = ["--mode", self.mode]
-        for opt, n in (("--workers", self.workers), ("--encode-workers", self.encode),
+        threshold, ``--no-enable-prefix-caching``; nothing for what is serve's default.
+        An elastic deployment gets ``--elastic`` and always its worker count (serve's
+        default of 1 worker is not elastic's); its SLOs (``--slo``) are the caller's to add."""
+        flags = ["--elastic"] if self.elastic else []
+        flags += ["--mode", self.mode]
+        workers = self.counts()["colocated"] if self.elastic and self.mode == "colocated" else self.workers
+        for opt, n in (("--workers", workers), ("--encode-workers", self.encode),
                        ("--prefill-workers", self.prefill), ("--decode-workers", self.decode)):
             if n is not None:
                 flags += [opt, str(n)]

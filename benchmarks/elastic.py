@@ -1,0 +1,199 @@
+"""Elastic roles against every static split (issue 20): goodput per core of ``epdserve
+compare`` on the same machine, the same trace and the same SLOs for every configuration,
+on two workloads:
+
+* ``shift`` — ``--workload shift`` (default phases, :data:`epdserve.bench.datasets.
+  SHIFT_DEFAULT`, or ``--shift-phases``): long documents with short answers, then short
+  questions with long answers, then a quiet phase. Goal: elastic >= 1.2 x the best static;
+* ``demo`` — ``--workload demo`` (what ``make demo`` runs: chat requests with bursts of
+  1,600-token prompts, no shift). Goal: elastic >= 0.95 x the best static.
+
+Configurations (``--configs``, default ``colocated,colocated-2,1p1d,elastic``): the
+static ones and ``elastic`` (2 workers that change role live; the workers and cores of
+``colocated-2`` and ``1p1d``). For each workload it prints each configuration's goodput
+per core (requests within the SLOs per second, over the cores the deployment ran on:
+:func:`epdserve.bench.recommend.figures`) and the ratio **elastic / best static**, and
+writes ``elastic.json`` and ``elastic.png`` (bars of goodput per core) under ``--output``,
+each compare run under ``--output/WORKLOAD/``.
+
+SLOs (:data:`SLOS_MS`, every configuration, both workloads; elastic's controller gets the
+same as ``serve --slo``): **TTFT <= 10,000 ms, TPOT <= 250 ms**. Why, on 2 CPU cores and
+SmolLM2-135M (prefill ~240 tokens/s on one core, a decode step ~75 ms at batch 1 and
+~150 ms at batch 8; the measurements above ``DEMO_DEFAULTS`` in epdserve/bench/datasets.py):
+
+* TTFT 10 s admits the longest prompt of both workloads (1,700 tokens in the shift's first
+  phase, 1,600 in the demo), whose prefill alone takes ~6-8 s on the one core a prefill
+  worker has, with ~2-4 s of queue; a tighter TTFT would fail every split deployment on
+  the long prompts whatever it does, a looser one would not see a prefill backlog;
+* TPOT 250 ms is met by a normal decode batch (~150-200 ms a step at the 8-13 sequences
+  the shift's second phase keeps decoding) but not by a request whose decode a long
+  prefill stalls: one 1,700-token prefill (~7 s) in the 8-16 tokens of a long document's
+  answer adds ~450-900 ms per token, in a 32-token chat answer ~220 ms on top of its
+  ~100 ms steps. It is what colocated serving pays for prefill interference.
+
+Elastic needs ``epdserve serve --elastic`` (issue 20). A shifting trace runs about 4
+minutes per configuration plus the model loads: the default run is ~30-40 minutes.
+Run on a quiet machine; the ratios are of one run on the same machine, never against
+a number from elsewhere.
+
+    .venv/bin/python benchmarks/elastic.py [--output results/elastic] [--workloads shift,demo] \\
+        [--configs colocated,colocated-2,1p1d,elastic] [--shift-phases SPEC] [--seed 0]
+
+``--from-existing`` reads ``--output/WORKLOAD/compare.json`` of an earlier run instead of
+running compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from epdserve.bench.compare import parse_configs  # noqa: E402
+from epdserve.bench.recommend import figures  # noqa: E402
+from epdserve.bench.workload import parse_shift_phases  # noqa: E402
+from epdserve.serving.deployment import DeploymentSpec  # noqa: E402
+
+SLOS_MS = {"ttft": 10000.0, "tpot": 250.0}
+SLOS_WHY = ("TTFT 10 s admits a 1,700-token prefill (~6-8 s on one core) with a few seconds of queue; "
+            "TPOT 250 ms is met by a decode batch of up to ~13 sequences (~150-200 ms a step) but not "
+            "by a decode stalled by a long prefill (+220-900 ms per token)")
+WORKLOADS = ("shift", "demo")
+GOALS = {"shift": 1.2, "demo": 0.95}  # elastic / best static, issue 20
+DEFAULT_CONFIGS = "colocated,colocated-2,1p1d,elastic"
+EPDSERVE = [sys.executable, "-m", "epdserve"]
+
+
+def _workloads(text: str) -> list[str]:
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    bad = [w for w in names if w not in WORKLOADS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {', '.join(WORKLOADS)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (module doc); exits 2 with a message for a bad one."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", default="results/elastic", metavar="DIR", help="default results/elastic")
+    p.add_argument("--workloads", type=_workloads, default=list(WORKLOADS), metavar="LIST",
+                   help="shift, demo or both (default shift,demo)")
+    p.add_argument("--configs", type=parse_configs, default=parse_configs(DEFAULT_CONFIGS), metavar="NAMES",
+                   help=f"compare's configurations (default {DEFAULT_CONFIGS})")
+    p.add_argument("--shift-phases", type=parse_shift_phases, default=None, metavar="SPEC",
+                   help="passed to compare for the shift workload (default: its default phases)")
+    p.add_argument("--seed", type=int, default=0, help="the traces' seed (default 0)")
+    p.add_argument("--from-existing", action="store_true",
+                   help="read DIR/WORKLOAD/compare.json of an earlier run instead of running compare")
+    return p.parse_args(argv)
+
+
+def compare_command(args: argparse.Namespace, workload: str, out: Path) -> list[str]:
+    """The ``epdserve compare`` command of one workload: every configuration, the SLOs, the
+    seed (and the shift's phases)."""
+    cmd = [*EPDSERVE, "compare", "--workload", workload, "--configs", ",".join(args.configs),
+           "--goodput", *(f"{k}:{v:g}" for k, v in SLOS_MS.items()), "--seed", str(args.seed),
+           "--output", str(out)]
+    if workload == "shift" and args.shift_phases is not None:
+        from epdserve.bench.datasets import format_phases
+        cmd += ["--shift-phases", format_phases(args.shift_phases)]
+    return cmd
+
+
+def summarize(compare: dict, workload: str) -> dict:
+    """One workload's figures from its compare.json: ``{"configs": {name: {"goodput_rps",
+    "goodput_per_core", "slo_attainment", "cores"} | {"error"}}, "best_static": name | None,
+    "elastic": name | None, "elastic_over_best_static": ratio | None, "goal", "meets_goal"}``.
+    Static: every configuration that is not elastic (:class:`DeploymentSpec`); the best has
+    the highest goodput per core. The ratio is None when elastic or every static one
+    failed, or the best static has no goodput."""
+    rows: dict[str, dict] = {}
+    for e in compare["configs"]:
+        if "result" not in e:
+            rows[e["name"]] = {"error": e.get("error", "did not run")}
+            continue
+        f = figures(e)
+        rows[e["name"]] = {"goodput_rps": f["request_goodput"], "goodput_per_core": f["goodput_per_device"],
+                           "slo_attainment": f["slo_attainment"], "cores": f["num_devices"]}
+    ran = {n: r for n, r in rows.items() if r.get("goodput_per_core") is not None}
+    elastic = next((n for n in rows if DeploymentSpec.parse(n).elastic), None)
+    static = {n: r["goodput_per_core"] for n, r in ran.items() if not DeploymentSpec.parse(n).elastic}
+    best = max(static, key=static.get) if static else None
+    ratio = (ran[elastic]["goodput_per_core"] / static[best]
+             if elastic in ran and best is not None and static[best] > 0 else None)
+    return {"configs": rows, "best_static": best, "elastic": elastic, "elastic_over_best_static": ratio,
+            "goal": GOALS[workload], "meets_goal": None if ratio is None else ratio >= GOALS[workload]}
+
+
+def lines(workload: str, s: dict) -> list[str]:
+    """What is printed for one workload: each configuration's goodput per core, the ratio."""
+    out = [f"{workload}:"]
+    for name, r in s["configs"].items():
+        out.append(f"  {name:<16} " + (f"error: {r['error']}" if "error" in r else
+                                        f"goodput {r['goodput_rps']:.4f} req/s on {r['cores']} cores = "
+                                        f"{r['goodput_per_core']:.4f} req/s per core, "
+                                        f"SLO attainment {r['slo_attainment'] or 0:.0%}"))
+    ratio = s["elastic_over_best_static"]
+    verdict = "—" if ratio is None else f"{ratio:.2f}x ({'meets' if s['meets_goal'] else 'misses'} the goal)"
+    out.append(f"  elastic / best static ({s['best_static']}): {verdict}; goal >= {s['goal']:g}x")
+    return out
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    """Bars of goodput per core, one group per workload, one bar per configuration, the
+    ratio elastic / best static in each group's title."""
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.2), squeeze=False)
+    for ax, (workload, s) in zip(axes[0], results.items()):
+        names = list(s["configs"])
+        values = [s["configs"][n].get("goodput_per_core") or 0.0 for n in names]
+        colours = ["tab:red" if n == s["elastic"] else "tab:grey" for n in names]
+        ax.bar(range(len(names)), values, color=colours)
+        ax.set_xticks(range(len(names)), names, rotation=15)
+        ratio = s["elastic_over_best_static"]
+        ax.set_title(f"{workload}: elastic / best static = " + ("—" if ratio is None else f"{ratio:.2f}x")
+                     + f" (goal {s['goal']:g}x)", fontsize=9)
+        ax.set_ylabel("goodput per core (req/s within the SLOs)")
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("SLOs: " + ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in SLOS_MS.items()))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run (or read) compare per workload, print and write the figures; 1 when a compare
+    run wrote no compare.json, else 0."""
+    args = parse_args(argv)
+    out = Path(args.output)
+    results = {}
+    for workload in args.workloads:
+        wdir = out / workload
+        if not args.from_existing:
+            cmd = compare_command(args, workload, wdir)
+            print("$ " + " ".join(cmd), flush=True)
+            subprocess.run(cmd)  # its status: 1 when a configuration failed; the others still count
+        if not (wdir / "compare.json").is_file():
+            print(f"elastic: no {wdir / 'compare.json'}: the {workload} run failed", file=sys.stderr)
+            return 1
+        results[workload] = summarize(json.loads((wdir / "compare.json").read_text()), workload)
+    print(f"\nSLOs: {', '.join(f'{k}:{v:g} ms' for k, v in SLOS_MS.items())} ({SLOS_WHY})")
+    for workload, s in results.items():
+        print("\n".join(lines(workload, s)))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "elastic.json").write_text(json.dumps({"slos_ms": SLOS_MS, "slos_why": SLOS_WHY, "seed": args.seed,
+                                                  "configs": args.configs, "workloads": results}, indent=2))
+    plot(results, out / "elastic.png")
+    print(f"written: {out / 'elastic.json'}, {out / 'elastic.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
