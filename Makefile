@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 CLIENTS_VENV ?= .venv-clients
 CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 
-.PHONY: install demo test fuzz interop epd api cluster test-tools clean
+.PHONY: install demo test fuzz interop epd api cluster elastic test-plan test-tools clean
 
 # torch is pinned to the CPU build on this machine's disk; a plain requirement
 # would pull a multi-GB CUDA build. The default model ships as a GGUF inside
@@ -57,10 +57,13 @@ CLUSTER := tests/test_ray.py tests/test_ray_multinode.py $(wildcard tests/test_r
 # The planner (simulation, calibration, replay of traces, plan against compare runs):
 # ~5 minutes of simulations, no servers.
 PLAN := tests/test_plan.py tests/test_plan_replay.py tests/test_plan_vs_sweep.py
+# Live role switches (serve --elastic): a worker's loop switching with real engines, and
+# two served workers switching in every direction under a stream, one killed: ~3 minutes.
+ELASTIC := tests/test_elastic_worker.py tests/test_elastic_serve.py
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD) $(addprefix --ignore=,$(API)) $(addprefix --ignore=,$(CLUSTER)) $(addprefix --ignore=,$(PLAN))
+	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD) $(addprefix --ignore=,$(API)) $(addprefix --ignore=,$(CLUSTER)) $(addprefix --ignore=,$(PLAN)) $(addprefix --ignore=,$(ELASTIC))
 
 fuzz: $(STAMP)
 	$(VENV)/bin/pytest -q -ra tests/test_fuzz_api.py
@@ -73,6 +76,9 @@ api: $(STAMP)
 
 cluster: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=10 $(CLUSTER)
+
+elastic: $(STAMP)
+	$(VENV)/bin/pytest -q -ra --durations=5 $(ELASTIC)
 
 test-plan: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 $(PLAN)

@@ -93,3 +93,19 @@ def test_read_samples_names_the_bad_line(tmp_path):
     path.write_text('{"event": "elastic_sample", "at": 1.0}\n')
     with pytest.raises(ValueError, match=rf"{path}:1: sample: expected a JSON object, got None"):
         read_samples(path)
+
+
+def test_plan_elastic_replay_command():
+    """``epdserve plan elastic-replay`` prints the replayed changes of a recorded trace; without
+    the file, or on a trace without samples, exit 2 with a message."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "epdserve", "plan", "elastic-replay", "--slo", "ttft:2000", "tpot:150"]
+    out = subprocess.run([*cmd, "--elastic-trace", str(RECORDED)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[3] for line in lines[:-1]] == ["to-pd:", "to-colocated:", "to-pd:", "to-colocated:"]
+    assert lines[-1].startswith("4 role changes replayed") and "the recording made 4" in lines[-1]
+    missing = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "--elastic-trace FILE is required" in missing.stderr

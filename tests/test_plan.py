@@ -180,6 +180,8 @@ def test_candidates_and_compare_names():
                                                        WorkerSpec("decode", 1))
     assert compare_deployment("1e1p1d", 4).workers == (WorkerSpec("encode", 1), WorkerSpec("prefill", 1),
                                                        WorkerSpec("decode", 2))
+    with pytest.raises(ValueError, match="not simulated yet"):  # roles that change live
+        compare_deployment("elastic", 2)
     # Each configuration is simulated with the scheduler settings it was served with.
     assert compare_limits("pd") == EngineLimits()
     assert compare_limits("colocated-chunked-noprefix") == EngineLimits(

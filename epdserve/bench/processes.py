@@ -35,7 +35,7 @@ import httpx
 
 from epdserve.bench import client, metrics
 from epdserve.bench.deployments import Deployment, Resources
-from epdserve.serving.deployment import DeploymentSpec
+from epdserve.serving.deployment import ELASTIC_SLO_KEYS, DeploymentSpec
 
 POLL_S = 0.5  # between two readiness checks
 WATCH_S = 0.2  # how often a running deployment's processes are checked for a death
@@ -235,14 +235,16 @@ def server_command(name: str, port: int, trace_file: Path, model: str | None,
     """The ``epdserve serve`` command line of one configuration (``serve``: the program
     and sub-command that take the serve options; any stand-in with the same options).
 
-    An elastic deployment also gets ``--slo KEY:MS ...``: ``slos_ms`` (compare's
-    ``--goodput``), or when None :data:`~epdserve.bench.metrics.DEFAULT_SLOS_MS`, the SLOs
+    An elastic deployment also gets ``--slo KEY:MS ...``: the TTFT and TPOT of ``slos_ms``
+    (compare's ``--goodput``; the controller steers by those two,
+    :data:`~epdserve.serving.deployment.ELASTIC_SLO_KEYS`), or when None :data:`~epdserve.bench.metrics.DEFAULT_SLOS_MS`, the SLOs
     compare judges goodput by without ``--goodput`` (:func:`metrics.judged_goodput`): its
     controller then steers for the SLOs it is judged by."""
     spec = DeploymentSpec.parse(name)
     cmd = [*serve, *spec.serve_flags()]
     if spec.elastic:
-        cmd += ["--slo", *(f"{k}:{v:g}" for k, v in (slos_ms or metrics.DEFAULT_SLOS_MS).items())]
+        slos = slos_ms or metrics.DEFAULT_SLOS_MS
+        cmd += ["--slo", *(f"{k}:{v:g}" for k, v in slos.items() if k in ELASTIC_SLO_KEYS)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--trace-file", str(trace_file)]
     if model:
         cmd += ["--model", model]

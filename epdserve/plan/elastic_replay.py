@@ -9,7 +9,8 @@ window or dwell): what it would have decided, and why.
 
 The replay is open loop: the recorded samples keep the roles and the signals the recording
 had, whatever the replayed decisions say (a what-if on the signals, not a simulation of
-the deployment's response; ``epdserve plan``'s simulator closes the loop).
+the deployment's response: ``epdserve plan``'s simulator does not switch roles yet).
+``epdserve plan elastic-replay --elastic-trace FILE`` runs it from the command line.
 """
 
 from __future__ import annotations

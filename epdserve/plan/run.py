@@ -28,21 +28,24 @@ from epdserve.bench.compare import parse_configs
 from epdserve.bench.datasets import with_images
 from epdserve.bench.run import parse_goodput
 from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
-from epdserve.plan import calibrate, hardware, report, search
+from epdserve.plan import calibrate, elastic_replay, hardware, report, search
 from epdserve.plan.costmodel import FEATURES, Platform, roofline_platform
 from epdserve.plan.model_spec import BUILTIN, ModelSpec
 from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError
+from epdserve.serving.elastic_policy import PolicyConfig
 from epdserve.plan.validation import (BANDED, VALIDATED, compare_deployment, compare_limits, distinct_dirs,
                                       has_images, validate)
 
-ACTIONS = ("search", "calibrate", "validate")
+ACTIONS = ("search", "calibrate", "validate", "elastic-replay")
 REPLAYS = ("steady", "once")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=ACTIONS, default="search",
                         help="search (default): recommend a deployment; calibrate: measure this "
-                             "machine; validate: predicted vs measured for a compare run")
+                             "machine; validate: predicted vs measured for a compare run; elastic-replay: "
+                             "the elastic controller's decisions on the signals an elastic server recorded "
+                             "(--elastic-trace; SLOs from --slo ttft, tpot)")
     parser.add_argument("--hardware", default="cpu",
                         help=f"cpu (this machine, calibrated) or one of {', '.join(hardware.PROFILES)}")
     parser.add_argument("--model", default=None,
@@ -82,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=workload.positive_int, default=3, metavar="N",
                         help="calibrate: time every step N times and fit the medians (default 3)")
     parser.add_argument("--output", default="results/plan", metavar="DIR")
+    parser.add_argument("--elastic-trace", default=None, metavar="FILE",
+                        help="elastic-replay: the --trace-file of a `serve --elastic` router")
+    parser.add_argument("--elastic-window", type=float, default=20.0, metavar="S",
+                        help="elastic-replay: as serve's (default 20)")
+    parser.add_argument("--elastic-min-dwell", type=float, default=30.0, metavar="S",
+                        help="elastic-replay: as serve's (default 30)")
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -353,6 +362,31 @@ def run_calibrate(args) -> int:
     return 0
 
 
+def run_elastic_replay(args) -> int:
+    """Print the decisions that change roles of the policy replayed on ``--elastic-trace``'s
+    samples (``+T s: action: reason``), and how many the recording made. Returns 2 without
+    the file."""
+    if not args.elastic_trace:
+        print("epdserve plan elastic-replay: error: --elastic-trace FILE is required", file=sys.stderr)
+        return 2
+    slos = dict(args.slo)
+    config = PolicyConfig(slo_ttft_ms=slos.get("ttft", metrics.DEFAULT_SLOS_MS["ttft"]),
+                          slo_tpot_ms=slos.get("tpot", metrics.DEFAULT_SLOS_MS["tpot"]),
+                          window_s=args.elastic_window, min_dwell_s=args.elastic_min_dwell)
+    samples = elastic_replay.read_samples(args.elastic_trace)
+    if not samples:
+        print(f"epdserve plan elastic-replay: error: {args.elastic_trace} has no elastic_sample lines "
+              "(a trace of `serve --elastic`?)", file=sys.stderr)
+        return 2
+    changes = [d for d in elastic_replay.replay(samples, config) if d.roles is not None]
+    for d in changes:
+        print(f"+{d.t - samples[0].t:7.1f} s  {d.action}: {d.reason}")
+    recorded = sum('"elastic_decision"' in line for line in Path(args.elastic_trace).read_text().splitlines())
+    print(f"{len(changes)} role changes replayed over {samples[-1].t - samples[0].t:.0f} s of {len(samples)} "
+          f"samples (the recording made {recorded}); ttft {config.slo_ttft_ms:g} ms, tpot {config.slo_tpot_ms:g} ms")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.target <= 1:
         print(f"epdserve plan: error: --target {args.target}: must be in (0, 1]", file=sys.stderr)
@@ -363,7 +397,8 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     try:
-        return {"search": run_search, "calibrate": run_calibrate, "validate": run_validate}[args.action](args)
+        return {"search": run_search, "calibrate": run_calibrate, "validate": run_validate,
+                "elastic-replay": run_elastic_replay}[args.action](args)
     except (ValueError, ModelLoadError) as exc:
         print(f"epdserve plan: error: {exc}", file=sys.stderr)
         return 2

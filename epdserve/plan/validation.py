@@ -34,10 +34,12 @@ def compare_deployment(name: str, cores: int) -> Deployment:
     placed on the same cores share them (EPD on 2 cores: encode and prefill on core 0).
 
     Raises:
-        ValueError: an unknown name (:meth:`DeploymentSpec.parse`), local prefill
-            (``pd-localN``) or workers whose cores overlap only in part (not simulated).
+        ValueError: an unknown name (:meth:`DeploymentSpec.parse`), an elastic one, local
+            prefill (``pd-localN``) or workers whose cores overlap only in part (not simulated).
     """
     spec = DeploymentSpec.parse(name)
+    if spec.elastic:
+        raise ValueError(f"{name}: elastic deployments (workers that change role live) are not simulated yet")
     if spec.local_prefill_threshold is not None:
         raise ValueError(f"{name}: prefill of short prompts on the decode worker is not simulated")
     placed = spec.place(list(range(cores)))

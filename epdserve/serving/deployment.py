@@ -30,6 +30,8 @@ import re
 from dataclasses import dataclass, replace
 
 MODES = ("colocated", "pd", "epd")
+# The SLOs an elastic server's controller steers by (``serve --slo``); compare judges by more.
+ELASTIC_SLO_KEYS = ("ttft", "tpot")
 
 # Chunked prefill's token budget per step: a long prompt then stalls the decodes batched
 # with it by one 256-token step at a time instead of by its whole prefill.

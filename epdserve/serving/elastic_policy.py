@@ -35,111 +35,11 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Sequence
 
-ROLES = ("colocated", "prefill", "decode")
-
-
-@dataclass(frozen=True)
-class WorkerSignal:
-    """One engine worker at one sample, as the router sees it (the contract of issue 20)."""
-    worker_id: str
-    role: str           # its routing role now, one of ROLES
-    switching: bool     # a switch was asked and the worker has not announced it yet
-    num_running: int    # the engine's running sequences (its last Stats)
-    num_waiting: int    # the engine's waiting (queued) sequences
-    outstanding: int    # requests the router has sent it that it has not finished
-    kv_usage: float     # blocks in use / blocks total, 0..1
-
-
-@dataclass(frozen=True)
-class Sample:
-    """The router's signals at one moment; "since" is since the previous sample."""
-    t: float                                # seconds, the router's monotonic clock
-    workers: tuple[WorkerSignal, ...]       # the live engine workers
-    arrivals: tuple[tuple[int, int], ...]   # (prompt tokens, max_tokens) of requests arrived since
-    ttfts_ms: tuple[float, ...]             # TTFT of each first token at the router since
-    prefill_queue_ms: tuple[float, ...]     # router + worker queue before prefill, same requests
-    itls_ms: tuple[float, ...]              # gaps between a request's outputs at the router, since
-
-    def as_json(self) -> dict:
-        """The sample as a JSON object (the ``sample`` of a trace's ``elastic_sample`` line)."""
-        return {"t": self.t, "workers": [asdict(w) for w in self.workers],
-                "arrivals": [list(a) for a in self.arrivals], "ttfts_ms": list(self.ttfts_ms),
-                "prefill_queue_ms": list(self.prefill_queue_ms), "itls_ms": list(self.itls_ms)}
-
-    @classmethod
-    def from_json(cls, obj: dict) -> Sample:
-        """The sample :meth:`as_json` wrote.
-
-        Raises:
-            ValueError: naming the key and the bad value, for a missing or unknown key, a
-                wrong type, a negative or non-finite number, a role outside :data:`ROLES`,
-                or a ``kv_usage`` outside 0..1.
-        """
-        _check_keys("sample", obj, {f.name for f in fields(cls)})
-        workers, arrivals = obj["workers"], obj["arrivals"]
-        if not isinstance(workers, list) or not isinstance(arrivals, list):
-            raise ValueError("sample: 'workers' and 'arrivals' must be lists")
-        return cls(t=_number("sample t", obj["t"], minimum=-math.inf),
-                   workers=tuple(_worker_from_json(w) for w in workers),
-                   arrivals=tuple(_arrival_from_json(a) for a in arrivals),
-                   ttfts_ms=_numbers("ttfts_ms", obj["ttfts_ms"]),
-                   prefill_queue_ms=_numbers("prefill_queue_ms", obj["prefill_queue_ms"]),
-                   itls_ms=_numbers("itls_ms", obj["itls_ms"]))
-
-
-def _check_keys(what: str, obj, expected: set[str]) -> None:
-    if not isinstance(obj, dict):
-        raise ValueError(f"{what}: expected a JSON object, got {type(obj).__name__}")
-    wrong = [f"{kind} keys {sorted(keys)}" for kind, keys in
-             (("missing", expected - obj.keys()), ("unknown", obj.keys() - expected)) if keys]
-    if wrong:
-        raise ValueError(f"{what}: {', '.join(wrong)}")
-
-
-def _number(what: str, value, minimum: float = 0.0) -> float:
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or value < minimum):
-        bound = f" >= {minimum:g}" if minimum > -math.inf else ""
-        raise ValueError(f"{what}: expected a finite number{bound}, got {value!r}")
-    return float(value)
-
-
-def _count(what: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what}: expected an integer >= 0, got {value!r}")
-    return value
-
-
-def _numbers(what: str, values) -> tuple[float, ...]:
-    if not isinstance(values, list):
-        raise ValueError(f"sample: {what!r} must be a list, got {values!r}")
-    return tuple(_number(what, v) for v in values)
-
-
-def _worker_from_json(obj) -> WorkerSignal:
-    _check_keys("worker", obj, {f.name for f in fields(WorkerSignal)})
-    wid, role, switching = obj["worker_id"], obj["role"], obj["switching"]
-    if not isinstance(wid, str) or not wid:
-        raise ValueError(f"worker: worker_id must be a non-empty string, got {wid!r}")
-    if role not in ROLES:
-        raise ValueError(f"worker {wid}: role {role!r} is not one of {', '.join(ROLES)}")
-    if not isinstance(switching, bool):
-        raise ValueError(f"worker {wid}: switching must be true or false, got {switching!r}")
-    kv = _number(f"worker {wid} kv_usage", obj["kv_usage"])
-    if kv > 1.0:
-        raise ValueError(f"worker {wid} kv_usage: expected 0..1, got {kv!r}")
-    return WorkerSignal(wid, role, switching,
-                        *(_count(f"worker {wid} {k}", obj[k])
-                          for k in ("num_running", "num_waiting", "outstanding")), kv)
-
-
-def _arrival_from_json(obj) -> tuple[int, int]:
-    if not isinstance(obj, list) or len(obj) != 2:
-        raise ValueError(f"arrival: expected [prompt tokens, max_tokens], got {obj!r}")
-    return _count("arrival prompt tokens", obj[0]), _count("arrival max_tokens", obj[1])
+# The sample types live with their JSON form; re-exported (noqa: F401): they are this policy's input.
+from epdserve.serving.elastic_samples import ROLES, Sample, WorkerSignal  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -162,6 +62,7 @@ class PolicyConfig:
     min_itl_gaps: int = 20              # ... this many ITL gaps in the window
     itl_enter: float = 1.2              # ITL p90 > this x TPOT SLO: pressure (or interference)
     itl_slack: float = 0.8              # ITL p90 <= this x TPOT SLO: decode has slack
+    stall: float = 2.0                  # an ITL gap > this x TPOT SLO: a stall (interference)
     ttft_enter: float = 1.0             # TTFT p90 > this x TTFT SLO: prefill pressure
     ttft_slack: float = 0.8             # TTFT p90 <= this x TTFT SLO: prefill has slack
     queue_enter: float = 0.5            # prefill queue p90 > this x TTFT SLO: prefill pressure
@@ -174,7 +75,7 @@ class PolicyConfig:
     low_load_leave: float = 0.5         # in flight per worker >= this: splitting may pay
 
     def __post_init__(self):
-        for name in ("slo_ttft_ms", "slo_tpot_ms", "window_s", "min_dwell_s", "itl_enter",
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "window_s", "min_dwell_s", "itl_enter", "stall",
                      "ttft_enter", "queue_enter", "decode_heavy_ratio", "big_batch",
                      "low_load_enter"):
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
@@ -222,6 +123,7 @@ class Window:
     ttft_p90: float             # ms; 0 without TTFTs (as the p90 of queue and ITL)
     queue_p90: float
     itl_p90: float
+    itl_max: float              # ms: the longest gap (a prefill stalling the decodes shows here)
     n_ttft: int
     n_itl: int
     decode_batch: float         # mean running sequences per decode-capable worker
@@ -241,6 +143,7 @@ class Window:
                 "prompt_avg_tok": self.prompt_avg, "answer_avg_tok": self.answer_avg,
                 "prompt_answer_ratio": self.ratio, "ttft_p90_ms": self.ttft_p90,
                 "prefill_queue_p90_ms": self.queue_p90, "itl_p90_ms": self.itl_p90,
+                "itl_max_ms": self.itl_max,
                 "ttfts": self.n_ttft, "itl_gaps": self.n_itl, "decode_batch": self.decode_batch,
                 "kv_usage_p90": self.kv_p90, "waiting_prefill": self.waiting_prefill,
                 "waiting_decode": self.waiting_decode, "inflight_per_worker": self.inflight}
@@ -271,6 +174,7 @@ def measure(samples: Sequence[Sample], q: float) -> Window:
         ttft_p90=_quantile([x for s in samples for x in s.ttfts_ms], q),
         queue_p90=_quantile([x for s in samples for x in s.prefill_queue_ms], q),
         itl_p90=_quantile([x for s in samples for x in s.itls_ms], q),
+        itl_max=max((x for s in samples for x in s.itls_ms), default=0.0),
         n_ttft=sum(len(s.ttfts_ms) for s in samples),
         n_itl=sum(len(s.itls_ms) for s in samples),
         decode_batch=_mean([_mean([w.num_running for w in d]) for d in decoders if d]),
@@ -345,12 +249,15 @@ def _mix(win: Window) -> str:
 
 
 def _interference(win: Window, c: PolicyConfig) -> str | None:
-    """Prefill interference in colocated engines: ITL p90 over the SLO while the decode batch
-    is small, with a prefill-heavy mix and enough load for requests to overlap."""
+    """Prefill interference in colocated engines: the window's longest ITL gap is a stall
+    (over ``stall`` x the TPOT SLO) while the decode batch is small, with a prefill-heavy mix
+    and enough load for requests to overlap. The longest gap, not a p90: with short answers
+    a stall is one gap of a dozen per request, invisible in a p90, yet it alone breaks the
+    request's TPOT (a 6 s prefill over 12 tokens adds 500 ms to each)."""
     if (win.arrivals >= c.min_arrivals and win.ratio >= c.prefill_heavy_ratio
-            and win.itl_p90 > c.itl_enter * c.slo_tpot_ms and win.decode_batch < c.big_batch
+            and win.itl_max > c.stall * c.slo_tpot_ms and win.decode_batch < c.big_batch
             and win.inflight >= c.low_load_leave):
-        return (f"ITL p90 {win.itl_p90:.0f} ms > {c.itl_enter:g} x TPOT SLO {c.slo_tpot_ms:g} ms "
+        return (f"longest ITL gap {win.itl_max:.0f} ms > {c.stall:g} x TPOT SLO {c.slo_tpot_ms:g} ms "
                 f"at decode batch {win.decode_batch:.1f} < {c.big_batch:g} while {_mix(win)} "
                 f">= {c.prefill_heavy_ratio:g}x: prefill interference")
     return None

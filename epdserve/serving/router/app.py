@@ -17,6 +17,7 @@ from epdserve.model.loader import ModelLoadError, generation_defaults, resolve_m
 from epdserve.model.tokenizer import check_chat_template, load_tokenizer, read_chat_template, template_renders_tools
 from epdserve.serving import auth
 from epdserve.serving.elastic_policy import PolicyConfig
+from epdserve.serving.deployment import ELASTIC_SLO_KEYS
 from epdserve.serving.flags import add_router_flags
 from epdserve.serving.handshake import model_fingerprint, model_kv_shape
 from epdserve.serving.http_guard import add_http_options, uvicorn_config
@@ -170,7 +171,7 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     elastic.add_argument("--elastic", action="store_true",
                          help="colocated, pd: workers switch role live (colocated, prefill, decode) as the load "
                               "shifts; --mode and the worker counts give the starting roles")
-    elastic.add_argument("--slo", nargs="+", type=slo_pair(("ttft", "tpot")), default=None, metavar="KEY:MS",
+    elastic.add_argument("--slo", nargs="+", type=slo_pair(ELASTIC_SLO_KEYS), default=None, metavar="KEY:MS",
                          help="the SLOs the elastic controller serves, as bench --goodput writes them: ttft:MS "
                               f"tpot:MS (default: {' '.join(f'{k[4:]}:{v:g}' for k, v in ELASTIC_SLOS_MS.items())})")
     elastic.add_argument("--elastic-window", type=float_at_least(0.1), default=20.0, metavar="S",
@@ -229,9 +230,16 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
 
 
 def elastic_policy(args: argparse.Namespace) -> PolicyConfig:
-    """The elastic controller's policy settings of ``--slo`` and ``--elastic-*``."""
+    """The elastic controller's policy settings of ``--slo`` and ``--elastic-*``.
+
+    Raises:
+        ModelLoadError: settings the policy refuses (see :class:`PolicyConfig`).
+    """
     slos = dict(ELASTIC_SLOS_MS, **{f"slo_{k}_ms": v for k, v in (args.slo or [])})
-    return PolicyConfig(**slos, window_s=args.elastic_window, min_dwell_s=args.elastic_min_dwell)
+    try:
+        return PolicyConfig(**slos, window_s=args.elastic_window, min_dwell_s=args.elastic_min_dwell)
+    except ValueError as exc:  # an SLO of 0, a window under a sample: one line, as the other options'
+        raise ModelLoadError(f"--slo / --elastic-*: {exc}") from None
 
 
 def served_model(args: argparse.Namespace):

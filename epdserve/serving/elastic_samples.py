@@ -1,0 +1,113 @@
+"""The elastic controller's input (issue 20): one :class:`Sample` of the router's signals,
+with its JSON form (the ``sample`` of a trace's ``elastic_sample`` line) checked field by
+field on the way back in, so a replayed trace is either read exactly or refused with the
+key and value at fault. The policy that reads them: :mod:`epdserve.serving.elastic_policy`.
+Stdlib only."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerSignal:
+    """One engine worker at one sample, as the router sees it (the contract of issue 20)."""
+    worker_id: str
+    role: str           # its routing role now, one of ROLES
+    switching: bool     # a switch was asked and the worker has not announced it yet
+    num_running: int    # the engine's running sequences (its last Stats)
+    num_waiting: int    # the engine's waiting (queued) sequences
+    outstanding: int    # requests the router has sent it that it has not finished
+    kv_usage: float     # blocks in use / blocks total, 0..1
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The router's signals at one moment; "since" is since the previous sample."""
+    t: float                                # seconds, the router's monotonic clock
+    workers: tuple[WorkerSignal, ...]       # the live engine workers
+    arrivals: tuple[tuple[int, int], ...]   # (prompt tokens, max_tokens) of requests arrived since
+    ttfts_ms: tuple[float, ...]             # TTFT of each first token at the router since
+    prefill_queue_ms: tuple[float, ...]     # router + worker queue before prefill, same requests
+    itls_ms: tuple[float, ...]              # gaps between a request's outputs at the router, since
+
+    def as_json(self) -> dict:
+        """The sample as a JSON object (the ``sample`` of a trace's ``elastic_sample`` line)."""
+        return {"t": self.t, "workers": [asdict(w) for w in self.workers],
+                "arrivals": [list(a) for a in self.arrivals], "ttfts_ms": list(self.ttfts_ms),
+                "prefill_queue_ms": list(self.prefill_queue_ms), "itls_ms": list(self.itls_ms)}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> Sample:
+        """The sample :meth:`as_json` wrote.
+
+        Raises:
+            ValueError: naming the key and the bad value, for a missing or unknown key, a
+                wrong type, a negative or non-finite number, a role outside :data:`ROLES`,
+                or a ``kv_usage`` outside 0..1.
+        """
+        _check_keys("sample", obj, {f.name for f in fields(cls)})
+        workers, arrivals = obj["workers"], obj["arrivals"]
+        if not isinstance(workers, list) or not isinstance(arrivals, list):
+            raise ValueError("sample: 'workers' and 'arrivals' must be lists")
+        return cls(t=_number("sample t", obj["t"], minimum=-math.inf),
+                   workers=tuple(_worker_from_json(w) for w in workers),
+                   arrivals=tuple(_arrival_from_json(a) for a in arrivals),
+                   ttfts_ms=_numbers("ttfts_ms", obj["ttfts_ms"]),
+                   prefill_queue_ms=_numbers("prefill_queue_ms", obj["prefill_queue_ms"]),
+                   itls_ms=_numbers("itls_ms", obj["itls_ms"]))
+
+
+def _check_keys(what: str, obj, expected: set[str]) -> None:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what}: expected a JSON object, got {type(obj).__name__}")
+    wrong = [f"{kind} keys {sorted(keys)}" for kind, keys in
+             (("missing", expected - obj.keys()), ("unknown", obj.keys() - expected)) if keys]
+    if wrong:
+        raise ValueError(f"{what}: {', '.join(wrong)}")
+
+
+def _number(what: str, value, minimum: float = 0.0) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value < minimum):
+        bound = f" >= {minimum:g}" if minimum > -math.inf else ""
+        raise ValueError(f"{what}: expected a finite number{bound}, got {value!r}")
+    return float(value)
+
+
+def _count(what: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what}: expected an integer >= 0, got {value!r}")
+    return value
+
+
+def _numbers(what: str, values) -> tuple[float, ...]:
+    if not isinstance(values, list):
+        raise ValueError(f"sample: {what!r} must be a list, got {values!r}")
+    return tuple(_number(what, v) for v in values)
+
+
+def _worker_from_json(obj) -> WorkerSignal:
+    _check_keys("worker", obj, {f.name for f in fields(WorkerSignal)})
+    wid, role, switching = obj["worker_id"], obj["role"], obj["switching"]
+    if not isinstance(wid, str) or not wid:
+        raise ValueError(f"worker: worker_id must be a non-empty string, got {wid!r}")
+    if role not in ROLES:
+        raise ValueError(f"worker {wid}: role {role!r} is not one of {', '.join(ROLES)}")
+    if not isinstance(switching, bool):
+        raise ValueError(f"worker {wid}: switching must be true or false, got {switching!r}")
+    kv = _number(f"worker {wid} kv_usage", obj["kv_usage"])
+    if kv > 1.0:
+        raise ValueError(f"worker {wid} kv_usage: expected 0..1, got {kv!r}")
+    return WorkerSignal(wid, role, switching,
+                        *(_count(f"worker {wid} {k}", obj[k])
+                          for k in ("num_running", "num_waiting", "outstanding")), kv)
+
+
+def _arrival_from_json(obj) -> tuple[int, int]:
+    if not isinstance(obj, list) or len(obj) != 2:
+        raise ValueError(f"arrival: expected [prompt tokens, max_tokens], got {obj!r}")
+    return _count("arrival prompt tokens", obj[0]), _count("arrival max_tokens", obj[1])
