@@ -108,7 +108,7 @@ def test_prefill_heavy_interference_splits():
     _, decisions = drive([(prefill_heavy, 40)], COLOCATED2)
     [d] = changes(decisions)
     assert (d.action, d.roles) == ("to-pd", P1D1)
-    assert "prefill interference -> 1P1D" in d.reason and "longest ITL gap" in d.reason
+    assert "prefill can spare a worker -> 1P1D" in d.reason and "longest ITL gap" in d.reason
     assert d.signals["itl_p90_ms"] > 1.2 * 150 and d.signals["prompt_answer_ratio"] > 50
     assert d.t == CFG.window_s / 2  # the first window spanning half a window: evidence
 
@@ -200,7 +200,16 @@ def test_reason_names_the_numbers():
     d, _ = decide(spanning(s), PolicyState(), CFG)
     assert d.reason == ("longest ITL gap 412 ms > 2 x TPOT SLO 150 ms at decode batch 1.0 < 4 while "
                         "prompts avg 1480 tok / answers 24 tok (61.7x) >= 4x: prefill "
-                        "interference -> 1P1D")
+                        "interference; TTFT p90 0 ms <= 0.8 x TTFT SLO: prefill can spare a worker -> 1P1D")
+
+
+def test_interference_with_no_ttft_slack_holds():
+    """A split takes a worker from prefill: with the TTFT p90 over 0.8 x its SLO it would
+    trade the stalls for missed first tokens, so the policy holds and says why."""
+    s = sample(0, COLOCATED2, arrivals=[(1480, 24)] * 3, itls=[412.0] * 20, ttfts=[1900.0] * 3, outstanding=2)
+    d, _ = decide(spanning(s), PolicyState(), CFG)
+    assert d.roles is None and d.reason.endswith(
+        "but TTFT p90 1900 ms > 0.8 x TTFT SLO 2000 ms: no prefill capacity to spare for a split")
 
 
 def test_decode_heavy_itl_over_the_slo_at_a_small_batch_goes_colocated():

@@ -346,9 +346,15 @@ def _from_colocated(win: Window, lay: _Layout, c: PolicyConfig) -> tuple[str, di
     if thin:
         return "hold", None, thin
     reason = _interference(win, c)
+    if reason and win.ttft_p90 > c.ttft_slack * c.slo_ttft_ms:
+        # A split takes workers from prefill: with the TTFT already near its SLO it would
+        # trade the stalls for missed first tokens.
+        return "hold", None, (f"{reason}, but TTFT p90 {win.ttft_p90:.0f} ms > {c.ttft_slack:g} x TTFT SLO "
+                              f"{c.slo_ttft_ms:g} ms: no prefill capacity to spare for a split")
     if reason:
         roles, shape = _split(lay)
-        return "to-pd", roles, f"{reason} -> {shape}"
+        return "to-pd", roles, (f"{reason}; TTFT p90 {win.ttft_p90:.0f} ms <= {c.ttft_slack:g} x TTFT SLO: "
+                                f"prefill can spare a worker -> {shape}")
     return "hold", None, (f"colocated: no interference (ITL p90 {win.itl_p90:.0f} ms, "
                           f"decode batch {win.decode_batch:.1f}, {_mix(win)})")
 
