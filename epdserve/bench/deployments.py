@@ -205,8 +205,12 @@ class Deployment(_Strict):
 
     @property
     def entry_mode(self) -> str | None:
-        """``colocated``, ``pd`` or ``epd`` (epdserve: from its name), None if unknown."""
-        return DeploymentSpec.parse(self.epdserve).mode if self.epdserve else self.mode
+        """``colocated``, ``pd`` or ``epd`` (epdserve: from its name; ``elastic`` for an elastic
+        name, whose roles change), None if unknown."""
+        if not self.epdserve:
+            return self.mode
+        spec = DeploymentSpec.parse(self.epdserve)
+        return "elastic" if spec.elastic else spec.mode
 
     def where(self) -> str:
         """``FILE: deployment "NAME"``, for messages."""

@@ -46,7 +46,8 @@ from epdserve.bench import metrics
 
 TTFT_TOLERANCE = 0.25  # TTFT p95 up to 25 % above the best still counts as "as fast"
 TIE = 0.05  # values within 5 % of each other are a tie (the noise of one run, unmeasured)
-SPLIT_MODES = ("pd", "epd")  # modes with prefill and decode on separate workers
+# Modes with prefill and decode on separate workers (elastic: at times); never "the simpler".
+SPLIT_MODES = ("pd", "epd", "elastic")
 S_PER_HOUR = 3600.0
 
 

@@ -205,8 +205,8 @@ class ServedRun:
 
 def compare_runs(compare_dir: str | Path, platform: Platform) -> dict[str, ServedRun]:
     """Each configuration of an ``epdserve compare`` output (its ``compare.json``,
-    ``trace.jsonl`` and ``NAME.server.jsonl``) that ran, by name; requests without a server
-    record, failed or with fewer than two tokens are left out.
+    ``trace.jsonl`` and ``NAME.server.jsonl``) that ran, by name, elastic ones left out;
+    requests without a server record, failed or with fewer than two tokens are left out.
 
     Raises:
         ValueError: ``compare_dir`` lacks those files.
@@ -220,7 +220,8 @@ def compare_runs(compare_dir: str | Path, platform: Platform) -> dict[str, Serve
     runs = {}
     for entry in configs:
         server = compare_dir / f"{entry['name']}.server.jsonl"
-        if "result" in entry and server.is_file():
+        # An elastic deployment's workers change role: no fixed placement to fit steps to.
+        if "result" in entry and server.is_file() and entry.get("mode") != "elastic":
             runs[entry["name"]] = _served_run(entry, requests, server_trace.read(server)[0], platform)
     return runs
 
