@@ -230,10 +230,12 @@ class Registry:
         Raises:
             APIError: 503, no live worker of that role.
         """
-        candidates = [w for w in self.workers.values() if w.role == role and self.live(w) and w is not exclude]
+        def of(r: str) -> list[WorkerState]:
+            return [w for w in self.workers.values() if w.role == r and self.live(w) and w is not exclude]
+
+        candidates = of(role)
         if not candidates and self.elastic and role in ELASTIC_FALLBACK:
-            candidates = [w for w in self.workers.values()
-                          if w.role == ELASTIC_FALLBACK[role] and self.live(w) and w is not exclude]
+            candidates = of(ELASTIC_FALLBACK[role])
         if not candidates:
             raise api.APIError(f"no live {role} worker", status=503, type="service_unavailable")
         if policy is not None and prompt is not None:
