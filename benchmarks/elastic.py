@@ -41,6 +41,12 @@ a number from elsewhere.
 
 ``--from-existing`` reads ``--output/WORKLOAD/compare.json`` of an earlier run instead of
 running compare.
+
+On a phased trace (shift) it also prints the **ceiling of any switching policy**: per
+phase, the requests each static configuration served within the SLOs, and an oracle that
+switches to each phase's best static configuration instantly and for free (the sum of the
+per-phase maxima) over the best static. A goal above that ceiling cannot be met by any
+controller on that run.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from epdserve.bench.compare import parse_configs  # noqa: E402
+from epdserve.bench.metrics import slo_values_ms  # noqa: E402
 from epdserve.bench.recommend import figures  # noqa: E402
 from epdserve.bench.workload import parse_shift_phases  # noqa: E402
 from epdserve.serving.deployment import DeploymentSpec  # noqa: E402
@@ -130,7 +137,36 @@ def summarize(compare: dict, workload: str) -> dict:
     ratio = (ran[elastic]["goodput_per_core"] / static[best]
              if elastic in ran and best is not None and static[best] > 0 else None)
     return {"configs": rows, "best_static": best, "elastic": elastic, "elastic_over_best_static": ratio,
-            "goal": GOALS[workload], "meets_goal": None if ratio is None else ratio >= GOALS[workload]}
+            "goal": GOALS[workload], "meets_goal": None if ratio is None else ratio >= GOALS[workload],
+            "oracle": oracle(compare)}
+
+
+def within_slos(result: dict, i: int) -> bool:
+    """Whether request ``i`` of a bench result completed within :data:`SLOS_MS`."""
+    if result["errors"][i] or result["ttfts"][i] is None:
+        return False
+    values = slo_values_ms(result["ttfts"][i], result["latencies"][i], result["output_lens"][i], result["itls"][i],
+                           SLOS_MS)
+    return all(values[k] <= v for k, v in SLOS_MS.items())
+
+
+def oracle(compare: dict) -> dict | None:
+    """The ceiling of any switching policy on a phased trace (``trace.phase_windows``: the
+    shift workload): per phase, the requests each static configuration served within the
+    SLOs; an oracle that knows each phase's best static configuration and switches to it
+    instantly and for free serves the sum of the per-phase maxima. ``{"per_phase": {name:
+    [count per phase]}, "oracle": n, "best_static": n, "ceiling": oracle / best static}``;
+    None without phases or static results."""
+    windows = compare.get("trace", {}).get("phase_windows")
+    static = {e["name"]: e["result"] for e in compare["configs"]
+              if "result" in e and not DeploymentSpec.parse(e["name"]).elastic}
+    if not windows or not static:
+        return None
+    spans = [range(first, first + n) for first, n in zip(windows["first"], windows["n"])]
+    per_phase = {name: [sum(within_slos(r, i) for i in span) for span in spans] for name, r in static.items()}
+    best = max(sum(v) for v in per_phase.values())
+    top = sum(max(v[p] for v in per_phase.values()) for p in range(len(spans)))
+    return {"per_phase": per_phase, "oracle": top, "best_static": best, "ceiling": top / best if best else None}
 
 
 def lines(workload: str, s: dict) -> list[str]:
@@ -144,6 +180,12 @@ def lines(workload: str, s: dict) -> list[str]:
     ratio = s["elastic_over_best_static"]
     verdict = "—" if ratio is None else f"{ratio:.2f}x ({'meets' if s['meets_goal'] else 'misses'} the goal)"
     out.append(f"  elastic / best static ({s['best_static']}): {verdict}; goal >= {s['goal']:g}x")
+    o = s.get("oracle")
+    if o and o["ceiling"]:
+        phases = "; ".join(f"{n} {'/'.join(map(str, v))}" for n, v in o["per_phase"].items())
+        out.append(f"  requests within the SLOs per phase: {phases}")
+        out.append(f"  ceiling of any switching policy (each phase's best static, switched to at no cost): "
+                   f"{o['oracle']} / {o['best_static']} = {o['ceiling']:.2f}x")
     return out
 
 

@@ -320,3 +320,21 @@ def elastic_stub() -> None:
 
 if __name__ == "__main__":
     elastic_stub()
+
+
+def test_oracle_ceiling_of_any_switching_policy(bench_script):
+    """Two phases of 2 requests: colocated serves phase 1 within the SLOs, 1p1d phase 2;
+    each static one gets 2 of 4, an oracle switching for free 4: a ceiling of 2.0x. The
+    elastic entry and a failed request do not count; no phases, no ceiling."""
+    def result(ok: list[bool]) -> dict:
+        return {"errors": ["" if o else "boom" for o in ok], "ttfts": [0.5 if o else None for o in ok],
+                "latencies": [1.0] * len(ok), "output_lens": [6] * len(ok), "itls": [[0.1] * 5] * len(ok)}
+    compare = {"trace": {"phase_windows": {"first": [0, 2], "n": [2, 2]}},
+               "configs": [{"name": "colocated", "result": result([True, True, False, False])},
+                           {"name": "1p1d", "result": result([False, False, True, True])},
+                           {"name": "elastic", "result": result([True] * 4)}]}
+    o = bench_script.oracle(compare)
+    assert o == {"per_phase": {"colocated": [2, 0], "1p1d": [0, 2]}, "oracle": 4, "best_static": 2, "ceiling": 2.0}
+    slow = dict(result([True] * 4), latencies=[60.0] * 4)  # TPOT (60 - 0.5) / 5 s: over 250 ms
+    assert bench_script.oracle({**compare, "configs": [{"name": "colocated", "result": slow}]})["oracle"] == 0
+    assert bench_script.oracle({"configs": compare["configs"]}) is None
