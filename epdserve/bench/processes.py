@@ -243,8 +243,8 @@ def server_command(name: str, port: int, trace_file: Path, model: str | None,
     spec = DeploymentSpec.parse(name)
     cmd = [*serve, *spec.serve_flags()]
     if spec.elastic:
-        slos = slos_ms or metrics.DEFAULT_SLOS_MS
-        cmd += ["--slo", *(f"{k}:{v:g}" for k, v in slos.items() if k in ELASTIC_SLO_KEYS)]
+        steered = [f"{k}:{v:g}" for k, v in (slos_ms or metrics.DEFAULT_SLOS_MS).items() if k in ELASTIC_SLO_KEYS]
+        cmd += ["--slo", *steered] if steered else []  # none of them given: serve's defaults
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--trace-file", str(trace_file)]
     if model:
         cmd += ["--model", model]
