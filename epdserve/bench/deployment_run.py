@@ -32,10 +32,9 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
     <server_metrics.MetricsWatcher.stop over the measured requests, {} without metrics
     URLs>, "sweep": <sweep result> (with --sweep-rates: :func:`_sweep`; "sweep_error"
     instead when a start or run of the sweep failed), "host_load": {"cores", "before": <host.quiet_check>, "during":
-    <host.LoadMonitor.stop>, "priority": <host.match_cpu_priority>, "warning":
-    <host.outside_warning, the priority error and the client's warning, "; "-joined> or
-    None} (None for a base_url deployment: its CPU time cannot be told from others'),
-    "client": <:func:`_client_delay`: the bench client's own delay>, "died": <see
+    <host.LoadMonitor.stop>, "priority": <host.match_cpu_priority>, "warning": <its warnings
+    "; "-joined, or None>} (None for a base_url deployment: its CPU time cannot be told from
+    others'), "client": <:func:`_client_delay`: the bench client's own delay>, "died": <see
     :class:`~epdserve.bench.processes.Running`> (only when a process died), "run_start_unix",
     "run_end_unix": <time.time() when the trace's first request was due (the origin of
     ``start_offsets``, up to the few ms it takes to start the first send) and when its
@@ -59,10 +58,8 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
                          args.allow_oversubscription, serve,
                          dict(args.goodput) if getattr(args, "goodput", None) else None)
     with launched(dep, out_dir, opts, lambda line: print(f"{tag} {line}", flush=True)) as running:
-        priority = host.match_cpu_priority(running.root_pids)
         entry["metrics_urls"] = running.metrics_urls
-        print(f"{tag} sending {len(requests)} requests", flush=True)
-        during = _run_trace(running, requests, args, entry, cores, tag)
+        during, priority = _run_trace(running, requests, args, entry, cores, tag)
     if args.sweep_rates and not running.died:
         try:
             entry["sweep"] = _sweep(dep, requests, args, out_dir, opts, tag)
@@ -73,9 +70,7 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
         entry["died"] = running.died
         print(f"{tag} error: {running.died_reason()}; last lines of its log:\n"
               f"{running.died['log_tail']}", flush=True)
-    entry["host_load"] = _host_load(cores, before, during, tag, priority, entry.get("client")) if during else None
-    if not during and (entry.get("client") or {}).get("warning"):
-        print(f"{tag} warning: {entry['client']['warning']}", flush=True)
+    entry["host_load"] = _host_load(cores, before, during, tag, priority, entry.get("client"))
     _add_summaries(entry, running.trace_file, _is_elastic(dep))
     result = entry["result"]
     print(f"{tag} done: {result['completed']} completed, {result['failed']} failed, "
@@ -83,14 +78,17 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
     return entry
 
 
-def _host_load(cores: list[int], before: dict | None, during: dict, tag: str,
-               priority: dict | None = None, client_delay: dict | None = None) -> dict:
-    """``host_load`` of an entry (or of a sweep point: no ``before``, no ``client_delay``);
-    prints its warnings."""
-    warnings = [host.outside_warning(during["outside_share"], during["steal_share"], len(cores)),
+def _host_load(cores: list[int], before: dict | None, during: dict | None, tag: str,
+               priority: dict | None = None, client_delay: dict | None = None) -> dict | None:
+    """``host_load`` of an entry (or of a sweep point: no ``before``, no ``client_delay``),
+    None without ``during`` (a base_url deployment); prints its warnings: other processes'
+    load (:func:`host.outside_warning`), a priority not matched, the client's own delay."""
+    warnings = [during and host.outside_warning(during["outside_share"], during["steal_share"], len(cores)),
                 (priority or {}).get("error"), (client_delay or {}).get("warning")]
     for line in filter(None, warnings):
         print(f"{tag} warning: {line}", flush=True)
+    if not during:
+        return None
     return {"cores": cores, "before": before, "during": during, "priority": priority,
             "warning": "; ".join(filter(None, warnings)) or None}
 
@@ -112,16 +110,21 @@ def _client_delay(result: dict, requests: list[workload.Request], loop: dict) ->
 
 
 def _run_trace(running: Running, requests: list[workload.Request], args: argparse.Namespace,
-               entry: dict, cores: list[int], tag: str) -> dict | None:
-    """Send the trace to the ready deployment while measuring the load on ``cores``; puts
-    ``result``, ``server_metrics`` and ``resources`` in ``entry`` and returns the load
-    (:meth:`host.LoadMonitor.stop`; None for a base_url deployment).
+               entry: dict, cores: list[int], tag: str) -> tuple[dict | None, dict]:
+    """Give the ready deployment the client's CPU priority (:func:`host.match_cpu_priority`)
+    and send it the trace while measuring the load on ``cores`` and the client's own delay
+    (:func:`_client_delay`); puts ``result``, ``client``, ``server_metrics`` and
+    ``resources`` in ``entry`` and returns ``(load, priority)``: the load
+    (:meth:`host.LoadMonitor.stop`; None for a base_url deployment) and what
+    :func:`host.match_cpu_priority` returned.
 
     Raises:
         ServerError: a process died and the client could not even start the run.
     """
     # From here on, not from the start: loading the model is not what the run measures.
     pids = running.root_pids
+    priority = host.match_cpu_priority(pids)
+    print(f"{tag} sending {len(requests)} requests", flush=True)
     monitor = host.LoadMonitor(cores, pids).start() if pids else None
     # The server's own view of the same requests: from after the warm-up to the run's end.
     watcher = server_metrics.MetricsWatcher(running.metrics_urls)
@@ -149,7 +152,7 @@ def _run_trace(running: Running, requests: list[workload.Request], args: argpars
         if "server_metrics" not in entry and watcher.urls:
             watcher.stop()  # the run failed: end the sampling thread, the numbers are moot
         load = monitor.stop() if monitor else None
-    return load
+    return load, priority
 
 
 def _sweep(dep: Deployment, requests: list[workload.Request], args: argparse.Namespace,
