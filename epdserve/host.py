@@ -16,6 +16,7 @@ second); the functions here return ticks, :class:`LoadMonitor` seconds and share
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -246,13 +247,24 @@ def match_cpu_priority(pids: list[int], proc: str | Path = "/proc") -> dict:
     for pid in pids:
         now = autogroup_nice(pid, proc)
         if ours is not None and now is not None and now != ours:
-            try:
-                Path(proc, str(pid), "autogroup").write_text(str(ours))
-            except OSError as exc:  # EPERM: lowering it needs CAP_SYS_NICE; EAGAIN: rate limit
-                error = f"cannot set the autogroup nice of pid {pid} to {ours}: {exc.strerror or exc}"
+            error = _set_autogroup_nice(pid, ours, proc) or error
             now = autogroup_nice(pid, proc)
         theirs[pid] = now
     return {"client_autogroup_nice": ours, "deployment_autogroup_nice": theirs, "error": error}
+
+
+def _set_autogroup_nice(pid: int, nice: int, proc: str | Path) -> str | None:
+    """Write ``nice`` to ``/proc/PID/autogroup``; None, or why it failed. Without
+    CAP_SYS_ADMIN the kernel takes one such change every 100 ms in all (EAGAIN before):
+    one retry after that; lowering a value needs CAP_SYS_NICE (EPERM)."""
+    for attempt in (1, 2):
+        try:
+            Path(proc, str(pid), "autogroup").write_text(str(nice))
+            return None
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN or attempt == 2:
+                return f"cannot set the autogroup nice of pid {pid} to {nice}: {exc.strerror or exc}"
+            time.sleep(0.11)  # the second attempt returns either way
 
 
 def client_warning(late_sends: int, num_sends: int, max_late_s: float, stalled_s: float,
