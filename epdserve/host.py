@@ -5,7 +5,10 @@
 * load, for ``compare`` to tell when other processes took cores from the deployment it
   measures: :func:`loadavg_1m`, :func:`cpu_ticks` (CPU time by state on given cores, steal
   included), :func:`tree_ticks` (CPU time of a process and its descendants), and
-  :class:`LoadMonitor`, which samples them over a run.
+  :class:`LoadMonitor`, which samples them over a run;
+* CPU priority, for ``compare``'s client to compete for the cores on the deployment's
+  terms: :func:`autogroup_nice`, :func:`match_cpu_priority`; and :func:`client_warning`
+  when the client was held up all the same.
 
 CPU times in ``/proc/stat`` and ``/proc/PID/stat`` are in clock ticks (:data:`CLK_TCK` a
 second); the functions here return ticks, :class:`LoadMonitor` seconds and shares.
@@ -13,6 +16,7 @@ second); the functions here return ticks, :class:`LoadMonitor` seconds and share
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -25,6 +29,11 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # 10-30%; on a quiet machine the accounting's own noise (kernel threads, tick granularity,
 # processes that exit between samples) stays near 1-2%.
 OUTSIDE_SHARE_WARN = 0.10
+
+
+# A send this late after its scheduled time, or an event-loop wake-up this late, is the
+# client's own delay, not the deployment's (the TTFT SLOs judged here are 1-10 s).
+CLIENT_LATE_S = 0.5
 
 
 def mem_available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
@@ -203,3 +212,73 @@ class LoadMonitor:
                 "loadavg_1m_max": max(self.loads, default=None),
                 "busy_cpu_s": r(busy_s), "deployment_cpu_s": r(deployment_s), "client_cpu_s": r(client_s),
                 "outside_cpu_s": r(outside_s), "outside_share": r(share), "steal_share": r(steal)}
+
+
+def autogroup_nice(pid: int | str = "self", proc: str | Path = "/proc") -> int | None:
+    """The nice value of the scheduling autogroup of ``pid`` (``/proc/PID/autogroup``,
+    "/autogroup-N nice V"); None where the kernel has no autogroups
+    (``CONFIG_SCHED_AUTOGROUP`` off) or the process is gone."""
+    try:
+        fields = Path(proc, str(pid), "autogroup").read_text().split()
+        return int(fields[fields.index("nice") + 1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def match_cpu_priority(pids: list[int], proc: str | Path = "/proc") -> dict:
+    """Give the sessions of ``pids`` (the processes compare started, each the leader of a
+    session of its own) this process's autogroup nice value, so that the bench client and
+    the deployment it measures get CPU time on the same terms.
+
+    Why: with autogroups (Linux ``CONFIG_SCHED_AUTOGROUP``, on in most distributions) the
+    scheduler shares the CPUs between sessions first, by each session's autogroup nice
+    (weight 1024 at 0, 15 at 19: ``sched_prio_to_weight``), and only then between the
+    processes of a session. A new session starts at nice 0 whatever its parent's, so a
+    compare run from a session at nice 19 measured a deployment at 0: next to a busy worker
+    its client got about 15/1039 of a core, and on 2 cores both busy with colocated workers
+    its event loop stood still for up to 10 s at a time (sends 10 s late, chunks read 10 s
+    after the router wrote them: client TTFT 8-19 s for a router TTFT of 0.2-1.5 s).
+
+    Returns ``{"client_autogroup_nice": V or None, "deployment_autogroup_nice": {pid: V},
+    "error": None or why a session could not be changed}``; without autogroups nothing is
+    changed (each process then has its own nice, which a child inherits)."""
+    ours = autogroup_nice("self", proc)
+    theirs, error = {}, None
+    for pid in pids:
+        now = autogroup_nice(pid, proc)
+        if ours is not None and now is not None and now != ours:
+            error = _set_autogroup_nice(pid, ours, proc) or error
+            now = autogroup_nice(pid, proc)
+        theirs[pid] = now
+    return {"client_autogroup_nice": ours, "deployment_autogroup_nice": theirs, "error": error}
+
+
+def _set_autogroup_nice(pid: int, nice: int, proc: str | Path) -> str | None:
+    """Write ``nice`` to ``/proc/PID/autogroup``; None, or why it failed. Without
+    CAP_SYS_ADMIN the kernel takes one such change every 100 ms in all (EAGAIN before):
+    one retry after that; lowering a value needs CAP_SYS_NICE (EPERM)."""
+    for attempt in (1, 2):
+        try:
+            Path(proc, str(pid), "autogroup").write_text(str(nice))
+            return None
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN or attempt == 2:
+                return f"cannot set the autogroup nice of pid {pid} to {nice}: {exc.strerror or exc}"
+            time.sleep(0.11)  # the second attempt returns either way
+
+
+def client_warning(late_sends: int, num_sends: int, max_late_s: float, stalled_s: float,
+                   worst_stall_s: float | None) -> str | None:
+    """The warning for a run whose bench client was held up: ``late_sends`` of ``num_sends``
+    requests sent at least :data:`CLIENT_LATE_S` after their scheduled time (the latest
+    ``max_late_s`` late), its event loop stalled ``stalled_s`` in all (the worst stall
+    ``worst_stall_s``, s); None when neither happened. Its TTFT/ITL then include the
+    client's own delay, which the server's trace (the TTFT breakdown) does not."""
+    if late_sends == 0 and not stalled_s:
+        return None
+    return (f"the bench client was held up: {late_sends} of {num_sends} requests were sent "
+            f"{CLIENT_LATE_S:g} s or more after their scheduled time (at most {max_late_s:.1f} s) and "
+            f"its event loop stalled {stalled_s:.1f} s in all (worst {worst_stall_s or 0:.1f} s): "
+            f"the client's TTFT and ITL of this run include that delay, which is not the "
+            f"deployment's (compare the server trace's TTFT; docs/comparing.md, \"The client's "
+            f"own delay\")")

@@ -294,6 +294,61 @@ def _take_chunk(record: RequestRecord, obj: dict, elapsed_s: float, endpoint: st
         record.usage_completion_tokens = usage.get("completion_tokens")
 
 
+LAG_INTERVAL_S = 0.1  # how often LoopLag wakes: fine enough for stalls that matter to a TTFT
+STALL_S = 0.5  # a wake-up at least this late is a stall (half a second of every TTFT then)
+
+
+class LoopLag:
+    """How late this client's event loop runs during a trace: a task wakes every
+    ``interval_s`` and records how far past its deadline it woke (s). Every send and every
+    chunk's arrival stamp is taken by this loop, so a loop that is blocked (a synchronous
+    call, another thread holding the GIL) or not given a CPU delays them by as much: the
+    client's TTFT and ITL then include the client's own delay, not the server's.
+
+    Use: :meth:`start` from inside the running loop (e.g. :func:`run_trace`'s ``on_start``);
+    the task ends with the loop (``asyncio.run`` cancels it) or at :meth:`stop`; then
+    :meth:`summary`."""
+
+    def __init__(self, interval_s: float = LAG_INTERVAL_S, stall_s: float = STALL_S):
+        if interval_s <= 0:
+            raise ValueError(f"interval_s {interval_s}: must be > 0")
+        self.interval_s, self.stall_s = interval_s, stall_s
+        self.samples: list[tuple[float, float]] = []  # (deadline after start s, lateness s)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> LoopLag:
+        """Start sampling on the running loop (call from a coroutine or a callback it runs).
+
+        Raises:
+            RuntimeError: no event loop is running in this thread.
+        """
+        self.origin = time.perf_counter()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def stop(self) -> None:
+        """Stop sampling (a no-op once the loop has ended)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            due = time.perf_counter() + self.interval_s
+            await asyncio.sleep(self.interval_s)
+            self.samples.append((due - self.origin, time.perf_counter() - due))
+
+    def summary(self) -> dict:
+        """``{"interval_ms", "samples", "max_ms", "p99_ms", "stalled_s" (the lateness summed
+        over stalls), "stalls": [[at_s, late_s], ...]}`` — each stall is a wake-up at least
+        ``stall_s`` late: when it was due (s after :meth:`start`) and how late it came;
+        ``max_ms``/``p99_ms`` None without samples."""
+        lates = sorted(late for _, late in self.samples)
+        stalls = [[round(at, 3), round(late, 3)] for at, late in self.samples if late >= self.stall_s]
+        pct = lambda q: round(lates[min(len(lates) - 1, int(q * len(lates)))] * 1e3, 1) if lates else None  # noqa: E731
+        return {"interval_ms": self.interval_s * 1e3, "samples": len(lates), "max_ms": pct(1.0),
+                "p99_ms": pct(0.99), "stalled_s": round(sum(late for _, late in stalls), 3), "stalls": stalls}
+
+
 WARMUP_PROMPT = "Say hello."
 WARMUP_MAX_TOKENS = 4
 # Seeds of warm-up pictures: above any image number of a trace, so the warm-up never puts

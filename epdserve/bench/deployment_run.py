@@ -32,8 +32,9 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
     <server_metrics.MetricsWatcher.stop over the measured requests, {} without metrics
     URLs>, "sweep": <sweep result> (with --sweep-rates: :func:`_sweep`; "sweep_error"
     instead when a start or run of the sweep failed), "host_load": {"cores", "before": <host.quiet_check>, "during":
-    <host.LoadMonitor.stop>, "warning": <host.outside_warning> or None} (None for a
-    base_url deployment: its CPU time cannot be told from others'), "died": <see
+    <host.LoadMonitor.stop>, "priority": <host.match_cpu_priority>, "warning": <its warnings
+    "; "-joined, or None>} (None for a base_url deployment: its CPU time cannot be told from
+    others'), "client": <:func:`_client_delay`: the bench client's own delay>, "died": <see
     :class:`~epdserve.bench.processes.Running`> (only when a process died), "run_start_unix",
     "run_end_unix": <time.time() when the trace's first request was due (the origin of
     ``start_offsets``, up to the few ms it takes to start the first send) and when its
@@ -58,8 +59,7 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
                          dict(args.goodput) if getattr(args, "goodput", None) else None)
     with launched(dep, out_dir, opts, lambda line: print(f"{tag} {line}", flush=True)) as running:
         entry["metrics_urls"] = running.metrics_urls
-        print(f"{tag} sending {len(requests)} requests", flush=True)
-        during = _run_trace(running, requests, args, entry, cores, tag)
+        during, priority = _run_trace(running, requests, args, entry, cores, tag)
     if args.sweep_rates and not running.died:
         try:
             entry["sweep"] = _sweep(dep, requests, args, out_dir, opts, tag)
@@ -70,7 +70,7 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
         entry["died"] = running.died
         print(f"{tag} error: {running.died_reason()}; last lines of its log:\n"
               f"{running.died['log_tail']}", flush=True)
-    entry["host_load"] = _host_load(cores, before, during, tag) if during else None
+    entry["host_load"] = _host_load(cores, before, during, tag, priority, entry.get("client"))
     _add_summaries(entry, running.trace_file, _is_elastic(dep))
     result = entry["result"]
     print(f"{tag} done: {result['completed']} completed, {result['failed']} failed, "
@@ -78,38 +78,69 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
     return entry
 
 
-def _host_load(cores: list[int], before: dict | None, during: dict, tag: str) -> dict:
-    """``host_load`` of an entry (or of a sweep point: no ``before``); prints its warning."""
-    warning = host.outside_warning(during["outside_share"], during["steal_share"], len(cores))
-    if warning:
-        print(f"{tag} warning: {warning}", flush=True)
-    return {"cores": cores, "before": before, "during": during, "warning": warning}
+def _host_load(cores: list[int], before: dict | None, during: dict | None, tag: str,
+               priority: dict | None = None, client_delay: dict | None = None) -> dict | None:
+    """``host_load`` of an entry (or of a sweep point: no ``before``, no ``client_delay``),
+    None without ``during`` (a base_url deployment); prints its warnings: other processes'
+    load (:func:`host.outside_warning`), a priority not matched, the client's own delay."""
+    warnings = [during and host.outside_warning(during["outside_share"], during["steal_share"], len(cores)),
+                (priority or {}).get("error"), (client_delay or {}).get("warning")]
+    for line in filter(None, warnings):
+        print(f"{tag} warning: {line}", flush=True)
+    if not during:
+        return None
+    return {"cores": cores, "before": before, "during": during, "priority": priority,
+            "warning": "; ".join(filter(None, warnings)) or None}
+
+
+def _client_delay(result: dict, requests: list[workload.Request], loop: dict) -> dict:
+    """How much the bench client itself held the run up: ``{"loop": <client.LoopLag.summary>,
+    "late_sends", "num_sends", "max_send_late_s", "warning": <host.client_warning>}``. A
+    send is compared with its scheduled offset only without ``--max-concurrency`` (with it,
+    a send waits for a slot by design); the measured requests only (after
+    ``--warmup-requests``)."""
+    skip = result.get("warmup_requests") or 0
+    lates = [] if result.get("max_concurrency") else [
+        max(0.0, sent - r.offset_s) for sent, r in zip(result["start_offsets"], requests[skip:])]
+    late = sum(1 for x in lates if x >= host.CLIENT_LATE_S)
+    worst = max((s[1] for s in loop["stalls"]), default=None)
+    return {"loop": loop, "late_sends": late, "num_sends": len(lates),
+            "max_send_late_s": round(max(lates, default=0.0), 3),
+            "warning": host.client_warning(late, len(lates), max(lates, default=0.0), loop["stalled_s"], worst)}
 
 
 def _run_trace(running: Running, requests: list[workload.Request], args: argparse.Namespace,
-               entry: dict, cores: list[int], tag: str) -> dict | None:
-    """Send the trace to the ready deployment while measuring the load on ``cores``; puts
-    ``result``, ``server_metrics`` and ``resources`` in ``entry`` and returns the load
-    (:meth:`host.LoadMonitor.stop`; None for a base_url deployment).
+               entry: dict, cores: list[int], tag: str) -> tuple[dict | None, dict]:
+    """Give the ready deployment the client's CPU priority (:func:`host.match_cpu_priority`)
+    and send it the trace while measuring the load on ``cores`` and the client's own delay
+    (:func:`_client_delay`); puts ``result``, ``client``, ``server_metrics`` and
+    ``resources`` in ``entry`` and returns ``(load, priority)``: the load
+    (:meth:`host.LoadMonitor.stop`; None for a base_url deployment) and what
+    :func:`host.match_cpu_priority` returned.
 
     Raises:
         ServerError: a process died and the client could not even start the run.
     """
     # From here on, not from the start: loading the model is not what the run measures.
     pids = running.root_pids
+    priority = host.match_cpu_priority(pids)
+    print(f"{tag} sending {len(requests)} requests", flush=True)
     monitor = host.LoadMonitor(cores, pids).start() if pids else None
     # The server's own view of the same requests: from after the warm-up to the run's end.
     watcher = server_metrics.MetricsWatcher(running.metrics_urls)
+    lag = client.LoopLag()
 
     def on_start() -> None:  # right before the first request is due: the trace's time 0
         if watcher.urls:
             watcher.start()
         entry["run_start_unix"] = time.time()
+        lag.start()  # runs on the client's loop until the trace ends (asyncio.run cancels it)
 
     try:
         entry["result"] = bench(running.client_url, requests, args, model=running.model,
                                 on_start=on_start)
         entry["run_end_unix"] = time.time()
+        entry["client"] = _client_delay(entry["result"], requests, lag.summary())
         entry["server_metrics"] = _stop_watcher(watcher, entry["result"]["completed"], tag)
         entry["resources"] = running.resources()
     except client.ClientError:
@@ -121,7 +152,7 @@ def _run_trace(running: Running, requests: list[workload.Request], args: argpars
         if "server_metrics" not in entry and watcher.urls:
             watcher.stop()  # the run failed: end the sampling thread, the numbers are moot
         load = monitor.stop() if monitor else None
-    return load
+    return load, priority
 
 
 def _sweep(dep: Deployment, requests: list[workload.Request], args: argparse.Namespace,
@@ -151,6 +182,7 @@ def _sweep(dep: Deployment, requests: list[workload.Request], args: argparse.Nam
         cores = sorted(os.sched_getaffinity(0))
         with launched(dep, point_dir, opts, lambda line: print(f"{tag} [{rate:g} req/s] {line}", flush=True)
                       ) as running:
+            priority = host.match_cpu_priority(running.root_pids)
             monitor = host.LoadMonitor(cores, running.root_pids).start() if running.root_pids else None
             try:
                 result = bench(running.client_url, workload.retime(requests, rate, args.seed), args,
@@ -158,7 +190,7 @@ def _sweep(dep: Deployment, requests: list[workload.Request], args: argparse.Nam
             finally:
                 during = monitor.stop() if monitor else None
         if during:
-            result["host_load"] = _host_load(cores, None, during, f"{tag} [{rate:g} req/s]")
+            result["host_load"] = _host_load(cores, None, during, f"{tag} [{rate:g} req/s]", priority)
         return result
 
     return sweep.find_max_goodput_rate(measure, target_share=args.goodput_target, lo=args.sweep_rates[0],

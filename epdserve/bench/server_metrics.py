@@ -75,15 +75,16 @@ class Scrape:
                 if not any(lab.get(k) == val for k, val in exclude)]
 
 
-def scrape(url: str, timeout_s: float = 5.0) -> Scrape:
-    """GET ``url`` (a ``/metrics`` endpoint) and parse it.
+def scrape(url: str, timeout_s: float = 5.0, http: httpx.Client | None = None) -> Scrape:
+    """GET ``url`` (a ``/metrics`` endpoint) on ``http`` (None: a new client, ~45 ms of CPU
+    to load the CA bundle: too much once a second in the bench client's process) and parse it.
 
     Raises:
         MetricsUnavailable: connection refused or failed, no answer within ``timeout_s``
             seconds, an HTTP status other than 200, or not Prometheus text.
     """
     try:
-        answer = httpx.get(url, timeout=timeout_s, trust_env=False)
+        answer = http.get(url, timeout=timeout_s) if http else httpx.get(url, timeout=timeout_s, trust_env=False)
     except httpx.TimeoutException:
         raise MetricsUnavailable(f"{url}: no answer within {timeout_s:g} s") from None
     except httpx.HTTPError as exc:
@@ -357,7 +358,7 @@ class MetricsWatcher:
                  settle_s: float = 2.0):
         self.urls, self.interval_s, self.timeout_s, self.settle_s = list(urls), interval_s, timeout_s, settle_s
         self.warnings, self.before, self.rounds, self.failed_samples = [], {}, [], 0
-        self._stop = threading.Event()
+        self._stop, self._http = threading.Event(), httpx.Client(trust_env=False)  # one client: see scrape()
         self._thread = threading.Thread(target=self._sample_loop, name="epdserve-metrics", daemon=True)
 
     def _scrape_all(self, urls, when: str | None = None) -> dict[str, Scrape]:
@@ -366,7 +367,7 @@ class MetricsWatcher:
         out = {}
         for url in urls:
             try:
-                out[url] = scrape(url, self.timeout_s)
+                out[url] = scrape(url, self.timeout_s, self._http)
             except MetricsUnavailable as exc:
                 if when:
                     self.warnings.append(f"metrics {when} the run: {exc}; its stages are left out")
@@ -391,9 +392,7 @@ class MetricsWatcher:
         def moved(scrapes: dict[str, Scrape]) -> float:
             return sum(v for s in scrapes.values() for name, vals in s.samples.items()
                        if name.endswith(("_total", "_count")) for _, v in vals)
-
-        after = self._scrape_all(self.before, "after")
-        deadline = time.monotonic() + self.settle_s
+        after, deadline = self._scrape_all(self.before, "after"), time.monotonic() + self.settle_s
         while after and time.monotonic() < deadline:
             time.sleep(SETTLE_POLL_S)
             again = self._scrape_all(after)
@@ -420,6 +419,7 @@ class MetricsWatcher:
         if self._thread.is_alive():
             self._thread.join()
         after = self._settled_after()
+        self._http.close()
         if self.failed_samples:
             self.warnings.append(f"{self.failed_samples} scrapes during the run got no answer")
         result = stages_between(self.before, after, self.rounds, completed_requests)
