@@ -12,6 +12,10 @@ import httpx
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
            "The quick brown fox", "In the beginning", "Water boils at",
            "My favourite colour is", "Here is a short story about a robot:"]
+# Prompts of ~200 tokens, each its own: a prefill long enough (~1 s on the shared core) that
+# the concurrent requests overlap there. Short ones finish prefilling in tens of ms, and on
+# a busy machine they reach the router one after another and all find the same idle worker.
+LONG_PROMPTS = [" ".join([p] * 30) for p in PROMPTS]
 
 
 def generate_all(dep, prompts: list[str]) -> list:
@@ -28,8 +32,8 @@ def test_2p2d_matches_colocated_and_spreads(xpyd_server, colocated_server):
     assert [workers[w]["cores"] for w in ("prefill-0", "prefill-1", "decode-0", "decode-1")] == [[0], [0], [1], [1]]
     assert all(w["state"] == "up" for w in workers.values())
 
-    pd = generate_all(xpyd_server, PROMPTS)
-    colo = generate_all(colocated_server, PROMPTS)
+    pd = generate_all(xpyd_server, LONG_PROMPTS)
+    colo = generate_all(colocated_server, LONG_PROMPTS)
     assert [r.text for r in pd] == [r.text for r in colo]
     assert all(r.text and r.usage.completion_tokens == c.usage.completion_tokens for r, c in zip(pd, colo))
 
