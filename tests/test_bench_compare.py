@@ -111,7 +111,7 @@ def test_two_configurations_end_to_end_with_outputs(tmp_path):
     assert saved["recommendation"]["choice"] in ("colocated", "pd")
     assert saved["configs"][1]["host_load"]["during"] == entries[1]["host_load"]["during"]
     md = (tmp_path / "compare.md").read_text()
-    assert "**Warning, outside load:** pd: other processes used 30% of the 2 cores" in md
+    assert "**Warning, the measurement may be disturbed:** pd: other processes used 30% of the 2 cores" in md
     assert md.count("- host load on cores") == 2
     assert report.load_warnings(entries) == [f"pd: {host.outside_warning(0.3, 0.0, 2)}"]
     assert "| Metric | Better | colocated | pd | pd (x of colocated) |" in md

@@ -295,7 +295,7 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
             if e.get("log_tail"):
                 parts += ["Last lines of its log:", "", "```", e["log_tail"], "```", ""]
     for line in load_warnings(ran):
-        parts += [f"**Warning, outside load:** {line}.", ""]
+        parts += [f"**Warning, the measurement may be disturbed:** {line}.", ""]
     parts += _breakdown_sections(ran)
     parts += ["## Workload", "", *workload_lines(workload_spec, trace_summary)]
     if sampling:
