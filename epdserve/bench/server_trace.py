@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import ValidationError
 
+from epdserve.serving.deployment import ENGINE_ROLES
 from epdserve.trace import RequestTrace
 
 # RequestTrace attributes summarised (derived stages included).
@@ -85,7 +86,6 @@ def events(path: str | Path, kind: str) -> list[dict]:
             and isinstance(o.get("at"), (int, float)) and not isinstance(o.get("at"), bool)]
 
 
-ROLES = ("colocated", "prefill", "decode")
 # An interval's state: the worker serves its role ("active"), or the router already routes
 # it by its new role while it finishes its old role's work ("draining": from its
 # ``switching`` line to its ``switched`` line).
@@ -115,7 +115,7 @@ def role_timeline(path: str | Path, end_unix: float | None = None) -> dict:
     workers: dict[str, list[list]] = {}
     for o in roles:
         state = {"up": "active", "switching": "draining", "switched": "active"}.get(o.get("state"))
-        if state is None or o.get("role") not in ROLES or not isinstance(o.get("worker"), str):
+        if state is None or o.get("role") not in ENGINE_ROLES or not isinstance(o.get("worker"), str):
             continue  # a line of a later format: not drawn rather than drawn wrong
         lane = workers.setdefault(o["worker"], [])
         if lane:

@@ -30,6 +30,9 @@ import re
 from dataclasses import dataclass, replace
 
 MODES = ("colocated", "pd", "epd")
+# The roles of an engine worker (an encode worker is not one), between which an elastic
+# worker switches.
+ENGINE_ROLES = ("colocated", "prefill", "decode")
 # The SLOs an elastic server's controller steers by (``serve --slo``); compare judges by more.
 ELASTIC_SLO_KEYS = ("ttft", "tpot")
 

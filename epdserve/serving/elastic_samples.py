@@ -2,14 +2,14 @@
 with its JSON form (the ``sample`` of a trace's ``elastic_sample`` line) checked field by
 field on the way back in, so a replayed trace is either read exactly or refused with the
 key and value at fault. The policy that reads them: :mod:`epdserve.serving.elastic_policy`.
-Stdlib only."""
+Stdlib only (and the role names of :mod:`epdserve.serving.deployment`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
 
-ROLES = ("colocated", "prefill", "decode")
+from epdserve.serving.deployment import ENGINE_ROLES as ROLES
 
 
 @dataclass(frozen=True)

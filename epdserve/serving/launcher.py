@@ -26,8 +26,9 @@ launcher exits (normal exit, SIGTERM/SIGINT, atexit) and is killed by the kernel
 launcher dies abruptly (``PR_SET_PDEATHSIG``). A worker that dies is marked down in the
 router at once and restarted with the same id and address after a backoff (1 s, doubled
 while it keeps dying within a minute, at most 30 s), in the role it last announced
-(``--elastic`` workers change roles; one killed while switching comes back in its old role); one that exits with status 2 (bad
-option, model, or refused by the router) is not restarted.
+(``--elastic`` workers change roles; one killed while switching comes back in its old
+role); one that exits with status 2 (bad option, model, or refused by the router) is not
+restarted.
 
 With ``--cluster ray`` the workers are Ray actors on an existing Ray cluster instead
 (:mod:`epdserve.serving.ray_cluster`: placement by per-role resources, restarts by Ray, the
@@ -325,8 +326,6 @@ def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
         if args.elastic and args.cluster == "ray":
             raise ValueError("--elastic runs with --cluster local only (elastic workers on Ray come later: "
                              "Ray would restart a worker in its first role)")
-        if args.elastic and args.mode == "epd":
-            raise ValueError("--elastic switches colocated, prefill and decode workers: use --mode colocated or pd")
         if args.cluster == "ray":
             ray_cluster.role_resources(args)
     except ValueError as exc:

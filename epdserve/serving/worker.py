@@ -134,8 +134,7 @@ class Worker:
     def reset(self) -> str:
         """Abort every request and release every export (see ``P.Reset``: the router has
         failed or moved them all); returns what was dropped, for the log."""
-        requests, exports = list(self.engine.seqs) + list(self.fetching), self.exporter.table.ids()
-        requests += list(self.grammars.pending)
+        requests, exports = self.requests(), self.exporter.table.ids()
         self.grammars.pending.clear()
         self.taken_as.clear()
         self.fetcher.cancel_all()
@@ -273,11 +272,14 @@ class Worker:
                                 images=[(im.hash, im.tokens) for im in msg.images], image_embeddings=embeddings,
                                 hold_kv=prefill, layer_sink=self.exporter.layer_sink if prefill else None)
 
+    def requests(self) -> list[str]:
+        """The request ids queued or running in the engine, fetching, or compiling their grammar."""
+        return list(self.engine.seqs) + list(self.fetching) + list(self.grammars.pending)
+
     def holding(self) -> set[str]:
-        """The request ids this worker holds: queued or running in the engine, fetching,
-        compiling their grammar, or exported and not yet released."""
-        return (set(self.engine.seqs) | set(self.fetching) | set(self.grammars.pending)
-                | set(self.exporter.table.ids()))
+        """The request ids this worker holds: :meth:`requests`, and those exported and not
+        yet released."""
+        return set(self.requests()) | set(self.exporter.table.ids())
 
     def set_role(self, msg: P.SetRole, arrival: float) -> None:
         """Take ``msg.role``'s work from now on and drain the old role's (see the module's

@@ -17,10 +17,11 @@ from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import DTYPES, EngineConfig
 from epdserve.model.loader import auto_dtype, resolve_model
 from epdserve.serving import auth, flags
+from epdserve.serving.deployment import ENGINE_ROLES
 from epdserve.transfer import handoff
 
 log = logging.getLogger("epdserve.worker")
-ROLES = ("colocated", "prefill", "decode")  # the engine workers' (an encode worker runs EncodeWorker)
+ROLES = ENGINE_ROLES  # an encode worker runs EncodeWorker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

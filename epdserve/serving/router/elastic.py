@@ -18,7 +18,8 @@ from typing import Callable
 
 from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, WorkerSignal, decide
 from epdserve.serving.router.events import WorkerFailed
-from epdserve.serving.router.registry import ELASTIC_ROLES, Registry
+from epdserve.serving.deployment import ENGINE_ROLES
+from epdserve.serving.router.registry import Registry
 from epdserve.serving.router.signals import SignalRecorder
 
 log = logging.getLogger("epdserve.router")
@@ -44,7 +45,7 @@ class Controller:
                                      outstanding=len(w.outstanding),
                                      kv_usage=w.blocks_in_use / w.blocks_total if w.blocks_total else 0.0)
                         for w in self.registry.workers.values()
-                        if self.registry.live(w) and w.role in ELASTIC_ROLES)
+                        if self.registry.live(w) and w.role in ENGINE_ROLES)
         arrivals, ttfts, queues, itls = self.signals.take()
         return Sample(t=self.clock(), workers=workers, arrivals=arrivals, ttfts_ms=ttfts, prefill_queue_ms=queues,
                       itls_ms=itls)

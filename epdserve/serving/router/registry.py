@@ -32,6 +32,7 @@ from typing import Callable, Protocol
 
 from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
+from epdserve.serving.deployment import ENGINE_ROLES
 from epdserve.serving.handshake import KV_PEER_ROLES, refusal
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.router.events import WorkerDown, WorkerFailed, event_for
@@ -40,7 +41,6 @@ from epdserve.serving.router.prefix_index import PrefixAware, PromptBlocks, load
 log = logging.getLogger("epdserve.router")
 
 MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode"), "epd": ("encode", "prefill", "decode")}
-ELASTIC_ROLES = ("colocated", "prefill", "decode")  # the roles an elastic worker switches between
 # Elastic: a stage with no worker of its role goes to one of these (a colocated worker
 # decodes an imported request as a decode worker does).
 ELASTIC_FALLBACK = {"decode": "colocated"}
@@ -269,11 +269,11 @@ class Registry:
 
         Raises:
             ValueError: not elastic, an unknown or down worker, or a role outside
-                :data:`ELASTIC_ROLES`.
+                :data:`ENGINE_ROLES`.
             WorkerFailed: its command queue is full.
         """
         w = self.workers.get(worker_id)
-        if not self.elastic or role not in ELASTIC_ROLES or w is None or w.dead:
+        if not self.elastic or role not in ENGINE_ROLES or w is None or w.dead:
             raise ValueError(f"cannot switch worker {worker_id!r} to {role!r} (elastic: {self.elastic}, "
                              f"worker {'unknown' if w is None else 'down' if w.dead else 'up'})")
         if role == w.role:
@@ -399,7 +399,7 @@ class Registry:
 
     def _refusal(self, msg: P.Hello) -> str | None:
         """Why ``msg``'s worker cannot serve with this deployment, or None."""
-        roles = ELASTIC_ROLES if self.elastic else MODE_ROLES[self.mode]
+        roles = ENGINE_ROLES if self.elastic else MODE_ROLES[self.mode]
         if msg.role not in roles:
             kind = "an elastic" if self.elastic else f"a {self.mode}"
             return f"worker {msg.worker_id} has role {msg.role}, {kind} router uses {roles}"
