@@ -107,8 +107,8 @@ def test_a_request_keeps_its_role_and_decode_never_returns_to_its_prefill_worker
         rec = flow.trace()
         assert (rec.prefill_worker, rec.decode_worker, rec.mode, rec.path) == ("w0", "w1", "pd", "disaggregated")
         assert rec.prefill_ms == 5.0 and rec.prefill_queue_ms == 1.0
-        arrivals, ttfts, queues, itls = s.signals.take()
-        assert arrivals == ((3, 4),) and len(ttfts) == 1 and len(queues) == 1
+        arrivals, ttfts, queues, itls, computed = s.signals.take()
+        assert arrivals == ((3, 4),) and len(ttfts) == 1 and len(queues) == 1 and computed == (3,)
 
     run(go())
 

@@ -14,6 +14,12 @@ x + y = N >= 2). The physics it follows:
   gap far over the TPOT SLO is a stall). Prompts much longer than the answers: colocated -> xPyD.
 * **Decode-heavy mix.** Short prompts and long answers keep many sequences decoding: in 1P1D
   one core carries the whole batch while the prefill worker idles: xPyD -> colocated.
+* **Prefill capacity.** A split leaves x of the N workers to prefill every prompt: it pays
+  only while they can keep up. The window's prompt tokens per second over the prefill speed
+  the router measured (prompt tokens computed per second of TTFT less queue) is the
+  prefill load in workers; colocated -> xPyD only while it is at most ``split_util`` of
+  the x prefill workers, and 1PyD (no decode worker to give) -> colocated when it is over
+  ``overload_util`` of its prefill worker: colocated, every worker prefills.
 * **Low load.** Too few requests in flight to overlap: a split only idles a worker (and adds
   a KV hand-off to every TTFT): xPyD -> colocated.
 * **Rebalancing xPyD.** Prefill pressure (TTFT or prefill queue over the SLO while decode has
@@ -71,13 +77,15 @@ class PolicyConfig:
     big_batch: float = 4.0              # running sequences per decode-capable worker: big
     kv_high: float = 0.85               # KV usage p90 (0..1) of decode workers: decode pressure
     decode_waiting_enter: float = 1.0   # requests waiting on decode workers: decode pressure
-    low_load_enter: float = 0.25        # in flight per worker < this: low load
-    low_load_leave: float = 0.5         # in flight per worker >= this: splitting may pay
+    low_load_enter: float = 0.2         # in flight per worker < this: low load
+    low_load_leave: float = 0.4         # in flight per worker >= this: splitting may pay
+    split_util: float = 0.7             # prefill load <= this x the split's prefill workers: may split
+    overload_util: float = 0.9          # prefill load > this x 1PyD's prefill worker: colocate
 
     def __post_init__(self):
         for name in ("slo_ttft_ms", "slo_tpot_ms", "window_s", "min_dwell_s", "itl_enter", "stall",
                      "ttft_enter", "queue_enter", "decode_heavy_ratio", "big_batch",
-                     "low_load_enter"):
+                     "low_load_enter", "split_util"):
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
                 raise ValueError(f"PolicyConfig {name}: expected a finite number > 0, "
                                  f"got {getattr(self, name)!r}")
@@ -85,7 +93,7 @@ class PolicyConfig:
             raise ValueError(f"PolicyConfig quantile: expected 0 < q <= 1, got {self.quantile!r}")
         for enter, leave in (("itl_enter", "itl_slack"), ("ttft_enter", "ttft_slack"),
                              ("prefill_heavy_ratio", "decode_heavy_ratio"),
-                             ("low_load_leave", "low_load_enter")):
+                             ("low_load_leave", "low_load_enter"), ("overload_util", "split_util")):
             if not getattr(self, enter) > getattr(self, leave):
                 raise ValueError(f"PolicyConfig {enter} {getattr(self, enter)!r} must be > "
                                  f"{leave} {getattr(self, leave)!r} (a hysteresis band)")
@@ -115,7 +123,8 @@ class Decision:
 class Window:
     """The windowed numbers of the samples since the last change (:func:`measure`): p90s
     (nearest rank) of the TTFTs, prefill queue times and ITL gaps, means over the samples of
-    per-worker counts, and the mean prompt and answer (``max_tokens``) of the arrivals."""
+    per-worker counts, the mean prompt and answer (``max_tokens``) of the arrivals, and the
+    prefill demand and speed (tokens/s)."""
     span_s: float
     arrivals: int
     prompt_avg: float           # tokens per arriving request
@@ -131,6 +140,13 @@ class Window:
     waiting_prefill: float      # mean waiting on prefill-role workers (sum over them)
     waiting_decode: float       # mean waiting on decode-capable workers (sum over them)
     inflight: float             # mean outstanding requests per worker
+    demand_tok_s: float = 0.0   # prompt tokens arriving per second (over span_s)
+    prefill_tok_s: float = 0.0  # prompt tokens one worker prefills per second; 0: not measured
+
+    def prefill_load(self) -> float | None:
+        """The prefill work arriving, in busy workers (demand over one worker's speed);
+        None when the speed was not measured (no first token, or an older trace)."""
+        return self.demand_tok_s / self.prefill_tok_s if self.prefill_tok_s > 0 else None
 
     @property
     def ratio(self) -> float:
@@ -146,7 +162,8 @@ class Window:
                 "itl_max_ms": self.itl_max,
                 "ttfts": self.n_ttft, "itl_gaps": self.n_itl, "decode_batch": self.decode_batch,
                 "kv_usage_p90": self.kv_p90, "waiting_prefill": self.waiting_prefill,
-                "waiting_decode": self.waiting_decode, "inflight_per_worker": self.inflight}
+                "waiting_decode": self.waiting_decode, "inflight_per_worker": self.inflight,
+                "prefill_demand_tok_s": self.demand_tok_s, "prefill_speed_tok_s": self.prefill_tok_s}
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -167,8 +184,13 @@ def measure(samples: Sequence[Sample], q: float) -> Window:
     quantile of the per-event values. Decode-capable workers: colocated and decode."""
     arrivals = [a for s in samples for a in s.arrivals]
     decoders = [[w for w in s.workers if w.role != "prefill"] for s in samples]
+    span_s = samples[-1].t - samples[0].t
+    # TTFT less queue is the prefill (and the hops, a few ms): over the prompt tokens computed.
+    prefill_s = sum(max(t - q, 0.0) for s in samples if s.prefill_tokens
+                    for t, q in zip(s.ttfts_ms, s.prefill_queue_ms)) / 1e3
+    computed = sum(n for s in samples for n in s.prefill_tokens)
     return Window(
-        span_s=samples[-1].t - samples[0].t,
+        span_s=span_s,
         arrivals=len(arrivals),
         prompt_avg=_mean([p for p, _ in arrivals]), answer_avg=_mean([m for _, m in arrivals]),
         ttft_p90=_quantile([x for s in samples for x in s.ttfts_ms], q),
@@ -183,7 +205,9 @@ def measure(samples: Sequence[Sample], q: float) -> Window:
                                for s in samples]),
         waiting_decode=_mean([sum(w.num_waiting for w in d) for d in decoders]),
         inflight=_mean([_mean([w.outstanding for w in s.workers])
-                        for s in samples if s.workers]))
+                        for s in samples if s.workers]),
+        demand_tok_s=sum(p for p, _ in arrivals) / span_s if span_s > 0 else 0.0,
+        prefill_tok_s=computed / prefill_s if prefill_s > 0 and computed else 0.0)
 
 
 @dataclass(frozen=True)
@@ -241,6 +265,11 @@ def _no_evidence(win: Window, c: PolicyConfig) -> str | None:
         return None
     return (f"too little evidence: {win.arrivals} arrivals < {c.min_arrivals} and "
             f"{win.n_itl} ITL gaps < {c.min_itl_gaps}")
+
+
+def _load(win: Window) -> str:
+    return (f"prefill load {win.prefill_load():.2f} workers ({win.demand_tok_s:.0f} prompt tok/s at "
+            f"{win.prefill_tok_s:.0f} tok/s a worker)")
 
 
 def _mix(win: Window) -> str:
@@ -353,8 +382,14 @@ def _from_colocated(win: Window, lay: _Layout, c: PolicyConfig) -> tuple[str, di
                               f"{c.slo_ttft_ms:g} ms: no prefill capacity to spare for a split")
     if reason:
         roles, shape = _split(lay)
-        return "to-pd", roles, (f"{reason}; TTFT p90 {win.ttft_p90:.0f} ms <= {c.ttft_slack:g} x TTFT SLO: "
-                                f"prefill can spare a worker -> {shape}")
+        x = sum(r == "prefill" for r in roles.values())
+        load = win.prefill_load()
+        if load is not None and load > c.split_util * x:
+            return "hold", None, (f"{reason}, but {_load(win)}: {x} prefill worker(s) could not keep up "
+                                  f"(> {c.split_util:g} each)")
+        return "to-pd", roles, (f"{reason}; TTFT p90 {win.ttft_p90:.0f} ms <= {c.ttft_slack:g} x TTFT SLO"
+                                f"{f' and {_load(win)}' if load is not None else ''}: prefill can spare "
+                                f"a worker -> {shape}")
     return "hold", None, (f"colocated: no interference (ITL p90 {win.itl_p90:.0f} ms, "
                           f"decode batch {win.decode_batch:.1f}, {_mix(win)})")
 
@@ -377,6 +412,11 @@ def _from_pd(win: Window, lay: _Layout, c: PolicyConfig) -> tuple[str, dict | No
     if prefill_short and len(lay.decode) > 1:
         roles, moved = _move(lay, "decode", "prefill")
         return "rebalance", roles, f"{prefill_short}: prefill pressure -> {moved}"
+    load = win.prefill_load()
+    if len(lay.decode) == 1 and load is not None and load > c.overload_util * len(lay.prefill):
+        return "to-colocated", colocated, (f"{_load(win)} > {c.overload_util:g} x {len(lay.prefill)} prefill "
+                                           f"worker(s), no decode worker to spare -> colocated (every "
+                                           f"worker prefills)")
     if decode_short and len(lay.prefill) > 1 and win.ttft_p90 <= c.ttft_slack * c.slo_ttft_ms:
         roles, moved = _move(lay, "prefill", "decode")
         return "rebalance", roles, (f"{decode_short} while TTFT p90 {win.ttft_p90:.0f} ms <= "

@@ -46,9 +46,9 @@ class Controller:
                                      kv_usage=w.blocks_in_use / w.blocks_total if w.blocks_total else 0.0)
                         for w in self.registry.workers.values()
                         if self.registry.live(w) and w.role in ENGINE_ROLES)
-        arrivals, ttfts, queues, itls = self.signals.take()
+        arrivals, ttfts, queues, itls, computed = self.signals.take()
         return Sample(t=self.clock(), workers=workers, arrivals=arrivals, ttfts_ms=ttfts, prefill_queue_ms=queues,
-                      itls_ms=itls)
+                      itls_ms=itls, prefill_tokens=computed)
 
     def tick(self) -> Decision:
         """Take a sample, decide on the window, apply the decision; returns it."""
