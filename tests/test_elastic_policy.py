@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from epdserve.serving.elastic_policy import (Decision, PolicyConfig, PolicyState, Sample,
-                                             WorkerSignal, decide)
+                                             WorkerSignal, decide, window)
 
 CFG = PolicyConfig(slo_ttft_ms=2000.0, slo_tpot_ms=150.0)
 INTERVAL = 2.0
@@ -86,8 +86,7 @@ def drive(phases, roles, config=CFG, seed=0):
     for model, seconds in phases:
         for _ in range(int(seconds / INTERVAL)):
             samples.append(model(rng, t, roles, switching))
-            window = [s for s in samples if s.t > t - config.window_s]
-            decision, state = decide(window, state, config)
+            decision, state = decide(window(samples, config), state, config)
             decisions.append(decision)
             switching = tuple(w for w, r in (decision.roles or {}).items() if roles[w] != r)
             roles = decision.roles or roles
@@ -146,9 +145,30 @@ def test_overloaded_prefill_of_1p1d_goes_colocated():
     """1P1D whose prefill worker gets 3.7 workers' worth of prompts: no decode worker to
     move, so every worker prefills again."""
     d, _ = decide(spanning(sample(0, P1D1, arrivals=[(1480, 24)] * 20, itls=[40.0] * 20,
-                                  ttfts=[1000.0] * 4, computed=400, outstanding=2)),
+                                  ttfts=[1800.0] * 4, computed=400, outstanding=2)),
                   PolicyState(), CFG)
     assert d.roles == COLOCATED2 and "no decode worker to spare" in d.reason
+    assert "TTFT p90 1800 ms > 0.8 x TTFT SLO" in d.reason
+
+
+def test_a_burst_of_arrivals_without_slow_first_tokens_keeps_1p1d():
+    """The same load, but the TTFTs (1,000 ms) keep within 0.8 x the SLO: a burst, held."""
+    d, _ = decide(spanning(sample(0, P1D1, arrivals=[(1480, 24)] * 20, itls=[40.0] * 20,
+                                  ttfts=[1000.0] * 4, computed=400, outstanding=2)),
+                  PolicyState(), CFG)
+    assert d.roles is None and "1P1D kept" in d.reason
+
+
+def test_the_window_extends_back_to_hold_enough_arrivals():
+    """One arrival every 10 s: the last 20 s hold 2, so the window reaches back to the 8th
+    last arrival (70 s); never past max_window_s (120 s)."""
+    samples = [sample(t, COLOCATED2, arrivals=[(100, 10)] if t % 10 == 0 else []) for t in range(0, 300, 2)]
+    kept = window(samples, CFG)
+    assert sum(len(s.arrivals) for s in kept) == 8 and kept[0].t == 298 - 78
+    busy = [sample(t, COLOCATED2, arrivals=[(100, 10)] * 3) for t in range(0, 300, 2)]
+    assert window(busy, CFG)[0].t == 298 - 18  # 20 s hold plenty: the window as it is
+    rare = [sample(t, COLOCATED2, arrivals=[(100, 10)] if t % 60 == 0 else []) for t in range(0, 300, 2)]
+    assert window(rare, CFG)[0].t == 298 - 118  # 120 s at most
 
 
 def test_low_load_goes_colocated_without_evidence():
@@ -436,7 +456,7 @@ def test_decisions_are_deterministic():
     state = PolicyState()
     again = []
     for i, s in enumerate(samples):
-        d, state = decide([x for x in samples[:i + 1] if x.t > s.t - CFG.window_s], state, CFG)
+        d, state = decide(window(samples[:i + 1], CFG), state, CFG)
         again.append(d)
     assert again == first
 
@@ -485,6 +505,7 @@ def test_sample_from_non_object():
     ({"itl_slack": 1.3}, r"itl_enter 1.2 must be > itl_slack 1.3 \(a hysteresis band\)"),
     ({"low_load_leave": 0.1}, "low_load_leave 0.1 must be > low_load_enter 0.2"),
     ({"split_util": 0.95}, "overload_util 0.9 must be > split_util 0.95"),
+    ({"max_window_s": 10.0}, "max_window_s 10.0 must be >= window_s 20.0"),
 ])
 def test_bad_config_raises(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -61,7 +61,9 @@ class PolicyConfig:
     """
     slo_ttft_ms: float
     slo_tpot_ms: float
-    window_s: float = 20.0              # the sliding window (s)
+    window_s: float = 20.0              # the sliding window (s) ...
+    window_arrivals: int = 8            # ... extended back until it holds this many arrivals ...
+    max_window_s: float = 120.0         # ... or spans this long (s): see window()
     min_dwell_s: float = 30.0           # no change within this long of the last one (s)
     quantile: float = 0.9               # of the window's TTFTs, prefill queue times, ITL gaps
     min_arrivals: int = 3               # evidence: this many arrivals, or ...
@@ -89,6 +91,10 @@ class PolicyConfig:
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
                 raise ValueError(f"PolicyConfig {name}: expected a finite number > 0, "
                                  f"got {getattr(self, name)!r}")
+        if not self.max_window_s >= self.window_s or not isinstance(self.window_arrivals, int) \
+                or self.window_arrivals < 0:
+            raise ValueError(f"PolicyConfig max_window_s {self.max_window_s!r} must be >= window_s "
+                             f"{self.window_s!r}, window_arrivals {self.window_arrivals!r} an integer >= 0")
         if not 0 < self.quantile <= 1:
             raise ValueError(f"PolicyConfig quantile: expected 0 < q <= 1, got {self.quantile!r}")
         for enter, leave in (("itl_enter", "itl_slack"), ("ttft_enter", "ttft_slack"),
@@ -179,16 +185,39 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+MIN_SPEED_TOKENS = 64  # shorter prefills are mostly fixed costs: no measure of the speed
+
+
+def window(samples: Sequence[Sample], config: PolicyConfig) -> list[Sample]:
+    """The samples a decision reads, of ``samples`` (oldest first; the last is now): those
+    of the last ``window_s`` seconds, extended back whole samples at a time while they hold
+    fewer than ``window_arrivals`` arrivals, up to ``max_window_s``. At 0.12 req/s twenty
+    seconds hold two or three arrivals: no measure of a mix, a load or the requests in
+    flight (measured: a lull of one arrival in 18 s read as low load and undid a split a
+    minute into a phase that needed it); eight arrivals put the count's spread at ~35 %.
+    The router's controller keeps, and ``epdserve plan`` replays, exactly these."""
+    now, start, arrivals = samples[-1].t, len(samples), 0
+    for i in range(len(samples) - 1, -1, -1):
+        age_ok = samples[i].t > now - config.window_s
+        if not age_ok and (arrivals >= config.window_arrivals or samples[i].t <= now - config.max_window_s):
+            break
+        arrivals += len(samples[i].arrivals)
+        start = i
+    return list(samples[start:])
+
+
 def measure(samples: Sequence[Sample], q: float) -> Window:
     """The windowed numbers of ``samples`` (oldest first, at least one), with ``q`` the
     quantile of the per-event values. Decode-capable workers: colocated and decode."""
     arrivals = [a for s in samples for a in s.arrivals]
     decoders = [[w for w in s.workers if w.role != "prefill"] for s in samples]
     span_s = samples[-1].t - samples[0].t
-    # TTFT less queue is the prefill (and the hops, a few ms): over the prompt tokens computed.
-    prefill_s = sum(max(t - q, 0.0) for s in samples if s.prefill_tokens
-                    for t, q in zip(s.ttfts_ms, s.prefill_queue_ms)) / 1e3
-    computed = sum(n for s in samples for n in s.prefill_tokens)
+    # TTFT less queue is the prefill (and the hops, a few ms); the fastest of the window's
+    # prefills is the speed: two prompts prefilled together (chunked prefill shares the
+    # steps) each take longer than one alone.
+    speeds = [n / (t - q) * 1e3 for s in samples
+              for t, q, n in zip(s.ttfts_ms, s.prefill_queue_ms, s.prefill_tokens)
+              if n >= MIN_SPEED_TOKENS and t > q]
     return Window(
         span_s=span_s,
         arrivals=len(arrivals),
@@ -207,7 +236,7 @@ def measure(samples: Sequence[Sample], q: float) -> Window:
         inflight=_mean([_mean([w.outstanding for w in s.workers])
                         for s in samples if s.workers]),
         demand_tok_s=sum(p for p, _ in arrivals) / span_s if span_s > 0 else 0.0,
-        prefill_tok_s=computed / prefill_s if prefill_s > 0 and computed else 0.0)
+        prefill_tok_s=max(speeds, default=0.0))
 
 
 @dataclass(frozen=True)
@@ -413,10 +442,13 @@ def _from_pd(win: Window, lay: _Layout, c: PolicyConfig) -> tuple[str, dict | No
         roles, moved = _move(lay, "decode", "prefill")
         return "rebalance", roles, f"{prefill_short}: prefill pressure -> {moved}"
     load = win.prefill_load()
-    if len(lay.decode) == 1 and load is not None and load > c.overload_util * len(lay.prefill):
+    if (len(lay.decode) == 1 and load is not None and load > c.overload_util * len(lay.prefill)
+            and win.ttft_p90 > c.ttft_slack * c.slo_ttft_ms):
+        # Both: a burst of arrivals lifts the load for a window without the TTFTs suffering.
         return "to-colocated", colocated, (f"{_load(win)} > {c.overload_util:g} x {len(lay.prefill)} prefill "
-                                           f"worker(s), no decode worker to spare -> colocated (every "
-                                           f"worker prefills)")
+                                           f"worker(s) and TTFT p90 {win.ttft_p90:.0f} ms > {c.ttft_slack:g} x "
+                                           f"TTFT SLO, no decode worker to spare -> colocated (every worker "
+                                           f"prefills)")
     if decode_short and len(lay.prefill) > 1 and win.ttft_p90 <= c.ttft_slack * c.slo_ttft_ms:
         roles, moved = _move(lay, "prefill", "decode")
         return "rebalance", roles, (f"{decode_short} while TTFT p90 {win.ttft_p90:.0f} ms <= "

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, WorkerSignal, decide
+from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, WorkerSignal, decide, window
 from epdserve.serving.router.events import WorkerFailed
 from epdserve.serving.deployment import ENGINE_ROLES
 from epdserve.serving.router.registry import Registry
@@ -54,7 +54,8 @@ class Controller:
         """Take a sample, decide on the window, apply the decision; returns it."""
         sample = self.sample()
         self.samples.append(sample)
-        while self.samples and self.samples[0].t < sample.t - self.config.window_s:
+        kept = len(window(self.samples, self.config))
+        while len(self.samples) > kept:
             self.samples.popleft()
         self.write({"event": "elastic_sample", "at": time.time(), "sample": sample.as_json()})
         decision, self.state = decide(list(self.samples), self.state, self.config)
