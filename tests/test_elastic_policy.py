@@ -171,6 +171,19 @@ def test_the_window_extends_back_to_hold_enough_arrivals():
     assert window(rare, CFG)[0].t == 298 - 118  # 120 s at most
 
 
+def test_a_stall_that_breaks_no_tpot_is_not_interference():
+    """A 3.3 s stall over 126-token answers adds ~26 ms to a 40 ms step: within a 150 ms TPOT,
+    so a split would save no request (found by the closed-loop simulation of epdserve plan)."""
+    d, _ = decide(spanning(sample(0, COLOCATED2, arrivals=[(750, 126)] * 6, itls=[40.0] * 30 + [3300.0],
+                                  ttfts=[800.0] * 4, outstanding=2)),
+                  PolicyState(), CFG)
+    assert d.roles is None and "colocated: no interference" in d.reason
+    d, _ = decide(spanning(sample(0, COLOCATED2, arrivals=[(750, 20)] * 6, itls=[40.0] * 30 + [3300.0],
+                                  ttfts=[800.0] * 4, outstanding=2)),
+                  PolicyState(), CFG)
+    assert d.roles == P1D1 and "a stalled answer's TPOT ~205 ms" in d.reason
+
+
 def test_low_load_goes_colocated_without_evidence():
     _, decisions = drive([(quiet, 40)], P1D1)
     [d] = changes(decisions)
@@ -248,7 +261,8 @@ def test_itl_gaps_alone_are_evidence_but_not_of_the_mix():
 def test_reason_names_the_numbers():
     s = sample(0, COLOCATED2, arrivals=[(1480, 24)] * 3, itls=[412.0] * 20, outstanding=2)
     d, _ = decide(spanning(s), PolicyState(), CFG)
-    assert d.reason == ("longest ITL gap 412 ms > 2 x TPOT SLO 150 ms at decode batch 1.0 < 4 while "
+    assert d.reason == ("longest ITL gap 412 ms > 2 x TPOT SLO 150 ms (a stalled answer's TPOT ~429 ms) at decode "
+                        "batch 1.0 < 4 while "
                         "prompts avg 1480 tok / answers 24 tok (61.7x) >= 4x: prefill "
                         "interference; TTFT p90 0 ms <= 0.8 x TTFT SLO: prefill can spare a worker -> 1P1D")
 

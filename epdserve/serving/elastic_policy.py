@@ -196,6 +196,7 @@ def window(samples: Sequence[Sample], config: PolicyConfig) -> list[Sample]:
     flight (measured: a lull of one arrival in 18 s read as low load and undid a split a
     minute into a phase that needed it); eight arrivals put the count's spread at ~35 %.
     The router's controller keeps, and ``epdserve plan`` replays, exactly these."""
+    samples = list(samples)  # the controller keeps a deque, which does not slice
     now, start, arrivals = samples[-1].t, len(samples), 0
     for i in range(len(samples) - 1, -1, -1):
         age_ok = samples[i].t > now - config.window_s
@@ -308,16 +309,21 @@ def _mix(win: Window) -> str:
 
 def _interference(win: Window, c: PolicyConfig) -> str | None:
     """Prefill interference in colocated engines: the window's longest ITL gap is a stall
-    (over ``stall`` x the TPOT SLO) while the decode batch is small, with a prefill-heavy mix
-    and enough load for requests to overlap. The longest gap, not a p90: with short answers
+    (over ``stall`` x the TPOT SLO) that breaks a stalled answer's TPOT (the stall over the
+    mean answer plus the ITL p90 > the TPOT SLO) while the decode batch is small, with a
+    prefill-heavy mix and enough load for requests to overlap. The longest gap, not a p90: with short answers
     a stall is one gap of a dozen per request, invisible in a p90, yet it alone breaks the
     request's TPOT (a 6 s prefill over 12 tokens adds 500 ms to each)."""
+    # The stall spread over an answer, on top of the usual gap: the TPOT of a stalled
+    # request. A 3.3 s stall in a 126-token answer adds 26 ms, far inside a 250 ms TPOT:
+    # then a split would halve the prefill capacity and save no request.
+    stalled_tpot = win.itl_max / max(win.answer_avg, 1.0) + win.itl_p90
     if (win.arrivals >= c.min_arrivals and win.ratio >= c.prefill_heavy_ratio
-            and win.itl_max > c.stall * c.slo_tpot_ms and win.decode_batch < c.big_batch
-            and win.inflight >= c.low_load_leave):
+            and win.itl_max > c.stall * c.slo_tpot_ms and stalled_tpot > c.slo_tpot_ms
+            and win.decode_batch < c.big_batch and win.inflight >= c.low_load_leave):
         return (f"longest ITL gap {win.itl_max:.0f} ms > {c.stall:g} x TPOT SLO {c.slo_tpot_ms:g} ms "
-                f"at decode batch {win.decode_batch:.1f} < {c.big_batch:g} while {_mix(win)} "
-                f">= {c.prefill_heavy_ratio:g}x: prefill interference")
+                f"(a stalled answer's TPOT ~{stalled_tpot:.0f} ms) at decode batch {win.decode_batch:.1f} "
+                f"< {c.big_batch:g} while {_mix(win)} >= {c.prefill_heavy_ratio:g}x: prefill interference")
     return None
 
 
