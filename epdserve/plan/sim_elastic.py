@@ -226,15 +226,14 @@ class Controller:
         self.events.append({"t": self.sim.env.now, "worker": w.worker_id, "role": w.role, "previous": w.previous,
                             "state": state, "drain_ms": drain_ms, "reason": self._reason})
 
-    def report(self, since_s: float = 0.0) -> dict:
-        """What the controller did (JSON): ``decisions`` that changed roles (``t`` s,
-        ``action``, ``roles``, ``reason``, ``signals``), ``role_events`` (switches asked and
-        announced, with ``drain_ms``), the number of ``holds`` and the last hold's reason,
-        from ``since_s`` (simulated s) on, and the ``roles`` each worker had at the end."""
-        kept = [d for d in self.decisions if d.t >= since_s]
-        holds = [d for d in kept if d.roles is None]
+    def report(self) -> dict:
+        """What the controller did (JSON): ``decisions`` that changed roles (``t`` in
+        simulated s, ``action``, ``roles``, ``reason``, ``signals``), ``role_events`` (each
+        switch asked and announced, with ``drain_ms``), the number of ``holds`` and the last
+        hold's reason, and the ``roles`` each worker had at the end."""
+        holds = [d for d in self.decisions if d.roles is None]
         return {"decisions": [{"t": d.t, "action": d.action, "roles": d.roles, "reason": d.reason,
-                               "signals": d.signals} for d in kept if d.roles is not None],
-                "role_events": [e for e in self.events if e["t"] >= since_s and e["state"] != "up"],
+                               "signals": d.signals} for d in self.decisions if d.roles is not None],
+                "role_events": [e for e in self.events if e["state"] != "up"],
                 "holds": len(holds), "last_hold": holds[-1].reason if holds else None,
                 "roles": {w.worker_id: w.role for w in self.sim.workers}}
