@@ -9,7 +9,8 @@ window or dwell): what it would have decided, and why.
 
 The replay is open loop: the recorded samples keep the roles and the signals the recording
 had, whatever the replayed decisions say (a what-if on the signals, not a simulation of
-the deployment's response: ``epdserve plan``'s simulator does not switch roles yet).
+the deployment's response: for that, ``epdserve plan --configs elastic`` runs the policy
+in the loop of the simulator, :mod:`epdserve.plan.sim_elastic`).
 ``epdserve plan elastic-replay --elastic-trace FILE`` runs it from the command line.
 """
 
