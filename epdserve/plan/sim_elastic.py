@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from epdserve.bench.metrics import DEFAULT_SLOS_MS
 from epdserve.plan.sim_worker import Seq, Worker
 from epdserve.serving.deployment import ELASTIC_SLO_KEYS
-from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, WorkerSignal, decide
+from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, WorkerSignal, decide, window
 
 if TYPE_CHECKING:  # for annotations only: simulate imports this module
     from epdserve.plan.simulate import Simulation
@@ -172,11 +172,12 @@ class Controller:
         self.decoding_on.pop(s.index, None)
         self.done.add(s.index)
 
-    def _token_events(self) -> tuple[list[float], list[float], list[float]]:
-        """The TTFTs and prefill queue times of first tokens, and the gaps between tokens,
-        that came since the last call (ms). A decoding request's tokens so far are its
+    def _token_events(self) -> tuple[list[float], list[float], list[float], list[int]]:
+        """The TTFTs, prefill queue times and computed prompt tokens (less the template's
+        cached blocks, the prefix-cache hit of nearly every prompt) of first tokens, and the
+        gaps between tokens, that came since the last call (ms). A decoding request's tokens so far are its
         worker's step ends since it joined (``Worker._finish_step`` records them at the end)."""
-        ttfts, queues, itls = [], [], []
+        ttfts, queues, itls, computed = [], [], [], []
         for index, s in list(self.live.items()):
             w = self.decoding_on.get(index)
             times = s.tokens + w.step_times[s.first_step:] if w else s.tokens
@@ -185,28 +186,31 @@ class Controller:
                     ttfts.append((times[0] - s.arrival) * 1e3)
                     first = "colocated" if s.path == "colocated" else "prefill"
                     queues.append(self.sim.platform.router_ms + s.stages.get(f"{first}_queue_ms", 0.0))
+                    computed.append(max(s.prompt - self.sim.cached_prefix, 1))
                 else:
                     itls.append((times[j] - times[j - 1]) * 1e3)
             self.counted[index] = len(times)
             if index in self.done:
                 del self.live[index], self.counted[index]
                 self.done.discard(index)
-        return ttfts, queues, itls
+        return ttfts, queues, itls, computed
 
     def sample(self) -> Sample:
         """The signals now, as ``serving/router/elastic.py``'s ``Controller.sample``."""
-        ttfts, queues, itls = self._token_events()
+        ttfts, queues, itls, computed = self._token_events()
         arrivals, self.arrivals = tuple(self.arrivals), []
         return Sample(t=self.sim.env.now, workers=tuple(w.signal() for w in self.sim.workers), arrivals=arrivals,
-                      ttfts_ms=tuple(ttfts), prefill_queue_ms=tuple(queues), itls_ms=tuple(itls))
+                      ttfts_ms=tuple(ttfts), prefill_queue_ms=tuple(queues), itls_ms=tuple(itls),
+                      prefill_tokens=tuple(computed))
 
     def tick(self) -> Decision:
         """Sample, decide on the window, apply (``serving/router/elastic.py``'s ``tick``)."""
         sample = self.sample()
         self.samples.append(sample)
-        while self.samples and self.samples[0].t < sample.t - self.config.policy.window_s:
+        kept = window(self.samples, self.config.policy)
+        while len(self.samples) > len(kept):
             self.samples.popleft()
-        decision, self.state = decide(list(self.samples), self.state, self.config.policy)
+        decision, self.state = decide(kept, self.state, self.config.policy)
         self.decisions.append(decision)
         if decision.roles is not None:
             self._reason = decision.reason
