@@ -31,9 +31,9 @@ def platform() -> Platform:
                     router_ms=2.0, kv_capacity_tokens=lambda devices: KV_TOKENS)
 
 
-def elastic(interval_s: float = 2.0) -> Deployment:
+def elastic(interval_s: float = 2.0, slos: dict[str, float] = SLOS) -> Deployment:
     return Deployment("elastic", (WorkerSpec("colocated"), WorkerSpec("colocated")),
-                      elastic_config(SLOS, interval_s=interval_s))
+                      elastic_config(slos, interval_s=interval_s))
 
 
 def steady(n: int, gap_s: float, prompt: int, answer: int) -> list[Request]:
@@ -97,9 +97,10 @@ def test_a_decode_stage_never_goes_back_to_its_prefill_worker():
 
 def test_the_policy_splits_a_prefill_heavy_mix_and_reports_it():
     # 600-token prompts, 100-token answers, one a second: each prefill stalls its worker's
-    # decodes for 0.62 s (> 2 x the TPOT SLO) while the TTFT stays far under its SLO, and one
-    # prefill worker has the capacity for them all (62 % busy).
-    sim = serve(elastic(), platform(), steady(90, 1.0, 600, 100), LIMITS)
+    # decodes for 0.62 s (> 2 x the TPOT SLO), adding ~6 ms to a stalled answer's ~22 ms
+    # steps (over a 25 ms TPOT SLO) while the TTFT stays far under its SLO, and one prefill
+    # worker has the capacity for them all (62 % busy).
+    sim = serve(elastic(slos={"ttft": 10000.0, "tpot": 25.0}), platform(), steady(90, 1.0, 600, 100), LIMITS)
     rep = sim.controller.report()
     assert [d["action"] for d in rep["decisions"]][:1] == ["to-pd"]
     first = rep["decisions"][0]
@@ -150,10 +151,10 @@ def test_plan_configs_elastic_end_to_end(tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     save_trace(steady(60, 1.0, 600, 100), trace)
     out = tmp_path / "plan"
-    # A TPOT SLO the prefill stalls break: at its goodput rate the batches stay small (< 4 per
-    # worker), so the interference rule still applies there.
+    # A TPOT SLO the prefill stalls break (~6 ms on ~22 ms steps: over 25 ms); the batches
+    # stay small (< 4 per worker), so the interference rule applies.
     status, err = _cli(tmp_path, capsys, "--configs", "colocated-2,elastic", "--trace", str(trace), "--slo",
-                       "ttft:10000", "tpot:40", "--replay", "once", "--output", str(out))
+                       "ttft:10000", "tpot:25", "--replay", "once", "--output", str(out))
     assert status == 0, err
     doc = json.loads((out / "plan.json").read_text())
     row = {r["name"]: r for r in doc["candidates"]}["elastic"]
