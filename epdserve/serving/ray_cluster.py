@@ -194,6 +194,7 @@ class RayWorkers:
         self.groups: list = []
         self.connected = False
         self.draining = False  # set by drain: runs that end now end on purpose
+        self.actor_cls = None  # WorkerActor as a Ray actor class, made once
         self.command = None  # elastic: (role, worker id) -> the flags of a worker to add
         self.next_index = 0  # elastic: K of the next worker-K added (ids are never reused)
         self.own_groups: dict[str, object] = {}  # added worker id -> its one-bundle placement group
@@ -254,7 +255,9 @@ class RayWorkers:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         custom = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
-        actor = ray.remote(WorkerActor).options(
+        if self.actor_cls is None:
+            self.actor_cls = ray.remote(WorkerActor)
+        actor = self.actor_cls.options(
             num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), resources=custom, max_restarts=-1,
             max_task_retries=-1, max_concurrency=1,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),

@@ -197,7 +197,8 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     elastic = parser.add_argument_group("elastic serving (docs/elastic.md)")
     elastic.add_argument("--elastic", action="store_true",
                          help="colocated, pd: workers switch role live (colocated, prefill, decode) as the load "
-                              "shifts; --mode and the worker counts give the starting roles")
+                              "shifts; --mode and the worker counts give the starting roles; with --cluster ray "
+                              "every elastic worker takes --worker-resources and --worker-placement")
     elastic.add_argument("--slo", nargs="+", type=slo_pair(ELASTIC_SLO_KEYS), default=None, metavar="KEY:MS",
                          help="the SLOs the elastic controller serves, as bench --goodput writes them: ttft:MS "
                               f"tpot:MS (default: {' '.join(f'{k[4:]}:{v:g}' for k, v in ELASTIC_SLOS_MS.items())})")
