@@ -84,6 +84,7 @@ def test_switch_kill_add_and_retire_on_ray(elastic_ray, ray_head):
     # the router switches it back to decode at its Hello.
     old_pid, before = _workers(dep)["worker-1"]["pid"], len(_events(dep, "role"))
     os.kill(old_pid, signal.SIGKILL)
+    t_kill = time.monotonic()
     _wait(lambda: any(e["worker"] == "worker-1" and e["state"] == "switched" for e in _events(dep, "role")[before:]),
           "Ray to restart worker-1 and the router to switch it back", 180)
     after = [(e["state"], e["role"], e["reason"]) for e in _events(dep, "role")[before:] if e["worker"] == "worker-1"]
@@ -93,22 +94,28 @@ def test_switch_kill_add_and_retire_on_ray(elastic_ray, ray_head):
     w = _workers(dep)["worker-1"]
     assert (w["state"], w["role"], w["announced_role"], w["switching"]) == ("up", "decode", "decode", False)
     assert w["pid"] != old_pid
+    print(f"\nkill -9 worker-1 (decode): back as decode after {time.monotonic() - t_kill:.1f} s")
 
     # Add a decode worker: its own actor and placement group.
+    t_add = time.monotonic()
     r = httpx.post(dep.url + "/workers", json={"role": "decode", "reason": "test"}, timeout=10)
     assert r.status_code == 200 and r.json() == {"worker_id": "worker-2", "state": "starting", "role": "decode"}, r.text
     r = httpx.post(dep.url + "/workers", json={"role": "decode"}, timeout=10)  # worker-2 counts while it starts
     assert r.status_code == 409 and "--max-workers 3 reached" in r.json()["error"]["message"], r.text
     _wait(lambda: _workers(dep).get("worker-2", {}).get("state") == "up", "worker-2 up", 180)
     assert _workers(dep)["worker-2"]["role"] == "decode"
+    print(f"POST /workers: worker-2 up after {time.monotonic() - t_add:.1f} s")
     wait_for(lambda: " 3.0/4.0 CPU" in cluster_status(ray_head), 30, "three actors on the cluster")
 
     def retire_once_it_decodes():
         _wait(lambda: any(e.get("decode_worker") == "worker-2" for e in _trace(dep)), "worker-2 decoding", 60)
+        t_delete = time.monotonic()
         r = httpx.delete(dep.url + "/workers/worker-2", timeout=10)
         assert r.status_code == 200 and r.json()["state"] == "retiring", r.text
         _wait(lambda: "worker-2" not in _workers(dep), "worker-2 retired", 120)
-    _under_stream(dep, expected, retire_once_it_decodes)
+        print(f"DELETE /workers/worker-2: removed after {time.monotonic() - t_delete:.1f} s")
+    results = _under_stream(dep, expected, retire_once_it_decodes)
+    print(f"{len(results)} requests under the stream around the retirement, none failed")
 
     states = [e["state"] for e in _events(dep, "role") if e["worker"] == "worker-2"]
     assert states == ["starting", "up", "retiring", "removed"], states
