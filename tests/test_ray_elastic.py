@@ -12,7 +12,10 @@ point 5), with the ``openai`` client:
   failed request, every KV block free, its actor and placement group gone (the cluster's
   CPUs back to the two starting workers'), ``epdserve:workers`` and
   ``epdserve:worker_scale_total`` count it;
-* bad bodies and bounds: 400, 404, 409 with OpenAI-style bodies.
+* bad bodies and bounds: 400, 404, 409 with OpenAI-style bodies;
+* the controller itself (a 4 s window, TTFT SLO 1 ms, one sequence per engine): a stream
+  that keeps every worker's queue non-empty adds ``worker-2``; once the stream stops, the
+  low load retires it; no request fails.
 """
 
 from __future__ import annotations
@@ -145,3 +148,31 @@ def test_bad_worker_requests(elastic_ray):
         r = httpx.request(method, dep.url + path, json=body, timeout=10)
         assert r.status_code == status and "message" in r.json()["error"], (method, path, body, r.status_code, r.text)
     assert sorted(_workers(dep)) == before
+
+
+def test_the_controller_scales_out_under_saturation_and_back_in(ray_head, tmp_path):
+    dep = ray_deployment("colocated", tmp_path, ray_head, "--workers", "2", "--elastic", "--max-workers", "3",
+                         "--max-num-seqs", "1", "--slo", "ttft:1", "tpot:100000", "--elastic-window", "4",
+                         "--elastic-interval", "1", "--elastic-min-dwell", "2")
+    try:
+        expected = {p: _complete(dep, p).text for p in PROMPTS}
+        streams = [Stream(dep) for _ in range(3)]  # 6 clients, 1 running per engine: >= 1 waiting on each
+        try:
+            _wait(lambda: _workers(dep).get("worker-2", {}).get("state") == "up", "the controller to add worker-2",
+                  180)
+        finally:
+            results = [r for stream in streams for r in stream.end()]
+        _wait(lambda: "worker-2" not in _workers(dep), "the controller to retire worker-2 at low load", 120)
+        failed = [(p, r) for p, r in results if isinstance(r, Exception)]
+        assert not failed, failed[:3]
+        assert all(r == expected[p] for p, r in results)
+        decisions = [e for e in _trace(dep) if e.get("event") == "elastic_decision"]
+        assert [(d["action"], d["role"], d["worker"]) for d in decisions] == \
+            [("scale-out", "colocated", None), ("scale-in", None, "worker-2")], decisions
+        assert "saturated" in decisions[0]["reason"] and decisions[0]["signals"]["ttft_p90_ms"] > 1
+        assert "in flight per worker" in decisions[1]["reason"]
+        print(f"\ncontroller: {decisions[0]['reason']}\n            {decisions[1]['reason']}")
+        states = [e["state"] for e in _events(dep, "role") if e["worker"] == "worker-2"]
+        assert states == ["starting", "up", "retiring", "removed"], states
+    finally:
+        _stop(dep.proc)
