@@ -35,9 +35,10 @@ from test_ray import RayNode, cluster_status, ray_deployment, wait_for
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """A one-node Ray cluster (4 logical CPUs: 3 workers of 1 CPU and one spare); its address."""
+    """A one-node Ray cluster of 6 logical CPUs (the module's first deployment keeps its 2
+    workers while the controller's deployment runs up to 3); its address."""
     port = free_port()
-    node = RayNode("--head", "--port", str(port))
+    node = RayNode("--head", "--port", str(port), num_cpus=6)
     try:
         yield f"127.0.0.1:{port}"
     finally:
@@ -108,7 +109,7 @@ def test_switch_kill_add_and_retire_on_ray(elastic_ray, ray_head):
     _wait(lambda: _workers(dep).get("worker-2", {}).get("state") == "up", "worker-2 up", 180)
     assert _workers(dep)["worker-2"]["role"] == "decode"
     print(f"POST /workers: worker-2 up after {time.monotonic() - t_add:.1f} s")
-    wait_for(lambda: " 3.0/4.0 CPU" in cluster_status(ray_head), 30, "three actors on the cluster")
+    wait_for(lambda: " 3.0/6.0 CPU" in cluster_status(ray_head), 30, "three actors on the cluster")
 
     def retire_once_it_decodes():
         _wait(lambda: any(e.get("decode_worker") == "worker-2" for e in _trace(dep)), "worker-2 decoding", 60)
@@ -124,7 +125,7 @@ def test_switch_kill_add_and_retire_on_ray(elastic_ray, ray_head):
     assert states == ["starting", "up", "retiring", "removed"], states
     _wait(lambda: all(w["blocks_in_use"] == 0 and w["outstanding"] == 0 for w in _workers(dep).values()),
           "every KV block free", 30)
-    wait_for(lambda: " 2.0/4.0 CPU" in cluster_status(ray_head), 60, "worker-2's actor and placement group gone")
+    wait_for(lambda: " 2.0/6.0 CPU" in cluster_status(ray_head), 60, "worker-2's actor and placement group gone")
     metrics = httpx.get(dep.url + "/metrics", timeout=10).text
     assert 'epdserve:workers{model_name="' in metrics and 'state="live"} 2.0' in metrics
     for direction in ("in", "out"):
