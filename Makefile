@@ -56,7 +56,7 @@ API := tests/test_guided.py tests/test_tool_calls.py tests/test_api_surface.py
 CLUSTER := tests/test_ray.py tests/test_ray_elastic.py tests/test_ray_multinode.py $(wildcard tests/test_routing_server.py)
 # The planner (simulation, calibration, replay of traces, plan against compare runs):
 # ~5 minutes of simulations, no servers.
-PLAN := tests/test_plan.py tests/test_plan_replay.py tests/test_plan_vs_sweep.py
+PLAN := tests/test_plan.py tests/test_plan_replay.py tests/test_plan_vs_sweep.py tests/test_plan_elastic.py
 # Live role switches (serve --elastic): a worker's loop switching with real engines, and
 # two served workers switching in every direction under a stream, one killed: ~3 minutes.
 ELASTIC := tests/test_elastic_worker.py tests/test_elastic_serve.py

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from epdserve.serving.elastic_policy import (Decision, PolicyConfig, PolicyState, Sample,
-                                             WorkerSignal, decide)
+                                             WorkerSignal, decide, window)
 
 CFG = PolicyConfig(slo_ttft_ms=2000.0, slo_tpot_ms=150.0)
 INTERVAL = 2.0
@@ -30,9 +30,10 @@ RECORDED = Path(__file__).parent / "data" / "elastic" / "shift_2workers.jsonl"
 
 
 def sample(t, roles, *, arrivals=(), itls=(), ttfts=(), queue=None, running=1, waiting=0,
-           outstanding=1, kv=0.1, switching=()):
+           outstanding=1, kv=0.1, switching=(), computed=None):
     """A sample where every worker shows the same counts (``running`` etc. may be a dict by
-    role, ``outstanding`` a dict by worker); times in ms."""
+    role, ``outstanding`` a dict by worker); times in ms. ``computed``: the prompt tokens
+    each TTFT's prefill computed (None: not recorded, as in older traces)."""
     def per(value, key):
         return value.get(key, 0) if isinstance(value, dict) else value
     workers = tuple(WorkerSignal(w, r, w in switching, per(running, r), per(waiting, r),
@@ -40,7 +41,8 @@ def sample(t, roles, *, arrivals=(), itls=(), ttfts=(), queue=None, running=1, w
     def ms(values):  # to 0.1 ms, as a trace would print them: keeps the recorded file small
         return tuple(round(x, 1) for x in values)
     return Sample(float(t), workers, tuple(arrivals), ms(ttfts),
-                  ms(queue if queue is not None else [x / 2 for x in ttfts]), ms(itls))
+                  ms(queue if queue is not None else [x / 2 for x in ttfts]), ms(itls),
+                  tuple(round(computed) for _ in ttfts) if computed is not None else ())
 
 
 def prefill_heavy(rng, t, roles, switching=()):
@@ -84,8 +86,7 @@ def drive(phases, roles, config=CFG, seed=0):
     for model, seconds in phases:
         for _ in range(int(seconds / INTERVAL)):
             samples.append(model(rng, t, roles, switching))
-            window = [s for s in samples if s.t > t - config.window_s]
-            decision, state = decide(window, state, config)
+            decision, state = decide(window(samples, config), state, config)
             decisions.append(decision)
             switching = tuple(w for w, r in (decision.roles or {}).items() if roles[w] != r)
             roles = decision.roles or roles
@@ -97,7 +98,7 @@ def spanning(s, seconds=CFG.window_s / 2):
     """``s``'s events in a window that spans ``seconds`` (half a window: enough evidence):
     ``s``, then its workers every 2 s without further events."""
     return [s] + [replace(s, t=s.t + k * INTERVAL, arrivals=(), ttfts_ms=(), prefill_queue_ms=(),
-                          itls_ms=()) for k in range(1, int(seconds / INTERVAL) + 1)]
+                          itls_ms=(), prefill_tokens=()) for k in range(1, int(seconds / INTERVAL) + 1)]
 
 
 def changes(decisions):
@@ -119,6 +120,68 @@ def test_decode_heavy_goes_colocated():
     assert (d.action, d.roles) == ("to-colocated", COLOCATED2)
     assert "decode-heavy" in d.reason and "ITL p90" in d.reason
     assert d.signals["answer_avg_tok"] == 300
+
+
+def test_no_split_when_one_prefill_worker_could_not_keep_up():
+    """Interference, and TTFT within the SLO, but the prompts arriving (2,960 tok/s) need
+    3.7 workers at the measured 800 tok/s (400 tokens in 500 ms): 1P1D's one prefill worker
+    would fall behind, so colocated holds."""
+    d, _ = decide(spanning(sample(0, COLOCATED2, arrivals=[(1480, 24)] * 20, itls=[400.0] * 20,
+                                  ttfts=[1000.0] * 4, computed=400, outstanding=2)),
+                  PolicyState(), CFG)
+    assert d.roles is None and "1 prefill worker(s) could not keep up" in d.reason
+    assert d.signals["prefill_speed_tok_s"] == pytest.approx(800)
+    assert d.signals["prefill_demand_tok_s"] == pytest.approx(1480 * 20 / 10)  # over 10 s
+
+
+def test_split_when_one_prefill_worker_can_keep_up():
+    d, _ = decide(spanning(sample(0, COLOCATED2, arrivals=[(1480, 24)] * 3, itls=[400.0] * 20,
+                                  ttfts=[1000.0] * 4, computed=1400, outstanding=2)),
+                  PolicyState(), CFG)
+    assert d.roles == P1D1 and "prefill load 0.16 workers" in d.reason
+
+
+def test_overloaded_prefill_of_1p1d_goes_colocated():
+    """1P1D whose prefill worker gets 3.7 workers' worth of prompts: no decode worker to
+    move, so every worker prefills again."""
+    d, _ = decide(spanning(sample(0, P1D1, arrivals=[(1480, 24)] * 20, itls=[40.0] * 20,
+                                  ttfts=[1800.0] * 4, computed=400, outstanding=2)),
+                  PolicyState(), CFG)
+    assert d.roles == COLOCATED2 and "no decode worker to spare" in d.reason
+    assert "TTFT p90 1800 ms > 0.8 x TTFT SLO" in d.reason
+
+
+def test_a_burst_of_arrivals_without_slow_first_tokens_keeps_1p1d():
+    """The same load, but the TTFTs (1,000 ms) keep within 0.8 x the SLO: a burst, held."""
+    d, _ = decide(spanning(sample(0, P1D1, arrivals=[(1480, 24)] * 20, itls=[40.0] * 20,
+                                  ttfts=[1000.0] * 4, computed=400, outstanding=2)),
+                  PolicyState(), CFG)
+    assert d.roles is None and "1P1D kept" in d.reason
+
+
+def test_the_window_extends_back_to_hold_enough_arrivals():
+    """One arrival every 10 s: the last 20 s hold 2, so the window reaches back to the 8th
+    last arrival (70 s); never past max_window_s (120 s)."""
+    samples = [sample(t, COLOCATED2, arrivals=[(100, 10)] if t % 10 == 0 else []) for t in range(0, 300, 2)]
+    kept = window(samples, CFG)
+    assert sum(len(s.arrivals) for s in kept) == 8 and kept[0].t == 298 - 78
+    busy = [sample(t, COLOCATED2, arrivals=[(100, 10)] * 3) for t in range(0, 300, 2)]
+    assert window(busy, CFG)[0].t == 298 - 18  # 20 s hold plenty: the window as it is
+    rare = [sample(t, COLOCATED2, arrivals=[(100, 10)] if t % 60 == 0 else []) for t in range(0, 300, 2)]
+    assert window(rare, CFG)[0].t == 298 - 118  # 120 s at most
+
+
+def test_a_stall_that_breaks_no_tpot_is_not_interference():
+    """A 3.3 s stall over 126-token answers adds ~26 ms to a 40 ms step: within a 150 ms TPOT,
+    so a split would save no request (found by the closed-loop simulation of epdserve plan)."""
+    d, _ = decide(spanning(sample(0, COLOCATED2, arrivals=[(750, 126)] * 6, itls=[40.0] * 30 + [3300.0],
+                                  ttfts=[800.0] * 4, outstanding=2)),
+                  PolicyState(), CFG)
+    assert d.roles is None and "colocated: no interference" in d.reason
+    d, _ = decide(spanning(sample(0, COLOCATED2, arrivals=[(750, 20)] * 6, itls=[40.0] * 30 + [3300.0],
+                                  ttfts=[800.0] * 4, outstanding=2)),
+                  PolicyState(), CFG)
+    assert d.roles == P1D1 and "a stalled answer's TPOT ~205 ms" in d.reason
 
 
 def test_low_load_goes_colocated_without_evidence():
@@ -198,7 +261,8 @@ def test_itl_gaps_alone_are_evidence_but_not_of_the_mix():
 def test_reason_names_the_numbers():
     s = sample(0, COLOCATED2, arrivals=[(1480, 24)] * 3, itls=[412.0] * 20, outstanding=2)
     d, _ = decide(spanning(s), PolicyState(), CFG)
-    assert d.reason == ("longest ITL gap 412 ms > 2 x TPOT SLO 150 ms at decode batch 1.0 < 4 while "
+    assert d.reason == ("longest ITL gap 412 ms > 2 x TPOT SLO 150 ms (a stalled answer's TPOT ~429 ms) at decode "
+                        "batch 1.0 < 4 while "
                         "prompts avg 1480 tok / answers 24 tok (61.7x) >= 4x: prefill "
                         "interference; TTFT p90 0 ms <= 0.8 x TTFT SLO: prefill can spare a worker -> 1P1D")
 
@@ -318,7 +382,7 @@ def scenario(name, amp):
     """A role-independent (worst case: the deployment does not respond to the change) signal
     with one quantity oscillating around a threshold by ±amp of itself; the start roles."""
     def model(rng, t, roles, switching=()):
-        itl, ratio, inflight, ttft, running = 400.0, 60.0, 1.0, 800.0, 1
+        itl, ratio, inflight, ttft, running, computed = 400.0, 60.0, 1.0, 800.0, 1, None
         if name == "itl@interference":
             itl = noisy(300.0, amp, rng)  # the stall threshold: 2 x the TPOT SLO
         elif name == "ratio@split":
@@ -326,9 +390,13 @@ def scenario(name, amp):
         elif name == "ratio@colocate":
             ratio, running, itl = noisy(2.0, amp, rng), 6, 60.0
         elif name == "inflight@low":
-            inflight = noisy(0.25, amp, rng)
+            inflight = noisy(0.2, amp, rng)
         elif name == "inflight@split":
-            inflight = noisy(0.5, amp, rng)
+            inflight = noisy(0.4, amp, rng)
+        elif name == "load@split":
+            # 1,440 prompt tok/s over a 400 ms prefill (TTFT 800 less queue 400) of N tokens:
+            # a load of 576 / N workers, around 0.7 x the 2 prefill workers of a 2P2D split.
+            computed = 576 / noisy(1.4, amp, rng)
         elif name == "ttft@slo":
             ttft, itl = noisy(2000.0, amp, rng), 60.0
         elif name == "itl@decode":
@@ -336,17 +404,18 @@ def scenario(name, amp):
         out = 4 * inflight  # over 4 workers, rounded at random: its mean is 4 x inflight
         total = int(out) + (rng.random() < out % 1)
         return sample(t, roles, arrivals=[(round(24 * ratio), 24)] * 2, itls=[itl] * 20,
-                      ttfts=[ttft] * 2, running=running,
+                      ttfts=[ttft] * 2, running=running, computed=computed,
                       outstanding={f"w{i}": total // 4 + (i < total % 4) for i in range(4)},
                       switching=switching)
-    start = {"itl@interference": "co", "ratio@split": "co", "inflight@split": "co"}.get(name, "pd")
+    start = {"itl@interference": "co", "ratio@split": "co", "inflight@split": "co",
+             "load@split": "co"}.get(name, "pd")
     roles = ({f"w{i}": "colocated" for i in range(4)} if start == "co" else
              {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "decode"})
     return model, roles
 
 
 SCENARIOS = ["itl@interference", "ratio@split", "ratio@colocate", "inflight@low",
-             "inflight@split", "ttft@slo", "itl@decode"]
+             "inflight@split", "ttft@slo", "itl@decode", "load@split"]
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
@@ -401,7 +470,7 @@ def test_decisions_are_deterministic():
     state = PolicyState()
     again = []
     for i, s in enumerate(samples):
-        d, state = decide([x for x in samples[:i + 1] if x.t > s.t - CFG.window_s], state, CFG)
+        d, state = decide(window(samples[:i + 1], CFG), state, CFG)
         again.append(d)
     assert again == first
 
@@ -448,7 +517,9 @@ def test_sample_from_non_object():
     ({"min_dwell_s": 0.0}, "min_dwell_s: expected a finite number > 0, got 0.0"),
     ({"quantile": 1.5}, "quantile: expected 0 < q <= 1"),
     ({"itl_slack": 1.3}, r"itl_enter 1.2 must be > itl_slack 1.3 \(a hysteresis band\)"),
-    ({"low_load_leave": 0.2}, "low_load_leave 0.2 must be > low_load_enter 0.25"),
+    ({"low_load_leave": 0.1}, "low_load_leave 0.1 must be > low_load_enter 0.2"),
+    ({"split_util": 0.95}, "overload_util 0.9 must be > split_util 0.95"),
+    ({"max_window_s": 10.0}, "max_window_s 10.0 must be >= window_s 20.0"),
 ])
 def test_bad_config_raises(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from epdserve.serving import protocol as P
-from epdserve.serving.elastic_policy import Decision, PolicyConfig
+from epdserve.serving.elastic_policy import Decision, PolicyConfig, window
 from epdserve.serving.elastic_scaling import ScaleDecision, ScalingConfig, ScalingState
 from epdserve.serving.api_errors import APIError
 from epdserve.serving.router.elastic import Controller, ScaleRefused, Workforce
@@ -111,10 +111,27 @@ def test_a_request_keeps_its_role_and_decode_never_returns_to_its_prefill_worker
         rec = flow.trace()
         assert (rec.prefill_worker, rec.decode_worker, rec.mode, rec.path) == ("w0", "w1", "pd", "disaggregated")
         assert rec.prefill_ms == 5.0 and rec.prefill_queue_ms == 1.0
-        arrivals, ttfts, queues, itls = s.signals.take()
-        assert arrivals == ((3, 4),) and len(ttfts) == 1 and len(queues) == 1
+        arrivals, ttfts, queues, itls, computed = s.signals.take()
+        assert arrivals == ((3, 4),) and len(ttfts) == 1 and len(queues) == 1 and computed == (3,)
 
     run(go())
+
+
+def test_the_controller_keeps_the_policys_window_and_traces_every_sample():
+    """The real policy, tick after tick: every sample is traced and the controller keeps
+    exactly the window the policy reads (the last 20 s, extended back to hold 8 arrivals)."""
+    s = ElasticSetup()
+    lines: list[dict] = []
+    config = PolicyConfig(slo_ttft_ms=2000, slo_tpot_ms=200)
+    ctl = Controller(s.registry, s.signals, config, 2.0, lines.append, clock=s.clock)
+    for k in range(40):
+        s.clock.t = 1000.0 + 2.0 * k
+        if k % 5 == 0:
+            s.signals.arrival(100, 10)
+        assert ctl.tick().roles is None  # nothing to act on: no traffic to speak of
+    assert sum(line["event"] == "elastic_sample" for line in lines) == 40
+    assert [x.t for x in ctl.samples] == [x.t for x in window(list(ctl.samples), config)]
+    assert sum(len(x.arrivals) for x in ctl.samples) == 8 and ctl.samples[-1].t - ctl.samples[0].t == 78.0
 
 
 def test_the_controller_applies_a_decision_and_traces_it(monkeypatch):

@@ -63,8 +63,9 @@ def test_replay_with_a_longer_dwell():
 
 
 def test_replay_windows_are_the_last_window_s():
+    """With no arrival count to reach, a window is the last window_s seconds."""
     samples = read_samples(RECORDED)
-    config = replace(CFG, window_s=6.0, min_dwell_s=10.0)
+    config = replace(CFG, window_s=6.0, min_dwell_s=10.0, window_arrivals=0)
     state, expected = PolicyState(), []
     for s in samples:
         decision, state = decide([x for x in samples if s.t - 6.0 < x.t <= s.t], state, config)

@@ -180,8 +180,12 @@ def test_candidates_and_compare_names():
                                                        WorkerSpec("decode", 1))
     assert compare_deployment("1e1p1d", 4).workers == (WorkerSpec("encode", 1), WorkerSpec("prefill", 1),
                                                        WorkerSpec("decode", 2))
-    with pytest.raises(ValueError, match="not simulated yet"):  # roles that change live
-        compare_deployment("elastic", 2)
+    # Elastic starts colocated on colocated-2's cores, its controller steering by serve's default SLOs.
+    elastic = compare_deployment("elastic", 2)
+    assert elastic.workers == compare_deployment("colocated-2", 2).workers and elastic.mode == "elastic"
+    assert (elastic.elastic.policy.slo_ttft_ms, elastic.elastic.policy.slo_tpot_ms) == (2000.0, 200.0)
+    with pytest.raises(ValueError, match="elastic-1"):
+        compare_deployment("elastic-1", 2)
     # Each configuration is simulated with the scheduler settings it was served with.
     assert compare_limits("pd") == EngineLimits()
     assert compare_limits("colocated-chunked-noprefix") == EngineLimits(

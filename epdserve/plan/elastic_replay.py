@@ -9,7 +9,8 @@ window or dwell): what it would have decided, and why.
 
 The replay is open loop: the recorded samples keep the roles and the signals the recording
 had, whatever the replayed decisions say (a what-if on the signals, not a simulation of
-the deployment's response: ``epdserve plan``'s simulator does not switch roles yet).
+the deployment's response: for that, ``epdserve plan --configs elastic`` runs the policy
+in the loop of the simulator, :mod:`epdserve.plan.sim_elastic`).
 ``epdserve plan elastic-replay --elastic-trace FILE`` runs it from the command line.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, decide
+from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, decide, window
 
 
 def read_samples(trace_file: str | Path) -> list[Sample]:
@@ -45,21 +46,19 @@ def read_samples(trace_file: str | Path) -> list[Sample]:
 
 
 def replay(samples: list[Sample], config: PolicyConfig) -> list[Decision]:
-    """One decision per sample: sample i is "now", its window the samples with ``t`` in
-    (t_i - ``config.window_s``, t_i], and the policy's state carried from decision to
-    decision (from :class:`PolicyState`'s start), as the router's controller calls
-    :func:`decide` every interval.
+    """One decision per sample: sample i is "now", its window the samples
+    :func:`~epdserve.serving.elastic_policy.window` keeps of those up to it, and the
+    policy's state carried from decision to decision (from :class:`PolicyState`'s start),
+    as the router's controller calls :func:`decide` every interval.
 
     Raises:
         ValueError: for samples whose ``t`` goes backwards (naming the index).
     """
-    decisions, state, start = [], PolicyState(), 0
+    decisions, state = [], PolicyState()
     for i, now in enumerate(samples):
         if i and now.t < samples[i - 1].t:
             raise ValueError(f"sample {i}: t {now.t} is before the previous sample's "
                              f"{samples[i - 1].t} (samples must be in time order)")
-        while samples[start].t <= now.t - config.window_s:
-            start += 1
-        decision, state = decide(samples[start:i + 1], state, config)
+        decision, state = decide(window(samples[:i + 1], config), state, config)
         decisions.append(decision)
     return decisions

@@ -78,7 +78,8 @@ class Replay:
     ``copies``: copies whose arrivals the steady-state test saw (warm-up included), of
     ``copy_size`` requests each; ``steady``: a steady state was reached; ``in_flight``: the
     mean number of requests in flight the arrivals of each of those copies found;
-    ``measured``: the copies measured."""
+    ``measured``: the copies measured; ``sim``: the simulation (an elastic deployment's
+    controller holds its decisions)."""
 
     records: list[RequestRecord]
     copies: int
@@ -86,6 +87,7 @@ class Replay:
     steady: bool
     in_flight: list[float]
     measured: tuple[int, ...] = ()
+    sim: Simulation | None = None
 
 
 class Copier:
@@ -166,8 +168,8 @@ def replay(deployment: Deployment, platform: Platform, requests: list[workload.R
             measured = tuple(range(max(1, k - 1), k + 1))
             indices = range(measured[0] * n, (measured[-1] + 1) * n)
             sim.env.run(until=sim.until_finished(indices))
-            return Replay(sim.results(indices)[0], k + 1, n, True, in_flight, measured)
-    return Replay([], limit, n, False, in_flight)
+            return Replay(sim.results(indices)[0], k + 1, n, True, in_flight, measured, sim)
+    return Replay([], limit, n, False, in_flight, sim=sim)
 
 
 def settled(before: float, now: float, copy_size: int, tolerance: float = TOLERANCE) -> bool:

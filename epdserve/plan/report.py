@@ -47,6 +47,7 @@ def markdown(doc: dict) -> str:
     lines += [f"| {name} | skipped: {why} ||||||||" for name, why in doc["skipped"].items()]
     lines += ["", _replay_note(doc.get("replay", "steady")), "",
               f"**Recommendation: {doc['recommendation'] or 'none'}** — {doc['reason']}.", ""]
+    lines += elastic_lines(doc["candidates"])
     if unbounded := [r["name"] for r in doc["candidates"] if r["unbounded"]]:
         lines += [f"≥: {', '.join(unbounded)} met the SLOs at every rate tried, the whole trace in flight at "
                   f"once: the trace is too short to find their goodput; plan with more requests.", ""]
@@ -62,6 +63,41 @@ def markdown(doc: dict) -> str:
         lines.append("Roofline estimate from datasheet peaks and efficiency factors; not validated "
                      "against measurements on this hardware.")
     return "\n".join(lines) + "\n"
+
+
+# Decisions listed per elastic deployment in plan.md; plan.json has them all.
+MAX_DECISION_LINES = 20
+
+
+def elastic_lines(rows: list[dict]) -> list[str]:
+    """The simulated controller of each elastic row (its ``elastic``: the
+    :meth:`~epdserve.plan.sim_elastic.Controller.report` at the goodput rate of a plan
+    row, on the run's own trace for a validate row): a line per
+    decision that changed roles (simulated seconds from the start, the new roles, the
+    reason and each switched worker's drain), then how often it held and why last."""
+    lines = []
+    for row in rows:
+        rep = row.get("elastic")
+        if rep is None:
+            continue
+        decisions = rep["decisions"]
+        where = f"at {fmt(row['max_goodput_rps'])} req/s" if "max_goodput_rps" in row else "on the run's trace"
+        lines += [f"Elastic **{row['name']}** (the simulated controller {where}): "
+                  f"{len(decisions)} role change(s), {rep['holds']} holds; roles at the end: "
+                  + ", ".join(f"{w} {r}" for w, r in rep["roles"].items()) + ".", ""]
+        ends = [d["t"] for d in decisions[1:]] + [float("inf")]
+        for d, end in list(zip(decisions, ends))[:MAX_DECISION_LINES]:
+            drains = ", ".join(f"{e['worker']} {e['drain_ms'] / 1e3:.1f} s" for e in rep["role_events"]
+                               if e["state"] == "switched" and d["t"] <= e["t"] < end)
+            roles = ", ".join(f"{w} {r}" for w, r in d["roles"].items())
+            lines.append(f"- +{d['t']:.1f} s {d['action']} ({roles}): {d['reason']}"
+                         + (f"; drained: {drains}" if drains else ""))
+        if len(decisions) > MAX_DECISION_LINES:
+            lines.append(f"- ... {len(decisions) - MAX_DECISION_LINES} more in plan.json")
+        if rep["last_hold"]:
+            lines.append(f"- last hold: {rep['last_hold']}")
+        lines.append("")
+    return lines
 
 
 def _replay_cell(row: dict) -> str:

@@ -28,7 +28,7 @@ from epdserve.bench.compare import parse_configs
 from epdserve.bench.datasets import with_images
 from epdserve.bench.run import parse_goodput
 from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
-from epdserve.plan import calibrate, elastic_replay, hardware, report, search
+from epdserve.plan import calibrate, elastic_replay, hardware, report, search, sim_elastic
 from epdserve.plan.costmodel import FEATURES, Platform, roofline_platform
 from epdserve.plan.model_spec import BUILTIN, ModelSpec
 from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError
@@ -70,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", type=parse_configs, default=None, metavar="NAMES",
                         help="simulate these `epdserve compare` configurations (e.g. colocated,colocated-2,pd), "
                              "placed on the --devices as its launcher places them and with their scheduler "
-                             "settings (--max-num-seqs etc. do not apply), instead of every candidate")
+                             "settings (--max-num-seqs etc. do not apply), instead of every candidate; "
+                             "elastic or elastic-N: workers that change role live, the controller of "
+                             "`serve --elastic` in the loop, steering by --slo's ttft and tpot")
     parser.add_argument("--replay", choices=REPLAYS, default="steady",
                         help="steady (default): at each rate, replay the trace back to back until the queue is "
                              "steady and measure the steady copies; once: the trace once, as "
@@ -88,9 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--elastic-trace", default=None, metavar="FILE",
                         help="elastic-replay: the --trace-file of a `serve --elastic` router")
     parser.add_argument("--elastic-window", type=float, default=20.0, metavar="S",
-                        help="elastic-replay: as serve's (default 20)")
+                        help="elastic-replay and --configs elastic: as serve's (default 20)")
     parser.add_argument("--elastic-min-dwell", type=float, default=30.0, metavar="S",
-                        help="elastic-replay: as serve's (default 30)")
+                        help="elastic-replay and --configs elastic: as serve's (default 30)")
+    parser.add_argument("--elastic-interval", type=float, default=sim_elastic.DEFAULT_INTERVAL_S, metavar="S",
+                        help="--configs elastic: the simulated controller samples and decides every S "
+                             f"simulated seconds, as serve's (default {sim_elastic.DEFAULT_INTERVAL_S:g}; > 0)")
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -197,7 +202,9 @@ def _deployments(args, platform: Platform, requests: list[workload.Request]) -> 
     """The deployments to simulate, with their scheduler settings: ``--configs``, or every
     candidate of the device budget."""
     if args.configs:
-        return [(compare_deployment(name, args.devices), compare_limits(name)) for name in args.configs]
+        elastic = sim_elastic.elastic_config(dict(args.slo), args.elastic_window, args.elastic_min_dwell,
+                                             args.elastic_interval)
+        return [(compare_deployment(name, args.devices, elastic), compare_limits(name)) for name in args.configs]
     limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill)
     return [(d, limits) for d in search.candidates(platform, args.devices, images=any(r.images for r in requests))]
 
@@ -270,6 +277,8 @@ def run_validate(args) -> int:
             f"{row[k]['predicted']:>10.1f} [{row[k]['band'][0]:>7.1f}-{row[k]['band'][1]:>7.1f}] vs "
             f"{row[k]['measured']:>9.1f} ({report.fmt(row[k]['error'], '+.0%'):>6})"
             + (f" spread {report.fmt(row[k]['spread'], '.0%'):>4}" if repeats else "") for k in VALIDATED))
+    if elastic := report.elastic_lines(rows):
+        print("\n" + "\n".join(elastic).rstrip())
     if repeats:
         print(f"measured: the mean of {len(compare_dirs)} runs of the same trace; spread: (max - min) / mean "
               f"of those runs")

@@ -21,7 +21,7 @@ from epdserve.bench import metrics, workload
 from epdserve.bench.sweep import find_max_goodput_rate
 from epdserve.plan import replay
 from epdserve.plan.costmodel import Platform
-from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
+from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, serve
 
 MAX_DOUBLINGS = 16
 
@@ -106,7 +106,8 @@ class Candidate:
                 "replay_copies": r.get("replay_copies"), "steady_state": r.get("steady_state"),
                 "above_rate_rps": self.above and self.above[0],
                 "above_steady_state": self.above and self.above[1].get("steady_state"),
-                "above_slo_attainment": self.above and self.above[1]["slo_attainment"]}
+                "above_slo_attainment": self.above and self.above[1]["slo_attainment"],
+                **({"elastic": r["elastic"]} if "elastic" in r else {})}
 
 
 def measure_rate(deployment: Deployment, platform: Platform, requests: list[workload.Request],
@@ -125,12 +126,17 @@ def measure_rate(deployment: Deployment, platform: Platform, requests: list[work
         KVCapacityError, ValueError: as :func:`~epdserve.plan.simulate.simulate`.
     """
     if not steady:
-        records, _ = simulate(deployment, platform, workload.retime(requests, rate, seed), limits)
-        return metrics.compute(records, slos_ms)
-    run = replay.replay(deployment, platform, requests, rate, limits, seed)
-    result = metrics.compute(run.records, slos_ms) if run.steady else {"slo_attainment": 0.0,
-                                                                       "request_goodput": 0.0}
-    result.update(replay_copies=run.copies, steady_state=run.steady, in_flight=run.in_flight[-1])
+        retimed = workload.retime(requests, rate, seed)
+        sim = serve(deployment, platform, retimed, limits)
+        result = metrics.compute(sim.results(range(len(retimed)))[0], slos_ms)
+    else:
+        run = replay.replay(deployment, platform, requests, rate, limits, seed)
+        result = metrics.compute(run.records, slos_ms) if run.steady else {"slo_attainment": 0.0,
+                                                                           "request_goodput": 0.0}
+        result.update(replay_copies=run.copies, steady_state=run.steady, in_flight=run.in_flight[-1])
+        sim = run.sim
+    if sim.controller:
+        result["elastic"] = sim.controller.report()
     return result
 
 
@@ -203,7 +209,8 @@ def recommend(rows: list[dict]) -> tuple[dict | None, str]:
     pick = min(close, key=lambda r: (not r["name"].startswith("colocated"), r["usd_per_m_output_tokens"] or 0))
     top = max(feasible, key=lambda r: r["goodput_per_device"])
     colo = [r for r in feasible if r["name"].startswith("colocated")]
-    split = [r for r in feasible if not r["name"].startswith("colocated")]
+    # An elastic deployment is neither: its workers are colocated or split as it goes.
+    split = [r for r in feasible if not r["name"].startswith(("colocated", "elastic"))]
     why = f"{pick['name']} sustains {pick['max_goodput_rps']:.3g} req/s within the SLOs " \
           f"({pick['goodput_per_device']:.3g} req/s per device)"
     if pick is not top:

@@ -26,7 +26,7 @@ class Seq:
     """A request inside the simulation; times are simulated seconds."""
 
     __slots__ = ("index", "req", "prompt", "computed", "tokens", "arrival", "enqueued",
-                 "stages", "first_scheduled", "first_step", "ctx_base", "encoding", "encoded")
+                 "stages", "first_scheduled", "first_step", "ctx_base", "encoding", "encoded", "role", "path")
 
     def __init__(self, index: int, req: Request, prompt: int, arrival: float):
         self.index, self.req, self.prompt = index, req, prompt
@@ -40,6 +40,10 @@ class Seq:
         self.ctx_base = 0
         self.encoding = 0       # EPD: encode workers still holding some of its images
         self.encoded = False    # EPD: its embeddings wait in encode workers' frames
+        # The role its current worker took it in (elastic: the worker's role may change since,
+        # the request keeps this one: its drain), and its path: colocated, pd or epd.
+        self.role = ""
+        self.path = ""
 
 
 # Texts are looked up by their first characters: a shared start shorter than this is less
@@ -154,7 +158,10 @@ class Worker:
         self.texts: dict[str, list[str]] = {}  # texts prefilled here (sorted), by their first TEXT_KEY_CHARS
         self.wake = sim.env.event()
 
-    def submit(self, seq: Seq) -> None:
+    def submit(self, seq: Seq, role: str = "") -> None:
+        """Take ``seq`` in as a request of ``role`` (default: this worker's role now; a
+        decode stage sent to a colocated worker is taken in as ``decode``)."""
+        seq.role = role or self.role
         seq.enqueued = self.sim.env.now
         self.inbox.append(seq)
         self.held += 1
@@ -166,18 +173,18 @@ class Worker:
         """Before it can be scheduled, a request with images gets their embeddings: fetched
         from the encode workers' frames (EPD) or encoded here (a prefill-capable worker)."""
         images, platform = s.req.images, self.sim.platform
-        if images and self.role != "decode" and s.encoded:
+        if images and s.role != "decode" and s.encoded:
             nbytes = sum(platform.images.embedding_bytes((im["width"], im["height"])) for im in images)
             start = self.sim.env.now
             yield self.devices.run(platform.kv_link.transfer_ms(nbytes))
             # The whole crossing: the simulated encode worker's frame costs nothing to write.
             s.stages.update(embedding_bytes=float(nbytes), embedding_export_ms=0.0,
                             embedding_fetch_ms=(self.sim.env.now - start) * 1e3)
-        elif images and self.role != "decode":
+        elif images and s.role != "decode":
             start = self.sim.env.now
             yield self.devices.run(self.sim.encode_ms(self, images))
             s.stages.update(encode_queue_ms=(start - s.enqueued) * 1e3, encode_ms=(self.sim.env.now - start) * 1e3)
-        if images and self.role != "decode":
+        if images and s.role != "decode":
             s.enqueued = self.sim.env.now  # encoding or fetching is its own stage, not queue time
         self.waiting.append(s)
 
@@ -237,7 +244,7 @@ class Worker:
             n = min(n, budget)
             self.waiting.popleft()
             self.reserve(s, 1)
-            s.stages[f"{self.role}_queue_ms"] = (self.sim.env.now - s.enqueued) * 1e3
+            s.stages[f"{s.role}_queue_ms"] = (self.sim.env.now - s.enqueued) * 1e3
             if s.computed == s.prompt:
                 joining.append(s)
                 self._import(s)
@@ -257,7 +264,7 @@ class Worker:
         s.stages["kv_import_ms"] = nbytes / (gbs * 1e9) * 1e3 if gbs else 0.0
 
     def kv_blocks(self, s: Seq) -> int:
-        return request_kv_blocks(self.role, s.prompt, s.req.max_tokens, self.sim.limits.block_size)
+        return request_kv_blocks(s.role, s.prompt, s.req.max_tokens, self.sim.limits.block_size)
 
     def reserve(self, s: Seq, sign: int) -> None:
         """Take (``sign`` 1) or give back (-1) the KV blocks of ``s``; giving back wakes
@@ -322,7 +329,7 @@ class Worker:
             s.stages["prefill_ms"] = (now - s.first_scheduled) * 1e3
             if len(s.tokens) >= s.req.max_tokens:
                 self._done(s, now)
-            elif self.role == "prefill":
+            elif s.role == "prefill":
                 self.held -= 1
                 self.outstanding -= s.prompt + s.req.max_tokens
                 self.sim.env.process(self.sim.hand_off(s, self))
@@ -333,7 +340,7 @@ class Worker:
         self.held -= 1
         self.outstanding -= s.prompt + s.req.max_tokens
         self.reserve(s, -1)
-        if self.role != "prefill":
+        if s.role != "prefill":
             first = s.tokens[0]
             s.stages["decode_ms"] = (now - first) * 1e3
         self.sim.finish(s)

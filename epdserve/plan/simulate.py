@@ -48,7 +48,9 @@ router's trace record, as :mod:`epdserve.trace` defines its stages): router queu
 (``router_ms``), worker queues, ``prefill_ms``, ``decode_ms``, image encoding, and the KV and
 embedding crossings as fetches (``kv_fetch_ms``, ``embedding_fetch_ms``: the simulation
 puts the whole crossing there) with the decode worker's copy-in as ``kv_import_ms``.
-The workers themselves are in :mod:`epdserve.plan.sim_worker`.
+The workers themselves are in :mod:`epdserve.plan.sim_worker`; an elastic deployment's
+(workers that change role live, with ``serve --elastic``'s controller in the loop) in
+:mod:`epdserve.plan.sim_elastic`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ import simpy
 from epdserve.bench.client import RequestRecord
 from epdserve.bench.workload import Request
 from epdserve.plan.costmodel import Platform
+from epdserve.plan.sim_elastic import Controller, ElasticConfig, ElasticWorker
 from epdserve.plan.sim_worker import Devices, EncodeWorker, Seq, Worker, image_key, request_kv_blocks
 from epdserve.trace import RequestTrace
 
@@ -79,10 +82,13 @@ class WorkerSpec:
 @dataclass(frozen=True)
 class Deployment:
     """A named set of workers, e.g. ``2p1d`` = two prefill and one decode worker,
-    ``1e1p1d`` = one encode, one prefill and one decode worker."""
+    ``1e1p1d`` = one encode, one prefill and one decode worker. ``elastic``: the engine
+    workers change role live under the controller it configures (``serve --elastic``,
+    :mod:`epdserve.plan.sim_elastic`); ``workers`` are then their starting roles."""
 
     name: str
     workers: tuple[WorkerSpec, ...]
+    elastic: ElasticConfig | None = None
 
     @property
     def devices(self) -> int:
@@ -92,6 +98,8 @@ class Deployment:
 
     @property
     def mode(self) -> str:
+        if self.elastic:
+            return "elastic"
         roles = {w.role for w in self.workers}
         return "epd" if "encode" in roles else "pd" if "prefill" in roles else "colocated"
 
@@ -126,7 +134,8 @@ class Simulation:
             if w.role == "encode":
                 self.encoders.append(EncodeWorker(self, w, devices))
             else:
-                self.workers.append(Worker(self, w, platform.step(w.devices), devices))
+                cls = ElasticWorker if deployment.elastic else Worker
+                self.workers.append(cls(self, w, platform.step(w.devices), devices))
         self.finished: list[Seq] = []
         # Requests in flight (arrived, not finished) as each arrival found them, by index:
         # how :mod:`epdserve.plan.replay` tells a queue that settles from one that grows.
@@ -135,6 +144,8 @@ class Simulation:
         self._all_finished: simpy.Event | None = None
         for w in self.workers + self.encoders:
             self.env.process(w.run())
+        # serve --elastic's controller: samples the simulated signals, switches roles.
+        self.controller = Controller(self, deployment.elastic) if deployment.elastic else None
 
     def add(self, requests: list[Request], first_index: int = 0) -> None:
         """Schedule the arrivals of ``requests`` (indices from ``first_index``) at their
@@ -147,8 +158,7 @@ class Simulation:
         finished yet)."""
         done = {s.index: s for s in self.finished}
         records = [_client_record(done[i]) if i in done else None for i in indices]
-        traces = [_trace(done[i], self.deployment.mode, self.platform.router_ms) if i in done else None
-                  for i in indices]
+        traces = [_trace(done[i], self.platform.router_ms) if i in done else None for i in indices]
         return records, traces
 
     def contended(self, devices: Devices) -> bool:
@@ -157,8 +167,20 @@ class Simulation:
         others = [d for d in self.devices if d is not devices]
         return bool(others) and all(d.busy for d in others)
 
-    def pick(self, role: str) -> Worker:
-        return min((w for w in self.workers if w.role == role), key=lambda w: (w.held, w.outstanding))
+    def pick(self, role: str, exclude: Worker | None = None) -> Worker:
+        """The worker of ``role`` (never ``exclude``) with the fewest outstanding requests,
+        then tokens (serving/router/registry.py); elastic: a decode stage goes to a colocated
+        worker when no decode worker is live (the registry's ``ELASTIC_FALLBACK``).
+
+        Raises:
+            ValueError: no worker of ``role`` (nor of its fallback).
+        """
+        candidates = [w for w in self.workers if w.role == role and w is not exclude]
+        if not candidates and self.controller and role == "decode":
+            candidates = [w for w in self.workers if w.role == "colocated" and w is not exclude]
+        if not candidates:
+            raise ValueError(f"deployment {self.deployment.name}: no {role} worker to route to")
+        return min(candidates, key=lambda w: (w.held, w.outstanding))
 
     def encode_ms(self, worker: "Worker | EncodeWorker", images: list[dict]) -> float:
         """One encode call of ``images`` on ``worker``: the tiles of the distinct images
@@ -173,6 +195,10 @@ class Simulation:
         self.in_flight_seen[index] = len(self.in_flight_seen) - len(self.finished)  # arrived before it, not finished
         seq = Seq(index, req, prompt_tokens(self.platform, req), self.env.now)
         yield self.env.timeout(self.platform.router_ms / 1e3)
+        # The path by the roles live when the router sends it on (elastic: its serving_path).
+        seq.path = self.controller.path() if self.controller else self.deployment.mode
+        if self.controller:
+            self.controller.arrival(seq)
         if self.encoders and req.images:
             # the router (serving/router/registry.py): least outstanding first, image i to the (i mod n)-th of them.
             order = sorted(self.encoders, key=lambda w: w.outstanding)
@@ -181,7 +207,7 @@ class Simulation:
             for w, images in shares:
                 w.submit(seq, images)
         else:
-            self.pick("colocated" if self.deployment.mode == "colocated" else "prefill").submit(seq)
+            self.pick("colocated" if seq.path == "colocated" else "prefill").submit(seq)
 
     def hand_off(self, s: Seq, source: Worker):
         ms = self.platform.kv_link.transfer_ms(s.prompt * self.platform.kv_bytes_per_token)
@@ -192,7 +218,8 @@ class Simulation:
         yield self.env.timeout(ms / 1e3)
         source.reserve(s, -1)
         s.computed = s.prompt
-        self.pick("decode").submit(s)
+        # Never back to the worker that prefilled it (elastic: it may be colocated by now).
+        self.pick("decode", exclude=source).submit(s, "decode")
 
     def until_finished(self, indices: range) -> simpy.Event:
         """An event that fires once every request of ``indices`` has finished."""
@@ -204,6 +231,8 @@ class Simulation:
 
     def finish(self, s: Seq) -> None:
         self.finished.append(s)
+        if self.controller:
+            self.controller.finished(s)
         if s.index in self._awaited:
             self._awaited.discard(s.index)
             if not self._awaited:
@@ -243,6 +272,9 @@ def check(deployment: Deployment, platform: Platform, requests: list[Request], l
         KVCapacityError, ValueError: as :func:`simulate`.
     """
     roles = {w.role for w in deployment.workers}
+    if deployment.elastic and (len(deployment.workers) < 2 or roles - {"colocated", "prefill", "decode"}):
+        raise ValueError(f"deployment {deployment.name}: an elastic deployment needs 2 or more engine workers "
+                         f"and no encode worker (got {len(deployment.workers)} workers, {sorted(roles)})")
     if not deployment.workers or roles - set(ROLES) or ("prefill" in roles) != ("decode" in roles) \
             or ("colocated" in roles and "prefill" in roles) or ("encode" in roles and "prefill" not in roles):
         raise ValueError(f"deployment {deployment.name}: needs colocated workers, or prefill "
@@ -279,11 +311,22 @@ def simulate(deployment: Deployment, platform: Platform, requests: list[Request]
             by workers of different sizes, an empty request, images for a platform that
             takes none, or a prompt that can never be scheduled with these limits.
     """
+    return serve(deployment, platform, requests, limits).results(range(len(requests)))
+
+
+def serve(deployment: Deployment, platform: Platform, requests: list[Request],
+          limits: EngineLimits = EngineLimits()) -> Simulation:
+    """The simulation of :func:`simulate`, run until every request of ``requests`` has
+    finished (its ``controller`` holds an elastic deployment's decisions).
+
+    Raises:
+        KVCapacityError, ValueError: as :func:`simulate`.
+    """
     check(deployment, platform, requests, limits)
     sim = Simulation(deployment, platform, limits)
     sim.add(requests)
-    sim.env.run()
-    return sim.results(range(len(requests)))
+    sim.env.run(until=sim.until_finished(range(len(requests))))  # an elastic controller ticks on
+    return sim
 
 
 def _client_record(s: Seq) -> RequestRecord:
@@ -296,10 +339,11 @@ def _client_record(s: Seq) -> RequestRecord:
         usage_completion_tokens=len(times), request_id=str(s.index), success=True)
 
 
-def _trace(s: Seq, mode: str, router_ms: float) -> RequestTrace:
-    """The router's trace of a finished request: its stages as the simulation timed them."""
-    return RequestTrace(request_id=str(s.index), mode=mode,
-                        path="colocated" if mode == "colocated" else "disaggregated",
+def _trace(s: Seq, router_ms: float) -> RequestTrace:
+    """The router's trace of a finished request: its stages as the simulation timed them;
+    its mode is its path's (an elastic request's too, as the router writes it)."""
+    return RequestTrace(request_id=str(s.index), mode=s.path,
+                        path="colocated" if s.path == "colocated" else "disaggregated",
                         prompt_tokens=s.prompt, output_tokens=len(s.tokens), max_tokens=s.req.max_tokens,
                         num_images=len(s.req.images) or None, router_queue_ms=router_ms,
                         ttft_ms=(s.tokens[0] - s.arrival) * 1e3, e2e_ms=(s.tokens[-1] - s.arrival) * 1e3,

@@ -7,6 +7,7 @@ goodput sweep (:func:`sweep_attainment`).
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections import Counter
@@ -19,8 +20,9 @@ from epdserve.bench import metrics, workload
 from epdserve.plan import calibrate
 from epdserve.plan.costmodel import Platform
 from epdserve.plan.search import measure_rate
-from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
-from epdserve.serving.deployment import DeploymentSpec
+from epdserve.plan.sim_elastic import ElasticConfig, elastic_config
+from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, serve
+from epdserve.serving.deployment import ELASTIC_SLO_KEYS, DeploymentSpec
 
 VALIDATED = ("p95_ttft_ms", "p95_itl_ms", "output_throughput")
 # Those whose band is counted: below saturation throughput follows the arrivals, whatever the
@@ -28,18 +30,19 @@ VALIDATED = ("p95_ttft_ms", "p95_itl_ms", "output_throughput")
 BANDED = ("p95_ttft_ms", "p95_itl_ms")
 
 
-def compare_deployment(name: str, cores: int) -> Deployment:
+def compare_deployment(name: str, cores: int, elastic: ElasticConfig | None = None) -> Deployment:
     """The simulated :class:`Deployment` of an ``epdserve compare`` configuration name on
     ``cores`` cores, placed by the launcher's rule (:meth:`DeploymentSpec.place`); workers
     placed on the same cores share them (EPD on 2 cores: encode and prefill on core 0).
+    An elastic one (``elastic``, ``elastic-N``) starts colocated on ``colocated-N``'s cores,
+    its controller configured by ``elastic`` (default: serve's, :func:`elastic_config`).
 
     Raises:
-        ValueError: an unknown name (:meth:`DeploymentSpec.parse`), an elastic one, local
-            prefill (``pd-localN``) or workers whose cores overlap only in part (not simulated).
+        ValueError: an unknown name (:meth:`DeploymentSpec.parse`) or a bad count
+            (``elastic-1``), local prefill (``pd-localN``) or workers whose cores overlap
+            only in part (not simulated).
     """
     spec = DeploymentSpec.parse(name)
-    if spec.elastic:
-        raise ValueError(f"{name}: elastic deployments (workers that change role live) are not simulated yet")
     if spec.local_prefill_threshold is not None:
         raise ValueError(f"{name}: prefill of short prompts on the decode worker is not simulated")
     placed = spec.place(list(range(cores)))
@@ -48,7 +51,8 @@ def compare_deployment(name: str, cores: int) -> Deployment:
     if len(used) != len(set(used)):
         raise ValueError(f"{name}: workers partly share cores on {cores} cores; not simulated")
     return Deployment(name, tuple(WorkerSpec(role, len(cs), ",".join(map(str, cs)) if workers_on[tuple(cs)] > 1 else "")
-                                  for role, _, cs in placed))
+                                  for role, _, cs in placed),
+                      (elastic or elastic_config({})) if spec.elastic else None)
 
 
 def compare_limits(name: str) -> EngineLimits:
@@ -75,7 +79,9 @@ def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
     (0 for one run): how far the measurement itself moves between identical runs, and
     ``band``: the lowest and highest prediction with every step and encode time scaled by
     1 ± ``platform.step_uncertainty`` (and 1), ``in_band`` whether ``measured`` lies within.
-    Near saturation a few % on step times moves p95s by tens of %: the band shows it.
+    Near saturation a few % on step times moves p95s by tens of %: the band shows it. An
+    elastic configuration's row also has ``elastic``, what its simulated controller did
+    (:meth:`~epdserve.plan.sim_elastic.Controller.report`), steering by the run's SLOs.
 
     Raises:
         ValueError: the runs replayed different traces.
@@ -93,15 +99,16 @@ def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
                 results.setdefault(entry["name"], []).append(entry["result"])
                 cores[entry["name"]] = entry_cores(entry)
     rows = []
+    elastic = elastic_config(compare_slos(compare_dirs[0]))
     for name, runs in results.items():
         try:
-            dep = compare_deployment(name, cores[name])
+            dep = compare_deployment(name, cores[name], elastic)
         except ValueError as exc:
             print(f"skipped {name}: {exc}", file=sys.stderr)
             continue
-        predicted = [metrics.compute(simulate(dep, p, requests, compare_limits(name))[0])
-                     for p in [platform, *platform.band()]]
-        row = {"name": name}
+        sims = [serve(dep, p, requests, compare_limits(name)) for p in [platform, *platform.band()]]
+        predicted = [metrics.compute(sim.results(range(len(requests)))[0]) for sim in sims]
+        row = {"name": name, **({"elastic": sims[0].controller.report()} if dep.elastic else {})}
         for key in VALIDATED:
             values = [r[key] for r in runs]
             mean = float(np.mean(values))
@@ -112,6 +119,15 @@ def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
                         "spread": (max(values) - min(values)) / mean if mean else None}
         rows.append(row)
     return rows
+
+
+def compare_slos(compare_dir: Path) -> dict[str, float]:
+    """The SLOs (ms) a compare run judged by (its ``--goodput``), of which an elastic
+    configuration's server steered by the TTFT and TPOT; {} when it gave none (then
+    compare's defaults, as its servers had)."""
+    doc = json.loads((compare_dir / "compare.json").read_text())
+    return {k: float(v) for k, v in ((doc.get("sampling") or {}).get("goodput") or {}).items()
+            if k in ELASTIC_SLO_KEYS}
 
 
 def entry_cores(entry: dict) -> int:

@@ -14,6 +14,12 @@ x + y = N >= 2). The physics it follows:
   gap far over the TPOT SLO is a stall). Prompts much longer than the answers: colocated -> xPyD.
 * **Decode-heavy mix.** Short prompts and long answers keep many sequences decoding: in 1P1D
   one core carries the whole batch while the prefill worker idles: xPyD -> colocated.
+* **Prefill capacity.** A split leaves x of the N workers to prefill every prompt: it pays
+  only while they can keep up. The window's prompt tokens per second over the prefill speed
+  the router measured (prompt tokens computed per second of TTFT less queue) is the
+  prefill load in workers; colocated -> xPyD only while it is at most ``split_util`` of
+  the x prefill workers, and 1PyD (no decode worker to give) -> colocated when it is over
+  ``overload_util`` of its prefill worker: colocated, every worker prefills.
 * **Low load.** Too few requests in flight to overlap: a split only idles a worker (and adds
   a KV hand-off to every TTFT): xPyD -> colocated.
 * **Rebalancing xPyD.** Prefill pressure (TTFT or prefill queue over the SLO while decode has
@@ -55,7 +61,9 @@ class PolicyConfig:
     """
     slo_ttft_ms: float
     slo_tpot_ms: float
-    window_s: float = 20.0              # the sliding window (s)
+    window_s: float = 20.0              # the sliding window (s) ...
+    window_arrivals: int = 8            # ... extended back until it holds this many arrivals ...
+    max_window_s: float = 120.0         # ... or spans this long (s): see window()
     min_dwell_s: float = 30.0           # no change within this long of the last one (s)
     quantile: float = 0.9               # of the window's TTFTs, prefill queue times, ITL gaps
     min_arrivals: int = 3               # evidence: this many arrivals, or ...
@@ -71,21 +79,27 @@ class PolicyConfig:
     big_batch: float = 4.0              # running sequences per decode-capable worker: big
     kv_high: float = 0.85               # KV usage p90 (0..1) of decode workers: decode pressure
     decode_waiting_enter: float = 1.0   # requests waiting on decode workers: decode pressure
-    low_load_enter: float = 0.25        # in flight per worker < this: low load
-    low_load_leave: float = 0.5         # in flight per worker >= this: splitting may pay
+    low_load_enter: float = 0.2         # in flight per worker < this: low load
+    low_load_leave: float = 0.4         # in flight per worker >= this: splitting may pay
+    split_util: float = 0.7             # prefill load <= this x the split's prefill workers: may split
+    overload_util: float = 0.9          # prefill load > this x 1PyD's prefill worker: colocate
 
     def __post_init__(self):
         for name in ("slo_ttft_ms", "slo_tpot_ms", "window_s", "min_dwell_s", "itl_enter", "stall",
                      "ttft_enter", "queue_enter", "decode_heavy_ratio", "big_batch",
-                     "low_load_enter"):
+                     "low_load_enter", "split_util"):
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
                 raise ValueError(f"PolicyConfig {name}: expected a finite number > 0, "
                                  f"got {getattr(self, name)!r}")
+        if not self.max_window_s >= self.window_s or not isinstance(self.window_arrivals, int) \
+                or self.window_arrivals < 0:
+            raise ValueError(f"PolicyConfig max_window_s {self.max_window_s!r} must be >= window_s "
+                             f"{self.window_s!r}, window_arrivals {self.window_arrivals!r} an integer >= 0")
         if not 0 < self.quantile <= 1:
             raise ValueError(f"PolicyConfig quantile: expected 0 < q <= 1, got {self.quantile!r}")
         for enter, leave in (("itl_enter", "itl_slack"), ("ttft_enter", "ttft_slack"),
                              ("prefill_heavy_ratio", "decode_heavy_ratio"),
-                             ("low_load_leave", "low_load_enter")):
+                             ("low_load_leave", "low_load_enter"), ("overload_util", "split_util")):
             if not getattr(self, enter) > getattr(self, leave):
                 raise ValueError(f"PolicyConfig {enter} {getattr(self, enter)!r} must be > "
                                  f"{leave} {getattr(self, leave)!r} (a hysteresis band)")
@@ -115,7 +129,8 @@ class Decision:
 class Window:
     """The windowed numbers of the samples since the last change (:func:`measure`): p90s
     (nearest rank) of the TTFTs, prefill queue times and ITL gaps, means over the samples of
-    per-worker counts, and the mean prompt and answer (``max_tokens``) of the arrivals."""
+    per-worker counts, the mean prompt and answer (``max_tokens``) of the arrivals, and the
+    prefill demand and speed (tokens/s)."""
     span_s: float
     arrivals: int
     prompt_avg: float           # tokens per arriving request
@@ -131,6 +146,13 @@ class Window:
     waiting_prefill: float      # mean waiting on prefill-role workers (sum over them)
     waiting_decode: float       # mean waiting on decode-capable workers (sum over them)
     inflight: float             # mean outstanding requests per worker
+    demand_tok_s: float = 0.0   # prompt tokens arriving per second (over span_s)
+    prefill_tok_s: float = 0.0  # prompt tokens one worker prefills per second; 0: not measured
+
+    def prefill_load(self) -> float | None:
+        """The prefill work arriving, in busy workers (demand over one worker's speed);
+        None when the speed was not measured (no first token, or an older trace)."""
+        return self.demand_tok_s / self.prefill_tok_s if self.prefill_tok_s > 0 else None
 
     @property
     def ratio(self) -> float:
@@ -146,7 +168,8 @@ class Window:
                 "itl_max_ms": self.itl_max,
                 "ttfts": self.n_ttft, "itl_gaps": self.n_itl, "decode_batch": self.decode_batch,
                 "kv_usage_p90": self.kv_p90, "waiting_prefill": self.waiting_prefill,
-                "waiting_decode": self.waiting_decode, "inflight_per_worker": self.inflight}
+                "waiting_decode": self.waiting_decode, "inflight_per_worker": self.inflight,
+                "prefill_demand_tok_s": self.demand_tok_s, "prefill_speed_tok_s": self.prefill_tok_s}
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -162,13 +185,42 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+MIN_SPEED_TOKENS = 64  # shorter prefills are mostly fixed costs: no measure of the speed
+
+
+def window(samples: Sequence[Sample], config: PolicyConfig) -> list[Sample]:
+    """The samples a decision reads, of ``samples`` (oldest first; the last is now): those
+    of the last ``window_s`` seconds, extended back whole samples at a time while they hold
+    fewer than ``window_arrivals`` arrivals, up to ``max_window_s``. At 0.12 req/s twenty
+    seconds hold two or three arrivals: no measure of a mix, a load or the requests in
+    flight (measured: a lull of one arrival in 18 s read as low load and undid a split a
+    minute into a phase that needed it); eight arrivals put the count's spread at ~35 %.
+    The router's controller keeps, and ``epdserve plan`` replays, exactly these."""
+    samples = list(samples)  # the controller keeps a deque, which does not slice
+    now, start, arrivals = samples[-1].t, len(samples), 0
+    for i in range(len(samples) - 1, -1, -1):
+        age_ok = samples[i].t > now - config.window_s
+        if not age_ok and (arrivals >= config.window_arrivals or samples[i].t <= now - config.max_window_s):
+            break
+        arrivals += len(samples[i].arrivals)
+        start = i
+    return list(samples[start:])
+
+
 def measure(samples: Sequence[Sample], q: float) -> Window:
     """The windowed numbers of ``samples`` (oldest first, at least one), with ``q`` the
     quantile of the per-event values. Decode-capable workers: colocated and decode."""
     arrivals = [a for s in samples for a in s.arrivals]
     decoders = [[w for w in s.workers if w.role != "prefill"] for s in samples]
+    span_s = samples[-1].t - samples[0].t
+    # TTFT less queue is the prefill (and the hops, a few ms); the fastest of the window's
+    # prefills is the speed: two prompts prefilled together (chunked prefill shares the
+    # steps) each take longer than one alone.
+    speeds = [n / (t - q) * 1e3 for s in samples
+              for t, q, n in zip(s.ttfts_ms, s.prefill_queue_ms, s.prefill_tokens)
+              if n >= MIN_SPEED_TOKENS and t > q]
     return Window(
-        span_s=samples[-1].t - samples[0].t,
+        span_s=span_s,
         arrivals=len(arrivals),
         prompt_avg=_mean([p for p, _ in arrivals]), answer_avg=_mean([m for _, m in arrivals]),
         ttft_p90=_quantile([x for s in samples for x in s.ttfts_ms], q),
@@ -183,7 +235,9 @@ def measure(samples: Sequence[Sample], q: float) -> Window:
                                for s in samples]),
         waiting_decode=_mean([sum(w.num_waiting for w in d) for d in decoders]),
         inflight=_mean([_mean([w.outstanding for w in s.workers])
-                        for s in samples if s.workers]))
+                        for s in samples if s.workers]),
+        demand_tok_s=sum(p for p, _ in arrivals) / span_s if span_s > 0 else 0.0,
+        prefill_tok_s=max(speeds, default=0.0))
 
 
 @dataclass(frozen=True)
@@ -243,6 +297,11 @@ def _no_evidence(win: Window, c: PolicyConfig) -> str | None:
             f"{win.n_itl} ITL gaps < {c.min_itl_gaps}")
 
 
+def _load(win: Window) -> str:
+    return (f"prefill load {win.prefill_load():.2f} workers ({win.demand_tok_s:.0f} prompt tok/s at "
+            f"{win.prefill_tok_s:.0f} tok/s a worker)")
+
+
 def _mix(win: Window) -> str:
     return (f"prompts avg {win.prompt_avg:.0f} tok / answers {win.answer_avg:.0f} tok "
             f"({win.ratio:.1f}x)")
@@ -250,16 +309,21 @@ def _mix(win: Window) -> str:
 
 def _interference(win: Window, c: PolicyConfig) -> str | None:
     """Prefill interference in colocated engines: the window's longest ITL gap is a stall
-    (over ``stall`` x the TPOT SLO) while the decode batch is small, with a prefill-heavy mix
-    and enough load for requests to overlap. The longest gap, not a p90: with short answers
+    (over ``stall`` x the TPOT SLO) that breaks a stalled answer's TPOT (the stall over the
+    mean answer plus the ITL p90 > the TPOT SLO) while the decode batch is small, with a
+    prefill-heavy mix and enough load for requests to overlap. The longest gap, not a p90: with short answers
     a stall is one gap of a dozen per request, invisible in a p90, yet it alone breaks the
     request's TPOT (a 6 s prefill over 12 tokens adds 500 ms to each)."""
+    # The stall spread over an answer, on top of the usual gap: the TPOT of a stalled
+    # request. A 3.3 s stall in a 126-token answer adds 26 ms, far inside a 250 ms TPOT:
+    # then a split would halve the prefill capacity and save no request.
+    stalled_tpot = win.itl_max / max(win.answer_avg, 1.0) + win.itl_p90
     if (win.arrivals >= c.min_arrivals and win.ratio >= c.prefill_heavy_ratio
-            and win.itl_max > c.stall * c.slo_tpot_ms and win.decode_batch < c.big_batch
-            and win.inflight >= c.low_load_leave):
+            and win.itl_max > c.stall * c.slo_tpot_ms and stalled_tpot > c.slo_tpot_ms
+            and win.decode_batch < c.big_batch and win.inflight >= c.low_load_leave):
         return (f"longest ITL gap {win.itl_max:.0f} ms > {c.stall:g} x TPOT SLO {c.slo_tpot_ms:g} ms "
-                f"at decode batch {win.decode_batch:.1f} < {c.big_batch:g} while {_mix(win)} "
-                f">= {c.prefill_heavy_ratio:g}x: prefill interference")
+                f"(a stalled answer's TPOT ~{stalled_tpot:.0f} ms) at decode batch {win.decode_batch:.1f} "
+                f"< {c.big_batch:g} while {_mix(win)} >= {c.prefill_heavy_ratio:g}x: prefill interference")
     return None
 
 
@@ -353,8 +417,14 @@ def _from_colocated(win: Window, lay: _Layout, c: PolicyConfig) -> tuple[str, di
                               f"{c.slo_ttft_ms:g} ms: no prefill capacity to spare for a split")
     if reason:
         roles, shape = _split(lay)
-        return "to-pd", roles, (f"{reason}; TTFT p90 {win.ttft_p90:.0f} ms <= {c.ttft_slack:g} x TTFT SLO: "
-                                f"prefill can spare a worker -> {shape}")
+        x = sum(r == "prefill" for r in roles.values())
+        load = win.prefill_load()
+        if load is not None and load > c.split_util * x:
+            return "hold", None, (f"{reason}, but {_load(win)}: {x} prefill worker(s) could not keep up "
+                                  f"(> {c.split_util:g} each)")
+        return "to-pd", roles, (f"{reason}; TTFT p90 {win.ttft_p90:.0f} ms <= {c.ttft_slack:g} x TTFT SLO"
+                                f"{f' and {_load(win)}' if load is not None else ''}: prefill can spare "
+                                f"a worker -> {shape}")
     return "hold", None, (f"colocated: no interference (ITL p90 {win.itl_p90:.0f} ms, "
                           f"decode batch {win.decode_batch:.1f}, {_mix(win)})")
 
@@ -377,6 +447,14 @@ def _from_pd(win: Window, lay: _Layout, c: PolicyConfig) -> tuple[str, dict | No
     if prefill_short and len(lay.decode) > 1:
         roles, moved = _move(lay, "decode", "prefill")
         return "rebalance", roles, f"{prefill_short}: prefill pressure -> {moved}"
+    load = win.prefill_load()
+    if (len(lay.decode) == 1 and load is not None and load > c.overload_util * len(lay.prefill)
+            and win.ttft_p90 > c.ttft_slack * c.slo_ttft_ms):
+        # Both: a burst of arrivals lifts the load for a window without the TTFTs suffering.
+        return "to-colocated", colocated, (f"{_load(win)} > {c.overload_util:g} x {len(lay.prefill)} prefill "
+                                           f"worker(s) and TTFT p90 {win.ttft_p90:.0f} ms > {c.ttft_slack:g} x "
+                                           f"TTFT SLO, no decode worker to spare -> colocated (every worker "
+                                           f"prefills)")
     if decode_short and len(lay.prefill) > 1 and win.ttft_p90 <= c.ttft_slack * c.slo_ttft_ms:
         roles, moved = _move(lay, "prefill", "decode")
         return "rebalance", roles, (f"{decode_short} while TTFT p90 {win.ttft_p90:.0f} ms <= "

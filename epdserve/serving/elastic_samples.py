@@ -33,12 +33,17 @@ class Sample:
     ttfts_ms: tuple[float, ...]             # TTFT of each first token at the router since
     prefill_queue_ms: tuple[float, ...]     # router + worker queue before prefill, same requests
     itls_ms: tuple[float, ...]              # gaps between a request's outputs at the router, since
+    # Prompt tokens each of those first tokens' prefills computed (prompt - prefix-cache hit),
+    # same requests as ttfts_ms: with TTFT - queue, the prefill speed. Empty in samples
+    # recorded before it existed (the policy then cannot tell the prefill speed).
+    prefill_tokens: tuple[int, ...] = ()
 
     def as_json(self) -> dict:
         """The sample as a JSON object (the ``sample`` of a trace's ``elastic_sample`` line)."""
         return {"t": self.t, "workers": [asdict(w) for w in self.workers],
                 "arrivals": [list(a) for a in self.arrivals], "ttfts_ms": list(self.ttfts_ms),
-                "prefill_queue_ms": list(self.prefill_queue_ms), "itls_ms": list(self.itls_ms)}
+                "prefill_queue_ms": list(self.prefill_queue_ms), "itls_ms": list(self.itls_ms),
+                "prefill_tokens": list(self.prefill_tokens)}
 
     @classmethod
     def from_json(cls, obj: dict) -> Sample:
@@ -47,9 +52,10 @@ class Sample:
         Raises:
             ValueError: naming the key and the bad value, for a missing or unknown key, a
                 wrong type, a negative or non-finite number, a role outside :data:`ROLES`,
-                or a ``kv_usage`` outside 0..1.
+                or a ``kv_usage`` outside 0..1. ``prefill_tokens`` may be missing (older traces).
         """
-        _check_keys("sample", obj, {f.name for f in fields(cls)})
+        _check_keys("sample", {"prefill_tokens": [], **obj} if isinstance(obj, dict) else obj,
+                    {f.name for f in fields(cls)})
         workers, arrivals = obj["workers"], obj["arrivals"]
         if not isinstance(workers, list) or not isinstance(arrivals, list):
             raise ValueError("sample: 'workers' and 'arrivals' must be lists")
@@ -58,7 +64,8 @@ class Sample:
                    arrivals=tuple(_arrival_from_json(a) for a in arrivals),
                    ttfts_ms=_numbers("ttfts_ms", obj["ttfts_ms"]),
                    prefill_queue_ms=_numbers("prefill_queue_ms", obj["prefill_queue_ms"]),
-                   itls_ms=_numbers("itls_ms", obj["itls_ms"]))
+                   itls_ms=_numbers("itls_ms", obj["itls_ms"]),
+                   prefill_tokens=_counts("prefill_tokens", obj.get("prefill_tokens", [])))
 
 
 def _check_keys(what: str, obj, expected: set[str]) -> None:
@@ -88,6 +95,12 @@ def _numbers(what: str, values) -> tuple[float, ...]:
     if not isinstance(values, list):
         raise ValueError(f"sample: {what!r} must be a list, got {values!r}")
     return tuple(_number(what, v) for v in values)
+
+
+def _counts(what: str, values) -> tuple[int, ...]:
+    if not isinstance(values, list):
+        raise ValueError(f"sample: {what!r} must be a list, got {values!r}")
+    return tuple(_count(what, v) for v in values)
 
 
 def _worker_from_json(obj) -> WorkerSignal:

@@ -203,7 +203,8 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                          help="the SLOs the elastic controller serves, as bench --goodput writes them: ttft:MS "
                               f"tpot:MS (default: {' '.join(f'{k[4:]}:{v:g}' for k, v in ELASTIC_SLOS_MS.items())})")
     elastic.add_argument("--elastic-window", type=float_at_least(0.1), default=20.0, metavar="S",
-                         help="seconds of signals each decision reads (a sliding window)")
+                         help="seconds of signals each decision reads (a sliding window; extended back to "
+                              "hold 8 arrivals, up to 120 s, at low rates)")
     elastic.add_argument("--elastic-interval", type=float_at_least(0.0), default=2.0, metavar="S",
                          help="seconds between two decisions (0: no controller; roles change only by POST /roles)")
     elastic.add_argument("--elastic-min-dwell", type=float_at_least(0.0), default=30.0, metavar="S",

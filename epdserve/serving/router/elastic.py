@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import Callable, Protocol
 
-from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, WorkerSignal, decide
+from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, WorkerSignal, decide, window
 from epdserve.serving.elastic_scaling import ScaleDecision, ScalingConfig, ScalingState, decide_scale
 from epdserve.serving.router.events import WorkerFailed
 from epdserve.serving.deployment import ENGINE_ROLES
@@ -214,15 +214,16 @@ class Controller:
                                      kv_usage=w.blocks_in_use / w.blocks_total if w.blocks_total else 0.0)
                         for w in self.registry.workers.values()
                         if self.registry.live(w) and not w.retiring and w.role in ENGINE_ROLES)
-        arrivals, ttfts, queues, itls = self.signals.take()
+        arrivals, ttfts, queues, itls, computed = self.signals.take()
         return Sample(t=self.clock(), workers=workers, arrivals=arrivals, ttfts_ms=ttfts, prefill_queue_ms=queues,
-                      itls_ms=itls)
+                      itls_ms=itls, prefill_tokens=computed)
 
     def tick(self) -> Decision:
         """Take a sample, decide on the window, apply the decision; returns it."""
         sample = self.sample()
         self.samples.append(sample)
-        while self.samples and self.samples[0].t < sample.t - self.config.window_s:
+        kept = len(window(self.samples, self.config))
+        while len(self.samples) > kept:
             self.samples.popleft()
         self.write({"event": "elastic_sample", "at": time.time(), "sample": sample.as_json()})
         decision, self.state = decide(list(self.samples), self.state, self.config)
@@ -235,7 +236,9 @@ class Controller:
     def scale(self) -> ScaleDecision:
         """Ask the scaling policy on the window and add or retire a worker; log and trace
         every change (``elastic_decision`` with action ``scale-out`` / ``scale-in``)."""
-        decision, state = decide_scale(list(self.samples), self.scale_state, self.scaling,
+        # The last window_s seconds: the role policy's window may reach further back at low rates.
+        recent = [s for s in self.samples if s.t > self.samples[-1].t - self.scaling.window_s]
+        decision, state = decide_scale(recent, self.scale_state, self.scaling,
                                        changing=self.workforce.changing(), role_change_t=self.state.last_switch_t)
         if decision.action == "hold":
             return decision

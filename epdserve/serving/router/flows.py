@@ -269,7 +269,8 @@ class Flow:
         self.t_first = self.clock()
         if self.config.signals is not None:
             queue_ms = (self.t_dispatch - self.t_arrival + (out.timings.queue_ms or 0.0) / 1e3) * 1e3
-            self.config.signals.first_token((self.t_first - self.t_arrival) * 1e3, queue_ms)
+            self.config.signals.first_token((self.t_first - self.t_arrival) * 1e3, queue_ms,
+                                            len(self.prompt_ids) - (out.num_cached_tokens or 0))
         self.cached_tokens = self.record.cached_tokens = out.num_cached_tokens  # in pd, the prefill worker's
         self.prompt_logprobs = out.prompt_logprobs
         return out
