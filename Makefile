@@ -53,7 +53,7 @@ API := tests/test_guided.py tests/test_tool_calls.py tests/test_api_surface.py
 # Real Ray clusters started and stopped by the tests themselves (`ray start` in a session of
 # their own; the two-node tests put a node in a network namespace and skip, saying why, where
 # one cannot be made), and routing across several workers (its file, when present): ~8 minutes.
-CLUSTER := tests/test_ray.py tests/test_ray_multinode.py $(wildcard tests/test_routing_server.py)
+CLUSTER := tests/test_ray.py tests/test_ray_elastic.py tests/test_ray_multinode.py $(wildcard tests/test_routing_server.py)
 # The planner (simulation, calibration, replay of traces, plan against compare runs):
 # ~5 minutes of simulations, no servers.
 PLAN := tests/test_plan.py tests/test_plan_replay.py tests/test_plan_vs_sweep.py tests/test_plan_elastic.py

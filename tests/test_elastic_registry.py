@@ -3,7 +3,9 @@ request flows of tests/test_router_flows.py (a fake port records what would go t
 workers), an elastic registry. Paths follow the roles live when a request arrives; a
 switch routes by the new role at once and is announced by the worker's RoleSwitched; a
 request keeps the role it was sent in; the decode stage never goes back to the worker
-that prefilled; the controller applies a decision and writes it to the trace."""
+that prefilled; the controller applies a decision and writes it to the trace. A restarted
+worker is switched back to its last announced role at its Hello; the workforce adds
+workers within ``--max-workers`` and retires them only once they hold nothing."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import pytest
 
 from epdserve.serving import protocol as P
 from epdserve.serving.elastic_policy import Decision, PolicyConfig, window
-from epdserve.serving.router.elastic import Controller
+from epdserve.serving.elastic_scaling import ScaleDecision, ScalingConfig, ScalingState
+from epdserve.serving.api_errors import APIError
+from epdserve.serving.router.elastic import Controller, ScaleRefused, Workforce
 from epdserve.serving.router.flows import DisaggregatedFlow, FlowConfig, LocalPrefillFlow, SingleWorkerFlow
 from epdserve.serving.router.registry import Compat, Registry
 from epdserve.serving.router.signals import SignalRecorder
@@ -142,3 +146,132 @@ def test_the_controller_applies_a_decision_and_traces_it(monkeypatch):
     assert [line["event"] for line in lines] == ["elastic_sample", "elastic_decision"]
     assert lines[0]["sample"]["workers"][0]["role"] == "colocated" and lines[1]["reason"] == "a test"
     assert [line["reason"] for line in s.lines if line["state"] == "switching"] == ["a test", "a test"]
+
+
+def test_a_restarted_worker_is_switched_back_to_its_last_announced_role():
+    """w0 announced decode, died; its new process says Hello in its first role (colocated,
+    its command line or Ray actor's arguments): the router routes it as decode at once and
+    sends it SetRole(decode), which it answers at once (it holds nothing)."""
+    s = ElasticSetup()
+    s.registry.set_role("w0", "decode")
+    s.switched("w0")
+    s.registry.mark_dead("w0", "killed")
+    s.registry.on_message(hello("w0", "colocated", incarnation="w0-second"), s.clock())
+    w = s.registry.workers["w0"]
+    [_, back] = s.port.of("w0", P.SetRole)
+    assert (back.role, w.role, w.announced, w.switch_id) == ("decode", "decode", "colocated", back.switch_id)
+    assert s.registry.pick("decode") is w
+    assert s.lines[-1]["state"] == "switching" and s.lines[-1]["reason"] == \
+        "restarted: back to its last announced role decode"
+    s.switched("w0")
+    assert (w.role, w.announced, w.switch_id) == ("decode", "decode", None)
+    # Killed while switching (asked colocated, announced decode): back as decode, not colocated.
+    s.registry.set_role("w0", "colocated")
+    s.registry.mark_dead("w0", "killed")
+    s.registry.on_message(hello("w0", "colocated", incarnation="w0-third"), s.clock())
+    assert s.port.of("w0", P.SetRole)[-1].role == "decode" and s.registry.workers["w0"].role == "decode"
+
+
+class FakeScaler:
+    """Hands out ids w2, w3, ...; records the removals."""
+
+    def __init__(self):
+        self.added: list[str] = []
+        self.removed: list[str] = []
+
+    def add(self, role: str) -> str:
+        self.added.append(f"w{2 + len(self.added)}")
+        return self.added[-1]
+
+    def remove(self, worker_id: str) -> None:
+        self.removed.append(worker_id)
+
+
+def stats(wid: str, blocks: int = 0, running: int = 0) -> P.Stats:
+    return P.Stats(worker_id=wid, blocks_total=10, blocks_in_use=blocks, num_running=running, num_waiting=0,
+                   num_preemptions=0)
+
+
+def test_the_workforce_adds_within_max_and_retires_once_a_worker_holds_nothing():
+    s = ElasticSetup()
+    scaler = FakeScaler()
+    lines: list[dict] = []
+    force = Workforce(s.registry, scaler, 2, 3, 60.0, lines.append, clock=s.clock)
+    with pytest.raises(ScaleRefused, match="role 'encode'") as err:
+        force.add("encode", "test")
+    assert err.value.status == 400
+    with pytest.raises(ScaleRefused, match="the minimum") as err:
+        force.retire("w1", "test")
+    assert err.value.status == 409
+    assert force.add("decode", "test") == "w2" and force.changing() == 1
+    with pytest.raises(ScaleRefused, match="--max-workers 3 reached") as err:  # w2 counts while it starts
+        force.add("decode", "test")
+    assert err.value.status == 409 and lines[-1]["state"] == "starting"
+    s.registry.on_message(hello("w2", "decode"), s.clock())
+    force.poll()
+    assert force.starting == {} and force.live() == ["w0", "w1", "w2"]
+    # w2 holds a request when it is retired: no new work for it, removed only once it is done.
+    s.registry.workers["w2"].outstanding["r1"] = 10
+    force.retire("w2", "DELETE /workers")
+    assert s.registry.workers["w2"].as_json(0.0)["state"] == "retiring"
+    assert s.registry.pick("decode").worker_id in ("w0", "w1")  # the colocated fallback, never w2
+    with pytest.raises(ScaleRefused, match="already retiring"):
+        force.retire("w2", "again")
+    s.registry.on_message(stats("w2", blocks=3, running=1), s.clock())
+    force.poll()
+    s.registry.on_message(P.Output(worker_id="w2", request_id="r1", token_ids=[1], finished=True), s.clock())
+    force.poll()  # nothing outstanding: waits for a Stats that came after it
+    s.clock.advance(0.5)
+    s.registry.on_message(stats("w2", blocks=2), s.clock())  # a block still held
+    force.poll()
+    assert "w2" in s.registry.workers and not s.port.of("w2", P.Shutdown)
+    s.clock.advance(0.5)
+    s.registry.on_message(stats("w2"), s.clock())
+    force.poll()
+    assert "w2" not in s.registry.workers and len(s.port.of("w2", P.Shutdown)) == 1 and scaler.removed == ["w2"]
+    assert [(line["worker"], line["state"]) for line in s.lines[-2:]] == [("w2", "retiring"), ("w2", "removed")]
+    metrics = s.registry.metrics.render().decode()
+    assert 'epdserve:workers{model_name="epdserve",state="live"} 2.0' in metrics
+    assert 'epdserve:worker_scale_total{direction="in",model_name="epdserve"} 1.0' in metrics
+    assert 'epdserve:worker_scale_total{direction="out",model_name="epdserve"} 1.0' in metrics
+    # One never up within the startup timeout is given up and its resources freed.
+    assert force.add("colocated", "test") == "w3"
+    s.clock.advance(61.0)
+    force.poll()
+    assert force.starting == {} and scaler.removed == ["w2", "w3"] and lines[-1]["state"] == "given-up"
+    with pytest.raises(ScaleRefused) as err:
+        force.retire("w9", "test")
+    assert err.value.status == 404
+
+
+def test_the_last_worker_that_can_decode_is_not_retired():
+    s = ElasticSetup(("prefill", "prefill", "decode", "decode"))
+    force = Workforce(s.registry, None, 1, 4, 60.0, lambda line: None, clock=s.clock)
+    force.retire("w3", "test")
+    with pytest.raises(ScaleRefused, match="last live worker that can decode"):
+        force.retire("w2", "test")
+    force.retire("w1", "test")  # a prefill worker: w0 still prefills
+    with pytest.raises(ScaleRefused, match="--max-workers"):  # no scaler: nothing can be added
+        force.add("decode", "test")
+    with pytest.raises(APIError):
+        s.registry.pick("decode", exclude=s.registry.workers["w2"])  # w3 retiring: not picked
+    assert s.registry.pick("prefill").worker_id == "w0"
+
+
+def test_the_controller_scales_when_the_role_policy_holds(monkeypatch):
+    s = ElasticSetup()
+    lines: list[dict] = []
+    ctl = Controller(s.registry, s.signals, PolicyConfig(slo_ttft_ms=2000, slo_tpot_ms=200), 2.0, lines.append,
+                     clock=s.clock)
+    scaler = FakeScaler()
+    ctl.workforce = Workforce(s.registry, scaler, 2, 3, 60.0, lines.append, clock=s.clock)
+    ctl.scaling = ScalingConfig(2, 3, 2000.0, 200.0)
+    out = ScaleDecision(t=s.clock(), action="scale-out", reason="saturated", role="decode", signals={"x": 1.0})
+    monkeypatch.setattr("epdserve.serving.router.elastic.decide_scale",
+                        lambda samples, state, config, changing, role_change_t: (out, ScalingState(out.t)))
+    ctl.tick()  # the role policy holds (too little evidence): the scaling policy is asked
+    assert scaler.added == ["w2"] and ctl.scale_state.last_change_t == out.t
+    assert ctl.state.last_switch_t == out.t  # the role policy dwells from the change too
+    decision = next(line for line in lines if line["event"] == "elastic_decision")
+    assert (decision["action"], decision["role"], decision["reason"]) == ("scale-out", "decode", "saturated")
+    assert lines[-1]["state"] == "starting" and lines[-1]["worker"] == "w2"

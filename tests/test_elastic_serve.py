@@ -3,7 +3,8 @@ client: two workers switch role live under a steady stream of requests, in every
 direction (colocated -> prefill / decode, prefill <-> decode, and back to colocated),
 with no failed request, every greedy text unchanged, nothing held at the end, and each
 switch in the trace and /metrics; a worker killed while switching is restarted by the
-launcher in the role it last announced. The switches are asked by ``POST /roles``
+launcher (in its first role) and switched back by the router to the role it last
+announced. ``--max-workers`` is refused where it cannot apply. The switches are asked by ``POST /roles``
 (``--elastic-interval 0``: no controller), so each direction is taken on purpose.
 ``make elastic``."""
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -142,8 +145,9 @@ def test_bad_role_requests(elastic):
 
 def test_a_worker_killed_while_switching_comes_back_in_its_last_announced_role(elastic):
     """worker-0 announced decode (worker-1 prefill); while it drains a long decode towards
-    colocated it is killed: the launcher restarts it as a decode worker, its last announced
-    role, not its first (colocated) nor the one it was switching to."""
+    colocated it is killed: the launcher restarts it (in its first role, colocated) and the
+    router switches it back at its Hello to decode, its last announced role, not to the one
+    it was switching to."""
     dep = elastic
     _switch(dep, "worker-0", "decode")
     _switch(dep, "worker-1", "prefill")
@@ -155,10 +159,14 @@ def test_a_worker_killed_while_switching_comes_back_in_its_last_announced_role(e
     assert _workers(dep)["worker-0"]["switching"], "it drains its decode first"
     before = len(_events(dep, "role"))
     os.kill(dep.worker_pid("worker-0"), signal.SIGKILL)
-    _wait(lambda: any(e["worker"] == "worker-0" and e["state"] == "up" for e in _events(dep, "role")[before:]),
-          "the killed worker restarted", 180)
+    _wait(lambda: any(e["worker"] == "worker-0" and e["state"] == "switched" for e in _events(dep, "role")[before:]),
+          "the killed worker restarted and back in its role", 180)
     w = _workers(dep)["worker-0"]
     assert (w["state"], w["role"], w["announced_role"], w["switching"]) == ("up", "decode", "decode", False)
+    after = [(e["state"], e["role"], e["reason"]) for e in _events(dep, "role")[before:] if e["worker"] == "worker-0"]
+    assert after == [("up", "colocated", None),
+                     ("switching", "decode", "restarted: back to its last announced role decode"),
+                     ("switched", "decode", None)], after
     long_request.join(60)
     assert _complete(dep, PROMPTS[0]).text == _complete(dep, PROMPTS[0]).text  # serving again, in 1P1D
 
@@ -168,3 +176,15 @@ def _try(fn) -> None:
         fn()
     except Exception:  # the long request dies with its worker: expected
         pass
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--max-workers", "3"], "--max-workers 3: workers are added and retired only with --elastic"),
+    (["--elastic", "--workers", "2", "--max-workers", "1"], "--max-workers 1: below the 2 starting workers"),
+    (["--elastic", "--workers", "2", "--max-workers", "3"], "--max-workers 3: adding workers needs --cluster ray"),
+])
+def test_max_workers_refused_where_it_cannot_apply(extra, message):
+    proc = subprocess.run([sys.executable, "-m", "epdserve", "serve", "--port", "0", *extra], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

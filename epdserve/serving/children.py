@@ -95,12 +95,6 @@ class Children:
                 self.start(wid, self.argv[wid])
         return exited
 
-    def restart_as(self, worker_id: str, role: str) -> None:
-        """Give ``worker_id``'s next start ``--role role`` (elastic: the role it last
-        announced, which may not be the one it was started in)."""
-        argv = self.argv[worker_id]
-        argv[argv.index("--role") + 1] = role
-
     def drain(self, router) -> None:
         """Nothing before the router stops: :meth:`stop` SIGTERMs the workers, which free
         their shared memory on the way out."""

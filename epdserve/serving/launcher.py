@@ -25,9 +25,10 @@ http://HOST:PORT``) once every worker has said hello. Every worker is stopped wh
 launcher exits (normal exit, SIGTERM/SIGINT, atexit) and is killed by the kernel if the
 launcher dies abruptly (``PR_SET_PDEATHSIG``). A worker that dies is marked down in the
 router at once and restarted with the same id and address after a backoff (1 s, doubled
-while it keeps dying within a minute, at most 30 s), in the role it last announced
-(``--elastic`` workers change roles; one killed while switching comes back in its old
-role); one that exits with status 2 (bad option, model, or refused by the router) is not
+while it keeps dying within a minute, at most 30 s), in its first role: an ``--elastic``
+worker (their roles change) is then switched back by the router to the role it last
+announced at its Hello (one killed while switching comes back in its old role, as under
+Ray); one that exits with status 2 (bad option, model, or refused by the router) is not
 restarted.
 
 With ``--cluster ray`` the workers are Ray actors on an existing Ray cluster instead
@@ -98,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-workers", type=int, default=1, help="pd, epd: number of prefill workers")
     parser.add_argument("--decode-workers", type=int, default=1, help="pd, epd: number of decode workers")
     parser.add_argument("--encode-workers", type=int, default=1, help="epd: number of encode workers")
+    parser.add_argument("--max-workers", type=int, default=None, metavar="N",
+                        help="--elastic: at most this many engine workers; the starting ones are the minimum and "
+                             "the controller (or POST /workers, DELETE /workers/ID) adds and retires workers in "
+                             "between (default: the starting count, no scaling; above it needs --cluster ray; "
+                             "docs/elastic.md)")
     parser.add_argument("--allow-oversubscription", action="store_true",
                         help="start even when the workers' estimated memory (model weights + "
                              "--kv-cache-memory-mb each) exceeds the host's available memory")
@@ -254,8 +260,6 @@ async def _supervise(server, router: Router, children, args, placement: str, soc
             log.error(msg)
             print(msg, file=sys.stderr, flush=True)
             router.mark_dead(wid, why)
-            if args.elastic and wid in router.workers:  # back in the role it last announced, not a half-done switch's
-                children.restart_as(wid, router.workers[wid].announced)
             if fatal:
                 rc, server.should_exit = 1, True
         if rc:
@@ -323,9 +327,7 @@ def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
     options hold; makes up an auth token when one is needed and none was given."""
     try:
         plan = plan_for(args)
-        if args.elastic and args.cluster == "ray":
-            raise ValueError("--elastic runs with --cluster local only (elastic workers on Ray come later: "
-                             "Ray would restart a worker in its first role)")
+        _check_max_workers(args, len(plan))
         if args.cluster == "ray":
             ray_cluster.role_resources(args)
     except ValueError as exc:
@@ -336,6 +338,26 @@ def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
         if args.events:
             log.info("no --auth-token: generated one; workers started elsewhere cannot join (give your own)")
     return plan, auth.options_error(args, [])  # CURVE support
+
+
+def _check_max_workers(args: argparse.Namespace, starting: int) -> None:
+    """Check ``--max-workers`` against the ``starting`` worker count and set its default
+    (the starting count: no scaling).
+
+    Raises:
+        ValueError: given without ``--elastic``, below the starting count, or above it
+            without ``--cluster ray``.
+    """
+    if args.max_workers is None:
+        args.max_workers = starting
+        return
+    if not args.elastic:
+        raise ValueError(f"--max-workers {args.max_workers}: workers are added and retired only with --elastic")
+    if args.max_workers < starting:
+        raise ValueError(f"--max-workers {args.max_workers}: below the {starting} starting workers (the minimum)")
+    if args.max_workers > starting and args.cluster != "ray":
+        raise ValueError(f"--max-workers {args.max_workers}: adding workers needs --cluster ray "
+                         f"(this host's cores are all given to the {starting} starting workers)")
 
 
 def _load_router(args: argparse.Namespace, plan: Placement, events: str) -> tuple[Router | None, list[str], str | None]:
@@ -398,6 +420,11 @@ def _serve(args: argparse.Namespace, router: Router, plan: Placement, tmp: str, 
         except KeyboardInterrupt:
             print("epdserve serve: stopped while Ray was placing the workers", file=sys.stderr, flush=True)
             return 1
+        if args.elastic:
+            scaler = children if args.cluster == "ray" else None
+            if scaler is not None:
+                scaler.command = lambda role, wid: worker_flags(args, role, wid, events)
+            router.enable_scaling(scaler, len(plan), args.max_workers, args.startup_timeout)
         app = ray_cluster.before_router_stops(create_app(router), lambda: children.drain(router))
         config = uvicorn_config(app, args, lifespan="on", timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)

@@ -169,6 +169,11 @@ class RouterMetrics:
                                            "From a worker's receipt of a role switch to its announcement: the time "
                                            "its old role's work took to finish.", ["model_name"],
                                            buckets=E2E_BUCKETS, registry=r).labels(m)
+        # Elastic scaling (--max-workers): the engine workers by state, and the scale decisions.
+        self._worker_states = Gauge("epdserve:workers", "Engine workers by state (elastic: live, starting, "
+                                    "retiring).", ["model_name", "state"], registry=r)
+        self._scale = Counter("epdserve:worker_scale", "Workers added (out) or retired (in), by the elastic "
+                              "controller or by hand.", ["model_name", "direction"], registry=r)
         self.kv_blocks_in_use = Gauge("epdserve:kv_blocks_in_use", "KV cache blocks in use.", wl, registry=r)
         self.kv_blocks_total = Gauge("epdserve:kv_blocks_total", "KV cache blocks in the pool.", wl, registry=r)
         self.request_failure = Counter("epdserve:request_failure_total",
@@ -281,6 +286,16 @@ class RouterMetrics:
         self._roles[worker] = role
         for r in dict.fromkeys((*ENGINE_ROLES, role)):  # an encode worker's too
             self._worker_role.labels(self.model_name, worker, r).set(1 if r == role else 0)
+
+    def set_worker_states(self, live: int, starting: int, retiring: int) -> None:
+        """``epdserve:workers{state}``: how many engine workers are live (taking work),
+        starting (added, not up yet) and retiring (finishing what they hold)."""
+        for state, n in (("live", live), ("starting", starting), ("retiring", retiring)):
+            self._worker_states.labels(self.model_name, state).set(n)
+
+    def scaled(self, direction: str) -> None:
+        """Count one worker added (``direction`` "out") or retired ("in")."""
+        self._scale.labels(self.model_name, direction).inc()
 
     def role_switched(self, worker: str, previous: str, role: str, drain_s: float) -> None:
         """``worker`` announced its switch from ``previous`` to ``role`` after draining ``drain_s`` seconds."""

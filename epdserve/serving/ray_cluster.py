@@ -8,7 +8,10 @@ resources (``--prefill-resources CPU=1,prefill_node=1``; colocated: ``--worker-r
 form the bundles of one Ray placement group with that role's strategy
 (``--prefill-placement PACK|SPREAD|STRICT_PACK|STRICT_SPREAD``, Ray's own), and each actor
 takes one bundle: custom resources given to a node at ``ray start --resources`` pick the
-node. ``CPU`` (default 1) also sets the worker's torch threads.
+node. ``CPU`` (default 1) also sets the worker's torch threads. Elastic workers (``serve
+--elastic``) change role, so they all take ``--worker-resources`` and ``--worker-placement``
+whatever their starting role; a worker added later (``--max-workers``, :meth:`RayWorkers.add`)
+gets a placement group of its own (one bundle of ``--worker-resources``), removed with it.
 
 Addresses: the router's events socket binds ``tcp://HEAD_IP:PORT`` (the driver's node IP as
 Ray knows it, a free port) unless ``--events`` names one; each worker binds its command
@@ -17,7 +20,9 @@ in its Hello where it is (node id, IP, the actor's resources). The auth token re
 actors as an actor argument (Ray's object store), never in a command line.
 
 Supervision is Ray's: actors are created with ``max_restarts=-1`` and ``max_task_retries=-1``,
-so a worker process that dies is started again by Ray (on a node with the bundle's
+so a worker process that dies is started again by Ray, with its actor's arguments (its
+first role: an elastic worker is switched back to the role it last announced by the router
+at its Hello) (on a node with the bundle's
 resources; a placement group's bundles on a lost node are rescheduled by Ray once a node
 with the resources is back) and its ``run`` task resubmitted; the router marks the dead one
 down when its command connection closes (within a second; by heartbeat silence, 5 s,
@@ -38,9 +43,11 @@ import ctypes
 import json
 import logging
 import os
+import asyncio
 import re
 import signal
 import socket
+import time
 
 log = logging.getLogger("epdserve.ray")
 
@@ -66,9 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          ("encode", "encode")):
         parser.add_argument(f"--{option}-resources", default="CPU=1", metavar="K=V,...",
                             help=f"--cluster ray: Ray resources of each {role} worker, e.g. CPU=1,GPU=1,"
-                                 f"{role}_node=1 (custom resources name the nodes given them at ray start)")
+                                 f"{role}_node=1 (custom resources name the nodes given them at ray start)"
+                                 + ("; every --elastic worker takes these, whatever its role" if role == "colocated"
+                                    else ""))
         parser.add_argument(f"--{option}-placement", default="PACK", type=str.upper, choices=STRATEGIES,
-                            help=f"--cluster ray: Ray placement-group strategy of the {role} workers")
+                            help=f"--cluster ray: Ray placement-group strategy of the {role} workers"
+                                 + ("; of every --elastic worker" if role == "colocated" else ""))
 
 
 def parse_resources(text: str, option: str) -> dict[str, float]:
@@ -165,7 +175,9 @@ def events_address() -> str:
 
 class RayWorkers:
     """The workers of one ``serve`` as Ray actors (the local launcher's ``Children``
-    counterpart: :meth:`launch`, :meth:`ids`, :meth:`exits`, :meth:`stop`).
+    counterpart: :meth:`launch`, :meth:`ids`, :meth:`exits`, :meth:`stop`); elastic, also the
+    router's :class:`~epdserve.serving.router.elastic.Scaler` (:meth:`add`, :meth:`remove`),
+    once ``command`` is set (role, worker id -> the worker's flags).
 
     Raises (:meth:`connect`):
         ConnectionError: no Ray cluster at ``--ray-address``.
@@ -182,6 +194,11 @@ class RayWorkers:
         self.groups: list = []
         self.connected = False
         self.draining = False  # set by drain: runs that end now end on purpose
+        self.actor_cls = None  # WorkerActor as a Ray actor class, made once
+        self.command = None  # elastic: (role, worker id) -> the flags of a worker to add
+        self.next_index = 0  # elastic: K of the next worker-K added (ids are never reused)
+        self.own_groups: dict[str, object] = {}  # added worker id -> its one-bundle placement group
+        self.pending: dict[str, asyncio.Task] = {}  # added worker id -> the task waiting for its placement
 
     def connect(self) -> None:
         """Join the cluster (never start one: ``address`` is always given)."""
@@ -194,10 +211,15 @@ class RayWorkers:
             raise ConnectionError(f"--ray-address {self.args.ray_address}: cannot join a Ray cluster: {exc}") from None
         self.connected = True
 
+    def _option_role(self, role: str) -> str:
+        """The role whose options place a ``role`` worker: colocated's for every elastic one."""
+        return "colocated" if self.args.elastic else role
+
     def placement(self, plan) -> str:
         """The placement line ``serve`` logs and prints."""
-        return ", ".join(f"{wid} on Ray ({_format(self.resources[role])}, "
-                         f"{getattr(self.args, ROLE_OPTION[role] + '_placement')})" for role, wid, _ in plan)
+        return ", ".join(f"{wid} on Ray ({_format(self.resources[self._option_role(role)])}, "
+                         f"{getattr(self.args, ROLE_OPTION[self._option_role(role)] + '_placement')})"
+                         for role, wid, _ in plan)
 
     def launch(self, plan, argv: dict[str, list[str]]) -> None:
         """Reserve a placement group per role and start an actor per worker of ``plan``
@@ -210,11 +232,10 @@ class RayWorkers:
         """
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        actor_cls = ray.remote(WorkerActor)
-        for role in dict.fromkeys(r for r, _, _ in plan):
-            ids = [wid for r, wid, _ in plan if r == role]
+        self.next_index = len(plan)
+        for role in dict.fromkeys(self._option_role(r) for r, _, _ in plan):
+            ids = [wid for r, wid, _ in plan if self._option_role(r) == role]
             res = self.resources[role]
             strategy = getattr(self.args, f"{ROLE_OPTION[role]}_placement")
             group = placement_group([dict(res) for _ in ids], strategy=strategy)
@@ -225,16 +246,86 @@ class RayWorkers:
                                    f"within {self.args.startup_timeout:g} s; the cluster has "
                                    f"{_format(ray.cluster_resources())} (custom resources come from "
                                    f"`ray start --resources`)")
-            custom = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
             for index, wid in enumerate(ids):
-                actor = actor_cls.options(
-                    num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), resources=custom, max_restarts=-1,
-                    max_task_retries=-1, max_concurrency=1,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-                ).remote(argv[wid], self.env, max(1, int(res["CPU"])))
-                self.actors[wid] = actor
-                self.runs[wid] = actor.run.remote()
-                log.info("started worker %s as a Ray actor (%s)", wid, _format(res))
+                self._start_actor(wid, group, index, argv[wid], res)
+
+    def _start_actor(self, wid: str, group, index: int, argv: list[str], res: dict[str, float]) -> None:
+        """Start worker ``wid`` as an actor on bundle ``index`` of placement group ``group``."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        custom = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
+        if self.actor_cls is None:
+            self.actor_cls = ray.remote(WorkerActor)
+        actor = self.actor_cls.options(
+            num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), resources=custom, max_restarts=-1,
+            max_task_retries=-1, max_concurrency=1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+        ).remote(argv, self.env, max(1, int(res["CPU"])))
+        self.actors[wid] = actor
+        self.runs[wid] = actor.run.remote()
+        log.info("started worker %s as a Ray actor (%s)", wid, _format(res))
+
+    def add(self, role: str) -> str:
+        """Elastic: start ``worker-K`` (K: the next index never used) of ``role`` as an actor in
+        a placement group of its own (one bundle of ``--worker-resources``, ``--worker-placement``),
+        in the background: the actor starts once Ray has placed the group (the router gives
+        the worker up if it is not up within ``--startup-timeout`` and calls :meth:`remove`).
+        Call from the router's event loop.
+
+        Raises:
+            RuntimeError: ``command`` is not set (not an elastic ``serve``).
+        """
+        from ray.util.placement_group import placement_group
+
+        if self.command is None:
+            raise RuntimeError("workers are added only by an elastic serve")
+        wid = f"worker-{self.next_index}"
+        self.next_index += 1
+        res = self.resources["colocated"]
+        group = placement_group([dict(res)], strategy=self.args.worker_placement)
+        self.own_groups[wid] = group
+        self.pending[wid] = asyncio.get_running_loop().create_task(
+            self._start_when_placed(wid, group, self.command(role, wid), res))
+        log.info("adding worker %s (%s) as a Ray actor (%s): waiting for its placement", wid, role, _format(res))
+        return wid
+
+    async def _start_when_placed(self, wid: str, group, argv: list[str], res: dict[str, float]) -> None:
+        import ray
+
+        ready = group.ready()
+        while not ray.wait([ready], timeout=0)[0]:
+            await asyncio.sleep(0.5)
+        self.pending.pop(wid, None)
+        self._start_actor(wid, group, 0, argv, res)
+
+    def remove(self, worker_id: str) -> None:
+        """Elastic: stop ``worker_id`` for good (it was told to shut down): stop watching its
+        run, then, once the run ended or :data:`STOP_GRACE_S` passed, kill its actor (no
+        restart) and remove the placement group of an added worker. Never raises."""
+        task = self.pending.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+        run, actor = self.runs.pop(worker_id, None), self.actors.pop(worker_id, None)
+        group = self.own_groups.pop(worker_id, None)
+        if actor is not None or group is not None:
+            asyncio.get_running_loop().create_task(self._stop_later(worker_id, run, actor, group))
+
+    async def _stop_later(self, worker_id: str, run, actor, group) -> None:
+        import ray
+
+        deadline = time.monotonic() + STOP_GRACE_S
+        while run is not None and not ray.wait([run], timeout=0)[0] and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        try:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+            if group is not None:
+                ray.util.remove_placement_group(group)
+            log.info("worker %s: its Ray actor is stopped%s", worker_id, " and its placement group removed"
+                     if group is not None else "")
+        except Exception as exc:  # noqa: BLE001 (a cluster gone meanwhile: nothing left to stop there)
+            log.warning("stopping worker %s's Ray actor: %s", worker_id, exc)
 
     def ids(self) -> list[str]:
         """The worker ids started."""
@@ -281,10 +372,12 @@ class RayWorkers:
 
         if not self.connected:
             return
+        for task in self.pending.values():
+            task.cancel()
         try:
             for actor in self.actors.values():
                 ray.kill(actor, no_restart=True)
-            for group in self.groups:
+            for group in [*self.groups, *self.own_groups.values()]:
                 ray.util.remove_placement_group(group)
         except Exception as exc:  # noqa: BLE001 (a cluster gone meanwhile: nothing left to stop there)
             log.warning("stopping the Ray actors: %s", exc)
@@ -292,6 +385,8 @@ class RayWorkers:
             self.actors.clear()
             self.runs.clear()
             self.groups.clear()
+            self.own_groups.clear()
+            self.pending.clear()
             ray.shutdown()
             self.connected = False
 

@@ -24,7 +24,8 @@ from epdserve.serving.http_guard import add_http_options, uvicorn_config
 from epdserve.serving.metrics import DEFAULT_METRICS_PREFIX, RouterMetrics, add_metrics_options
 from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
 from epdserve.serving.router import surface
-from epdserve.serving.router.elastic import Controller
+from epdserve.serving.elastic_scaling import ScalingConfig
+from epdserve.serving.router.elastic import Controller, Scaler, Workforce
 from epdserve.serving.router.flows import FlowConfig
 from epdserve.serving.router.front import Front
 from epdserve.serving.router.prefix_index import DEFAULT_POLICY, POLICIES, make_policy
@@ -99,6 +100,28 @@ class Router:
         if elastic and elastic_interval_s > 0:
             self.controller = Controller(self.registry, signals, elastic_policy or PolicyConfig(**ELASTIC_SLOS_MS),
                                          elastic_interval_s, self.front.write_trace)
+        self.workforce: Workforce | None = None
+
+    def enable_scaling(self, scaler: Scaler | None, min_workers: int, max_workers: int,
+                       startup_timeout_s: float) -> None:
+        """Elastic: let ``POST /workers``, ``DELETE /workers/{id}`` and the controller (when
+        ``max_workers`` > ``min_workers``) add and retire workers through ``scaler`` (None:
+        retire only) within ``[min_workers, max_workers]``; call before :meth:`start`.
+
+        Raises:
+            ValueError: not elastic, or bounds that are not 1 <= min <= max.
+        """
+        if not self.registry.elastic:
+            raise ValueError("adding and retiring workers needs an elastic router (--elastic)")
+        self.workforce = Workforce(self.registry, scaler, min_workers, max_workers, startup_timeout_s,
+                                   self.front.write_trace)
+        if self.controller is not None and max_workers > min_workers:
+            policy = self.controller.config
+            self.controller.workforce = self.workforce
+            self.controller.scaling = ScalingConfig(min_workers, max_workers, policy.slo_ttft_ms, policy.slo_tpot_ms,
+                                                    window_s=policy.window_s, min_dwell_s=policy.min_dwell_s,
+                                                    evidence_s=max(policy.window_s - self.controller.interval_s,
+                                                                   policy.window_s / 2))
 
     @property
     def workers(self) -> dict[str, WorkerState]:
@@ -126,11 +149,15 @@ class Router:
         await self.events.start()
         if self.controller is not None:
             self.controller.start()
+        if self.workforce is not None:
+            self.workforce.start()
 
     async def stop(self) -> None:
         """Stop reading events, drop queued preprocessing and close every socket."""
         if self.controller is not None:
             await self.controller.stop()
+        if self.workforce is not None:
+            await self.workforce.stop()
         await self.events.stop()
         self.front.close()
         self.port.close()
@@ -170,7 +197,8 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     elastic = parser.add_argument_group("elastic serving (docs/elastic.md)")
     elastic.add_argument("--elastic", action="store_true",
                          help="colocated, pd: workers switch role live (colocated, prefill, decode) as the load "
-                              "shifts; --mode and the worker counts give the starting roles")
+                              "shifts; --mode and the worker counts give the starting roles; with --cluster ray "
+                              "every elastic worker takes --worker-resources and --worker-placement")
     elastic.add_argument("--slo", nargs="+", type=slo_pair(ELASTIC_SLO_KEYS), default=None, metavar="KEY:MS",
                          help="the SLOs the elastic controller serves, as bench --goodput writes them: ttft:MS "
                               f"tpot:MS (default: {' '.join(f'{k[4:]}:{v:g}' for k, v in ELASTIC_SLOS_MS.items())})")

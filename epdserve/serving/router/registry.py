@@ -120,12 +120,14 @@ class WorkerState:
     pid: int = 0  # its process on its node
     announced: str = ""  # the role it last announced (Hello, RoleSwitched); ``role`` routes
     switch_id: str | None = None  # a SetRole it has not answered yet
+    retiring: bool = False  # elastic: being removed; no new work, it finishes what it holds
+    stats_seen: float = 0.0  # time.monotonic() of its last Stats
 
     def as_json(self, now: float) -> dict:
         """Its /health entry (``now``: a ``time.monotonic()``)."""
         return {"worker_id": self.worker_id, "role": self.role, "announced_role": self.announced,
                 "switching": self.switch_id is not None, "addr": self.addr, "cores": self.cores,
-                "state": "down" if self.dead else "up", "reason": self.dead,
+                "state": "down" if self.dead else "retiring" if self.retiring else "up", "reason": self.dead,
                 "kv_dtype": self.kv_layout.get("dtype"),
                 "blocks_in_use": self.blocks_in_use, "blocks_total": self.blocks_total,
                 "num_running": self.num_running, "num_waiting": self.num_waiting,
@@ -180,7 +182,7 @@ class Registry:
 
     def has_live(self, role: str) -> bool:
         """True when some live worker has ``role``."""
-        return any(w.role == role and self.live(w) for w in self.workers.values())
+        return any(w.role == role and self.live(w) and not w.retiring for w in self.workers.values())
 
     def serving_path(self) -> str | None:
         """Elastic: how a text request is served with the roles live now: "disaggregated"
@@ -231,7 +233,8 @@ class Registry:
             APIError: 503, no live worker of that role.
         """
         def of(r: str) -> list[WorkerState]:
-            return [w for w in self.workers.values() if w.role == r and self.live(w) and w is not exclude]
+            return [w for w in self.workers.values()
+                    if w.role == r and self.live(w) and not w.retiring and w is not exclude]
 
         candidates = of(role)
         if not candidates and self.elastic and role in ELASTIC_FALLBACK:
@@ -287,6 +290,33 @@ class Registry:
         log.info("worker %s: %s -> %s (%s)", worker_id, previous, role, reason or "asked")
         self._role_event(w, "switching", previous, reason=reason or None)
 
+    def retire(self, worker_id: str, reason: str) -> None:
+        """Elastic: route no new work to live worker ``worker_id`` from now on; it finishes
+        what it holds (the caller, :class:`~epdserve.serving.router.elastic.Workforce`,
+        then calls :meth:`remove`). Raises ValueError for a worker that is not live."""
+        w = self.workers.get(worker_id)
+        if w is None or w.dead or not self.elastic:
+            raise ValueError(f"cannot retire worker {worker_id!r}: not a live elastic worker")
+        w.retiring = True
+        log.info("worker %s (%s) is retiring: %s", worker_id, w.role, reason)
+        self._role_event(w, "retiring", w.role, reason=reason)
+
+    def remove(self, worker_id: str, reason: str) -> None:
+        """Forget ``worker_id`` (retired, or never up): ask it to shut down if it is up,
+        close its channel; its ``role`` line says ``removed``. Unknown ids: nothing."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return
+        if not w.dead:
+            try:
+                self.port.send(worker_id, P.Shutdown())
+            except WorkerFailed as exc:
+                log.warning("could not send Shutdown to %s: %s", worker_id, exc)
+        self.port.disconnect(worker_id)
+        self.metrics.set_worker_up(worker_id, w.role, False)
+        log.info("worker %s (%s) removed: %s", worker_id, w.role, reason)
+        self._role_event(w, "removed", w.role, reason=reason)
+
     def _on_role_switched(self, w: WorkerState, msg: P.RoleSwitched) -> None:
         if msg.switch_id != w.switch_id:
             return  # an answer to a SetRole that a later one replaced: that one's answer counts
@@ -334,6 +364,7 @@ class Registry:
     def _on_stats(self, w: WorkerState, msg: P.Stats) -> None:
         w.blocks_total, w.blocks_in_use = msg.blocks_total, msg.blocks_in_use
         w.num_running, w.num_waiting, w.num_preemptions = msg.num_running, msg.num_waiting, msg.num_preemptions
+        w.stats_seen = w.last_seen
         self.metrics.set_worker(w.worker_id, w.role, blocks_in_use=msg.blocks_in_use,
                                 blocks_total=msg.blocks_total, num_running=msg.num_running,
                                 num_waiting=msg.num_waiting, num_preemptions=msg.num_preemptions,
@@ -396,6 +427,10 @@ class Registry:
             if old.role != msg.role:  # the id now names another role
                 self.metrics.set_worker_up(msg.worker_id, old.role, False)
         self._admit(msg)
+        if self.elastic and old is not None and old.announced and old.announced != msg.role:
+            # A restarted process comes up in its first role (its command line, or its Ray
+            # actor's arguments): it holds nothing, so it switches back at once.
+            self.set_role(msg.worker_id, old.announced, f"restarted: back to its last announced role {old.announced}")
 
     def _refusal(self, msg: P.Hello) -> str | None:
         """Why ``msg``'s worker cannot serve with this deployment, or None."""

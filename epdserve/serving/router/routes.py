@@ -17,6 +17,7 @@ from typing import Literal
 
 from epdserve.serving import openai_api as api
 from epdserve.serving.api_logprobs import vllm_prompt_logprobs
+from epdserve.serving.router.elastic import ScaleRefused
 from epdserve.serving.router.events import WorkerFailed
 from epdserve.serving.router.choices import Choice, best_choices, failed, merged, usage_counts
 from epdserve.serving.router.front import Front
@@ -35,6 +36,15 @@ class RoleRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     worker_id: str = Field(max_length=128)
+    role: Literal["colocated", "prefill", "decode"]
+    reason: str | None = Field(default=None, max_length=256)
+
+
+class WorkerRequest(BaseModel):
+    """``POST /workers``: add a ``role`` worker (elastic, within ``--max-workers``);
+    ``reason`` goes to the log and the trace's ``role`` line."""
+
+    model_config = ConfigDict(extra="forbid")
     role: Literal["colocated", "prefill", "decode"]
     reason: str | None = Field(default=None, max_length=256)
 
@@ -295,6 +305,7 @@ def create_app(router) -> FastAPI:
 
     surface.install(app, router)  # /tokenize, /detokenize, /version, --api-key
     install_roles(app, registry)
+    install_workers(app, router)
 
     return app
 
@@ -319,3 +330,44 @@ def install_roles(app: FastAPI, registry) -> None:
         except WorkerFailed as exc:
             raise api.APIError(str(exc), status=503, type="service_unavailable") from None
         return w.as_json(time.monotonic())
+
+
+def install_workers(app: FastAPI, router) -> None:
+    """``POST /workers`` (:class:`WorkerRequest`) adds a worker, ``DELETE /workers/{id}``
+    retires one (it finishes what it holds first), within the elastic server's bounds
+    (docs/elastic.md, "Adding and removing workers"). 409 on a server without them (not
+    elastic, or not started by ``serve``), at a bound or for a worker already retiring;
+    404 for a worker that is not live; 400 for a bad body; 503 when the cluster cannot
+    start one; 401 without a valid ``--api-key``. Answers ``{"worker_id", "state"}``."""
+
+    def workforce(request: Request):
+        if router.api_keys and not surface.APIKeyGuard(None, router.api_keys).authorized(request.headers.raw):
+            raise api.APIError("Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.", status=401,
+                               code="invalid_api_key")
+        if router.workforce is None:
+            raise api.APIError("workers are added and retired only on an elastic server started by "
+                               "`epdserve serve --elastic`", status=409, type="conflict")
+        return router.workforce
+
+    def refused(exc: ScaleRefused) -> api.APIError:
+        return api.APIError(str(exc), status=exc.status, type="service_unavailable" if exc.status == 503 else
+                            "conflict" if exc.status == 409 else "invalid_request_error",
+                            code="worker_not_found" if exc.status == 404 else None)
+
+    @app.post("/workers")
+    async def add_worker(body: WorkerRequest, request: Request):
+        """Elastic: add a worker of ``role`` (as the controller does under saturation)."""
+        try:
+            worker_id = workforce(request).add(body.role, body.reason or "POST /workers")
+        except ScaleRefused as exc:
+            raise refused(exc) from None
+        return {"worker_id": worker_id, "state": "starting", "role": body.role}
+
+    @app.delete("/workers/{worker_id}")
+    async def retire_worker(worker_id: str, request: Request):
+        """Elastic: retire a worker (as the controller does at low load)."""
+        try:
+            workforce(request).retire(worker_id, "DELETE /workers")
+        except ScaleRefused as exc:
+            raise refused(exc) from None
+        return {"worker_id": worker_id, "state": "retiring"}

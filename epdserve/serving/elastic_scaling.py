@@ -1,0 +1,186 @@
+"""The elastic controller's scaling policy (issue 20, point 5): whether to add an engine
+worker, retire one, or hold, within ``[min_workers, max_workers]`` (``serve --elastic
+--max-workers N``; the starting workers are the minimum). A pure function of the signal
+samples, as :func:`epdserve.serving.elastic_policy.decide` (whose :class:`Sample` and
+:func:`measure` it reads): stdlib only, no clock and no router state, so recorded sample
+sequences drive it in tests (tests/test_elastic_scaling.py).
+
+* **Scale out** when the side under pressure is saturated on every worker, in every
+  settled sample: prefill (TTFT p90 > ``ttft_enter`` x the TTFT SLO while every
+  prefill-capable worker has >= ``waiting_enter`` requests waiting) or decode (ITL p90 >
+  ``itl_enter`` x the TPOT SLO while every decode-capable worker runs >= ``big_batch``
+  sequences or has requests waiting), and fewer than ``max_workers`` live. The new worker
+  takes that side's role (prefill or decode in xPyD; colocated when every worker is).
+  Only saturation everywhere justifies a new worker: one idle worker means the router can
+  still route there, and moving roles (the role policy) is cheaper than a new process.
+* **Scale in** when fewer than ``idle_enter`` requests are in flight per worker in every
+  settled sample and more than ``min_workers`` live: the worker retired is the last added
+  (highest id, natural order) whose role keeps another live worker (a split keeps x, y >= 1).
+* **Never flapping**: the two conditions are far apart (saturated, >= 1 waiting on every
+  worker, against < 0.25 in flight per worker); a minimum dwell after every change of roles
+  or of the worker count (as the Kubernetes HPA's stabilization window); a hold while any
+  worker switches, starts or retires; only samples after the last change count, and they
+  must span ``evidence_s`` (the whole window less one interval by default: a saturation or
+  a lull shorter than the window is noise).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from epdserve.serving.elastic_policy import Sample, measure
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """Bounds (workers), SLOs (ms) and thresholds of :func:`decide_scale`.
+
+    Raises:
+        ValueError: naming the field: ``min_workers`` < 1, ``max_workers`` < ``min_workers``,
+            a non-positive SLO, window, threshold or an ``idle_enter`` not below
+            ``waiting_enter`` (the band between scale in and scale out).
+    """
+    min_workers: int
+    max_workers: int
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    window_s: float = 20.0      # the sliding window (s)
+    evidence_s: float = 18.0    # settled samples must span this long (s): the window less one interval
+    min_dwell_s: float = 30.0   # no change within this long of the last one (roles or count)
+    quantile: float = 0.9
+    ttft_enter: float = 1.0     # TTFT p90 > this x TTFT SLO: prefill pressure
+    itl_enter: float = 1.2      # ITL p90 > this x TPOT SLO: decode pressure
+    waiting_enter: float = 1.0  # requests waiting on a worker: it is saturated
+    big_batch: float = 4.0      # running sequences on a decode-capable worker: saturated
+    idle_enter: float = 0.25    # in flight per worker < this (every sample): scale in
+
+    def __post_init__(self):
+        if self.min_workers < 1 or self.max_workers < self.min_workers:
+            raise ValueError(f"ScalingConfig: need 1 <= min_workers ({self.min_workers}) <= "
+                             f"max_workers ({self.max_workers})")
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "window_s", "evidence_s", "ttft_enter", "itl_enter",
+                     "waiting_enter", "big_batch", "idle_enter"):
+            if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
+                raise ValueError(f"ScalingConfig {name}: expected a finite number > 0, got {getattr(self, name)!r}")
+        if not self.idle_enter < self.waiting_enter:
+            raise ValueError(f"ScalingConfig idle_enter {self.idle_enter!r} must be < waiting_enter "
+                             f"{self.waiting_enter!r} (a hysteresis band)")
+
+
+@dataclass(frozen=True)
+class ScalingState:
+    """What the policy remembers: ``last_change_t``, when it last changed the worker count
+    (the samples' clock, s)."""
+    last_change_t: float = -math.inf
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    """One decision at ``t`` (s). ``action``: ``hold``, ``scale-out`` (add a worker of
+    ``role``) or ``scale-in`` (retire ``worker_id``); ``reason``: one line with the numbers;
+    ``signals``: the windowed numbers (:meth:`Window.as_signals`) and the worker counts."""
+    t: float
+    action: str
+    reason: str
+    role: str | None = None
+    worker_id: str | None = None
+    signals: dict[str, float] = field(default_factory=dict)
+
+
+def _natural(worker_id: str) -> list:
+    return [int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", worker_id))]
+
+
+def _saturated(samples: Sequence[Sample], c: ScalingConfig) -> tuple[str | None, str]:
+    """The side saturated on every worker in every sample ("prefill" or "decode"), or None;
+    and the numbers that say so."""
+    win = measure(samples, c.quantile)
+
+    def every(role_of, busy) -> bool:
+        groups = [[w for w in s.workers if role_of(w.role)] for s in samples]
+        return all(g and all(busy(w) for w in g) for g in groups)
+
+    split = any(w.role == "prefill" for w in samples[-1].workers)
+    prefillers = (lambda r: r == "prefill") if split else (lambda r: r == "colocated")
+    if win.ttft_p90 > c.ttft_enter * c.slo_ttft_ms and every(prefillers, lambda w: w.num_waiting >= c.waiting_enter):
+        return "prefill", (f"TTFT p90 {win.ttft_p90:.0f} ms > {c.ttft_enter:g} x TTFT SLO {c.slo_ttft_ms:g} ms "
+                           f"with >= {c.waiting_enter:g} waiting on every prefill-capable worker for {win.span_s:.0f} s")
+    if win.itl_p90 > c.itl_enter * c.slo_tpot_ms and every(
+            lambda r: r != "prefill", lambda w: w.num_running >= c.big_batch or w.num_waiting >= c.waiting_enter):
+        return "decode", (f"ITL p90 {win.itl_p90:.0f} ms > {c.itl_enter:g} x TPOT SLO {c.slo_tpot_ms:g} ms with "
+                          f">= {c.big_batch:g} running or a request waiting on every decode-capable worker "
+                          f"for {win.span_s:.0f} s")
+    return None, ""
+
+
+def _retiree(now: Sample) -> str | None:
+    """The worker to retire: the highest id whose role keeps another live worker."""
+    count: dict[str, int] = {}
+    for w in now.workers:
+        count[w.role] = count.get(w.role, 0) + 1
+    for w in sorted(now.workers, key=lambda w: _natural(w.worker_id), reverse=True):
+        if count[w.role] > 1:
+            return w.worker_id
+    return None
+
+
+def _guard(samples: Sequence[Sample], state: ScalingState, c: ScalingConfig, changing: int,
+           role_change_t: float) -> str | None:
+    now = samples[-1]
+    switching = [w.worker_id for w in now.workers if w.switching]
+    if switching or changing:
+        return f"{', '.join(switching) or changing} still switching, starting or retiring"
+    last = max(state.last_change_t, role_change_t)
+    if now.t - last < c.min_dwell_s:
+        return f"{now.t - last:.1f} s since the last change < min dwell {c.min_dwell_s:g} s"
+    return None
+
+
+def decide_scale(samples: Sequence[Sample], state: ScalingState, config: ScalingConfig, *,
+                 changing: int = 0, role_change_t: float = -math.inf) -> tuple[ScaleDecision, ScalingState]:
+    """Add a worker, retire one, or hold (module docstring), and the policy's next state.
+
+    ``samples``: every sample of the window, oldest first (the last is now), listing the live
+    engine workers that take work (not the retiring ones); ``changing``: workers starting or
+    retiring now; ``role_change_t``: when the roles last changed (the role policy's
+    ``last_switch_t``), which the dwell and the settled samples count from too. A change
+    sets ``last_change_t`` to the last sample's ``t``.
+
+    Raises:
+        ValueError: for no samples.
+    """
+    if not samples:
+        raise ValueError("decide_scale: no samples in the window (the last one is now)")
+    now = samples[-1]
+    live = len(now.workers)
+    held = _guard(samples, state, config, changing, role_change_t)
+    if held:
+        return ScaleDecision(now.t, "hold", held), state
+    since = max(state.last_change_t, role_change_t)
+    settled = [s for s in samples if s.t > since and not any(w.switching for w in s.workers)]
+    if not settled or settled[-1].t - settled[0].t < config.evidence_s:
+        span = settled[-1].t - settled[0].t if settled else 0.0
+        return ScaleDecision(now.t, "hold", f"too little evidence: {span:.0f} s of settled samples "
+                             f"< {config.evidence_s:g} s"), state
+    win = measure(settled, config.quantile)
+    signals = {**win.as_signals(), "live_workers": live, "min_workers": config.min_workers,
+               "max_workers": config.max_workers}
+    side, why = _saturated(settled, config)
+    if side is not None and live < config.max_workers:
+        layout = {w.role for w in now.workers}
+        role = side if side in layout else "colocated"
+        return (ScaleDecision(now.t, "scale-out", f"{why}: saturated, {live} < max {config.max_workers} workers "
+                              f"-> add a {role} worker", role=role, signals=signals), ScalingState(now.t))
+    busiest = max((sum(w.outstanding for w in s.workers) / max(len(s.workers), 1) for s in settled), default=0.0)
+    target = _retiree(now)
+    if busiest < config.idle_enter and live > config.min_workers and target is not None:
+        return (ScaleDecision(now.t, "scale-in", f"at most {busiest:.2f} requests in flight per worker < "
+                              f"{config.idle_enter:g} for {win.span_s:.0f} s, {live} > min {config.min_workers} "
+                              f"workers -> retire {target}", worker_id=target, signals=signals), ScalingState(now.t))
+    bound = (f"; saturated but at max {config.max_workers}" if side else
+             f"; idle but at min {config.min_workers}" if busiest < config.idle_enter else "")
+    return ScaleDecision(now.t, "hold", f"{busiest:.2f} in flight per worker at most, no saturation{bound}",
+                         signals=signals), state
