@@ -50,7 +50,7 @@ MAX_DETOKENIZE_TOKENS = 1 << 17
 TOKENIZE_THREADS = 2
 MAX_TOKENIZE_QUEUE = 64
 API_KEY_ENV = ("EPDSERVE_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/roles")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/roles", "/workers")
 UNSUPPORTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
 
 
