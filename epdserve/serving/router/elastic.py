@@ -59,7 +59,35 @@ class Scaler(Protocol):
         holds on the cluster; never raises."""
 
 
-class Workforce:
+class Periodic:
+    """A :meth:`step` every ``period_s`` seconds in the router's event loop, from
+    :meth:`start` until :meth:`stop`; a step that fails is logged, never fatal (it must not
+    take the router down)."""
+
+    period_s: float
+    task: asyncio.Task | None = None
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            try:
+                self.step()
+            except Exception:
+                log.exception("elastic: %s step failed", type(self).__name__)
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.run())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+
+class Workforce(Periodic):
     """The elastic engine workers' number, within ``[min_workers, max_workers]``: adds
     workers through ``scaler`` (None: none can be added) and retires them (no new work at
     once, then :meth:`Registry.remove` and ``scaler.remove`` once it holds nothing: no
@@ -73,7 +101,7 @@ class Workforce:
         self.min_workers, self.max_workers, self.startup_timeout_s = min_workers, max_workers, startup_timeout_s
         self.starting: dict[str, tuple[str, float]] = {}  # id -> (role, when asked)
         self.retiring: dict[str, float | None] = {}  # id -> stats_seen when first found holding no request
-        self.task: asyncio.Task | None = None
+        self.period_s = POLL_S
 
     def live(self) -> list[str]:
         """The live engine workers that take work (not retiring)."""
@@ -170,25 +198,11 @@ class Workforce:
         self.write({"event": "role", "at": time.time(), "worker": worker_id, "role": role, "previous": None,
                     "state": state, "drain_ms": None, "reason": reason})
 
-    async def run(self) -> None:
-        """:meth:`poll` every :data:`POLL_S` until cancelled; a failing poll is logged."""
-        while True:
-            await asyncio.sleep(POLL_S)
-            try:
-                self.poll()
-            except Exception:  # never take the router down
-                log.exception("elastic: workforce poll failed")
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self.run())
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+    def step(self) -> None:
+        self.poll()
 
 
-class Controller:
+class Controller(Periodic):
     """Samples ``registry`` and ``signals`` every ``interval_s`` seconds (``clock``:
     monotonic seconds) and applies the policy's decisions; ``write`` gets each trace line.
     With a ``workforce`` and ``scaling`` whose bounds differ, when the role policy holds
@@ -200,7 +214,7 @@ class Controller:
         self.interval_s, self.write, self.clock = interval_s, write, clock
         self.samples: deque[Sample] = deque()
         self.state = PolicyState()
-        self.task: asyncio.Task | None = None
+        self.period_s = interval_s
         self.workforce: Workforce | None = None
         self.scaling: ScalingConfig | None = None
         self.scale_state = ScalingState()
@@ -270,19 +284,5 @@ class Controller:
             except (ValueError, WorkerFailed) as exc:  # gone since the sample: the next decision sees it
                 log.warning("elastic: cannot switch %s to %s: %s", worker_id, role, exc)
 
-    async def run(self) -> None:
-        """Tick every ``interval_s`` seconds until cancelled; a failing tick is logged, not fatal."""
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                self.tick()
-            except Exception:  # the controller must never take the router down
-                log.exception("elastic: controller tick failed")
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self.run())
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+    def step(self) -> None:
+        self.tick()
