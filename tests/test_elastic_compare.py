@@ -226,7 +226,7 @@ def test_benchmark_ratios_and_outputs_from_canned_compare_runs(bench_script, tmp
                               entry("elastic", 0.18)])
     assert bench_script.main(["--output", str(tmp_path), "--from-existing"]) == 0
     out = json.loads((tmp_path / "elastic.json").read_text())
-    assert out["slos_ms"] == {"ttft": 10000.0, "tpot": 250.0} and out["configs"] == bench_script.parse_configs(
+    assert out["slos_ms"] == {"ttft": 10000.0, "tpot": 60.0} and out["configs"] == bench_script.parse_configs(
         "colocated,colocated-2,1p1d,elastic")
     shift, demo = out["workloads"]["shift"], out["workloads"]["demo"]
     assert shift["configs"]["colocated-2"]["goodput_per_core"] == pytest.approx(0.06)
@@ -238,7 +238,7 @@ def test_benchmark_ratios_and_outputs_from_canned_compare_runs(bench_script, tmp
     assert "elastic / best static (colocated-2): 1.50x (meets the goal); goal >= 1.2x" in printed
     assert "elastic / best static (colocated): 0.90x (misses the goal); goal >= 0.95x" in printed
     assert "colocated-2      goodput 0.1200 req/s on 2 cores = 0.0600 req/s per core" in printed
-    assert "SLOs: ttft:10000 ms, tpot:250 ms" in printed
+    assert "SLOs: ttft:10000 ms, tpot:60 ms" in printed
     assert png_size(tmp_path / "elastic.png")[0] > 0
 
 
@@ -259,10 +259,11 @@ def test_benchmark_command_and_bad_options(bench_script, capsys):
     cmd = bench_script.compare_command(args, "shift", Path("out/shift"))
     assert cmd[:4] == [sys.executable, "-m", "epdserve", "compare"]
     assert cmd[4:] == ["--workload", "shift", "--configs", "colocated,colocated-2,1p1d,elastic",
-                       "--goodput", "ttft:10000", "tpot:250", "--seed", "3", "--output", "out/shift",
+                       "--goodput", "ttft:10000", "tpot:60", "--seed", "3", "--output", "out/shift",
                        "--shift-phases", "in=10:20,out=5:5,rate=1,n=2"]
     assert args.shift_phases == parse_phases("in=10:20,out=5,rate=1,n=2")
     assert "--shift-phases" not in bench_script.compare_command(args, "demo", Path("d"))
+    assert bench_script.parse_args([]).shift_phases == parse_phases(bench_script.PHASES)
     for bad, needle in ((["--workloads", "shift,burst"], "'shift,burst': expected"),
                         (["--configs", "elastic-1"], "elastic-1")):
         with pytest.raises(SystemExit) as info:
@@ -331,13 +332,13 @@ def test_oracle_ceiling_of_any_switching_policy(bench_script):
     elastic entry and a failed request do not count; no phases, no ceiling."""
     def result(ok: list[bool]) -> dict:
         return {"errors": ["" if o else "boom" for o in ok], "ttfts": [0.5 if o else None for o in ok],
-                "latencies": [1.0] * len(ok), "output_lens": [6] * len(ok), "itls": [[0.1] * 5] * len(ok)}
+                "latencies": [0.7] * len(ok), "output_lens": [6] * len(ok), "itls": [[0.04] * 5] * len(ok)}
     compare = {"trace": {"phase_windows": {"first": [0, 2], "n": [2, 2]}},
                "configs": [{"name": "colocated", "result": result([True, True, False, False])},
                            {"name": "1p1d", "result": result([False, False, True, True])},
                            {"name": "elastic", "result": result([True] * 4)}]}
     o = bench_script.oracle(compare)
     assert o == {"per_phase": {"colocated": [2, 0], "1p1d": [0, 2]}, "oracle": 4, "best_static": 2, "ceiling": 2.0}
-    slow = dict(result([True] * 4), latencies=[60.0] * 4)  # TPOT (60 - 0.5) / 5 s: over 250 ms
+    slow = dict(result([True] * 4), latencies=[60.0] * 4)  # TPOT (60 - 0.5) / 5 s: over 60 ms
     assert bench_script.oracle({**compare, "configs": [{"name": "colocated", "result": slow}]})["oracle"] == 0
     assert bench_script.oracle({"configs": compare["configs"]}) is None
