@@ -249,13 +249,13 @@ class _Layout:
     outstanding: dict[str, int]
 
 
-def _natural(worker_id: str) -> list:
+def natural_order(worker_id: str) -> list:
     """Sort key that puts w2 before w10 (digit runs compare as numbers)."""
     return [int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", worker_id))]
 
 
 def _layout(sample: Sample) -> _Layout:
-    ids = sorted((w.worker_id for w in sample.workers), key=_natural)
+    ids = sorted((w.worker_id for w in sample.workers), key=natural_order)
     role = {w.worker_id: w.role for w in sample.workers}
     return _Layout(*(tuple(i for i in ids if role[i] == r)
                      for r in ("prefill", "decode", "colocated")),
@@ -280,10 +280,10 @@ def _guard(now: Sample, state: PolicyState, config: PolicyConfig) -> str | None:
     return None
 
 
-def _settled(samples: Sequence[Sample], state: PolicyState) -> list[Sample]:
-    """The samples taken after the last change settled: earlier ones describe the old roles."""
-    return [s for s in samples
-            if s.t > state.last_switch_t and not any(w.switching for w in s.workers)]
+def settled(samples: Sequence[Sample], since: float) -> list[Sample]:
+    """The samples taken after the last change (at ``since``) settled: earlier ones, and
+    those with a worker still switching, describe the old roles."""
+    return [s for s in samples if s.t > since and not any(w.switching for w in s.workers)]
 
 
 def _no_evidence(win: Window, c: PolicyConfig) -> str | None:
@@ -388,7 +388,7 @@ def _prefill_pressure(win: Window, c: PolicyConfig) -> str | None:
 def _split(lay: _Layout) -> tuple[dict[str, str], str]:
     """Colocated -> xPyD (roles, and "xPyD"): the prefill-heavy mix that caused it gets the
     odd worker (x = ceil(N / 2)); rebalancing moves on from there. Prefill: the first ids."""
-    ids = sorted(lay.colocated, key=_natural)
+    ids = sorted(lay.colocated, key=natural_order)
     x = (len(ids) + 1) // 2
     return {i: "prefill" if k < x else "decode" for k, i in enumerate(ids)}, f"{x}P{len(ids) - x}D"
 
@@ -398,7 +398,7 @@ def _move(lay: _Layout, source: str, target: str) -> tuple[dict[str, str], str]:
     outstanding requests (the quickest drain; ties: natural id order), and a label."""
     roles = {**{i: "prefill" for i in lay.prefill}, **{i: "decode" for i in lay.decode}}
     donors = lay.prefill if source == "prefill" else lay.decode
-    mover = min(donors, key=lambda i: (lay.outstanding[i], _natural(i)))
+    mover = min(donors, key=lambda i: (lay.outstanding[i], natural_order(i)))
     roles[mover] = target
     x = sum(r == "prefill" for r in roles.values())
     return roles, f"{mover} {source} -> {target} ({x}P{len(roles) - x}D)"
@@ -483,7 +483,7 @@ def decide(samples: Sequence[Sample], state: PolicyState,
     held = _guard(now, state, config)
     if held:
         return Decision(now.t, None, "hold", held), state
-    win = measure(_settled(samples, state), config.quantile)
+    win = measure(settled(samples, state.last_switch_t), config.quantile)
     lay = _layout(now)
     rule = _from_colocated if lay.colocated else _from_pd
     action, roles, reason = rule(win, lay, config)

@@ -27,11 +27,10 @@ sequences drive it in tests (tests/test_elastic_scaling.py).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from epdserve.serving.elastic_policy import Sample, measure
+from epdserve.serving.elastic_policy import Sample, measure, natural_order, settled
 
 
 @dataclass(frozen=True)
@@ -90,10 +89,6 @@ class ScaleDecision:
     signals: dict[str, float] = field(default_factory=dict)
 
 
-def _natural(worker_id: str) -> list:
-    return [int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", worker_id))]
-
-
 def _saturated(samples: Sequence[Sample], c: ScalingConfig) -> tuple[str | None, str]:
     """The side saturated on every worker in every sample ("prefill" or "decode"), or None;
     and the numbers that say so."""
@@ -121,7 +116,7 @@ def _retiree(now: Sample) -> str | None:
     count: dict[str, int] = {}
     for w in now.workers:
         count[w.role] = count.get(w.role, 0) + 1
-    for w in sorted(now.workers, key=lambda w: _natural(w.worker_id), reverse=True):
+    for w in sorted(now.workers, key=lambda w: natural_order(w.worker_id), reverse=True):
         if count[w.role] > 1:
             return w.worker_id
     return None
@@ -159,22 +154,21 @@ def decide_scale(samples: Sequence[Sample], state: ScalingState, config: Scaling
     held = _guard(samples, state, config, changing, role_change_t)
     if held:
         return ScaleDecision(now.t, "hold", held), state
-    since = max(state.last_change_t, role_change_t)
-    settled = [s for s in samples if s.t > since and not any(w.switching for w in s.workers)]
-    if not settled or settled[-1].t - settled[0].t < config.evidence_s:
-        span = settled[-1].t - settled[0].t if settled else 0.0
+    recent = settled(samples, max(state.last_change_t, role_change_t))
+    if not recent or recent[-1].t - recent[0].t < config.evidence_s:
+        span = recent[-1].t - recent[0].t if recent else 0.0
         return ScaleDecision(now.t, "hold", f"too little evidence: {span:.0f} s of settled samples "
                              f"< {config.evidence_s:g} s"), state
-    win = measure(settled, config.quantile)
+    win = measure(recent, config.quantile)
     signals = {**win.as_signals(), "live_workers": live, "min_workers": config.min_workers,
                "max_workers": config.max_workers}
-    side, why = _saturated(settled, config)
+    side, why = _saturated(recent, config)
     if side is not None and live < config.max_workers:
         layout = {w.role for w in now.workers}
         role = side if side in layout else "colocated"
         return (ScaleDecision(now.t, "scale-out", f"{why}: saturated, {live} < max {config.max_workers} workers "
                               f"-> add a {role} worker", role=role, signals=signals), ScalingState(now.t))
-    busiest = max((sum(w.outstanding for w in s.workers) / max(len(s.workers), 1) for s in settled), default=0.0)
+    busiest = max((sum(w.outstanding for w in s.workers) / max(len(s.workers), 1) for s in recent), default=0.0)
     target = _retiree(now)
     if busiest < config.idle_enter and live > config.min_workers and target is not None:
         return (ScaleDecision(now.t, "scale-in", f"at most {busiest:.2f} requests in flight per worker < "
