@@ -81,7 +81,8 @@ def test_switch_kill_add_and_retire_on_ray(elastic_ray, ray_head):
     def to_1p1d():
         _switch(dep, "worker-0", "prefill")
         _switch(dep, "worker-1", "decode")
-        _wait(lambda: [w["announced_role"] for w in _workers(dep).values()] == ["prefill", "decode"], "1P1D")
+        _wait(lambda: [_workers(dep)[w]["announced_role"] for w in ("worker-0", "worker-1")] == ["prefill", "decode"],
+              "1P1D")
     _under_stream(dep, expected, to_1p1d)
 
     # Kill the decode worker's actor process: Ray restarts it as colocated (its arguments),

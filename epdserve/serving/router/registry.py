@@ -33,6 +33,7 @@ from typing import Callable, Protocol
 from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
 from epdserve.serving.deployment import ENGINE_ROLES
+from epdserve.serving.elastic_policy import natural_order
 from epdserve.serving.handshake import KV_PEER_ROLES, refusal
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.router.events import WorkerDown, WorkerFailed, event_for
@@ -487,5 +488,7 @@ class Registry:
         self.port.send_refused(msg.worker_id, msg.addr, P.Refused(reason=reason, incarnation=msg.incarnation))
 
     def health(self, now: float) -> list[dict]:
-        """Every worker's /health entry, refused ones last (``now``: ``time.monotonic()``)."""
-        return [w.as_json(now) for w in self.workers.values()] + list(self.refused.values())
+        """Every worker's /health entry in worker id order (``natural_order``: the order
+        they join in varies, on Ray above all), refused ones last (``now``: ``time.monotonic()``)."""
+        ids = sorted(self.workers, key=natural_order)
+        return [self.workers[i].as_json(now) for i in ids] + list(self.refused.values())
