@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 CLIENTS_VENV ?= .venv-clients
 CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 
-.PHONY: install demo test fuzz interop epd api cluster elastic test-plan test-tools clean
+.PHONY: install demo test fuzz faults interop epd api cluster elastic test-plan test-tools clean
 
 # torch is pinned to the CPU build on this machine's disk; a plain requirement
 # would pull a multi-GB CUDA build. The default model ships as a GGUF inside
@@ -60,10 +60,16 @@ PLAN := tests/test_plan.py tests/test_plan_replay.py tests/test_plan_vs_sweep.py
 # Live role switches (serve --elastic): a worker's loop switching with real engines, and
 # two served workers switching in every direction under a stream, one killed: ~3 minutes.
 ELASTIC := tests/test_elastic_worker.py tests/test_elastic_serve.py
+# Faults and hardening: killed, stopped and stalled workers, random aborts, bad channels,
+# peers and operator input against real deployments: ~3 minutes.
+FAULTS := $(wildcard tests/test_faults_*.py) $(wildcard tests/test_hardening_*.py)
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD) $(addprefix --ignore=,$(API)) $(addprefix --ignore=,$(CLUSTER)) $(addprefix --ignore=,$(PLAN)) $(addprefix --ignore=,$(ELASTIC))
+	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD) $(addprefix --ignore=,$(API)) $(addprefix --ignore=,$(CLUSTER)) $(addprefix --ignore=,$(PLAN)) $(addprefix --ignore=,$(ELASTIC)) $(addprefix --ignore=,$(FAULTS))
+
+faults: $(STAMP)
+	$(VENV)/bin/pytest -q -ra --durations=5 $(FAULTS)
 
 fuzz: $(STAMP)
 	$(VENV)/bin/pytest -q -ra tests/test_fuzz_api.py
