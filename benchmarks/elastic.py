@@ -7,8 +7,9 @@ on two workloads:
   falls behind on TTFT; two colocated workers prefill in parallel), then medium prompts with
   medium answers that one prefill worker can serve (colocated workers' decodes stall behind
   each other's prefills and miss the TPOT; 1P1D's decode is never stalled), then a quiet
-  phase. Each phase favours a different static configuration, so a controller that follows
-  the shift can beat every one of them; the ceiling line below says by how much at most.
+  phase. Each phase is meant to favour a different static configuration, so a controller
+  that follows the shift could beat every one of them; the ceiling line below says by how
+  much at most (on 2 CPU cores: 1.00-1.04x, docs/benchmarks.md).
   Goal: elastic >= 1.2 x the best static;
 * ``demo`` — ``--workload demo`` (what ``make demo`` runs: chat requests with bursts of
   1,600-token prompts, no shift). Goal: elastic >= 0.95 x the best static.
