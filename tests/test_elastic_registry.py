@@ -44,6 +44,13 @@ class ElasticSetup(Setup):
                                                 switch_id=set_role.switch_id, drain_ms=12.5), self.clock())
 
 
+def test_health_lists_workers_in_id_order_whatever_order_they_joined_in():
+    s = ElasticSetup(roles=())
+    for wid in ("w10", "w2", "w0"):  # Ray's actors say hello in any order
+        s.registry.on_message(hello(wid, "colocated"), s.clock())
+    assert [w["worker_id"] for w in s.registry.health(s.clock())] == ["w0", "w2", "w10"]
+
+
 def test_any_engine_role_joins_and_paths_follow_the_live_roles():
     s = ElasticSetup()
     assert s.registry.ready() and s.registry.serving_path() == "colocated"
