@@ -33,6 +33,7 @@ import httpx
 import numpy as np
 import pytest
 
+from epdserve import cli
 from epdserve.bench import client, datasets, workload
 from epdserve.bench.run import add_arguments, bench
 from epdserve.trace import RequestTrace
@@ -394,10 +395,19 @@ def test_cli_writes_result_json(stub, tmp_path):
     (["--sweep-rates", "3:1"], "3:1"),
     (["--goodput-target", "1.5"], "1.5"),
 ])
-def test_cli_bad_values_exit_2_with_one_message(args, needle):
-    proc = run_cli("--base-url", "http://127.0.0.1:9", *args)
+def test_cli_bad_values_exit_2_with_one_message(capsys, args, needle):
+    """The command's own entry point, in-process (one run as a process below): exit status 2
+    naming the bad value, nothing sent."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--base-url", "http://127.0.0.1:9", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and needle in err, err
+
+
+def test_cli_bad_value_as_a_process_exits_2_without_a_traceback():
+    proc = run_cli("--base-url", "http://127.0.0.1:9", "--input-len", "5:2")
     assert proc.returncode == 2
-    assert needle in proc.stderr and "Traceback" not in proc.stderr
+    assert "5:2" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_cli_malformed_trace_line_names_the_line(tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from epdserve import host
+from epdserve import cli, host
 from epdserve.bench import compare, processes, report, server_trace, workload
 from epdserve.serving.deployment import DeploymentSpec
 from epdserve.trace import RequestTrace
@@ -459,21 +459,30 @@ def test_table_ratio_column_and_missing_values():
     assert "TTFT p50 (ms)" in report.text_table(entries)
 
 
-def test_compare_cli_bad_values_exit_2():
-    for args, needle in ((["--configs", "colocated,colocated"], "named twice"),
-                         (["--configs", "colocated,0p1d"], "0p1d"),
-                         (["--port", "70000"], "70000"),
-                         (["--trace", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
-                         (["--sweep-rates", "2:1"], "2:1"),
-                         (["--goodput-target", "1.5"], "1.5"),
-                         (["--sweep-rates", "0.5:2"], "--goodput"),
-                         (["--workload", "synthetic", "--num-prompts", "2",
-                           "--images-per-request", "1", "--endpoint", "completions"],
-                          "only the chat endpoint")):
-        proc = subprocess.run([sys.executable, "-m", "epdserve", "compare", *args],
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 2, (args, proc.stderr)
-        assert needle in proc.stderr and "Traceback" not in proc.stderr
+def test_compare_cli_bad_value_exits_2_without_a_traceback():
+    proc = subprocess.run([sys.executable, "-m", "epdserve", "compare", "--configs", "colocated,colocated"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "named twice" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--configs", "colocated,0p1d"], "0p1d"),
+    (["--port", "70000"], "70000"),
+    (["--trace", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
+    (["--sweep-rates", "2:1"], "2:1"),
+    (["--goodput-target", "1.5"], "1.5"),
+    (["--sweep-rates", "0.5:2"], "--goodput"),
+    (["--workload", "synthetic", "--num-prompts", "2", "--images-per-request", "1", "--endpoint", "completions"],
+     "only the chat endpoint"),
+])
+def test_compare_cli_bad_values_exit_2(capsys, args, needle):
+    """The command's own entry point, in-process (the subprocess test above covers the
+    process): exit status 2 naming the bad value, before any server starts."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["compare", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and needle in err, err
 
 
 def serve_flags(name: str) -> list[str] | None:
