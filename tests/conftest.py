@@ -35,6 +35,15 @@ def generate(engine, prompts: list[list[int]], params) -> list[list[int]]:
     return [outputs[str(i)] for i in range(len(prompts))]
 
 
+def cli_exit(capsys, argv: list[str]) -> tuple[int, str]:
+    """``epdserve ARGV`` through its CLI entry point, in-process, expected to exit (an
+    argument error: argparse's SystemExit): (exit status, stderr)."""
+    from epdserve import cli
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    return exit_.value.code, capsys.readouterr().err
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

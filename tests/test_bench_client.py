@@ -33,10 +33,11 @@ import httpx
 import numpy as np
 import pytest
 
-from epdserve import cli
 from epdserve.bench import client, datasets, workload
 from epdserve.bench.run import add_arguments, bench
 from epdserve.trace import RequestTrace
+
+from conftest import cli_exit
 
 STUB_TTFT_S = 0.20
 STUB_ITL_S = 0.10
@@ -398,10 +399,8 @@ def test_cli_writes_result_json(stub, tmp_path):
 def test_cli_bad_values_exit_2_with_one_message(capsys, args, needle):
     """The command's own entry point, in-process (one run as a process below): exit status 2
     naming the bad value, nothing sent."""
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["bench", "--base-url", "http://127.0.0.1:9", *args])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and needle in err, err
+    code, err = cli_exit(capsys, ["bench", "--base-url", "http://127.0.0.1:9", *args])
+    assert code == 2 and needle in err, err
 
 
 def test_cli_bad_value_as_a_process_exits_2_without_a_traceback():

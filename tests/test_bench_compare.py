@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from epdserve import cli, host
+from epdserve import host
 from epdserve.bench import compare, processes, report, server_trace, workload
 from epdserve.serving.deployment import DeploymentSpec
 from epdserve.trace import RequestTrace
+from conftest import cli_exit
 from test_bench_client import STUB_TTFT_S, bench_args, req
 
 STUB = [sys.executable, str(Path(__file__).with_name("test_bench_client.py"))]
@@ -479,10 +480,8 @@ def test_compare_cli_bad_value_exits_2_without_a_traceback():
 def test_compare_cli_bad_values_exit_2(capsys, args, needle):
     """The command's own entry point, in-process (the subprocess test above covers the
     process): exit status 2 naming the bad value, before any server starts."""
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["compare", *args])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and needle in err, err
+    code, err = cli_exit(capsys, ["compare", *args])
+    assert code == 2 and needle in err, err
 
 
 def serve_flags(name: str) -> list[str] | None:

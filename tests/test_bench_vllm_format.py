@@ -13,9 +13,10 @@ import sys
 
 import pytest
 
-from epdserve import cli
 from epdserve.bench import metrics, result_file, workload
 from epdserve.bench.run import add_arguments
+
+from conftest import cli_exit
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -72,10 +73,8 @@ def test_a_short_run_writes_vllms_result_file(colocated_server, tmp_path):
 ])
 def test_bad_values_are_cli_errors_naming_them(capsys, argv, needle):
     """The command's own entry point, in-process: exit status 2 before anything is sent."""
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["bench", "--base-url", "http://127.0.0.1:9", *argv])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and needle in err, err
+    code, err = cli_exit(capsys, ["bench", "--base-url", "http://127.0.0.1:9", *argv])
+    assert code == 2 and needle in err, err
 
 
 def test_dataset_name_is_workload_with_vllms_names():

@@ -9,13 +9,14 @@ import json
 
 import pytest
 
-from epdserve import cli
 from epdserve.bench import metrics
 from epdserve.bench.workload import Request, save_trace
 from epdserve.plan import calibrate
 from epdserve.plan.costmodel import Link, LinearStep, Platform
 from epdserve.plan.sim_elastic import elastic_config
 from epdserve.plan.simulate import Deployment, EngineLimits, Simulation, WorkerSpec, serve
+
+from conftest import cli_exit
 
 SLOS = {"ttft": 10000.0, "tpot": 250.0}
 BLOCK = 16
@@ -142,9 +143,7 @@ def _cli(tmp_path, capsys, *args: str) -> tuple[int, str]:
                                                   "2": {"coef": [12.0, 0.0, 0.6, 0.0, 0.0]}},
                           "kv_link": {"gbs": 1.0, "latency_ms": 5.0}, "kv_bytes_per_token": 1000},
                          tmp_path / "cal.json")
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["plan", "--calibration", str(cal), *args])
-    return exit_.value.code, capsys.readouterr().err
+    return cli_exit(capsys, ["plan", "--calibration", str(cal), *args])
 
 
 def test_plan_configs_elastic_end_to_end(tmp_path, capsys):
