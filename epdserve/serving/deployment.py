@@ -252,6 +252,12 @@ class DeploymentSpec:
                             decode=counts.get("decode", 1), encode=counts.get("encode", 1))
 
 
+def natural_order(worker_id: str) -> list:
+    """Sort key of worker ids that puts worker-2 before worker-10 (digit runs compare as
+    numbers)."""
+    return [int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", worker_id))]
+
+
 def split_cores(cores: list[int], n: int) -> list[list[int]]:
     """Cores of each of ``n`` workers: contiguous near-equal groups if ``n <= len(cores)``,
     else worker i gets ``cores[i % len(cores)]`` (round-robin sharing)."""

@@ -40,10 +40,10 @@ Thresholds and why: docs/elastic.md, "The controller's policy".
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from epdserve.serving.deployment import natural_order
 # The sample types live with their JSON form; re-exported (noqa: F401): they are this policy's input.
 from epdserve.serving.elastic_samples import ROLES, Sample, WorkerSignal  # noqa: F401
 
@@ -247,11 +247,6 @@ class _Layout:
     decode: tuple[str, ...]
     colocated: tuple[str, ...]
     outstanding: dict[str, int]
-
-
-def natural_order(worker_id: str) -> list:
-    """Sort key that puts w2 before w10 (digit runs compare as numbers)."""
-    return [int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", worker_id))]
 
 
 def _layout(sample: Sample) -> _Layout:

@@ -30,7 +30,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from epdserve.serving.elastic_policy import Sample, measure, natural_order, settled
+from epdserve.serving.deployment import natural_order
+from epdserve.serving.elastic_policy import Sample, measure, settled
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,7 @@ from typing import Callable, Protocol
 
 from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
-from epdserve.serving.deployment import ENGINE_ROLES
-from epdserve.serving.elastic_policy import natural_order
+from epdserve.serving.deployment import ENGINE_ROLES, natural_order
 from epdserve.serving.handshake import KV_PEER_ROLES, refusal
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.router.events import WorkerDown, WorkerFailed, event_for
