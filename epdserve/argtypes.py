@@ -25,24 +25,56 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number")
+    return value
+
+
 def float_at_least(minimum: float) -> Callable[[str], float]:
     """An argparse type accepting finite numbers >= ``minimum``."""
 
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
-        if not (value >= minimum) or math.isinf(value):
+        value = _finite(text)
+        if value < minimum:
             raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= {minimum:g}")
         return value
 
     return parse
 
 
-def slo_pair(keys: tuple[str, ...]) -> Callable[[str], tuple[str, float]]:
+def float_above(minimum: float) -> Callable[[str], float]:
+    """An argparse type accepting finite numbers > ``minimum``."""
+
+    def parse(text: str) -> float:
+        value = _finite(text)
+        if not value > minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > {minimum:g}")
+        return value
+
+    return parse
+
+
+def zero_or_at_least(minimum: float) -> Callable[[str], float]:
+    """An argparse type accepting 0 (an "off" switch) or finite numbers >= ``minimum``."""
+
+    def parse(text: str) -> float:
+        value = _finite(text)
+        if value != 0 and value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be 0 or a finite number >= {minimum:g}")
+        return value
+
+    return parse
+
+
+def slo_pair(keys: tuple[str, ...], positive: bool = False) -> Callable[[str], tuple[str, float]]:
     """An argparse type for one SLO ``KEY:MS`` as vLLM ``bench serve --goodput`` writes it:
-    KEY one of ``keys``, MS a finite number >= 0 (ms); the error names the text."""
+    KEY one of ``keys``, MS a finite number >= 0 (ms), > 0 if ``positive`` (a controller
+    cannot steer to a target nothing meets); the error names the text."""
 
     def parse(text: str) -> tuple[str, float]:
         key, sep, value = text.partition(":")
@@ -52,8 +84,8 @@ def slo_pair(keys: tuple[str, ...]) -> Callable[[str], tuple[str, float]]:
             ms = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is not a number of ms") from None
-        if not (ms >= 0) or math.isinf(ms):
-            raise argparse.ArgumentTypeError(f"{text!r}: SLO must be a finite number >= 0 ms")
+        if not (ms > 0 if positive else ms >= 0) or math.isinf(ms):
+            raise argparse.ArgumentTypeError(f"{text!r}: SLO must be a finite number {'>' if positive else '>='} 0 ms")
         return key, ms
 
     return parse

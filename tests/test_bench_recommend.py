@@ -262,3 +262,23 @@ def test_missing_optional_fields_do_not_break_it(missing):
     for e in entries:
         del e[missing]
     assert recommend(entries)["choice"] in ("colocated", "pd")
+
+
+def test_an_elastic_winner_says_how_often_it_switched():
+    """An elastic deployment is no PD split when it kept its roles: the head says what it did."""
+    still = entry("elastic", mode="elastic")
+    still["role_switches"] = {"count": 0, "requested": 0, "decisions": []}
+    rec = recommend([still])
+    assert rec["reasons"][0] == "Use elastic (the only kind measured: elastic)."
+    assert "**Use elastic** (elastic: 0 role switches during the run)." in report.recommendation_markdown(rec)
+    still["role_switches"]["count"] = 1
+    assert "(elastic: 1 role switch during the run)." in report.recommendation_markdown(recommend([still]))
+
+
+def test_a_disturbed_measurement_qualifies_the_recommendation():
+    rec = recommend([entry("colocated"), entry("pd", mode="pd", goodput=0.2)])
+    warning = "pd: other processes used 27% of cores 0-1 during the run"
+    md = report.recommendation_markdown(rec, [warning])
+    assert md.startswith("## Recommendation\n\n**Use colocated** (no prefill/decode split). **But other processes "
+                         f"loaded the cores during 1 run(s)** ({warning}): measure again on a quiet machine"), md
+    assert "quiet machine" not in report.recommendation_markdown(rec)

@@ -171,6 +171,25 @@ def test_the_window_extends_back_to_hold_enough_arrivals():
     assert window(rare, CFG)[0].t == 298 - 118  # 120 s at most
 
 
+def test_a_window_longer_than_max_window_s_is_kept_whole():
+    long = replace(CFG, window_s=200.0)
+    rare = [sample(t, COLOCATED2, arrivals=[(100, 10)] if t % 60 == 0 else []) for t in range(0, 300, 2)]
+    assert window(rare, long)[0].t == 298 - 198
+
+
+def test_start_up_samples_before_the_workers_are_no_evidence():
+    """Samples without both workers (start-up: none, then one) describe no roles: a pd start
+    is not read as low load until half a window of samples shows its workers, idle."""
+    empty = [replace(sample(t, P1D1), workers=()) for t in range(0, 20, 2)]
+    one = [replace(sample(t, P1D1), workers=sample(t, P1D1).workers[:1]) for t in range(20, 30, 2)]
+    idle = [sample(t, P1D1, running=0, outstanding=0, kv=0.0) for t in range(30, 36, 2)]
+    d, _ = decide(empty + one + idle, PolicyState(), CFG)
+    assert d.roles is None and "too little evidence: 4 s of settled samples" in d.reason, d.reason
+    idle += [sample(t, P1D1, running=0, outstanding=0, kv=0.0) for t in range(36, 42, 2)]
+    d, _ = decide(empty + one + idle, PolicyState(), CFG)
+    assert (d.action, d.roles) == ("to-colocated", COLOCATED2) and "low load" in d.reason
+
+
 def test_a_stall_that_breaks_no_tpot_is_not_interference():
     """A 3.3 s stall over 126-token answers adds ~26 ms to a 40 ms step: within a 150 ms TPOT,
     so a split would save no request (found by the closed-loop simulation of epdserve plan)."""
@@ -519,7 +538,7 @@ def test_sample_from_non_object():
     ({"itl_slack": 1.3}, r"itl_enter 1.2 must be > itl_slack 1.3 \(a hysteresis band\)"),
     ({"low_load_leave": 0.1}, "low_load_leave 0.1 must be > low_load_enter 0.2"),
     ({"split_util": 0.95}, "overload_util 0.9 must be > split_util 0.95"),
-    ({"max_window_s": 10.0}, "max_window_s 10.0 must be >= window_s 20.0"),
+    ({"window_arrivals": -1}, "window_arrivals: expected an integer >= 0, got -1"),
 ])
 def test_bad_config_raises(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -15,7 +15,8 @@ from epdserve.serving import protocol as P
 from epdserve.serving.elastic_policy import Decision, PolicyConfig, window
 from epdserve.serving.elastic_scaling import ScaleDecision, ScalingConfig, ScalingState
 from epdserve.serving.api_errors import APIError
-from epdserve.serving.router.elastic import Controller, ScaleRefused, Workforce
+from epdserve.serving.router.elastic import Controller, ScaleRefused, Workforce, strands_decodes
+from epdserve.serving.router.holdings import Holdings
 from epdserve.serving.router.flows import DisaggregatedFlow, FlowConfig, LocalPrefillFlow, SingleWorkerFlow
 from epdserve.serving.router.registry import Compat, Registry
 from epdserve.serving.router.signals import SignalRecorder
@@ -80,7 +81,7 @@ def test_a_switch_routes_at_once_and_is_announced_by_the_worker():
     states = [(line["worker"], line["state"], line["role"], line["previous"]) for line in s.lines]
     assert states == [("w0", "up", "colocated", None), ("w1", "up", "colocated", None),
                       ("w0", "switching", "prefill", "colocated"), ("w0", "switched", "prefill", "colocated")]
-    assert s.lines[2]["reason"] == "because" and s.lines[3]["drain_ms"] == 12.5
+    assert s.lines[2]["reason"] == s.lines[3]["reason"] == "because" and s.lines[3]["drain_ms"] == 12.5
     metrics = s.registry.metrics.render().decode()
     assert 'epdserve:worker_role{model_name="epdserve",role="prefill",worker="w0"} 1.0' in metrics
     assert 'epdserve:role_switches_total{from_role="colocated",model_name="epdserve",to_role="prefill",worker="w0"} 1.0' in metrics
@@ -92,6 +93,42 @@ def test_a_switch_routes_at_once_and_is_announced_by_the_worker():
     static = Setup("colocated", "colocated-0").registry
     with pytest.raises(ValueError, match="elastic: False"):
         static.set_role("colocated-0", "prefill")
+
+
+def test_no_switch_leaves_prefills_without_a_worker_to_decode_them():
+    """Swapping 1P1D's roles by hand: w0 (prefill -> decode) still holds a prefill whose KV
+    only w1 could decode (never w0 itself), so w1 may not turn prefill until it is handed off;
+    and the last worker that can decode never turns prefill."""
+    s = ElasticSetup(("prefill", "decode"))
+    held = Holdings(s.registry, "r1")
+    held.hold(s.registry.workers["w0"], 10, exports_kv=True)
+    s.registry.set_role("w0", "decode")
+    assert strands_decodes(s.registry, "w1") == ("worker w0 holds 1 prefill(s) whose KV only worker w1 could "
+                                                "decode: try again once they are handed off")
+    held.release_kv()  # w1 imported it
+    assert strands_decodes(s.registry, "w1") is None
+    s.registry.set_role("w1", "prefill")
+    assert strands_decodes(s.registry, "w0") == "worker w0 is the last live worker that can decode"
+
+
+def test_a_switch_moves_the_workers_gauges_to_its_new_role():
+    """Per-worker gauges under the old role go (their last values would read as blocks held
+    forever); the switched line keeps the reason; a switch back while draining is no switch."""
+    s = ElasticSetup()
+    s.registry.on_message(stats("w0", blocks=7, running=2), s.clock())
+    s.registry.set_role("w0", "decode", "because")
+    metrics = s.registry.metrics.render().decode()
+    assert 'role="colocated",worker="w0"} 7.0' not in metrics
+    gauges = ("epdserve:kv_blocks_", "epdserve:kv_cache_usage_perc{", "epdserve:num_requests_")
+    assert not [line for line in metrics.splitlines() if 'role="colocated",worker="w0"' in line
+                and line.startswith(gauges)]  # counters stay: what it did in that role
+    s.registry.on_message(stats("w0", blocks=3, running=1), s.clock())
+    assert 'epdserve:kv_blocks_in_use{model_name="epdserve",role="decode",worker="w0"} 3.0' in \
+        s.registry.metrics.render().decode()
+    s.registry.set_role("w0", "colocated", "back")  # before the first switch was announced
+    s.switched("w0")  # colocated -> colocated: announced, not counted
+    assert s.lines[-1]["state"] == "switched" and s.lines[-1]["reason"] == "back"
+    assert "epdserve:role_switches_total{" not in s.registry.metrics.render().decode()
 
 
 def test_a_request_keeps_its_role_and_decode_never_returns_to_its_prefill_worker():
@@ -153,6 +190,17 @@ def test_the_controller_applies_a_decision_and_traces_it(monkeypatch):
     assert [line["event"] for line in lines] == ["elastic_sample", "elastic_decision"]
     assert lines[0]["sample"]["workers"][0]["role"] == "colocated" and lines[1]["reason"] == "a test"
     assert [line["reason"] for line in s.lines if line["state"] == "switching"] == ["a test", "a test"]
+
+
+def test_a_switch_by_hand_restarts_the_controllers_dwell():
+    s = ElasticSetup(("prefill", "decode"))
+    ctl = Controller(s.registry, s.signals, PolicyConfig(slo_ttft_ms=2000, slo_tpot_ms=200), 2.0, lambda line: None,
+                     clock=s.clock)
+    s.clock.t = 1000.0
+    ctl.switched_by_hand()  # POST /roles
+    s.clock.t = 1002.0
+    d = ctl.tick()
+    assert d.roles is None and "2.0 s since the last change < min dwell 30 s" in d.reason, d.reason
 
 
 def test_a_restarted_worker_is_switched_back_to_its_last_announced_role():

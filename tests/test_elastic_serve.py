@@ -11,6 +11,7 @@ announced. ``--max-workers`` is refused where it cannot apply. The switches are 
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from conftest import _stop, start_deployment
+from conftest import _stop, cli_exit, start_deployment
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
            "def fibonacci(n):", "The three primary colors are"]
@@ -53,8 +54,15 @@ def _workers(dep) -> dict[str, dict]:
     return {w["worker_id"]: w for w in dep.health()["workers"]}
 
 
-def _switch(dep, worker: str, role: str) -> None:
-    r = httpx.post(dep.url + "/roles", json={"worker_id": worker, "role": role, "reason": "test"}, timeout=10)
+def _switch(dep, worker: str, role: str, timeout_s: float = 60.0) -> None:
+    """POST /roles; a 409 while another worker's prefills wait for their hand-off to this one
+    (the decode stage never returns to the worker that prefilled) is asked again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.post(dep.url + "/roles", json={"worker_id": worker, "role": role, "reason": "test"}, timeout=10)
+        if r.status_code != 409 or "try again" not in r.text or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert r.status_code == 200, r.text
 
 
@@ -131,6 +139,13 @@ def test_switches_in_every_direction_under_a_steady_stream(elastic):
     assert total == 6, total
     assert 'epdserve:worker_role{model_name=' in metrics
     assert "epdserve:role_switch_drain_seconds_count" in metrics
+    # A worker's gauges live under its role now only: an old role's last values would read as
+    # blocks held forever.
+    roles = {wid: w["role"] for wid, w in _workers(dep).items()}
+    gauges = {(m["worker"], m["role"], float(m["value"])) for m in re.finditer(
+        r'^epdserve:kv_blocks_in_use\{model_name="[^"]*",role="(?P<role>\w+)",worker="(?P<worker>[\w-]+)"\} '
+        r'(?P<value>\S+)$', metrics, re.M)}
+    assert gauges == {(wid, role, 0.0) for wid, role in roles.items()}, gauges
 
 
 def test_bad_role_requests(elastic):
@@ -140,6 +155,16 @@ def test_bad_role_requests(elastic):
                          ({"worker_id": "worker-0", "role": "decode", "extra": 1}, 400), ({"role": "decode"}, 400)]:
         r = httpx.post(dep.url + "/roles", json=body, timeout=10)
         assert r.status_code == status and "error" in r.json(), (body, r.status_code, r.text)
+    forged = {"worker_id": "worker-0", "role": "decode", "reason": "x\n2026-12-02 ERROR epdserve.router: forged"}
+    r = httpx.post(dep.url + "/roles", json=forged, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reason", r.text
+    assert {w["role"] for w in _workers(dep).values()} == {"colocated"}
+    # A prefill worker alone serves nothing: the last worker that can decode stays one.
+    _switch(dep, "worker-0", "prefill")
+    r = httpx.post(dep.url + "/roles", json={"worker_id": "worker-1", "role": "prefill"}, timeout=10)
+    assert r.status_code == 409 and "last live worker that can decode" in r.json()["error"]["message"], r.text
+    _switch(dep, "worker-0", "colocated")
+    _wait(lambda: all(not w["switching"] for w in _workers(dep).values()), "colocated again")
     assert {w["role"] for w in _workers(dep).values()} == {"colocated"}
 
 
@@ -166,7 +191,7 @@ def test_a_worker_killed_while_switching_comes_back_in_its_last_announced_role(e
     after = [(e["state"], e["role"], e["reason"]) for e in _events(dep, "role")[before:] if e["worker"] == "worker-0"]
     assert after == [("up", "colocated", None),
                      ("switching", "decode", "restarted: back to its last announced role decode"),
-                     ("switched", "decode", None)], after
+                     ("switched", "decode", "restarted: back to its last announced role decode")], after
     long_request.join(60)
     assert _complete(dep, PROMPTS[0]).text == _complete(dep, PROMPTS[0]).text  # serving again, in 1P1D
 
@@ -182,9 +207,25 @@ def _try(fn) -> None:
     (["--max-workers", "3"], "--max-workers 3: workers are added and retired only with --elastic"),
     (["--elastic", "--workers", "2", "--max-workers", "1"], "--max-workers 1: below the 2 starting workers"),
     (["--elastic", "--workers", "2", "--max-workers", "3"], "--max-workers 3: adding workers needs --cluster ray"),
+    (["--mode", "pd", "--slo", "ttft:100", "--elastic-window", "5"],
+     "--slo, --elastic-window: the elastic controller's settings apply only with --elastic"),
+    (["--elastic", "--workers", "2", "--slo", "ttft:100", "ttft:5000"], "--slo: ttft given more than once"),
+    (["--elastic", "--mode", "pd", "--prefill-dtype", "bfloat16"],
+     "--prefill-dtype: an elastic worker changes role, so every worker takes --dtype and --device"),
 ])
-def test_max_workers_refused_where_it_cannot_apply(extra, message):
+def test_elastic_flags_refused_where_they_cannot_apply(extra, message):
     proc = subprocess.run([sys.executable, "-m", "epdserve", "serve", "--port", "0", *extra], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--elastic-interval", "0.01"], "'0.01': must be 0 or a finite number >= 0.1"),
+    (["--elastic-min-dwell", "0"], "'0': must be a finite number > 0"),
+    (["--slo", "ttft:0"], "'ttft:0': SLO must be a finite number > 0 ms"),
+    (["--slo", "ttft_ms:2000"], "expected KEY:MS with KEY one of ttft, tpot"),
+])
+def test_elastic_flag_values_refused_by_the_parser(capsys, extra, message):
+    code, err = cli_exit(capsys, ["serve", "--elastic", "--workers", "2", *extra])
+    assert code == 2 and message in err, err

@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         print("Server-side stages from /metrics (deltas over the measured requests):")
         print(stages)
         print()
-    print(report.recommendation_markdown(recommend.recommend(entries)))
+    print(report.recommendation_markdown(recommend.recommend(entries), report.load_warnings(entries)))
     for line in report.load_warnings(entries):
         print(f"\nwarning: {line}")
     print(f"\nwritten: {', '.join(map(str, files))}")

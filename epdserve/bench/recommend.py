@@ -240,7 +240,8 @@ def recommend(entries: list[dict]) -> dict:
     """Apply the module's rules to compare entries.
 
     Returns ``{"choice": name | None, "split": bool | None, "rule": str, "meets_slos":
-    bool | None, "slos_ms": {metric: ms}, "slos_default": bool, "basis": "per core" |
+    bool | None, "elastic_switches": the winner's role switches when it is elastic (else
+    absent or None), "slos_ms": {metric: ms}, "slos_default": bool, "basis": "per core" |
     "per GPU" | "per device" | "per USD", "n": requests per run, "runs": runs per
     configuration, "cannot_tell_apart": [names] ([] when the leader stands alone), "slos":
     str, "evidence": str (n, runs, spread), "reasons": [str, ...], "not_considered": {name:
@@ -262,7 +263,8 @@ def recommend(entries: list[dict]) -> dict:
         out["reasons"].append("No configuration completed a request; nothing to recommend.")
         return out
     win, tied = choose(cands, basis)
-    out.update(choice=win["name"], split=win.get("mode") in SPLIT_MODES,
+    switches = ((win.get("role_switches") or {}).get("count") or 0) if win.get("mode") == "elastic" else None
+    out.update(choice=win["name"], split=win.get("mode") in SPLIT_MODES, elastic_switches=switches,
                cannot_tell_apart=[e["name"] for e in tied],
                meets_slos=any((f["request_goodput"] or 0) > 0 for f in judged),
                evidence=_evidence(cands, basis, unit))
@@ -348,7 +350,8 @@ def _verdict(win: dict, cands: list[dict], split: bool, basis: str, unit: str) -
     """The winner against the best of the other kind (split vs not), in numbers."""
     others = [e for e in cands if (e.get("mode") in SPLIT_MODES) != split]
     if not others:
-        return f"Use {win['name']} (the only kind measured: {'PD' if split else 'colocated'})."
+        kind = "elastic" if win.get("mode") == "elastic" else "PD" if split else "colocated"
+        return f"Use {win['name']} (the only kind measured: {kind})."
     rival, _ = choose(others, basis)
     verdict = (f"{win['name']} vs {rival['name']} {_devices_text(win, rival)}: "
                f"{_why(win, rival, basis, unit)}; ITL p50 {_ms(_r(win, 'median_itl_ms'))} "

@@ -208,11 +208,14 @@ def breakdown_markdown(entries: list[dict], which: str) -> str:
     return tables.markdown(header, rows)
 
 
-def recommendation_markdown(rec: dict) -> str:
+def recommendation_markdown(rec: dict, disturbed: list[str] = ()) -> str:
     """The "## Recommendation" section from :func:`epdserve.bench.recommend.recommend`:
-    the verdict, then what it was judged by (the SLOs) and on how much (n, runs, spread),
+    the verdict (qualified when ``disturbed``, the :func:`load_warnings` of the runs, is
+    not empty), then what it was judged by (the SLOs) and on how much (n, runs, spread),
     the reasons, the rule."""
-    kind = " (a PD split)." if rec["split"] else " (no prefill/decode split)."
+    switches = rec.get("elastic_switches")
+    kind = (" (a PD split)." if rec["split"] else " (no prefill/decode split).") if switches is None else \
+        f" (elastic: {switches} role switch{'' if switches == 1 else 'es'} during the run)."
     tied = rec.get("cannot_tell_apart") or []
     if not rec["choice"]:
         head = "**No recommendation.**"
@@ -221,6 +224,9 @@ def recommendation_markdown(rec: dict) -> str:
                 + (" (the simpler: no prefill/decode split)." if not rec["split"] else kind))
     else:
         head = f"**Use {rec['choice']}**{kind}"
+    if disturbed and rec["choice"]:
+        head += (f" **But other processes loaded the cores during {len(disturbed)} run(s)** "
+                 f"({disturbed[0]}): measure again on a quiet machine before acting on it.")
     basis = " ".join(x for x in (rec.get("slos"), rec.get("evidence")) if x)
     return "\n".join(["## Recommendation", "", head, "", *([basis, ""] if basis else []),
                       *[f"- {r}" for r in rec["reasons"]], "",
@@ -313,7 +319,7 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
                   scraped, ""]
     parts += ["## Goodput vs rate", "", sweep_markdown(ran), ""]
     if recommendation:
-        parts += [recommendation_markdown(recommendation), ""]
+        parts += [recommendation_markdown(recommendation, load_warnings(ran)), ""]
     return "\n".join(parts)
 
 

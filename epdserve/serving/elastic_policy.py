@@ -63,7 +63,7 @@ class PolicyConfig:
     slo_tpot_ms: float
     window_s: float = 20.0              # the sliding window (s) ...
     window_arrivals: int = 8            # ... extended back until it holds this many arrivals ...
-    max_window_s: float = 120.0         # ... or spans this long (s): see window()
+    max_window_s: float = 120.0         # ... or spans this long (s; window_s if longer): see window()
     min_dwell_s: float = 30.0           # no change within this long of the last one (s)
     quantile: float = 0.9               # of the window's TTFTs, prefill queue times, ITL gaps
     min_arrivals: int = 3               # evidence: this many arrivals, or ...
@@ -91,10 +91,8 @@ class PolicyConfig:
             if not getattr(self, name) > 0 or math.isinf(getattr(self, name)):
                 raise ValueError(f"PolicyConfig {name}: expected a finite number > 0, "
                                  f"got {getattr(self, name)!r}")
-        if not self.max_window_s >= self.window_s or not isinstance(self.window_arrivals, int) \
-                or self.window_arrivals < 0:
-            raise ValueError(f"PolicyConfig max_window_s {self.max_window_s!r} must be >= window_s "
-                             f"{self.window_s!r}, window_arrivals {self.window_arrivals!r} an integer >= 0")
+        if not isinstance(self.window_arrivals, int) or self.window_arrivals < 0:
+            raise ValueError(f"PolicyConfig window_arrivals: expected an integer >= 0, got {self.window_arrivals!r}")
         if not 0 < self.quantile <= 1:
             raise ValueError(f"PolicyConfig quantile: expected 0 < q <= 1, got {self.quantile!r}")
         for enter, leave in (("itl_enter", "itl_slack"), ("ttft_enter", "ttft_slack"),
@@ -191,16 +189,18 @@ MIN_SPEED_TOKENS = 64  # shorter prefills are mostly fixed costs: no measure of 
 def window(samples: Sequence[Sample], config: PolicyConfig) -> list[Sample]:
     """The samples a decision reads, of ``samples`` (oldest first; the last is now): those
     of the last ``window_s`` seconds, extended back whole samples at a time while they hold
-    fewer than ``window_arrivals`` arrivals, up to ``max_window_s``. At 0.12 req/s twenty
+    fewer than ``window_arrivals`` arrivals, up to ``max_window_s`` (or ``window_s`` if
+    longer). At 0.12 req/s twenty
     seconds hold two or three arrivals: no measure of a mix, a load or the requests in
     flight (measured: a lull of one arrival in 18 s read as low load and undid a split a
     minute into a phase that needed it); eight arrivals put the count's spread at ~35 %.
     The router's controller keeps, and ``epdserve plan`` replays, exactly these."""
     samples = list(samples)  # the controller keeps a deque, which does not slice
     now, start, arrivals = samples[-1].t, len(samples), 0
+    longest = max(config.max_window_s, config.window_s)
     for i in range(len(samples) - 1, -1, -1):
         age_ok = samples[i].t > now - config.window_s
-        if not age_ok and (arrivals >= config.window_arrivals or samples[i].t <= now - config.max_window_s):
+        if not age_ok and (arrivals >= config.window_arrivals or samples[i].t <= now - longest):
             break
         arrivals += len(samples[i].arrivals)
         start = i
@@ -276,9 +276,22 @@ def _guard(now: Sample, state: PolicyState, config: PolicyConfig) -> str | None:
 
 
 def settled(samples: Sequence[Sample], since: float) -> list[Sample]:
-    """The samples taken after the last change (at ``since``) settled: earlier ones, and
-    those with a worker still switching, describe the old roles."""
-    return [s for s in samples if s.t > since and not any(w.switching for w in s.workers)]
+    """The samples of the workers and roles now (the last sample's): those after the last
+    change (at ``since``) and after the last sample that shows other live workers or roles,
+    or a worker switching. Earlier ones describe other workers: the old roles, a worker down
+    or not yet added, and at start-up none at all (measured: a start-up's empty samples read
+    as "0 arrivals: low load" and undid ``--mode pd`` a second after its workers were up)."""
+    if not samples:
+        return []
+    now = _roles(samples[-1])
+    kept = len(samples)
+    while kept > 0 and samples[kept - 1].t > since and _roles(samples[kept - 1]) == now:
+        kept -= 1
+    return list(samples[kept:])
+
+
+def _roles(sample: Sample) -> frozenset:
+    return frozenset((w.worker_id, w.role, w.switching) for w in sample.workers)
 
 
 def _no_evidence(win: Window, c: PolicyConfig) -> str | None:

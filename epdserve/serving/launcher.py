@@ -327,7 +327,7 @@ def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
     options hold; makes up an auth token when one is needed and none was given."""
     try:
         plan = plan_for(args)
-        _check_max_workers(args, len(plan))
+        _check_elastic(args, len(plan))
         if args.cluster == "ray":
             ray_cluster.role_resources(args)
     except ValueError as exc:
@@ -340,14 +340,20 @@ def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
     return plan, auth.options_error(args, [])  # CURVE support
 
 
-def _check_max_workers(args: argparse.Namespace, starting: int) -> None:
+def _check_elastic(args: argparse.Namespace, starting: int) -> None:
     """Check ``--max-workers`` against the ``starting`` worker count and set its default
-    (the starting count: no scaling).
+    (the starting count: no scaling), and that no flag of one role comes with ``--elastic``.
 
     Raises:
-        ValueError: given without ``--elastic``, below the starting count, or above it
-            without ``--cluster ray``.
+        ValueError: ``--max-workers`` given without ``--elastic``, below the starting count,
+            or above it without ``--cluster ray``; a role's dtype or device with ``--elastic``.
     """
+    if args.elastic:
+        tied = [f"--{role}-{what}" for role in ROLE_DEVICES for what in ("dtype", "device")
+                if getattr(args, f"{role}_{what}", None) is not None]
+        if tied:
+            raise ValueError(f"{', '.join(tied)}: an elastic worker changes role, so every worker takes "
+                             "--dtype and --device")
     if args.max_workers is None:
         args.max_workers = starting
         return

@@ -48,6 +48,8 @@ N_BUCKETS = (1, 2, 5, 10, 20)
 KV_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                       1.0, 2.5, 5.0, 10.0)
 KV_BYTES_BUCKETS = tuple(float(4 ** k * 1024) for k in range(0, 12))  # 1 KiB .. 4 GiB
+# A role switch's drain: ~0.5 ms with nothing held, seconds for a long decode (docs/elastic.md).
+DRAIN_BUCKETS = (0.001, 0.01, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 # The worker role that prefills / decodes a request, by its trace record's ``path``.
 PREFILL_ROLE = {"colocated": "colocated", "disaggregated": "prefill", "local": "decode"}
@@ -168,7 +170,7 @@ class RouterMetrics:
         self.role_switch_drain = Histogram("epdserve:role_switch_drain_seconds",
                                            "From a worker's receipt of a role switch to its announcement: the time "
                                            "its old role's work took to finish.", ["model_name"],
-                                           buckets=E2E_BUCKETS, registry=r).labels(m)
+                                           buckets=DRAIN_BUCKETS, registry=r).labels(m)
         # Elastic scaling (--max-workers): the engine workers by state, and the scale decisions.
         self._worker_states = Gauge("epdserve:workers", "Engine workers by state (elastic: live, starting, "
                                     "retiring).", ["model_name", "state"], registry=r)
@@ -281,11 +283,28 @@ class RouterMetrics:
         ``epdserve:worker_role`` is 1 for it and 0 for the other engine roles, and the
         totals its Stats report carry on under the new role's series."""
         previous = self._roles.get(worker)
-        if previous is not None and previous != role and (worker, previous) in self._totals_seen:
-            self._totals_seen[(worker, role)] = self._totals_seen.pop((worker, previous))
+        if previous is not None and previous != role:
+            self._leave_role(worker, previous, role)
         self._roles[worker] = role
         for r in dict.fromkeys((*ENGINE_ROLES, role)):  # an encode worker's too
             self._worker_role.labels(self.model_name, worker, r).set(1 if r == role else 0)
+
+    def _leave_role(self, worker: str, previous: str, role: str) -> None:
+        """``worker``'s per-worker series move from ``previous`` to ``role``: its gauges under
+        ``previous`` go (their last values would read as blocks and requests held forever;
+        the next Stats sets them under ``role``), its node info and the totals its counters
+        count from carry over. Counters stay under ``previous``: what it did in that role."""
+        old = (self.model_name, worker, previous)
+        for gauge in (self.kv_blocks_in_use, self.kv_blocks_total):
+            gauge.remove(*old)
+        for named in (self.kv_cache_usage, self.num_requests_running, self.num_requests_waiting):
+            if named.epd is not None:
+                named.epd.remove(*old)
+        if (worker, previous) in self._totals_seen:
+            self._totals_seen[(worker, role)] = self._totals_seen.pop((worker, previous))
+        if (node := self._nodes.pop((worker, previous), None)) is not None:
+            self._worker_node.remove(*old, *node)
+            self.set_worker_node(worker, role, *node)
 
     def set_worker_states(self, live: int, starting: int, retiring: int) -> None:
         """``epdserve:workers{state}``: how many engine workers are live (taking work),

@@ -12,7 +12,7 @@ import sys
 
 import uvicorn
 
-from epdserve.argtypes import float_at_least, int_at_least, slo_pair
+from epdserve.argtypes import float_above, int_at_least, slo_pair, zero_or_at_least
 from epdserve.model.loader import ModelLoadError, generation_defaults, resolve_model
 from epdserve.model.tokenizer import check_chat_template, load_tokenizer, read_chat_template, template_renders_tools
 from epdserve.serving import auth
@@ -38,6 +38,8 @@ from epdserve.serving.tool_calls import ToolSettings, add_tool_options, tool_set
 log = logging.getLogger("epdserve.router")
 # The SLOs the elastic controller serves without --slo: compare's defaults (bench.metrics.DEFAULT_SLOS_MS).
 ELASTIC_SLOS_MS = {"slo_ttft_ms": 2000.0, "slo_tpot_ms": 200.0}
+# The elastic controller's settings without their flags: (window s, decision interval s, min dwell s).
+ELASTIC_DEFAULTS = {"elastic_window": 20.0, "elastic_interval": 2.0, "elastic_min_dwell": 30.0}
 
 
 class Router:
@@ -199,16 +201,21 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                          help="colocated, pd: workers switch role live (colocated, prefill, decode) as the load "
                               "shifts; --mode and the worker counts give the starting roles; with --cluster ray "
                               "every elastic worker takes --worker-resources and --worker-placement")
-    elastic.add_argument("--slo", nargs="+", type=slo_pair(ELASTIC_SLO_KEYS), default=None, metavar="KEY:MS",
-                         help="the SLOs the elastic controller serves, as bench --goodput writes them: ttft:MS "
-                              f"tpot:MS (default: {' '.join(f'{k[4:]}:{v:g}' for k, v in ELASTIC_SLOS_MS.items())})")
-    elastic.add_argument("--elastic-window", type=float_at_least(0.1), default=20.0, metavar="S",
-                         help="seconds of signals each decision reads (a sliding window; extended back to "
-                              "hold 8 arrivals, up to 120 s, at low rates)")
-    elastic.add_argument("--elastic-interval", type=float_at_least(0.0), default=2.0, metavar="S",
-                         help="seconds between two decisions (0: no controller; roles change only by POST /roles)")
-    elastic.add_argument("--elastic-min-dwell", type=float_at_least(0.0), default=30.0, metavar="S",
-                         help="seconds the roles stay as they are after a change before the next")
+    elastic.add_argument("--slo", nargs="+", type=slo_pair(ELASTIC_SLO_KEYS, positive=True), default=None,
+                         metavar="KEY:MS",
+                         help="the SLOs the elastic controller serves, as bench --goodput writes them, each key "
+                              "once: ttft:MS tpot:MS (default: "
+                              f"{' '.join(f'{k[4:-3]}:{v:g}' for k, v in ELASTIC_SLOS_MS.items())})")
+    elastic.add_argument("--elastic-window", type=float_above(0), default=None, metavar="S",
+                         help="seconds of signals each decision reads (a sliding window; extended back to hold 8 "
+                              f"arrivals, up to 120 s or the window, at low rates; default "
+                              f"{ELASTIC_DEFAULTS['elastic_window']:g})")
+    elastic.add_argument("--elastic-interval", type=zero_or_at_least(0.1), default=None, metavar="S",
+                         help="seconds between two decisions, 0 or >= 0.1 (0: no controller; roles change only "
+                              f"by POST /roles; default {ELASTIC_DEFAULTS['elastic_interval']:g})")
+    elastic.add_argument("--elastic-min-dwell", type=float_above(0), default=None, metavar="S",
+                         help="seconds the roles stay as they are after a change before the next "
+                              f"(default {ELASTIC_DEFAULTS['elastic_min_dwell']:g})")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_router_flags(parser)  # --model and vLLM's front flags (--served-model-name, --api-key, ...)
     add_metrics_options(parser)
@@ -234,6 +241,7 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
             ``--generation-config`` that cannot be read or holds a value no request could, or
             a bad ``--chat-template`` or tool option.
     """
+    policy = elastic_policy(args)
     model = served_model(args)
     if args.elastic and args.mode == "epd":
         raise ModelLoadError("--elastic switches colocated, prefill and decode workers: use --mode colocated or pd")
@@ -255,19 +263,30 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
                   internal_encryption=args.internal_encryption, tools=tools, sampling_defaults=defaults,
                   api_keys=surface.api_keys(args.api_key), metrics_prefix=args.metrics_prefix,
                   routing=args.routing, elastic=args.elastic, elastic_interval_s=args.elastic_interval,
-                  elastic_policy=elastic_policy(args))
+                  elastic_policy=policy)
 
 
 def elastic_policy(args: argparse.Namespace) -> PolicyConfig:
-    """The elastic controller's policy settings of ``--slo`` and ``--elastic-*``.
+    """The elastic controller's policy settings of ``--slo`` and ``--elastic-*``; sets the
+    defaults of the ``--elastic-*`` flags not given in ``args``.
 
     Raises:
-        ModelLoadError: settings the policy refuses (see :class:`PolicyConfig`).
+        ModelLoadError: one of them given without ``--elastic``, an SLO key given twice, or
+            settings the policy refuses (see :class:`PolicyConfig`).
     """
+    given = [f"--{name.replace('_', '-')}" for name in ("slo", *ELASTIC_DEFAULTS) if getattr(args, name) is not None]
+    if given and not args.elastic:
+        raise ModelLoadError(f"{', '.join(given)}: the elastic controller's settings apply only with --elastic")
+    for name, default in ELASTIC_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    keys = [k for k, _ in args.slo or []]
+    if twice := sorted({k for k in keys if keys.count(k) > 1}):
+        raise ModelLoadError(f"--slo: {', '.join(twice)} given more than once")
     slos = dict(ELASTIC_SLOS_MS, **{f"slo_{k}_ms": v for k, v in (args.slo or [])})
     try:
         return PolicyConfig(**slos, window_s=args.elastic_window, min_dwell_s=args.elastic_min_dwell)
-    except ValueError as exc:  # an SLO of 0, a window under a sample: one line, as the other options'
+    except ValueError as exc:  # what the flags' types let through and the policy refuses
         raise ModelLoadError(f"--slo / --elastic-*: {exc}") from None
 
 

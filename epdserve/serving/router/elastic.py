@@ -87,6 +87,25 @@ class Periodic:
             await asyncio.gather(self.task, return_exceptions=True)
 
 
+def strands_decodes(registry: Registry, worker_id: str) -> str | None:
+    """Why ``worker_id`` may not stop decoding now (switch to prefill, retire), or None.
+    Prefill workers alone serve nothing, and the decode stage never returns to the worker
+    that prefilled: so another live worker must decode, and one besides each worker whose
+    prefills' KV has yet to be handed off (a prefill worker, or one that switched from
+    prefill and drains)."""
+    def decoder_besides(*ids: str) -> bool:
+        return any(w.worker_id not in ids and registry.live(w) and not w.retiring
+                   and w.role in ("colocated", "decode") for w in registry.workers.values())
+
+    if not decoder_besides(worker_id):
+        return f"worker {worker_id} is the last live worker that can decode"
+    for p in registry.workers.values():
+        if p.worker_id != worker_id and registry.live(p) and p.exports and not decoder_besides(worker_id, p.worker_id):
+            return (f"worker {p.worker_id} holds {len(p.exports)} prefill(s) whose KV only worker {worker_id} "
+                    "could decode: try again once they are handed off")
+    return None
+
+
 class Workforce(Periodic):
     """The elastic engine workers' number, within ``[min_workers, max_workers]``: adds
     workers through ``scaler`` (None: none can be added) and retires them (no new work at
@@ -139,7 +158,7 @@ class Workforce(Periodic):
 
         Raises:
             ScaleRefused: no such live worker (404), already retiring, at ``min_workers``,
-                or the last live worker that can decode (colocated or decode) (409).
+                or a worker whose decoding no other can take over (:func:`strands_decodes`) (409).
         """
         w = self.registry.workers.get(worker_id)
         if w is None or not self.registry.live(w):
@@ -150,9 +169,8 @@ class Workforce(Periodic):
         if len(live) <= self.min_workers:
             raise ScaleRefused(f"{len(live)} live workers: the minimum (the starting workers) is {self.min_workers}",
                                409)
-        left = {self.registry.workers[i].role for i in live if i != worker_id}
-        if not left & {"colocated", "decode"}:  # prefill workers alone serve nothing
-            raise ScaleRefused(f"worker {worker_id} is the last live worker that can decode", 409)
+        if stranded := strands_decodes(self.registry, worker_id):
+            raise ScaleRefused(stranded, 409)
         self.registry.retire(worker_id, reason)
         self.retiring[worker_id] = None
         self.registry.metrics.scaled("in")
@@ -218,6 +236,11 @@ class Controller(Periodic):
         self.workforce: Workforce | None = None
         self.scaling: ScalingConfig | None = None
         self.scale_state = ScalingState()
+
+    def switched_by_hand(self) -> None:
+        """A role switch asked by ``POST /roles``: the dwell counts from it, as from the
+        controller's own, so the next decision does not undo it at once."""
+        self.state = PolicyState(last_switch_t=self.clock())
 
     def sample(self) -> Sample:
         """The signals now: the live engine workers' numbers and the request events since

@@ -32,7 +32,10 @@ class Holdings:
         worker.outstanding[self.request_id] = tokens
         self.holder = worker
         if exports_kv:
+            if self.kv is not None:  # a retry elsewhere: the first worker's export is gone with its failure
+                self._forget_kv()
             self.kv = worker
+            worker.exports.add(self.request_id)
 
     def done(self, worker: WorkerState, failed: bool = False) -> None:
         """``worker`` has no more work on the request (its last output, its KV exported,
@@ -40,7 +43,7 @@ class Holdings:
         if self.holder is worker:
             self.holder = None
         if failed and self.kv is worker:
-            self.kv = None
+            self._forget_kv()
 
     def encoding(self, worker: WorkerState) -> None:
         """``worker`` encodes (some of) the request's images into a frame it keeps."""
@@ -52,15 +55,20 @@ class Holdings:
         if self.holder is worker:
             self.holder = None
         if self.kv is worker:
-            self.kv = None
+            self._forget_kv()
         self.frames = [w for w in self.frames if w is not worker]
 
     def release_kv(self) -> None:
         """The exported KV is no longer needed (imported by the decode worker, or the
         prefill worker finished the request without a hand-off): ``ReleaseKV`` to it."""
         if self.kv is not None:
-            worker, self.kv = self.kv, None
+            worker = self.kv
+            self._forget_kv()
             self.registry.send_quietly(worker, P.ReleaseKV(request_id=self.request_id))
+
+    def _forget_kv(self) -> None:
+        self.kv.exports.discard(self.request_id)
+        self.kv = None
 
     def settle(self) -> list[tuple[str, str]]:
         """The request has ended, however: give back everything still held (Abort to the

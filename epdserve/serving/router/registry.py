@@ -111,6 +111,7 @@ class WorkerState:
     last_seen: float = field(default_factory=time.monotonic)
     dead: str | None = None  # why it is considered gone
     outstanding: dict[str, int] = field(default_factory=dict)
+    exports: set[str] = field(default_factory=set)  # requests it prefills or prefilled, until their KV is released
     incarnation: str = ""
     heard: float = 0.0
     reset_sent: float = -float("inf")  # time.monotonic() of the last Reset
@@ -120,6 +121,7 @@ class WorkerState:
     pid: int = 0  # its process on its node
     announced: str = ""  # the role it last announced (Hello, RoleSwitched); ``role`` routes
     switch_id: str | None = None  # a SetRole it has not answered yet
+    switch_reason: str | None = None  # why that SetRole was sent, for the switch's trace line
     retiring: bool = False  # elastic: being removed; no new work, it finishes what it holds
     stats_seen: float = 0.0  # time.monotonic() of its last Stats
 
@@ -283,7 +285,7 @@ class Registry:
             return
         switch_id = secrets.token_hex(6)
         self.port.send(worker_id, P.SetRole(role=role, switch_id=switch_id))
-        previous, w.role, w.switch_id = w.role, role, switch_id
+        previous, w.role, w.switch_id, w.switch_reason = w.role, role, switch_id, reason or None
         self.metrics.set_worker_up(worker_id, previous, False)
         self.metrics.set_worker_up(worker_id, role, True)
         self.metrics.set_role(worker_id, role)
@@ -321,10 +323,11 @@ class Registry:
         if msg.switch_id != w.switch_id:
             return  # an answer to a SetRole that a later one replaced: that one's answer counts
         w.switch_id, w.announced = None, msg.role
-        self.metrics.role_switched(w.worker_id, msg.previous, msg.role, msg.drain_ms / 1e3)
+        if msg.previous != msg.role:  # not asked back to its role while draining: a switch
+            self.metrics.role_switched(w.worker_id, msg.previous, msg.role, msg.drain_ms / 1e3)
         log.info("worker %s is now %s (was %s; drained in %.0f ms)", w.worker_id, msg.role, msg.previous,
                  msg.drain_ms)
-        self._role_event(w, "switched", msg.previous, drain_ms=round(msg.drain_ms, 3))
+        self._role_event(w, "switched", msg.previous, drain_ms=round(msg.drain_ms, 3), reason=w.switch_reason)
 
     def _role_event(self, w: WorkerState, state: str, previous: str | None, drain_ms: float | None = None,
                     reason: str | None = None) -> None:

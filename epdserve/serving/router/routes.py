@@ -10,14 +10,14 @@ import logging
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from typing import Literal
 
 from epdserve.serving import openai_api as api
 from epdserve.serving.api_logprobs import vllm_prompt_logprobs
-from epdserve.serving.router.elastic import ScaleRefused
+from epdserve.serving.router.elastic import ScaleRefused, strands_decodes
 from epdserve.serving.router.events import WorkerFailed
 from epdserve.serving.router.choices import Choice, best_choices, failed, merged, usage_counts
 from epdserve.serving.router.front import Front
@@ -30,6 +30,10 @@ SYNTHETIC_VISION_NOTE = ("the vision tower has SYNTHETIC (seeded random) weights
                          "but what it says about images carries no meaning")
 
 
+# A reason goes to the log and the trace as written: a newline or an escape would forge lines.
+NO_CONTROL_CHARACTERS = r"^[^\x00-\x1f\x7f]*$"
+
+
 class RoleRequest(BaseModel):
     """``POST /roles``: make ``worker_id`` a ``role`` worker (elastic); ``reason`` goes to the
     log and the trace's ``role`` line."""
@@ -37,7 +41,7 @@ class RoleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     worker_id: str = Field(max_length=128)
     role: Literal["colocated", "prefill", "decode"]
-    reason: str | None = Field(default=None, max_length=256)
+    reason: str | None = Field(default=None, max_length=256, pattern=NO_CONTROL_CHARACTERS)
 
 
 class WorkerRequest(BaseModel):
@@ -46,7 +50,7 @@ class WorkerRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["colocated", "prefill", "decode"]
-    reason: str | None = Field(default=None, max_length=256)
+    reason: str | None = Field(default=None, max_length=256, pattern=NO_CONTROL_CHARACTERS)
 
 
 class SSEResponse(StreamingResponse):
@@ -304,16 +308,19 @@ def create_app(router) -> FastAPI:
         return Response(router.metrics.render(), media_type=router.metrics.content_type)
 
     surface.install(app, router)  # /tokenize, /detokenize, /version, --api-key
-    install_roles(app, registry)
+    install_roles(app, router)
     install_workers(app, router)
 
     return app
 
 
-def install_roles(app: FastAPI, registry) -> None:
+def install_roles(app: FastAPI, router) -> None:
     """``POST /roles`` (:class:`RoleRequest`): an elastic server's role switch by hand, as the
-    controller makes them (docs/elastic.md). 409 on a static server, 404 for a worker that
-    is not live, 400 for a bad body; answers the worker's /health entry."""
+    controller makes them (docs/elastic.md). 409 on a static server, or for making a prefill
+    worker of one whose decoding no other can take over (:func:`~epdserve.serving.router.elastic.strands_decodes`); 404
+    for a worker that is not live; 400 for a bad body. Answers the worker's /health entry. A
+    switch restarts the controller's minimum dwell, as its own switches do."""
+    registry = router.registry
 
     @app.post("/roles")
     async def set_role(body: RoleRequest):
@@ -325,10 +332,15 @@ def install_roles(app: FastAPI, registry) -> None:
         if w is None or not registry.live(w):
             raise api.APIError(f"no live worker {body.worker_id!r}", status=404, param="worker_id",
                                code="worker_not_found")
+        if body.role == "prefill" != w.role and (stranded := strands_decodes(registry, body.worker_id)):
+            raise api.APIError(stranded, status=409, type="conflict", param="role")
+        changes = body.role != w.role
         try:
             registry.set_role(body.worker_id, body.role, body.reason or "POST /roles")
         except WorkerFailed as exc:
             raise api.APIError(str(exc), status=503, type="service_unavailable") from None
+        if changes and router.controller is not None:
+            router.controller.switched_by_hand()
         return w.as_json(time.monotonic())
 
 
@@ -364,7 +376,7 @@ def install_workers(app: FastAPI, router) -> None:
         return {"worker_id": worker_id, "state": "starting", "role": body.role}
 
     @app.delete("/workers/{worker_id}")
-    async def retire_worker(worker_id: str, request: Request):
+    async def retire_worker(request: Request, worker_id: str = Path(max_length=128)):
         """Elastic: retire a worker (as the controller does at low load)."""
         try:
             workforce(request).retire(worker_id, "DELETE /workers")
