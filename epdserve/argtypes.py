@@ -35,40 +35,31 @@ def _finite(text: str) -> float:
     return value
 
 
-def float_at_least(minimum: float) -> Callable[[str], float]:
-    """An argparse type accepting finite numbers >= ``minimum``."""
+def _bounded(ok: Callable[[float], bool], bound: str) -> Callable[[str], float]:
+    """An argparse type accepting finite numbers for which ``ok`` holds; ``bound`` says which."""
 
     def parse(text: str) -> float:
         value = _finite(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= {minimum:g}")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {bound}")
         return value
 
     return parse
+
+
+def float_at_least(minimum: float) -> Callable[[str], float]:
+    """An argparse type accepting finite numbers >= ``minimum``."""
+    return _bounded(lambda v: v >= minimum, f"a finite number >= {minimum:g}")
 
 
 def float_above(minimum: float) -> Callable[[str], float]:
     """An argparse type accepting finite numbers > ``minimum``."""
-
-    def parse(text: str) -> float:
-        value = _finite(text)
-        if not value > minimum:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > {minimum:g}")
-        return value
-
-    return parse
+    return _bounded(lambda v: v > minimum, f"a finite number > {minimum:g}")
 
 
 def zero_or_at_least(minimum: float) -> Callable[[str], float]:
     """An argparse type accepting 0 (an "off" switch) or finite numbers >= ``minimum``."""
-
-    def parse(text: str) -> float:
-        value = _finite(text)
-        if value != 0 and value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be 0 or a finite number >= {minimum:g}")
-        return value
-
-    return parse
+    return _bounded(lambda v: v == 0 or v >= minimum, f"0 or a finite number >= {minimum:g}")
 
 
 def slo_pair(keys: tuple[str, ...], positive: bool = False) -> Callable[[str], tuple[str, float]]:
