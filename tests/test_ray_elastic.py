@@ -95,7 +95,7 @@ def test_switch_kill_add_and_retire_on_ray(elastic_ray, ray_head):
     after = [(e["state"], e["role"], e["reason"]) for e in _events(dep, "role")[before:] if e["worker"] == "worker-1"]
     assert after == [("up", "colocated", None),
                      ("switching", "decode", "restarted: back to its last announced role decode"),
-                     ("switched", "decode", None)], after
+                     ("switched", "decode", "restarted: back to its last announced role decode")], after
     w = _workers(dep)["worker-1"]
     assert (w["state"], w["role"], w["announced_role"], w["switching"]) == ("up", "decode", "decode", False)
     assert w["pid"] != old_pid
