@@ -282,8 +282,9 @@ def run(args: argparse.Namespace) -> int:
         print("Server-side stages from /metrics (deltas over the measured requests):")
         print(stages)
         print()
-    print(report.recommendation_markdown(recommend.recommend(entries), report.load_warnings(entries)))
-    for line in report.load_warnings(entries):
+    disturbed = report.load_warnings(entries)
+    print(report.recommendation_markdown(recommend.recommend(entries), disturbed))
+    for line in disturbed:
         print(f"\nwarning: {line}")
     print(f"\nwritten: {', '.join(map(str, files))}")
     return status

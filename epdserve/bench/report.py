@@ -15,6 +15,7 @@ figures`, the one place they are computed.
 from __future__ import annotations
 
 import textwrap
+from typing import Sequence
 
 from epdserve.bench import metrics, production, recommend, server_metrics, tables
 from epdserve.bench.server_trace import FIELDS, sort_parts
@@ -208,7 +209,7 @@ def breakdown_markdown(entries: list[dict], which: str) -> str:
     return tables.markdown(header, rows)
 
 
-def recommendation_markdown(rec: dict, disturbed: list[str] = ()) -> str:
+def recommendation_markdown(rec: dict, disturbed: Sequence[str] = ()) -> str:
     """The "## Recommendation" section from :func:`epdserve.bench.recommend.recommend`:
     the verdict (qualified when ``disturbed``, the :func:`load_warnings` of the runs, is
     not empty), then what it was judged by (the SLOs) and on how much (n, runs, spread),

@@ -190,10 +190,10 @@ def window(samples: Sequence[Sample], config: PolicyConfig) -> list[Sample]:
     """The samples a decision reads, of ``samples`` (oldest first; the last is now): those
     of the last ``window_s`` seconds, extended back whole samples at a time while they hold
     fewer than ``window_arrivals`` arrivals, up to ``max_window_s`` (or ``window_s`` if
-    longer). At 0.12 req/s twenty
-    seconds hold two or three arrivals: no measure of a mix, a load or the requests in
-    flight (measured: a lull of one arrival in 18 s read as low load and undid a split a
-    minute into a phase that needed it); eight arrivals put the count's spread at ~35 %.
+    longer). At 0.12 req/s twenty seconds hold two or three arrivals: no measure of a mix,
+    a load or the requests in flight (measured: a lull of one arrival in 18 s read as low
+    load and undid a split a minute into a phase that needed it); eight arrivals put the
+    count's spread at ~35 %.
     The router's controller keeps, and ``epdserve plan`` replays, exactly these."""
     samples = list(samples)  # the controller keeps a deque, which does not slice
     now, start, arrivals = samples[-1].t, len(samples), 0
