@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from typing import Callable
 
@@ -60,6 +61,34 @@ def float_above(minimum: float) -> Callable[[str], float]:
 def zero_or_at_least(minimum: float) -> Callable[[str], float]:
     """An argparse type accepting 0 (an "off" switch) or finite numbers >= ``minimum``."""
     return _bounded(lambda v: v == 0 or v >= minimum, f"0 or a finite number >= {minimum:g}")
+
+
+# vLLM's modalities of --limit-mm-per-prompt; epdserve's models take images only.
+MM_MODALITIES = ("image", "video", "audio")
+
+
+def mm_limit_images(text: str) -> int:
+    """An argparse type for vLLM's ``--limit-mm-per-prompt``: a JSON object (``{"image": 4}``)
+    or ``image=4,video=0`` (vLLM before 0.9), modality -> most items per prompt. Returns the
+    image count (0 when absent); a video or audio count other than 0 is refused, as
+    epdserve serves no such model, and so is an unknown modality or a bad count."""
+    try:
+        items = json.loads(text) if text.lstrip().startswith("{") else {
+            k.strip(): v for k, _, v in (part.partition("=") for part in text.split(","))}
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a JSON object, e.g. '{{\"image\": 4}}'") from None
+    limits = {}
+    for key, value in items.items():
+        if key not in MM_MODALITIES:
+            raise argparse.ArgumentTypeError(f"{text!r}: unknown modality {key!r} (one of {', '.join(MM_MODALITIES)})")
+        try:
+            limits[key] = int_at_least(0)(str(value))
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {key}'s count {value!r} must be a whole number >= 0") from None
+    others = [k for k, n in limits.items() if k != "image" and n > 0]
+    if others:
+        raise argparse.ArgumentTypeError(f"{text!r}: epdserve serves images only, not {', '.join(others)}")
+    return limits.get("image", 0)
 
 
 def slo_pair(keys: tuple[str, ...], positive: bool = False) -> Callable[[str], tuple[str, float]]:

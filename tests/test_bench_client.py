@@ -395,6 +395,8 @@ def test_cli_writes_result_json(stub, tmp_path):
     (["--image-repeat-share", "1.5"], "1.5"),
     (["--sweep-rates", "3:1"], "3:1"),
     (["--goodput-target", "1.5"], "1.5"),
+    (["--temperature", "-0.5"], "--temperature: '-0.5'"),
+    (["--request-timeout", "0"], "--request-timeout: '0'"),
 ])
 def test_cli_bad_values_exit_2_with_one_message(capsys, args, needle):
     """The command's own entry point, in-process (one run as a process below): exit status 2

@@ -474,6 +474,7 @@ def test_compare_cli_bad_value_exits_2_without_a_traceback():
     (["--sweep-rates", "2:1"], "2:1"),
     (["--goodput-target", "1.5"], "1.5"),
     (["--sweep-rates", "0.5:2"], "--goodput"),
+    (["--startup-timeout", "0"], "--startup-timeout: '0'"),
     (["--workload", "synthetic", "--num-prompts", "2", "--images-per-request", "1", "--endpoint", "completions"],
      "only the chat endpoint"),
 ])

@@ -165,7 +165,9 @@ def test_plan_configs_elastic_end_to_end(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--configs", "elastic-1"], "elastic-1"),
-    (["--configs", "elastic", "--elastic-interval", "0"], "elastic interval 0"),
+    (["--configs", "elastic", "--elastic-interval", "0"], "--elastic-interval: '0'"),
+    (["--configs", "elastic", "--elastic-min-dwell", "-5"], "--elastic-min-dwell: '-5'"),
+    (["--price-per-hour", "-1"], "--price-per-hour: '-1'"),
 ])
 def test_plan_refuses_bad_elastic_input(tmp_path, capsys, args, message):
     status, err = _cli(tmp_path, capsys, *args, "--num-requests", "5")

@@ -238,6 +238,31 @@ def test_serve_passes_worker_flags_as_the_worker_parses_them():
     assert argv[argv.index("--dtype") + 1] == "bfloat16"
 
 
+def test_vllm_flag_names_and_bad_numbers(capsys):
+    serve, work = parsers()
+    args = serve.parse_args(["-dp", "3", "--limit-mm-per-prompt", '{"image": 2, "video": 0}'])
+    assert (args.workers, args.limit_images_per_prompt) == (3, 2)
+    args = serve.parse_args(["--data-parallel-size", "2", "--limit-mm-per-prompt", "image=5"])
+    assert (args.workers, args.limit_images_per_prompt) == (2, 5)
+    # The vLLM form does not hide the default of epdserve's own flag.
+    assert serve.parse_args([]).limit_images_per_prompt == serve.get_default("limit_images_per_prompt") > 0
+    for parser, argv, named in (
+            (serve, ["--limit-mm-per-prompt", '{"video": 1}'], "images only, not video"),
+            (serve, ["--limit-mm-per-prompt", '{"image": -1}'], "image's count -1"),
+            (serve, ["--limit-mm-per-prompt", "{image: 1}"], "not a JSON object"),
+            (serve, ["--limit-mm-per-prompt", '{"text": 1}'], "unknown modality 'text'"),
+            (serve, ["--workers", "0"], "--workers"), (serve, ["--decode-workers", "-1"], "--decode-workers"),
+            (serve, ["--max-workers", "0"], "--max-workers"),
+            (serve, ["--startup-timeout", "-1"], "--startup-timeout"), (serve, ["--request-timeout", "nan"], "'nan'"),
+            (serve, ["--worker-timeout", "0"], "--worker-timeout"), (serve, ["--http-body-timeout", "inf"], "'inf'"),
+            (serve, ["--http-header-timeout", "-2"], "--http-header-timeout"),
+            (work, ["--kv-ttl", "0"], "--kv-ttl"), (work, ["--kv-transfer-timeout", "-1"], "--kv-transfer-timeout")):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and named in err, (argv, err)
+
+
 def test_config_file_keys_types_and_precedence(tmp_path):
     serve, _ = parsers()
     serve.add_argument("--config")

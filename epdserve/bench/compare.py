@@ -60,6 +60,7 @@ import sys
 from pathlib import Path
 
 from epdserve import host
+from epdserve.argtypes import float_above
 from epdserve.bench import client, plots, recommend, repeats, report, server_metrics, sweep, workload
 from epdserve.bench.deployment_run import run_config
 from epdserve.bench.deployments import Deployment, DeploymentFileError, from_config, load
@@ -124,7 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output directory (default results/compare)")
     parser.add_argument("--port", type=_port, default=8100,
                         help="epdserve router port on 127.0.0.1 (default 8100)")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
+    parser.add_argument("--startup-timeout", type=float_above(0), default=300.0, metavar="S",
                         help="seconds to wait for an epdserve deployment's /health == 200 "
                              "(default 300)")
     parser.add_argument("--allow-oversubscription", action="store_true",

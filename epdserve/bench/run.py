@@ -31,7 +31,7 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
-from epdserve.argtypes import slo_pair
+from epdserve.argtypes import float_above, float_at_least, slo_pair
 from epdserve.bench import client, metrics, sweep, workload
 from epdserve.bench.result_file import add_result_arguments, file_name, options_error
 
@@ -59,7 +59,7 @@ def add_client_arguments(parser: argparse.ArgumentParser, replay: bool = True) -
     g = parser.add_argument_group("client")
     g.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
                    help="POST /v1/chat/completions (default) or /v1/completions")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
+    g.add_argument("--temperature", type=float_at_least(0), default=0.0, help="sampling temperature (default 0)")
     if replay:
         g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                        help="let the model stop at EOS (default: ignore_eos=true, so every deployment "
@@ -76,7 +76,7 @@ def add_client_arguments(parser: argparse.ArgumentParser, replay: bool = True) -
                         "p99 gap); compare judges by " + " ".join(
                             f"{k}:{v:g}" for k, v in metrics.DEFAULT_SLOS_MS.items())
                         + " when none are given")
-    g.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+    g.add_argument("--request-timeout", type=float_above(0), default=600.0, metavar="S",
                    help="per-read timeout of a request in seconds (default 600)")
     g.add_argument("--warmup", type=workload.nonnegative_int, default=1, metavar="N",
                    help="short unmeasured requests sent before the run (default 1)")

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from epdserve.argtypes import float_above
 from epdserve.bench import metrics, production, production_formats, workload
 from epdserve.bench.compare import parse_configs
 from epdserve.bench.datasets import with_images
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=workload.positive_int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=workload.positive_int, default=8192)
     parser.add_argument("--enable-chunked-prefill", action="store_true")
-    parser.add_argument("--price-per-hour", type=float, default=None, help="USD per device-hour")
+    parser.add_argument("--price-per-hour", type=float_above(0), default=None, help="USD per device-hour")
     parser.add_argument("--configs", type=parse_configs, default=None, metavar="NAMES",
                         help="simulate these `epdserve compare` configurations (e.g. colocated,colocated-2,pd), "
                              "placed on the --devices as its launcher places them and with their scheduler "
@@ -89,11 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="results/plan", metavar="DIR")
     parser.add_argument("--elastic-trace", default=None, metavar="FILE",
                         help="elastic-replay: the --trace-file of a `serve --elastic` router")
-    parser.add_argument("--elastic-window", type=float, default=20.0, metavar="S",
+    parser.add_argument("--elastic-window", type=float_above(0), default=20.0, metavar="S",
                         help="elastic-replay and --configs elastic: as serve's (default 20)")
-    parser.add_argument("--elastic-min-dwell", type=float, default=30.0, metavar="S",
+    parser.add_argument("--elastic-min-dwell", type=float_above(0), default=30.0, metavar="S",
                         help="elastic-replay and --configs elastic: as serve's (default 30)")
-    parser.add_argument("--elastic-interval", type=float, default=sim_elastic.DEFAULT_INTERVAL_S, metavar="S",
+    parser.add_argument("--elastic-interval", type=float_above(0), default=sim_elastic.DEFAULT_INTERVAL_S, metavar="S",
                         help="--configs elastic: the simulated controller samples and decides every S "
                              f"simulated seconds, as serve's (default {sim_elastic.DEFAULT_INTERVAL_S:g}; > 0)")
 

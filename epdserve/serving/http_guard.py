@@ -29,7 +29,7 @@ import uvicorn
 from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from epdserve.argtypes import int_at_least
+from epdserve.argtypes import float_above, int_at_least
 from epdserve.serving.openai_api import error_body
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -148,9 +148,9 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
     """The HTTP limits' flags (``epdserve serve`` and ``epdserve router``)."""
     parser.add_argument("--max-request-body-mb", type=int_at_least(1), default=DEFAULT_MAX_BODY_MB,
                         help="largest request body in MiB; larger ones get 413")
-    parser.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+    parser.add_argument("--http-header-timeout", type=float_above(0), default=DEFAULT_HEADER_TIMEOUT_S,
                         help="seconds a client may take to send a request's headers before the connection is closed")
-    parser.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+    parser.add_argument("--http-body-timeout", type=float_above(0), default=DEFAULT_BODY_TIMEOUT_S,
                         help="seconds a client may take to send a request's body before it gets 408")
     parser.add_argument("--limit-concurrency", type=int_at_least(1), default=DEFAULT_LIMIT_CONCURRENCY,
                         help="most open connections and requests; more get 503 (uvicorn's --limit-concurrency)")

@@ -64,6 +64,7 @@ import time
 import uvicorn
 
 from epdserve import host
+from epdserve.argtypes import float_above, int_at_least
 from epdserve.model.loader import ModelLoadError
 from epdserve.serving import auth, flags, ray_cluster
 from epdserve.serving.children import Children
@@ -93,13 +94,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for role in ROLE_DEVICES:
         parser.add_argument(f"--{role}-device", type=flags.device_type, default=None, metavar=flags.DEVICE_METAVAR,
                             help=f"pd, epd: the device of the {role} workers (default: --device; docs/gpu.md)")
-    parser.add_argument("--startup-timeout", type=float, default=900.0,
+    parser.add_argument("--startup-timeout", type=float_above(0), default=900.0,
                         help="seconds to wait for every worker's hello")
-    parser.add_argument("--workers", type=int, default=1, help="colocated: number of worker replicas")
-    parser.add_argument("--prefill-workers", type=int, default=1, help="pd, epd: number of prefill workers")
-    parser.add_argument("--decode-workers", type=int, default=1, help="pd, epd: number of decode workers")
-    parser.add_argument("--encode-workers", type=int, default=1, help="epd: number of encode workers")
-    parser.add_argument("--max-workers", type=int, default=None, metavar="N",
+    parser.add_argument("--workers", "--data-parallel-size", "-dp", type=int_at_least(1), default=1,
+                        help="colocated: number of worker replicas (vLLM's --data-parallel-size)")
+    parser.add_argument("--prefill-workers", type=int_at_least(1), default=1, help="pd, epd: number of prefill workers")
+    parser.add_argument("--decode-workers", type=int_at_least(1), default=1, help="pd, epd: number of decode workers")
+    parser.add_argument("--encode-workers", type=int_at_least(1), default=1, help="epd: number of encode workers")
+    parser.add_argument("--max-workers", type=int_at_least(1), default=None, metavar="N",
                         help="--elastic: at most this many engine workers; the starting ones are the minimum and "
                              "the controller (or POST /workers, DELETE /workers/ID) adds and retires workers in "
                              "between (default: the starting count, no scaling; above it needs --cluster ray; "

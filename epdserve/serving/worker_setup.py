@@ -13,6 +13,7 @@ import socket
 
 import torch
 
+from epdserve.argtypes import float_above
 from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import DTYPES, EngineConfig
 from epdserve.model.loader import auto_dtype, resolve_model
@@ -34,12 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.MODEL_FLAG.add(parser)
     parser.add_argument("--cores", default=None, help="CPU cores to pin to, e.g. 0,1 (default: all allowed)")
     flags.add_worker_flags(parser)
-    parser.add_argument("--kv-ttl", type=float, default=120.0,
+    parser.add_argument("--kv-ttl", type=float_above(0), default=120.0,
                         help="seconds a prefill worker keeps an exported KV segment nobody took")
     parser.add_argument("--kv-bind", default="tcp://127.0.0.1:0",
                         help="address a prefill (encode) worker serves KV (embeddings) on over TCP "
                              "(port 0: any free port)")
-    parser.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+    parser.add_argument("--kv-transfer-timeout", type=float_above(0), default=30.0,
                         help="seconds a decode worker waits for a KV fetch over TCP")
     parser.add_argument("--elastic", action="store_true",
                         help="the router may switch this worker's role live (colocated, prefill, decode): keep "

@@ -12,7 +12,7 @@ import sys
 
 import uvicorn
 
-from epdserve.argtypes import float_above, int_at_least, slo_pair, zero_or_at_least
+from epdserve.argtypes import float_above, int_at_least, mm_limit_images, slo_pair, zero_or_at_least
 from epdserve.model.loader import ModelLoadError, generation_defaults, resolve_model
 from epdserve.model.tokenizer import check_chat_template, load_tokenizer, read_chat_template, template_renders_tools
 from epdserve.serving import auth
@@ -175,17 +175,21 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--limit-images-per-prompt", type=int_at_least(0), default=DEFAULT_MAX_IMAGES,
-                        help="most images one request may carry (vLLM's --limit-mm-per-prompt)")
+                        help="most images one request may carry")
+    parser.add_argument("--limit-mm-per-prompt", dest="limit_images_per_prompt", type=mm_limit_images,
+                        default=argparse.SUPPRESS, metavar="JSON",
+                        help="vLLM's form of --limit-images-per-prompt: '{\"image\": N}' or image=N "
+                             "(video and audio: 0)")
     parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                         help="directory image_url file paths may be read from (default: none)")
     parser.add_argument("--allow-remote-images", action="store_true",
                         help="fetch http(s) image URLs (lets clients make the server fetch any reachable address)")
     parser.add_argument("--trace-file", default=None, help="append one JSON line per finished request")
-    parser.add_argument("--worker-timeout", type=float, default=5.0,
+    parser.add_argument("--worker-timeout", type=float_above(0), default=5.0,
                         help="seconds without any message (workers send a heartbeat every 0.5 s) "
                              "after which a worker counts as down; counted only while the router can read, so "
                              "a stall of the router is not blamed on its workers")
-    parser.add_argument("--request-timeout", type=float, default=600.0,
+    parser.add_argument("--request-timeout", type=float_above(0), default=600.0,
                         help="seconds without output after which a request fails")
     parser.add_argument("--local-prefill-threshold", type=int_at_least(0), default=0,
                         help="pd: prompts shorter than this many tokens are prefilled by a decode worker "
