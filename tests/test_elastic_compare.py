@@ -196,6 +196,18 @@ def test_roles_panel_shares_the_itl_plots_time_origin(tmp_path):
     assert png_size(tmp_path / "itl.png")[1] > 495  # 4.5 in at 110 dpi, and the panel
 
 
+def test_itl_plot_marks_each_phase_of_a_shifting_workload(tmp_path, monkeypatch):
+    result = {"errors": [""], "ttfts": [0.5], "itls": [[0.1, 0.1]], "start_offsets": [0.0]}
+    drawn = []
+    monkeypatch.setattr(plots.plt, "close", drawn.append)  # keep the figure to read it back
+    plots.plot_itl_over_time([{"name": "colocated", "result": result}], [], tmp_path / "itl.png", [0.0, 40.5, 90.0])
+    ax = drawn[0].axes[0]
+    dash_dot = [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == "-."]
+    assert dash_dot == [0.0, 40.5, 90.0]
+    assert [t.get_text() for t in ax.texts] == ["phase 1", "phase 2", "phase 3"]
+    assert "phase starts" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
 # --------------------------------------------------------------- the benchmark
 
 

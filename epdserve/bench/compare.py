@@ -354,5 +354,6 @@ def write_outputs(entries: list[dict], requests: list[workload.Request], spec: d
     md = report.markdown_report(entries, spec, workload.describe(requests), sampling or {}, rec)
     (out_dir / "compare.md").write_text(md)
     long_offsets = [r.offset_s for r in requests if r.kind == "long"]
-    pngs = plots.plot_all([e for e in entries if "result" in e], long_offsets, out_dir)
+    phase_starts = (spec.get("phase_windows") or {}).get("start_s", [])  # --workload shift
+    pngs = plots.plot_all([e for e in entries if "result" in e], long_offsets, out_dir, phase_starts)
     return [out_dir / "compare.json", out_dir / "compare.md", *pngs]

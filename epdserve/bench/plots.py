@@ -81,10 +81,11 @@ def plot_cdf(entries: list[dict], which: str, path: str | Path) -> None:
 
 
 def plot_itl_over_time(entries: list[dict], long_offsets_s: list[float],
-                       path: str | Path) -> None:
+                       path: str | Path, phase_starts_s: list[float] = ()) -> None:
     """Each ITL gap at the time (s since start) it ended, one colour per configuration,
-    with the long-prompt send times as dashed vertical lines and the stall threshold as a
-    dotted horizontal one; under it, for each entry with a ``roles_timeline`` and a
+    with the long-prompt send times as dashed vertical lines, a shifting workload's phase
+    starts (s, the first request of each phase sent) as dash-dotted ones named "phase k",
+    and the stall threshold as a dotted horizontal one; under it, for each entry with a ``roles_timeline`` and a
     ``run_start_unix`` (an elastic deployment), a panel of its workers' roles over the same
     time axis (:func:`plot_roles`)."""
     elastic = [e for e in entries if e.get("roles_timeline") and e.get("run_start_unix") is not None]
@@ -99,6 +100,10 @@ def plot_itl_over_time(entries: list[dict], long_offsets_s: list[float],
     for k, x in enumerate(long_offsets_s):
         ax.axvline(x, color="red", linestyle="--", linewidth=1,
                    label="long prompt sent" if k == 0 else None)
+    for k, x in enumerate(phase_starts_s):
+        ax.axvline(x, color="black", linestyle="-.", linewidth=1, label="phase starts" if k == 0 else None)
+        ax.annotate(f"phase {k + 1}", (x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                    textcoords="offset points", fontsize=8)
     ax.axhline(STALL_MS, color="grey", linestyle=":", linewidth=1,
                label=f"stall (> {STALL_MS / 1000:g} s)")
     ax.set_ylabel("ITL (ms)")
@@ -213,15 +218,17 @@ def plot_goodput_vs_rate(entries: list[dict], path: str | Path) -> None:
     plt.close(fig)
 
 
-def plot_all(entries: list[dict], long_offsets_s: list[float], out_dir: str | Path) -> list[Path]:
-    """Write ttft_cdf.png, itl_cdf.png, itl_over_time.png, stages.png and, when an entry
-    has a goodput sweep, goodput_vs_rate.png under ``out_dir``; return their paths."""
+def plot_all(entries: list[dict], long_offsets_s: list[float], out_dir: str | Path,
+             phase_starts_s: list[float] = ()) -> list[Path]:
+    """Write ttft_cdf.png, itl_cdf.png, itl_over_time.png (see :func:`plot_itl_over_time`),
+    stages.png and, when an entry has a goodput sweep, goodput_vs_rate.png under
+    ``out_dir``; return their paths."""
     out_dir = Path(out_dir)
     paths = [out_dir / "ttft_cdf.png", out_dir / "itl_cdf.png", out_dir / "itl_over_time.png",
              out_dir / "stages.png"]
     plot_cdf(entries, "ttft", paths[0])
     plot_cdf(entries, "itl", paths[1])
-    plot_itl_over_time(entries, long_offsets_s, paths[2])
+    plot_itl_over_time(entries, long_offsets_s, paths[2], phase_starts_s)
     plot_stages(entries, paths[3])
     if any(e.get("sweep") for e in entries):
         paths.append(out_dir / "goodput_vs_rate.png")
