@@ -237,13 +237,20 @@ def test_guidellm_colocated(colocated_server, model_info, tmp_path, profile):
         "outputs": [{"kind": "json", "path": str(report)}]}}
     config = tmp_path / "scenario.json"
     config.write_text(json.dumps(scenario))
+    before = len(trace_records(colocated_server))
     run_tool([clients_bin("guidellm"), "run", "--config", config, "--disable-console-interactive"],
              tmp_path / "guidellm.log", tmp_path)
+    served = trace_records(colocated_server, lambda records: len(records) >= before + 6)[before:]
+    assert [(r["output_tokens"], r["error"]) for r in served] == [(16, None)] * 6
     benchmarks = json.loads(report.read_text())["benchmarks"]
     assert len(benchmarks) == 1
     totals = benchmarks[0]["metrics"]["request_totals"]
     assert totals["errored"] == 0 and totals["incomplete"] == 0, totals
-    assert totals["successful"] == 6, totals
+    # GuideLLM 0.8.1 can end a run with its last request still "processing" (created 6,
+    # processed 5 in its scheduler_state) although the server answered it in full (above):
+    # that one is then missing from its totals, not counted as failed.
+    state = benchmarks[0]["scheduler_state"]
+    assert totals["successful"] + state["processing_requests"] == 6 and totals["successful"] >= 5, (totals, state)
     output_tokens = benchmarks[0]["metrics"]["output_token_count"]["successful"]
     assert (output_tokens["min"], output_tokens["max"]) == (16, 16), output_tokens
 
