@@ -9,8 +9,11 @@ workers within ``--max-workers`` and retires them only once they hold nothing.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from epdserve.plan.elastic_replay import read_dwell_restarts, read_samples, replay
 from epdserve.serving import protocol as P
 from epdserve.serving.elastic_policy import Decision, PolicyConfig, window
 from epdserve.serving.elastic_scaling import ScaleDecision, ScalingConfig, ScalingState
@@ -192,15 +195,30 @@ def test_the_controller_applies_a_decision_and_traces_it(monkeypatch):
     assert [line["reason"] for line in s.lines if line["state"] == "switching"] == ["a test", "a test"]
 
 
-def test_a_switch_by_hand_restarts_the_controllers_dwell():
+def test_a_switch_by_hand_restarts_the_controllers_dwell_and_its_replay(tmp_path):
+    """The restart is traced, so a replay of the trace restarts its dwell too and decides
+    as the controller did (without it, the replay would not)."""
     s = ElasticSetup(("prefill", "decode"))
-    ctl = Controller(s.registry, s.signals, PolicyConfig(slo_ttft_ms=2000, slo_tpot_ms=200), 2.0, lambda line: None,
-                     clock=s.clock)
-    s.clock.t = 1000.0
-    ctl.switched_by_hand()  # POST /roles
-    s.clock.t = 1002.0
-    d = ctl.tick()
-    assert d.roles is None and "2.0 s since the last change < min dwell 30 s" in d.reason, d.reason
+    config = PolicyConfig(slo_ttft_ms=2000, slo_tpot_ms=200, min_dwell_s=10)
+    lines: list[dict] = []
+    ctl = Controller(s.registry, s.signals, config, 2.0, lines.append, clock=s.clock)
+    live = []
+    for k in range(12):
+        s.clock.t = 1000.0 + 2.0 * k
+        live.append(ctl.tick())
+        if k == 3:
+            s.clock.t += 1.0
+            ctl.switched_by_hand("POST /roles: w0 -> prefill")
+    assert "1.0 s since the last change < min dwell 10 s" in live[4].reason, live[4].reason
+    [restart] = [line for line in lines if line["event"] == "elastic_dwell"]
+    assert (restart["t"], restart["cause"]) == (1007.0, "POST /roles: w0 -> prefill")
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    samples, restarts = read_samples(trace), read_dwell_restarts(trace)
+    assert restarts == [1007.0]
+    assert [d.reason for d in replay(samples, config, restarts)] == [d.reason for d in live]
+    assert [d.reason for d in replay(samples, config)][4] != live[4].reason
 
 
 def test_a_restarted_worker_is_switched_back_to_its_last_announced_role():
@@ -329,4 +347,6 @@ def test_the_controller_scales_when_the_role_policy_holds(monkeypatch):
     assert ctl.state.last_switch_t == out.t  # the role policy dwells from the change too
     decision = next(line for line in lines if line["event"] == "elastic_decision")
     assert (decision["action"], decision["role"], decision["reason"]) == ("scale-out", "decode", "saturated")
-    assert lines[-1]["state"] == "starting" and lines[-1]["worker"] == "w2"
+    assert lines[-2]["state"] == "starting" and lines[-2]["worker"] == "w2"
+    assert {k: lines[-1][k] for k in ("event", "t", "cause")} == {"event": "elastic_dwell", "t": out.t,
+                                                                  "cause": "scale-out"}

@@ -5,7 +5,10 @@ The router's controller writes every signal sample it takes to its ``--trace-fil
 (:meth:`epdserve.serving.elastic_policy.Sample.as_json`). :func:`read_samples` reads them
 back and :func:`replay` runs :func:`epdserve.serving.elastic_policy.decide` over them as
 the controller would have with another :class:`PolicyConfig` (other SLOs, thresholds,
-window or dwell): what it would have decided, and why.
+window or dwell): what it would have decided, and why. The changes the policy did not
+decide, a switch by hand (``POST /roles``) or a worker added or retired, are taken as
+recorded: each restarted the controller's dwell, written as an ``{"event":
+"elastic_dwell", "t": S}`` line (:func:`read_dwell_restarts`), and restarts the replay's.
 
 The replay is open loop: the recorded samples keep the roles and the signals the recording
 had, whatever the replayed decisions say (a what-if on the signals, not a simulation of
@@ -17,48 +20,94 @@ in the loop of the simulator, :mod:`epdserve.plan.sim_elastic`).
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, decide, window
 
+T = TypeVar("T")
 
-def read_samples(trace_file: str | Path) -> list[Sample]:
-    """The samples of a router trace file's ``elastic_sample`` lines, in file order; other
-    lines (request records, ``role`` and ``elastic_decision`` events, blank lines) are
-    ignored.
+
+def _read(trace_file: str | Path, event: str, parse: Callable[[dict], T]) -> list[T]:
+    """``parse`` of each of a router trace file's ``event`` lines, in file order; other
+    lines (request records, other events, blank lines) are ignored.
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: naming the file and line, for a line that is not JSON or an
-            ``elastic_sample`` line whose ``sample`` is malformed.
+        ValueError: naming the file and line, for a line that is not JSON or that
+            ``parse`` refuses.
     """
-    samples = []
+    out = []
     for number, line in enumerate(Path(trace_file).read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-            if isinstance(obj, dict) and obj.get("event") == "elastic_sample":
-                samples.append(Sample.from_json(obj.get("sample")))
-        except ValueError as e:  # json.JSONDecodeError is a ValueError
+            if isinstance(obj, dict) and obj.get("event") == event:
+                out.append(parse(obj))
+        except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
             raise ValueError(f"{trace_file}:{number}: {e}") from None
-    return samples
+    return out
 
 
-def replay(samples: list[Sample], config: PolicyConfig) -> list[Decision]:
+def read_samples(trace_file: str | Path) -> list[Sample]:
+    """The samples of a router trace file's ``elastic_sample`` lines, in file order.
+
+    Raises:
+        OSError, ValueError: as :func:`_read` (a malformed ``sample``).
+    """
+    return _read(trace_file, "elastic_sample", lambda obj: Sample.from_json(obj.get("sample")))
+
+
+def _restart_t(obj: dict) -> float:
+    t = obj.get("t")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise ValueError(f"elastic_dwell: t {t!r} is not a number of seconds")
+    return float(t)
+
+
+def read_dwell_restarts(trace_file: str | Path) -> list[float]:
+    """The times (the controller's clock, s, as the samples' ``t``) of a router trace
+    file's ``elastic_dwell`` lines: the changes the policy did not decide, each of which
+    restarted its dwell.
+
+    Raises:
+        OSError, ValueError: as :func:`_read` (a ``t`` that is not a finite number).
+    """
+    return _read(trace_file, "elastic_dwell", _restart_t)
+
+
+def count_role_changes(trace_file: str | Path) -> int:
+    """How many role changes the recording's controller decided: its ``elastic_decision``
+    lines with ``roles`` (a worker added or retired has none).
+
+    Raises:
+        OSError, ValueError: as :func:`_read`.
+    """
+    return sum(_read(trace_file, "elastic_decision", lambda obj: obj.get("roles") is not None))
+
+
+def replay(samples: list[Sample], config: PolicyConfig, dwell_restarts: Sequence[float] = ()) -> list[Decision]:
     """One decision per sample: sample i is "now", its window the samples
     :func:`~epdserve.serving.elastic_policy.window` keeps of those up to it, and the
     policy's state carried from decision to decision (from :class:`PolicyState`'s start),
-    as the router's controller calls :func:`decide` every interval.
+    as the router's controller calls :func:`decide` every interval. A restart at ``t``
+    (``dwell_restarts``, s) restarts the state from ``t`` before the first decision on a
+    later sample, as the controller did.
 
     Raises:
         ValueError: for samples whose ``t`` goes backwards (naming the index).
     """
     decisions, state = [], PolicyState()
+    restarts = sorted(dwell_restarts)
     for i, now in enumerate(samples):
         if i and now.t < samples[i - 1].t:
             raise ValueError(f"sample {i}: t {now.t} is before the previous sample's "
                              f"{samples[i - 1].t} (samples must be in time order)")
+        while restarts and restarts[0] < now.t:
+            state = PolicyState(last_switch_t=restarts.pop(0))
         decision, state = decide(window(samples[:i + 1], config), state, config)
         decisions.append(decision)
     return decisions

@@ -388,12 +388,14 @@ def run_elastic_replay(args) -> int:
         print(f"epdserve plan elastic-replay: error: {args.elastic_trace} has no elastic_sample lines "
               "(a trace of `serve --elastic`?)", file=sys.stderr)
         return 2
-    changes = [d for d in elastic_replay.replay(samples, config) if d.roles is not None]
+    restarts = elastic_replay.read_dwell_restarts(args.elastic_trace)  # switches by hand, workers added
+    changes = [d for d in elastic_replay.replay(samples, config, restarts) if d.roles is not None]
     for d in changes:
         print(f"+{d.t - samples[0].t:7.1f} s  {d.action}: {d.reason}")
-    recorded = sum('"elastic_decision"' in line for line in Path(args.elastic_trace).read_text().splitlines())
+    recorded = elastic_replay.count_role_changes(args.elastic_trace)
     print(f"{len(changes)} role changes replayed over {samples[-1].t - samples[0].t:.0f} s of {len(samples)} "
-          f"samples (the recording made {recorded}); ttft {config.slo_ttft_ms:g} ms, tpot {config.slo_tpot_ms:g} ms")
+          f"samples (the recording made {recorded}; {len(restarts)} changes it did not decide, by hand or "
+          f"of workers, restarted the dwell as they did); ttft {config.slo_ttft_ms:g} ms, tpot {config.slo_tpot_ms:g} ms")
     return 0
 
 

@@ -237,10 +237,18 @@ class Controller(Periodic):
         self.scaling: ScalingConfig | None = None
         self.scale_state = ScalingState()
 
-    def switched_by_hand(self) -> None:
-        """A role switch asked by ``POST /roles``: the dwell counts from it, as from the
-        controller's own, so the next decision does not undo it at once."""
-        self.state = PolicyState(last_switch_t=self.clock())
+    def switched_by_hand(self, what: str) -> None:
+        """A role switch asked by ``POST /roles`` (``what``: which, in words): the dwell
+        counts from it, as from the controller's own, so the next decision does not undo it
+        at once."""
+        self._restart_dwell(self.clock(), what)
+
+    def _restart_dwell(self, t: float, cause: str) -> None:
+        """Count the role policy's dwell (and its settled samples) from ``t`` (the
+        controller's clock, s) for a change the policy did not decide; the ``elastic_dwell``
+        trace line lets a replay restart it too (:mod:`epdserve.plan.elastic_replay`)."""
+        self.state = PolicyState(last_switch_t=t)
+        self.write({"event": "elastic_dwell", "at": time.time(), "t": t, "cause": cause})
 
     def sample(self) -> Sample:
         """The signals now: the live engine workers' numbers and the request events since
@@ -292,8 +300,7 @@ class Controller(Periodic):
             log.warning("elastic: %s refused: %s", decision.action, exc)
             return decision
         self.scale_state = state
-        # The role policy too counts its dwell and its settled samples from this change.
-        self.state = PolicyState(last_switch_t=decision.t)
+        self._restart_dwell(decision.t, decision.action)
         return decision
 
     def apply(self, decision: Decision) -> None:

@@ -340,7 +340,7 @@ def install_roles(app: FastAPI, router) -> None:
         except WorkerFailed as exc:
             raise api.APIError(str(exc), status=503, type="service_unavailable") from None
         if changes and router.controller is not None:
-            router.controller.switched_by_hand()
+            router.controller.switched_by_hand(f"POST /roles: {body.worker_id} -> {body.role}")
         return w.as_json(time.monotonic())
 
 
