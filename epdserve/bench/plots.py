@@ -85,9 +85,9 @@ def plot_itl_over_time(entries: list[dict], long_offsets_s: list[float],
     """Each ITL gap at the time (s since start) it ended, one colour per configuration,
     with the long-prompt send times as dashed vertical lines, a shifting workload's phase
     starts (s, the first request of each phase sent) as dash-dotted ones named "phase k",
-    and the stall threshold as a dotted horizontal one; under it, for each entry with a ``roles_timeline`` and a
-    ``run_start_unix`` (an elastic deployment), a panel of its workers' roles over the same
-    time axis (:func:`plot_roles`)."""
+    and the stall threshold as a dotted horizontal one; under it, for each entry with a
+    ``roles_timeline`` and a ``run_start_unix`` (an elastic deployment), a panel of its
+    workers' roles over the same time axis (:func:`plot_roles`)."""
     elastic = [e for e in entries if e.get("roles_timeline") and e.get("run_start_unix") is not None]
     lanes = [len(e["roles_timeline"]) for e in elastic]
     heights = [0.9 + 0.35 * n for n in lanes]  # inches: a lane per worker, the legend's row

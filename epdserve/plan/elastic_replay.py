@@ -2,13 +2,13 @@
 
 The router's controller writes every signal sample it takes to its ``--trace-file`` as an
 ``{"event": "elastic_sample", "at": UNIX_S, "sample": {...}}`` line
-(:meth:`epdserve.serving.elastic_policy.Sample.as_json`). :func:`read_samples` reads them
+(:meth:`epdserve.serving.elastic_policy.Sample.as_json`). :func:`read_trace` reads them
 back and :func:`replay` runs :func:`epdserve.serving.elastic_policy.decide` over them as
 the controller would have with another :class:`PolicyConfig` (other SLOs, thresholds,
 window or dwell): what it would have decided, and why. The changes the policy did not
 decide, a switch by hand (``POST /roles``) or a worker added or retired, are taken as
 recorded: each restarted the controller's dwell, written as an ``{"event":
-"elastic_dwell", "t": S}`` line (:func:`read_dwell_restarts`), and restarts the replay's.
+"elastic_dwell", "t": S}`` line (:func:`read_trace`), and restarts the replay's.
 
 The replay is open loop: the recorded samples keep the roles and the signals the recording
 had, whatever the replayed decisions say (a what-if on the signals, not a simulation of
@@ -23,70 +23,54 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, decide, window
+from epdserve.serving.elastic_samples import finite_number
 
-T = TypeVar("T")
+
+# What each event line of a router trace holds for a replay (module doc).
+_PARSERS: dict[str, Callable[[dict], object]] = {
+    "elastic_sample": lambda obj: Sample.from_json(obj.get("sample")),
+    "elastic_dwell": lambda obj: finite_number("elastic_dwell t", obj.get("t"), minimum=-math.inf),
+    "elastic_decision": lambda obj: obj.get("roles") is not None,  # a role change, not a scale decision
+}
 
 
-def _read(trace_file: str | Path, event: str, parse: Callable[[dict], T]) -> list[T]:
-    """``parse`` of each of a router trace file's ``event`` lines, in file order; other
+def read_trace(trace_file: str | Path) -> tuple[list[Sample], list[float], int]:
+    """What a router trace file holds for a replay, in one pass, in file order: the samples
+    of its ``elastic_sample`` lines, the times (the controller's clock, s, as the samples'
+    ``t``) of its ``elastic_dwell`` lines (the changes the policy did not decide, each of
+    which restarted its dwell), and how many role changes its controller decided
+    (``elastic_decision`` lines with ``roles``: a worker added or retired has none). Other
     lines (request records, other events, blank lines) are ignored.
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: naming the file and line, for a line that is not JSON or that
-            ``parse`` refuses.
+        ValueError: naming the file and line, for a line that is not JSON or one of these
+            events that is malformed.
     """
-    out = []
+    found: dict[str, list] = {event: [] for event in _PARSERS}
     for number, line in enumerate(Path(trace_file).read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-            if isinstance(obj, dict) and obj.get("event") == event:
-                out.append(parse(obj))
+            event = obj.get("event") if isinstance(obj, dict) else None
+            if isinstance(event, str) and event in found:
+                found[event].append(_PARSERS[event](obj))
         except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
             raise ValueError(f"{trace_file}:{number}: {e}") from None
-    return out
+    return found["elastic_sample"], found["elastic_dwell"], sum(found["elastic_decision"])
 
 
 def read_samples(trace_file: str | Path) -> list[Sample]:
-    """The samples of a router trace file's ``elastic_sample`` lines, in file order.
-
-    Raises:
-        OSError, ValueError: as :func:`_read` (a malformed ``sample``).
-    """
-    return _read(trace_file, "elastic_sample", lambda obj: Sample.from_json(obj.get("sample")))
-
-
-def _restart_t(obj: dict) -> float:
-    t = obj.get("t")
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-        raise ValueError(f"elastic_dwell: t {t!r} is not a number of seconds")
-    return float(t)
+    """The samples of :func:`read_trace`."""
+    return read_trace(trace_file)[0]
 
 
 def read_dwell_restarts(trace_file: str | Path) -> list[float]:
-    """The times (the controller's clock, s, as the samples' ``t``) of a router trace
-    file's ``elastic_dwell`` lines: the changes the policy did not decide, each of which
-    restarted its dwell.
-
-    Raises:
-        OSError, ValueError: as :func:`_read` (a ``t`` that is not a finite number).
-    """
-    return _read(trace_file, "elastic_dwell", _restart_t)
-
-
-def count_role_changes(trace_file: str | Path) -> int:
-    """How many role changes the recording's controller decided: its ``elastic_decision``
-    lines with ``roles`` (a worker added or retired has none).
-
-    Raises:
-        OSError, ValueError: as :func:`_read`.
-    """
-    return sum(_read(trace_file, "elastic_decision", lambda obj: obj.get("roles") is not None))
+    """The dwell restarts (s) of :func:`read_trace`."""
+    return read_trace(trace_file)[1]
 
 
 def replay(samples: list[Sample], config: PolicyConfig, dwell_restarts: Sequence[float] = ()) -> list[Decision]:

@@ -383,16 +383,14 @@ def run_elastic_replay(args) -> int:
     config = PolicyConfig(slo_ttft_ms=slos.get("ttft", metrics.DEFAULT_SLOS_MS["ttft"]),
                           slo_tpot_ms=slos.get("tpot", metrics.DEFAULT_SLOS_MS["tpot"]),
                           window_s=args.elastic_window, min_dwell_s=args.elastic_min_dwell)
-    samples = elastic_replay.read_samples(args.elastic_trace)
+    samples, restarts, recorded = elastic_replay.read_trace(args.elastic_trace)
     if not samples:
         print(f"epdserve plan elastic-replay: error: {args.elastic_trace} has no elastic_sample lines "
               "(a trace of `serve --elastic`?)", file=sys.stderr)
         return 2
-    restarts = elastic_replay.read_dwell_restarts(args.elastic_trace)  # switches by hand, workers added
     changes = [d for d in elastic_replay.replay(samples, config, restarts) if d.roles is not None]
     for d in changes:
         print(f"+{d.t - samples[0].t:7.1f} s  {d.action}: {d.reason}")
-    recorded = elastic_replay.count_role_changes(args.elastic_trace)
     print(f"{len(changes)} role changes replayed over {samples[-1].t - samples[0].t:.0f} s of {len(samples)} "
           f"samples (the recording made {recorded}; {len(restarts)} changes it did not decide, by hand or "
           f"of workers, restarted the dwell as they did); ttft {config.slo_ttft_ms:g} ms, tpot {config.slo_tpot_ms:g} ms")

@@ -59,7 +59,7 @@ class Sample:
         workers, arrivals = obj["workers"], obj["arrivals"]
         if not isinstance(workers, list) or not isinstance(arrivals, list):
             raise ValueError("sample: 'workers' and 'arrivals' must be lists")
-        return cls(t=_number("sample t", obj["t"], minimum=-math.inf),
+        return cls(t=finite_number("sample t", obj["t"], minimum=-math.inf),
                    workers=tuple(_worker_from_json(w) for w in workers),
                    arrivals=tuple(_arrival_from_json(a) for a in arrivals),
                    ttfts_ms=_numbers("ttfts_ms", obj["ttfts_ms"]),
@@ -77,7 +77,12 @@ def _check_keys(what: str, obj, expected: set[str]) -> None:
         raise ValueError(f"{what}: {', '.join(wrong)}")
 
 
-def _number(what: str, value, minimum: float = 0.0) -> float:
+def finite_number(what: str, value, minimum: float = 0.0) -> float:
+    """``value`` of a JSON document as a float: a finite number >= ``minimum`` (not a bool).
+
+    Raises:
+        ValueError: naming ``what`` and the value.
+    """
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or not math.isfinite(value) or value < minimum):
         bound = f" >= {minimum:g}" if minimum > -math.inf else ""
@@ -94,7 +99,7 @@ def _count(what: str, value) -> int:
 def _numbers(what: str, values) -> tuple[float, ...]:
     if not isinstance(values, list):
         raise ValueError(f"sample: {what!r} must be a list, got {values!r}")
-    return tuple(_number(what, v) for v in values)
+    return tuple(finite_number(what, v) for v in values)
 
 
 def _counts(what: str, values) -> tuple[int, ...]:
@@ -112,7 +117,7 @@ def _worker_from_json(obj) -> WorkerSignal:
         raise ValueError(f"worker {wid}: role {role!r} is not one of {', '.join(ROLES)}")
     if not isinstance(switching, bool):
         raise ValueError(f"worker {wid}: switching must be true or false, got {switching!r}")
-    kv = _number(f"worker {wid} kv_usage", obj["kv_usage"])
+    kv = finite_number(f"worker {wid} kv_usage", obj["kv_usage"])
     if kv > 1.0:
         raise ValueError(f"worker {wid} kv_usage: expected 0..1, got {kv!r}")
     return WorkerSignal(wid, role, switching,
