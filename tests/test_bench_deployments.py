@@ -72,7 +72,8 @@ def wait_for_file(path: Path, timeout_s: float = 60) -> str:
 def test_every_example_file_parses_and_names_its_sources():
     deps = deployments.load(EXAMPLES)
     assert {d.name for d in deps} == {"epdserve-colocated", "epdserve-1p1d", "llama-server",
-                                      "vllm-colocated", "vllm-1p1d", "sglang-1p1d"}
+                                      "vllm-colocated", "vllm-1p1d", "sglang-1p1d", "vllm-cpu",
+                                      "vllm-cpu-1p1d"}
     by_name = {d.name: d for d in deps}
     assert by_name["epdserve-1p1d"].entry_mode == "pd" and by_name["epdserve-1p1d"].epdserve == "1p1d"
     llama = by_name["llama-server"].resolved_processes(FAKE_ENV)[0].command
@@ -85,13 +86,38 @@ def test_every_example_file_parses_and_names_its_sources():
     vllm = by_name["vllm-1p1d"].resolved_processes({})
     assert '{"kv_connector":"NixlConnector","kv_role":"kv_both"}' in vllm[0].command
     assert vllm[1].env["CUDA_VISIBLE_DEVICES"] == "1" and vllm[0].command[2] == "Qwen/Qwen3-0.6B"
-    for path in (p for p in EXAMPLES if p.name.startswith(("vllm", "sglang"))):
+    # The CPU ones run here (tests/test_vllm.py): the model compare serves, make vllm's venv.
+    env = {"EPDSERVE_MODEL_DIR": "/m/hf"}
+    for name in ("vllm-cpu", "vllm-cpu-1p1d"):
+        dep = by_name[name]
+        assert dep.setup == "make vllm" and dep.resources.cpu_cores == 2
+        for p in dep.resolved_processes(env):
+            assert p.command[0].startswith(".venv-vllm/bin/vllm")
+            assert p.command[2] == "/m/hf" or p.command[0].endswith("vllm-router")
+    pd = by_name["vllm-cpu-1p1d"].resolved_processes(env)
+    assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in pd[:2]] == ["0", "1"]
+    assert '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}' in pd[1].command
+    for path in (p for p in EXAMPLES if p.name.startswith(("vllm", "sglang")) and "-cpu" not in p.name):
         comment = path.read_text().replace("\n# ", " ")  # the header comment as one text
         assert "Flags checked against https://" in comment, path
         assert "on 2026-12-01; not run here (no GPU)" in comment, path
     # The epdserve examples' extra args are serve options (checked as serve will).
     warnings, errors = compare.preflight(compare_args(), None, deps)
     assert errors == [], errors
+
+
+def test_the_model_variables_name_what_epdserve_serves(model_info, tmp_path):
+    """``EPDSERVE_MODEL_DIR`` / ``EPDSERVE_GGUF`` of compare's model, unless set; a
+    Hugging Face directory has no GGUF, so that variable stays unset for it."""
+    env = deployments.ModelVariables(None, {"HOME": "/h"})
+    assert env["EPDSERVE_MODEL_DIR"] == str(model_info.path)
+    assert env["EPDSERVE_GGUF"] == str(model_info.source) and env["HOME"] == "/h"
+    assert deployments.ModelVariables(None, {"EPDSERVE_MODEL_DIR": "/x"})["EPDSERVE_MODEL_DIR"] == "/x"
+    assert "EPDSERVE_GGUF" not in deployments.ModelVariables(str(model_info.path), {})
+    dep = Deployment.model_validate({"name": "p", "openai_base_url": "http://h:1/v1",
+                                     "processes": [{"command": ["serve", "${EPDSERVE_GGUF}"]}]})
+    with pytest.raises(DeploymentFileError, match=r"\$\{EPDSERVE_GGUF\} is not set"):
+        dep.resolved_processes(deployments.ModelVariables(str(model_info.path), {}))
 
 
 @pytest.mark.parametrize("text, message", [
@@ -115,6 +141,10 @@ def test_every_example_file_parses_and_names_its_sources():
      'deployment "x": openai_base_url: not for an epdserve entry'),
     ('[[deployment]]\nname = "x"\nbase_url = "http://h:1"\nargs = ["--x"]\n',
      'deployment "x": args: only for an epdserve entry'),
+    ('[[deployment]]\nname = "x"\nbase_url = "http://h:1"\nsetup = "make vllm"\n',
+     'deployment "x": setup: only for an entry with processes (what installs them)'),
+    ('[[deployment]]\nname = "x"\nepdserve = "pd"\nsetup = ""\n',
+     'deployment "x": setup: '),
     ('[[deployment]]\nname = "x"\nbase_url = "http://h:1"\n'
      'resources = { cpu_cores = 2, gpus = 1 }\n', 'deployment "x": resources: give cpu_cores or gpus'),
     ('[[deployment]]\nname = "x"\nbase_url = "ftp://h"\n', "deployment \"x\": base_url: 'ftp://h' is not"),

@@ -63,7 +63,7 @@ from epdserve import host
 from epdserve.argtypes import float_above
 from epdserve.bench import client, plots, recommend, repeats, report, server_metrics, sweep, workload
 from epdserve.bench.deployment_run import run_config
-from epdserve.bench.deployments import Deployment, DeploymentFileError, from_config, load
+from epdserve.bench.deployments import Deployment, DeploymentFileError, ModelVariables, from_config, load
 from epdserve.bench.processes import ServerError, server_command
 from epdserve.bench.run import add_client_arguments, parse_rates, parse_share, write_json
 from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
@@ -214,11 +214,10 @@ def _raise_interrupt(signum, frame):
 
 def selected(args: argparse.Namespace) -> list[Deployment]:
     """The deployments to run: ``--configs`` (default colocated,pd without
-    ``--deployments``), then every entry of the ``--deployments`` files; every
-    processes entry's variables are checked to be set.
+    ``--deployments``), then every entry of the ``--deployments`` files.
 
     Raises:
-        DeploymentFileError: a malformed file, a name used twice, or a variable not set.
+        DeploymentFileError: a malformed file or a name used twice.
     """
     names = args.configs if args.configs is not None else (
         [] if args.deployments else DEFAULT_CONFIGS)
@@ -227,7 +226,6 @@ def selected(args: argparse.Namespace) -> list[Deployment]:
         if dep.name in names:
             raise DeploymentFileError(f"{dep.where()}: name: already used by --configs; "
                                       f"names must be unique")
-        dep.resolved_processes()
         chosen.append(dep)
     return chosen
 
@@ -244,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         requests, spec = workload.build_from_args(args, tokenizer_path=args.model)
         client.check_sendable(requests, args.endpoint)
         args.model = server_model(args.model, requests)  # recorded in settings()
+        for dep in chosen:  # every variable set, before anything starts
+            dep.resolved_processes(ModelVariables(args.model))
         warnings, errors = preflight(args, host.mem_available_bytes(), chosen)
     except (DeploymentFileError, workload.TraceError, client.UnsupportedWorkload,
             ModelLoadError) as exc:

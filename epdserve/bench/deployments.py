@@ -20,7 +20,11 @@ file and ``--configs``). Each entry is one of three kinds:
   ``OUTPUT/NAME.pI.log``; a process's own ``ready`` is waited for before the next starts
   (e.g. two ``vllm serve`` before their proxy). ``~`` and ``${VAR}`` (or
   ``${VAR:-default}``) are expanded in ``command``, ``cwd`` and ``env`` values; ``env``
-  adds to the inherited environment;
+  adds to the inherited environment. Two variables name the model compare serves
+  (``--model``, else the default one) unless set: ``EPDSERVE_MODEL_DIR``, its float32
+  Hugging Face directory, and ``EPDSERVE_GGUF``, the GGUF file it came from (when it came
+  from one); so another server loads the same weights. ``setup`` names the command that
+  installs what the processes run (e.g. ``make vllm``): an error starting them says it;
 * ``base_url = "http://host:port"`` — something already running: never started nor
   stopped.
 
@@ -46,6 +50,8 @@ import os
 import re
 import tomllib
 import typing
+from collections.abc import Iterator, Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -53,6 +59,7 @@ from urllib.parse import urlsplit
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
+from epdserve.model.loader import ModelInfo, resolve_model
 from epdserve.serving.deployment import DeploymentSpec
 from epdserve.serving.ray_cluster import CLUSTERS, STRATEGIES, parse_resources
 
@@ -141,6 +148,7 @@ class Deployment(_Strict):
     ray_address: str | None = Field(None, min_length=1)
     ray_resources: dict[RayRole, str] | None = None
     ray_placement: dict[RayRole, Literal[STRATEGIES]] | None = None
+    setup: str | None = Field(None, min_length=1)
     _source: str = PrivateAttr("--configs")
 
     @field_validator("epdserve")
@@ -155,6 +163,8 @@ class Deployment(_Strict):
         if len(kinds) != 1:
             raise ValueError(f"give exactly one of {', '.join(KINDS)}"
                              + (f" (got {' and '.join(kinds)})" if kinds else ""))
+        if self.setup is not None and self.processes is None:
+            raise ValueError("setup: only for an entry with processes (what installs them)")
         if self.epdserve is None:
             if self.args is not None:
                 raise ValueError("args: only for an epdserve entry (put the flags in "
@@ -237,6 +247,41 @@ class Deployment(_Strict):
                 "cwd": _expand(p.cwd, env, self, f"{at}.cwd") if p.cwd else None,
                 "env": {k: _expand(v, env, self, f"{at}.env.{k}") for k, v in p.env.items()}}))
         return out
+
+
+class ModelVariables(Mapping):
+    """The environment, plus ``EPDSERVE_MODEL_DIR`` and ``EPDSERVE_GGUF`` (module doc) for
+    ``model`` (a path, or None for the default model) where the environment has none. The
+    model is resolved on first use only: converting a GGUF takes seconds the first time.
+
+    Raises:
+        epdserve.model.loader.ModelLoadError: (on reading a model variable) the model
+            cannot be found or read.
+    """
+
+    NAMES = ("EPDSERVE_MODEL_DIR", "EPDSERVE_GGUF")
+
+    def __init__(self, model: str | None, environ: Mapping[str, str] = os.environ):
+        self.model, self.environ = model, environ
+
+    @cached_property
+    def _info(self) -> ModelInfo:
+        return resolve_model(self.model)
+
+    def __getitem__(self, key: str) -> str:
+        if key in self.environ or key not in self.NAMES:
+            return self.environ[key]
+        if key == "EPDSERVE_MODEL_DIR":
+            return str(self._info.path)
+        if not self._info.source.endswith(".gguf"):
+            raise KeyError(key)  # a Hugging Face directory has no GGUF
+        return self._info.source
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.environ)
+
+    def __len__(self) -> int:
+        return len(self.environ)
 
 
 class DeploymentsFile(_Strict):

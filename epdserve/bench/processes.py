@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from epdserve.bench import client, metrics
-from epdserve.bench.deployments import Deployment, Resources
+from epdserve.bench.deployments import Deployment, ModelVariables, Resources
 from epdserve.serving.deployment import ELASTIC_SLO_KEYS, DeploymentSpec
 
 POLL_S = 0.5  # between two readiness checks
@@ -301,7 +301,7 @@ class Running:
         self.trace_file = None
         self.processes = [ServerProcess(f"{dep.name}.p{i}", p.command,
                                         out_dir / f"{dep.name}.p{i}.log", env=p.env, cwd=p.cwd)
-                          for i, p in enumerate(dep.resolved_processes())]
+                          for i, p in enumerate(dep.resolved_processes(ModelVariables(opts.model)))]
         self.metrics_urls = list(dep.metrics_urls or [])
 
     @property
@@ -360,7 +360,21 @@ class Running:
 
     def _start_processes(self) -> float:
         """Start each process, waiting for its own ready check before the next; then the
-        deployment's. Returns the seconds from the first start to ready."""
+        deployment's. Returns the seconds from the first start to ready.
+
+        Raises:
+            ServerError: as :meth:`start`; the reason names the entry's ``setup`` command,
+                if any (a program missing or failing at start is often not installed).
+        """
+        try:
+            return self._start_in_order()
+        except ServerError as exc:
+            if not self.dep.setup:
+                raise
+            raise ServerError(f"{exc.reason} (installed by `{self.dep.setup}`)",
+                              exc.log_tail) from None
+
+    def _start_in_order(self) -> float:
         started, took = [], 0.0
         for server, spec in zip(self.processes, self.dep.processes or []):
             self.say(f"starting {server.name}: {' '.join(server.cmd)}")

@@ -3,10 +3,8 @@
 :class:`MetricsWatcher` scrapes every metrics URL of a deployment (one per process: a split
 deployment has several, each counting what it saw; ``per_url`` keeps them apart) before and
 after the run, samples the gauges in between, and turns the difference into the stages of
-:data:`STAGES`, the one table mapping each engine's metric names (vLLM ``vllm:*``, SGLang
-``sglang:*``, llama.cpp's ``llamacpp:*``, epdserve's ``epdserve:*``) to queue, prefill and
-decode time, TTFT, inter-token latency (ITL), E2E latency, requests, KV cache usage and
-prefix-cache hit rate; a stage an engine does not export is None ("—"). From each kind:
+:data:`~epdserve.bench.engine_metrics.STAGES` (which metric of which engine is which
+stage); a stage an engine does not export is None ("—"). From each kind:
 
 * a histogram (seconds): after - before of its ``_count``, ``_sum`` and cumulative
   ``_bucket`` samples, summed over label sets and URLs (on the bounds every series has):
@@ -19,6 +17,7 @@ prefix-cache hit rate; a stage an engine does not export is None ("—"). From e
   read; ``_created`` samples (timestamps) are skipped;
 * a gauge: sampled every ``interval_s`` and at both ends: the mean over samples of the mean
   over series (workers, URLs), and the highest value any series had;
+* a histogram of bytes (a KV hand-off's size): count, mean and total bytes;
 * a counter of seconds (llama.cpp): per request (the server's request count, or the
   client's where the engine counts none) and per token.
 """
@@ -35,8 +34,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from epdserve.bench import tables
+from epdserve.bench.engine_metrics import ENGINES, STAGE_INFO, STAGES, STAGES_OF, Source
 
-ENGINES = {"vllm": "vllm:", "sglang": "sglang:", "llama.cpp": "llamacpp:", "epdserve": "epdserve:"}
 SETTLE_POLL_S = 0.25
 
 
@@ -95,122 +94,11 @@ def scrape(url: str, timeout_s: float = 5.0, http: httpx.Client | None = None) -
     return Scrape.parse(url, answer.text)
 
 
-# ------------------------------------------------------------------ the mapping
-@dataclass(frozen=True)
-class Source:
-    """Where an engine keeps a stage. ``kind``: "histogram" (seconds), "counter", "gauge",
-    "ratio" (Δ``metric`` / the sum of Δ``over``) or "seconds" (a counter of seconds, per
-    request and per token of Δ``over[0]``; with ``per_gap`` the mean is per gap between
-    tokens: tokens - requests, a request's first token having no gap before it).
-    ``exclude``: label values whose series are left out. ``note``: what the number is."""
-
-    kind: str
-    metric: str
-    note: str
-    over: tuple[str, ...] = ()
-    exclude: tuple[tuple[str, str], ...] = ()
-    per_gap: bool = False
-
-    def present(self, s: Scrape) -> bool:
-        suffixes = {"histogram": ("_count",), "gauge": ("",)}.get(self.kind, ("_total", ""))
-        return any(self.metric + x in s.samples for x in suffixes)
-
-
-def _h(metric: str, note: str, **kw) -> Source:
-    return Source("histogram", metric, note, **kw)
-
-
-# stage -> (row label, unit)
-STAGE_INFO = {"queue": ("queue time", "ms"), "prefill": ("prefill time", "ms"),
-              "decode": ("decode time", "ms"), "ttft": ("TTFT", "ms"),
-              "itl": ("inter-token latency", "ms"), "e2e": ("E2E latency", "ms"),
-              "requests": ("requests finished", "count"), "kv_cache_usage": ("KV cache usage", "share"),
-              "prefix_cache_hit_rate": ("prefix-cache hit rate", "share of prompt tokens")}
-
-# stage -> engine -> the places to look, first found wins (newer names first); an engine
-# missing from a stage's dict does not export it ("—").
-# vLLM V1: docs/design/metrics.md and vllm/v1/metrics/loggers.py (labels model_name, engine);
-# time_per_output_token_seconds is the per-token histogram's name before it became
-# inter_token_latency_seconds, gpu_cache_usage_perc / gpu_prefix_cache_* the older KV names.
-# SGLang: python/sglang/srt/metrics/collector.py (TokenizerMetricsCollector: TTFT, ITL, E2E,
-# num_requests; SchedulerMetricsCollector: queue_time_seconds, token_usage, cache_hit_rate)
-# and docs/references/production_metrics.md (older: time_per_output_token_seconds); no
-# prefill or decode time. llama.cpp: tools/server/server-task.cpp to_metrics() of the
-# llama.cpp vendored by llama-cpp-python 0.3.36 and tools/server/README.md "GET /metrics";
-# kv_cache_usage_ratio is in older READMEs only; no per-request histogram, no request counter.
-# epdserve: epdserve/serving/metrics.py: vLLM's names, buckets and meanings under epdserve: (with labels
-# model_name, and worker/role or stage); its vllm: names (--metrics-prefix vllm) read as vLLM's.
-_GAP = "gap between successive tokens"
-_HITS = "Δ hits ÷ Δ queries (prompt tokens)"
-_DONE, _ERRORS = "finished requests, all finish reasons but error", (("finished_reason", "error"),)
-STAGES: dict[str, dict[str, tuple[Source, ...]]] = {
-    "queue": {
-        "vllm": (_h("vllm:request_queue_time_seconds", "engine core: queued → first scheduled"),),
-        "sglang": (_h("sglang:queue_time_seconds", "scheduler: waiting queue → forward"),),
-        "epdserve": (_h("epdserve:request_queue_time_seconds", "worker queues: arrival at a worker → first "
-                        "scheduled (router queue left out); in PD a request waits twice, prefill and decode "
-                        "worker", exclude=(("stage", "router"),)),)},
-    "prefill": {
-        "vllm": (_h("vllm:request_prefill_time_seconds", "first scheduled → first token"),),
-        "llama.cpp": (Source("seconds", "llamacpp:prompt_seconds", "Σ prompt-processing wall time (batched "
-                             "prompts counted once) ÷ requests; ms/token over uncached prompt tokens",
-                             over=("llamacpp:prompt_tokens",)),),
-        "epdserve": (_h("epdserve:request_prefill_time_seconds", "first scheduled → first token, on the "
-                        "worker that prefilled"),)},
-    "decode": {
-        "vllm": (_h("vllm:request_decode_time_seconds", "first token → last token"),),
-        "llama.cpp": (Source("seconds", "llamacpp:tokens_predicted_seconds", "Σ per-request generation "
-                             "time (first → last token) ÷ requests", over=("llamacpp:tokens_predicted",)),),
-        "epdserve": (_h("epdserve:request_decode_time_seconds", "first token → last token on the worker "
-                        "that decoded (an imported request: from first scheduled)"),)},
-    "ttft": {
-        "vllm": (_h("vllm:time_to_first_token_seconds", "frontend arrival → first token"),),
-        "sglang": (_h("sglang:time_to_first_token_seconds", "tokenizer arrival → first token"),),
-        "epdserve": (_h("epdserve:time_to_first_token_seconds", "HTTP arrival at the router → first token"),)},
-    "itl": {
-        "vllm": (_h("vllm:inter_token_latency_seconds", _GAP),
-                 _h("vllm:time_per_output_token_seconds", _GAP + " (older name)")),
-        "sglang": (_h("sglang:inter_token_latency_seconds", _GAP),
-                   _h("sglang:time_per_output_token_seconds", _GAP + " (older name)")),
-        "llama.cpp": (Source("seconds", "llamacpp:tokens_predicted_seconds", "Σ generation time ÷ (tokens - "
-                             "requests): the mean gap, no percentiles", over=("llamacpp:tokens_predicted",),
-                             per_gap=True),),
-        "epdserve": (_h("epdserve:inter_token_latency_seconds", "gap between outputs reaching the router"),)},
-    "e2e": {
-        "vllm": (_h("vllm:e2e_request_latency_seconds", "frontend arrival → last token"),),
-        "sglang": (_h("sglang:e2e_request_latency_seconds", "arrival → finish"),),
-        "epdserve": (_h("epdserve:e2e_request_latency_seconds", "HTTP arrival at the router → last token"),)},
-    "requests": {
-        "vllm": (Source("counter", "vllm:request_success", _DONE, exclude=_ERRORS),),
-        "sglang": (Source("counter", "sglang:num_requests", "requests processed"),),
-        "epdserve": (Source("counter", "epdserve:request_success", _DONE, exclude=_ERRORS),)},
-    "kv_cache_usage": {
-        "vllm": (Source("gauge", "vllm:kv_cache_usage_perc", "share of KV blocks in use"),
-                 Source("gauge", "vllm:gpu_cache_usage_perc", "share of KV blocks in use (older name)")),
-        "sglang": (Source("gauge", "sglang:token_usage", "share of KV token slots in use"),),
-        "llama.cpp": (Source("gauge", "llamacpp:kv_cache_usage_ratio", "share of KV cells in use (older "
-                             "llama.cpp only)"),),
-        "epdserve": (Source("gauge", "epdserve:kv_cache_usage_perc", "share of KV blocks in use, per worker"),)},
-    "prefix_cache_hit_rate": {
-        "vllm": (Source("ratio", "vllm:prefix_cache_hits", _HITS, over=("vllm:prefix_cache_queries",)),
-                 Source("ratio", "vllm:gpu_prefix_cache_hits", _HITS + ", older name",
-                        over=("vllm:gpu_prefix_cache_queries",))),
-        "sglang": (Source("gauge", "sglang:cache_hit_rate", "the scheduler's hit-rate gauge, sampled"),),
-        "llama.cpp": (Source("ratio", "llamacpp:prompt_tokens_cached", "Δ cached ÷ Δ (cached + processed) "
-                             "prompt tokens", over=("llamacpp:prompt_tokens_cached", "llamacpp:prompt_tokens")),),
-        "epdserve": (Source("ratio", "epdserve:prefix_cache_hits", _HITS,
-                            over=("epdserve:prefix_cache_queries",)),)},
-}
-
-
-STAGES_OF = {engine: {stage: by[engine] for stage, by in STAGES.items() if engine in by} for engine in ENGINES}
-
-
 def detect_engine(scrapes: list[Scrape]) -> str | None:
     """The engine whose name prefix (:data:`ENGINES`) most sample names carry; None: none.
     An ``epdserve:`` stage metric makes it "epdserve" (its ``vllm:`` names, if exported too,
     lump the stages together); with ``--metrics-prefix vllm`` it reads as vLLM."""
-    if any(src.present(s) for s in scrapes for sources in STAGES_OF["epdserve"].values() for src in sources):
+    if any(src.present(s.samples) for s in scrapes for sources in STAGES_OF["epdserve"].values() for src in sources):
         return "epdserve"
     seen = Counter(engine for s in scrapes for name in s.samples
                    for engine, prefix in ENGINES.items() if name.startswith(prefix))
@@ -303,6 +191,10 @@ def _stage(src: Source, pairs: dict[str, tuple[Scrape, Scrape]], rounds: list[li
     "seconds" kind."""
     if src.kind == "gauge":
         return gauge_stats(rounds, src.metric)
+    if src.kind == "bytes":
+        h = histogram_delta(list(pairs.values()), src.metric, src.exclude)
+        return {"kind": "bytes", "count": int(round(h["count"])), "total_bytes": h["sum"],
+                "mean_bytes": h["sum"] / h["count"] if h["count"] > 0 else None}
     if src.kind == "histogram":
         return {**histogram_stage(histogram_delta(list(pairs.values()), src.metric, src.exclude)),
                 "per_url": {url: int(round(counter_delta(b, a, src.metric + "_count", src.exclude)))
@@ -335,7 +227,7 @@ def stages_between(before: dict[str, Scrape], after: dict[str, Scrape], rounds: 
     pairs = {u: (before[u], after[u]) for u in after if u in before}
     rounds = [list(before.values()), *rounds, list(after.values())]
     sources = STAGES_OF.get(engine, {})
-    found = {stage: next((s for s in sources.get(stage, ()) if any(s.present(a) for _, a in pairs.values())),
+    found = {stage: next((s for s in sources.get(stage, ()) if any(s.present(a.samples) for _, a in pairs.values())),
                          None) for stage in STAGES}
     requests = (None, None) if completed_requests is None else (completed_requests, "client")
     if found["requests"]:  # the divisor of the "seconds" stages
@@ -449,6 +341,10 @@ def stage_cell(stage: dict | None) -> str:
             return "n=0"
         return (f"{_ms(stage['mean_ms'])} (p50 {_ms(stage['p50_ms'], stage['p50_at_least'])}, "
                 f"p95 {_ms(stage['p95_ms'], stage['p95_at_least'])}) n={stage['count']}{_per_url(stage['per_url'])}")
+    if kind == "bytes":
+        if not stage["count"]:
+            return "n=0"
+        return f"{stage['mean_bytes'] / 1e6:,.2f} (Σ {stage['total_bytes'] / 1e6:,.1f}) n={stage['count']}"
     if kind == "counter":
         return f"{stage['delta']:g}{_per_url(stage['per_url'])}"
     if kind == "gauge":
@@ -462,12 +358,15 @@ def stage_cell(stage: dict | None) -> str:
     return f"{_ms(stage['mean_ms'])}; {per_token}; {n}"
 
 
+UNIT_TEXT = {"ms": "mean (p50, p95) ms", "MB": "mean (Σ) MB"}
+
+
 def stages_table(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the stages table: a row per stage (label, unit), a column per
     entry (``entry["name"]``, its stages in ``entry["server_metrics"]``)."""
     cell = lambda e, stage: stage_cell(((e.get("server_metrics") or {}).get("stages") or {}).get(stage))  # noqa: E731
     return ["Stage", *(e["name"] for e in entries)], [
-        [f"{label}, {'mean (p50, p95) ms' if unit == 'ms' else unit}", *(cell(e, stage) for e in entries)]
+        [f"{label}, {UNIT_TEXT.get(unit, unit)}", *(cell(e, stage) for e in entries)]
         for stage, (label, unit) in STAGE_INFO.items()]
 
 
