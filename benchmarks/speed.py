@@ -141,6 +141,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     v.add_argument("--vllm-bind", type=parse_bind, default=engines.default_vllm_bind(), metavar="CPUS|auto",
                    help="VLLM_CPU_OMP_THREADS_BIND (default %(default)s: every core of this run; auto: "
                         "vLLM's default, a core left to its front end)")
+    v.add_argument("--vllm-preload", nargs="+", default=[], metavar="LIB",
+                   help="libraries vLLM gets in LD_PRELOAD, as its log recommends, e.g. "
+                        "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 .venv-vllm/lib/libiomp5.so")
     v.add_argument("--vllm-startup-timeout", type=float, default=engines.VLLM_STARTUP_TIMEOUT_S, metavar="S",
                    help="seconds to wait for vllm's /health (default %(default)g)")
     return p.parse_args(argv)
@@ -180,7 +183,7 @@ def settings_of(args, info, traces: dict, concurrency: list[int], binary: Path |
                                     "version": (version.stdout + version.stderr).strip()[-200:]}
     if "vllm" in args.engines:
         settings["vllm"] = {"command": engines.vllm_command(args.vllm, info.path, info.name, args.port + 2),
-                            "env": engines.vllm_env(args.vllm_bind)}
+                            "env": engines.vllm_env(args.vllm_bind, args.vllm_preload)}
     return settings
 
 
@@ -262,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             "llama-server", engines.llama_server_command(binary, info.source, args.port + 1, slot),
             args.port + 1, traces, out_dir, args.startup_timeout, record),
         "transformers": lambda: run_transformers(info.path, traces, args.threads, record),
-        "vllm": lambda: engines.run_vllm(args.vllm, info.path, info.name, args.port + 2, args.vllm_bind,
+        "vllm": lambda: engines.run_vllm(args.vllm, info.path, info.name, args.port + 2,
+                                         engines.vllm_env(args.vllm_bind, args.vllm_preload),
                                          traces, out_dir, args.vllm_startup_timeout, record),
     }
     try:

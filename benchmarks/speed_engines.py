@@ -152,15 +152,17 @@ def vllm_command(binary: Path, model_dir: Path, served_name: str, port: int) -> 
             "--host", "127.0.0.1", "--port", str(port)]
 
 
-def vllm_env(bind: str, kv_gib: int = VLLM_KV_GIB) -> dict[str, str]:
-    """vLLM's CPU settings: the KV cache space (GiB) and the OpenMP binding (docs/vllm.md)."""
-    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": bind}
+def vllm_env(bind: str, preload: list[str] = (), kv_gib: int = VLLM_KV_GIB) -> dict[str, str]:
+    """vLLM's CPU settings: the KV cache space (GiB), the OpenMP binding and the libraries
+    its log asks to have preloaded (tcmalloc, Intel's OpenMP; docs/vllm.md)."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": bind}
+    return {**env, "LD_PRELOAD": ":".join(preload)} if preload else env
 
 
-def run_vllm(binary: Path, model_dir: Path, served_name: str, port: int, bind: str, traces: dict,
+def run_vllm(binary: Path, model_dir: Path, served_name: str, port: int, env: dict[str, str], traces: dict,
              out_dir: Path, startup_timeout_s: float, record) -> None:
-    """:func:`run_server_engine` for ``vllm serve`` (its ``/health`` answers 200 with an
-    empty body once the engine is up).
+    """:func:`run_server_engine` for ``vllm serve`` with ``env`` (:func:`vllm_env`; its
+    ``/health`` answers 200 with an empty body once the engine is up).
 
     Raises:
         ServerError: no vllm binary (run ``make vllm``), or as :func:`run_server_engine`.
@@ -169,4 +171,4 @@ def run_vllm(binary: Path, model_dir: Path, served_name: str, port: int, bind: s
         raise ServerError(f"vllm: {binary} is not an executable file; run `make vllm` "
                           f"(or pass --vllm PATH)")
     run_server_engine("vllm", vllm_command(binary, model_dir, served_name, port), port, traces,
-                      out_dir, startup_timeout_s, record, env=vllm_env(bind), health_workers=0)
+                      out_dir, startup_timeout_s, record, env=env, health_workers=0)
