@@ -96,9 +96,11 @@ def scrape(url: str, timeout_s: float = 5.0, http: httpx.Client | None = None) -
 
 def detect_engine(scrapes: list[Scrape]) -> str | None:
     """The engine whose name prefix (:data:`ENGINES`) most sample names carry; None: none.
-    An ``epdserve:`` stage metric makes it "epdserve" (its ``vllm:`` names, if exported too,
-    lump the stages together); with ``--metrics-prefix vllm`` it reads as vLLM."""
-    if any(src.present(s.samples) for s in scrapes for sources in STAGES_OF["epdserve"].values() for src in sources):
+    epdserve's ``epdserve:`` TTFT histogram makes it "epdserve" (its ``vllm:`` names, if
+    exported too, lump the stages together); with ``--metrics-prefix vllm`` that one is
+    renamed and it reads as vLLM (its KV hand-off series keep their ``epdserve:`` names either
+    way, so they do not decide)."""
+    if any(src.present(s.samples) for s in scrapes for src in STAGES_OF["epdserve"]["ttft"]):
         return "epdserve"
     seen = Counter(engine for s in scrapes for name in s.samples
                    for engine, prefix in ENGINES.items() if name.startswith(prefix))
