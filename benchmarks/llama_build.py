@@ -20,12 +20,22 @@ import tarfile
 from pathlib import Path
 
 from epdserve.bench.processes import log_tail
+from epdserve.model.kernels import cpu_flags
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
 
 class BuildError(RuntimeError):
     """llama-server could not be built; the message has the command and the log tail."""
+
+
+def runtime_flags() -> list[str]:
+    """The llama-server flags this CPU needs: ``--no-repack`` where it has AMX. The
+    ``GGML_NATIVE`` build then holds the Q4_1 weights in ggml's AMX buffers, and
+    ``ggml_backend_amx_mul_mat`` crashes (SIGSEGV) on the first batch (llama.cpp of
+    llama-cpp-python 0.3.36; seen on a Xeon with AMX-INT8/BF16). Without repacking the
+    weights stay in the plain CPU buffers."""
+    return ["--no-repack"] if any(f.startswith("amx") for f in cpu_flags()) else []
 
 
 def default_cache_dir(version: str) -> Path:

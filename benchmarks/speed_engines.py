@@ -13,6 +13,7 @@ from pathlib import Path
 from epdserve.bench import datasets, workload
 from epdserve.bench.processes import SERVE, ServerError, ServerProcess, port_is_free, wait_ready
 from epdserve.bench.run import bench
+from llama_build import runtime_flags  # benchmarks/
 
 LLAMA_PARALLEL = 32  # llama-server slots: as many as the highest default concurrency
 LLAMA_THREADS = 2
@@ -109,7 +110,7 @@ def llama_server_command(binary: Path, gguf: str, port: int, slot_tokens: int) -
             "--alias", Path(gguf).name.split(".")[0],
             "--parallel", str(LLAMA_PARALLEL), "--threads", str(LLAMA_THREADS),
             "--threads-batch", str(LLAMA_THREADS), "--ctx-size", str(LLAMA_PARALLEL * slot_tokens),
-            "--cont-batching", "--jinja", "--no-webui"]
+            "--cont-batching", "--jinja", "--no-webui", *runtime_flags()]
 
 
 def vllm_installed() -> bool:

@@ -406,29 +406,31 @@ def _alive(pid: int, start_ticks: int) -> bool:
 
 
 @pytest.fixture(scope="session")
-def llama_server() -> Path:
-    """The llama-server binary built once by ``benchmarks/llama_build.py`` (cached under
-    ~/.cache/epdserve; the first build takes many minutes on 2 cores); the tests using it
-    are skipped, with the reason, when it cannot be built here."""
+def llama_server() -> argparse.Namespace:
+    """``binary``: the llama-server built once by ``benchmarks/llama_build.py`` (cached under
+    ~/.cache/epdserve; the first build takes many minutes on 2 cores), and the
+    ``runtime_flags`` this CPU needs; the tests using it are skipped, with the reason, when
+    it cannot be built here."""
     spec = importlib.util.spec_from_file_location("llama_build", ROOT / "benchmarks" / "llama_build.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
     version = build.LLAMA_CPP_PYTHON_VERSION
     try:
-        return build.build_llama_server(version, build.default_cache_dir(version))
+        binary = build.build_llama_server(version, build.default_cache_dir(version))
     except build.BuildError as exc:  # no cmake or compiler, no sdist, a failed build
         pytest.skip(f"llama-server cannot be built here: {str(exc).splitlines()[0]}")
+    return argparse.Namespace(binary=binary, runtime_flags=build.runtime_flags())
 
 
 def test_llama_server_and_epdserve_colocated_on_the_same_trace(tmp_path, llama_server, model_info,
                                                                 monkeypatch):
-    monkeypatch.setenv("LLAMA_SERVER", str(llama_server))
+    monkeypatch.setenv("LLAMA_SERVER", str(llama_server.binary))
     monkeypatch.setenv("EPDSERVE_GGUF", str(model_info.source))
     port = free_port()
     llama = ["${LLAMA_SERVER}", "-m", "${EPDSERVE_GGUF}", "--host", "127.0.0.1", "--port",
              str(port), "--alias", "smollm2", "--parallel", "4", "--ctx-size", "4096",
              "--threads", "2", "--threads-batch", "2", "--cont-batching", "--jinja",
-             "--no-webui", "--metrics"]
+             "--no-webui", "--metrics", *llama_server.runtime_flags]
     path = write(tmp_path / "d.toml", (
         f'[[deployment]]\nname = "llama-server"\nmode = "colocated"\n'
         f'openai_base_url = "http://127.0.0.1:{port}/v1"\n'
