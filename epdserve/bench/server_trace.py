@@ -13,7 +13,7 @@ colocated.
 Beside the request records, the router of an elastic deployment (``serve --elastic``)
 writes event lines, JSON objects with an ``event`` key (request records never have one):
 ``role`` (a worker admitted in a role, asked to switch, or done switching),
-``elastic_decision`` and ``elastic_sample`` (the format: the contract of issue 20, in
+``elastic_decision`` and ``elastic_sample`` (the format: in
 docs/comparing.md). :func:`read` skips them; :func:`role_timeline` reads the roles over
 time and the switches from them.
 """

@@ -1,4 +1,4 @@
-"""Replay of the elastic controller's policy on recorded signal samples (issue 20).
+"""Replay of the elastic controller's policy on recorded signal samples.
 
 The router's controller writes every signal sample it takes to its ``--trace-file`` as an
 ``{"event": "elastic_sample", "at": UNIX_S, "sample": {...}}`` line

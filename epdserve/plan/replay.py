@@ -1,7 +1,7 @@
 """Steady-state replay: what a deployment sustains at a rate, measured once its queue has settled.
 
 A trace of a few requests re-timed to a high rate is over before a queue can build up: its
-requests meet their SLOs and the rate looks sustainable when it is not (issue 16: sent
+requests meet their SLOs and the rate looks sustainable when it is not (measured: sent
 once, 20 requests of 100-300 tokens in and 50-100 out planned colocated-2 on 2 cores at
 4.68 req/s, 300 of the same shape at 2.12). So :func:`replay` sends the trace back to back at the rate under
 test, until the deployment reaches a steady state or is found not to.

@@ -1,4 +1,4 @@
-"""Elastic deployments in the simulator (issue 20, ``serve --elastic``, docs/elastic.md).
+"""Elastic deployments in the simulator (``serve --elastic``, docs/elastic.md).
 
 A simulated engine worker changes role between colocated, prefill and decode as a live one
 does ("A switch"): the router routes by its new role at once (:meth:`Simulation.pick`

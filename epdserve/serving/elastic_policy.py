@@ -1,4 +1,4 @@
-"""The elastic controller's policy (issue 20): which role each engine worker should have, as a
+"""The elastic controller's policy: which role each engine worker should have, as a
 pure function of the signals the router measured over a sliding window.
 
 The router samples its signals every ``--elastic-interval`` seconds (a :class:`Sample`) and

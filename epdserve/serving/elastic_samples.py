@@ -1,4 +1,4 @@
-"""The elastic controller's input (issue 20): one :class:`Sample` of the router's signals,
+"""The elastic controller's input: one :class:`Sample` of the router's signals,
 with its JSON form (the ``sample`` of a trace's ``elastic_sample`` line) checked field by
 field on the way back in, so a replayed trace is either read exactly or refused with the
 key and value at fault. The policy that reads them: :mod:`epdserve.serving.elastic_policy`.
@@ -14,7 +14,7 @@ from epdserve.serving.deployment import ENGINE_ROLES as ROLES
 
 @dataclass(frozen=True)
 class WorkerSignal:
-    """One engine worker at one sample, as the router sees it (the contract of issue 20)."""
+    """One engine worker at one sample, as the router sees it (the format in docs/comparing.md)."""
     worker_id: str
     role: str           # its routing role now, one of ROLES
     switching: bool     # a switch was asked and the worker has not announced it yet

@@ -1,4 +1,4 @@
-"""The elastic controller's scaling policy (issue 20, point 5): whether to add an engine
+"""The elastic controller's scaling policy: whether to add an engine
 worker, retire one, or hold, within ``[min_workers, max_workers]`` (``serve --elastic
 --max-workers N``; the starting workers are the minimum). A pure function of the signal
 samples, as :func:`epdserve.serving.elastic_policy.decide` (whose :class:`Sample` and

@@ -1,4 +1,4 @@
-"""KV hand-off from GPU to GPU on one host by CUDA IPC (issue 18, point 3).
+"""KV hand-off from GPU to GPU on one host by CUDA IPC.
 
 A prefill worker whose KV cache lives on a GPU keeps it in a :class:`DevicePool`: the
 device tensor ``kv [layers, 2, num_blocks, block_size, kv_heads, head_dim]``, shared ONCE

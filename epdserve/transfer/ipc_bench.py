@@ -152,7 +152,7 @@ def ipc_copy_benchmark(num_tokens: int, layout: dict = LLAMA_8B_LAYOUT, device: 
     "ipc_vs_d2d"}``: ms are medians over ``repeats`` (after one warm-up), each including
     the wait for the copy to end (and, for IPC, the tag checks before and after); GB/s =
     ``kv_bytes`` / time / 1e9, bytes copied once (each is read and written once);
-    ``ipc_vs_d2d`` = ipc_gbps / d2d_gbps (issue 18's goal: >= 0.5).
+    ``ipc_vs_d2d`` = ipc_gbps / d2d_gbps (goal: >= 0.5, docs/gpu-handoff.md).
 
     Raises:
         RuntimeError, IpcError: as :func:`exporter_process`; torch's errors without a GPU.
