@@ -63,7 +63,7 @@ $(VLLM_STAMP): Makefile benchmarks/vllm_venv.py
 vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/epdserve compare --workload demo --output results/demo
+	$(VENV)/bin/epdserve compare --workload demo --output results/demo --budget 6
 
 # The API fuzz suite (>= 1,000 hypothesis cases per deployment), the interop suite
 # (deployment files: other servers' processes, their faults, and llama-server next to

@@ -18,7 +18,7 @@ Configurations (``--configs``, default ``colocated,colocated-2,1p1d,elastic``): 
 static ones and ``elastic`` (2 workers that change role live; the workers and cores of
 ``colocated-2`` and ``1p1d``). For each workload it prints each configuration's goodput
 per core (requests within the SLOs per second, over the cores the deployment ran on:
-:func:`epdserve.bench.recommend.figures`) and the ratio **elastic / best static**, and
+:func:`epdserve.bench.rules.figures`) and the ratio **elastic / best static**, and
 writes ``elastic.json`` and ``elastic.png`` (bars of goodput per core) under ``--output``,
 each compare run under ``--output/WORKLOAD/``.
 
@@ -69,7 +69,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from epdserve.bench.compare import parse_configs  # noqa: E402
 from epdserve.bench.metrics import slo_values_ms  # noqa: E402
-from epdserve.bench.recommend import figures  # noqa: E402
+from epdserve.bench.rules import figures  # noqa: E402
 from epdserve.bench.workload import parse_shift_phases  # noqa: E402
 from epdserve.serving.deployment import DeploymentSpec  # noqa: E402
 
@@ -119,7 +119,7 @@ def compare_command(args: argparse.Namespace, workload: str, out: Path) -> list[
     seed (and the shift's phases)."""
     cmd = [*EPDSERVE, "compare", "--workload", workload, "--configs", ",".join(args.configs),
            "--goodput", *(f"{k}:{v:g}" for k, v in SLOS_MS.items()), "--seed", str(args.seed),
-           "--output", str(out)]
+           "--repeats", "1", "--output", str(out)]
     if workload == "shift" and args.shift_phases is not None:
         from epdserve.bench.datasets import format_phases
         cmd += ["--shift-phases", format_phases(args.shift_phases)]

@@ -109,7 +109,7 @@ def run_compare(args: argparse.Namespace, workload_args: list[str], out: Path) -
     run([*EPDSERVE, "compare", "--configs", ",".join(args.configs), "--goodput", *slo_args(args.goodput),
          "--sweep-rates", "{:g}:{:g}".format(*args.sweep_rates), "--sweep-iters", str(args.sweep_iters),
          "--goodput-target", str(args.goodput_target), "--seed", str(args.seed), "--output", str(out),
-         *workload_args])
+         "--repeats", "1", *workload_args])
 
 
 def run_plan(args: argparse.Namespace, trace: Path, replay: str, out: Path) -> None:

@@ -5,7 +5,8 @@ its last ``Output`` (or ``Encoded``); the router adds its own stamps and the wor
 timings into one :class:`RequestTrace` per request (per choice of an ``n > 1`` request),
 which is the server trace file's JSON line (:meth:`RequestTrace.as_json`), feeds
 ``/metrics``, and is what ``bench``'s breakdown and ``plan``'s calibration read back
-(:meth:`RequestTrace.from_json`). All times are milliseconds (``*_ms``), sizes bytes.
+(:meth:`RequestTrace.from_json`). All times are milliseconds (``*_ms``), sizes bytes,
+``*_tokens`` token counts.
 
 Stages, in the order a request meets them. TTFT = ``router_queue_ms`` + [image stages] +
 the first worker's queue + ``prefill_ms`` [+ ``kv_export_ms``] + ``ttft_hop_ms``:
@@ -27,13 +28,41 @@ the first worker's queue + ``prefill_ms`` [+ ``kv_export_ms``] + ``ttft_hop_ms``
   the layer pipeline, the per-layer copies made inside the prefill step.
 * ``ttft_hop_ms`` (derived): the rest of TTFT, dispatch to the first token back at the router
   less the stages above (ZeroMQ and event-loop hops).
-* ``router_hop_ms``: first token at the router to the request sent to the decode worker.
+
+A PD hand-off's gap, the first token at the router to the second (``handoff_gap_ms``) =
+``router_hop_ms`` + ``kv_fetch_ms`` + ``decode_queue_ms`` + ``kv_import_ms`` +
+``first_decode_ms`` + ``handoff_hop_ms``:
+
+* ``router_hop_ms``: first token at the router to the request handed to the send to the
+  decode worker (the router writes the first token to the client meanwhile; encoding and
+  sending it are hops).
 * ``kv_fetch_ms`` (shm map or TCP, before the request is queued; ``kv_tcp`` 1.0 when over
   TCP), ``kv_import_ms`` (into the decode worker's cache, within its first step) and
   ``kv_transfer_ms`` (derived): export + router hop + fetch + import (0 in colocated).
+* ``first_decode_ms`` (PD hand-off): the decode worker's first step for the request, the
+  one that admits it into the running batch, from first scheduled to its first token
+  there (the request's second) sampled, less its ``kv_import_ms``: the other requests'
+  imports in that step, freeing the imported KV's source (a /dev/shm mapping or a TCP
+  buffer), and the step's forward pass and sampling, batched with the running requests.
+* ``handoff_gap_ms`` (PD hand-off): the first token at the router to the second token at
+  the router (the router's view of the client's token 1 -> 2 gap); ``handoff_hop_ms``
+  (derived): what of it no stage covers, ``handoff_gap_ms`` less ``router_hop_ms``,
+  ``kv_fetch_ms``, ``decode_queue_ms``, ``kv_import_ms`` and ``first_decode_ms``: the
+  ZeroMQ and event-loop hops of the ``AddRequest`` to the decode worker and of the second
+  token back to the router.
 * ``decode_ms``: first token to last token on the worker that decoded; for an imported
-  request from first scheduled (it includes ``kv_import_ms``).
+  request from first scheduled (it includes ``kv_import_ms`` and ``first_decode_ms``).
 * ``ttft_ms``, ``e2e_ms``: HTTP arrival to the first / last token at the router.
+
+Not a time: ``recomputed_tokens``, the tokens whose K/V a worker computed again after it
+preempted the request (recompute: the prompt, imported or not, and the tokens generated so
+far, less the blocks still found in its prefix cache), summed over the request's workers;
+0 when never preempted. They are the tokens a worker's steps computed for the request
+(its ``iteration_tokens_total``) beyond those it needed.
+
+``finish_reason``: vLLM's, as ``/metrics`` counts them in ``request_success_total``: "stop",
+"length", "error" (a worker failed it, or it went down or silent; ``error`` says why) or
+"abort" (the client went away before the end).
 
 ``path`` is "colocated", "disaggregated" (prefill worker, then decode worker) or "local" (a
 PD request under ``--local-prefill-threshold``, prefilled by the decode worker itself).
@@ -60,6 +89,8 @@ class WorkerStages(BaseModel):
     kv_fetch_ms: float | None = None
     kv_tcp: float | None = None
     kv_import_ms: float | None = None
+    first_decode_ms: float | None = None
+    recomputed_tokens: int | None = None
     encode_queue_ms: float | None = None
     encode_ms: float | None = None
     embedding_export_ms: float | None = None
@@ -85,7 +116,7 @@ class StageTimings(WorkerStages):
     @model_serializer
     def _measured_only(self) -> dict[str, float]:
         # Every streamed Output carries timings, almost always none: on the wire they are
-        # {} rather than 14 nulls, which doubled the size and decode time of a token's frame.
+        # {} rather than a null per stage, which doubled the size and decode time of a token's frame.
         return self.measured()
 
     def update(self, other: StageTimings) -> None:
@@ -99,7 +130,8 @@ class RequestTrace(WorkerStages):
 
     Stored fields are what the router and the workers measured (the workers' queues by
     role, their other stages as :class:`WorkerStages`); ``queue_ms``,
-    ``kv_transfer_ms``, ``embedding_transfer_ms`` and ``ttft_hop_ms`` are derived
+    ``kv_transfer_ms``, ``embedding_transfer_ms``, ``ttft_hop_ms`` and ``handoff_hop_ms``
+    are derived
     (properties), as the module docstring defines them. Unknown keys of a JSON line are
     ignored, so older and newer trace files both read.
     """
@@ -132,6 +164,7 @@ class RequestTrace(WorkerStages):
     num_images: int | None = None
     router_queue_ms: float | None = None
     router_hop_ms: float | None = None
+    handoff_gap_ms: float | None = None
     ttft_ms: float | None = None
     e2e_ms: float | None = None
     colocated_queue_ms: float | None = None
@@ -141,12 +174,14 @@ class RequestTrace(WorkerStages):
     def add(self, role: str, timings: StageTimings) -> None:
         """Take a worker's measurements: its queue under ``<role>_queue_ms``, the rest by
         name (a later one replaces an earlier one), except ``embedding_bytes`` of encode
-        workers, which add up (each sends its share of the images)."""
+        workers and ``recomputed_tokens``, which add up (each worker sends its own)."""
         for key, value in timings.measured().items():
             if key == "queue_ms":
                 key = f"{role}_queue_ms"
             elif key == "embedding_bytes" and role == "encode":
                 value += self.embedding_bytes or 0.0
+            elif key == "recomputed_tokens":
+                value += self.recomputed_tokens or 0
             setattr(self, key, value)
 
     @property
@@ -186,6 +221,16 @@ class RequestTrace(WorkerStages):
         return round(self.ttft_ms - self.router_queue_ms - first_queue - images - self.prefill_ms
                      - (self.kv_export_ms or 0.0), 3)
 
+    @property
+    def handoff_hop_ms(self) -> float | None:
+        """The router's token 1 -> 2 gap of a hand-off (``handoff_gap_ms``) less every stage
+        in it that a process measured: the hops of the ``AddRequest`` to the decode worker
+        and of the second token back (ms); None without a hand-off or a stage it needs."""
+        if None in (self.handoff_gap_ms, self.kv_import_ms, self.first_decode_ms):
+            return None
+        return round(self.handoff_gap_ms - (self.router_hop_ms or 0.0) - (self.kv_fetch_ms or 0.0)
+                     - (self.decode_queue_ms or 0.0) - self.kv_import_ms - self.first_decode_ms, 3)
+
     def as_json(self) -> dict:
         """The trace file's JSON object: identity and router stamps always (None where not
         reached), every measured stage, and the derived stages that apply."""
@@ -199,7 +244,8 @@ class RequestTrace(WorkerStages):
         if self.num_images:
             rec["embedding_bytes"] = self.embedding_bytes or 0.0
         derived = {"queue_ms": self.queue_ms, "kv_transfer_ms": self.kv_transfer_ms,
-                   "embedding_transfer_ms": self.embedding_transfer_ms, "ttft_hop_ms": self.ttft_hop_ms}
+                   "embedding_transfer_ms": self.embedding_transfer_ms, "ttft_hop_ms": self.ttft_hop_ms,
+                   "handoff_hop_ms": self.handoff_hop_ms}
         rec.update({k: v for k, v in derived.items() if v is not None})
         return rec
 

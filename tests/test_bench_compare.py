@@ -38,7 +38,7 @@ def compare_args(port: int, *extra: str):
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
     return parser.parse_args(["--port", str(port), "--disable-tqdm", "--startup-timeout", "30",
-                              *extra])
+                              "--repeats", "1", *extra])
 
 
 def group_alive(pgid: int) -> bool:
@@ -579,7 +579,8 @@ def test_repeats_run_interleaved_and_fold_into_one_entry_each(monkeypatch, tmp_p
     monkeypatch.setattr(compare, "run_config", fake_run)
     args = argparse.Namespace(repeats=3)
     chosen = [compare.from_config("colocated"), compare.from_config("pd")]
-    entries, status = compare._run_all(chosen, [], args, tmp_path)
+    entries, status, stopped = compare._run_all(chosen, [], args, tmp_path)
+    assert stopped == "--repeats 3: 3 runs per configuration."
     assert order == [("colocated", "1/6"), ("pd", "2/6"), ("colocated", "3/6"), ("pd", "4/6"),
                      ("colocated", "5/6"), ("pd", "6/6")]
     assert status == 1  # one run failed

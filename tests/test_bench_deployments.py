@@ -41,7 +41,7 @@ def write(path: Path, text: str) -> Path:
 def compare_args(*extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
-    return parser.parse_args(["--disable-tqdm", *extra])
+    return parser.parse_args(["--disable-tqdm", "--repeats", "1", *extra])
 
 
 def stub_entry(name: str, port: int) -> str:
@@ -325,7 +325,7 @@ def test_a_deployment_killed_mid_run_counts_its_failures_and_the_next_one_runs(t
     trace = saved_trace(tmp_path / "t.jsonl", [req(0.5 * i, f"count to {i}", 8) for i in range(8)])
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "epdserve", "compare", "--deployments", str(path), "--trace",
-           str(trace), "--output", str(out), "--warmup", "0", "--disable-tqdm"]
+           str(trace), "--output", str(out), "--warmup", "0", "--disable-tqdm", "--repeats", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     tree, lines = {}, []
@@ -372,7 +372,7 @@ def test_sigterm_to_compare_stops_every_process_it_started(tmp_path):
     trace = saved_trace(tmp_path / "t.jsonl", [req(0.0, "now"), req(60.0, "a minute later")])
     proc = subprocess.Popen([sys.executable, "-m", "epdserve", "compare", "--deployments", str(path),
                              "--trace", str(trace), "--output", str(tmp_path / "out"),
-                             "--disable-tqdm"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--disable-tqdm", "--repeats", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         for line in proc.stdout:

@@ -6,19 +6,22 @@ import pytest
 from epdserve.bench import report
 from epdserve.bench.client import RequestRecord
 from epdserve.bench.metrics import compute
-from epdserve.bench.recommend import cannot_tell_apart, figures, recommend
+from epdserve.bench.recommend import recommend
+from epdserve.bench.rules import cannot_tell_apart, figures
 from epdserve.bench.repeats import combine
 
 SLOS = {"ttft": 2000.0, "tpot": 200.0}
 
 
 def entry(name, mode="colocated", *, ttft95=1000.0, itl50=100.0, itl95=200.0, itl99=400.0,
-          tput=20.0, goodput=0.5, cores=2, failed=0, completed=20, stalls=0, handoff=None):
+          tput=20.0, goodput=0.5, cores=2, failed=0, completed=20, stalls=0, handoff=None,
+          e2el50=5000.0):
     """A compare entry measured with --goodput SLOS, with the fields the rules read (ms,
     tok/s, req/s)."""
     e = {"name": name, "mode": mode,
          "result": {"p95_ttft_ms": ttft95, "mean_ttft_ms": ttft95 / 2, "median_itl_ms": itl50,
                     "p95_itl_ms": itl95, "p99_itl_ms": itl99, "output_throughput": tput,
+                    "median_e2el_ms": e2el50,
                     "request_goodput": goodput, "slo_attainment": goodput and 0.9,
                     "goodput_slos_ms": SLOS, "completed": completed, "failed": failed},
          "resources": {"num_cores": cores},
@@ -32,8 +35,9 @@ def entry(name, mode="colocated", *, ttft95=1000.0, itl50=100.0, itl95=200.0, it
     return e
 
 
-GAP = {"n": 20, "parts": ["KV import", "other"], "mean": {"KV import": 10.0, "other": 110.0},
-       "p95": {"KV import": 20.0, "other": 200.0}}
+GAP = {"n": 20, "parts": ["KV import", "first decode step", "other"],
+       "mean": {"KV import": 10.0, "first decode step": 109.0, "other": 1.0},
+       "p95": {"KV import": 20.0, "first decode step": 200.0, "other": 2.0}}
 
 
 def stream(i: int, ttft: float, gap: float, freeze: float = 0.0) -> RequestRecord:
@@ -46,9 +50,10 @@ def stream(i: int, ttft: float, gap: float, freeze: float = 0.0) -> RequestRecor
 
 
 def measured(name, mode, records, slos=None):
-    """A compare entry whose result comes from the client records, as bench computes it."""
-    return {"name": name, "mode": mode, "result": compute(records, slos),
-            "resources": {"num_cores": 2}, "itl_stalls": 0}
+    """A compare entry whose result comes from the client records, as bench computes it,
+    with its per-request outcomes (as repeats.combine keeps them)."""
+    return combine([{"name": name, "mode": mode, "result": compute(records, slos),
+                     "resources": {"num_cores": 2}, "itl_stalls": 0}])
 
 
 def frozen_colocated_and_slow_pd(slos=None):
@@ -72,13 +77,18 @@ def test_one_rule_default_slos_judge_and_are_stated():
     # colocated: 5 of 10 within the SLOs over a 12.5 s run; pd: 10 over 11.5 s; 2 cores.
     # The freezes are 5 of 200 gaps: the pooled ITL p95 does not show them.
     assert figures(entries[0])["slo_attainment"] == pytest.approx(0.5)
-    assert rec["reasons"][0].startswith("Split prefill and decode: pd vs colocated on the same "
-                                        "cores (2): pd serves 0.435 req/s per core within the "
-                                        "SLOs, colocated 0.2; ITL p50 50.0 vs 50.0 ms, ITL p95 "
-                                        "50.0 vs 50.0 ms, TTFT p95 1,500 vs 500 ms.")
+    # Paired: the 5 frozen colocated streams are the only requests the two disagree on.
+    assert rec["verdict"] == "better" and rec["settled"]
+    assert rec["reasons"][0] == (
+        "Split prefill and decode: pd vs colocated on the same cores (2): pd is better: goodput "
+        "req/s per core +117 % (95% CI +57 %..+177 %; 0.435 vs 0.2); per request, within the "
+        "SLOs in both 5, only pd 5, only colocated 0, neither 0; per request (pd - colocated, "
+        "median, 95% CI): TTFT 1,000 ms (1,000..1,000), longest ITL gap -1,000 ms "
+        "(-2,000..0.0); ITL p50 50.0 vs 50.0 ms, ITL p95 50.0 vs 50.0 ms, TTFT p95 1,500 vs 500 ms.")
     md = report.recommendation_markdown(rec)
-    assert md.startswith("## Recommendation\n\n**Use pd** (a PD split).\n\nJudged by goodput "
-                         "per core against the default SLOs")
+    assert md.startswith("## Recommendation\n\n**Use pd** (a PD split): goodput req/s per core "
+                         "+117 % over colocated (95% CI +57..+177 %).\n\nJudged by goodput "
+                         "per core against the default SLOs"), md
 
 
 def test_with_slos_given_the_same_rule_uses_them():
@@ -94,15 +104,15 @@ def test_one_run_says_the_spread_is_unknown_and_ties_within_5_percent():
     rec = recommend(entries)
     assert rec["choice"] == "colocated" and rec["cannot_tell_apart"] == ["colocated", "pd"]
     assert rec["runs"] == 1 and rec["n"] == 20
-    assert rec["evidence"] == ("n = 20 requests, 1 run per configuration: the spread is unknown, "
-                               "so goodputs within 5% count as a tie and larger differences "
-                               "may still be noise; run with --repeats 3 to measure it.")
+    assert rec["evidence"] == ("n = 20 requests, 1 run per configuration, no per-request "
+                               "outcomes: the spread is unknown, so goodputs within 5% count as "
+                               "a tie and larger differences may still be noise.")
+    assert rec["verdict"] == "no interval"
     assert ("cannot tell apart by goodput (within 5%, one run each: colocated 0.25, pd 0.26 "
             "req/s per core); colocated is the simpler (no prefill/decode split, no KV "
             "hand-off);") in rec["reasons"][0]
     md = report.recommendation_markdown(rec)
     assert "**Cannot tell colocated and pd apart by goodput; use colocated** (the simpler" in md
-    assert "run with --repeats 3" in md
 
 
 def runs(name, mode, goodputs, cores=2):
@@ -117,9 +127,9 @@ def test_overlapping_ranges_over_repeats_cannot_be_told_apart():
     assert rec["runs"] == 3
     assert ("cannot tell apart by goodput (ranges overlap: colocated 0.12 (0.1–0.14), pd 0.13 "
             "(0.11–0.15) req/s per core)") in rec["reasons"][0]
-    assert rec["evidence"] == ("n = 20 requests per run, 3 runs per configuration; goodput per "
-                               "core, median (min–max): colocated 0.12 (0.1–0.14); pd 0.13 "
-                               "(0.11–0.15) req/s per core.")
+    assert rec["evidence"] == ("n = 20 requests per run, 3 runs per configuration, no "
+                               "per-request outcomes; goodput per core, median (min–max): "
+                               "colocated 0.12 (0.1–0.14); pd 0.13 (0.11–0.15) req/s per core.")
 
 
 def test_separate_ranges_over_repeats_decide():
@@ -146,9 +156,9 @@ def test_replicas_win_and_the_report_says_do_not_split():
     hand = [r for r in rec["reasons"] if r.startswith("Hand-off of pd")]
     # gap 120 ms = 24% of the mean TTFT of 500 ms (sum of the parts), 120/114 = 1.1x ITL p50
     assert hand == ["Hand-off of pd (token 1 -> 2): mean 120 ms = 24% of its mean TTFT and "
-                    "1.1x its ITL p50, 16.0 MB of KV per request (mean); other is 92% of the "
-                    "gap (mean 110 of 120 ms); other is the decode worker's first step, batched "
-                    "with the running requests, plus IPC hops."]
+                    "1.1x its ITL p50, 16.0 MB of KV per request (mean); first decode step is "
+                    "91% of the gap (mean 109 of 120 ms); the first decode step is the decode "
+                    "worker's step that takes in the KV, batched with the running requests."]
     assert any("colocated 900 / 400 ms, 4 stalls" in r for r in rec["reasons"])
     assert ("Goodput per core (share of requests within the SLOs): colocated 0.15 req/s per "
             "core (90%); colocated-2 0.4 req/s per core (90%); pd 0.3 req/s per core (90%); "
@@ -173,12 +183,13 @@ def test_ttft_within_tolerance_and_itl_tie_go_to_throughput_per_device():
     assert rec["reasons"][0].endswith(
         "colocated is the simpler (no prefill/decode split, no KV hand-off); ITL p50 100 vs "
         "100 ms, ITL p95 203 vs 200 ms, TTFT p95 1,100 vs 1,000 ms.")
-    for e in entries:  # nothing meets the SLOs: the latency rule decides, and says how
-        e["result"]["request_goodput"] = 0.0
+    for e in entries:  # overload, no E2EL apart: the latency rule decides, and says how
+        e["result"].update(request_goodput=0.0, slo_attainment=0.0)
     rec = recommend(entries[1:])
-    assert rec["choice"] == "colocated" and rec["cannot_tell_apart"] == []
-    assert ("colocated vs pd on the same cores (2): ITL p95 within 5%, colocated makes more "
-            "output tok/s per device (15.00 vs 10.00);") in rec["reasons"][1]
+    assert rec["choice"] == "colocated" and rec["cannot_tell_apart"] == ["colocated", "pd"]
+    assert rec["overloaded"] and rec["verdict"] == "overloaded"
+    assert ("colocated vs pd on the same cores (2): by E2EL per request, colocated's is not "
+            "shown different than pd's: p50 5,000 vs 5,000 ms, no per-request interval;") in rec["reasons"][1]
 
 
 def test_goodput_per_core_decides_across_core_counts():
@@ -224,12 +235,31 @@ def test_cores_and_gpus_mixed_without_prices_say_so():
             "compare per USD.") in rec["reasons"]
 
 
-def test_nothing_meets_the_slos_falls_back_to_latency_and_says_so():
-    entries = [entry("colocated", goodput=0.0, itl95=100), entry("pd", "pd", goodput=0.0, itl95=300)]
+def test_overload_is_said_and_ranked_by_e2el_then_by_capacity():
+    """Every configuration past its capacity: not a goodput ranking (1 vs 0 requests within
+    the SLOs is noise), but what to do and the measure that still separates them."""
+    entries = [entry("colocated", goodput=0.02, itl95=100, e2el50=9000),
+               entry("pd", "pd", goodput=0.0, itl95=300, e2el50=4000)]
+    for e, share in zip(entries, (0.06, 0.0)):
+        e["result"]["slo_attainment"] = share
     rec = recommend(entries)
-    assert rec["meets_slos"] is False and rec["choice"] == "colocated"
-    assert rec["cannot_tell_apart"] == []
-    assert rec["reasons"][0].startswith("No configuration meets the SLOs at this load")
+    assert rec["overloaded"] and rec["meets_slos"] is True and rec["choice"] == "pd"
+    assert rec["settled"]  # more runs of this load cannot rank them by goodput
+    assert rec["headline"] == ("**Overloaded: no configuration serves most requests within the "
+                               "SLOs; by E2EL, use pd** (a PD split).")
+    assert rec["reasons"][0] == (
+        "Overloaded: every configuration misses the SLOs for most requests (colocated 6%, pd 0% "
+        "within them), so goodput does not rank them at this load. Ranked by per-request E2EL, "
+        "paired (the one that drains the load sooner), since no sweep was run. To decide by "
+        "goodput: send fewer requests per second (--request-rate), measure each configuration's "
+        "capacity (--goodput ... --sweep-rates LO:HI), or add workers.")
+    assert "by E2EL per request, pd's is shown lower than colocated's: p50 4,000 vs 9,000 ms" in rec["reasons"][1]
+    for e, rate in zip(entries, (0.5, 0.3)):  # a sweep measured each one's capacity
+        e["sweep"] = {"max_rate": rate}
+    rec = recommend(entries)
+    assert rec["choice"] == "colocated" and "by capacity" in rec["headline"]
+    assert ("by capacity (the highest rate within the SLOs, per device): colocated 0.25, pd "
+            "0.15 req/s") in rec["reasons"][1]
 
 
 def test_failed_configurations_and_runs_are_not_considered():

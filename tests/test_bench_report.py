@@ -57,7 +57,7 @@ def test_rows_say_their_better_direction_and_unit_and_ratios_say_of_what():
     assert text.index("p50 = median") < text.index("TTFT p50 (ms)")  # the caption leads
     assert "(the default SLOs: TTFT ≤ 2000 ms, TPOT ≤ 200 ms, longest ITL gap ≤ 1000 ms)" in \
         " ".join(text.split())
-    assert "One run per configuration: the spread is unknown (--repeats 3 measures it)." in \
+    assert "One run per configuration: the verdict's interval is over its requests only" in \
         " ".join(text.split())
     assert '"x of colocated" = the value ÷ colocated\'s' in report.caption(entries)
 

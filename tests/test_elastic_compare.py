@@ -137,7 +137,8 @@ def compare_args(*extra: str) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
-    return parser.parse_args(["--port", str(free_port()), "--disable-tqdm", "--startup-timeout", "30", *extra])
+    return parser.parse_args(["--port", str(free_port()), "--disable-tqdm", "--startup-timeout", "30",
+                              "--repeats", "1", *extra])
 
 
 def test_elastic_entry_end_to_end_against_the_stub(tmp_path):
@@ -271,7 +272,7 @@ def test_benchmark_command_and_bad_options(bench_script, capsys):
     cmd = bench_script.compare_command(args, "shift", Path("out/shift"))
     assert cmd[:4] == [sys.executable, "-m", "epdserve", "compare"]
     assert cmd[4:] == ["--workload", "shift", "--configs", "colocated,colocated-2,1p1d,elastic",
-                       "--goodput", "ttft:10000", "tpot:60", "--seed", "3", "--output", "out/shift",
+                       "--goodput", "ttft:10000", "tpot:60", "--seed", "3", "--repeats", "1", "--output", "out/shift",
                        "--shift-phases", "in=10:20,out=5:5,rate=1,n=2"]
     assert args.shift_phases == parse_phases("in=10:20,out=5,rate=1,n=2")
     assert "--shift-phases" not in bench_script.compare_command(args, "demo", Path("d"))

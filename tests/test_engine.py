@@ -133,6 +133,35 @@ def test_preemption_under_tiny_pool_completes_with_same_tokens(model_dir, prompt
     assert stats["blocks_in_use"] == 0
 
 
+def test_recomputed_tokens_and_first_decode_step_are_reported(model_dir, prompts):
+    """A decode engine imports two prompts' KV into a pool too small for both to finish
+    together: the one preempted reports the tokens it computed again, which are exactly
+    what its steps computed beyond what was needed; each reports its step that imported
+    the KV, less the import (ms, within its decode time)."""
+    prefill = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=64))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    chosen = {"a": prompts[10], "b": prompts[9]}  # 128 and 100 tokens: 11 and 9 blocks at the end
+    decode = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, num_kv_blocks=17, enable_prefix_caching=False))
+    for rid, p in chosen.items():
+        prefill.add_request(rid, p, params, hold_kv=True)
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            kv = TensorKV(prefill.read_kv(out.kv_block_ids))
+            prefill.release_kv(out.request_id)
+            decode.add_request(out.request_id, chosen[out.request_id], params, kv, out.token_ids[0])
+    computed, timings = 0, {}
+    while decode.has_unfinished():
+        steps = decode.num_steps
+        outs = decode.step()
+        computed += decode.last_step_tokens if decode.num_steps > steps else 0
+        timings.update({o.request_id: o.timings for o in outs if o.finished})
+    assert decode.stats()["num_preemptions"] > 0
+    needed = 2 * (params.max_tokens - 1)  # tokens 1..39 of each, its prompt imported
+    assert sum(t.recomputed_tokens for t in timings.values()) == computed - needed > 0
+    for t in timings.values():
+        assert 0 < t.first_decode_ms < t.decode_ms - t.kv_import_ms
+
+
 def test_bad_requests_are_refused_with_reasons(model_dir):
     engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=16))
     with pytest.raises(ValueError, match="empty"):

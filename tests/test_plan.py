@@ -234,6 +234,81 @@ def test_recommend_within_five_percent_prefers_colocated_then_cheaper():
     assert pick["name"] == "1p1d" and "cheaper per output token" in why
 
 
+COLOCATED_2 = Deployment("colocated-2", (WorkerSpec("colocated"), WorkerSpec("colocated")))
+
+
+def seed_row(dep: Deployment, rates: list[float | None], first_seed: int = 0) -> dict:
+    """The row of ``dep`` whose goodput over the arrival seeds ``first_seed``... is ``rates``
+    (req/s; None: the SLOs met at no rate), latencies growing with the rate."""
+    cands = [search.Candidate(dep, rate, {"output_throughput": 100.0 * (rate or 0), "p95_ttft_ms": 100.0 * (rate or 0)},
+                              []) for rate in rates]
+    return search.seed_row(cands, flat_platform(), list(range(first_seed, first_seed + len(rates))))
+
+
+def test_a_row_gives_the_median_over_the_seeds_and_their_band():
+    row = seed_row(PD, [2.0, 1.0, None, 3.0, 2.5], first_seed=10)
+    assert row["seeds"] == [10, 11, 12, 13, 14] and row["median_seed"] == 10
+    assert row["per_seed"]["max_goodput_rps"] == [2.0, 1.0, 0.0, 3.0, 2.5]
+    assert row["max_goodput_rps"] == 2.0 and row["seed_band"]["max_goodput_rps"] == [0.0, 3.0]
+    assert row["goodput_per_device"] == 1.0 and row["seed_band"]["goodput_per_device"] == [0.0, 1.5]
+    assert row["per_seed"]["p95_ttft_ms"] == [200.0, 100.0, 0.0, 300.0, 250.0]
+    # A seed that meets the SLOs at no rate has no throughput: the median is of those that have one.
+    assert row["per_seed"]["output_tok_s_per_device"] == [100.0, 50.0, None, 150.0, 125.0]
+    assert row["output_tok_s_per_device"] == 112.5 and row["seed_band"]["output_tok_s_per_device"] == [50.0, 150.0]
+    assert not row["unbounded"]
+
+
+def test_overlapping_seed_bands_cannot_tell_split_and_colocated_apart():
+    colocated = seed_row(COLOCATED_2, [2.0, 2.2, 2.4])  # 1.0-1.2 req/s per device
+    split = seed_row(PD, [2.3, 2.6, 2.8])              # 1.15-1.4: 18 % ahead by the medians, yet overlapping
+    pick, why = search.recommend([split, colocated])
+    assert pick["name"] == "colocated-2"
+    assert ("colocated-2 vs 1p1d: cannot tell apart at this load: bands overlap (goodput per device over 3 arrival "
+            "seeds, min–max: colocated-2 1–1.2, 1p1d 1.15–1.4 req/s); the simpler, colocated, is preferred") in why
+    verdict = search.split_vs_colocated([split, colocated])
+    assert verdict == {"colocated": "colocated-2", "split": "1p1d", "seeds": 3, "overlap": True,
+                       "verdict": "cannot tell apart at this load",
+                       "bands": {"colocated-2": [1.0, 1.2], "1p1d": [1.15, 1.4]}}
+    doc = {"platform": "p", "devices": 2, "workload": "w", "slos_ms": {"ttft": 100.0}, "target": 0.9,
+           "candidates": [split, colocated], "skipped": {}, "recommendation": pick["name"], "reason": why,
+           "seeds": [0, 1, 2], "arrivals": "poisson", "split_vs_colocated": verdict, "validations": []}
+    text = markdown(doc)
+    assert "**Recommendation: colocated-2** — colocated-2 sustains 2.2 req/s" in text
+    assert "cannot tell apart at this load: bands overlap (" in text
+    assert "| 1p1d | 2 | 2.6 [2.3–2.8] | 1.3 [1.15–1.4] |" in text
+    assert "min–max over 3 arrival seeds (0 to 2: Poisson arrivals" in text
+    # Apart: the leader by the medians, both bands stated.
+    split = seed_row(PD, [2.5, 2.6, 2.8])
+    pick, why = search.recommend([split, colocated])
+    assert pick["name"] == "1p1d"
+    assert "colocated-2 vs 1p1d: told apart, their bands do not overlap (" in why and "1p1d 1.25–1.4 req/s" in why
+    assert not search.split_vs_colocated([split, colocated])["overlap"]
+    # One seed is one sample: no band, no verdict; the pick as without seeds.
+    one = [seed_row(PD, [2.6]), seed_row(COLOCATED_2, [2.2])]
+    assert search.split_vs_colocated(one) is None
+    pick, why = search.recommend(one)
+    assert pick["name"] == "1p1d" and "apart" not in why
+    # The split leads by more than 5 % on every seed: a leader, though colocated's spread is wide.
+    assert search.recommend([seed_row(PD, [3.0, 3.1, 3.2]), seed_row(COLOCATED_2, [1.0, 2.0, 2.9])])[0]["name"] == "1p1d"
+
+
+def test_a_hint_skips_the_low_rates_and_finds_the_same_goodput(monkeypatch):
+    platform, reqs = flat_platform(per_seq_ms=2.0), [req(0.0, 50, 20) for _ in range(40)]
+    rates = []
+    measure = search.measure_rate
+    monkeypatch.setattr(search, "measure_rate", lambda *a, **k: rates.append(a[4]) or measure(*a, **k))
+    args = (COLOCATED, platform, reqs, {"ttft": 100.0}, 0.9, EngineLimits())
+    full = search.evaluate(*args, steady=False, seed=3)
+    tried = len(rates)
+    for hint in (full.max_rate, full.max_rate / 7, full.max_rate * 9):  # right, far below, far above
+        rates.clear()
+        hinted = search.evaluate(*args, steady=False, seed=3, hint=hint)
+        assert hinted.max_rate == full.max_rate and hinted.above[0] == full.above[0]
+    rates.clear()
+    search.evaluate(*args, steady=False, seed=3, hint=full.max_rate)
+    assert min(rates) > 0.01 and len(rates) < tried
+
+
 def roofline_plan(out, hardware_name: str, model: str, input_len: int, output_len: int, num: int, *slo: str):
     """`epdserve plan` on 2 devices of ``hardware_name`` for fixed-length requests."""
     return subprocess.run([sys.executable, "-m", "epdserve", "plan", "--hardware", hardware_name, "--model", model,
@@ -270,6 +345,8 @@ def test_plan_skips_deployments_whose_workers_the_weights_fill(tmp_path):
     (["validate", "--calibration", "/nonexistent/cal.json", "--compare-dir", "/tmp"], "epdserve plan calibrate"),
     (["--hardware", "H100", "--trace", "/nonexistent/t.jsonl", "--input-len", "10:20"], "--trace excludes --input-len"),
     (["--compare-dir", "/tmp"], "--compare-dir is for `epdserve plan validate`"),
+    (["--seeds", "0"], "argument --seeds: '0': must be >= 1"),
+    (["--seeds", "-3"], "argument --seeds: '-3': must be >= 1"),
 ])
 def test_plan_cli_errors(argv, message):
     proc = subprocess.run([sys.executable, "-m", "epdserve", "plan", "--model", "Llama-3.1-8B", *argv],
@@ -678,11 +755,25 @@ def test_cpu_plan_gives_goodput_bands(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "with every step 20% faster or slower" in proc.stdout
     assert "Not validated yet" in proc.stdout
-    rows = json.loads((out / "plan.json").read_text())["candidates"]
+    doc = json.loads((out / "plan.json").read_text())
+    rows = doc["candidates"]
     assert {r["name"] for r in rows} == {"colocated", "colocated-2", "1p1d"}
     for r in rows:
         low, high = r["goodput_band_rps"]
         assert low < r["max_goodput_rps"] < high  # slower steps sustain less, faster more
+    # The default 5 arrival seeds, from --seed on: each figure a median, with its band.
+    assert doc["seeds"] == [0, 1, 2, 3, 4] and doc["arrivals"] == "poisson"
+    for r in rows:
+        rates = r["per_seed"]["max_goodput_rps"]
+        assert len(rates) == 5 and r["max_goodput_rps"] == pytest.approx(float(np.median(rates)))
+        assert r["seed_band"]["max_goodput_rps"] == [min(rates), max(rates)]
+        assert f"| {r['name']} | 2 | {r['max_goodput_rps']:.3g} [{min(rates):.3g}–{max(rates):.3g}] (" in proc.stdout
+    verdict = doc["split_vs_colocated"]
+    (colocated,) = [r for r in rows if r["name"] == verdict["colocated"]]
+    (split,) = [r for r in rows if r["name"] == verdict["split"]]
+    low, high = colocated["seed_band"]["goodput_per_device"], split["seed_band"]["goodput_per_device"]
+    assert verdict["overlap"] == (low[0] <= high[1] and high[0] <= low[1])
+    assert ("cannot tell apart at this load" if verdict["overlap"] else "told apart") in doc["reason"]
 
 
 def test_validate_takes_repeats_and_reports_their_spread(tmp_path):

@@ -188,12 +188,17 @@ def test_plan_reads_mooncake_and_azure_traces_with_the_fitting_options(tmp_path)
             "--configs", "colocated", "--slo", "ttft:2000", "tpot:150", "--length-scale", "0.1"]
     for trace, fmt in ((mooncake, "mooncake"), (azure, "azure")):
         out = tmp_path / fmt
-        proc = subprocess.run([*base, "--trace", str(trace), "--num-requests", "10", "--output", str(out)],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([*base, "--trace", str(trace), "--num-requests", "10", "--seeds", "3", "--seed", "7",
+                               "--output", str(out)], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         assert "| requests" in proc.stderr and "prompt tokens in shared blocks" in proc.stderr
         doc = json.loads((out / "plan.json").read_text())
         assert doc["candidates"][0]["name"] == "colocated"
+        # The trace's own arrivals are one sequence: simulated once, and said so.
+        assert doc["seeds"] == [7] and doc["arrivals"] == "trace" and doc["split_vs_colocated"] is None
+        assert doc["candidates"][0]["per_seed"]["max_goodput_rps"] == [doc["candidates"][0]["max_goodput_rps"]]
+        assert "--seeds 3: the trace has arrivals of its own, one sequence" in proc.stderr
+        assert "one arrival sequence, each deployment simulated on it once" in proc.stdout
     # Mooncake's shared blocks: every prompt starts with blocks 0 and 1, 51 tokens each
     # (512 x 0.1), 4 characters a token in the stand-in prompts; the third block is its own.
     parser = argparse.ArgumentParser()

@@ -211,6 +211,56 @@ def test_disaggregated_hands_the_kv_over_and_releases_it_once():
     run(go())
 
 
+def test_disaggregated_stamps_the_routers_token_1_to_2_gap():
+    """``router_hop_ms``: token 1 at the router -> the AddRequest to the decode worker;
+    ``handoff_gap_ms``: token 1 -> token 2 at the router (fake clock, ms)."""
+    s = Setup("pd", "prefill-0", "decode-0")
+
+    async def go():
+        flow = s.flow()
+        reader = Reader(flow)
+        await reader.step()
+        s.output("prefill-0", (9,), kv=KV)
+        await reader.step()
+        s.clock.advance(0.002)  # the first token's SSE write, before the flow reads on
+        await reader.step()  # the hand-off
+        s.clock.advance(0.045)  # the decode worker fetches, imports, steps
+        s.output("decode-0", (10,))
+        await reader.step()
+        s.output("decode-0", (11,), finished=True)
+        await reader.drain()
+        rec = flow.trace()
+        assert rec.router_hop_ms == pytest.approx(2.0) and rec.handoff_gap_ms == pytest.approx(47.0)
+
+    run(go())
+
+
+@pytest.mark.parametrize("outcome, reason", [("finished", "length"), ("abort", "abort"), ("error", "error")])
+def test_trace_says_how_the_request_ended(outcome, reason):
+    """As /metrics counts it: the worker's reason, "abort" for a client gone, "error" for a
+    failed request (the route notes the reason or the failure, as ``choices.texts`` and
+    ``choices.failed`` do)."""
+    s = Setup("pd", "prefill-0", "decode-0")
+
+    async def go():
+        flow = s.flow()
+        reader = Reader(flow)
+        await reader.step()
+        s.output("prefill-0", (9,), kv=KV)
+        await reader.step()
+        await reader.step()
+        await _end(s, reader, outcome)
+        if reader.error is not None:
+            flow.error = str(reader.error)
+        elif outcome == "finished":
+            flow.finish_reason = reader.items[-1][2]
+        flow.close()
+        rec = flow.trace()
+        assert rec.finish_reason == reason and (rec.error is not None) == (outcome == "error")
+
+    run(go())
+
+
 def test_local_prefill_goes_to_a_decode_worker_alone():
     s = Setup("pd", "prefill-0", "decode-0", threshold=10)
 

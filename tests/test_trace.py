@@ -58,3 +58,24 @@ def test_older_lines_without_path_read_by_mode():
 def test_workers_cannot_send_unknown_stages():
     with pytest.raises(ValueError):
         StageTimings.model_validate({"queue_ms": 1.0, "made_up_ms": 2.0})
+
+
+def test_handoff_gap_splits_into_the_measured_stages_and_the_hops():
+    t = _pd_trace()
+    assert t.handoff_hop_ms is None and "handoff_hop_ms" not in t.as_json()  # no router stamp yet
+    t.handoff_gap_ms = 40.0
+    assert t.handoff_hop_ms is None  # nor the decode worker's first step
+    t.add("decode", StageTimings(first_decode_ms=25.0))
+    # 40 - router hop 0.5 - fetch 2 - decode queue 1 - import 1.5 - first step 25
+    assert t.handoff_hop_ms == pytest.approx(10.0)
+    rec = t.as_json()
+    assert rec["first_decode_ms"] == 25.0 and rec["handoff_gap_ms"] == 40.0 and rec["handoff_hop_ms"] == 10.0
+    assert RequestTrace.from_json(rec).as_json() == rec
+
+
+def test_recomputed_tokens_add_up_over_the_workers():
+    t = _pd_trace()
+    assert t.recomputed_tokens is None  # an older worker's timings: not measured
+    t.add("prefill", StageTimings(recomputed_tokens=0))
+    t.add("decode", StageTimings(recomputed_tokens=207))
+    assert t.recomputed_tokens == 207 and t.as_json()["recomputed_tokens"] == 207

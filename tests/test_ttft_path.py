@@ -55,7 +55,7 @@ def test_a_deployment_runs_at_the_cpu_priority_of_the_compare_that_started_it(tm
     trace = saved_trace(tmp_path / "t.jsonl", [req(0.5 * i, f"count to {i}", 4) for i in range(8)])
     out = tmp_path / "out"
     compare = [sys.executable, "-m", "epdserve", "compare", "--deployments", str(path), "--trace",
-               str(trace), "--output", str(out), "--warmup", "0", "--disable-tqdm"]
+               str(trace), "--output", str(out), "--warmup", "0", "--disable-tqdm", "--repeats", "1"]
     # The session's autogroup nice is set before compare starts: as a shell at nice 19 runs it.
     cmd = ["sh", "-c", f'echo {NICE} > /proc/self/autogroup && exec "$@"', "sh", *compare]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

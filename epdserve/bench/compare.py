@@ -27,9 +27,11 @@ or whose process dies before the trace is an entry ``{"name", "mode", "deploymen
 keeps its result (the requests that failed are counted) with ``"died"``, and its other
 processes are stopped at once. From the end of the warm-up to the end of the trace, every
 metrics URL of the deployment is scraped (:mod:`epdserve.bench.server_metrics`: the
-server's own stages, for any engine). With ``--repeats N`` every deployment runs N times,
-interleaved (A B A B ...), and its runs are folded into one entry
-(:func:`epdserve.bench.repeats.combine`: medians and ranges). Then write under ``--output DIR``:
+server's own stages, for any engine). Deployments run in interleaved rounds (A B A B ...),
+``--repeats N`` of them, or by default (``auto``) until the paired verdict is clear or
+``--budget`` minutes end (:mod:`epdserve.bench.rounds`), and each deployment's runs are
+folded into one entry (:func:`epdserve.bench.repeats.combine`: medians and ranges, and the
+per-request outcomes the verdict pairs). Then write under ``--output DIR``:
 
 * ``trace.jsonl`` — the trace sent to every deployment;
 * ``compare.json`` — ``{"trace", "sampling", "configs": [<entry>], "recommendation"}``
@@ -61,7 +63,7 @@ from pathlib import Path
 
 from epdserve import host
 from epdserve.argtypes import float_above
-from epdserve.bench import client, plots, recommend, repeats, report, server_metrics, sweep, workload
+from epdserve.bench import client, plots, recommend, repeats, report, rounds, server_metrics, sweep, workload
 from epdserve.bench.deployment_run import run_config
 from epdserve.bench.deployments import Deployment, DeploymentFileError, ModelVariables, from_config, load
 from epdserve.bench.processes import ServerError, server_command
@@ -131,11 +133,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-oversubscription", action="store_true",
                         help="run configurations whose workers' estimated memory exceeds the "
                              "host's available memory (passed to epdserve serve)")
-    parser.add_argument("--repeats", type=workload.positive_int, default=1, metavar="N",
+    parser.add_argument("--repeats", type=rounds.parse_repeats, default=rounds.AUTO, metavar="N|auto",
                         help="run every deployment N times, interleaved (A B A B ...: drift of "
                              "the machine hits each alike); the report gives each figure's "
-                             "median and range, and the recommendation says when ranges "
-                             "overlap (default 1: the spread is unknown)")
+                             "median and range. auto (the default): rounds until the paired "
+                             "interval of the goodput difference tells the configurations apart "
+                             "or shows a tie, or until --budget")
+    parser.add_argument("--budget", type=float_above(0), default=rounds.DEFAULT_BUDGET_MIN, metavar="MIN",
+                        help="with --repeats auto: start no round that would end after MIN "
+                             f"minutes (the first always runs; default {rounds.DEFAULT_BUDGET_MIN:g})")
     s = parser.add_argument_group("goodput sweep (needs --goodput)")
     s.add_argument("--sweep-rates", type=parse_rates, default=None, metavar="LO:HI",
                    help="also find each configuration's highest request rate (req/s) within "
@@ -267,14 +273,15 @@ def run(args: argparse.Namespace) -> int:
     workload.save_trace(requests, out_dir / "trace.jsonl")
     print(f"trace: {len(requests)} requests -> {out_dir / 'trace.jsonl'}", flush=True)
     try:
-        entries, status = _run_all(chosen, requests, args, out_dir)
+        entries, status, stopped = _run_all(chosen, requests, args, out_dir)
     except KeyboardInterrupt:
         print("epdserve compare: interrupted; servers stopped", file=sys.stderr)
         return 130
     if not any("result" in e for e in entries):
         return status or 1
 
-    files = write_outputs(entries, requests, spec, out_dir, settings(args))
+    rec = {**recommend.recommend(entries), "stopped": stopped}
+    files = write_outputs(entries, requests, spec, out_dir, settings(args), rec)
     print()
     print(report.text_table(entries))
     print()
@@ -284,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         print(stages)
         print()
     disturbed = report.load_warnings(entries)
-    print(report.recommendation_markdown(recommend.recommend(entries), disturbed))
+    print(report.recommendation_markdown(rec, disturbed))
     for line in disturbed:
         print(f"\nwarning: {line}")
     print(f"\nwritten: {', '.join(map(str, files))}")
@@ -292,31 +299,36 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_all(chosen: list[Deployment], requests: list[workload.Request],
-             args: argparse.Namespace, out_dir: Path) -> tuple[list[dict], int]:
-    """Run every deployment ``args.repeats`` times, interleaved (A B A B ...), each run
-    from a fresh start; fold each deployment's runs into one entry
-    (:func:`repeats.combine`). SIGTERM counts as Ctrl-C: servers are stopped too. Returns
-    the entries and the exit status (1 when a run failed or a process died, else 0).
+             args: argparse.Namespace, out_dir: Path) -> tuple[list[dict], int, str]:
+    """Run the deployments in interleaved rounds (:mod:`epdserve.bench.rounds`: ``--repeats``
+    N or auto, ``--budget``), each run from a fresh start; fold each deployment's runs into
+    one entry (:func:`repeats.combine`). SIGTERM counts as Ctrl-C: servers are stopped too.
+    Returns the entries, the exit status (1 when a run failed or a process died, else 0)
+    and why the rounds stopped.
 
     Raises:
         KeyboardInterrupt: Ctrl-C or SIGTERM; what it started is stopped by then.
     """
-    runs: dict[str, list[dict]] = {dep.name: [] for dep in chosen}
-    status, total = 0, len(chosen) * getattr(args, "repeats", 1)
+    status = 0
+
+    def run_one(dep: Deployment, progress: str) -> dict:
+        nonlocal status
+        try:
+            entry = run_config(dep, requests, args, out_dir, progress=progress)
+            status = 1 if "died" in entry else status
+            return entry
+        except (ServerError, client.ClientError, sweep.SweepError) as exc:
+            status = 1
+            return _failed_entry(dep, exc)
+
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        for k in range(total):
-            dep = chosen[k % len(chosen)]
-            try:
-                runs[dep.name].append(run_config(dep, requests, args, out_dir,
-                                                 progress=f"{k + 1}/{total}"))
-                status = 1 if "died" in runs[dep.name][-1] else status
-            except (ServerError, client.ClientError, sweep.SweepError) as exc:
-                runs[dep.name].append(_failed_entry(dep, exc))
-                status = 1
+        runs, stopped = rounds.run_rounds(chosen, run_one, getattr(args, "repeats", 1),
+                                          getattr(args, "budget", rounds.DEFAULT_BUDGET_MIN))
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return [repeats.combine(runs[dep.name]) for dep in chosen], status
+    print(stopped, flush=True)
+    return [repeats.combine(runs[dep.name]) for dep in chosen], status, stopped
 
 
 def _failed_entry(dep: Deployment, exc: Exception) -> dict:
@@ -334,19 +346,21 @@ def settings(args: argparse.Namespace) -> dict:
     """The sampling and client settings every configuration ran with."""
     return {"endpoint": args.endpoint, "temperature": args.temperature,
             "ignore_eos": args.ignore_eos, "warmup": args.warmup, "repeats": args.repeats,
+            "budget_min": getattr(args, "budget", None) if args.repeats == rounds.AUTO else None,
             "goodput": dict(args.goodput) if args.goodput else None, "model": args.model}
 
 
 def write_outputs(entries: list[dict], requests: list[workload.Request], spec: dict,
-                  out_dir: Path, sampling: dict | None = None) -> list[Path]:
+                  out_dir: Path, sampling: dict | None = None, rec: dict | None = None) -> list[Path]:
     """Write compare.json, compare.md and the plots under ``out_dir``; return their paths.
 
     ``entries``: :func:`run_config` entries and ``{"name", "error"}`` for configurations
-    that failed; ``sampling``: :func:`settings` (the same for every configuration)."""
+    that failed; ``sampling``: :func:`settings` (the same for every configuration); ``rec``:
+    the recommendation (default :func:`recommend.recommend` of ``entries``)."""
     trace = out_dir / "trace.jsonl"
     if not trace.is_file():
         workload.save_trace(requests, trace)
-    rec = recommend.recommend(entries)
+    rec = rec or recommend.recommend(entries)
     write_json({"trace": {**spec, "file": str(trace), "num_requests": len(requests),
                           "sha256": hashlib.sha256(trace.read_bytes()).hexdigest()},
                 "sampling": sampling or {}, "configs": entries, "recommendation": rec},

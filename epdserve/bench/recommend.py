@@ -1,168 +1,13 @@
-"""Which configuration to use, and why in numbers: a pure function of the compare entries.
-
-Input: the entries of ``compare.json`` (:func:`epdserve.bench.compare.run_config`, or
-:func:`epdserve.bench.repeats.combine` over repeated runs: ``name``, ``mode`` ("colocated",
-"pd" or "epd"), ``result`` (bench result, ms fields), ``resources`` (``num_cores``, and from
-a deployments file ``device_kind`` "core" | "GPU", ``num_devices``, ``price_per_hour`` in
-USD), ``itl_stalls``, ``breakdown``, ``server``, with repeats ``runs`` and ``spread``), or
-``{"name", "error"}`` for a configuration that did not run.
-
-One rule, always, judged by goodput (requests/s meeting every SLO): against the SLOs given
-with ``--goodput``, else against :data:`epdserve.bench.metrics.DEFAULT_SLOS_MS`, and the
-recommendation says which. In order:
-
-1. Candidates are the configurations that ran and completed at least one request; if some
-   of them failed no request (and no run), only those count (dropping requests is never
-   the better setup).
-2. The highest goodput per device (per CPU core or per GPU: the configuration that serves
-   the most within the SLOs for the hardware, as DistServe ranks systems by goodput per
-   GPU) wins; when every candidate has a price, goodput per USD decides instead (a core
-   and a GPU are not the same device; a dollar is), and the per-device leader is stated.
-   Candidates that cannot be told apart from the leader (with repeats: their [min, max]
-   ranges over the runs overlap; with one run: within :data:`TIE`) are a tie: the
-   recommendation says "cannot tell apart" and does not pick by noise: among them the
-   simpler, colocated (one kind of worker, no KV hand-off), is preferred, then rule 3.
-   When no candidate has goodput > 0 the recommendation says that nothing meets the SLOs
-   and rule 3 picks among all.
-3. Latency: among the candidates whose TTFT p95 is within :data:`TTFT_TOLERANCE` of the
-   best TTFT p95, the lowest ITL p95 (the stalls users feel while streaming); ITL p95s
-   within :data:`TIE` of the lowest are a tie, broken by the higher output tokens/s per
-   device.
-
-A split (PD) is worth it when the winner is a PD or EPD configuration (both split prefill
-from decode); the reasons compare it with the best configuration of the other kind chosen
-by the same rules. Next to the verdict: the SLOs, n (requests per run), the number of runs
-and the spread of goodput (unknown with one run).
-
-:func:`figures` is the one place per-device and per-dollar figures are computed; the
-report's table reads them from there.
-"""
+"""Which configuration to use, and why in numbers: the rules of :mod:`epdserve.bench.rules`
+applied to the compare entries, and the words of the recommendation (its headline, the
+verdict against the best configuration of the other kind with its paired interval, where
+the time goes, the SLOs and the evidence: n, runs, what was left out)."""
 
 from __future__ import annotations
 
 import math
 
-from epdserve.bench import metrics
-
-TTFT_TOLERANCE = 0.25  # TTFT p95 up to 25 % above the best still counts as "as fast"
-TIE = 0.05  # values within 5 % of each other are a tie (the noise of one run, unmeasured)
-# Modes with prefill and decode on separate workers (elastic: at times); never "the simpler".
-SPLIT_MODES = ("pd", "epd", "elastic")
-S_PER_HOUR = 3600.0
-
-
-def _r(e: dict, key: str) -> float:
-    v = e["result"].get(key)
-    return float(v) if isinstance(v, (int, float)) else float("nan")
-
-
-def devices(entry: dict) -> tuple[str, int | None]:
-    """(device kind "core" or "GPU", how many) of an entry's ``resources``: its
-    ``device_kind`` and ``num_devices`` (a deployments file), else ``num_cores`` (the
-    cores ``/health`` listed); the count is None when unknown."""
-    res = entry.get("resources") or {}
-    kind = res.get("device_kind") or "core"
-    n = res.get("num_devices") or (res.get("num_cores") if kind == "core" else None)
-    return kind, n
-
-
-def figures(entry: dict) -> dict:
-    """The figures an entry is judged by, per device and per dollar:
-
-    ``{"device": "core" | "GPU", "num_devices", "price_per_hour" (USD/h or None),
-    "slos_ms", "slos_default" (judged against the default SLOs), "request_goodput" (req/s),
-    "slo_attainment" (share), "output_throughput" (tok/s), "goodput_per_device" (req/s per
-    device), "output_per_device" (tok/s per device), "goodput_per_usd" (requests per USD),
-    "output_per_usd" (output tokens per USD), "spread": {key: [min, max]}}``; a figure is
-    None when its input is unknown (no device count, no price); ``spread`` holds a key only
-    for an entry with repeats (``entry["spread"]``, see :mod:`epdserve.bench.repeats`).
-    """
-    judged = metrics.judged_goodput(entry["result"])
-    kind, n = devices(entry)
-    price = (entry.get("resources") or {}).get("price_per_hour")
-    spread = entry.get("spread") or {}
-    base = {"request_goodput": judged["request_goodput"],
-            "slo_attainment": judged["slo_attainment"],
-            "output_throughput": entry["result"].get("output_throughput")}
-    divisors = {"device": n or None, "usd": price / S_PER_HOUR if price else None}
-    out = {"device": kind, "num_devices": n, "price_per_hour": price,
-           "slos_ms": judged["goodput_slos_ms"], "slos_default": judged["goodput_slos_default"],
-           **base, "spread": {k: spread[k] for k in base if k in spread}}
-    for unit, div in divisors.items():
-        for name, src in ((f"goodput_per_{unit}", "request_goodput"),
-                          (f"output_per_{unit}", "output_throughput")):
-            out[name] = base[src] / div if div and base[src] is not None else None
-            if div and src in spread:
-                out["spread"][name] = [v / div for v in spread[src]]
-    return out
-
-
-def _basis(cands: list[dict]) -> str:
-    """"usd" when every candidate has a price, else "device" (rule 2)."""
-    return "usd" if all(figures(e)["price_per_hour"] for e in cands) else "device"
-
-
-def unit_label(entries: list[dict], basis: str = "device") -> str:
-    """"per core", "per GPU", "per device" (cores and GPUs mixed) or "per USD"."""
-    if basis == "usd":
-        return "per USD"
-    kinds = {devices(e)[0] for e in entries}
-    return f"per {kinds.pop()}" if len(kinds) == 1 else "per device"
-
-
-def goodput_unit(unit: str) -> str:
-    """The unit of goodput for a :func:`unit_label`: "req/s per core", "requests per USD"."""
-    return "requests per USD" if unit == "per USD" else f"req/s {unit}"
-
-
-def _score(e: dict, basis: str) -> float:
-    """Goodput per device or per USD; the raw goodput when the divisor is unknown."""
-    f = figures(e)
-    v = f[f"goodput_per_{basis}"]
-    return v if v is not None else (f["request_goodput"] or 0.0)
-
-
-def _range(e: dict, basis: str) -> list[float] | None:
-    f = figures(e)
-    key = f"goodput_per_{basis}" if f[f"goodput_per_{basis}"] is not None else "request_goodput"
-    return f["spread"].get(key)
-
-
-def cannot_tell_apart(a: dict, b: dict, basis: str = "device") -> bool:
-    """True when the goodputs of ``a`` and ``b`` (per device or per USD) differ by no more
-    than the noise: their [min, max] ranges over the runs overlap, or, when either has
-    one run only, they are within :data:`TIE` of each other."""
-    ra, rb = _range(a, basis), _range(b, basis)
-    if ra and rb:
-        return ra[0] <= rb[1] and rb[0] <= ra[1]
-    sa, sb = _score(a, basis), _score(b, basis)
-    return min(sa, sb) >= max(sa, sb) * (1 - TIE)
-
-
-def _output_per_device(e: dict) -> float:
-    f = figures(e)
-    return f["output_per_device"] or f["output_throughput"] or 0.0
-
-
-def _by_latency(cands: list[dict]) -> dict:
-    """Rule 3 on a non-empty list."""
-    best_ttft = min(_r(e, "p95_ttft_ms") for e in cands)
-    fast = [e for e in cands if _r(e, "p95_ttft_ms") <= best_ttft * (1 + TTFT_TOLERANCE)]
-    best_itl = min(_r(e, "p95_itl_ms") for e in fast)
-    tied = [e for e in fast if _r(e, "p95_itl_ms") <= best_itl * (1 + TIE)]
-    return max(tied, key=_output_per_device)
-
-
-def choose(cands: list[dict], basis: str = "device") -> tuple[dict, list[dict]]:
-    """(winner, the candidates that cannot be told apart from the goodput leader, [] when
-    the leader stands alone or nothing meets the SLOs) of a non-empty candidate list by
-    rule 2, then 3."""
-    leader = max(cands, key=lambda e: _score(e, basis))
-    if _score(leader, basis) <= 0:
-        return _by_latency(cands), []
-    tied = [e for e in cands if e is leader or cannot_tell_apart(e, leader, basis)]
-    simple = [e for e in tied if e.get("mode") not in SPLIT_MODES]
-    return _by_latency(simple or tied), tied if len(tied) > 1 else []
+from epdserve.bench import metrics, paired, rules
 
 
 def _ms(v: float) -> str:
@@ -178,8 +23,8 @@ def _num(v: float | None) -> str:
 
 def _span(e: dict, basis: str) -> str:
     """"0.12" or, with repeats, "0.12 (0.1–0.14)": goodput per device or per USD."""
-    r = _range(e, basis)
-    return _num(_score(e, basis)) + (f" ({_num(r[0])}–{_num(r[1])})" if r else "")
+    r = rules.goodput_range(e, basis)
+    return _num(rules.score(e, basis)) + (f" ({_num(r[0])}–{_num(r[1])})" if r else "")
 
 
 def _largest(parts: dict | None, total_label: str) -> str | None:
@@ -196,98 +41,193 @@ def _largest(parts: dict | None, total_label: str) -> str | None:
 
 
 def _devices_text(a: dict, b: dict) -> str:
-    (ka, na), (kb, nb) = devices(a), devices(b)
+    (ka, na), (kb, nb) = rules.devices(a), rules.devices(b)
     if na and (ka, na) == (kb, nb):
         return f"on the same {ka}s ({na})"
     return f"with {na or '?'} {ka}s vs {nb or '?'} {kb}s"
 
 
-def _why(win: dict, rival: dict, basis: str, unit: str) -> str:
-    """What decided between two configurations, in numbers: goodput, else latency."""
-    g_win, g_rival = _score(win, basis), _score(rival, basis)
+def _why(win: dict, rival: dict, basis: str, unit: str, c: paired.Comparison | None) -> str:
+    """What decided between two configurations, in numbers: the paired goodput comparison
+    ``c`` of ``win`` against ``rival`` (without one: their goodputs), under overload the
+    measure that ranked them, else latency."""
+    if rules.overloaded([win, rival]):
+        return _why_overload(win, rival)
+    g_win, g_rival = rules.score(win, basis), rules.score(rival, basis)
     if max(g_win, g_rival) <= 0:
-        return _why_latency(win, rival)  # nothing meets the SLOs: rule 3 chose both
+        return _why_latency(win, rival)
+    simpler = (f"; {win['name']} is the simpler (no prefill/decode split, no KV hand-off)"
+               if win.get("mode") not in rules.SPLIT_MODES else "")
+    if c is not None:
+        if c.verdict == "worse":  # picked among those tied with the leader, which rival is not
+            return f"{win['name']} ties with the best goodput; {paired.describe(c, rules.goodput_unit(unit))}"
+        return paired.describe(c, rules.goodput_unit(unit)) + (simpler if c.verdict != "better" else "")
     spans = (f"{win['name']} {_span(win, basis)}, {rival['name']} {_span(rival, basis)} "
-             f"{goodput_unit(unit)}")
-    if cannot_tell_apart(win, rival, basis):
-        how = ("ranges overlap" if _range(win, basis) and _range(rival, basis)
-               else f"within {TIE:.0%}, one run each")
-        simpler = (f"; {win['name']} is the simpler (no prefill/decode split, no KV hand-off)"
-                   if win.get("mode") not in SPLIT_MODES else "")
+             f"{rules.goodput_unit(unit)}")
+    if rules.cannot_tell_apart(win, rival, basis):
+        how = ("ranges overlap" if rules.goodput_range(win, basis) and rules.goodput_range(rival, basis)
+               else f"within {rules.TIE:.0%}, one run each")
         return f"cannot tell apart by goodput ({how}: {spans}){simpler}"
     if g_win > g_rival:
-        return (f"{win['name']} serves {_span(win, basis)} {goodput_unit(unit)} within the SLOs, "
+        return (f"{win['name']} serves {_span(win, basis)} {rules.goodput_unit(unit)} within the SLOs, "
                 f"{rival['name']} {_span(rival, basis)}")
-    # The winner was picked among those that cannot be told apart from the leader, which
-    # the rival is not part of: say so rather than a rule that did not decide.
     return f"{win['name']} ties with the best goodput, {rival['name']} does not ({spans})"
+
+
+def _why_overload(win: dict, rival: dict) -> str:
+    """What ranked two overloaded configurations, in numbers."""
+    if rules.overload_measure([win, rival]) == "capacity":
+        return (f"by capacity (the highest rate within the SLOs, per device): {win['name']} "
+                f"{rules.capacity(win):.3g}, {rival['name']} {rules.capacity(rival):.3g} req/s")
+    c = rules.comparison(win, rival, per_request=True)
+    e2el = (c.e2el_ms if c else None)
+    how = (f"median per-request difference {_ms(e2el['median'])} ms ({c.confidence:.0%} CI "
+           f"{_ms(e2el['ci'][0])}..{_ms(e2el['ci'][1])} ms)" if e2el else "no per-request interval")
+    shown = "shown lower" if rules.e2el_separates(win, rival) else "not shown different"
+    return (f"by E2EL per request, {win['name']}'s is {shown} than {rival['name']}'s: p50 "
+            f"{_ms(rules.value(win, 'median_e2el_ms'))} vs {_ms(rules.value(rival, 'median_e2el_ms'))} ms, {how}")
 
 
 def _why_latency(win: dict, rival: dict) -> str:
     """Rule 3 between two configurations, in numbers."""
-    t_win, t_rival = _r(win, "p95_ttft_ms"), _r(rival, "p95_ttft_ms")
-    if t_rival > min(t_win, t_rival) * (1 + TTFT_TOLERANCE):
+    t_win, t_rival = rules.value(win, "p95_ttft_ms"), rules.value(rival, "p95_ttft_ms")
+    if t_rival > min(t_win, t_rival) * (1 + rules.TTFT_TOLERANCE):
         return (f"{rival['name']}'s TTFT p95 is {t_rival / t_win - 1:.0%} higher "
-                f"(more than {TTFT_TOLERANCE:.0%})")
-    i_win, i_rival = _r(win, "p95_itl_ms"), _r(rival, "p95_itl_ms")
-    if i_rival > i_win * (1 + TIE):
+                f"(more than {rules.TTFT_TOLERANCE:.0%})")
+    i_win, i_rival = rules.value(win, "p95_itl_ms"), rules.value(rival, "p95_itl_ms")
+    if i_rival > i_win * (1 + rules.TIE):
         return f"{win['name']} has the lower ITL p95 ({1 - i_win / i_rival:.0%} lower)"
-    return (f"ITL p95 within {TIE:.0%}, {win['name']} makes more output tok/s per device "
-            f"({_output_per_device(win):.2f} vs {_output_per_device(rival):.2f})")
+    return (f"ITL p95 within {rules.TIE:.0%}, {win['name']} makes more output tok/s per device "
+            f"({rules.output_per_device(win):.2f} vs {rules.output_per_device(rival):.2f})")
 
 
 def recommend(entries: list[dict]) -> dict:
     """Apply the module's rules to compare entries.
 
     Returns ``{"choice": name | None, "split": bool | None, "rule": str, "meets_slos":
-    bool | None, "elastic_switches": the winner's role switches when it is elastic (else
-    absent or None), "slos_ms": {metric: ms}, "slos_default": bool, "basis": "per core" |
-    "per GPU" | "per device" | "per USD", "n": requests per run, "runs": runs per
-    configuration, "cannot_tell_apart": [names] ([] when the leader stands alone), "slos":
-    str, "evidence": str (n, runs, spread), "reasons": [str, ...], "not_considered": {name:
+    bool | None, "overloaded": bool, "elastic_switches": the winner's role switches when it
+    is elastic (else absent or None), "slos_ms": {metric: ms}, "slos_default": bool,
+    "basis": "per core" | "per GPU" | "per device" | "per USD", "n": requests per run,
+    "runs": runs per configuration, "cannot_tell_apart": [names] ([] when the leader stands
+    alone), "verdict": "better" | "tie" | "no difference shown" | "overloaded" | "only one
+    kind" | "no interval" | None, "comparison": the winner against the best of the other
+    kind (:meth:`paired.Comparison.as_json`, None without one), "headline": markdown,
+    "settled": bool (every candidate told apart from the leader or tied: more runs would not
+    change the verdict's kind), "unsettled": [names not yet told apart], "slos": str,
+    "evidence": str (n, runs, interval), "reasons": [str, ...], "not_considered": {name:
     why}}``; ``choice`` (and ``meets_slos``) is None when no configuration completed a
     request. Never raises on missing optional fields (breakdown, resources, server trace,
-    spread).
+    per-request outcomes).
     """
-    cands, not_considered = _candidates(entries)
-    basis = _basis(cands) if cands else "device"
-    unit = unit_label(cands, basis)
-    judged = [figures(e) for e in cands]
+    cands, not_considered = rules.candidates(entries)
+    basis = rules.basis_of(cands) if cands else "device"
+    unit = rules.unit_label(cands, basis)
+    judged = [rules.figures(e) for e in cands]
     slos = next((f["slos_ms"] for f in judged if f["slos_ms"]), metrics.DEFAULT_SLOS_MS)
     default = next((f["slos_default"] for f in judged if f["slos_ms"]), True)
-    out = {"choice": None, "split": None, "meets_slos": None, "slos_ms": dict(slos),
-           "slos_default": default, "basis": unit, "n": _n(cands), "runs": _runs(cands),
-           "cannot_tell_apart": [], "rule": _rule(unit), "slos": _slos_line(slos, default, unit),
-           "evidence": "", "reasons": [], "not_considered": not_considered}
+    out = {"choice": None, "split": None, "meets_slos": None, "overloaded": False,
+           "slos_ms": dict(slos), "slos_default": default, "basis": unit, "n": rules.requests_per_run(cands),
+           "runs": rules.runs_per_config(cands), "cannot_tell_apart": [], "verdict": None, "comparison": None,
+           "headline": "**No recommendation.**", "settled": True, "unsettled": [],
+           "rule": _rule(unit), "slos": _slos_line(slos, default, unit), "evidence": "",
+           "reasons": [], "not_considered": not_considered}
     if not cands:
         out["reasons"].append("No configuration completed a request; nothing to recommend.")
         return out
-    win, tied = choose(cands, basis)
+    win, tied = rules.choose(cands, basis)
+    split = win.get("mode") in rules.SPLIT_MODES
     switches = ((win.get("role_switches") or {}).get("count") or 0) if win.get("mode") == "elastic" else None
-    out.update(choice=win["name"], split=win.get("mode") in SPLIT_MODES, elastic_switches=switches,
-               cannot_tell_apart=[e["name"] for e in tied],
+    out.update(choice=win["name"], split=split, elastic_switches=switches,
+               cannot_tell_apart=[e["name"] for e in tied], overloaded=rules.overloaded(cands),
                meets_slos=any((f["request_goodput"] or 0) > 0 for f in judged),
-               evidence=_evidence(cands, basis, unit))
+               evidence=_evidence(cands, basis, unit), **rules.settled(cands, basis))
     reasons = out["reasons"]
-    if not out["meets_slos"]:
-        reasons.append("No configuration meets the SLOs at this load (goodput 0 in all); "
-                       "the choice below is by latency. Lower the rate, add devices or "
-                       "relax the SLOs.")
+    if out["overloaded"]:
+        reasons.append(_overload_reason(cands))
     if len({str(f["slos_ms"]) for f in judged}) > 1:
         reasons.append("Warning: the configurations were measured against different SLOs; "
                        "their goodputs do not compare.")
-    reasons.append(_verdict(win, cands, out["split"], basis, unit))
+    rival = rules.rival_of(win, cands, basis)
+    c = rules.comparison(win, rival, basis, per_request=True) if rival and not out["overloaded"] else None
+    out.update(comparison=c.as_json() if c else None, **_headline(win, rival, c, out, unit))
+    reasons.append(_verdict(win, rival, split, basis, unit, c))
     reasons += _where_time_goes(cands)
     reasons += _overview(cands, basis, not_considered)
     return out
 
 
+def _headline(win: dict, rival: dict | None, c: paired.Comparison | None, out: dict,
+              unit: str) -> dict:
+    """``{"verdict", "headline"}``: the recommendation's first line (markdown) and its kind."""
+    switches = out.get("elastic_switches")
+    kind = (" (a PD split)." if out["split"] else " (no prefill/decode split).") if switches is None else \
+        f" (elastic: {switches} role switch{'' if switches == 1 else 'es'} during the run)."
+    name, simpler = win["name"], " (the simpler: no prefill/decode split)."
+    if out["overloaded"]:
+        return {"verdict": "overloaded",
+                "headline": f"**Overloaded: no configuration serves most requests within the SLOs; "
+                            f"by {rules.overload_measure([win, rival] if rival else [win])}, use {name}**{kind}"}
+    if rival is None:
+        return {"verdict": "only one kind", "headline": f"**Use {name}**{kind}"}
+    if c is None or c.verdict == "worse":  # worse: picked among those tied with the leader
+        tied = out["cannot_tell_apart"]
+        head = (f"**Cannot tell {_names(tied)} apart by goodput; use {name}**"
+                + (simpler if not out["split"] else kind)) if tied else f"**Use {name}**{kind}"
+        return {"verdict": "no interval" if c is None else "tie", "headline": head}
+    if c.verdict == "better":
+        return {"verdict": "better", "headline": (
+            f"**Use {name}**{kind[:-1]}: goodput {rules.goodput_unit(unit)} {_size(c)} over "
+            f"{rival['name']} ({c.confidence:.0%} CI {_ci_text(c)}).")}
+    ending = simpler if not out["split"] else kind
+    if c.verdict == "tie":
+        return {"verdict": "tie", "headline": (
+            f"**{name} and {rival['name']} tie by goodput (within ±{c.band:.0%}, {c.confidence:.0%} "
+            f"CI {_ci_text(c)}); use {name}**{ending}")}
+    return {"verdict": "no difference shown", "headline": (
+        f"**No difference shown between {name} and {rival['name']} at n = {c.n} requests × "
+        f"{c.runs} run{'s' if c.runs > 1 else ''} (goodput {_size(c)}, "
+        f"{c.confidence:.0%} CI {_ci_text(c)}); use {name}**{ending}")}
+
+
+def _size(c: paired.Comparison) -> str:
+    """"+35 %" (relative to the rival's goodput), or "+0.0525" when the rival's is 0."""
+    return paired.percent(c.relative) if c.relative is not None else f"{c.delta:+.3g}"
+
+
+def _ci_text(c: paired.Comparison) -> str:
+    """"+12..+60 %" (relative to the rival's goodput), or the absolute interval of the
+    difference when the rival's goodput is 0."""
+    if c.relative_ci is None:
+        return f"{c.ci[0]:+.3g}..{c.ci[1]:+.3g}"
+    return f"{paired.percent(c.relative_ci[0])}..{paired.percent(c.relative_ci[1])}".replace(" %", "") + " %"
+
+
+def _names(names: list[str]) -> str:
+    """"a and b", "a, b and c"."""
+    return " and ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
+
+
+def _overload_reason(cands: list[dict]) -> str:
+    """What overload means here and what to do."""
+    shares = ", ".join(f"{e['name']} {rules.figures(e)['slo_attainment'] or 0:.0%}" for e in cands)
+    measure = rules.overload_measure(cands)
+    by = ("capacity from the sweep (the highest rate within the SLOs, per device)"
+          if measure == "capacity" else "per-request E2EL, paired (the one that drains the load "
+          "sooner), since no sweep was run")
+    return (f"Overloaded: every configuration misses the SLOs for most requests ({shares} within "
+            f"them), so goodput does not rank them at this load. Ranked by {by}. To decide by "
+            f"goodput: send fewer requests per second (--request-rate), measure each "
+            f"configuration's capacity (--goodput ... --sweep-rates LO:HI), or add workers.")
+
+
 def _rule(unit: str) -> str:
-    return (f"highest goodput {unit} (requests/s within the SLOs); those that cannot be told "
-            f"apart from the best (ranges over the runs overlap, or within {TIE:.0%} with one "
-            f"run) go to the simpler (colocated), then to the lowest ITL p95 among those with "
-            f"TTFT p95 within {TTFT_TOLERANCE:.0%} of the best, ties ({TIE:.0%}) to output "
-            f"tok/s per device")
+    return (f"highest goodput {unit} (requests/s within the SLOs); those whose paired "
+            f"{paired.CONFIDENCE:.0%} interval of the difference from the best includes zero "
+            f"(a tie within ±{paired.TIE_BAND:.0%}, or no difference shown) go to the simpler "
+            f"(colocated), then to the lowest ITL p95 among those with TTFT p95 within "
+            f"{rules.TTFT_TOLERANCE:.0%} of the best, ties ({rules.TIE:.0%}) to output tok/s per device; "
+            f"when every configuration serves under {rules.MOST:.0%} of its requests within the SLOs "
+            f"(overload), capacity from a sweep, else per-request E2EL, replaces goodput")
 
 
 def _slos_line(slos: dict, default: bool, unit: str) -> str:
@@ -298,67 +238,48 @@ def _slos_line(slos: dict, default: bool, unit: str) -> str:
     return f"Judged by goodput {unit} against your SLOs (--goodput): {metrics.describe_slos(slos)}."
 
 
-def _n(cands: list[dict]) -> int | None:
-    """Requests measured per run (the same trace for every configuration)."""
-    counts = [(e["result"].get("completed") or 0) + (e["result"].get("failed") or 0)
-              for e in cands]
-    return max(counts, default=None)
-
-
-def _runs(cands: list[dict]) -> int:
-    return min((len(e.get("runs") or [None]) for e in cands), default=1)
-
-
 def _evidence(cands: list[dict], basis: str, unit: str) -> str:
-    """n, the number of runs and the spread of goodput, to weigh the verdict by."""
-    n, runs = _n(cands), _runs(cands)
-    if runs < 2:
-        return (f"n = {n} requests, 1 run per configuration: the spread is unknown, so "
-                f"goodputs within {TIE:.0%} count as a tie and larger differences may "
-                f"still be noise; run with --repeats 3 to measure it.")
-    return (f"n = {n} requests per run, {runs} runs per configuration; goodput {unit}, "
-            f"median (min–max): " + "; ".join(f"{e['name']} {_span(e, basis)}" for e in cands)
-            + f" {goodput_unit(unit)}.")
+    """n, the runs used (and left out) and how the interval was found, to weigh the verdict by."""
+    n, runs = rules.requests_per_run(cands), rules.runs_per_config(cands)
+    if not all(e.get("per_run") for e in cands):  # results without per-request outcomes
+        if runs < 2:
+            return (f"n = {n} requests, 1 run per configuration, no per-request outcomes: the "
+                    f"spread is unknown, so goodputs within {rules.TIE:.0%} count as a tie and "
+                    f"larger differences may still be noise.")
+        return (f"n = {n} requests per run, {runs} runs per configuration, no per-request "
+                f"outcomes; goodput {unit}, median (min–max): "
+                + "; ".join(f"{e['name']} {_span(e, basis)}" for e in cands)
+                + f" {rules.goodput_unit(unit)}.")
+    out = (f"n = {n} requests per run, {runs} run{'s' if runs > 1 else ''} per configuration, "
+           f"paired request by request ({paired.CONFIDENCE:.0%} intervals by a paired bootstrap "
+           f"over the requests{' and runs' if runs > 1 else ''}).")
+    left = [f"{e['name']} {len(e['flagged_runs'])}" for e in cands if e.get("flagged_runs")]
+    if left:
+        out += " Runs the load check flagged, left out of the verdict: " + ", ".join(left) + "."
+    return out
 
 
-def _candidates(entries: list[dict]) -> tuple[list[dict], dict[str, str]]:
-    """Rule 1: the entries that compete, and why each other one does not."""
-    not_considered = {e["name"]: e["error"] for e in entries if "error" in e}
-    ran = [e for e in entries if "result" in e]
-    for e in ran:
-        if not e["result"].get("completed"):
-            not_considered[e["name"]] = "no request completed"
-    cands = [e for e in ran if e["result"].get("completed")]
-    clean = [e for e in cands if not _failures(e)]
-    for e in cands:
-        if clean and e not in clean:
-            not_considered[e["name"]] = _failures(e)
-    return clean or cands, not_considered
-
-
-def _failures(e: dict) -> str:
-    """What went wrong in any run of an entry ('' when nothing): failed requests (the most
-    of any run) and failed runs."""
-    most = ((e.get("spread") or {}).get("failed") or [0, e["result"].get("failed") or 0])[1]
-    why = [f"{most} failed requests"] if most else []
-    if e.get("failed_runs"):
-        why.append(f"{len(e['failed_runs'])} failed runs ({e['failed_runs'][0]})")
-    return ", ".join(why)
-
-
-def _verdict(win: dict, cands: list[dict], split: bool, basis: str, unit: str) -> str:
+def _verdict(win: dict, rival: dict | None, split: bool, basis: str, unit: str,
+             c: paired.Comparison | None) -> str:
     """The winner against the best of the other kind (split vs not), in numbers."""
-    others = [e for e in cands if (e.get("mode") in SPLIT_MODES) != split]
-    if not others:
+    if rival is None:
         kind = "elastic" if win.get("mode") == "elastic" else "PD" if split else "colocated"
         return f"Use {win['name']} (the only kind measured: {kind})."
-    rival, _ = choose(others, basis)
     verdict = (f"{win['name']} vs {rival['name']} {_devices_text(win, rival)}: "
-               f"{_why(win, rival, basis, unit)}; ITL p50 {_ms(_r(win, 'median_itl_ms'))} "
-               f"vs {_ms(_r(rival, 'median_itl_ms'))} ms, ITL p95 "
-               f"{_ms(_r(win, 'p95_itl_ms'))} vs {_ms(_r(rival, 'p95_itl_ms'))} ms, TTFT "
-               f"p95 {_ms(_r(win, 'p95_ttft_ms'))} vs {_ms(_r(rival, 'p95_ttft_ms'))} ms")
+               f"{_why(win, rival, basis, unit, c)}{_per_request_text(c)}; ITL p50 "
+               f"{_ms(rules.value(win, 'median_itl_ms'))} vs {_ms(rules.value(rival, 'median_itl_ms'))} ms, ITL p95 "
+               f"{_ms(rules.value(win, 'p95_itl_ms'))} vs {_ms(rules.value(rival, 'p95_itl_ms'))} ms, TTFT "
+               f"p95 {_ms(rules.value(win, 'p95_ttft_ms'))} vs {_ms(rules.value(rival, 'p95_ttft_ms'))} ms")
     return f"Split prefill and decode: {verdict}." if split else f"Do not split at this load: {verdict}."
+
+
+def _per_request_text(c: paired.Comparison | None) -> str:
+    """"; per request (A - B, median): TTFT -120 ms (95 % CI ...), longest gap ..."."""
+    if c is None or not c.ttft_ms:
+        return ""
+    parts = [f"{label} {_ms(d['median'])} ms ({_ms(d['ci'][0])}..{_ms(d['ci'][1])})"
+             for label, d in (("TTFT", c.ttft_ms), ("longest ITL gap", c.max_itl_ms)) if d]
+    return f"; per request ({c.a} - {c.b}, median, {c.confidence:.0%} CI): " + ", ".join(parts)
 
 
 def _where_time_goes(cands: list[dict]) -> list[str]:
@@ -378,15 +299,15 @@ def _handoff_reason(e: dict, b: dict) -> str:
     """The hand-off gap (token 1 -> 2) of one configuration against its TTFT and ITL."""
     h = b["handoff"]
     gap = sum(h["mean"].values())
-    ttft = sum((b.get("ttft") or {}).get("mean", {}).values()) or _r(e, "mean_ttft_ms")
-    itl = _r(e, "median_itl_ms")
+    ttft = sum((b.get("ttft") or {}).get("mean", {}).values()) or rules.value(e, "mean_ttft_ms")
+    itl = rules.value(e, "median_itl_ms")
     kv = (e.get("server") or {}).get("mean_kv_bytes")
     return (f"Hand-off of {e['name']} (token 1 -> 2): mean {_ms(gap)} ms = "
             f"{gap / ttft:.0%} of its mean TTFT and {gap / itl:.1f}x its ITL p50"
             + (f", {kv / 1e6:.1f} MB of KV per request (mean)" if kv else "")
             + f"; {_largest(h, 'the gap')}"
-            + ("; other is the decode worker's first step, batched with the running "
-               "requests, plus IPC hops." if max(h["mean"], key=h["mean"].get) == "other"
+            + ("; the first decode step is the decode worker's step that takes in the KV, "
+               "batched with the running requests." if max(h["mean"], key=h["mean"].get) == "first decode step"
                else "."))
 
 
@@ -394,22 +315,22 @@ def _overview(cands: list[dict], basis: str, not_considered: dict[str, str]) -> 
     """Every candidate's ITL tail, goodput (per device, per USD given prices, with the
     leader of each) and resources side by side; who was left out."""
     reasons = ["ITL p95 / p99 and stalls (gaps > 1 s): " + "; ".join(
-        f"{e['name']} {_ms(_r(e, 'p95_itl_ms'))} / {_ms(_r(e, 'p99_itl_ms'))} ms, "
+        f"{e['name']} {_ms(rules.value(e, 'p95_itl_ms'))} / {_ms(rules.value(e, 'p99_itl_ms'))} ms, "
         f"{e.get('itl_stalls', 0)} stalls" for e in cands) + "."]
-    bases = ["device"] + (["usd"] if any(figures(e)["price_per_hour"] for e in cands) else [])
+    bases = ["device"] + (["usd"] if any(rules.figures(e)["price_per_hour"] for e in cands) else [])
     for b in bases:
-        have = [e for e in cands if figures(e)[f"goodput_per_{b}"] is not None] or cands
-        lead = max(have, key=lambda e: _score(e, b))
-        unit = unit_label(cands, b)
+        have = [e for e in cands if rules.figures(e)[f"goodput_per_{b}"] is not None] or cands
+        lead = max(have, key=lambda e: rules.score(e, b))
+        unit = rules.unit_label(cands, b)
         reasons.append(f"Goodput {unit} (share of requests within the SLOs): " + "; ".join(
-            f"{e['name']} {_span(e, b)} {goodput_unit(unit)} "
-            f"({figures(e)['slo_attainment'] or 0:.0%})" for e in have)
+            f"{e['name']} {_span(e, b)} {rules.goodput_unit(unit)} "
+            f"({rules.figures(e)['slo_attainment'] or 0:.0%})" for e in have)
             + f"; {lead['name']} leads {unit}.")
-    if basis == "device" and unit_label(cands) == "per device":
+    if basis == "device" and rules.unit_label(cands) == "per device":
         reasons.append("Per device compares CPU cores with GPUs; give each deployment's "
                        "price_per_hour to compare per USD.")
     reasons.append("Resources: " + "; ".join(
-        f"{e['name']} {devices(e)[1] or '?'} {devices(e)[0]}s, "
-        f"{_output_per_device(e):.2f} output tok/s per {devices(e)[0]}" for e in cands) + ".")
+        f"{e['name']} {rules.devices(e)[1] or '?'} {rules.devices(e)[0]}s, "
+        f"{rules.output_per_device(e):.2f} output tok/s per {rules.devices(e)[0]}" for e in cands) + ".")
     reasons += [f"Not considered: {name} ({why})." for name, why in not_considered.items()]
     return reasons

@@ -5,8 +5,9 @@ One run of a few dozen requests is one sample: its p95 moves by tens of % from r
 on a busy machine, so a verdict needs the spread. ``epdserve compare --repeats N`` runs the
 deployments interleaved (A B A B ...: a drift of the machine hits every deployment alike)
 and hands each deployment's N entries to :func:`combine`. The median, not the mean, so
-that one disturbed run does not move the figure; the range [min, max] is what
-:mod:`epdserve.bench.recommend` checks for overlap before it picks by a difference.
+that one disturbed run does not move the figure. The verdict does not read the medians: it
+pairs the runs' per-request outcomes (``per_run``) with the other deployments'
+(:mod:`epdserve.bench.paired`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import Counter
 
 import numpy as np
 
-from epdserve.bench import metrics
+from epdserve.bench import metrics, paired
 
 # The per-request arrays kept, from the first run: what the plots and the report read.
 PLOT_ARRAYS = ("ttfts", "itls", "errors", "start_offsets", "kinds")
@@ -65,7 +66,9 @@ def combine(runs: list[dict]) -> dict:
     :func:`epdserve.bench.compare.run_config` returns it (or ``{"name", "mode", "error"}``
     for a run that failed), in the order they ran.
 
-    The entry is the first completed run's, with:
+    Runs the load check flagged (:func:`flagged_by_load`) are left out when another
+    run completed unflagged; ``flagged_runs`` then holds their warnings. The entry is the
+    first run used, with:
 
     * ``result``: the median over the completed runs of each scalar of the bench result
       (ms, req/s, tok/s, counts), the goodput as judged against the default SLOs when the
@@ -79,10 +82,12 @@ def combine(runs: list[dict]) -> dict:
     * ``runs``: each completed run's scalar results (:func:`scalars`);
     * ``spread``: ``{metric: [min, max]}`` over the completed runs for each number of
       ``result`` and ``itl_stalls``; None with one completed run (the spread is unknown);
+    * ``per_run``: each run's per-request outcomes (:func:`paired.outcomes`), in order: what
+      the verdict pairs with the other deployments' runs;
     * ``failed_runs``: the error of each run that failed, when one did.
 
-    With one run (N = 1) the entry is that run as it is, plus ``runs`` and ``spread``
-    None. When every run failed, the first failure (with several runs, its error says
+    With one run used, the entry is that run as it is, plus ``runs`` and ``per_run`` of
+    it and ``spread`` None. ``per_run`` is absent when a result has no per-request arrays. When every run failed, the first failure (with several runs, its error says
     that all failed).
 
     Raises:
@@ -98,13 +103,25 @@ def combine(runs: list[dict]) -> dict:
     if not done:
         return {**runs[0], "error": runs[0]["error"] + (f" (all {len(runs)} runs failed)"
                                                         if len(runs) > 1 else "")}
-    if len(done) == 1:
-        entry = {**done[0], "runs": [scalars(done[0]["result"])], "spread": None}
+    flagged = [r for r in done if flagged_by_load(r)]
+    used = [r for r in done if not flagged_by_load(r)] or done
+    if len(used) == 1:
+        entry = {**used[0], "runs": [scalars(used[0]["result"])], "spread": None}
     else:
-        entry = _fold(done)
+        entry = _fold(used)
+    if all("ttfts" in r["result"] for r in used):
+        entry["per_run"] = [paired.outcomes(r["result"]) for r in used]
     if failed:
         entry["failed_runs"] = failed
+    if flagged and len(used) < len(done):
+        entry["flagged_runs"] = [r["host_load"]["warning"] for r in flagged]
     return entry
+
+
+def flagged_by_load(run: dict) -> bool:
+    """True when the load check flagged a run (``host_load.warning``: other processes on the
+    cores, a priority not matched, a late client)."""
+    return bool((run.get("host_load") or {}).get("warning"))
 
 
 def _fold(done: list[dict]) -> dict:

@@ -8,7 +8,7 @@ of a result (configurations that failed) get no column. Rows are the metrics of
 columns are the configurations, then one "x of BASELINE" column per configuration after the
 first (its value / the first's; "—" where undefined). An entry with repeats shows "median
 (min–max)" over its runs. The table is preceded by :func:`caption`, which says what the
-cells are. Per-device and per-dollar figures come from :func:`epdserve.bench.recommend.
+cells are. Per-device and per-dollar figures come from :func:`epdserve.bench.rules.
 figures`, the one place they are computed.
 """
 
@@ -17,12 +17,12 @@ from __future__ import annotations
 import textwrap
 from typing import Sequence
 
-from epdserve.bench import metrics, production, recommend, server_metrics, tables
+from epdserve.bench import metrics, production, rules, server_metrics, tables
 from epdserve.bench.server_trace import FIELDS, sort_parts
 
 # (label, better, where, key, format, scale): better is "lower", "higher" or "" (no
 # direction); where is "result" (bench result), "server" (trace summary, means per
-# request), "figures" (recommend.figures), "devices" (key: the device kind whose count
+# request), "figures" (rules.figures), "devices" (key: the device kind whose count
 # it is) or "entry" (the entry itself); the value is multiplied by scale before
 # formatting. "{unit}" in a label is "per core", "per GPU" or "per device".
 ROWS = [
@@ -74,10 +74,10 @@ def value(entry: dict, where: str, key: str) -> tuple[float | None, list | None]
     """(the number for one table cell or None when absent, its [min, max] over the runs
     or None without repeats), unscaled."""
     if where == "devices":
-        kind, n = recommend.devices(entry)
+        kind, n = rules.devices(entry)
         return (n if kind == key else None), None
     if where == "figures":
-        f = recommend.figures(entry)
+        f = rules.figures(entry)
         return f.get(key), f["spread"].get(key)
     v = ((entry.get(where) if where != "entry" else entry) or {}).get(key)
     spread = (entry.get("spread") or {}).get(key) if where in ("result", "entry") else None
@@ -99,7 +99,7 @@ def table(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
     entries = [e for e in entries if "result" in e]
     names = [e["name"] for e in entries]
     header = ["Metric", "Better", *names, *(f"{n} (x of {names[0]})" for n in names[1:])]
-    unit = recommend.unit_label(entries)
+    unit = rules.unit_label(entries)
     rows = []
     for label, better, where, key, fmt, scale in ROWS:
         cells = [value(e, where, key) for e in entries]
@@ -120,7 +120,7 @@ def caption(entries: list[dict]) -> str:
     ran = [e for e in entries if "result" in e]
     if not ran:
         return ""
-    judged = recommend.figures(ran[0])
+    judged = rules.figures(ran[0])
     slos = judged["slos_ms"] or metrics.DEFAULT_SLOS_MS
     runs = min(len(e.get("runs") or [None]) for e in ran)
     which = "the default SLOs" if judged["slos_default"] or not judged["slos_ms"] else "your SLOs"
@@ -130,7 +130,8 @@ def caption(entries: list[dict]) -> str:
         "throughputs are over the run's duration.",
         f"Goodput = requests/s meeting every SLO ({which}: {metrics.describe_slos(slos)}).",
         f"Each cell is the median of {runs} runs (min–max)." if runs > 1 else
-        "One run per configuration: the spread is unknown (--repeats 3 measures it).",
+        "One run per configuration: the verdict's interval is over its requests only (more "
+        "runs, --repeats, also cover run-to-run noise).",
         f"\"x of {ran[0]['name']}\" = the value ÷ {ran[0]['name']}'s; Better says which "
         "direction wins on that row (lower: under 1.00x is better; higher: over 1.00x is "
         "better).",
@@ -211,32 +212,17 @@ def breakdown_markdown(entries: list[dict], which: str) -> str:
 
 def recommendation_markdown(rec: dict, disturbed: Sequence[str] = ()) -> str:
     """The "## Recommendation" section from :func:`epdserve.bench.recommend.recommend`:
-    the verdict (qualified when ``disturbed``, the :func:`load_warnings` of the runs, is
-    not empty), then what it was judged by (the SLOs) and on how much (n, runs, spread),
+    the headline (qualified when ``disturbed``, the :func:`load_warnings` of the runs, is
+    not empty), then what it was judged by (the SLOs) and on how much (n, runs, interval),
     the reasons, the rule."""
-    switches = rec.get("elastic_switches")
-    kind = (" (a PD split)." if rec["split"] else " (no prefill/decode split).") if switches is None else \
-        f" (elastic: {switches} role switch{'' if switches == 1 else 'es'} during the run)."
-    tied = rec.get("cannot_tell_apart") or []
-    if not rec["choice"]:
-        head = "**No recommendation.**"
-    elif tied:
-        head = (f"**Cannot tell {_names(tied)} apart by goodput; use {rec['choice']}**"
-                + (" (the simpler: no prefill/decode split)." if not rec["split"] else kind))
-    else:
-        head = f"**Use {rec['choice']}**{kind}"
+    head = rec["headline"]
     if disturbed and rec["choice"]:
         head += (f" **But other processes loaded the cores during {len(disturbed)} run(s)** "
                  f"({disturbed[0]}): measure again on a quiet machine before acting on it.")
-    basis = " ".join(x for x in (rec.get("slos"), rec.get("evidence")) if x)
+    basis = " ".join(x for x in (rec.get("slos"), rec.get("evidence"), rec.get("stopped")) if x)
     return "\n".join(["## Recommendation", "", head, "", *([basis, ""] if basis else []),
                       *[f"- {r}" for r in rec["reasons"]], "",
-                      f"Rule: {rec['rule']} (epdserve/bench/recommend.py)."])
-
-
-def _names(names: list[str]) -> str:
-    """"a and b", "a, b and c"."""
-    return " and ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
+                      f"Rule: {rec['rule']} (epdserve/bench/rules.py)."])
 
 
 def sweep_markdown(entries: list[dict]) -> str:
@@ -255,7 +241,7 @@ def sweep_markdown(entries: list[dict]) -> str:
         if sw["max_rate"] is not None and sw["bracket"][1] is None:
             best += " (the highest rate tried: raise HI)"
         pts = ", ".join(f"{p['rate']:.3g}: {p['slo_attainment']:.0%}" for p in sw["points"])
-        kind, n = recommend.devices(e)
+        kind, n = rules.devices(e)
         per_device = (f" ({sw['max_rate'] / n:.3g} req/s per {kind})"
                       if n and sw["max_rate"] is not None else "")
         lines.append(f"- {e['name']}: max rate with {sw['target_share']:.0%} of requests "
@@ -349,8 +335,11 @@ def _breakdown_sections(ran: list[dict]) -> list[str]:
     if gap:
         parts += ["## PD hand-off (client gap token 1 → token 2; mean and p95 of each part, "
                   "ms)", "", gap, "",
-                  "KV import runs within the decode worker's first step; other = the rest "
-                  "of that step and IPC hops." + first, ""]
+                  "http = client gap − the router's gap; KV import runs at the start of the "
+                  "decode worker's first step for the request; first decode step = the rest of "
+                  "that step (batched with the running requests) to the second token; IPC hops "
+                  "= the router's remainder (network and event-loop hops); other = what no "
+                  "stage covers." + first, ""]
     return parts
 
 
@@ -417,7 +406,7 @@ def role_switch_lines(e: dict) -> list[str]:
 
 
 def server_table_markdown(entries: list[dict]) -> str:
-    """Mean and p95 of each server-trace field (ms or bytes per request) per configuration,
+    """Mean and p95 of each server-trace field (ms, bytes or tokens per request) per configuration,
     as markdown; '' when no configuration has a server trace."""
     present = [f for f in FIELDS if any(f"mean_{f}" in (e.get("server") or {}) for e in entries)]
     if not present:

@@ -37,7 +37,12 @@ FIELDS = ("kv_bytes", "kv_transfer_ms",
           "prefill_ms", "queue_ms", "decode_ms", "e2e_ms",
           # optional stage stamps, summarised when the server writes them
           "ttft_ms", "router_queue_ms", "prefill_queue_ms", "decode_queue_ms",
-          "kv_export_ms", "kv_fetch_ms", "kv_import_ms", "router_hop_ms", "ttft_hop_ms")
+          "kv_export_ms", "kv_fetch_ms", "kv_import_ms", "router_hop_ms", "ttft_hop_ms",
+          "first_decode_ms", "handoff_gap_ms", "handoff_hop_ms",
+          # tokens computed again after a preemption, per request (0 when never preempted)
+          "recomputed_tokens")
+# FIELDS whose sum over the requests is summarised too (``total_<field>``).
+TOTALS = ("recomputed_tokens",)
 # Fields a record does not carry but its attributes give: name -> the attribute divided
 # by ``num_images``.
 PER_IMAGE = {"embedding_bytes_per_image": "embedding_bytes",
@@ -144,10 +149,11 @@ def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> di
     """Mean and p95 (numpy, linear) of each of :data:`FIELDS` that the records of this run
     have: ``mean_kv_bytes``, ``p95_kv_bytes``, ... (bytes and ms per request, over the
     records where it is not None: the image fields over requests with images), and of the
-    :data:`PER_IMAGE` fields (a record's value / its ``num_images``). Also
-    ``num_records`` (the file's trace records), ``matched_client_requests`` (records whose
-    ``request_id`` is one of ``client_request_ids``) and ``malformed_lines`` when any.
-    An absent file gives ``{}``."""
+    :data:`PER_IMAGE` fields (a record's value / its ``num_images``), and the sum of each
+    of :data:`TOTALS` (``total_recomputed_tokens``, with ``preempted_requests``: records
+    that recomputed any). Also ``num_records`` (the file's trace records),
+    ``matched_client_requests`` (records whose ``request_id`` is one of
+    ``client_request_ids``) and ``malformed_lines`` when any. An absent file gives ``{}``."""
     path = Path(path)
     if not path.is_file():
         return {}
@@ -167,6 +173,11 @@ def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> di
         if values:
             out[f"mean_{key}"] = float(np.mean(values))
             out[f"p95_{key}"] = float(np.percentile(values, 95))
+            if key in TOTALS:
+                out[f"total_{key}"] = float(np.sum(values))
+    recomputed = [r.recomputed_tokens for r in use if r.recomputed_tokens is not None]
+    if recomputed:
+        out["preempted_requests"] = sum(n > 0 for n in recomputed)
     out.update(by_transport(use))
     return out
 
@@ -208,9 +219,14 @@ def by_transport(records: list[RequestTrace]) -> dict:
 # Image encoding (its queue, the encoding, and in EPD the embedding hand-off) comes before
 # the first worker's queue on every path, whichever worker encodes; text-only requests
 # lack its stages, so it is absent for them.
-# "http" (client TTFT - the router's ttft_ms: client send, HTTP parsing, SSE write) and
-# "other" (what no measured stage covers) are added by :func:`ttft_parts` /
-# :func:`handoff_parts`.
+# "http" (client TTFT - the router's ttft_ms: client send, HTTP parsing, SSE write; for
+# the hand-off gap, the client's gap - the router's handoff_gap_ms: the second token's SSE
+# write less the first's) and "other" (what no measured stage covers; 0 when the record
+# has the router's stamp, ttft_ms / handoff_gap_ms, and every stage) are added by
+# :func:`ttft_parts` / :func:`handoff_parts`. In the hand-off gap, "first decode step" is
+# the rest of the decode worker's step that imports the KV (batched with its running
+# requests) and "IPC hops" the router's remainder (the AddRequest's and the second
+# token's ZeroMQ and event-loop hops).
 _ROUTER, _PREFILL, _HOPS = ("router", "router_queue_ms"), ("prefill", "prefill_ms"), ("IPC hops", "ttft_hop_ms")
 _ENCODE = (("encode queue", "encode_queue_ms"), ("encode", "encode_ms"),
            ("embedding transfer", "embedding_transfer_ms"))
@@ -221,12 +237,13 @@ TTFT_STAGES = {
     "local": (_ROUTER, *_ENCODE, ("decode queue", "decode_queue_ms"), _PREFILL, _HOPS),
 }
 HANDOFF_STAGES = (("router hop", "router_hop_ms"), ("KV fetch", "kv_fetch_ms"),
-                  ("decode queue", "decode_queue_ms"), ("KV import", "kv_import_ms"))
+                  ("decode queue", "decode_queue_ms"), ("KV import", "kv_import_ms"),
+                  ("first decode step", "first_decode_ms"), ("IPC hops", "handoff_hop_ms"))
 # Every part in time order, for tables and plots that put several configurations together.
 PART_ORDER = {
     "ttft": ("http", "router", "encode queue", "encode", "embedding transfer", "queue",
              "prefill queue", "decode queue", "prefill", "KV export", "IPC hops", "other"),
-    "handoff": (*(p for p, _ in HANDOFF_STAGES), "other"),
+    "handoff": ("http", *(p for p, _ in HANDOFF_STAGES), "other"),
 }
 
 
@@ -258,10 +275,17 @@ def ttft_parts(client_ttft_ms: float, record: RequestTrace) -> dict[str, float]:
 
 
 def handoff_parts(gap_ms: float, record: RequestTrace) -> dict[str, float]:
-    """A PD request's hand-off gap (client: first -> second text chunk, ms) split into the
-    stages of :data:`HANDOFF_STAGES` the record has and ``other`` = gap - those (the rest
-    of the decode worker's first step, and IPC hops)."""
-    parts = _stage_values(record, HANDOFF_STAGES)
+    """A PD request's hand-off gap (client: first -> second text chunk, ms) split into
+    parts (ms) that sum to it: ``http`` (the client's gap - the router's
+    ``handoff_gap_ms``; absent when the record has none), the stages of
+    :data:`HANDOFF_STAGES` the record has (``IPC hops``: the router's remainder,
+    ``handoff_hop_ms``), and ``other`` = gap - all of those (0 when the record has
+    ``handoff_hop_ms``; in an older record without ``first_decode_ms``, the decode worker's
+    first step and the IPC hops)."""
+    parts = {}
+    if record.handoff_gap_ms is not None:
+        parts["http"] = gap_ms - record.handoff_gap_ms
+    parts.update(_stage_values(record, HANDOFF_STAGES))
     parts["other"] = gap_ms - sum(parts.values())
     return parts
 

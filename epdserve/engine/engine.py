@@ -227,7 +227,7 @@ class LLMEngine:
             seq.arrival = arrival
         if kv is not None:
             kv.validate(self._block_shape(self.pool.blocks_for(n)), self.kv_cache.dtype)
-            seq.num_computed_tokens = n  # the prompt's K/V arrives with the request
+            seq.num_computed_tokens = seq.max_computed_tokens = n  # the prompt's K/V arrives with the request
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -355,7 +355,11 @@ class LLMEngine:
                                      self.prompt_logprobs.sink(batch), self.graphs)
         self.num_steps, self.last_step_tokens = self.num_steps + 1, sum(batch.num_tokens)
         for seq, n in zip(batch.seqs, batch.num_tokens):
+            # Tokens under the mark had K/V here before a preemption dropped it: computed again.
+            seq.num_recomputed_tokens += max(0, min(seq.num_computed_tokens + n, seq.max_computed_tokens)
+                                             - seq.num_computed_tokens)
             seq.num_computed_tokens += n
+            seq.max_computed_tokens = max(seq.max_computed_tokens, seq.num_computed_tokens)
             self.scheduler.prefix_cache.register(seq)
         seqs = [batch.seqs[i] for i in sampled]
         eos = self.model.config.eos_token_ids
@@ -422,7 +426,7 @@ class LLMEngine:
         seq.timings.kv_import_ms = (time.perf_counter() - start) * 1e3
         # kv_import_ms is the copy alone: the source (and a /dev/shm mapping or TCP buffer
         # it holds) is freed on return, which takes 3-17 ms for a 24-94 MB frame on this
-        # machine (benchmarks/kv_handoff.py sizes) and shows in a trace as decode time.
+        # machine (benchmarks/kv_handoff.py sizes) and shows in a trace in first_decode_ms.
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
         if seq.guided is not None and not seq.guided.accept_token(token):
@@ -434,6 +438,8 @@ class LLMEngine:
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
+            if seq.timings.kv_import_ms is not None:  # the step that imported its KV: all of it but the import
+                seq.timings.first_decode_ms = (now - seq.first_scheduled) * 1e3 - seq.timings.kv_import_ms
         p = seq.sampling
         reason = None
         if (token in p.stop_token_ids or (not p.ignore_eos and token in self.model.config.eos_token_ids)
@@ -463,9 +469,13 @@ class LLMEngine:
         """``queue_ms`` (arrival at the worker to first scheduled, less a KV fetch made in
         between), ``prefill_ms`` (first scheduled to first token; not for a request that
         imported its KV) and ``decode_ms`` (to the last token, not for one that holds its
-        KV; for an import from first scheduled, so it includes ``kv_import_ms``), plus
-        ``seq.timings``."""
+        KV; for an import from first scheduled, so it includes ``kv_import_ms`` and
+        ``first_decode_ms``: its first step here, to the first token sampled, less the
+        import), and
+        ``recomputed_tokens`` (tokens computed again after a preemption; 0 if none), plus
+        ``seq.timings``; times in ms."""
         t = seq.timings.model_copy()
+        t.recomputed_tokens = seq.num_recomputed_tokens
         t.queue_ms = (seq.first_scheduled - seq.arrival) * 1e3 - (t.kv_fetch_ms or 0.0)
         if t.kv_import_ms is not None:
             t.decode_ms = (now - seq.first_scheduled) * 1e3

@@ -214,6 +214,10 @@ class Sequence:
         self.arrival = time.perf_counter()
         self.first_scheduled: float | None = None
         self.first_token_time: float | None = None
+        # Tokens that had K/V here at some point (computed, imported or found cached): what
+        # it computes again up to this mark after a preemption is num_recomputed_tokens.
+        self.max_computed_tokens = 0
+        self.num_recomputed_tokens = 0
         self.timings = StageTimings()
 
     def __len__(self) -> int:

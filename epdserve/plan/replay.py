@@ -151,8 +151,7 @@ def replay(deployment: Deployment, platform: Platform, requests: list[workload.R
         TraceError: ``rate`` is not a finite number > 0.
     """
     check(deployment, platform, requests, limits)
-    at_once = len({r.offset_s for r in requests}) == 1
-    copier = Copier(requests, -(-MIN_POISSON_COPY // len(requests)) if at_once else 1)
+    copier = Copier(requests, -(-MIN_POISSON_COPY // len(requests)) if sent_at_once(requests) else 1)
     base = copier.unit(rate, seed)
     n, period = len(base), len(base) / rate
     last_s = max(r.offset_s for r in base)
@@ -170,6 +169,14 @@ def replay(deployment: Deployment, platform: Platform, requests: list[workload.R
             sim.env.run(until=sim.until_finished(indices))
             return Replay(sim.results(indices)[0], k + 1, n, True, in_flight, measured, sim)
     return Replay([], limit, n, False, in_flight, sim=sim)
+
+
+def sent_at_once(requests: list[workload.Request]) -> bool:
+    """Whether the trace is sent all at once (every offset the same): it has no arrival
+    pattern of its own, and a re-timed copy gets seeded Poisson arrivals
+    (:func:`~epdserve.bench.workload.retime`), a sequence per seed. A trace whose offsets
+    differ keeps its own arrivals, scaled to the rate, whatever the seed."""
+    return len({r.offset_s for r in requests}) == 1
 
 
 def settled(before: float, now: float, copy_size: int, tolerance: float = TOLERANCE) -> bool:

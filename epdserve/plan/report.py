@@ -39,14 +39,20 @@ def markdown(doc: dict) -> str:
     for r in doc["candidates"]:
         band = " ({} – {})".format(*map(fmt, r["goodput_band_rps"])) if "goodput_band_rps" in r else ""
         at_least = "≥ " if r["unbounded"] else ""
-        lines.append(f"| {r['name']} | {r['devices']} | {at_least}{fmt(r['max_goodput_rps'])}{band} | "
-                     f"{at_least}{fmt(r['goodput_per_device'])} | {fmt(r['p50_ttft_ms'], '.0f')} / "
-                     f"{fmt(r['p95_ttft_ms'], '.0f')} | {fmt(r['p50_itl_ms'], '.1f')} / "
-                     f"{fmt(r['p95_itl_ms'], '.1f')} | {fmt(r['output_tok_s_per_device'])} | "
+        lines.append(f"| {r['name']} | {r['devices']} | {at_least}{fmt(r['max_goodput_rps'])}"
+                     f"{_seed_band(r, 'max_goodput_rps')}{band} | "
+                     f"{at_least}{fmt(r['goodput_per_device'])}{_seed_band(r, 'goodput_per_device')} | "
+                     f"{fmt(r['p50_ttft_ms'], '.0f')} / {fmt(r['p95_ttft_ms'], '.0f')}"
+                     f"{_seed_band(r, 'p95_ttft_ms', '.0f')} | "
+                     f"{fmt(r['p50_itl_ms'], '.1f')} / {fmt(r['p95_itl_ms'], '.1f')}"
+                     f"{_seed_band(r, 'p95_itl_ms', '.1f')} | "
+                     f"{fmt(r['output_tok_s_per_device'])} | "
                      f"{fmt(r['usd_per_m_output_tokens'])} | {_replay_cell(r)} |")
     lines += [f"| {name} | skipped: {why} ||||||||" for name, why in doc["skipped"].items()]
-    lines += ["", _replay_note(doc.get("replay", "steady")), "",
-              f"**Recommendation: {doc['recommendation'] or 'none'}** — {doc['reason']}.", ""]
+    lines += ["", _replay_note(doc.get("replay", "steady")), ""]
+    if "seeds" in doc:
+        lines += [seeds_note(doc), ""]
+    lines += [f"**Recommendation: {doc['recommendation'] or 'none'}** — {doc['reason']}.", ""]
     lines += elastic_lines(doc["candidates"])
     if unbounded := [r["name"] for r in doc["candidates"] if r["unbounded"]]:
         lines += [f"≥: {', '.join(unbounded)} met the SLOs at every rate tried, the whole trace in flight at "
@@ -98,6 +104,29 @@ def elastic_lines(rows: list[dict]) -> list[str]:
             lines.append(f"- last hold: {rep['last_hold']}")
         lines.append("")
     return lines
+
+
+def _seed_band(row: dict, key: str, spec: str = ".3g") -> str:
+    """`` [min–max]`` of ``key`` over the row's arrival seeds; "" with one seed or none."""
+    band = (row.get("seed_band") or {}).get(key)
+    return " [{}–{}]".format(*(fmt(v, spec) for v in band)) if band and len(row.get("seeds") or ()) > 1 else ""
+
+
+def seeds_note(doc: dict) -> str:
+    """What the seed bands of ``plan.md`` are (``doc``: the plan.json document, its
+    ``seeds`` the arrival seeds simulated and ``arrivals`` whose arrivals they are)."""
+    seeds = doc["seeds"]
+    if doc.get("arrivals") == "trace":
+        return ("Arrivals: the trace's own, scaled to each rate: one arrival sequence, each deployment simulated on "
+                "it once, so no band over seeds (`--seeds` applies to a trace sent all at once, which gets seeded "
+                "Poisson arrivals).")
+    if len(seeds) == 1:
+        return (f"Arrivals: Poisson, one seed ({seeds[0]}): one sample, no band; `--seeds N` simulates N arrival "
+                f"sequences and gives each figure's spread.")
+    return (f"Square brackets: min–max over {len(seeds)} arrival seeds ({seeds[0]} to {seeds[-1]}: Poisson arrivals "
+            f"of the same requests); each figure is the median over the seeds of that seed's figure at its own "
+            f"goodput rate (plan.json: `per_seed` and `seed_band` of every figure). The replay column, goodput.png "
+            f"and an elastic controller are the median seed's.")
 
 
 def _replay_cell(row: dict) -> str:

@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from epdserve.argtypes import float_above
+from epdserve.argtypes import float_above, int_at_least
 from epdserve.bench import metrics, production, production_formats, workload
 from epdserve.bench.compare import parse_configs
 from epdserve.bench.datasets import with_images
 from epdserve.bench.run import parse_goodput
 from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
-from epdserve.plan import calibrate, elastic_replay, hardware, report, search, sim_elastic
+from epdserve.plan import calibrate, elastic_replay, hardware, replay, report, search, sim_elastic
 from epdserve.plan.costmodel import FEATURES, Platform, roofline_platform
 from epdserve.plan.model_spec import BUILTIN, ModelSpec
 from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError
@@ -39,6 +39,10 @@ from epdserve.plan.validation import (BANDED, VALIDATED, compare_deployment, com
 
 ACTIONS = ("search", "calibrate", "validate", "elastic-replay")
 REPLAYS = ("steady", "once")
+# Arrival seeds per deployment (--seeds). A seed after the first costs a fifth to a third
+# of it (search.evaluate's hint skips the low rates): 5 took 1.7-2.4 times as long as 1
+# (docs/planner.md).
+DEFAULT_SEEDS = 5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +127,13 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the planned trace's lengths and images, and of the arrivals of a trace "
                              "sent all at once re-timed to each rate (default 0; as compare's --seed)")
+    parser.add_argument("--seeds", type=int_at_least(1), default=None, metavar="N",
+                        help="arrival seeds: simulate each deployment on N arrival sequences of the same "
+                             "requests, the Poisson arrivals of seeds --seed, --seed+1, ..., --seed+N-1, and "
+                             "report each figure as the median over them with its band (min-max over the "
+                             "seeds); a split is not picked over colocated when their goodput bands overlap "
+                             f"(default {DEFAULT_SEEDS}; >= 1). A --trace with arrivals of its own has one "
+                             "arrival sequence: it is simulated once, without a band")
     workload.add_production_arguments(parser)  # fit a Mooncake or Azure --trace
 
 
@@ -210,32 +221,50 @@ def _deployments(args, platform: Platform, requests: list[workload.Request]) -> 
     return [(d, limits) for d in search.candidates(platform, args.devices, images=any(r.images for r in requests))]
 
 
+def arrival_seeds(args, requests: list[workload.Request]) -> list[int]:
+    """The arrival seeds to simulate (:func:`search.evaluate_seeds`): ``--seeds`` of them
+    from ``--seed`` on, for a trace sent all at once (seeded Poisson arrivals at each
+    rate); only ``--seed`` for a trace with arrivals of its own (the same sequence for
+    every seed)."""
+    n = args.seeds or DEFAULT_SEEDS
+    return [args.seed + i for i in range(n)] if replay.sent_at_once(requests) else [args.seed]
+
+
 def run_search(args) -> int:
     platform = _platform(args)
     requests, slos = _requests(args), dict(args.slo)
+    seeds = arrival_seeds(args, requests)
+    if args.seeds and len(seeds) < args.seeds:  # asked for, and not the default
+        print(f"--seeds {args.seeds}: the trace has arrivals of its own, one sequence: each deployment is "
+              f"simulated on it once, without a band over seeds", file=sys.stderr)
+    steady = args.replay == "steady"
     rows, curves, skipped = [], {}, {}
     for dep, limits in tqdm(_deployments(args, platform, requests), desc="plan", unit="deployment"):
-        def goodput(p: Platform) -> search.Candidate:
-            return search.evaluate(dep, p, requests, slos, args.target, limits, steady=args.replay == "steady",
-                                   seed=args.seed)
         try:
-            cand = goodput(platform)
+            cands = search.evaluate_seeds(dep, platform, requests, slos, args.target, limits, seeds, steady)
         except KVCapacityError as exc:
             skipped[dep.name] = str(exc)
             continue
-        rows.append(cand.row(platform))
-        curves[dep.name] = cand.points
-        if band := platform.band():
-            rates = [cand.max_rate or 0.0] + [goodput(p).max_rate or 0.0 for p in band]
-            rows[-1]["goodput_band_rps"] = [min(rates), max(rates)]
+        row = search.seed_row(cands, platform, seeds)
+        rows.append(row)
+        median = cands[seeds.index(row["median_seed"])]
+        curves[dep.name] = median.points
+        if band := platform.band():  # step times ± their uncertainty, on the median seed's arrivals
+            rates = [row["max_goodput_rps"]] + [
+                search.evaluate(dep, p, requests, slos, args.target, limits, steady=steady, seed=row["median_seed"],
+                                hint=median.max_rate).max_rate or 0.0 for p in band]
+            row["goodput_band_rps"] = [min(rates), max(rates)]
     rows.sort(key=lambda r: -r["goodput_per_device"])
     pick, why = search.recommend(rows) if rows else (None, "every deployment was skipped (see the table)")
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"platform": platform.name, "devices": args.devices, "workload": _workload(args, requests),
            "slos_ms": slos, "target": args.target, "replay": args.replay,
+           "seeds": seeds, "seeds_requested": args.seeds or DEFAULT_SEEDS,
+           "arrivals": "poisson" if replay.sent_at_once(requests) else "trace", "seed_band": "min-max",
            "step_uncertainty": platform.step_uncertainty, "candidates": rows, "skipped": skipped,
-           "recommendation": pick and pick["name"], "reason": why, "validations": platform.error}
+           "recommendation": pick and pick["name"], "reason": why,
+           "split_vs_colocated": search.split_vs_colocated(rows), "validations": platform.error}
     (out / "plan.json").write_text(json.dumps(doc, indent=1))
     text = report.markdown(doc)
     (out / "plan.md").write_text(text)

@@ -11,11 +11,21 @@ its arrival pattern scaled, or seeded Poisson arrivals for a trace sent all at o
 replayed back to back until the deployment's queue is steady
 (:mod:`epdserve.plan.replay`): a rate at which it keeps growing fails, however short the
 trace. Candidates are ranked by goodput per device.
+
+Arrival seeds. One seeded arrival sequence is one sample: another seed can swap the best
+split and the best colocated deployment. :func:`evaluate_seeds` finds each deployment's
+goodput for several arrival seeds of the same requests, :func:`seed_row` reports each
+figure as the median over them with its band (min–max over the seeds), and
+:func:`recommend` does not pick a split over colocated when their goodput bands overlap
+(:func:`split_vs_colocated`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from epdserve.bench import metrics, workload
 from epdserve.bench.sweep import find_max_goodput_rate
@@ -142,9 +152,17 @@ def measure_rate(deployment: Deployment, platform: Platform, requests: list[work
 
 def evaluate(deployment: Deployment, platform: Platform, requests: list[workload.Request],
              slos_ms: dict[str, float], target: float, limits: EngineLimits,
-             iters: int = 6, steady: bool = True, seed: int = 0) -> Candidate:
+             iters: int = 6, steady: bool = True, seed: int = 0, hint: float | None = None) -> Candidate:
     """Simulated goodput of one deployment (see the module doc), each rate measured by
-    :func:`measure_rate` (``steady``, ``seed``: as there)."""
+    :func:`measure_rate` (``steady``, ``seed``: as there).
+
+    The rates tried double from 0.01 req/s per device until one fails, then ``iters``
+    bisections of the last bracket. ``hint`` (req/s: the goodput found for another seed or
+    platform) starts the doubling at the highest rate of that same grid at or below half of
+    it instead, stepping down the grid while it fails: the low rates, the slowest to
+    simulate, are skipped, and where the share within the SLOs falls as the rate rises the
+    bracket, hence the goodput, is the one the search without a hint finds.
+    """
     cache: dict[float, dict] = {}
 
     def measure(rate: float) -> dict:
@@ -155,11 +173,18 @@ def evaluate(deployment: Deployment, platform: Platform, requests: list[workload
     def ok(rate: float) -> bool:
         return measure(rate)["slo_attainment"] >= target
 
-    lo = 0.01 * deployment.devices
+    base = lo = 0.01 * deployment.devices
+    doublings = MAX_DOUBLINGS
+    if hint and hint > 2 * base:
+        k = min(MAX_DOUBLINGS, math.floor(math.log2(hint / 2 / base)))
+        lo = base * 2 ** k  # a point of the grid: doubling is exact in floating point
+        while lo > base and not ok(lo):
+            lo /= 2
+        doublings -= round(math.log2(lo / base))
     if not ok(lo):
         return Candidate(deployment, None, measure(lo), [], above=(lo, measure(lo)))
     hi = lo * 2
-    for _ in range(MAX_DOUBLINGS):
+    for _ in range(doublings):
         if not ok(hi):
             break
         lo, hi = hi, hi * 2
@@ -170,6 +195,62 @@ def evaluate(deployment: Deployment, platform: Platform, requests: list[workload
     rate, failed = sweep["bracket"]
     return Candidate(deployment, rate, measure(rate) if rate else None, sweep["points"],
                      above=(failed, measure(failed)))
+
+
+def evaluate_seeds(deployment: Deployment, platform: Platform, requests: list[workload.Request],
+                   slos_ms: dict[str, float], target: float, limits: EngineLimits, seeds: list[int],
+                   steady: bool = True) -> list[Candidate]:
+    """:func:`evaluate` once per arrival seed of ``seeds`` (the seed of the Poisson arrivals
+    a trace sent all at once gets; a trace with arrivals of its own has one sequence, and one
+    seed is enough for it), in that order; the first seed's goodput is the ``hint`` of the
+    others.
+
+    Raises:
+        KVCapacityError, ValueError: as :func:`~epdserve.plan.simulate.simulate`.
+    """
+    first = evaluate(deployment, platform, requests, slos_ms, target, limits, steady=steady, seed=seeds[0])
+    return [first] + [evaluate(deployment, platform, requests, slos_ms, target, limits, steady=steady, seed=s,
+                               hint=first.max_rate) for s in seeds[1:]]
+
+
+# The figures of a row that seed_row gives as a median over the arrival seeds, with a band.
+HEADLINE = ("max_goodput_rps", "goodput_per_device", "p50_ttft_ms", "p95_ttft_ms", "p50_itl_ms", "p95_itl_ms",
+            "p95_tpot_ms", "output_tok_s_per_device", "usd_per_m_output_tokens")
+
+
+def median_index(cands: list[Candidate]) -> int:
+    """The index of the candidate whose goodput is the (lower) median of those of ``cands``
+    (a candidate that meets the SLOs at no rate counts as 0 req/s); ties go to the earlier
+    seed."""
+    order = sorted(range(len(cands)), key=lambda i: (cands[i].max_rate or 0.0, i))
+    return order[(len(cands) - 1) // 2]
+
+
+def seed_row(cands: list[Candidate], platform: Platform, seeds: list[int]) -> dict:
+    """One table row for a deployment simulated on several arrival seeds (``cands``: one
+    :class:`Candidate` per seed of ``seeds``, as :func:`evaluate_seeds` returns them).
+
+    Each :data:`HEADLINE` figure (goodput in req/s, latencies in ms, output tokens/s per
+    device, USD per million output tokens) is the median over the seeds of that seed's
+    figure at its own goodput rate, over the seeds that have it (a seed that meets the SLOs
+    at no rate has no latencies nor cost; its goodput counts as 0); ``per_seed`` holds each
+    figure's values in the order of ``seeds`` (None where a seed has none) and ``seed_band``
+    its [min, max] over them (None where no seed has it). ``median_seed``: the seed of the
+    (lower) median goodput, whose replay, rate above, curve and elastic controller the
+    row's other fields are. ``unbounded``: any seed met the SLOs at every rate tried (its
+    goodput is a lower bound). One seed gives a band of one value.
+    """
+    rows = [c.row(platform) for c in cands]
+    m = median_index(cands)
+    row = dict(rows[m], seeds=list(seeds), median_seed=seeds[m], unbounded=any(r["unbounded"] for r in rows))
+    row["per_seed"], row["seed_band"] = {}, {}
+    for key in HEADLINE:
+        values = [r[key] for r in rows]
+        present = [v for v in values if v is not None]
+        row[key] = float(np.median(present)) if present else None
+        row["per_seed"][key] = values
+        row["seed_band"][key] = [min(present), max(present)] if present else None
+    return row
 
 
 def _per_device_band(row: dict) -> list[float] | None:
@@ -188,13 +269,61 @@ def _overlap(a: dict, b: dict) -> bool:
     return bool(x and y) and x[0] <= y[1] and y[0] <= x[1]
 
 
+def _is_colocated(row: dict) -> bool:
+    return row["name"].startswith("colocated")
+
+
+def _is_split(row: dict) -> bool:
+    # An elastic deployment is neither: its workers are colocated or split as it goes.
+    return not row["name"].startswith(("colocated", "elastic"))
+
+
+def _seed_band(row: dict) -> list[float] | None:
+    """The row's goodput per device over its arrival seeds, [min, max] (req/s per device);
+    None for a row without a band of two seeds or more."""
+    band = (row.get("seed_band") or {}).get("goodput_per_device")
+    return band if band and len(row.get("seeds") or ()) > 1 else None
+
+
+def split_vs_colocated(rows: list[dict]) -> dict | None:
+    """Whether the best split (PD/EPD) and the best colocated row, by median goodput per
+    device, can be told apart over the arrival seeds: ``colocated`` and ``split`` (their
+    names), ``bands`` (name: [min, max] goodput per device over the seeds, req/s per
+    device), ``seeds`` (how many), ``overlap`` (the two closed bands share a value) and
+    ``verdict`` ("cannot tell apart at this load" or "told apart"). None when either has no
+    feasible row (median goodput 0) or either row has no band of two seeds or more (one
+    seed, or a trace with arrivals of its own: one sample cannot say)."""
+    feasible = [r for r in rows if r["max_goodput_rps"] > 0]
+    colo, split = [r for r in feasible if _is_colocated(r)], [r for r in feasible if _is_split(r)]
+    if not colo or not split:
+        return None
+    bc = max(colo, key=lambda r: r["goodput_per_device"])
+    bs = max(split, key=lambda r: r["goodput_per_device"])
+    x, y = _seed_band(bc), _seed_band(bs)
+    if not x or not y:
+        return None
+    overlap = x[0] <= y[1] and y[0] <= x[1]
+    return {"colocated": bc["name"], "split": bs["name"], "bands": {bc["name"]: x, bs["name"]: y},
+            "seeds": min(len(bc["seeds"]), len(bs["seeds"])), "overlap": overlap,
+            "verdict": "cannot tell apart at this load" if overlap else "told apart"}
+
+
+def _bands_text(v: dict) -> str:
+    bands = ", ".join("{} {:.3g}–{:.3g}".format(name, *band) for name, band in v["bands"].items())
+    return f"goodput per device over {v['seeds']} arrival seeds, min–max: {bands} req/s"
+
+
 def recommend(rows: list[dict]) -> tuple[dict | None, str]:
     """The best row and why: the highest goodput per device; among those within 5 % of
     it a colocated one (one engine per worker: simpler to run) before a split, then the
-    cheapest per output token.
+    cheapest per output token. Rows simulated on several arrival seeds are ranked by their
+    median, and when the goodput bands of the best split and the best colocated row
+    overlap (:func:`split_vs_colocated`) the two cannot be told apart at this load: the
+    best colocated row is picked over a split one, the simpler to run, and the reason says
+    so; when they do not, the pick is as above and the reason gives both bands.
     None when no candidate meets the SLOs at any rate tried, or when several meet them at
     every rate tried (``unbounded``: the trace is too short to rank them). When the best colocated and
-    the best split rows carry goodput bands (``goodput_band_rps``) that overlap, the reason
+    the best split rows carry goodput bands of the step times (``goodput_band_rps``) that overlap, the reason
     says the prediction cannot tell them apart."""
     feasible = [r for r in rows if r["max_goodput_rps"] > 0]
     if not feasible:
@@ -206,15 +335,18 @@ def recommend(rows: list[dict]) -> tuple[dict | None, str]:
                       f"they cannot be ranked: plan with more requests")
     best = max(r["goodput_per_device"] for r in feasible)
     close = [r for r in feasible if r["goodput_per_device"] >= 0.95 * best]
-    pick = min(close, key=lambda r: (not r["name"].startswith("colocated"), r["usd_per_m_output_tokens"] or 0))
+    pick = min(close, key=lambda r: (not _is_colocated(r), r["usd_per_m_output_tokens"] or 0))
+    verdict = split_vs_colocated(rows)
+    if verdict and verdict["overlap"] and _is_split(pick):
+        pick = next(r for r in feasible if r["name"] == verdict["colocated"])
     top = max(feasible, key=lambda r: r["goodput_per_device"])
-    colo = [r for r in feasible if r["name"].startswith("colocated")]
-    # An elastic deployment is neither: its workers are colocated or split as it goes.
-    split = [r for r in feasible if not r["name"].startswith(("colocated", "elastic"))]
+    colo = [r for r in feasible if _is_colocated(r)]
+    split = [r for r in feasible if _is_split(r)]
     why = f"{pick['name']} sustains {pick['max_goodput_rps']:.3g} req/s within the SLOs " \
-          f"({pick['goodput_per_device']:.3g} req/s per device)"
-    if pick is not top:
-        simpler = pick["name"].startswith("colocated") and not top["name"].startswith("colocated")
+          f"({pick['goodput_per_device']:.3g} req/s per device" + (
+              f", medians over {len(pick['seeds'])} arrival seeds" if len(pick.get("seeds") or ()) > 1 else "") + ")"
+    if pick is not top and any(pick is r for r in close):
+        simpler = _is_colocated(pick) and not _is_colocated(top)
         why += (f", within 5 % of the best ({top['name']}, {top['goodput_per_device']:.3g}) and "
                 + ("colocated, which is simpler to run" if simpler else "cheaper per output token"))
     if colo and split:
@@ -225,9 +357,15 @@ def recommend(rows: list[dict]) -> tuple[dict | None, str]:
                 f"best colocated ({bc['name']})")
         if ratio < 1.05:
             why += ": splitting does not pay off for this workload"
+        if verdict and verdict["overlap"]:
+            why += (f"; {bc['name']} vs {bs['name']}: cannot tell apart at this load: bands overlap "
+                    f"({_bands_text(verdict)}); the simpler, colocated, is preferred")
+        elif verdict:
+            why += f"; {bc['name']} vs {bs['name']}: told apart, their bands do not overlap ({_bands_text(verdict)})"
         if _overlap(bc, bs):
             why += (f"; their goodput bands overlap ({bc['name']} {_band(bc)}, {bs['name']} {_band(bs)} req/s "
-                    f"per device), so the prediction cannot tell them apart: measure both with `epdserve compare`")
+                    f"per device) with every step as much faster or slower as the calibration is uncertain, so "
+                    f"the prediction cannot tell them apart: measure both with `epdserve compare`")
     elif split and not colo:
         why += "; no colocated deployment meets the SLOs at all"
     return pick, why

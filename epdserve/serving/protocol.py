@@ -49,8 +49,9 @@ Role = Literal["colocated", "prefill", "decode", "encode"]
 # logprobs (``SamplingParams.prompt_logprobs``, ``Output.prompt_logprobs``) and ``Stats``
 # carrying the engine's steps (``num_steps``, ``last_step_tokens``); 4: KV descriptors of
 # kind ``cuda_ipc`` with their ``ipc`` handle bytes (a GPU prefill worker's pool); 5: live
-# role switches (:class:`SetRole`, :class:`RoleSwitched`).
-PROTOCOL_VERSION = 5
+# role switches (:class:`SetRole`, :class:`RoleSwitched`); 6: stage timings
+# ``first_decode_ms`` and ``recomputed_tokens``.
+PROTOCOL_VERSION = 6
 
 
 # A count a worker reports (blocks, requests, tokens): what the router and the Prometheus

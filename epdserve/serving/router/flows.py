@@ -117,6 +117,7 @@ class Flow:
         self.t_arrival = t_arrival
         self.t_dispatch: float | None = None
         self.t_first: float | None = None
+        self.t_sent: float | None = None  # the last AddRequest handed to the port
         self.t_end: float | None = None
         self.output_tokens = 0
         self.cached_tokens = 0  # prompt tokens its first worker found in its prefix cache
@@ -192,6 +193,9 @@ class Flow:
         msg = P.AddRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=sampling, **kw)
         self.worker, self.worker_role = worker, role
         self.held.hold(worker, len(self.prompt_ids) + self.sampling.max_tokens, exports_kv=role == "prefill")
+        # Stamped before the send: a worker's stamps then start after it (the router may
+        # lose the CPU between the send and a later stamp while the worker goes on).
+        self.t_sent = self.clock()
         self.registry.send(worker, msg)
 
     def _pick(self, role: str, exclude: WorkerState | None = None) -> WorkerState:
@@ -295,9 +299,13 @@ class Flow:
         return self.held.settle()
 
     def trace(self) -> RequestTrace:
-        """The request's trace record (see :mod:`epdserve.trace` for every stage)."""
+        """The request's trace record (see :mod:`epdserve.trace` for every stage). Its
+        ``finish_reason`` is vLLM's, as ``/metrics`` counts it: the flow's, or "error" for
+        a request that failed, or "abort" for one closed with neither (the client went away)."""
         rec = self.record
-        rec.output_tokens, rec.finish_reason, rec.error = self.output_tokens, self.finish_reason, self.error
+        rec.output_tokens, rec.error = self.output_tokens, self.error
+        rec.finish_reason = self.finish_reason or ("error" if self.error is not None
+                                                   else "abort" if self.closed else None)
         rec.prefill_worker = self.prefill_worker.worker_id if self.prefill_worker else None
         rec.decode_worker = self.decode_worker.worker_id if self.decode_worker else None
         rec.prefill_node = self.prefill_worker.node_id or None if self.prefill_worker else None
@@ -359,8 +367,9 @@ class DisaggregatedFlow(Flow):
         # Never back to the prefill worker (elastic: it may be colocated by now): its engine
         # holds the request, under the same id, until the KV is released.
         self._dispatch(self._pick("decode", exclude=prefill), "decode", kv=out.kv, first_token=out.token_ids[-1])
-        self.record.router_hop_ms = (self.clock() - self.t_first) * 1000
+        self.record.router_hop_ms = (self.t_sent - self.t_first) * 1000
         out = await self._next()
+        self.record.handoff_gap_ms = (self.clock() - self.t_first) * 1000  # the second token is here
         # The decode worker imports the KV before its first step, so its first output
         # means the prefill worker's copy is no longer needed.
         self.held.release_kv()
