@@ -81,13 +81,13 @@ def test_one_rule_default_slos_judge_and_are_stated():
     assert rec["verdict"] == "better" and rec["settled"]
     assert rec["reasons"][0] == (
         "Split prefill and decode: pd vs colocated on the same cores (2): pd is better: goodput "
-        "req/s per core +117 % (95% CI +57 %..+177 %; 0.435 vs 0.2); per request, within the "
+        "req/s per core +100 % (95% CI +40 %..+160 %; 0.417 vs 0.208); per request, within the "
         "SLOs in both 5, only pd 5, only colocated 0, neither 0; per request (pd - colocated, "
         "median, 95% CI): TTFT 1,000 ms (1,000..1,000), longest ITL gap -1,000 ms "
         "(-2,000..0.0); ITL p50 50.0 vs 50.0 ms, ITL p95 50.0 vs 50.0 ms, TTFT p95 1,500 vs 500 ms.")
     md = report.recommendation_markdown(rec)
     assert md.startswith("## Recommendation\n\n**Use pd** (a PD split): goodput req/s per core "
-                         "+117 % over colocated (95% CI +57..+177 %).\n\nJudged by goodput "
+                         "+100 % over colocated (95% CI +40..+160 %).\n\nJudged by goodput "
                          "per core against the default SLOs"), md
 
 

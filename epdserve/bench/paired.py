@@ -12,15 +12,19 @@ Bootstrap*, 1993, ch. 13: the percentile interval; Owen, "The pigeonhole bootstr
 runs and requests are crossed, every run serves every request): each of :data:`RESAMPLES` draws picks K run pairs with
 replacement out of the K pairs (run k of A with run k of B: the same trace, run side by
 side in time) and n request indices with replacement, the same for every run and for A
-and B. A run's goodput per device is (requests within the SLOs) / its duration (s) /
-its devices; a draw's goodput is the mean over its runs. The bootstrap is seeded, so the
+and B. In a pair, A's goodput per device is (A's requests within the SLOs) / the pair's
+mean duration (s) / A's devices, B's the same with B's: both served the same requests
+offered over the same time, so the difference is the requests on which they disagree, not
+how long each run's last request took (a few seconds of tail that would otherwise decide a
+tie); a draw's goodput is the mean over its pairs. The bootstrap is seeded, so the
 same results give the same interval.
 
 What the interval says (:func:`decide`), for A the one with the higher goodput:
 
-* ``"better"``: it excludes zero: A serves more within the SLOs;
 * ``"tie"``: it lies within ±:data:`TIE_BAND` of the higher goodput: any difference is too
-  small to matter;
+  small to matter (even one that excludes zero: equivalence is judged first, as in a
+  two-one-sided test);
+* ``"better"``: it excludes zero: A serves more within the SLOs;
 * ``"unresolved"``: neither: no difference is shown at this n; more runs may show one.
 """
 
@@ -74,7 +78,8 @@ class Comparison:
     """A against B on the same requests. Goodputs are per device (req/s per core or GPU, or
     requests per USD: whatever ``divisor`` the caller gave), means over the run pairs.
 
-    ``delta`` and ``ci``: A - B and its interval, in those units; ``relative`` and
+    ``goodput_a``, ``goodput_b``: over each pair's mean duration (module doc); ``delta`` and
+    ``ci``: A - B and its interval, in those units; ``relative`` and
     ``relative_ci``: the same ÷ B's goodput (None when B's is 0); ``verdict``: see the
     module doc (from A's side: "better" means A serves more); ``counts``: requests (summed
     over runs) within the SLOs in both, in A only, in B only, in neither; ``ttft_ms``,
@@ -112,15 +117,15 @@ def _interval(draws: np.ndarray, confidence: float) -> tuple[float, float]:
 
 def decide(goodput_a: float, goodput_b: float, ci: tuple[float, float],
            band: float = TIE_BAND) -> str:
-    """"better" (A), "worse" (A serves less), "tie" or "unresolved" (module doc) for an
+    """"tie", "better" (A), "worse" (A serves less) or "unresolved" (module doc) for an
     interval ``ci`` of A - B."""
     lo, hi = ci
+    edge = band * max(goodput_a, goodput_b)
+    if -edge <= lo and hi <= edge:
+        return "tie"
     if lo > 0:
         return "better"
-    if hi < 0:
-        return "worse"
-    edge = band * max(goodput_a, goodput_b)
-    return "tie" if -edge <= lo and hi <= edge else "unresolved"
+    return "worse" if hi < 0 else "unresolved"
 
 
 def _matrix(runs: list[dict], key: str) -> np.ndarray:
@@ -150,8 +155,12 @@ def compare(name_a: str, runs_a: list[dict], divisor_a: float, name_b: str,
     if any(len(r["good"]) != n for r in runs_a + runs_b):
         raise ValueError("paired.compare: the runs did not serve the same trace (request counts differ)")
     good_a, good_b = _matrix(runs_a, "good"), _matrix(runs_b, "good")
-    scale_a = np.array([1 / (r["duration_s"] * divisor_a) if r["duration_s"] > 0 else 0.0 for r in runs_a])
-    scale_b = np.array([1 / (r["duration_s"] * divisor_b) if r["duration_s"] > 0 else 0.0 for r in runs_b])
+    # Both runs of a pair are divided by their mean duration: the same requests offered over
+    # the same time, so the difference is which requests each served within the SLOs, not
+    # how long the last one took.
+    durations = np.array([(a["duration_s"] + b["duration_s"]) / 2 for a, b in zip(runs_a, runs_b)])
+    per_s = np.divide(1.0, durations, out=np.zeros_like(durations), where=durations > 0)
+    scale_a, scale_b = per_s / divisor_a, per_s / divisor_b
     g_a = float((good_a.sum(axis=1) * scale_a).mean())
     g_b = float((good_b.sum(axis=1) * scale_b).mean())
     differences = {key: _matrix(runs_a, key) - _matrix(runs_b, key)
