@@ -255,6 +255,27 @@ def test_a_deployment_that_never_gets_ready_leaves_the_others_running(tmp_path, 
     assert "**sleeper failed:**" in md and "| Metric | Better | stub |" in md
 
 
+def test_repeats_auto_stops_when_the_paired_verdict_is_clear(tmp_path):
+    """The default, --repeats auto, against two identical OpenAI stubs (real processes, one
+    marked as a PD split): every request meets the SLOs in both, so the paired interval is
+    [0, 0], a tie, after one round; the simpler wins and the report says why it stopped."""
+    ports = free_port(), free_port()
+    entries = "\n".join(stub_entry(name, port).replace("\nopenai_base_url", f'\nmode = "{mode}"\nopenai_base_url')
+                        for name, mode, port in (("one", "colocated", ports[0]), ("split", "pd", ports[1])))
+    path = write(tmp_path / "d.toml", entries)
+    trace = saved_trace(tmp_path / "t.jsonl", [req(0.1 * i, f"count to {i}", 4) for i in range(6)])
+    out = tmp_path / "out"
+    assert compare.run(compare_args("--deployments", str(path), "--trace", str(trace), "--output",
+                                    str(out), "--warmup", "0", "--repeats", "auto")) == 0
+    rec = json.loads((out / "compare.json").read_text())["recommendation"]
+    assert rec["choice"] == "one" and rec["verdict"] == "tie" and rec["settled"]
+    assert rec["comparison"]["counts"] == {"both": 6, "a_only": 0, "b_only": 0, "neither": 0}
+    assert rec["stopped"] == "--repeats auto stopped after 1 round: the verdict is clear (tie)."
+    md = (out / "compare.md").read_text()
+    assert "**one and split tie by goodput (within ±10%" in md and rec["stopped"] in md
+    assert all(processes.port_is_free(p) for p in ports)
+
+
 def test_a_base_url_that_is_not_an_openai_server_is_a_clear_error(tmp_path):
     port = free_port()
     other = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",

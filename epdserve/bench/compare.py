@@ -139,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "median and range. auto (the default): rounds until the paired "
                              "interval of the goodput difference tells the configurations apart "
                              "or shows a tie, or until --budget")
-    parser.add_argument("--budget", type=float_above(0), default=rounds.DEFAULT_BUDGET_MIN, metavar="MIN",
+    parser.add_argument("--budget", type=float_above(0), default=None, metavar="MIN",
                         help="with --repeats auto: start no round that would end after MIN "
                              f"minutes (the first always runs; default {rounds.DEFAULT_BUDGET_MIN:g})")
     s = parser.add_argument_group("goodput sweep (needs --goodput)")
@@ -238,6 +238,10 @@ def selected(args: argparse.Namespace) -> list[Deployment]:
 
 def run(args: argparse.Namespace) -> int:
     """``epdserve compare`` with parsed options; returns the exit status (module doc)."""
+    if args.budget is not None and args.repeats != rounds.AUTO:
+        print(f"epdserve compare: error: --budget is for --repeats auto, not --repeats "
+              f"{args.repeats}", file=sys.stderr)
+        return 2
     if args.sweep_rates and not args.goodput:
         print("epdserve compare: error: --sweep-rates needs SLOs: pass --goodput, e.g. "
               "--goodput ttft:2000 tpot:300", file=sys.stderr)
@@ -324,7 +328,7 @@ def _run_all(chosen: list[Deployment], requests: list[workload.Request],
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         runs, stopped = rounds.run_rounds(chosen, run_one, getattr(args, "repeats", 1),
-                                          getattr(args, "budget", rounds.DEFAULT_BUDGET_MIN))
+                                          getattr(args, "budget", None) or rounds.DEFAULT_BUDGET_MIN)
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(stopped, flush=True)
@@ -346,7 +350,8 @@ def settings(args: argparse.Namespace) -> dict:
     """The sampling and client settings every configuration ran with."""
     return {"endpoint": args.endpoint, "temperature": args.temperature,
             "ignore_eos": args.ignore_eos, "warmup": args.warmup, "repeats": args.repeats,
-            "budget_min": getattr(args, "budget", None) if args.repeats == rounds.AUTO else None,
+            "budget_min": (getattr(args, "budget", None) or rounds.DEFAULT_BUDGET_MIN)
+            if args.repeats == rounds.AUTO else None,
             "goodput": dict(args.goodput) if args.goodput else None, "model": args.model}
 
 

@@ -151,6 +151,10 @@ def recommend(entries: list[dict]) -> dict:
     c = rules.comparison(win, rival, basis, per_request=True) if rival and not out["overloaded"] else None
     out.update(comparison=c.as_json() if c else None, **_headline(win, rival, c, out, unit))
     reasons.append(_verdict(win, rival, split, basis, unit, c))
+    if out["verdict"] == "no difference shown":
+        reasons.append("To tell them apart: more rounds (--repeats auto with a larger --budget) "
+                       "or more requests per run (--num-prompts); until then the simpler is the "
+                       "safer choice.")
     reasons += _where_time_goes(cands)
     reasons += _overview(cands, basis, not_considered)
     return out

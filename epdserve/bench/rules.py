@@ -23,9 +23,9 @@ recommendation says which. In order:
    Every other candidate is compared with the leader request by request
    (:mod:`epdserve.bench.paired`: the same requests, the runs paired in order; a 95 %
    confidence interval of the goodput difference by a paired bootstrap over requests and
-   runs). Those whose interval does not exclude zero cannot be told apart from the leader
-   (a tie within :data:`~epdserve.bench.paired.TIE_BAND`, or no difference shown at this
-   n): the recommendation says so and does not pick by noise: among them the simpler,
+   runs). Those whose interval lies within :data:`~epdserve.bench.paired.TIE_BAND` (a tie)
+   or does not exclude zero (no difference shown at this n) cannot be told apart from the
+   leader: the recommendation says so and does not pick by noise: among them the simpler,
    colocated (one kind of worker, no KV hand-off), is preferred, then rule 3. Entries
    without per-request outcomes (``per_run``) fall back to their [min, max] ranges over
    the runs, or to :data:`TIE` with one run, and say that no interval backs them.
@@ -161,8 +161,8 @@ def goodput_range(e: dict, basis: str) -> list[float] | None:
 
 def cannot_tell_apart(a: dict, b: dict, basis: str = "device") -> bool:
     """True when the goodputs of ``a`` and ``b`` (per device or per USD) differ by no more
-    than the noise: the paired interval of their difference does not exclude zero
-    (:func:`comparison`); without per-request outcomes, their [min, max] ranges over the
+    than the noise or than matters: the paired interval of their difference shows a tie
+    or no difference (:func:`comparison`); without per-request outcomes, their [min, max] ranges over the
     runs overlap, or, when either has one run only, they are within :data:`TIE`."""
     c = comparison(a, b, basis)
     if c is not None:
