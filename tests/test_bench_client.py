@@ -272,8 +272,9 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 # Tests
 
 
-@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "/v1/chat/completions", "/v1/completions"])
 def test_latencies_follow_the_stubs_sleeps(stub, endpoint):
+    """Either endpoint, named ours or vLLM's way (the request path)."""
     trace = [req(0.0, "one two three"), req(0.05, "four five six"), req(0.1, "seven eight")]
     result = bench(stub.url, trace, bench_args("--endpoint", endpoint, "--ignore-eos"))
     assert result["completed"] == 3 and result["failed"] == 0
@@ -302,7 +303,7 @@ def test_latencies_follow_the_stubs_sleeps(stub, endpoint):
         assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
         assert body["ignore_eos"] is True and body["temperature"] == 0
         assert body["max_tokens"] == 4 and body["model"] == "stub-model"
-        assert ("messages" in body) == (endpoint == "chat")
+        assert ("messages" in body) == (endpoint in ("chat", "/v1/chat/completions"))
 
 
 def test_http_400_and_error_events_are_failures_with_messages(stub):

@@ -475,6 +475,7 @@ def test_compare_cli_bad_value_exits_2_without_a_traceback():
     (["--goodput-target", "1.5"], "1.5"),
     (["--sweep-rates", "0.5:2"], "--goodput"),
     (["--startup-timeout", "0"], "--startup-timeout: '0'"),
+    (["--endpoint", "/v1/embeddings"], "'/v1/embeddings': expected one of chat, completions, /v1/chat/completions"),
     (["--repeats", "0"], "--repeats: '0': expected a positive integer or 'auto'"),
     (["--repeats", "2", "--budget", "5"], "--budget is for --repeats auto, not --repeats 2"),
     (["--budget", "0"], "--budget: '0'"),

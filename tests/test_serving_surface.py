@@ -1,4 +1,4 @@
-"""vLLM's server surface: /tokenize, /detokenize, /version, --served-model-name (404 for
+"""vLLM's server surface: `serve MODEL`, /tokenize, /detokenize, /version, --served-model-name (404 for
 another model), --api-key (401), --max-model-len, --generation-config, --dtype auto, the
 flags serve shares with its workers (one definition each) and --config FILE.
 
@@ -54,9 +54,10 @@ def surface_server(tmp_path_factory, model_info):
     model = model_copy(model_info.path, tmp / "smol-gen",
                        {"max_new_tokens": GEN_MAX_TOKENS, "temperature": 0.0, "bos_token_id": 1})
     config = tmp / "serve.yaml"
-    config.write_text(f"model: {model}\nserved_model_name: [{', '.join(NAMES)}]\napi-key: {KEY}\n"
+    config.write_text(f"served_model_name: [{', '.join(NAMES)}]\napi-key: {KEY}\n"
                       f"max-model-len: {MAX_MODEL_LEN}\nenable-prefix-caching: false\ndtype: auto\n")
-    dep = start_deployment("colocated", tmp, "--config", str(config), "--kv-cache-memory-mb", "64")
+    # The model as vLLM's `serve MODEL` takes it: positional.
+    dep = start_deployment("colocated", tmp, str(model), "--config", str(config), "--kv-cache-memory-mb", "64")
     try:
         yield dep
     finally:
@@ -213,6 +214,9 @@ def test_serve_refuses_bad_values_before_any_worker(tmp_path):
     proc = run_serve("--max-model-len", "100000", "--startup-timeout", "30")
     assert proc.returncode == 2 and "--max-model-len 100000" in proc.stderr, proc.stderr
     assert "started worker" not in proc.stderr
+    proc = run_serve("/models/a", "--model", "/models/b")
+    assert proc.returncode == 2 and ("MODEL '/models/a' and --model '/models/b' name different models; "
+                                     "give one") in proc.stderr, proc.stderr
 
 
 def parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:

@@ -200,8 +200,13 @@ def preflight(args: argparse.Namespace, available_bytes: int | None,
         if unknown:
             errors.append(f"[{dep.name}] args: not epdserve serve options: {' '.join(unknown)}")
             continue
+        try:
+            launcher.model_from_tag(opts)  # a MODEL among the entry's args, as serve takes it
+        except ValueError as exc:
+            errors.append(f"[{dep.name}] args: {exc}")
+            continue
         found, error = launcher.check_capacity(opts, launcher.plan_for(opts),
-                                               resolve_model(model).path, available_bytes)
+                                               resolve_model(opts.model).path, available_bytes)
         warnings += [f"[{dep.name}] {w}" for w in found]
         if error:
             errors.append(f"[{dep.name}] {error}")

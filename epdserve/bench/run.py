@@ -50,6 +50,20 @@ def parse_base_url(text: str) -> str:
     return text.rstrip("/")
 
 
+# --endpoint's values: ours, and the request paths vLLM's `bench serve --endpoint` takes.
+ENDPOINTS = {"chat": "chat", "completions": "completions",
+             "/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+def endpoint_arg(text: str) -> str:
+    """argparse type for ``--endpoint``: "chat" or "completions", also given as the path
+    (``/v1/chat/completions``, ``/v1/completions``, as vLLM's ``bench serve``)."""
+    try:
+        return ENDPOINTS[text.rstrip("/") if text.startswith("/") else text]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(ENDPOINTS)}") from None
+
+
 def add_client_arguments(parser: argparse.ArgumentParser, replay: bool = True) -> None:
     """Options of the client itself (shared with ``epdserve compare``). ``replay`` (compare):
     requests carry ``ignore_eos`` unless ``--no-ignore-eos``, because a comparison replays
@@ -57,8 +71,9 @@ def add_client_arguments(parser: argparse.ArgumentParser, replay: bool = True) -
     (``epdserve bench``) vLLM's ``--ignore-eos``, off unless the workload sets it
     (:func:`epdserve.bench.workload.sends_ignore_eos`)."""
     g = parser.add_argument_group("client")
-    g.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
-                   help="POST /v1/chat/completions (default) or /v1/completions")
+    g.add_argument("--endpoint", type=endpoint_arg, default="chat", metavar="chat|completions|PATH",
+                   help="POST /v1/chat/completions (chat, the default) or /v1/completions "
+                        "(completions); vLLM's path form is taken too")
     g.add_argument("--temperature", type=float_at_least(0), default=0.0, help="sampling temperature (default 0)")
     if replay:
         g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",

@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     (:mod:`epdserve.serving.flags`), so a bad value stops serve at once (exit 2) instead of
     every worker; given no value, a worker keeps its own default."""
     add_router_options(parser)
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve, as in `vllm serve MODEL`: the same as --model")
     parser.add_argument("--cores", default=None,
                         help="comma-separated CPU cores to split among workers (default: all usable)")
     flags.add_worker_flags(parser, passed=True)
@@ -328,6 +330,7 @@ def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
     """The placement of serve's workers (:func:`plan_for`) and an error, None when the
     options hold; makes up an auth token when one is needed and none was given."""
     try:
+        model_from_tag(args)
         plan = plan_for(args)
         _check_elastic(args, len(plan))
         if args.cluster == "ray":
@@ -340,6 +343,20 @@ def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
         if args.events:
             log.info("no --auth-token: generated one; workers started elsewhere cannot join (give your own)")
     return plan, auth.options_error(args, [])  # CURVE support
+
+
+def model_from_tag(args: argparse.Namespace) -> None:
+    """``serve MODEL`` (vLLM's positional) becomes ``--model``.
+
+    Raises:
+        ValueError: MODEL and ``--model`` name different models.
+    """
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model not in (None, tag):
+        raise ValueError(f"MODEL {tag!r} and --model {args.model!r} name different models; give one")
+    args.model = tag
 
 
 def _check_elastic(args: argparse.Namespace, starting: int) -> None:
