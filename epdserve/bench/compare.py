@@ -241,15 +241,20 @@ def selected(args: argparse.Namespace) -> list[Deployment]:
     return chosen
 
 
+def _options_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with a combination of options, None when nothing is."""
+    if args.budget is not None and args.repeats != rounds.AUTO:
+        return f"--budget is for --repeats auto, not --repeats {args.repeats}"
+    if args.sweep_rates and not args.goodput:
+        return "--sweep-rates needs SLOs: pass --goodput, e.g. --goodput ttft:2000 tpot:300"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """``epdserve compare`` with parsed options; returns the exit status (module doc)."""
-    if args.budget is not None and args.repeats != rounds.AUTO:
-        print(f"epdserve compare: error: --budget is for --repeats auto, not --repeats "
-              f"{args.repeats}", file=sys.stderr)
-        return 2
-    if args.sweep_rates and not args.goodput:
-        print("epdserve compare: error: --sweep-rates needs SLOs: pass --goodput, e.g. "
-              "--goodput ttft:2000 tpot:300", file=sys.stderr)
+    error = _options_error(args)
+    if error:
+        print(f"epdserve compare: error: {error}", file=sys.stderr)
         return 2
     out_dir = Path(args.output)
     try:
