@@ -1,4 +1,4 @@
-"""Elastic roles against every static split (issue 20): goodput per core of ``epdserve
+"""Elastic roles against every static split: goodput per core of ``epdserve
 compare`` on the same machine, the same trace and the same SLOs for every configuration,
 on two workloads:
 
@@ -36,7 +36,7 @@ these traces keep, measured in 1P1D and colocated-2 runs of these phases):
   answer adds ~28 ms to each of its tokens. It is what colocated serving pays for prefill
   interference, the cost disaggregation exists to remove.
 
-Elastic needs ``epdserve serve --elastic`` (issue 20). A shifting trace runs about 9-10
+Elastic needs ``epdserve serve --elastic``. A shifting trace runs about 9-10
 minutes per configuration plus the model loads: the default run is ~40-50 minutes.
 Run on a quiet machine; the ratios are of one run on the same machine, never against
 a number from elsewhere.
@@ -84,7 +84,7 @@ PHASES = ("in=1200:1700,out=8:16,rate=0.12,n=24;"
           "in=600:900,out=100:150,rate=0.12,n=34;"
           "in=50:200,out=32:64,rate=0.05,n=3")
 WORKLOADS = ("shift", "demo")
-GOALS = {"shift": 1.2, "demo": 0.95}  # elastic / best static, issue 20
+GOALS = {"shift": 1.2, "demo": 0.95}  # elastic / best static: the goals
 DEFAULT_CONFIGS = "colocated,colocated-2,1p1d,elastic"
 EPDSERVE = [sys.executable, "-m", "epdserve"]
 

@@ -34,7 +34,7 @@ measured; ``--budget-s`` skips what would start after it):
 
 ``--device cpu --smoke`` runs every section at tiny shapes (the 8B shape shrunk to
 :data:`gpu_check_serve.TINY`, CUDA-only parts skipped) so that ``tests/test_gpu_check.py``
-checks the script end to end. The goals of the issue are in ``goals`` (docs/gpu.md).
+checks the script end to end. The goals are in ``goals`` (docs/gpu.md).
 
     PYTHONPATH=$PWD python benchmarks/gpu_check.py [--device cuda] [--output results/gpu_check.json]
 """
@@ -71,7 +71,7 @@ SMOKE = dict(matmul_n=256, copy_bytes=16 << 20, parity_tokens=8, prefill_len=64,
              decode_batches=(1, 4), decode_context=32, decode_steps=4, kv_mb=64,
              handoff_sizes=(32, 64), handoff_reps=2, chats=4, chat_prompt=16, chat_tokens=8,
              long_prompts=2, long_len=128, long_tokens=4, serve_kv_mb=64)
-GOALS = [  # (name, JSON path, comparison, target): issue 18's goals on one H200
+GOALS = [  # (name, JSON path, comparison, target): the GPU path's goals on one H200
     ("decode_b1_vs_bandwidth_bound", ("throughput", "decode", "1", "vs_bandwidth_bound"), ">=", 0.6),
     ("prefill_vs_matmul_peak", ("throughput", "prefill", "vs_matmul_peak"), ">=", 0.4),
     ("ipc_vs_d2d_2048", ("ipc_copy", "2048", "ipc_vs_d2d"), ">=", 0.5),

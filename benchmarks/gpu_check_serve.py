@@ -26,7 +26,7 @@ import torch
 
 READY = re.compile(r"epdserve serve: ready at (http://\S+)")
 
-# Llama-3.1-8B's shape (issue 18): 32 layers, hidden 4096, 32 query / 8 KV heads of 128,
+# Llama-3.1-8B's shape: 32 layers, hidden 4096, 32 query / 8 KV heads of 128,
 # intermediate 14,336, vocabulary 128,256; context cut to 16,384 (8k prompts fit one step).
 LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

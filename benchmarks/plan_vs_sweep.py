@@ -20,7 +20,7 @@ measures, per deployment, on one workload.
    hinge on where a flat attainment curve crosses the target; writes
    ``plan_vs_sweep.json`` and ``plan_vs_sweep.png`` under ``--output``.
 
-The goal (issue 16): predicted within 15 % of measured (ratio 0.85-1.15) on at least two
+The goal: predicted within 15 % of measured (ratio 0.85-1.15) on at least two
 workloads. The measured sweep replays the trace once per rate, so use a trace long enough
 to reach its steady state (a few hundred requests); then ``steady`` and ``once`` agree and
 both compare with the sweep. Run on a quiet machine: other load slows the served runs and
@@ -49,7 +49,7 @@ from epdserve.plan import calibrate
 from epdserve.plan.validation import entry_cores, sweep_attainment
 
 EPDSERVE = [sys.executable, "-m", "epdserve"]
-GOAL = 0.15  # |predicted / measured - 1| within this: the issue's goal
+GOAL = 0.15  # |predicted / measured - 1| within this: the goal
 REPLAYS = ("steady", "once")
 
 

@@ -1,4 +1,4 @@
-"""The rest of the OpenAI request surface (issue 17, points 3 and 7) against real
+"""The rest of the OpenAI request surface against real
 colocated and 1P1D deployments, with the ``openai`` SDK and httpx:
 
 * completions ``echo`` + ``logprobs`` as lm-evaluation-harness sends them for

@@ -1,4 +1,4 @@
-"""The field's client tools, unmodified, against real deployments (issue 17): AIPerf's
+"""The field's client tools, unmodified, against real deployments: AIPerf's
 ``profile`` (streaming chat, PD; its TTFT and ITL agree with ``epdserve bench`` on the same
 load), GuideLLM's ``run`` (synchronous and constant rate, colocated) and
 lm-evaluation-harness's ``local-completions`` (a log-likelihood task, the same scores

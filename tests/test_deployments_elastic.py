@@ -1,4 +1,4 @@
-"""The ``elastic`` and ``elastic-N`` deployment names (issue 20): what serve options they
+"""The ``elastic`` and ``elastic-N`` deployment names: what serve options they
 mean, that they round-trip, that they are placed as ``colocated-N`` (the workers and cores
 of the static deployments they are compared with), and the clear error of a bad one."""
 

@@ -1,4 +1,4 @@
-"""``elastic`` in ``epdserve compare`` (issue 20): the router trace's event lines (skipped
+"""``elastic`` in ``epdserve compare``: the router trace's event lines (skipped
 as request records, read as each worker's roles over time and the switches), the SLOs an
 elastic deployment is started with, the roles panel under the ITL-over-time plot, the
 report's switch lines, and benchmarks/elastic.py's arithmetic and output on canned compare
@@ -6,7 +6,7 @@ results.
 
 The end-to-end run uses the stub server of ``test_bench_client.py`` behind a wrapper (this
 file run as a script): it records the serve options it got and appends the router's
-``role`` and ``elastic_decision`` lines (the contract of issue 20) while the trace runs:
+``role`` and ``elastic_decision`` lines (the router's contract with compare) while the trace runs:
 the two workers start colocated, and after the first measured request the controller
 splits them into a prefill and a decode worker. The live role switch itself is the
 router's, tested with it.

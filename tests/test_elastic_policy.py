@@ -1,4 +1,4 @@
-"""The elastic controller's policy (issue 20, point 2) on handmade signal sequences.
+"""The elastic controller's policy on handmade signal sequences.
 
 The sequences come from small seeded workload models below (:func:`prefill_heavy`,
 :func:`decode_heavy`, :func:`quiet`): per 2 s sample, the arrivals of the phase, and the

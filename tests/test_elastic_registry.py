@@ -1,4 +1,4 @@
-"""The router's side of a live role switch (issue 20), in process: the registry and the
+"""The router's side of a live role switch, in process: the registry and the
 request flows of tests/test_router_flows.py (a fake port records what would go to the
 workers), an elastic registry. Paths follow the roles live when a request arrives; a
 switch routes by the new role at once and is announced by the worker's RoleSwitched; a

@@ -1,4 +1,4 @@
-"""Replay of the elastic policy on a recorded router trace (issue 20, point 2).
+"""Replay of the elastic policy on a recorded router trace.
 
 tests/data/elastic/shift_2workers.jsonl is a router trace in the contract's format, written
 by ``python tests/test_elastic_policy.py`` from its workload models: 2 workers through a

@@ -1,4 +1,4 @@
-"""The elastic scaling policy (issue 20, point 5: ``serve --elastic --max-workers N``) on
+"""The elastic scaling policy (``serve --elastic --max-workers N``) on
 recorded signal sequences, in process.
 
 The sequences come from a small seeded load model (:func:`loaded`): a total demand of

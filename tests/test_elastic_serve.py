@@ -1,4 +1,4 @@
-"""``epdserve serve --elastic`` end to end (issue 20), real processes and the ``openai``
+"""``epdserve serve --elastic`` end to end, real processes and the ``openai``
 client: two workers switch role live under a steady stream of requests, in every
 direction (colocated -> prefill / decode, prefill <-> decode, and back to colocated),
 with no failed request, every greedy text unchanged, nothing held at the end, and each

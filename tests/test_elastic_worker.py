@@ -1,7 +1,7 @@
-"""A real engine :class:`Worker` (its loop on a thread of this process) switching role live
-(issue 20): what it held when the switch came finishes under the role it was taken in, it
+"""A real engine :class:`Worker` (its loop on a thread of this process) switching role
+live: what it held when the switch came finishes under the role it was taken in, it
 says ``RoleSwitched`` only once that is done, and the new role's work is served from the
-switch on. Two moments of the issue: a KV hand-off to the worker in flight (the fetch runs
+switch on. Two moments that matter: a KV hand-off to the worker in flight (the fetch runs
 on a fetch thread when SetRole comes), and a long prompt being prefilled."""
 
 from __future__ import annotations

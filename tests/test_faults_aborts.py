@@ -2,7 +2,7 @@
 decoding, non-streamed requests that time out — on the 2P2D deployment: afterwards every
 worker's KV blocks in use are 0, no request is left in flight, and it still serves.
 
-``EPDSERVE_TEST_ABORTS`` sets the number of aborts (default 100; the issue's 1,000 takes
+``EPDSERVE_TEST_ABORTS`` sets the number of aborts (default 100; a full run's 1,000 takes
 about ten times as long)."""
 
 from __future__ import annotations

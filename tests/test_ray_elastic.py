@@ -1,5 +1,5 @@
-"""``epdserve serve --cluster ray --elastic`` on a real one-node Ray cluster (issue 20,
-point 5), with the ``openai`` client:
+"""``epdserve serve --cluster ray --elastic`` on a real one-node Ray cluster, with the
+``openai`` client:
 
 * two elastic workers as Ray actors switch to 1P1D by ``POST /roles`` under a steady
   stream (no failed request, greedy texts unchanged);

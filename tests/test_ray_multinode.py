@@ -34,7 +34,7 @@ from test_ray import RayNode, ray_deployment, worker
 
 HEAD_IP, NODE_IP = "10.78.0.1", "10.78.0.2"
 MAX_TOKENS = 16
-DOWN_MARGIN_S = 10.0  # beyond the 5 s: a noisy machine; the time is printed
+DOWN_MARGIN_S = 10.0  # beyond the 5 s goal: a noisy machine; the time is printed
 NODE_BACK_TIMEOUT_S = 240  # Ray: node death noticed by the GCS (~15 s), bundle rescheduled, actor restarted
 
 
