@@ -211,17 +211,24 @@ def test_disaggregated_hands_the_kv_over_and_releases_it_once():
     run(go())
 
 
+async def _first_token_from_prefill(s: Setup) -> tuple:
+    """A PD flow on ``s`` whose prefill worker has sent the first token (9) with its KV:
+    (the flow, its reader, which has read that token)."""
+    flow = s.flow()
+    reader = Reader(flow)
+    await reader.step()
+    s.output("prefill-0", (9,), kv=KV)
+    await reader.step()
+    return flow, reader
+
+
 def test_disaggregated_stamps_the_routers_token_1_to_2_gap():
     """``router_hop_ms``: token 1 at the router -> the AddRequest to the decode worker;
     ``handoff_gap_ms``: token 1 -> token 2 at the router (fake clock, ms)."""
     s = Setup("pd", "prefill-0", "decode-0")
 
     async def go():
-        flow = s.flow()
-        reader = Reader(flow)
-        await reader.step()
-        s.output("prefill-0", (9,), kv=KV)
-        await reader.step()
+        flow, reader = await _first_token_from_prefill(s)
         s.clock.advance(0.002)  # the first token's SSE write, before the flow reads on
         await reader.step()  # the hand-off
         s.clock.advance(0.045)  # the decode worker fetches, imports, steps
@@ -243,11 +250,7 @@ def test_trace_says_how_the_request_ended(outcome, reason):
     s = Setup("pd", "prefill-0", "decode-0")
 
     async def go():
-        flow = s.flow()
-        reader = Reader(flow)
-        await reader.step()
-        s.output("prefill-0", (9,), kv=KV)
-        await reader.step()
+        flow, reader = await _first_token_from_prefill(s)
         await reader.step()
         await _end(s, reader, outcome)
         if reader.error is not None:

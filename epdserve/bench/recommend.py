@@ -83,7 +83,8 @@ def _why_overload(win: dict, rival: dict) -> str:
     e2el = (c.e2el_ms if c else None)
     how = (f"median per-request difference {_ms(e2el['median'])} ms ({c.confidence:.0%} CI "
            f"{_ms(e2el['ci'][0])}..{_ms(e2el['ci'][1])} ms)" if e2el else "no per-request interval")
-    shown = "shown lower" if rules.e2el_separates(win, rival) else "not shown different"
+    separated = e2el["ci"][1] < 0 if e2el else rules.e2el_separates(win, rival)
+    shown = "shown lower" if separated else "not shown different"
     return (f"by E2EL per request, {win['name']}'s is {shown} than {rival['name']}'s: p50 "
             f"{_ms(rules.value(win, 'median_e2el_ms'))} vs {_ms(rules.value(rival, 'median_e2el_ms'))} ms, {how}")
 

@@ -4,7 +4,7 @@ verdict is clear or the time budget ends.
 Runs are interleaved, one round at a time (A B, A B, ...: a drift of the machine hits every
 deployment alike), each from a fresh start of the deployment. After each round of
 ``--repeats auto`` the deployments' runs are folded (:func:`repeats.combine`) and judged
-(:func:`rules.settled`): it stops when every configuration is told apart from the goodput
+(:func:`epdserve.bench.recommend.recommend`: ``settled``): it stops when every configuration is told apart from the goodput
 leader or shown tied with it (the paired interval excludes zero, or lies within the tie
 band), when every configuration is past its capacity (overload: more runs of this load do
 not rank by goodput), after :data:`MAX_ROUNDS` rounds, or when the next round would end
@@ -20,7 +20,7 @@ import argparse
 import time
 from collections.abc import Callable
 
-from epdserve.bench import recommend, repeats, rules
+from epdserve.bench import recommend, repeats
 
 AUTO = "auto"
 MAX_ROUNDS = 10  # auto: the most rounds, whatever the budget
@@ -73,14 +73,12 @@ def run_rounds(chosen: list, run_one: Callable[[object, str], dict], repeats_opt
 def _next(chosen: list, entries: list[dict], runs: dict[str, list[dict]]) -> tuple[str, list]:
     """(the state of the verdict in words, the deployments to run next: all while the
     verdict is unsettled, else those whose every run the load check flagged, else none)."""
-    ran = [e for e in entries if "result" in e]
-    cands, _ = rules.candidates(ran)
-    state = rules.settled(cands, rules.basis_of(cands)) if cands else {"settled": True, "unsettled": []}
+    rec = recommend.recommend(entries)
     all_flagged = [dep for dep in chosen if runs[dep.name]
                    and all(repeats.flagged_by_load(x) for x in runs[dep.name] if "result" in x)
                    and any("result" in x for x in runs[dep.name])]
-    if not state["settled"]:
-        return f"not yet told apart from the leader: {', '.join(state['unsettled'])}", list(chosen)
-    verdict = recommend.recommend(entries)["verdict"] or "nothing ran"
+    if not rec["settled"]:
+        return f"not yet told apart from the leader: {', '.join(rec['unsettled'])}", list(chosen)
+    verdict = rec["verdict"] or "nothing ran"
     flagged = f"; the load check flagged every run of {', '.join(d.name for d in all_flagged)}" if all_flagged else ""
     return f"the verdict is clear ({verdict}){flagged}", all_flagged

@@ -41,8 +41,6 @@ FIELDS = ("kv_bytes", "kv_transfer_ms",
           "first_decode_ms", "handoff_gap_ms", "handoff_hop_ms",
           # tokens computed again after a preemption, per request (0 when never preempted)
           "recomputed_tokens")
-# FIELDS whose sum over the requests is summarised too (``total_<field>``).
-TOTALS = ("recomputed_tokens",)
 # Fields a record does not carry but its attributes give: name -> the attribute divided
 # by ``num_images``.
 PER_IMAGE = {"embedding_bytes_per_image": "embedding_bytes",
@@ -149,9 +147,8 @@ def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> di
     """Mean and p95 (numpy, linear) of each of :data:`FIELDS` that the records of this run
     have: ``mean_kv_bytes``, ``p95_kv_bytes``, ... (bytes and ms per request, over the
     records where it is not None: the image fields over requests with images), and of the
-    :data:`PER_IMAGE` fields (a record's value / its ``num_images``), and the sum of each
-    of :data:`TOTALS` (``total_recomputed_tokens``, with ``preempted_requests``: records
-    that recomputed any). Also ``num_records`` (the file's trace records),
+    :data:`PER_IMAGE` fields (a record's value / its ``num_images``), and
+    ``total_recomputed_tokens`` with ``preempted_requests`` (records that recomputed any). Also ``num_records`` (the file's trace records),
     ``matched_client_requests`` (records whose ``request_id`` is one of
     ``client_request_ids``) and ``malformed_lines`` when any. An absent file gives ``{}``."""
     path = Path(path)
@@ -173,10 +170,9 @@ def summarize(path: str | Path, client_request_ids: list[str | None] = ()) -> di
         if values:
             out[f"mean_{key}"] = float(np.mean(values))
             out[f"p95_{key}"] = float(np.percentile(values, 95))
-            if key in TOTALS:
-                out[f"total_{key}"] = float(np.sum(values))
     recomputed = [r.recomputed_tokens for r in use if r.recomputed_tokens is not None]
     if recomputed:
+        out["total_recomputed_tokens"] = float(sum(recomputed))
         out["preempted_requests"] = sum(n > 0 for n in recomputed)
     out.update(by_transport(use))
     return out
