@@ -309,7 +309,7 @@ def cpu_flags() -> set[str]:
 
 def default_threads() -> int:
     """The cores this process may use (``os.sched_getaffinity``): what an epdserve worker
-    started here gets (``serving/worker_setup.pin_to_cores``)."""
+    started here gets (``serving/worker/setup.pin_to_cores``)."""
     return len(os.sched_getaffinity(0))
 
 
@@ -350,7 +350,7 @@ def measure(threads: int | None = None, model_dir: str | Path | None = None,
     finally:
         torch.set_num_threads(saved)
     weights = weight_read_bytes(model_dir, "engine")
-    kv_elem = 4  # the engine's KV dtype is its model dtype: float32 on the CPU (serving/worker_setup)
+    kv_elem = 4  # the engine's KV dtype is its model dtype: float32 on the CPU (serving/worker/setup)
     kv = kv_bytes_per_token(cfg, kv_elem)
     floors = []
     for b in batches:

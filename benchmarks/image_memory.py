@@ -32,6 +32,7 @@ import sys
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from epdserve.serving.api.errors import APIError
 
 PATHS = ("old", "new", "new-decoded", "new-notrim")
 
@@ -67,9 +68,8 @@ def status_mb(field: str) -> float:
 
 def child(path: str, n: int, side: int, step: int, concurrent: int, rounds: int) -> dict:
     from epdserve.model.image_processor import load_image
-    from epdserve.serving import multimodal
-    from epdserve.serving.multimodal import MediaOptions, parse_chat_images
-    from epdserve.serving.openai_api import APIError
+    from epdserve.serving.api import multimodal
+    from epdserve.serving.api.multimodal import MediaOptions, parse_chat_images
 
     pngs = black_pngs(n, side, step)
     messages = [{"role": "user", "content": [

@@ -43,6 +43,7 @@ import zmq
 from epdserve.engine.engine import EngineConfig, LLMEngine, StepOutput
 from epdserve.engine.request import SamplingParams
 from epdserve.model.loader import resolve_model
+from epdserve.serving.worker.setup import new_engine
 from epdserve.transfer import handoff
 from epdserve.transfer.loopback import first_output
 
@@ -119,7 +120,7 @@ def main() -> None:
         parser.error("--reps and --sizes must be at least 1, --prefill-reps at least 0")
     torch.set_num_threads(args.threads)
     info = resolve_model(None)
-    prefill, pool = handoff.new_engine(str(info.path), EngineConfig(kv_cache_memory_mb=512), True)
+    prefill, pool = new_engine(str(info.path), EngineConfig(kv_cache_memory_mb=512), True)
     decode = LLMEngine(str(info.path), EngineConfig(kv_cache_memory_mb=512))
     if max(args.sizes) + SAMPLING.max_tokens > prefill.max_model_len:
         parser.error(f"--sizes: at most {prefill.max_model_len - SAMPLING.max_tokens} tokens")

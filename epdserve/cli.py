@@ -15,8 +15,8 @@ import sys
 from epdserve.argtypes import config_argv
 
 COMMANDS = {
-    "serve": ("epdserve.serving.launcher", "start a router and its workers (colocated, PD or EPD)"),
-    "worker": ("epdserve.serving.worker", "run one engine worker (colocated, encode, prefill or decode)"),
+    "serve": ("epdserve.serving.launch.launcher", "start a router and its workers (colocated, PD or EPD)"),
+    "worker": ("epdserve.serving.worker.engine_worker", "run one engine worker (colocated, encode, prefill or decode)"),
     "router": ("epdserve.serving.router.app", "run the OpenAI-compatible router alone"),
     "bench": ("epdserve.bench.run", "send a seeded workload to an OpenAI-compatible server"),
     "compare": ("epdserve.bench.compare", "run the same trace against each deployment"),

@@ -37,14 +37,15 @@ from epdserve.engine.prompt_logprobs import check_size
 from epdserve.engine.request import SamplingParams
 from epdserve.model.llama import AttentionMetadata, PrefillSeq
 from epdserve.model.tokenizer import chat_prompt_ids
-from epdserve.serving import api_fields
-from epdserve.serving import openai_api as api
+from epdserve.serving.api import fields
+from epdserve.serving.api import openai as api
 from epdserve.serving import protocol as P
-from epdserve.serving.api_logprobs import LogprobsFormatter, prompt_entries, vllm_prompt_logprobs
+from epdserve.serving.api.logprobs import LogprobsFormatter, prompt_entries, vllm_prompt_logprobs
 from epdserve.serving.router.events import WorkerFailed
 from epdserve.serving.router.flows import new_flow
 from epdserve.serving.router.choices import Choice, best_choices
 from epdserve.serving.router.routes import Completions
+from epdserve.serving.api.errors import APIError
 
 TOL = 1e-4
 TEXTS = ["The capital of France is Paris, and the capital of Italy is",
@@ -120,31 +121,31 @@ def test_prompt_logprobs_are_bounded(engine):
 
 
 def test_field_policy_refuses_logs_once_and_accepts_neutral_values(caplog):
-    for name, (neutral, _) in api_fields.REFUSED.items():
+    for name, (neutral, _) in fields.REFUSED.items():
         body = api.CompletionRequest(prompt="x", **{name: "not neutral"})
-        with pytest.raises(api.APIError) as exc:
-            api_fields.check(body)
+        with pytest.raises(APIError) as exc:
+            fields.check(body)
         assert (exc.value.param, exc.value.code, exc.value.status) == (name, "unsupported_parameter", 400)
-        api_fields.check(api.CompletionRequest(prompt="x", **{name: neutral[-1]}))
-    with pytest.raises(api.APIError):  # true is not 1, nor false 0
-        api_fields.check(api.CompletionRequest(prompt="x", priority=False, use_beam_search=0))
-    api_fields.check(api.CompletionRequest(prompt="x", **{k: "v" for k in api_fields.INFORMATIONAL}))
+        fields.check(api.CompletionRequest(prompt="x", **{name: neutral[-1]}))
+    with pytest.raises(APIError):  # true is not 1, nor false 0
+        fields.check(api.CompletionRequest(prompt="x", priority=False, use_beam_search=0))
+    fields.check(api.CompletionRequest(prompt="x", **{k: "v" for k in fields.INFORMATIONAL}))
     with caplog.at_level(logging.WARNING, "epdserve.api"):
         for _ in range(3):
-            api_fields.check(api.CompletionRequest(prompt="x", zz_unit_unknown=1))
+            fields.check(api.CompletionRequest(prompt="x", zz_unit_unknown=1))
     assert sum("zz_unit_unknown" in r.getMessage() for r in caplog.records) == 1
     caplog.clear()
     with caplog.at_level(logging.WARNING, "epdserve.api"):
-        for i in range(2 * api_fields.MAX_LOGGED_NAMES):
-            api_fields.log_unknown(f"zz_flood_{i}")
-    assert len(api_fields._logged) <= api_fields.MAX_LOGGED_NAMES + 1
-    assert len(caplog.records) < api_fields.MAX_LOGGED_NAMES + 2
+        for i in range(2 * fields.MAX_LOGGED_NAMES):
+            fields.log_unknown(f"zz_flood_{i}")
+    assert len(fields._logged) <= fields.MAX_LOGGED_NAMES + 1
+    assert len(caplog.records) < fields.MAX_LOGGED_NAMES + 2
 
 
 def test_error_code_is_a_string_or_null():
     with pytest.raises(TypeError):
-        api.APIError("x", code=400)
-    assert api.APIError("x", status=503).body()["error"]["code"] is None
+        APIError("x", code=400)
+    assert APIError("x", status=503).body()["error"]["code"] is None
     assert WorkerFailed("gone", 503).api_error().body() == {
         "error": {"message": "gone", "type": "service_unavailable", "param": None, "code": None}}
 
@@ -187,7 +188,7 @@ def test_concurrency_limit_503_has_the_error_body():
     import uvicorn
     from fastapi import FastAPI
 
-    from epdserve.serving.http_guard import uvicorn_config
+    from epdserve.serving.router.http_guard import uvicorn_config
 
     app = FastAPI()
     app.get("/ok")(lambda: {"ok": True})
@@ -250,7 +251,7 @@ class _FailingFlow:
 
 
 def test_streamed_error_event_has_the_error_body(tokenizer):
-    from epdserve.serving.detokenizer import TextStream
+    from epdserve.serving.api.detokenizer import TextStream
 
     front = SimpleNamespace(model=SimpleNamespace(name="m"), finish=lambda flow: None)
     choices = [Choice(0, _FailingFlow(), TextStream(tokenizer, [1], []), None)]
@@ -424,7 +425,7 @@ def test_chat_template_extras(server, tokenizer):
 
 
 def test_refused_fields_are_400_naming_them(server):
-    for name in api_fields.REFUSED:
+    for name in fields.REFUSED:
         r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, name: "not neutral"}, timeout=120)
         assert r.status_code == 400, (name, r.text)
         err = r.json()["error"]

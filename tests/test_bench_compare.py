@@ -22,6 +22,7 @@ from epdserve.serving.deployment import DeploymentSpec
 from epdserve.trace import RequestTrace
 from conftest import cli_exit
 from test_bench_client import STUB_TTFT_S, bench_args, req
+from epdserve.bench.traces import describe
 
 STUB = [sys.executable, str(Path(__file__).with_name("test_bench_client.py"))]
 
@@ -559,7 +560,7 @@ def test_resources_taken_after_the_run_and_against_the_real_pd_server(pd_server,
 
 
 def test_workload_description_of_a_trace():
-    d = workload.describe([req(0.0, "a b"), req(2.5, "c d e", kind="long")])
+    d = describe([req(0.0, "a b"), req(2.5, "c d e", kind="long")])
     assert d["num_requests"] == 2 and d["long"]["offsets_s"] == [2.5]
     assert bench_args().endpoint == "chat"
 

@@ -11,6 +11,8 @@ from epdserve import cli
 from epdserve.bench import datasets, report, workload
 from epdserve.bench.prompts import count_tokens
 from epdserve.bench.workload import TraceError
+from epdserve.bench.arrivals import retime
+from epdserve.bench.traces import describe
 
 # Three phases of 150 requests: enough for a mean gap within 25 % of 1/rate (the mean of
 # 150 exponential gaps has a relative standard deviation of 1/sqrt(150) = 8 %).
@@ -98,7 +100,7 @@ def test_retime_scales_every_phase_by_one_factor(many):
     """A goodput sweep re-times the trace: phases keep their indices and relative rates."""
     requests, table = many
     mean_rate = (len(requests) - 1) / requests[-1].offset_s
-    faster = workload.retime(requests, 2 * mean_rate)
+    faster = retime(requests, 2 * mean_rate)
     assert [r.prompt for r in faster] == [r.prompt for r in requests]
     assert (len(faster) - 1) / faster[-1].offset_s == pytest.approx(2 * mean_rate, rel=1e-4)
     for k in range(3):
@@ -167,7 +169,7 @@ def test_build_records_the_phase_table_and_refuses_other_options(tmp_path):
     assert windows["first"] == [0, 3] and windows["n"] == [3, 2]
     assert windows["end_s"] == [requests[2].offset_s, requests[4].offset_s]
     assert json.loads(json.dumps(spec)) == spec  # goes into the result JSON as it is
-    lines = report.workload_lines(spec, workload.describe(requests))  # compare.md's workload
+    lines = report.workload_lines(spec, describe(requests))  # compare.md's workload
     assert "phases=in=2:9,out=4:4,rate=2,n=3;in=4:9,out=30:40,rate=1,n=2" in lines[0]
     assert "phase_windows" not in lines[0]
     assert lines[2] == f"- phase 1: requests 0–2, sent 0.0–{requests[2].offset_s:.1f} s"

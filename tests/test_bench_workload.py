@@ -8,6 +8,9 @@ import pytest
 
 from epdserve.bench import datasets, workload
 from epdserve.bench.workload import Request, TraceError
+from epdserve.bench.arrivals import arrival_offsets, retime
+from epdserve.bench.prompts import count_tokens, draw_lengths
+from epdserve.bench.traces import describe
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +23,7 @@ def test_synthetic_prompts_have_the_exact_token_count_and_ranges(tok):
                                request_rate=4.0, seed=1)
     assert len(trace) == 12
     for r in trace:
-        assert workload.count_tokens(tok, r.prompt) == r.prompt_tokens
+        assert count_tokens(tok, r.prompt) == r.prompt_tokens
         assert 1 <= r.prompt_tokens <= 300 and 5 <= r.max_tokens <= 9 and r.kind == "chat"
     offsets = [r.offset_s for r in trace]
     assert offsets[0] == 0.0 and offsets == sorted(offsets)
@@ -34,11 +37,11 @@ def test_same_seed_same_trace_other_seed_other_trace(tok):
 
 
 def test_poisson_gaps_have_mean_one_over_rate_and_inf_sends_all_at_once():
-    offsets = workload.arrival_offsets(4001, 5.0, np.random.default_rng(0))
+    offsets = arrival_offsets(4001, 5.0, np.random.default_rng(0))
     gaps = np.diff(offsets)
     assert gaps.mean() == pytest.approx(0.2, rel=0.05)
     assert gaps.std() == pytest.approx(0.2, rel=0.1)  # exponential: std == mean
-    assert workload.arrival_offsets(3, math.inf, np.random.default_rng(0)) == [0.0] * 3
+    assert arrival_offsets(3, math.inf, np.random.default_rng(0)) == [0.0] * 3
 
 
 def test_demo_defaults_long_prompts_arrive_during_the_chat_stream(tok):
@@ -48,7 +51,7 @@ def test_demo_defaults_long_prompts_arrive_during_the_chat_stream(tok):
     assert len(chat) == 24 and len(long) == 3
     assert all(50 <= r.prompt_tokens <= 250 and 32 <= r.max_tokens <= 64 for r in chat)
     assert all(r.prompt_tokens >= 1500 and r.max_tokens == 16 for r in long)
-    assert all(workload.count_tokens(tok, r.prompt) == r.prompt_tokens for r in trace)
+    assert all(count_tokens(tok, r.prompt) == r.prompt_tokens for r in trace)
     # Each long prompt lands strictly inside the chat arrival window, with chat requests
     # sent shortly before it (so they are decoding when it arrives).
     for r in long:
@@ -112,14 +115,14 @@ def test_bad_generator_settings_are_trace_errors(tok):
 
 @pytest.mark.parametrize("dist", ["uniform", "normal", "lognormal"])
 def test_length_distributions_stay_in_range_and_have_their_centre(dist):
-    x = workload.draw_lengths(np.random.default_rng(0), 20000, (100, 900), dist)
+    x = draw_lengths(np.random.default_rng(0), 20000, (100, 900), dist)
     assert x.min() >= 100 and x.max() <= 900
     centre = {"uniform": 500, "normal": 500, "lognormal": 300}[dist]  # mean, mean, median
     got = np.median(x) if dist == "lognormal" else x.mean()
     assert got == pytest.approx(centre, rel=0.03)
     if dist == "normal":
         assert x.std() == pytest.approx(800 / 6, rel=0.05)
-    assert (workload.draw_lengths(np.random.default_rng(0), 5, (7, 7), dist) == 7).all()
+    assert (draw_lengths(np.random.default_rng(0), 5, (7, 7), dist) == 7).all()
 
 
 def test_shared_prefix_requests_start_with_one_of_k_prefixes(tok):
@@ -156,8 +159,8 @@ def test_images_round_trip_through_a_trace(tok, tmp_path):
         for i in range(3)]
     workload.save_trace(trace, tmp_path / "t.jsonl")
     assert workload.load_trace(tmp_path / "t.jsonl") == trace
-    assert workload.describe(trace)["num_images"] == 6
-    assert workload.describe(trace)["distinct_images"] == 6
+    assert describe(trace)["num_images"] == 6
+    assert describe(trace)["distinct_images"] == 6
     # A trace written before seeds existed gets the same numbering.
     lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     for obj in lines:
@@ -186,7 +189,7 @@ def test_image_repeat_share_reuses_earlier_images(tok):
                                                2 * len(seen) + 2 * repeats + 1))
             seen.append(r.images)
     assert repeats == 3 and trace[0].images == seen[0]
-    assert workload.describe(trace)["distinct_images"] == 14
+    assert describe(trace)["distinct_images"] == 14
     everything = datasets.with_images(base, 1, (32, 32), repeat_share=1.0)
     assert all(r.images == everything[0].images for r in everything)  # all repeat the first
     with pytest.raises(TraceError, match="repeat share 1.5"):
@@ -199,7 +202,7 @@ def test_image_repeat_share_reuses_earlier_images(tok):
 
 def test_gamma_arrivals_have_the_asked_mean_rate_and_burstiness():
     for burstiness in (0.25, 1.0, 4.0):
-        gaps = np.diff(workload.arrival_offsets(20001, 5.0, np.random.default_rng(3), burstiness))
+        gaps = np.diff(arrival_offsets(20001, 5.0, np.random.default_rng(3), burstiness))
         assert gaps.mean() == pytest.approx(0.2, rel=0.05)
         # gamma: coefficient of variation = 1/sqrt(shape)
         assert gaps.std() / gaps.mean() == pytest.approx(burstiness ** -0.5, rel=0.07)
@@ -207,7 +210,7 @@ def test_gamma_arrivals_have_the_asked_mean_rate_and_burstiness():
 
 def test_burstiness_one_is_poisson():
     rng = np.random.default_rng(4)
-    gaps = np.diff(workload.arrival_offsets(20001, 2.0, rng, burstiness=1.0))
+    gaps = np.diff(arrival_offsets(20001, 2.0, rng, burstiness=1.0))
     ref = np.random.default_rng(5).gamma(1.0, 0.5, size=20000)  # Exponential(mean 0.5)
     for q in (0.1, 0.25, 0.5, 0.75, 0.9, 0.99):
         assert np.quantile(gaps, q) == pytest.approx(np.quantile(ref, q), rel=0.08)
@@ -217,7 +220,7 @@ def test_burstiness_one_is_poisson():
 def test_ramp_offsets_follow_the_linear_rate():
     # A very steady process (burstiness 1e4: gaps within ~1% of their mean) shows the
     # rate of each gap: 1/gap rises linearly from 1 to 9 req/s over the run.
-    offsets = workload.arrival_offsets(41, math.inf, np.random.default_rng(0), 1e4, ramp=(1.0, 9.0))
+    offsets = arrival_offsets(41, math.inf, np.random.default_rng(0), 1e4, ramp=(1.0, 9.0))
     rates = 1 / np.diff(offsets)
     want = np.linspace(1.0, 9.0, 41)[1:]
     assert rates == pytest.approx(want, rel=0.05)
@@ -226,11 +229,11 @@ def test_ramp_offsets_follow_the_linear_rate():
 def test_retime_keeps_prompts_and_pattern_at_the_new_rate(tok):
     trace = datasets.demo(tok, num_chat=6, chat_input_len=(5, 6), chat_output_len=(2, 2),
                           chat_rate=1.0, num_long=1, long_input_len=20)
-    fast = workload.retime(trace, 4 * (len(trace) - 1) / trace[-1].offset_s)
+    fast = retime(trace, 4 * (len(trace) - 1) / trace[-1].offset_s)
     assert [r.prompt for r in fast] == [r.prompt for r in trace]
     assert [r.offset_s for r in fast] == pytest.approx([r.offset_s / 4 for r in trace], abs=1e-5)
     at_once = datasets.synthetic(tok, 50, (5, 6), (2, 2))
-    spread = workload.retime(at_once, 10.0)
+    spread = retime(at_once, 10.0)
     assert np.diff([r.offset_s for r in spread]).mean() == pytest.approx(0.1, rel=0.35)
 
 
@@ -265,8 +268,8 @@ def test_sharegpt_prompts_answers_and_skips(tok, tmp_path):
                      "skipped_too_short": 1, "skipped_too_long": 1}
     by_prompt = {r.prompt: r for r in trace}
     r = by_prompt["please tell me about the weather today"]
-    assert r.prompt_tokens == workload.count_tokens(tok, r.prompt)
-    assert r.max_tokens == workload.count_tokens(tok, "it is sunny and warm outside")
+    assert r.prompt_tokens == count_tokens(tok, r.prompt)
+    assert r.max_tokens == count_tokens(tok, "it is sunny and warm outside")
     fixed, _ = datasets.sharegpt(tok, path, num_prompts=10, output_len=(7, 7))
     assert all(r.max_tokens == 7 for r in fixed)
     one, _ = datasets.sharegpt(tok, path, num_prompts=1)

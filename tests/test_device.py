@@ -25,9 +25,11 @@ from epdserve.engine.scheduler import ScheduledBatch
 from epdserve.model.device import parse_device, to_device
 from epdserve.model.llama import LlamaModel
 from epdserve.model.loader import auto_dtype, resolve_model
-from epdserve.serving import launcher, worker
+from epdserve.serving.launch import launcher
+from epdserve.serving.worker import engine_worker as worker
 
 from conftest import generate
+from epdserve.serving.deployment import plan_workers
 
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
@@ -147,7 +149,7 @@ def test_capacity_leaves_a_gpu_workers_kv_out_of_host_memory(tmp_path, fake_gpus
     with open(tmp_path / "model.safetensors", "wb") as f:
         f.truncate(512 * 2**20)  # 0.5 GiB of weights (a sparse file)
     serve, _ = parsers()
-    plan = launcher.plan_workers("pd", [0, 1], prefill=1, decode=1)
+    plan = plan_workers("pd", [0, 1], prefill=1, decode=1)
     # Both on the CPU: 2 x (0.5 + 1) GiB.
     args = serve.parse_args(["--mode", "pd", "--kv-cache-memory-mb", "1024"])
     assert "need about 3.0 GiB" in launcher.check_capacity(args, plan, tmp_path, 2 * GiB)[1]

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from epdserve.serving.elastic_policy import (Decision, PolicyConfig, PolicyState, Sample,
-                                             WorkerSignal, decide, window)
+from epdserve.serving.elastic.policy import PolicyConfig, PolicyState, Sample, decide, window
+from epdserve.serving.elastic.samples import WorkerSignal
+
 
 CFG = PolicyConfig(slo_ttft_ms=2000.0, slo_tpot_ms=150.0)
 INTERVAL = 2.0

@@ -15,9 +15,9 @@ import pytest
 
 from epdserve.plan.elastic_replay import read_dwell_restarts, read_samples, replay
 from epdserve.serving import protocol as P
-from epdserve.serving.elastic_policy import Decision, PolicyConfig, window
-from epdserve.serving.elastic_scaling import ScaleDecision, ScalingConfig, ScalingState
-from epdserve.serving.api_errors import APIError
+from epdserve.serving.elastic.policy import Decision, PolicyConfig, window
+from epdserve.serving.elastic.scaling import ScaleDecision, ScalingConfig, ScalingState
+from epdserve.serving.api.errors import APIError
 from epdserve.serving.router.elastic import Controller, ScaleRefused, Workforce, strands_decodes
 from epdserve.serving.router.holdings import Holdings
 from epdserve.serving.router.flows import DisaggregatedFlow, FlowConfig, LocalPrefillFlow, SingleWorkerFlow

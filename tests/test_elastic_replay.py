@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from epdserve.plan.elastic_replay import read_samples, replay
-from epdserve.serving.elastic_policy import PolicyConfig, PolicyState, decide
+from epdserve.serving.elastic.policy import PolicyConfig, PolicyState, decide
 
 RECORDED = Path(__file__).parent / "data" / "elastic" / "shift_2workers.jsonl"
 CFG = PolicyConfig(slo_ttft_ms=2000.0, slo_tpot_ms=150.0)

@@ -13,8 +13,9 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from epdserve.serving.elastic_policy import Sample, WorkerSignal
-from epdserve.serving.elastic_scaling import ScalingConfig, ScalingState, decide_scale
+from epdserve.serving.elastic.policy import Sample
+from epdserve.serving.elastic.scaling import ScalingConfig, ScalingState, decide_scale
+from epdserve.serving.elastic.samples import WorkerSignal
 
 CFG = ScalingConfig(min_workers=2, max_workers=4, slo_ttft_ms=2000.0, slo_tpot_ms=200.0)
 INTERVAL = 2.0

@@ -17,7 +17,8 @@ import zmq
 from epdserve.engine.engine import EngineConfig
 from epdserve.engine.request import SamplingParams
 from epdserve.serving import protocol as P
-from epdserve.serving.worker import Worker
+from epdserve.serving.worker.engine_worker import Worker
+from epdserve.serving.worker.setup import new_engine
 from epdserve.transfer import handoff
 from epdserve.transfer.loopback import first_output
 
@@ -31,8 +32,8 @@ def engines(model_info):
     """Two engines built as an elastic worker's (a shared KV pool, so either may export),
     their pools, and a ZeroMQ context (per test: a worker's loop closes its pool as it ends)."""
     path = str(model_info.path)
-    a, pool_a = handoff.new_engine(path, EngineConfig(kv_cache_memory_mb=96), True)
-    b, pool_b = handoff.new_engine(path, EngineConfig(kv_cache_memory_mb=96), True)
+    a, pool_a = new_engine(path, EngineConfig(kv_cache_memory_mb=96), True)
+    b, pool_b = new_engine(path, EngineConfig(kv_cache_memory_mb=96), True)
     ctx = zmq.Context()
     try:
         yield (a, pool_a), (b, pool_b), ctx

@@ -12,7 +12,7 @@ from PIL import Image
 from epdserve.engine.encoder import EncodedImage, EncodeEngine
 from epdserve.model.image_processor import ImageError, ImageProcessor
 from epdserve.model.vision import VisionEncoder
-from epdserve.serving.multimodal import ImageInput
+from epdserve.model.image_processor import ImageInput
 from epdserve.transfer import embedding, shm, wire
 from epdserve.transfer.wire import TensorHeader, TensorSpec, WireError
 from test_vision import encoded, gradient, tiny_vlm  # noqa: F401  (tiny_vlm is a fixture)

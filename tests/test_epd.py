@@ -30,7 +30,7 @@ from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
 from epdserve.model.loader import resolve_model
 from epdserve.serving import protocol as P
-from epdserve.serving.multimodal import ImageInput
+from epdserve.model.image_processor import ImageInput
 from epdserve.transfer import embedding, shm, tcp
 
 QUESTION = "Describe the picture in one sentence."

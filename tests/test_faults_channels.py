@@ -128,7 +128,9 @@ def test_incompatible_workers_refused(xpyd_server, model_info, tmp_path):
 
 
 def test_internal_sockets_default_to_loopback():
-    from epdserve.serving import launcher, router, worker
+    from epdserve.serving.launch import launcher
+    from epdserve.serving import router
+    from epdserve.serving.worker import engine_worker as worker
 
     for module in (launcher, router):
         parser = argparse.ArgumentParser()

@@ -22,9 +22,10 @@ import xgrammar as xgr
 from epdserve.engine.guided import GuidedDecoder, GuidedError, choice_grammar, mask_logits
 from epdserve.engine.request import GuidedSpec, SamplingParams, Sequence
 from epdserve.engine.sampler import sample
-from epdserve.serving import openai_api as api
+from epdserve.serving.api import openai as api
 from epdserve.serving import protocol as P
-from epdserve.serving.structured_output import FieldError
+from epdserve.serving.api.structured_output import FieldError
+from epdserve.serving.api.errors import APIError
 
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 20},
@@ -203,7 +204,7 @@ def test_router_compile_is_bounded_in_time_and_remembered(tokenizer, monkeypatch
     check.decoder.compile = lambda spec: (compiled.append(spec), time.sleep(0.3 if spec.value == "slow" else 0))
     monkeypatch.setattr(grammar_check, "GUIDED_COMPILE_TIMEOUT_S", 0.1)
     try:
-        with pytest.raises(api.APIError, match="guided_regex: not compiled within 0.1 s") as info:
+        with pytest.raises(APIError, match="guided_regex: not compiled within 0.1 s") as info:
             asyncio.run(check.spec(body(guided_regex="slow")))
         assert info.value.status == 400 and info.value.param == "guided_regex"
         time.sleep(0.3)
@@ -211,7 +212,7 @@ def test_router_compile_is_bounded_in_time_and_remembered(tokenizer, monkeypatch
             assert asyncio.run(check.spec(body(guided_regex="a+"))) == GuidedSpec(kind="regex", value="a+")
         assert [s.value for s in compiled] == ["slow", "a+"]
         check._compiles_queued = grammar_check.MAX_COMPILE_QUEUE
-        with pytest.raises(api.APIError) as info:
+        with pytest.raises(APIError) as info:
             asyncio.run(check.spec(body(guided_regex="b+")))
         assert info.value.status == 503
     finally:

@@ -23,9 +23,9 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from epdserve.serving import openai_api as api
-from epdserve.serving.http_guard import uvicorn_config
+from epdserve.serving.router.http_guard import uvicorn_config
 from test_faults_workers import Stream, wait_for
+from epdserve.serving.api.errors import install_error_handlers
 
 BIG_PROMPT = "lorem ipsum dolor sit amet " * 400_000  # ~10.8 MB
 
@@ -118,7 +118,7 @@ def guarded_server():
     """A real uvicorn server on a free port with 1 s head and body timeouts and a 1 MiB
     body limit, serving an echo route and a route that fails with internal details."""
     app = FastAPI()
-    api.install_error_handlers(app)
+    install_error_handlers(app)
 
     @app.post("/echo")
     async def echo(request: Request):

@@ -47,6 +47,7 @@ from epdserve.serving import protocol as P
 from epdserve.serving.handshake import auth_tag, model_fingerprint, model_kv_shape
 from epdserve.transfer import shm, tcp
 from epdserve.transfer.wire import TensorHeader, TensorSpec, WireError
+from epdserve.transfer.sealing import AuthError
 
 PROMPT = "Once upon a time, in a land far away,"
 MARKER = "request-id-readable-on-the-wire"
@@ -95,7 +96,7 @@ def worker_entry(dep, worker_id: str) -> dict:
 # --- codec, KV server, options (no deployment) ----------------------------------------------
 
 def test_a_frame_opens_only_with_its_token_purpose_and_receiver_once():
-    from epdserve.serving.auth import AuthError, Keyring
+    from epdserve.serving.auth import  Keyring
 
     keys = Keyring("t1")
     body = P.encode(P.Shutdown())

@@ -1,4 +1,4 @@
-"""Hardening of chat image inputs (epdserve.serving.multimodal): the router's memory while
+"""Hardening of chat image inputs (epdserve.serving.api.multimodal): the router's memory while
 checking big images, the per-request and process-wide decode budgets, and 4xx (never a
 crash, never internal exception text) for NUL bytes, image tokens in roles and names, and
 lone surrogates."""
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from epdserve.serving import multimodal
-from epdserve.serving.multimodal import ImagePrompter, MediaOptions, parse_chat_images
-from epdserve.serving.openai_api import APIError
+from epdserve.serving.api import multimodal
+from epdserve.serving.api.multimodal import ImagePrompter, MediaOptions, parse_chat_images
 from test_multimodal_inputs import PNG, chat, data_url
 from test_vision import encoded, gradient, png_chunk
+from epdserve.serving.api.errors import APIError
 
 PARAM = "messages[0].content[0].image_url"
 

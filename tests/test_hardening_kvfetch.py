@@ -18,7 +18,8 @@ import zmq
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
 from epdserve.serving import protocol as P
-from epdserve.serving.worker import Worker
+from epdserve.serving.worker.engine_worker import Worker
+from epdserve.serving.worker.setup import new_engine
 from epdserve.transfer import handoff, tcp
 from epdserve.transfer.loopback import first_output, generate_pd
 
@@ -33,7 +34,7 @@ def engines(model_info):
     """A prefill engine whose KV cache is a shared pool (and the pool), a decode engine
     with room for a long stream, and a ZeroMQ context."""
     path = str(model_info.path)
-    prefill, pool = handoff.new_engine(path, EngineConfig(kv_cache_memory_mb=32), True)
+    prefill, pool = new_engine(path, EngineConfig(kv_cache_memory_mb=32), True)
     decode = LLMEngine(path, EngineConfig(kv_cache_memory_mb=128))
     ctx = zmq.Context()
     try:

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from epdserve import host
-from epdserve.serving import launcher, worker
+from epdserve.serving.launch import launcher
+from epdserve.serving.worker import engine_worker as worker
+from epdserve.serving.deployment import plan_workers
 
 SERVE = [sys.executable, "-m", "epdserve", "serve", "--host", "127.0.0.1"]
 
@@ -102,12 +104,12 @@ def test_capacity_warns_on_shared_cores_and_refuses_what_memory_cannot_hold(tmp_
     # conftest's 2P2D fixture on 2 cores: shared cores are a warning, 4 x (0.5 + 0.125) GiB fits.
     args = parser.parse_args(["--mode", "pd", "--prefill-workers", "2", "--decode-workers", "2",
                               "--kv-cache-memory-mb", "128", "--cores", "0,1"])
-    warnings, error = launcher.check_capacity(args, launcher.plan_workers("pd", [0, 1], prefill=2, decode=2),
+    warnings, error = launcher.check_capacity(args, plan_workers("pd", [0, 1], prefill=2, decode=2),
                                               model, 20 * GiB)
     assert error is None and len(warnings) == 1 and "cores 0,1" in warnings[0]
     # 9p9d with the worker's default KV cache (1024 MiB): 18 x 1.5 GiB = 27 GiB.
     args = parser.parse_args(["--mode", "pd", "--prefill-workers", "9", "--decode-workers", "9"])
-    plan = launcher.plan_workers("pd", [0, 1], prefill=9, decode=9)
+    plan = plan_workers("pd", [0, 1], prefill=9, decode=9)
     warnings, error = launcher.check_capacity(args, plan, model, 20 * GiB)
     assert "18 workers need about 27.0 GiB" in error and "20.0 GiB is available" in error
     assert launcher.check_capacity(args, plan, model, 28 * GiB)[1] is None
@@ -117,7 +119,7 @@ def test_capacity_warns_on_shared_cores_and_refuses_what_memory_cannot_hold(tmp_
     assert error is None and "--allow-oversubscription" in warnings[-1]
     # One worker per core, encode workers without KV cache: 3 x 0.5 + 2 x 1 = 3.5 GiB.
     args = parser.parse_args(["--mode", "epd"])
-    plan = launcher.plan_workers("epd", [0, 1, 2, 3])
+    plan = plan_workers("epd", [0, 1, 2, 3])
     assert launcher.check_capacity(args, plan, model, int(3.5 * GiB)) == ([], None)
     assert "3.5 GiB" in launcher.check_capacity(args, plan, model, 3 * GiB)[1]
 

@@ -1,4 +1,4 @@
-"""Image inputs of a chat request (epdserve.serving.multimodal): data URLs, local files,
+"""Image inputs of a chat request (epdserve.serving.api.multimodal): data URLs, local files,
 refused remote URLs, limits, and the error (OpenAI ``param`` + message) for each bad
 input."""
 
@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
-from epdserve.serving.multimodal import MediaOptions, parse_chat_images
-from epdserve.serving.openai_api import APIError
+from epdserve.serving.api.multimodal import MediaOptions, parse_chat_images
 from test_vision import BOMB_PNG, encoded, gradient
+from epdserve.serving.api.errors import APIError
 
 PNG = encoded(gradient(100, 70), "PNG")
 JPEG = encoded(gradient(60, 40), "JPEG")

@@ -13,7 +13,7 @@ import torch
 
 from epdserve.bench import metrics
 from epdserve.bench.datasets import with_images
-from epdserve.bench.workload import Request, retime, save_trace
+from epdserve.bench.workload import Request, save_trace
 from epdserve.engine.encoder import EncodedImage
 from epdserve.model.image_processor import ImageProcessor
 from epdserve.plan import calibrate, hardware, search
@@ -24,6 +24,8 @@ from epdserve.plan.report import markdown
 from epdserve.plan.validation import VALIDATED, compare_deployment, compare_limits
 from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError, WorkerSpec, simulate
 from epdserve.transfer import embedding
+from epdserve.bench.arrivals import retime
+from epdserve.plan.serving_fit import contention_ratio, decode_gaps, fit_prefill, fit_serving, prefill_steps
 
 COLOCATED = Deployment("colocated", (WorkerSpec("colocated"),))
 PD = Deployment("1p1d", (WorkerSpec("prefill"), WorkerSpec("decode")))
@@ -573,10 +575,10 @@ def test_decode_gaps_rebuild_the_batch():
     # Middles 0.25 and 0.27: A 5 + 2, B 7 + 1 cached: 10 + 2 + 1.7.
     seqs = [{"worker": "d", "prompt_tokens": 5, "token_times_s": [0.0, 0.1, 0.2, 0.3], "busy_s": None},
             {"worker": "d", "prompt_tokens": 7, "token_times_s": [0.12, 0.22, 0.32], "busy_s": None}]
-    gaps = calibrate.decode_gaps(seqs, lambda worker: GAP_STEP)
+    gaps = decode_gaps(seqs, lambda worker: GAP_STEP)
     assert np.array(gaps) == pytest.approx(np.array([(100.0, 13.5, 0), (100.0, 13.7, 0), (100.0, 13.7, 0)]))
     # Contended: the step's middle fell where every other core was busy.
-    gaps = calibrate.decode_gaps(seqs, lambda worker: GAP_STEP, lambda worker, t: t > 0.2)
+    gaps = decode_gaps(seqs, lambda worker: GAP_STEP, lambda worker, t: t > 0.2)
     assert [g[2] for g in gaps] == [False, True, True]
     # Colocated: B's prefill (0.12-0.15) was in A's step 0.1-0.2, which is left out; A's
     # first gap counts (A alone, 5 cached: 10 + 1 + 0.6), and so does B's 0.15-0.25 (B
@@ -585,18 +587,18 @@ def test_decode_gaps_rebuild_the_batch():
     seqs = [{"worker": "c", "prompt_tokens": 5, "token_times_s": [0.0, 0.1, 0.2], "busy_s": (-0.05, 0.0)},
             {"worker": "c", "prompt_tokens": 5, "token_times_s": [0.15, 0.25], "busy_s": (0.12, 0.15)},
             {"worker": "other", "prompt_tokens": 9, "token_times_s": [0.0, 0.3], "busy_s": (-0.1, 0.0)}]
-    gaps = calibrate.decode_gaps(seqs, lambda worker: GAP_STEP)
+    gaps = decode_gaps(seqs, lambda worker: GAP_STEP)
     assert np.array(gaps) == pytest.approx(np.array([(100.0, 11.6, 0), (100.0, 11.6, 0), (300.0, 12.0, 0)]))
 
 
 def test_fit_serving_is_the_median_p95_ratio():
     # p95 (linear) of [10, 20] is 19.5 and of [5, 10] 9.75: x2; the second run x3; median 2.5.
     runs = [[(10.0, 5.0, False), (20.0, 10.0, False)], [(30.0, 10.0, False)], []]
-    assert calibrate.fit_serving(runs) == pytest.approx((2.5, 1.0))
+    assert fit_serving(runs) == pytest.approx((2.5, 1.0))
     with pytest.raises(ValueError, match="no decode-only steps"):
-        calibrate.fit_serving([[]])
+        fit_serving([[]])
     with pytest.raises(ValueError, match="no decode-only steps"):
-        calibrate.fit_serving([[(10.0, 5.0, True)]])
+        fit_serving([[(10.0, 5.0, True)]])
 
 
 def test_fit_serving_takes_contention_within_each_run():
@@ -604,9 +606,9 @@ def test_fit_serving_takes_contention_within_each_run():
     # free x1, contended x1.5. The contended slowdown is the median ratio of the two.
     runs = [[(10.0, 5.0, False), (20.0, 10.0, False), (26.0, 10.0, True)],
             [(10.0, 10.0, False), (15.0, 10.0, True), (30.0, 20.0, True)]]
-    assert calibrate.contention_ratio(runs[0]) == pytest.approx(1.3)
-    assert calibrate.contention_ratio(runs[0][:2]) is None
-    slowdown, contended = calibrate.fit_serving(runs)
+    assert contention_ratio(runs[0]) == pytest.approx(1.3)
+    assert contention_ratio(runs[0][:2]) is None
+    slowdown, contended = fit_serving(runs)
     assert slowdown == pytest.approx(1.5) and contended == pytest.approx(1.4)
 
 
@@ -621,7 +623,7 @@ def test_prefill_steps_leave_out_batched_prefills():
     seqs = [seq("c", [0.1, 0.2, 0.4], ("c", 0.0, 0.1, 40, 8)), seq("c", [0.3, 0.5], ("c", 0.2, 0.3, 40, 8)),
             seq("d", [0.1, 0.2], ("p", 0.0, 0.1, 40, 8)), seq("d", [0.15, 0.2], ("p", 0.05, 0.15, 40, 8)),
             seq("c", [0.7, 0.8], None)]
-    steps = calibrate.prefill_steps(seqs, lambda worker: GAP_STEP)
+    steps = prefill_steps(seqs, lambda worker: GAP_STEP)
     alone = 10 + 1 + 0.1 * (40 * 8 + 40 * 41 / 2)
     assert [s[0] for s in steps] == ["c", "c"]
     assert np.array([s[1:] for s in steps]) == pytest.approx(np.array([(100.0, alone, 0.0),
@@ -633,8 +635,8 @@ def test_fit_prefill_is_the_median_per_worker_size():
     # decodes taken at the decode slowdown (x1.5): (27 - 15) / 10. Run 2: a 1-core at x1.5.
     runs = [([("a", 20.0, 10.0, 0.0), ("a", 30.0, 10.0, 0.0), ("b", 27.0, 10.0, 10.0)], {"a": 1, "b": 2}),
             ([("a", 15.0, 10.0, 0.0)], {"a": 1}), ([], {"a": 1})]
-    assert calibrate.fit_prefill(runs, decode_slowdown=1.5) == pytest.approx({1: 2.0, 2: 1.2})
-    assert calibrate.fit_prefill([], 1.0) == {}
+    assert fit_prefill(runs, decode_slowdown=1.5) == pytest.approx({1: 2.0, 2: 1.2})
+    assert fit_prefill([], 1.0) == {}
 
 
 def test_served_prefills_take_their_worker_sizes_slowdown():

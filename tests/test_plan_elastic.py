@@ -1,5 +1,5 @@
 """Elastic deployments in `epdserve plan`'s simulator: a simulated role switch
-drains as a live one does, the real policy (serving/elastic_policy.py) runs in the loop on
+drains as a live one does, the real policy (serving/elastic/policy.py) runs in the loop on
 signals built from the simulated state, and `plan --configs elastic` reports its decisions.
 In-process and on a hand-made platform: seconds in all."""
 

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.kv_source import TensorKV
 from epdserve.engine.prefix_cache import hash_block
+from epdserve.serving.worker.setup import new_engine
 from epdserve.engine.request import SamplingParams
 
 BLOCK = 16
@@ -147,7 +148,7 @@ def test_overlapping_held_hand_offs_stay_valid(model_dir, prefixed):
     a, b = prefixed
     colocated = engine(model_dir, enable_prefix_caching=False)
     expected = {rid: run(colocated, rid, p)[0] for rid, p in (("a", a), ("b", b))}
-    prefill, pool = handoff.new_engine(model_dir, EngineConfig(block_size=BLOCK,
+    prefill, pool = new_engine(model_dir, EngineConfig(block_size=BLOCK,
                                                                num_kv_blocks=128), True)
     decode = engine(model_dir)
     ctx = zmq.Context()

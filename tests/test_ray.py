@@ -34,7 +34,7 @@ from test_faults_workers import kill_mid_stream, states, streams_on_two_decoders
 from test_serving_cleanup import wait_all_free
 
 from epdserve.bench import deployments, server_trace
-from epdserve.serving.ray_cluster import parse_resources
+from epdserve.serving.launch.ray_cluster import parse_resources
 
 RAY = str(Path(sys.executable).with_name("ray"))
 RESTART_TIMEOUT_S = 120

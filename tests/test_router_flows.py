@@ -10,12 +10,12 @@ from collections import Counter
 
 import pytest
 
-from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
 from epdserve.serving.router.events import Tick, WorkerFailed
 from epdserve.serving.router.flows import (DisaggregatedFlow, EncodeFlow, FlowConfig, LocalPrefillFlow,
                                            SingleWorkerFlow, new_flow)
 from epdserve.serving.router.registry import RESET_RETRY_S, TAKEOVER_SILENCE_S, Compat, Registry
+from epdserve.serving.api.errors import APIError
 
 LAYOUT = {"num_layers": 2, "kind": "embeddings", "dtype": "float32"}
 KV = P.KVDescriptor(name="kv-0", num_tokens=3, nbytes=64, host_id="h")
@@ -589,7 +589,7 @@ def test_no_live_worker_at_start_is_a_503_and_nothing_is_held():
 
     async def go():
         flow = new_flow(s.registry, s.config, "r1", [1, 2], P.SamplingParams(max_tokens=2), s.clock())
-        with pytest.raises(api.APIError) as err:
+        with pytest.raises(APIError) as err:
             flow.start()
         assert err.value.status == 503 and err.value.message == "no live prefill worker"
         assert flow.close() == []
@@ -700,7 +700,7 @@ def test_pick_prefers_fewest_requests_then_tokens_and_skips_the_dead():
     assert reg.pick("prefill").worker_id == "prefill-1"
     reg.mark_dead("prefill-1", "gone")
     reg.mark_dead("prefill-0", "gone")
-    with pytest.raises(api.APIError) as err:
+    with pytest.raises(APIError) as err:
         reg.pick("prefill")
     assert err.value.status == 503
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epdserve.serving.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
+from epdserve.serving.api.detokenizer import IncrementalDetokenizer, StopMatcher, TextStream
 
 TEXTS = ["Hello world, this is a test.", "日本語のテキスト 🎉🎉 emoji ünïcödé", " leading  spaces\nand\ttabs ",
          "a" * 50, "🧑‍🚀 astronaut and 中文"]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from epdserve.serving.launcher import plan_workers
 from conftest import _stop, start_deployment
+from epdserve.serving.deployment import plan_workers
 
 
 def children(pid: int) -> list[int]:

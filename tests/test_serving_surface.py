@@ -26,8 +26,10 @@ from epdserve.argtypes import config_argv, tokens_at_least
 from epdserve.model import loader
 from epdserve.model.loader import ModelLoadError, auto_dtype, generation_defaults
 from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
-from epdserve.serving import flags, launcher, worker
-from epdserve.serving.openai_api import CompletionRequest
+from epdserve.serving import flags
+from epdserve.serving.launch import launcher
+from epdserve.serving.worker import engine_worker as worker
+from epdserve.serving.api.openai import CompletionRequest
 from epdserve.serving.router import surface
 from epdserve.serving.router.app import served_model
 

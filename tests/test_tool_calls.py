@@ -15,13 +15,13 @@ import pytest
 
 from conftest import _stop, start_deployment
 from epdserve.model.tokenizer import chat_prompt_text, load_tokenizer, template_renders_tools
-from epdserve.serving.api_logprobs import LogprobsFormatter
-from epdserve.serving.openai_api import ChatCompletionRequest
+from epdserve.serving.api.logprobs import LogprobsFormatter
+from epdserve.serving.api.openai import ChatCompletionRequest
 from epdserve.serving.router.choices import Choice
 from epdserve.serving.router.routes import chat_chunks
-from epdserve.serving.structured_output import FieldError
-from epdserve.serving.tool_calls import NamedToolChoice, ToolDef, ToolPlan, ToolSettings, plan_tools, tool_chars
-from epdserve.serving.tool_parsers import NamedOutput
+from epdserve.serving.api.structured_output import FieldError
+from epdserve.serving.api.tool_calls import NamedToolChoice, ToolDef, ToolPlan, ToolSettings, plan_tools, tool_chars
+from epdserve.serving.api.tool_parsers import NamedOutput
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "examples" / "templates" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {

@@ -19,6 +19,7 @@ from conftest import _stop as _stop_deployment
 from conftest import free_port, generate, start_deployment
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
+from epdserve.serving.worker.setup import new_engine
 from epdserve.transfer import handoff, shm
 from epdserve.transfer.loopback import first_output, generate_pd
 from epdserve.transfer.wire import WireError
@@ -33,7 +34,7 @@ def pd_engines(model_info, tokenizer, *backend):
     its CUDA IPC backend, if any), a decode engine, a ZeroMQ context, and the colocated
     engine's greedy tokens for each prompt; the pool and context are closed after."""
     path = str(model_info.path)
-    prefill, pool = handoff.new_engine(path, EngineConfig(kv_cache_memory_mb=32), True, *backend)
+    prefill, pool = new_engine(path, EngineConfig(kv_cache_memory_mb=32), True, *backend)
     decode = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))
     colocated = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))  # not decode: its prefix cache would skip copies
     reference = [generate(colocated, [tokenizer(prompt).input_ids], SAMPLING)[0] for prompt in PROMPTS]

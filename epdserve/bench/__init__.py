@@ -1,0 +1,9 @@
+"""Measuring deployments: workloads and traces, the streaming client, metrics, the goodput
+sweep, ``epdserve compare`` with its rounds, paired verdict, report and plots.
+"""
+
+__all__ = ["arrivals", "client", "compare", "datasets", "deployment_run", "deployments",
+           "engine_metrics", "images", "metrics", "paired", "plots", "processes", "production",
+           "production_formats", "prompts", "recommend", "repeats", "report", "result_file",
+           "rounds", "rules", "run", "server_metrics", "server_trace", "sweep", "tables", "traces",
+           "workload"]

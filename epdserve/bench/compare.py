@@ -70,6 +70,7 @@ from epdserve.bench.processes import ServerError, server_command
 from epdserve.bench.run import add_client_arguments, parse_rates, parse_share, write_json
 from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
 from epdserve.serving.deployment import NAME_HELP, DeploymentSpec
+from epdserve.bench.traces import describe
 
 DEFAULT_CONFIGS = ["colocated", "pd"]  # without --configs and --deployments
 
@@ -173,7 +174,7 @@ def preflight(args: argparse.Namespace, available_bytes: int | None,
               deployments: list[Deployment] | None = None) -> tuple[list[str], list[str]]:
     """Check every epdserve deployment of ``deployments`` (default: ``args.configs``)
     before any runs, with the options and the check ``epdserve serve`` itself applies when
-    it starts (:func:`epdserve.serving.launcher.check_capacity`; ``available_bytes``: the
+    it starts (:func:`epdserve.serving.launch.launcher.check_capacity`; ``available_bytes``: the
     host's available memory, None: not checked). Returns ``(warnings, errors)``, one line
     each, prefixed with the deployment's name; an error is a deployment serve would refuse,
     or ``args`` serve does not take.
@@ -181,7 +182,7 @@ def preflight(args: argparse.Namespace, available_bytes: int | None,
     Raises:
         ModelLoadError: a model cannot be found or read.
     """
-    from epdserve.serving import launcher  # torch and the router: only here, not in the client
+    from epdserve.serving.launch import launcher  # torch and the router: only here, not in the client
 
     parser = _Parser()
     launcher.add_arguments(parser)
@@ -380,7 +381,7 @@ def write_outputs(entries: list[dict], requests: list[workload.Request], spec: d
                           "sha256": hashlib.sha256(trace.read_bytes()).hexdigest()},
                 "sampling": sampling or {}, "configs": entries, "recommendation": rec},
                out_dir / "compare.json")
-    md = report.markdown_report(entries, spec, workload.describe(requests), sampling or {}, rec)
+    md = report.markdown_report(entries, spec, describe(requests), sampling or {}, rec)
     (out_dir / "compare.md").write_text(md)
     long_offsets = [r.offset_s for r in requests if r.kind == "long"]
     phase_starts = (spec.get("phase_windows") or {}).get("start_s", [])  # --workload shift

@@ -15,6 +15,7 @@ from epdserve.bench.deployments import Deployment, from_config
 from epdserve.bench.processes import SERVE, LaunchOptions, Running, ServerError, launched
 from epdserve.bench.run import bench
 from epdserve.serving.deployment import DeploymentSpec
+from epdserve.bench.arrivals import retime
 
 
 def run_config(deployment: str | Deployment, requests: list[workload.Request],
@@ -185,7 +186,7 @@ def _sweep(dep: Deployment, requests: list[workload.Request], args: argparse.Nam
             priority = host.match_cpu_priority(running.root_pids)
             monitor = host.LoadMonitor(cores, running.root_pids).start() if running.root_pids else None
             try:
-                result = bench(running.client_url, workload.retime(requests, rate, args.seed), args,
+                result = bench(running.client_url, retime(requests, rate, args.seed), args,
                                model=running.model)
             finally:
                 during = monitor.stop() if monitor else None

@@ -61,7 +61,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
 
 from epdserve.model.loader import ModelInfo, resolve_model
 from epdserve.serving.deployment import DeploymentSpec
-from epdserve.serving.ray_cluster import CLUSTERS, STRATEGIES, parse_resources
+from epdserve.serving.launch.ray_cluster import CLUSTERS, STRATEGIES, parse_resources
 
 KINDS = ("epdserve", "processes", "base_url")  # how a deployment starts: exactly one
 

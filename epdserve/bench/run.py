@@ -34,6 +34,7 @@ from pathlib import Path
 from epdserve.argtypes import float_above, float_at_least, slo_pair
 from epdserve.bench import client, metrics, sweep, workload
 from epdserve.bench.result_file import add_result_arguments, file_name, options_error
+from epdserve.bench.arrivals import retime
 
 
 # argparse type for one SLO ``KEY:MS`` (KEY one of :data:`metrics.SLO_METRICS`: ttft, tpot,
@@ -277,7 +278,7 @@ def sweep_table(result: dict) -> list[str]:
 def run_sweep(args: argparse.Namespace, requests: list[workload.Request], spec: dict) -> dict:
     """Bisect on rate with the trace re-timed at each rate; write JSON and plot."""
     def measure(rate: float) -> dict:
-        return bench(args.base_url, workload.retime(requests, rate, args.seed), args,
+        return bench(args.base_url, retime(requests, rate, args.seed), args,
                      model=args.model, request_rate=rate)
 
     lo, hi = args.sweep_rates

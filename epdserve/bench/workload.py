@@ -2,8 +2,7 @@
 trace (:func:`add_workload_arguments`) and the trace they ask for (:func:`build_from_args`).
 
 Every generator is seeded and deterministic: the same arguments and tokenizer give the
-same trace, byte for byte. The parts live in their own modules, whose public names this
-module re-exports (so ``workload.Request``, ``workload.load_trace`` etc. keep working):
+same trace, byte for byte. The parts live in their own modules:
 
 * :mod:`epdserve.bench.traces` — :class:`Request`, :class:`TraceError`, traces saved and
   loaded as JSON lines (:func:`save_trace`, :func:`load_trace`), :func:`describe`;
@@ -32,12 +31,9 @@ from dataclasses import asdict
 
 from epdserve.argtypes import int_at_least
 from epdserve.bench import datasets, production
-# Re-exported (noqa: F401): the names callers import from here, defined in the part modules.
-from epdserve.bench.arrivals import arrival_offsets, check_rate, retime  # noqa: F401
 from epdserve.bench.production_formats import read_production
-from epdserve.bench.prompts import (LENGTH_DISTRIBUTIONS, check_range, count_tokens,  # noqa: F401
-                                    draw_lengths, load_tokenizer_for, make_prompt, word_list)
-from epdserve.bench.traces import KINDS, Request, TraceError, describe, load_trace, save_trace  # noqa: F401
+from epdserve.bench.prompts import LENGTH_DISTRIBUTIONS, load_tokenizer_for
+from epdserve.bench.traces import Request, TraceError, load_trace, save_trace
 from epdserve.model.loader import resolve_model
 
 

@@ -169,7 +169,7 @@ class LlamaModel:
         """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in the
         model's dtype on the model's device, from ``allocator(shape, dtype, device)`` when
         given (a pool other processes map or open: a /dev/shm ``KVPool`` for a CPU model, a
-        CUDA-IPC-shared ``DevicePool`` for a GPU one; see ``transfer/handoff.new_engine``),
+        CUDA-IPC-shared ``DevicePool`` for a GPU one; see ``serving/worker/setup.new_engine``),
         else ``torch.zeros``.
 
         Raises:

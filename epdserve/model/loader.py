@@ -27,10 +27,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# Re-exported (noqa: F401): callers import these from here.
-from epdserve.model.base import (MULTIMODAL_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelLoadError,  # noqa: F401
-                                 cache_root, cached_dir)
-from epdserve.model.gguf_convert import DEFAULT_GGUF_NAME, default_gguf, gguf_to_hf_dir  # noqa: F401
+from epdserve.model.base import MULTIMODAL_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelLoadError
+from epdserve.model.gguf_convert import default_gguf, gguf_to_hf_dir
 from epdserve.model.kernels import cpu_flags
 from epdserve.model.quant import BLOCKS_FILE
 from epdserve.model.smolvlm import default_multimodal_model

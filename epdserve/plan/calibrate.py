@@ -42,10 +42,9 @@ from epdserve.model.loader import DEFAULT_VLM, resolve_model
 from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
 from epdserve.plan.costmodel import FEATURES, ImageCost, LinearStep, Link, Platform
 from epdserve.plan.model_spec import ModelSpec
-from epdserve.plan.serving_fit import (  # noqa: F401 (exported: plan/run.py calls them as calibrate.*)
-    SERVING_PERCENTILE, compare_configs, compare_gaps, compare_runs, contention_ratio, decode_gaps, fit_prefill,
-    fit_serving, gap_percentiles, prefill_steps, step_uncertainty)
-from epdserve.serving.multimodal import ImageInput
+from epdserve.plan.serving_fit import step_uncertainty
+from epdserve.model.image_processor import ImageInput
+from epdserve.serving.worker.setup import new_engine
 from epdserve.transfer import handoff, loopback
 
 CACHE_DIR = Path.home() / ".cache" / "epdserve" / "calibration"
@@ -160,7 +159,7 @@ def _handoff_ms(model_dir: str, sizes: tuple[int, ...] = (16, 512)) -> Link:
     a default same-host prefill worker makes them) of prompts of ``sizes`` tokens;
     bandwidth from the difference, latency from the smallest."""
     ctx = zmq.Context()
-    prefill, pool = handoff.new_engine(model_dir, EngineConfig(kv_cache_memory_mb=256), True)
+    prefill, pool = new_engine(model_dir, EngineConfig(kv_cache_memory_mb=256), True)
     decode = LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=256))
     exporter = handoff.Exporter(prefill, 60.0, ctx, None, "none", pool)
     importer = handoff.Importer(ctx, "shm", 10.0)

@@ -174,7 +174,7 @@ class ImageCost:
         (Idefics3: ``<fake_token_around_image>`` + ``<row_r_col_c>`` per tile, a newline
         per row and one more, ``<fake_token_around_image><global-img>`` ...
         ``<fake_token_around_image>``) and the newline that joins an image part to the
-        message's text (serving/multimodal.py). Counted as SmolVLM's BPE tokenizes them:
+        message's text (serving/api/multimodal.py). Counted as SmolVLM's BPE tokenizes them:
         one token per newline, except the last row's and the blank line's, which merge."""
         rows, cols = self.processor.grid(size)
         markup = 2 * rows * cols + rows + 3

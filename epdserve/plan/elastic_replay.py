@@ -2,8 +2,8 @@
 
 The router's controller writes every signal sample it takes to its ``--trace-file`` as an
 ``{"event": "elastic_sample", "at": UNIX_S, "sample": {...}}`` line
-(:meth:`epdserve.serving.elastic_policy.Sample.as_json`). :func:`read_trace` reads them
-back and :func:`replay` runs :func:`epdserve.serving.elastic_policy.decide` over them as
+(:meth:`epdserve.serving.elastic.policy.Sample.as_json`). :func:`read_trace` reads them
+back and :func:`replay` runs :func:`epdserve.serving.elastic.policy.decide` over them as
 the controller would have with another :class:`PolicyConfig` (other SLOs, thresholds,
 window or dwell): what it would have decided, and why. The changes the policy did not
 decide, a switch by hand (``POST /roles``) or a worker added or retired, are taken as
@@ -24,8 +24,8 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, decide, window
-from epdserve.serving.elastic_samples import finite_number
+from epdserve.serving.elastic.policy import Decision, PolicyConfig, PolicyState, Sample, decide, window
+from epdserve.serving.elastic.samples import finite_number
 
 
 # What each event line of a router trace holds for a replay (module doc).
@@ -75,7 +75,7 @@ def read_dwell_restarts(trace_file: str | Path) -> list[float]:
 
 def replay(samples: list[Sample], config: PolicyConfig, dwell_restarts: Sequence[float] = ()) -> list[Decision]:
     """One decision per sample: sample i is "now", its window the samples
-    :func:`~epdserve.serving.elastic_policy.window` keeps of those up to it, and the
+    :func:`~epdserve.serving.elastic.policy.window` keeps of those up to it, and the
     policy's state carried from decision to decision (from :class:`PolicyState`'s start),
     as the router's controller calls :func:`decide` every interval. A restart at ``t``
     (``dwell_restarts``, s) restarts the state from ``t`` before the first decision on a

@@ -56,6 +56,7 @@ from epdserve.bench.client import RequestRecord
 from epdserve.plan.costmodel import Platform
 from epdserve.plan.sim_worker import common_start
 from epdserve.plan.simulate import Deployment, EngineLimits, Simulation, check
+from epdserve.bench.arrivals import retime
 
 TOLERANCE = 0.05        # change of the mean in flight between two copies: of itself, of a copy's requests
 MIN_CHANGE = 0.5        # requests in flight: a change below this is no change
@@ -115,7 +116,7 @@ class Copier:
     def unit(self, rate: float, seed: int) -> list[workload.Request]:
         """One copy, re-timed to ``rate`` req/s (:func:`~epdserve.bench.workload.retime`):
         repeats 0 to ``tiles`` − 1 of the trace, one after the other."""
-        return workload.retime([r for j in range(self.tiles) for r in self.distinct(j)], rate, seed)
+        return retime([r for j in range(self.tiles) for r in self.distinct(j)], rate, seed)
 
     def copy(self, unit: list[workload.Request], k: int, start_s: float) -> list[workload.Request]:
         """Copy ``k`` of ``unit`` (:meth:`unit`; copy 0 is ``unit``), its arrivals from

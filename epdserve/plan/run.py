@@ -33,9 +33,10 @@ from epdserve.plan import calibrate, elastic_replay, hardware, replay, report, s
 from epdserve.plan.costmodel import FEATURES, Platform, roofline_platform
 from epdserve.plan.model_spec import BUILTIN, ModelSpec
 from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError
-from epdserve.serving.elastic_policy import PolicyConfig
+from epdserve.serving.elastic.policy import PolicyConfig
 from epdserve.plan.validation import (BANDED, VALIDATED, compare_deployment, compare_limits, distinct_dirs,
                                       has_images, validate)
+from epdserve.plan.serving_fit import SERVING_PERCENTILE, compare_runs, contention_ratio, decode_gaps, fit_prefill, fit_serving, gap_percentiles, prefill_steps
 
 ACTIONS = ("search", "calibrate", "validate", "elastic-replay")
 REPLAYS = ("steady", "once")
@@ -335,28 +336,28 @@ def run_validate(args) -> int:
 def run_fit_serving(args) -> int:
     """``plan calibrate --from-compare DIR...``: fit ``serving.decode_slowdown``,
     ``serving.contended_slowdown`` and ``serving.prefill_slowdown`` into the calibration
-    (see :func:`calibrate.fit_serving` and :func:`calibrate.fit_prefill`) and print each
+    (see :func:`fit_serving` and :func:`fit_prefill`) and print each
     run's ratios."""
     path = _calibration_path(args)
     cal = calibrate.load(path)
     served = {}
     for d in distinct_dirs(args.from_compare):
         platform = calibrate.platform_from(cal, vlm=has_images(d))
-        for name, run in calibrate.compare_runs(d, platform).items():
+        for name, run in compare_runs(d, platform).items():
             step = run.step(platform)
-            served[f"{d}:{name}"] = (calibrate.decode_gaps(run.seqs, step, run.contended),
-                                     calibrate.prefill_steps(run.seqs, step), run.sizes)
-    slowdown, contended = calibrate.fit_serving([gaps for gaps, _, _ in served.values()])
-    prefill = calibrate.fit_prefill([(steps, sizes) for _, steps, sizes in served.values()], slowdown)
-    p = calibrate.SERVING_PERCENTILE
+            served[f"{d}:{name}"] = (decode_gaps(run.seqs, step, run.contended),
+                                     prefill_steps(run.seqs, step), run.sizes)
+    slowdown, contended = fit_serving([gaps for gaps, _, _ in served.values()])
+    prefill = fit_prefill([(steps, sizes) for _, steps, sizes in served.values()], slowdown)
+    p = SERVING_PERCENTILE
     ratios, contention = {}, {}
     for run, (gaps, steps, sizes) in served.items():
-        measured, model = calibrate.gap_percentiles(gaps)
+        measured, model = gap_percentiles(gaps)
         line = f"{run}: {len(gaps)} decode steps"
         if not np.isnan(measured):
             ratios[run] = measured / model
             line += f", p{p} {measured:.1f} ms measured vs {model:.1f} ms by the step model (x{ratios[run]:.2f})"
-        if (c := calibrate.contention_ratio(gaps)) is not None:
+        if (c := contention_ratio(gaps)) is not None:
             contention[run] = c
             line += f"; x{c:.2f} while every other core was busy ({sum(g[2] for g in gaps)} steps)"
         line += f"; {len(steps)} prefills on their own"

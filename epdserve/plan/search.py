@@ -32,6 +32,7 @@ from epdserve.bench.sweep import find_max_goodput_rate
 from epdserve.plan import replay
 from epdserve.plan.costmodel import Platform
 from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, serve
+from epdserve.bench.arrivals import retime
 
 MAX_DOUBLINGS = 16
 
@@ -136,7 +137,7 @@ def measure_rate(deployment: Deployment, platform: Platform, requests: list[work
         KVCapacityError, ValueError: as :func:`~epdserve.plan.simulate.simulate`.
     """
     if not steady:
-        retimed = workload.retime(requests, rate, seed)
+        retimed = retime(requests, rate, seed)
         sim = serve(deployment, platform, retimed, limits)
         result = metrics.compute(sim.results(range(len(retimed)))[0], slos_ms)
     else:

@@ -11,12 +11,12 @@ it and goes to a colocated worker when no decode worker is live (``Simulation.pi
 ``serving/router/flows.py`` does.
 
 The controller is in the loop: every ``interval_s`` simulated seconds it builds a
-:class:`~epdserve.serving.elastic_policy.Sample` from the simulated state as
+:class:`~epdserve.serving.elastic.policy.Sample` from the simulated state as
 ``serving/router/elastic.py`` and ``serving/router/signals.py`` build one from the live
 router's (arrivals with their prompt tokens and ``max_tokens``; the TTFT and prefill queue
 time of each first token since the last sample; the gaps between a request's tokens; per
 worker its running, waiting and outstanding requests, KV usage and whether it is
-switching), calls the policy's :func:`~epdserve.serving.elastic_policy.decide` on the
+switching), calls the policy's :func:`~epdserve.serving.elastic.policy.decide` on the
 window and applies the roles it returns. The policy is imported, not copied. Differences
 from the live router, all of the simulator's own making: tokens reach the "router" when
 their step ends (no IPC, no batching of outputs), and KV usage counts the blocks a request
@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 from epdserve.bench.metrics import DEFAULT_SLOS_MS
 from epdserve.plan.sim_worker import Seq, Worker
 from epdserve.serving.deployment import ELASTIC_SLO_KEYS
-from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, WorkerSignal, decide, window
+from epdserve.serving.elastic.policy import Decision, PolicyConfig, PolicyState, Sample, decide, window
+from epdserve.serving.elastic.samples import WorkerSignal
 
 if TYPE_CHECKING:  # for annotations only: simulate imports this module
     from epdserve.plan.simulate import Simulation

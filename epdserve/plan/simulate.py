@@ -24,7 +24,7 @@ text starts as one this worker prefilled before (a shared document or system pro
 finds that shared start: its characters in tokens at the request's own tokens per character,
 in full blocks. The cache is taken as never evicting.
 
-Images (serving/worker.py, serving/encode_worker.py): a request's image tokens count in
+Images (serving/worker/engine_worker.py, serving/worker/encode_worker.py): a request's image tokens count in
 its prompt. In colocated and PD the worker that prefills encodes a request's images when it
 takes the request in, before its next step, blocking that step (so every running decode
 waits too). In EPD the router spreads a request's images over the encode workers (least

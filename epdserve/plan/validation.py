@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from epdserve.bench import metrics, workload
-from epdserve.plan import calibrate
 from epdserve.plan.costmodel import Platform
 from epdserve.plan.search import measure_rate
 from epdserve.plan.sim_elastic import ElasticConfig, elastic_config
 from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, serve
 from epdserve.serving.deployment import ELASTIC_SLO_KEYS, DeploymentSpec
+from epdserve.plan.serving_fit import compare_configs
 
 VALIDATED = ("p95_ttft_ms", "p95_itl_ms", "output_throughput")
 # Those whose band is counted: below saturation throughput follows the arrivals, whatever the
@@ -94,7 +94,7 @@ def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
     results: dict[str, list[dict]] = {}
     cores: dict[str, int] = {}  # that each configuration ran on
     for d in compare_dirs:
-        for entry in calibrate.compare_configs(d):
+        for entry in compare_configs(d):
             if "result" in entry:  # else the configuration failed to run
                 results.setdefault(entry["name"], []).append(entry["result"])
                 cores[entry["name"]] = entry_cores(entry)
@@ -185,6 +185,6 @@ def distinct_dirs(dirs: list[str]) -> list[Path]:
 
 def has_images(compare_dir: Path) -> bool:
     """Whether a compare run's trace sends images: it was served by a vision-language model
-    (False when it has no trace: :func:`calibrate.compare_gaps` names the missing file)."""
+    (False when it has no trace: :func:`compare_gaps` names the missing file)."""
     trace = compare_dir / "trace.jsonl"
     return trace.is_file() and any(r.images for r in workload.load_trace(trace))

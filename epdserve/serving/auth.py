@@ -72,9 +72,7 @@ from __future__ import annotations
 import argparse
 import os
 
-# The sealing primitives live below the transports; re-exported (noqa: F401) for the serving layer.
-from epdserve.transfer.sealing import (ENCRYPTIONS, MAX_STREAMS, NO_AUTH, OVERHEAD, AuthError, DropLog,  # noqa: F401
-                                       Keyring, Opener, Sealer)
+from epdserve.transfer.sealing import ENCRYPTIONS, Keyring
 
 
 def add_arguments(parser: argparse.ArgumentParser, token_help: str) -> None:

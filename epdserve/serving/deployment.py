@@ -271,7 +271,7 @@ def split_cores(cores: list[int], n: int) -> list[list[int]]:
 def plan_workers(mode: str, cores: list[int], *, workers: int = 1, prefill: int = 1,
                  decode: int = 1, encode: int = 1) -> Placement:
     """``(role, worker_id, cores)`` for each worker of ``mode`` (placement rule: the module
-    doc of :mod:`epdserve.serving.launcher`).
+    doc of :mod:`epdserve.serving.launch.launcher`).
 
     Raises:
         ValueError: no cores, a worker count below 1, or an unknown mode.

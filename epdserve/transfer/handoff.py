@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from epdserve.engine.engine import EngineConfig, LLMEngine, StepOutput
+from epdserve.engine.engine import LLMEngine, StepOutput
 from epdserve.engine.kv_source import KVSource, TensorKV, block_runs
 from epdserve.transfer import cuda_ipc, kv_codec, shm, tcp, wire
 from epdserve.transfer.descriptor import KVDescriptor
@@ -85,34 +85,6 @@ def host_id() -> str:
     except OSError:
         netns = 0
     return hashlib.sha256(f"{machine}|{st.st_dev}|{st.st_ino}|{netns}".encode()).hexdigest()[:16]
-
-
-def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_backend: cuda_ipc.IpcBackend | None = None
-               ) -> tuple[LLMEngine, shm.KVPool | cuda_ipc.DevicePool | None]:
-    """An engine and, with ``shared_pool``, the pool its KV cache lives in (for an
-    :class:`Exporter` that hands blocks over without copying them): a
-    :class:`~epdserve.transfer.shm.KVPool` for a cache in host memory, a
-    :class:`~epdserve.transfer.cuda_ipc.DevicePool` for one on a GPU (or on the CPU with a
-    test's ``ipc_backend``, e.g. :class:`~epdserve.transfer.cuda_ipc.FakeBackend`). The
-    pool's file is deleted by :meth:`Exporter.close` or, failing that, at interpreter exit.
-
-    Raises:
-        as :class:`LLMEngine`; ``OSError`` when /dev/shm cannot hold the pool (or its
-        tags); :class:`~epdserve.transfer.cuda_ipc.IpcError` when a GPU cache cannot be
-        shared.
-    """
-    if not shared_pool:
-        return LLMEngine(model_dir, config), None
-    pools: list[shm.KVPool | cuda_ipc.DevicePool] = []
-
-    def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if ipc_backend is not None or device.type == "cuda":
-            pools.append(cuda_ipc.DevicePool(shape, dtype, device, ipc_backend))
-        else:
-            pools.append(shm.KVPool(shape, dtype))
-        return pools[-1].kv
-
-    return LLMEngine(model_dir, config, kv_allocator=allocate), pools[0]
 
 
 class Exporter:

@@ -16,15 +16,15 @@ from epdserve.argtypes import float_above, int_at_least, mm_limit_images, slo_pa
 from epdserve.model.loader import ModelLoadError, generation_defaults, resolve_model
 from epdserve.model.tokenizer import check_chat_template, load_tokenizer, read_chat_template, template_renders_tools
 from epdserve.serving import auth
-from epdserve.serving.elastic_policy import PolicyConfig
+from epdserve.serving.elastic.policy import PolicyConfig
 from epdserve.serving.deployment import ELASTIC_SLO_KEYS
 from epdserve.serving.flags import add_router_flags
 from epdserve.serving.handshake import model_fingerprint, model_kv_shape
-from epdserve.serving.http_guard import add_http_options, uvicorn_config
+from epdserve.serving.router.http_guard import add_http_options, uvicorn_config
 from epdserve.serving.metrics import DEFAULT_METRICS_PREFIX, RouterMetrics, add_metrics_options
-from epdserve.serving.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
+from epdserve.serving.api.multimodal import DEFAULT_MAX_IMAGES, ImagePrompter, MediaOptions
 from epdserve.serving.router import surface
-from epdserve.serving.elastic_scaling import ScalingConfig
+from epdserve.serving.elastic.scaling import ScalingConfig
 from epdserve.serving.router.elastic import Controller, Scaler, Workforce
 from epdserve.serving.router.flows import FlowConfig
 from epdserve.serving.router.front import Front
@@ -33,7 +33,7 @@ from epdserve.serving.router.registry import MODE_ROLES, Compat, Registry, Worke
 from epdserve.serving.router.routes import create_app
 from epdserve.serving.router.signals import SignalRecorder
 from epdserve.serving.router.zmq_port import EventsLoop, ZmqPort
-from epdserve.serving.tool_calls import ToolSettings, add_tool_options, tool_settings
+from epdserve.serving.api.tool_calls import ToolSettings, add_tool_options, tool_settings
 
 log = logging.getLogger("epdserve.router")
 # The SLOs the elastic controller serves without --slo: compare's defaults (bench.metrics.DEFAULT_SLOS_MS).
@@ -55,7 +55,7 @@ class Router:
     ``internal_encryption`` "curve": TCP sockets use CURVE (needs the token).
     ``local_prefill_threshold`` (pd, tokens): a prompt shorter than this goes straight to a
     decode worker, which prefills it itself; 0 disaggregates every prompt. ``tools``: the
-    tool-calling options (:func:`~epdserve.serving.tool_calls.tool_settings`).
+    tool-calling options (:func:`~epdserve.serving.api.tool_calls.tool_settings`).
     ``sampling_defaults``: request field defaults (``--generation-config``), applied to the
     fields a request does not set. ``api_keys``: the keys ``Authorization: Bearer`` must
     give on the model's endpoints (empty: none needed; see :mod:`.surface`).

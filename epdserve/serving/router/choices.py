@@ -8,10 +8,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from epdserve.serving.api_logprobs import LogprobsFormatter, prompt_entries
-from epdserve.serving.detokenizer import TextStream
+from epdserve.serving.api.logprobs import LogprobsFormatter, prompt_entries
+from epdserve.serving.api.detokenizer import TextStream
 from epdserve.serving.router.flows import Flow
-from epdserve.serving.tool_calls import ToolOutput
+from epdserve.serving.api.tool_calls import ToolOutput
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The elastic controller (``serve --elastic``): every ``--elastic-interval`` seconds it
 samples the signals the router has, asks the policy
-(:func:`~epdserve.serving.elastic_policy.decide`, a pure function of the samples of the
+(:func:`~epdserve.serving.elastic.policy.decide`, a pure function of the samples of the
 last ``--elastic-window`` seconds) for the workers' roles, and switches the workers whose
 role differs (:meth:`Registry.set_role`). Every sample and every decision that changes
 roles goes to the trace file (``elastic_sample``, ``elastic_decision`` lines; the policy
@@ -8,7 +8,7 @@ can be replayed from them, :mod:`epdserve.plan.elastic_replay`), and each decisi
 log with the numbers that caused it (docs/elastic.md).
 
 With ``--max-workers`` above the starting count the controller also adds and retires
-workers (:func:`~epdserve.serving.elastic_scaling.decide_scale`, asked when the role policy
+workers (:func:`~epdserve.serving.elastic.scaling.decide_scale`, asked when the role policy
 holds) through a :class:`Workforce`, which ``POST /workers`` and ``DELETE /workers/{id}``
 use too; the launcher passes it a :class:`Scaler` (Ray's actors) to start and stop them.
 """
@@ -21,12 +21,13 @@ import time
 from collections import deque
 from typing import Callable, Protocol
 
-from epdserve.serving.elastic_policy import Decision, PolicyConfig, PolicyState, Sample, WorkerSignal, decide, window
-from epdserve.serving.elastic_scaling import ScaleDecision, ScalingConfig, ScalingState, decide_scale
+from epdserve.serving.elastic.policy import Decision, PolicyConfig, PolicyState, Sample, decide, window
+from epdserve.serving.elastic.scaling import ScaleDecision, ScalingConfig, ScalingState, decide_scale
 from epdserve.serving.router.events import WorkerFailed
 from epdserve.serving.deployment import ENGINE_ROLES
 from epdserve.serving.router.registry import Registry
 from epdserve.serving.router.signals import SignalRecorder
+from epdserve.serving.elastic.samples import WorkerSignal
 
 log = logging.getLogger("epdserve.router")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
+from epdserve.serving.api.errors import APIError
 
 
 class WorkerFailed(Exception):
@@ -23,10 +23,10 @@ class WorkerFailed(Exception):
         super().__init__(message)
         self.status = status
 
-    def api_error(self) -> api.APIError:
+    def api_error(self) -> APIError:
         """The HTTP error the client gets (status as above, OpenAI error type by status)."""
         kind = {400: "invalid_request_error", 503: "service_unavailable"}.get(self.status, "internal_server_error")
-        return api.APIError(str(self), status=self.status, type=kind)
+        return APIError(str(self), status=self.status, type=kind)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
 from epdserve.serving.router.events import Encoded, Tick, WorkerDown, WorkerError, WorkerFailed, WorkerOutput
 from epdserve.serving.router.holdings import Holdings
@@ -42,6 +41,7 @@ from epdserve.serving.router.prefix_index import DEFAULT_POLICY, PrefixAware, Pr
 from epdserve.serving.router.registry import Registry, WorkerState
 from epdserve.serving.router.signals import SignalRecorder
 from epdserve.trace import RequestTrace
+from epdserve.serving.api.errors import APIError
 
 log = logging.getLogger("epdserve.router")
 
@@ -202,7 +202,7 @@ class Flow:
         """A live worker of ``role`` (not ``exclude``) to go on with. Raises WorkerFailed 503 if none."""
         try:
             return self._choose(role, exclude)
-        except api.APIError as exc:
+        except APIError as exc:
             raise WorkerFailed(exc.message, 503) from None
 
     # -- waiting
@@ -263,7 +263,7 @@ class Flow:
                     raise
                 try:
                     worker = self._choose(role)
-                except api.APIError:
+                except APIError:
                     raise WorkerFailed(f"{exc}; no other live {role} worker to retry on", 503) from None
                 log.warning("%s: %s; retrying on %s", self.request_id, exc, worker.worker_id)
                 # The dead worker may have read, and so deleted, the embedding frames: the
@@ -389,7 +389,7 @@ class EncodeFlow(DisaggregatedFlow):
         """
         workers = self.registry.encoders()
         if not workers:
-            raise api.APIError("no live encode worker", status=503, type="service_unavailable")
+            raise APIError("no live encode worker", status=503, type="service_unavailable")
         n = len(self.images)
         shares = [list(range(i, n, len(workers))) for i in range(min(len(workers), n))]
         for worker, indices in zip(workers, shares):

@@ -4,7 +4,7 @@ and from the flows' tokens back to text.
 Preprocessing (chat template, tokenization, reading and decoding images) runs on a thread
 pool of its own, never on the event loop. A chat request with images (served by a
 vision-language model) is laid out here: the images are checked and decoded
-(:func:`~epdserve.serving.multimodal.parse_chat_images`), each ``<image>`` placeholder
+(:func:`~epdserve.serving.api.multimodal.parse_chat_images`), each ``<image>`` placeholder
 expanded to its tile tokens, and the image bytes travel to the worker that encodes them.
 A request runs as one flow per choice generated: ``best_of`` (default ``n``) per prompt, for
 each prompt of a completions batch (ids ``<id>-<i>``, one trace line each); their texts are
@@ -28,19 +28,20 @@ import pydantic
 from epdserve.engine.request import GuidedSpec
 from epdserve.engine.prompt_logprobs import check_size
 from epdserve.model.tokenizer import chat_prompt_ids
-from epdserve.serving import api_fields
-from epdserve.serving import openai_api as api
+from epdserve.serving.api import fields
+from epdserve.serving.api import openai as api
 from epdserve.serving import protocol as P
-from epdserve.serving.api_logprobs import LogprobsFormatter
-from epdserve.serving.detokenizer import TextStream
+from epdserve.serving.api.logprobs import LogprobsFormatter
+from epdserve.serving.api.detokenizer import TextStream
 from epdserve.serving.metrics import RouterMetrics
-from epdserve.serving.multimodal import ImagePrompter
-from epdserve.serving.structured_output import FieldError
-from epdserve.serving.tool_calls import ToolPlan, ToolSettings, plan_tools, tool_chars
+from epdserve.serving.api.multimodal import ImagePrompter
+from epdserve.serving.api.structured_output import FieldError
+from epdserve.serving.api.tool_calls import ToolPlan, ToolSettings, plan_tools, tool_chars
 from epdserve.serving.router.choices import Choice
 from epdserve.serving.router.flows import Flow, FlowConfig, new_flow
 from epdserve.serving.router.grammar_check import GrammarCheck
 from epdserve.serving.router.registry import Registry
+from epdserve.serving.api.errors import APIError
 
 log = logging.getLogger("epdserve.router")
 
@@ -86,7 +87,7 @@ def sampling_params(body, max_tokens: int, i: int, guided: GuidedSpec | None = N
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         field_ = ".".join(map(str, err["loc"])) or None
-        raise api.APIError(f"{field_}: {err['msg']}" if field_ else err["msg"], param=field_) from None
+        raise APIError(f"{field_}: {err['msg']}" if field_ else err["msg"], param=field_) from None
 
 
 class Front:
@@ -131,7 +132,7 @@ class Front:
             APIError: 404 ``model_not_found``, OpenAI's status and code.
         """
         if model is not None and not self.model.accepts(model):
-            raise api.APIError(f"The model `{model}` does not exist (this server serves "
+            raise APIError(f"The model `{model}` does not exist (this server serves "
                                f"`{self.model.name}`).", status=404, param="model", code="model_not_found")
 
     def with_defaults(self, body):
@@ -164,7 +165,7 @@ class Front:
         chars = max(lengths, default=0)
         at_least = -(-chars // self.max_token_chars)
         if at_least > self.model.max_model_len:
-            raise api.APIError(f"This model's maximum context length is {self.model.max_model_len} tokens. However, "
+            raise APIError(f"This model's maximum context length is {self.model.max_model_len} tokens. However, "
                                f"your request's {chars} characters are at least {at_least} tokens. Please reduce "
                                "the length of the input.", param=param, code="context_length_exceeded")
 
@@ -172,7 +173,7 @@ class Front:
         """Raises APIError 400 naming ``param`` if a token id is outside the vocabulary."""
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise api.APIError(f"{param}: token id {bad} is out of range [0, {self.vocab_size})", param=param)
+            raise APIError(f"{param}: token id {bad} is out of range [0, {self.vocab_size})", param=param)
 
     def max_tokens(self, body, n_prompt: int) -> int:
         """``max_tokens`` checked against the context window (default: what is left of it).
@@ -184,12 +185,12 @@ class Front:
         requested = body.requested_max_tokens()
         if requested is None:
             if n_prompt >= limit:
-                raise api.APIError(f"This model's maximum context length is {limit} tokens. However, "
+                raise APIError(f"This model's maximum context length is {limit} tokens. However, "
                                    f"your request has {n_prompt} input tokens. Please reduce the "
                                    f"length of the input.", param="messages", code="context_length_exceeded")
             return limit - n_prompt
         if n_prompt + requested > limit:
-            raise api.APIError(f"This model's maximum context length is {limit} tokens. However, you "
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
                                f"requested {n_prompt + requested} tokens ({n_prompt} in the prompt, "
                                f"{requested} in the completion). Please reduce the length of the "
                                f"prompt or completion.", param="max_tokens", code="context_length_exceeded")
@@ -208,12 +209,12 @@ class Front:
 
         Raises:
             APIError: 400, as :meth:`prompt_ids`, images sent to a text model, or bad images
-                (see :func:`~epdserve.serving.multimodal.parse_chat_images`); 503 when the
+                (see :func:`~epdserve.serving.api.multimodal.parse_chat_images`); 503 when the
                 preprocessing queue is full.
         """
         self.check_text_length(body)
         if self._preprocess_queued >= MAX_PREPROCESS_QUEUE:
-            raise api.APIError(f"the server is busy preparing {self._preprocess_queued} requests; retry later",
+            raise APIError(f"the server is busy preparing {self._preprocess_queued} requests; retry later",
                                status=503, type="service_unavailable")
         self._preprocess_queued += 1
         try:
@@ -234,7 +235,7 @@ class Front:
         if self.images is None:
             if not any(m.num_images for m in body.messages):
                 return [Prompt(self.prompt_ids(body), echo=echo)]
-            raise api.APIError(f"the model `{self.model.name}` takes no images (serve a vision-language model, "
+            raise APIError(f"the model `{self.model.name}` takes no images (serve a vision-language model, "
                                "e.g. --model vlm)", param="messages")
         ids, images = self.images.prompt([m.model_dump(exclude_none=True) for m in body.messages],
                                          body.add_special_tokens, **self.template_options(body))
@@ -254,7 +255,7 @@ class Front:
                 ids = chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in body.messages],
                                       body.add_special_tokens, **self.template_options(body, plan))
             except ValueError as exc:
-                raise api.APIError(str(exc), param="messages") from None
+                raise APIError(str(exc), param="messages") from None
             param = "messages"
         elif isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=body.add_special_tokens).input_ids
@@ -263,7 +264,7 @@ class Front:
             ids, param = list(prompt), "prompt"
             self.check_token_ids(ids, "prompt")
         if not ids:
-            raise api.APIError("the prompt is empty", param=param)
+            raise APIError("the prompt is empty", param=param)
         return self.truncated(body, ids)
 
     @staticmethod
@@ -281,7 +282,7 @@ class Front:
         extra = body.chat_template_kwargs or {}
         clash = sorted(set(extra) & self.template_names)
         if clash:
-            raise api.APIError(f"chat_template_kwargs: {', '.join(map(repr, clash))} "
+            raise APIError(f"chat_template_kwargs: {', '.join(map(repr, clash))} "
                                f"{'is an argument' if len(clash) == 1 else 'are arguments'} of the chat template "
                                "renderer itself (use the request's own fields)", param="chat_template_kwargs")
         options = dict(extra, add_generation_prompt=body.add_generation_prompt,
@@ -300,14 +301,14 @@ class Front:
         try:
             plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tools)
         except FieldError as exc:
-            raise api.APIError(str(exc), param=exc.param) from None
+            raise APIError(str(exc), param=exc.param) from None
         if any(m.tool_calls or m.role == "tool" for m in body.messages):
             if not self.tools.template_tools:
-                raise api.APIError("messages: tool calls and tool results need a chat template with a tool-call "
+                raise APIError("messages: tool calls and tool results need a chat template with a tool-call "
                                    "format; serve the model with --chat-template FILE", param="messages")
             plan = plan or ToolPlan("none", [])
         if plan is not None and self.images is not None:
-            raise api.APIError(f"tools: not supported with the vision-language model `{self.model.name}`",
+            raise APIError(f"tools: not supported with the vision-language model `{self.model.name}`",
                                param="tools")
         return plan
 
@@ -330,7 +331,7 @@ class Front:
         """
         self.check_model(body.model)
         body = self.with_defaults(body)
-        api_fields.check(body)
+        fields.check(body)
         plan = self.tool_plan(body) if kind == "chat" else None  # cheap 400s before the tokenizer's work
         prompts = await self.prompts(body)
         self.check_token_ids(body.stop_token_ids, "stop_token_ids")
@@ -341,13 +342,13 @@ class Front:
         for p, prompt in enumerate(prompts):
             max_tokens = self.max_tokens(body, len(prompt.ids))
             if body.min_tokens > max_tokens:  # vLLM's rule
-                raise api.APIError(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
+                raise APIError(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
                                    param="min_tokens")
             if body.prompt_logprobs_k is not None:
                 try:
                     check_size(len(prompt.ids), body.prompt_logprobs_k)
                 except ValueError as exc:
-                    raise api.APIError(str(exc), param="prompt_logprobs" if body.prompt_logprobs is not None
+                    raise APIError(str(exc), param="prompt_logprobs" if body.prompt_logprobs is not None
                                        else "logprobs") from None
             for c in range(body.candidates):
                 i = len(choices)

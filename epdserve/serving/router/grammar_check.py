@@ -1,6 +1,6 @@
 """The router's check of a request's structured-output constraint: its grammar compiled
 once, off the event loop and bounded in time (a worker compiles an accepted grammar again,
-off its own loop: ``serving/grammar_prep.py``)."""
+off its own loop: ``serving/worker/grammar_prep.py``)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import concurrent.futures
 
 from epdserve.engine.guided import GuidedDecoder, GuidedError
 from epdserve.engine.request import GuidedSpec
-from epdserve.serving import openai_api as api
-from epdserve.serving.structured_output import FieldError
-from epdserve.serving.tool_calls import ToolPlan
+from epdserve.serving.api.structured_output import FieldError
+from epdserve.serving.api.tool_calls import ToolPlan
+from epdserve.serving.api.errors import APIError
 
 # A request's grammar must compile within this (s) on the router's grammar thread, or the
 # request gets 400. A thread cannot be stopped, so one that takes longer goes on (a large
 # grammar of overlapping alternatives took minutes here); it has a thread of its own so
 # that it holds up only other new grammars, never the prompts' preprocessing, and at most
 # MAX_COMPILE_QUEUE requests wait for it. Each worker compiles an accepted grammar again,
-# off its loop (serving/grammar_prep.py). Grammars that compiled are remembered (up to
+# off its loop (serving/worker/grammar_prep.py). Grammars that compiled are remembered (up to
 # MAX_CHECKED_GRAMMARS, least recently used out) and not compiled here again.
 GUIDED_COMPILE_TIMEOUT_S = 10.0
 MAX_COMPILE_QUEUE = 16
@@ -55,10 +55,10 @@ class GrammarCheck:
             found = body.guided_spec()
             forced = tools.guided_spec() if tools else None
         except FieldError as exc:
-            raise api.APIError(str(exc), param=exc.param) from None
+            raise APIError(str(exc), param=exc.param) from None
         if forced is not None:
             if found is not None:
-                raise api.APIError(f"tool_choice: {tools.mode!r} forces the output, so it cannot be combined with "
+                raise APIError(f"tool_choice: {tools.mode!r} forces the output, so it cannot be combined with "
                                    f"{found[0]}", param="tool_choice")
             found = ("tools", forced)
         if found is None:
@@ -68,16 +68,16 @@ class GrammarCheck:
             self._checked.move_to_end(spec)
             return spec
         if self._compiles_queued >= MAX_COMPILE_QUEUE:
-            raise api.APIError(f"the server is busy compiling {self._compiles_queued} grammars; retry later",
+            raise APIError(f"the server is busy compiling {self._compiles_queued} grammars; retry later",
                                status=503, type="service_unavailable")
         self._compiles_queued += 1
         try:
             work = asyncio.get_running_loop().run_in_executor(self._compiler, self.decoder.compile, spec)
             await asyncio.wait_for(work, GUIDED_COMPILE_TIMEOUT_S)
         except GuidedError as exc:
-            raise api.APIError(f"{param}: {exc}", param=param) from None
+            raise APIError(f"{param}: {exc}", param=param) from None
         except asyncio.TimeoutError:
-            raise api.APIError(f"{param}: not compiled within {GUIDED_COMPILE_TIMEOUT_S:g} s (too complex, or the "
+            raise APIError(f"{param}: not compiled within {GUIDED_COMPILE_TIMEOUT_S:g} s (too complex, or the "
                                "server is compiling others); simplify it or retry", param=param) from None
         finally:
             self._compiles_queued -= 1

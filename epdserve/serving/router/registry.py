@@ -30,13 +30,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from epdserve.serving import openai_api as api
 from epdserve.serving import protocol as P
 from epdserve.serving.deployment import ENGINE_ROLES, natural_order
 from epdserve.serving.handshake import KV_PEER_ROLES, refusal
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.router.events import WorkerDown, WorkerFailed, event_for
 from epdserve.serving.router.prefix_index import PrefixAware, PromptBlocks, load
+from epdserve.serving.api.errors import APIError
 
 log = logging.getLogger("epdserve.router")
 
@@ -242,7 +242,7 @@ class Registry:
         if not candidates and self.elastic and role in ELASTIC_FALLBACK:
             candidates = of(ELASTIC_FALLBACK[role])
         if not candidates:
-            raise api.APIError(f"no live {role} worker", status=503, type="service_unavailable")
+            raise APIError(f"no live {role} worker", status=503, type="service_unavailable")
         if policy is not None and prompt is not None:
             return policy.choose(candidates, prompt)
         return min(candidates, key=load)
@@ -270,7 +270,7 @@ class Registry:
     def set_role(self, worker_id: str, role: str, reason: str = "") -> None:
         """Elastic: make live worker ``worker_id`` a ``role`` worker. Requests are routed
         by ``role`` from now on; what it holds finishes where it is (see
-        :mod:`~epdserve.serving.worker`) until it says ``RoleSwitched``.
+        :mod:`~epdserve.serving.worker.engine_worker`) until it says ``RoleSwitched``.
 
         Raises:
             ValueError: not elastic, an unknown or down worker, or a role outside

@@ -15,14 +15,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from typing import Literal
 
-from epdserve.serving import openai_api as api
-from epdserve.serving.api_logprobs import vllm_prompt_logprobs
+from epdserve.serving.api import openai as api
+from epdserve.serving.api.logprobs import vllm_prompt_logprobs
 from epdserve.serving.router.elastic import ScaleRefused, strands_decodes
 from epdserve.serving.router.events import WorkerFailed
 from epdserve.serving.router.choices import Choice, best_choices, failed, merged, usage_counts
 from epdserve.serving.router.front import Front
 from epdserve.serving.router import surface
 from epdserve.serving.router.registry import MODE_ROLES
+from epdserve.serving.api.errors import APIError, BoundedJSONRoute, install_error_handlers
 
 log = logging.getLogger("epdserve.router")
 
@@ -279,9 +280,9 @@ def create_app(router) -> FastAPI:
             await router.stop()
 
     app = FastAPI(title="epdserve", lifespan=lifespan)
-    app.router.route_class = api.BoundedJSONRoute  # a body of millions of JSON values: 413, unparsed
+    app.router.route_class = BoundedJSONRoute  # a body of millions of JSON values: 413, unparsed
     app.state.router = router
-    api.install_error_handlers(app, on_bad_request=router.metrics.bad_request.inc)
+    install_error_handlers(app, on_bad_request=router.metrics.bad_request.inc)
     handlers = Completions(router.front)
     registry = router.registry
 
@@ -329,19 +330,19 @@ def install_roles(app: FastAPI, router) -> None:
     async def set_role(body: RoleRequest):
         """Elastic: switch a worker's role by hand (as the controller does)."""
         if not registry.elastic:
-            raise api.APIError("roles change only on an elastic server (serve --elastic)", status=409,
+            raise APIError("roles change only on an elastic server (serve --elastic)", status=409,
                                type="conflict")
         w = registry.workers.get(body.worker_id)
         if w is None or not registry.live(w):
-            raise api.APIError(f"no live worker {body.worker_id!r}", status=404, param="worker_id",
+            raise APIError(f"no live worker {body.worker_id!r}", status=404, param="worker_id",
                                code="worker_not_found")
         if body.role == "prefill" != w.role and (stranded := strands_decodes(registry, body.worker_id)):
-            raise api.APIError(stranded, status=409, type="conflict", param="role")
+            raise APIError(stranded, status=409, type="conflict", param="role")
         changes = body.role != w.role
         try:
             registry.set_role(body.worker_id, body.role, body.reason or "POST /roles")
         except WorkerFailed as exc:
-            raise api.APIError(str(exc), status=503, type="service_unavailable") from None
+            raise APIError(str(exc), status=503, type="service_unavailable") from None
         if changes and router.controller is not None:
             router.controller.switched_by_hand(f"POST /roles: {body.worker_id} -> {body.role}")
         return w.as_json(time.monotonic())
@@ -357,15 +358,15 @@ def install_workers(app: FastAPI, router) -> None:
 
     def workforce(request: Request):
         if router.api_keys and not surface.APIKeyGuard(None, router.api_keys).authorized(request.headers.raw):
-            raise api.APIError("Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.", status=401,
+            raise APIError("Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.", status=401,
                                code="invalid_api_key")
         if router.workforce is None:
-            raise api.APIError("workers are added and retired only on an elastic server started by "
+            raise APIError("workers are added and retired only on an elastic server started by "
                                "`epdserve serve --elastic`", status=409, type="conflict")
         return router.workforce
 
-    def refused(exc: ScaleRefused) -> api.APIError:
-        return api.APIError(str(exc), status=exc.status, type="service_unavailable" if exc.status == 503 else
+    def refused(exc: ScaleRefused) -> APIError:
+        return APIError(str(exc), status=exc.status, type="service_unavailable" if exc.status == 503 else
                             "conflict" if exc.status == 409 else "invalid_request_error",
                             code="worker_not_found" if exc.status == 404 else None)
 

@@ -3,7 +3,7 @@
 The flows report each request's arrival, its first token and every gap between two of its
 outputs reaching the router as they happen; :meth:`SignalRecorder.take` hands over and
 forgets what came since the last call, which the controller turns into one
-:class:`~epdserve.serving.elastic_policy.Sample` with the workers' own numbers.
+:class:`~epdserve.serving.elastic.policy.Sample` with the workers' own numbers.
 """
 
 from __future__ import annotations

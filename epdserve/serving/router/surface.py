@@ -41,7 +41,8 @@ from pydantic import Field
 
 from epdserve import __version__
 from epdserve.model.loader import ModelLoadError
-from epdserve.serving import openai_api as api
+from epdserve.serving.api import openai as api
+from epdserve.serving.api.errors import APIError, error_body
 
 log = logging.getLogger("epdserve.router")
 
@@ -90,7 +91,7 @@ class APIKeyGuard:
         if (scope["type"] != "http" or not (path == "/v1" or path.startswith(PROTECTED_PREFIXES))
                 or self.authorized(scope["headers"])):
             return await self.app(scope, receive, send)
-        body = json.dumps(api.error_body("Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.",
+        body = json.dumps(error_body("Incorrect API key provided: pass it as 'Authorization: Bearer KEY'.",
                                          code="invalid_api_key")).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
@@ -150,23 +151,23 @@ class TokenizeRequest(api._Req):
                 prompt, a field not supported here, images, too much text, a lone surrogate.
         """
         if (self.prompt is None) == (self.messages is None):
-            raise api.APIError("give either prompt or messages", param="prompt")
+            raise APIError("give either prompt or messages", param="prompt")
         chat_only = ("add_generation_prompt", "continue_final_message", *UNSUPPORTED_CHAT_FIELDS)
         if self.prompt is not None and (given := [f for f in chat_only if getattr(self, f) is not None]):
-            raise api.APIError(f"{given[0]} goes with messages, not prompt", param=given[0])
+            raise APIError(f"{given[0]} goes with messages, not prompt", param=given[0])
         if unsupported := [f for f in UNSUPPORTED_CHAT_FIELDS if getattr(self, f) is not None]:
-            raise api.APIError(f"{unsupported[0]} is not supported by /tokenize here", param=unsupported[0])
+            raise APIError(f"{unsupported[0]} is not supported by /tokenize here", param=unsupported[0])
         if self.continue_final_message and self.add_generation_prompt:
-            raise api.APIError("continue_final_message and add_generation_prompt cannot both be true",
+            raise APIError("continue_final_message and add_generation_prompt cannot both be true",
                                param="continue_final_message")
         if self.messages is not None and any(m.num_images for m in self.messages):
-            raise api.APIError("image parts are not supported by /tokenize here", param="messages")
+            raise APIError("image parts are not supported by /tokenize here", param="messages")
         if (chars := sum(m.text_chars for m in self.messages or [])) > MAX_TOKENIZE_CHARS:
-            raise api.APIError(f"the messages have over {MAX_TOKENIZE_CHARS} characters ({chars})", param="messages")
+            raise APIError(f"the messages have over {MAX_TOKENIZE_CHARS} characters ({chars})", param="messages")
         where = api._invalid_unicode(self.model_dump(exclude_defaults=True), "request")
         if where is not None:
             where = where.removeprefix("request.")
-            raise api.APIError(f"{where}: text is not valid Unicode (a lone surrogate)",
+            raise APIError(f"{where}: text is not valid Unicode (a lone surrogate)",
                                param=where.split(".")[0].split("[")[0])
 
 
@@ -207,7 +208,7 @@ class Tokenizing:
     async def run(self, fn, *args):
         """``fn(*args)`` on a thread. Raises APIError 503 when too many wait."""
         if self.queued >= MAX_TOKENIZE_QUEUE:
-            raise api.APIError(f"the server is busy tokenizing {self.queued} requests; retry later",
+            raise APIError(f"the server is busy tokenizing {self.queued} requests; retry later",
                                status=503, type="service_unavailable")
         self.queued += 1
         try:
@@ -230,7 +231,7 @@ def install(app: FastAPI, router) -> None:
         try:
             ids = await work.run(tokenize, front.tokenizer, body)
         except ValueError as exc:
-            raise api.APIError(str(exc), param="messages") from None
+            raise APIError(str(exc), param="messages") from None
         strs = await work.run(front.tokenizer.convert_ids_to_tokens, ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": front.model.max_model_len, "tokens": ids, "token_strs": strs}
 

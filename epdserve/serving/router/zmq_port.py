@@ -25,6 +25,7 @@ from epdserve.serving import auth
 from epdserve.serving import protocol as P
 from epdserve.serving.router.events import WorkerFailed
 from epdserve.serving.router.registry import Registry
+from epdserve.transfer.sealing import AuthError, DropLog, Sealer
 
 log = logging.getLogger("epdserve.router")
 
@@ -45,7 +46,7 @@ class ZmqPort:
     def __init__(self, keyring: auth.Keyring):
         self.keyring = keyring
         self._ctx = zmq.Context()
-        self._socks: dict[str, tuple[zmq.Socket, auth.Sealer]] = {}
+        self._socks: dict[str, tuple[zmq.Socket, Sealer]] = {}
         self._monitors: dict[str, list] = {}  # worker id -> [its socket's monitor, connected yet]
 
     def connect(self, worker_id: str, addr: str, incarnation: str) -> None:
@@ -135,7 +136,7 @@ class EventsLoop:
         self.keyring = keyring
         self.addr = addr
         self._opener = keyring.opener("events")
-        self._drops = auth.DropLog(log, "dropped a frame on the events socket")
+        self._drops = DropLog(log, "dropped a frame on the events socket")
         self._actx = zmq.asyncio.Context()
         self._pull: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
@@ -205,7 +206,7 @@ class EventsLoop:
         """Check one frame's tag, parse it and act on it; a frame that fails is dropped."""
         try:
             msg = P.decode(self._opener.open(frame))
-        except auth.AuthError as exc:
+        except AuthError as exc:
             self._drops(f"it failed authentication: {exc}")
             return
         except P.ProtocolError as exc:

@@ -1,7 +1,7 @@
 """The elastic controller's input: one :class:`Sample` of the router's signals,
 with its JSON form (the ``sample`` of a trace's ``elastic_sample`` line) checked field by
 field on the way back in, so a replayed trace is either read exactly or refused with the
-key and value at fault. The policy that reads them: :mod:`epdserve.serving.elastic_policy`.
+key and value at fault. The policy that reads them: :mod:`epdserve.serving.elastic.policy`.
 Stdlib only (and the role names of :mod:`epdserve.serving.deployment`)."""
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 with the environment the launcher gives them, killed by the kernel if the launcher dies
 (``PR_SET_PDEATHSIG``), restarted after a backoff when they exit (1 s, doubled while a
 worker keeps dying within a minute, at most 30 s; not after EXIT_CONFIG), and stopped
-together. :class:`Children` is what :mod:`epdserve.serving.launcher` drives; on Ray,
-:class:`~epdserve.serving.ray_cluster.RayWorkers` plays its part."""
+together. :class:`Children` is what :mod:`epdserve.serving.launch.launcher` drives; on Ray,
+:class:`~epdserve.serving.launch.ray_cluster.RayWorkers` plays its part."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Children:
     them after a backoff; :meth:`stop` (idempotent) terminates them, then kills whatever is
     still alive after ``grace_s`` seconds. ``env`` is added to each worker's environment.
     :meth:`launch`, :meth:`ids`, :meth:`exits` and :meth:`stop` are what ``serve`` uses,
-    as of :class:`~epdserve.serving.ray_cluster.RayWorkers`."""
+    as of :class:`~epdserve.serving.launch.ray_cluster.RayWorkers`."""
 
     restart_note = "restarting it"
 

@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from epdserve.serving.deployment import natural_order
-# The sample types live with their JSON form; re-exported (noqa: F401): they are this policy's input.
-from epdserve.serving.elastic_samples import ROLES, Sample, WorkerSignal  # noqa: F401
+from epdserve.serving.elastic.samples import Sample
 
 
 @dataclass(frozen=True)

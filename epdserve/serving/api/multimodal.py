@@ -22,7 +22,7 @@ process-wide budget of decoded bytes in flight (:attr:`MediaOptions.max_decoding
 503 after waiting :attr:`MediaOptions.decode_wait_s` for it), drops each image's pixels
 as soon as it is checked, and hands freed memory back to the OS (glibc ``malloc_trim``).
 
-Every failure raises :class:`~epdserve.serving.openai_api.APIError` whose ``param`` names
+Every failure raises :class:`~epdserve.serving.api.openai.APIError` whose ``param`` names
 the offending field, e.g. ``messages[0].content[1].image_url``: 400 for a bad input, 413
 for a request over the decode budget, 503 when the process-wide budget stays full.
 """
@@ -42,15 +42,14 @@ from urllib.parse import unquote, urlsplit
 
 from PIL import Image
 
-# ImageInput is re-exported (noqa: F401): callers import it from here.
-from epdserve.model.image_processor import (FAKE_TOKEN, GLOBAL_TOKEN, IMAGE_TOKEN, MAX_GRID,  # noqa: F401
+from epdserve.model.image_processor import (FAKE_TOKEN, GLOBAL_TOKEN, IMAGE_TOKEN, MAX_GRID,
                                             MAX_IMAGE_BYTES, ImageError, ImageInput, ImageProcessor, decoded_bytes,
                                             load_pixels, open_image, reduce_for_check)
 from epdserve.model.tokenizer import chat_prompt_text
 from epdserve.model.vision import VisionConfig, read_config
-from epdserve.serving.openai_api import APIError
 from epdserve.serving.protocol import ImageRef
 from epdserve.transfer.embedding import KIND
+from epdserve.serving.api.errors import APIError
 
 DEFAULT_MAX_IMAGES = 8
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")

@@ -23,7 +23,7 @@ import logging
 
 from pydantic import BaseModel
 
-from epdserve.serving.api_errors import APIError
+from epdserve.serving.api.errors import APIError
 
 log = logging.getLogger("epdserve.api")
 

@@ -32,7 +32,7 @@ Ray); one that exits with status 2 (bad option, model, or refused by the router)
 restarted.
 
 With ``--cluster ray`` the workers are Ray actors on an existing Ray cluster instead
-(:mod:`epdserve.serving.ray_cluster`: placement by per-role resources, restarts by Ray, the
+(:mod:`epdserve.serving.launch.ray_cluster`: placement by per-role resources, restarts by Ray, the
 events socket on TCP at the driver's node IP); everything else here (options, router,
 readiness, stop on every exit path) is shared.
 
@@ -66,10 +66,11 @@ import uvicorn
 from epdserve import host
 from epdserve.argtypes import float_above, int_at_least
 from epdserve.model.loader import ModelLoadError
-from epdserve.serving import auth, flags, ray_cluster
-from epdserve.serving.children import Children
-from epdserve.serving.deployment import DeploymentSpec, Placement, plan_workers  # noqa: F401 (plan_workers: tests)
-from epdserve.serving.http_guard import uvicorn_config
+from epdserve.serving import auth, flags
+from epdserve.serving.launch import ray_cluster
+from epdserve.serving.launch.children import Children
+from epdserve.serving.deployment import DeploymentSpec, Placement
+from epdserve.serving.router.http_guard import uvicorn_config
 from epdserve.serving.router import (SYNTHETIC_VISION_NOTE, Router, add_router_options, build_router, create_app,
                                      setup_logging)
 

@@ -30,7 +30,7 @@ from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from epdserve.argtypes import float_above, int_at_least
-from epdserve.serving.openai_api import error_body
+from epdserve.serving.api.errors import error_body
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 60.0

@@ -1,7 +1,7 @@
 """Tool calls out of a choice's text: OpenAI chat ``delta`` dicts, streamed or merged.
 
 Each parser (:class:`HermesOutput` for "auto", :class:`RequiredOutput`,
-:class:`NamedOutput`; :meth:`epdserve.serving.tool_calls.ToolPlan.output` picks one) turns
+:class:`NamedOutput`; :meth:`epdserve.serving.api.tool_calls.ToolPlan.output` picks one) turns
 the text, piece by piece, into ``{"content"}`` and ``{"tool_calls": [{"index", ...}]}``
 deltas and a final ``finish_reason`` ("tool_calls" when the model chose to call and
 stopped by itself); a non-streamed message is those deltas merged
@@ -21,7 +21,7 @@ import jsonschema
 import referencing.exceptions
 
 if TYPE_CHECKING:  # annotations only: tool_calls builds these parsers
-    from epdserve.serving.tool_calls import FunctionDef
+    from epdserve.serving.api.tool_calls import FunctionDef
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the Hermes format's markers
 

@@ -11,11 +11,11 @@ that prefills a prompt with images gets their embeddings from encode workers (EP
 given the image bytes, encodes them itself first (colocated, PD), blocking its loop as a
 vision encoder inside an engine does. A request's KV (decode) or image embeddings (EPD)
 held by a peer are fetched on a small thread pool, off the loop, so a slow or silent peer
-delays only that request (:mod:`epdserve.serving.fetch`). The role is this layer's: the
+delays only that request (:mod:`epdserve.serving.worker.fetch`). The role is this layer's: the
 engine is role-free, and the worker asks it per request for what its role needs (a
 prefill worker's requests hold their prompt's KV for export; only a decode worker's
 requests bring KV). An encode worker runs
-:class:`~epdserve.serving.encode_worker.EncodeWorker` instead. The same command runs
+:class:`~epdserve.serving.worker.encode_worker.EncodeWorker` instead. The same command runs
 alone on another host, so a launcher, Ray or Kubernetes can place it.
 
 Every frame it sends is sealed, and every command it receives checked, with keys derived
@@ -57,18 +57,17 @@ from epdserve.model.image_processor import ImageError
 from epdserve.model.loader import ModelLoadError
 from epdserve.serving import auth
 from epdserve.serving import protocol as P
-from epdserve.serving.encode_worker import EncodeWorker, handle_control, image_inputs
-# FETCH_THREADS and fetch_embeddings are re-exported (noqa: F401): callers import them from here.
-from epdserve.serving.fetch import FETCH_THREADS, Fetch, Fetcher, fetch_embeddings  # noqa: F401
-from epdserve.serving.grammar_prep import GrammarPrep, Prepared
 from epdserve.serving.handshake import auth_tag, model_fingerprint
-# add_arguments is re-exported (noqa: F401): `epdserve worker` and Ray's actors take the options from here.
-from epdserve.serving.worker_setup import ROLES, add_arguments, load, node_identity  # noqa: F401
-# HEARTBEAT_INTERVAL_S, heartbeat and receive_commands are re-exported (noqa: F401).
-from epdserve.serving.worker_threads import (HEARTBEAT_INTERVAL_S, IDLE_WAIT_S, heartbeat,  # noqa: F401
-                                             receive_commands, serve)
+from epdserve.serving.worker.control import handle_control
+from epdserve.serving.worker.encode_worker import EncodeWorker, image_inputs
+from epdserve.serving.worker.fetch import Fetch, Fetcher
+from epdserve.serving.worker.grammar_prep import GrammarPrep, Prepared
+# add_arguments is the `epdserve worker` command's (epdserve/cli.py): its options live with the set-up.
+from epdserve.serving.worker.setup import ROLES, add_arguments, load, node_identity
+from epdserve.serving.worker.threads import IDLE_WAIT_S, serve
 from epdserve.transfer import handoff, tcp
 from epdserve.trace import StageTimings
+from epdserve.transfer.sealing import NO_AUTH, Sealer
 
 log = logging.getLogger("epdserve.worker")
 STATS_INTERVAL_S = 0.5
@@ -90,13 +89,13 @@ class Worker:
     """The command/step/publish loop around one :class:`LLMEngine` of a worker of ``role``
     (one of :data:`ROLES`); commands come from ``inbox`` as ``(message, arrival)`` pairs
     put there by :func:`receive_commands`, finished fetches as ``(Fetch, time)`` pairs
-    put there by the fetch threads (:class:`~epdserve.serving.fetch.Fetcher`), and guided
+    put there by the fetch threads (:class:`~epdserve.serving.worker.fetch.Fetcher`), and guided
     requests whose grammar is compiled as ``(Prepared, time)`` (:class:`GrammarPrep`). The
     exporter's table (``exporter.table``) holds this worker's live exports. ``run`` sets ``sealer`` (seals events),
     ``incarnation`` and ``hello`` (what a Reset is answered with, see
-    ``encode_worker.handle_control``)."""
+    ``control.handle_control``)."""
 
-    sealer: auth.Sealer = auth.NO_AUTH.sealer("events")
+    sealer: Sealer = NO_AUTH.sealer("events")
     incarnation: str = ""
     hello: P.Hello | None = None
 
@@ -205,7 +204,7 @@ class Worker:
         or, when its KV or its images' embeddings lie with a peer, start fetching them on a
         fetch thread and return at once (:meth:`fetched` queues it when they are here).
         A guided request's grammar is compiled first, off the loop, unless ``compiled``
-        (see :mod:`~epdserve.serving.grammar_prep`). A request that cannot be queued gets
+        (see :mod:`~epdserve.serving.worker.grammar_prep`). A request that cannot be queued gets
         a ``P.Error``."""
         if msg.request_id in self.fetching or msg.request_id in self.grammars.pending:
             self.fail(msg.request_id, f"duplicate request id {msg.request_id!r}")
@@ -322,7 +321,7 @@ class Worker:
         the bytes that came with the request (``encode_queue_ms`` from ``arrival``,
         ``encode_ms``). Runs on the loop and blocks it while it encodes, by design: a
         vision encoder inside an engine does (EPD moves it to encode workers, whose
-        embeddings are fetched off the loop by :func:`fetch_embeddings`).
+        embeddings are fetched off the loop by :func:`~epdserve.serving.worker.fetch.fetch_embeddings`).
 
         Raises:
             ValueError: images without bytes, or a model without a vision tower.

@@ -2,7 +2,7 @@
 
 The router runs in the driver (the ``serve`` process, connected with ``ray.init(address=
 --ray-address)``); every worker is one Ray actor (:class:`WorkerActor`) that runs the same
-entry point as ``epdserve worker`` (:func:`epdserve.serving.worker.run`) in the actor's own
+entry point as ``epdserve worker`` (:func:`epdserve.serving.worker.engine_worker.run`) in the actor's own
 process, so the actor's process dying is the worker dying. Per role, its workers'
 resources (``--prefill-resources CPU=1,prefill_node=1``; colocated: ``--worker-resources``)
 form the bundles of one Ray placement group with that role's strategy
@@ -141,7 +141,7 @@ class WorkerActor:
     def run(self) -> int:
         """The worker's loop until it is told to shut down: its exit status (0; 2: a bad
         option or model, or refused by the router)."""
-        from epdserve.serving import worker
+        from epdserve.serving.worker import engine_worker as worker
 
         parser = argparse.ArgumentParser(prog="epdserve worker")
         worker.add_arguments(parser)

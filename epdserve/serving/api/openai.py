@@ -12,8 +12,8 @@ Only what the router serves: ``/v1/chat/completions`` (text messages) and
 ``chat_template_kwargs``; ``logit_bias`` (OpenAI) and ``min_p`` (vLLM); structured output:
 OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guided_json`` /
 ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and ``structured_outputs`` (one
-constraint per request; see ``epdserve/serving/structured_output.py``); tools (chat: see
-``epdserve/serving/tool_calls.py``). Other fields: see :mod:`epdserve.serving.api_fields`
+constraint per request; see ``epdserve/serving/api/structured_output.py``); tools (chat: see
+``epdserve/serving/api/tool_calls.py``). Other fields: see :mod:`epdserve.serving.api.fields`
 (accepted without effect, refused with a 400 naming them, or logged as unknown).
 
 Every per-request cost has a bound, so that one request cannot hold the router: at most
@@ -41,11 +41,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from epdserve.engine.request import MAX_LOGPROBS
-# The errors are re-exported (noqa: F401): the serving modules take them from here.
-from epdserve.serving.api_errors import (MAX_JSON_VALUES, APIError, BoundedJSONRoute, error_body,  # noqa: F401
-                                         field_error, install_error_handlers)
-from epdserve.serving.structured_output import GuidedFields
-from epdserve.serving.tool_calls import ToolMessageFields, ToolRequestFields
+from epdserve.serving.api.errors import field_error
+from epdserve.serving.api.structured_output import GuidedFields
+from epdserve.serving.api.tool_calls import ToolMessageFields, ToolRequestFields
 
 MAX_N = 16  # choices per request; the router runs each as its own engine request
 MAX_STOP_STRINGS = 64  # each is matched against every new piece of text of every choice
@@ -106,7 +104,7 @@ class TextPart(_Req):
 
 class ImagePart(_Req):
     """An image content part; ``image_url`` is checked in full by
-    ``epdserve.serving.multimodal.parse_chat_images`` (400 naming the part)."""
+    ``epdserve.serving.api.multimodal.parse_chat_images`` (400 naming the part)."""
 
     type: Literal["image_url"]
     image_url: dict | str

@@ -1,7 +1,7 @@
 """The elastic controller's scaling policy: whether to add an engine
 worker, retire one, or hold, within ``[min_workers, max_workers]`` (``serve --elastic
 --max-workers N``; the starting workers are the minimum). A pure function of the signal
-samples, as :func:`epdserve.serving.elastic_policy.decide` (whose :class:`Sample` and
+samples, as :func:`epdserve.serving.elastic.policy.decide` (whose :class:`Sample` and
 :func:`measure` it reads): stdlib only, no clock and no router state, so recorded sample
 sequences drive it in tests (tests/test_elastic_scaling.py).
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from epdserve.serving.deployment import natural_order
-from epdserve.serving.elastic_policy import Sample, measure, settled
+from epdserve.serving.elastic.policy import Sample, measure, settled
 
 
 @dataclass(frozen=True)

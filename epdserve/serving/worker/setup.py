@@ -1,7 +1,7 @@
 """An engine worker's process set-up (``epdserve worker``): its options, the engine settings
 they give, the cores it is pinned to, where it runs (for its Hello), and what its role
 loads (the model, the vision encoder, the engine and its shared KV pool). The loop itself
-is :mod:`epdserve.serving.worker`."""
+is :mod:`epdserve.serving.worker.engine_worker`."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import torch
 
 from epdserve.argtypes import float_above
 from epdserve.engine.encoder import EncodeEngine
-from epdserve.engine.engine import DTYPES, EngineConfig
+from epdserve.engine.engine import DTYPES, EngineConfig, LLMEngine
 from epdserve.model.loader import auto_dtype, resolve_model
 from epdserve.serving import auth, flags
 from epdserve.serving.deployment import ENGINE_ROLES
-from epdserve.transfer import handoff
+from epdserve.transfer import cuda_ipc, shm
 
 log = logging.getLogger("epdserve.worker")
 ROLES = ENGINE_ROLES  # an encode worker runs EncodeWorker
@@ -83,7 +83,7 @@ def pin_to_cores(spec: str | None) -> list[int]:
 def node_identity() -> dict:
     """Where this worker runs, for its Hello: ``node_id``, ``node_ip`` and ``resources``
     from ``$EPDSERVE_NODE_ID`` / ``$EPDSERVE_NODE_IP`` / ``$EPDSERVE_NODE_RESOURCES`` (JSON),
-    which a Ray actor sets (``epdserve.serving.ray_cluster``); else the host name, "" and {};
+    which a Ray actor sets (``epdserve.serving.launch.ray_cluster``); else the host name, "" and {};
     and ``pid``, this process."""
     try:
         resources = json.loads(os.environ.get("EPDSERVE_NODE_RESOURCES") or "{}")
@@ -122,5 +122,33 @@ def load(args: argparse.Namespace):
         # (docs/gpu-handoff.md). Converted or layer-pipelined KV is staged as a frame instead.
         exports = args.role == "prefill" or args.elastic  # an elastic worker may become a prefill worker
         shared = exports and args.kv_transfer_dtype == "none" and not args.kv_layer_pipeline
-        engine, kv_pool = handoff.new_engine(str(info.path), engine_config(args), shared)
+        engine, kv_pool = new_engine(str(info.path), engine_config(args), shared)
     return cores, info, encoder, engine, kv_pool
+
+
+def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_backend: cuda_ipc.IpcBackend | None = None
+               ) -> tuple[LLMEngine, shm.KVPool | cuda_ipc.DevicePool | None]:
+    """An engine and, with ``shared_pool``, the pool its KV cache lives in (for an
+    :class:`Exporter` that hands blocks over without copying them): a
+    :class:`~epdserve.transfer.shm.KVPool` for a cache in host memory, a
+    :class:`~epdserve.transfer.cuda_ipc.DevicePool` for one on a GPU (or on the CPU with a
+    test's ``ipc_backend``, e.g. :class:`~epdserve.transfer.cuda_ipc.FakeBackend`). The
+    pool's file is deleted by :meth:`Exporter.close` or, failing that, at interpreter exit.
+
+    Raises:
+        as :class:`LLMEngine`; ``OSError`` when /dev/shm cannot hold the pool (or its
+        tags); :class:`~epdserve.transfer.cuda_ipc.IpcError` when a GPU cache cannot be
+        shared.
+    """
+    if not shared_pool:
+        return LLMEngine(model_dir, config), None
+    pools: list[shm.KVPool | cuda_ipc.DevicePool] = []
+
+    def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if ipc_backend is not None or device.type == "cuda":
+            pools.append(cuda_ipc.DevicePool(shape, dtype, device, ipc_backend))
+        else:
+            pools.append(shm.KVPool(shape, dtype))
+        return pools[-1].kv
+
+    return LLMEngine(model_dir, config, kv_allocator=allocate), pools[0]

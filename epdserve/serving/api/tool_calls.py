@@ -14,7 +14,7 @@ against the server's :class:`ToolSettings` and gives the :class:`ToolPlan` that 
   (at least one) or the named function's ``parameters`` object, and becomes ``tool_calls``
   directly (:class:`RequiredOutput`, :class:`NamedOutput`).
 
-The parsers of the output are in :mod:`epdserve.serving.tool_parsers`.
+The parsers of the output are in :mod:`epdserve.serving.api.tool_parsers`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from epdserve.engine.request import MAX_GUIDED_CHARS, GuidedSpec
-from epdserve.serving.structured_output import FieldError
-from epdserve.serving.tool_parsers import HermesOutput, NamedOutput, RequiredOutput, ToolOutput
+from epdserve.serving.api.structured_output import FieldError
+from epdserve.serving.api.tool_parsers import HermesOutput, NamedOutput, RequiredOutput, ToolOutput
 
 MAX_TOOLS = 128  # OpenAI's limit on tools per request
 MAX_CALLS = 1024  # calls in one assistant message (each is rendered into the prompt)

@@ -1,6 +1,6 @@
 """The encode worker of EPD (``epdserve worker --role encode``): images in, embeddings out.
 
-Same sockets, threads and handshake as an engine worker (:mod:`epdserve.serving.worker`),
+Same sockets, threads and handshake as an engine worker (:mod:`epdserve.serving.worker.engine_worker`),
 but its loop serves :class:`~epdserve.serving.protocol.Encode` commands with an
 :class:`~epdserve.engine.encoder.EncodeEngine`: every step takes all the requests that
 have arrived and encodes their images together (one vision batch, cached images
@@ -22,42 +22,19 @@ import zmq
 
 from epdserve.engine.encoder import EncodeEngine
 from epdserve.model.image_processor import ImageError
-from epdserve.serving import auth
 from epdserve.serving import protocol as P
-from epdserve.serving.multimodal import ImageInput
+from epdserve.model.image_processor import ImageInput
+from epdserve.serving.worker.control import handle_control
 from epdserve.transfer import embedding, shm, tcp
 from epdserve.transfer.exports import ExportTable
 from epdserve.transfer.handoff import host_id
 from epdserve.transfer.wire import WireError
 from epdserve.trace import StageTimings
+from epdserve.transfer.sealing import NO_AUTH, Sealer
 
 log = logging.getLogger("epdserve.encode_worker")
 STATS_INTERVAL_S = 0.5
 IDLE_WAIT_S = 0.1
-
-
-def handle_control(worker, msg) -> None:
-    """What every worker loop does with Shutdown (stop), Refused (stop with exit code 2),
-    Reset (``worker.reset()``, then say Hello again) and any message it does not expect
-    (log it); ``worker`` has ``running``, ``exit_code``, ``worker_id``, ``incarnation``,
-    ``hello``, ``reset()`` and ``send()``. A Refused or Reset for another incarnation is
-    ignored: it answers a Hello of another process that named this worker's address."""
-    if isinstance(msg, P.Shutdown):
-        worker.running = False
-    elif isinstance(msg, (P.Refused, P.Reset)) and msg.incarnation != worker.incarnation:
-        log.warning("%s: ignored a %s meant for another process (incarnation %r)", worker.worker_id, msg.type,
-                    msg.incarnation[:16])
-    elif isinstance(msg, P.Refused):
-        log.error("%s: the router refused this worker: %s", worker.worker_id, msg.reason)
-        print(f"epdserve worker: refused by the router: {msg.reason}", flush=True)
-        worker.running, worker.exit_code = False, 2
-    elif isinstance(msg, P.Reset):
-        dropped = worker.reset()
-        log.warning("%s: the router took this worker for down and hears it again: dropped %s; saying hello again",
-                    worker.worker_id, dropped)
-        worker.send(worker.hello)
-    else:
-        log.warning("%s: unexpected %s message", worker.worker_id, msg.type)
 
 
 def image_inputs(images: list[P.ImageRef]) -> list[ImageInput]:
@@ -84,7 +61,7 @@ class EncodeWorker:
     unread frame is kept. ``run`` sets ``sealer`` (seals events), ``incarnation`` and
     ``hello`` (what a Reset is answered with)."""
 
-    sealer: auth.Sealer = auth.NO_AUTH.sealer("events")
+    sealer: Sealer = NO_AUTH.sealer("events")
     incarnation: str = ""
     hello: P.Hello | None = None
 

@@ -12,6 +12,7 @@ import zmq
 
 from epdserve.serving import auth
 from epdserve.serving import protocol as P
+from epdserve.transfer.sealing import AuthError, DropLog, NO_AUTH, Opener
 
 log = logging.getLogger("epdserve.worker")
 HEARTBEAT_INTERVAL_S = 0.5
@@ -19,15 +20,15 @@ IDLE_WAIT_S = 0.1  # how long an idle worker waits for a command before its hous
 
 
 def receive_commands(cmd: zmq.Socket, inbox: queue.Queue, worker_id: str, stop: threading.Event,
-                     opener: auth.Opener | None = None) -> None:
+                     opener: Opener | None = None) -> None:
     """Thread body: move each command from ``cmd`` into ``inbox`` as ``(message,
     time.perf_counter() at receipt)`` until ``stop`` is set. Stamping on a thread of its own
     counts the time a request waits while the engine is in a long step as queue time, not
     as an unexplained gap; the engine itself stays single-threaded. ``opener`` checks each
     frame's tag first (``auth``; None: no token); frames that fail it or are not epdserve
     messages are logged (rate-limited) and dropped."""
-    opener = opener or auth.NO_AUTH.opener("commands")
-    drops = auth.DropLog(log, f"{worker_id}: dropped a command frame")
+    opener = opener or NO_AUTH.opener("commands")
+    drops = DropLog(log, f"{worker_id}: dropped a command frame")
     while not stop.is_set():
         if not cmd.poll(IDLE_WAIT_S * 1000):
             continue
@@ -35,14 +36,14 @@ def receive_commands(cmd: zmq.Socket, inbox: queue.Queue, worker_id: str, stop: 
         arrival = time.perf_counter()
         try:
             inbox.put((P.decode(opener.open(frame)), arrival))
-        except auth.AuthError as exc:
+        except AuthError as exc:
             drops(f"it failed authentication: {exc}")
         except P.ProtocolError as exc:
             drops(f"it is not an epdserve message: {exc}")
 
 
 def heartbeat(ctx: zmq.Context, router: str, worker_id: str, stop: threading.Event,
-              keyring: auth.Keyring = auth.NO_AUTH, incarnation: str = "0" * 16) -> None:
+              keyring: auth.Keyring = NO_AUTH, incarnation: str = "0" * 16) -> None:
     """Thread body: send Heartbeat every HEARTBEAT_INTERVAL_S until ``stop`` is set. Its own
     socket (ZeroMQ sockets are not thread-safe), and torch releases the GIL in long engine
     steps, so a worker busy for seconds still shows it is alive. Each beat is sealed anew
