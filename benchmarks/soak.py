@@ -6,7 +6,7 @@ Load: streamed completions arriving as a Poisson process at ``--rate`` requests/
 ``--abort-share`` of them is left by the client after 0-8 events. At 35% of the run
 ``prefill-0`` is killed with SIGKILL, at 65% ``decode-1``; the launcher restarts each.
 
-Goals (the hardening issue's):
+Goals:
 
 * **0 failed requests** other than those on a killed worker: a request that ends with an
   error event or a non-200 status fails; one whose error names the killed worker (the

@@ -1,14 +1,73 @@
-"""argparse value types shared by the sub-commands (each names the bad value), and
-``--config FILE``, options read from YAML (:func:`config_argv`)."""
+"""argparse value types shared by the sub-commands (each names the bad value), the one
+declaration of a flag that several commands take (:class:`Flag`), and ``--config FILE``,
+options read from YAML (:func:`config_argv`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from typing import Callable
 
 import yaml
+
+
+class Flag:
+    """One flag: its long name and ``argparse.add_argument``'s keywords."""
+
+    def __init__(self, name: str, **kwargs):
+        self.name, self.kwargs = name, kwargs
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+    def add(self, parser: argparse.ArgumentParser, passed: bool = False, **overrides) -> argparse.Action:
+        """Add it to ``parser`` (or an argument group); ``passed``: as serve takes a worker
+        flag (default None or False, help naming the worker's default). The action it
+        returns carries this declaration as ``action.flag``."""
+        kwargs = dict(self.kwargs, **overrides)
+        if passed:
+            if kwargs.get("action") != "store_true":
+                kwargs["help"] = (f"{kwargs.get('help', '')}; passed to each worker (default: "
+                                  f"{kwargs.get('default')})").lstrip("; ")
+                kwargs["default"] = None
+            else:
+                kwargs["help"] = f"{kwargs.get('help', '')}; passed to each worker".lstrip("; ")
+        action = parser.add_argument(self.name, **kwargs)
+        action.flag = self
+        return action
+
+    def argv(self, value) -> list[str]:
+        """The worker command-line words that give it ``value`` (None: not given)."""
+        action = self.kwargs.get("action")
+        if value is None or value is False and action == "store_true":
+            return []
+        if action == "store_true":
+            return [self.name]
+        if action is argparse.BooleanOptionalAction:
+            return [self.name if value else "--no-" + self.name.removeprefix("--")]
+        return [self.name, str(value)]
+
+
+def frozen_options(command: str, args: argparse.Namespace):
+    """``args`` as an instance of a frozen dataclass named after the command
+    (``ServeOptions`` for serve), one field per option: what a command parsed cannot be
+    changed afterwards (assigning raises ``dataclasses.FrozenInstanceError``); a value it
+    resolves goes into a copy (:func:`with_values`)."""
+    name = "".join(part.title() for part in command.split("-")) + "Options"
+    cls = dataclasses.make_dataclass(name, [(dest, object) for dest in vars(args)], frozen=True)
+    return cls(**vars(args))
+
+
+def with_values(args, **values):
+    """A copy of parsed options (:func:`frozen_options`, or a plain ``Namespace``) with
+    ``values`` (by dest) set: a command derives the options it resolves (a default that
+    depends on others, a generated token) without changing the ones it was given."""
+    if dataclasses.is_dataclass(args):
+        return dataclasses.replace(args, **values)
+    return argparse.Namespace(**{**vars(args), **values})
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

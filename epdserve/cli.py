@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from epdserve.argtypes import config_argv
+from epdserve.argtypes import config_argv, frozen_options
 
 COMMANDS = {
     "serve": ("epdserve.serving.launch.launcher", "start a router and its workers (colocated, PD or EPD)"),
@@ -46,4 +46,4 @@ def main(argv: list[str] | None = None) -> None:
                             help="YAML file of options (as vllm serve's --config): keys are the long option names "
                                  "without '--' ('-' or '_'), e.g. 'max-num-seqs: 8'; the command line wins")
         args = config_argv(parser, args)
-    sys.exit(module.run(parser.parse_args(args)))
+    sys.exit(module.run(frozen_options(argv[0], parser.parse_args(args))))

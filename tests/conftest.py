@@ -1,7 +1,11 @@
 """Shared fixtures: the model's tokenizer, and real deployments started with
 ``epdserve serve`` (session-scoped: a 1P1D one, a colocated one, and a 2P2D one with its
 events socket on TCP and an auth token, for the multi-worker and fault tests), each on a
-free port, stopped at the end of the session even when tests fail."""
+free port, stopped at the end of the session even when tests fail.
+
+Markers from what a test starts (:func:`pytest_collection_modifyitems`): ``server`` on a
+test that starts real server processes, ``cluster`` on one that starts a Ray cluster,
+through its fixtures or the helpers it calls."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,3 +241,51 @@ def xpyd_server(tmp_path_factory):
 def server(request):
     """Each test using it runs once against each deployment."""
     return request.getfixturevalue(f"{request.param}_server")
+
+
+# What starts real processes, by the name code calls it by: a deployment and its workers
+# (start_deployment; processes.launched for a deployment file's servers), a Ray node
+# (test_ray.RayNode). A test gets the marker when its function, a fixture it uses, or a
+# function of tests/ that one of them calls (at any depth) names one of these. Tests that
+# start processes some other way carry the marker themselves.
+STARTERS = {"server": {"start_deployment", "launched"}, "cluster": {"RayNode"}}
+# Fixtures that start one by a name only known when they run (request.getfixturevalue).
+STARTING_FIXTURES = {"server": {"server"}, "cluster": set()}
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names ``code`` and the functions defined in it use."""
+    out = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out |= _names(const)
+    return out
+
+
+def _calls(fn, starters: set[str], seen: set) -> bool:
+    """Whether ``fn`` names one of ``starters``, itself or through the functions of tests/ it names."""
+    fn = getattr(fn, "__func__", fn)
+    if not isinstance(fn, types.FunctionType) or fn in seen:
+        return False
+    seen.add(fn)
+    names = _names(fn.__code__)
+    if names & starters:
+        return True
+    return any(isinstance(helper := fn.__globals__.get(name), types.FunctionType)
+               and Path(helper.__code__.co_filename).resolve().parent == TESTS_DIR
+               and _calls(helper, starters, seen) for name in names)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by them
+def pytest_collection_modifyitems(items):
+    """Add ``server`` and ``cluster`` to the tests that start them (see :data:`STARTERS`)."""
+    for item in items:
+        fixturedefs = getattr(item, "_fixtureinfo", None)
+        fixturedefs = fixturedefs.name2fixturedefs if fixturedefs else {}
+        functions = [getattr(item, "function", None)]
+        functions += [d.func for defs in fixturedefs.values() for d in defs]
+        for marker, starters in STARTERS.items():
+            if (STARTING_FIXTURES[marker] & set(getattr(item, "fixturenames", ()))
+                    or any(_calls(fn, starters, set()) for fn in functions)):
+                item.add_marker(marker)

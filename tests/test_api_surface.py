@@ -47,6 +47,8 @@ from epdserve.serving.router.choices import Choice, best_choices
 from epdserve.serving.router.routes import Completions
 from epdserve.serving.api.errors import APIError
 
+pytestmark = pytest.mark.api
+
 TOL = 1e-4
 TEXTS = ["The capital of France is Paris, and the capital of Italy is",
          "Water boils at a temperature of one hundred degrees",

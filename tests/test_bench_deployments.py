@@ -27,6 +27,8 @@ from epdserve.bench.deployments import Deployment, DeploymentFileError
 from test_bench_client import req
 from test_bench_compare import free_port, group_alive
 
+pytestmark = pytest.mark.interop
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples" / "deployments").glob("*.toml"))
 STUB = [sys.executable, str(Path(__file__).with_name("test_bench_client.py"))]
@@ -328,6 +330,7 @@ def test_epdserve_args_are_checked_as_serve_will(tmp_path):
     assert errors == ["[e] args: not epdserve serve options: --no-such-flag"]
 
 
+@pytest.mark.server
 def test_a_deployment_killed_mid_run_counts_its_failures_and_the_next_one_runs(tmp_path):
     """An ``epdserve serve`` started as a processes entry is SIGKILLed by the test during
     the trace: the requests after it fail (counted), the entry says which process died
@@ -443,6 +446,7 @@ def llama_server() -> argparse.Namespace:
     return argparse.Namespace(binary=binary, runtime_flags=build.runtime_flags())
 
 
+@pytest.mark.server
 def test_llama_server_and_epdserve_colocated_on_the_same_trace(tmp_path, llama_server, model_info,
                                                                 monkeypatch):
     monkeypatch.setenv("LLAMA_SERVER", str(llama_server.binary))

@@ -181,6 +181,7 @@ def server_means(records: list[dict]) -> dict[str, float]:
             "TPOT": sum(r["decode_ms"] / (r["output_tokens"] - 1) for r in records) / len(records)}
 
 
+@pytest.mark.slow
 def test_aiperf_pd_agrees_with_bench(pd_one_core, model_info, tmp_path):
     """AIPerf's streaming chat run against 1P1D completes with no error, and its TTFT and
     ITL means agree with epdserve bench's on the same load and server within AGREEMENT (the

@@ -13,6 +13,8 @@ import pytest
 from epdserve.bench import compare
 from epdserve.serving.deployment import NAME_FORMS, DeploymentSpec
 
+pytestmark = pytest.mark.elastic
+
 ELASTIC = ["--elastic", "--mode", "colocated", "--workers"]
 
 

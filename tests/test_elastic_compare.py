@@ -27,6 +27,8 @@ import pytest
 
 from epdserve.bench import compare, metrics, plots, processes, report, server_trace
 
+pytestmark = pytest.mark.elastic
+
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE.parent / "benchmarks" / "elastic.py"
 ELASTIC_STUB = [sys.executable, str(Path(__file__).resolve())]

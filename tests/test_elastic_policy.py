@@ -22,6 +22,8 @@ from hypothesis import given, settings, strategies as st
 from epdserve.serving.elastic.policy import PolicyConfig, PolicyState, Sample, decide, window
 from epdserve.serving.elastic.samples import WorkerSignal
 
+pytestmark = pytest.mark.elastic
+
 
 CFG = PolicyConfig(slo_ttft_ms=2000.0, slo_tpot_ms=150.0)
 INTERVAL = 2.0

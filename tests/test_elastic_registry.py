@@ -25,6 +25,8 @@ from epdserve.serving.router.registry import Compat, Registry
 from epdserve.serving.router.signals import SignalRecorder
 from test_router_flows import KV, Reader, Setup, hello, run
 
+pytestmark = pytest.mark.elastic
+
 
 class ElasticSetup(Setup):
     """An elastic registry (started colocated) with workers ``w0``, ``w1``; ``lines``: the
@@ -86,8 +88,9 @@ def test_a_switch_routes_at_once_and_is_announced_by_the_worker():
                       ("w0", "switching", "prefill", "colocated"), ("w0", "switched", "prefill", "colocated")]
     assert s.lines[2]["reason"] == s.lines[3]["reason"] == "because" and s.lines[3]["drain_ms"] == 12.5
     metrics = s.registry.metrics.render().decode()
-    assert 'epdserve:worker_role{model_name="epdserve",role="prefill",worker="w0"} 1.0' in metrics
-    assert 'epdserve:role_switches_total{from_role="colocated",model_name="epdserve",to_role="prefill",worker="w0"} 1.0' in metrics
+    assert 'epdserve:worker_role{engine="w0",model_name="epdserve",role="prefill",worker="w0"} 1.0' in metrics
+    assert ('epdserve:role_switches_total{engine="w0",from_role="colocated",model_name="epdserve",'
+            'to_role="prefill",worker="w0"} 1.0') in metrics
     s.registry.set_role("w0", "prefill")  # already: nothing sent
     assert len(s.port.of("w0", P.SetRole)) == 1
     for bad in [("w9", "decode"), ("w0", "encode")]:
@@ -126,7 +129,7 @@ def test_a_switch_moves_the_workers_gauges_to_its_new_role():
     assert not [line for line in metrics.splitlines() if 'role="colocated",worker="w0"' in line
                 and line.startswith(gauges)]  # counters stay: what it did in that role
     s.registry.on_message(stats("w0", blocks=3, running=1), s.clock())
-    assert 'epdserve:kv_blocks_in_use{model_name="epdserve",role="decode",worker="w0"} 3.0' in \
+    assert 'epdserve:kv_blocks_in_use{engine="w0",model_name="epdserve",role="decode",worker="w0"} 3.0' in \
         s.registry.metrics.render().decode()
     s.registry.set_role("w0", "colocated", "back")  # before the first switch was announced
     s.switched("w0")  # colocated -> colocated: announced, not counted
@@ -304,9 +307,9 @@ def test_the_workforce_adds_within_max_and_retires_once_a_worker_holds_nothing()
     assert "w2" not in s.registry.workers and len(s.port.of("w2", P.Shutdown)) == 1 and scaler.removed == ["w2"]
     assert [(line["worker"], line["state"]) for line in s.lines[-2:]] == [("w2", "retiring"), ("w2", "removed")]
     metrics = s.registry.metrics.render().decode()
-    assert 'epdserve:workers{model_name="epdserve",state="live"} 2.0' in metrics
-    assert 'epdserve:worker_scale_total{direction="in",model_name="epdserve"} 1.0' in metrics
-    assert 'epdserve:worker_scale_total{direction="out",model_name="epdserve"} 1.0' in metrics
+    assert 'epdserve:workers{engine="router",model_name="epdserve",state="live"} 2.0' in metrics
+    assert 'epdserve:worker_scale_total{direction="in",engine="router",model_name="epdserve"} 1.0' in metrics
+    assert 'epdserve:worker_scale_total{direction="out",engine="router",model_name="epdserve"} 1.0' in metrics
     # One never up within the startup timeout is given up and its resources freed.
     assert force.add("colocated", "test") == "w3"
     s.clock.advance(61.0)

@@ -16,6 +16,8 @@ import pytest
 from epdserve.plan.elastic_replay import read_samples, replay
 from epdserve.serving.elastic.policy import PolicyConfig, PolicyState, decide
 
+pytestmark = pytest.mark.elastic
+
 RECORDED = Path(__file__).parent / "data" / "elastic" / "shift_2workers.jsonl"
 CFG = PolicyConfig(slo_ttft_ms=2000.0, slo_tpot_ms=150.0)
 EPOCH = 1.8e9  # the recording's time.time() at the router's monotonic t = 0

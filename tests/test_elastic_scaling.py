@@ -17,6 +17,8 @@ from epdserve.serving.elastic.policy import Sample
 from epdserve.serving.elastic.scaling import ScalingConfig, ScalingState, decide_scale
 from epdserve.serving.elastic.samples import WorkerSignal
 
+pytestmark = pytest.mark.elastic
+
 CFG = ScalingConfig(min_workers=2, max_workers=4, slo_ttft_ms=2000.0, slo_tpot_ms=200.0)
 INTERVAL = 2.0
 SLOTS = 4  # sequences a worker runs at once in the model

@@ -24,6 +24,8 @@ import pytest
 
 from conftest import _stop, cli_exit, start_deployment
 
+pytestmark = pytest.mark.elastic
+
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
            "def fibonacci(n):", "The three primary colors are"]
 MAX_TOKENS = 24
@@ -137,15 +139,17 @@ def test_switches_in_every_direction_under_a_steady_stream(elastic):
     total = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                 if line.startswith("epdserve:role_switches_total{"))
     assert total == 6, total
-    assert 'epdserve:worker_role{model_name=' in metrics
+    role_lines = re.findall(r'^epdserve:worker_role\{engine="([\w-]+)",model_name="[^"]*",role="\w+",'
+                            r'worker="([\w-]+)"\} ', metrics, re.M)
+    assert role_lines and all(engine == worker for engine, worker in role_lines), role_lines
     assert "epdserve:role_switch_drain_seconds_count" in metrics
     # A worker's gauges live under its role now only: an old role's last values would read as
     # blocks held forever.
     roles = {wid: w["role"] for wid, w in _workers(dep).items()}
-    gauges = {(m["worker"], m["role"], float(m["value"])) for m in re.finditer(
-        r'^epdserve:kv_blocks_in_use\{model_name="[^"]*",role="(?P<role>\w+)",worker="(?P<worker>[\w-]+)"\} '
-        r'(?P<value>\S+)$', metrics, re.M)}
-    assert gauges == {(wid, role, 0.0) for wid, role in roles.items()}, gauges
+    gauges = {(m["engine"], m["worker"], m["role"], float(m["value"])) for m in re.finditer(
+        r'^epdserve:kv_blocks_in_use\{engine="(?P<engine>[\w-]+)",model_name="[^"]*",role="(?P<role>\w+)",'
+        r'worker="(?P<worker>[\w-]+)"\} (?P<value>\S+)$', metrics, re.M)}
+    assert gauges == {(wid, wid, role, 0.0) for wid, role in roles.items()}, gauges
 
 
 def test_bad_role_requests(elastic):

@@ -22,6 +22,8 @@ from epdserve.serving.worker.setup import new_engine
 from epdserve.transfer import handoff
 from epdserve.transfer.loopback import first_output
 
+pytestmark = pytest.mark.elastic
+
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 _inproc = itertools.count()

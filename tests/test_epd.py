@@ -33,6 +33,8 @@ from epdserve.serving import protocol as P
 from epdserve.model.image_processor import ImageInput
 from epdserve.transfer import embedding, shm, tcp
 
+pytestmark = pytest.mark.epd
+
 QUESTION = "Describe the picture in one sentence."
 
 

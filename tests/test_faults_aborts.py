@@ -13,8 +13,11 @@ import random
 import time
 
 import httpx
+import pytest
 
 from test_serving_cleanup import wait_all_free
+
+pytestmark = pytest.mark.faults
 
 N_ABORTS = int(os.environ.get("EPDSERVE_TEST_ABORTS", "100"))
 CONCURRENCY = 12

@@ -18,12 +18,15 @@ import sys
 import time
 
 import httpx
+import pytest
 import zmq
 
 from conftest import AUTH_TOKEN
 from epdserve.serving import protocol as P
 from epdserve.serving.auth import Keyring
 from epdserve.serving.router.zmq_port import ZmqPort
+
+pytestmark = pytest.mark.faults
 
 
 class Exploit:
@@ -120,7 +123,8 @@ def test_incompatible_workers_refused(xpyd_server, model_info, tmp_path):
     assert "rogue-auth" not in {w["worker_id"] for w in dep.health()["workers"]}
     log = dep.log_tail(10**7)
     assert all(f"refused worker {wid}" in log for wid in answered)
-    assert re.search(r'^epdserve:worker_up\{model_name="[^"]+",role="decode",worker="rogue-layout"\} 0\.0$',
+    assert re.search(r'^epdserve:worker_up\{engine="rogue-layout",model_name="[^"]+",role="decode",'
+                     r'worker="rogue-layout"\} 0\.0$',
                      httpx.get(dep.url + "/metrics").text, re.M)
     for _ in range(4):  # with two live decode workers, none of these may land on a refused one
         assert_serves(dep)

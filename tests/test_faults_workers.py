@@ -20,8 +20,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from test_serving_cleanup import wait_all_free
+
+pytestmark = pytest.mark.faults
 
 RESTART_TIMEOUT_S = 120
 

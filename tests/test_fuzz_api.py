@@ -1,4 +1,4 @@
-"""API fuzz suite of the hardening issue: hypothesis-made requests against the OpenAI
+"""API fuzz suite: hypothesis-made requests against the OpenAI
 routes of real deployments (colocated and 1P1D), while another user's stream runs.
 
 Cases (at least :data:`MIN_CASES` per deployment, counted and printed): a fixed corpus of
@@ -45,6 +45,8 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from test_faults_workers import Stream, wait_for
 from test_serving_cleanup import wait_all_free
+
+pytestmark = [pytest.mark.fuzz, pytest.mark.slow]
 
 MIN_CASES = 1000
 # A valid request's max_tokens, mostly small (every token costs the 2 shared cores), some

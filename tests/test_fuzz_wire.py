@@ -23,6 +23,7 @@ import time
 
 import httpx
 import msgpack
+import pytest
 import zmq
 
 from conftest import AUTH_TOKEN
@@ -31,6 +32,8 @@ from test_faults_workers import Stream, all_up, wait_for
 from test_serving_cleanup import wait_all_free
 
 from epdserve.serving.auth import Keyring
+
+pytestmark = pytest.mark.fuzz
 
 SEED = 20261201
 EVENT_FRAMES = 800

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 TIMEOUT_S = 900
@@ -33,6 +35,7 @@ def run_smoke(output: Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
+@pytest.mark.server
 def test_gpu_check_smoke_writes_every_section(tmp_path):
     output = tmp_path / "gpu_check.json"
     proc = run_smoke(output)

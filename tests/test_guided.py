@@ -27,6 +27,8 @@ from epdserve.serving import protocol as P
 from epdserve.serving.api.structured_output import FieldError
 from epdserve.serving.api.errors import APIError
 
+pytestmark = pytest.mark.api
+
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 20},
                          "age": {"type": "integer", "minimum": 0, "maximum": 150},

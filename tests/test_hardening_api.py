@@ -1,4 +1,4 @@
-"""One request may not hold the router or leak: reproductions of the hardening issue's API
+"""One request may not hold the router or leak: reproductions of API
 findings, each against real deployments (colocated and 1P1D), plus the HTTP limits on a
 real uvicorn server in-process.
 
@@ -26,6 +26,8 @@ from fastapi import FastAPI, Request
 from epdserve.serving.router.http_guard import uvicorn_config
 from test_faults_workers import Stream, wait_for
 from epdserve.serving.api.errors import install_error_handlers
+
+pytestmark = pytest.mark.faults
 
 BIG_PROMPT = "lorem ipsum dolor sit amet " * 400_000  # ~10.8 MB
 

@@ -49,6 +49,8 @@ from epdserve.transfer import shm, tcp
 from epdserve.transfer.wire import TensorHeader, TensorSpec, WireError
 from epdserve.transfer.sealing import AuthError
 
+pytestmark = pytest.mark.faults
+
 PROMPT = "Once upon a time, in a land far away,"
 MARKER = "request-id-readable-on-the-wire"
 

@@ -21,6 +21,8 @@ from test_multimodal_inputs import PNG, chat, data_url
 from test_vision import encoded, gradient, png_chunk
 from epdserve.serving.api.errors import APIError
 
+pytestmark = pytest.mark.faults
+
 PARAM = "messages[0].content[0].image_url"
 
 

@@ -23,6 +23,8 @@ from epdserve.serving.worker.setup import new_engine
 from epdserve.transfer import handoff, tcp
 from epdserve.transfer.loopback import first_output, generate_pd
 
+pytestmark = pytest.mark.faults
+
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 SAMPLING = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 STUCK_TIMEOUT_S = 4.0  # the decode worker's --kv-transfer-timeout in the stuck-peer test
@@ -115,7 +117,7 @@ def _fetch_threads() -> list[threading.Thread]:
 
 
 def test_a_stuck_kv_peer_does_not_stall_other_streams(engines, tokenizer):
-    """The issue's probe: one request streams on the decode worker when two hand-offs
+    """The stuck-peer probe: one request streams on the decode worker when two hand-offs
     arrive whose peer never answers (KV, and image embeddings). The stream's inter-token
     gaps stay far below the fetch timeout; each stuck request ends with its own Error
     after the timeout; nothing stays held."""

@@ -21,6 +21,8 @@ from epdserve.serving.launch import launcher
 from epdserve.serving.worker import engine_worker as worker
 from epdserve.serving.deployment import plan_workers
 
+pytestmark = pytest.mark.faults
+
 SERVE = [sys.executable, "-m", "epdserve", "serve", "--host", "127.0.0.1"]
 
 

@@ -21,6 +21,8 @@ from epdserve.engine.request import SamplingParams, Sequence
 from epdserve.engine.sampler import sample
 from epdserve.model.loader import resolve_model
 
+pytestmark = pytest.mark.faults
+
 INT64_MIN, INT64_MAX, INT32_MAX = -2**63, 2**63 - 1, 2**31 - 1
 
 # Values that validation accepts and that crashed the step (temperature 1.0 is the

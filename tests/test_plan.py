@@ -27,6 +27,8 @@ from epdserve.transfer import embedding
 from epdserve.bench.arrivals import retime
 from epdserve.plan.serving_fit import contention_ratio, decode_gaps, fit_prefill, fit_serving, prefill_steps
 
+pytestmark = pytest.mark.plan
+
 COLOCATED = Deployment("colocated", (WorkerSpec("colocated"),))
 PD = Deployment("1p1d", (WorkerSpec("prefill"), WorkerSpec("decode")))
 EPD = Deployment("1e1p1d", (WorkerSpec("encode"), WorkerSpec("prefill"), WorkerSpec("decode")))

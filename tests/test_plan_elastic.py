@@ -18,6 +18,8 @@ from epdserve.plan.simulate import Deployment, EngineLimits, Simulation, WorkerS
 
 from conftest import cli_exit
 
+pytestmark = pytest.mark.elastic
+
 SLOS = {"ttft": 10000.0, "tpot": 250.0}
 BLOCK = 16
 KV_TOKENS = 64 * 1024  # per worker: room for every request below, so none waits for blocks

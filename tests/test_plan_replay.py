@@ -18,6 +18,8 @@ from epdserve.plan import run as plan_run
 from epdserve.plan.costmodel import LinearStep, Link, Platform
 from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, simulate
 
+pytestmark = pytest.mark.plan
+
 COLOCATED = Deployment("colocated", (WorkerSpec("colocated"),))
 COLOCATED_2 = Deployment("colocated-2", (WorkerSpec("colocated"), WorkerSpec("colocated")))
 
@@ -124,7 +126,7 @@ CPU_LIKE = (12.0, 2.0, 0.25, 0.001, 0.0)
 
 
 def test_a_short_trace_plans_like_a_long_one_of_the_same_shape():
-    # Issue 16's example on a small, fast setting: 100-300 tokens in, 50-100 out, SLOs
+    # The short-trace example on a small, fast setting: 100-300 tokens in, 50-100 out, SLOs
     # TTFT 2 s and TPOT 150 ms, colocated-2. Sent once, 20 requests look far better than
     # 300; replayed until steady (a copy of the 20 repeats them to 300 Poisson arrivals,
     # as many as the 300 get), the two agree within 15 %.

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.plan
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "plan_vs_sweep.py"
 
 

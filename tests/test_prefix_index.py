@@ -217,7 +217,7 @@ def test_the_decision_reaches_the_trace_and_metrics(routing):
     text = metrics.render().decode()
     believed = ("false", "true") if routing == "prefix-aware" else ("none", "none")
     for hit, bel in zip(("false", "true"), believed):
-        line = (f'epdserve:routed_requests_total{{believed="{bel}",hit="{hit}",model_name="m",'
+        line = (f'epdserve:routed_requests_total{{believed="{bel}",engine="router",hit="{hit}",model_name="m",'
                 f'policy="{routing}"}} 1.0')
         assert line in text
 

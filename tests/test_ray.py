@@ -36,6 +36,8 @@ from test_serving_cleanup import wait_all_free
 from epdserve.bench import deployments, server_trace
 from epdserve.serving.launch.ray_cluster import parse_resources
 
+pytestmark = pytest.mark.cluster
+
 RAY = str(Path(sys.executable).with_name("ray"))
 RESTART_TIMEOUT_S = 120
 PROMPT = "The lighthouse keeper climbed the spiral stairs every evening at dusk, and"
@@ -146,7 +148,7 @@ def test_one_node_pd_hands_kv_over_shared_memory(ray_head, tmp_path):
         assert prefill["resources"] == {"CPU": 1.0} and decode["state"] == "up"
         assert prefill["addr"].startswith(f"tcp://{prefill['node_ip']}:")
         metrics = httpx.get(dep.url + "/metrics", timeout=10).text
-        assert (f'epdserve:worker_node_info{{model_name="{dep.openai().models.list().data[0].id}",'
+        assert (f'epdserve:worker_node_info{{engine="decode-0",model_name="{dep.openai().models.list().data[0].id}",'
                 f'node="{decode["node_id"]}",node_ip="{decode["node_ip"]}",role="decode",worker="decode-0"}} 1.0'
                 in metrics)
     finally:

@@ -32,6 +32,8 @@ from conftest import _stop, free_port
 from test_elastic_serve import PROMPTS, Stream, _complete, _events, _switch, _wait, _workers
 from test_ray import RayNode, cluster_status, ray_deployment, wait_for
 
+pytestmark = pytest.mark.elastic
+
 
 @pytest.fixture(scope="module")
 def ray_head():
@@ -128,7 +130,7 @@ def test_switch_kill_add_and_retire_on_ray(elastic_ray, ray_head):
           "every KV block free", 30)
     wait_for(lambda: " 2.0/6.0 CPU" in cluster_status(ray_head), 60, "worker-2's actor and placement group gone")
     metrics = httpx.get(dep.url + "/metrics", timeout=10).text
-    assert 'epdserve:workers{model_name="' in metrics and 'state="live"} 2.0' in metrics
+    assert 'epdserve:workers{engine="router",model_name="' in metrics and 'state="live"} 2.0' in metrics
     for direction in ("in", "out"):
         assert any(line.startswith("epdserve:worker_scale_total{") and f'direction="{direction}"' in line
                    and line.endswith(" 1.0") for line in metrics.splitlines()), direction

@@ -607,7 +607,7 @@ def test_hello_is_accepted():
     assert not s.registry.ready()
     s.registry.on_message(hello("decode-0", "decode"), 0.0)
     assert s.registry.ready()
-    assert b'epdserve:worker_up{model_name="epdserve",role="prefill",worker="prefill-0"} 1.0' \
+    assert b'epdserve:worker_up{engine="prefill-0",model_name="epdserve",role="prefill",worker="prefill-0"} 1.0' \
         in s.registry.metrics.render()
 
 

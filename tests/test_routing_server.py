@@ -23,6 +23,8 @@ import pytest
 from conftest import _stop, start_deployment
 from epdserve.bench.datasets import shared_prefix
 
+pytestmark = pytest.mark.cluster
+
 PREFIXES, ROUNDS, PREFIX_TOKENS = 5, 3, 96  # 96 tokens: 6 blocks of 16
 CONCURRENCY = 2  # two requests in flight: least-loaded then alternates between the workers
 MAX_TOKENS = 2

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+ROUTER = {"engine": "router"}  # the labels of the series the router computes (not a worker's)
 
 
 def histograms(url: str) -> dict[tuple[str, tuple], tuple[float, float]]:
@@ -64,7 +65,7 @@ def test_stage_histograms_match_the_trace(pd_server):
 
     def check(name: str, labels: dict, key: str, scale: float = 1000.0) -> None:
         values = [r[key] for r in recs if r.get(key) is not None]
-        count, total = hist[(name, tuple(sorted(labels.items())))]
+        count, total = hist[(name, tuple(sorted({**ROUTER, **labels}.items())))]
         assert count == len(values), name
         assert total == pytest.approx(sum(values) / scale, rel=1e-6, abs=1e-9), name
 
@@ -77,12 +78,12 @@ def test_stage_histograms_match_the_trace(pd_server):
     check("epdserve:e2e_request_latency_seconds", {}, "e2e_ms")
     check("epdserve:kv_transfer_seconds", {}, "kv_transfer_ms")
     handoffs = [r["kv_bytes"] for r in recs if "kv_transfer_ms" in r]
-    assert hist[("epdserve:kv_transfer_bytes", ())] == (len(handoffs), sum(handoffs))
+    assert hist[("epdserve:kv_transfer_bytes", tuple(ROUTER.items()))] == (len(handoffs), sum(handoffs))
 
     # One inter-token gap per token after the first; TPOT once per request with two or more.
-    itl_count, itl_sum = hist[("epdserve:inter_token_latency_seconds", ())]
+    itl_count, itl_sum = hist[("epdserve:inter_token_latency_seconds", tuple(ROUTER.items()))]
     assert itl_count == sum(max(r["output_tokens"] - 1, 0) for r in recs)
-    tpot_count = hist[("epdserve:request_time_per_output_token_seconds", ())][0]
+    tpot_count = hist[("epdserve:request_time_per_output_token_seconds", tuple(ROUTER.items()))][0]
     assert tpot_count == sum(r["output_tokens"] > 1 for r in recs)
     # The gaps span first to last token: within TTFT and E2E.
     assert 0 < itl_sum <= sum(r["e2e_ms"] - r["ttft_ms"] for r in recs if r["ttft_ms"] is not None) / 1000

@@ -54,7 +54,8 @@ def test_models_health_metrics(server, model_info):
     metrics = httpx.get(server.url + "/metrics")
     assert metrics.status_code == 200
     for w in health.json()["workers"]:
-        labels = f'model_name="{model_info.name}",role="{w["role"]}",worker="{w["worker_id"]}"'
+        labels = (f'engine="{w["worker_id"]}",model_name="{model_info.name}",role="{w["role"]}",'
+                  f'worker="{w["worker_id"]}"')
         assert f"epdserve:kv_blocks_total{{{labels}}}" in metrics.text
     for name in ("epdserve:time_to_first_token_seconds_bucket", "epdserve:e2e_request_latency_seconds_bucket",
                  "epdserve:kv_transfer_seconds_bucket", "epdserve:kv_transfer_bytes_bucket",

@@ -43,6 +43,7 @@ def test_2p2d_matches_colocated_and_spreads(xpyd_server, colocated_server):
 
     metrics = httpx.get(xpyd_server.url + "/metrics").text
     for wid, w in workers.items():
-        labels = re.escape(f'role="{w["role"]}",worker="{wid}"}}')
-        assert re.search(rf'^epdserve:worker_up\{{model_name="[^"]+",{labels} 1\.0$', metrics, re.M)
-        assert re.search(rf'^epdserve:num_requests_running\{{model_name="[^"]+",{labels} \d', metrics, re.M)
+        engine, labels = re.escape(f'engine="{wid}"'), re.escape(f'role="{w["role"]}",worker="{wid}"}}')
+        assert re.search(rf'^epdserve:worker_up\{{{engine},model_name="[^"]+",{labels} 1\.0$', metrics, re.M)
+        assert re.search(rf'^epdserve:num_requests_running\{{{engine},model_name="[^"]+",{labels} \d', metrics,
+                         re.M)

@@ -23,6 +23,8 @@ from epdserve.serving.api.structured_output import FieldError
 from epdserve.serving.api.tool_calls import NamedToolChoice, ToolDef, ToolPlan, ToolSettings, plan_tools, tool_chars
 from epdserve.serving.api.tool_parsers import NamedOutput
 
+pytestmark = pytest.mark.api
+
 TEMPLATE = Path(__file__).resolve().parent.parent / "examples" / "templates" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather of a city",

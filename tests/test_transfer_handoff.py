@@ -237,6 +237,7 @@ def _wait_for_pool(proc, log_path) -> list:
     return list(shm.SHM_DIR.glob(f"epdserve-kvpool-{proc.pid}-*"))
 
 
+@pytest.mark.server
 def test_pool_file_goes_with_its_worker(tmp_path):
     proc, log_path = _start_prefill_worker(tmp_path)
     try:

@@ -189,6 +189,7 @@ def _reference_tokens(prompt_ids: list[int]) -> list[int]:
     return tokens
 
 
+@pytest.mark.server
 def test_decode_worker_on_another_host_gets_kv_over_tcp(two_hosts, tokenizer, tmp_path):
     ns1, ns2 = two_hosts
     py = sys.executable

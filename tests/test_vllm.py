@@ -26,6 +26,8 @@ from test_bench_compare import free_port
 from test_bench_deployments import compare_args, saved_trace, write
 from test_serving_equivalence import CASE_NAMES, MAX_TOKENS, _ids, _long_document, cases
 
+pytestmark = pytest.mark.interop
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_TOML = ROOT / "examples" / "deployments" / "vllm-cpu.toml"
 PORT = 8300  # the file's
@@ -221,6 +223,7 @@ def _decode_sources(url: str) -> dict[str, float]:
     return {labels["source"]: v for labels, v in scrape.samples["vllm:prompt_tokens_by_source_total"]}
 
 
+@pytest.mark.slow
 def test_vllm_1p1d_hands_the_kv_over_nixl(vllm_server, tokenizer, tmp_path):
     """vLLM's own 1P1D from ``vllm-cpu-1p1d.toml``: its greedy outputs equal the colocated
     vLLM's, the decode instance computes no prompt token (every one came over NIXL), and

@@ -62,7 +62,7 @@ import sys
 from pathlib import Path
 
 from epdserve import host
-from epdserve.argtypes import float_above
+from epdserve.argtypes import Flag, float_above, with_values
 from epdserve.bench import client, plots, recommend, repeats, report, rounds, server_metrics, sweep, workload
 from epdserve.bench.deployment_run import run_config
 from epdserve.bench.deployments import Deployment, DeploymentFileError, ModelVariables, from_config, load
@@ -71,6 +71,7 @@ from epdserve.bench.run import add_client_arguments, parse_rates, parse_share, w
 from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
 from epdserve.serving.deployment import NAME_HELP, DeploymentSpec
 from epdserve.bench.traces import describe
+from epdserve.serving import flags
 
 DEFAULT_CONFIGS = ["colocated", "pd"]  # without --configs and --deployments
 
@@ -101,20 +102,23 @@ def _port(text: str) -> int:
     return port
 
 
+# compare runs these deployments, plan simulates them (one declaration).
+CONFIGS_FLAG = Flag(
+    "--configs", type=parse_configs, default=None, metavar="NAMES",
+    help="epdserve deployments by name, in order: colocated, colocated-chunked, colocated-N (N replicas), pd, "
+         "XpYd (X prefill, Y decode workers), XeYpZd (EPD: X encode, Y prefill, Z decode workers), pd-localN, "
+         "elastic (2 workers that change role live, steering by the SLOs), elastic-N (N >= 2 such workers); "
+         "NAME-noprefix: prefix caching off. compare runs them (default colocated,pd unless --deployments is "
+         "given; the first is the baseline of the ratio column); plan simulates them as compare's launcher "
+         "places them on the --devices, with their scheduler settings (--max-num-seqs etc. do not apply), "
+         "instead of every candidate")
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """compare's options: the workload and client options of ``epdserve bench``, the
     deployments, output, ports and timeouts, and the goodput sweep."""
     workload.add_workload_arguments(parser, default="demo")
     add_client_arguments(parser)
-    parser.add_argument("--configs", type=parse_configs, default=None,
-                        help="epdserve deployments to compare, in order (default colocated,pd "
-                             "unless --deployments is given): colocated, colocated-chunked, "
-                             "colocated-N (N replicas), pd, XpYd (X prefill, Y decode workers), "
-                             "XeYpZd (EPD: X encode, Y prefill, Z decode workers), pd-localN, "
-                             "elastic (2 workers that change role live; started with --goodput's "
-                             "SLOs, or the default ones), elastic-N (N >= 2 such workers); "
-                             "NAME-noprefix: prefix caching off; the first is the baseline of "
-                             "the ratio column")
+    CONFIGS_FLAG.add(parser)
     parser.add_argument("--deployments", nargs="+", default=None, metavar="FILE",
                         help="TOML files of [[deployment]] entries (epdserve deployments, "
                              "processes to start, or base URLs of running servers; see "
@@ -131,9 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float_above(0), default=300.0, metavar="S",
                         help="seconds to wait for an epdserve deployment's /health == 200 "
                              "(default 300)")
-    parser.add_argument("--allow-oversubscription", action="store_true",
-                        help="run configurations whose workers' estimated memory exceeds the "
-                             "host's available memory (passed to epdserve serve)")
+    flags.ALLOW_OVERSUBSCRIPTION_FLAG.add(parser)
     parser.add_argument("--repeats", type=rounds.parse_repeats, default=rounds.AUTO, metavar="N|auto",
                         help="run every deployment N times, interleaved (A B A B ...: drift of "
                              "the machine hits each alike); the report gives each figure's "
@@ -202,7 +204,7 @@ def preflight(args: argparse.Namespace, available_bytes: int | None,
             errors.append(f"[{dep.name}] args: not epdserve serve options: {' '.join(unknown)}")
             continue
         try:
-            launcher.model_from_tag(opts)  # a MODEL among the entry's args, as serve takes it
+            opts = with_values(opts, model=launcher.model_from_tag(opts))  # a MODEL among the entry's args
         except ValueError as exc:
             errors.append(f"[{dep.name}] args: {exc}")
             continue
@@ -262,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         chosen = selected(args)
         requests, spec = workload.build_from_args(args, tokenizer_path=args.model)
         client.check_sendable(requests, args.endpoint)
-        args.model = server_model(args.model, requests)  # recorded in settings()
+        args = with_values(args, model=server_model(args.model, requests))  # recorded in settings()
         for dep in chosen:  # every variable set, before anything starts
             dep.resolved_processes(ModelVariables(args.model))
         warnings, errors = preflight(args, host.mem_available_bytes(), chosen)

@@ -62,6 +62,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
 from epdserve.model.loader import ModelInfo, resolve_model
 from epdserve.serving.deployment import DeploymentSpec
 from epdserve.serving.launch.ray_cluster import CLUSTERS, STRATEGIES, parse_resources
+from epdserve.serving.deployment import Mode
 
 KINDS = ("epdserve", "processes", "base_url")  # how a deployment starts: exactly one
 
@@ -143,7 +144,7 @@ class Deployment(_Strict):
     model: str | None = None
     metrics_urls: list[Url] | None = None
     resources: Resources | None = None
-    mode: Literal["colocated", "pd", "epd"] | None = None
+    mode: Mode | None = None
     cluster: Literal[CLUSTERS] | None = None
     ray_address: str | None = Field(None, min_length=1)
     ray_resources: dict[RayRole, str] | None = None

@@ -58,7 +58,8 @@ STAGE_INFO = {"queue": ("queue time", "ms"), "prefill": ("prefill time", "ms"),
 # llama.cpp vendored by llama-cpp-python 0.3.36 and tools/server/README.md "GET /metrics";
 # kv_cache_usage_ratio is in older READMEs only; no per-request histogram, no request counter.
 # epdserve: epdserve/serving/metrics.py: vLLM's names, buckets and meanings under epdserve: (with labels
-# model_name, and worker/role or stage); its vllm: names (--metrics-prefix vllm) read as vLLM's.
+# model_name, engine, and worker/role or stage; engine is the worker's id on a per-worker series,
+# "router" on the rest); its vllm: names (--metrics-prefix vllm) read as vLLM's.
 # vLLM's KV hand-off: the NixlConnector's series (kv_connector/v1/nixl/stats.py), observed
 # on the instance that pulls the KV (decode), one per transfer.
 _GAP = "gap between successive tokens"

@@ -2,7 +2,10 @@
 
 Each function takes the ``compare.json`` entries (``{"name", "result", ...}``) and reads
 only the raw per-request arrays of the bench result (seconds, see
-:mod:`epdserve.bench.metrics`), so they also work on results loaded from disk.
+:mod:`epdserve.bench.metrics`), so they also work on results loaded from disk. matplotlib
+(the ``plots`` extra) is imported by the drawing functions only, so the rest (the ITL
+stall count of every result) works without it; without it :func:`plot_all` warns once and
+draws nothing.
 """
 
 from __future__ import annotations
@@ -10,14 +13,18 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from epdserve import extras
+from epdserve.bench.metrics import STALL_MS  # also the default ITL SLO
+from epdserve.bench.server_trace import PART_ORDER
 
-from epdserve.bench.metrics import STALL_MS  # noqa: E402  (also the default ITL SLO)
-from epdserve.bench.server_trace import PART_ORDER  # noqa: E402
+
+def __getattr__(name: str):
+    """``plots.plt``: ``matplotlib.pyplot``, imported at first use (:func:`epdserve.extras.pyplot`)."""
+    if name == "plt":
+        return extras.pyplot()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _ok(result: dict) -> list[int]:
@@ -63,6 +70,7 @@ def _cdf(ax, values: np.ndarray, label: str) -> None:
 
 def plot_cdf(entries: list[dict], which: str, path: str | Path) -> None:
     """CDF of TTFT (``which`` = "ttft") or pooled ITL ("itl") per configuration."""
+    plt = extras.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     get = ttfts_ms if which == "ttft" else itls_ms
     for e in entries:
@@ -88,6 +96,7 @@ def plot_itl_over_time(entries: list[dict], long_offsets_s: list[float],
     and the stall threshold as a dotted horizontal one; under it, for each entry with a
     ``roles_timeline`` and a ``run_start_unix`` (an elastic deployment), a panel of its
     workers' roles over the same time axis (:func:`plot_roles`)."""
+    plt = extras.pyplot()
     elastic = [e for e in entries if e.get("roles_timeline") and e.get("run_start_unix") is not None]
     lanes = [len(e["roles_timeline"]) for e in elastic]
     heights = [0.9 + 0.35 * n for n in lanes]  # inches: a lane per worker, the legend's row
@@ -132,6 +141,7 @@ def plot_roles(ax, timeline: dict[str, list], origin_unix: float, name: str) -> 
     role_timeline`'s ``workers``: ``[start, end, role, state]`` in unix s) on ``ax``, at
     times since ``origin_unix`` (the run's start, the ITL plot's time 0, s), coloured by
     role (:data:`ROLE_COLOURS`), hatched while draining."""
+    plt = extras.pyplot()
     workers = sorted(timeline, reverse=True)  # the first worker on top
     for y, worker in enumerate(workers):
         for start, end, role, state in timeline[worker]:
@@ -151,6 +161,7 @@ def plot_stages(entries: list[dict], path: str | Path) -> None:
     """Stacked bars of the mean TTFT parts (ms) per configuration, and beside them the mean
     parts of the PD hand-off gap (token 1 -> 2) for configurations that have one; parts
     from each entry's ``breakdown`` (:func:`epdserve.bench.server_trace.breakdown`)."""
+    plt = extras.pyplot()
     panels = [(w, t, [e for e in entries if (e.get("breakdown") or {}).get(w)])
               for w, t in (("ttft", "TTFT"), ("handoff", "PD hand-off gap (token 1 → 2)"))]
     panels = [p for p in panels if p[2]] or [("ttft", "TTFT", [])]
@@ -191,6 +202,7 @@ def plot_goodput_vs_rate(entries: list[dict], path: str | Path) -> None:
     """Goodput (req/s within the SLOs) and SLO attainment against the offered request rate
     (req/s), one line per configuration with a ``sweep``
     (:func:`epdserve.bench.sweep.find_max_goodput_rate` result)."""
+    plt = extras.pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     target = None
     for e in entries:
@@ -222,7 +234,12 @@ def plot_all(entries: list[dict], long_offsets_s: list[float], out_dir: str | Pa
              phase_starts_s: list[float] = ()) -> list[Path]:
     """Write ttft_cdf.png, itl_cdf.png, itl_over_time.png (see :func:`plot_itl_over_time`),
     stages.png and, when an entry has a goodput sweep, goodput_vs_rate.png under
-    ``out_dir``; return their paths."""
+    ``out_dir``; return their paths (none, after one warning line, without matplotlib)."""
+    try:
+        extras.pyplot()
+    except extras.MissingExtra as exc:
+        extras.warn_skipped(exc)
+        return []
     out_dir = Path(out_dir)
     paths = [out_dir / "ttft_cdf.png", out_dir / "itl_cdf.png", out_dir / "itl_over_time.png",
              out_dir / "stages.png"]

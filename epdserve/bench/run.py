@@ -31,7 +31,7 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
-from epdserve.argtypes import float_above, float_at_least, slo_pair
+from epdserve.argtypes import float_above, float_at_least, slo_pair, with_values
 from epdserve.bench import client, metrics, sweep, workload
 from epdserve.bench.result_file import add_result_arguments, file_name, options_error
 from epdserve.bench.arrivals import retime
@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         requests, spec = workload.build_from_args(args)
         # As vLLM: on for the workloads whose output lengths are the point (and when asked).
-        args.ignore_eos = workload.sends_ignore_eos(args)
+        args = with_values(args, ignore_eos=workload.sends_ignore_eos(args))
         if args.sweep:
             result = run_sweep(args, requests, spec)
         else:
@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(sweep_table(result)))
         write_json(result, args.result_file)
         png = sweep.plot(result, Path(args.result_file).with_name("goodput_vs_rate.png"))
-        print(f"result written to {args.result_file}, plot to {png}")
+        print(f"result written to {args.result_file}" + (f", plot to {png}" if png else ""))
         return 0
     result["workload"] = spec
     print("\n".join(summary_lines(result)))

@@ -21,6 +21,8 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from epdserve import extras
+
 
 class SweepError(ValueError):
     """Bad sweep settings (rates, target, iterations); the message names the value."""
@@ -94,15 +96,16 @@ def find_max_goodput_rate(measure: Callable[[float], dict], target_share: float 
             "points": sorted(points, key=lambda p: p["rate"])}
 
 
-def plot(sweep: dict, path: str | Path) -> Path:
+def plot(sweep: dict, path: str | Path) -> Path | None:
     """Draw request throughput and goodput (req/s, left axis) and SLO attainment (right
     axis, with the target as a dashed line) against the offered rate; write a PNG to
-    ``path`` and return it. ``sweep`` is a :func:`find_max_goodput_rate` result."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    ``path`` and return it (None, after one warning line, without matplotlib). ``sweep`` is
+    a :func:`find_max_goodput_rate` result."""
+    try:
+        plt = extras.pyplot()
+    except extras.MissingExtra as exc:
+        extras.warn_skipped(exc)
+        return None
     pts = sweep["points"]
     rates = [p["rate"] for p in pts]
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -17,9 +17,6 @@ same trace, byte for byte. The parts live in their own modules:
   production traces (Mooncake JSON lines, Azure CSV) replayed with their arrivals, lengths
   and prefix sharing, fitted to a small model and machine (:func:`add_production_arguments`,
   :func:`production_requests`; ``epdserve plan`` can call both).
-
-Imports go one way: traces <- arrivals, prompts <- datasets, production_formats <-
-production <- workload.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ import math
 import sys
 from dataclasses import asdict
 
-from epdserve.argtypes import int_at_least
+from epdserve.argtypes import Flag, int_at_least
 from epdserve.bench import datasets, production
 from epdserve.bench.production_formats import read_production
 from epdserve.bench.prompts import LENGTH_DISTRIBUTIONS, load_tokenizer_for
@@ -174,6 +171,27 @@ TRACE_SET_OPTIONS = (("--input-len", "input_len"), ("--output-len", "output_len"
                      ("--ramp-up-end-rps", "ramp_up_end_rps"))
 
 
+# The workload flags plan takes too (one declaration each; plan's synthetic trace is uniform).
+INPUT_LEN_FLAG = Flag("--input-len", type=parse_range, default=None, metavar="MIN:MAX",
+                      help="prompt tokens, MIN:MAX or N (default: synthetic and plan 100:400, demo 50:250; "
+                           "plan: not with --trace)")
+OUTPUT_LEN_FLAG = Flag("--output-len", type=parse_range, default=None, metavar="MIN:MAX",
+                       help="output tokens, MIN:MAX or N (default: synthetic 64:128, demo 32:64, plan 32:128; "
+                            "sharegpt: the answer's length unless given; plan: not with --trace)")
+IMAGE_FLAGS = (
+    Flag("--images-per-request", type=nonnegative_int, default=0, metavar="N",
+         help="images attached to every request (default 0; needs a vision-language model, e.g. --model vlm, "
+              "and bench's --endpoint chat; plan: also SmolVLM-256M, and adds EPD candidates)"),
+    Flag("--image-size", type=parse_size, default=(448, 448), metavar="WxH",
+         help="pixel size of those images (default 448x448)"),
+    Flag("--image-repeat-share", type=parse_fraction, default=0.0, metavar="F",
+         help="share of requests that send the same images as an earlier request (embedding cache hits; "
+              "default 0: every image distinct)"),
+)
+SEED_FLAG = Flag("--seed", type=int, default=0,
+                 help="random seed of the generated trace: lengths, images and arrivals (plan: also of the "
+                      "arrivals of a trace sent all at once, re-timed to each rate; default 0)")
+
 def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "synthetic") -> None:
     """Add the workload options (generator, lengths, arrivals, images, seed, --trace,
     --save-trace)."""
@@ -201,11 +219,8 @@ def _add_generator_arguments(g, default: str) -> None:
     g.add_argument("--num-prompts", type=positive_int, default=None,
                    help="requests (default 50), chat requests (demo, default 24), or the "
                         "first N requests of the window (mooncake, azure; default all)")
-    g.add_argument("--input-len", type=parse_range, default=None, metavar="MIN:MAX",
-                   help="prompt tokens (synthetic default 100:400, demo 50:250; N = fixed)")
-    g.add_argument("--output-len", type=parse_range, default=None, metavar="MIN:MAX",
-                   help="output tokens (default 64:128, demo 32:64; sharegpt: the answer's "
-                        "length unless given)")
+    INPUT_LEN_FLAG.add(g)
+    OUTPUT_LEN_FLAG.add(g)
     g.add_argument("--length-dist", choices=LENGTH_DISTRIBUTIONS, default="uniform",
                    help="distribution of lengths over their MIN:MAX range: uniform (default), "
                         "normal (mean mid-range, std range/6) or lognormal (median "
@@ -285,15 +300,8 @@ def _add_source_arguments(g) -> None:
     g.add_argument("--dataset-path", default=None, metavar="FILE",
                    help="dataset file: " + "; ".join(f"{v} (--workload {k})"
                                                      for k, v in DATASET_FORMATS.items()))
-    g.add_argument("--images-per-request", type=nonnegative_int, default=0, metavar="N",
-                   help="images attached to every request (default 0; needs a server with "
-                        "vision support, e.g. --model vlm, and --endpoint chat)")
-    g.add_argument("--image-size", type=parse_size, default=(448, 448), metavar="WxH",
-                   help="pixel size of those images (default 448x448)")
-    g.add_argument("--image-repeat-share", type=parse_fraction, default=0.0, metavar="F",
-                   help="share of requests that send the same images as an earlier request "
-                        "(embedding cache hits; default 0: every image distinct)")
-    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    for flag in (*IMAGE_FLAGS, SEED_FLAG):
+        flag.add(g)
     g.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="model directory or GGUF whose tokenizer sizes the prompts "
                         "(default: the default model)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from epdserve import extras
 from epdserve.plan import replay
 from epdserve.plan.validation import VALIDATED
 
@@ -152,14 +153,16 @@ def _replay_note(mode: str) -> str:
             f"gives the copies at the goodput rate, then the next rate tried above it and why it failed.")
 
 
-def plot(curves: dict[str, list[dict]], target: float, path: Path) -> None:
+def plot(curves: dict[str, list[dict]], target: float, path: Path) -> bool:
     """``goodput.png``: the share of requests meeting the SLOs against the rate, per deployment
     (``curves``: each one's measured points, ``{"rate", "slo_attainment"}``, and
-    ``steady_state`` False where the queue kept growing: drawn as an x at 0)."""
-    import matplotlib  # only here: plotting is slow to import and only plan search draws
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    ``steady_state`` False where the queue kept growing: drawn as an x at 0). False, after one
+    warning line, without matplotlib (the ``plots`` extra)."""
+    try:
+        plt = extras.pyplot()  # only here: plotting is slow to import and only plan search draws
+    except extras.MissingExtra as exc:
+        extras.warn_skipped(exc)
+        return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, points in curves.items():
         if points:
@@ -177,3 +180,4 @@ def plot(curves: dict[str, list[dict]], target: float, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from epdserve.argtypes import float_above, int_at_least
+from epdserve.argtypes import float_above, int_at_least, with_values
 from epdserve.bench import metrics, production, production_formats, workload
-from epdserve.bench.compare import parse_configs
+from epdserve.bench.compare import CONFIGS_FLAG
 from epdserve.bench.datasets import with_images
 from epdserve.bench.run import parse_goodput
 from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
@@ -37,6 +37,7 @@ from epdserve.serving.elastic.policy import PolicyConfig
 from epdserve.plan.validation import (BANDED, VALIDATED, compare_deployment, compare_limits, distinct_dirs,
                                       has_images, validate)
 from epdserve.plan.serving_fit import SERVING_PERCENTILE, compare_runs, contention_ratio, decode_gaps, fit_prefill, fit_serving, gap_percentiles, prefill_steps
+from epdserve.serving import flags
 
 ACTIONS = ("search", "calibrate", "validate", "elastic-replay")
 REPLAYS = ("steady", "once")
@@ -69,16 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + " ".join(f"{k}:{v:g}" for k, v in metrics.DEFAULT_SLOS_MS.items()) + ")")
     parser.add_argument("--target", type=float, default=0.9,
                         help="share of requests that must meet every SLO (default 0.9)")
-    parser.add_argument("--max-num-seqs", type=workload.positive_int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=workload.positive_int, default=8192)
-    parser.add_argument("--enable-chunked-prefill", action="store_true")
+    for flag in flags.WORKER_FLAGS:  # the engine limits the simulated workers run with, as serve's
+        if flag.dest in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"):
+            flag.add(parser)
     parser.add_argument("--price-per-hour", type=float_above(0), default=None, help="USD per device-hour")
-    parser.add_argument("--configs", type=parse_configs, default=None, metavar="NAMES",
-                        help="simulate these `epdserve compare` configurations (e.g. colocated,colocated-2,pd), "
-                             "placed on the --devices as its launcher places them and with their scheduler "
-                             "settings (--max-num-seqs etc. do not apply), instead of every candidate; "
-                             "elastic or elastic-N: workers that change role live, the controller of "
-                             "`serve --elastic` in the loop, steering by --slo's ttft and tpot")
+    CONFIGS_FLAG.add(parser)
     parser.add_argument("--replay", choices=REPLAYS, default="steady",
                         help="steady (default): at each rate, replay the trace back to back until the queue is "
                              "steady and measure the steady copies; once: the trace once, as "
@@ -95,14 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="results/plan", metavar="DIR")
     parser.add_argument("--elastic-trace", default=None, metavar="FILE",
                         help="elastic-replay: the --trace-file of a `serve --elastic` router")
-    parser.add_argument("--elastic-window", type=float_above(0), default=20.0, metavar="S",
-                        help="elastic-replay and --configs elastic: as serve's (default 20)")
-    parser.add_argument("--elastic-min-dwell", type=float_above(0), default=30.0, metavar="S",
-                        help="elastic-replay and --configs elastic: as serve's (default 30)")
-    parser.add_argument("--elastic-interval", type=float_above(0), default=sim_elastic.DEFAULT_INTERVAL_S, metavar="S",
-                        help="--configs elastic: the simulated controller samples and decides every S "
-                             f"simulated seconds, as serve's (default {sim_elastic.DEFAULT_INTERVAL_S:g}; > 0)")
-
+    flags.add_elastic_flags(parser)
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The trace planned for: --trace (with the production-trace fitting options) or the
@@ -112,22 +101,12 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                              "(JSON lines), or a Mooncake (JSON lines) or Azure (CSV) production trace, "
                              "fitted by the production-trace options below (--num-requests N: its "
                              "first N requests)")
-    parser.add_argument("--input-len", type=workload.parse_range, default=None, metavar="MIN:MAX",
-                        help="prompt tokens, uniform (default 100:400; not with --trace)")
-    parser.add_argument("--output-len", type=workload.parse_range, default=None, metavar="MIN:MAX",
-                        help="output tokens, uniform (default 32:128; not with --trace)")
+    workload.INPUT_LEN_FLAG.add(parser)
+    workload.OUTPUT_LEN_FLAG.add(parser)
     parser.add_argument("--num-requests", type=workload.positive_int, default=None,
                         help="requests of the planned trace (default 300; not with --trace)")
-    parser.add_argument("--images-per-request", type=workload.nonnegative_int, default=0, metavar="N",
-                        help="images sent with every request (default 0; needs a vision-language model, "
-                             "e.g. --model vlm or SmolVLM-256M); adds EPD candidates")
-    parser.add_argument("--image-size", type=workload.parse_size, default=(448, 448), metavar="WxH",
-                        help="pixel size of those images (default 448x448)")
-    parser.add_argument("--image-repeat-share", type=workload.parse_fraction, default=0.0, metavar="F",
-                        help="share of requests that send the same images as an earlier one (default 0)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the planned trace's lengths and images, and of the arrivals of a trace "
-                             "sent all at once re-timed to each rate (default 0; as compare's --seed)")
+    for flag in (*workload.IMAGE_FLAGS, workload.SEED_FLAG):
+        flag.add(parser)
     parser.add_argument("--seeds", type=int_at_least(1), default=None, metavar="N",
                         help="arrival seeds: simulate each deployment on N arrival sequences of the same "
                              "requests, the Poisson arrivals of seeds --seed, --seed+1, ..., --seed+N-1, and "
@@ -165,7 +144,8 @@ SYNTHETIC_DEFAULTS = {"input_len": (100, 400), "output_len": (32, 128), "num_req
 
 
 def _requests(args) -> list[workload.Request]:
-    """The trace to plan for: ``--trace``, or uniform lengths sent at once (the search
+    """The trace to plan for: ``--trace``, or uniform lengths (:data:`SYNTHETIC_DEFAULTS`
+    resolved) sent at once (the search
     re-times them to each rate with seeded Poisson arrivals) with the images of
     ``--images-per-request`` as bench attaches them. No prompt text is needed."""
     if args.trace:
@@ -173,9 +153,6 @@ def _requests(args) -> list[workload.Request]:
     fitting = [f"--{k.replace('_', '-')}" for k in FIT_OPTIONS if getattr(args, k) is not None]
     if fitting:
         raise ValueError(f"{', '.join(fitting)}: fit a Mooncake or Azure trace, given by --trace")
-    for k, v in SYNTHETIC_DEFAULTS.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
     rng = np.random.default_rng(args.seed)
     (a, b), (c, d) = args.input_len, args.output_len
     requests = [workload.Request(0.0, "", int(rng.integers(c, d + 1)), "chat", int(rng.integers(a, b + 1)))
@@ -204,9 +181,9 @@ def _trace_requests(args) -> list[workload.Request]:
         if given:
             raise ValueError(f"--trace {args.trace} is a saved bench trace: {', '.join(given)} do not apply to it")
         return workload.load_trace(args.trace)
-    args.num_prompts = args.num_requests  # the fit's "first N requests"
-    requests, report_ = production.replay_trace(production_formats.read_production(args.trace, fmt),
-                                                workload.fit_from_args(args), None, args.seed)
+    fit = workload.fit_from_args(with_values(args, num_prompts=args.num_requests))  # "first N requests"
+    requests, report_ = production.replay_trace(production_formats.read_production(args.trace, fmt), fit, None,
+                                                args.seed)
     print("\n".join(production.replay_lines(report_)), file=sys.stderr)
     return requests
 
@@ -215,10 +192,13 @@ def _deployments(args, platform: Platform, requests: list[workload.Request]) -> 
     """The deployments to simulate, with their scheduler settings: ``--configs``, or every
     candidate of the device budget."""
     if args.configs:
-        elastic = sim_elastic.elastic_config(dict(args.slo), args.elastic_window, args.elastic_min_dwell,
-                                             args.elastic_interval)
+        window_s, interval_s, min_dwell_s = flags.elastic_settings(args)
+        elastic = sim_elastic.elastic_config(dict(args.slo), window_s, min_dwell_s, interval_s)
         return [(compare_deployment(name, args.devices, elastic), compare_limits(name)) for name in args.configs]
-    limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill)
+    # Without --max-num-batched-tokens a worker's step holds up to its context window; the
+    # simulation's default budget is that of the default model's (EngineLimits).
+    limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens or EngineLimits.max_num_batched_tokens,
+                          args.enable_chunked_prefill)
     return [(d, limits) for d in search.candidates(platform, args.devices, images=any(r.images for r in requests))]
 
 
@@ -233,6 +213,8 @@ def arrival_seeds(args, requests: list[workload.Request]) -> list[int]:
 
 def run_search(args) -> int:
     platform = _platform(args)
+    if not args.trace:  # the synthetic trace's lengths and size, resolved once (also for the report)
+        args = with_values(args, **{k: v for k, v in SYNTHETIC_DEFAULTS.items() if getattr(args, k) is None})
     requests, slos = _requests(args), dict(args.slo)
     seeds = arrival_seeds(args, requests)
     if args.seeds and len(seeds) < args.seeds:  # asked for, and not the default
@@ -269,9 +251,9 @@ def run_search(args) -> int:
     (out / "plan.json").write_text(json.dumps(doc, indent=1))
     text = report.markdown(doc)
     (out / "plan.md").write_text(text)
-    report.plot(curves, args.target, out / "goodput.png")
+    drawn = report.plot(curves, args.target, out / "goodput.png")
     print(text)
-    print(f"written: {out / 'plan.md'}, {out / 'plan.json'}, {out / 'goodput.png'}")
+    print(f"written: {out / 'plan.md'}, {out / 'plan.json'}" + (f", {out / 'goodput.png'}" if drawn else ""))
     return 0
 
 
@@ -410,9 +392,10 @@ def run_elastic_replay(args) -> int:
         print("epdserve plan elastic-replay: error: --elastic-trace FILE is required", file=sys.stderr)
         return 2
     slos = dict(args.slo)
+    window_s, _, min_dwell_s = flags.elastic_settings(args)
     config = PolicyConfig(slo_ttft_ms=slos.get("ttft", metrics.DEFAULT_SLOS_MS["ttft"]),
                           slo_tpot_ms=slos.get("tpot", metrics.DEFAULT_SLOS_MS["tpot"]),
-                          window_s=args.elastic_window, min_dwell_s=args.elastic_min_dwell)
+                          window_s=window_s, min_dwell_s=min_dwell_s)
     samples, restarts, recorded = elastic_replay.read_trace(args.elastic_trace)
     if not samples:
         print(f"epdserve plan elastic-replay: error: {args.elastic_trace} has no elastic_sample lines "

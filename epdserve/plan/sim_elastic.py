@@ -34,12 +34,11 @@ from epdserve.plan.sim_worker import Seq, Worker
 from epdserve.serving.deployment import ELASTIC_SLO_KEYS
 from epdserve.serving.elastic.policy import Decision, PolicyConfig, PolicyState, Sample, decide, window
 from epdserve.serving.elastic.samples import WorkerSignal
+from epdserve.serving.deployment import ELASTIC_INTERVAL_S, ELASTIC_MIN_DWELL_S, ELASTIC_WINDOW_S
 
 if TYPE_CHECKING:  # for annotations only: simulate imports this module
     from epdserve.plan.simulate import Simulation
 
-# serve's --elastic-interval default (s).
-DEFAULT_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -53,15 +52,15 @@ class ElasticConfig:
             controller that ticks; serve's 0, no controller, is a static deployment here).
     """
     policy: PolicyConfig
-    interval_s: float = DEFAULT_INTERVAL_S
+    interval_s: float = ELASTIC_INTERVAL_S
 
     def __post_init__(self):
         if not 0 < self.interval_s < float("inf"):
             raise ValueError(f"elastic interval {self.interval_s!r}: expected a number of seconds > 0")
 
 
-def elastic_config(slos_ms: dict[str, float], window_s: float = 20.0, min_dwell_s: float = 30.0,
-                   interval_s: float = DEFAULT_INTERVAL_S) -> ElasticConfig:
+def elastic_config(slos_ms: dict[str, float], window_s: float = ELASTIC_WINDOW_S, min_dwell_s: float = ELASTIC_MIN_DWELL_S,
+                   interval_s: float = ELASTIC_INTERVAL_S) -> ElasticConfig:
     """The controller ``serve --elastic`` runs with these flags: the policy steers by the
     ``ttft`` and ``tpot`` of ``slos_ms`` (ms; serve's ``--slo`` default, compare's default
     SLOs, for a missing one), over ``window_s``, with ``min_dwell_s``, every ``interval_s``.

@@ -65,8 +65,8 @@ from epdserve.plan.costmodel import Platform
 from epdserve.plan.sim_elastic import Controller, ElasticConfig, ElasticWorker
 from epdserve.plan.sim_worker import Devices, EncodeWorker, Seq, Worker, image_key, request_kv_blocks
 from epdserve.trace import RequestTrace
+from epdserve.serving.deployment import ROLES
 
-ROLES = ("colocated", "prefill", "decode", "encode")
 
 
 @dataclass(frozen=True)

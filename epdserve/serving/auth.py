@@ -75,11 +75,13 @@ import os
 from epdserve.transfer.sealing import ENCRYPTIONS, Keyring
 
 
-def add_arguments(parser: argparse.ArgumentParser, token_help: str) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--auth-token``, ``--allow-unauthenticated`` and ``--internal-encryption``, shared by
     ``worker``, ``router`` and ``serve`` (defaults from the environment, which is how
     ``serve`` hands them to its workers)."""
-    parser.add_argument("--auth-token", default=os.environ.get("EPDSERVE_AUTH_TOKEN") or None, help=token_help)
+    parser.add_argument("--auth-token", default=os.environ.get("EPDSERVE_AUTH_TOKEN") or None,
+                        help="shared secret that seals every frame between the router and its workers (default: "
+                             "$EPDSERVE_AUTH_TOKEN; serve generates a random one and hands it to its workers)")
     parser.add_argument("--allow-unauthenticated", action="store_true",
                         default=os.environ.get("EPDSERVE_ALLOW_UNAUTHENTICATED") == "1",
                         help="run without an auth token although a socket listens on TCP: anyone who can reach "
@@ -90,9 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser, token_help: str) -> None:
                              "auth token (needs one)")
 
 
-def options_error(args: argparse.Namespace, tcp_listeners: list[str]) -> str | None:
+def options_error(args, tcp_listeners: list[str]) -> str | None:
     """Why these options cannot run, or None: a TCP listener without a token (unless
-    ``--allow-unauthenticated``), or CURVE without a token or support."""
+    ``--allow-unauthenticated``), or CURVE without a token or support. ``args``: parsed
+    options or a config with the fields of :func:`add_arguments`'s flags."""
     if tcp_listeners and not args.auth_token and not args.allow_unauthenticated:
         return (f"listening on TCP ({', '.join(tcp_listeners)}) needs --auth-token (or $EPDSERVE_AUTH_TOKEN); "
                 f"--allow-unauthenticated lets anyone who can reach it in")
@@ -103,8 +106,8 @@ def options_error(args: argparse.Namespace, tcp_listeners: list[str]) -> str | N
     return None
 
 
-def keyring_from(args: argparse.Namespace) -> Keyring:
-    """The :class:`Keyring` of parsed options (check :func:`options_error` first).
+def keyring_from(args) -> Keyring:
+    """The :class:`Keyring` of parsed options or a config (check :func:`options_error` first).
 
     Raises:
         ValueError: as :class:`Keyring`.

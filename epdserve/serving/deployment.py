@@ -28,13 +28,29 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, replace
+from typing import Literal, get_args
 
-MODES = ("colocated", "pd", "epd")
-# The roles of an engine worker (an encode worker is not one), between which an elastic
-# worker switches.
-ENGINE_ROLES = ("colocated", "prefill", "decode")
+# A worker's role. An engine worker's (every role but encode) is the one an elastic worker
+# switches between.
+Role = Literal["colocated", "prefill", "decode", "encode"]
+EngineRole = Literal["colocated", "prefill", "decode"]
+Mode = Literal["colocated", "pd", "epd"]
+ROLES: tuple[str, ...] = get_args(Role)
+ENGINE_ROLES: tuple[str, ...] = get_args(EngineRole)
+MODES: tuple[str, ...] = get_args(Mode)
+# The roles a mode's deployment needs a live worker of.
+MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode"), "epd": ("encode", "prefill", "decode")}
+
 # The SLOs an elastic server's controller steers by (``serve --slo``); compare judges by more.
 ELASTIC_SLO_KEYS = ("ttft", "tpot")
+# Those SLOs without --slo: compare's defaults (bench.metrics.DEFAULT_SLOS_MS).
+ELASTIC_SLOS_MS = {"slo_ttft_ms": 2000.0, "slo_tpot_ms": 200.0}
+# The elastic controller's settings without their flags (s): the sliding window of signals a
+# decision reads, the time between decisions, and the least time between two changes. The
+# planner's simulated controller takes the same.
+ELASTIC_WINDOW_S = 20.0
+ELASTIC_INTERVAL_S = 2.0
+ELASTIC_MIN_DWELL_S = 30.0
 
 # Chunked prefill's token budget per step: a long prompt then stalls the decodes batched
 # with it by one 256-token step at a time instead of by its whole prefill.

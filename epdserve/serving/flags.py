@@ -9,6 +9,13 @@ starts any worker, exactly as ``epdserve worker`` would.
 * :data:`MODEL_FLAG`: ``--model``, taken by ``serve``, ``router`` and ``worker``.
 * :data:`ROUTER_FLAGS`: the OpenAI front's flags, taken by ``serve`` and ``router``, named
   as ``vllm serve`` names them.
+* the flags of several processes: ``--cores``, ``--events``, ``--allow-oversubscription``
+  (serve and compare), ``--elastic`` and the elastic controller's :data:`ELASTIC_FLAGS`
+  (serve and router run it, plan simulates it).
+
+The client commands' shared flags (bench, compare, plan) are declared in
+:mod:`epdserve.bench.workload`; ``tests/test_flags_once.py`` fails when one flag name has two
+defaults or two help texts in any two commands.
 
 Adding a flag is one line in the right table, e.g.
 ``Flag("--metrics-prefix", default="epdserve", help="...")`` in :data:`ROUTER_FLAGS`; its
@@ -20,9 +27,10 @@ from __future__ import annotations
 
 import argparse
 
-from epdserve.argtypes import int_at_least, tokens_at_least
+from epdserve.argtypes import Flag, float_above, int_at_least, tokens_at_least, zero_or_at_least
 from epdserve.engine.engine import DTYPES
 from epdserve.model.device import parse_device
+from epdserve.serving.deployment import ELASTIC_INTERVAL_S, ELASTIC_MIN_DWELL_S, ELASTIC_WINDOW_S
 from epdserve.transfer import handoff, kv_codec
 
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -38,41 +46,6 @@ def device_type(text: str) -> str:
         return parse_device(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-class Flag:
-    """One flag: its long name and ``argparse.add_argument``'s keywords."""
-
-    def __init__(self, name: str, **kwargs):
-        self.name, self.kwargs = name, kwargs
-
-    @property
-    def dest(self) -> str:
-        return self.name.removeprefix("--").replace("-", "_")
-
-    def add(self, parser: argparse.ArgumentParser, passed: bool = False, **overrides) -> None:
-        """Add it to ``parser``; ``passed``: as serve takes a worker flag (default None or
-        False, help naming the worker's default)."""
-        kwargs = dict(self.kwargs, **overrides)
-        if passed:
-            if kwargs.get("action") != "store_true":
-                kwargs["help"] = (f"{kwargs.get('help', '')}; passed to each worker (default: "
-                                  f"{kwargs.get('default')})").lstrip("; ")
-                kwargs["default"] = None
-            else:
-                kwargs["help"] = f"{kwargs.get('help', '')}; passed to each worker".lstrip("; ")
-        parser.add_argument(self.name, **kwargs)
-
-    def argv(self, value) -> list[str]:
-        """The worker command-line words that give it ``value`` (None: not given)."""
-        action = self.kwargs.get("action")
-        if value is None or value is False and action == "store_true":
-            return []
-        if action == "store_true":
-            return [self.name]
-        if action is argparse.BooleanOptionalAction:
-            return [self.name if value else "--no-" + self.name.removeprefix("--")]
-        return [self.name, str(value)]
 
 
 MODEL_FLAG = Flag("--model", default=None,
@@ -128,6 +101,57 @@ ROUTER_FLAGS = (
               "max_tokens) from generation_config.json: auto, the model's; vllm, none; or that of FOLDER "
               "(vLLM's); a request's own values win"),
 )
+
+
+CORES_FLAG = Flag("--cores", default=None, metavar="LIST",
+                  help="CPU cores, comma-separated, e.g. 0,1: serve splits them among its workers, a worker pins "
+                       "itself to them (default: every core this process may use)")
+EVENTS_FLAG = Flag("--events", default=None, metavar="ADDR",
+                   help="ZeroMQ address the router binds for its workers' events (a worker's --router). Default: "
+                        "router, tcp://127.0.0.1:5557; serve, ipc in a private directory (--cluster ray: tcp:// on "
+                        "this node's Ray IP, a free port); e.g. tcp://127.0.0.1:5557 lets other workers join")
+ALLOW_OVERSUBSCRIPTION_FLAG = Flag(
+    "--allow-oversubscription", action="store_true",
+    help="start workers whose estimated memory (model weights + --kv-cache-memory-mb each) exceeds the host's "
+         "available memory (compare: passed to each epdserve serve)")
+ELASTIC_FLAG = Flag("--elastic", action="store_true",
+                    help="workers switch role live (colocated, prefill, decode) as the load shifts (docs/elastic.md). "
+                         "serve, router: colocated or pd, --mode and the worker counts give the starting roles "
+                         "(--cluster ray: every elastic worker takes --worker-resources and --worker-placement); "
+                         "worker: keep the KV cache shareable and serve KV whatever the role")
+# The elastic controller's settings: serve and router run it, plan simulates it. Default None
+# ("not given": serve and router refuse one without --elastic); elastic_settings resolves it.
+ELASTIC_FLAGS = (
+    Flag("--elastic-window", type=float_above(0), default=None, metavar="S",
+         help="seconds of signals each elastic decision reads (a sliding window; extended back to hold 8 "
+              f"arrivals, up to 120 s or the window, at low rates; default {ELASTIC_WINDOW_S:g})"),
+    Flag("--elastic-interval", type=zero_or_at_least(0.1), default=None, metavar="S",
+         help="seconds between two elastic decisions, 0 or >= 0.1 (0: no controller, roles change only by "
+              f"POST /roles; plan simulates a controller, > 0; default {ELASTIC_INTERVAL_S:g})"),
+    Flag("--elastic-min-dwell", type=float_above(0), default=None, metavar="S",
+         help="seconds the roles stay as they are after an elastic change before the next "
+              f"(default {ELASTIC_MIN_DWELL_S:g})"),
+)
+ELASTIC_DEFAULTS = {"elastic_window": ELASTIC_WINDOW_S, "elastic_interval": ELASTIC_INTERVAL_S,
+                    "elastic_min_dwell": ELASTIC_MIN_DWELL_S}
+
+
+def add_elastic_flags(parser) -> None:
+    """Add :data:`ELASTIC_FLAGS` (``parser``: a parser or an argument group)."""
+    for flag in ELASTIC_FLAGS:
+        flag.add(parser)
+
+
+def elastic_settings(args: argparse.Namespace) -> tuple[float, float, float]:
+    """``(window_s, interval_s, min_dwell_s)`` of the ``--elastic-*`` flags, their defaults
+    where not given."""
+    return tuple(default if getattr(args, name) is None else getattr(args, name)
+                 for name, default in ELASTIC_DEFAULTS.items())
+
+
+def elastic_given(args: argparse.Namespace) -> list[str]:
+    """The ``--elastic-*`` flags given in ``args``."""
+    return [flag.name for flag in ELASTIC_FLAGS if getattr(args, flag.dest) is not None]
 
 
 def add_worker_flags(parser: argparse.ArgumentParser, passed: bool = False) -> None:

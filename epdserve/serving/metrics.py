@@ -15,10 +15,14 @@ Two views of the same measurements, chosen by ``--metrics-prefix`` (:data:`METRI
   (``worker_up``, KV blocks, KV transfer time and bytes, failed and bad requests), which
   are always exported, whatever the prefix.
 
-Every series carries ``model_name``, the served model name, as vLLM's do. Times are in
-seconds, sizes in bytes. The per-request histograms are observed from the request's trace
-record (:meth:`~epdserve.serving.router.flows.Flow.trace`) when it ends, so that /metrics
-and ``--trace-file`` agree.
+Every series carries ``model_name``, the served model name, and ``engine``, as vLLM's do
+(vLLM's engine is its engine core's index, "0" for one engine): on a per-worker series (one
+with a ``worker`` label) the worker's id, the same value as ``worker``; on every series the
+router computes or sums over workers (all of ``vllm:``, the per-request and per-stage
+histograms, the KV transfer, failure and routing counters, the worker-state gauges)
+:data:`ROUTER_ENGINE`. Times are in seconds, sizes in bytes. The per-request histograms are
+observed from the request's trace record (:meth:`~epdserve.serving.router.flows.Flow.trace`)
+when it ends, so that /metrics and ``--trace-file`` agree.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ MAX_OPEN_PARALLEL = 65536
 # The finished_reason values of request_success: vLLM's FinishReason (vllm/v1/engine/__init__.py);
 # abort: the client went away; error: a worker failed the request; repetition: never here.
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+# The engine label of the series the router computes or sums over workers.
+ROUTER_ENGINE = "router"
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -77,33 +83,56 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
         scale *= 10
 
 
+class _Series:
+    """One metric in ``metrics``' registry whose series carry ``model_name`` and ``engine``
+    before its own ``labels``; :meth:`labels` and :meth:`remove` take the values of its own
+    labels only. ``engine`` is the value of its ``worker`` label where it has one (a
+    per-worker series), else :data:`ROUTER_ENGINE`."""
+
+    def __init__(self, metrics: RouterMetrics, cls, name: str, doc: str, labels=(), **kw):
+        self.metric = cls(name, doc, ["model_name", "engine", *labels], registry=metrics.registry, **kw)
+        self.model = metrics.model_name
+        self.worker = list(labels).index("worker") if "worker" in labels else None
+
+    def _values(self, values: tuple) -> tuple:
+        return (self.model, ROUTER_ENGINE if self.worker is None else values[self.worker], *values)
+
+    def labels(self, *values):
+        """The series of these label values (created at 0 the first time)."""
+        return self.metric.labels(*self._values(values))
+
+    def remove(self, *values) -> None:
+        """Drop the series of these label values from the exposition."""
+        self.metric.remove(*self._values(values))
+
+
 class _Named:
     """One vLLM-named metric under each prefix enabled: ``vllm:NAME`` (labels
-    ``model_name`` + ``vllm_labels``) and ``epdserve:NAME`` (``model_name`` + ``epd_labels``)."""
+    ``model_name``, ``engine`` + ``vllm_labels``) and ``epdserve:NAME`` (``model_name``,
+    ``engine`` + ``epd_labels``), each a :class:`_Series`."""
 
     def __init__(self, metrics: RouterMetrics, cls, name: str, doc: str, vllm_labels=(), epd_labels=(), **kw):
-        def make(prefix: str, labels) -> object:
+        def make(prefix: str, labels) -> _Series | None:
             if prefix not in metrics.prefixes:
                 return None
-            return cls(f"{prefix}:{name}", doc, ["model_name", *labels], registry=metrics.registry, **kw)
+            return _Series(metrics, cls, f"{prefix}:{name}", doc, labels, **kw)
 
-        self.model = metrics.model_name
         self.vllm = make("vllm", vllm_labels)
         self.epd = make("epdserve", epd_labels)
         # Series without other labels exist from the start (at 0), as vLLM's: a dashboard
         # or scraper finds every name before the first request.
         for metric, labels in ((self.vllm, vllm_labels), (self.epd, epd_labels)):
             if metric is not None and not labels:
-                metric.labels(self.model)
+                metric.labels()
 
     def children(self, vllm: tuple = (), epd: tuple = (), views: str = "both") -> list:
         """The labelled series to update: the vllm one with ``vllm`` label values, the
         epdserve one with ``epd``; ``views`` "vllm" or "epdserve" picks one."""
         out = []
         if self.vllm is not None and views in ("both", "vllm"):
-            out.append(self.vllm.labels(self.model, *vllm))
+            out.append(self.vllm.labels(*vllm))
         if self.epd is not None and views in ("both", "epdserve"):
-            out.append(self.epd.labels(self.model, *epd))
+            out.append(self.epd.labels(*epd))
         return out
 
     def observe(self, value: float, **kw) -> None:
@@ -153,47 +182,45 @@ class RouterMetrics:
 
     def _own_metrics(self) -> None:
         """epdserve's metrics without a vLLM name, always under ``epdserve:``."""
-        r, m, wl = self.registry, self.model_name, ["model_name", "worker", "role"]
-        self._worker_up = Gauge("epdserve:worker_up", "1 if the worker is up, 0 if down or refused.", wl, registry=r)
+        def series(cls, name: str, doc: str, labels=(), **kw) -> _Series:
+            return _Series(self, cls, f"epdserve:{name}", doc, labels, **kw)
+
+        wl = ("worker", "role")
+        self._worker_up = series(Gauge, "worker_up", "1 if the worker is up, 0 if down or refused.", wl)
         # Where each worker runs, as an info series (kube-state-metrics' *_info convention):
         # join it on ``worker`` to split any per-worker series by node; the per-worker series
         # keep their labels, so dashboards and scrapers built on them are unchanged.
-        self._worker_node = Gauge("epdserve:worker_node_info", "1 per worker and the node it runs on "
-                                  "(Ray node id or host name, and its IP).", wl + ["node", "node_ip"], registry=r)
+        self._worker_node = series(Gauge, "worker_node_info", "1 per worker and the node it runs on "
+                                   "(Ray node id or host name, and its IP).", (*wl, "node", "node_ip"))
         self._nodes: dict[tuple[str, str], tuple[str, str]] = {}  # (worker, role) -> its (node, node_ip)
         # Elastic: each worker's routing role (1) among the engine roles (0), its switches and drains.
-        self._worker_role = Gauge("epdserve:worker_role", "1 for the role the router routes to the worker by, "
-                                  "0 for the other engine roles.", ["model_name", "worker", "role"], registry=r)
+        self._worker_role = series(Gauge, "worker_role", "1 for the role the router routes to the worker by, "
+                                   "0 for the other engine roles.", wl)
         self._roles: dict[str, str] = {}  # worker -> its role now
-        self.role_switches = Counter("epdserve:role_switches", "Role switches a worker announced (elastic).",
-                                     ["model_name", "worker", "from_role", "to_role"], registry=r)
-        self.role_switch_drain = Histogram("epdserve:role_switch_drain_seconds",
-                                           "From a worker's receipt of a role switch to its announcement: the time "
-                                           "its old role's work took to finish.", ["model_name"],
-                                           buckets=DRAIN_BUCKETS, registry=r).labels(m)
+        self.role_switches = series(Counter, "role_switches", "Role switches a worker announced (elastic).",
+                                    ("worker", "from_role", "to_role"))
+        self.role_switch_drain = series(Histogram, "role_switch_drain_seconds", "From a worker's receipt of a "
+                                        "role switch to its announcement: the time its old role's work took to "
+                                        "finish.", buckets=DRAIN_BUCKETS).labels()
         # Elastic scaling (--max-workers): the engine workers by state, and the scale decisions.
-        self._worker_states = Gauge("epdserve:workers", "Engine workers by state (elastic: live, starting, "
-                                    "retiring).", ["model_name", "state"], registry=r)
-        self._scale = Counter("epdserve:worker_scale", "Workers added (out) or retired (in), by the elastic "
-                              "controller or by hand.", ["model_name", "direction"], registry=r)
-        self.kv_blocks_in_use = Gauge("epdserve:kv_blocks_in_use", "KV cache blocks in use.", wl, registry=r)
-        self.kv_blocks_total = Gauge("epdserve:kv_blocks_total", "KV cache blocks in the pool.", wl, registry=r)
-        self.request_failure = Counter("epdserve:request_failure_total",
-                                       "Requests that failed after admission (worker error, timeout, no worker).",
-                                       ["model_name"], registry=r).labels(m)
-        self.bad_request = Counter("epdserve:bad_request_total", "Requests answered with HTTP 400.",
-                                   ["model_name"], registry=r).labels(m)
+        self._worker_states = series(Gauge, "workers", "Engine workers by state (elastic: live, starting, "
+                                     "retiring).", ("state",))
+        self._scale = series(Counter, "worker_scale", "Workers added (out) or retired (in), by the elastic "
+                             "controller or by hand.", ("direction",))
+        self.kv_blocks_in_use = series(Gauge, "kv_blocks_in_use", "KV cache blocks in use.", wl)
+        self.kv_blocks_total = series(Gauge, "kv_blocks_total", "KV cache blocks in the pool.", wl)
+        self.request_failure = series(Counter, "request_failure_total", "Requests that failed after admission "
+                                      "(worker error, timeout, no worker).").labels()
+        self.bad_request = series(Counter, "bad_request_total", "Requests answered with HTTP 400.").labels()
         # Labels: policy (--routing); hit: the first worker found some of the prompt in its
         # prefix cache; believed: the router expected it to ("none": least-loaded keeps no belief).
-        self.routed = Counter("epdserve:routed_requests_total",
-                              "Requests routed to their first worker, by routing policy, whether the worker's prefix "
-                              "cache hit, and whether the router believed it would.",
-                              ["model_name", "policy", "hit", "believed"], registry=r)
-        self.kv_transfer_seconds = Histogram("epdserve:kv_transfer_seconds",
-                                             "KV export + router hop + KV import, per PD request.", ["model_name"],
-                                             buckets=KV_SECONDS_BUCKETS, registry=r).labels(m)
-        self.kv_transfer_bytes = Histogram("epdserve:kv_transfer_bytes", "KV cache bytes per PD request.",
-                                           ["model_name"], buckets=KV_BYTES_BUCKETS, registry=r).labels(m)
+        self.routed = series(Counter, "routed_requests_total", "Requests routed to their first worker, by routing "
+                             "policy, whether the worker's prefix cache hit, and whether the router believed it "
+                             "would.", ("policy", "hit", "believed"))
+        self.kv_transfer_seconds = series(Histogram, "kv_transfer_seconds", "KV export + router hop + KV import, "
+                                          "per PD request.", buckets=KV_SECONDS_BUCKETS).labels()
+        self.kv_transfer_bytes = series(Histogram, "kv_transfer_bytes", "KV cache bytes per PD request.",
+                                        buckets=KV_BYTES_BUCKETS).labels()
 
     def _worker_metrics(self) -> None:
         """vLLM's scheduler gauges and counters: per worker under ``epdserve:``, for the
@@ -207,9 +234,9 @@ class RouterMetrics:
         self.kv_cache_usage = _Named(self, Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                                      epd_labels=wl)
         # vLLM's name before 0.10 (still read by older gateways and dashboards); vllm: only.
-        self.gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
-                                     "DEPRECATED: Use vllm:kv_cache_usage_perc instead.", ["model_name"],
-                                     registry=self.registry) if "vllm" in self.prefixes else None
+        self.gpu_cache_usage = _Series(self, Gauge, "vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 "
+                                       "percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.") \
+            if "vllm" in self.prefixes else None
         docs = {"num_preemptions": "Cumulative number of preemptions (recompute).",
                 "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
                 "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
@@ -221,9 +248,9 @@ class RouterMetrics:
                                        buckets=ITERATION_TOKENS_BUCKETS)
         # vLLM exports LoRA state only with LoRA on; epdserve serves no adapters, and says so
         # to gateways that read it (their LoRA affinity then has nothing to prefer).
-        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
-                               ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-                               registry=self.registry) if "vllm" in self.prefixes else None
+        self.lora_info = _Series(self, Gauge, "vllm:lora_requests_info", "Running stats on lora requests.",
+                                 ("max_lora", "running_lora_adapters", "waiting_lora_adapters")) \
+            if "vllm" in self.prefixes else None
 
     def _request_metrics(self) -> None:
         """The per-request counters and timing histograms."""
@@ -274,7 +301,7 @@ class RouterMetrics:
     def set_worker_up(self, worker: str, role: str, up: bool) -> None:
         """Mark a worker up (after its Hello) or down (dead, refused, replaced); a down
         worker leaves the deployment's ``vllm:`` gauges."""
-        self._worker_up.labels(self.model_name, worker, role).set(1 if up else 0)
+        self._worker_up.labels(worker, role).set(1 if up else 0)
         if not up and self._workers.pop((worker, role), None) is not None:
             self._set_deployment_gauges()
 
@@ -287,14 +314,14 @@ class RouterMetrics:
             self._leave_role(worker, previous, role)
         self._roles[worker] = role
         for r in dict.fromkeys((*ENGINE_ROLES, role)):  # an encode worker's too
-            self._worker_role.labels(self.model_name, worker, r).set(1 if r == role else 0)
+            self._worker_role.labels(worker, r).set(1 if r == role else 0)
 
     def _leave_role(self, worker: str, previous: str, role: str) -> None:
         """``worker``'s per-worker series move from ``previous`` to ``role``: its gauges under
         ``previous`` go (their last values would read as blocks and requests held forever;
         the next Stats sets them under ``role``), its node info and the totals its counters
         count from carry over. Counters stay under ``previous``: what it did in that role."""
-        old = (self.model_name, worker, previous)
+        old = (worker, previous)
         for gauge in (self.kv_blocks_in_use, self.kv_blocks_total):
             gauge.remove(*old)
         for named in (self.kv_cache_usage, self.num_requests_running, self.num_requests_waiting):
@@ -310,15 +337,15 @@ class RouterMetrics:
         """``epdserve:workers{state}``: how many engine workers are live (taking work),
         starting (added, not up yet) and retiring (finishing what they hold)."""
         for state, n in (("live", live), ("starting", starting), ("retiring", retiring)):
-            self._worker_states.labels(self.model_name, state).set(n)
+            self._worker_states.labels(state).set(n)
 
     def scaled(self, direction: str) -> None:
         """Count one worker added (``direction`` "out") or retired ("in")."""
-        self._scale.labels(self.model_name, direction).inc()
+        self._scale.labels(direction).inc()
 
     def role_switched(self, worker: str, previous: str, role: str, drain_s: float) -> None:
         """``worker`` announced its switch from ``previous`` to ``role`` after draining ``drain_s`` seconds."""
-        self.role_switches.labels(self.model_name, worker, previous, role).inc()
+        self.role_switches.labels(worker, previous, role).inc()
         self.role_switch_drain.observe(drain_s)
 
     def set_worker_node(self, worker: str, role: str, node: str, node_ip: str) -> None:
@@ -326,9 +353,9 @@ class RouterMetrics:
         for its current node and the series of a node it left is removed."""
         old = self._nodes.get((worker, role))
         if old is not None and old != (node, node_ip):
-            self._worker_node.remove(self.model_name, worker, role, *old)
+            self._worker_node.remove(worker, role, *old)
         self._nodes[(worker, role)] = (node, node_ip)
-        self._worker_node.labels(self.model_name, worker, role, node, node_ip).set(1)
+        self._worker_node.labels(worker, role, node, node_ip).set(1)
 
     def set_worker(self, worker: str, role: str, *, blocks_in_use: int, blocks_total: int,
                    num_running: int, num_waiting: int, num_preemptions: int = 0,
@@ -340,8 +367,8 @@ class RouterMetrics:
         A new ``num_steps`` (the worker's forward passes) observes ``last_step_tokens``, the
         tokens of its latest step, in vLLM's ``iteration_tokens_total``."""
         epd = (worker, role)
-        self.kv_blocks_in_use.labels(self.model_name, *epd).set(blocks_in_use)
-        self.kv_blocks_total.labels(self.model_name, *epd).set(blocks_total)
+        self.kv_blocks_in_use.labels(*epd).set(blocks_in_use)
+        self.kv_blocks_total.labels(*epd).set(blocks_total)
         usage = blocks_in_use / blocks_total if blocks_total else 0.0
         self.kv_cache_usage.set(usage, epd=epd, views="epdserve")
         self.num_requests_running.set(num_running, epd=epd, views="epdserve")
@@ -371,9 +398,9 @@ class RouterMetrics:
         total = sum(w["blocks_total"] for w in live)
         usage = sum(w["blocks_in_use"] for w in live) / total if total else 0.0
         self.kv_cache_usage.set(usage, views="vllm")
-        self.gpu_cache_usage.labels(self.model_name).set(usage)
+        self.gpu_cache_usage.labels().set(usage)
         # As vLLM: the value is when the state was last recorded (gateways take the newest).
-        self.lora_info.labels(self.model_name, "0", "", "").set(time.time())
+        self.lora_info.labels("0", "", "").set(time.time())
 
     # -- requests
     def admitted(self, request_id: str, n: int) -> None:
@@ -393,7 +420,7 @@ class RouterMetrics:
         ``epdserve:routed_requests_total``."""
         if rec.routing is not None and rec.cached_tokens is not None:
             believed = "none" if rec.routing_believed_tokens is None else str(rec.routing_believed_tokens > 0).lower()
-            self.routed.labels(self.model_name, rec.routing, str(rec.cached_tokens > 0).lower(), believed).inc()
+            self.routed.labels(rec.routing, str(rec.cached_tokens > 0).lower(), believed).inc()
         if itls_s is None:
             self.request_failure.inc()
             self.request_success.inc(vllm=("error",), epd=("error",))

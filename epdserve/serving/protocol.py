@@ -40,8 +40,8 @@ from epdserve.engine.request import SamplingParams
 # KVDescriptor is re-exported (noqa: F401): it is part of this wire format, defined with the transfer it describes.
 from epdserve.transfer.descriptor import KVDescriptor  # noqa: F401
 from epdserve.trace import StageTimings
+from epdserve.serving.deployment import EngineRole, Role
 
-Role = Literal["colocated", "prefill", "decode", "encode"]
 
 # The version of these messages. A router refuses a worker of another version (see
 # ``handshake.refusal``), which would otherwise send frames it cannot read. 1: before the
@@ -260,7 +260,7 @@ class SetRole(_Msg):
     exports until released) and then answers :class:`RoleSwitched` with ``switch_id``."""
 
     type: Literal["set_role"] = "set_role"
-    role: Literal["colocated", "prefill", "decode"]
+    role: EngineRole
     switch_id: str = Field(max_length=64)
 
 
@@ -270,8 +270,8 @@ class RoleSwitched(_Msg):
 
     type: Literal["role_switched"] = "role_switched"
     worker_id: str
-    role: Literal["colocated", "prefill", "decode"]
-    previous: Literal["colocated", "prefill", "decode"]
+    role: EngineRole
+    previous: EngineRole
     switch_id: str = Field(max_length=64)
     drain_ms: float = Field(ge=0.0)
 

@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from epdserve.serving.deployment import natural_order
+from epdserve.serving.deployment import ELASTIC_MIN_DWELL_S, ELASTIC_WINDOW_S, natural_order
 from epdserve.serving.elastic.samples import Sample
 
 
@@ -60,10 +60,10 @@ class PolicyConfig:
     """
     slo_ttft_ms: float
     slo_tpot_ms: float
-    window_s: float = 20.0              # the sliding window (s) ...
+    window_s: float = ELASTIC_WINDOW_S              # the sliding window (s) ...
     window_arrivals: int = 8            # ... extended back until it holds this many arrivals ...
     max_window_s: float = 120.0         # ... or spans this long (s; window_s if longer): see window()
-    min_dwell_s: float = 30.0           # no change within this long of the last one (s)
+    min_dwell_s: float = ELASTIC_MIN_DWELL_S           # no change within this long of the last one (s)
     quantile: float = 0.9               # of the window's TTFTs, prefill queue times, ITL gaps
     min_arrivals: int = 3               # evidence: this many arrivals, or ...
     min_itl_gaps: int = 20              # ... this many ITL gaps in the window

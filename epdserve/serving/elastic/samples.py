@@ -9,14 +9,14 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
-from epdserve.serving.deployment import ENGINE_ROLES as ROLES
+from epdserve.serving.deployment import ENGINE_ROLES
 
 
 @dataclass(frozen=True)
 class WorkerSignal:
     """One engine worker at one sample, as the router sees it (the format in docs/comparing.md)."""
     worker_id: str
-    role: str           # its routing role now, one of ROLES
+    role: str           # its routing role now, one of ENGINE_ROLES
     switching: bool     # a switch was asked and the worker has not announced it yet
     num_running: int    # the engine's running sequences (its last Stats)
     num_waiting: int    # the engine's waiting (queued) sequences
@@ -51,7 +51,7 @@ class Sample:
 
         Raises:
             ValueError: naming the key and the bad value, for a missing or unknown key, a
-                wrong type, a negative or non-finite number, a role outside :data:`ROLES`,
+                wrong type, a negative or non-finite number, a role outside :data:`ENGINE_ROLES`,
                 or a ``kv_usage`` outside 0..1. ``prefill_tokens`` may be missing (older traces).
         """
         _check_keys("sample", {"prefill_tokens": [], **obj} if isinstance(obj, dict) else obj,
@@ -113,8 +113,8 @@ def _worker_from_json(obj) -> WorkerSignal:
     wid, role, switching = obj["worker_id"], obj["role"], obj["switching"]
     if not isinstance(wid, str) or not wid:
         raise ValueError(f"worker: worker_id must be a non-empty string, got {wid!r}")
-    if role not in ROLES:
-        raise ValueError(f"worker {wid}: role {role!r} is not one of {', '.join(ROLES)}")
+    if role not in ENGINE_ROLES:
+        raise ValueError(f"worker {wid}: role {role!r} is not one of {', '.join(ENGINE_ROLES)}")
     if not isinstance(switching, bool):
         raise ValueError(f"worker {wid}: switching must be true or false, got {switching!r}")
     kv = finite_number(f"worker {wid} kv_usage", obj["kv_usage"])

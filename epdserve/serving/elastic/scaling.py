@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from epdserve.serving.deployment import natural_order
+from epdserve.serving.deployment import ELASTIC_MIN_DWELL_S, ELASTIC_WINDOW_S, natural_order
 from epdserve.serving.elastic.policy import Sample, measure, settled
 
 
@@ -47,9 +47,9 @@ class ScalingConfig:
     max_workers: int
     slo_ttft_ms: float
     slo_tpot_ms: float
-    window_s: float = 20.0      # the sliding window (s)
+    window_s: float = ELASTIC_WINDOW_S      # the sliding window (s)
     evidence_s: float = 18.0    # settled samples must span this long (s): the window less one interval
-    min_dwell_s: float = 30.0   # no change within this long of the last one (roles or count)
+    min_dwell_s: float = ELASTIC_MIN_DWELL_S   # no change within this long of the last one (roles or count)
     quantile: float = 0.9
     ttft_enter: float = 1.0     # TTFT p90 > this x TTFT SLO: prefill pressure
     itl_enter: float = 1.2      # ITL p90 > this x TPOT SLO: decode pressure

@@ -63,8 +63,8 @@ import time
 
 import uvicorn
 
-from epdserve import host
-from epdserve.argtypes import float_above, int_at_least
+from epdserve import extras, host
+from epdserve.argtypes import float_above, int_at_least, with_values
 from epdserve.model.loader import ModelLoadError
 from epdserve.serving import auth, flags
 from epdserve.serving.launch import ray_cluster
@@ -86,8 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_router_options(parser)
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model to serve, as in `vllm serve MODEL`: the same as --model")
-    parser.add_argument("--cores", default=None,
-                        help="comma-separated CPU cores to split among workers (default: all usable)")
+    flags.CORES_FLAG.add(parser)
     flags.add_worker_flags(parser, passed=True)
     parser.add_argument("--prefill-dtype", choices=flags.DTYPE_CHOICES, default=None,
                         help="pd: weights and KV cache dtype of the prefill workers (default: --dtype)")
@@ -109,13 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the controller (or POST /workers, DELETE /workers/ID) adds and retires workers in "
                              "between (default: the starting count, no scaling; above it needs --cluster ray; "
                              "docs/elastic.md)")
-    parser.add_argument("--allow-oversubscription", action="store_true",
-                        help="start even when the workers' estimated memory (model weights + "
-                             "--kv-cache-memory-mb each) exceeds the host's available memory")
-    parser.add_argument("--events", default=None,
-                        help="ZeroMQ address of the router's events socket (default: ipc in a private "
-                             "directory; --cluster ray: tcp:// on this node's Ray IP, a free port); e.g. "
-                             "tcp://127.0.0.1:5557 to let other workers join")
+    flags.ALLOW_OVERSUBSCRIPTION_FLAG.add(parser)
+    flags.EVENTS_FLAG.add(parser)
     ray_cluster.add_arguments(parser)
 
 
@@ -288,10 +282,17 @@ async def _supervise(server, router: Router, children, args, placement: str, soc
 
 def run(args: argparse.Namespace) -> int:
     """``epdserve serve``: returns 0 after a clean stop, 1 if the HTTP port cannot be bound, a
-    worker exited with status 2 or the workers never came up, 2 on a bad option or model or
-    a deployment this host cannot hold (:func:`check_capacity`)."""
+    worker exited with status 2 or the workers never came up, 2 on a bad option or model,
+    ``--cluster ray`` without Ray installed (the ``ray`` extra) or a deployment this host
+    cannot hold (:func:`check_capacity`)."""
     setup_logging(args.log_level)
-    plan, error = _check_options(args)
+    if args.cluster == "ray":
+        try:
+            extras.need("ray", "epdserve serve --cluster ray")
+        except extras.MissingExtra as exc:  # one line naming the extra, no traceback
+            print(exc, file=sys.stderr)
+            return 2
+    args, plan, error = _check_options(args)
     if error:
         print(f"epdserve serve: error: {error}", file=sys.stderr)
         return 2
@@ -327,42 +328,43 @@ def run(args: argparse.Namespace) -> int:
     return _serve(args, router, plan, tmp, events, sock, workers)
 
 
-def _check_options(args: argparse.Namespace) -> tuple[Placement, str | None]:
-    """The placement of serve's workers (:func:`plan_for`) and an error, None when the
-    options hold; makes up an auth token when one is needed and none was given."""
+def _check_options(args: argparse.Namespace) -> tuple[argparse.Namespace, Placement, str | None]:
+    """serve's options resolved (MODEL as ``--model``, ``--max-workers``' default, an auth
+    token made up when one is needed and none was given), the placement of its workers
+    (:func:`plan_for`) and an error, None when the options hold."""
     try:
-        model_from_tag(args)
+        args = with_values(args, model=model_from_tag(args))
         plan = plan_for(args)
-        _check_elastic(args, len(plan))
+        args = with_values(args, max_workers=_check_elastic(args, len(plan)))
         if args.cluster == "ray":
             ray_cluster.role_resources(args)
     except ValueError as exc:
-        return [], str(exc)
+        return args, [], str(exc)
     if not args.auth_token and (not args.allow_unauthenticated or args.internal_encryption == "curve"):
         # Even on ipc in our private directory (defence in depth), and CURVE derives its keys from it.
-        args.auth_token = secrets.token_urlsafe(32)
+        args = with_values(args, auth_token=secrets.token_urlsafe(32))
         if args.events:
             log.info("no --auth-token: generated one; workers started elsewhere cannot join (give your own)")
-    return plan, auth.options_error(args, [])  # CURVE support
+    return args, plan, auth.options_error(args, [])  # CURVE support
 
 
-def model_from_tag(args: argparse.Namespace) -> None:
-    """``serve MODEL`` (vLLM's positional) becomes ``--model``.
+def model_from_tag(args: argparse.Namespace) -> str | None:
+    """The model to serve: ``serve MODEL`` (vLLM's positional) or ``--model``.
 
     Raises:
         ValueError: MODEL and ``--model`` name different models.
     """
     tag = getattr(args, "model_tag", None)
     if tag is None:
-        return
+        return args.model
     if args.model not in (None, tag):
         raise ValueError(f"MODEL {tag!r} and --model {args.model!r} name different models; give one")
-    args.model = tag
+    return tag
 
 
-def _check_elastic(args: argparse.Namespace, starting: int) -> None:
-    """Check ``--max-workers`` against the ``starting`` worker count and set its default
-    (the starting count: no scaling), and that no flag of one role comes with ``--elastic``.
+def _check_elastic(args: argparse.Namespace, starting: int) -> int:
+    """``--max-workers``, checked against the ``starting`` worker count; its default is the
+    starting count (no scaling). Also checks that no flag of one role comes with ``--elastic``.
 
     Raises:
         ValueError: ``--max-workers`` given without ``--elastic``, below the starting count,
@@ -375,8 +377,7 @@ def _check_elastic(args: argparse.Namespace, starting: int) -> None:
             raise ValueError(f"{', '.join(tied)}: an elastic worker changes role, so every worker takes "
                              "--dtype and --device")
     if args.max_workers is None:
-        args.max_workers = starting
-        return
+        return starting
     if not args.elastic:
         raise ValueError(f"--max-workers {args.max_workers}: workers are added and retired only with --elastic")
     if args.max_workers < starting:
@@ -384,6 +385,7 @@ def _check_elastic(args: argparse.Namespace, starting: int) -> None:
     if args.max_workers > starting and args.cluster != "ray":
         raise ValueError(f"--max-workers {args.max_workers}: adding workers needs --cluster ray "
                          f"(this host's cores are all given to the {starting} starting workers)")
+    return args.max_workers
 
 
 def _load_router(args: argparse.Namespace, plan: Placement, events: str) -> tuple[Router | None, list[str], str | None]:

@@ -18,9 +18,9 @@ from epdserve.serving.router.app import (Router, add_arguments, add_router_optio
                                          setup_logging)
 from epdserve.serving.router.events import WorkerFailed
 from epdserve.serving.router.flows import Flow, FlowConfig, new_flow
-from epdserve.serving.router.registry import MODE_ROLES, Registry, WorkerPort, WorkerState
+from epdserve.serving.router.registry import Registry, WorkerPort, WorkerState
 from epdserve.serving.router.routes import SYNTHETIC_VISION_NOTE, SSEResponse, create_app
 
-__all__ = ["MODE_ROLES", "SYNTHETIC_VISION_NOTE", "Flow", "FlowConfig", "Registry", "Router", "SSEResponse",
+__all__ = ["SYNTHETIC_VISION_NOTE", "Flow", "FlowConfig", "Registry", "Router", "SSEResponse",
            "WorkerFailed", "WorkerPort", "WorkerState", "add_arguments", "add_router_options", "build_router",
            "create_app", "new_flow", "run", "setup_logging"]

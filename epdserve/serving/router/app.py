@@ -12,13 +12,14 @@ import sys
 
 import uvicorn
 
-from epdserve.argtypes import float_above, int_at_least, mm_limit_images, slo_pair, zero_or_at_least
+from epdserve.argtypes import float_above, int_at_least, mm_limit_images, slo_pair
 from epdserve.model.loader import ModelLoadError, generation_defaults, resolve_model
 from epdserve.model.tokenizer import check_chat_template, load_tokenizer, read_chat_template, template_renders_tools
 from epdserve.serving import auth
 from epdserve.serving.elastic.policy import PolicyConfig
-from epdserve.serving.deployment import ELASTIC_SLO_KEYS
-from epdserve.serving.flags import add_router_flags
+from epdserve.serving.deployment import ELASTIC_SLO_KEYS, ELASTIC_SLOS_MS, MODE_ROLES
+from epdserve.serving.flags import (ELASTIC_FLAG, EVENTS_FLAG, add_elastic_flags, add_router_flags, elastic_given,
+                                    elastic_settings)
 from epdserve.serving.handshake import model_fingerprint, model_kv_shape
 from epdserve.serving.router.http_guard import add_http_options, uvicorn_config
 from epdserve.serving.metrics import DEFAULT_METRICS_PREFIX, RouterMetrics, add_metrics_options
@@ -29,17 +30,15 @@ from epdserve.serving.router.elastic import Controller, Scaler, Workforce
 from epdserve.serving.router.flows import FlowConfig
 from epdserve.serving.router.front import Front
 from epdserve.serving.router.prefix_index import DEFAULT_POLICY, POLICIES, make_policy
-from epdserve.serving.router.registry import MODE_ROLES, Compat, Registry, WorkerState
+from epdserve.serving.router.registry import Compat, Registry, WorkerState
 from epdserve.serving.router.routes import create_app
 from epdserve.serving.router.signals import SignalRecorder
 from epdserve.serving.router.zmq_port import EventsLoop, ZmqPort
 from epdserve.serving.api.tool_calls import ToolSettings, add_tool_options, tool_settings
 
 log = logging.getLogger("epdserve.router")
-# The SLOs the elastic controller serves without --slo: compare's defaults (bench.metrics.DEFAULT_SLOS_MS).
-ELASTIC_SLOS_MS = {"slo_ttft_ms": 2000.0, "slo_tpot_ms": 200.0}
-# The elastic controller's settings without their flags: (window s, decision interval s, min dwell s).
-ELASTIC_DEFAULTS = {"elastic_window": 20.0, "elastic_interval": 2.0, "elastic_min_dwell": 30.0}
+# The events address of `epdserve router` without --events.
+ROUTER_EVENTS = "tcp://127.0.0.1:5557"
 
 
 class Router:
@@ -201,39 +200,25 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
                              "leading run of the prompt's KV blocks, unless load is imbalanced; as SGLang's "
                              "cache-aware router). Decode workers are always least-loaded")
     elastic = parser.add_argument_group("elastic serving (docs/elastic.md)")
-    elastic.add_argument("--elastic", action="store_true",
-                         help="colocated, pd: workers switch role live (colocated, prefill, decode) as the load "
-                              "shifts; --mode and the worker counts give the starting roles; with --cluster ray "
-                              "every elastic worker takes --worker-resources and --worker-placement")
+    ELASTIC_FLAG.add(elastic)
     elastic.add_argument("--slo", nargs="+", type=slo_pair(ELASTIC_SLO_KEYS, positive=True), default=None,
                          metavar="KEY:MS",
                          help="the SLOs the elastic controller serves, as bench --goodput writes them, each key "
                               "once: ttft:MS tpot:MS (default: "
                               f"{' '.join(f'{k[4:-3]}:{v:g}' for k, v in ELASTIC_SLOS_MS.items())})")
-    elastic.add_argument("--elastic-window", type=float_above(0), default=None, metavar="S",
-                         help="seconds of signals each decision reads (a sliding window; extended back to hold 8 "
-                              f"arrivals, up to 120 s or the window, at low rates; default "
-                              f"{ELASTIC_DEFAULTS['elastic_window']:g})")
-    elastic.add_argument("--elastic-interval", type=zero_or_at_least(0.1), default=None, metavar="S",
-                         help="seconds between two decisions, 0 or >= 0.1 (0: no controller; roles change only "
-                              f"by POST /roles; default {ELASTIC_DEFAULTS['elastic_interval']:g})")
-    elastic.add_argument("--elastic-min-dwell", type=float_above(0), default=None, metavar="S",
-                         help="seconds the roles stay as they are after a change before the next "
-                              f"(default {ELASTIC_DEFAULTS['elastic_min_dwell']:g})")
+    add_elastic_flags(elastic)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_router_flags(parser)  # --model and vLLM's front flags (--served-model-name, --api-key, ...)
     add_metrics_options(parser)
     add_http_options(parser)
     add_tool_options(parser)
-    auth.add_arguments(parser, "shared secret that seals every frame between the router and its workers "
-                               "(default: $EPDSERVE_AUTH_TOKEN; serve: a random one)")
+    auth.add_arguments(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``epdserve router``'s options."""
     add_router_options(parser)
-    parser.add_argument("--events", default="tcp://127.0.0.1:5557",
-                        help="ZeroMQ address the router binds for worker events (workers' --router)")
+    EVENTS_FLAG.add(parser)
 
 
 def build_router(args: argparse.Namespace, events_addr: str) -> Router:
@@ -266,30 +251,27 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
                   auth_token=args.auth_token, local_prefill_threshold=args.local_prefill_threshold, media=media,
                   internal_encryption=args.internal_encryption, tools=tools, sampling_defaults=defaults,
                   api_keys=surface.api_keys(args.api_key), metrics_prefix=args.metrics_prefix,
-                  routing=args.routing, elastic=args.elastic, elastic_interval_s=args.elastic_interval,
+                  routing=args.routing, elastic=args.elastic, elastic_interval_s=elastic_settings(args)[1],
                   elastic_policy=policy)
 
 
 def elastic_policy(args: argparse.Namespace) -> PolicyConfig:
-    """The elastic controller's policy settings of ``--slo`` and ``--elastic-*``; sets the
-    defaults of the ``--elastic-*`` flags not given in ``args``.
+    """The elastic controller's policy settings of ``--slo`` and ``--elastic-*``.
 
     Raises:
         ModelLoadError: one of them given without ``--elastic``, an SLO key given twice, or
             settings the policy refuses (see :class:`PolicyConfig`).
     """
-    given = [f"--{name.replace('_', '-')}" for name in ("slo", *ELASTIC_DEFAULTS) if getattr(args, name) is not None]
+    given = ["--slo"] * (args.slo is not None) + elastic_given(args)
     if given and not args.elastic:
         raise ModelLoadError(f"{', '.join(given)}: the elastic controller's settings apply only with --elastic")
-    for name, default in ELASTIC_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
     keys = [k for k, _ in args.slo or []]
     if twice := sorted({k for k in keys if keys.count(k) > 1}):
         raise ModelLoadError(f"--slo: {', '.join(twice)} given more than once")
     slos = dict(ELASTIC_SLOS_MS, **{f"slo_{k}_ms": v for k, v in (args.slo or [])})
     try:
-        return PolicyConfig(**slos, window_s=args.elastic_window, min_dwell_s=args.elastic_min_dwell)
+        window_s, _, min_dwell_s = elastic_settings(args)
+        return PolicyConfig(**slos, window_s=window_s, min_dwell_s=min_dwell_s)
     except ValueError as exc:  # what the flags' types let through and the policy refuses
         raise ModelLoadError(f"--slo / --elastic-*: {exc}") from None
 
@@ -324,18 +306,19 @@ def run(args: argparse.Namespace) -> int:
     Returns 2 on a bad option or model (``--events`` on TCP needs a token unless
     ``--allow-unauthenticated``)."""
     setup_logging(args.log_level)
-    error = auth.options_error(args, [args.events] if args.events.startswith("tcp://") else [])
+    events = args.events or ROUTER_EVENTS
+    error = auth.options_error(args, [events] if events.startswith("tcp://") else [])
     if error is not None:
         print(f"epdserve router: error: {error}", file=sys.stderr)
         return 2
     try:
-        router = build_router(args, args.events)
+        router = build_router(args, events)
     except ModelLoadError as exc:
         print(f"epdserve router: error: {exc}", file=sys.stderr)
         return 2
     app = create_app(router)
     log.info("router (%s, %s) on http://%s:%d; waiting for workers on %s (frames %s%s)", args.mode,
-             router.model.name, args.host, args.port, args.events,
+             router.model.name, args.host, args.port, events,
              "sealed" if router.keyring.enabled else "NOT authenticated", ", CURVE" if router.keyring.curve else "")
     uvicorn.Server(uvicorn_config(app, args)).run()
     return 0

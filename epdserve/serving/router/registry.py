@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from epdserve.serving import protocol as P
-from epdserve.serving.deployment import ENGINE_ROLES, natural_order
+from epdserve.serving.deployment import ENGINE_ROLES, MODE_ROLES, natural_order
 from epdserve.serving.handshake import KV_PEER_ROLES, refusal
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.router.events import WorkerDown, WorkerFailed, event_for
@@ -40,7 +40,6 @@ from epdserve.serving.api.errors import APIError
 
 log = logging.getLogger("epdserve.router")
 
-MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode"), "epd": ("encode", "prefill", "decode")}
 # Elastic: a stage with no worker of its role goes to one of these (a colocated worker
 # decodes an imported request as a decode worker does).
 ELASTIC_FALLBACK = {"decode": "colocated"}

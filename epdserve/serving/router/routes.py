@@ -13,7 +13,6 @@ import uuid
 from fastapi import FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from typing import Literal
 
 from epdserve.serving.api import openai as api
 from epdserve.serving.api.logprobs import vllm_prompt_logprobs
@@ -22,8 +21,8 @@ from epdserve.serving.router.events import WorkerFailed
 from epdserve.serving.router.choices import Choice, best_choices, failed, merged, usage_counts
 from epdserve.serving.router.front import Front
 from epdserve.serving.router import surface
-from epdserve.serving.router.registry import MODE_ROLES
 from epdserve.serving.api.errors import APIError, BoundedJSONRoute, install_error_handlers
+from epdserve.serving.deployment import MODE_ROLES, EngineRole
 
 log = logging.getLogger("epdserve.router")
 
@@ -41,7 +40,7 @@ class RoleRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     worker_id: str = Field(max_length=128)
-    role: Literal["colocated", "prefill", "decode"]
+    role: EngineRole
     reason: str | None = Field(default=None, max_length=256, pattern=NO_CONTROL_CHARACTERS)
 
 
@@ -50,7 +49,7 @@ class WorkerRequest(BaseModel):
     ``reason`` goes to the log and the trace's ``role`` line."""
 
     model_config = ConfigDict(extra="forbid")
-    role: Literal["colocated", "prefill", "decode"]
+    role: EngineRole
     reason: str | None = Field(default=None, max_length=256, pattern=NO_CONTROL_CHARACTERS)
 
 

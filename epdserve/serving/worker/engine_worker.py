@@ -4,9 +4,11 @@ It binds a PULL socket for the router's commands (a thread of its own receives t
 stamps their arrival), connects a PUSH socket to the router's events address, says
 :class:`~epdserve.serving.protocol.Hello`, then loops: handle the received commands, run
 one engine step if there is work, publish the new tokens, report
-:class:`~epdserve.serving.protocol.Stats`. A prefill worker writes each hand-off's KV
-blocks to shared memory and owns that segment until the decode worker has taken it
-(the decode worker unlinks it), the router releases it, or ``--kv-ttl`` passes. A worker
+:class:`~epdserve.serving.protocol.Stats`. A prefill worker holds each hand-off's KV
+(by default its blocks, in the shared KV pool its cache lives in; a staged frame with
+``--kv-transfer-dtype`` or ``--kv-layer-pipeline``) until the router releases it, once the
+decode worker has imported it or on failure, or ``--kv-ttl`` passes
+(:mod:`epdserve.transfer.handoff`). A worker
 that prefills a prompt with images gets their embeddings from encode workers (EPD) or,
 given the image bytes, encodes them itself first (colocated, PD), blocking its loop as a
 vision encoder inside an engine does. A request's KV (decode) or image embeddings (EPD)
@@ -63,11 +65,12 @@ from epdserve.serving.worker.encode_worker import EncodeWorker, image_inputs
 from epdserve.serving.worker.fetch import Fetch, Fetcher
 from epdserve.serving.worker.grammar_prep import GrammarPrep, Prepared
 # add_arguments is the `epdserve worker` command's (epdserve/cli.py): its options live with the set-up.
-from epdserve.serving.worker.setup import ROLES, add_arguments, load, node_identity
+from epdserve.serving.worker.setup import WorkerConfig, add_arguments, load, node_identity
 from epdserve.serving.worker.threads import IDLE_WAIT_S, serve
 from epdserve.transfer import handoff, tcp
 from epdserve.trace import StageTimings
 from epdserve.transfer.sealing import NO_AUTH, Sealer
+from epdserve.serving.deployment import ENGINE_ROLES
 
 log = logging.getLogger("epdserve.worker")
 STATS_INTERVAL_S = 0.5
@@ -87,7 +90,7 @@ class Switch:
 
 class Worker:
     """The command/step/publish loop around one :class:`LLMEngine` of a worker of ``role``
-    (one of :data:`ROLES`); commands come from ``inbox`` as ``(message, arrival)`` pairs
+    (one of :data:`~epdserve.serving.deployment.ENGINE_ROLES`); commands come from ``inbox`` as ``(message, arrival)`` pairs
     put there by :func:`receive_commands`, finished fetches as ``(Fetch, time)`` pairs
     put there by the fetch threads (:class:`~epdserve.serving.worker.fetch.Fetcher`), and guided
     requests whose grammar is compiled as ``(Prepared, time)`` (:class:`GrammarPrep`). The
@@ -102,8 +105,8 @@ class Worker:
     def __init__(self, engine: LLMEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
                  exporter: handoff.Exporter, importer: handoff.Importer, encoder: EncodeEngine | None = None,
                  role: str = "colocated"):
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r} (choose from {', '.join(ROLES)})")
+        if role not in ENGINE_ROLES:
+            raise ValueError(f"unknown role {role!r} (choose from {', '.join(ENGINE_ROLES)})")
         self.engine = engine
         self.encoder = encoder  # for prompts with images that come with their bytes
         self.worker_id = worker_id
@@ -385,65 +388,66 @@ def run(args: argparse.Namespace) -> int:
     """Start the worker; returns 0 on shutdown, 2 on a bad option or model (a TCP listener
     without a token, see ``auth.options_error``) or when the router refuses it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serves_tcp = (args.role in ("prefill", "encode") or args.elastic) and args.kv_transport != "shm"
-    listeners = [a for a in (args.bind, args.kv_bind if serves_tcp else "") if a.startswith("tcp://")]
-    error = auth.options_error(args, listeners)
+    config = WorkerConfig.from_args(args)
+    serves_tcp = (config.role in ("prefill", "encode") or config.elastic) and config.kv_transport != "shm"
+    listeners = [a for a in (config.bind, config.kv_bind if serves_tcp else "") if a.startswith("tcp://")]
+    error = auth.options_error(config, listeners)
     if error is not None:
         print(f"epdserve worker: error: {error}", flush=True)
         return 2
-    keyring = auth.keyring_from(args)
+    keyring = auth.keyring_from(config)
     if not keyring.enabled:
         log.warning("%s: no auth token: frames go unsealed, and a router with a token will not hear this worker",
-                    args.worker_id)
+                    config.worker_id)
     tcp.configure(keyring)  # the exporter's KV server and the importer's fetches
     incarnation = secrets.token_hex(8)
     try:
-        cores, info, encoder, engine, kv_pool = load(args)
+        cores, info, encoder, engine, kv_pool = load(config)
     except (ValueError, ModelLoadError, OSError) as exc:
         print(f"epdserve worker: error: {exc}", flush=True)
         return 2
     ctx = zmq.Context()
     cmd = ctx.socket(zmq.PULL)
-    keyring.secure_server(cmd, args.bind)
-    cmd.bind(args.bind)
+    keyring.secure_server(cmd, config.bind)
+    cmd.bind(config.bind)
     events = ctx.socket(zmq.PUSH)
     events.setsockopt(zmq.LINGER, 1000)
-    keyring.secure_client(events, args.router)
-    events.connect(args.router)
+    keyring.secure_client(events, config.router)
+    events.connect(config.router)
     inbox: queue.Queue = queue.Queue()
     try:
-        worker, kv_layout, blocks_total = _make_worker(args, ctx, inbox, events, encoder, engine, kv_pool,
-                                                       args.kv_bind if serves_tcp else None)
+        worker, kv_layout, blocks_total = _make_worker(config, ctx, inbox, events, encoder, engine, kv_pool,
+                                                       config.kv_bind if serves_tcp else None)
     except zmq.ZMQError as exc:
-        print(f"epdserve worker: error: --kv-bind {args.kv_bind}: {exc}", flush=True)
+        print(f"epdserve worker: error: --kv-bind {config.kv_bind}: {exc}", flush=True)
         ctx.destroy(linger=0)
         return 2
     if threading.current_thread() is threading.main_thread():  # a Ray actor may run us on another thread
         signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
     worker.sealer, worker.incarnation = keyring.sealer("events"), incarnation
     # The address bound, not the one asked for: "tcp://IP:0" (Ray actors) resolves to a free port.
-    addr = cmd.getsockopt_string(zmq.LAST_ENDPOINT) if args.bind.startswith("tcp://") else args.bind
-    worker.hello = P.Hello(worker_id=args.worker_id, role=args.role, addr=addr, model=info.name,
+    addr = cmd.getsockopt_string(zmq.LAST_ENDPOINT) if config.bind.startswith("tcp://") else config.bind
+    worker.hello = P.Hello(worker_id=config.worker_id, role=config.role, addr=addr, model=info.name,
                            fingerprint=model_fingerprint(info.path), kv_layout=kv_layout,
-                           blocks_total=blocks_total, cores=cores, auth=auth_tag(args.auth_token, args.worker_id),
+                           blocks_total=blocks_total, cores=cores, auth=auth_tag(config.auth_token, config.worker_id),
                            incarnation=incarnation, protocol=P.PROTOCOL_VERSION, **node_identity())
     worker.send(worker.hello)
-    log.info("%s: %s worker on cores %s, device %s, %d KV blocks, listening on %s%s", args.worker_id, args.role,
-             cores, args.device, blocks_total, addr, " (CURVE on TCP)" if keyring.curve else "")
-    serve(worker, ctx, cmd, inbox, args.router, args.worker_id, keyring, incarnation)
+    log.info("%s: %s worker on cores %s, device %s, %d KV blocks, listening on %s%s", config.worker_id, config.role,
+             cores, config.device, blocks_total, addr, " (CURVE on TCP)" if keyring.curve else "")
+    serve(worker, ctx, cmd, inbox, config.router, config.worker_id, keyring, incarnation)
     ctx.destroy(linger=1000)
     return worker.exit_code
 
 
-def _make_worker(args: argparse.Namespace, ctx: zmq.Context, inbox: queue.Queue, events: zmq.Socket,
+def _make_worker(config: WorkerConfig, ctx: zmq.Context, inbox: queue.Queue, events: zmq.Socket,
                  encoder: EncodeEngine | None, engine: LLMEngine | None, kv_pool, kv_bind: str | None):
     """The role's worker loop object, the KV layout and block count its Hello reports.
     Raises ``zmq.ZMQError`` when ``kv_bind`` cannot be bound."""
-    if args.role == "encode":
-        worker = EncodeWorker(encoder, args.worker_id, inbox, events, ctx, kv_bind, args.kv_ttl)
+    if config.role == "encode":
+        worker = EncodeWorker(encoder, config.worker_id, inbox, events, ctx, kv_bind, config.kv_ttl)
         return worker, worker.kv_layout(), 0
-    exporter = handoff.Exporter(engine, args.kv_ttl, ctx, kv_bind, args.kv_transfer_dtype, kv_pool,
-                                args.kv_layer_pipeline)
-    importer = handoff.Importer(ctx, args.kv_transport, args.kv_transfer_timeout)
-    worker = Worker(engine, args.worker_id, inbox, events, exporter, importer, encoder, role=args.role)
+    exporter = handoff.Exporter(engine, config.kv_ttl, ctx, kv_bind, config.kv_transfer_dtype, kv_pool,
+                                config.kv_layer_pipeline)
+    importer = handoff.Importer(ctx, config.kv_transport, config.kv_transfer_timeout)
+    worker = Worker(engine, config.worker_id, inbox, events, exporter, importer, encoder, role=config.role)
     return worker, engine.kv_layout(), engine.pool.num_blocks

@@ -1,5 +1,5 @@
-"""An engine worker's process set-up (``epdserve worker``): its options, the engine settings
-they give, the cores it is pinned to, where it runs (for its Hello), and what its role
+"""An engine worker's process set-up (``epdserve worker``): its options, parsed once into a
+:class:`WorkerConfig`, the engine settings they give, the cores it is pinned to, where it runs (for its Hello), and what its role
 loads (the model, the vision encoder, the engine and its shared KV pool). The loop itself
 is :mod:`epdserve.serving.worker.engine_worker`."""
 
@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import socket
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -18,22 +19,21 @@ from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import DTYPES, EngineConfig, LLMEngine
 from epdserve.model.loader import auto_dtype, resolve_model
 from epdserve.serving import auth, flags
-from epdserve.serving.deployment import ENGINE_ROLES
+from epdserve.serving.deployment import ROLES
 from epdserve.transfer import cuda_ipc, shm
 
 log = logging.getLogger("epdserve.worker")
-ROLES = ENGINE_ROLES  # an encode worker runs EncodeWorker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``epdserve worker``'s options: its own, and the engine's shared with ``serve``
     (:mod:`epdserve.serving.flags`, one definition)."""
-    parser.add_argument("--role", choices=ROLES + ("encode",), required=True)
+    parser.add_argument("--role", choices=ROLES, required=True)
     parser.add_argument("--router", required=True, help="router events address, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--bind", required=True, help="address for this worker's command socket")
     parser.add_argument("--worker-id", required=True)
     flags.MODEL_FLAG.add(parser)
-    parser.add_argument("--cores", default=None, help="CPU cores to pin to, e.g. 0,1 (default: all allowed)")
+    flags.CORES_FLAG.add(parser)
     flags.add_worker_flags(parser)
     parser.add_argument("--kv-ttl", type=float_above(0), default=120.0,
                         help="seconds a prefill worker keeps an exported KV segment nobody took")
@@ -42,21 +42,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(port 0: any free port)")
     parser.add_argument("--kv-transfer-timeout", type=float_above(0), default=30.0,
                         help="seconds a decode worker waits for a KV fetch over TCP")
-    parser.add_argument("--elastic", action="store_true",
-                        help="the router may switch this worker's role live (colocated, prefill, decode): keep "
-                             "the KV cache shareable and serve KV whatever the role (docs/elastic.md)")
-    auth.add_arguments(parser, "shared secret that seals every frame between this worker, the router and the "
-                               "other workers (default: $EPDSERVE_AUTH_TOKEN)")
+    flags.ELASTIC_FLAG.add(parser)
+    auth.add_arguments(parser)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine settings of a worker's options (``--dtype auto`` resolved first, see :func:`_load`)."""
-    return EngineConfig(block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_chunked_prefill=args.enable_chunked_prefill,
-                        enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype,
-                        quantized_weights=args.quantized_weights, device=args.device,
-                        cuda_graph=not args.enforce_eager)
+@dataclass(frozen=True)
+class WorkerConfig:
+    """``epdserve worker``'s options, one field per flag of :func:`add_arguments` (a test
+    checks that every flag has its field: none is parsed and then ignored). Units as the
+    flags': MiB, tokens, seconds."""
+    role: str
+    router: str
+    bind: str
+    worker_id: str
+    model: str | None
+    cores: str | None
+    kv_cache_memory_mb: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    enable_chunked_prefill: bool
+    enable_prefix_caching: bool
+    device: str
+    enforce_eager: bool
+    dtype: str | None
+    quantized_weights: bool
+    kv_transport: str
+    kv_transfer_dtype: str
+    kv_layer_pipeline: bool
+    kv_ttl: float
+    kv_bind: str
+    kv_transfer_timeout: float
+    elastic: bool
+    auth_token: str | None
+    allow_unauthenticated: bool
+    internal_encryption: str
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def engine_config(config: WorkerConfig) -> EngineConfig:
+    """The engine settings of a worker's options (``--dtype`` resolved first, see :func:`load`)."""
+    return EngineConfig(block_size=config.block_size, kv_cache_memory_mb=config.kv_cache_memory_mb,
+                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                        enable_chunked_prefill=config.enable_chunked_prefill,
+                        enable_prefix_caching=config.enable_prefix_caching, dtype=config.dtype,
+                        quantized_weights=config.quantized_weights, device=config.device,
+                        cuda_graph=not config.enforce_eager)
 
 
 def pin_to_cores(spec: str | None) -> list[int]:
@@ -93,36 +127,36 @@ def node_identity() -> dict:
             "node_ip": os.environ.get("EPDSERVE_NODE_IP", ""), "resources": resources, "pid": os.getpid()}
 
 
-def load(args: argparse.Namespace):
+def load(config: WorkerConfig):
     """Pin the cores and load what the role runs: ``(cores, model info, encode engine or
     None, engine and its shared KV pool or None, None for an encode worker)``.
 
     Raises:
         ValueError, ModelLoadError, OSError: a bad option, model, or /dev/shm.
     """
-    encode_role = args.role == "encode"
-    cores = pin_to_cores(args.cores)
+    encode_role = config.role == "encode"
+    cores = pin_to_cores(config.cores)
     if os.environ.get("EPDSERVE_NUM_THREADS"):  # a Ray actor: its CPU count, not the node's
         torch.set_num_threads(max(1, int(os.environ["EPDSERVE_NUM_THREADS"])))
-    info = resolve_model(args.model)
-    if args.dtype is None:  # bfloat16 on CUDA (as vLLM), float32 on the CPU (as before the GPU path)
-        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    elif args.dtype == "auto":
-        args.dtype = auto_dtype(info.path, args.quantized_weights, args.device)
-        log.info("%s: --dtype auto: %s on %s", args.worker_id, args.dtype, args.device)
+    info = resolve_model(config.model)
+    if config.dtype is None:  # bfloat16 on CUDA (as vLLM), float32 on the CPU (as before the GPU path)
+        config = replace(config, dtype="bfloat16" if config.device.startswith("cuda") else "float32")
+    elif config.dtype == "auto":
+        config = replace(config, dtype=auto_dtype(info.path, config.quantized_weights, config.device))
+        log.info("%s: --dtype auto: %s on %s", config.worker_id, config.dtype, config.device)
     encoder = engine = kv_pool = None
-    if encode_role or (info.multimodal and (args.role in ("colocated", "prefill") or args.elastic)):
-        encoder = EncodeEngine(info.path, DTYPES[args.dtype], device=args.device)
+    if encode_role or (info.multimodal and (config.role in ("colocated", "prefill") or config.elastic)):
+        encoder = EncodeEngine(info.path, DTYPES[config.dtype], device=config.device)
         if info.synthetic_vision:
             log.warning("%s: the vision tower of %s has SYNTHETIC (seeded random) weights: image outputs "
-                        "carry no meaning", args.worker_id, info.name)
+                        "carry no meaning", config.worker_id, info.name)
     if not encode_role:
         # A prefill worker keeps its KV cache where a same-host decode worker can read it, so a
         # hand-off copies it once: /dev/shm on the CPU, a CUDA-IPC-shared pool on a GPU
         # (docs/gpu-handoff.md). Converted or layer-pipelined KV is staged as a frame instead.
-        exports = args.role == "prefill" or args.elastic  # an elastic worker may become a prefill worker
-        shared = exports and args.kv_transfer_dtype == "none" and not args.kv_layer_pipeline
-        engine, kv_pool = new_engine(str(info.path), engine_config(args), shared)
+        exports = config.role == "prefill" or config.elastic  # an elastic worker may become a prefill worker
+        shared = exports and config.kv_transfer_dtype == "none" and not config.kv_layer_pipeline
+        engine, kv_pool = new_engine(str(info.path), engine_config(config), shared)
     return cores, info, encoder, engine, kv_pool
 
 

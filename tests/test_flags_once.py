@@ -1,0 +1,98 @@
+"""Each flag that several commands take is declared once: one default and one help text
+wherever it appears (serve's pass-through of a worker flag is the worker's declaration:
+default None, "not given", with the worker's default named in its help). A flag name that
+means a different thing in different commands is listed in OTHER_MEANING with the reason."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections import defaultdict
+
+from epdserve.cli import COMMANDS
+
+OTHER_MEANING = {
+    "--model": "serve, worker, router and compare load it (a path or tag); plan reads a model profile; bench "
+               "sends it as the request's model name, as `vllm bench serve --model` does",
+    "--output": "each command's own results folder",
+    "--port": "serve and router listen on it; compare starts its servers on it (8100, so that a server the "
+              "user runs on serve's 8000 stays untouched)",
+    "--request-timeout": "the router's wait for a worker's output; bench's and compare's wait for the server's",
+    "--startup-timeout": "serve waits for its workers' hellos; compare for a whole deployment's /health",
+    "--slo": "serve and router: the elastic controller's SLOs (ttft, tpot); plan: the goodput SLOs, as "
+             "compare's --goodput",
+    "--sweep-rates": "bench's bracket of its sweep; compare sweeps only when it is given",
+    "--sweep-iters": "compare sweeps every configuration of every round: one step fewer than bench",
+    "--trace": "plan also reads production traces (Mooncake, Azure) directly",
+    "--workload": "compare's default is the demo workload (long-prompt bursts, where splitting shows); "
+                  "bench's vLLM's synthetic random lengths",
+    "--dataset-name": "vLLM's name for --workload",
+}
+
+
+def _declarations() -> dict[str, list[tuple[str, argparse.Action]]]:
+    """Every long option of every command (sub-commands included), with its action."""
+    seen = defaultdict(list)
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            for option in action.option_strings:
+                if option.startswith("--") and option != "--help":
+                    seen[option].append((path, action))
+
+    for command, (module, _) in COMMANDS.items():
+        parser = argparse.ArgumentParser(prog=command)
+        importlib.import_module(module).add_arguments(parser)
+        walk(parser, command)
+    return seen
+
+
+def _declared(action: argparse.Action) -> tuple:
+    """(default, help, type, choices) as declared: a Flag's own, whatever serve's
+    pass-through made of it. A type is compared by name (a bound such as float_above(0) is
+    a new function at each call)."""
+    flag = getattr(action, "flag", None)
+    kw = flag.kwargs if flag is not None else vars(action)
+    kind = kw.get("type")
+    return kw.get("default"), kw.get("help"), getattr(kind, "__qualname__", kind), kw.get("choices")
+
+
+def test_each_shared_flag_has_one_default_and_one_help():
+    clashes = []
+    for option, uses in sorted(_declarations().items()):
+        if len(uses) < 2 or option in OTHER_MEANING:
+            continue
+        declared = {repr(_declared(action)) for _, action in uses}
+        if len(declared) > 1:
+            clashes.append(f"{option}: " + "; ".join(f"{path}: default {_declared(a)[0]!r}, help "
+                                                     f"{(_declared(a)[1] or '')[:60]!r}" for path, a in uses))
+    assert not clashes, "\n".join(clashes)
+
+
+def test_serve_passes_worker_flags_with_the_workers_declaration():
+    uses = _declarations()
+    serve = {path: action for path, action in uses["--kv-cache-memory-mb"]}
+    assert serve["serve"].default is None and serve["worker"].default == 1024
+    assert serve["serve"].help.endswith("passed to each worker (default: 1024)")
+    assert serve["serve"].flag is serve["worker"].flag
+
+
+def test_other_meanings_are_still_shared_names():
+    uses = _declarations()
+    stale = [option for option in OTHER_MEANING if len(uses.get(option, [])) < 2]
+    assert not stale, f"no longer in two commands, remove from OTHER_MEANING: {stale}"
+
+
+def test_every_worker_flag_has_its_config_field():
+    """A flag parsed and left out of the config would be accepted and ignored."""
+    from dataclasses import fields
+
+    from epdserve.serving.worker.setup import WorkerConfig, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    dests = {a.dest for a in parser._actions if a.dest != "help"}
+    assert dests == {f.name for f in fields(WorkerConfig)}
