@@ -19,7 +19,7 @@ from epdserve.serving.api.logprobs import LogprobsFormatter
 from epdserve.serving.api.openai import ChatCompletionRequest
 from epdserve.serving.router.choices import Choice
 from epdserve.serving.router.routes import chat_chunks
-from epdserve.serving.api.structured_output import FieldError
+from epdserve.serving.api.errors import APIError
 from epdserve.serving.api.tool_calls import NamedToolChoice, ToolDef, ToolPlan, ToolSettings, plan_tools, tool_chars
 from epdserve.serving.api.tool_parsers import NamedOutput
 
@@ -173,7 +173,7 @@ def test_plan_checks():
              ((TOOLS, "none", ToolSettings(auto=True, parser="hermes")), "tools"),
              ((TOOLS, None, ToolSettings(template_tools=True)), "tool_choice")]
     for (tools, choice, settings), param in cases:
-        with pytest.raises(FieldError) as err:
+        with pytest.raises(APIError) as err:
             plan_tools(tools, choice, None, settings)
         assert err.value.param == param
     assert plan_tools(None, "none", None, ENABLED) is None

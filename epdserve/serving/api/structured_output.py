@@ -19,17 +19,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from epdserve.engine.request import LOGIT_BIAS_LIMIT, MAX_GUIDED_CHARS, MAX_LOGIT_BIAS, GuidedSpec
+from epdserve.serving.api.errors import APIError
 
 INT32_MAX = 2**31 - 1
-
-
-class FieldError(ValueError):
-    """A request field's value that cannot be honoured; ``param`` names the field (the
-    router answers 400 with it)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 class JSONSchemaFormat(BaseModel):
@@ -75,14 +67,14 @@ def _schema_text(schema: str | dict | bool, param: str) -> str:
     """A JSON schema given as an object or as its JSON text, as JSON text.
 
     Raises:
-        FieldError: naming ``param``, a string that is not JSON.
+        APIError: naming ``param``, a string that is not JSON.
     """
     if not isinstance(schema, str):
         return json.dumps(schema, ensure_ascii=False)
     try:
         json.loads(schema)
     except ValueError as exc:
-        raise FieldError(f"{param}: not valid JSON: {exc}", param) from None
+        raise APIError(f"{param}: not valid JSON: {exc}", param=param) from None
     return schema
 
 
@@ -125,7 +117,7 @@ class GuidedFields(BaseModel):
         or None. A JSON schema is passed as JSON text, a choice list as a JSON list.
 
         Raises:
-            FieldError: naming the fields when more than one constraint is given, or
+            APIError: naming the fields when more than one constraint is given, or
                 naming the field whose schema string is not JSON or whose value is over
                 :data:`~epdserve.engine.request.MAX_GUIDED_CHARS` characters.
         """
@@ -149,8 +141,8 @@ class GuidedFields(BaseModel):
             if so.json_object:
                 given["structured_outputs.json_object"] = ("json_object", "")
         if len(given) > 1:
-            raise FieldError(f"at most one structured-output constraint per request, got {len(given)}: "
-                             f"{', '.join(given)}", next(iter(given)))
+            raise APIError(f"at most one structured-output constraint per request, got {len(given)}: "
+                           f"{', '.join(given)}", param=next(iter(given)))
         if not given:
             return None
         (name, (kind, value)), = given.items()
@@ -159,5 +151,5 @@ class GuidedFields(BaseModel):
         elif kind == "choice":
             value = json.dumps(value, ensure_ascii=False)
         if len(value) > MAX_GUIDED_CHARS:
-            raise FieldError(f"{name}: {len(value)} characters, over the limit of {MAX_GUIDED_CHARS}", name)
+            raise APIError(f"{name}: {len(value)} characters, over the limit of {MAX_GUIDED_CHARS}", param=name)
         return name, GuidedSpec(kind=kind, value=value)

@@ -29,7 +29,7 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from epdserve.engine.request import MAX_GUIDED_CHARS, GuidedSpec
-from epdserve.serving.api.structured_output import FieldError
+from epdserve.serving.api.errors import APIError
 from epdserve.serving.api.tool_parsers import HermesOutput, NamedOutput, RequiredOutput, ToolOutput
 
 MAX_TOOLS = 128  # OpenAI's limit on tools per request
@@ -210,7 +210,7 @@ class ToolPlan:
         tools); for a named function its parameters object; None otherwise.
 
         Raises:
-            FieldError: ``tools``, a schema over the engine's ``MAX_GUIDED_CHARS``.
+            APIError: ``tools``, a schema over the engine's ``MAX_GUIDED_CHARS``.
         """
         if self.mode == "named":
             schema = self.function(self.named).schema
@@ -224,8 +224,8 @@ class ToolPlan:
         try:
             return GuidedSpec(kind="json", value=json.dumps(schema, ensure_ascii=False))
         except ValidationError:
-            raise FieldError(f"tools: the schema forcing tool_choice {self.mode!r} is over {MAX_GUIDED_CHARS} "
-                             "characters; send fewer or smaller tools", "tools") from None
+            raise APIError(f"tools: the schema forcing tool_choice {self.mode!r} is over {MAX_GUIDED_CHARS} "
+                           "characters; send fewer or smaller tools", param="tools") from None
 
     def function(self, name: str) -> FunctionDef | None:
         """The tool function called ``name``, None if there is none."""
@@ -248,32 +248,32 @@ def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, para
     with tools (OpenAI); "none" needs no tools (vLLM).
 
     Raises:
-        FieldError: ``tool_choice`` without ``tools``; a named function not among
+        APIError: ``tool_choice`` without ``tools``; a named function not among
             them; two tools of one name; ``tools`` with a chat template that has no tool
             format; "auto" without ``--enable-auto-tool-choice`` (vLLM's rule).
     """
     if not tools:
         if tool_choice is not None and tool_choice != "none":
-            raise FieldError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+            raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
         return None
     if len(tools) > MAX_TOOLS:
-        raise FieldError(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+        raise APIError(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
     names = [t.function.name for t in tools]
     if len(set(names)) < len(names):
         dup = next(n for n in names if names.count(n) > 1)
-        raise FieldError(f"tools: two functions are named {dup!r}", "tools")
+        raise APIError(f"tools: two functions are named {dup!r}", param="tools")
     if not settings.template_tools:
-        raise FieldError("tools: the model's chat template has no tool-call format (it ignores `tools`); "
-                               "serve it with --chat-template FILE, a template that renders them (e.g. "
-                               "examples/templates/hermes_tools.jinja)", "tools")
+        raise APIError("tools: the model's chat template has no tool-call format (it ignores `tools`); "
+                       "serve it with --chat-template FILE, a template that renders them (e.g. "
+                       "examples/templates/hermes_tools.jinja)", param="tools")
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
-            raise FieldError(f"tool_choice: function {choice.function.name!r} is not in tools", "tool_choice")
+            raise APIError(f"tool_choice: function {choice.function.name!r} is not in tools", param="tool_choice")
         return ToolPlan("named", tools, parallel is not False, choice.function.name)
     if choice == "auto" and not (settings.auto and settings.parser):
-        raise FieldError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                               'to be set (or pass tool_choice "none", "required" or a function)', "tool_choice")
+        raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                       'to be set (or pass tool_choice "none", "required" or a function)', param="tool_choice")
     return ToolPlan(choice, tools, parallel is not False)
 
 

@@ -35,7 +35,6 @@ from epdserve.serving.api.logprobs import LogprobsFormatter
 from epdserve.serving.api.detokenizer import TextStream
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.api.multimodal import ImagePrompter
-from epdserve.serving.api.structured_output import FieldError
 from epdserve.serving.api.tool_calls import ToolPlan, ToolSettings, plan_tools, tool_chars
 from epdserve.serving.router.choices import Choice
 from epdserve.serving.router.flows import Flow, FlowConfig, new_flow
@@ -298,10 +297,7 @@ class Front:
             APIError: 400, as :func:`plan_tools`; tool calls or results in ``messages`` while
                 the chat template has no tool format; tools with a vision-language model.
         """
-        try:
-            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tools)
-        except FieldError as exc:
-            raise APIError(str(exc), param=exc.param) from None
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tools)
         if any(m.tool_calls or m.role == "tool" for m in body.messages):
             if not self.tools.template_tools:
                 raise APIError("messages: tool calls and tool results need a chat template with a tool-call "

@@ -10,7 +10,6 @@ import concurrent.futures
 
 from epdserve.engine.guided import GuidedDecoder, GuidedError
 from epdserve.engine.request import GuidedSpec
-from epdserve.serving.api.structured_output import FieldError
 from epdserve.serving.api.tool_calls import ToolPlan
 from epdserve.serving.api.errors import APIError
 
@@ -51,11 +50,8 @@ class GrammarCheck:
                 cannot compile (with its message), or one not compiled in time; 503 when
                 :data:`MAX_COMPILE_QUEUE` requests already wait for the grammar thread.
         """
-        try:
-            found = body.guided_spec()
-            forced = tools.guided_spec() if tools else None
-        except FieldError as exc:
-            raise APIError(str(exc), param=exc.param) from None
+        found = body.guided_spec()
+        forced = tools.guided_spec() if tools else None
         if forced is not None:
             if found is not None:
                 raise APIError(f"tool_choice: {tools.mode!r} forces the output, so it cannot be combined with "
