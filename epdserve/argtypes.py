@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import json
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import yaml
 
@@ -49,6 +49,11 @@ class Flag:
         if action is argparse.BooleanOptionalAction:
             return [self.name if value else "--no-" + self.name.removeprefix("--")]
         return [self.name, str(value)]
+
+
+# A command's parsed options: the frozen dataclass frozen_options makes of them (a test may pass
+# a plain Namespace). Read by attribute, never assigned.
+Options = Any
 
 
 def frozen_options(command: str, args: argparse.Namespace):

@@ -96,3 +96,18 @@ def test_every_worker_flag_has_its_config_field():
     add_arguments(parser)
     dests = {a.dest for a in parser._actions if a.dest != "help"}
     assert dests == {f.name for f in fields(WorkerConfig)}
+
+
+def test_parsed_options_are_frozen_and_copied_with_new_values():
+    import dataclasses
+
+    import pytest
+
+    from epdserve.argtypes import frozen_options, with_values
+
+    options = frozen_options("serve", argparse.Namespace(model=None, port=8000))
+    assert type(options).__name__ == "ServeOptions"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.port = 1
+    changed = with_values(options, model="vlm")
+    assert (changed.model, changed.port, options.model) == ("vlm", 8000, None)

@@ -167,7 +167,8 @@ def test_plan_configs_elastic_end_to_end(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--configs", "elastic-1"], "elastic-1"),
-    (["--configs", "elastic", "--elastic-interval", "0"], "--elastic-interval: '0'"),
+    (["--configs", "elastic", "--elastic-interval", "0"], "--elastic-interval 0: plan simulates"),
+    (["--configs", "elastic", "--elastic-interval", "0.05"], "--elastic-interval: '0.05'"),
     (["--configs", "elastic", "--elastic-min-dwell", "-5"], "--elastic-min-dwell: '-5'"),
     (["--price-per-hour", "-1"], "--price-per-hour: '-1'"),
 ])

@@ -62,7 +62,7 @@ import sys
 from pathlib import Path
 
 from epdserve import host
-from epdserve.argtypes import Flag, float_above, with_values
+from epdserve.argtypes import Flag, Options, float_above, with_values
 from epdserve.bench import client, plots, recommend, repeats, report, rounds, server_metrics, sweep, workload
 from epdserve.bench.deployment_run import run_config
 from epdserve.bench.deployments import Deployment, DeploymentFileError, ModelVariables, from_config, load
@@ -172,7 +172,7 @@ class _Parser(argparse.ArgumentParser):
         raise argparse.ArgumentError(None, message)
 
 
-def preflight(args: argparse.Namespace, available_bytes: int | None,
+def preflight(args: Options, available_bytes: int | None,
               deployments: list[Deployment] | None = None) -> tuple[list[str], list[str]]:
     """Check every epdserve deployment of ``deployments`` (default: ``args.configs``)
     before any runs, with the options and the check ``epdserve serve`` itself applies when
@@ -216,7 +216,7 @@ def preflight(args: argparse.Namespace, available_bytes: int | None,
     return warnings, errors
 
 
-def slos(args: argparse.Namespace) -> dict[str, float] | None:
+def slos(args: Options) -> dict[str, float] | None:
     """The SLOs (ms) of ``--goodput`` (None without it), which elastic deployments get as
     serve's ``--slo`` (:func:`~epdserve.bench.processes.server_command`)."""
     return dict(args.goodput) if getattr(args, "goodput", None) else None
@@ -226,7 +226,7 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def selected(args: argparse.Namespace) -> list[Deployment]:
+def selected(args: Options) -> list[Deployment]:
     """The deployments to run: ``--configs`` (default colocated,pd without
     ``--deployments``), then every entry of the ``--deployments`` files.
 
@@ -244,7 +244,7 @@ def selected(args: argparse.Namespace) -> list[Deployment]:
     return chosen
 
 
-def _options_error(args: argparse.Namespace) -> str | None:
+def _options_error(args: Options) -> str | None:
     """What is wrong with a combination of options, None when nothing is."""
     if args.budget is not None and args.repeats != rounds.AUTO:
         return f"--budget is for --repeats auto, not --repeats {args.repeats}"
@@ -253,7 +253,7 @@ def _options_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Options) -> int:
     """``epdserve compare`` with parsed options; returns the exit status (module doc)."""
     error = _options_error(args)
     if error:
@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_all(chosen: list[Deployment], requests: list[workload.Request],
-             args: argparse.Namespace, out_dir: Path) -> tuple[list[dict], int, str]:
+             args: Options, out_dir: Path) -> tuple[list[dict], int, str]:
     """Run the deployments in interleaved rounds (:mod:`epdserve.bench.rounds`: ``--repeats``
     N or auto, ``--budget``), each run from a fresh start; fold each deployment's runs into
     one entry (:func:`repeats.combine`). SIGTERM counts as Ctrl-C: servers are stopped too.
@@ -359,7 +359,7 @@ def _failed_entry(dep: Deployment, exc: Exception) -> dict:
             "error": reason, "log_tail": tail}
 
 
-def settings(args: argparse.Namespace) -> dict:
+def settings(args: Options) -> dict:
     """The sampling and client settings every configuration ran with."""
     return {"endpoint": args.endpoint, "temperature": args.temperature,
             "ignore_eos": args.ignore_eos, "warmup": args.warmup, "repeats": args.repeats,

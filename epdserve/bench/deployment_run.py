@@ -4,11 +4,11 @@ stop it; the compare.json entry (:func:`run_config`)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
 
+from epdserve.argtypes import Options
 from epdserve import host
 from epdserve.bench import client, plots, server_metrics, server_trace, sweep, workload
 from epdserve.bench.deployments import Deployment, from_config
@@ -19,7 +19,7 @@ from epdserve.bench.arrivals import retime
 
 
 def run_config(deployment: str | Deployment, requests: list[workload.Request],
-               args: argparse.Namespace, out_dir: Path, serve: list[str] = SERVE,
+               args: Options, out_dir: Path, serve: list[str] = SERVE,
                progress: str = "") -> dict:
     """Start ``deployment`` (a ``--configs`` name or a deployments-file entry), wait until
     it is ready, run the trace (and the goodput sweep when ``args.sweep_rates`` is set),
@@ -110,7 +110,7 @@ def _client_delay(result: dict, requests: list[workload.Request], loop: dict) ->
             "warning": host.client_warning(late, len(lates), max(lates, default=0.0), loop["stalled_s"], worst)}
 
 
-def _run_trace(running: Running, requests: list[workload.Request], args: argparse.Namespace,
+def _run_trace(running: Running, requests: list[workload.Request], args: Options,
                entry: dict, cores: list[int], tag: str) -> tuple[dict | None, dict]:
     """Give the ready deployment the client's CPU priority (:func:`host.match_cpu_priority`)
     and send it the trace while measuring the load on ``cores`` and the client's own delay
@@ -156,7 +156,7 @@ def _run_trace(running: Running, requests: list[workload.Request], args: argpars
     return load, priority
 
 
-def _sweep(dep: Deployment, requests: list[workload.Request], args: argparse.Namespace,
+def _sweep(dep: Deployment, requests: list[workload.Request], args: Options,
            out_dir: Path, opts: LaunchOptions, tag: str) -> dict:
     """The goodput sweep (:func:`sweep.find_max_goodput_rate`) of ``dep``: the trace
     re-timed to each rate, each rate on a fresh start of the deployment, its logs and

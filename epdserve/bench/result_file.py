@@ -23,6 +23,7 @@ import argparse
 import math
 from pathlib import Path
 
+from epdserve.argtypes import Options
 from epdserve.bench import metrics
 
 DEFAULT_PERCENTILE_METRICS = ("ttft", "tpot", "itl")  # vLLM's, for generative models
@@ -103,7 +104,7 @@ def add_result_arguments(parser: argparse.ArgumentParser) -> None:
                         "--save-result)")
 
 
-def options_error(args: argparse.Namespace) -> str | None:
+def options_error(args: Options) -> str | None:
     """What is wrong with the result options together, or None: ``--result-dir`` or
     ``--result-filename`` without ``--save-result``, ``--save-result`` with ``--result-file``,
     or a ``--metadata`` key that names a field of the result (or repeats)."""
@@ -125,7 +126,7 @@ def options_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def file_name(args: argparse.Namespace, result: dict) -> Path | None:
+def file_name(args: Options, result: dict) -> Path | None:
     """Where the result goes: ``--result-file``; with ``--save-result`` vLLM's name
     (``--result-filename`` instead of it) under ``--result-dir``; None: nowhere."""
     if args.result_file:

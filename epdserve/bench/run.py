@@ -31,7 +31,7 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
-from epdserve.argtypes import float_above, float_at_least, slo_pair, with_values
+from epdserve.argtypes import Options, float_above, float_at_least, slo_pair, with_values
 from epdserve.bench import client, metrics, sweep, workload
 from epdserve.bench.result_file import add_result_arguments, file_name, options_error
 from epdserve.bench.arrivals import retime
@@ -156,7 +156,7 @@ def _rate_field(rate: float | None, requests: list[workload.Request]) -> float |
     return "inf" if math.isinf(rate) else rate
 
 
-def bench(base_url: str, requests: list[workload.Request], args: argparse.Namespace,
+def bench(base_url: str, requests: list[workload.Request], args: Options,
           model: str | None = None, request_rate: float | None = None,
           on_start: Callable[[], None] | None = None, tokenizer_id: str | None = None) -> dict:
     """Run ``requests`` against ``base_url`` with the client options in ``args`` and return
@@ -275,7 +275,7 @@ def sweep_table(result: dict) -> list[str]:
     return lines
 
 
-def run_sweep(args: argparse.Namespace, requests: list[workload.Request], spec: dict) -> dict:
+def run_sweep(args: Options, requests: list[workload.Request], spec: dict) -> dict:
     """Bisect on rate with the trace re-timed at each rate; write JSON and plot."""
     def measure(rate: float) -> dict:
         return bench(args.base_url, retime(requests, rate, args.seed), args,
@@ -289,14 +289,14 @@ def run_sweep(args: argparse.Namespace, requests: list[workload.Request], spec: 
     return result
 
 
-def _options_error(args: argparse.Namespace) -> str | None:
+def _options_error(args: Options) -> str | None:
     """What is wrong with the options together (besides the workload's), or None."""
     if args.sweep and not (args.goodput and args.result_file):
         return "--sweep needs --goodput KEY:MS ... and --result-file"
     return options_error(args)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Options) -> int:
     error = _options_error(args)
     if error:
         print(f"epdserve bench: error: {error}", file=sys.stderr)

@@ -26,7 +26,7 @@ import math
 import sys
 from dataclasses import asdict
 
-from epdserve.argtypes import Flag, int_at_least
+from epdserve.argtypes import Flag, Options, int_at_least
 from epdserve.bench import datasets, production
 from epdserve.bench.production_formats import read_production
 from epdserve.bench.prompts import LENGTH_DISTRIBUTIONS, load_tokenizer_for
@@ -90,7 +90,7 @@ def parse_workload(text: str) -> str:
                                      f"{', '.join(VLLM_DATASET_NAMES)})")
 
 
-def sends_ignore_eos(args: argparse.Namespace) -> bool:
+def sends_ignore_eos(args: Options) -> bool:
     """Whether requests carry ``ignore_eos``: when ``--ignore-eos`` asks for it, and, as
     vLLM ``bench serve`` sets it for its random datasets and timed traces, for a workload of
     :data:`IGNORE_EOS_WORKLOADS` or a replayed ``--trace``, whose output lengths are what is
@@ -311,7 +311,7 @@ def _add_source_arguments(g) -> None:
                    help="write the trace used to FILE (JSON lines)")
 
 
-def _arrivals_from_args(args: argparse.Namespace, default_rate: float) -> dict:
+def _arrivals_from_args(args: Options, default_rate: float) -> dict:
     start = getattr(args, "ramp_up_start_rps", None)
     end = getattr(args, "ramp_up_end_rps", None)
     if (start is None) != (end is None):
@@ -324,7 +324,7 @@ def _arrivals_from_args(args: argparse.Namespace, default_rate: float) -> dict:
             "request_rate": args.request_rate or default_rate}
 
 
-def build_from_args(args: argparse.Namespace, tokenizer_path: str | None = None
+def build_from_args(args: Options, tokenizer_path: str | None = None
                     ) -> tuple[list[Request], dict]:
     """The trace the workload options ask for, and a dict describing how it was made
     (``tokenizer``: the tokenizer that sized the prompts; absent for a replayed ``--trace``).
@@ -356,11 +356,11 @@ def build_from_args(args: argparse.Namespace, tokenizer_path: str | None = None
     return requests, spec
 
 
-def _given(args: argparse.Namespace, options) -> list[str]:
+def _given(args: Options, options) -> list[str]:
     return [flag for flag, dest in options if getattr(args, dest, None) is not None]
 
 
-def _check_options(args: argparse.Namespace) -> None:
+def _check_options(args: Options) -> None:
     """TraceError for options given with a workload that does not take them."""
     if getattr(args, "dataset_path", None) and args.workload not in DATASET_FORMATS:
         raise TraceError(f"--dataset-path is for --workload {'|'.join(DATASET_FORMATS)}, "
@@ -382,18 +382,18 @@ def _check_options(args: argparse.Namespace) -> None:
                          f"--length-scale, --max-input-len and --max-output-len")
 
 
-def fit_from_args(args: argparse.Namespace) -> production.Fit:
+def fit_from_args(args: Options, num_prompts: int | None) -> production.Fit:
     """The :class:`~epdserve.bench.production.Fit` of the production-trace options (None =
-    not given: start 0, to the end, all requests, scales 1, no caps); ``num_prompts`` is
-    read from ``args.num_prompts`` when the parser has it."""
+    not given: start 0, to the end, all requests, scales 1, no caps) and ``num_prompts``,
+    the first N requests of the window."""
     given = {"start_s": args.start, "duration_s": args.duration,
-             "num_prompts": getattr(args, "num_prompts", None), "time_scale": args.time_scale,
+             "num_prompts": num_prompts, "time_scale": args.time_scale,
              "length_scale": args.length_scale, "max_input_len": args.max_input_len,
              "max_output_len": args.max_output_len}
     return production.Fit(**{k: v for k, v in given.items() if v is not None})
 
 
-def production_requests(args: argparse.Namespace, tokenizer) -> tuple[list[Request], dict]:
+def production_requests(args: Options, tokenizer) -> tuple[list[Request], dict]:
     """The requests replaying ``--dataset-path`` in the format ``--workload`` (mooncake or
     azure), fitted by the production-trace options (:func:`fit_from_args`), prompts built
     with ``tokenizer`` (None: the planner's stand-in prompts, :func:`production.marker_prompt`), and
@@ -407,7 +407,7 @@ def production_requests(args: argparse.Namespace, tokenizer) -> tuple[list[Reque
     if not args.dataset_path:
         raise TraceError(f"--workload {args.workload} needs --dataset-path FILE "
                          f"({DATASET_FORMATS[args.workload]})")
-    fit = fit_from_args(args)
+    fit = fit_from_args(args, args.num_prompts)
     trace = read_production(args.dataset_path, args.workload)
     requests, report = production.replay_trace(trace, fit, tokenizer, args.seed)
     spec = {"source": args.workload, "dataset_path": str(args.dataset_path), **asdict(fit),
@@ -424,7 +424,7 @@ def _print_replay(spec: dict) -> None:
     print("\n".join(production.replay_lines(report)), file=sys.stderr)
 
 
-def _generate(args: argparse.Namespace, tok, model: str | None) -> tuple[list[Request], dict, dict]:
+def _generate(args: Options, tok, model: str | None) -> tuple[list[Request], dict, dict]:
     """``(requests, params, extra)`` of ``--workload``'s generator: the parameters it was
     called with and what else it reported (sharegpt: its counts of conversations; shift:
     its phase windows, :func:`datasets.shift`). ``model``: the model (path, None = the
@@ -451,7 +451,7 @@ def _generate(args: argparse.Namespace, tok, model: str | None) -> tuple[list[Re
     return datasets.synthetic(tok, **params), params, {}
 
 
-def _demo_params(args: argparse.Namespace, dist: str) -> dict:
+def _demo_params(args: Options, dist: str) -> dict:
     """:func:`datasets.demo`'s arguments: the options given, else :data:`datasets.DEMO_DEFAULTS`."""
     d = datasets.DEMO_DEFAULTS
     params = dict(num_chat=args.num_prompts or d["num_chat"],
@@ -465,7 +465,7 @@ def _demo_params(args: argparse.Namespace, dist: str) -> dict:
     return params
 
 
-def _sharegpt(args: argparse.Namespace, tok) -> tuple[list[Request], dict, dict]:
+def _sharegpt(args: Options, tok) -> tuple[list[Request], dict, dict]:
     """Requests of ``--dataset-path``; says on stderr how many conversations it used."""
     if not args.dataset_path:
         raise TraceError("--workload sharegpt needs --dataset-path FILE")
@@ -480,7 +480,7 @@ def _sharegpt(args: argparse.Namespace, tok) -> tuple[list[Request], dict, dict]
     return requests, params, extra
 
 
-def _add_images(requests: list[Request], args: argparse.Namespace, params: dict) -> list[Request]:
+def _add_images(requests: list[Request], args: Options, params: dict) -> list[Request]:
     """``requests`` with ``--images-per-request`` images each (recorded in ``params``)."""
     images = getattr(args, "images_per_request", 0)
     if not images:

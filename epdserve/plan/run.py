@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from epdserve.argtypes import float_above, int_at_least, with_values
+from epdserve.argtypes import Options, float_above, int_at_least, with_values
 from epdserve.bench import metrics, production, production_formats, workload
 from epdserve.bench.compare import CONFIGS_FLAG
 from epdserve.bench.datasets import with_images
@@ -181,7 +181,7 @@ def _trace_requests(args) -> list[workload.Request]:
         if given:
             raise ValueError(f"--trace {args.trace} is a saved bench trace: {', '.join(given)} do not apply to it")
         return workload.load_trace(args.trace)
-    fit = workload.fit_from_args(with_values(args, num_prompts=args.num_requests))  # "first N requests"
+    fit = workload.fit_from_args(args, args.num_requests)
     requests, report_ = production.replay_trace(production_formats.read_production(args.trace, fmt), fit, None,
                                                 args.seed)
     print("\n".join(production.replay_lines(report_)), file=sys.stderr)
@@ -190,9 +190,17 @@ def _trace_requests(args) -> list[workload.Request]:
 
 def _deployments(args, platform: Platform, requests: list[workload.Request]) -> list[tuple[Deployment, EngineLimits]]:
     """The deployments to simulate, with their scheduler settings: ``--configs``, or every
-    candidate of the device budget."""
+    candidate of the device budget.
+
+    Raises:
+        ValueError: ``--elastic-interval 0`` (no controller) with ``--configs``; as
+            :func:`~epdserve.plan.sim_elastic.elastic_config`.
+    """
     if args.configs:
         window_s, interval_s, min_dwell_s = flags.elastic_settings(args)
+        if interval_s == 0:  # serve's "no controller"; the simulation needs one that ticks
+            raise ValueError("--elastic-interval 0: plan simulates the elastic controller, which needs an interval "
+                             "> 0 (with 0, serve runs no controller: a static deployment)")
         elastic = sim_elastic.elastic_config(dict(args.slo), window_s, min_dwell_s, interval_s)
         return [(compare_deployment(name, args.devices, elastic), compare_limits(name)) for name in args.configs]
     # Without --max-num-batched-tokens a worker's step holds up to its context window; the
@@ -410,7 +418,7 @@ def run_elastic_replay(args) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Options) -> int:
     if not 0 < args.target <= 1:
         print(f"epdserve plan: error: --target {args.target}: must be in (0, 1]", file=sys.stderr)
         return 2

@@ -25,10 +25,11 @@ This module imports nothing heavier than the standard library, so that light cli
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
+
+from epdserve.argtypes import Options
 
 # A worker's role. An engine worker's (every role but encode) is the one an elastic worker
 # switches between.
@@ -169,7 +170,7 @@ class DeploymentSpec:
         return None
 
     @classmethod
-    def from_serve_args(cls, args: argparse.Namespace) -> DeploymentSpec:
+    def from_serve_args(cls, args: Options) -> DeploymentSpec:
         """The deployment of parsed ``epdserve serve`` options: ``mode``, the worker counts
         of the mode (``workers``; ``encode_workers``, ``prefill_workers``,
         ``decode_workers``), ``enable_chunked_prefill``, ``local_prefill_threshold`` (0:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-from epdserve.argtypes import Flag, float_above, int_at_least, tokens_at_least, zero_or_at_least
+from epdserve.argtypes import Flag, Options, float_above, int_at_least, tokens_at_least, zero_or_at_least
 from epdserve.engine.engine import DTYPES
 from epdserve.model.device import parse_device
 from epdserve.serving.deployment import ELASTIC_INTERVAL_S, ELASTIC_MIN_DWELL_S, ELASTIC_WINDOW_S
@@ -142,14 +142,14 @@ def add_elastic_flags(parser) -> None:
         flag.add(parser)
 
 
-def elastic_settings(args: argparse.Namespace) -> tuple[float, float, float]:
+def elastic_settings(args: Options) -> tuple[float, float, float]:
     """``(window_s, interval_s, min_dwell_s)`` of the ``--elastic-*`` flags, their defaults
     where not given."""
     return tuple(default if getattr(args, name) is None else getattr(args, name)
                  for name, default in ELASTIC_DEFAULTS.items())
 
 
-def elastic_given(args: argparse.Namespace) -> list[str]:
+def elastic_given(args: Options) -> list[str]:
     """The ``--elastic-*`` flags given in ``args``."""
     return [flag.name for flag in ELASTIC_FLAGS if getattr(args, flag.dest) is not None]
 
@@ -167,7 +167,7 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
         flag.add(parser)
 
 
-def worker_argv(args: argparse.Namespace, **values) -> list[str]:
+def worker_argv(args: Options, **values) -> list[str]:
     """The worker flags given to serve (``args``), as words of a worker's command line;
     ``values`` replace some (by dest: ``dtype="bfloat16"``)."""
     return [word for flag in (MODEL_FLAG, *WORKER_FLAGS)

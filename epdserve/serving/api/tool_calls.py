@@ -28,6 +28,7 @@ from typing import Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from epdserve.argtypes import Options
 from epdserve.engine.request import MAX_GUIDED_CHARS, GuidedSpec
 from epdserve.serving.api.errors import APIError
 from epdserve.serving.api.tool_parsers import HermesOutput, NamedOutput, RequiredOutput, ToolOutput
@@ -302,7 +303,7 @@ def add_tool_options(parser: argparse.ArgumentParser) -> None:
                         help="format of the model's tool calls: hermes, <tool_call>{json}</tool_call> blocks")
 
 
-def tool_settings(args: argparse.Namespace, template_tools: bool) -> ToolSettings:
+def tool_settings(args: Options, template_tools: bool) -> ToolSettings:
     """The :class:`ToolSettings` of parsed options.
 
     Raises:

@@ -64,7 +64,7 @@ import time
 import uvicorn
 
 from epdserve import extras, host
-from epdserve.argtypes import float_above, int_at_least, with_values
+from epdserve.argtypes import Options, float_above, int_at_least, with_values
 from epdserve.model.loader import ModelLoadError
 from epdserve.serving import auth, flags
 from epdserve.serving.launch import ray_cluster
@@ -131,7 +131,7 @@ def usable_cores(spec: str | None) -> list[int]:
     return cores
 
 
-def plan_for(args: argparse.Namespace) -> Placement:
+def plan_for(args: Options) -> Placement:
     """Where serve's options (``--mode``, ``--cores``, worker counts) put each worker:
     :meth:`DeploymentSpec.place <epdserve.serving.deployment.DeploymentSpec.place>` of
     :meth:`DeploymentSpec.from_serve_args <epdserve.serving.deployment.DeploymentSpec.from_serve_args>`.
@@ -146,7 +146,7 @@ def plan_for(args: argparse.Namespace) -> Placement:
     return [(role, f"worker-{i}", c) for i, (role, _, c) in enumerate(plan)] if args.elastic else plan
 
 
-def check_capacity(args: argparse.Namespace, plan: Placement, model_dir: str,
+def check_capacity(args: Options, plan: Placement, model_dir: str,
                    available_bytes: int | None) -> tuple[list[str], str | None]:
     """Whether this host can hold the workers of ``plan`` (:func:`plan_workers`):
     ``(warnings, error)``, error None when they fit.
@@ -209,13 +209,13 @@ def listen_socket(host_name: str, port: int) -> socket.socket:
     return sock
 
 
-def role_device(args: argparse.Namespace, role: str) -> str | None:
+def role_device(args: Options, role: str) -> str | None:
     """The device given to serve for ``role``'s workers: its ``--ROLE-device``, else
     ``--device``; None when neither was given (the worker's default, the CPU)."""
     return (getattr(args, f"{role}_device", None) if role in ROLE_DEVICES else None) or args.device
 
 
-def worker_flags(args: argparse.Namespace, role: str, worker_id: str, events: str) -> list[str]:
+def worker_flags(args: Options, role: str, worker_id: str, events: str) -> list[str]:
     """The flags of worker ``worker_id`` wherever it runs: its role and id, where it
     reports, and the worker flags given to serve (``--prefill-dtype`` / ``--decode-dtype``
     as its ``--dtype`` and ``--prefill-device`` / ``--decode-device`` / ``--encode-device``
@@ -225,7 +225,7 @@ def worker_flags(args: argparse.Namespace, role: str, worker_id: str, events: st
             *flags.worker_argv(args, dtype=role_dtype or args.dtype, device=role_device(args, role))]
 
 
-def worker_command(args: argparse.Namespace, role: str, worker_id: str, cores: list[int],
+def worker_command(args: Options, role: str, worker_id: str, cores: list[int],
                    events: str, cmd: str) -> list[str]:
     """The command line of local worker ``worker_id``: :func:`worker_flags`, where it
     listens (``cmd``) and its cores."""
@@ -233,7 +233,7 @@ def worker_command(args: argparse.Namespace, role: str, worker_id: str, cores: l
             "--bind", cmd, "--cores", ",".join(map(str, cores))]
 
 
-def worker_env(args: argparse.Namespace) -> dict[str, str]:
+def worker_env(args: Options) -> dict[str, str]:
     """What workers get of the security options: by environment, not argv, which any local
     user can read (the token), and which their own options default to."""
     env = {"EPDSERVE_INTERNAL_ENCRYPTION": args.internal_encryption,
@@ -280,7 +280,7 @@ async def _supervise(server, router: Router, children, args, placement: str, soc
     return rc
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Options) -> int:
     """``epdserve serve``: returns 0 after a clean stop, 1 if the HTTP port cannot be bound, a
     worker exited with status 2 or the workers never came up, 2 on a bad option or model,
     ``--cluster ray`` without Ray installed (the ``ray`` extra) or a deployment this host
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     return _serve(args, router, plan, tmp, events, sock, workers)
 
 
-def _check_options(args: argparse.Namespace) -> tuple[argparse.Namespace, Placement, str | None]:
+def _check_options(args: Options) -> tuple[Options, Placement, str | None]:
     """serve's options resolved (MODEL as ``--model``, ``--max-workers``' default, an auth
     token made up when one is needed and none was given), the placement of its workers
     (:func:`plan_for`) and an error, None when the options hold."""
@@ -348,7 +348,7 @@ def _check_options(args: argparse.Namespace) -> tuple[argparse.Namespace, Placem
     return args, plan, auth.options_error(args, [])  # CURVE support
 
 
-def model_from_tag(args: argparse.Namespace) -> str | None:
+def model_from_tag(args: Options) -> str | None:
     """The model to serve: ``serve MODEL`` (vLLM's positional) or ``--model``.
 
     Raises:
@@ -362,7 +362,7 @@ def model_from_tag(args: argparse.Namespace) -> str | None:
     return tag
 
 
-def _check_elastic(args: argparse.Namespace, starting: int) -> int:
+def _check_elastic(args: Options, starting: int) -> int:
     """``--max-workers``, checked against the ``starting`` worker count; its default is the
     starting count (no scaling). Also checks that no flag of one role comes with ``--elastic``.
 
@@ -388,7 +388,7 @@ def _check_elastic(args: argparse.Namespace, starting: int) -> int:
     return args.max_workers
 
 
-def _load_router(args: argparse.Namespace, plan: Placement, events: str) -> tuple[Router | None, list[str], str | None]:
+def _load_router(args: Options, plan: Placement, events: str) -> tuple[Router | None, list[str], str | None]:
     """``(router, warnings, error)``: the router with its model resolved (and converted)
     once, before any worker starts, and whether this host can hold ``plan``."""
     try:
@@ -403,7 +403,7 @@ def _load_router(args: argparse.Namespace, plan: Placement, events: str) -> tupl
     return router, warnings, error
 
 
-def _serve(args: argparse.Namespace, router: Router, plan: Placement, tmp: str, events: str,
+def _serve(args: Options, router: Router, plan: Placement, tmp: str, events: str,
            sock: socket.socket, children) -> int:
     """Start the workers of ``plan`` (``children``: :class:`Children`, or Ray's actors), serve
     HTTP on ``sock`` until a signal or a fatal worker exit (:func:`_supervise`), then stop

@@ -49,6 +49,8 @@ import signal
 import socket
 import time
 
+from epdserve.argtypes import Options
+
 log = logging.getLogger("epdserve.ray")
 
 CLUSTERS = ("local", "ray")
@@ -108,7 +110,7 @@ def parse_resources(text: str, option: str) -> dict[str, float]:
     return out
 
 
-def role_resources(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+def role_resources(args: Options) -> dict[str, dict[str, float]]:
     """Each role's resources per worker from serve's options (:func:`parse_resources`).
 
     Raises:
@@ -185,7 +187,7 @@ class RayWorkers:
 
     restart_note = "Ray restarts it"
 
-    def __init__(self, args: argparse.Namespace, env: dict[str, str]):
+    def __init__(self, args: Options, env: dict[str, str]):
         self.args = args
         self.env = env
         self.resources = role_resources(args)

@@ -12,7 +12,7 @@ import sys
 
 import uvicorn
 
-from epdserve.argtypes import float_above, int_at_least, mm_limit_images, slo_pair
+from epdserve.argtypes import Options, float_above, int_at_least, mm_limit_images, slo_pair
 from epdserve.model.loader import ModelLoadError, generation_defaults, resolve_model
 from epdserve.model.tokenizer import check_chat_template, load_tokenizer, read_chat_template, template_renders_tools
 from epdserve.serving import auth
@@ -221,7 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     EVENTS_FLAG.add(parser)
 
 
-def build_router(args: argparse.Namespace, events_addr: str) -> Router:
+def build_router(args: Options, events_addr: str) -> Router:
     """Resolve the model (as :func:`served_model`), load its tokenizer, read the request
     defaults of ``--generation-config`` and make a Router from parsed options.
 
@@ -255,7 +255,7 @@ def build_router(args: argparse.Namespace, events_addr: str) -> Router:
                   elastic_policy=policy)
 
 
-def elastic_policy(args: argparse.Namespace) -> PolicyConfig:
+def elastic_policy(args: Options) -> PolicyConfig:
     """The elastic controller's policy settings of ``--slo`` and ``--elastic-*``.
 
     Raises:
@@ -276,7 +276,7 @@ def elastic_policy(args: argparse.Namespace) -> PolicyConfig:
         raise ModelLoadError(f"--slo / --elastic-*: {exc}") from None
 
 
-def served_model(args: argparse.Namespace):
+def served_model(args: Options):
     """The model of ``--model`` as served: named by ``--served-model-name`` (the first is
     reported, every one accepted), its context window cut to ``--max-model-len``.
 
@@ -301,7 +301,7 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Options) -> int:
     """``epdserve router``: serve HTTP; workers started elsewhere connect to ``--events``.
     Returns 2 on a bad option or model (``--events`` on TCP needs a token unless
     ``--allow-unauthenticated``)."""

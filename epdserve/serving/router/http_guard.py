@@ -29,7 +29,7 @@ import uvicorn
 from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from epdserve.argtypes import float_above, int_at_least
+from epdserve.argtypes import Options, float_above, int_at_least
 from epdserve.serving.api.errors import error_body
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -156,7 +156,7 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
                         help="most open connections and requests; more get 503 (uvicorn's --limit-concurrency)")
 
 
-def uvicorn_config(app, args: argparse.Namespace, **kw) -> uvicorn.Config:
+def uvicorn_config(app, args: Options, **kw) -> uvicorn.Config:
     """A uvicorn configuration serving ``app`` on ``args.host:args.port`` behind
     :class:`RequestLimits` and :class:`GuardedHttpProtocol`, with ``args``' HTTP limits
     (see :func:`add_http_options`); ``kw`` go to ``uvicorn.Config``."""

@@ -39,7 +39,6 @@ once none is left it says :class:`~epdserve.serving.protocol.RoleSwitched`, and 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import queue
 import secrets
@@ -52,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from epdserve.argtypes import Options
 from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import LLMEngine, StepOutput
 from epdserve.engine.kv_source import KVSource
@@ -384,7 +384,7 @@ class Worker:
                         self.exporter.ttl_s)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Options) -> int:
     """Start the worker; returns 0 on shutdown, 2 on a bad option or model (a TCP listener
     without a token, see ``auth.options_error``) or when the router refuses it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

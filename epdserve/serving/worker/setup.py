@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from epdserve.argtypes import float_above
+from epdserve.argtypes import Options, float_above
 from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import DTYPES, EngineConfig, LLMEngine
 from epdserve.model.loader import auto_dtype, resolve_model
@@ -79,7 +79,7 @@ class WorkerConfig:
     internal_encryption: str
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
+    def from_args(cls, args: Options) -> WorkerConfig:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
