@@ -122,7 +122,7 @@ def safetensors_tensors(path: str | Path) -> dict[str, dict]:
 
 
 def _linear_groups(cfg: dict, names: set[str]) -> list[list[str]]:
-    """The projections the engine builds (``quant.projection``), each a list of HF weight
+    """The projections the engine builds (``linear.projection``), each a list of HF weight
     names run as one matmul: per layer QKV, O, gate+up, down; and the LM head."""
     groups = []
     for i in range(cfg["num_hidden_layers"]):
@@ -148,13 +148,12 @@ def _block_groups(blocks: dict[str, dict]) -> dict[str, dict]:
 
 
 def engine_holds_blocks(model_dir: str | Path) -> bool:
-    """Whether epdserve's default worker (float32 on the CPU, ``--quantized-weights``) runs
+    """Whether epdserve's default decode worker (float32 on the CPU, ``--weight-format auto``) runs
     its linear layers on the GGUF blocks: a blocks file and the C++ kernels (built on first
-    use, as the engine builds them; ``model/quant.load_blocks``)."""
-    from epdserve.model import kernels
-    from epdserve.model.quant import BLOCKS_FILE
+    use, as the engine builds them; ``model/quant.usable``)."""
+    from epdserve.model import quant
 
-    return (Path(model_dir) / BLOCKS_FILE).is_file() and kernels.available()
+    return quant.usable(model_dir)
 
 
 def weight_read_bytes(model_dir: str | Path, fmt: str = "engine", elem_bytes: int = 4,
@@ -190,7 +189,7 @@ def weight_read_bytes(model_dir: str | Path, fmt: str = "engine", elem_bytes: in
     part = {"linear": 0, "lm_head": 0}
     for i, group in enumerate(groups):
         kinds = {(blocks[n]["qs"], blocks[n]["mins"]) if n in blocks else None for n in group}
-        if None in kinds or len(kinds) > 1:  # quant.projection keeps such a group dense
+        if None in kinds or len(kinds) > 1:  # linear.projection keeps such a group dense
             size = sum(numel[n] for n in group) * elem_bytes
         else:
             size = sum(blocks[n]["nbytes"] for n in group)
@@ -240,7 +239,7 @@ def floor_ms(nbytes: float, gbs: float) -> float:
 # Measurements
 
 
-def _best_times(fn, budget_s: float, max_reps: int) -> list[float]:
+def best_times(fn, budget_s: float, max_reps: int) -> list[float]:
     """Call ``fn`` once unmeasured, then time it until ``max_reps`` calls or ``budget_s``
     seconds (at least one measured call); the times in seconds."""
     fn()
@@ -270,7 +269,7 @@ def gemm(cfg: dict, tokens: int, dtype, budget_s: float = GEMM_SECONDS, max_reps
         times[name] = []
     for _ in range(rounds):
         for name, fn in calls.items():
-            times[name] += _best_times(fn, budget_s / rounds, max(1, max_reps // rounds))
+            times[name] += best_times(fn, budget_s / rounds, max(1, max_reps // rounds))
     shapes, total_flops, total_s = {}, 0.0, 0.0
     for name, (n, k) in matmul_shapes(cfg).items():
         ts = sorted(times[name])
@@ -294,8 +293,8 @@ def memory_bandwidth(mib: int = MEM_MIB, budget_s: float = MEM_SECONDS, max_reps
     src = torch.ones(n)
     dst = torch.empty(n)
     nbytes = n * 4
-    copy = min(_best_times(lambda: dst.copy_(src), budget_s, max_reps))
-    read = min(_best_times(lambda: src.sum(), budget_s, max_reps))
+    copy = min(best_times(lambda: dst.copy_(src), budget_s, max_reps))
+    read = min(best_times(lambda: src.sum(), budget_s, max_reps))
     return {"bytes": nbytes, "copy_gbs": 2 * nbytes / copy / 1e9, "copy_best_ms": copy * 1e3,
             "read_gbs": nbytes / read / 1e9, "read_best_ms": read * 1e3}
 

@@ -8,13 +8,14 @@ decode steps under ``cProfile``; each phase is the cumulative time of its functi
 (``Scheduler.schedule``, ``runner.prepare``, ``LlamaModel.forward``, ``sample``), and
 "python overhead" is everything in the step that is neither the forward pass nor
 sampling, plus the Output messages. The same run repeats per ``--dtypes`` and, for
-float32, per ``--weights`` (``dense``: float32 weights; ``quantized``: the linear layers
-straight from the GGUF's Q4_1 / Q8_0 blocks, see ``epdserve/model/quant.py``) and reports
-each run's step time against the first run's and its greedy tokens' agreement with them.
-The top torch operators of the forward pass come from ``torch.profiler``.
+float32, per ``--weight-formats`` (``epdserve/model/linear.py``: ``f32`` dense weights,
+``q4_1`` the GGUF's blocks, ``bf16``, ``q4_1+f32``, ...; a bfloat16 model runs ``bf16``)
+and reports each run's step time against the first run's and its greedy tokens'
+agreement with them. The top torch operators of the forward pass come from
+``torch.profiler``.
 
     .venv/bin/python benchmarks/engine_step.py [--batch 32] [--dtypes float32 bfloat16]
-        [--weights dense quantized]
+        [--weight-formats f32 q4_1]
 """
 
 from __future__ import annotations
@@ -30,16 +31,20 @@ from torch.profiler import ProfilerActivity, profile
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
 from epdserve.model.loader import resolve_model
-from epdserve.model.quant import QuantLinear
+from epdserve.model.linear import WEIGHT_FORMATS
 from epdserve.serving import protocol as P
 
 PHASES = {"schedule": "schedule", "prepare": "prepare", "forward": "forward", "sample": "sample"}
 
 
-def decode_ready_engine(model_dir: str, dtype: str, quantized: bool, batch: int, prompt_len: int,
+def decode_ready_engine(model_dir: str, dtype: str, weight_format: str, batch: int, prompt_len: int,
                         steps: int) -> LLMEngine:
-    """An engine holding ``batch`` requests that have finished their prefill."""
-    engine = LLMEngine(model_dir, EngineConfig(dtype=dtype, kv_cache_memory_mb=512, quantized_weights=quantized))
+    """An engine holding ``batch`` requests that have finished their prefill.
+
+    Raises:
+        ValueError: a weight format the model cannot hold (``linear.resolve``).
+    """
+    engine = LLMEngine(model_dir, EngineConfig(dtype=dtype, kv_cache_memory_mb=512, weight_format=weight_format))
     gen = torch.Generator().manual_seed(0)
     sampling = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     for i in range(batch):
@@ -92,25 +97,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--weights", nargs="+", default=["dense"], choices=["dense", "quantized"],
-                        help="float32 runs: dense weights and/or the GGUF's quantized blocks")
+    parser.add_argument("--weight-formats", nargs="+", default=["f32"], choices=WEIGHT_FORMATS[1:],
+                        help="float32 runs: one per weight format (bfloat16 runs: bf16)")
     parser.add_argument("--top-ops", type=int, default=8, help="torch operators to list (0: none)")
     args = parser.parse_args()
     if min(args.batch, args.prompt_len, args.steps, args.threads) < 1:
         parser.error("--batch, --prompt-len, --steps and --threads must be at least 1")
-    # (label, dtype, quantized): quantized weights exist for float32 only.
-    runs = [(dtype if weights == "dense" else f"{dtype} {weights}", dtype, weights == "quantized")
-            for dtype in args.dtypes for weights in args.weights if dtype == "float32" or weights == "dense"]
-    if not runs:
-        parser.error("quantized weights need --dtypes float32")
+    # (label, dtype, weight format): a bfloat16 model holds bfloat16 weights only.
+    runs = [(f"{dtype} {fmt}", dtype, fmt) for dtype in args.dtypes
+            for fmt in (args.weight_formats if dtype == "float32" else ["bf16"])]
     torch.set_num_threads(args.threads)
     model_dir = str(resolve_model(None).path)
     rows, reference = {}, None
-    for label, dtype, quantized in runs:
+    for label, dtype, fmt in runs:
         print(f"{label}: prefilling {args.batch} × {args.prompt_len} tokens…", flush=True)
-        engine = decode_ready_engine(model_dir, dtype, quantized, args.batch, args.prompt_len, args.steps + 3)
-        if quantized and not isinstance(engine.model.lm_head, QuantLinear):
-            parser.error("no quantized weights: the model is not a Q4_1 / Q8_0 GGUF or the kernel did not build")
+        try:
+            engine = decode_ready_engine(model_dir, dtype, fmt, args.batch, args.prompt_len, args.steps + 3)
+        except ValueError as exc:
+            parser.error(str(exc))
         ms, tokens = profile_steps(engine, args.steps)
         if reference is None:
             reference = tokens
@@ -121,7 +125,7 @@ def main() -> None:
             print(top_ops(engine, args.top_ops))
     base = rows[runs[0][0]]["step"]
     print(f"\ndecode step at batch {args.batch}, context ~{args.prompt_len}, {args.threads} thread(s); ms per step")
-    header = ["weights", "step", "vs " + runs[0][0], "tok/s", "forward", "sample", "schedule", "prepare",
+    header = ["dtype, weights", "step", "vs " + runs[0][0], "tok/s", "forward", "sample", "schedule", "prepare",
               "outputs", "python overhead", "greedy agreement"]
     print(" | ".join(header))
     for label, ms in rows.items():

@@ -1,6 +1,7 @@
-"""The engine against Hugging Face transformers on the same float32 weights, PD hand-off
-inside one process, chunked prefill against whole prefill, and preemption under a tiny
-block pool."""
+"""The engine against Hugging Face transformers on the same float32 weights (in each weight
+format whose arithmetic is float32: the GGUF's blocks, a dense copy, both), PD hand-off
+inside one process (a dense prefill engine to a blocks-only decode one too), chunked
+prefill against whole prefill, and preemption under a tiny block pool."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.kv_source import TensorKV
 from epdserve.engine.request import SamplingParams
+from epdserve.model import kernels
 from epdserve.model.loader import resolve_model
 from epdserve.model.tokenizer import load_tokenizer
 
@@ -18,6 +20,7 @@ from conftest import generate
 BLOCK = 16
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+NEEDS_KERNELS = pytest.mark.skipif(not kernels.cpu_supported(), reason="the GGUF block kernels need AVX2 and FMA")
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +62,25 @@ def test_greedy_matches_transformers_one_at_a_time(model_dir, prompts, reference
     assert engine.stats()["blocks_in_use"] == 0
 
 
-def test_greedy_matches_transformers_batched(model_dir, prompts, reference):
-    engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=256))
+@pytest.mark.parametrize("weight_format", ["auto", "f32", pytest.param("q4_1", marks=NEEDS_KERNELS)])
+def test_greedy_matches_transformers_batched(model_dir, prompts, reference, weight_format):
+    """Prompts of 1-1,200 tokens in one batch: prefill steps far past every kernel cut-over,
+    decode steps of 16 rows; auto is q4_1+f32 here (an engine that prefills and decodes)."""
+    engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=256, weight_format=weight_format))
+    auto = "q4_1+f32" if kernels.cpu_supported() else "f32"
+    assert engine.model.weight_format.name == {"auto": auto}.get(weight_format, weight_format)
     assert generate(engine, prompts, GREEDY) == reference
     assert engine.stats()["blocks_in_use"] == 0
 
 
-def test_pd_handoff_in_process_matches_colocated(model_dir, prompts, reference):
-    """Prefill engine → KV blocks → decode engine gives the colocated tokens."""
-    prefill = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=128))
-    decode = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=128))
+@pytest.mark.parametrize("prefill_format, decode_format",
+                         [("auto", "auto"), pytest.param("f32", "q4_1", marks=NEEDS_KERNELS)])
+def test_pd_handoff_in_process_matches_colocated(model_dir, prompts, reference, prefill_format, decode_format):
+    """Prefill engine → KV blocks → decode engine gives the colocated tokens, also from a
+    prefill engine on dense weights to a decode engine on the GGUF's blocks (a PD
+    deployment's auto formats)."""
+    prefill = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=128, weight_format=prefill_format))
+    decode = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=128, weight_format=decode_format))
     chosen = [0, 4, 8, 14]
     for i in chosen:
         prefill.add_request(str(i), prompts[i], GREEDY, hold_kv=True)

@@ -50,15 +50,24 @@ def test_serve_refuses_a_bad_worker_choice_before_starting_workers():
     assert took < 60  # no model loaded, no worker waited for (machine shared: generous)
 
 
+def test_serve_stops_on_a_weight_format_the_model_cannot_hold():
+    """Known only once the model is read: the worker's one line names the flag, and serve
+    stops instead of restarting it."""
+    proc, _ = run_serve("--port", "0", "--dtype", "bfloat16", "--weight-format", "q4_1", "--startup-timeout", "120")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "--weight-format q4_1 needs --dtype float32" in proc.stdout + proc.stderr
+    assert "configuration is wrong" in proc.stderr
+
+
 def test_serve_takes_the_worker_choices_and_refuses_numbers_below_one(capsys):
     serve, work = serve_parser(), argparse.ArgumentParser()
     worker.add_arguments(work)
     choices = lambda p: {a.dest: a.choices for a in p._actions if a.choices}  # noqa: E731
-    for dest in ("dtype", "kv_transport", "kv_transfer_dtype"):
+    for dest in ("dtype", "weight_format", "kv_transport", "kv_transfer_dtype"):
         assert list(choices(serve)[dest]) == list(choices(work)[dest]), dest
     for bad in (["--dtype", "float16"], ["--kv-transport", "rdma"], ["--block-size", "0"],
                 ["--max-num-seqs", "0"], ["--kv-cache-memory-mb", "-1"],
-                ["--max-num-batched-tokens", "x"]):
+                ["--max-num-batched-tokens", "x"], ["--weight-format", "q4_0"], ["--prefill-weight-format", "f16"]):
         with pytest.raises(SystemExit) as info:
             serve.parse_args(bad)
         assert info.value.code == 2

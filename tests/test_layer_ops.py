@@ -81,7 +81,7 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds():
 def test_model_with_kernels_matches_pytorch_operators(model_info, monkeypatch):
     """A prefill of 40 tokens and 8 decode steps: the same greedy tokens, logits within
     float32 summation noise, with the kernels and with the PyTorch operators."""
-    model = LlamaModel.load(model_info.path, quantized=True)
+    model = LlamaModel.load(model_info.path, weight_format="q4_1")
     prompt = randn(40, seed=5).abs().mul(1000).long().tolist()
 
     def greedy():

@@ -1,7 +1,7 @@
 """The weight-only quantized matmul kernel (model/quant.py) on the default GGUF's real
-Q4_1 and Q8_0 weights: against float64 matmuls of gguf's own dequantization, the blocks
-stored by the GGUF conversion against the float32 weights, and an engine on the blocks
-against a float32 one (same greedy tokens)."""
+Q4_1 and Q8_0 weights: against float64 matmuls of gguf's own dequantization, and the
+blocks stored by the GGUF conversion against the float32 weights. Engines in each weight
+format against each other: tests/test_weight_formats.py."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from epdserve.engine.engine import EngineConfig, LLMEngine
-from epdserve.engine.request import SamplingParams
-from epdserve.model import kernels, quant
+from epdserve.model import kernels, linear, quant
 from epdserve.model.loader import default_gguf
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_supported(), reason="the kernel needs AVX2 and FMA")
@@ -47,7 +45,7 @@ def test_kernel_matches_dequantized_matmul(kernel, gguf_tensors, name, kind, row
     expected = (x.double() @ w.double().T).float()
     assert y.shape == (rows, w.shape[0])
     torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
-    layer = quant.QuantLinear(quant.Blocks(packed["qs"], packed["scales"], packed.get("mins")))
+    layer = linear.Linear(quant.Blocks(packed["qs"], packed["scales"], packed.get("mins")), None)
     assert torch.equal(layer.dequantize(), w)  # the same two roundings as gguf's numpy code
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
 
@@ -58,10 +56,10 @@ def test_large_batches_run_on_the_dequantized_weight(kernel, gguf_tensors):
     t = gguf_tensors["blk.7.ffn_gate.weight"]
     w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
     packed = {k: torch.from_numpy(v) for k, v in quant.pack_gguf(t.data, t.tensor_type).items()}
-    layer = quant.QuantLinear(quant.Blocks(packed["qs"], packed["scales"], packed["mins"]))
-    x = torch.randn(quant.MAX_KERNEL_ROWS + 1, w.shape[1], generator=torch.Generator().manual_seed(0))
+    layer = linear.Linear(quant.Blocks(packed["qs"], packed["scales"], packed["mins"]), None, kernel_rows=64)
+    x = torch.randn(64 + 1, w.shape[1], generator=torch.Generator().manual_seed(0))
     assert torch.equal(layer(x), F.linear(x, w))  # sgemm on the dequantized weight, bit for bit
-    assert layer(x[:-1]).shape == (quant.MAX_KERNEL_ROWS, w.shape[0])
+    assert layer(x[:-1]).shape == (64, w.shape[0])
     torch.testing.assert_close(layer(x[:-1]), x[:-1] @ w.T, rtol=1e-4, atol=1e-4)
 
 
@@ -75,40 +73,7 @@ def test_stored_blocks_are_the_float32_weights(kernel, model_info):
     assert blocks is not None and len(blocks) == 211
     assert {b.qs.dtype for b in blocks.values()} == {torch.uint8, torch.int8}
     for name, b in blocks.items():
-        assert torch.equal(quant.QuantLinear(b).dequantize(), weights[name]), name
-
-
-def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    out = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] += o.token_ids
-    return [out[str(i)] for i in range(len(prompts))]
-
-
-def test_quantized_engine_greedy_equals_float32(kernel, model_info, tokenizer):
-    prompts = [tokenizer(text).input_ids for text in (
-        "The history of computing is a story of people, ideas and machines.",
-        "Write a short poem about the sea and the wind.")]
-    path = str(model_info.path)
-    quantized = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32))
-    assert isinstance(quantized.model.layers[0]["qkv"], quant.QuantLinear)
-    assert isinstance(quantized.model.lm_head, quant.QuantLinear)
-    plain = LLMEngine(path, EngineConfig(kv_cache_memory_mb=32, quantized_weights=False))
-    assert isinstance(plain.model.layers[0]["qkv"], torch.Tensor)
-    expected = greedy(plain, prompts, 32)
-    assert greedy(quantized, prompts, 32) == expected  # decode batch 2
-    assert [greedy(quantized, [p], 32)[0] for p in prompts] == expected  # batch 1
-
-
-def test_bfloat16_ignores_quantized_weights(model_info):
-    engine = LLMEngine(str(model_info.path), EngineConfig(dtype="bfloat16", kv_cache_memory_mb=8))
-    assert all(isinstance(layer[k], torch.Tensor) for layer in engine.model.layers
-               for k in ("qkv", "o", "gate_up", "down"))
-    assert isinstance(engine.model.lm_head, torch.Tensor)
+        assert torch.equal(linear.Linear(b, None).dequantize(), weights[name]), name
 
 
 def test_pack_gguf_leaves_other_types_alone():

@@ -51,6 +51,10 @@ def test_models_health_metrics(server, model_info):
     assert roles == (["decode", "prefill"] if server.mode == "pd" else ["colocated"])
     for w in health.json()["workers"]:
         assert w["state"] == "up" and w["cores"] and w["blocks_total"] > 0
+    # --weight-format auto by role: dense float32 for prefill GEMMs, the GGUF's Q4_1 blocks for
+    # decode, both where one worker runs both phases.
+    formats = {w["role"]: w["weight_format"] for w in health.json()["workers"]}
+    assert formats == ({"prefill": "f32", "decode": "q4_1"} if server.mode == "pd" else {"colocated": "q4_1+f32"})
     metrics = httpx.get(server.url + "/metrics")
     assert metrics.status_code == 200
     for w in health.json()["workers"]:

@@ -337,7 +337,8 @@ def test_dtype_auto(model_info, tmp_path, monkeypatch):
     plain = model_copy(model_info.path, tmp_path / "plain")
     (plain / "quantized").unlink()
     monkeypatch.setattr(loader, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
-    assert auto_dtype(plain) == "bfloat16" and auto_dtype(model_info.path, quantized_weights=False) == "bfloat16"
+    assert auto_dtype(plain) == "bfloat16" and auto_dtype(model_info.path, "bf16") == "bfloat16"
+    assert auto_dtype(model_info.path, "f32") == auto_dtype(plain, "q4_1+bf16") == "float32"
     monkeypatch.setattr(loader, "cpu_flags", lambda: {"avx2", "fma"})
     assert auto_dtype(plain) == "float32"
 

@@ -368,7 +368,8 @@ def _run_section(e: dict) -> list[str]:
     res = e.get("resources") or {}
     if res.get("workers"):
         parts.append("- workers: " + ", ".join(
-            f"{w['worker_id']} ({w['role']}) cores {w['cores']}" for w in res["workers"]))
+            f"{w['worker_id']} ({w['role']}{', ' + w['weight_format'] if w.get('weight_format') else ''}) "
+            f"cores {w['cores']}" for w in res["workers"]))
     srv = e.get("server") or {}
     if srv:
         parts.append(f"- server trace: {srv['num_records']} records, "

@@ -45,19 +45,20 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def load_language_model(model_dir: str, dtype: torch.dtype, quantized: bool = False,
+def load_language_model(model_dir: str, dtype: torch.dtype, weight_format: str = "auto",
                         device: str = "cpu") -> tuple[LlamaModel, int | None]:
     """The language model of a text model directory or of a SmolVLM / Idefics3 one, on
-    ``device``, and the latter's ``image_token_id`` (None for a text model). ``quantized``:
-    see :meth:`LlamaModel.load` (text models only).
+    ``device``, its linear layers in ``weight_format`` (``model/linear.py``), and the
+    latter's ``image_token_id`` (None for a text model).
 
     Raises:
         ModelLoadError: the model cannot be loaded.
+        ValueError: a weight format the model cannot hold (``linear.resolve``).
     """
     config = json.loads((Path(model_dir) / "config.json").read_text())
     if config.get("model_type") in MULTIMODAL_MODEL_TYPES:
-        return load_text(model_dir, dtype, device)
-    return LlamaModel.load(model_dir, dtype, quantized, device), None
+        return load_text(model_dir, dtype, device, weight_format)
+    return LlamaModel.load(model_dir, dtype, weight_format, device), None
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,9 @@ class EngineConfig:
     ``num_kv_blocks`` fixes the block count (as vLLM's ``num_gpu_blocks_override``);
     ``max_num_batched_tokens`` defaults to the context window (no chunking needed);
     ``enable_prefix_caching`` as vLLM's (on by default, see ``engine/prefix_cache.py``);
-    ``quantized_weights``: with dtype float32 on the CPU and a model converted from a Q4_1 /
-    Q8_0 GGUF, the linear layers keep only the GGUF's blocks and compute from them
-    (``model/quant.py``). ``device``: ``cpu``, ``cuda`` or ``cuda:N`` (``model/device.py``):
+    ``weight_format``: which copies of the linear weights the model holds and computes from
+    (``model/linear.py``'s ``--weight-format``: GGUF blocks, a dense float32 or bfloat16
+    copy, or both; ``auto`` as for an engine that prefills and decodes). ``device``: ``cpu``, ``cuda`` or ``cuda:N`` (``model/device.py``):
     where the weights, the KV cache, the activations and the sampler live; each step
     moves its metadata there once and brings back only token ids (and logprobs).
     ``cuda_graph``: on CUDA, decode-only steps replay CUDA graphs captured per batch-size
@@ -83,7 +84,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = True
     dtype: str = "float32"
-    quantized_weights: bool = True
+    weight_format: str = "auto"
     device: str = "cpu"
     cuda_graph: bool = False
 
@@ -125,7 +126,8 @@ class StepOutput:
 class LLMEngine:
     """A paged-KV engine over one :class:`LlamaModel`.
 
-    Raises (constructor): ``ValueError`` for an unknown dtype, a device that is not one
+    Raises (constructor): ``ValueError`` for an unknown dtype, a weight format the model
+    cannot hold, a device that is not one
     or is not here (``parse_device``), a budget too small for one block, or a
     ``kv_allocator`` whose tensor does not fit the cache; ``ModelLoadError`` for a model that cannot
     be loaded.
@@ -139,7 +141,7 @@ class LLMEngine:
         device = parse_device(config.device)
         self.device = torch.device(device)
         self.model, self.image_token_id = load_language_model(model_dir, DTYPES[config.dtype],
-                                                              config.quantized_weights, device)
+                                                              config.weight_format, device)
         mc = self.model.config
         self.max_model_len = mc.max_position_embeddings
         block_bytes = config.block_size * mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize)

@@ -242,10 +242,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-// x [M, K] @ W^T for a projection given as its tensors: [W [N, K]] (float32) or the GGUF
-// blocks [qs, scales] (Q8_0) / [qs, scales, mins] (Q4_1) of quant_kernels.cpp's quant_mm.
+// x [M, K] @ W^T for a projection given as its tensors: [W [N, K]] (float32, or bfloat16:
+// x cast to it and the result back) or the GGUF blocks [qs, scales] (Q8_0) / [qs, scales,
+// mins] (Q4_1) of quant_kernels.cpp's quant_mm.
 at::Tensor project(const at::Tensor& x, at::TensorList w) {
-  if (w.size() == 1) return at::linear(x, w[0]);
+  if (w.size() == 1 && w[0].scalar_type() == x.scalar_type()) return at::linear(x, w[0]);
+  if (w.size() == 1) return at::linear(x.to(w[0].scalar_type()), w[0]).to(x.scalar_type());
   static const auto quant_mm = c10::Dispatcher::singleton().findSchemaOrThrow("epdserve::quant_mm", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&)>();
   return quant_mm.call(x, w[0], w[1], w.size() == 3 ? c10::optional<at::Tensor>(w[2]) : c10::nullopt);

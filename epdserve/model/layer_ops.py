@@ -37,7 +37,7 @@ def decode_layer(x: torch.Tensor, weights: tuple, layer_cache: torch.Tensor, pos
     Args:
         x: ``[B, hidden]`` float32, updated in place.
         weights: ``(input_norm [hidden], post_norm [hidden], qkv, qkv_bias or None, o,
-            gate_up, down)``, each projection as ``quant.kernel_tensors`` gives it.
+            gate_up, down)``, each projection as ``linear.Linear.kernel_tensors`` gives it.
         layer_cache: ``[2, num_blocks, block_size, kv_heads, head_dim]``; the other
             arguments as :func:`rope_write_kv` and :func:`paged_decode_attention` take them.
     Raises:

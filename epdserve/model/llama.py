@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from epdserve.model import layer_ops, quant
+from epdserve.model import layer_ops, linear, quant
 from epdserve.model.base import ModelLoadError
 from epdserve.model.config import ModelConfig
 
@@ -79,6 +79,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(middle, smoothed, out)
 
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # one decoder layer's linear layers, as fused here
+
+
 class LlamaModel:
     """Weights and forward pass. Build with :meth:`load`.
 
@@ -96,7 +99,8 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 blocks: dict[str, quant.Blocks] | None = None, device: str | torch.device = "cpu"):
+                 blocks: dict[str, quant.Blocks] | None = None, device: str | torch.device = "cpu",
+                 weight_format: linear.WeightFormat | None = None):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -104,10 +108,14 @@ class LlamaModel:
             raise ValueError(f"GGUF weight blocks run on the CPU only, not on {self.device}")
         if self.device.type != "cpu":  # (on the CPU the tensors are used as they are)
             weights = {name: w.to(self.device) for name, w in weights.items()}
+        fmt = weight_format or linear.WeightFormat(blocks=blocks is not None, dense=None if blocks else dtype)
+        self.weight_format = fmt
+
+        def project(names: list[str]) -> linear.Linear:
+            return linear.projection(weights, blocks, names, fmt)
+
         self.embed = weights["model.embed_tokens.weight"]
-        # Linear layers whose GGUF blocks are in ``blocks`` run on them (quant.QuantLinear).
-        self.lm_head = quant.projection(weights, blocks, [
-            "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
+        self.lm_head = project(["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
         self.norm = weights["model.norm.weight"]
         self.layers = []
         for i in range(config.num_hidden_layers):
@@ -116,19 +124,18 @@ class LlamaModel:
             bias = None
             if attn + "q_proj.bias" in weights:  # qwen2
                 bias = torch.cat([weights[attn + n + "_proj.bias"] for n in "qkv"])
-            self.layers.append({
+            layer = {
                 "input_norm": weights[p + "input_layernorm.weight"],
                 "post_norm": weights[p + "post_attention_layernorm.weight"],
                 # Fused projections: one matmul for Q, K and V and one for gate and up.
-                "qkv": quant.projection(weights, blocks, [attn + n + "_proj.weight" for n in "qkv"]),
+                "qkv": project([attn + n + "_proj.weight" for n in "qkv"]),
                 "qkv_bias": bias,
-                "o": quant.projection(weights, blocks, [attn + "o_proj.weight"]),
-                "gate_up": quant.projection(weights, blocks, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                "down": quant.projection(weights, blocks, [p + "mlp.down_proj.weight"]),
-            })
-            layer = self.layers[-1]
-            layer["kernel"] = (layer["input_norm"], layer["post_norm"], quant.kernel_tensors(layer["qkv"]), bias,
-                               *(quant.kernel_tensors(layer[k]) for k in ("o", "gate_up", "down")))
+                "o": project([attn + "o_proj.weight"]),
+                "gate_up": project([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                "down": project([p + "mlp.down_proj.weight"]),
+            }
+            self.layers.append(layer)
+        self._set_kernel_rows()
         inv_freq = rope_inv_freq(config)
         t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
@@ -137,20 +144,47 @@ class LlamaModel:
         self.cos = emb.cos().to(self.device, dtype)
         self.sin = emb.sin().to(self.device, dtype)
 
+    def _set_kernel_rows(self) -> None:
+        """Measure where the block kernel yields to the BLAS (``linear.measured_kernel_rows``
+        on the first layer) and set it on every linear layer with blocks; then give each
+        layer its weights as the fused decode-layer kernel takes them: ``kernel`` for steps
+        of up to ``kernel_rows`` rows (the blocks, or the dense copies without blocks; None
+        when ``kernel_rows`` is 0), ``kernel_large`` above it (the dense copies; None
+        without them: the per-layer code runs those steps). ``kernel_rows`` is None
+        without blocks."""
+        probe = [self.layers[0][k] for k in PROJECTIONS if self.layers[0][k].blocks is not None]
+        self.kernel_rows = linear.measured_kernel_rows(probe) if probe else None
+        for lin in [self.lm_head, *(layer[k] for layer in self.layers for k in PROJECTIONS)]:
+            lin.kernel_rows = self.kernel_rows or 0
+        large = self.kernel_rows is not None and self.weight_format.dense is not None
+        for layer in self.layers:
+            layer["kernel"] = self._kernel_weights(layer, 1) if self.kernel_rows != 0 else None
+            layer["kernel_large"] = self._kernel_weights(layer, self.kernel_rows + 1) if large else None
+
+    @staticmethod
+    def _kernel_weights(layer: dict, rows: int) -> tuple:
+        """A layer's weights as ``layer_ops.decode_layer`` takes them for a step of ``rows`` rows."""
+        qkv, o, gate_up, down = (layer[k].kernel_tensors(rows) for k in PROJECTIONS)
+        return layer["input_norm"], layer["post_norm"], qkv, layer["qkv_bias"], o, gate_up, down
+
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
-             quantized: bool = False, device: str | torch.device = "cpu") -> "LlamaModel":
-        """Load ``model_dir`` (Hugging Face layout) into ``dtype`` tensors on ``device``.
-        ``quantized`` (float32 on the CPU only; ignored elsewhere): linear layers run on the
-        Q4_1 / Q8_0 blocks a GGUF conversion stored (see ``model/quant.py``) when there are
-        some and the kernel builds.
+    def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, weight_format: str = "auto",
+             device: str | torch.device = "cpu") -> "LlamaModel":
+        """Load ``model_dir`` (Hugging Face layout) into ``dtype`` tensors on ``device``, its
+        linear layers in ``weight_format`` (``model/linear.py``; ``auto`` as for a worker
+        that prefills and decodes): the Q4_1 / Q8_0 blocks a GGUF conversion stored (see
+        ``model/quant.py``), a dense copy, or both.
 
         Raises:
             ModelLoadError: a weight file is corrupt or a tensor is missing.
+            ValueError: a weight format this model, dtype or device cannot hold
+                (``linear.resolve``).
         """
         from safetensors.torch import load_file
 
         config = ModelConfig.from_dir(model_dir)
+        on_cpu = torch.device(device).type == "cpu"
+        fmt = linear.resolve(weight_format, dtype, on_cpu and quant.usable(model_dir))
         weights = {}
         for file in sorted(Path(model_dir).glob("*.safetensors")):
             try:
@@ -158,10 +192,9 @@ class LlamaModel:
             except Exception as exc:
                 raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from None
             weights.update({k: v.to(device, dtype) for k, v in part.items()})
-        on_cpu = torch.device(device).type == "cpu"
-        blocks = quant.load_blocks(model_dir) if quantized and dtype == torch.float32 and on_cpu else None
+        blocks = quant.load_blocks(model_dir) if fmt.blocks else None
         try:
-            return cls(config, weights, dtype, blocks, device)
+            return cls(config, weights, dtype, blocks, device, fmt)
         except KeyError as exc:
             raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
 
@@ -199,7 +232,7 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[R, vocab]`` (float32) of final hidden states ``[R, hidden]``
         (the final norm, then the LM head)."""
-        return quant.linear(layer_ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(layer_ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)).float()
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, meta: AttentionMetadata,
@@ -228,10 +261,11 @@ class LlamaModel:
             x[embeds[0]] = embeds[1].to(x.dtype)
         # A decode-only step runs each layer as one kernel call; ``kv_written`` (KV export
         # during prefills) needs the per-layer code.
-        fused = not meta.prefills and kv_written is None and layer_ops.fused(x)
+        kernel = "kernel" if self.kernel_rows is None or len(x) <= self.kernel_rows else "kernel_large"
+        fused = not meta.prefills and kv_written is None and layer_ops.fused(x) and self.layers[0][kernel] is not None
         for i, layer in enumerate(self.layers):
             if fused:
-                layer_ops.decode_layer(x, layer["kernel"], kv_cache[i], meta.positions, self.cos, self.sin,
+                layer_ops.decode_layer(x, layer[kernel], kv_cache[i], meta.positions, self.cos, self.sin,
                                        meta.slot_mapping, meta.decode_block_tables, meta.decode_ctx_lens,
                                        c.num_attention_heads, c.rms_norm_eps)
             else:
@@ -244,7 +278,7 @@ class LlamaModel:
         c = self.config
         n_q, n_kv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         h = layer_ops.rms_norm(x, layer["input_norm"], eps)
-        qkv = quant.linear(h, layer["qkv"], layer["qkv_bias"])
+        qkv = layer["qkv"](h, layer["qkv_bias"])
         k_cache = kv_cache[i, 0].view(-1, n_kv, d)
         v_cache = kv_cache[i, 1].view(-1, n_kv, d)
         layer_ops.rope_write_kv(qkv, meta.positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, n_q)
@@ -252,10 +286,10 @@ class LlamaModel:
             kv_written(i)
         q, k, v = (part.view(len(qkv), -1, d) for part in qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1))
         attn = self._attention(q, k, v, kv_cache[i], meta)
-        x.add_(quant.linear(attn.reshape(-1, n_q * d), layer["o"]))
+        x.add_(layer["o"](attn.reshape(-1, n_q * d)))
         h = layer_ops.rms_norm(x, layer["post_norm"], eps)
-        gate, up = quant.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-        x.add_(quant.linear(F.silu(gate) * up, layer["down"]))
+        gate, up = layer["gate_up"](h).chunk(2, dim=-1)
+        x.add_(layer["down"](F.silu(gate) * up))
 
     def _attention(self, q, k, v, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output ``[T, heads, head_dim]`` for every row of the batch: decode rows

@@ -111,18 +111,18 @@ BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 DTYPE_NAMES = ("float32", "bfloat16")  # what auto_dtype returns (the engine's dtypes)
 
 
-def auto_dtype(model_dir: str | Path, quantized_weights: bool = True, device: str = "cpu") -> str:
+def auto_dtype(model_dir: str | Path, weight_format: str = "auto", device: str = "cpu") -> str:
     """The dtype ``--dtype auto`` runs ``model_dir`` in on ``device`` (``model/device.py``'s
-    names). On CUDA bfloat16, as vLLM's default for a bfloat16 or float32 checkpoint (the
-    GGUF blocks are not read there; a GPU older than compute capability 8.0 only emulates
-    bfloat16: pass ``--dtype float32`` for it). On the CPU as vLLM's CPU backend: bfloat16 where the CPU computes it
-    natively (:data:`BF16_CPU_FLAGS`, read as the C++ kernels read AVX2), else float32; but
-    float32 for a model converted from a quantized GGUF when ``quantized_weights`` is on,
-    since the quantized kernels compute in float32 (``model/quant.py``) and are faster than
-    bfloat16 matmuls."""
+    names) with ``--weight-format weight_format``. On CUDA bfloat16, as vLLM's default for a
+    bfloat16 or float32 checkpoint (the GGUF blocks are not read there; a GPU older than
+    compute capability 8.0 only emulates bfloat16: pass ``--dtype float32`` for it). On the
+    CPU float32 for a format that holds GGUF blocks or a float32 copy (their kernels and
+    GEMMs compute in float32), ``auto`` included when the model has blocks; else, as vLLM's
+    CPU backend, bfloat16 where the CPU computes it natively (:data:`BF16_CPU_FLAGS`, read
+    as the C++ kernels read AVX2), else float32."""
     if device.startswith("cuda"):
         return "bfloat16"
-    if quantized_weights and (Path(model_dir) / BLOCKS_FILE).exists():
+    if weight_format not in ("auto", "bf16") or (weight_format == "auto" and (Path(model_dir) / BLOCKS_FILE).exists()):
         return "float32"
     return "bfloat16" if BF16_CPU_FLAGS & cpu_flags() else "float32"
 

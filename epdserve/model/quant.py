@@ -1,4 +1,5 @@
-"""Weight-only quantized linear layers: ``y = x @ W^T`` straight from a GGUF's weight blocks.
+"""GGUF weight blocks: read from a converted model and multiplied by ``quant_mm`` (``x @ W^T``
+straight from the blocks).
 
 Decode at a small batch is memory-bandwidth-bound: a float32 step reads every weight as
 4 bytes, while a Q4_1 block stores 32 weights in 24 bytes here (float32 scale and min and
@@ -8,8 +9,8 @@ writes are exactly ``d * q + m`` of those blocks, so computing from the blocks i
 same maths up to summation order.
 
 The kernel (``quant_kernels.cpp``, AVX2 + FMA) is built on first use by ``kernels.py``;
-without AVX2/FMA, or when the build fails, the model keeps float32 weights. A model on
-blocks holds 0.75 byte per Q4_1 weight (SmolLM2-135M: ~150 MiB resident instead of ~550).
+without AVX2/FMA, or when the build fails, there are no blocks to use (:func:`load_blocks`).
+Which layers hold blocks, a dense copy or both is the weight format's (``linear.py``).
 """
 
 from __future__ import annotations
@@ -19,18 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from epdserve.model import kernels
 
 BLOCK = 32  # weights per block along K, ggml's QK4_1 and QK8_0
 BLOCKS_FILE = Path("quantized") / "blocks.safetensors"  # inside a GGUF-converted model dir
-# Above this many rows x @ W^T dequantizes W and runs MKL's sgemm: the kernel's dot
-# products are slower than sgemm's, which wins once the weights' bytes no longer dominate
-# (long prefill chunks). On the dev CPU (AVX2, 1 thread, all of SmolLM2-135M's linear
-# layers, noisy shared machine) the kernel took 0.65x the time of dequantize + sgemm at 64
-# rows, 0.82x at 128, 0.96x at 256; at 512 it took 1.11x plain float32 sgemm's.
-MAX_KERNEL_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -73,11 +67,17 @@ def pack_gguf(data: np.ndarray, tensor_type) -> dict[str, np.ndarray] | None:
     return None
 
 
+def usable(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` has blocks a GGUF conversion stored and the kernel is built
+    (building it on the first call in a process)."""
+    return (Path(model_dir) / BLOCKS_FILE).is_file() and kernels.available()
+
+
 def load_blocks(model_dir: str | Path) -> dict[str, Blocks] | None:
     """The weight blocks a GGUF conversion stored in ``model_dir`` (keyed by Hugging Face
-    weight name), or None when there are none or the kernel is not available."""
+    weight name), or None when they are not :func:`usable`."""
     path = Path(model_dir) / BLOCKS_FILE
-    if not path.is_file() or not kernels.available():
+    if not usable(model_dir):
         return None
     from safetensors.torch import load_file
 
@@ -85,60 +85,3 @@ def load_blocks(model_dir: str | Path) -> dict[str, Blocks] | None:
     names = {key.rsplit(".", 1)[0] for key in arrays}
     return {name: Blocks(arrays[name + ".qs"], arrays[name + ".scales"], arrays.get(name + ".mins"))
             for name in names}
-
-
-class QuantLinear:
-    """``x @ W^T`` for a weight ``W [N, K]`` held only as :class:`Blocks` (0.75 byte per
-    Q4_1 weight, 1.125 per Q8_0 one, against 4 for float32).
-
-    Up to :data:`MAX_KERNEL_ROWS` rows of ``x`` run on the kernel; larger batches (prefill
-    chunks) dequantize ``W`` for the call and use ``F.linear`` (MKL's sgemm).
-    """
-
-    def __init__(self, blocks: Blocks):
-        self.blocks = blocks
-        # The overload itself: resolving torch.ops.epdserve.quant_mm per call costs a few
-        # microseconds, 121 times per decode step.
-        self._matmul = torch.ops.epdserve.quant_mm.default
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K]`` float32 -> ``[M, N]`` float32."""
-        if len(x) > MAX_KERNEL_ROWS:
-            return F.linear(x, self.dequantize())
-        return self._matmul(x, self.blocks.qs, self.blocks.scales, self.blocks.mins)
-
-    def dequantize(self) -> torch.Tensor:
-        """``W [N, K]`` in float32, equal to ``gguf.quants.dequantize`` of the blocks."""
-        b = self.blocks
-        return torch.ops.epdserve.dequantize(b.qs, b.scales, b.mins)
-
-
-def projection(weights: dict[str, torch.Tensor], blocks: dict[str, Blocks] | None,
-               names: list[str]) -> torch.Tensor | QuantLinear:
-    """The weights ``names`` (``[N_i, K]`` each) as one ``[sum N_i, K]`` projection (one
-    matmul for Q, K and V, or for gate and up): a :class:`QuantLinear` when ``blocks``
-    hold all of ``names`` in one block type, else the float tensor from ``weights``."""
-    parts = [blocks.get(n) for n in names] if blocks else [None]
-    if any(p is None for p in parts) or len({(p.qs.dtype, p.mins is None) for p in parts}) > 1:
-        return weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names])
-    if len(parts) == 1:
-        return QuantLinear(parts[0])
-    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
-    return QuantLinear(Blocks(torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]), mins))
-
-
-def kernel_tensors(weight: torch.Tensor | QuantLinear) -> list[torch.Tensor]:
-    """A projection as the C++ layer kernel takes it: ``[W]`` for a float weight, else its
-    blocks ``[qs, scales]`` (Q8_0) or ``[qs, scales, mins]`` (Q4_1)."""
-    if isinstance(weight, QuantLinear):
-        b = weight.blocks
-        return [b.qs, b.scales] + ([] if b.mins is None else [b.mins])
-    return [weight]
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a float weight ``[N, K]`` or a :class:`QuantLinear`."""
-    if isinstance(weight, QuantLinear):
-        y = weight(x)
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)

@@ -30,6 +30,7 @@ import argparse
 from epdserve.argtypes import Flag, Options, float_above, int_at_least, tokens_at_least, zero_or_at_least
 from epdserve.engine.engine import DTYPES
 from epdserve.model.device import parse_device
+from epdserve.model.linear import WEIGHT_FORMATS
 from epdserve.serving.deployment import ELASTIC_INTERVAL_S, ELASTIC_MIN_DWELL_S, ELASTIC_WINDOW_S
 from epdserve.transfer import handoff, kv_codec
 
@@ -73,10 +74,12 @@ WORKER_FLAGS = (
          help="weights and KV cache dtype (default: bfloat16 on CUDA, float32 on the CPU); auto: bfloat16 on "
               "CUDA; on the CPU as vLLM's CPU backend, bfloat16 "
               "where the CPU computes it natively, else float32, and float32 for a quantized GGUF (its kernels "
-              "compute in float32)"),
-    Flag("--quantized-weights", action=argparse.BooleanOptionalAction, default=True,
-         help="float32 on the CPU with a Q4_1 / Q8_0 GGUF model: matmuls read the GGUF's weight blocks "
-              "(model/quant.py; same greedy tokens, less memory traffic); off: dense float32"),
+              "compute in float32) unless --weight-format bf16"),
+    Flag("--weight-format", choices=WEIGHT_FORMATS, default="auto",
+         help="which copies of the linear weights a worker holds and computes from (model/linear.py): the GGUF's "
+              "Q4_1 blocks (fast decode, 0.75 byte a weight), a dense f32 or bf16 copy (fast prefill GEMMs), or "
+              "both (q4_1+f32: steps of few rows on the blocks, larger ones on the copy); auto: prefill workers "
+              "f32, decode workers q4_1, colocated and elastic q4_1+f32 (a model without GGUF blocks: dense)"),
     Flag("--kv-transport", choices=handoff.TRANSPORTS, default="auto",
          help="KV hand-off: shared memory on the same host, TCP otherwise (auto), or one of them"),
     Flag("--kv-transfer-dtype", choices=kv_codec.TRANSFER_DTYPES, default="none",

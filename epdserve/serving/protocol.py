@@ -93,7 +93,9 @@ class Hello(_Msg):
     to; ``incarnation``: the random id of this worker process. ``node_id``, ``node_ip``
     and ``resources`` say where it runs: on Ray its node's id and IP and the resources
     its actor holds (``{"CPU": 1.0, "prefill_node": 1.0}``); under the local launcher
-    (or by hand) the host name, "" and {}; ``pid`` its process on that node."""
+    (or by hand) the host name, "" and {}; ``pid`` its process on that node;
+    ``weight_format`` the ``--weight-format`` its engine holds (``model/linear.py``: ``q4_1``,
+    ``f32``, ``q4_1+f32``, ...; "" for an encode worker or an older worker)."""
 
     type: Literal["hello"] = "hello"
     worker_id: str
@@ -111,6 +113,7 @@ class Hello(_Msg):
     node_ip: str = Field(default="", max_length=64)
     resources: dict[str, float] = Field(default_factory=dict, max_length=64)
     pid: int = Field(default=0, ge=0)  # its process id on its node (0: not given)
+    weight_format: str = Field(default="", max_length=32)
 
 
 class Heartbeat(_Msg):

@@ -66,6 +66,7 @@ import uvicorn
 from epdserve import extras, host
 from epdserve.argtypes import Options, float_above, int_at_least, with_values
 from epdserve.model.loader import ModelLoadError
+from epdserve.model.linear import WEIGHT_FORMATS, auto_format
 from epdserve.serving import auth, flags
 from epdserve.serving.launch import ray_cluster
 from epdserve.serving.launch.children import Children
@@ -93,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-dtype", choices=flags.DTYPE_CHOICES, default=None,
                         help="pd: weights and KV cache dtype of the decode workers, which convert "
                              "imported KV to it (default: --dtype)")
+    for role in ("prefill", "decode"):
+        parser.add_argument(f"--{role}-weight-format", choices=WEIGHT_FORMATS, default=None,
+                            help=f"pd: the weight format of the {role} workers (default: --weight-format; "
+                                 f"its auto already gives them {auto_format(role == 'prefill', role == 'decode')})")
     for role in ROLE_DEVICES:
         parser.add_argument(f"--{role}-device", type=flags.device_type, default=None, metavar=flags.DEVICE_METAVAR,
                             help=f"pd, epd: the device of the {role} workers (default: --device; docs/gpu.md)")
@@ -218,11 +223,15 @@ def role_device(args: Options, role: str) -> str | None:
 def worker_flags(args: Options, role: str, worker_id: str, events: str) -> list[str]:
     """The flags of worker ``worker_id`` wherever it runs: its role and id, where it
     reports, and the worker flags given to serve (``--prefill-dtype`` / ``--decode-dtype``
-    as its ``--dtype`` and ``--prefill-device`` / ``--decode-device`` / ``--encode-device``
+    as its ``--dtype``, ``--prefill-weight-format`` / ``--decode-weight-format`` as its
+    ``--weight-format`` and ``--prefill-device`` / ``--decode-device`` / ``--encode-device``
     as its ``--device`` for those roles)."""
-    role_dtype = getattr(args, f"{role}_dtype", None) if role in ("prefill", "decode") else None
+    def own(name: str):
+        return (getattr(args, f"{role}_{name}", None) if role in ("prefill", "decode") else None) or getattr(args, name)
+
     return ["--role", role, "--router", events, "--worker-id", worker_id, *(["--elastic"] if args.elastic else []),
-            *flags.worker_argv(args, dtype=role_dtype or args.dtype, device=role_device(args, role))]
+            *flags.worker_argv(args, dtype=own("dtype"), weight_format=own("weight_format"),
+                               device=role_device(args, role))]
 
 
 def worker_command(args: Options, role: str, worker_id: str, cores: list[int],

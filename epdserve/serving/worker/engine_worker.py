@@ -430,10 +430,12 @@ def run(args: Options) -> int:
     worker.hello = P.Hello(worker_id=config.worker_id, role=config.role, addr=addr, model=info.name,
                            fingerprint=model_fingerprint(info.path), kv_layout=kv_layout,
                            blocks_total=blocks_total, cores=cores, auth=auth_tag(config.auth_token, config.worker_id),
-                           incarnation=incarnation, protocol=P.PROTOCOL_VERSION, **node_identity())
+                           incarnation=incarnation, protocol=P.PROTOCOL_VERSION,
+                           weight_format=engine.model.weight_format.name if engine else "", **node_identity())
     worker.send(worker.hello)
-    log.info("%s: %s worker on cores %s, device %s, %d KV blocks, listening on %s%s", config.worker_id, config.role,
-             cores, config.device, blocks_total, addr, " (CURVE on TCP)" if keyring.curve else "")
+    log.info("%s: %s worker on cores %s, device %s, weights %s, %d KV blocks, listening on %s%s", config.worker_id,
+             config.role, cores, config.device, worker.hello.weight_format or "-", blocks_total, addr,
+             " (CURVE on TCP)" if keyring.curve else "")
     serve(worker, ctx, cmd, inbox, config.router, config.worker_id, keyring, incarnation)
     ctx.destroy(linger=1000)
     return worker.exit_code

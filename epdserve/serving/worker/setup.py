@@ -17,7 +17,8 @@ import torch
 from epdserve.argtypes import Options, float_above
 from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import DTYPES, EngineConfig, LLMEngine
-from epdserve.model.loader import auto_dtype, resolve_model
+from epdserve.model import linear, quant
+from epdserve.model.loader import ModelInfo, auto_dtype, resolve_model
 from epdserve.serving import auth, flags
 from epdserve.serving.deployment import ROLES
 from epdserve.transfer import cuda_ipc, shm
@@ -66,7 +67,7 @@ class WorkerConfig:
     device: str
     enforce_eager: bool
     dtype: str | None
-    quantized_weights: bool
+    weight_format: str
     kv_transport: str
     kv_transfer_dtype: str
     kv_layer_pipeline: bool
@@ -89,8 +90,25 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
                         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                         enable_chunked_prefill=config.enable_chunked_prefill,
                         enable_prefix_caching=config.enable_prefix_caching, dtype=config.dtype,
-                        quantized_weights=config.quantized_weights, device=config.device,
+                        weight_format=config.weight_format, device=config.device,
                         cuda_graph=not config.enforce_eager)
+
+
+def weight_format(config: WorkerConfig, info: ModelInfo) -> str:
+    """``--weight-format`` resolved for this worker (``model/linear.resolve``, after
+    ``--dtype``): ``auto`` by what its role runs (an elastic worker may come to run either
+    phase), checked against the model; an encode worker holds no language model and keeps
+    the value as given.
+
+    Raises:
+        ValueError: a format the model, dtype or device cannot hold.
+    """
+    if config.role == "encode":
+        return config.weight_format
+    prefill = config.elastic or config.role in ("colocated", "prefill")
+    decode = config.elastic or config.role in ("colocated", "decode")
+    has_blocks = config.device == "cpu" and not info.multimodal and quant.usable(info.path)
+    return linear.resolve(config.weight_format, DTYPES[config.dtype], has_blocks, prefill, decode).name
 
 
 def pin_to_cores(spec: str | None) -> list[int]:
@@ -142,8 +160,9 @@ def load(config: WorkerConfig):
     if config.dtype is None:  # bfloat16 on CUDA (as vLLM), float32 on the CPU (as before the GPU path)
         config = replace(config, dtype="bfloat16" if config.device.startswith("cuda") else "float32")
     elif config.dtype == "auto":
-        config = replace(config, dtype=auto_dtype(info.path, config.quantized_weights, config.device))
+        config = replace(config, dtype=auto_dtype(info.path, config.weight_format, config.device))
         log.info("%s: --dtype auto: %s on %s", config.worker_id, config.dtype, config.device)
+    config = replace(config, weight_format=weight_format(config, info))
     encoder = engine = kv_pool = None
     if encode_role or (info.multimodal and (config.role in ("colocated", "prefill") or config.elastic)):
         encoder = EncodeEngine(info.path, DTYPES[config.dtype], device=config.device)

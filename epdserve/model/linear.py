@@ -1,0 +1,191 @@
+"""Linear layers in a weight format: which copies of each weight ``W [N, K]`` a worker holds
+and which matmul a step runs on them.
+
+Prefill is compute-bound: its GEMMs run fastest on dense weights through the BLAS (MKL's
+sgemm in float32; oneDNN's AVX512-BF16 / AMX kernels in bfloat16). Decode at a small batch
+is memory-bound: it runs fastest on the GGUF's blocks, 0.75 byte per Q4_1 weight against 4
+(``quant.py``). So each role holds what its steps need (``--weight-format``):
+
+* ``f32``, ``bf16``: one dense copy, every matmul on it. ``bf16`` on a float32 model casts
+  each matmul's input to bfloat16 and its output back; the KV cache and everything else stay
+  float32.
+* ``q4_1``: the GGUF's blocks only (the default model's Q4_1 layers and its Q8_0 LM head);
+  larger steps dequantize each weight for the call.
+* ``q4_1+f32``, ``q4_1+bf16``: both; small steps on the blocks, larger ones on the dense
+  copy.
+* ``auto``, by what the worker runs (:func:`auto_format`): prefill only, ``f32``; decode only,
+  ``q4_1``; both (colocated, elastic), ``q4_1+f32``. Without blocks (a Hugging Face model, the
+  kernels not built, a GPU, a bfloat16 model) the dense copy in the model's dtype.
+
+Where "small" ends (:attr:`Linear.kernel_rows`) is measured on the machine and the engine's
+threads (``cutover.py``) by the model that holds the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from epdserve.model import cutover, quant
+
+WEIGHT_FORMATS = ("auto", "f32", "bf16", "q4_1", "q4_1+f32", "q4_1+bf16")
+DENSE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A parsed ``--weight-format``: ``blocks`` (hold the GGUF blocks) and ``dense`` (the
+    dtype of the dense copy, or None)."""
+
+    blocks: bool
+    dense: torch.dtype | None
+
+    @property
+    def name(self) -> str:
+        """Its ``--weight-format`` name (``q4_1+f32``, ...)."""
+        parts = (["q4_1"] if self.blocks else []) + ([DTYPE_FORMATS[self.dense]] if self.dense else [])
+        return "+".join(parts)
+
+
+def parse(name: str) -> WeightFormat:
+    """A concrete ``--weight-format`` (not ``auto``).
+
+    Raises:
+        ValueError: ``auto`` or a name not in :data:`WEIGHT_FORMATS`.
+    """
+    if name not in WEIGHT_FORMATS or name == "auto":
+        raise ValueError(f"weight format {name!r}: expected one of {', '.join(WEIGHT_FORMATS[1:])}")
+    blocks, _, dense = name.partition("+") if name.startswith("q4_1") else ("", "", name)
+    return WeightFormat(blocks=bool(blocks), dense=DENSE_DTYPES[dense] if dense else None)
+
+
+def auto_format(prefill: bool, decode: bool) -> str:
+    """``auto`` for a worker that runs prefills and / or decodes (see the module doc)."""
+    if prefill and decode:
+        return "q4_1+f32"
+    return "f32" if prefill else "q4_1"
+
+
+def resolve(name: str, dtype: torch.dtype, has_blocks: bool, prefill: bool = True, decode: bool = True) -> WeightFormat:
+    """The format a model in ``dtype`` holds for ``--weight-format name``: ``auto`` by
+    :func:`auto_format`, its block part dropped when ``has_blocks`` is False; the dense
+    part of a bfloat16 model is bfloat16.
+
+    Raises:
+        ValueError: an unknown name; a format with blocks on a model without them, or with
+            a float32 dense copy on a bfloat16 model (the blocks' kernels and float32
+            activations need ``--dtype float32``).
+    """
+    if name == "auto":
+        fmt = parse(auto_format(prefill, decode))
+        if not has_blocks or dtype != torch.float32:
+            return WeightFormat(blocks=False, dense=dtype)
+        return fmt
+    fmt = parse(name)
+    if dtype != torch.float32 and (fmt.blocks or fmt.dense == torch.float32):
+        runs_in = str(dtype).removeprefix("torch.")
+        raise ValueError(f"--weight-format {name} needs --dtype float32 (this model runs in {runs_in})")
+    if fmt.blocks and not has_blocks:
+        raise ValueError(f"--weight-format {name}: this model has no Q4_1 / Q8_0 GGUF blocks, or the C++ "
+                         "kernels are not built (a GGUF model, and a CPU with AVX2 and FMA); use f32 or bf16")
+    return fmt
+
+
+class Linear:
+    """``x @ W^T`` for one weight ``W [N, K]`` held as GGUF blocks, a dense copy, or both.
+
+    ``blocks``: a :class:`quant.Blocks` or None; ``dense``: ``[N, K]`` float32 or bfloat16,
+    or None (one of the two is given). ``kernel_rows``: steps of up to this many rows run on
+    the blocks, larger ones on the BLAS (the dense copy, else the blocks dequantized for the
+    call); the model sets it once it has measured its layers (``cutover.py``).
+
+    Raises (constructor): ``ValueError`` with neither blocks nor a dense weight.
+    """
+
+    def __init__(self, blocks: quant.Blocks | None, dense: torch.Tensor | None, kernel_rows: int = 0):
+        if blocks is None and dense is None:
+            raise ValueError("a linear layer needs blocks or a dense weight")
+        self.blocks, self.dense, self.kernel_rows = blocks, dense, kernel_rows
+        # The overload itself: resolving torch.ops.epdserve.quant_mm per call costs a few
+        # microseconds, 121 times per decode step.
+        self._matmul = torch.ops.epdserve.quant_mm.default if blocks is not None else None
+
+    def on_blocks(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs on the blocks."""
+        return self.blocks is not None and rows <= self.kernel_rows
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K]`` -> ``[M, N]`` in ``x``'s dtype (plus ``bias [N]``)."""
+        y = self.on_kernel(x) if self.on_blocks(len(x)) else self.on_blas(x)
+        return y if bias is None else y + bias
+
+    def on_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K]`` float32 @ W^T by the block kernel."""
+        return self._matmul(x, self.blocks.qs, self.blocks.scales, self.blocks.mins)
+
+    def on_blas(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K]`` @ W^T by ``F.linear`` on the dense copy (``x`` cast to its dtype and
+        the result back), else on the blocks dequantized for this call."""
+        w = self.dense if self.dense is not None else self.dequantize()
+        return F.linear(x.to(w.dtype), w).to(x.dtype)
+
+    def kernel_tensors(self, rows: int) -> list[torch.Tensor]:
+        """The weight as the C++ decode-layer kernel takes it for a step of ``rows`` rows:
+        its blocks ``[qs, scales]`` (Q8_0) or ``[qs, scales, mins]`` (Q4_1), else ``[W]``
+        (dense; blocks-only past the cut-over: dequantized now)."""
+        if self.on_blocks(rows):
+            b = self.blocks
+            return [b.qs, b.scales] + ([] if b.mins is None else [b.mins])
+        return [self.dense if self.dense is not None else self.dequantize()]
+
+    def dequantize(self) -> torch.Tensor:
+        """``W [N, K]`` float32 from the blocks, equal to ``gguf.quants.dequantize`` of them."""
+        b = self.blocks
+        return torch.ops.epdserve.dequantize(b.qs, b.scales, b.mins)
+
+    def nbytes(self) -> int:
+        """Bytes this layer holds (blocks and dense copy)."""
+        parts = [self.dense] if self.dense is not None else []
+        if self.blocks is not None:
+            parts += [t for t in (self.blocks.qs, self.blocks.scales, self.blocks.mins) if t is not None]
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+def projection(weights: dict[str, torch.Tensor], blocks: dict[str, quant.Blocks] | None, names: list[str],
+               fmt: WeightFormat) -> Linear:
+    """The weights ``names`` (``[N_i, K]`` each) as one ``[sum N_i, K]`` projection (one
+    matmul for Q, K and V, or for gate and up) in format ``fmt``. Its blocks when ``fmt``
+    has them and ``blocks`` hold all of ``names`` in one block type; its dense copy (from
+    ``weights``, in ``fmt.dense``) when ``fmt`` has one or the blocks are missing (a group
+    the GGUF stored in another type stays dense, in the weights' dtype)."""
+    parts = [blocks.get(n) for n in names] if fmt.blocks and blocks else [None]
+    joined = None
+    if all(p is not None for p in parts) and len({(p.qs.dtype, p.mins is None) for p in parts}) == 1:
+        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+        joined = quant.Blocks(torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]), mins)
+    dense = None
+    if joined is None or fmt.dense is not None:
+        dense = weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names])
+        dense = dense.to(fmt.dense or dense.dtype)
+    return Linear(joined, dense)
+
+
+def measured_kernel_rows(layer: list[Linear]) -> int:
+    """The kernel / BLAS cut-over (:attr:`Linear.kernel_rows`) for one decoder layer's
+    projections (each with blocks), measured on this machine or read from its cache
+    (``cutover.kernel_rows``)."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(max(cutover.ROWS), p.blocks.qs.shape[1] * quant.BLOCK, generator=gen) for p in layer]
+
+    def kernel(rows: int) -> list[torch.Tensor]:
+        return [p.on_kernel(x[:rows]) for p, x in zip(layer, xs)]
+
+    def blas(rows: int) -> list[torch.Tensor]:
+        return [p.on_blas(x[:rows]) for p, x in zip(layer, xs)]
+
+    key = [[list(p.blocks.qs.shape), str(p.blocks.qs.dtype), None if p.dense is None else str(p.dense.dtype)]
+           for p in layer]
+    return cutover.kernel_rows(kernel, blas, key)
