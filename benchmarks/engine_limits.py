@@ -370,10 +370,10 @@ def measure(threads: int | None = None, model_dir: str | Path | None = None,
                        "context": context, "floors": floors}}
 
 
-def prefill_ceiling(limits: dict, tokens: float) -> tuple[int, float]:
-    """The float32 aggregate GEMM GFLOP/s measured at the ``T`` nearest ``tokens`` (in
-    log scale): ``(T, GFLOP/s)``."""
-    measured = {int(t): g["aggregate_gflops"] for t, g in limits["gemm"]["float32"].items()}
+def prefill_ceiling(limits: dict, tokens: float, dtype: str = "float32") -> tuple[int, float]:
+    """The aggregate GEMM GFLOP/s in ``dtype`` ("float32", or "bfloat16" where measured)
+    at the ``T`` nearest ``tokens`` (in log scale): ``(T, GFLOP/s)``."""
+    measured = {int(t): g["aggregate_gflops"] for t, g in limits["gemm"][dtype].items()}
     t = min(measured, key=lambda m: abs(math.log(m / max(tokens, 1))))
     return t, measured[t]
 

@@ -5,7 +5,7 @@ run, each figure also read as a share of the machine's ceilings.
 Engines (``--engines``; default epdserve, llama-server and transformers, plus vllm when
 ``make vllm`` has installed ``.venv-vllm``):
 
-* ``epdserve``: ``epdserve serve --mode colocated`` (one worker on every core), started
+* ``epdserve``: ``epdserve serve --mode colocated`` (one worker on every core; ``--epdserve-args`` adds flags), started
   here on 127.0.0.1, driven by epdserve's bench client (:func:`epdserve.bench.run.bench`,
   closed loop of C clients: ``--max-concurrency C``, all requests due at t = 0);
 * ``llama-server``: llama.cpp's server on the GGUF file epdserve loads by default, with
@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -124,6 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="epdserve's port; llama-server takes the next one, vllm the one after (default 8300)")
     p.add_argument("--threads", type=workload.positive_int, default=2,
                    help="torch threads for transformers (default 2, like llama-server)")
+    p.add_argument("--epdserve-args", default="", metavar="FLAGS",
+                   help="more flags for epdserve serve, one string, e.g. \"--weight-format q4_1+bf16\"")
     b = p.add_argument_group("llama-server binary")
     b.add_argument("--llama-server", type=Path, default=None, metavar="PATH",
                    help="use this llama-server binary instead of building one")
@@ -174,7 +177,8 @@ def settings_of(args, info, traces: dict, concurrency: list[int], binary: Path |
                 "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
                 "temperature": 0.0, "ignore_eos": True, "model_gguf": info.source,
                 "model_hf_dir": str(info.path), "cpus": os.cpu_count(),
-                "machine": platform.processor() or platform.machine(), "engines": args.engines}
+                "machine": platform.processor() or platform.machine(), "engines": args.engines,
+                "epdserve_args": args.epdserve_args}
     if binary is not None:
         version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
         settings["llama_server"] = {"binary": str(binary), "parallel": engines.LLAMA_PARALLEL,
@@ -258,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                     "partial": True}, out_dir / "speed.json")
 
     engine_runs = {
-        "epdserve": lambda: engines.run_server_engine(
-            "epdserve", engines.epdserve_command(args.port, args.model), args.port, traces, out_dir,
-            args.startup_timeout, record),
+        "epdserve": lambda: settings.update(epdserve_workers=engines.run_server_engine(
+            "epdserve", engines.epdserve_command(args.port, args.model, shlex.split(args.epdserve_args)), args.port,
+            traces, out_dir, args.startup_timeout, record)["workers"]),
         "llama-server": lambda: engines.run_server_engine(
             "llama-server", engines.llama_server_command(binary, info.source, args.port + 1, slot),
             args.port + 1, traces, out_dir, args.startup_timeout, record),
@@ -280,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         print("speed: interrupted; servers stopped", file=sys.stderr)
         return 130
 
-    found = speed_ceilings.shares(limits, results, args.output_len, info.path, info.source)
+    formats = {"epdserve": w["weight_format"] for w in settings.get("epdserve_workers", []) if w.get("weight_format")}
+    found = speed_ceilings.shares(limits, results, args.output_len, info.path, info.source, formats)
     lines, agree = report_lines(args, concurrency, results, failures, limits, found)
     print("\n".join(lines))
     write_json({"settings": settings, "limits": limits, "results": results, "agreement": agree,

@@ -3,15 +3,16 @@
 
 * **prefill**, at concurrency 1: the weight-matmul FLOPs of the mean prompt
   (:func:`engine_limits.forward_flops` of the prompt tokens the server reported) over TTFT
-  p50 is the GFLOP/s the engine reached; the ceiling is the float32 GEMM aggregate measured
-  at the T nearest that prompt length. TTFT also holds the HTTP round trip, tokenization,
+  p50 is the GFLOP/s the engine reached; the ceiling is the GEMM aggregate measured at the T
+  nearest that prompt length, in the dtype its prefill GEMMs run in (bfloat16 for an
+  epdserve worker whose ``--weight-format`` holds a bf16 copy, where measured; else float32). TTFT also holds the HTTP round trip, tokenization,
   scheduling, attention and the first token's LM head and sampling, so the share is a lower
   bound of the matmuls' own; a prefix-cache hit on the chat template's first tokens makes
   it slightly high.
 * **decode**, at every level C (batch C): the roofline floor, the bytes of a decode step of
   C sequences at the mean context (prompt + half the output) at the measured copy GB/s,
   over ITL p50. Each engine's weights are counted as it holds them: epdserve its GGUF
-  blocks (or dense float32), vllm and transformers dense float32 (``--dtype float32``),
+  blocks when its weight format has them (else dense float32), vllm and transformers dense float32 (``--dtype float32``),
   llama-server the GGUF's own blocks with its default float16 KV cache. A share of 1 is a
   step at the floor.
 """
@@ -42,31 +43,37 @@ def _mean_prompt(result: dict) -> float:
 
 
 def shares(limits: dict, results: dict[str, dict[int, dict]], output_len: int, model_dir: Path,
-           gguf: str | None) -> dict:
+           gguf: str | None, weight_formats: dict[str, str] | None = None) -> dict:
     """``{engine: {"prefill": {...} (C=1 only), "decode": {str(C): {...}}}}``, see the
-    module doc; an engine whose weight format cannot be read here is left out of decode."""
+    module doc; ``weight_formats``: engine -> its workers' ``--weight-format`` as /health
+    named it (epdserve). An engine whose weight format cannot be read here is left out of
+    decode."""
     cfg = limits["model"]
     gbs = limits["memory"]["copy_gbs"]
     weights: dict[str, dict | None] = {}
     out = {}
     for name, per_c in results.items():
         fmt, kv_elem = ENGINE_FORMATS.get(name, ("float32", 4))
+        served = (weight_formats or {}).get(name, "")
+        if served and "q4_1" not in served:
+            fmt = "float32"  # a dense copy only (a bf16 one still counted at 4 bytes: an upper bound)
+        gemm_dtype = "bfloat16" if "bf16" in served and "bfloat16" in limits["gemm"] else "float32"
         if fmt not in weights:
             try:
                 weights[fmt] = engine_limits.weight_read_bytes(model_dir, fmt, gguf_path=gguf)
             except (OSError, ValueError, KeyError):
                 weights[fmt] = None
-        entry: dict = {"weights_format": weights[fmt]["format"] if weights[fmt] else None,
+        entry: dict = {"weights_format": served or (weights[fmt]["format"] if weights[fmt] else None),
                        "kv_bytes_per_element": kv_elem, "decode": {}}
         one = per_c.get(1)
         if one and one["completed"] and one["median_ttft_ms"] > 0:
             tokens = _mean_prompt(one)
             flops = engine_limits.forward_flops(cfg, tokens)
             reached = flops / (one["median_ttft_ms"] / 1e3) / 1e9
-            t, ceiling = engine_limits.prefill_ceiling(limits, tokens)
+            t, ceiling = engine_limits.prefill_ceiling(limits, tokens, gemm_dtype)
             entry["prefill"] = {"prompt_tokens": tokens, "flops": flops, "ttft_p50_ms": one["median_ttft_ms"],
                                 "gflops": reached, "ceiling_tokens": t, "ceiling_gflops": ceiling,
-                                "share": reached / ceiling}
+                                "ceiling_dtype": gemm_dtype, "share": reached / ceiling}
         for c, r in per_c.items():
             if weights[fmt] is None or not r["completed"] or r["median_itl_ms"] <= 0:
                 continue
@@ -92,7 +99,8 @@ def lines(limits: dict, found: dict) -> list[str]:
         if p:
             out.append(f"  {name:<22} prefill C=1: {p['flops'] / 1e9:.1f} GFLOP ({p['prompt_tokens']:.0f} tokens) "
                        f"in TTFT p50 {p['ttft_p50_ms']:.0f} ms = {p['gflops']:.1f} GFLOP/s, "
-                       f"{100 * p['share']:.0f}% of {p['ceiling_gflops']:.1f} (T={p['ceiling_tokens']})")
+                       f"{100 * p['share']:.0f}% of {p['ceiling_gflops']:.1f} ({p.get('ceiling_dtype', 'float32')} "
+                       f"GEMM, T={p['ceiling_tokens']})")
         for c, d in e["decode"].items():
             out.append(f"  {name:<22} decode C={c}: floor {d['floor_ms']:.2f} ms ({d['bytes'] / 1e6:.1f} MB, "
                        f"{e['weights_format']}, context {d['context']:.0f}) / ITL p50 {d['itl_p50_ms']:.1f} ms "

@@ -63,13 +63,14 @@ def client_args(concurrency: int, timeout_s: float) -> Namespace:
 
 def run_server_engine(name: str, cmd: list[str], port: int, traces: dict, out_dir: Path,
                       startup_timeout_s: float, record, env: dict[str, str] | None = None,
-                      health_workers: int = 1) -> None:
+                      health_workers: int = 1) -> dict:
     """Start ``cmd`` (its own process group, environment plus ``env``, log
     ``out_dir/NAME.log``), wait for ``/health`` 200 (with ``health_workers`` workers up
     when the body lists workers, as epdserve's does; 0: any 200, for a server whose body is
     empty), run every level's trace with the bench client, passing each result to
     ``record(NAME, C, bench result)``, stop its whole process group (also on errors and
-    Ctrl-C).
+    Ctrl-C). Returns what its ``/health`` said of its workers (``ServerProcess.resources``:
+    epdserve's cores and weight formats; none for other servers).
 
     Raises:
         ServerError: the port is taken, or the server exited or did not come up in time
@@ -91,16 +92,19 @@ def run_server_engine(name: str, cmd: list[str], port: int, traces: dict, out_di
             reason = exc.reason if exc.reason.startswith(name) else f"{name}: {exc.reason}"
             raise ServerError(f"{reason} (log: {log})", exc.log_tail) from None
         print(f"[{name}] healthy after {took:.1f} s", flush=True)
+        resources = server.resources()
         for c, requests in traces.items():
             record(name, c, bench(server.base_url, requests, client_args(c, 600.0)))
+        return resources
     finally:
         server.stop()
 
 
-def epdserve_command(port: int, model: str | None) -> list[str]:
+def epdserve_command(port: int, model: str | None, extra: list[str] = ()) -> list[str]:
+    """``epdserve serve`` colocated with one worker on every core, plus ``extra`` flags."""
     cmd = [*SERVE, "--mode", "colocated", "--workers", "1", "--host", "127.0.0.1",
            "--port", str(port)]
-    return cmd + (["--model", model] if model else [])
+    return cmd + (["--model", model] if model else []) + list(extra)
 
 
 def llama_server_command(binary: Path, gguf: str, port: int, slot_tokens: int) -> list[str]:
