@@ -8,7 +8,8 @@ copy (AMX) from 8 (``benchmarks/linear_cutover.py``); on a one-thread AVX2 CPU t
 held against dequantize + sgemm up to 256 rows. So the first model load with blocks on a
 machine times its first layer's projections both ways at :data:`ROWS` (~0.3 s) and writes
 the answer to ``<cache>/cutover/<key>.json``, keyed by the CPU, the thread count, the
-layer's shapes, the dense format and torch's version; later loads read it (delete the file
+layer's shapes, the dense format and the kernels' build (sources, flags, torch's version);
+later loads read it (delete the file
 to measure again). Workers starting together measure once: the others wait on a lock.
 """
 
@@ -25,6 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from epdserve.model import kernels
 from epdserve.model.base import cache_root
 
 log = logging.getLogger(__name__)
@@ -80,9 +82,9 @@ def cpu_name() -> str:
 def kernel_rows(kernel: Callable[[int], object], blas: Callable[[int], object], key: Sequence) -> int:
     """:func:`kernel_rows_for` of :func:`measure` (``kernel(rows)`` and ``blas(rows)`` run
     a step of ``rows`` rows each way), read from the cache when this machine answered it
-    before for ``key`` (the layer's shapes and formats; the CPU, the thread count and
-    torch's version are added here)."""
-    parts = [cpu_name(), torch.get_num_threads(), torch.__version__, *key]
+    before for ``key`` (the layer's shapes and formats; the CPU, the thread count and the
+    kernels' build are added here)."""
+    parts = [cpu_name(), torch.get_num_threads(), kernels.digest(), *key]
     digest = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
     path = cache_root() / "cutover" / f"{digest}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,13 @@ def cpu_supported() -> bool:
     return {"avx2", "fma"} <= cpu_flags()
 
 
+def digest() -> str:
+    """12 hex digits naming this build: the sources, the flags and torch's version."""
+    h = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes() for name in SOURCES))
+    h.update(" ".join(FLAGS + (torch.__version__,)).encode())
+    return h.hexdigest()[:12]
+
+
 def _build() -> bool:
     if not cpu_supported():
         log.info("C++ kernels off: this CPU lacks AVX2/FMA; using float32 weights and PyTorch operators")
@@ -63,8 +70,6 @@ def _build() -> bool:
     from torch.utils.cpp_extension import load  # heavy: only when the kernels are built
 
     sources = [Path(__file__).with_name(name) for name in SOURCES]
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources))
-    digest.update(" ".join(FLAGS + (torch.__version__,)).encode())
     built_here = []
 
     def build(tmp: Path) -> None:
@@ -72,7 +77,7 @@ def _build() -> bool:
              build_directory=str(tmp), is_python_module=False)  # also loads it
         built_here.append(True)
 
-    out = cache_root() / "torch_extensions" / f"epdserve_kernels-{digest.hexdigest()[:12]}"
+    out = cache_root() / "torch_extensions" / f"epdserve_kernels-{digest()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         # Workers starting together build once: the others wait on an flock, which the OS

@@ -194,9 +194,19 @@ class LlamaModel:
             weights.update({k: v.to(device, dtype) for k, v in part.items()})
         blocks = quant.load_blocks(model_dir) if fmt.blocks else None
         try:
-            return cls(config, weights, dtype, blocks, device, fmt)
+            model = cls(config, weights, dtype, blocks, device, fmt)
         except KeyError as exc:
             raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
+        if fmt.dense not in (None, dtype):
+            # The loaded tensors share one memory map of the file, whose pages stay resident
+            # while any of them lives: after converting every linear weight to another dtype,
+            # keeping the embedding or a norm would keep all of them (+4 bytes a weight).
+            model.embed, model.norm = model.embed.clone(), model.norm.clone()
+            for layer in model.layers:
+                for key in ("input_norm", "post_norm"):
+                    layer[key] = layer[key].clone()
+            model._set_kernel_rows()  # the decode-layer kernel's tuples hold the norms
+        return model
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, allocator=None) -> torch.Tensor:
         """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in the

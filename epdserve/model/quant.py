@@ -8,8 +8,9 @@ a Q4_1 GGUF (Q8_0 token embedding, tied to the LM head), and the float32 weights
 writes are exactly ``d * q + m`` of those blocks, so computing from the blocks is the
 same maths up to summation order.
 
-The kernel (``quant_kernels.cpp``, AVX2 + FMA) is built on first use by ``kernels.py``;
-without AVX2/FMA, or when the build fails, there are no blocks to use (:func:`load_blocks`).
+The kernel (``quant_kernels.cpp``, AVX2 + FMA, 16 lanes wide where the CPU has AVX-512)
+is built on first use by ``kernels.py``; without AVX2/FMA, or when the build fails, there
+are no blocks to use (:func:`load_blocks`).
 Which layers hold blocks, a dense copy or both is the weight format's (``linear.py``).
 """
 

@@ -10,10 +10,10 @@
 // of x, 4 x rows at a time, so the dequantization is paid once per weight whatever the
 // batch M, and each weight load feeds 4 FMAs. Batches of 1-3 rows take a bufferless path
 // (fused_row).
-// The library is built for AVX2 + FMA; on a CPU with AVX-512 the dot products (fused_row's
-// and the tiles') run 16 lanes wide instead of 8 (functions compiled for "avx512f" and
-// chosen at run time): half the instructions per weight, the same products summed in
-// another order.
+// The library is built for AVX2 + FMA; on a CPU with AVX-512, fused_row runs 16 lanes wide
+// instead of 8 (compiled for "avx512f", chosen at run time): half the instructions per
+// weight, the same products summed in another order. (16-lane tiles measured slower than
+// the 8-lane ones at 4-256 rows on a 2-core Xeon, so the tiles stay AVX2.)
 // Built with layer_kernels.cpp into one library by epdserve/model/kernels.py.
 
 #include <ATen/ATen.h>
@@ -152,27 +152,9 @@ __attribute__((target("avx512f"))) void fused_row512(const uint8_t* row, const f
   }
 }
 
-// tile, 16 lanes (K is a multiple of 32).
-template <int NT, int MT>
-__attribute__((target("avx512f"))) void tile512(const float* w, const float* x, int64_t K, float* out, int64_t ldo) {
-  __m512 acc[NT][MT];
-  for (int i = 0; i < NT; ++i)
-    for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 wv[NT];
-    for (int i = 0; i < NT; ++i) wv[i] = _mm512_loadu_ps(w + i * K + k);
-    for (int j = 0; j < MT; ++j) {
-      const __m512 xv = _mm512_loadu_ps(x + j * K + k);
-      for (int i = 0; i < NT; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
-    }
-  }
-  for (int i = 0; i < NT; ++i)
-    for (int j = 0; j < MT; ++j) out[j * ldo + i] = _mm512_reduce_add_ps(acc[i][j]);
-}
-
 const bool kAvx512 = __builtin_cpu_supports("avx512f");
 
-// One weight row (or NT rows) against M rows of x, by the widest code this CPU runs.
+// One weight row against M < 4 rows of x, by the widest code this CPU runs.
 template <bool Q4, int MT>
 void dot_row(const uint8_t* row, const float* d, const float* m, int64_t nb, const float* x, int64_t K,
              const float* xsum, float* out, int64_t ldo) {
@@ -180,20 +162,15 @@ void dot_row(const uint8_t* row, const float* d, const float* m, int64_t nb, con
   else fused_row<Q4, MT>(row, d, m, nb, x, K, xsum, out, ldo);
 }
 
-template <int NT, int MT>
-void tile_any(const float* w, const float* x, int64_t K, float* out, int64_t ldo) {
-  if (kAvx512) tile512<NT, MT>(w, x, K, out, ldo);
-  else tile<NT, MT>(w, x, K, out, ldo);
-}
 
 template <int NT>
 void rows_times_x(const float* w, const float* x, int64_t M, int64_t K, float* out, int64_t ldo) {
   int64_t j = 0;
-  for (; j + 4 <= M; j += 4) tile_any<NT, 4>(w, x + j * K, K, out + j * ldo, ldo);
+  for (; j + 4 <= M; j += 4) tile<NT, 4>(w, x + j * K, K, out + j * ldo, ldo);
   switch (M - j) {
-    case 3: tile_any<NT, 3>(w, x + j * K, K, out + j * ldo, ldo); break;
-    case 2: tile_any<NT, 2>(w, x + j * K, K, out + j * ldo, ldo); break;
-    case 1: tile_any<NT, 1>(w, x + j * K, K, out + j * ldo, ldo); break;
+    case 3: tile<NT, 3>(w, x + j * K, K, out + j * ldo, ldo); break;
+    case 2: tile<NT, 2>(w, x + j * K, K, out + j * ldo, ldo); break;
+    case 1: tile<NT, 1>(w, x + j * K, K, out + j * ldo, ldo); break;
   }
 }
 
