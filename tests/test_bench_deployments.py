@@ -73,11 +73,12 @@ def wait_for_file(path: Path, timeout_s: float = 60) -> str:
 
 def test_every_example_file_parses_and_names_its_sources():
     deps = deployments.load(EXAMPLES)
-    assert {d.name for d in deps} == {"epdserve-colocated", "epdserve-1p1d", "llama-server",
-                                      "vllm-colocated", "vllm-1p1d", "sglang-1p1d", "vllm-cpu",
+    assert {d.name for d in deps} == {"epdserve-colocated", "epdserve-1p1d", "epdserve-1p1d-bf16-prefill",
+                                      "llama-server", "vllm-colocated", "vllm-1p1d", "sglang-1p1d", "vllm-cpu",
                                       "vllm-cpu-1p1d"}
     by_name = {d.name: d for d in deps}
     assert by_name["epdserve-1p1d"].entry_mode == "pd" and by_name["epdserve-1p1d"].epdserve == "1p1d"
+    assert by_name["epdserve-1p1d-bf16-prefill"].args == ["--prefill-weight-format", "bf16"]
     llama = by_name["llama-server"].resolved_processes(FAKE_ENV)[0].command
     assert llama[:3] == ["/opt/llama-server", "-m", "/m/model.gguf"] and "--metrics" in llama
     for name in ("vllm-1p1d", "sglang-1p1d"):
