@@ -94,6 +94,10 @@ class LlamaModel:
     weights are dense (``blocks`` must be None: the GGUF block kernels are CPU-only) and
     the PyTorch operators run (``layer_ops.fused`` is False).
 
+    ``weight_format``: which copies the linear layers hold (``model/linear.py``; default:
+    ``blocks`` when given, else dense in ``dtype``); with blocks, the first layer is timed
+    for the kernel/BLAS cut-over (``kernel_rows``, cached per machine: ``model/cutover.py``).
+
     Raises (constructor): ``KeyError`` for a missing tensor; ``ValueError`` for ``blocks``
     off the CPU.
     """
