@@ -13,9 +13,10 @@ model (QKV, O, gate+up, down, as the engine fuses them), summed, four ways:
   natively (else skipped).
 
 Each figure is the best of at most ``MAX_REPS`` calls or ``--seconds`` per row count and way,
-the ways taking turns over three rounds. Printed: ms per layer and each way's time over the
-kernel's; the cut-overs are the smallest M from which a way stays faster than the kernel
-(``blocks-only``: dequant+sgemm; ``with a resident copy``: f32 or bf16).
+the ways taking turns over three rounds. Printed: ms per layer, and against each way the
+most rows the engine would run on the kernel (the largest M below the first from which that
+way stays faster; ``epdserve/model/cutover.py``): dequant+sgemm for a worker holding the
+blocks only, f32 or bf16 for one holding a resident copy too.
 
     .venv/bin/python benchmarks/linear_cutover.py [--threads 2] [--rows 1 2 4 ...] [--output DIR]
 
@@ -33,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_limits  # noqa: E402 (benchmarks/ is not a package)
+from epdserve.model.cutover import kernel_rows_for  # noqa: E402
 
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 SECONDS = 0.3  # per row count and way
@@ -66,7 +68,9 @@ def layer_calls(layer: dict, rows: int, bf16: bool) -> dict:
 
 def measure(threads: int, rows_list: tuple[int, ...], seconds: float = SECONDS) -> dict:
     """Time :func:`layer_calls` for every row count on ``threads`` torch threads; returns
-    ``{"threads", "bf16", "rows": {M: {way: best ms}}, "cutover": {way: M or None}}``."""
+    ``{"threads", "bf16", "rows": {M: {way: best ms}}, "kernel_rows": {way: M}}``: the most
+    rows to run on the kernel against each way, as the engine picks them
+    (``epdserve.model.cutover.kernel_rows_for``)."""
     import torch
 
     from epdserve.model import kernels, quant
@@ -99,19 +103,8 @@ def measure(threads: int, rows_list: tuple[int, ...], seconds: float = SECONDS) 
     finally:
         torch.set_num_threads(before)
     return {"threads": threads, "bf16": bf16, "rows": out,
-            "cutover": {way: cutover(out, way) for way in WAYS[1:] if way in out[rows_list[0]]}}
-
-
-def cutover(rows: dict[int, dict[str, float]], way: str) -> int | None:
-    """The smallest row count from which ``way`` is faster than the kernel at every larger
-    measured count too; None when it never is."""
-    found = None
-    for m in sorted(rows, reverse=True):
-        if rows[m][way] < rows[m]["kernel"]:
-            found = m
-        else:
-            break
-    return found
+            "kernel_rows": {way: kernel_rows_for({m: (r["kernel"], r[way]) for m, r in out.items()})
+                            for way in WAYS[1:] if way in out[rows_list[0]]}}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -148,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--threads and --rows take positive integers")
     print(f"linear cut-over, {args.threads} threads (ms per decoder layer, best of repetitions)")
     result = measure(args.threads, tuple(sorted(set(args.rows))), args.seconds)
-    for way, m in result["cutover"].items():
-        print(f"  {way} beats the kernel from M = {m}" if m else f"  {way} never beats the kernel")
+    for way, m in result["kernel_rows"].items():
+        print(f"  against {way}: the kernel up to M = {m}")
     if args.output:
         args.output.mkdir(parents=True, exist_ok=True)
         (args.output / "linear_cutover.json").write_text(json.dumps(result, indent=1))

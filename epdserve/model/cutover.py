@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -68,15 +67,9 @@ def measure(kernel: Callable[[int], object], blas: Callable[[int], object]) -> d
 
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     import platform
 
-    return platform.processor() or platform.machine()
+    return kernels.cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def kernel_rows(kernel: Callable[[int], object], blas: Callable[[int], object], key: Sequence) -> int:

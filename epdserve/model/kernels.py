@@ -40,15 +40,21 @@ def available() -> bool:
     return _loaded
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags: Linux ``/proc/cpuinfo``'s ``flags`` line (x86) or
-    ``Features`` line (Arm); empty elsewhere."""
+def cpuinfo(*keys: str) -> str | None:
+    """The value of the first Linux ``/proc/cpuinfo`` line whose key is one of ``keys``;
+    None when there is none (or no such file)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in lines
-                 if line.split(":", 1)[0].strip() in ("flags", "Features") and ":" in line), set())
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines
+                 if ":" in line and line.split(":", 1)[0].strip() in keys), None)
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags: ``/proc/cpuinfo``'s ``flags`` line (x86) or ``Features``
+    line (Arm); empty elsewhere."""
+    return set((cpuinfo("flags", "Features") or "").split())
 
 
 def cpu_supported() -> bool:

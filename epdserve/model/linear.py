@@ -134,12 +134,13 @@ class Linear:
 
     def kernel_tensors(self, rows: int) -> list[torch.Tensor]:
         """The weight as the C++ decode-layer kernel takes it for a step of ``rows`` rows:
-        its blocks ``[qs, scales]`` (Q8_0) or ``[qs, scales, mins]`` (Q4_1), else ``[W]``
-        (dense; blocks-only past the cut-over: dequantized now)."""
+        its blocks ``[qs, scales]`` (Q8_0) or ``[qs, scales, mins]`` (Q4_1), else its dense
+        copy ``[W]`` (a blocks-only layer has none past the cut-over: those steps run the
+        per-layer code, which dequantizes per call)."""
         if self.on_blocks(rows):
             b = self.blocks
             return [b.qs, b.scales] + ([] if b.mins is None else [b.mins])
-        return [self.dense if self.dense is not None else self.dequantize()]
+        return [self.dense]
 
     def dequantize(self) -> torch.Tensor:
         """``W [N, K]`` float32 from the blocks, equal to ``gguf.quants.dequantize`` of them."""

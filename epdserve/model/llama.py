@@ -196,21 +196,16 @@ class LlamaModel:
             except Exception as exc:
                 raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from None
             weights.update({k: v.to(device, dtype) for k, v in part.items()})
-        blocks = quant.load_blocks(model_dir) if fmt.blocks else None
-        try:
-            model = cls(config, weights, dtype, blocks, device, fmt)
-        except KeyError as exc:
-            raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
         if fmt.dense not in (None, dtype):
             # The loaded tensors share one memory map of the file, whose pages stay resident
-            # while any of them lives: after converting every linear weight to another dtype,
-            # keeping the embedding or a norm would keep all of them (+4 bytes a weight).
-            model.embed, model.norm = model.embed.clone(), model.norm.clone()
-            for layer in model.layers:
-                for key in ("input_norm", "post_norm"):
-                    layer[key] = layer[key].clone()
-            model._set_kernel_rows()  # the decode-layer kernel's tuples hold the norms
-        return model
+            # while any of them lives: with every linear weight converted to another dtype,
+            # the embedding or a norm kept as loaded would keep all of them (+4 bytes a weight).
+            weights = {k: v if k.endswith(("proj.weight", "lm_head.weight")) else v.clone() for k, v in weights.items()}
+        blocks = quant.load_blocks(model_dir) if fmt.blocks else None
+        try:
+            return cls(config, weights, dtype, blocks, device, fmt)
+        except KeyError as exc:
+            raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, allocator=None) -> torch.Tensor:
         """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in the
