@@ -506,8 +506,7 @@ def test_configuration_names_map_to_serve_flags():
     assert serve_flags("pd") == ["--mode", "pd"]
     assert serve_flags("colocated-2") == ["--mode", "colocated", "--workers", "2"]
     assert serve_flags("2p1d") == ["--mode", "pd", "--prefill-workers", "2", "--decode-workers", "1"]
-    assert serve_flags("colocated-chunked") == [
-        "--mode", "colocated", "--enable-chunked-prefill", "--max-num-batched-tokens", "256"]
+    assert serve_flags("colocated-chunked") == ["--mode", "colocated", "--max-num-batched-tokens", "256"]
     assert serve_flags("2p1d-noprefix") == serve_flags("2p1d") + ["--no-enable-prefix-caching"]
     assert serve_flags("bogus") is None
     assert serve_flags("bogus-noprefix") is None

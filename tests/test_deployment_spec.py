@@ -14,7 +14,7 @@ NOPREFIX = ["--no-enable-prefix-caching"]
 FLAGS = {
     "colocated": ["--mode", "colocated"],
     "pd": ["--mode", "pd"],
-    "colocated-chunked": ["--mode", "colocated", "--enable-chunked-prefill", "--max-num-batched-tokens", "256"],
+    "colocated-chunked": ["--mode", "colocated", "--max-num-batched-tokens", "256"],
     "colocated-1": ["--mode", "colocated", "--workers", "1"],
     "colocated-12": ["--mode", "colocated", "--workers", "12"],
     "1p1d": ["--mode", "pd", "--prefill-workers", "1", "--decode-workers", "1"],
@@ -98,7 +98,6 @@ def serve_args(*argv: str) -> argparse.Namespace:
     parser.add_argument("--mode", default="colocated")
     for opt in ("--workers", "--prefill-workers", "--decode-workers", "--encode-workers"):
         parser.add_argument(opt, type=int, default=1)
-    parser.add_argument("--enable-chunked-prefill", action="store_true")
     parser.add_argument("--local-prefill-threshold", type=int, default=0)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     return parser.parse_args(list(argv))
@@ -114,7 +113,6 @@ def test_serve_args_defaults_and_placement():
     spec = DeploymentSpec.from_serve_args(serve_args("--mode", "pd", "--local-prefill-threshold", "16"))
     assert spec == DeploymentSpec("pd", prefill=1, decode=1, local_prefill_threshold=16)
     assert DeploymentSpec.from_serve_args(serve_args("--mode", "pd")).local_prefill_threshold is None
-    assert DeploymentSpec.from_serve_args(serve_args("--enable-chunked-prefill")).chunked_prefill
     with pytest.raises(ValueError, match="at least 1"):  # a count of another mode too, as serve checks it
         DeploymentSpec.from_serve_args(serve_args("--mode", "colocated", "--decode-workers", "0"))
     assert DeploymentSpec.parse("2p1d").place([0, 1, 2, 3]) == plan_workers("pd", [0, 1, 2, 3], prefill=2)

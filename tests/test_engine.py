@@ -107,10 +107,10 @@ def test_chunked_prefill_matches_unchunked_with_running_decodes(model_dir, promp
     same steps as the short prompts' decodes, and give the unchunked run's greedy tokens."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     chosen = [prompts[i] for i in (1, 2, 5, 11, 12, 13)]  # 3, 7, 32, 255, 256, 500 tokens
-    whole = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=64))
+    whole = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=64, enable_chunked_prefill=False))
+    assert whole.scheduler.config.max_num_batched_tokens == whole.max_model_len  # unchunked: the context window
     expected = generate(whole, chosen, params)
-    chunked = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=64,
-                                                max_num_batched_tokens=64, enable_chunked_prefill=True))
+    chunked = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=64, max_num_batched_tokens=64))
     steps = []
     schedule = chunked.scheduler.schedule
 
@@ -125,6 +125,23 @@ def test_chunked_prefill_matches_unchunked_with_running_decodes(model_dir, promp
     mixed = [step for step in steps if (False, 1) in step and any(p and n > 1 for p, n in step)]
     assert len(mixed) >= 500 // 64, "long prefills ran in chunks beside decodes"
     assert chunked.stats()["blocks_in_use"] == 0
+    # The default is vLLM's on the CPU: chunked, 2,048 tokens a step.
+    assert (LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=16)).scheduler.config.max_num_batched_tokens,
+            chunked.scheduler.config.enable_chunked_prefill) == (2048, True)
+
+
+def test_unchunked_budget_refuses_a_request_it_could_never_schedule(model_dir):
+    """Without chunked prefill a prompt (and, after a preemption, its generated tokens) is
+    computed in one step: a request longer than the step's budget is refused when added,
+    not left at the head of the queue forever."""
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=16, max_num_batched_tokens=64,
+                                               enable_chunked_prefill=False))
+    with pytest.raises(ValueError, match="70 tokens, over the 64 tokens a step computes without chunked prefill"):
+        engine.add_request("long", list(range(1, 61)), SamplingParams(max_tokens=10))
+    engine.add_request("fits", list(range(1, 55)), SamplingParams(max_tokens=10, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["blocks_in_use"] == 0
 
 
 def test_preemption_under_tiny_pool_completes_with_same_tokens(model_dir, prompts):

@@ -65,7 +65,8 @@ def load_language_model(model_dir: str, dtype: torch.dtype, weight_format: str =
 class EngineConfig:
     """Engine settings. ``kv_cache_memory_mb`` sizes the block pool (MiB) unless
     ``num_kv_blocks`` fixes the block count (as vLLM's ``num_gpu_blocks_override``);
-    ``max_num_batched_tokens`` defaults to the context window (no chunking needed);
+    ``enable_chunked_prefill``, ``max_num_batched_tokens`` as vLLM's (on; None: 2,048 tokens
+    a step chunked, else the context window);
     ``enable_prefix_caching`` as vLLM's (on by default, see ``engine/prefix_cache.py``);
     ``weight_format``: which copies of the linear weights the model holds and computes from
     (``model/linear.py``'s ``--weight-format``: GGUF blocks, a dense float32 or bfloat16
@@ -81,7 +82,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     dtype: str = "float32"
     weight_format: str = "auto"
@@ -157,7 +158,8 @@ class LLMEngine:
             self.graphs.capture()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens or self.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens or (
+                SchedulerConfig.max_num_batched_tokens if config.enable_chunked_prefill else self.max_model_len),
             enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching), self.pool)
         self.seqs: dict[str, Sequence] = {}
@@ -194,13 +196,13 @@ class LLMEngine:
         ``image_embeddings [sum of tokens, hidden]`` (needed unless ``kv`` comes too).
 
         Raises:
-            ValueError: duplicate id, empty or out-of-vocabulary prompt, a stop token id
-                or ``logit_bias`` token outside the vocabulary, prompt plus ``max_tokens``
-                over the context window or the whole KV pool, KV of the wrong shape or
-                dtype, images for a text model, images whose tokens or embeddings do not
-                match the prompt, images without embeddings to prefill, prompt logprobs
-                over ``MAX_PROMPT_LOGPROB_ENTRIES``, or a ``guided`` grammar that does not
-                compile or that ``first_token`` breaks (``GuidedError``).
+            ValueError: duplicate id, empty or out-of-vocabulary prompt, a stop token id or
+                ``logit_bias`` token outside the vocabulary, prompt plus ``max_tokens`` over the
+                context window, the KV pool or (unchunked) a step's budget, KV of the wrong shape
+                or dtype, images for a text model, images whose tokens or embeddings do not match
+                the prompt, images without embeddings to prefill, prompt logprobs over
+                ``MAX_PROMPT_LOGPROB_ENTRIES``, or a ``guided`` grammar that does not compile or
+                that ``first_token`` breaks (``GuidedError``).
         """
         if request_id in self.seqs or request_id in self.held:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -208,13 +210,7 @@ class LLMEngine:
         if n == 0:
             raise ValueError("prompt is empty")
         self._check_vocabulary(prompt_token_ids, sampling)
-        total = n + sampling.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({n} tokens) plus max_tokens ({sampling.max_tokens}) is "
-                             f"{total} tokens, over the context window of {self.max_model_len}")
-        if self.pool.blocks_for(total) > self.pool.num_blocks:
-            raise ValueError(f"request needs {self.pool.blocks_for(total)} KV blocks but the "
-                             f"whole pool has {self.pool.num_blocks}")
+        self._check_length(n, sampling.max_tokens)
         if (kv is None) != (first_token is None):
             raise ValueError("kv and first_token come together or not at all")
         seq = Sequence(request_id, prompt_token_ids, sampling, kv, first_token,
@@ -232,6 +228,21 @@ class LLMEngine:
             seq.num_computed_tokens = seq.max_computed_tokens = n  # the prompt's K/V arrives with the request
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def _check_length(self, n: int, max_tokens: int) -> None:
+        """Raises ValueError for a request too long to run (see :meth:`add_request`)."""
+        total = n + max_tokens
+        what = f"prompt ({n} tokens) plus max_tokens ({max_tokens}) is {total} tokens"
+        if total > self.max_model_len:
+            raise ValueError(f"{what}, over the context window of {self.max_model_len}")
+        budget = self.scheduler.config
+        if total > budget.max_num_batched_tokens and not budget.enable_chunked_prefill:
+            # A preempted request computes its prompt and generated tokens again in one step.
+            raise ValueError(f"{what}, over the {budget.max_num_batched_tokens} tokens a step computes without "
+                             "chunked prefill (--max-num-batched-tokens)")
+        if self.pool.blocks_for(total) > self.pool.num_blocks:
+            raise ValueError(f"request needs {self.pool.blocks_for(total)} KV blocks but the whole pool has "
+                             f"{self.pool.num_blocks}")
 
     def _check_vocabulary(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raises ValueError for a prompt, stop or ``logit_bias`` token outside the vocabulary."""

@@ -20,13 +20,15 @@ from epdserve.engine.request import Sequence, Status
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """``max_num_batched_tokens``: tokens per step; without ``enable_chunked_prefill`` a
-    prompt is prefilled whole, so it must be at least the context window.
+    """``max_num_batched_tokens``: tokens per step; with ``enable_chunked_prefill`` (the
+    default, as vLLM's) a prompt longer than what a step has left is prefilled over several
+    steps, without it whole, so the budget must then be at least the context window. The
+    defaults are vLLM's for its OpenAI server on the CPU (2,048 tokens a step, chunked).
     ``enable_prefix_caching``: reuse cached full blocks (vLLM v1's default, on)."""
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
-    enable_chunked_prefill: bool = False
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
 
 

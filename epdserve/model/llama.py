@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from epdserve.model import layer_ops, linear, quant
+from epdserve.model import layer_ops, linear, quant, tensor_parallel
 from epdserve.model.base import ModelLoadError
 from epdserve.model.config import ModelConfig
 
@@ -98,22 +98,34 @@ class LlamaModel:
     ``blocks`` when given, else dense in ``dtype``); with blocks, the first layer is timed
     for the kernel/BLAS cut-over (``kernel_rows``, cached per machine: ``model/cutover.py``).
 
+    ``tp``: this process's rank of a tensor-parallel group (``model/tensor_parallel.py``), or
+    None (the whole model in this process). With it, ``config`` and ``weights`` are the full
+    model's and the model keeps the rank's shard (``config`` becomes the rank's: its heads);
+    the KV cache holds the rank's KV heads, every step runs the per-layer code (the fused
+    decode-layer kernel cannot all-reduce mid-layer) with the collectives of
+    ``tensor_parallel``, and every rank returns the full hidden states and logits. Every
+    rank must run the same steps.
+
     Raises (constructor): ``KeyError`` for a missing tensor; ``ValueError`` for ``blocks``
-    off the CPU.
+    off the CPU, or with ``tp`` for blocks or a TP size the model cannot split.
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  blocks: dict[str, quant.Blocks] | None = None, device: str | torch.device = "cpu",
-                 weight_format: linear.WeightFormat | None = None):
-        self.config = config
+                 weight_format: linear.WeightFormat | None = None, tp: tensor_parallel.TPRank | None = None):
         self.dtype = dtype
         self.device = torch.device(device)
         if blocks and self.device.type != "cpu":
             raise ValueError(f"GGUF weight blocks run on the CPU only, not on {self.device}")
-        if self.device.type != "cpu":  # (on the CPU the tensors are used as they are)
-            weights = {name: w.to(self.device) for name, w in weights.items()}
         fmt = weight_format or linear.WeightFormat(blocks=blocks is not None, dense=None if blocks else dtype)
         self.weight_format = fmt
+        self.tp = tp
+        if tp is not None:
+            tensor_parallel.check_dense(fmt)
+            config, weights = self._shard(config, weights, tp)
+        self.config = config
+        if self.device.type != "cpu":  # (on the CPU the tensors are used as they are)
+            weights = {name: w.to(self.device) for name, w in weights.items()}
 
         def project(names: list[str]) -> linear.Linear:
             return linear.projection(weights, blocks, names, fmt)
@@ -140,6 +152,9 @@ class LlamaModel:
             }
             self.layers.append(layer)
         self._set_kernel_rows()
+        if tp is not None:  # (all-reduces run between a layer's matmuls: no one-call layers)
+            for layer in self.layers:
+                layer["kernel"] = layer["kernel_large"] = None
         inv_freq = rope_inv_freq(config)
         t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
@@ -147,6 +162,14 @@ class LlamaModel:
         # Computed on the host (the same float32 values on every device), then moved.
         self.cos = emb.cos().to(self.device, dtype)
         self.sin = emb.sin().to(self.device, dtype)
+
+    def _shard(self, config: ModelConfig, weights: dict[str, torch.Tensor], tp: tensor_parallel.TPRank
+               ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+        """The rank's config and weights (``tensor_parallel.shard_weights``); notes the rank's
+        vocabulary rows (``vocab``) and each rank's count of them (``vocab_sizes``)."""
+        self.vocab = tensor_parallel.shard_ranges(config, tp.rank, tp.size).vocab
+        self.vocab_sizes = [len(tensor_parallel.shard_ranges(config, r, tp.size).vocab) for r in range(tp.size)]
+        return tensor_parallel.shard_weights(config, weights, tp.rank, tp.size)
 
     def _set_kernel_rows(self) -> None:
         """Measure where the block kernel yields to the BLAS (``linear.measured_kernel_rows``
@@ -173,29 +196,35 @@ class LlamaModel:
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, weight_format: str = "auto",
-             device: str | torch.device = "cpu") -> "LlamaModel":
+             device: str | torch.device = "cpu", tp: tensor_parallel.TPRank | None = None) -> "LlamaModel":
         """Load ``model_dir`` (Hugging Face layout) into ``dtype`` tensors on ``device``, its
         linear layers in ``weight_format`` (``model/linear.py``; ``auto`` as for a worker
         that prefills and decodes): the Q4_1 / Q8_0 blocks a GGUF conversion stored (see
-        ``model/quant.py``), a dense copy, or both.
+        ``model/quant.py``), a dense copy, or both. With ``tp`` (see the class doc), the
+        rank's shard, in a dense format (``auto``: the dense copy in ``dtype``); the full
+        weights are read on the host and freed once sharded.
 
         Raises:
             ModelLoadError: a weight file is corrupt or a tensor is missing.
             ValueError: a weight format this model, dtype or device cannot hold
-                (``linear.resolve``).
+                (``linear.resolve``); with ``tp``, a format with GGUF blocks, or a TP size
+                the model cannot split (``tensor_parallel.shard_ranges``).
         """
         from safetensors.torch import load_file
 
         config = ModelConfig.from_dir(model_dir)
-        on_cpu = torch.device(device).type == "cpu"
-        fmt = linear.resolve(weight_format, dtype, on_cpu and quant.usable(model_dir))
+        if tp is not None and weight_format != "auto":
+            tensor_parallel.check_dense(linear.parse(weight_format))
+        has_blocks = tp is None and torch.device(device).type == "cpu" and quant.usable(model_dir)
+        fmt = linear.resolve(weight_format, dtype, has_blocks)
+        read_to = device if tp is None else "cpu"  # (TP: shard on the host, then move the shards)
         weights = {}
         for file in sorted(Path(model_dir).glob("*.safetensors")):
             try:
                 part = load_file(str(file))
             except Exception as exc:
                 raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from None
-            weights.update({k: v.to(device, dtype) for k, v in part.items()})
+            weights.update({k: v.to(read_to, dtype) for k, v in part.items()})
         if fmt.dense not in (None, dtype):
             # The loaded tensors share one memory map of the file, whose pages stay resident
             # while any of them lives: with every linear weight converted to another dtype,
@@ -203,16 +232,16 @@ class LlamaModel:
             weights = {k: v if k.endswith(("proj.weight", "lm_head.weight")) else v.clone() for k, v in weights.items()}
         blocks = quant.load_blocks(model_dir) if fmt.blocks else None
         try:
-            return cls(config, weights, dtype, blocks, device, fmt)
+            return cls(config, weights, dtype, blocks, device, fmt, tp)
         except KeyError as exc:
             raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, allocator=None) -> torch.Tensor:
-        """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in the
-        model's dtype on the model's device, from ``allocator(shape, dtype, device)`` when
-        given (a pool other processes map or open: a /dev/shm ``KVPool`` for a CPU model, a
-        CUDA-IPC-shared ``DevicePool`` for a GPU one; see ``serving/worker/setup.new_engine``),
-        else ``torch.zeros``.
+        """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (with
+        ``tp``, the rank's KV heads) in the model's dtype on the model's device, from
+        ``allocator(shape, dtype, device)`` when given (a pool other processes map or open: a
+        /dev/shm ``KVPool`` for a CPU model, a CUDA-IPC-shared ``DevicePool`` for a GPU one;
+        see ``serving/worker/setup.new_engine``), else ``torch.zeros``.
 
         Raises:
             ValueError: the allocator returned a tensor of another shape, dtype or device.
@@ -240,8 +269,9 @@ class LlamaModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[R, vocab]`` (float32) of final hidden states ``[R, hidden]``
-        (the final norm, then the LM head)."""
-        return self.lm_head(layer_ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)).float()
+        (the final norm, then the LM head; with TP, the rank's vocabulary slice, gathered)."""
+        logits = self.lm_head(layer_ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)).float()
+        return logits if self.tp is None else self.tp.gather_last_dim(logits, self.vocab_sizes)
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, meta: AttentionMetadata,
@@ -265,7 +295,7 @@ class LlamaModel:
             norm (:meth:`logits` turns rows of it into logits).
         """
         c = self.config
-        x = self.embed[input_ids]
+        x = self.embed[input_ids] if self.tp is None else self._embed_parallel(input_ids)
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
         # A decode-only step runs each layer as one kernel call; ``kv_written`` (KV export
@@ -281,6 +311,14 @@ class LlamaModel:
                 self._layer(i, layer, x, meta, kv_cache, kv_written)
         return x
 
+    def _embed_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]`` from the ranks' vocabulary rows: each rank looks
+        up the ids in its rows, zeros for the others, and the ranks' rows are summed."""
+        local = input_ids - self.vocab.start
+        outside = (local < 0) | (local >= len(self.vocab))
+        x = self.embed[local.masked_fill(outside, 0)]
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(1), 0))
+
     def _layer(self, i: int, layer: dict, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                kv_written: Callable[[int], None] | None = None) -> None:
         """Decoder layer ``i`` on hidden states ``x [T, hidden]``, updated in place."""
@@ -295,10 +333,12 @@ class LlamaModel:
             kv_written(i)
         q, k, v = (part.view(len(qkv), -1, d) for part in qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1))
         attn = self._attention(q, k, v, kv_cache[i], meta)
-        x.add_(layer["o"](attn.reshape(-1, n_q * d)))
+        out = layer["o"](attn.reshape(-1, n_q * d))
+        x.add_(out if self.tp is None else self.tp.all_reduce(out))  # TP: the ranks' partial sums
         h = layer_ops.rms_norm(x, layer["post_norm"], eps)
         gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-        x.add_(layer["down"](F.silu(gate).mul_(up)))  # in place: one [T, intermediate] buffer less
+        out = layer["down"](F.silu(gate).mul_(up))  # in place: one [T, intermediate] buffer less
+        x.add_(out if self.tp is None else self.tp.all_reduce(out))
 
     def _attention(self, q, k, v, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output ``[T, heads, head_dim]`` for every row of the batch: decode rows

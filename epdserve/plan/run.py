@@ -45,6 +45,8 @@ REPLAYS = ("steady", "once")
 # of it (search.evaluate's hint skips the low rates): 5 took 1.7-2.4 times as long as 1
 # (docs/planner.md).
 DEFAULT_SEEDS = 5
+# The default model's context window (SmolLM2-135M's): a step's budget without chunked prefill.
+DEFAULT_CONTEXT_WINDOW = 8192
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -203,10 +205,11 @@ def _deployments(args, platform: Platform, requests: list[workload.Request]) -> 
                              "> 0 (with 0, serve runs no controller: a static deployment)")
         elastic = sim_elastic.elastic_config(dict(args.slo), window_s, min_dwell_s, interval_s)
         return [(compare_deployment(name, args.devices, elastic), compare_limits(name)) for name in args.configs]
-    # Without --max-num-batched-tokens a worker's step holds up to its context window; the
-    # simulation's default budget is that of the default model's (EngineLimits).
-    limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens or EngineLimits.max_num_batched_tokens,
-                          args.enable_chunked_prefill)
+    # Without --max-num-batched-tokens a worker's step holds serve's default budget with
+    # chunked prefill, else its context window: here the default model's.
+    budget = args.max_num_batched_tokens or (EngineLimits.max_num_batched_tokens if args.enable_chunked_prefill
+                                             else DEFAULT_CONTEXT_WINDOW)
+    limits = EngineLimits(args.max_num_seqs, budget, args.enable_chunked_prefill)
     return [(d, limits) for d in search.candidates(platform, args.devices, images=any(r.images for r in requests))]
 
 

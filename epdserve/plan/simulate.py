@@ -106,11 +106,12 @@ class Deployment:
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """Scheduler settings of every simulated worker (as ``epdserve serve`` takes them)."""
+    """Scheduler settings of every simulated worker (as ``epdserve serve`` takes them, with
+    serve's defaults: ``engine/scheduler.py``'s)."""
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
-    enable_chunked_prefill: bool = False
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     block_size: int = 16
 

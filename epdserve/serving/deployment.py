@@ -4,9 +4,10 @@ placement ``epdserve serve`` applies to a deployment on a set of CPU cores.
 
 Names (:data:`NAME_FORMS`):
 
-* ``colocated`` — one colocated worker (serve's defaults);
+* ``colocated`` — one colocated worker (serve's defaults: chunked prefill, 2,048 tokens
+  a step);
 * ``colocated-N`` — N colocated replicas (N >= 1);
-* ``colocated-chunked`` — one colocated worker with chunked prefill, at most
+* ``colocated-chunked`` — one colocated worker whose chunked prefill takes at most
   :data:`CHUNKED_BATCHED_TOKENS` tokens per step;
 * ``pd`` — prefill/decode disaggregation, one prefill and one decode worker;
 * ``XpYd`` — X prefill and Y decode workers (the field's xPyD notation; X, Y >= 1);
@@ -53,8 +54,8 @@ ELASTIC_WINDOW_S = 20.0
 ELASTIC_INTERVAL_S = 2.0
 ELASTIC_MIN_DWELL_S = 30.0
 
-# Chunked prefill's token budget per step: a long prompt then stalls the decodes batched
-# with it by one 256-token step at a time instead of by its whole prefill.
+# colocated-chunked's token budget per step, an eighth of serve's default: a long prompt
+# then stalls the decodes batched with it by one 256-token step at a time.
 CHUNKED_BATCHED_TOKENS = 256
 
 NOPREFIX = "-noprefix"
@@ -91,7 +92,8 @@ class DeploymentSpec:
         encode: encode workers (epd only).
         prefill: prefill workers (pd, epd).
         decode: decode workers (pd, epd).
-        chunked_prefill: chunked prefill, :data:`CHUNKED_BATCHED_TOKENS` tokens per step.
+        chunked_prefill: :data:`CHUNKED_BATCHED_TOKENS` tokens per step (serve's chunked
+            prefill in smaller steps than its default).
         local_prefill_threshold: pd, tokens: a prompt shorter than this is prefilled on the
             decode worker (serve's ``--local-prefill-threshold``); None: not set (serve's 0).
         prefix_caching: prefix caching on (serve's default) or off.
@@ -173,8 +175,8 @@ class DeploymentSpec:
     def from_serve_args(cls, args: Options) -> DeploymentSpec:
         """The deployment of parsed ``epdserve serve`` options: ``mode``, the worker counts
         of the mode (``workers``; ``encode_workers``, ``prefill_workers``,
-        ``decode_workers``), ``enable_chunked_prefill``, ``local_prefill_threshold`` (0:
-        None), ``enable_prefix_caching`` (None: on) and ``elastic`` (absent: False). Such a
+        ``decode_workers``), ``local_prefill_threshold`` (0: None), ``enable_prefix_caching``
+        (None: on) and ``elastic`` (absent: False): what places the workers. Such a
         deployment need not have a name (:attr:`name`).
 
         Raises:
@@ -188,7 +190,6 @@ class DeploymentSpec:
         roles = {"colocated": ("workers",), "pd": ("prefill", "decode"),
                  "epd": ("encode", "prefill", "decode")}.get(args.mode, ())
         return cls(args.mode, **{k: counts[k] for k in roles},
-                   chunked_prefill=bool(getattr(args, "enable_chunked_prefill", False)),
                    local_prefill_threshold=getattr(args, "local_prefill_threshold", 0) or None,
                    prefix_caching=getattr(args, "enable_prefix_caching", None) is not False,
                    elastic=bool(getattr(args, "elastic", False)))
@@ -198,7 +199,7 @@ class DeploymentSpec:
         """The canonical name: ``DeploymentSpec.parse(spec.name) == spec``.
 
         Raises:
-            ValueError: a deployment no name stands for (e.g. epd with chunked prefill).
+            ValueError: a deployment no name stands for (e.g. epd in 256-token steps).
         """
         if self.elastic and self.mode == "colocated":
             base = f"elastic-{self.workers}" if self.workers is not None else "elastic"
@@ -220,8 +221,8 @@ class DeploymentSpec:
 
     @property
     def max_num_batched_tokens(self) -> int | None:
-        """Tokens per engine step: :data:`CHUNKED_BATCHED_TOKENS` with chunked prefill,
-        else None (serve's default, the context window)."""
+        """Tokens per engine step: :data:`CHUNKED_BATCHED_TOKENS` for ``colocated-chunked``,
+        else None (serve's default)."""
         return CHUNKED_BATCHED_TOKENS if self.chunked_prefill else None
 
     def counts(self) -> dict[str, int]:
@@ -239,7 +240,7 @@ class DeploymentSpec:
 
     def serve_flags(self) -> list[str]:
         """The ``epdserve serve`` options of this deployment: ``--mode``, the worker counts
-        the name spells out, chunked prefill and its token budget, the local prefill
+        the name spells out, the step's token budget, the local prefill
         threshold, ``--no-enable-prefix-caching``; nothing for what is serve's default.
         An elastic deployment gets ``--elastic`` and always its worker count (serve's
         default of 1 worker is not elastic's); its SLOs (``--slo``) are the caller's to add."""
@@ -251,7 +252,7 @@ class DeploymentSpec:
             if n is not None:
                 flags += [opt, str(n)]
         if self.chunked_prefill:
-            flags += ["--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNKED_BATCHED_TOKENS)]
+            flags += ["--max-num-batched-tokens", str(CHUNKED_BATCHED_TOKENS)]
         if self.local_prefill_threshold is not None:
             flags += ["--local-prefill-threshold", str(self.local_prefill_threshold)]
         if not self.prefix_caching:

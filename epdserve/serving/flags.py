@@ -58,9 +58,11 @@ WORKER_FLAGS = (
     Flag("--block-size", type=int_at_least(1), default=16, help="tokens per KV block"),
     Flag("--max-num-seqs", type=int_at_least(1), default=64, help="most requests a worker runs at once"),
     Flag("--max-num-batched-tokens", type=int_at_least(1), default=None,
-         help="most tokens in one engine step (None: the context window)"),
-    Flag("--enable-chunked-prefill", action="store_true",
-         help="split long prompts over steps of --max-num-batched-tokens tokens"),
+         help="most tokens in one engine step (default: 2048 with chunked prefill, vLLM's on the CPU; the context "
+              "window without)"),
+    Flag("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+         help="split prompts over steps of --max-num-batched-tokens tokens, batched with the running decodes "
+              "(vLLM's default: on); --no-enable-chunked-prefill prefills each prompt in one step"),
     Flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
          help="reuse the KV blocks of cached prompt prefixes (vLLM's default: on)"),
     Flag("--device", type=device_type, default="cpu", metavar=DEVICE_METAVAR,
