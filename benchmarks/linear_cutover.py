@@ -1,8 +1,9 @@
 """Where a linear layer's matmul should leave the GGUF block kernel for the BLAS, measured on
 the engine's threads: the cut-overs of ``epdserve/model/linear.py``.
 
-For every row count M in ``--rows`` it times one decoder layer's projections of the default
-model (QKV, O, gate+up, down, as the engine fuses them), summed, four ways:
+For every row count M in ``--rows`` it times the projections of every decoder layer of the
+default model (QKV, O, gate+up, down, as the engine fuses them), as a step runs them, four
+ways (one layer timed alone stays in the CPU's cache and flatters the dense copies):
 
 * ``kernel``: ``quant_mm`` on the layer's Q4_1 blocks (``model/quant_kernels.cpp``);
 * ``dequant+sgemm``: dequantize the blocks, then ``F.linear`` in float32 (what a worker
@@ -13,7 +14,7 @@ model (QKV, O, gate+up, down, as the engine fuses them), summed, four ways:
   natively (else skipped).
 
 Each figure is the best of at most ``MAX_REPS`` calls or ``--seconds`` per row count and way,
-the ways taking turns over three rounds. Printed: ms per layer, and against each way the
+the ways taking turns over three rounds. Printed: ms per step, and against each way the
 most rows the engine would run on the kernel (the largest M below the first from which that
 way stays faster; ``epdserve/model/cutover.py``): dequant+sgemm for a worker holding the
 blocks only, f32 or bf16 for one holding a resident copy too.
@@ -43,19 +44,17 @@ ROUNDS = 3
 WAYS = ("kernel", "dequant+sgemm", "f32", "bf16")
 
 
-def layer_calls(layer: dict, rows: int, bf16: bool) -> dict:
-    """The four ways (:data:`WAYS`) of running ``layer``'s projections on ``rows`` rows:
-    ``name -> fn``; ``layer``: projection name -> ``quant.Blocks``."""
+def layer_calls(weights: list[tuple], rows: int, bf16: bool) -> dict:
+    """The four ways (:data:`WAYS`) of running a step's projections on ``rows`` rows:
+    ``name -> fn``; ``weights``: every layer's projections as ``(quant.Blocks, float32
+    copy, bfloat16 copy or None)``."""
     import torch
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(rows)
     mm, deq = torch.ops.epdserve.quant_mm.default, torch.ops.epdserve.dequantize.default
-    parts = []
-    for b in layer.values():
-        x = torch.randn(rows, b.qs.shape[1] * 32, generator=gen)
-        w = deq(b.qs, b.scales, b.mins)
-        parts.append((x, b, w, w.to(torch.bfloat16)))
+    xs = {k: torch.randn(rows, k, generator=gen) for k in {w.shape[1] for _, w, _ in weights}}
+    parts = [(xs[w.shape[1]], b, w, w16) for b, w, w16 in weights]
     calls = {
         "kernel": lambda: [mm(x, b.qs, b.scales, b.mins) for x, b, _, _ in parts],
         "dequant+sgemm": lambda: [F.linear(x, deq(b.qs, b.scales, b.mins)) for x, b, _, _ in parts],
@@ -66,6 +65,20 @@ def layer_calls(layer: dict, rows: int, bf16: bool) -> dict:
     return calls
 
 
+def fused_blocks(blocks: dict, prefix: str) -> dict:
+    """One decoder layer's projections (name -> ``quant.Blocks``) fused as the engine fuses
+    them; ``prefix``: the layer's tensor names' (``model.layers.N.``)."""
+    import torch
+
+    from epdserve.model import quant
+
+    groups = {"qkv": [f"self_attn.{n}_proj.weight" for n in "qkv"], "o": ["self_attn.o_proj.weight"],
+              "gate_up": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "down": ["mlp.down_proj.weight"]}
+    return {name: quant.Blocks(*(torch.cat([getattr(blocks[prefix + n], part) for n in names])
+                                 for part in ("qs", "scales", "mins")))
+            for name, names in groups.items()}
+
+
 def measure(threads: int, rows_list: tuple[int, ...], seconds: float = SECONDS) -> dict:
     """Time :func:`layer_calls` for every row count on ``threads`` torch threads; returns
     ``{"threads", "bf16", "rows": {M: {way: best ms}}, "kernel_rows": {way: M}}``: the most
@@ -74,26 +87,27 @@ def measure(threads: int, rows_list: tuple[int, ...], seconds: float = SECONDS) 
     import torch
 
     from epdserve.model import kernels, quant
+    from epdserve.model.config import ModelConfig
     from epdserve.model.loader import resolve_model
 
     if not kernels.available():
         raise SystemExit("linear_cutover: the C++ kernels did not build (they need AVX2 and FMA)")
-    blocks = quant.load_blocks(resolve_model().path)
+    model = resolve_model().path
+    blocks = quant.load_blocks(model)
     if not blocks:
         raise SystemExit("linear_cutover: the default model has no GGUF blocks")
-    p = "model.layers.0."
-    groups = {"qkv": [p + f"self_attn.{n}_proj.weight" for n in "qkv"], "o": [p + "self_attn.o_proj.weight"],
-              "gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], "down": [p + "mlp.down_proj.weight"]}
-    layer = {name: quant.Blocks(torch.cat([blocks[n].qs for n in names]), torch.cat([blocks[n].scales for n in names]),
-                                torch.cat([blocks[n].mins for n in names]))
-             for name, names in groups.items()}
     bf16 = bool(set(engine_limits.BF16_FLAGS) & engine_limits.cpu_flags())
+    weights = []
+    for i in range(ModelConfig.from_dir(model).num_hidden_layers):
+        for b in fused_blocks(blocks, f"model.layers.{i}.").values():
+            w = torch.ops.epdserve.dequantize(b.qs, b.scales, b.mins)
+            weights.append((b, w, w.to(torch.bfloat16) if bf16 else None))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         out = {}
         for rows in rows_list:
-            calls = layer_calls(layer, rows, bf16)
+            calls = layer_calls(weights, rows, bf16)
             times = {way: [] for way in calls}
             for _ in range(ROUNDS):
                 for way, fn in calls.items():
@@ -122,7 +136,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows M (tokens in the step)")
     ax.set_ylabel("time / Q4_1 kernel's (below 1: faster)")
-    ax.set_title(f"one decoder layer's projections, {result['threads']} threads")
+    ax.set_title(f"a step's projections (every layer), {result['threads']} threads")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -139,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads < 1 or any(r < 1 for r in args.rows):
         parser.error("--threads and --rows take positive integers")
-    print(f"linear cut-over, {args.threads} threads (ms per decoder layer, best of repetitions)")
+    print(f"linear cut-over, {args.threads} threads (ms per step's projections, best of repetitions)")
     result = measure(args.threads, tuple(sorted(set(args.rows))), args.seconds)
     for way, m in result["kernel_rows"].items():
         print(f"  against {way}: the kernel up to M = {m}")

@@ -2,13 +2,14 @@
 than the BLAS: measured on this machine, on the engine's threads, once, and kept.
 
 The answer depends on the CPU far more than on the model. On a 2-core AVX-512 + AMX Xeon,
-one decoder layer of SmolLM2-135M ran faster on a resident float32 copy (MKL's sgemm) than
-on the AVX2 block kernel from 32 rows, on dequantize + sgemm from 48, on a resident bfloat16
-copy (AMX) from 8 (``benchmarks/linear_cutover.py``); on a one-thread AVX2 CPU the kernel
-held against dequantize + sgemm up to 256 rows. So the first model load with blocks on a
-machine times its first layer's projections both ways at :data:`ROWS` (~0.3 s) and writes
-the answer to ``<cache>/cutover/<key>.json``, keyed by the CPU, the thread count, the
-layer's shapes, the dense format and the kernels' build (sources, flags, torch's version);
+a step's projections of SmolLM2-135M (all 30 layers) ran faster on a resident float32 copy
+(MKL's sgemm) than on the block kernel from 48 rows, on dequantize + sgemm from 96, on a
+resident bfloat16 copy (AMX) from 16 (``benchmarks/linear_cutover.py``); on a one-thread
+AVX2 CPU the kernel held against dequantize + sgemm up to 256 rows. So the first model load
+with blocks on a machine times every layer's projections both ways at :data:`ROWS` (~5 s;
+one layer alone stays in the CPU's cache and flatters the dense copy) and writes the answer
+to ``<cache>/cutover/<key>.json``, keyed by the CPU, the thread count, the layers' count
+and shapes, the dense format and the kernels' build (sources, flags, torch's version);
 later loads read it (delete the file
 to measure again). Workers starting together measure once: the others wait on a lock.
 """

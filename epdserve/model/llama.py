@@ -95,7 +95,7 @@ class LlamaModel:
     the PyTorch operators run (``layer_ops.fused`` is False).
 
     ``weight_format``: which copies the linear layers hold (``model/linear.py``; default:
-    ``blocks`` when given, else dense in ``dtype``); with blocks, the first layer is timed
+    ``blocks`` when given, else dense in ``dtype``); with blocks, the layers are timed
     for the kernel/BLAS cut-over (``kernel_rows``, cached per machine: ``model/cutover.py``).
 
     ``tp``: this process's rank of a tensor-parallel group (``model/tensor_parallel.py``), or
@@ -173,14 +173,14 @@ class LlamaModel:
 
     def _set_kernel_rows(self) -> None:
         """Measure where the block kernel yields to the BLAS (``linear.measured_kernel_rows``
-        on the first layer) and set it on every linear layer with blocks; then give each
+        over every layer) and set it on every linear layer with blocks; then give each
         layer its weights as the fused decode-layer kernel takes them: ``kernel`` for steps
         of up to ``kernel_rows`` rows (the blocks, or the dense copies without blocks; None
         when ``kernel_rows`` is 0), ``kernel_large`` above it (the dense copies; None
         without them: the per-layer code runs those steps). ``kernel_rows`` is None
         without blocks."""
-        probe = [self.layers[0][k] for k in PROJECTIONS if self.layers[0][k].blocks is not None]
-        self.kernel_rows = linear.measured_kernel_rows(probe) if probe else None
+        probe = [[layer[k] for k in PROJECTIONS if layer[k].blocks is not None] for layer in self.layers]
+        self.kernel_rows = linear.measured_kernel_rows(probe) if probe[0] else None
         for lin in [self.lm_head, *(layer[k] for layer in self.layers for k in PROJECTIONS)]:
             lin.kernel_rows = self.kernel_rows or 0
         large = self.kernel_rows is not None and self.weight_format.dense is not None
