@@ -16,11 +16,9 @@ The engine is synchronous and single-threaded; the worker process around it does
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -32,33 +30,16 @@ from epdserve.engine.prompt_logprobs import PromptLogprob, PromptLogprobsCollect
 from epdserve.engine.request import PromptImages, SamplingParams, Sequence
 from epdserve.engine.sampler import TokenLogprobs, sample
 from epdserve.engine.scheduler import Scheduler, SchedulerConfig
-from epdserve.model.base import MULTIMODAL_MODEL_TYPES
 from epdserve.model.cuda_graphs import DecodeGraphs
 from epdserve.model.device import parse_device, synchronize
-from epdserve.model.llama import LlamaModel
-from epdserve.model.smolvlm import load_text
+from epdserve.model.loader import load_language_model
+from epdserve.model.tensor_parallel import RankDriver
 from epdserve.model.tokenizer import load_tokenizer
 from epdserve.trace import StageTimings
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def load_language_model(model_dir: str, dtype: torch.dtype, weight_format: str = "auto",
-                        device: str = "cpu") -> tuple[LlamaModel, int | None]:
-    """The language model of a text model directory or of a SmolVLM / Idefics3 one, on
-    ``device``, its linear layers in ``weight_format`` (``model/linear.py``), and the
-    latter's ``image_token_id`` (None for a text model).
-
-    Raises:
-        ModelLoadError: the model cannot be loaded.
-        ValueError: a weight format the model cannot hold (``linear.resolve``).
-    """
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    if config.get("model_type") in MULTIMODAL_MODEL_TYPES:
-        return load_text(model_dir, dtype, device, weight_format)
-    return LlamaModel.load(model_dir, dtype, weight_format, device), None
 
 
 @dataclass(frozen=True)
@@ -125,34 +106,42 @@ class StepOutput:
 
 
 class LLMEngine:
-    """A paged-KV engine over one :class:`LlamaModel`.
+    """A paged-KV engine over one :class:`~epdserve.model.llama.LlamaModel`.
+
+    ``tp``: this engine is rank 0 of a tensor-parallel group (``model/tensor_parallel.py``'s
+    :class:`RankDriver`): it loads rank 0's shard, sizes the KV pool by that shard's KV
+    bytes (every rank gets the same block count) and calls the model ``tp.drive`` returns,
+    which runs every forward pass on all the ranks; decode steps run eagerly (no CUDA graphs).
 
     Raises (constructor): ``ValueError`` for an unknown dtype, a weight format the model
     cannot hold, a device that is not one
     or is not here (``parse_device``), a budget too small for one block, or a
     ``kv_allocator`` whose tensor does not fit the cache; ``ModelLoadError`` for a model that cannot
-    be loaded.
+    be loaded; with ``tp``, whatever ``tp.drive`` raises (another rank failed to start).
     """
 
-    def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), kv_allocator=None):
+    def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), kv_allocator=None,
+                 tp: RankDriver | None = None):
         if config.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {config.dtype!r} (choose from {', '.join(DTYPES)})")
         self.config = config
         self.model_dir = model_dir
         device = parse_device(config.device)
         self.device = torch.device(device)
-        self.model, self.image_token_id = load_language_model(model_dir, DTYPES[config.dtype],
-                                                              config.weight_format, device)
+        self.model, self.image_token_id = load_language_model(model_dir, DTYPES[config.dtype], config.weight_format,
+                                                              device, tp.rank if tp else None)
         mc = self.model.config
         self.max_model_len = mc.max_position_embeddings
         block_bytes = config.block_size * mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize)
         num_blocks = config.num_kv_blocks or config.kv_cache_memory_mb * 2**20 // block_bytes
         self.pool = BlockPool(num_blocks, config.block_size)
+        if tp is not None:
+            self.model = tp.drive(self.model, num_blocks, config.block_size)
         # kv_allocator(shape, dtype, device): a prefill worker's shared KV pool (/dev/shm or CUDA IPC).
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size, kv_allocator)
         # Captured before any request holds a block: the capture's warm-up writes slot 0.
         self.graphs = None
-        if config.cuda_graph and self.device.type == "cuda":
+        if config.cuda_graph and self.device.type == "cuda" and tp is None:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
                                        -(-self.max_model_len // config.block_size))
             self.graphs.capture()

