@@ -14,10 +14,11 @@ import yaml
 
 
 class Flag:
-    """One flag: its long name and ``argparse.add_argument``'s keywords."""
+    """One flag: its long name, any other names (``-tp``, as vLLM's) and
+    ``argparse.add_argument``'s keywords."""
 
-    def __init__(self, name: str, **kwargs):
-        self.name, self.kwargs = name, kwargs
+    def __init__(self, name: str, *aliases: str, **kwargs):
+        self.name, self.aliases, self.kwargs = name, aliases, kwargs
 
     @property
     def dest(self) -> str:
@@ -35,7 +36,7 @@ class Flag:
                 kwargs["default"] = None
             else:
                 kwargs["help"] = f"{kwargs.get('help', '')}; passed to each worker".lstrip("; ")
-        action = parser.add_argument(self.name, **kwargs)
+        action = parser.add_argument(self.name, *self.aliases, **kwargs)
         action.flag = self
         return action
 

@@ -82,6 +82,11 @@ WORKER_FLAGS = (
               "Q4_1 blocks (fast decode, 0.75 byte a weight), a dense f32 or bf16 copy (fast prefill GEMMs), or "
               "both (q4_1+f32: steps of few rows on the blocks, larger ones on the copy); auto: prefill workers "
               "f32, decode workers q4_1, colocated and elastic q4_1+f32 (a model without GGUF blocks: dense)"),
+    Flag("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1,
+         help="ranks of one engine worker (vLLM's flag), each a process with its share of the model's heads, MLP "
+              "columns and vocabulary and of the KV cache; the worker's cores are split among them and its steps "
+              "run on all of them (docs/tensor-parallel.md). Colocated workers only for now; dense weights (auto: the "
+              "dense copy)"),
     Flag("--kv-transport", choices=handoff.TRANSPORTS, default="auto",
          help="KV hand-off: shared memory on the same host, TCP otherwise (auto), or one of them"),
     Flag("--kv-transfer-dtype", choices=kv_codec.TRANSFER_DTYPES, default="none",

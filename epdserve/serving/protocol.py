@@ -95,7 +95,9 @@ class Hello(_Msg):
     its actor holds (``{"CPU": 1.0, "prefill_node": 1.0}``); under the local launcher
     (or by hand) the host name, "" and {}; ``pid`` its process on that node;
     ``weight_format`` the ``--weight-format`` its engine holds (``model/linear.py``: ``q4_1``,
-    ``f32``, ``q4_1+f32``, ...; "" for an encode worker or an older worker)."""
+    ``f32``, ``q4_1+f32``, ...; "" for an encode worker or an older worker);
+    ``tensor_parallel_size`` its ``--tensor-parallel-size``: the ranks (processes) its engine
+    runs on (1 for an older worker)."""
 
     type: Literal["hello"] = "hello"
     worker_id: str
@@ -114,6 +116,7 @@ class Hello(_Msg):
     resources: dict[str, float] = Field(default_factory=dict, max_length=64)
     pid: int = Field(default=0, ge=0)  # its process id on its node (0: not given)
     weight_format: str = Field(default="", max_length=32)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=1024)
 
 
 class Heartbeat(_Msg):

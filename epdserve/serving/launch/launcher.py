@@ -38,7 +38,8 @@ readiness, stop on every exit path) is shared.
 
 Before any worker starts, ``serve`` checks every option it passes to the workers (the
 worker's own flags, defined once in :mod:`epdserve.serving.flags`), the model and the
-router's options (``--max-model-len``, ``--generation-config``), ``--cores``, the HTTP
+router's options (``--max-model-len``, ``--generation-config``), ``--cores``, each
+worker's ``--tensor-parallel-size`` against its role and cores (``worker.setup.rank_cores``), the HTTP
 port (bound at once) and
 whether the host can hold the workers (:func:`check_capacity`): workers that share a core
 get a warning, an estimated memory above ``MemAvailable`` is refused unless
@@ -72,6 +73,7 @@ from epdserve.serving.launch import ray_cluster
 from epdserve.serving.launch.children import Children
 from epdserve.serving.deployment import DeploymentSpec, Placement
 from epdserve.serving.router.http_guard import uvicorn_config
+from epdserve.serving.worker.setup import rank_cores
 from epdserve.serving.router import (SYNTHETIC_VISION_NOTE, Router, add_router_options, build_router, create_app,
                                      setup_logging)
 
@@ -162,7 +164,9 @@ def check_capacity(args: Options, plan: Placement, model_dir: str,
       error, a warning with ``--allow-oversubscription``. Workers that do not fit get
       killed by the OOM killer or swap the host to a halt, each after a slow start.
       Estimate per worker: the model's weights (:func:`epdserve.host.weight_bytes`) plus,
-      for every role but encode, ``--kv-cache-memory-mb`` of KV cache, which a worker on
+      for every role but encode, ``--kv-cache-memory-mb`` of KV cache per tensor-parallel
+      rank (rank 0's cache takes that budget; the others' shards are the same size or
+      smaller; the ranks' weight shards add up to about the weights), which a worker on
       a GPU keeps in device memory instead (its weights pass through host memory as they
       load); the launcher's own few hundred MB are not counted. Device memory is not
       checked here: a GPU worker that does not fit fails its start with CUDA's
@@ -183,7 +187,8 @@ def check_capacity(args: Options, plan: Placement, model_dir: str,
     kv_mb = args.kv_cache_memory_mb or flags.worker_default("kv_cache_memory_mb")
     weights = host.weight_bytes(model_dir)
     host_kv = [role != "encode" and (role_device(args, role) or "cpu") == "cpu" for role, _, _ in plan]
-    need = sum(weights + kv_mb * 2**20 * kv for kv in host_kv)
+    ranks = args.tensor_parallel_size or 1  # each rank holds a KV cache of up to --kv-cache-memory-mb
+    need = sum(weights + kv_mb * 2**20 * ranks * kv for kv in host_kv)
     if need <= available_bytes:
         return warnings, None
     exempt = "; encode and GPU workers: no KV cache in host memory" if not all(host_kv) else ""
@@ -344,6 +349,9 @@ def _check_options(args: Options) -> tuple[Options, Placement, str | None]:
     try:
         args = with_values(args, model=model_from_tag(args))
         plan = plan_for(args)
+        if args.cluster != "ray":  # (a Ray actor's cores are Ray's to place: the worker checks them)
+            for role, _, cores in sorted(plan, key=lambda worker: worker[0] == "encode"):  # the hand-off's reason first
+                rank_cores(args.tensor_parallel_size or 1, role, args.elastic, cores)
         args = with_values(args, max_workers=_check_elastic(args, len(plan)))
         if args.cluster == "ray":
             ray_cluster.role_resources(args)

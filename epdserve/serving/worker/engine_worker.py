@@ -18,7 +18,9 @@ engine is role-free, and the worker asks it per request for what its role needs 
 prefill worker's requests hold their prompt's KV for export; only a decode worker's
 requests bring KV). An encode worker runs
 :class:`~epdserve.serving.worker.encode_worker.EncodeWorker` instead. The same command runs
-alone on another host, so a launcher, Ray or Kubernetes can place it.
+alone on another host, so a launcher, Ray or Kubernetes can place it. With
+``--tensor-parallel-size`` N it is rank 0 of N processes (:mod:`~epdserve.serving.worker.ranks`);
+a rank that fails stops it (exit status 1) so that it is restarted whole.
 
 Every frame it sends is sealed, and every command it receives checked, with keys derived
 from ``--auth-token`` (:mod:`epdserve.serving.auth`); commands are sealed for this process
@@ -59,11 +61,12 @@ from epdserve.model.image_processor import ImageError
 from epdserve.model.loader import ModelLoadError
 from epdserve.serving import auth
 from epdserve.serving import protocol as P
-from epdserve.serving.handshake import auth_tag, model_fingerprint
+from epdserve.serving.handshake import auth_tag, model_fingerprint, model_kv_shape
 from epdserve.serving.worker.control import handle_control
 from epdserve.serving.worker.encode_worker import EncodeWorker, image_inputs
 from epdserve.serving.worker.fetch import Fetch, Fetcher
 from epdserve.serving.worker.grammar_prep import GrammarPrep, Prepared
+from epdserve.serving.worker.ranks import RankFailure, Ranks
 # add_arguments is the `epdserve worker` command's (epdserve/cli.py): its options live with the set-up.
 from epdserve.serving.worker.setup import WorkerConfig, add_arguments, load, node_identity
 from epdserve.serving.worker.threads import IDLE_WAIT_S, serve
@@ -95,12 +98,14 @@ class Worker:
     put there by the fetch threads (:class:`~epdserve.serving.worker.fetch.Fetcher`), and guided
     requests whose grammar is compiled as ``(Prepared, time)`` (:class:`GrammarPrep`). The
     exporter's table (``exporter.table``) holds this worker's live exports. ``run`` sets ``sealer`` (seals events),
-    ``incarnation`` and ``hello`` (what a Reset is answered with, see
-    ``control.handle_control``)."""
+    ``incarnation``, ``hello`` (what a Reset is answered with, see
+    ``control.handle_control``) and, for a tensor-parallel worker, ``ranks``: its follower
+    ranks, whose failure stops the worker (:meth:`ranks_failed`)."""
 
     sealer: Sealer = NO_AUTH.sealer("events")
     incarnation: str = ""
     hello: P.Hello | None = None
+    ranks: Ranks | None = None
 
     def __init__(self, engine: LLMEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
                  exporter: handoff.Exporter, importer: handoff.Importer, encoder: EncodeEngine | None = None,
@@ -155,6 +160,11 @@ class Worker:
             self.drain_commands(block_s=0.0 if self.engine.has_unfinished() else IDLE_WAIT_S)
             if self.engine.has_unfinished():
                 self.step()
+            elif self.ranks is not None:  # a follower that died while idle
+                try:
+                    self.ranks.check()
+                except RankFailure as exc:
+                    self.ranks_failed(exc)
             self.report_stats()
             self.expire_exports()
             if self.switch is not None:
@@ -347,13 +357,13 @@ class Worker:
     def step(self) -> None:
         try:
             outputs = self.engine.step()
+        except RankFailure as exc:
+            self.ranks_failed(exc)
+            return
         except Exception:
             # A bug must not hang clients: fail what is in flight, keep serving.
             log.error("%s: engine step failed:\n%s", self.worker_id, traceback.format_exc())
-            for request_id in list(self.engine.seqs):
-                self.engine.abort(request_id)
-                self.send(P.Error(worker_id=self.worker_id, request_id=request_id,
-                                  message="internal error in the engine step", status=500))
+            self.fail_engine_requests("internal error in the engine step")
             return
         for out in outputs:
             if out.error is not None:  # the engine failed this request alone (see StepOutput)
@@ -365,6 +375,21 @@ class Worker:
                                finished=out.finished, finish_reason=out.finish_reason, kv=kv,
                                timings=out.timings, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
                                num_cached_tokens=out.num_cached_tokens))
+
+    def fail_engine_requests(self, message: str) -> None:
+        """End every request in the engine with a ``P.Error`` (status 500) of ``message``."""
+        for request_id in list(self.engine.seqs):
+            self.engine.abort(request_id)
+            self.send(P.Error(worker_id=self.worker_id, request_id=request_id, message=message, status=500))
+
+    def ranks_failed(self, exc: RankFailure) -> None:
+        """A tensor-parallel rank failed (``exc`` says which, or the failed call): the ranks
+        are out of step, so fail the engine's requests and stop (exit status 1: ``serve``
+        restarts the worker, its ranks included)."""
+        log.error("%s: %s; stopping this worker (exit status 1) so that it is restarted with all its ranks",
+                  self.worker_id, exc)
+        self.fail_engine_requests(f"the worker's tensor-parallel ranks failed ({exc}); it is restarting")
+        self.running, self.exit_code = False, 1
 
     def export(self, out: StepOutput) -> P.KVDescriptor:
         return self.exporter.export(out)
@@ -386,7 +411,8 @@ class Worker:
 
 def run(args: Options) -> int:
     """Start the worker; returns 0 on shutdown, 2 on a bad option or model (a TCP listener
-    without a token, see ``auth.options_error``) or when the router refuses it."""
+    without a token, see ``auth.options_error``) or when the router refuses it, 1 when a
+    tensor-parallel rank fails (at start-up or later: ``Worker.ranks_failed``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = WorkerConfig.from_args(args)
     serves_tcp = (config.role in ("prefill", "encode") or config.elastic) and config.kv_transport != "shm"
@@ -400,12 +426,23 @@ def run(args: Options) -> int:
         log.warning("%s: no auth token: frames go unsealed, and a router with a token will not hear this worker",
                     config.worker_id)
     tcp.configure(keyring)  # the exporter's KV server and the importer's fetches
-    incarnation = secrets.token_hex(8)
     try:
-        cores, info, encoder, engine, kv_pool = load(config)
-    except (ValueError, ModelLoadError, OSError) as exc:
+        loaded = load(config)
+    except (ValueError, ModelLoadError, OSError, RankFailure) as exc:
         print(f"epdserve worker: error: {exc}", flush=True)
-        return 2
+        return 1 if isinstance(exc, RankFailure) else 2
+    ranks = loaded[-1]
+    try:
+        return _serve_loaded(config, keyring, serves_tcp, *loaded)
+    finally:
+        if ranks is not None:
+            ranks.close()
+
+
+def _serve_loaded(config: WorkerConfig, keyring: auth.Keyring, serves_tcp: bool, cores: list[int], info,
+                  encoder: EncodeEngine | None, engine: LLMEngine | None, kv_pool, ranks: Ranks | None) -> int:
+    """Bind the worker's sockets, say Hello and run its loop until it stops (see :func:`run`)."""
+    incarnation = secrets.token_hex(8)
     ctx = zmq.Context()
     cmd = ctx.socket(zmq.PULL)
     keyring.secure_server(cmd, config.bind)
@@ -424,17 +461,22 @@ def run(args: Options) -> int:
         return 2
     if threading.current_thread() is threading.main_thread():  # a Ray actor may run us on another thread
         signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
-    worker.sealer, worker.incarnation = keyring.sealer("events"), incarnation
+    worker.sealer, worker.incarnation, worker.ranks = keyring.sealer("events"), incarnation, ranks
     # The address bound, not the one asked for: "tcp://IP:0" (Ray actors) resolves to a free port.
     addr = cmd.getsockopt_string(zmq.LAST_ENDPOINT) if config.bind.startswith("tcp://") else config.bind
+    if config.tensor_parallel_size > 1:  # the worker's KV heads, over its ranks (the engine's cache holds rank 0's)
+        kv_layout = dict(kv_layout, num_kv_heads=model_kv_shape(info.path)["num_kv_heads"],
+                         tensor_parallel_size=config.tensor_parallel_size)
     worker.hello = P.Hello(worker_id=config.worker_id, role=config.role, addr=addr, model=info.name,
                            fingerprint=model_fingerprint(info.path), kv_layout=kv_layout,
                            blocks_total=blocks_total, cores=cores, auth=auth_tag(config.auth_token, config.worker_id),
                            incarnation=incarnation, protocol=P.PROTOCOL_VERSION,
-                           weight_format=engine.model.weight_format.name if engine else "", **node_identity())
+                           weight_format=engine.model.weight_format.name if engine else "",
+                           tensor_parallel_size=config.tensor_parallel_size, **node_identity())
     worker.send(worker.hello)
-    log.info("%s: %s worker on cores %s, device %s, weights %s, %d KV blocks, listening on %s%s", config.worker_id,
-             config.role, cores, config.device, worker.hello.weight_format or "-", blocks_total, addr,
+    ranks_note = f" over {config.tensor_parallel_size} tensor-parallel ranks" if ranks is not None else ""
+    log.info("%s: %s worker on cores %s%s, device %s, weights %s, %d KV blocks, listening on %s%s", config.worker_id,
+             config.role, cores, ranks_note, config.device, worker.hello.weight_format or "-", blocks_total, addr,
              " (CURVE on TCP)" if keyring.curve else "")
     serve(worker, ctx, cmd, inbox, config.router, config.worker_id, keyring, incarnation)
     ctx.destroy(linger=1000)

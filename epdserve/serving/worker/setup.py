@@ -1,6 +1,7 @@
 """An engine worker's process set-up (``epdserve worker``): its options, parsed once into a
 :class:`WorkerConfig`, the engine settings they give, the cores it is pinned to, where it runs (for its Hello), and what its role
-loads (the model, the vision encoder, the engine and its shared KV pool). The loop itself
+loads (the model, the vision encoder, the engine and its shared KV pool, the other
+tensor-parallel ranks: :mod:`epdserve.serving.worker.ranks`). The loop itself
 is :mod:`epdserve.serving.worker.engine_worker`."""
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import torch
 from epdserve.argtypes import Options, float_above
 from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import DTYPES, EngineConfig, LLMEngine
-from epdserve.model import linear, quant
+from epdserve.model import linear, quant, tensor_parallel
+from epdserve.model.config import ModelConfig
 from epdserve.model.loader import ModelInfo, auto_dtype, resolve_model
 from epdserve.serving import auth, flags
 from epdserve.serving.deployment import ROLES
+from epdserve.serving.worker.ranks import Ranks, split_cores
 from epdserve.transfer import cuda_ipc, shm
 
 log = logging.getLogger("epdserve.worker")
@@ -68,6 +71,7 @@ class WorkerConfig:
     enforce_eager: bool
     dtype: str | None
     weight_format: str
+    tensor_parallel_size: int
     kv_transport: str
     kv_transfer_dtype: str
     kv_layer_pipeline: bool
@@ -107,8 +111,51 @@ def weight_format(config: WorkerConfig, info: ModelInfo) -> str:
         return config.weight_format
     prefill = config.elastic or config.role in ("colocated", "prefill")
     decode = config.elastic or config.role in ("colocated", "decode")
-    has_blocks = config.device == "cpu" and not info.multimodal and quant.usable(info.path)
+    has_blocks = (config.device == "cpu" and not info.multimodal and config.tensor_parallel_size == 1
+                  and quant.usable(info.path))
     return linear.resolve(config.weight_format, DTYPES[config.dtype], has_blocks, prefill, decode).name
+
+
+def rank_cores(size: int, role: str, elastic: bool, cores: list[int]) -> list[list[int]]:
+    """Each rank's cores of a worker of ``role`` with ``size`` tensor-parallel ranks on
+    ``cores`` (``ranks.split_cores``: contiguous, as even as possible; ``[cores]`` for one
+    rank). ``serve`` checks its workers with it before it starts any.
+
+    Raises:
+        ValueError: ``size`` above 1 on a worker that is not colocated (the KV hand-off
+            between tensor-parallel ranks is not built yet; an encode worker's vision tower
+            is not split), or fewer cores than ranks.
+    """
+    if size > 1 and (elastic or role != "colocated"):
+        what = "an elastic worker (it may become a prefill or decode worker)" if elastic else f"{'an' if role == 'encode' else 'a'} {role} worker"
+        why = ("its vision tower is not split over ranks" if role == "encode" and not elastic
+               else "the KV hand-off between tensor-parallel ranks is not built yet")
+        raise ValueError(f"--tensor-parallel-size {size} on {what}: {why}; colocated workers only for now")
+    return split_cores(cores, size)
+
+
+def check_model_split(config: WorkerConfig, info: ModelInfo) -> None:
+    """Whether ``info``'s language model splits over ``config.tensor_parallel_size`` ranks
+    in ``config.weight_format`` (as given) on ``config.device``; nothing to check for one rank.
+
+    Raises:
+        ValueError: more ranks than the model's KV heads (``tensor_parallel.shard_ranges``),
+            a format with GGUF blocks (``tensor_parallel.check_dense``), or on CUDA fewer
+            GPUs from the worker's than ranks.
+    """
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    model = json.loads((info.path / "config.json").read_text())
+    tensor_parallel.shard_ranges(ModelConfig.from_dict(model.get("text_config", model) if info.multimodal
+                                                       else model, str(info.path)), 0, size)
+    if config.weight_format != "auto":
+        tensor_parallel.check_dense(linear.parse(config.weight_format))
+    if config.device.startswith("cuda"):
+        first, count = int(config.device.partition(":")[2] or 0), torch.cuda.device_count()
+        if first + size > count:
+            raise ValueError(f"--tensor-parallel-size {size} on {config.device} needs GPUs {first}..{first + size - 1}, "
+                             f"one a rank; this host has {count}")
 
 
 def pin_to_cores(spec: str | None) -> list[int]:
@@ -147,23 +194,29 @@ def node_identity() -> dict:
 
 def load(config: WorkerConfig):
     """Pin the cores and load what the role runs: ``(cores, model info, encode engine or
-    None, engine and its shared KV pool or None, None for an encode worker)``.
+    None, engine and its shared KV pool or None, None for an encode worker, the other
+    tensor-parallel ranks or None)``. With ``--tensor-parallel-size`` N > 1, this process is
+    rank 0, pinned to its share of the cores (:func:`rank_cores`), and the followers are
+    started on theirs (:class:`~epdserve.serving.worker.ranks.Ranks`; the caller closes them).
 
     Raises:
         ValueError, ModelLoadError, OSError: a bad option, model, or /dev/shm.
+        RankFailure: a follower rank died or hung at start-up.
     """
     encode_role = config.role == "encode"
     cores = pin_to_cores(config.cores)
     if os.environ.get("EPDSERVE_NUM_THREADS"):  # a Ray actor: its CPU count, not the node's
         torch.set_num_threads(max(1, int(os.environ["EPDSERVE_NUM_THREADS"])))
     info = resolve_model(config.model)
+    check_model_split(config, info)
+    shares = rank_cores(config.tensor_parallel_size, config.role, config.elastic, cores)
     if config.dtype is None:  # bfloat16 on CUDA (as vLLM), float32 on the CPU (as before the GPU path)
         config = replace(config, dtype="bfloat16" if config.device.startswith("cuda") else "float32")
     elif config.dtype == "auto":
         config = replace(config, dtype=auto_dtype(info.path, config.weight_format, config.device))
         log.info("%s: --dtype auto: %s on %s", config.worker_id, config.dtype, config.device)
     config = replace(config, weight_format=weight_format(config, info))
-    encoder = engine = kv_pool = None
+    encoder = engine = kv_pool = ranks = None
     if encode_role or (info.multimodal and (config.role in ("colocated", "prefill") or config.elastic)):
         encoder = EncodeEngine(info.path, DTYPES[config.dtype], device=config.device)
         if info.synthetic_vision:
@@ -175,12 +228,28 @@ def load(config: WorkerConfig):
         # (docs/gpu-handoff.md). Converted or layer-pipelined KV is staged as a frame instead.
         exports = config.role == "prefill" or config.elastic  # an elastic worker may become a prefill worker
         shared = exports and config.kv_transfer_dtype == "none" and not config.kv_layer_pipeline
-        engine, kv_pool = new_engine(str(info.path), engine_config(config), shared)
-    return cores, info, encoder, engine, kv_pool
+        ranks = _start_ranks(config, info, shares)
+        try:
+            engine, kv_pool = new_engine(str(info.path), engine_config(config), shared, tp=ranks)
+        except BaseException:
+            if ranks is not None:
+                ranks.close()
+            raise
+    return cores, info, encoder, engine, kv_pool, ranks
 
 
-def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_backend: cuda_ipc.IpcBackend | None = None
-               ) -> tuple[LLMEngine, shm.KVPool | cuda_ipc.DevicePool | None]:
+def _start_ranks(config: WorkerConfig, info: ModelInfo, shares: list[list[int]]) -> Ranks | None:
+    """Pin this process, rank 0, to its share of the cores and start the follower ranks on
+    theirs; None for one rank."""
+    if config.tensor_parallel_size == 1:
+        return None
+    pin_to_cores(",".join(map(str, shares[0])))
+    return Ranks.start(config.tensor_parallel_size, config.worker_id, str(info.path), config.dtype,
+                       config.weight_format, config.device, shares)
+
+
+def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_backend: cuda_ipc.IpcBackend | None = None,
+               tp: Ranks | None = None) -> tuple[LLMEngine, shm.KVPool | cuda_ipc.DevicePool | None]:
     """An engine and, with ``shared_pool``, the pool its KV cache lives in (for an
     :class:`Exporter` that hands blocks over without copying them): a
     :class:`~epdserve.transfer.shm.KVPool` for a cache in host memory, a
@@ -194,7 +263,7 @@ def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_back
         shared.
     """
     if not shared_pool:
-        return LLMEngine(model_dir, config), None
+        return LLMEngine(model_dir, config, tp=tp), None
     pools: list[shm.KVPool | cuda_ipc.DevicePool] = []
 
     def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -204,4 +273,4 @@ def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_back
             pools.append(shm.KVPool(shape, dtype))
         return pools[-1].kv
 
-    return LLMEngine(model_dir, config, kv_allocator=allocate), pools[0]
+    return LLMEngine(model_dir, config, kv_allocator=allocate, tp=tp), pools[0]

@@ -1,0 +1,383 @@
+"""The ranks of a tensor-parallel engine worker (``--tensor-parallel-size N``): rank 0 is the
+worker process itself, ranks 1..N-1 are follower processes it starts, each holding its shard
+of the model (``model/tensor_parallel.py``) and a KV cache of the same block count as rank 0's.
+
+Rank 0's engine schedules, samples and talks to the router as a single-process worker's
+does; it calls a :class:`DrivenModel`, which sends each forward-pass call (``hidden_states``,
+``forward``, ``logits``) with its input tensors to every follower, then runs it locally: the
+collectives inside (``torch.distributed``: gloo on the CPU, NCCL on CUDA) need every rank in
+the same call. The calls travel over ZeroMQ (one PUSH socket of rank 0's per follower, ipc in
+a private directory), encoded by :mod:`~epdserve.serving.worker.rank_messages` (msgpack and
+raw tensor bytes, never pickle). A follower waits on its socket with a timeout, never inside
+a collective, so an idle worker never meets a gloo timeout; it leaves on ``stop``, when rank
+0 is gone (``PR_SET_PDEATHSIG``, and its parent pid changing), or on any error.
+
+Start-up (:meth:`Ranks.start`, then :meth:`Ranks.drive` from the engine): rank 0 starts the
+followers, which load their shards while it loads its own, and say ``loaded`` (or their
+error); then every rank joins the process group (a TCP store on 127.0.0.1 that rank 0 holds),
+rank 0 sends ``init`` with the KV cache's block count, and each follower allocates its cache
+and says ``ready``.
+
+Failure: a follower that dies makes rank 0's next collective raise (the closed connection)
+or its next send fail; :class:`DrivenModel` turns either into :class:`RankFailure`, and so
+does any error of a forward pass (the ranks are then out of step). The worker fails the
+step's requests with its message and exits (``engine_worker``), and ``serve`` restarts it
+whole, followers included.
+
+Placement: the worker's cores are split among its ranks, contiguous and as even as possible
+(:func:`split_cores`); each rank pins itself to its share and runs that many torch threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from epdserve.engine import runner
+from epdserve.engine.engine import DTYPES
+from epdserve.model.llama import AttentionMetadata, LlamaModel
+from epdserve.model.loader import load_language_model
+from epdserve.model.tensor_parallel import TPRank, even_range
+from epdserve.serving.worker import rank_messages as M
+
+log = logging.getLogger("epdserve.worker")
+
+START_TIMEOUT_S = 600.0  # a follower's load, and each later start-up reply
+# How long a rank waits inside one collective for the others (and to join the group). The
+# ranks run the same step, so waits are short; a follower that hangs holds rank 0 this long.
+COLLECTIVE_TIMEOUT_S = 60.0
+POLL_S = 0.1  # a follower's wait for its next message before checking on rank 0
+STOP_GRACE_S = 5.0
+PR_SET_PDEATHSIG = 1
+
+
+class RankFailure(RuntimeError):
+    """A rank of a tensor-parallel worker failed or left: the ranks are out of step, and the
+    worker cannot serve on (it exits, and is restarted whole)."""
+
+
+def split_cores(cores: list[int], size: int) -> list[list[int]]:
+    """Each of ``size`` ranks' share of a worker's ``cores``: contiguous and as even as
+    possible (the first ranks get the extra ones: 0,1,2 over 2 ranks is 0,1 and 2).
+
+    Raises:
+        ValueError: fewer cores than ranks.
+    """
+    if len(cores) < size:
+        raise ValueError(f"--tensor-parallel-size {size} needs {size} cores; this worker has {len(cores)}: "
+                         "each rank needs one (give the worker more --cores or use fewer ranks)")
+    return [[cores[i] for i in even_range(len(cores), size, r)] for r in range(size)]
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank ``rank``'s device of a worker on ``device``: the CPU, or the ``rank``-th GPU from
+    the worker's (``cuda:1`` with 2 ranks: ``cuda:1`` and ``cuda:2``)."""
+    if not device.startswith("cuda"):
+        return device
+    return f"cuda:{int(device.partition(':')[2] or 0) + rank}"
+
+
+def _backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+class DrivenModel:
+    """Rank 0's model in a tensor-parallel worker, as its engine calls it: each forward-pass
+    call is first sent to every follower (:meth:`Ranks.send`), then run on rank 0's own
+    ``LlamaModel``; every other attribute is that model's. Its calls raise
+    :class:`RankFailure` when a follower is gone or the call fails (see the module doc)."""
+
+    def __init__(self, model: LlamaModel, ranks: Ranks):
+        self.model, self.ranks = model, ranks
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def hidden_states(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                      embeds=None, kv_written=None) -> torch.Tensor:
+        """``LlamaModel.hidden_states`` on every rank (``kv_written`` is rank 0's alone)."""
+        return self._run(M.encode_step("hidden_states", input_ids, meta, embeds), self.model.hidden_states,
+                         input_ids, meta, kv_cache, embeds, kv_written)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                embeds=None, kv_written=None) -> torch.Tensor:
+        """``LlamaModel.forward`` on every rank: the full logits ``[S, vocab]``."""
+        return self._run(M.encode_step("forward", input_ids, meta, embeds), self.model.forward,
+                         input_ids, meta, kv_cache, embeds, kv_written)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``LlamaModel.logits`` of hidden rows ``[R, hidden]`` on every rank: ``[R, vocab]``."""
+        return self._run(M.encode("logits", [hidden]), self.model.logits, hidden)
+
+    def _run(self, frames: list, call, *args):
+        self.ranks.send(frames)
+        try:
+            return call(*args)
+        except Exception as exc:
+            raise self.ranks.failure(exc) from exc
+
+
+class Ranks:
+    """Rank 0's side of a tensor-parallel worker of ``size`` ranks: the followers' processes
+    and sockets, and the process group (see the module doc). Implements
+    ``model.tensor_parallel.RankDriver``; build with :meth:`start`, end with :meth:`close`
+    (idempotent; the followers also leave when this process ends)."""
+
+    def __init__(self, size: int, worker_id: str, device: str):
+        self.rank = TPRank(0, size)
+        self.size, self.worker_id, self.device = size, worker_id, device
+        self.dir = tempfile.mkdtemp(prefix="epdserve-tp-")  # mode 0700: only we reach the sockets
+        self.ctx = zmq.Context()
+        self.replies = self.ctx.socket(zmq.PULL)
+        self.replies.bind(f"ipc://{self.dir}/replies")
+        self.controls: list[zmq.Socket] = []
+        self.procs: list[subprocess.Popen] = []
+        self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                                   wait_for_workers=False)
+        self.joined = self.closed = False
+
+    @classmethod
+    def start(cls, size: int, worker_id: str, model_dir: str, dtype: str, weight_format: str, device: str,
+              cores: list[list[int]]) -> Ranks:
+        """Start followers 1..``size``-1 of a worker on ``device``, follower r pinned to
+        ``cores[r]``, loading ``model_dir`` in ``dtype`` and ``weight_format`` (a concrete,
+        dense one). Returns at once: :meth:`drive` waits for them."""
+        ranks = cls(size, worker_id, device)
+        try:
+            for r in range(1, size):
+                ranks._spawn(r, model_dir, dtype, weight_format, cores[r])
+        except BaseException:
+            ranks.close()
+            raise
+        return ranks
+
+    def _spawn(self, rank: int, model_dir: str, dtype: str, weight_format: str, cores: list[int]) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        address = f"ipc://{self.dir}/control-{rank}"
+        sock.bind(address)
+        self.controls.append(sock)
+        argv = [sys.executable, "-m", "epdserve.serving.worker.ranks", "--rank", str(rank), "--size", str(self.size),
+                "--store-port", str(self.store.port), "--control", address, "--replies", f"ipc://{self.dir}/replies",
+                "--model", model_dir, "--dtype", dtype, "--weight-format", weight_format, "--device", self.device,
+                "--cores", ",".join(map(str, cores)), "--parent-pid", str(os.getpid()), "--worker", self.worker_id]
+        parent = os.getpid()
+        self.procs.append(subprocess.Popen(argv, preexec_fn=lambda: _die_with_parent(parent)))
+        log.info("%s: started tensor-parallel rank %d (pid %d) on cores %s", self.worker_id, rank,
+                 self.procs[-1].pid, cores)
+
+    def drive(self, model: LlamaModel, num_blocks: int, block_size: int) -> DrivenModel:
+        """Wait for every follower's shard, join the process group, have them allocate
+        ``num_blocks`` KV blocks of ``block_size`` tokens, and return ``model`` driven.
+
+        Raises:
+            ValueError: a follower could not load its shard (its error).
+            RankFailure: a follower died or did not answer within :data:`START_TIMEOUT_S`.
+        """
+        self._await("loaded")
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))
+        dist.init_process_group(_backend(self.device), store=self.store, rank=0, world_size=self.size,
+                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        self.joined = True
+        self.send(M.encode("init", num_blocks=num_blocks, block_size=block_size))
+        self._await("ready")
+        log.info("%s: %d tensor-parallel ranks ready (%s), %d KV blocks each", self.worker_id, self.size,
+                 _backend(self.device), num_blocks)
+        return DrivenModel(model, self)
+
+    def _await(self, state: str) -> None:
+        """Wait until every follower has said ``state``."""
+        waiting = set(range(1, self.size))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while waiting:
+            if not self.replies.poll(POLL_S * 1000):  # (a follower's error comes before its exit)
+                self.check()
+                if time.monotonic() > deadline:
+                    raise RankFailure(f"tensor-parallel ranks {sorted(waiting)} of {self.worker_id} not {state} "
+                                      f"within {START_TIMEOUT_S:.0f} s")
+                continue
+            reply = M.decode_reply(self.replies.recv())
+            if reply["state"] == "error":
+                raise ValueError(f"tensor-parallel rank {reply['rank']}: {reply['error']}")
+            if reply["state"] == state:
+                waiting.discard(reply["rank"])
+
+    def send(self, frames: list) -> None:
+        """Send one message to every follower, without blocking.
+
+        Raises:
+            RankFailure: a follower has exited or takes no more messages.
+        """
+        self.check()
+        for rank, sock in enumerate(self.controls, start=1):
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                raise RankFailure(f"tensor-parallel rank {rank} of {self.worker_id} takes no messages") from None
+
+    def check(self) -> None:
+        """Raises :class:`RankFailure` if a follower has exited."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                raise RankFailure(f"tensor-parallel rank {rank} of {self.worker_id} (pid {proc.pid}) exited with "
+                                  f"code {proc.returncode}")
+
+    def failure(self, exc: Exception, wait_s: float = 1.0) -> RankFailure:
+        """The :class:`RankFailure` of a forward pass that raised ``exc``: the follower that
+        exited, if one does within ``wait_s`` (its closed connection may be seen first), else
+        ``exc`` itself."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.check()
+            except RankFailure as failure:
+                return failure
+            if time.monotonic() > deadline:
+                return RankFailure(f"a forward pass across the tensor-parallel ranks of {self.worker_id} failed: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """Stop the followers (``stop``, then SIGKILL after :data:`STOP_GRACE_S`), leave the
+        process group and remove the sockets' directory."""
+        if self.closed:
+            return
+        self.closed = True
+        for sock in self.controls:
+            try:
+                sock.send_multipart(M.encode("stop"), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.joined:
+            dist.destroy_process_group()
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In a follower, before exec: SIGKILL when rank 0's process dies, even by kill -9."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the follower's parent pid check remains
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+# ---- a follower's process ------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epdserve tensor-parallel rank",
+                                     description="a follower rank of a tensor-parallel worker (started by rank 0)")
+    for name, kind in (("--rank", int), ("--size", int), ("--store-port", int), ("--control", str),
+                       ("--replies", str), ("--model", str), ("--dtype", str), ("--weight-format", str),
+                       ("--device", str), ("--cores", str), ("--parent-pid", int), ("--worker", str)):
+        parser.add_argument(name, type=kind, required=True)
+    return parser
+
+
+def follow(argv: list[str] | None = None) -> int:
+    """A follower's process (see the module doc): returns 0 after ``stop``, 1 when rank 0
+    is gone or a call failed, 2 when its shard cannot be loaded."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to act on
+    cores = [int(c) for c in args.cores.split(",")]
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    device = rank_device(args.device, args.rank)
+    ctx = zmq.Context()
+    control, replies = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    control.connect(args.control)
+    replies.connect(args.replies)
+    try:
+        try:
+            model, _ = load_language_model(args.model, DTYPES[args.dtype], args.weight_format, device,
+                                           TPRank(args.rank, args.size))
+        except Exception as exc:
+            replies.send(M.encode_reply(args.rank, "error", str(exc)))
+            return 2
+        replies.send(M.encode_reply(args.rank, "loaded"))
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        store = dist.TCPStore("127.0.0.1", args.store_port, args.size, False,
+                              timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        dist.init_process_group(_backend(device), store=store, rank=args.rank, world_size=args.size,
+                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        try:
+            return _serve_calls(model, control, replies, args, device)
+        finally:
+            dist.destroy_process_group()
+    finally:
+        ctx.destroy(linger=1000)
+
+
+def _serve_calls(model: LlamaModel, control: zmq.Socket, replies: zmq.Socket, args, device: str) -> int:
+    """Run rank 0's calls on this rank's shard until ``stop`` (0), rank 0's end or a failed
+    call (1)."""
+    name = f"{args.worker} rank {args.rank}/{args.size}"
+    kv_cache = None
+    while True:
+        if not control.poll(POLL_S * 1000):
+            if os.getppid() != args.parent_pid:
+                log.error("%s: rank 0 is gone; leaving", name)
+                return 1
+            continue
+        header, tensors = M.decode(control.recv_multipart())
+        op = header["op"]
+        if op == "stop":
+            return 0
+        try:
+            if op == "init":
+                kv_cache = model.allocate_kv_cache(header["num_blocks"], header["block_size"])
+                replies.send(M.encode_reply(args.rank, "ready"))
+                log.info("%s: cores %s, device %s, %d KV blocks", name, args.cores, device, header["num_blocks"])
+            else:
+                _call(model, kv_cache, header, tensors, device)
+        except Exception:
+            log.exception("%s: %s failed; leaving (rank 0's step fails with it)", name, op)
+            return 1
+
+
+def _call(model: LlamaModel, kv_cache: torch.Tensor | None, header: dict, tensors: list[torch.Tensor],
+          device: str) -> None:
+    """Run one forward-pass call of rank 0's on this rank's shard (its outputs are rank 0's
+    business: every rank computes the same).
+
+    Raises:
+        MessageError: an unknown op, or a call before ``init``.
+    """
+    if kv_cache is None:
+        raise M.MessageError(f"{header['op']} before init")
+    if header["op"] in M.STEP_OPS:
+        input_ids, meta, embeds = runner.on_device(*M.decode_step(header, tensors), torch.device(device))
+        getattr(model, header["op"])(input_ids, meta, kv_cache, embeds)
+    elif header["op"] == "logits":
+        model.logits(tensors[0].to(device))
+    else:
+        raise M.MessageError(f"unknown op {header['op']!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(follow())
