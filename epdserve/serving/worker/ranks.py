@@ -139,6 +139,8 @@ class Ranks:
     def __init__(self, size: int, worker_id: str, device: str):
         self.rank = TPRank(0, size)
         self.size, self.worker_id, self.device = size, worker_id, device
+        # gloo's connections on the loopback only (the followers inherit it): the ranks share a host.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.dir = tempfile.mkdtemp(prefix="epdserve-tp-")  # mode 0700: only we reach the sockets
         self.ctx = zmq.Context()
         self.replies = self.ctx.socket(zmq.PULL)
