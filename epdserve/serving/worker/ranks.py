@@ -187,13 +187,17 @@ class Ranks:
 
         Raises:
             ValueError: a follower could not load its shard (its error).
-            RankFailure: a follower died or did not answer within :data:`START_TIMEOUT_S`.
+            RankFailure: a follower died or did not answer within :data:`START_TIMEOUT_S`, or
+                the process group could not be formed within :data:`COLLECTIVE_TIMEOUT_S`.
         """
         self._await("loaded")
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
-        dist.init_process_group(_backend(self.device), store=self.store, rank=0, world_size=self.size,
-                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        try:
+            dist.init_process_group(_backend(self.device), store=self.store, rank=0, world_size=self.size,
+                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        except Exception as exc:  # a follower died or hung before joining (DistStoreError, gloo's)
+            raise self.failure(exc, "joining the process group") from exc
         self.joined = True
         self.send(M.encode("init", num_blocks=num_blocks, block_size=block_size))
         self._await("ready")
@@ -238,10 +242,10 @@ class Ranks:
                 raise RankFailure(f"tensor-parallel rank {rank} of {self.worker_id} (pid {proc.pid}) exited with "
                                   f"code {proc.returncode}")
 
-    def failure(self, exc: Exception, wait_s: float = 1.0) -> RankFailure:
-        """The :class:`RankFailure` of a forward pass that raised ``exc``: the follower that
-        exited, if one does within ``wait_s`` (its closed connection may be seen first), else
-        ``exc`` itself."""
+    def failure(self, exc: Exception, what: str = "a forward pass", wait_s: float = 1.0) -> RankFailure:
+        """The :class:`RankFailure` of ``what`` (a collective call of every rank) that raised
+        ``exc``: the follower that exited, if one does within ``wait_s`` (its closed
+        connection may be seen first), else ``exc`` itself."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -249,7 +253,7 @@ class Ranks:
             except RankFailure as failure:
                 return failure
             if time.monotonic() > deadline:
-                return RankFailure(f"a forward pass across the tensor-parallel ranks of {self.worker_id} failed: "
+                return RankFailure(f"{what} across the tensor-parallel ranks of {self.worker_id} failed: "
                                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
             time.sleep(0.02)
 
