@@ -34,13 +34,15 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        """Read ``model_dir/config.json``.
+        """Read ``model_dir/config.json``: the decoder's, or a vision-language model's
+        language model's (its ``text_config``).
 
         Raises:
             ModelLoadError: unsupported ``model_type`` or RoPE scaling type.
         """
         path = Path(model_dir) / "config.json"
-        return cls.from_dict(json.loads(path.read_text()), str(path))
+        cfg = json.loads(path.read_text())
+        return cls.from_dict(cfg.get("text_config", cfg), str(path))
 
     @classmethod
     def from_dict(cls, cfg: dict, path: str = "config") -> "ModelConfig":

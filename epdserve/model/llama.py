@@ -120,9 +120,11 @@ class LlamaModel:
         fmt = weight_format or linear.WeightFormat(blocks=blocks is not None, dense=None if blocks else dtype)
         self.weight_format = fmt
         self.tp = tp
-        if tp is not None:
+        if tp is not None:  # keep the rank's shard; note each rank's vocabulary rows for the logits
             tensor_parallel.check_dense(fmt)
-            config, weights = self._shard(config, weights, tp)
+            self.vocab = tensor_parallel.shard_ranges(config, tp.rank, tp.size).vocab
+            self.vocab_sizes = [len(tensor_parallel.shard_ranges(config, r, tp.size).vocab) for r in range(tp.size)]
+            config, weights = tensor_parallel.shard_weights(config, weights, tp.rank, tp.size)
         self.config = config
         if self.device.type != "cpu":  # (on the CPU the tensors are used as they are)
             weights = {name: w.to(self.device) for name, w in weights.items()}
@@ -162,14 +164,6 @@ class LlamaModel:
         # Computed on the host (the same float32 values on every device), then moved.
         self.cos = emb.cos().to(self.device, dtype)
         self.sin = emb.sin().to(self.device, dtype)
-
-    def _shard(self, config: ModelConfig, weights: dict[str, torch.Tensor], tp: tensor_parallel.TPRank
-               ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-        """The rank's config and weights (``tensor_parallel.shard_weights``); notes the rank's
-        vocabulary rows (``vocab``) and each rank's count of them (``vocab_sizes``)."""
-        self.vocab = tensor_parallel.shard_ranges(config, tp.rank, tp.size).vocab
-        self.vocab_sizes = [len(tensor_parallel.shard_ranges(config, r, tp.size).vocab) for r in range(tp.size)]
-        return tensor_parallel.shard_weights(config, weights, tp.rank, tp.size)
 
     def _set_kernel_rows(self) -> None:
         """Measure where the block kernel yields to the BLAS (``linear.measured_kernel_rows``

@@ -57,7 +57,7 @@ def compare_deployment(name: str, cores: int, elastic: ElasticConfig | None = No
 
 def compare_limits(name: str) -> EngineLimits:
     """The scheduler settings of an ``epdserve compare`` configuration name
-    (:class:`DeploymentSpec`): chunked prefill and its token budget, prefix caching; the
+    (:class:`DeploymentSpec`): the step's token budget (colocated-chunked), prefix caching; the
     serve defaults otherwise (an unknown name included)."""
     try:
         spec = DeploymentSpec.parse(name)
@@ -65,7 +65,7 @@ def compare_limits(name: str) -> EngineLimits:
         return EngineLimits()
     limits = EngineLimits()
     if spec.chunked_prefill:
-        limits = replace(limits, enable_chunked_prefill=True, max_num_batched_tokens=spec.max_num_batched_tokens)
+        limits = replace(limits, max_num_batched_tokens=spec.max_num_batched_tokens)
     if not spec.prefix_caching:
         limits = replace(limits, enable_prefix_caching=False)
     return limits

@@ -127,7 +127,8 @@ def rank_cores(size: int, role: str, elastic: bool, cores: list[int]) -> list[li
             is not split), or fewer cores than ranks.
     """
     if size > 1 and (elastic or role != "colocated"):
-        what = "an elastic worker (it may become a prefill or decode worker)" if elastic else f"{'an' if role == 'encode' else 'a'} {role} worker"
+        what = ("an elastic worker (it may become a prefill or decode worker)" if elastic
+                else f"{'an' if role == 'encode' else 'a'} {role} worker")
         why = ("its vision tower is not split over ranks" if role == "encode" and not elastic
                else "the KV hand-off between tensor-parallel ranks is not built yet")
         raise ValueError(f"--tensor-parallel-size {size} on {what}: {why}; colocated workers only for now")
@@ -146,16 +147,14 @@ def check_model_split(config: WorkerConfig, info: ModelInfo) -> None:
     size = config.tensor_parallel_size
     if size == 1:
         return
-    model = json.loads((info.path / "config.json").read_text())
-    tensor_parallel.shard_ranges(ModelConfig.from_dict(model.get("text_config", model) if info.multimodal
-                                                       else model, str(info.path)), 0, size)
+    tensor_parallel.shard_ranges(ModelConfig.from_dir(info.path), 0, size)
     if config.weight_format != "auto":
         tensor_parallel.check_dense(linear.parse(config.weight_format))
     if config.device.startswith("cuda"):
         first, count = int(config.device.partition(":")[2] or 0), torch.cuda.device_count()
         if first + size > count:
-            raise ValueError(f"--tensor-parallel-size {size} on {config.device} needs GPUs {first}..{first + size - 1}, "
-                             f"one a rank; this host has {count}")
+            raise ValueError(f"--tensor-parallel-size {size} on {config.device} needs GPUs "
+                             f"{first}..{first + size - 1}, one a rank; this host has {count}")
 
 
 def pin_to_cores(spec: str | None) -> list[int]:
