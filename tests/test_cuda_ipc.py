@@ -16,6 +16,7 @@ import torch
 
 from test_transfer_handoff import PROMPTS, SAMPLING, pd_engines
 
+from epdserve.engine.kv_parts import KVParts
 from epdserve.transfer import cuda_ipc, handoff, shm, wire
 from epdserve.transfer.cuda_ipc import FakeBackend, IpcError, IpcImporter
 from epdserve.transfer.loopback import first_output, generate_pd
@@ -118,7 +119,7 @@ def test_the_importer_says_what_differs(small_pool):
 
 def _pooled(importer: IpcImporter, pool: cuda_ipc.DevicePool, runs, tag: int) -> PooledKV:
     kv, tags = importer.open(pool.handle, LAYOUT)
-    return PooledKV("r", kv, tags, runs, tag, torch.float32, lambda: cuda_ipc.exporter_alive(pool.handle))
+    return PooledKV("r", KVParts([kv]), tags, runs, tag, torch.float32, lambda: cuda_ipc.exporter_alive(pool.handle))
 
 
 def test_open_copy_close(small_pool):
@@ -126,7 +127,7 @@ def test_open_copy_close(small_pool):
     small_pool.tags[[1, 2, 4]] = 7
     kv = _pooled(importer, small_pool, [(1, 2), (4, 1)], 7)
     cache = torch.zeros(SHAPE[:2] + (5,) + SHAPE[3:])
-    kv.copy_into(cache, [3, 4, 0])
+    kv.copy_into(KVParts([cache]), [3, 4, 0])
     assert cache[:, :, [3, 4, 0]].equal(small_pool.kv[:, :, [1, 2, 4]].float())
     assert importer.open_ids() == [small_pool.name] and importer.backend.open_count == 1
     importer.close(small_pool.name)
@@ -149,7 +150,7 @@ def test_a_dead_or_closed_exporter_voids_the_import(small_pool):
     kv = _pooled(importer, small_pool, [(0, 1)], 3)
     small_pool.close()  # a stopped prefill worker: its tag file goes
     with pytest.raises(WireError, match="is gone"):
-        kv.copy_into(torch.zeros(SHAPE), [0])
+        kv.copy_into(KVParts([torch.zeros(SHAPE)]), [0])
     with pytest.raises(WireError, match="tag file .* is gone"):
         importer.open(small_pool.handle, LAYOUT)
     assert not importer.open_ids()
@@ -228,7 +229,7 @@ def test_released_blocks_are_never_imported(engines, tokenizer, rule):
     if rule == "double release":
         assert not exporter.table.release(rule) and prefill.pool.num_in_use == 0
     with pytest.raises(WireError, match="no longer held"):
-        kv.copy_into(torch.zeros(kv.shape), list(range(kv.shape[2])))
+        kv.copy_into(KVParts([torch.zeros(kv.shape)]), list(range(kv.shape[2])))
     with pytest.raises(WireError, match="no longer held"):  # an import after the release
         _take(engines, rule, desc)
 

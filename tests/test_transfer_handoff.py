@@ -146,7 +146,7 @@ def test_held_blocks_return_on_release(setup, tokenizer):
         assert desc.kind == "pool" and desc.name == pool.name and prefill.pool.num_in_use == held
         assert sum(n for _, n in desc.block_runs) == held and (pool.tags[out.kv_block_ids] == desc.tag).all()
         kv, _ = handoff.Importer(ctx, "shm", 5).take("held", desc, decode.kv_layout(), decode.kv_cache.dtype)
-        assert tuple(kv.shape) == decode._block_shape(held)
+        assert tuple(kv.shape) == decode.kv_block_shape(held)
         exporter.release("held")
         assert prefill.pool.num_in_use == 0 and (pool.tags == 0).all()
         with pytest.raises(WireError, match="no longer held"):

@@ -25,7 +25,8 @@ import torch
 
 from epdserve.engine import runner
 from epdserve.engine.block_pool import BlockPool
-from epdserve.engine.kv_source import KVSource, LayerSink, block_runs
+from epdserve.engine.kv_parts import KVParts, copy_blocks
+from epdserve.engine.kv_source import KVSource, LayerSink
 from epdserve.engine.prompt_logprobs import PromptLogprob, PromptLogprobsCollector
 from epdserve.engine.request import PromptImages, SamplingParams, Sequence
 from epdserve.engine.sampler import TokenLogprobs, sample
@@ -112,11 +113,13 @@ class LLMEngine:
     :class:`RankDriver`): it loads rank 0's shard, sizes the KV pool by that shard's KV
     bytes (every rank gets the same block count) and calls the model ``tp.drive`` returns,
     which runs every forward pass on all the ranks; decode steps run eagerly (no CUDA graphs).
+    ``kv_parts`` holds every rank's cache where this process can address them (imports and
+    exports move every KV head; ``kv_cache`` is rank 0's part).
 
     Raises (constructor): ``ValueError`` for an unknown dtype, a weight format the model
     cannot hold, a device that is not one
     or is not here (``parse_device``), a budget too small for one block, or a
-    ``kv_allocator`` whose tensor does not fit the cache; ``ModelLoadError`` for a model that cannot
+    ``kv_allocator`` whose tensor does not fit the cache (or with ``tp``, any); ``ModelLoadError`` for a model that cannot
     be loaded; with ``tp``, whatever ``tp.drive`` raises (another rank failed to start).
     """
 
@@ -135,10 +138,15 @@ class LLMEngine:
         block_bytes = config.block_size * mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize)
         num_blocks = config.num_kv_blocks or config.kv_cache_memory_mb * 2**20 // block_bytes
         self.pool = BlockPool(num_blocks, config.block_size)
-        if tp is not None:
-            self.model = tp.drive(self.model, num_blocks, config.block_size)
-        # kv_allocator(shape, dtype, device): a prefill worker's shared KV pool (/dev/shm or CUDA IPC).
-        self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size, kv_allocator)
+        if tp is None:  # kv_allocator(shape, dtype, device): a prefill worker's shared KV pool (/dev/shm or CUDA IPC)
+            parts = [self.model.allocate_kv_cache(num_blocks, config.block_size, kv_allocator)]
+        elif kv_allocator is not None:
+            raise ValueError("a tensor-parallel engine's KV cache is its ranks' (tp.drive), not a kv_allocator's")
+        else:
+            self.model, parts = tp.drive(self.model, num_blocks, config.block_size)
+        self.kv_cache = parts[0]  # what this process's forward pass reads and writes
+        # Every rank's part, for imports and exports (None where the other ranks' caches are not addressable here).
+        self.kv_parts = KVParts(parts) if len(parts) == len(self.model.kv_head_split) else None
         # Captured before any request holds a block: the capture's warm-up writes slot 0.
         self.graphs = None
         if config.cuda_graph and self.device.type == "cuda" and tp is None:
@@ -161,9 +169,10 @@ class LLMEngine:
         self.num_steps = self.last_step_tokens = 0
 
     def kv_layout(self) -> dict:
-        """What a peer must match to exchange KV blocks with this engine."""
+        """What a peer must match to exchange KV blocks with this engine (every KV head of
+        the model, whatever the ranks it is split over)."""
         mc = self.model.config
-        return {"num_layers": mc.num_hidden_layers, "num_kv_heads": mc.num_key_value_heads,
+        return {"num_layers": mc.num_hidden_layers, "num_kv_heads": sum(self.model.kv_head_split),
                 "head_dim": mc.head_dim, "block_size": self.config.block_size,
                 "dtype": self.config.dtype}
 
@@ -213,7 +222,7 @@ class LLMEngine:
         if arrival is not None:
             seq.arrival = arrival
         if kv is not None:
-            kv.validate(self._block_shape(self.pool.blocks_for(n)), self.kv_cache.dtype)
+            kv.validate(self.kv_block_shape(self.pool.blocks_for(n)), self.kv_cache.dtype)
             seq.num_computed_tokens = seq.max_computed_tokens = n  # the prompt's K/V arrives with the request
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -307,14 +316,12 @@ class LLMEngine:
         layer's: ``out [2, len(block_ids), ...]``. From a CUDA cache into host memory this
         is the device-to-host staging of a hand-off; the copies are synchronous, so ``out``
         holds the blocks when it returns."""
-        cache = self.kv_cache if layer is None else self.kv_cache[layer]
+        cache = self._parts() if layer is None else self._parts().layer(layer)
         if out is None:
-            shape = self._block_shape(len(block_ids))
-            out = torch.empty(shape if layer is None else shape[1:], dtype=self.kv_cache.dtype, device="cpu")
-        # One strided copy per run of consecutive blocks: faster than index_select, and
-        # index_select's threaded path stalls for seconds on a busy machine.
-        for pos, start, n in block_runs(block_ids):
-            out.narrow(-4, pos, n).copy_(cache.narrow(-4, start, n))
+            out = torch.empty(self.kv_block_shape(len(block_ids))[layer is not None:], dtype=self.kv_cache.dtype)
+        # One strided copy per run of consecutive blocks and part: faster than index_select,
+        # whose threaded path stalls for seconds on a busy machine.
+        copy_blocks(cache, block_ids, KVParts([out if layer is None else out[None]]), list(range(len(block_ids))))
         return out
 
     def has_unfinished(self) -> bool:
@@ -414,16 +421,20 @@ class LLMEngine:
         self.prompt_logprobs.take(seq.request_id)
         return StepOutput(seq.request_id, [], finished=True, finish_reason="error", error=message)
 
-    def _block_shape(self, num_blocks: int) -> tuple[int, ...]:
-        shape = list(self.kv_cache.shape)
-        shape[2] = num_blocks
-        return tuple(shape)
+    def kv_block_shape(self, num_blocks: int) -> tuple[int, ...]:
+        c = self.kv_cache.shape  # (every KV head, on however many ranks)
+        return (*c[:2], num_blocks, c[3], sum(self.model.kv_head_split), c[5])
+
+    def _parts(self) -> KVParts:
+        if self.kv_parts is None:
+            raise RuntimeError("the KV of this engine's other tensor-parallel ranks is not addressable here")
+        return self.kv_parts
 
     def _import_kv(self, seq: Sequence) -> None:
         # The leading blocks found in the prefix cache at admission already hold this K/V.
         start = time.perf_counter()
         kv, seq.pending_kv = seq.pending_kv, None
-        kv.copy_into(self.kv_cache, seq.block_table, seq.num_cached_blocks)
+        kv.copy_into(self._parts(), seq.block_table, seq.num_cached_blocks)
         synchronize(self.device)  # a host-to-device copy's time is the import's
         seq.timings.kv_import_ms = (time.perf_counter() - start) * 1e3
         # kv_import_ms is the copy alone: the source (and a /dev/shm mapping or TCP buffer

@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from epdserve.engine.kv_parts import KVParts, copy_blocks
+
 
 class KVSource(Protocol):
     """A prompt's KV blocks ``[layers, 2, n_blocks, block_size, kv_heads, head_dim]``."""
@@ -26,10 +28,11 @@ class KVSource(Protocol):
         """Raises ``ValueError`` unless these are KV blocks of ``shape`` and ``dtype`` (the
         prompt's blocks of the receiving cache)."""
 
-    def copy_into(self, kv_cache: torch.Tensor, block_table: list[int], first_block: int) -> None:
-        """Copy the blocks into ``kv_cache`` at ``block_table`` (its leading entries), all
-        but the first ``first_block`` (the receiver's prefix cache holds them already).
-        Raises (e.g. ``WireError``) when the KV turns out void (its sender released it)."""
+    def copy_into(self, kv_cache: KVParts, block_table: list[int], first_block: int) -> None:
+        """Copy the blocks into ``kv_cache`` (every KV head, in however many parts the
+        receiving ranks hold them) at ``block_table`` (its leading entries), all but the
+        first ``first_block`` (the receiver's prefix cache holds them already). Raises
+        (e.g. ``WireError``) when the KV turns out void (its sender released it)."""
 
 
 class LayerSink(Protocol):
@@ -57,10 +60,9 @@ class TensorKV:
     def validate(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         check_kv(self.shape, self.dtype, shape, dtype)
 
-    def copy_into(self, kv_cache: torch.Tensor, block_table: list[int], first_block: int) -> None:
-        kv, first = self.kv, first_block
-        for pos, block, n in block_runs(block_table[first: kv.shape[2]]):
-            kv_cache[:, :, block:block + n].copy_(kv[:, :, first + pos:first + pos + n])
+    def copy_into(self, kv_cache: KVParts, block_table: list[int], first_block: int) -> None:
+        n = self.kv.shape[2]
+        copy_blocks(KVParts([self.kv]), list(range(first_block, n)), kv_cache, block_table[first_block:n])
 
 
 def check_kv(shape: tuple[int, ...], dtype: torch.dtype,

@@ -120,10 +120,13 @@ class LlamaModel:
         fmt = weight_format or linear.WeightFormat(blocks=blocks is not None, dense=None if blocks else dtype)
         self.weight_format = fmt
         self.tp = tp
+        # Each rank's KV heads, in order: the group's KV cache is one part per rank (engine/kv_parts.py).
+        self.kv_head_split = [config.num_key_value_heads]
         if tp is not None:  # keep the rank's shard; note each rank's vocabulary rows for the logits
             tensor_parallel.check_dense(fmt)
-            self.vocab = tensor_parallel.shard_ranges(config, tp.rank, tp.size).vocab
-            self.vocab_sizes = [len(tensor_parallel.shard_ranges(config, r, tp.size).vocab) for r in range(tp.size)]
+            shards = [tensor_parallel.shard_ranges(config, r, tp.size) for r in range(tp.size)]
+            self.vocab, self.vocab_sizes = shards[tp.rank].vocab, [len(shard.vocab) for shard in shards]
+            self.kv_head_split = [len(shard.kv_heads) for shard in shards]
             config, weights = tensor_parallel.shard_weights(config, weights, tp.rank, tp.size)
         self.config = config
         if self.device.type != "cpu":  # (on the CPU the tensors are used as they are)
@@ -283,7 +286,8 @@ class LlamaModel:
                 ``<image>`` tokens, as Idefics3's ``inputs_merger``).
             kv_written: called with each layer's index as soon as that layer's new K/V is
                 in ``kv_cache`` (a layer-pipelined KV export copies it out while later
-                layers compute).
+                layers compute); with ``tp``, in every rank's cache: after the layer's
+                first all-reduce, which every rank enters only after its K/V write.
         Returns:
             The last layer's hidden states ``[T, hidden]`` of every row, before the final
             norm (:meth:`logits` turns rows of it into logits).
@@ -323,12 +327,17 @@ class LlamaModel:
         k_cache = kv_cache[i, 0].view(-1, n_kv, d)
         v_cache = kv_cache[i, 1].view(-1, n_kv, d)
         layer_ops.rope_write_kv(qkv, meta.positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, n_q)
-        if kv_written is not None:
+        if kv_written is not None and self.tp is None:
             kv_written(i)
         q, k, v = (part.view(len(qkv), -1, d) for part in qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1))
         attn = self._attention(q, k, v, kv_cache[i], meta)
         out = layer["o"](attn.reshape(-1, n_q * d))
-        x.add_(out if self.tp is None else self.tp.all_reduce(out))  # TP: the ranks' partial sums
+        if self.tp is not None:
+            x.add_(self.tp.all_reduce(out))  # the ranks' partial sums
+            if kv_written is not None:  # every rank is past its K/V write of layer i only now
+                kv_written(i)
+        else:
+            x.add_(out)
         h = layer_ops.rms_norm(x, layer["post_norm"], eps)
         gate, up = layer["gate_up"](h).chunk(2, dim=-1)
         out = layer["down"](F.silu(gate).mul_(up))  # in place: one [T, intermediate] buffer less

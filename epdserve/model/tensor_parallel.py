@@ -84,15 +84,19 @@ class RankDriver(Protocol):
     """How rank 0 of a tensor-parallel worker runs the other ranks, as the engine of rank 0
     sees them (``serving/worker/ranks.py`` implements it: the ranks are processes).
     ``rank`` is rank 0's :class:`TPRank` (its shard is loaded with it). :meth:`drive` gives
-    the other ranks the KV cache's size (``num_blocks`` of ``block_size`` tokens, the same
-    on every rank: a block id is the same slot everywhere) and returns the model rank 0's
-    engine then calls instead of ``model``: each forward-pass call (``hidden_states``,
-    ``forward``, ``logits``) is first sent to every other rank with its inputs, then run
-    here, since the collectives inside need every rank."""
+    every rank its KV cache of ``num_blocks`` blocks of ``block_size`` tokens (the same
+    block count on every rank: a block id is the same slot everywhere) and returns the
+    model rank 0's engine then calls instead of ``model`` (each forward-pass call,
+    ``hidden_states``, ``forward``, ``logits``, is first sent to every other rank with its
+    inputs, then run here, since the collectives inside need every rank) and the ranks'
+    caches ``[layers, 2, num_blocks, block_size, heads of the rank, head_dim]`` that this
+    process can address, in rank order: rank 0's first, all of them where a KV hand-off
+    must read or write every head (``model.kv_head_split`` gives each rank's heads)."""
 
     rank: TPRank
 
-    def drive(self, model: "LlamaModel", num_blocks: int, block_size: int) -> "LlamaModel": ...
+    def drive(self, model: "LlamaModel", num_blocks: int,
+              block_size: int) -> tuple["LlamaModel", list[torch.Tensor]]: ...
 
 
 @dataclass(frozen=True)

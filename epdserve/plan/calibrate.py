@@ -107,7 +107,7 @@ def _decode_steps(model_dir: str, steps: int, rng) -> list[dict]:
             engine = LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=512))
             vocab = engine.model.config.vocab_size
             for i, ctx in enumerate(contexts):
-                kv = torch.zeros(engine._block_shape(engine.pool.blocks_for(ctx)), dtype=engine.kv_cache.dtype)
+                kv = torch.zeros(engine.kv_block_shape(engine.pool.blocks_for(ctx)), dtype=engine.kv_cache.dtype)
                 engine.add_request(f"d{i}", _prompt(rng, ctx, vocab),
                                    SamplingParams(max_tokens=steps + 2, **GREEDY), TensorKV(kv), first_token=42)
             engine.step()  # imports the KV

@@ -375,6 +375,15 @@ class DevicePool:
             raise
         self.handle_bytes = pack_handle(self.handle)
 
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        """The cache as a :class:`KVPool`'s parts: one part of every KV head."""
+        return [self.kv]
+
+    @property
+    def head_split(self) -> list[int]:
+        return [self.shape[4]]
+
     def close(self) -> None:
         """Delete the tag file (idempotent): importers then drop the pool at their next
         import and refuse its descriptors."""

@@ -19,7 +19,9 @@ class KVDescriptor(BaseModel):
     is the prefill worker's whole KV cache in the /dev/shm of host ``host_id``
     (``epdserve.transfer.shm.KVPool``), of ``pool_blocks`` blocks laid out as ``layout``
     (``LLMEngine.kv_layout()``); the request's KV is the blocks ``block_runs`` (``[first
-    block, count]`` runs, in order), each tagged ``tag`` while it is held. Both:
+    block, count]`` runs, in order), each tagged ``tag`` while it is held; the pool holds
+    one part per rank of the prefill worker, ``head_split`` their KV heads in order (empty:
+    one part of every head; see ``epdserve.engine.kv_parts``). Both:
     ``num_tokens`` is how many prompt positions it covers; ``addr`` (``tcp://HOST:PORT``,
     or None) is the prefill worker's KV socket that serves the same KV as one frame of
     ``nbytes`` bytes to a decode worker on another host. The receiver validates every
@@ -44,3 +46,4 @@ class KVDescriptor(BaseModel):
     layout: dict = {}
     tag: int = 0
     ipc: bytes = Field(b"", max_length=4096)
+    head_split: list[int] = Field([], max_length=1024)

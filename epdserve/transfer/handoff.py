@@ -58,6 +58,7 @@ import torch
 import zmq
 
 from epdserve.engine.engine import LLMEngine, StepOutput
+from epdserve.engine.kv_parts import KVParts
 from epdserve.engine.kv_source import KVSource, TensorKV, block_runs
 from epdserve.transfer import cuda_ipc, kv_codec, shm, tcp, wire
 from epdserve.transfer.descriptor import KVDescriptor
@@ -108,7 +109,7 @@ class Exporter:
                  layer_pipeline: bool = False):
         if transfer_dtype not in kv_codec.TRANSFER_DTYPES:
             raise ValueError(f"unknown KV transfer dtype {transfer_dtype!r}")
-        if pool is not None and pool.kv.data_ptr() != engine.kv_cache.data_ptr():
+        if pool is not None and pool.parts[0].data_ptr() != engine.kv_cache.data_ptr():
             raise ValueError("the shared KV pool must hold the engine's KV cache (see LLMEngine's kv_allocator)")
         self.engine = engine
         self.transfer_dtype = transfer_dtype
@@ -125,8 +126,7 @@ class Exporter:
 
     def _header(self, num_blocks: int) -> TensorHeader:
         layout = self.engine.kv_layout()
-        shape = list(self.engine.kv_cache.shape)
-        shape[2] = num_blocks
+        shape = list(self.engine.kv_block_shape(num_blocks))  # every KV head, whatever the ranks
         return TensorHeader(tensors=kv_codec.specs(shape, self.engine.kv_cache.dtype,
                                                    "none" if self.hold else self.transfer_dtype),
                             layout=layout, num_tokens=num_blocks * layout["block_size"])
@@ -154,6 +154,7 @@ class Exporter:
             desc = KVDescriptor(kind=self.pool.kind, name=self.pool.name, num_tokens=header.num_tokens, nbytes=nbytes,
                                 host_id=self.host, addr=addr, block_runs=[(b, n) for _, b, n in block_runs(ids)],
                                 pool_blocks=self.pool.shape[2], layout=header.layout, tag=entry.tag,
+                                head_split=self.pool.head_split,
                                 ipc=self.pool.handle_bytes if isinstance(self.pool, cuda_ipc.DevicePool) else b"")
         else:
             name = self._stage(request_id, ids, header, out.timings)
@@ -242,7 +243,7 @@ class Importer:
         self.transport = transport
         self.timeout_s = timeout_s
         self.host = host_id()
-        self.pools: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pools: dict[tuple, tuple[list[torch.Tensor], torch.Tensor]] = {}
         self._pools_lock = threading.Lock()  # fetch threads map pools concurrently
         self.ipc = cuda_ipc.IpcImporter(ipc_backend)
 
@@ -326,7 +327,7 @@ class Importer:
                                         f"its handle {handle.pool_id}")
             pool, tags = self.ipc.open(handle, layout)
             alive = functools.partial(cuda_ipc.exporter_alive, handle)
-            kv = PooledKV(request_id, pool, tags, runs, desc.tag, dtype, alive)
+            kv = PooledKV(request_id, KVParts([pool]), tags, runs, desc.tag, dtype, alive)
         else:
             _check_layout(desc.layout, layout)
             name = desc.layout.get("dtype")
@@ -334,19 +335,20 @@ class Importer:
             if pool_dtype is None or pool_dtype == torch.int8:
                 raise WireError(f"unsupported KV pool dtype {name!r}")
             shape = (layout["num_layers"], 2, desc.pool_blocks, block_size, layout["num_kv_heads"], layout["head_dim"])
-            pool, tags = self._map(desc.name, shape, pool_dtype)
-            kv = PooledKV(request_id, pool, tags, runs, desc.tag, dtype)
+            parts, tags = self._map(desc.name, shape, pool_dtype, _head_split(request_id, desc, layout))
+            kv = PooledKV(request_id, KVParts(parts), tags, runs, desc.tag, dtype)
         kv.check()
         return kv
 
-    def _map(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (name, shape, dtype)
+    def _map(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+             head_split: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        key = (name, shape, dtype, tuple(head_split))
         with self._pools_lock:
             if key not in self.pools:
                 # Pools of prefill workers that have stopped: unmap them (they hold memory).
                 for old in [k for k in self.pools if not shm.pool_exists(k[0])]:
                     del self.pools[old]
-                self.pools[key] = shm.map_pool(name, shape, dtype)
+                self.pools[key] = shm.map_pool(name, shape, dtype, head_split)
             return self.pools[key]
 
     def close(self) -> None:
@@ -366,6 +368,19 @@ def _check_runs(request_id: str, desc: KVDescriptor, block_size: int, pool_block
         shown = f"{runs[:4]}{'...' if len(runs) > 4 else ''}"
         raise WireError(f"KV descriptor for {request_id} is invalid: blocks {shown} for {desc.num_tokens} "
                         f"tokens in a pool of {pool_blocks} blocks, tag {desc.tag}")
+
+
+def _head_split(request_id: str, desc: KVDescriptor, layout: dict) -> list[int]:
+    """The KV heads of each part of ``desc``'s pool (one part per prefill rank; none
+    given: one part of every head).
+
+    Raises:
+        WireError: parts that do not add up to the layout's KV heads.
+    """
+    split = desc.head_split or [layout["num_kv_heads"]]
+    if sum(split) != layout["num_kv_heads"] or min(split) < 1:
+        raise WireError(f"KV descriptor for {request_id} splits {layout['num_kv_heads']} KV heads as {split}")
+    return split
 
 
 def _check_layout(theirs: dict, ours: dict) -> None:

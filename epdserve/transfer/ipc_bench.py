@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from epdserve.engine.kv_parts import KVParts
 from epdserve.transfer import cuda_ipc
 from epdserve.transfer.pooled import PooledKV, wait_for_copies
 from epdserve.transfer.wire import WireError
@@ -112,15 +113,15 @@ def two_process_check(device: str = "cuda:0", decode_device: str | None = None, 
         pool, tags = importer.open(handle, _SMALL_LAYOUT)
         opened = StorageWeakRef(pool.untyped_storage())
         cache = torch.zeros(shape, dtype=dtype, device=decode_device or device)
-        kv = PooledKV("check", pool, tags, [(2, 2), (5, 1)], _TAG, dtype,
+        kv = PooledKV("check", KVParts([pool]), tags, [(2, 2), (5, 1)], _TAG, dtype,
                       functools.partial(cuda_ipc.exporter_alive, handle))
-        kv.copy_into(cache, [0, 1, 2])
+        kv.copy_into(KVParts([cache]), [0, 1, 2])
         expected = seeded_kv(shape, dtype, device, seed)[:, :, [2, 3, 5]].to(cache.device)
         bit_equal = torch.equal(cache[:, :, :3].view(torch.int16), expected.view(torch.int16))
         conn.send_bytes(b"release")
         conn.recv_bytes()
         try:
-            kv.copy_into(cache, [0, 1, 2])
+            kv.copy_into(KVParts([cache]), [0, 1, 2])
             refused = False
         except WireError:
             refused = True
@@ -166,8 +167,8 @@ def ipc_copy_benchmark(num_tokens: int, layout: dict = LLAMA_8B_LAYOUT, device: 
         pool, tags = importer.open(handle, layout)
         cache = torch.empty(shape, dtype=dtype, device=target)
         alive = functools.partial(cuda_ipc.exporter_alive, handle)
-        kv = PooledKV("bench", pool, tags, [(0, blocks)], _TAG, dtype, alive)
-        ipc_ms = _median_ms(lambda: kv.copy_into(cache, list(range(blocks))), repeats)
+        kv = PooledKV("bench", KVParts([pool]), tags, [(0, blocks)], _TAG, dtype, alive)
+        ipc_ms = _median_ms(lambda: kv.copy_into(KVParts([cache]), list(range(blocks))), repeats)
         local = torch.zeros(shape, dtype=dtype, device=device)
 
         def d2d() -> None:

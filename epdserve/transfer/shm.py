@@ -3,9 +3,10 @@
 Three kinds of files, all named ``epdserve-<kind>-<owner pid>-<32 hex digits>``:
 
 * a **pool** (``kvpool``): a prefill worker's whole KV cache, created once at start-up
-  (:class:`KVPool`). A same-host hand-off then copies nothing on the prefill side: the
-  decode worker maps the pool once (:func:`map_pool`) and copies the request's blocks
-  straight out of it. Behind the KV tensor the file holds one int64 *tag* per block: the
+  (:class:`KVPool`); a tensor-parallel worker's holds one part per rank, each rank mapping
+  its own (:func:`map_part`). A same-host hand-off then copies nothing on the prefill
+  side: the decode worker maps the pool once (:func:`map_pool`) and copies the request's
+  blocks straight out of it. Behind the KV parts the file holds one int64 *tag* per block: the
   prefill side writes a hand-off's tag into its blocks when it exports them and clears it
   when it releases them, and the reader checks the tags before and after its copy, so a
   late or forged descriptor yields a clear error, never another request's KV.
@@ -69,36 +70,50 @@ def remove_stale() -> list[str]:
     return removed
 
 
-def _pool_layout(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
-    """Byte offset of the tags (after the KV tensor, 64-byte aligned) and the file size."""
-    kv_bytes = dtype.itemsize
-    for d in shape:
-        kv_bytes *= d
-    tags_at = kv_bytes + (-kv_bytes % ALIGN)
-    return tags_at, tags_at + 8 * shape[2]
+def _pool_layout(shape: tuple[int, ...], dtype: torch.dtype, head_split: list[int]) -> tuple[list[int], int, int]:
+    """Byte offset of each part (one per entry of ``head_split``, the KV heads it holds, each
+    64-byte aligned), of the tags (after the parts, aligned) and the file size."""
+    per_head = dtype.itemsize
+    for d in shape[:4] + shape[5:]:
+        per_head *= d
+    offsets, at = [], 0
+    for heads in head_split:
+        offsets.append(at)
+        at += per_head * heads
+        at += -at % ALIGN
+    return offsets, at, at + 8 * shape[2]
 
 
-def _views(buffer, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    tags_at, _ = _pool_layout(shape, dtype)
-    count = tags_at // dtype.itemsize
+def part_shapes(shape: tuple[int, ...], head_split: list[int]) -> list[tuple[int, ...]]:
+    """The shape of each part of a pool of ``shape`` (every KV head) split as ``head_split``."""
+    return [tuple(shape[:4]) + (heads,) + tuple(shape[5:]) for heads in head_split]
+
+
+def _views(buffer, shape: tuple[int, ...], dtype: torch.dtype,
+           head_split: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    offsets, tags_at, _ = _pool_layout(shape, dtype, head_split)
+    parts = []
     with warnings.catch_warnings():
         # A reader's mapping is read-only and only ever copied from.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        flat = torch.frombuffer(buffer, dtype=dtype, count=count)
+        for offset, part in zip(offsets, part_shapes(shape, head_split)):
+            numel = 1
+            for d in part:
+                numel *= d
+            parts.append(torch.frombuffer(buffer, dtype=dtype, count=numel, offset=offset).view(part))
         tags = torch.frombuffer(buffer, dtype=torch.int64, count=shape[2], offset=tags_at)
-    numel = 1
-    for d in shape:
-        numel *= d
-    return flat[:numel].view(shape), tags
+    return parts, tags
 
 
 class KVPool:
-    """A KV cache ``kv [layers, 2, num_blocks, block_size, kv_heads, head_dim]`` of
-    ``dtype`` and its block tags ``tags [num_blocks]`` (int64, 0 = not exported) in a new
-    /dev/shm file ``name``, mapped shared and pre-touched: every page is written once here
-    (zeros, as an engine's cache starts), because first writes into fresh tmpfs pages
-    fault and run at about 1 GB/s, far below memcpy. Deletes stale files first
-    (:func:`remove_stale`).
+    """A KV cache of ``shape [layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in
+    ``dtype``, split by KV head into ``parts`` (``head_split``: the heads of each, in order;
+    default one part of every head), the parts of a tensor-parallel worker's ranks
+    (``engine/kv_parts.py``), and its block tags ``tags [num_blocks]`` (int64, 0 = not
+    exported) in a new /dev/shm file ``name``, mapped shared and pre-touched: every page is
+    written once here (zeros, as an engine's cache starts), because first writes into fresh
+    tmpfs pages fault and run at about 1 GB/s, far below memcpy. Deletes stale files first
+    (:func:`remove_stale`). Other ranks map their part with :func:`map_part`.
 
     Raises:
         OSError: /dev/shm is missing, full or not writable.
@@ -106,12 +121,14 @@ class KVPool:
 
     kind = "pool"  # the descriptor kind of its exports
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, head_split: list[int] | None = None):
         self.name = new_name("kvpool")
         self.shape = tuple(shape)
-        self._mm = _create_owned(self.name, _pool_layout(self.shape, dtype)[1], self.close)
-        self.kv, self.tags = _views(self._mm, self.shape, dtype)
-        self.kv.zero_()
+        self.head_split = list(head_split or [shape[4]])
+        self._mm = _create_owned(self.name, _pool_layout(self.shape, dtype, self.head_split)[2], self.close)
+        self.parts, self.tags = _views(self._mm, self.shape, dtype, self.head_split)
+        for part in self.parts:
+            part.zero_()
         self.tags.zero_()
 
     def close(self) -> None:
@@ -192,19 +209,40 @@ def map_tags(name: str, num_blocks: int) -> torch.Tensor:
         return torch.frombuffer(mm, dtype=torch.int64, count=num_blocks)
 
 
-def map_pool(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Map another process's pool read-only; returns its ``kv`` and ``tags`` (see
+def map_pool(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+             head_split: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Map another process's pool read-only; returns its ``parts`` and ``tags`` (see
     :class:`KVPool`). The page tables are filled at once (MAP_POPULATE) so that copies
     from the mapping run at memcpy speed from the first one.
 
     Raises:
         WireError: a name that is not a pool's, a missing file, or a file whose size is not
-            that of a pool of ``shape`` and ``dtype``.
+            that of a pool of ``shape``, ``dtype`` and ``head_split``.
     """
     if not _POOL.fullmatch(name):
         raise WireError(f"refusing shared-memory pool name {name!r}")
-    _, size = _pool_layout(shape, dtype)
-    return _views(_map_readonly(name, size, "KV pool", f"a pool of {list(shape)} {dtype}"), shape, dtype)
+    size = _pool_layout(shape, dtype, head_split)[2]
+    mm = _map_readonly(name, size, "KV pool", f"a pool of {list(shape)} {dtype} in parts of {head_split} heads")
+    return _views(mm, shape, dtype, head_split)
+
+
+def map_part(name: str, shape: tuple[int, ...], dtype: torch.dtype, head_split: list[int],
+             index: int) -> torch.Tensor:
+    """Map part ``index`` of a :class:`KVPool` of this host read-write (a follower rank's
+    KV cache, in the file rank 0 created).
+
+    Raises:
+        OSError: the file is missing or not the size of that pool.
+    """
+    size = _pool_layout(shape, dtype, head_split)[2]
+    fd = os.open(SHM_DIR / name, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise OSError(f"KV pool {name} is not a pool of {list(shape)} {dtype} in parts of {head_split} heads")
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return _views(mm, shape, dtype, head_split)[0][index]
 
 
 def pool_exists(name: str) -> bool:

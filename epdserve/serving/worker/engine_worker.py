@@ -61,7 +61,7 @@ from epdserve.model.image_processor import ImageError
 from epdserve.model.loader import ModelLoadError
 from epdserve.serving import auth
 from epdserve.serving import protocol as P
-from epdserve.serving.handshake import auth_tag, model_fingerprint, model_kv_shape
+from epdserve.serving.handshake import auth_tag, model_fingerprint
 from epdserve.serving.worker.control import handle_control
 from epdserve.serving.worker.encode_worker import EncodeWorker, image_inputs
 from epdserve.serving.worker.fetch import Fetch, Fetcher
@@ -464,9 +464,6 @@ def _serve_loaded(config: WorkerConfig, keyring: auth.Keyring, serves_tcp: bool,
     worker.sealer, worker.incarnation, worker.ranks = keyring.sealer("events"), incarnation, ranks
     # The address bound, not the one asked for: "tcp://IP:0" (Ray actors) resolves to a free port.
     addr = cmd.getsockopt_string(zmq.LAST_ENDPOINT) if config.bind.startswith("tcp://") else config.bind
-    if config.tensor_parallel_size > 1:  # the worker's KV heads, over its ranks (the engine's cache holds rank 0's)
-        kv_layout = dict(kv_layout, num_kv_heads=model_kv_shape(info.path)["num_kv_heads"],
-                         tensor_parallel_size=config.tensor_parallel_size)
     worker.hello = P.Hello(worker_id=config.worker_id, role=config.role, addr=addr, model=info.name,
                            fingerprint=model_fingerprint(info.path), kv_layout=kv_layout,
                            blocks_total=blocks_total, cores=cores, auth=auth_tag(config.auth_token, config.worker_id),

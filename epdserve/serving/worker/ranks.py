@@ -52,6 +52,7 @@ from epdserve.model.llama import AttentionMetadata, LlamaModel
 from epdserve.model.loader import load_language_model
 from epdserve.model.tensor_parallel import TPRank, even_range
 from epdserve.serving.worker import rank_messages as M
+from epdserve.transfer import shm
 
 log = logging.getLogger("epdserve.worker")
 
@@ -150,6 +151,7 @@ class Ranks:
         self.store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
                                    wait_for_workers=False)
         self.joined = self.closed = False
+        self.pool: shm.KVPool | None = None
 
     @classmethod
     def start(cls, size: int, worker_id: str, model_dir: str, dtype: str, weight_format: str, device: str,
@@ -181,9 +183,13 @@ class Ranks:
         log.info("%s: started tensor-parallel rank %d (pid %d) on cores %s", self.worker_id, rank,
                  self.procs[-1].pid, cores)
 
-    def drive(self, model: LlamaModel, num_blocks: int, block_size: int) -> DrivenModel:
-        """Wait for every follower's shard, join the process group, have them allocate
-        ``num_blocks`` KV blocks of ``block_size`` tokens, and return ``model`` driven.
+    def drive(self, model: LlamaModel, num_blocks: int, block_size: int) -> tuple[DrivenModel, list[torch.Tensor]]:
+        """Wait for every follower's shard, join the process group, give every rank its KV
+        cache of ``num_blocks`` blocks of ``block_size`` tokens, and return ``model`` driven
+        and the caches this process addresses: on the CPU every rank's, the parts of one
+        /dev/shm pool (:attr:`pool`, a :class:`~epdserve.transfer.shm.KVPool`) that each
+        follower maps its own part of, so that rank 0 reads and writes every KV head of a
+        hand-off; on CUDA rank 0's only (the followers allocate theirs on their GPUs).
 
         Raises:
             ValueError: a follower could not load its shard (its error).
@@ -199,11 +205,19 @@ class Ranks:
         except Exception as exc:  # a follower died or hung before joining (DistStoreError, gloo's)
             raise self.failure(exc, "joining the process group") from exc
         self.joined = True
-        self.send(M.encode("init", num_blocks=num_blocks, block_size=block_size))
+        c = model.config
+        shape = (c.num_hidden_layers, 2, num_blocks, block_size, sum(model.kv_head_split), c.head_dim)
+        if self.device.startswith("cuda"):
+            parts = [model.allocate_kv_cache(num_blocks, block_size)]
+        else:
+            self.pool = shm.KVPool(shape, model.dtype, model.kv_head_split)
+            parts = self.pool.parts
+        self.send(M.encode("init", num_blocks=num_blocks, block_size=block_size, shape=list(shape),
+                           split=model.kv_head_split, pool=self.pool.name if self.pool else None))
         self._await("ready")
         log.info("%s: %d tensor-parallel ranks ready (%s), %d KV blocks each", self.worker_id, self.size,
                  _backend(self.device), num_blocks)
-        return DrivenModel(model, self)
+        return DrivenModel(model, self), parts
 
     def _await(self, state: str) -> None:
         """Wait until every follower has said ``state``."""
@@ -279,6 +293,8 @@ class Ranks:
             dist.destroy_process_group()
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.pool is not None:
+            self.pool.close()
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -356,7 +372,7 @@ def _serve_calls(model: LlamaModel, control: zmq.Socket, replies: zmq.Socket, ar
             return 0
         try:
             if op == "init":
-                kv_cache = model.allocate_kv_cache(header["num_blocks"], header["block_size"])
+                kv_cache = _kv_cache(model, header, args.rank)
                 replies.send(M.encode_reply(args.rank, "ready"))
                 log.info("%s: cores %s, device %s, %d KV blocks", name, args.cores, device, header["num_blocks"])
             else:
@@ -364,6 +380,14 @@ def _serve_calls(model: LlamaModel, control: zmq.Socket, replies: zmq.Socket, ar
         except Exception:
             log.exception("%s: %s failed; leaving (rank 0's step fails with it)", name, op)
             return 1
+
+
+def _kv_cache(model: LlamaModel, init: dict, rank: int) -> torch.Tensor:
+    """This rank's KV cache of an ``init`` message: its part of rank 0's pool, or (no pool,
+    on CUDA) its own allocation."""
+    if init["pool"] is None:
+        return model.allocate_kv_cache(init["num_blocks"], init["block_size"])
+    return shm.map_part(init["pool"], tuple(init["shape"]), model.dtype, init["split"], rank)
 
 
 def _call(model: LlamaModel, kv_cache: torch.Tensor | None, header: dict, tensors: list[torch.Tensor],

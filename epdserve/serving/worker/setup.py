@@ -122,16 +122,12 @@ def rank_cores(size: int, role: str, elastic: bool, cores: list[int]) -> list[li
     rank). ``serve`` checks its workers with it before it starts any.
 
     Raises:
-        ValueError: ``size`` above 1 on a worker that is not colocated (the KV hand-off
-            between tensor-parallel ranks is not built yet; an encode worker's vision tower
-            is not split), or fewer cores than ranks.
+        ValueError: ``size`` above 1 on an encode worker (its vision tower is not split),
+            or fewer cores than ranks.
     """
-    if size > 1 and (elastic or role != "colocated"):
-        what = ("an elastic worker (it may become a prefill or decode worker)" if elastic
-                else f"{'an' if role == 'encode' else 'a'} {role} worker")
-        why = ("its vision tower is not split over ranks" if role == "encode" and not elastic
-               else "the KV hand-off between tensor-parallel ranks is not built yet")
-        raise ValueError(f"--tensor-parallel-size {size} on {what}: {why}; colocated workers only for now")
+    if size > 1 and role == "encode":
+        raise ValueError(f"--tensor-parallel-size {size} on an encode worker: its vision tower is not split "
+                         "over ranks (give prefill and decode workers their sizes instead)")
     return split_cores(cores, size)
 
 
@@ -142,7 +138,8 @@ def check_model_split(config: WorkerConfig, info: ModelInfo) -> None:
     Raises:
         ValueError: more ranks than the model's KV heads (``tensor_parallel.shard_ranges``),
             a format with GGUF blocks (``tensor_parallel.check_dense``), or on CUDA fewer
-            GPUs from the worker's than ranks.
+            GPUs from the worker's than ranks, or a worker that hands KV over (rank 0
+            reaches the other ranks' KV through /dev/shm only).
     """
     size = config.tensor_parallel_size
     if size == 1:
@@ -151,6 +148,10 @@ def check_model_split(config: WorkerConfig, info: ModelInfo) -> None:
     if config.weight_format != "auto":
         tensor_parallel.check_dense(linear.parse(config.weight_format))
     if config.device.startswith("cuda"):
+        if config.elastic or config.role != "colocated":
+            raise ValueError(f"--tensor-parallel-size {size} on a {'elastic' if config.elastic else config.role} "
+                             f"worker on {config.device}: the KV hand-off of tensor-parallel ranks runs on the CPU "
+                             "only so far (rank 0 reaches the other ranks' KV through /dev/shm)")
         first, count = int(config.device.partition(":")[2] or 0), torch.cuda.device_count()
         if first + size > count:
             raise ValueError(f"--tensor-parallel-size {size} on {config.device} needs GPUs "
@@ -256,13 +257,19 @@ def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_back
     test's ``ipc_backend``, e.g. :class:`~epdserve.transfer.cuda_ipc.FakeBackend`). The
     pool's file is deleted by :meth:`Exporter.close` or, failing that, at interpreter exit.
 
+    With ``tp`` (a tensor-parallel worker's ranks), the ranks' pool holds the cache
+    (:meth:`Ranks.drive`: one part per rank, in /dev/shm on the CPU) and is the one shared.
+
     Raises:
         as :class:`LLMEngine`; ``OSError`` when /dev/shm cannot hold the pool (or its
         tags); :class:`~epdserve.transfer.cuda_ipc.IpcError` when a GPU cache cannot be
         shared.
     """
+    if tp is not None:
+        engine = LLMEngine(model_dir, config, tp=tp)
+        return engine, tp.pool if shared_pool else None
     if not shared_pool:
-        return LLMEngine(model_dir, config, tp=tp), None
+        return LLMEngine(model_dir, config), None
     pools: list[shm.KVPool | cuda_ipc.DevicePool] = []
 
     def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -270,6 +277,6 @@ def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_back
             pools.append(cuda_ipc.DevicePool(shape, dtype, device, ipc_backend))
         else:
             pools.append(shm.KVPool(shape, dtype))
-        return pools[-1].kv
+        return pools[-1].parts[0]
 
-    return LLMEngine(model_dir, config, kv_allocator=allocate, tp=tp), pools[0]
+    return LLMEngine(model_dir, config, kv_allocator=allocate), pools[0]
