@@ -12,6 +12,9 @@ node. ``CPU`` (default 1) also sets the worker's torch threads. Elastic workers 
 --elastic``) change role, so they all take ``--worker-resources`` and ``--worker-placement``
 whatever their starting role; a worker added later (``--max-workers``, :meth:`RayWorkers.add`)
 gets a placement group of its own (one bundle of ``--worker-resources``), removed with it.
+A tensor-parallel worker (``-tp N``, N > 1) is a placement group of its own instead, N
+bundles of ``--worker-resources`` (one a rank) packed on one node, its actor (rank 0) in
+bundle 0 and its cores claimed on that node (:mod:`~epdserve.serving.launch.ray_ranks`).
 
 Addresses: the router's events socket binds ``tcp://HEAD_IP:PORT`` (the driver's node IP as
 Ray knows it, a free port) unless ``--events`` names one; each worker binds its command
@@ -50,6 +53,8 @@ import socket
 import time
 
 from epdserve.argtypes import Options
+from epdserve.serving.launch import ray_ranks
+from epdserve.serving.launch.ray_ranks import format_resources as _format
 
 log = logging.getLogger("epdserve.ray")
 
@@ -114,8 +119,10 @@ def role_resources(args: Options) -> dict[str, dict[str, float]]:
     """Each role's resources per worker from serve's options (:func:`parse_resources`).
 
     Raises:
-        ValueError: a bad ``--*-resources`` value.
+        ValueError: a bad ``--*-resources`` value, or a tensor-parallel size Ray cannot
+            place so (``ray_ranks.check_options``).
     """
+    ray_ranks.check_options(args)
     return {role: parse_resources(getattr(args, f"{opt}_resources"), f"--{opt}-resources")
             for role, opt in ROLE_OPTION.items()}
 
@@ -125,15 +132,24 @@ class WorkerActor:
     ``argv`` (its flags, less ``--bind``/``--kv-bind``, which are added on this node's IP)
     in this actor's process. ``env`` (the auth token and security options) goes into this
     process's environment, where the worker reads it; ``num_threads``: torch's threads (the
-    actor's CPUs). Created by :class:`RayWorkers` with ``ray.remote``."""
+    actor's CPUs). ``ranks`` > 1: a tensor-parallel worker whose actor holds bundle 0 of
+    its group (one rank's resources): it claims ``ranks x num_threads`` cores of this node
+    for the worker's ``--cores`` (:func:`~epdserve.serving.launch.ray_ranks.claim_cores`,
+    held while this process lives), so that each rank runs ``num_threads`` threads on
+    its share, and its Hello names the resources of all its bundles. Created by
+    :class:`RayWorkers` with ``ray.remote``."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], num_threads: int):
+    def __init__(self, argv: list[str], env: dict[str, str], num_threads: int, ranks: int = 1):
         import ray
 
         _die_with_raylet()
         context = ray.get_runtime_context()
         ip = ray.util.get_node_ip_address()
-        resources = {k: float(v) for k, v in context.get_assigned_resources().items()}
+        resources = {k: float(v) * ranks for k, v in context.get_assigned_resources().items()}
+        self.claims: list = []  # a tensor-parallel worker's cores, held open while it lives
+        if ranks > 1:
+            cores, self.claims = ray_ranks.claim_cores(ranks * num_threads)
+            argv = [*argv, "--cores", ",".join(map(str, cores))]
         os.environ.update(env, EPDSERVE_NODE_ID=context.get_node_id(), EPDSERVE_NODE_IP=ip,
                           EPDSERVE_NODE_RESOURCES=json.dumps(resources), EPDSERVE_NUM_THREADS=str(num_threads),
                           PYTHONUNBUFFERED="1")
@@ -219,6 +235,9 @@ class RayWorkers:
 
     def placement(self, plan) -> str:
         """The placement line ``serve`` logs and prints."""
+        if ray_ranks.size(self.args) > 1:
+            return ", ".join(f"{wid} on Ray ({ray_ranks.size(self.args)} ranks of {_format(self.resources[role])}, "
+                             f"{ray_ranks.STRATEGY})" for role, wid, _ in plan)
         return ", ".join(f"{wid} on Ray ({_format(self.resources[self._option_role(role)])}, "
                          f"{getattr(self.args, ROLE_OPTION[self._option_role(role)] + '_placement')})"
                          for role, wid, _ in plan)
@@ -230,12 +249,16 @@ class RayWorkers:
 
         Raises:
             TimeoutError: a role's placement group is not placed within ``--startup-timeout``
-                (the cluster lacks the resources; the message lists what it has).
+                (the cluster lacks the resources; the message lists what it has); a
+                tensor-parallel worker's group cannot be placed
+                (:class:`~epdserve.serving.launch.ray_ranks.PlacementError`).
         """
         import ray
         from ray.util.placement_group import placement_group
 
         self.next_index = len(plan)
+        if ray_ranks.size(self.args) > 1:
+            return self._launch_ranked(plan, argv)
         for role in dict.fromkeys(self._option_role(r) for r, _, _ in plan):
             ids = [wid for r, wid, _ in plan if self._option_role(r) == role]
             res = self.resources[role]
@@ -251,8 +274,24 @@ class RayWorkers:
             for index, wid in enumerate(ids):
                 self._start_actor(wid, group, index, argv[wid], res)
 
-    def _start_actor(self, wid: str, group, index: int, argv: list[str], res: dict[str, float]) -> None:
-        """Start worker ``wid`` as an actor on bundle ``index`` of placement group ``group``."""
+    def _launch_ranked(self, plan, argv: dict[str, list[str]]) -> None:
+        """:meth:`launch` of tensor-parallel workers: a placement group per worker (one bundle
+        a rank, ``ray_ranks.create_groups``), the actor on bundle 0 once every group is placed.
+
+        Raises:
+            PlacementError: a group cannot be placed (``ray_ranks.wait_placed``).
+        """
+        tp, res = ray_ranks.size(self.args), self.resources["colocated"]
+        groups = ray_ranks.create_groups([wid for _, wid, _ in plan], res, tp)
+        self.groups.extend(groups.values())  # before the wait: stop() removes them whatever happens
+        ray_ranks.wait_placed(groups, res, tp, self.args.startup_timeout)
+        for wid, group in groups.items():
+            self._start_actor(wid, group, 0, argv[wid], res, ranks=tp)
+
+    def _start_actor(self, wid: str, group, index: int, argv: list[str], res: dict[str, float],
+                     ranks: int = 1) -> None:
+        """Start worker ``wid`` (of ``ranks`` tensor-parallel ranks) as an actor on bundle
+        ``index`` of placement group ``group``."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -263,10 +302,11 @@ class RayWorkers:
             num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), resources=custom, max_restarts=-1,
             max_task_retries=-1, max_concurrency=1,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-        ).remote(argv, self.env, max(1, int(res["CPU"])))
+        ).remote(argv, self.env, max(1, int(res["CPU"])), ranks)
         self.actors[wid] = actor
         self.runs[wid] = actor.run.remote()
-        log.info("started worker %s as a Ray actor (%s)", wid, _format(res))
+        log.info("started worker %s as a Ray actor (%s%s)", wid, f"{ranks} ranks of " if ranks > 1 else "",
+                 _format(res))
 
     def add(self, role: str) -> str:
         """Elastic: start ``worker-K`` (K: the next index never used) of ``role`` as an actor in
@@ -427,8 +467,3 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ConnectionError(f"--ray-address {address}: cannot join a Ray cluster: nothing answers there "
                               f"({exc.strerror or exc}); start one with `ray start --head` or give its GCS "
                               f"address") from None
-
-
-def _format(resources: dict) -> str:
-    return ",".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if not k.startswith("node:") and
-                    not k.startswith("bundle_group") and v) or "nothing"

@@ -1,0 +1,151 @@
+"""A tensor-parallel worker on Ray (``serve --cluster ray -tp N``, N > 1): its placement
+group and its cores.
+
+Each such worker is a placement group of its own: N bundles, one a rank, each of the
+role's ``--worker-resources`` (what one rank needs: ``CPU=1`` by default, ``GPU=1``...),
+strategy ``STRICT_PACK``, so that every rank of the worker is on one node (the ranks talk
+over 127.0.0.1 and a private ipc directory, :mod:`epdserve.serving.worker.ranks`). The
+actor, rank 0, runs in bundle 0; ranks 1..N-1 are processes it starts on the same node,
+outside Ray, and bundles 1..N-1 hold their resources so that Ray places nothing else on
+them. Ray restarts a dead actor in bundle 0 of the same group, and the new rank 0 starts
+new followers. (A CUDA worker is not built yet: Ray shows the actor only bundle 0's GPU, so
+the worker refuses its ``-tp`` at start-up.) A group no node of the cluster can hold now is refused at once; one that
+could be held but is not placed within ``--startup-timeout`` (other work holds the
+resources) is refused then: :class:`PlacementError`, one line naming the worker and what
+it needed.
+
+Cores: Ray counts CPUs but does not say which cores an actor may use, and a rank pins
+itself to its share of its worker's cores (``--cores``, split by ``ranks.split_cores``).
+So the actor claims ``N x CPU`` cores of its node (:func:`claim_cores`: an exclusive
+``flock`` on one file per core in a directory of the user's under the temporary
+directory, held until the actor's process ends, by kill -9 too) and gives them to the
+worker as ``--cores``; each rank then runs ``CPU`` torch threads pinned to its share. Cores
+claimed by another worker are shared only when too few are free.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from epdserve.argtypes import Options
+
+log = logging.getLogger("epdserve.ray")
+
+STRATEGY = "STRICT_PACK"  # a worker's ranks: one node
+CLAIMS_DIR = Path(tempfile.gettempdir()) / f"epdserve-cores-{os.getuid()}"
+
+
+class PlacementError(TimeoutError):
+    """Ray cannot place a tensor-parallel worker's group (never, on the cluster's nodes
+    now, or not within ``--startup-timeout``). A ``TimeoutError``, as serve reports a
+    role's placement that timed out: one line, exit status 1."""
+
+
+def size(args: Options) -> int:
+    """The tensor-parallel size of serve's workers (1 when not given)."""
+    return getattr(args, "tensor_parallel_size", None) or 1
+
+
+def check_options(args: Options) -> None:
+    """serve's options against a tensor-parallel worker on Ray, before any worker starts.
+
+    Raises:
+        ValueError: ``-tp`` above 1 on workers that are not colocated (elastic, PD, EPD:
+            the groups take the colocated role's resources, one size for every worker), or
+            with a ``--worker-placement`` other than PACK (each worker is a STRICT_PACK
+            group of its own; Ray places the groups).
+    """
+    tp = size(args)
+    if tp == 1:
+        return
+    if args.elastic or args.mode != "colocated":
+        raise ValueError(f"--tensor-parallel-size {tp} with {'--elastic' if args.elastic else '--mode ' + args.mode} "
+                         "on Ray: tensor-parallel workers on Ray are colocated ones only so far (run PD and "
+                         "elastic tensor-parallel workers with the local launcher)")
+    if args.worker_placement != "PACK":
+        raise ValueError(f"--worker-placement {args.worker_placement} with --tensor-parallel-size {tp} on Ray: each "
+                         f"worker is a placement group of its own ({tp} bundles, {STRATEGY}: its ranks on one node) "
+                         "and Ray places the groups; leave --worker-placement at PACK")
+
+
+def format_resources(resources: dict) -> str:
+    """``CPU=1,node_a=1`` (sorted; Ray's own ``node:`` and ``bundle_group`` entries and zero
+    amounts left out); ``nothing`` when none is left."""
+    return ",".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if not k.startswith("node:") and
+                    not k.startswith("bundle_group") and v) or "nothing"
+
+
+def create_groups(ids: list[str], res: dict[str, float], tp: int) -> dict[str, object]:
+    """One placement group per worker id: ``tp`` bundles of ``res`` (one rank's), STRICT_PACK.
+    Returns at once (Ray places them in the background)."""
+    from ray.util.placement_group import placement_group
+
+    return {wid: placement_group([dict(res) for _ in range(tp)], strategy=STRATEGY) for wid in ids}
+
+
+def wait_placed(groups: dict[str, object], res: dict[str, float], tp: int, timeout_s: float) -> None:
+    """Wait until Ray has placed every group of :func:`create_groups` (worker id -> group).
+
+    Raises:
+        PlacementError: no live node holds ``tp`` x ``res`` (refused at once), or a group is
+            not placed within ``timeout_s`` seconds; the message names the worker, what it
+            needed and what the cluster's nodes have.
+    """
+    import ray
+
+    fmt = format_resources
+    need = {k: v * tp for k, v in res.items() if v}
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+
+    def what(ids, when: str = "") -> str:
+        return (f"worker {', '.join(ids)}{when}: {'each' if len(ids) > 1 else 'it'} needs {tp} bundles of "
+                f"{fmt(res)} (one a tensor-parallel rank) on one node ({STRATEGY}), {fmt(need)} in all")
+
+    has = "; ".join(sorted({",".join(f"{k}={n.get(k, 0.0):g}" for k in sorted(need)) for n in nodes})) or "none"
+    if not any(all(n.get(k, 0.0) >= v for k, v in need.items()) for n in nodes):
+        raise PlacementError(f"Ray cannot place {what(list(groups))}; no node has that (the live nodes have "
+                             f"{has}; custom resources come from `ray start --resources`)")
+    refs = {wid: group.ready() for wid, group in groups.items()}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    late = [wid for wid, ref in refs.items() if ref not in ready]
+    if late:
+        raise PlacementError(f"Ray could not place {what(late, f' within {timeout_s:g} s')}; the cluster has "
+                             f"{fmt(ray.available_resources())} free of {fmt(ray.cluster_resources())}")
+
+
+def claim_cores(count: int, directory: Path = CLAIMS_DIR) -> tuple[list[int], list]:
+    """``count`` cores of this process's (``sched_getaffinity``) for a worker's ranks, and
+    the open lock files that hold them (keep them open while the worker runs: closing them,
+    or the process ending, frees the cores). Free cores first, in order; when fewer are
+    free, cores another worker holds make up the count (logged), and all of this process's
+    cores when it has fewer than ``count``. Never raises: a directory that cannot be used
+    claims nothing (logged), and the first ``count`` cores are returned."""
+    allowed = sorted(os.sched_getaffinity(0))
+    held, taken = [], []
+    try:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        for core in allowed:
+            if len(held) == count:
+                break
+            lock = open(directory / f"core-{core}", "a")  # noqa: SIM115 (held open: the claim)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                taken.append(core)
+                continue
+            held.append((core, lock))
+    except OSError as exc:
+        for _, lock in held:
+            lock.close()
+        log.warning("cannot claim cores in %s (%s): taking cores %s unclaimed", directory, exc, allowed[:count])
+        return allowed[:count], []
+    cores = sorted([core for core, _ in held] + taken[:count - len(held)])
+    if len(held) < count:
+        log.warning("%d cores wanted, %d free here: cores %s (%s shared with other workers)", count, len(held),
+                    cores, sorted(set(cores) - {core for core, _ in held}) or "none")
+    return cores, [lock for _, lock in held]
