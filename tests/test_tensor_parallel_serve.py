@@ -124,12 +124,13 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(tp_server):
 class Stream(threading.Thread):
     """A long streamed completion read in a thread: ``events`` are ``(monotonic time, data)``."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, prompt="Once upon a time", max_tokens: int = 1500):
         super().__init__(daemon=True)
         self.url, self.events, self.failure = url, [], None
+        self.prompt, self.max_tokens = prompt, max_tokens
 
     def run(self) -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+        body = {"prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         try:
             with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as r:

@@ -1,0 +1,127 @@
+"""PD and EPD served with tensor-parallel workers of different sizes (``serve --prefill-tp
+N --decode-tp M``) on this machine's 2 cores: prefill TP=2 → decode TP=1 and TP=1 → TP=2
+give the greedy tokens of one float32 engine, the trace's KV bytes equal those of TP=1 →
+TP=1, no KV block stays held (after aborts too); EPD with a TP=2 prefill worker gives the
+colocated answer for an image; a prefill rank killed mid-request fails that request with
+an error within 5 s and the worker comes back whole."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from epdserve.engine.engine import EngineConfig, LLMEngine
+from epdserve.engine.request import SamplingParams
+from epdserve.model.tokenizer import chat_prompt_ids
+
+from conftest import _stop, generate, start_deployment
+from test_epd import ask as ask_image, picture
+from test_serving_cleanup import stream_and_leave, wait_all_free
+from test_tensor_parallel_serve import KILL_ERROR_S, RESTART_TIMEOUT_S, Stream, ask, follower_pids, story_ids, wait_for
+
+pytestmark = pytest.mark.tp
+
+MAX_TOKENS = 12
+F32 = ("--weight-format", "f32", "--kv-cache-memory-mb", "64")
+
+
+@pytest.fixture(scope="module")
+def reference(model_info):
+    return LLMEngine(str(model_info.path), EngineConfig(kv_cache_memory_mb=64, weight_format="f32"))
+
+
+def workers(dep) -> dict[str, dict]:
+    return {w["role"]: w for w in dep.health()["workers"]}
+
+
+def kv_bytes(dep, request_ids) -> list[float]:
+    return [dep.trace(rid)["kv_bytes"] for rid in request_ids]
+
+
+def served(dep, tokenizer, reference, transport: str):
+    """Greedy chat and completions, concurrently: the token ids, which must equal the
+    reference engine's; returns the KV bytes of a completion's hand-off."""
+    chats = [[{"role": "user", "content": "Hi!"}], [{"role": "user", "content": "Why is the sky blue?"}]]
+    completions = [story_ids(tokenizer, n) for n in (40, 300)]
+    requests = [("chat", c) for c in chats] + [("completion", c) for c in completions]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        got = list(pool.map(lambda r: ask(dep.url, *r, MAX_TOKENS), requests))
+    prompts = [chat_prompt_ids(tokenizer, c) for c in chats] + completions
+    assert got == generate(reference, prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0)), transport
+    wait_all_free(dep.url)
+    one = dep.generate("completion", "The history of the printing press", stream=False, max_tokens=4, temperature=0)
+    return dep.trace(one.id)["kv_bytes"]
+
+
+@pytest.mark.parametrize("sizes", [("2", "1"), ("1", "2")], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_pd_across_tp_sizes_gives_one_process_tokens_and_tp1_bytes(tmp_path, tokenizer, reference, sizes):
+    got_bytes = {}
+    for prefill_tp, decode_tp in (sizes, ("1", "1")):
+        for transport in ("shm", "tcp"):
+            dep = start_deployment("pd", tmp_path, "--prefill-tp", prefill_tp, "--decode-tp", decode_tp,
+                                   "--kv-transport", transport, *F32)
+            try:
+                w = workers(dep)
+                assert (w["prefill"]["tensor_parallel_size"], w["decode"]["tensor_parallel_size"]) == \
+                    (int(prefill_tp), int(decode_tp))
+                got_bytes[(prefill_tp, decode_tp, transport)] = served(dep, tokenizer, reference, transport)
+                if transport == "shm" and (prefill_tp, decode_tp) == sizes:  # a client leaving frees every block
+                    body = {"prompt": "Write a long story.", "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+                    stream_and_leave(dep.url + "/v1/completions", body, 3)
+                    wait_all_free(dep.url)
+                    assert all(w["blocks_in_use"] == 0 for w in workers(dep).values())
+            finally:
+                _stop(dep.proc)
+        if (prefill_tp, decode_tp) == ("1", "1"):
+            break
+    print(f"\nKV bytes of one hand-off: {got_bytes}")
+    assert got_bytes[(*sizes, "tcp")] == got_bytes[("1", "1", "tcp")] > 0
+
+
+def test_epd_with_a_tp2_prefill_worker_gives_the_colocated_answer(tmp_path):
+    image = picture(5)
+    answers = []
+    for mode, extra in (("epd", ("--prefill-tp", "2")), ("colocated", ())):
+        dep = start_deployment(mode, tmp_path, "--model", "vlm", "--kv-cache-memory-mb", "64", *extra)
+        try:
+            if mode == "epd":
+                assert workers(dep)["prefill"]["tensor_parallel_size"] == 2
+                assert workers(dep)["encode"]["tensor_parallel_size"] == 1
+            answers.append(ask_image(dep, image).text)
+            wait_all_free(dep.url)
+        finally:
+            _stop(dep.proc)
+    assert answers[0] == answers[1] and answers[0]
+
+
+def test_a_prefill_rank_killed_mid_request_fails_it_and_the_worker_comes_back(tmp_path, tokenizer):
+    dep = start_deployment("pd", tmp_path, "--prefill-tp", "2", *F32)
+    try:
+        before = ask(dep.url, "completion", "The history of the printing press", 8)
+        old = workers(dep)["prefill"]
+        (follower,) = follower_pids(old["pid"])
+        # A long prompt (seconds of prefill on 2 ranks) is in the prefill worker's steps when rank 1 dies.
+        stream = Stream(dep.url, prompt=story_ids(tokenizer, 1500), max_tokens=4)
+        stream.start()
+        wait_for(lambda: workers(dep)["prefill"]["outstanding"] >= 1, 30, "the request at the prefill worker")
+        time.sleep(0.2)
+        os.kill(follower, signal.SIGKILL)
+        t_kill = time.monotonic()
+        stream.join(30)
+        assert stream.failure is None and not stream.is_alive()
+        t_end, last = stream.events[-1] if stream.events else (time.monotonic(), {})
+        assert "error" in last, stream.events[-3:]
+        assert t_end - t_kill < KILL_ERROR_S, f"error {t_end - t_kill:.2f} s after the kill"
+        wait_for(lambda: workers(dep)["prefill"]["state"] == "up" and workers(dep)["prefill"]["pid"] != old["pid"],
+                 RESTART_TIMEOUT_S, "the prefill worker up again")
+        print(f"\nkill -9 of prefill rank 1: error {t_end - t_kill:.2f} s later, worker up again "
+              f"{time.monotonic() - t_kill:.1f} s later")
+        assert ask(dep.url, "completion", "The history of the printing press", 8) == before
+        wait_all_free(dep.url)
+        assert all(w["blocks_in_use"] == 0 for w in workers(dep).values())
+    finally:
+        _stop(dep.proc)
