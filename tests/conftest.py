@@ -164,6 +164,15 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
+def interrupt(proc: subprocess.Popen) -> None:
+    """Ctrl-C the launcher and wait for it to stop its workers (SIGKILL its group if it hangs)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    finally:
+        _stop(proc)
+
+
 def start_deployment(mode: str, directory: Path, *extra: str, env: dict | None = None,
                      cores: set[int] | None = None) -> Deployment:
     """Start ``epdserve serve --mode MODE --port 0`` and wait for its URL and /health

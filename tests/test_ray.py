@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import _stop, free_port, start_deployment
+from conftest import _stop, free_port, interrupt, start_deployment
 from test_faults_workers import kill_mid_stream, states, streams_on_two_decoders, wait_for
 from test_serving_cleanup import wait_all_free
 
@@ -123,15 +123,21 @@ def worker(dep, worker_id: str) -> dict:
     return next(w for w in dep.health()["workers"] if w["worker_id"] == worker_id)
 
 
-@pytest.fixture(scope="module")
-def ray_head():
-    """A one-node Ray cluster (4 logical CPUs); its GCS address."""
+def one_node(num_cpus: int):
+    """A one-node Ray cluster of ``num_cpus`` logical CPUs, stopped after: yields its GCS
+    address (the body of a module's ``ray_head`` fixture)."""
     port = free_port()
-    node = RayNode("--head", "--port", str(port))
+    node = RayNode("--head", "--port", str(port), num_cpus=num_cpus)
     try:
         yield f"127.0.0.1:{port}"
     finally:
         node.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A one-node Ray cluster (4 logical CPUs); its GCS address."""
+    yield from one_node(4)
 
 
 def test_one_node_pd_hands_kv_over_shared_memory(ray_head, tmp_path):
@@ -152,11 +158,7 @@ def test_one_node_pd_hands_kv_over_shared_memory(ray_head, tmp_path):
                 f'node="{decode["node_id"]}",node_ip="{decode["node_ip"]}",role="decode",worker="decode-0"}} 1.0'
                 in metrics)
     finally:
-        dep.proc.send_signal(signal.SIGINT)  # Ctrl-C
-        try:
-            dep.proc.wait(60)
-        finally:
-            _stop(dep.proc)
+        interrupt(dep.proc)
     log = dep.log_tail(10**6)
     assert dep.proc.returncode == 0 and "all workers stopped" in log
     assert "Ray restarts it" not in log  # nothing died on the way

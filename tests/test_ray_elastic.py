@@ -28,9 +28,9 @@ import time
 import httpx
 import pytest
 
-from conftest import _stop, free_port
+from conftest import _stop
 from test_elastic_serve import PROMPTS, Stream, _complete, _events, _switch, _wait, _workers
-from test_ray import RayNode, cluster_status, ray_deployment, wait_for
+from test_ray import cluster_status, one_node, ray_deployment, wait_for
 
 pytestmark = pytest.mark.elastic
 
@@ -39,12 +39,7 @@ pytestmark = pytest.mark.elastic
 def ray_head():
     """A one-node Ray cluster of 6 logical CPUs (the module's first deployment keeps its 2
     workers while the controller's deployment runs up to 3); its address."""
-    port = free_port()
-    node = RayNode("--head", "--port", str(port), num_cpus=6)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        node.stop()
+    yield from one_node(6)
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,9 @@ import time
 
 import pytest
 
-from conftest import _stop, free_port, generate
+from conftest import generate, interrupt
 from test_faults_workers import wait_for
-from test_ray import RayNode, ray_deployment, worker
+from test_ray import one_node, ray_deployment, worker
 from test_tensor_parallel_serve import ask, follower_pids
 
 from epdserve.engine.engine import EngineConfig, LLMEngine
@@ -54,12 +54,7 @@ print(json.dumps({"groups": [{"id": g["placement_group_id"], "strategy": g["stra
 @pytest.fixture(scope="module")
 def ray_head():
     """A one-node Ray cluster of 2 logical CPUs (this machine's 2 cores); its address."""
-    port = free_port()
-    node = RayNode("--head", "--port", str(port), num_cpus=2)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        node.stop()
+    yield from one_node(2)
 
 
 def cluster_groups(address: str) -> dict:
@@ -143,11 +138,7 @@ def test_tp2_worker_is_one_strict_pack_group_and_answers_as_one_process(ray_head
         kill_rank0_and_wait(dep, follower, group_id, ray_head)
         assert ask(dep.url, "chat", CHAT, MAX_TOKENS) == want
     finally:
-        dep.proc.send_signal(signal.SIGINT)  # Ctrl-C
-        try:
-            dep.proc.wait(60)
-        finally:
-            _stop(dep.proc)
+        interrupt(dep.proc)
     assert dep.proc.returncode == 0 and "all workers stopped" in dep.log_tail(10**6)
     wait_for(lambda: cluster_groups(ray_head) == {"groups": [], "free_cpus": 2.0}, 30, "the group removed")
 
