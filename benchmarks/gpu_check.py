@@ -11,6 +11,10 @@ measured; ``--budget-s`` skips what would start after it):
   ``LlamaForCausalLM`` from a ``LlamaConfig``, saved as safetensors, and loaded into our
   engine; greedy tokens of 4 prompts compared, our engine one at a time and batched,
   against transformers one at a time (float32 on both: exact equality is the goal).
+* ``tensor_parallel``: that Llama in our engine at TP=2 vs TP=1 (:mod:`gpu_check_tp`): greedy
+  tokens (equal is the goal) and max |logit difference| of a batched prefill and decode steps;
+  ms in the collectives a step, and all-reduces of ``[T, hidden]`` timed in a loop. NCCL, rank r
+  on ``cuda:r``, with 2+ GPUs; skipped with one; gloo on the CPU with ``--device cpu``.
 * ``throughput``: a Llama-3.1-8B-shaped model (:data:`gpu_check_serve.LLAMA_8B`) with
   random bf16 weights in our engine: prefill tokens/s on 2,048-token prompts as a fraction
   of the matrix peak (FLOPs = 2 x matmul parameters per token + causal attention), and
@@ -59,6 +63,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_serve as S  # noqa: E402  (the benchmarks folder is not a package)
+import gpu_check_tp as T  # noqa: E402
 
 from epdserve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from epdserve.engine.request import SamplingParams  # noqa: E402
@@ -77,6 +82,7 @@ GOALS = [  # (name, JSON path, comparison, target): the GPU path's goals on one 
     ("ipc_vs_d2d_2048", ("ipc_copy", "2048", "ipc_vs_d2d"), ">=", 0.5),
     ("ipc_ms_2048", ("ipc_copy", "2048", "ipc_ms"), "<=", 2.0),
     ("parity_exact", ("parity", "exact"), "==", True),
+    ("tp2_tokens_equal", ("tensor_parallel", "tokens_equal"), "==", True),
 ]
 
 
@@ -150,22 +156,9 @@ def engine_greedy(engine: LLMEngine, prompts: list[list[int]], steps: int) -> li
 
 def parity(device: str, shape: dict, workdir: Path) -> dict:
     """Greedy tokens of transformers vs our engine on the same seeded small Llama."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).float().eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # N(0, 0.2²) weights, unit norms: peaked logits, greedy tokens not on a rounding edge
-        for name, param in model.named_parameters():
-            param.copy_(torch.ones_like(param) if "norm" in name else torch.randn(param.shape, generator=g) * 0.2)
     path = workdir / "parity-llama"
-    model.save_pretrained(str(path), safe_serialization=True)
-    model.to(device)
-    prompts = S.seeded_prompts(1, 64, 512, seed=1)[0]
-    prompts = [prompts[:n] for n in (5, 17, 33, 64)]
+    model = S.parity_llama(path).to(device)
+    prompts = S.parity_prompts()
     steps = shape["parity_tokens"]
     expected = [hf_greedy(model, p, steps, device) for p in prompts]
     engine = LLMEngine(str(path), EngineConfig(device=device, dtype="float32", kv_cache_memory_mb=64))
@@ -457,11 +450,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         workdir = Path(tmp)
-        steps = tqdm(total=7, desc="gpu_check", unit="section")
+        steps = tqdm(total=8, desc="gpu_check", unit="section")
         guarded(results, "ceilings", lambda: ceilings(device, shape), save, math.inf)
         steps.update()
         guarded(results, "parity", lambda: parity(device, shape, workdir), save, deadline)
-        steps.update()
+        guarded(results, "tensor_parallel", lambda: T.tensor_parallel(device, shape, config, workdir), save, deadline)
+        steps.update(2)
         model_dir = workdir / "llama-8b-shape"
         guarded(results, "model", lambda: {"path": str(S.write_llama_dir(model_dir, config, device))}, save, deadline)
         ceiling = results["ceilings"] if results["ceilings"].get("ok") else None

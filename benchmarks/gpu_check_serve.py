@@ -1,7 +1,8 @@
 """The served parts of ``benchmarks/gpu_check.py``: seeded random Llama directories in the
 layout our loader reads (``config.json``, ``*.safetensors`` with Hugging Face names, and a
 word-level tokenizer so that the router starts), real ``epdserve serve`` deployments (the
-router and its worker processes), and a streaming client that stamps every chunk.
+router and its worker processes), a streaming client that stamps every chunk, and the
+parity checks' small transformers Llama and prompts (``parity`` and ``tensor_parallel``).
 
 Nothing is downloaded: the weights are ``N(0, std²)`` from a seed (norms 1), the tokenizer
 is ``w0 .. w{V-1}`` built with the ``tokenizers`` library, and prompts are sent as token ids.
@@ -96,6 +97,32 @@ def seeded_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
     """``count`` prompts of ``length`` token ids in ``[3, vocab)`` from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (count, length), generator=g).tolist()
+
+
+def parity_llama(path: Path):
+    """The parity checks' small Llama (3 layers, hidden 128, 4 query / 2 KV heads, vocabulary
+    512), built as transformers' ``LlamaForCausalLM`` with seeded N(0, 0.2²) weights (norms
+    1: peaked logits, greedy tokens not on a rounding edge) and saved as safetensors at
+    ``path``. Returns the float32 model (on the CPU, eval mode)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).float().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.ones_like(param) if "norm" in name else torch.randn(param.shape, generator=g) * 0.2)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
+
+
+def parity_prompts() -> list[list[int]]:
+    """The parity checks' 4 prompts (5, 17, 33 and 64 tokens; prefixes of one seeded prompt)."""
+    prompt = seeded_prompts(1, 64, 512, seed=1)[0]
+    return [prompt[:n] for n in (5, 17, 33, 64)]
 
 
 class Deployment:

@@ -1,7 +1,8 @@
 """benchmarks/gpu_check.py end to end on the CPU (``--device cpu --smoke``): every section
-runs at tiny shapes (a real transformers model for parity, real ``epdserve serve``
-deployments for the 1P1D hand-off and the bursty trace) and the JSON has the keys and the
-values a GPU run reports. Speeds are not asserted (a CPU is no GPU); counts and bytes are."""
+runs at tiny shapes (a real transformers model for parity, two gloo rank processes for
+tensor_parallel, real ``epdserve serve`` deployments for the 1P1D hand-off and the bursty
+trace) and the JSON has the keys and the values a GPU run reports. Speeds are not asserted
+(a CPU is no GPU); counts and bytes are."""
 
 from __future__ import annotations
 
@@ -48,6 +49,13 @@ def test_gpu_check_smoke_writes_every_section(tmp_path):
     assert r["ceilings"]["matmul_tflops"] > 0 and r["ceilings"]["bandwidth_gbps"] > 0
     assert r["parity"]["exact"] is True and r["parity"]["tokens_equal_batched"] == r["parity"]["tokens"] == 32
 
+    tp = r["tensor_parallel"]
+    assert (tp["backend"], tp["devices"], tp["size"]) == ("gloo", ["cpu", "cpu"], 2) and "note" in tp
+    assert tp["tokens_equal"] is True and tp["ranks_agree"] is True and tp["tokens_equal_count"] == tp["tokens"] == 32
+    assert 0 <= tp["max_abs_logit_diff"] < 1e-3 and tp["tp2_collective_ms"]["decode"] > 0
+    assert [(row["rows"], row["per_step"]) for row in tp["all_reduce"]] == [(4, 7), (119, 7), (1, 5), (4, 5), (64, 5)]
+    assert all(row["ms"] > 0 for row in tp["all_reduce"])
+
     prefill = r["throughput"]["prefill"]
     assert (prefill["prompts"], prefill["prompt_len"]) == (2, 64) and prefill["vs_matmul_peak"] > 0
     assert sorted(r["throughput"]["decode"]) == ["1", "4"]
@@ -74,4 +82,5 @@ def test_gpu_check_smoke_writes_every_section(tmp_path):
 
     goals = {g["goal"]: g for g in r["goals"]}
     assert goals["parity_exact"]["met"] is True and goals["ipc_ms_2048"]["value"] is None
+    assert goals["tp2_tokens_equal"]["met"] is True
     assert "goal parity_exact" in proc.stdout and "ceiling" in proc.stdout
