@@ -272,3 +272,22 @@ def test_every_name_plan_prints_parses_but_shared_epd(budget):
         seen += 1
     assert seen >= (3 if budget > 1 else 1)
 
+
+def test_compare_takes_per_role_names_and_keeps_their_files_apart(tmp_path):
+    from pathlib import Path
+
+    from epdserve.bench import compare, deployments, processes
+
+    assert compare.parse_configs("1p1d-tp2/1,colocated-2-tp2,1p1d-tp2/2") == ["1p1d-tp2/1", "colocated-2-tp2", "1p1d-tp2"]
+    dep = deployments.from_config("1p1d-tp2/1-noprefix")
+    assert (dep.name, dep.epdserve) == ("1p1d-tp2/1-noprefix", "1p1d-tp2/1-noprefix")
+    assert deployments.file_stem(dep.name) == "1p1d-tp2%2F1-noprefix"
+    assert deployments.file_stem("1p1d-tp2") == "1p1d-tp2"
+    assert processes.server_command(dep.epdserve, 8100, Path("t"), None, [])[:9] == [
+        "--mode", "pd", "--prefill-workers", "1", "--decode-workers", "1", "--prefill-tp", "2",
+        "--no-enable-prefix-caching"]
+    # A file's own names keep to what names files, but the one '/' a -tpP/D has.
+    for bad in ("a/b", "x/1/2", "/1", "a//1"):
+        (tmp_path / "d.toml").write_text(f'[[deployment]]\nname = "{bad}"\nbase_url = "http://127.0.0.1:1"\n')
+        with pytest.raises(deployments.DeploymentFileError, match="one '/' before a digit"):
+            deployments.load([tmp_path / "d.toml"])
