@@ -80,6 +80,17 @@ def test_serve_passes_worker_flags_with_the_workers_declaration():
     assert serve["serve"].flag is serve["worker"].flag
 
 
+def test_role_tensor_parallel_flags_are_serves_alone_and_declared_once():
+    from epdserve.serving import flags
+
+    uses = _declarations()
+    for flag in flags.ROLE_TP_FLAGS:
+        assert [(path, action.flag) for path, action in uses[flag.name]] == [("serve", flag)]
+        assert flag.kwargs["default"] is None  # not given: --tensor-parallel-size's value
+    assert [f.name for f in flags.ROLE_TP_FLAGS] == ["--prefill-tp", "--decode-tp"]
+    assert "--encode-tp" not in uses  # an encode worker's vision tower is not split
+
+
 def test_other_meanings_are_still_shared_names():
     uses = _declarations()
     stale = [option for option in OTHER_MEANING if len(uses.get(option, [])) < 2]

@@ -3,6 +3,7 @@ with SIGKILL leaves no worker behind (worker deaths: tests/test_faults_workers.p
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import time
@@ -12,6 +13,8 @@ import pytest
 
 from conftest import _stop, start_deployment
 from epdserve.serving.deployment import plan_workers
+from epdserve.serving.launch import launcher, placement
+from epdserve.serving.worker import setup as worker_setup
 
 
 def children(pid: int) -> list[int]:
@@ -59,6 +62,77 @@ def test_plan_workers():
         plan_workers("pd", [])
     with pytest.raises(ValueError):
         plan_workers("pd", [0, 1], decode=0)
+    # Tensor-parallel workers: at least a core a rank, round-robin when there are fewer cores than ranks.
+    assert plan_workers("pd", [0, 1], prefill_tp=2) == [("prefill", "prefill-0", [0, 1]), ("decode", "decode-0", [0])]
+    assert plan_workers("pd", [0, 1, 2, 3], prefill_tp=3) == [("prefill", "prefill-0", [0, 1, 2]),
+                                                             ("decode", "decode-0", [3])]
+    assert plan_workers("colocated", [0, 1, 2, 3], workers=2, tp=2) == [("colocated", "colocated-0", [0, 1]),
+                                                                       ("colocated", "colocated-1", [2, 3])]
+
+
+def serve_args(*argv: str):
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    return parser.parse_args([*argv, "--allow-unauthenticated"])
+
+
+@pytest.mark.parametrize("argv, error", [
+    (("--prefill-tp", "2"), "--prefill-tp applies to pd and epd modes; colocated workers take --tensor-parallel-size"),
+    (("--workers", "2", "--decode-tp", "1"), "--decode-tp applies to pd and epd modes"),
+    (("--elastic", "--mode", "pd", "--decode-tp", "2"),
+     "--decode-tp: an elastic worker changes role, so every worker takes --tensor-parallel-size"),
+    (("--elastic", "--workers", "2", "--prefill-tp", "2"), "--prefill-tp: an elastic worker changes role"),
+    (("--mode", "pd", "--prefill-tp", "3", "--cores", "0,1"),
+     "--prefill-tp 3 needs 3 cores, one a rank; serve has 2 (0,1): give it more --cores or use fewer ranks"),
+    (("--mode", "epd", "-tp", "2", "--decode-tp", "4", "--cores", "0,1"), "--decode-tp 4 needs 4 cores"),
+    (("--mode", "pd", "-tp", "3", "--prefill-tp", "1", "--cores", "0,1"), "--tensor-parallel-size 3 needs 3 cores"),
+])
+def test_per_role_tensor_parallel_flags_are_refused_where_they_do_not_apply(argv, error):
+    assert launcher._check_options(serve_args(*argv))[2].startswith(error)
+
+
+def test_serve_stops_on_a_role_size_it_does_not_take(capsys):
+    assert launcher.run(serve_args("--prefill-tp", "2", "--log-level", "error")) == 2
+    assert capsys.readouterr().err.strip() == ("epdserve serve: error: --prefill-tp applies to pd and epd modes; "
+                                               "colocated workers take --tensor-parallel-size")
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as info:
+            serve_args("--mode", "pd", "--decode-tp", bad)
+        assert info.value.code == 2
+    assert "--decode-tp" in capsys.readouterr().err
+
+
+def test_each_worker_is_checked_and_started_with_its_roles_size(monkeypatch):
+    checked = []
+    monkeypatch.setattr(placement, "rank_cores", lambda size, role, elastic, cores: checked.append((role, size, cores)))
+    monkeypatch.setattr(placement, "usable_cores", lambda spec: [int(c) for c in (spec or "0,1,2,3").split(",")])
+    args = serve_args("--mode", "epd", "-tp", "2", "--decode-tp", "3")
+    _, plan, error = launcher._check_options(args)
+    # The encode worker has one rank whatever -tp says; 6 ranks on 4 cores: round-robin.
+    assert error is None and checked == [("encode", 1, [0]), ("prefill", 2, [1, 2]), ("decode", 3, [0, 1, 3])]
+    assert [c for _, _, c in plan] == [[0], [1, 2], [0, 1, 3]]
+    worker = argparse.ArgumentParser()
+    worker_setup.add_arguments(worker)
+    sizes = {role: worker.parse_args(launcher.worker_command(args, role, f"{role}-0", cores, "e", "c")[4:])
+             .tensor_parallel_size for role, _, cores in plan}
+    assert sizes == {"encode": 1, "prefill": 2, "decode": 3}
+    assert "--tensor-parallel-size" not in launcher.worker_flags(args, "encode", "encode-0", "e")
+    checked.clear()
+    _, plan, error = launcher._check_options(serve_args("--mode", "pd", "--prefill-tp", "2", "--cores", "0,1"))
+    assert error is None and checked == [("prefill", 2, [0, 1]), ("decode", 1, [0])]
+
+
+def test_capacity_counts_each_workers_ranks(tmp_path):
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.truncate(2**30)  # 1 GiB of weights (a sparse file)
+    args = serve_args("--mode", "pd", "--prefill-tp", "2", "--kv-cache-memory-mb", "1024", "--cores", "0,1")
+    plan = placement.plan_for(args)
+    # Two workers' weights (the ranks' shards add up to one copy each) + 2 + 1 ranks' KV caches: 5 GiB.
+    warnings, error = launcher.check_capacity(args, plan, tmp_path, 4 * 2**30)
+    assert "2 workers need about 5.0 GiB (1.00 GiB of weights + 1024 MiB of KV cache per worker rank)" in error
+    assert warnings == ["2 workers on 2 cores: cores 0 are each shared by several workers, which slow each other "
+                        "down (fewer workers or more cores avoid it)"]
+    assert launcher.check_capacity(args, plan, tmp_path, 5 * 2**30)[1] is None
 
 
 def _kill_leftovers(pids: list[int]) -> None:
@@ -78,3 +152,13 @@ def test_no_orphans_after_launcher_sigkill(tmp_path):
     finally:
         _stop(dep.proc)
         _kill_leftovers(workers)
+
+
+def test_compare_checks_tensor_parallel_names_as_serve_does():
+    from epdserve.bench import compare
+
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    warnings, errors = compare.preflight(parser.parse_args(["--configs", "colocated-tp4096,1p1d-tp1/4096"]), None)
+    assert [e.split(", one a rank")[0] for e in errors] == [
+        "[colocated-tp4096] --tensor-parallel-size 4096 needs 4096 cores", "[1p1d-tp1/4096] --decode-tp 4096 needs 4096 cores"]

@@ -191,11 +191,13 @@ def test_serve_refuses_ranks_on_pd_and_elastic_workers_and_beyond_the_cores():
     cases = {("--mode", "epd", "-tp", "2"): f"on a prefill worker: {HAND_OFF}",
              ("--elastic", "--workers", "2", "--cores", "0,1", "-tp", "2"):
                  "--tensor-parallel-size 2 on an elastic worker (it may become a prefill or decode worker): " + HAND_OFF,
-             ("-tp", "3", "--cores", "0,1"): "--tensor-parallel-size 3 needs 3 cores; this worker has 2: each rank",
-             ("--workers", "2", "--cores", "0,1", "-tp", "2"): "--tensor-parallel-size 2 needs 2 cores; this worker has 1"}
+             ("-tp", "3", "--cores", "0,1"): "--tensor-parallel-size 3 needs 3 cores, one a rank; serve has 2 (0,1)"}
     for argv, message in cases.items():
         assert message in launcher._check_options(serve_args(*argv))[2], argv
     assert launcher._check_options(serve_args("-tp", "2", "--cores", "0,1"))[2] is None
+    # Fewer cores than ranks: the workers share them, each on 2 distinct cores (serve warns).
+    assert launcher._check_options(serve_args("--workers", "2", "--cores", "0,1", "-tp", "2"))[1] == [
+        ("colocated", "colocated-0", [0, 1]), ("colocated", "colocated-1", [0, 1])]
     with pytest.raises(ValueError, match="on an encode worker: its vision tower is not split"):
         setup.rank_cores(2, "encode", False, [0, 1])
     assert split_cores([0, 1, 2], 2) == [[0, 1], [2]] and split_cores([4, 5, 6, 7], 2) == [[4, 5], [6, 7]]

@@ -108,7 +108,8 @@ CONFIGS_FLAG = Flag(
     help="epdserve deployments by name, in order: colocated, colocated-chunked, colocated-N (N replicas), pd, "
          "XpYd (X prefill, Y decode workers), XeYpZd (EPD: X encode, Y prefill, Z decode workers), pd-localN, "
          "elastic (2 workers that change role live, steering by the SLOs), elastic-N (N >= 2 such workers); "
-         "NAME-noprefix: prefix caching off. compare runs them (default colocated,pd unless --deployments is "
+         "NAME-tpS: every engine worker S tensor-parallel ranks, NAME-tpP/D: prefill workers P, decode D (as plan "
+         "names them; not elastic, colocated-chunked, pd-localN); NAME-noprefix: prefix caching off. compare runs them (default colocated,pd unless --deployments is "
          "given; the first is the baseline of the ratio column); plan simulates them as compare's launcher "
          "places them on the --devices, with their scheduler settings (--max-num-seqs etc. do not apply), "
          "instead of every candidate")
@@ -176,7 +177,8 @@ def preflight(args: Options, available_bytes: int | None,
               deployments: list[Deployment] | None = None) -> tuple[list[str], list[str]]:
     """Check every epdserve deployment of ``deployments`` (default: ``args.configs``)
     before any runs, with the options and the check ``epdserve serve`` itself applies when
-    it starts (:func:`epdserve.serving.launch.launcher.check_capacity`; ``available_bytes``: the
+    it starts (``launcher.checked_plan``: the placement and each worker's tensor-parallel
+    ranks; :func:`epdserve.serving.launch.launcher.check_capacity`; ``available_bytes``: the
     host's available memory, None: not checked). Returns ``(warnings, errors)``, one line
     each, prefixed with the deployment's name; an error is a deployment serve would refuse,
     or ``args`` serve does not take.
@@ -208,8 +210,12 @@ def preflight(args: Options, available_bytes: int | None,
         except ValueError as exc:
             errors.append(f"[{dep.name}] args: {exc}")
             continue
-        found, error = launcher.check_capacity(opts, launcher.plan_for(opts),
-                                               resolve_model(opts.model).path, available_bytes)
+        try:  # the placement and each worker's ranks, as serve checks them before starting any
+            plan = launcher.checked_plan(opts)
+        except ValueError as exc:
+            errors.append(f"[{dep.name}] {exc}")
+            continue
+        found, error = launcher.check_capacity(opts, plan, resolve_model(opts.model).path, available_bytes)
         warnings += [f"[{dep.name}] {w}" for w in found]
         if error:
             errors.append(f"[{dep.name}] {error}")

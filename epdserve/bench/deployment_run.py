@@ -11,7 +11,7 @@ from pathlib import Path
 from epdserve.argtypes import Options
 from epdserve import host
 from epdserve.bench import client, plots, server_metrics, server_trace, sweep, workload
-from epdserve.bench.deployments import Deployment, from_config
+from epdserve.bench.deployments import Deployment, file_stem, from_config
 from epdserve.bench.processes import SERVE, LaunchOptions, Running, ServerError, launched
 from epdserve.bench.run import bench
 from epdserve.serving.deployment import DeploymentSpec
@@ -178,7 +178,7 @@ def _sweep(dep: Deployment, requests: list[workload.Request], args: Options,
           "each rate on a fresh start", flush=True)
 
     def measure(rate: float) -> dict:
-        point_dir = out_dir / "sweep" / f"{dep.name}-{rate:g}"
+        point_dir = out_dir / "sweep" / f"{file_stem(dep.name)}-{rate:g}"
         point_dir.mkdir(parents=True, exist_ok=True)
         cores = sorted(os.sched_getaffinity(0))
         with launched(dep, point_dir, opts, lambda line: print(f"{tag} [{rate:g} req/s] {line}", flush=True)

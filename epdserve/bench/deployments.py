@@ -126,6 +126,11 @@ class Resources(_Strict):
 RayRole = Literal["worker", "prefill", "decode", "encode"]  # serve's --ROLE-resources / --ROLE-placement
 
 
+# A deployment's name (it names files: file_stem): letters, digits, '.', '_', '-', and one '/'
+# before a digit, as epdserve's per-role tensor-parallel sizes (1p1d-tp2/1) have.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:/[0-9][A-Za-z0-9._-]*)?$"
+
+
 class Deployment(_Strict):
     """One ``[[deployment]]`` entry (the keys: module doc). ``source`` is the file it came
     from ("--configs" for a ``--configs`` name).
@@ -134,7 +139,7 @@ class Deployment(_Strict):
         pydantic.ValidationError: (on validation) a bad key or value; see :func:`load`.
     """
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
+    name: str = Field(pattern=NAME_PATTERN, max_length=64)
     epdserve: str | None = None
     args: list[str] | None = None
     processes: list[ProcessSpec] | None = Field(None, min_length=1)
@@ -310,6 +315,13 @@ def _expand(text: str, env: typing.Mapping[str, str], dep: Deployment, key: str)
     return os.path.expanduser(_VAR.sub(value, text))
 
 
+def file_stem(name: str) -> str:
+    """What stands for deployment ``name`` in the names of its files (logs, server trace,
+    sweep folders): the name, with its '/' (an epdserve name's ``-tpP/D``) written ``%2F``
+    (no name has a '%', so two names never share files)."""
+    return name.replace("/", "%2F")
+
+
 def from_config(name: str) -> Deployment:
     """The epdserve entry of a ``--configs`` name (raises ValueError for an unknown one)."""
     return Deployment(name=name, epdserve=name)
@@ -386,7 +398,7 @@ def _message(err: dict, loc: tuple) -> str:
     if kind == "too_short":
         return "must not be empty"
     if kind == "string_pattern_mismatch":
-        return f"{got!r}: letters, digits, '.', '_' and '-' only (it names files)"
+        return f"{got!r}: letters, digits, '.', '_' and '-' only, and one '/' before a digit (it names files)"
     msg = err["msg"].removeprefix("Value error, ")
     return msg if kind == "value_error" else f"{msg} (got {got!r})"
 

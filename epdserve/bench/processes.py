@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from epdserve.bench import client, metrics
-from epdserve.bench.deployments import Deployment, ModelVariables, Resources
+from epdserve.bench.deployments import Deployment, ModelVariables, Resources, file_stem
 from epdserve.serving.deployment import ELASTIC_SLO_KEYS, DeploymentSpec
 
 POLL_S = 0.5  # between two readiness checks
@@ -290,18 +290,18 @@ class Running:
         self._watchdog: threading.Thread | None = None
         if dep.epdserve:
             self.client_url = f"http://127.0.0.1:{opts.port}"
-            self.trace_file: Path | None = (out_dir / f"{dep.name}.server.jsonl").resolve()
+            self.trace_file: Path | None = (out_dir / f"{file_stem(dep.name)}.server.jsonl").resolve()
             cmd = server_command(dep.epdserve, opts.port, self.trace_file,
                                  dep.model or opts.model, opts.serve,
                                  opts.allow_oversubscription, opts.slos_ms) + (dep.args or [])
-            self.processes = [ServerProcess(dep.name, cmd, out_dir / f"{dep.name}.server.log",
+            self.processes = [ServerProcess(dep.name, cmd, out_dir / f"{file_stem(dep.name)}.server.log",
                                             self.client_url)]
             self.metrics_urls = dep.metrics_urls or [self.client_url + "/metrics"]
             return
         self.client_url = (dep.openai_base_url or dep.base_url).removesuffix("/v1")
         self.trace_file = None
         self.processes = [ServerProcess(f"{dep.name}.p{i}", p.command,
-                                        out_dir / f"{dep.name}.p{i}.log", env=p.env, cwd=p.cwd)
+                                        out_dir / f"{file_stem(dep.name)}.p{i}.log", env=p.env, cwd=p.cwd)
                           for i, p in enumerate(dep.resolved_processes(ModelVariables(opts.model)))]
         self.metrics_urls = list(dep.metrics_urls or [])
 

@@ -33,14 +33,9 @@ from epdserve.plan import replay
 from epdserve.plan.costmodel import Platform
 from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, serve
 from epdserve.bench.arrivals import retime
+from epdserve.serving.deployment import tp_suffix  # the suffix of the names serve and compare parse
 
 MAX_DOUBLINGS = 16
-
-
-def _suffix(prefill_size: int, decode_size: int) -> str:
-    if prefill_size == decode_size:
-        return "" if prefill_size == 1 else f"-tp{prefill_size}"
-    return f"-tp{prefill_size}/{decode_size}"
 
 
 def candidates(platform: Platform, budget: int, images: bool = False) -> list[Deployment]:
@@ -50,6 +45,9 @@ def candidates(platform: Platform, budget: int, images: bool = False) -> list[De
     With ``images``, also EPD: ``XeYpZd`` (encode workers of one device each, as vLLM's
     encoder instances, beside xPyD on the rest) and ``XeXpYd-shared`` (each encode worker
     on the devices of one prefill worker, as the launcher places 1e1p1d on 2 cores).
+    Every name but the ``-shared`` ones is a deployment name serve and compare take
+    (:meth:`DeploymentSpec.parse <epdserve.serving.deployment.DeploymentSpec.parse>`: why
+    not those, in its module doc).
 
     Raises:
         ValueError: a budget below 1.
@@ -61,7 +59,7 @@ def candidates(platform: Platform, budget: int, images: bool = False) -> list[De
     for s in sizes:
         if budget % s == 0:
             n = budget // s
-            name = "colocated" if n == 1 else f"colocated-{n}{_suffix(s, s)}"
+            name = "colocated" if n == 1 else f"colocated-{n}{tp_suffix(s, s)}"
             out.append(Deployment(name, (WorkerSpec("colocated", s),) * n))
     for sp in sizes:
         for sd in sizes:
@@ -69,7 +67,7 @@ def candidates(platform: Platform, budget: int, images: bool = False) -> list[De
                 rest = budget - x * sp
                 if rest >= sd and rest % sd == 0:
                     y = rest // sd
-                    out.append(Deployment(f"{x}p{y}d{_suffix(sp, sd)}",
+                    out.append(Deployment(f"{x}p{y}d{tp_suffix(sp, sd)}",
                                           (WorkerSpec("prefill", sp),) * x + (WorkerSpec("decode", sd),) * y))
     if not images:
         return out

@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from epdserve.bench import server_trace, workload
+from epdserve.bench.deployments import file_stem
 from epdserve.plan.costmodel import Platform, StepModel
 from epdserve.plan.simulate import prompt_tokens
 from epdserve.trace import RequestTrace
@@ -219,7 +220,7 @@ def compare_runs(compare_dir: str | Path, platform: Platform) -> dict[str, Serve
         raise ValueError(f"{compare_dir}: not an `epdserve compare` output ({exc})") from None
     runs = {}
     for entry in configs:
-        server = compare_dir / f"{entry['name']}.server.jsonl"
+        server = compare_dir / f"{file_stem(entry['name'])}.server.jsonl"
         # An elastic deployment's workers change role: no fixed placement to fit steps to.
         if "result" in entry and server.is_file() and entry.get("mode") != "elastic":
             runs[entry["name"]] = _served_run(entry, requests, server_trace.read(server)[0], platform)

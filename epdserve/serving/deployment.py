@@ -17,8 +17,25 @@ Names (:data:`NAME_FORMS`):
 * ``elastic`` — two workers that change role live (``serve --elastic``), starting
   colocated; ``elastic-N``: N such workers (N >= 2). Placed and given cores as
   ``colocated-N`` (so ``elastic`` runs on the workers and cores of ``colocated-2``);
-* any of them with the suffix ``-noprefix`` (once): prefix caching off (on by default, as
-  in vLLM).
+* ``colocated``, ``colocated-N``, ``pd``, ``XpYd`` and ``XeYpZd`` with a tensor-parallel
+  suffix, as ``epdserve plan`` writes it (:func:`tp_suffix`): ``-tpS``, every engine worker
+  S ranks (serve's ``--tensor-parallel-size S``), or (``pd``, ``XpYd``, ``XeYpZd``)
+  ``-tpP/D``, prefill workers P ranks and decode workers D (``--prefill-tp P --decode-tp
+  D``); S, P, D >= 1. Encode workers have one rank (their vision tower is not split).
+  ``colocated-chunked``, ``pd-localN`` and elastic deployments take none;
+* any of them with the suffix ``-noprefix`` (once, after any ``-tp`` suffix): prefix caching
+  off (on by default, as in vLLM).
+
+``epdserve plan``'s EPD candidates ``XeXpYd[-tp...]-shared`` (each encode worker on its
+prefill worker's devices) are not names here: serve places encode workers on cores of their
+own where it has them, and has no option to put them on a prefill worker's; it does so only
+on a host too small to separate them (``1e1p1d`` on 2 cores), which ``1e1p1d`` names.
+
+On the CPU a worker of S cores in ``epdserve plan`` is one process of S threads (what its
+calibration measured), while ``-tpS`` here starts S rank processes of one core each (slower
+on a CPU: docs/tensor-parallel.md); on GPUs the planner's worker of S devices is S ranks,
+as here, but for its ``colocated`` (one worker of all N devices), which serve names
+``colocated-tpN`` there.
 
 This module imports nothing heavier than the standard library, so that light clients
 (``epdserve compare``, ``epdserve plan``) can use it without torch or the router.
@@ -61,9 +78,15 @@ CHUNKED_BATCHED_TOKENS = 256
 NOPREFIX = "-noprefix"
 NAME_FORMS = ("colocated", "colocated-N", "colocated-chunked", "pd", "XpYd", "XeYpZd", "pd-localN",
               "elastic", "elastic-N")
-NAME_HELP = (f"expected one of: {', '.join(NAME_FORMS)}, with an optional {NOPREFIX} suffix "
-             f"(X, Y, Z and colocated-N's N: worker counts >= 1; elastic-N's N: workers >= 2; "
-             f"pd-localN's N: prompt tokens >= 0; e.g. colocated-2, 2p1d, 1e1p1d, pd-local64, elastic-3)")
+# The tensor-parallel suffixes (tp_suffix writes them) and the forms that take each.
+TP_FORMS = {"-tpS": ("colocated", "colocated-N", "pd", "XpYd", "XeYpZd"), "-tpP/D": ("pd", "XpYd", "XeYpZd")}
+NAME_HELP = (f"expected one of: {', '.join(NAME_FORMS)}; "
+             + "; ".join(f"{', '.join(forms)} with an optional {suffix} suffix" for suffix, forms in TP_FORMS.items())
+             + f" (S: tensor-parallel ranks of each engine worker; P, D: of each prefill, decode worker; >= 1; "
+             f"encode workers have 1); then an optional "
+             f"{NOPREFIX} suffix (X, Y, Z and colocated-N's N: worker counts >= 1; elastic-N's N: workers >= 2; "
+             f"pd-localN's N: prompt tokens >= 0; e.g. colocated-2, 2p1d, 1e1p1d, pd-local64, elastic-3, "
+             f"colocated-2-tp2, 1p1d-tp2/1-noprefix)")
 # An elastic deployment without a count: two workers, the fewest that can split prefill
 # from decode.
 ELASTIC_WORKERS = 2
@@ -74,6 +97,7 @@ _XPYD = re.compile(rf"{_COUNT}p{_COUNT}d")
 _XEYPZD = re.compile(rf"{_COUNT}e{_COUNT}p{_COUNT}d")
 _PD_LOCAL = re.compile(r"pd-local([0-9]+)")
 _ELASTIC_N = re.compile(rf"elastic-{_COUNT}")
+_TP = re.compile(r"(.*)-tp([0-9]+)(?:/([0-9]+))?")
 
 Placement = list[tuple[str, str, list[int]]]  # (role, worker id, cores) of each worker
 
@@ -100,11 +124,15 @@ class DeploymentSpec:
         elastic: the workers change role live (serve's ``--elastic``); the mode and counts
             are the starting roles. A colocated elastic deployment without ``workers`` has
             :data:`ELASTIC_WORKERS`.
+        tp: tensor-parallel ranks (processes) of each colocated worker (colocated only).
+        prefill_tp: ranks of each prefill worker (pd, epd).
+        decode_tp: ranks of each decode worker (pd, epd). Encode workers have one
+            (:meth:`role_tp`).
 
     Raises:
-        ValueError: (on construction) an unknown mode, a count below 1, a count the mode
-            has no workers for, a negative threshold, or an elastic deployment in epd mode
-            or of fewer than 2 workers.
+        ValueError: (on construction) an unknown mode, a count or size below 1, a count or
+            size the mode has no workers for, a negative threshold, or an elastic
+            deployment in epd mode or of fewer than 2 workers.
     """
 
     mode: str = "colocated"
@@ -116,6 +144,9 @@ class DeploymentSpec:
     local_prefill_threshold: int | None = None
     prefix_caching: bool = True
     elastic: bool = False
+    tp: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -127,6 +158,14 @@ class DeploymentSpec:
         extra = [k for k, n in counts.items() if n is not None and k not in roles[self.mode]]
         if extra:
             raise ValueError(f"mode {self.mode} has no {', '.join(extra)} count")
+        sizes = {"tp": self.tp, "prefill_tp": self.prefill_tp, "decode_tp": self.decode_tp}
+        if min(sizes.values()) < 1:
+            raise ValueError("every tensor-parallel size must be at least 1")
+        own = ("tp",) if self.mode == "colocated" else ("prefill_tp", "decode_tp")
+        extra = [k for k, n in sizes.items() if n != 1 and k not in own]
+        if extra:
+            raise ValueError(f"mode {self.mode} has no {', '.join(extra)} size (colocated: tp; pd, epd: "
+                             f"prefill_tp, decode_tp)")
         if self.local_prefill_threshold is not None and self.local_prefill_threshold < 0:
             raise ValueError(f"local prefill threshold {self.local_prefill_threshold}: must be >= 0")
         if self.elastic and (self.mode == "epd" or self.num_workers < 2):
@@ -143,12 +182,43 @@ class DeploymentSpec:
         """
         base = name.removesuffix(NOPREFIX)
         try:
-            spec = cls._parse_base(base)
+            spec = cls._parse_sized(base)
         except ValueError as exc:
             raise ValueError(f"deployment {name!r}: {exc}; {NAME_HELP}") from None
         if spec is None:
             raise ValueError(f"unknown deployment {name!r}: {NAME_HELP}")
         return spec if base == name else replace(spec, prefix_caching=False)
+
+    @classmethod
+    def _parse_sized(cls, base: str) -> DeploymentSpec | None:
+        """A name without its ``-noprefix`` suffix, with any ``-tp`` suffix, or None when it
+        is not one.
+
+        Raises:
+            ValueError: a size below 1, or a ``-tp`` suffix its form does not take.
+        """
+        m = _TP.fullmatch(base)
+        if m is None:
+            return cls._parse_base(base)
+        suffix = base[len(m[1]):]
+        spec = cls._parse_base(m[1])
+        if spec is None:
+            if m[1].endswith(NOPREFIX):
+                raise ValueError(f"{NOPREFIX} comes after the tensor-parallel suffix ({suffix})")
+            return None
+        sizes = [int(m[2])] + ([int(m[3])] if m[3] else [])
+        if min(sizes) < 1:
+            raise ValueError(f"{suffix}: a tensor-parallel size must be >= 1")
+        if spec.elastic:
+            raise ValueError(f"{suffix}: elastic deployments take no tensor-parallel suffix: their workers "
+                             "change role")
+        if spec.chunked_prefill or spec.local_prefill_threshold is not None:
+            raise ValueError(f"{suffix}: colocated-chunked and pd-localN take no tensor-parallel suffix")
+        if spec.mode == "colocated":
+            if len(sizes) > 1:
+                raise ValueError(f"{suffix}: colocated workers have one size (-tpS), not -tpP/D")
+            return replace(spec, tp=sizes[0])
+        return replace(spec, prefill_tp=sizes[0], decode_tp=sizes[-1])
 
     @classmethod
     def _parse_base(cls, base: str) -> DeploymentSpec | None:
@@ -176,8 +246,9 @@ class DeploymentSpec:
         """The deployment of parsed ``epdserve serve`` options: ``mode``, the worker counts
         of the mode (``workers``; ``encode_workers``, ``prefill_workers``,
         ``decode_workers``), ``local_prefill_threshold`` (0: None), ``enable_prefix_caching``
-        (None: on) and ``elastic`` (absent: False): what places the workers. Such a
-        deployment need not have a name (:attr:`name`).
+        (None: on), ``elastic`` (absent: False) and the mode's tensor-parallel sizes
+        (:func:`serve_tp_sizes`): what places the workers. Such a deployment need not have a
+        name (:attr:`name`).
 
         Raises:
             ValueError: any worker count below 1 (those of other modes too), an unknown
@@ -189,10 +260,13 @@ class DeploymentSpec:
             raise ValueError("every worker count must be at least 1")
         roles = {"colocated": ("workers",), "pd": ("prefill", "decode"),
                  "epd": ("encode", "prefill", "decode")}.get(args.mode, ())
+        sizes = serve_tp_sizes(args)
+        tp = {"tp": sizes["colocated"]} if args.mode == "colocated" else {"prefill_tp": sizes["prefill"],
+                                                                          "decode_tp": sizes["decode"]}
         return cls(args.mode, **{k: counts[k] for k in roles},
                    local_prefill_threshold=getattr(args, "local_prefill_threshold", 0) or None,
                    prefix_caching=getattr(args, "enable_prefix_caching", None) is not False,
-                   elastic=bool(getattr(args, "elastic", False)))
+                   elastic=bool(getattr(args, "elastic", False)), **tp)
 
     @property
     def name(self) -> str:
@@ -211,7 +285,8 @@ class DeploymentSpec:
                     f"{self.prefill}p{self.decode}d" if self.prefill is not None else "pd")
         else:
             base = f"{self.encode}e{self.prefill}p{self.decode}d"
-        name = base + ("" if self.prefix_caching else NOPREFIX)
+        tp = tp_suffix(self.tp, self.tp) if self.mode == "colocated" else tp_suffix(self.prefill_tp, self.decode_tp)
+        name = base + tp + ("" if self.prefix_caching else NOPREFIX)
         try:
             if DeploymentSpec.parse(name) == self:
                 return name
@@ -238,12 +313,19 @@ class DeploymentSpec:
         """How many workers serve starts for this deployment."""
         return sum(self.counts().values())
 
+    def role_tp(self, role: str) -> int:
+        """Tensor-parallel ranks of each worker of ``role`` (``colocated``, ``prefill``,
+        ``decode``; ``encode``: 1, its vision tower is not split)."""
+        return {"colocated": self.tp, "prefill": self.prefill_tp, "decode": self.decode_tp}.get(role, 1)
+
     def serve_flags(self) -> list[str]:
         """The ``epdserve serve`` options of this deployment: ``--mode``, the worker counts
-        the name spells out, the step's token budget, the local prefill
-        threshold, ``--no-enable-prefix-caching``; nothing for what is serve's default.
-        An elastic deployment gets ``--elastic`` and always its worker count (serve's
-        default of 1 worker is not elastic's); its SLOs (``--slo``) are the caller's to add."""
+        the name spells out, the tensor-parallel sizes (``--tensor-parallel-size S`` when
+        every engine worker has S ranks, else ``--prefill-tp P`` / ``--decode-tp D``), the
+        step's token budget, the local prefill threshold, ``--no-enable-prefix-caching``;
+        nothing for what is serve's default (one rank). An elastic deployment gets
+        ``--elastic`` and always its worker count (serve's default of 1 worker is not
+        elastic's); its SLOs (``--slo``) are the caller's to add."""
         flags = ["--elastic"] if self.elastic else []
         flags += ["--mode", self.mode]
         workers = self.counts()["colocated"] if self.elastic and self.mode == "colocated" else self.workers
@@ -251,6 +333,11 @@ class DeploymentSpec:
                        ("--prefill-workers", self.prefill), ("--decode-workers", self.decode)):
             if n is not None:
                 flags += [opt, str(n)]
+        sizes = [self.tp] if self.mode == "colocated" else [self.prefill_tp, self.decode_tp]
+        if len(set(sizes)) == 1:
+            flags += ["--tensor-parallel-size", str(sizes[0])] if sizes[0] > 1 else []
+        else:
+            flags += [word for opt, n in zip(("--prefill-tp", "--decode-tp"), sizes) if n > 1 for word in (opt, str(n))]
         if self.chunked_prefill:
             flags += ["--max-num-batched-tokens", str(CHUNKED_BATCHED_TOKENS)]
         if self.local_prefill_threshold is not None:
@@ -260,14 +347,37 @@ class DeploymentSpec:
         return flags
 
     def place(self, cores: list[int]) -> Placement:
-        """Where serve puts each worker of this deployment on ``cores`` (:func:`plan_workers`).
+        """Where serve puts each worker of this deployment on ``cores`` (:func:`plan_workers`),
+        each worker on at least as many cores as it has ranks.
 
         Raises:
-            ValueError: no cores.
+            ValueError: no cores, or a worker with more ranks than there are cores.
         """
         counts = self.counts()
         return plan_workers(self.mode, cores, workers=counts.get("colocated", 1), prefill=counts.get("prefill", 1),
-                            decode=counts.get("decode", 1), encode=counts.get("encode", 1))
+                            decode=counts.get("decode", 1), encode=counts.get("encode", 1), tp=self.tp,
+                            prefill_tp=self.prefill_tp, decode_tp=self.decode_tp)
+
+
+def tp_suffix(prefill_tp: int, decode_tp: int) -> str:
+    """The tensor-parallel suffix of a deployment name (``epdserve plan`` writes its names
+    with it): ``""`` for one rank everywhere, ``-tpS`` when prefill and decode (or colocated)
+    workers both have S ranks, else ``-tpP/D``."""
+    if prefill_tp == decode_tp:
+        return "" if prefill_tp == 1 else f"-tp{prefill_tp}"
+    return f"-tp{prefill_tp}/{decode_tp}"
+
+
+def serve_tp_sizes(args: Options) -> dict[str, int]:
+    """Tensor-parallel ranks of each role's workers (``colocated``, ``encode``, ``prefill``,
+    ``decode``) that parsed ``epdserve serve`` options give: ``--tensor-parallel-size``
+    (``tensor_parallel_size``) for colocated workers and, unless ``--prefill-tp`` /
+    ``--decode-tp`` (``prefill_tp``, ``decode_tp``) say otherwise, for prefill and decode
+    workers; encode workers 1 (their vision tower is not split). An option not given (None
+    or absent) is 1."""
+    tp = getattr(args, "tensor_parallel_size", None) or 1
+    return {"colocated": tp, "encode": 1, "prefill": getattr(args, "prefill_tp", None) or tp,
+            "decode": getattr(args, "decode_tp", None) or tp}
 
 
 def natural_order(worker_id: str) -> list:
@@ -286,27 +396,85 @@ def split_cores(cores: list[int], n: int) -> list[list[int]]:
     return [[cores[i % len(cores)]] for i in range(n)]
 
 
-def plan_workers(mode: str, cores: list[int], *, workers: int = 1, prefill: int = 1,
-                 decode: int = 1, encode: int = 1) -> Placement:
-    """``(role, worker_id, cores)`` for each worker of ``mode`` (placement rule: the module
-    doc of :mod:`epdserve.serving.launch.launcher`).
+def plan_workers(mode: str, cores: list[int], *, workers: int = 1, prefill: int = 1, decode: int = 1,
+                 encode: int = 1, tp: int = 1, prefill_tp: int = 1, decode_tp: int = 1) -> Placement:
+    """``(role, worker_id, cores)`` for each worker of ``mode``: ``workers`` colocated
+    workers of ``tp`` ranks each, or ``encode`` encode workers (one rank), ``prefill`` of
+    ``prefill_tp`` ranks and ``decode`` of ``decode_tp``, in that order. Placement rule: the
+    module doc of :mod:`epdserve.serving.launch.launcher`; every worker gets at least as many
+    distinct cores as it has ranks.
 
     Raises:
-        ValueError: no cores, a worker count below 1, or an unknown mode.
+        ValueError: no cores, a worker count or size below 1, a worker with more ranks than
+            there are cores, or an unknown mode.
     """
     if not cores:
         raise ValueError("no CPU cores to place workers on")
     if min(workers, prefill, decode, encode) < 1:
         raise ValueError("every worker count must be at least 1")
+    if min(tp, prefill_tp, decode_tp) < 1:
+        raise ValueError("every tensor-parallel size must be at least 1")
+    groups = {"colocated": [("colocated", workers, tp)],
+              "pd": [("prefill", prefill, prefill_tp), ("decode", decode, decode_tp)],
+              "epd": [("encode", encode, 1), ("prefill", prefill, prefill_tp), ("decode", decode, decode_tp)]}
+    if mode not in groups:
+        raise ValueError(f"unknown mode {mode!r}")
+    for role, _, size in groups[mode]:
+        if size > len(cores):
+            raise ValueError(f"a {role} worker of {size} tensor-parallel ranks needs {size} cores, one a rank; "
+                             f"there are {len(cores)} ({','.join(map(str, cores))})")
+    if all(size == 1 for _, _, size in groups[mode]):
+        return _by_halves(mode, cores, workers, prefill, decode, encode)
+    if sum(n * size for _, n, size in groups[mode]) <= len(cores):
+        return _by_ranks(groups[mode], cores)
+    return _round_robin(groups[mode], cores)
+
+
+def _by_halves(mode: str, cores: list[int], workers: int, prefill: int, decode: int, encode: int) -> Placement:
+    """One rank a worker: colocated workers split the cores; pd's prefill workers split the
+    first half and decode workers the rest (one core: both share it); epd splits the
+    prefill half again between encode and prefill workers."""
     if mode == "colocated":
         return [("colocated", f"colocated-{i}", c) for i, c in enumerate(split_cores(cores, workers))]
-    if mode in ("pd", "epd"):
-        half = max(1, len(cores) // 2)
-        first, plan = cores[:half], []
-        if mode == "epd":
-            split = max(1, len(first) // 2)
-            plan = [("encode", f"encode-{i}", c) for i, c in enumerate(split_cores(first[:split], encode))]
-            first = first[split:] or first
-        return (plan + [("prefill", f"prefill-{i}", c) for i, c in enumerate(split_cores(first, prefill))]
-                + [("decode", f"decode-{i}", c) for i, c in enumerate(split_cores(cores[half:] or cores, decode))])
-    raise ValueError(f"unknown mode {mode!r}")
+    half = max(1, len(cores) // 2)
+    first, plan = cores[:half], []
+    if mode == "epd":
+        split = max(1, len(first) // 2)
+        plan = [("encode", f"encode-{i}", c) for i, c in enumerate(split_cores(first[:split], encode))]
+        first = first[split:] or first
+    return (plan + [("prefill", f"prefill-{i}", c) for i, c in enumerate(split_cores(first, prefill))]
+            + [("decode", f"decode-{i}", c) for i, c in enumerate(split_cores(cores[half:] or cores, decode))])
+
+
+def _by_ranks(groups: list[tuple[str, int, int]], cores: list[int]) -> Placement:
+    """Cores enough for every rank (``groups``: ``(role, workers, ranks each)`` in placement
+    order): each role's group of cores as :func:`_by_halves` cuts them, its bounds moved the
+    least so that it holds n x S cores, split among its workers (each gets S or more)."""
+    need = [n * size for _, n, size in groups]
+    bounds = [0, len(cores)]  # colocated: one group
+    if len(groups) > 1:  # pd, epd: the decode workers' group starts near the middle
+        head = _clamp(len(cores) // 2, sum(need[:-1]), len(cores) - need[-1])
+        bounds = [0, head, len(cores)]
+        if len(groups) == 3:  # epd: encode, then prefill, in the first part
+            bounds.insert(1, _clamp(max(1, head // 2), need[0], head - need[1]))
+    plan = []
+    for (role, n, _), lo, hi in zip(groups, bounds, bounds[1:]):
+        plan += [(role, f"{role}-{i}", c) for i, c in enumerate(split_cores(cores[lo:hi], n))]
+    return plan
+
+
+def _round_robin(groups: list[tuple[str, int, int]], cores: list[int]) -> Placement:
+    """Fewer cores than ranks: the workers, in placement order, each take the next S cores of
+    ``cores`` in turn, wrapping around (so each has S distinct cores, listed in the order of
+    ``cores``, and no core has more than one rank above another)."""
+    plan, taken = [], 0
+    for role, n, size in groups:
+        for i in range(n):
+            mine = sorted({(taken + k) % len(cores) for k in range(size)})
+            plan.append((role, f"{role}-{i}", [cores[k] for k in mine]))
+            taken += size
+    return plan
+
+
+def _clamp(value: int, lo: int, hi: int) -> int:
+    return max(lo, min(value, hi))

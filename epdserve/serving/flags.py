@@ -9,6 +9,8 @@ starts any worker, exactly as ``epdserve worker`` would.
 * :data:`MODEL_FLAG`: ``--model``, taken by ``serve``, ``router`` and ``worker``.
 * :data:`ROUTER_FLAGS`: the OpenAI front's flags, taken by ``serve`` and ``router``, named
   as ``vllm serve`` names them.
+* :data:`ROLE_TP_FLAGS`: serve's ``--prefill-tp`` and ``--decode-tp``, the tensor-parallel
+  size of one role's workers, which serve passes to them as their ``--tensor-parallel-size``.
 * the flags of several processes: ``--cores``, ``--events``, ``--allow-oversubscription``
   (serve and compare), ``--elastic`` and the elastic controller's :data:`ELASTIC_FLAGS`
   (serve and router run it, plan simulates it).
@@ -95,6 +97,13 @@ WORKER_FLAGS = (
          help="a prefill worker writes each layer's KV into the outgoing frame as soon as the layer is "
               "computed (a staged frame instead of its shared KV pool)"),
 )
+
+# serve's tensor-parallel size per role (pd, epd), where it differs from --tensor-parallel-size's.
+ROLE_TP_FLAGS = tuple(
+    Flag(f"--{role}-tp", type=int_at_least(1), default=None, metavar="N",
+         help=f"pd, epd: tensor-parallel ranks of each {role} worker (default: --tensor-parallel-size; encode "
+              f"workers always have 1); not with --elastic (docs/tensor-parallel.md)")
+    for role in ("prefill", "decode"))
 
 ROUTER_FLAGS = (
     Flag("--served-model-name", nargs="+", default=None, metavar="NAME",

@@ -14,6 +14,20 @@ Splitting C cores among N workers: if N <= C, contiguous groups of near-equal si
 if N > C, worker i gets core i mod C alone, so workers share cores round-robin. The
 placement is logged, printed with the URL, and shown per worker in ``/health``.
 
+Tensor-parallel workers (``--tensor-parallel-size S``; pd, epd: ``--prefill-tp P``,
+``--decode-tp D``; encode workers have one rank) need a core per rank, and each gets at
+least that many distinct cores:
+
+* every worker of one rank: as above;
+* cores enough for every rank: the roles' groups as above, each bound moved the least so
+  that a role's group has a core for each of its workers' ranks (``1p1d-tp3/1`` on 4
+  cores: prefill 0,1,2, decode 3), then split among its workers as above;
+* fewer cores than ranks: the workers, in placement order (encode, prefill, decode), each
+  take the next S cores in turn, wrapping around the cores, so each has S distinct cores
+  and every core about as many ranks (``1p1d-tp2/1`` on cores 0,1: prefill 0,1, decode 0;
+  ``colocated-2-tp2`` on 0,1: both on 0,1); serve warns that cores are shared;
+* a worker of more ranks than there are cores: refused at start-up, naming its flag.
+
 Workers are ``python -m epdserve worker ...`` subprocesses talking to the router over
 ZeroMQ ipc sockets in a private temporary directory (``--events`` may put the router's
 events socket on TCP instead, so that workers started by hand can join). Every frame is
@@ -53,7 +67,6 @@ import asyncio
 import atexit
 import errno
 import logging
-import os
 import secrets
 import shutil
 import signal
@@ -71,9 +84,9 @@ from epdserve.model.linear import WEIGHT_FORMATS, auto_format
 from epdserve.serving import auth, flags
 from epdserve.serving.launch import ray_cluster
 from epdserve.serving.launch.children import Children
-from epdserve.serving.deployment import DeploymentSpec, Placement
+from epdserve.serving.deployment import Placement, serve_tp_sizes
+from epdserve.serving.launch.placement import checked_plan, plan_for, usable_cores  # noqa: F401 (serve's API)
 from epdserve.serving.router.http_guard import uvicorn_config
-from epdserve.serving.worker.setup import rank_cores
 from epdserve.serving.router import (SYNTHETIC_VISION_NOTE, Router, add_router_options, build_router, create_app,
                                      setup_logging)
 
@@ -91,6 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model to serve, as in `vllm serve MODEL`: the same as --model")
     flags.CORES_FLAG.add(parser)
     flags.add_worker_flags(parser, passed=True)
+    for flag in flags.ROLE_TP_FLAGS:
+        flag.add(parser)
     parser.add_argument("--prefill-dtype", choices=flags.DTYPE_CHOICES, default=None,
                         help="pd: weights and KV cache dtype of the prefill workers (default: --dtype)")
     parser.add_argument("--decode-dtype", choices=flags.DTYPE_CHOICES, default=None,
@@ -118,39 +133,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.ALLOW_OVERSUBSCRIPTION_FLAG.add(parser)
     flags.EVENTS_FLAG.add(parser)
     ray_cluster.add_arguments(parser)
-
-
-def usable_cores(spec: str | None) -> list[int]:
-    """The cores of ``--cores`` ("0,1"), or every core this process may use.
-
-    Raises:
-        ValueError: a core that is not a number or that this process may not use.
-    """
-    allowed = sorted(os.sched_getaffinity(0))
-    if spec is None:
-        return allowed
-    try:
-        cores = [int(c) for c in spec.split(",")]
-    except ValueError:
-        raise ValueError(f"--cores {spec!r}: expected comma-separated core numbers, e.g. 0,1") from None
-    if not set(cores) <= set(allowed):
-        raise ValueError(f"--cores {spec!r}: this process may use cores {','.join(map(str, allowed))}")
-    return cores
-
-
-def plan_for(args: Options) -> Placement:
-    """Where serve's options (``--mode``, ``--cores``, worker counts) put each worker:
-    :meth:`DeploymentSpec.place <epdserve.serving.deployment.DeploymentSpec.place>` of
-    :meth:`DeploymentSpec.from_serve_args <epdserve.serving.deployment.DeploymentSpec.from_serve_args>`.
-
-    With ``--elastic`` the workers are named ``worker-N`` (in placement order): their role changes.
-
-    Raises:
-        ValueError: a bad ``--cores`` (:func:`usable_cores`) or worker count.
-    """
-    cores = usable_cores(args.cores)
-    plan = DeploymentSpec.from_serve_args(args).place(cores)
-    return [(role, f"worker-{i}", c) for i, (role, _, c) in enumerate(plan)] if args.elastic else plan
 
 
 def check_capacity(args: Options, plan: Placement, model_dir: str,
@@ -186,14 +168,15 @@ def check_capacity(args: Options, plan: Placement, model_dir: str,
         return warnings, None
     kv_mb = args.kv_cache_memory_mb or flags.worker_default("kv_cache_memory_mb")
     weights = host.weight_bytes(model_dir)
-    host_kv = [role != "encode" and (role_device(args, role) or "cpu") == "cpu" for role, _, _ in plan]
-    ranks = args.tensor_parallel_size or 1  # each rank holds a KV cache of up to --kv-cache-memory-mb
-    need = sum(weights + kv_mb * 2**20 * ranks * kv for kv in host_kv)
+    ranks = serve_tp_sizes(args)  # each rank holds a KV cache of up to --kv-cache-memory-mb
+    host_kv = [(role != "encode" and (role_device(args, role) or "cpu") == "cpu") * ranks[role] for role, _, _ in plan]
+    need = sum(weights + kv_mb * 2**20 * kv for kv in host_kv)
     if need <= available_bytes:
         return warnings, None
     exempt = "; encode and GPU workers: no KV cache in host memory" if not all(host_kv) else ""
+    per = "worker rank" if max(ranks.values()) > 1 else "worker"
     fact = (f"{len(plan)} workers need about {need / 2**30:.1f} GiB ({weights / 2**30:.2f} GiB of weights + "
-            f"{kv_mb} MiB of KV cache per worker{exempt}) but {available_bytes / 2**30:.1f} GiB is available "
+            f"{kv_mb} MiB of KV cache per {per}{exempt}) but {available_bytes / 2**30:.1f} GiB is available "
             f"(MemAvailable)")
     if args.allow_oversubscription:
         return warnings + [fact + "; starting anyway (--allow-oversubscription)"], None
@@ -230,13 +213,15 @@ def worker_flags(args: Options, role: str, worker_id: str, events: str) -> list[
     reports, and the worker flags given to serve (``--prefill-dtype`` / ``--decode-dtype``
     as its ``--dtype``, ``--prefill-weight-format`` / ``--decode-weight-format`` as its
     ``--weight-format`` and ``--prefill-device`` / ``--decode-device`` / ``--encode-device``
-    as its ``--device`` for those roles)."""
+    as its ``--device`` for those roles, and its role's tensor-parallel size as its
+    ``--tensor-parallel-size`` when above 1: ``serve_tp_sizes``)."""
     def own(name: str):
         return (getattr(args, f"{role}_{name}", None) if role in ("prefill", "decode") else None) or getattr(args, name)
 
+    ranks = serve_tp_sizes(args)[role]
     return ["--role", role, "--router", events, "--worker-id", worker_id, *(["--elastic"] if args.elastic else []),
             *flags.worker_argv(args, dtype=own("dtype"), weight_format=own("weight_format"),
-                               device=role_device(args, role))]
+                               device=role_device(args, role), tensor_parallel_size=ranks if ranks > 1 else None)]
 
 
 def worker_command(args: Options, role: str, worker_id: str, cores: list[int],
@@ -348,10 +333,7 @@ def _check_options(args: Options) -> tuple[Options, Placement, str | None]:
     (:func:`plan_for`) and an error, None when the options hold."""
     try:
         args = with_values(args, model=model_from_tag(args))
-        plan = plan_for(args)
-        if args.cluster != "ray":  # (a Ray actor's cores are Ray's to place: the worker checks them)
-            for role, _, cores in sorted(plan, key=lambda worker: worker[0] == "encode"):  # the hand-off's reason first
-                rank_cores(args.tensor_parallel_size or 1, role, args.elastic, cores)
+        plan = checked_plan(args)
         args = with_values(args, max_workers=_check_elastic(args, len(plan)))
         if args.cluster == "ray":
             ray_cluster.role_resources(args)

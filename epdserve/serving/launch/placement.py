@@ -1,0 +1,92 @@
+"""Where ``epdserve serve`` puts its workers: the cores it may use (``--cores``), each
+worker's cores (:func:`plan_for`, by the rule in the module doc of
+:mod:`epdserve.serving.launch.launcher`), and the checks of its tensor-parallel options
+against the roles and cores (:func:`check_tp_sizes`, :func:`checked_plan`) before any worker
+starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+from epdserve.argtypes import Options, with_values
+from epdserve.serving import flags
+from epdserve.serving.deployment import MODE_ROLES, DeploymentSpec, Placement, serve_tp_sizes
+from epdserve.serving.worker.setup import rank_cores
+
+
+def usable_cores(spec: str | None) -> list[int]:
+    """The cores of ``--cores`` ("0,1"), or every core this process may use.
+
+    Raises:
+        ValueError: a core that is not a number or that this process may not use.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec is None:
+        return allowed
+    try:
+        cores = [int(c) for c in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--cores {spec!r}: expected comma-separated core numbers, e.g. 0,1") from None
+    if not set(cores) <= set(allowed):
+        raise ValueError(f"--cores {spec!r}: this process may use cores {','.join(map(str, allowed))}")
+    return cores
+
+
+def plan_for(args: Options) -> Placement:
+    """Where serve's options (``--mode``, ``--cores``, worker counts, tensor-parallel sizes)
+    put each worker: :meth:`DeploymentSpec.place <epdserve.serving.deployment.DeploymentSpec.place>` of
+    :meth:`DeploymentSpec.from_serve_args <epdserve.serving.deployment.DeploymentSpec.from_serve_args>`
+    (``--cluster ray``: every worker as of one rank; Ray places the workers, the cores here only name them).
+
+    With ``--elastic`` the workers are named ``worker-N`` (in placement order): their role changes.
+
+    Raises:
+        ValueError: a bad ``--cores`` (:func:`usable_cores`) or worker count, or tensor-parallel
+            sizes serve does not take (:func:`check_tp_sizes`).
+    """
+    cores = usable_cores(args.cores)
+    check_tp_sizes(args, cores)
+    ray = args.cluster == "ray"
+    spec = DeploymentSpec.from_serve_args(with_values(args, tensor_parallel_size=None, prefill_tp=None,
+                                                      decode_tp=None) if ray else args)
+    plan = spec.place(cores)
+    return [(role, f"worker-{i}", c) for i, (role, _, c) in enumerate(plan)] if args.elastic else plan
+
+
+def check_tp_sizes(args: Options, cores: list[int]) -> None:
+    """Whether serve takes its tensor-parallel options: ``--prefill-tp`` and ``--decode-tp``
+    only in pd and epd modes and not with ``--elastic`` (a worker that changes role takes
+    ``--tensor-parallel-size``), and (not ``--cluster ray``) no worker of more ranks than
+    ``cores``, each rank needing one.
+
+    Raises:
+        ValueError: one line naming the flag.
+    """
+    given = [flag.name for flag in flags.ROLE_TP_FLAGS if getattr(args, flag.dest, None) is not None]
+    if given and args.elastic:
+        raise ValueError(f"{given[0]}: an elastic worker changes role, so every worker takes --tensor-parallel-size")
+    if given and args.mode == "colocated":
+        raise ValueError(f"{given[0]} applies to pd and epd modes; colocated workers take --tensor-parallel-size")
+    sizes = serve_tp_sizes(args)
+    for role in MODE_ROLES[args.mode] if args.cluster != "ray" else ():
+        flag = f"--{role}-tp" if f"--{role}-tp" in given else "--tensor-parallel-size"
+        if sizes[role] > len(cores):
+            raise ValueError(f"{flag} {sizes[role]} needs {sizes[role]} cores, one a rank; serve has {len(cores)} "
+                             f"({','.join(map(str, cores))}): give it more --cores or use fewer ranks")
+
+
+def checked_plan(args: Options) -> Placement:
+    """:func:`plan_for`, and (not ``--cluster ray``: a Ray actor's cores are Ray's to place,
+    the worker checks them) each worker's tensor-parallel size checked against its role and
+    cores as the worker will (``worker.setup.rank_cores``), before any starts.
+
+    Raises:
+        ValueError: as :func:`plan_for`, or a worker ``rank_cores`` refuses.
+    """
+    plan = plan_for(args)
+    if args.cluster != "ray":
+        sizes = serve_tp_sizes(args)
+        for role, _, cores in plan:
+            rank_cores(sizes[role], role, args.elastic, cores)
+    return plan
