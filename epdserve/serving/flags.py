@@ -87,8 +87,8 @@ WORKER_FLAGS = (
     Flag("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1,
          help="ranks of one engine worker (vLLM's flag), each a process with its share of the model's heads, MLP "
               "columns and vocabulary and of the KV cache; the worker's cores are split among them and its steps "
-              "run on all of them (docs/tensor-parallel.md). Colocated workers only for now; dense weights (auto: the "
-              "dense copy)"),
+              "run on all of them (docs/tensor-parallel.md); any engine role (KV handed over between any two sizes), not "
+              "encode workers; dense weights (auto: the dense copy)"),
     Flag("--kv-transport", choices=handoff.TRANSPORTS, default="auto",
          help="KV hand-off: shared memory on the same host, TCP otherwise (auto), or one of them"),
     Flag("--kv-transfer-dtype", choices=kv_codec.TRANSFER_DTYPES, default="none",
