@@ -3,7 +3,8 @@ N --decode-tp M``) on this machine's 2 cores: prefill TP=2 → decode TP=1 and T
 give the greedy tokens of one float32 engine, the trace's KV bytes equal those of TP=1 →
 TP=1, no KV block stays held (after aborts too); EPD with a TP=2 prefill worker gives the
 colocated answer for an image; a prefill rank killed mid-request fails that request with
-an error within 5 s and the worker comes back whole."""
+an error within 5 s and the worker comes back whole; elastic workers of 2 ranks switched to
+prefill and decode hand KV over."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from epdserve.engine.request import SamplingParams
 from epdserve.model.tokenizer import chat_prompt_ids
 
 from conftest import _stop, generate, start_deployment
+from test_elastic_serve import _switch, _wait
 from test_epd import ask as ask_image, picture
 from test_serving_cleanup import stream_and_leave, wait_all_free
 from test_tensor_parallel_serve import KILL_ERROR_S, RESTART_TIMEOUT_S, Stream, ask, follower_pids, story_ids, wait_for
@@ -125,3 +127,30 @@ def test_a_prefill_rank_killed_mid_request_fails_it_and_the_worker_comes_back(tm
         assert all(w["blocks_in_use"] == 0 for w in workers(dep).values())
     finally:
         _stop(dep.proc)
+
+
+def test_elastic_tp2_workers_switch_to_prefill_and_decode_and_hand_kv_over(tmp_path, tokenizer, reference):
+    """Two elastic workers of 2 ranks each (sharing the 2 cores) switched to a prefill and a
+    decode worker hand every KV head over through their ranks' pools."""
+    dep = start_deployment("colocated", tmp_path, "--elastic", "--workers", "2", "--elastic-interval", "0",
+                           "--tensor-parallel-size", "2", *F32)
+    try:
+        ids = sorted(workers_by_id(dep))
+        assert all(w["tensor_parallel_size"] == 2 for w in workers_by_id(dep).values())
+        for worker, role in zip(ids, ("prefill", "decode")):
+            _switch(dep, worker, role)
+        _wait(lambda: [w["role"] for w in map(workers_by_id(dep).get, ids)] == ["prefill", "decode"]
+              and not any(w["switching"] for w in workers_by_id(dep).values()), "the switches")
+        prompt = story_ids(tokenizer, 120)
+        want = generate(reference, [prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+        assert [ask(dep.url, "completion", prompt, MAX_TOKENS)] == want
+        one = dep.generate("completion", "The history of the printing press", stream=False, max_tokens=4,
+                           temperature=0)
+        assert dep.trace(one.id)["kv_bytes"] > 0  # it went through a hand-off
+        wait_all_free(dep.url)
+    finally:
+        _stop(dep.proc)
+
+
+def workers_by_id(dep) -> dict[str, dict]:
+    return {w["worker_id"]: w for w in dep.health()["workers"]}
