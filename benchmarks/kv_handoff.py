@@ -27,7 +27,13 @@ In one process, a prefill engine whose KV cache lives in a shared pool
   inside the prefill step, so it moves time from the hand-off into ``prefill_ms`` (shown
   as ``kv_layer_copy_ms``, "layer copies in the prefill").
 
+With ``--prefill-tp 2`` (or ``--decode-tp 2``) that engine is a tensor-parallel one, this
+process its rank 0 and a follower process rank 1 (float32 weights), its KV cache one part
+per rank (docs/tensor-parallel.md): the same tables for a hand-off across TP sizes, whose
+frames have the same bytes as TP=1's.
+
     .venv/bin/python benchmarks/kv_handoff.py [--reps 20] [--prefill-reps 3] [--sizes 512 2048]
+                                              [--prefill-tp N | --decode-tp N]
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -43,6 +50,7 @@ import zmq
 from epdserve.engine.engine import EngineConfig, LLMEngine, StepOutput
 from epdserve.engine.request import SamplingParams
 from epdserve.model.loader import resolve_model
+from epdserve.serving.worker.ranks import Ranks
 from epdserve.serving.worker.setup import new_engine
 from epdserve.transfer import handoff
 from epdserve.transfer.loopback import first_output
@@ -108,6 +116,23 @@ def prefill_and_hand_offs(prefill: LLMEngine, exporter: handoff.Exporter, import
     return times
 
 
+def engines(model_dir: str, prefill_tp: int, decode_tp: int):
+    """``(prefill engine, its shared pool, decode engine, ranks or None)``: the engine of a
+    TP size above 1 is rank 0 of a group whose followers run pinned one a core."""
+    ranks = None
+    if max(prefill_tp, decode_tp) > 1:
+        size = max(prefill_tp, decode_tp)
+        ranks = Ranks.start(size, "bench", model_dir, "float32", "f32", "cpu", [[c % 2] for c in range(size)])
+    config = EngineConfig(kv_cache_memory_mb=512)
+    tp_config = EngineConfig(kv_cache_memory_mb=512, weight_format="f32")
+    prefill, pool = new_engine(model_dir, tp_config if prefill_tp > 1 else config, True,
+                               tp=ranks if prefill_tp > 1 else None)
+    # Without a prefix cache: the same prompt is imported again and again, and every import must copy it.
+    decode_config = replace(tp_config if decode_tp > 1 else config, enable_prefix_caching=False)
+    decode = new_engine(model_dir, decode_config, False, tp=ranks if decode_tp > 1 else None)[0]
+    return prefill, pool, decode, ranks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=20)
@@ -115,13 +140,16 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: a PD worker's share of a 2-core machine)")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of the prefill engine")
+    parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of the decode engine")
     args = parser.parse_args()
     if args.reps < 1 or args.prefill_reps < 0 or min(args.sizes) < 1:
         parser.error("--reps and --sizes must be at least 1, --prefill-reps at least 0")
+    if min(args.prefill_tp, args.decode_tp) < 1 or min(args.prefill_tp, args.decode_tp) > 1:
+        parser.error("--prefill-tp and --decode-tp: at least 1, and only one above 1 (one process group a process)")
     torch.set_num_threads(args.threads)
     info = resolve_model(None)
-    prefill, pool = new_engine(str(info.path), EngineConfig(kv_cache_memory_mb=512), True)
-    decode = LLMEngine(str(info.path), EngineConfig(kv_cache_memory_mb=512))
+    prefill, pool, decode, ranks = engines(str(info.path), args.prefill_tp, args.decode_tp)
     if max(args.sizes) + SAMPLING.max_tokens > prefill.max_model_len:
         parser.error(f"--sizes: at most {prefill.max_model_len - SAMPLING.max_tokens} tokens")
     ctx = zmq.Context()
@@ -129,7 +157,8 @@ def main() -> None:
     exporters = {"pool": handoff.Exporter(prefill, 600, ctx, bind, "none", pool),
                  "staged": handoff.Exporter(prefill, 600, ctx, bind, "none")}
     importers = {"shm": handoff.Importer(ctx, "shm", 60), "tcp": handoff.Importer(ctx, "tcp", 60)}
-    print(f"model {info.name}, float32 KV cache, torch threads {torch.get_num_threads()}\n")
+    print(f"model {info.name}, float32 KV cache, torch threads {torch.get_num_threads()}, "
+          f"prefill TP {args.prefill_tp}, decode TP {args.decode_tp}\n")
     print(f"Table 1: hand-off of the blocks of one prefill, {args.reps} times per row")
     print(f"{'tokens':>6} {'path':<21} {'MB':>7} {'p50 ms':>8} {'p95 ms':>8} {'GB/s p50':>9} {'vs memcpy':>10}"
           f"   p50 export / fetch / import ms")
@@ -181,6 +210,8 @@ def main() -> None:
     for exporter in exporters.values():
         exporter.close()
     ctx.destroy(linger=0)
+    if ranks is not None:
+        ranks.close()
 
 
 if __name__ == "__main__":
