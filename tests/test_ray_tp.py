@@ -9,13 +9,15 @@ start --head`` in a session of its own, stopped by the module on every outcome):
   the same group; after Ctrl-C the group is gone and the CPUs are free;
 * ``-tp 3`` (3 CPUs on one node) stops ``serve`` at once with one line naming the worker
   and what it needed, and leaves no group behind;
-* TP options Ray cannot place so (PD, elastic, a spread placement) are refused before
-  anything starts.
+* ``--mode pd --prefill-tp 2`` (a node of 3 CPUs): a group per worker, 2 bundles and 1,
+  and the answer of one process through a KV hand-off;
+* a spread placement of TP workers is refused before anything starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -124,6 +126,32 @@ def kill_rank0_and_wait(dep, follower: int, group_id: str, address: str) -> None
     check_ranks(dep)
 
 
+def test_pd_with_a_tp2_prefill_worker_is_a_group_per_worker_and_hands_kv_over(tmp_path, model_info, tokenizer):
+    """``--mode pd --prefill-tp 2`` on a node of 3 CPUs (first in the module: before the
+    module's 2-CPU cluster starts): a group of 2 bundles for the prefill worker, one of 1
+    for the decode worker, both STRICT_PACK; the answer of one float32 process, through a
+    KV hand-off."""
+    want = reference_tokens(model_info, tokenizer)
+    with contextlib.contextmanager(one_node)(3) as address:
+        dep = ray_deployment("pd", tmp_path, address, "--prefill-tp", "2", "--weight-format", "f32")
+        try:
+            log = dep.log_tail(10**6)
+            assert ("prefill-0 on Ray (2 ranks of CPU=1, STRICT_PACK), decode-0 on Ray (1 rank of CPU=1, "
+                    "STRICT_PACK)" in log), log[-2000:]
+            groups = cluster_groups(address)["groups"]
+            assert sorted(len(g["bundles"]) for g in groups) == [1, 2]
+            assert all(g["strategy"] == "STRICT_PACK" for g in groups)
+            assert (worker(dep, "prefill-0")["tensor_parallel_size"], worker(dep, "decode-0")["tensor_parallel_size"]) \
+                == (2, 1)
+            assert ask(dep.url, "chat", CHAT, MAX_TOKENS) == want
+            one = dep.generate("completion", "The history of the printing press", stream=False, max_tokens=4,
+                               temperature=0)
+            assert dep.trace(one.id)["kv_bytes"] > 0
+        finally:
+            interrupt(dep.proc)
+        assert cluster_groups(address)["groups"] == []
+
+
 def test_tp2_worker_is_one_strict_pack_group_and_answers_as_one_process(ray_head, tmp_path, model_info, tokenizer):
     want = reference_tokens(model_info, tokenizer)
     t0 = time.monotonic()
@@ -155,16 +183,11 @@ def test_unplaceable_tp_stops_serve_at_once_naming_the_worker(ray_head):
     wait_for(lambda: cluster_groups(ray_head) == {"groups": [], "free_cpus": 2.0}, 30, "no group left")
 
 
-@pytest.mark.parametrize("mode,extra,message", [
-    ("pd", [], "--tensor-parallel-size 2 with --mode pd on Ray: tensor-parallel workers on Ray are colocated"),
-    ("colocated", ["elastic"], "--tensor-parallel-size 2 with --elastic on Ray: tensor-parallel workers on Ray"),
-    ("colocated", ["SPREAD"], "--worker-placement SPREAD with --tensor-parallel-size 2 on Ray: each worker is a "
-                              "placement group of its own (2 bundles, STRICT_PACK: its ranks on one node)"),
-])
-def test_tp_options_ray_cannot_place_are_refused(mode, extra, message):
-    args = argparse.Namespace(tensor_parallel_size=2, mode=mode, elastic="elastic" in extra,
-                              worker_placement="SPREAD" if "SPREAD" in extra else "PACK")
-    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+def test_tp_with_a_spread_placement_is_refused():
+    args = argparse.Namespace(tensor_parallel_size=2, mode="colocated", elastic=False, worker_placement="SPREAD")
+    with pytest.raises(ValueError, match=r"^--worker-placement SPREAD with --tensor-parallel-size 2 on Ray: each worker "
+                                         r"is a placement group of its own \(2 bundles, STRICT_PACK: its ranks on one"):
         ray_ranks.check_options(args)
-    ray_ranks.check_options(argparse.Namespace(tensor_parallel_size=2, mode="colocated", elastic=False,
-                                               worker_placement="PACK"))
+    for mode, elastic in (("colocated", False), ("pd", False), ("colocated", True)):
+        ray_ranks.check_options(argparse.Namespace(tensor_parallel_size=2, mode=mode, elastic=elastic,
+                                                   worker_placement="PACK"))

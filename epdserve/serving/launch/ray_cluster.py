@@ -53,6 +53,7 @@ import socket
 import time
 
 from epdserve.argtypes import Options
+from epdserve.serving.deployment import serve_tp_sizes
 from epdserve.serving.launch import ray_ranks
 from epdserve.serving.launch.ray_ranks import format_resources as _format
 
@@ -235,9 +236,11 @@ class RayWorkers:
 
     def placement(self, plan) -> str:
         """The placement line ``serve`` logs and prints."""
-        if ray_ranks.size(self.args) > 1:
-            return ", ".join(f"{wid} on Ray ({ray_ranks.size(self.args)} ranks of {_format(self.resources[role])}, "
-                             f"{ray_ranks.STRATEGY})" for role, wid, _ in plan)
+        if ray_ranks.ranked(self.args):
+            sizes = serve_tp_sizes(self.args)
+            return ", ".join(f"{wid} on Ray ({sizes[role]} rank{'s' if sizes[role] > 1 else ''} of "
+                             f"{_format(self.resources[self._option_role(role)])}, {ray_ranks.STRATEGY})"
+                             for role, wid, _ in plan)
         return ", ".join(f"{wid} on Ray ({_format(self.resources[self._option_role(role)])}, "
                          f"{getattr(self.args, ROLE_OPTION[self._option_role(role)] + '_placement')})"
                          for role, wid, _ in plan)
@@ -257,7 +260,7 @@ class RayWorkers:
         from ray.util.placement_group import placement_group
 
         self.next_index = len(plan)
-        if ray_ranks.size(self.args) > 1:
+        if ray_ranks.ranked(self.args):
             return self._launch_ranked(plan, argv)
         for role in dict.fromkeys(self._option_role(r) for r, _, _ in plan):
             ids = [wid for r, wid, _ in plan if self._option_role(r) == role]
@@ -276,17 +279,23 @@ class RayWorkers:
 
     def _launch_ranked(self, plan, argv: dict[str, list[str]]) -> None:
         """:meth:`launch` of tensor-parallel workers: a placement group per worker (one bundle
-        a rank, ``ray_ranks.create_groups``), the actor on bundle 0 once every group is placed.
+        a rank of its role's size and resources, ``ray_ranks.create_groups``), the actors on
+        bundle 0 once every group is placed.
 
         Raises:
             PlacementError: a group cannot be placed (``ray_ranks.wait_placed``).
         """
-        tp, res = ray_ranks.size(self.args), self.resources["colocated"]
-        groups = ray_ranks.create_groups([wid for _, wid, _ in plan], res, tp)
-        self.groups.extend(groups.values())  # before the wait: stop() removes them whatever happens
-        ray_ranks.wait_placed(groups, res, tp, self.args.startup_timeout)
-        for wid, group in groups.items():
-            self._start_actor(wid, group, 0, argv[wid], res, ranks=tp)
+        sizes, placed = serve_tp_sizes(self.args), []
+        for role in dict.fromkeys(r for r, _, _ in plan):
+            tp, res = sizes[role], self.resources[self._option_role(role)]
+            groups = ray_ranks.create_groups([wid for r, wid, _ in plan if r == role], res, tp)
+            self.groups.extend(groups.values())  # before the wait: stop() removes them whatever happens
+            placed.append((groups, res, tp))
+        for groups, res, tp in placed:
+            ray_ranks.wait_placed(groups, res, tp, self.args.startup_timeout)
+        for groups, res, tp in placed:
+            for wid, group in groups.items():
+                self._start_actor(wid, group, 0, argv[wid], res, ranks=tp)
 
     def _start_actor(self, wid: str, group, index: int, argv: list[str], res: dict[str, float],
                      ranks: int = 1) -> None:

@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from epdserve.argtypes import Options
+from epdserve.serving.deployment import serve_tp_sizes
 
 log = logging.getLogger("epdserve.ray")
 
@@ -45,27 +46,21 @@ class PlacementError(TimeoutError):
     role's placement that timed out: one line, exit status 1."""
 
 
-def size(args: Options) -> int:
-    """The tensor-parallel size of serve's workers (1 when not given)."""
-    return getattr(args, "tensor_parallel_size", None) or 1
+def ranked(args: Options) -> bool:
+    """Whether any worker of serve's options has more than one rank (``serve_tp_sizes``)."""
+    return max(serve_tp_sizes(args).values()) > 1
 
 
 def check_options(args: Options) -> None:
-    """serve's options against a tensor-parallel worker on Ray, before any worker starts.
+    """serve's options against tensor-parallel workers on Ray, before any worker starts.
 
     Raises:
-        ValueError: ``-tp`` above 1 on workers that are not colocated (elastic, PD, EPD:
-            the groups take the colocated role's resources, one size for every worker), or
-            with a ``--worker-placement`` other than PACK (each worker is a STRICT_PACK
-            group of its own; Ray places the groups).
+        ValueError: a worker of more than one rank with a ``--worker-placement`` other than
+            PACK (each worker is a STRICT_PACK group of its own; Ray places the groups).
     """
-    tp = size(args)
-    if tp == 1:
+    if not ranked(args):
         return
-    if args.elastic or args.mode != "colocated":
-        raise ValueError(f"--tensor-parallel-size {tp} with {'--elastic' if args.elastic else '--mode ' + args.mode} "
-                         "on Ray: tensor-parallel workers on Ray are colocated ones only so far (run PD and "
-                         "elastic tensor-parallel workers with the local launcher)")
+    tp = max(serve_tp_sizes(args).values())
     if args.worker_placement != "PACK":
         raise ValueError(f"--worker-placement {args.worker_placement} with --tensor-parallel-size {tp} on Ray: each "
                          f"worker is a placement group of its own ({tp} bundles, {STRATEGY}: its ranks on one node) "
