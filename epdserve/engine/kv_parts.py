@@ -18,7 +18,7 @@ import itertools
 
 import torch
 
-HEAD_DIM = 4  # the KV-head axis of a part (and of a block tensor)
+HEADS_AXIS = 4  # the KV-head axis of a part (and of a block tensor)
 
 
 class KVParts:
@@ -34,31 +34,23 @@ class KVParts:
             raise ValueError("a KV cache needs at least one part")
         first = parts[0]
         for p in parts[1:]:
-            if (p.shape[:HEAD_DIM] != first.shape[:HEAD_DIM] or p.shape[HEAD_DIM + 1:] != first.shape[HEAD_DIM + 1:]
+            if (p.shape[:HEADS_AXIS] != first.shape[:HEADS_AXIS] or p.shape[HEADS_AXIS + 1:] != first.shape[HEADS_AXIS + 1:]
                     or p.dtype != first.dtype or p.device != first.device):
                 raise ValueError(f"KV parts {tuple(first.shape)} {first.dtype} on {first.device} and "
                                  f"{tuple(p.shape)} {p.dtype} on {p.device} differ in more than their KV heads")
         self.parts = list(parts)
-        self.heads = [p.shape[HEAD_DIM] for p in parts]
+        self.heads = [p.shape[HEADS_AXIS] for p in parts]
         self.starts = list(itertools.accumulate(self.heads, initial=0))[:-1]
 
     @property
     def num_kv_heads(self) -> int:
         return sum(self.heads)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.parts[0].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.parts[0].device
-
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The shape of ``num_blocks`` of these blocks with every KV head: ``[layers, 2,
         num_blocks, block_size, kv_heads, head_dim]``."""
         shape = list(self.parts[0].shape)
-        shape[2], shape[HEAD_DIM] = num_blocks, self.num_kv_heads
+        shape[2], shape[HEADS_AXIS] = num_blocks, self.num_kv_heads
         return tuple(shape)
 
     def layer(self, index: int) -> KVParts:
