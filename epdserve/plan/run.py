@@ -387,6 +387,9 @@ def run_calibrate(args) -> int:
             print(f"{size}-core worker{model}: ms = [{coef}] · [{', '.join(FEATURES)}]; "
                   f"mean |error| {fit['mean_abs_rel_error']:.1%} over {len(fit['samples'])} steps; "
                   f"the fits of its {fit['rounds']} rounds differ by {fit['round_spread']:.1%}")
+    for ranks, fit in cal.get("tp_steps", {}).items():
+        print(f"worker of {ranks} tensor-parallel ranks: ms = [{', '.join(f'{c:.4g}' for c in fit['coef'])}]; "
+              f"mean |error| {fit['mean_abs_rel_error']:.1%} over {len(fit['samples'])} steps")
     for size, fit in cal.get("vision", {}).get("encode", {}).items():
         print(f"{size}-core worker: encode {fit['ms_per_tile']:.0f} ms per image tile "
               f"(calls of {', '.join(str(c['images']) for c in fit['samples'])} images)")
