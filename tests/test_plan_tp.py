@@ -13,6 +13,7 @@ import torch
 
 from epdserve.bench.workload import Request, save_trace
 from epdserve.plan import calibrate
+from epdserve.plan.serving_fit import fitted_on
 from epdserve.plan.simulate import WorkerSpec, simulate
 from epdserve.plan.validation import compare_deployment, compare_limits, validate
 
@@ -135,3 +136,10 @@ def test_calibrate_times_a_tp2_worker(model_info, monkeypatch):
 class _NoBar:
     def update(self, n: int) -> None:
         pass
+
+
+def test_the_serving_fit_leaves_tp_configurations_out():
+    assert fitted_on({"name": "1p1d"}) and fitted_on({"name": "colocated-2"})
+    assert not fitted_on({"name": "1p1d-tp2/1"}) and not fitted_on({"name": "colocated-tp2"})
+    assert not fitted_on({"name": "elastic", "mode": "elastic"})
+    assert fitted_on({"name": "a name of another epdserve"})
