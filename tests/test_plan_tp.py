@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from epdserve.bench.workload import Request, save_trace
-from epdserve.plan import calibrate
+from epdserve.plan import calibrate, search
+from epdserve.plan.costmodel import NoStepModel
 from epdserve.plan.serving_fit import fitted_on
 from epdserve.plan.simulate import WorkerSpec, simulate
 from epdserve.plan.validation import compare_deployment, compare_limits, validate
@@ -143,3 +144,17 @@ def test_the_serving_fit_leaves_tp_configurations_out():
     assert not fitted_on({"name": "1p1d-tp2/1"}) and not fitted_on({"name": "colocated-tp2"})
     assert not fitted_on({"name": "elastic", "mode": "elastic"})
     assert fitted_on({"name": "a name of another epdserve"})
+
+
+def test_plan_candidates_name_their_tp_workers_and_are_skipped_without_a_fit():
+    platform = calibrate.platform_from(calibration())
+    three = {d.name: d for d in search.candidates(platform, 3)}
+    # Each -tp name's workers are tensor parallel, as serve runs that name; colocated's one worker is one process.
+    assert three["1p1d-tp2/1"].workers == (WorkerSpec("prefill", 2, tp=2), WorkerSpec("decode", 1))
+    assert {d.name: d for d in search.candidates(platform, 2)}["colocated"].workers == (WorkerSpec("colocated", 2),)
+    assert {d.name: d for d in search.candidates(platform, 4)}["colocated-2-tp2"].workers[0].tp == 2
+    reqs = [req(0.0, 5, 3)]
+    records, _ = simulate(three["1p1d-tp2/1"], platform, reqs)
+    assert records[0].chunk_times_s[0] == pytest.approx(0.033)  # router 3 ms + the TP fit's 30 ms
+    with pytest.raises(NoStepModel):
+        simulate(three["1p1d-tp2/1"], calibrate.platform_from(calibration(tp=False)), reqs)

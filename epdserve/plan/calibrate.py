@@ -42,7 +42,7 @@ from epdserve.engine.request import SamplingParams
 from epdserve.model.image_processor import ImageProcessor
 from epdserve.model.loader import DEFAULT_VLM, resolve_model
 from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
-from epdserve.plan.costmodel import FEATURES, ImageCost, LinearStep, Link, Platform
+from epdserve.plan.costmodel import FEATURES, ImageCost, LinearStep, Link, NoStepModel, Platform
 from epdserve.plan.model_spec import ModelSpec
 from epdserve.plan.serving_fit import step_uncertainty
 from epdserve.model.image_processor import ImageInput
@@ -423,18 +423,18 @@ def _tp_step(tp_steps: dict[int, LinearStep], vlm: bool, ranks: int) -> LinearSt
     """``Platform.tp_step`` of a calibration's :func:`tp_step_models`.
 
     Raises:
-        ValueError: no fit of that many ranks (the message says why, and what to run).
+        NoStepModel: no fit of that many ranks (the message says why, and what to run).
     """
     if ranks in tp_steps:
         return tp_steps[ranks]
     if vlm:
-        raise ValueError("this calibration has no step fit of a tensor-parallel worker of the vision-language "
-                         "model's language model (only the text model's are timed)")
+        raise NoStepModel("this calibration has no step fit of a tensor-parallel worker of the vision-language "
+                          "model's language model (only the text model's are timed)")
     if tp_steps:
-        raise ValueError(f"this calibration has no step fit of a tensor-parallel worker of {ranks} ranks "
-                         f"(have {sorted(tp_steps)})")
-    raise ValueError(f"this calibration has no step fit of a tensor-parallel worker ({ranks} ranks): made "
-                     f"before they were timed; rerun `epdserve plan calibrate`")
+        raise NoStepModel(f"this calibration has no step fit of a tensor-parallel worker of {ranks} ranks "
+                          f"(have {sorted(tp_steps)})")
+    raise NoStepModel(f"this calibration has no step fit of a tensor-parallel worker ({ranks} ranks): made "
+                      f"before they were timed; rerun `epdserve plan calibrate`")
 
 
 def tp_step_models(cal: dict, vlm: bool = False) -> dict[int, LinearStep]:

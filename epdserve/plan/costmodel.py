@@ -197,6 +197,11 @@ def roofline_encode_ms(model: ModelSpec, device: Device, tiles: int, devices: in
     return max(compute_ms, memory_ms) + device.step_overhead_ms
 
 
+class NoStepModel(ValueError):
+    """A platform has no step model of a kind of worker (a tensor-parallel one on a CPU
+    calibration made before those were timed); other deployments may still be simulated."""
+
+
 @dataclass
 class Platform:
     """Everything the simulator needs about one kind of hardware running one model.
@@ -260,8 +265,9 @@ class Platform:
         (1: one process on all of them).
 
         Raises:
-            ValueError: no model of such a worker on this platform (a calibration made
-                before TP workers were timed, a size not calibrated).
+            NoStepModel: no model of a TP worker of ``tp`` ranks (a calibration made
+                before TP workers were timed).
+            ValueError: no model of a one-process worker of ``devices``.
         """
         if tp > 1 and self.tp_step is not None:
             return self.tp_step(tp)
