@@ -37,7 +37,11 @@ about 1,700 default-model images, so it is taken as unbounded): a repeated image
 nothing. Workers whose :class:`WorkerSpec` ``share`` tags match run on the same devices
 and split them while more than one is busy (processor sharing, as the OS time-slices
 processes pinned to the same cores: the launcher's EPD placement on 2 cores puts encode
-and prefill on core 0).
+and prefill on core 0). A tensor-parallel worker (``WorkerSpec.tp``) steps by the platform's
+model of its ranks (``Platform.worker_step``: on a calibrated CPU its TP fit); workers whose
+``overlap`` tags match share some of their cores (the launcher's round-robin placement of more
+ranks than cores) and run on their own devices, every step slowed by ``contended_slowdown``
+while another of them is busy (docs/planner-validation.md, "Tensor-parallel configurations").
 
 Requests are :class:`~epdserve.bench.workload.Request` (a bench trace); the simulator
 reads their offsets, token counts and images, and their texts only for shared starts. Each request yields the
