@@ -7,7 +7,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -110,33 +109,24 @@ def test_validate_predicts_a_tp_configuration_or_says_why_not(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_calibrate_times_a_tp2_worker(model_info, monkeypatch):
-    """The TP=2 timing of ``plan calibrate`` at tiny sizes: rank 0 here on one core, a
-    follower on the next; a fit of every step."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
+def test_calibrate_times_a_tp2_worker(model_info, monkeypatch, tmp_path):
+    """``plan calibrate`` at tiny sizes, the text model only: beside the 1- and 2-core fits,
+    a fit of a TP=2 worker (rank 0 here on one core, a follower on the next) that loads."""
+    if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores")
     monkeypatch.setattr(calibrate, "PREFILL_LENS", (16, 48, 96))
     monkeypatch.setattr(calibrate, "DECODE_BATCHES", (1, 2))
     monkeypatch.setattr(calibrate, "DECODE_CONTEXTS", (32,))
     monkeypatch.setattr(calibrate, "TP_KV_MB", 32)
-    threads = torch.get_num_threads()
-    os.sched_setaffinity(0, cores[:1])
-    torch.set_num_threads(1)
-    try:
-        fit = calibrate._tp_fit(model_info.path, cores, lambda d, engine: calibrate._fit_steps(
-            d, rounds=1, reps=1, decode_steps=2, rng=np.random.default_rng(0), prefix=[], bar=_NoBar(), engine=engine))
-    finally:
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(threads)
+    monkeypatch.setattr(calibrate, "_vision_dir", lambda info: None)
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    cal = calibrate.calibrate(str(model_info.path), reps=1, decode_steps=2, rounds=1, progress=False)
+    assert os.sched_getaffinity(0) == cores and torch.get_num_threads() == threads
+    fit = cal["tp_steps"]["2"]
     assert len(fit["samples"]) == 3 + 2 * 2 * 2 and all(s["ms"] > 0 for s in fit["samples"])
-    step = calibrate.platform_from(dict(calibration(), tp_steps={"2": fit})).worker_step(2, 2)
-    assert step.step_ms([(96, 0)]) > step.step_ms([], 1, 32, 32) > 0
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
+    platform = calibrate.platform_from(calibrate.load(calibrate.save(cal, tmp_path / "cal.json")))
+    step = platform.worker_step(2, 2)
+    assert step.coef == tuple(fit["coef"]) and step.step_ms([(96, 0)]) > step.step_ms([], 1, 32, 32) > 0
 
 
 def test_the_serving_fit_leaves_tp_configurations_out():
