@@ -351,7 +351,8 @@ def load(path: str | Path) -> dict:
     if not isinstance(cal, dict) or not {"steps", "kv_link", "kv_bytes_per_token"} <= set(cal):
         raise ValueError(f"{path}: not an epdserve calibration file")
     try:
-        if any(len(fit["coef"]) != len(FEATURES) for fit in [*cal["steps"].values(), *cal.get("tp_steps", {}).values()]):
+        fits = [*cal["steps"].values(), *cal.get("tp_steps", {}).values()]
+        if any(len(fit["coef"]) != len(FEATURES) for fit in fits):
             raise ValueError("made by an older epdserve (other cost-model features); run `epdserve plan "
                              "calibrate` again")
         platform_from(cal)
@@ -389,7 +390,8 @@ def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platf
     serving = {k: float(cal.get("serving", {}).get(k, 1.0)) for k in ("decode_slowdown", "contended_slowdown")}
     prefill_slowdown = {int(k): float(v) for k, v in cal.get("serving", {}).get("prefill_slowdown", {}).items()}
     tp_steps = tp_step_models(cal, vlm)
-    if any(c < 0 for fit in [*steps.values(), *tp_steps.values()] for c in fit.coef) or min([*serving.values(), *prefill_slowdown.values()]) <= 0:
+    if any(c < 0 for fit in [*steps.values(), *tp_steps.values()] for c in fit.coef) \
+            or min([*serving.values(), *prefill_slowdown.values()]) <= 0:
         raise ValueError("negative step coefficients or serving factors")
 
     def step(devices: int) -> LinearStep:
