@@ -180,7 +180,8 @@ def sweep_attainment(entry: dict, cores: int, platform: Platform, requests: list
     points of attainment can be worth a third of the rate.
 
     Raises:
-        ValueError: as :func:`compare_deployment`.
+        ValueError: as :func:`compare_deployment`; ``NoStepModel`` (a ``ValueError``): a
+            tensor-parallel worker the platform has no step model of.
     """
     dep = compare_deployment(entry["name"], cores)
     rows = []
