@@ -6,7 +6,9 @@ prefill steps of several prompt lengths and decode steps of several batch sizes 
 contexts, fits a :class:`~epdserve.plan.costmodel.LinearStep` per worker size, times
 :meth:`~epdserve.engine.encoder.EncodeEngine.encode` (the vision tower of the model, or for
 the default text model that of the default vision-language model, whose language model it
-is) per tile at each worker size, times a real shared-memory KV hand-off, and writes
+is) per tile at each worker size, fits the steps of a worker of 2 tensor-parallel ranks
+(``tp_steps``: this process rank 0 on one core, a follower process on the next, as serve
+runs ``--tensor-parallel-size 2`` here), times a real shared-memory KV hand-off, and writes
 everything as JSON. ``epdserve plan validate``
 later stores the prediction errors it measures in the same file, so ``plan`` can state them.
 
@@ -40,10 +42,11 @@ from epdserve.engine.request import SamplingParams
 from epdserve.model.image_processor import ImageProcessor
 from epdserve.model.loader import DEFAULT_VLM, resolve_model
 from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
-from epdserve.plan.costmodel import FEATURES, ImageCost, LinearStep, Link, Platform
+from epdserve.plan.costmodel import FEATURES, ImageCost, LinearStep, Link, NoStepModel, Platform
 from epdserve.plan.model_spec import ModelSpec
 from epdserve.plan.serving_fit import step_uncertainty
 from epdserve.model.image_processor import ImageInput
+from epdserve.serving.worker.ranks import Ranks
 from epdserve.serving.worker.setup import new_engine
 from epdserve.transfer import handoff, loopback
 
@@ -61,6 +64,10 @@ PROCESSOR_FIELDS = ("longest_edge", "max_image_size", "image_seq_len", "do_resiz
 # 1, the API's default) adds ~1.8 ms per sequence to a step on this CPU, which served greedy
 # runs never pay.
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+# The tensor-parallel worker timed (``tp_steps``): ranks, and each rank's KV budget (MiB;
+# the decode batches' largest, 32 sequences of up to 1,024 tokens, fit in rank 0's shard).
+TP_SIZE = 2
+TP_KV_MB = 768
 # Indicative price of one CPU core-hour (USD), to rank candidates by cost like GPUs.
 CPU_CORE_PRICE_PER_HOUR = 0.04
 
@@ -76,12 +83,13 @@ def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(100, vocab - 1, size=n).tolist()
 
 
-def _prefill_steps(model_dir: str, reps: int, rng, prefix: list[int]) -> list[dict]:
+def _prefill_steps(model_dir: str, reps: int, rng, prefix: list[int], engine: LLMEngine | None = None) -> list[dict]:
     """Prefill steps of :data:`PREFILL_LENS`-token prompts that start with ``prefix`` (the
     chat template's system turn), as served prompts do: after the first, the prefix cache
     holds its full blocks and each step computes the rest over them (the attention over a
-    cached context) as served prefills do."""
-    engine = LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=256))
+    cached context) as served prefills do. On ``engine`` if given (a tensor-parallel one),
+    else on a new one."""
+    engine = engine or LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=256))
     vocab = engine.model.config.vocab_size
     out = []
     for n in PREFILL_LENS:
@@ -96,19 +104,21 @@ def _prefill_steps(model_dir: str, reps: int, rng, prefix: list[int]) -> list[di
     return out
 
 
-def _decode_steps(model_dir: str, steps: int, rng) -> list[dict]:
+def _decode_steps(model_dir: str, steps: int, rng, given: LLMEngine | None = None) -> list[dict]:
     """Decode steps at each batch size, with every context equal (each of
     :data:`DECODE_CONTEXTS`) and spread from 32 to 1,024 tokens (the padded attention gather
-    costs by the longest)."""
+    costs by the longest); each batch on a new engine, or on ``given`` (a tensor-parallel
+    one), whose requests are then aborted."""
     out = []
     for batch in DECODE_BATCHES:
         shapes = [[ctx] * batch for ctx in DECODE_CONTEXTS] + [np.linspace(32, 1024, batch).astype(int).tolist()]
         for contexts in shapes:
-            engine = LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=512))
+            engine = given or LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=512))
             vocab = engine.model.config.vocab_size
-            for i, ctx in enumerate(contexts):
+            ids = [f"d{len(out)}-{i}" for i in range(len(contexts))]
+            for rid, ctx in zip(ids, contexts):
                 kv = torch.zeros(engine.kv_block_shape(engine.pool.blocks_for(ctx)), dtype=engine.kv_cache.dtype)
-                engine.add_request(f"d{i}", _prompt(rng, ctx, vocab),
+                engine.add_request(rid, _prompt(rng, ctx, vocab),
                                    SamplingParams(max_tokens=steps + 2, **GREEDY), TensorKV(kv), first_token=42)
             engine.step()  # imports the KV
             for i in range(steps):
@@ -117,6 +127,8 @@ def _decode_steps(model_dir: str, steps: int, rng) -> list[dict]:
                 ms = (time.perf_counter() - start) * 1e3
                 out.append({"prefill": [], "num_decode": batch, "decode_context": sum(contexts) + batch * (1 + i),
                             "decode_max_context": max(contexts) + 1 + i, "ms": ms})
+            for rid in ids:
+                engine.abort(rid)
     return out
 
 
@@ -215,18 +227,18 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
         raise RuntimeError("calibration needs 2 usable cores (workers of 1 and 2 cores)")
     template, prefix = _template_tokens(info.path)
     # One unit: a round of every step of one model (the default VLM's language model too) on one worker size.
-    bar = tqdm(total=2 * rounds * (1 + (vision_dir is not None)), desc="calibrate", unit="round",
+    bar = tqdm(total=2 * rounds * (1 + (vision_dir is not None)) + rounds, desc="calibrate", unit="round",
                disable=not progress)
     fit_steps = partial(_fit_steps, rounds=rounds, reps=reps, decode_steps=decode_steps,
                         rng=np.random.default_rng(seed), prefix=prefix, bar=bar)
     try:
-        fits, vlm_fits, encode, link = _measure(info.path, vision_dir, cores, fit_steps)
+        fits, vlm_fits, encode, tp_fits, link = _measure(info.path, vision_dir, cores, fit_steps)
     finally:
         bar.close()
     kv_bpt = ModelSpec.from_dir(info.name, info.path, info.multimodal).kv_bytes_per_token(4)  # float32 KV on the wire
     cal = {"model": info.name, "machine": f"{host.processor() or host.machine()} ({len(cores)} cores)",
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "steps": fits, "kv_link": {"gbs": link.gbs, "latency_ms": link.latency_ms},
+           "steps": fits, "tp_steps": tp_fits, "kv_link": {"gbs": link.gbs, "latency_ms": link.latency_ms},
            "kv_bytes_per_token": kv_bpt, "template_tokens": template,
            "template_prefix_tokens": len(prefix), "validations": {}}
     if vision_dir is not None:
@@ -244,13 +256,15 @@ def _template_tokens(model_dir: Path) -> tuple[int, list[int]]:
     return template, a[:prefix]
 
 
-def _fit_steps(model_dir: Path, rounds: int, reps: int, decode_steps: int, rng, prefix: list[int], bar) -> dict:
-    """Time ``rounds`` rounds of every prefill and decode step of one model here and fit
-    the step model on their medians: the calibration's entry for this worker size."""
+def _fit_steps(model_dir: Path, rounds: int, reps: int, decode_steps: int, rng, prefix: list[int], bar,
+               engine: LLMEngine | None = None) -> dict:
+    """Time ``rounds`` rounds of every prefill and decode step of one model here (on
+    ``engine`` if given) and fit the step model on their medians: the calibration's entry
+    for this worker size."""
     timed = []
     for _ in range(rounds):
-        timed.append(_prefill_steps(str(model_dir), reps, rng, prefix)
-                     + _decode_steps(str(model_dir), decode_steps, rng))
+        timed.append(_prefill_steps(str(model_dir), reps, rng, prefix, engine)
+                     + _decode_steps(str(model_dir), decode_steps, rng, engine))
         bar.update(1)
     samples, spread = _median_rounds(timed)
     step, err = _fit(samples)
@@ -259,10 +273,11 @@ def _fit_steps(model_dir: Path, rounds: int, reps: int, decode_steps: int, rng, 
 
 
 def _measure(model_dir: Path, vision_dir: Path | None, cores: list[int],
-             fit_steps: Callable[[Path], dict]) -> tuple[dict, dict, dict, Link]:
+             fit_steps: Callable[..., dict]) -> tuple[dict, dict, dict, dict, Link]:
     """Step fits of the model (and of the VLM's language model) and encode timings per
-    worker size, pinned to 1 and then 2 of ``cores``, then the KV hand-off on one core;
-    the process's cores and threads are restored afterwards."""
+    worker size, pinned to 1 and then 2 of ``cores``, the model's step fit of a TP=2
+    worker (:func:`_tp_fit`), then the KV hand-off on one core; the process's cores and
+    threads are restored afterwards."""
     saved_threads = torch.get_num_threads()
     fits, vlm_fits, encode = {}, {}, {}
     try:
@@ -278,11 +293,27 @@ def _measure(model_dir: Path, vision_dir: Path | None, cores: list[int],
                 encode[str(size)] = {"ms_per_tile": ms, "samples": calls}
         os.sched_setaffinity(0, cores[:1])
         torch.set_num_threads(1)
+        tp_fits = {str(TP_SIZE): _tp_fit(model_dir, cores, fit_steps)}
         link = _handoff_ms(str(model_dir))
     finally:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(saved_threads)
-    return fits, vlm_fits, encode, link
+    return fits, vlm_fits, encode, tp_fits, link
+
+
+def _tp_fit(model_dir: Path, cores: list[int], fit_steps: Callable[..., dict]) -> dict:
+    """The step fit of a worker of :data:`TP_SIZE` tensor-parallel ranks as serve runs one
+    here (float32 weights, one core and one thread a rank): this process, pinned to
+    ``cores[0]`` with one thread by the caller, is rank 0, the followers run on the next
+    cores; the same steps as the other fits, on one engine."""
+    ranks = Ranks.start(TP_SIZE, f"calibrate-tp{TP_SIZE}", str(model_dir), "float32", "f32", "cpu",
+                        [[c] for c in cores[:TP_SIZE]])
+    try:
+        engine = LLMEngine(str(model_dir), EngineConfig(kv_cache_memory_mb=TP_KV_MB, weight_format="f32",
+                                                        dtype="float32"), tp=ranks)
+        return fit_steps(model_dir, engine=engine)
+    finally:
+        ranks.close()
 
 
 def _vision_section(name: str, vision_dir: Path, vlm_fits: dict, encode: dict) -> dict:
@@ -320,7 +351,8 @@ def load(path: str | Path) -> dict:
     if not isinstance(cal, dict) or not {"steps", "kv_link", "kv_bytes_per_token"} <= set(cal):
         raise ValueError(f"{path}: not an epdserve calibration file")
     try:
-        if any(len(fit["coef"]) != len(FEATURES) for fit in cal["steps"].values()):
+        fits = [*cal["steps"].values(), *cal.get("tp_steps", {}).values()]
+        if any(len(fit["coef"]) != len(FEATURES) for fit in fits):
             raise ValueError("made by an older epdserve (other cost-model features); run `epdserve plan "
                              "calibrate` again")
         platform_from(cal)
@@ -341,7 +373,8 @@ def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platf
     worker's size (1 without them: not fitted yet, or older calibrations)
     and known to :func:`step_uncertainty`, the last validation of each workload, and each
     worker's KV cache as ``epdserve serve`` sizes it (``--kv-cache-memory-mb`` default,
-    float32 KV, whatever its cores).
+    float32 KV, whatever its cores). A tensor-parallel worker (``Platform.tp_step``) steps
+    by the ``tp_steps`` fit of its ranks (the text model's only; :func:`tp_step_models`).
 
     The text model's platform takes no images: those need ``vlm``.
 
@@ -356,7 +389,9 @@ def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platf
     steps = {int(k): LinearStep(tuple(float(c) for c in v["coef"])) for k, v in fitted.items()}
     serving = {k: float(cal.get("serving", {}).get(k, 1.0)) for k in ("decode_slowdown", "contended_slowdown")}
     prefill_slowdown = {int(k): float(v) for k, v in cal.get("serving", {}).get("prefill_slowdown", {}).items()}
-    if any(c < 0 for fit in steps.values() for c in fit.coef) or min([*serving.values(), *prefill_slowdown.values()]) <= 0:
+    tp_steps = tp_step_models(cal, vlm)
+    if any(c < 0 for fit in [*steps.values(), *tp_steps.values()] for c in fit.coef) \
+            or min([*serving.values(), *prefill_slowdown.values()]) <= 0:
         raise ValueError("negative step coefficients or serving factors")
 
     def step(devices: int) -> LinearStep:
@@ -382,4 +417,34 @@ def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platf
                     template_tokens=cal.get("template_tokens", 0),
                     template_prefix_tokens=cal.get("template_prefix_tokens", 0),
                     error=list(cal.get("validations", {}).values()) or None,
-                    images=images, kv_capacity_tokens=lambda devices: kv_capacity)
+                    images=images, kv_capacity_tokens=lambda devices: kv_capacity,
+                    tp_step=partial(_tp_step, tp_steps, vlm))
+
+
+def _tp_step(tp_steps: dict[int, LinearStep], vlm: bool, ranks: int) -> LinearStep:
+    """``Platform.tp_step`` of a calibration's :func:`tp_step_models`.
+
+    Raises:
+        NoStepModel: no fit of that many ranks (the message says why, and what to run).
+    """
+    if ranks in tp_steps:
+        return tp_steps[ranks]
+    if vlm:
+        raise NoStepModel("this calibration has no step fit of a tensor-parallel worker of the vision-language "
+                          "model's language model (only the text model's are timed)")
+    if tp_steps:
+        raise NoStepModel(f"this calibration has no step fit of a tensor-parallel worker of {ranks} ranks "
+                          f"(have {sorted(tp_steps)})")
+    raise NoStepModel(f"this calibration has no step fit of a tensor-parallel worker ({ranks} ranks): made "
+                      f"before they were timed; rerun `epdserve plan calibrate`")
+
+
+def tp_step_models(cal: dict, vlm: bool = False) -> dict[int, LinearStep]:
+    """The step models of tensor-parallel workers in a calibration, by ranks: its
+    ``tp_steps`` fits (``{"2": fit}``, a fit as each of ``steps``': ``coef`` in
+    :data:`FEATURES` order, its samples, rounds and errors), timed by ``epdserve plan
+    calibrate`` on a worker of that many one-core, one-thread ranks (float32); none in
+    calibrations made before, nor for the vision-language model (``vlm``)."""
+    if vlm:
+        return {}
+    return {int(k): LinearStep(tuple(float(c) for c in v["coef"])) for k, v in cal.get("tp_steps", {}).items()}

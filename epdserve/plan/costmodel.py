@@ -197,6 +197,11 @@ def roofline_encode_ms(model: ModelSpec, device: Device, tiles: int, devices: in
     return max(compute_ms, memory_ms) + device.step_overhead_ms
 
 
+class NoStepModel(ValueError):
+    """A platform has no step model of a kind of worker (a tensor-parallel one on a CPU
+    calibration made before those were timed); other deployments may still be simulated."""
+
+
 @dataclass
 class Platform:
     """Everything the simulator needs about one kind of hardware running one model.
@@ -227,7 +232,12 @@ class Platform:
     prompt, the first ``template_prefix_tokens`` of them the same in every prompt (its
     system turn: the engine's prefix cache keeps their full blocks); ``error``: the
     prediction errors of the last validation of each workload (as ``plan validate`` stores
-    them; None if never validated).
+    them; None if never validated); ``tp_step(ranks)``: the step model of a tensor-parallel
+    worker of that many ranks (processes, one device each), where it is not ``step(ranks)``
+    (None: it is, as on GPUs, whose roofline models a worker of n devices as TP=n; a
+    calibrated CPU's ``step(2)`` is one process of 2 threads, its TP=2 fit another model,
+    :func:`epdserve.plan.calibrate.platform_from`); it raises ``ValueError`` for a size
+    it has no model of.
     """
 
     name: str
@@ -248,18 +258,38 @@ class Platform:
     template_prefix_tokens: int = 0
     error: list[dict] | None = None
     kv_capacity_tokens: Callable[[int], int] | None = None
+    tp_step: Callable[[int], StepModel] | None = None
+
+    def worker_step(self, devices: int, tp: int = 1) -> StepModel:
+        """The step model of a worker of ``devices`` devices in ``tp`` tensor-parallel ranks
+        (1: one process on all of them).
+
+        Raises:
+            NoStepModel: no model of a TP worker of ``tp`` ranks (a calibration made
+                before TP workers were timed).
+            ValueError: no model of a one-process worker of ``devices``.
+        """
+        if tp > 1 and self.tp_step is not None:
+            return self.tp_step(tp)
+        return self.step(devices)
 
     def served_step_ms(self, step: StepModel, prefill: Prefill, num_decode: int = 0, decode_context: int = 0,
-                       decode_max_context: int = 0, contended: bool = False, devices: int = 1) -> float:
+                       decode_max_context: int = 0, contended: bool = False, devices: int | None = 1,
+                       overlapped: bool = False) -> float:
         """Time in ms of one served engine step on a worker of ``devices`` whose step model
         is ``step``: what its decodes alone would take by ``step`` × ``decode_slowdown``
         (× ``contended_slowdown`` when ``contended``: every other device of the deployment
         busy), plus the rest of its time by ``step`` (its prefill work, all of a
-        prefill-only step) × ``prefill_slowdown`` of its size, all × ``time_scale``."""
+        prefill-only step) × ``prefill_slowdown`` of its size (``devices`` None: a worker
+        none was fitted for, a tensor-parallel one: 1), all × ``time_scale``. ``overlapped``:
+        a worker that partly shares its cores is busy (round-robin placement of more ranks
+        than cores): the prefill work too × ``contended_slowdown``, and the decodes as
+        ``contended``."""
         ms = step.step_ms(prefill, num_decode, decode_context, decode_max_context)
         decodes = step.step_ms([], num_decode, decode_context, decode_max_context) if num_decode else 0.0
-        slowdown = self.decode_slowdown * (self.contended_slowdown if contended else 1.0)
-        return (self.prefill_slowdown.get(devices, 1.0) * (ms - decodes) + slowdown * decodes) * self.time_scale
+        slowdown = self.decode_slowdown * (self.contended_slowdown if contended or overlapped else 1.0)
+        prefill_slowdown = self.prefill_slowdown.get(devices, 1.0) * (self.contended_slowdown if overlapped else 1.0)
+        return (prefill_slowdown * (ms - decodes) + slowdown * decodes) * self.time_scale
 
     def band(self) -> list["Platform"]:
         """This platform with every step and encode ``1 − step_uncertainty`` and

@@ -30,7 +30,7 @@ from epdserve.bench.datasets import with_images
 from epdserve.bench.run import parse_goodput
 from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
 from epdserve.plan import calibrate, elastic_replay, hardware, replay, report, search, sim_elastic
-from epdserve.plan.costmodel import FEATURES, Platform, roofline_platform
+from epdserve.plan.costmodel import FEATURES, NoStepModel, Platform, roofline_platform
 from epdserve.plan.model_spec import BUILTIN, ModelSpec
 from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError
 from epdserve.serving.elastic.policy import PolicyConfig
@@ -236,7 +236,7 @@ def run_search(args) -> int:
     for dep, limits in tqdm(_deployments(args, platform, requests), desc="plan", unit="deployment"):
         try:
             cands = search.evaluate_seeds(dep, platform, requests, slos, args.target, limits, seeds, steady)
-        except KVCapacityError as exc:
+        except (KVCapacityError, NoStepModel) as exc:
             skipped[dep.name] = str(exc)
             continue
         row = search.seed_row(cands, platform, seeds)
@@ -387,6 +387,9 @@ def run_calibrate(args) -> int:
             print(f"{size}-core worker{model}: ms = [{coef}] · [{', '.join(FEATURES)}]; "
                   f"mean |error| {fit['mean_abs_rel_error']:.1%} over {len(fit['samples'])} steps; "
                   f"the fits of its {fit['rounds']} rounds differ by {fit['round_spread']:.1%}")
+    for ranks, fit in cal.get("tp_steps", {}).items():
+        print(f"worker of {ranks} tensor-parallel ranks: ms = [{', '.join(f'{c:.4g}' for c in fit['coef'])}]; "
+              f"mean |error| {fit['mean_abs_rel_error']:.1%} over {len(fit['samples'])} steps")
     for size, fit in cal.get("vision", {}).get("encode", {}).items():
         print(f"{size}-core worker: encode {fit['ms_per_tile']:.0f} ms per image tile "
               f"(calls of {', '.join(str(c['images']) for c in fit['samples'])} images)")

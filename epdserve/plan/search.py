@@ -41,7 +41,9 @@ MAX_DOUBLINGS = 16
 def candidates(platform: Platform, budget: int, images: bool = False) -> list[Deployment]:
     """Deployments using exactly ``budget`` devices: ``colocated`` (one worker of all
     devices), ``colocated-N`` (N replicas), and ``XpYd`` with per-role worker sizes
-    (``-tpS`` when workers span S devices; ``-tpP/D`` when prefill and decode differ).
+    (``-tpS`` when workers span S devices; ``-tpP/D`` when prefill and decode differ),
+    whose workers are tensor parallel (``WorkerSpec.tp``: one rank a device; ``colocated``'s
+    one worker is one process, as serve runs it: on the CPU the worker-size fit, not the TP fit).
     With ``images``, also EPD: ``XeYpZd`` (encode workers of one device each, as vLLM's
     encoder instances, beside xPyD on the rest) and ``XeXpYd-shared`` (each encode worker
     on the devices of one prefill worker, as the launcher places 1e1p1d on 2 cores).
@@ -60,22 +62,22 @@ def candidates(platform: Platform, budget: int, images: bool = False) -> list[De
         if budget % s == 0:
             n = budget // s
             name = "colocated" if n == 1 else f"colocated-{n}{tp_suffix(s, s)}"
-            out.append(Deployment(name, (WorkerSpec("colocated", s),) * n))
+            out.append(Deployment(name, (WorkerSpec("colocated", s, tp=1 if n == 1 else s),) * n))
     for sp in sizes:
         for sd in sizes:
             for x in range(1, budget // sp + 1):
                 rest = budget - x * sp
                 if rest >= sd and rest % sd == 0:
                     y = rest // sd
-                    out.append(Deployment(f"{x}p{y}d{tp_suffix(sp, sd)}",
-                                          (WorkerSpec("prefill", sp),) * x + (WorkerSpec("decode", sd),) * y))
+                    workers = (WorkerSpec("prefill", sp, tp=sp),) * x + (WorkerSpec("decode", sd, tp=sd),) * y
+                    out.append(Deployment(f"{x}p{y}d{tp_suffix(sp, sd)}", workers))
     if not images:
         return out
     for pd in [d for d in out if d.mode == "pd"]:
         x = sum(w.role == "prefill" for w in pd.workers)
         y = len(pd.workers) - x
         tp = pd.name[len(f"{x}p{y}d"):]
-        shared = tuple(WorkerSpec(w.role, w.devices, f"p{i}" if w.role == "prefill" else "")
+        shared = tuple(WorkerSpec(w.role, w.devices, f"p{i}" if w.role == "prefill" else "", w.tp)
                        for i, w in enumerate(pd.workers))
         encoders = tuple(WorkerSpec("encode", w.devices, w.share) for w in shared if w.share)
         out.append(Deployment(f"{x}e{x}p{y}d{tp}-shared", encoders + shared))

@@ -31,6 +31,7 @@ from epdserve.bench import server_trace, workload
 from epdserve.bench.deployments import file_stem
 from epdserve.plan.costmodel import Platform, StepModel
 from epdserve.plan.simulate import prompt_tokens
+from epdserve.serving.deployment import DeploymentSpec
 from epdserve.trace import RequestTrace
 
 # The percentile of inter-token latency that the serving slowdown is fitted at: the
@@ -206,8 +207,9 @@ class ServedRun:
 
 def compare_runs(compare_dir: str | Path, platform: Platform) -> dict[str, ServedRun]:
     """Each configuration of an ``epdserve compare`` output (its ``compare.json``,
-    ``trace.jsonl`` and ``NAME.server.jsonl``) that ran, by name, elastic ones left out;
-    requests without a server record, failed or with fewer than two tokens are left out.
+    ``trace.jsonl`` and ``NAME.server.jsonl``) that ran, by name, elastic and
+    tensor-parallel ones left out (:func:`fitted_on`); requests without a server record,
+    failed or with fewer than two tokens are left out.
 
     Raises:
         ValueError: ``compare_dir`` lacks those files.
@@ -221,10 +223,23 @@ def compare_runs(compare_dir: str | Path, platform: Platform) -> dict[str, Serve
     runs = {}
     for entry in configs:
         server = compare_dir / f"{file_stem(entry['name'])}.server.jsonl"
-        # An elastic deployment's workers change role: no fixed placement to fit steps to.
-        if "result" in entry and server.is_file() and entry.get("mode") != "elastic":
+        if "result" in entry and server.is_file() and fitted_on(entry):
             runs[entry["name"]] = _served_run(entry, requests, server_trace.read(server)[0], platform)
     return runs
+
+
+def fitted_on(entry: dict) -> bool:
+    """Whether the serving slowdowns are fitted on a configuration of a compare run (its
+    compare.json ``entry``): not on an elastic one (its workers change role: no fixed
+    placement to fit steps to) nor on one with tensor-parallel workers (their steps are the
+    TP fit's, ``tp_steps``, not those of the one-process fits these slowdowns are of)."""
+    if entry.get("mode") == "elastic":
+        return False
+    try:
+        spec = DeploymentSpec.parse(entry["name"])
+    except ValueError:
+        return True  # a name of another epdserve: its workers' cores say what they are
+    return all(spec.role_tp(role) == 1 for role in ("colocated", "prefill", "decode"))
 
 
 def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[tuple[float, float, bool]]]:

@@ -94,6 +94,8 @@ class Devices:
         self.since = 0.0
         self.timer: simpy.Event | None = None
         self.busy = 0  # pieces of work in progress
+        # Other workers' devices that partly share these cores (WorkerSpec.overlap).
+        self.overlaps: list[Devices] = []
 
     def run(self, ms: float) -> simpy.Event:
         """An event that fires once ``ms`` of work is done here."""
@@ -107,6 +109,10 @@ class Devices:
             done = self.env.timeout(ms / 1e3)
         done.callbacks.append(self._release)  # before the waiting process resumes
         return done
+
+    def overlapped(self) -> bool:
+        """Whether a worker that partly shares these cores is busy."""
+        return any(d.busy for d in self.overlaps)
 
     def _release(self, done: simpy.Event) -> None:
         self.busy -= 1
@@ -137,7 +143,7 @@ class Devices:
 class Worker:
     def __init__(self, sim: Simulation, spec: WorkerSpec, step: StepModel, devices: Devices):
         self.sim, self.role, self.step_model, self.devices = sim, spec.role, step, devices
-        self.size = spec.devices
+        self.size, self.tp = spec.devices, spec.tp
         self.images: set[tuple[int, int, int]] = set()  # encoded here (embedding cache)
         self.inbox: deque[Seq] = deque()
         self.waiting: deque[Seq] = deque()
@@ -211,7 +217,8 @@ class Worker:
                                                   self.num_decode + len(joining),
                                                   self.decode_context + sum(s.prompt for s in joining),
                                                   max([self._max_context(k)] + [s.prompt for s in joining]),
-                                                  self.sim.contended(self.devices), self.size)
+                                                  self.sim.contended(self.devices),
+                                                  self.size if self.tp == 1 else None, self.devices.overlapped())
             for s in joining:
                 self._start_decode(s, k, s.prompt)
             for s, _ in chunks:

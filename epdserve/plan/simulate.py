@@ -37,7 +37,11 @@ about 1,700 default-model images, so it is taken as unbounded): a repeated image
 nothing. Workers whose :class:`WorkerSpec` ``share`` tags match run on the same devices
 and split them while more than one is busy (processor sharing, as the OS time-slices
 processes pinned to the same cores: the launcher's EPD placement on 2 cores puts encode
-and prefill on core 0).
+and prefill on core 0). A tensor-parallel worker (``WorkerSpec.tp``) steps by the platform's
+model of its ranks (``Platform.worker_step``: on a calibrated CPU its TP fit); workers whose
+``overlap`` tags match share some of their cores (the launcher's round-robin placement of more
+ranks than cores) and run on their own devices, every step slowed by ``contended_slowdown``
+while another of them is busy (docs/planner-validation.md, "Tensor-parallel configurations").
 
 Requests are :class:`~epdserve.bench.workload.Request` (a bench trace); the simulator
 reads their offsets, token counts and images, and their texts only for shared starts. Each request yields the
@@ -71,12 +75,19 @@ from epdserve.serving.deployment import ROLES
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """One worker: its role and how many devices (cores or GPUs, tensor parallel) it has;
-    workers with the same non-empty ``share`` tag run on the same devices."""
+    """One worker: its role, how many devices (cores or GPUs) it has and in how many
+    tensor-parallel ranks (``tp``, processes of one device each: 1 is one process on all
+    of them; :meth:`Platform.worker_step <epdserve.plan.costmodel.Platform.worker_step>`);
+    workers with the same non-empty ``share`` tag run on the same devices; workers with the
+    same non-empty ``overlap`` tag partly share theirs (the launcher's round-robin placement
+    of more ranks than cores): each runs on its own, slowed by the platform's
+    ``contended_slowdown`` while another of them is busy."""
 
     role: str
     devices: int = 1
     share: str = ""
+    tp: int = 1
+    overlap: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,9 +103,15 @@ class Deployment:
 
     @property
     def devices(self) -> int:
-        """Devices in use, shared ones counted once."""
+        """Devices in use, shared ones counted once, those of workers that partly share
+        theirs as many as the largest of them has (round-robin placement wraps within them)."""
         shared = {w.share: w.devices for w in self.workers if w.share}
-        return sum(w.devices for w in self.workers if not w.share) + sum(shared.values())
+        overlap: dict[str, int] = {}
+        for w in self.workers:
+            if w.overlap and not w.share:
+                overlap[w.overlap] = max(overlap.get(w.overlap, 0), w.devices)
+        return (sum(w.devices for w in self.workers if not (w.share or w.overlap)) + sum(shared.values())
+                + sum(overlap.values()))
 
     @property
     def mode(self) -> str:
@@ -127,6 +144,7 @@ class Simulation:
         self.cached_prefix = platform.template_prefix_tokens // limits.block_size * limits.block_size \
             if limits.enable_prefix_caching else 0
         shared: dict[str, Devices] = {}
+        overlapping: dict[str, list[Devices]] = {}
         self.workers, self.encoders, self.devices = [], [], []
         for w in deployment.workers:
             devices = shared.setdefault(w.share, Devices(self.env, True)) if w.share else Devices(self.env, False)
@@ -136,7 +154,12 @@ class Simulation:
                 self.encoders.append(EncodeWorker(self, w, devices))
             else:
                 cls = ElasticWorker if deployment.elastic else Worker
-                self.workers.append(cls(self, w, platform.step(w.devices), devices))
+                self.workers.append(cls(self, w, platform.worker_step(w.devices, w.tp), devices))
+            if w.overlap:
+                overlapping.setdefault(w.overlap, []).append(devices)
+        for group in overlapping.values():
+            for d in group:
+                d.overlaps = [o for o in group if o is not d]
         self.finished: list[Seq] = []
         # Requests in flight (arrived, not finished) as each arrival found them, by index:
         # how :mod:`epdserve.plan.replay` tells a queue that settles from one that grows.
@@ -286,6 +309,9 @@ def check(deployment: Deployment, platform: Platform, requests: list[Request], l
             sizes.setdefault(w.share, set()).add(w.devices)
     if any(len(s) > 1 for s in sizes.values()):
         raise ValueError(f"deployment {deployment.name}: workers sharing devices must have as many")
+    for w in deployment.workers:
+        if w.role != "encode":
+            platform.worker_step(w.devices, w.tp)  # raises where the platform has no model of it
     for i, r in enumerate(requests):
         if r.images and platform.images is None:
             raise ValueError(f"request {i} has images but {platform.name} takes none "

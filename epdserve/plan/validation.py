@@ -20,7 +20,7 @@ from epdserve.bench import metrics, workload
 from epdserve.plan.costmodel import Platform
 from epdserve.plan.search import measure_rate
 from epdserve.plan.sim_elastic import ElasticConfig, elastic_config
-from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, serve
+from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, check, serve
 from epdserve.serving.deployment import ELASTIC_SLO_KEYS, DeploymentSpec
 from epdserve.plan.serving_fit import compare_configs
 
@@ -32,27 +32,49 @@ BANDED = ("p95_ttft_ms", "p95_itl_ms")
 
 def compare_deployment(name: str, cores: int, elastic: ElasticConfig | None = None) -> Deployment:
     """The simulated :class:`Deployment` of an ``epdserve compare`` configuration name on
-    ``cores`` cores, placed by the launcher's rule (:meth:`DeploymentSpec.place`); workers
-    placed on the same cores share them (EPD on 2 cores: encode and prefill on core 0).
+    ``cores`` cores, placed by the launcher's rule (:meth:`DeploymentSpec.place`), each
+    worker with its role's tensor-parallel ranks (:meth:`DeploymentSpec.role_tp`); workers
+    placed on the same cores share them (EPD on 2 cores: encode and prefill on core 0);
+    workers whose cores overlap in part (more ranks than cores: ``1p1d-tp2/1`` on 2 cores is
+    prefill 0,1 and decode 0) get one ``overlap`` tag a group (:class:`WorkerSpec`).
     An elastic one (``elastic``, ``elastic-N``) starts colocated on ``colocated-N``'s cores,
     its controller configured by ``elastic`` (default: serve's, :func:`elastic_config`).
 
     Raises:
         ValueError: an unknown name (:meth:`DeploymentSpec.parse`) or a bad count
-            (``elastic-1``), local prefill (``pd-localN``) or workers whose cores overlap
-            only in part (not simulated).
+            (``elastic-1``), local prefill (``pd-localN``), or a worker with more ranks
+            than ``cores``.
     """
     spec = DeploymentSpec.parse(name)
     if spec.local_prefill_threshold is not None:
         raise ValueError(f"{name}: prefill of short prompts on the decode worker is not simulated")
     placed = spec.place(list(range(cores)))
     workers_on = Counter(tuple(cs) for _, _, cs in placed)
-    used = [c for cs in workers_on for c in cs]
-    if len(used) != len(set(used)):
-        raise ValueError(f"{name}: workers partly share cores on {cores} cores; not simulated")
-    return Deployment(name, tuple(WorkerSpec(role, len(cs), ",".join(map(str, cs)) if workers_on[tuple(cs)] > 1 else "")
-                                  for role, _, cs in placed),
-                      (elastic or elastic_config({})) if spec.elastic else None)
+    groups = overlap_groups([set(cs) for cs in workers_on])
+    workers = []
+    for role, _, cs in placed:
+        share = ",".join(map(str, cs)) if workers_on[tuple(cs)] > 1 else ""
+        workers.append(WorkerSpec(role, len(cs), share, spec.role_tp(role), groups.get(tuple(cs), "")))
+    return Deployment(name, tuple(workers), (elastic or elastic_config({})) if spec.elastic else None)
+
+
+def overlap_groups(placements: list[set[int]]) -> dict[tuple[int, ...], str]:
+    """The ``overlap`` tag of each distinct set of cores that shares some but not all of
+    its cores with another (the sorted cores of the group's union); the rest have none."""
+    groups = [[p] for p in placements]
+    merged = True
+    while merged:  # join groups whose cores meet, until none do
+        merged = False
+        for i, a in enumerate(groups):
+            for b in groups[i + 1:]:
+                if set().union(*a) & set().union(*b):
+                    a += b
+                    groups.remove(b)
+                    merged = True
+                    break
+            if merged:
+                break
+    return {tuple(sorted(p)): ",".join(map(str, sorted(set().union(*g)))) for g in groups if len(g) > 1 for p in g}
 
 
 def compare_limits(name: str) -> EngineLimits:
@@ -103,6 +125,7 @@ def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
     for name, runs in results.items():
         try:
             dep = compare_deployment(name, cores[name], elastic)
+            check(dep, platform, requests, compare_limits(name))  # e.g. no model of its TP workers
         except ValueError as exc:
             print(f"skipped {name}: {exc}", file=sys.stderr)
             continue
@@ -157,7 +180,8 @@ def sweep_attainment(entry: dict, cores: int, platform: Platform, requests: list
     points of attainment can be worth a third of the rate.
 
     Raises:
-        ValueError: as :func:`compare_deployment`.
+        ValueError: as :func:`compare_deployment`; ``NoStepModel`` (a ``ValueError``): a
+            tensor-parallel worker the platform has no step model of.
     """
     dep = compare_deployment(entry["name"], cores)
     rows = []
