@@ -13,7 +13,7 @@ import torch
 from epdserve.bench.workload import Request, save_trace
 from epdserve.plan import calibrate, search
 from epdserve.plan.costmodel import NoStepModel
-from epdserve.plan.serving_fit import fitted_on
+from epdserve.plan.serving_fit import compare_runs, fitted_on
 from epdserve.plan.simulate import WorkerSpec, simulate
 from epdserve.plan.validation import compare_deployment, compare_limits, validate
 
@@ -148,3 +148,11 @@ def test_plan_candidates_name_their_tp_workers_and_are_skipped_without_a_fit():
     assert records[0].chunk_times_s[0] == pytest.approx(0.033)  # router 3 ms + the TP fit's 30 ms
     with pytest.raises(NoStepModel):
         simulate(three["1p1d-tp2/1"], calibrate.platform_from(calibration(tp=False)), reqs)
+
+
+def test_a_compare_that_merged_rounds_is_refused_for_a_fit_with_the_reason(tmp_path):
+    (tmp_path / "compare.json").write_text(json.dumps({"configs": [{"name": "colocated", "result": {},
+                                                                          "resources": {"workers": [{}]}}]}))
+    with pytest.raises(ValueError, match=r"colocated merge several rounds \(--repeats\) and keep no per-request "
+                                         r"times; fit on `epdserve compare --repeats 1`"):
+        compare_runs(tmp_path, None)

@@ -212,10 +212,15 @@ def compare_runs(compare_dir: str | Path, platform: Platform) -> dict[str, Serve
     failed or with fewer than two tokens are left out.
 
     Raises:
-        ValueError: ``compare_dir`` lacks those files.
+        ValueError: ``compare_dir`` lacks those files, or its results merge several rounds
+            (``--repeats``), which keep no per-request times.
     """
     compare_dir = Path(compare_dir)
     configs = compare_configs(compare_dir)
+    merged = [e["name"] for e in configs if "result" in e and "request_ids" not in e["result"]]
+    if merged:
+        raise ValueError(f"{compare_dir}: the results of {', '.join(merged)} merge several rounds (--repeats) and "
+                         "keep no per-request times; fit on `epdserve compare --repeats 1` outputs (one directory a run)")
     try:
         requests = workload.load_trace(compare_dir / "trace.jsonl")
     except (FileNotFoundError, workload.TraceError) as exc:
