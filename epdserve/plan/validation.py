@@ -61,20 +61,12 @@ def compare_deployment(name: str, cores: int, elastic: ElasticConfig | None = No
 def overlap_groups(placements: list[set[int]]) -> dict[tuple[int, ...], str]:
     """The ``overlap`` tag of each distinct set of cores that shares some but not all of
     its cores with another (the sorted cores of the group's union); the rest have none."""
-    groups = [[p] for p in placements]
-    merged = True
-    while merged:  # join groups whose cores meet, until none do
-        merged = False
-        for i, a in enumerate(groups):
-            for b in groups[i + 1:]:
-                if set().union(*a) & set().union(*b):
-                    a += b
-                    groups.remove(b)
-                    merged = True
-                    break
-            if merged:
-                break
-    return {tuple(sorted(p)): ",".join(map(str, sorted(set().union(*g)))) for g in groups if len(g) > 1 for p in g}
+    groups: list[tuple[set[int], list[set[int]]]] = []  # (the union of its cores, its placements)
+    for p in placements:  # each joins, and so merges, every group its cores meet
+        meeting = [g for g in groups if g[0] & p]
+        groups = [g for g in groups if not g[0] & p]
+        groups.append((set(p).union(*(cores for cores, _ in meeting)), [p, *(q for _, ps in meeting for q in ps)]))
+    return {tuple(sorted(p)): ",".join(map(str, sorted(cores))) for cores, ps in groups if len(ps) > 1 for p in ps}
 
 
 def compare_limits(name: str) -> EngineLimits:

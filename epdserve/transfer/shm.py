@@ -25,6 +25,7 @@ killed (SIGKILL skips every cleanup handler).
 from __future__ import annotations
 
 import atexit
+import math
 import mmap
 import os
 import re
@@ -73,9 +74,7 @@ def remove_stale() -> list[str]:
 def _pool_layout(shape: tuple[int, ...], dtype: torch.dtype, head_split: list[int]) -> tuple[list[int], int, int]:
     """Byte offset of each part (one per entry of ``head_split``, the KV heads it holds, each
     64-byte aligned), of the tags (after the parts, aligned) and the file size."""
-    per_head = dtype.itemsize
-    for d in shape[:4] + shape[5:]:
-        per_head *= d
+    per_head = dtype.itemsize * math.prod(shape[:4] + shape[5:])
     offsets, at = [], 0
     for heads in head_split:
         offsets.append(at)
@@ -97,10 +96,7 @@ def _views(buffer, shape: tuple[int, ...], dtype: torch.dtype,
         # A reader's mapping is read-only and only ever copied from.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         for offset, part in zip(offsets, part_shapes(shape, head_split)):
-            numel = 1
-            for d in part:
-                numel *= d
-            parts.append(torch.frombuffer(buffer, dtype=dtype, count=numel, offset=offset).view(part))
+            parts.append(torch.frombuffer(buffer, dtype=dtype, count=math.prod(part), offset=offset).view(part))
         tags = torch.frombuffer(buffer, dtype=torch.int64, count=shape[2], offset=tags_at)
     return parts, tags
 
