@@ -39,6 +39,10 @@ FLAGS = {
                    "--tensor-parallel-size", "2"],
     "2e1p3d-tp8/4": ["--mode", "epd", "--encode-workers", "2", "--prefill-workers", "1", "--decode-workers", "3",
                      "--prefill-tp", "8", "--decode-tp", "4"],
+    "1e1p1d-tp2/1/1": ["--mode", "epd", "--encode-workers", "1", "--prefill-workers", "1", "--decode-workers", "1",
+                       "--encode-tp", "2"],
+    "2e1p1d-tp2/4/4": ["--mode", "epd", "--encode-workers", "2", "--prefill-workers", "1", "--decode-workers", "1",
+                       "--tensor-parallel-size", "4", "--encode-tp", "2"],
 }
 
 BAD = ["0p1d", "1p0d", "pd-local", "pd-local-1", "colocated-0", "colocated-01", "1p1d-noprefix-noprefix", "xyz",
@@ -48,7 +52,8 @@ BAD = ["0p1d", "1p0d", "pd-local", "pd-local-1", "colocated-0", "colocated-01", 
        # suffix after -noprefix, malformed ones
        "1p1d-tp0", "1p1d-tp2/0", "1p1d-tp0/2", "colocated-tp2/1", "colocated-3-tp1/2", "elastic-tp2", "elastic-3-tp2",
        "colocated-chunked-tp2", "pd-local8-tp2", "1p1d-noprefix-tp2", "1p1d-tp", "1p1d-tp2/", "1p1d-tp2/1/1",
-       "1p1d-tp-2", "1p1d-tp2-tp2", "1p1d-TP2", "1p1d_tp2", "xyz-tp2", "-tp2"]
+       "1p1d-tp-2", "1p1d-tp2-tp2", "1p1d-TP2", "1p1d_tp2", "xyz-tp2", "-tp2", "colocated-tp2/1/1", "1e1p1d-tp2/1/",
+       "1e1p1d-tp2/1/1/1", "1e1p1d-tp0/1/1"]
 
 
 @pytest.mark.parametrize("name", [n + s for n in FLAGS for s in ("", "-noprefix")])
@@ -80,12 +85,18 @@ def test_what_each_name_means():
     assert spec == DeploymentSpec("epd", encode=1, prefill=2, decode=3, prefill_tp=2, decode_tp=2, prefix_caching=False)
     assert [spec.role_tp(r) for r in ("encode", "prefill", "decode")] == [1, 2, 2]
     assert DeploymentSpec.parse("colocated-tp4").role_tp("colocated") == 4
+    # -tpE/P/D: epd's encode workers split their vision tower too.
+    spec = DeploymentSpec.parse("1e1p1d-tp2/1/1")
+    assert spec == DeploymentSpec("epd", encode=1, prefill=1, decode=1, encode_tp=2)
+    assert [spec.role_tp(r) for r in ("encode", "prefill", "decode")] == [2, 1, 1]
+    assert DeploymentSpec.parse("1e1p1d-tp1/2/2").name == "1e1p1d-tp2"
     # Other spellings of the same sizes are accepted; the canonical name is plan's (tp_suffix).
     assert {n: DeploymentSpec.parse(n).name for n in ("1p1d-tp2/2", "1p1d-tp1", "1p1d-tp1/1", "colocated-tp02",
                                                       "pd-tp1-noprefix")} == {
         "1p1d-tp2/2": "1p1d-tp2", "1p1d-tp1": "1p1d", "1p1d-tp1/1": "1p1d", "colocated-tp02": "colocated-tp2",
         "pd-tp1-noprefix": "pd-noprefix"}
-    assert [tp_suffix(*sizes) for sizes in ((1, 1), (2, 2), (2, 1), (1, 4))] == ["", "-tp2", "-tp2/1", "-tp1/4"]
+    assert [tp_suffix(*sizes) for sizes in ((1, 1), (2, 2), (2, 1), (1, 4), (1, 1, 2))] == [
+        "", "-tp2", "-tp2/1", "-tp1/4", "-tp2/1/1"]
 
 
 def test_worker_counts():
@@ -113,6 +124,7 @@ def test_bad_names_give_one_message_listing_every_form(name):
     ("1p1d-tp0", "-tp0: a tensor-parallel size must be >= 1"),
     ("1p1d-tp2/0", "-tp2/0: a tensor-parallel size must be >= 1"),
     ("colocated-tp2/1", "-tp2/1: colocated workers have one size (-tpS), not -tpP/D"),
+    ("2p1d-tp2/1/1", "-tp2/1/1: only XeYpZd has encode workers (-tpE/P/D)"),
     ("elastic-tp2", "-tp2: elastic deployments take no tensor-parallel suffix: their workers change role"),
     ("colocated-chunked-tp2", "-tp2: colocated-chunked and pd-localN take no tensor-parallel suffix"),
     ("1p1d-noprefix-tp2", "-noprefix comes after the tensor-parallel suffix (-tp2)"),
@@ -158,13 +170,14 @@ def serve_args(*argv: str) -> argparse.Namespace:
         parser.add_argument(opt, type=int, default=1)
     parser.add_argument("--local-prefill-threshold", type=int, default=0)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    for opt in ("--tensor-parallel-size", "--prefill-tp", "--decode-tp"):
+    for opt in ("--tensor-parallel-size", "--prefill-tp", "--decode-tp", "--encode-tp"):
         parser.add_argument(opt, type=int, default=None)
     return parser.parse_args(list(argv))
 
 
 @pytest.mark.parametrize("name", ["colocated-2", "2p1d", "1e2p3d", "colocated-1-noprefix", "colocated-2-tp2",
-                                  "2p1d-tp2", "1p1d-tp2/1", "1p2d-tp1/2", "1e1p1d-tp4/2"])
+                                  "2p1d-tp2", "1p1d-tp2/1", "1p2d-tp1/2", "1e1p1d-tp4/2",
+                                  "1e1p1d-tp2/1/1", "1e2p1d-tp3/2/1"])
 def test_serve_args_give_back_the_deployment_of_their_flags(name):
     spec = DeploymentSpec.parse(name)
     assert DeploymentSpec.from_serve_args(serve_args(*spec.serve_flags())) == spec
@@ -198,6 +211,7 @@ PLACED = {
         "1p1d-tp2": [[0, 1], [0, 1]],
         "1e1p1d-tp2/1": [[0], [0, 1], [1]],  # every core holds two ranks
         "1e1p1d-tp1/2": [[0], [1], [0, 1]],
+        "1e1p1d-tp2/1/1": [[0, 1], [0], [1]],
     },
     (0, 1, 2, 3): {
         "colocated-2-tp2": [[0, 1], [2, 3]],
@@ -211,6 +225,7 @@ PLACED = {
         "1e1p1d-tp2/1": [[0], [1, 2], [3]],
         "2p1d-tp2/1": [[0, 1], [2, 3], [0]],  # 5 ranks on 4 cores: round-robin
         "1e1p1d-tp2": [[0], [1, 2], [0, 3]],
+        "1e1p1d-tp2/1/1": [[0, 1], [2], [3]],
         "pd-tp4/2": [[0, 1, 2, 3], [0, 1]],
         "colocated-3-tp2": [[0, 1], [2, 3], [0, 1]],
     },
@@ -286,8 +301,9 @@ def test_compare_takes_per_role_names_and_keeps_their_files_apart(tmp_path):
     assert processes.server_command(dep.epdserve, 8100, Path("t"), None, [])[:9] == [
         "--mode", "pd", "--prefill-workers", "1", "--decode-workers", "1", "--prefill-tp", "2",
         "--no-enable-prefix-caching"]
-    # A file's own names keep to what names files, but the one '/' a -tpP/D has.
-    for bad in ("a/b", "x/1/2", "/1", "a//1"):
+    # A file's own names keep to what names files, but the '/' a -tpP/D or -tpE/P/D has.
+    assert deployments.file_stem(deployments.from_config("1e1p1d-tp2/1/1").name) == "1e1p1d-tp2%2F1%2F1"
+    for bad in ("a/b", "x/1/2/3", "/1", "a//1"):
         (tmp_path / "d.toml").write_text(f'[[deployment]]\nname = "{bad}"\nbase_url = "http://127.0.0.1:1"\n')
-        with pytest.raises(deployments.DeploymentFileError, match="one '/' before a digit"):
+        with pytest.raises(deployments.DeploymentFileError, match="up to two '/', each before a digit"):
             deployments.load([tmp_path / "d.toml"])

@@ -104,12 +104,12 @@ def test_serve_stops_on_a_role_size_it_does_not_take(capsys):
 
 def test_each_worker_is_checked_and_started_with_its_roles_size(monkeypatch):
     checked = []
-    monkeypatch.setattr(placement, "rank_cores", lambda size, role, elastic, cores: checked.append((role, size, cores)))
+    monkeypatch.setattr(placement, "split_cores", lambda cores, size: checked.append((size, cores)))
     monkeypatch.setattr(placement, "usable_cores", lambda spec: [int(c) for c in (spec or "0,1,2,3").split(",")])
     args = serve_args("--mode", "epd", "-tp", "2", "--decode-tp", "3")
     _, plan, error = launcher._check_options(args)
     # The encode worker has one rank whatever -tp says; 6 ranks on 4 cores: round-robin.
-    assert error is None and checked == [("encode", 1, [0]), ("prefill", 2, [1, 2]), ("decode", 3, [0, 1, 3])]
+    assert error is None and checked == [(1, [0]), (2, [1, 2]), (3, [0, 1, 3])]
     assert [c for _, _, c in plan] == [[0], [1, 2], [0, 1, 3]]
     worker = argparse.ArgumentParser()
     worker_setup.add_arguments(worker)
@@ -119,7 +119,11 @@ def test_each_worker_is_checked_and_started_with_its_roles_size(monkeypatch):
     assert "--tensor-parallel-size" not in launcher.worker_flags(args, "encode", "encode-0", "e")
     checked.clear()
     _, plan, error = launcher._check_options(serve_args("--mode", "pd", "--prefill-tp", "2", "--cores", "0,1"))
-    assert error is None and checked == [("prefill", 2, [0, 1]), ("decode", 1, [0])]
+    assert error is None and checked == [(2, [0, 1]), (1, [0])]
+    # --encode-tp is the encode workers' own: passed to them alone.
+    args = serve_args("--mode", "epd", "--encode-tp", "2")
+    assert launcher.worker_flags(args, "encode", "encode-0", "e")[-2:] == ["--tensor-parallel-size", "2"]
+    assert "--tensor-parallel-size" not in launcher.worker_flags(args, "prefill", "prefill-0", "e")
 
 
 def test_capacity_counts_each_workers_ranks(tmp_path):

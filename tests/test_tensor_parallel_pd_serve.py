@@ -1,10 +1,11 @@
 """PD and EPD served with tensor-parallel workers of different sizes (``serve --prefill-tp
 N --decode-tp M``) on this machine's 2 cores: prefill TP=2 → decode TP=1 and TP=1 → TP=2
 give the greedy tokens of one float32 engine, the trace's KV bytes equal those of TP=1 →
-TP=1, no KV block stays held (after aborts too); EPD with a TP=2 prefill worker gives the
-colocated answer for an image; a prefill rank killed mid-request fails that request with
-an error within 5 s and the worker comes back whole; elastic workers of 2 ranks switched to
-prefill and decode hand KV over."""
+TP=1, no KV block stays held (after aborts too); EPD with a TP=2 prefill worker, or a TP=2
+encode worker (its vision tower split), gives the colocated answer for an image; a prefill
+rank, or an encode rank, killed mid-request fails that request with an error within 5 s and
+the worker comes back whole; elastic workers of 2 ranks switched to prefill and decode hand
+KV over."""
 
 from __future__ import annotations
 
@@ -84,20 +85,57 @@ def test_pd_across_tp_sizes_gives_one_process_tokens_and_tp1_bytes(tmp_path, tok
     assert got_bytes[(*sizes, "tcp")] == got_bytes[("1", "1", "tcp")] > 0
 
 
-def test_epd_with_a_tp2_prefill_worker_gives_the_colocated_answer(tmp_path):
+def test_epd_with_a_tp2_prefill_or_encode_worker_gives_the_colocated_answer(tmp_path):
     image = picture(5)
     answers = []
-    for mode, extra in (("epd", ("--prefill-tp", "2")), ("colocated", ())):
+    for mode, extra, sizes in (("epd", ("--prefill-tp", "2"), (1, 2)), ("epd", ("--encode-tp", "2"), (2, 1)),
+                               ("colocated", (), None)):
         dep = start_deployment(mode, tmp_path, "--model", "vlm", "--kv-cache-memory-mb", "64", *extra)
         try:
-            if mode == "epd":
-                assert workers(dep)["prefill"]["tensor_parallel_size"] == 2
-                assert workers(dep)["encode"]["tensor_parallel_size"] == 1
+            if sizes:
+                assert (workers(dep)["encode"]["tensor_parallel_size"],
+                        workers(dep)["prefill"]["tensor_parallel_size"]) == sizes
             answers.append(ask_image(dep, image).text)
             wait_all_free(dep.url)
         finally:
             _stop(dep.proc)
-    assert answers[0] == answers[1] and answers[0]
+    assert answers[0] == answers[1] == answers[2] and answers[0]
+
+
+def test_an_encode_rank_killed_mid_encoding_fails_the_request_and_the_worker_comes_back(tmp_path):
+    dep = start_deployment("epd", tmp_path, "--model", "vlm", "--kv-cache-memory-mb", "64", "--encode-tp", "2")
+    try:
+        before = ask_image(dep, picture(5)).text
+        old = workers(dep)["encode"]
+        (follower,) = follower_pids(old["pid"])
+        # Eight images (seconds of encoding on 2 ranks) are in the encode worker's batch when rank 1 dies.
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(ask_failing, dep, [picture(10 + i) for i in range(8)])
+            wait_for(lambda: workers(dep)["encode"]["outstanding"] >= 1, 30, "the request at the encode worker")
+            time.sleep(0.5)
+            os.kill(follower, signal.SIGKILL)
+            t_kill = time.monotonic()
+            error, t_end = reply.result(60)
+        assert "tensor-parallel ranks failed" in error, error
+        assert t_end - t_kill < KILL_ERROR_S, f"error {t_end - t_kill:.2f} s after the kill"
+        wait_for(lambda: workers(dep)["encode"]["state"] == "up" and workers(dep)["encode"]["pid"] != old["pid"],
+                 RESTART_TIMEOUT_S, "the encode worker up again")
+        print(f"\nkill -9 of encode rank 1: error {t_end - t_kill:.2f} s later, worker up again "
+              f"{time.monotonic() - t_kill:.1f} s later")
+        assert ask_image(dep, picture(5)).text == before
+        assert len(follower_pids(workers(dep)["encode"]["pid"])) == 1
+        wait_all_free(dep.url)
+    finally:
+        _stop(dep.proc)
+
+
+def ask_failing(dep, images: list[bytes]) -> tuple[str, float]:
+    """The error of a chat with ``images`` that must fail, and when it came (monotonic)."""
+    try:
+        reply = ask_image(dep, *images)
+    except Exception as exc:  # the openai client's APIError of the failed request
+        return str(exc), time.monotonic()
+    raise AssertionError(f"the request did not fail: {reply}")
 
 
 def test_a_prefill_rank_killed_mid_request_fails_it_and_the_worker_comes_back(tmp_path, tokenizer):

@@ -30,7 +30,7 @@ from epdserve.engine.request import SamplingParams
 from epdserve.model.loader import resolve_model
 from epdserve.model.tokenizer import chat_prompt_ids
 from epdserve.serving.launch import launcher
-from epdserve.serving.worker import engine_worker, rank_messages, setup
+from epdserve.serving.worker import engine_worker, rank_messages
 from epdserve.serving.worker.ranks import Ranks, split_cores
 
 from conftest import _stop, generate, start_deployment
@@ -190,8 +190,6 @@ def test_serve_takes_ranks_on_every_engine_role_and_refuses_them_beyond_the_core
     # Fewer cores than ranks: the workers share them, each on 2 distinct cores (serve warns).
     assert launcher._check_options(serve_args("--workers", "2", "--cores", "0,1", "-tp", "2"))[1] == [
         ("colocated", "colocated-0", [0, 1]), ("colocated", "colocated-1", [0, 1])]
-    with pytest.raises(ValueError, match="on an encode worker: its vision tower is not split"):
-        setup.rank_cores(2, "encode", False, [0, 1])
     assert split_cores([0, 1, 2], 2) == [[0, 1], [2]] and split_cores([4, 5, 6, 7], 2) == [[4, 5], [6, 7]]
 
 

@@ -126,9 +126,10 @@ class Resources(_Strict):
 RayRole = Literal["worker", "prefill", "decode", "encode"]  # serve's --ROLE-resources / --ROLE-placement
 
 
-# A deployment's name (it names files: file_stem): letters, digits, '.', '_', '-', and one '/'
-# before a digit, as epdserve's per-role tensor-parallel sizes (1p1d-tp2/1) have.
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:/[0-9][A-Za-z0-9._-]*)?$"
+# A deployment's name (it names files: file_stem): letters, digits, '.', '_', '-', and up to two
+# '/', each before a digit, as epdserve's per-role tensor-parallel sizes (1p1d-tp2/1,
+# 1e1p1d-tp2/1/1) have.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:/[0-9][A-Za-z0-9._-]*){0,2}$"
 
 
 class Deployment(_Strict):
@@ -317,7 +318,7 @@ def _expand(text: str, env: typing.Mapping[str, str], dep: Deployment, key: str)
 
 def file_stem(name: str) -> str:
     """What stands for deployment ``name`` in the names of its files (logs, server trace,
-    sweep folders): the name, with its '/' (an epdserve name's ``-tpP/D``) written ``%2F``
+    sweep folders): the name, with each '/' (an epdserve name's ``-tpP/D``) written ``%2F``
     (no name has a '%', so two names never share files)."""
     return name.replace("/", "%2F")
 
@@ -398,7 +399,7 @@ def _message(err: dict, loc: tuple) -> str:
     if kind == "too_short":
         return "must not be empty"
     if kind == "string_pattern_mismatch":
-        return f"{got!r}: letters, digits, '.', '_' and '-' only, and one '/' before a digit (it names files)"
+        return f"{got!r}: letters, digits, '.', '_' and '-' only, and up to two '/', each before a digit (it names files)"
     msg = err["msg"].removeprefix("Value error, ")
     return msg if kind == "value_error" else f"{msg} (got {got!r})"
 

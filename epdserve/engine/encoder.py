@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from epdserve.model.image_processor import ImageError, ImageInput, ImageProcessor, ProcessedImage, load_image
+from epdserve.model.tensor_parallel import VisionDriver
 from epdserve.model.vision import VisionEncoder
 
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
@@ -80,16 +81,22 @@ class EncodeEngine:
     embeddings' dtype. ``device``: where the vision encoder computes (``model/device.py``);
     the embeddings come back to the host either way (they leave as frames, or enter an
     engine step whose metadata is built on the host), and the cache holds them there.
+    ``tp``: the ranks of a tensor-parallel encoder, this process being rank 0: it loads
+    its shard of the tower and runs every forward pass on all the ranks (the preprocessing
+    and the cache are rank 0's alone).
 
     Raises (constructor):
         ModelLoadError: not a vision-language model directory, or missing weights or
             image processor settings.
+        ValueError: a tower that does not split over ``tp``'s ranks.
     """
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32,
                  cache_bytes: int = DEFAULT_CACHE_BYTES, max_batch_tiles: int = DEFAULT_MAX_BATCH_TILES,
-                 device: str | torch.device = "cpu"):
-        self.vision = VisionEncoder.load(model_dir, dtype, device)
+                 device: str | torch.device = "cpu", tp: VisionDriver | None = None):
+        self.vision = VisionEncoder.load(model_dir, dtype, device, tp.rank if tp else None)
+        if tp is not None:
+            self.vision = tp.drive_vision(self.vision)
         self.processor = ImageProcessor.from_dir(model_dir, self.vision.config.tokens_per_image)
         self.cache = EmbeddingCache(cache_bytes)
         self.max_batch_tiles = max_batch_tiles

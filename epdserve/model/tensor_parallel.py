@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from epdserve.model import linear
 from epdserve.model.config import ModelConfig
 
-if TYPE_CHECKING:  # (llama imports this module)
+if TYPE_CHECKING:  # (llama and vision import this module)
     from epdserve.model.llama import LlamaModel
+    from epdserve.model.vision import VisionEncoder
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,17 @@ class RankDriver(Protocol):
               block_size: int) -> tuple["LlamaModel", list[torch.Tensor]]: ...
 
 
+class VisionDriver(Protocol):
+    """How rank 0 of a tensor-parallel encode worker runs the other ranks' vision shards
+    (``serving/worker/ranks.py`` implements it). ``rank`` is rank 0's :class:`TPRank`;
+    :meth:`drive_vision` returns the encoder rank 0's engine then calls instead of
+    ``vision``: each ``encode`` is first sent to every other rank with its pixel values."""
+
+    rank: TPRank
+
+    def drive_vision(self, vision: "VisionEncoder") -> "VisionEncoder": ...
+
+
 @dataclass(frozen=True)
 class Shard:
     """What one rank holds, as index ranges of the full model: ``kv_heads``, ``q_heads``
@@ -152,7 +164,7 @@ def check_dense(fmt: linear.WeightFormat) -> None:
                          "not GGUF blocks")
 
 
-def _rows(t: torch.Tensor, r: range, per: int = 1, dim: int = 0) -> torch.Tensor:
+def take(t: torch.Tensor, r: range, per: int = 1, dim: int = 0) -> torch.Tensor:
     """A contiguous copy of items ``r`` (``per`` rows or columns each) of ``t`` along ``dim``."""
     return t.narrow(dim, r.start * per, len(r) * per).clone(memory_format=torch.contiguous_format)
 
@@ -187,7 +199,7 @@ def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor], rank: i
     out = {}
     for name, w in weights.items():
         rule = split.get(".".join(name.split(".")[-2:]))
-        out[name] = _rows(w, *rule) if rule else w.clone(memory_format=torch.contiguous_format)
+        out[name] = take(w, *rule) if rule else w.clone(memory_format=torch.contiguous_format)
     local = dataclasses.replace(config, num_attention_heads=len(s.q_heads), num_key_value_heads=len(s.kv_heads),
                                 intermediate_size=len(s.intermediate))
     return local, out

@@ -6,6 +6,15 @@ The maths follows transformers' ``modeling_idefics3`` / ``modeling_smolvlm`` (Co
 patch embedding, NaViT-style bucketed position ids, pre-LayerNorm encoder layers with
 bidirectional multi-head attention and a GELU-tanh MLP, post-LayerNorm, pixel shuffle,
 bias-free projection) so that embeddings match it to float rounding.
+
+Tensor parallelism (an encode worker of ``--encode-tp N``; Megatron-LM's scheme, as the
+language model's in :mod:`epdserve.model.tensor_parallel`): each rank holds a contiguous
+share of the attention heads (Q, K and V rows; the output projection's columns) and of the
+MLP's intermediate features (``fc1`` rows, ``fc2`` columns), as even as possible
+(SigLIP-base's 12 heads over 5 ranks: 3, 3, 2, 2, 2). The output projection and ``fc2``
+are row-parallel: their partial sums are added over the ranks, then the bias once; so a
+layer costs two all-reduces of ``[N, patches, hidden]``. The patch and position
+embeddings, the norms, the pixel shuffle and the connector are replicated.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from epdserve.model.base import MULTIMODAL_MODEL_TYPES, ModelLoadError
+from epdserve.model.tensor_parallel import TPRank, even_range, take
 
 VISION_PREFIX = "model.vision_model."
 CONNECTOR_WEIGHT = "model.connector.modality_projection.proj.weight"
@@ -76,59 +86,94 @@ class VisionConfig:
         ``image_seq_len``: 64 for SmolVLM-256M's 512-pixel tiles, patch 16, factor 4)."""
         return self.patches_per_side ** 2 // self.scale_factor ** 2
 
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+def vision_shard(config: VisionConfig, rank: int, size: int) -> tuple[range, range]:
+    """Rank ``rank``'s attention heads and MLP intermediate features of ``config``'s tower
+    split over ``size`` ranks (see the module doc).
+
+    Raises:
+        ValueError: ``size`` below 1 or above the tower's attention heads (each rank needs
+            one), or ``rank`` outside ``[0, size)``.
+    """
+    heads = config.num_attention_heads
+    if not 1 <= size <= heads:
+        raise ValueError(f"tensor parallel size {size} of the vision tower: it must be between 1 and its "
+                         f"{heads} attention heads (each rank needs one)")
+    if not 0 <= rank < size:
+        raise ValueError(f"tensor parallel rank {rank} is outside [0, {size})")
+    return even_range(heads, size, rank), even_range(config.intermediate_size, size, rank)
+
 
 class VisionEncoder:
-    """SigLIP vision transformer + Idefics3 connector. Build with :meth:`load` (a
-    directory) or the constructor (a weights dict and a :class:`VisionConfig`)."""
+    """SigLIP vision transformer + Idefics3 connector, or one rank's shard of it. Build
+    with :meth:`load` (a directory) or the constructor (a weights dict and a
+    :class:`VisionConfig`)."""
 
     def __init__(self, config: VisionConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 tp: TPRank | None = None):
         """``weights`` uses Hugging Face names (``model.vision_model.*`` and
         ``model.connector.modality_projection.proj.weight``); extra names are ignored.
-        ``device``: where the weights live and :meth:`encode` computes.
+        ``device``: where the weights live and :meth:`encode` computes. ``tp``: this
+        process's rank of a tensor-parallel encoder (it keeps its shard of ``weights``,
+        :func:`vision_shard`; its :meth:`encode` calls collectives, so every rank must call
+        it with the same tiles); None: the whole tower.
 
         Raises:
             KeyError: a tensor is missing.
+            ValueError: a ``tp`` size the tower cannot split over (:func:`vision_shard`).
         """
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.tp = tp
+        heads, inter = vision_shard(config, tp.rank, tp.size) if tp else (range(config.num_attention_heads),
+                                                                         range(config.intermediate_size))
+        self.num_heads = len(heads)
 
-        def w(name: str) -> torch.Tensor:
-            return weights[VISION_PREFIX + name].to(self.device, dtype)
+        def w(name: str, r: range | None = None, per: int = 1, dim: int = 0) -> torch.Tensor:
+            t = weights[VISION_PREFIX + name]
+            return (t if r is None or tp is None else take(t, r, per, dim)).to(self.device, dtype)
 
+        d = config.head_dim
         self.patch_weight = w("embeddings.patch_embedding.weight")
         self.patch_bias = w("embeddings.patch_embedding.bias")
         self.position = w("embeddings.position_embedding.weight")
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = f"encoder.layers.{i}."
-            # One matmul for Q, K and V.
+            # One matmul for Q, K and V (this rank's heads of each).
             self.layers.append({
                 "ln1": (w(p + "layer_norm1.weight"), w(p + "layer_norm1.bias")),
                 "ln2": (w(p + "layer_norm2.weight"), w(p + "layer_norm2.bias")),
-                "qkv": torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                "qkv_bias": torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
-                "out": (w(p + "self_attn.out_proj.weight"), w(p + "self_attn.out_proj.bias")),
-                "fc1": (w(p + "mlp.fc1.weight"), w(p + "mlp.fc1.bias")),
-                "fc2": (w(p + "mlp.fc2.weight"), w(p + "mlp.fc2.bias")),
+                "qkv": torch.cat([w(p + f"self_attn.{n}_proj.weight", heads, d) for n in "qkv"]),
+                "qkv_bias": torch.cat([w(p + f"self_attn.{n}_proj.bias", heads, d) for n in "qkv"]),
+                "out": (w(p + "self_attn.out_proj.weight", heads, d, 1), w(p + "self_attn.out_proj.bias")),
+                "fc1": (w(p + "mlp.fc1.weight", inter), w(p + "mlp.fc1.bias", inter)),
+                "fc2": (w(p + "mlp.fc2.weight", inter, 1, 1), w(p + "mlp.fc2.bias")),
             })
         self.post_norm = (w("post_layernorm.weight"), w("post_layernorm.bias"))
         self.projection = weights[CONNECTOR_WEIGHT].to(self.device, dtype)
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu") -> "VisionEncoder":
+             device: str | torch.device = "cpu", tp: TPRank | None = None) -> "VisionEncoder":
         """Load only the vision side of a SmolVLM / Idefics3 Hugging Face directory (an
-        encode worker needs no language model). From a weights dict, use the constructor.
+        encode worker needs no language model), or rank ``tp``'s shard of it. From a
+        weights dict, use the constructor.
 
         Raises:
             ModelLoadError: not a vision-language model, unreadable weights or a missing tensor.
+            ValueError: as the constructor.
         """
         config = VisionConfig.from_dict(read_config(model_dir))
         weights = read_weights(model_dir, is_vision_weight)
         try:
-            return cls(config, weights, dtype, device)
+            return cls(config, weights, dtype, device, tp)
         except KeyError as exc:
             raise ModelLoadError(f"{model_dir}: missing vision tensor {exc}") from None
 
@@ -169,18 +214,25 @@ class VisionEncoder:
                      stride=c.patch_size)
         x = x.flatten(2).transpose(1, 2)  # [N, patches, hidden]
         x = x + self.position[self.position_ids(height // c.patch_size, width // c.patch_size)]
-        heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
         for layer in self.layers:
             h = F.layer_norm(x, (c.hidden_size,), *layer["ln1"], eps=c.layer_norm_eps)
             q, k, v = (F.linear(h, layer["qkv"], layer["qkv_bias"])
-                       .view(n, -1, 3, heads, head_dim).permute(2, 0, 3, 1, 4))
+                       .view(n, -1, 3, self.num_heads, c.head_dim).permute(2, 0, 3, 1, 4))
             attn = F.scaled_dot_product_attention(q, k, v)  # bidirectional, scale 1/sqrt(d)
-            x = x + F.linear(attn.transpose(1, 2).reshape(n, -1, c.hidden_size), *layer["out"])
+            x = x + self._row_parallel(attn.transpose(1, 2).reshape(n, -1, self.num_heads * c.head_dim),
+                                       *layer["out"])
             h = F.layer_norm(x, (c.hidden_size,), *layer["ln2"], eps=c.layer_norm_eps)
             h = F.gelu(F.linear(h, *layer["fc1"]), approximate="tanh")
-            x = x + F.linear(h, *layer["fc2"])
+            x = x + self._row_parallel(h, *layer["fc2"])
         x = F.layer_norm(x, (c.hidden_size,), *self.post_norm, eps=c.layer_norm_eps)
         return F.linear(pixel_shuffle(x, c.scale_factor), self.projection)
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """A row-parallel linear layer: this rank's input features times its columns, summed
+        over the ranks, then the bias once."""
+        if self.tp is None:
+            return F.linear(x, weight, bias)
+        return self.tp.all_reduce(F.linear(x, weight)) + bias
 
 
 def read_config(model_dir: str | Path) -> dict:

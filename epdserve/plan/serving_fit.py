@@ -236,15 +236,16 @@ def compare_runs(compare_dir: str | Path, platform: Platform) -> dict[str, Serve
 def fitted_on(entry: dict) -> bool:
     """Whether the serving slowdowns are fitted on a configuration of a compare run (its
     compare.json ``entry``): not on an elastic one (its workers change role: no fixed
-    placement to fit steps to) nor on one with tensor-parallel workers (their steps are the
-    TP fit's, ``tp_steps``, not those of the one-process fits these slowdowns are of)."""
+    placement to fit steps to) nor on one with tensor-parallel workers of any role (their
+    times are not those of the one-process fits these slowdowns are of: an engine worker's
+    steps are the TP fit's, ``tp_steps``)."""
     if entry.get("mode") == "elastic":
         return False
     try:
         spec = DeploymentSpec.parse(entry["name"])
     except ValueError:
         return True  # a name of another epdserve: its workers' cores say what they are
-    return all(spec.role_tp(role) == 1 for role in ("colocated", "prefill", "decode"))
+    return all(spec.role_tp(role) == 1 for role in ("colocated", "encode", "prefill", "decode"))
 
 
 def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[tuple[float, float, bool]]]:

@@ -21,8 +21,9 @@ Names (:data:`NAME_FORMS`):
   suffix, as ``epdserve plan`` writes it (:func:`tp_suffix`): ``-tpS``, every engine worker
   S ranks (serve's ``--tensor-parallel-size S``), or (``pd``, ``XpYd``, ``XeYpZd``)
   ``-tpP/D``, prefill workers P ranks and decode workers D (``--prefill-tp P --decode-tp
-  D``); S, P, D >= 1. Encode workers have one rank (their vision tower is not split).
-  ``colocated-chunked``, ``pd-localN`` and elastic deployments take none;
+  D``), or (``XeYpZd``) ``-tpE/P/D``, encode workers E ranks too (``--encode-tp E``, their
+  vision tower split); S, P, D, E >= 1. Encode workers have one rank unless ``-tpE/P/D``
+  says otherwise. ``colocated-chunked``, ``pd-localN`` and elastic deployments take none;
 * any of them with the suffix ``-noprefix`` (once, after any ``-tp`` suffix): prefix caching
   off (on by default, as in vLLM).
 
@@ -57,8 +58,9 @@ Mode = Literal["colocated", "pd", "epd"]
 ROLES: tuple[str, ...] = get_args(Role)
 ENGINE_ROLES: tuple[str, ...] = get_args(EngineRole)
 MODES: tuple[str, ...] = get_args(Mode)
-# The roles a mode's deployment needs a live worker of.
+# The roles a mode's deployment needs a live worker of, and the tensor-parallel sizes it has.
 MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode"), "epd": ("encode", "prefill", "decode")}
+MODE_TP_FIELDS = {"colocated": ("tp",), "pd": ("prefill_tp", "decode_tp"), "epd": ("encode_tp", "prefill_tp", "decode_tp")}
 
 # The SLOs an elastic server's controller steers by (``serve --slo``); compare judges by more.
 ELASTIC_SLO_KEYS = ("ttft", "tpot")
@@ -79,14 +81,15 @@ NOPREFIX = "-noprefix"
 NAME_FORMS = ("colocated", "colocated-N", "colocated-chunked", "pd", "XpYd", "XeYpZd", "pd-localN",
               "elastic", "elastic-N")
 # The tensor-parallel suffixes (tp_suffix writes them) and the forms that take each.
-TP_FORMS = {"-tpS": ("colocated", "colocated-N", "pd", "XpYd", "XeYpZd"), "-tpP/D": ("pd", "XpYd", "XeYpZd")}
+TP_FORMS = {"-tpS": ("colocated", "colocated-N", "pd", "XpYd", "XeYpZd"), "-tpP/D": ("pd", "XpYd", "XeYpZd"),
+            "-tpE/P/D": ("XeYpZd",)}
 NAME_HELP = (f"expected one of: {', '.join(NAME_FORMS)}; "
              + "; ".join(f"{', '.join(forms)} with an optional {suffix} suffix" for suffix, forms in TP_FORMS.items())
-             + f" (S: tensor-parallel ranks of each engine worker; P, D: of each prefill, decode worker; >= 1; "
-             f"encode workers have 1); then an optional "
+             + f" (S: tensor-parallel ranks of each engine worker; E, P, D: of each encode, prefill, decode worker; "
+             f">= 1; encode workers have 1 unless -tpE/P/D says otherwise); then an optional "
              f"{NOPREFIX} suffix (X, Y, Z and colocated-N's N: worker counts >= 1; elastic-N's N: workers >= 2; "
              f"pd-localN's N: prompt tokens >= 0; e.g. colocated-2, 2p1d, 1e1p1d, pd-local64, elastic-3, "
-             f"colocated-2-tp2, 1p1d-tp2/1-noprefix)")
+             f"colocated-2-tp2, 1p1d-tp2/1-noprefix, 1e1p1d-tp2/1/1)")
 # An elastic deployment without a count: two workers, the fewest that can split prefill
 # from decode.
 ELASTIC_WORKERS = 2
@@ -97,7 +100,7 @@ _XPYD = re.compile(rf"{_COUNT}p{_COUNT}d")
 _XEYPZD = re.compile(rf"{_COUNT}e{_COUNT}p{_COUNT}d")
 _PD_LOCAL = re.compile(r"pd-local([0-9]+)")
 _ELASTIC_N = re.compile(rf"elastic-{_COUNT}")
-_TP = re.compile(r"(.*)-tp([0-9]+)(?:/([0-9]+))?")
+_TP = re.compile(r"(.*)-tp([0-9]+)(?:/([0-9]+))?(?:/([0-9]+))?")
 
 Placement = list[tuple[str, str, list[int]]]  # (role, worker id, cores) of each worker
 
@@ -126,8 +129,8 @@ class DeploymentSpec:
             :data:`ELASTIC_WORKERS`.
         tp: tensor-parallel ranks (processes) of each colocated worker (colocated only).
         prefill_tp: ranks of each prefill worker (pd, epd).
-        decode_tp: ranks of each decode worker (pd, epd). Encode workers have one
-            (:meth:`role_tp`).
+        decode_tp: ranks of each decode worker (pd, epd).
+        encode_tp: ranks of each encode worker (epd).
 
     Raises:
         ValueError: (on construction) an unknown mode, a count or size below 1, a count or
@@ -147,6 +150,7 @@ class DeploymentSpec:
     tp: int = 1
     prefill_tp: int = 1
     decode_tp: int = 1
+    encode_tp: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -158,14 +162,14 @@ class DeploymentSpec:
         extra = [k for k, n in counts.items() if n is not None and k not in roles[self.mode]]
         if extra:
             raise ValueError(f"mode {self.mode} has no {', '.join(extra)} count")
-        sizes = {"tp": self.tp, "prefill_tp": self.prefill_tp, "decode_tp": self.decode_tp}
+        sizes = {"tp": self.tp, "prefill_tp": self.prefill_tp, "decode_tp": self.decode_tp,
+                 "encode_tp": self.encode_tp}
         if min(sizes.values()) < 1:
             raise ValueError("every tensor-parallel size must be at least 1")
-        own = ("tp",) if self.mode == "colocated" else ("prefill_tp", "decode_tp")
-        extra = [k for k, n in sizes.items() if n != 1 and k not in own]
+        extra = [k for k, n in sizes.items() if n != 1 and k not in MODE_TP_FIELDS[self.mode]]
         if extra:
-            raise ValueError(f"mode {self.mode} has no {', '.join(extra)} size (colocated: tp; pd, epd: "
-                             f"prefill_tp, decode_tp)")
+            raise ValueError(f"mode {self.mode} has no {', '.join(extra)} size (colocated: tp; pd: "
+                             f"prefill_tp, decode_tp; epd: encode_tp too)")
         if self.local_prefill_threshold is not None and self.local_prefill_threshold < 0:
             raise ValueError(f"local prefill threshold {self.local_prefill_threshold}: must be >= 0")
         if self.elastic and (self.mode == "epd" or self.num_workers < 2):
@@ -206,7 +210,7 @@ class DeploymentSpec:
             if m[1].endswith(NOPREFIX):
                 raise ValueError(f"{NOPREFIX} comes after the tensor-parallel suffix ({suffix})")
             return None
-        sizes = [int(m[2])] + ([int(m[3])] if m[3] else [])
+        sizes = [int(n) for n in m.groups()[1:] if n is not None]
         if min(sizes) < 1:
             raise ValueError(f"{suffix}: a tensor-parallel size must be >= 1")
         if spec.elastic:
@@ -218,6 +222,10 @@ class DeploymentSpec:
             if len(sizes) > 1:
                 raise ValueError(f"{suffix}: colocated workers have one size (-tpS), not -tpP/D")
             return replace(spec, tp=sizes[0])
+        if len(sizes) == 3:
+            if spec.mode != "epd":
+                raise ValueError(f"{suffix}: only XeYpZd has encode workers (-tpE/P/D)")
+            return replace(spec, encode_tp=sizes[0], prefill_tp=sizes[1], decode_tp=sizes[2])
         return replace(spec, prefill_tp=sizes[0], decode_tp=sizes[-1])
 
     @classmethod
@@ -261,8 +269,8 @@ class DeploymentSpec:
         roles = {"colocated": ("workers",), "pd": ("prefill", "decode"),
                  "epd": ("encode", "prefill", "decode")}.get(args.mode, ())
         sizes = serve_tp_sizes(args)
-        tp = {"tp": sizes["colocated"]} if args.mode == "colocated" else {"prefill_tp": sizes["prefill"],
-                                                                          "decode_tp": sizes["decode"]}
+        tp = {field: sizes["colocated" if field == "tp" else field.removesuffix("_tp")]
+              for field in MODE_TP_FIELDS.get(args.mode, ())}
         return cls(args.mode, **{k: counts[k] for k in roles},
                    local_prefill_threshold=getattr(args, "local_prefill_threshold", 0) or None,
                    prefix_caching=getattr(args, "enable_prefix_caching", None) is not False,
@@ -285,7 +293,8 @@ class DeploymentSpec:
                     f"{self.prefill}p{self.decode}d" if self.prefill is not None else "pd")
         else:
             base = f"{self.encode}e{self.prefill}p{self.decode}d"
-        tp = tp_suffix(self.tp, self.tp) if self.mode == "colocated" else tp_suffix(self.prefill_tp, self.decode_tp)
+        tp = (tp_suffix(self.tp, self.tp) if self.mode == "colocated" else
+              tp_suffix(self.prefill_tp, self.decode_tp, self.encode_tp))
         name = base + tp + ("" if self.prefix_caching else NOPREFIX)
         try:
             if DeploymentSpec.parse(name) == self:
@@ -314,14 +323,15 @@ class DeploymentSpec:
         return sum(self.counts().values())
 
     def role_tp(self, role: str) -> int:
-        """Tensor-parallel ranks of each worker of ``role`` (``colocated``, ``prefill``,
-        ``decode``; ``encode``: 1, its vision tower is not split)."""
-        return {"colocated": self.tp, "prefill": self.prefill_tp, "decode": self.decode_tp}.get(role, 1)
+        """Tensor-parallel ranks of each worker of ``role`` (one of :data:`ROLES`)."""
+        return {"colocated": self.tp, "prefill": self.prefill_tp, "decode": self.decode_tp,
+                "encode": self.encode_tp}[role]
 
     def serve_flags(self) -> list[str]:
         """The ``epdserve serve`` options of this deployment: ``--mode``, the worker counts
         the name spells out, the tensor-parallel sizes (``--tensor-parallel-size S`` when
-        every engine worker has S ranks, else ``--prefill-tp P`` / ``--decode-tp D``), the
+        every engine worker has S ranks, else ``--prefill-tp P`` / ``--decode-tp D``; and
+        ``--encode-tp E``), the
         step's token budget, the local prefill threshold, ``--no-enable-prefix-caching``;
         nothing for what is serve's default (one rank). An elastic deployment gets
         ``--elastic`` and always its worker count (serve's default of 1 worker is not
@@ -338,6 +348,8 @@ class DeploymentSpec:
             flags += ["--tensor-parallel-size", str(sizes[0])] if sizes[0] > 1 else []
         else:
             flags += [word for opt, n in zip(("--prefill-tp", "--decode-tp"), sizes) if n > 1 for word in (opt, str(n))]
+        if self.encode_tp > 1:
+            flags += ["--encode-tp", str(self.encode_tp)]
         if self.chunked_prefill:
             flags += ["--max-num-batched-tokens", str(CHUNKED_BATCHED_TOKENS)]
         if self.local_prefill_threshold is not None:
@@ -356,13 +368,16 @@ class DeploymentSpec:
         counts = self.counts()
         return plan_workers(self.mode, cores, workers=counts.get("colocated", 1), prefill=counts.get("prefill", 1),
                             decode=counts.get("decode", 1), encode=counts.get("encode", 1), tp=self.tp,
-                            prefill_tp=self.prefill_tp, decode_tp=self.decode_tp)
+                            prefill_tp=self.prefill_tp, decode_tp=self.decode_tp, encode_tp=self.encode_tp)
 
 
-def tp_suffix(prefill_tp: int, decode_tp: int) -> str:
+def tp_suffix(prefill_tp: int, decode_tp: int, encode_tp: int = 1) -> str:
     """The tensor-parallel suffix of a deployment name (``epdserve plan`` writes its names
-    with it): ``""`` for one rank everywhere, ``-tpS`` when prefill and decode (or colocated)
-    workers both have S ranks, else ``-tpP/D``."""
+    with it): ``-tpE/P/D`` when encode workers have E > 1 ranks, else ``""`` for one rank
+    everywhere, ``-tpS`` when prefill and decode (or colocated) workers both have S ranks,
+    else ``-tpP/D``."""
+    if encode_tp != 1:
+        return f"-tp{encode_tp}/{prefill_tp}/{decode_tp}"
     if prefill_tp == decode_tp:
         return "" if prefill_tp == 1 else f"-tp{prefill_tp}"
     return f"-tp{prefill_tp}/{decode_tp}"
@@ -373,10 +388,11 @@ def serve_tp_sizes(args: Options) -> dict[str, int]:
     ``decode``) that parsed ``epdserve serve`` options give: ``--tensor-parallel-size``
     (``tensor_parallel_size``) for colocated workers and, unless ``--prefill-tp`` /
     ``--decode-tp`` (``prefill_tp``, ``decode_tp``) say otherwise, for prefill and decode
-    workers; encode workers 1 (their vision tower is not split). An option not given (None
-    or absent) is 1."""
+    workers; ``--encode-tp`` (``encode_tp``) for encode workers (``-tp`` does not apply: a
+    vision tower is small, and seldom worth splitting). An option not given (None or absent) is 1."""
     tp = getattr(args, "tensor_parallel_size", None) or 1
-    return {"colocated": tp, "encode": 1, "prefill": getattr(args, "prefill_tp", None) or tp,
+    return {"colocated": tp, "encode": getattr(args, "encode_tp", None) or 1,
+            "prefill": getattr(args, "prefill_tp", None) or tp,
             "decode": getattr(args, "decode_tp", None) or tp}
 
 
@@ -397,9 +413,10 @@ def split_cores(cores: list[int], n: int) -> list[list[int]]:
 
 
 def plan_workers(mode: str, cores: list[int], *, workers: int = 1, prefill: int = 1, decode: int = 1,
-                 encode: int = 1, tp: int = 1, prefill_tp: int = 1, decode_tp: int = 1) -> Placement:
+                 encode: int = 1, tp: int = 1, prefill_tp: int = 1, decode_tp: int = 1,
+                 encode_tp: int = 1) -> Placement:
     """``(role, worker_id, cores)`` for each worker of ``mode``: ``workers`` colocated
-    workers of ``tp`` ranks each, or ``encode`` encode workers (one rank), ``prefill`` of
+    workers of ``tp`` ranks each, or ``encode`` encode workers of ``encode_tp``, ``prefill`` of
     ``prefill_tp`` ranks and ``decode`` of ``decode_tp``, in that order. Placement rule: the
     module doc of :mod:`epdserve.serving.launch.launcher`; every worker gets at least as many
     distinct cores as it has ranks.
@@ -412,11 +429,11 @@ def plan_workers(mode: str, cores: list[int], *, workers: int = 1, prefill: int 
         raise ValueError("no CPU cores to place workers on")
     if min(workers, prefill, decode, encode) < 1:
         raise ValueError("every worker count must be at least 1")
-    if min(tp, prefill_tp, decode_tp) < 1:
+    if min(tp, prefill_tp, decode_tp, encode_tp) < 1:
         raise ValueError("every tensor-parallel size must be at least 1")
     groups = {"colocated": [("colocated", workers, tp)],
               "pd": [("prefill", prefill, prefill_tp), ("decode", decode, decode_tp)],
-              "epd": [("encode", encode, 1), ("prefill", prefill, prefill_tp), ("decode", decode, decode_tp)]}
+              "epd": [("encode", encode, encode_tp), ("prefill", prefill, prefill_tp), ("decode", decode, decode_tp)]}
     if mode not in groups:
         raise ValueError(f"unknown mode {mode!r}")
     for role, _, size in groups[mode]:

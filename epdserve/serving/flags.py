@@ -9,7 +9,7 @@ starts any worker, exactly as ``epdserve worker`` would.
 * :data:`MODEL_FLAG`: ``--model``, taken by ``serve``, ``router`` and ``worker``.
 * :data:`ROUTER_FLAGS`: the OpenAI front's flags, taken by ``serve`` and ``router``, named
   as ``vllm serve`` names them.
-* :data:`ROLE_TP_FLAGS`: serve's ``--prefill-tp`` and ``--decode-tp``, the tensor-parallel
+* :data:`ROLE_TP_FLAGS`: serve's ``--prefill-tp``, ``--decode-tp`` and ``--encode-tp``, the tensor-parallel
   size of one role's workers, which serve passes to them as their ``--tensor-parallel-size``.
 * the flags of several processes: ``--cores``, ``--events``, ``--allow-oversubscription``
   (serve and compare), ``--elastic`` and the elastic controller's :data:`ELASTIC_FLAGS`
@@ -87,8 +87,8 @@ WORKER_FLAGS = (
     Flag("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1,
          help="ranks of one engine worker (vLLM's flag), each a process with its share of the model's heads, MLP "
               "columns and vocabulary and of the KV cache; the worker's cores are split among them and its steps "
-              "run on all of them (docs/tensor-parallel.md); any engine role (KV handed over between any two sizes), not "
-              "encode workers; dense weights (auto: the dense copy)"),
+              "run on all of them (docs/tensor-parallel.md); any engine role (KV handed over between any two sizes); "
+              "an encode worker (serve's --encode-tp) splits its vision tower; dense weights (auto: the dense copy)"),
     Flag("--kv-transport", choices=handoff.TRANSPORTS, default="auto",
          help="KV hand-off: shared memory on the same host, TCP otherwise (auto), or one of them"),
     Flag("--kv-transfer-dtype", choices=kv_codec.TRANSFER_DTYPES, default="none",
@@ -98,12 +98,16 @@ WORKER_FLAGS = (
               "computed (a staged frame instead of its shared KV pool)"),
 )
 
-# serve's tensor-parallel size per role (pd, epd), where it differs from --tensor-parallel-size's.
-ROLE_TP_FLAGS = tuple(
+# serve's tensor-parallel size per role, where it differs from --tensor-parallel-size's (pd,
+# epd), and the encode workers' (epd), which -tp does not set.
+ROLE_TP_FLAGS = (*(
     Flag(f"--{role}-tp", type=int_at_least(1), default=None, metavar="N",
-         help=f"pd, epd: tensor-parallel ranks of each {role} worker (default: --tensor-parallel-size; encode "
-              f"workers always have 1); not with --elastic (docs/tensor-parallel.md)")
-    for role in ("prefill", "decode"))
+         help=f"pd, epd: tensor-parallel ranks of each {role} worker (default: --tensor-parallel-size); not with "
+              f"--elastic (docs/tensor-parallel.md)")
+    for role in ("prefill", "decode")),
+    Flag("--encode-tp", type=int_at_least(1), default=None, metavar="N",
+         help="epd: tensor-parallel ranks of each encode worker, its vision tower's heads and MLP split among "
+              "them (default: 1; --tensor-parallel-size does not apply) (docs/tensor-parallel.md)"))
 
 ROUTER_FLAGS = (
     Flag("--served-model-name", nargs="+", default=None, metavar="NAME",

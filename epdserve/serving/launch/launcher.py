@@ -53,7 +53,7 @@ readiness, stop on every exit path) is shared.
 Before any worker starts, ``serve`` checks every option it passes to the workers (the
 worker's own flags, defined once in :mod:`epdserve.serving.flags`), the model and the
 router's options (``--max-model-len``, ``--generation-config``), ``--cores``, each
-worker's ``--tensor-parallel-size`` against its role and cores (``worker.setup.rank_cores``), the HTTP
+worker's ``--tensor-parallel-size`` against its cores (``worker.ranks.split_cores``), the HTTP
 port (bound at once) and
 whether the host can hold the workers (:func:`check_capacity`): workers that share a core
 get a warning, an estimated memory above ``MemAvailable`` is refused unless

@@ -12,7 +12,7 @@ import os
 from epdserve.argtypes import Options, with_values
 from epdserve.serving import flags
 from epdserve.serving.deployment import MODE_ROLES, DeploymentSpec, Placement, serve_tp_sizes
-from epdserve.serving.worker.setup import rank_cores
+from epdserve.serving.worker.ranks import split_cores
 
 
 def usable_cores(spec: str | None) -> list[int]:
@@ -48,7 +48,7 @@ def plan_for(args: Options) -> Placement:
     cores = usable_cores(args.cores)
     check_tp_sizes(args, cores)
     ray = args.cluster == "ray"
-    spec = DeploymentSpec.from_serve_args(with_values(args, tensor_parallel_size=None, prefill_tp=None,
+    spec = DeploymentSpec.from_serve_args(with_values(args, tensor_parallel_size=None, prefill_tp=None, encode_tp=None,
                                                       decode_tp=None) if ray else args)
     plan = spec.place(cores)
     return [(role, f"worker-{i}", c) for i, (role, _, c) in enumerate(plan)] if args.elastic else plan
@@ -56,9 +56,9 @@ def plan_for(args: Options) -> Placement:
 
 def check_tp_sizes(args: Options, cores: list[int]) -> None:
     """Whether serve takes its tensor-parallel options: ``--prefill-tp`` and ``--decode-tp``
-    only in pd and epd modes and not with ``--elastic`` (a worker that changes role takes
-    ``--tensor-parallel-size``), and (not ``--cluster ray``) no worker of more ranks than
-    ``cores``, each rank needing one.
+    only in pd and epd modes and ``--encode-tp`` only in epd, neither with ``--elastic`` (a
+    worker that changes role takes ``--tensor-parallel-size``), and (not ``--cluster ray``)
+    no worker of more ranks than ``cores``, each rank needing one.
 
     Raises:
         ValueError: one line naming the flag.
@@ -68,6 +68,8 @@ def check_tp_sizes(args: Options, cores: list[int]) -> None:
         raise ValueError(f"{given[0]}: an elastic worker changes role, so every worker takes --tensor-parallel-size")
     if given and args.mode == "colocated":
         raise ValueError(f"{given[0]} applies to pd and epd modes; colocated workers take --tensor-parallel-size")
+    if "--encode-tp" in given and args.mode != "epd":
+        raise ValueError(f"--encode-tp applies to epd mode; {args.mode} has no encode workers")
     sizes = serve_tp_sizes(args)
     for role in MODE_ROLES[args.mode] if args.cluster != "ray" else ():
         flag = f"--{role}-tp" if f"--{role}-tp" in given else "--tensor-parallel-size"
@@ -78,15 +80,15 @@ def check_tp_sizes(args: Options, cores: list[int]) -> None:
 
 def checked_plan(args: Options) -> Placement:
     """:func:`plan_for`, and (not ``--cluster ray``: a Ray actor's cores are Ray's to place,
-    the worker checks them) each worker's tensor-parallel size checked against its role and
-    cores as the worker will (``worker.setup.rank_cores``), before any starts.
+    the worker checks them) each worker's cores split among its ranks as the worker will
+    (``worker.ranks.split_cores``), before any starts.
 
     Raises:
-        ValueError: as :func:`plan_for`, or a worker ``rank_cores`` refuses.
+        ValueError: as :func:`plan_for`, or a worker with fewer cores than ranks.
     """
     plan = plan_for(args)
     if args.cluster != "ray":
         sizes = serve_tp_sizes(args)
         for role, _, cores in plan:
-            rank_cores(sizes[role], role, args.elastic, cores)
+            split_cores(cores, sizes[role])
     return plan

@@ -10,6 +10,10 @@ answered from the embedding cache), writes each request's embeddings as one fram
 same host maps and unlinks the segment; one on another host fetches it from this
 worker's TCP server. A frame nobody reads is deleted on ``ReleaseKV`` (the router sends
 it when the request ends) or after ``--kv-ttl`` seconds.
+
+With ``--tensor-parallel-size`` N the vision tower is split over N rank processes
+(:mod:`~epdserve.serving.worker.ranks`); when one fails, the batch's requests fail with its
+message and the worker exits (status 1) so that ``serve`` restarts it with all its ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from epdserve.model.image_processor import ImageError
 from epdserve.serving import protocol as P
 from epdserve.model.image_processor import ImageInput
 from epdserve.serving.worker.control import handle_control
+from epdserve.serving.worker.ranks import RankFailure, Ranks
 from epdserve.transfer import embedding, shm, tcp
 from epdserve.transfer.exports import ExportTable
 from epdserve.transfer.handoff import host_id
@@ -59,11 +64,13 @@ class EncodeWorker:
     """The command/encode/publish loop around one :class:`EncodeEngine`. ``kv_bind``: the
     TCP address to serve frames on (None: shared memory only); ``ttl_s``: how long an
     unread frame is kept. ``run`` sets ``sealer`` (seals events), ``incarnation`` and
-    ``hello`` (what a Reset is answered with)."""
+    ``hello`` (what a Reset is answered with), and ``ranks``: the other ranks of a
+    tensor-parallel vision tower, whose failure stops the worker."""
 
     sealer: Sealer = NO_AUTH.sealer("events")
     incarnation: str = ""
     hello: P.Hello | None = None
+    ranks: Ranks | None = None
 
     def __init__(self, encoder: EncodeEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
                  ctx: zmq.Context, kv_bind: str | None, ttl_s: float):
@@ -98,8 +105,16 @@ class EncodeWorker:
                     item = self.inbox.get_nowait()
             except queue.Empty:
                 pass
-            if self.pending:
-                self.encode_pending()
+            try:
+                if self.pending:
+                    self.encode_pending()
+                elif self.ranks is not None:  # a follower that died while idle
+                    self.ranks.check()
+            except RankFailure as exc:
+                log.error("%s: %s; stopping this worker (exit status 1) so that it is restarted with all its "
+                          "ranks", self.worker_id, exc)
+                self.running, self.exit_code = False, 1
+                continue
             self.report_stats()
             self.expire()
         self.close()
@@ -124,7 +139,13 @@ class EncodeWorker:
             except ValueError as exc:
                 self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id, message=str(exc)))
         start = time.perf_counter()
-        results = self.encoder.encode([image for _, _, images in requests for image in images])
+        try:
+            results = self.encoder.encode([image for _, _, images in requests for image in images])
+        except RankFailure as exc:
+            for msg, _, _ in requests:
+                self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id, status=500,
+                                  message=f"the encode worker's tensor-parallel ranks failed ({exc}); it is restarting"))
+            raise
         k = 0
         for msg, arrival, images in requests:
             mine, k = results[k:k + len(images)], k + len(images)

@@ -16,6 +16,8 @@ order) and the op's own fields:
   ``decode_rows``, ``decode_block_tables``, ``decode_ctx_lens``, ``logits_rows``, each
   prefill's ``block_table``, then, with ``embeds``, the embedding rows and values;
 * ``logits``: one tensor, the hidden rows ``[R, hidden]``;
+* ``encode`` (an encode worker's vision ranks): one tensor, the image tiles' pixel values
+  ``[N, 3, H, W]``;
 * ``stop``: leave (no tensors).
 
 A follower → rank 0 (one PUSH socket each, into rank 0's PULL): one msgpack frame

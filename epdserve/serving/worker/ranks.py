@@ -1,6 +1,8 @@
-"""The ranks of a tensor-parallel engine worker (``--tensor-parallel-size N``): rank 0 is the
-worker process itself, ranks 1..N-1 are follower processes it starts, each holding its shard
-of the model (``model/tensor_parallel.py``) and a KV cache of the same block count as rank 0's.
+"""The ranks of a tensor-parallel worker (``--tensor-parallel-size N``): rank 0 is the worker
+process itself, ranks 1..N-1 are follower processes it starts, each holding its shard of the
+model (``model/tensor_parallel.py``) and a KV cache of the same block count as rank 0's; or,
+in an encode worker, its shard of the vision tower (``model/vision.py``; the ``vision`` part),
+whose :class:`DrivenVision` sends each ``encode`` call's pixel values the same way.
 
 Rank 0's engine schedules, samples and talks to the router as a single-process worker's
 does; it calls a :class:`DrivenModel`, which sends each forward-pass call (``hidden_states``,
@@ -12,10 +14,10 @@ raw tensor bytes, never pickle). A follower waits on its socket with a timeout, 
 a collective, so an idle worker never meets a gloo timeout; it leaves on ``stop``, when rank
 0 is gone (``PR_SET_PDEATHSIG``, and its parent pid changing), or on any error.
 
-Start-up (:meth:`Ranks.start`, then :meth:`Ranks.drive` from the engine): rank 0 starts the
-followers, which load their shards while it loads its own, and say ``loaded`` (or their
-error); then every rank joins the process group (a TCP store on 127.0.0.1 that rank 0 holds),
-rank 0 creates the ranks' KV pool (on the CPU one /dev/shm file, one part per rank, so that
+Start-up (:meth:`Ranks.start`, then :meth:`Ranks.drive` from the engine, or
+:meth:`Ranks.drive_vision`): rank 0 starts the followers, which load their shards while it
+loads its own, and say ``loaded`` (or their error); then every rank joins the process group
+(a TCP store on 127.0.0.1 that rank 0 holds); for a language model, rank 0 creates the ranks' KV pool (on the CPU one /dev/shm file, one part per rank, so that
 rank 0 reads and writes every KV head of a hand-off: ``engine/kv_parts.py``) and sends
 ``init`` with the block count and the pool, and each follower maps its part (on CUDA
 allocates its cache) and says ``ready``.
@@ -53,6 +55,7 @@ from epdserve.engine.engine import DTYPES
 from epdserve.model.llama import AttentionMetadata, LlamaModel
 from epdserve.model.loader import load_language_model
 from epdserve.model.tensor_parallel import TPRank, even_range
+from epdserve.model.vision import VisionEncoder
 from epdserve.serving.worker import rank_messages as M
 from epdserve.transfer import shm
 
@@ -65,6 +68,7 @@ COLLECTIVE_TIMEOUT_S = 60.0
 POLL_S = 0.1  # a follower's wait for its next message before checking on rank 0
 STOP_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1
+PARTS = ("language", "vision")  # what a follower loads: the language model or the vision tower
 
 
 class RankFailure(RuntimeError):
@@ -97,17 +101,28 @@ def _backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-class DrivenModel:
-    """Rank 0's model in a tensor-parallel worker, as its engine calls it: each forward-pass
-    call is first sent to every follower (:meth:`Ranks.send`), then run on rank 0's own
-    ``LlamaModel``; every other attribute is that model's. Its calls raise
-    :class:`RankFailure` when a follower is gone or the call fails (see the module doc)."""
+class _Driven:
+    """Rank 0's shard as its engine calls it: each forward-pass call is first sent to every
+    follower (:meth:`Ranks.send`), then run on rank 0's own ``model``; every other attribute
+    is that model's. Its calls raise :class:`RankFailure` when a follower is gone or the
+    call fails (see the module doc)."""
 
-    def __init__(self, model: LlamaModel, ranks: Ranks):
+    def __init__(self, model, ranks: Ranks):
         self.model, self.ranks = model, ranks
 
     def __getattr__(self, name: str):
         return getattr(self.model, name)
+
+    def _run(self, frames: list, call, *args):
+        self.ranks.send(frames)
+        try:
+            return call(*args)
+        except Exception as exc:
+            raise self.ranks.failure(exc) from exc
+
+
+class DrivenModel(_Driven):
+    """Rank 0's ``LlamaModel`` in a tensor-parallel engine worker (see :class:`_Driven`)."""
 
     def hidden_states(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                       embeds=None, kv_written=None) -> torch.Tensor:
@@ -125,12 +140,13 @@ class DrivenModel:
         """``LlamaModel.logits`` of hidden rows ``[R, hidden]`` on every rank: ``[R, vocab]``."""
         return self._run(M.encode("logits", [hidden]), self.model.logits, hidden)
 
-    def _run(self, frames: list, call, *args):
-        self.ranks.send(frames)
-        try:
-            return call(*args)
-        except Exception as exc:
-            raise self.ranks.failure(exc) from exc
+
+class DrivenVision(_Driven):
+    """Rank 0's ``VisionEncoder`` in a tensor-parallel encode worker (see :class:`_Driven`)."""
+
+    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``VisionEncoder.encode`` of tiles ``[N, 3, H, W]`` on every rank: the embeddings."""
+        return self._run(M.encode("encode", [pixel_values]), self.model.encode, pixel_values)
 
 
 class Ranks:
@@ -157,20 +173,21 @@ class Ranks:
 
     @classmethod
     def start(cls, size: int, worker_id: str, model_dir: str, dtype: str, weight_format: str, device: str,
-              cores: list[list[int]]) -> Ranks:
+              cores: list[list[int]], part: str = "language") -> Ranks:
         """Start followers 1..``size``-1 of a worker on ``device``, follower r pinned to
-        ``cores[r]``, loading ``model_dir`` in ``dtype`` and ``weight_format`` (a concrete,
-        dense one). Returns at once: :meth:`drive` waits for them."""
+        ``cores[r]``, loading ``part`` (:data:`PARTS`) of ``model_dir`` in ``dtype`` and
+        ``weight_format`` (a concrete, dense one; the vision tower is always dense).
+        Returns at once: :meth:`drive` or :meth:`drive_vision` waits for them."""
         ranks = cls(size, worker_id, device)
         try:
             for r in range(1, size):
-                ranks._spawn(r, model_dir, dtype, weight_format, cores[r])
+                ranks._spawn(r, model_dir, dtype, weight_format, cores[r], part)
         except BaseException:
             ranks.close()
             raise
         return ranks
 
-    def _spawn(self, rank: int, model_dir: str, dtype: str, weight_format: str, cores: list[int]) -> None:
+    def _spawn(self, rank: int, model_dir: str, dtype: str, weight_format: str, cores: list[int], part: str) -> None:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         address = f"ipc://{self.dir}/control-{rank}"
@@ -179,7 +196,8 @@ class Ranks:
         argv = [sys.executable, "-m", "epdserve.serving.worker.ranks", "--rank", str(rank), "--size", str(self.size),
                 "--store-port", str(self.store.port), "--control", address, "--replies", f"ipc://{self.dir}/replies",
                 "--model", model_dir, "--dtype", dtype, "--weight-format", weight_format, "--device", self.device,
-                "--cores", ",".join(map(str, cores)), "--parent-pid", str(os.getpid()), "--worker", self.worker_id]
+                "--cores", ",".join(map(str, cores)), "--parent-pid", str(os.getpid()), "--worker", self.worker_id,
+                "--part", part]
         parent = os.getpid()
         self.procs.append(subprocess.Popen(argv, preexec_fn=lambda: _die_with_parent(parent)))
         log.info("%s: started tensor-parallel rank %d (pid %d) on cores %s", self.worker_id, rank,
@@ -198,15 +216,7 @@ class Ranks:
             RankFailure: a follower died or did not answer within :data:`START_TIMEOUT_S`, or
                 the process group could not be formed within :data:`COLLECTIVE_TIMEOUT_S`.
         """
-        self._await("loaded")
-        if self.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(self.device))
-        try:
-            dist.init_process_group(_backend(self.device), store=self.store, rank=0, world_size=self.size,
-                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        except Exception as exc:  # a follower died or hung before joining (DistStoreError, gloo's)
-            raise self.failure(exc, "joining the process group") from exc
-        self.joined = True
+        self._join()
         c = model.config
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, sum(model.kv_head_split), c.head_dim)
         if self.device.startswith("cuda"):
@@ -220,6 +230,30 @@ class Ranks:
         log.info("%s: %d tensor-parallel ranks ready (%s), %d KV blocks each", self.worker_id, self.size,
                  _backend(self.device), num_blocks)
         return DrivenModel(model, self), parts
+
+    def drive_vision(self, vision: VisionEncoder) -> DrivenVision:
+        """Wait for every follower's shard of the vision tower, join the process group and
+        return ``vision`` (rank 0's shard) driven.
+
+        Raises:
+            as :meth:`drive`.
+        """
+        self._join()
+        log.info("%s: %d tensor-parallel ranks of the vision tower ready (%s)", self.worker_id, self.size,
+                 _backend(self.device))
+        return DrivenVision(vision, self)
+
+    def _join(self) -> None:
+        """Wait for every follower's ``loaded``, then join the process group with them."""
+        self._await("loaded")
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))
+        try:
+            dist.init_process_group(_backend(self.device), store=self.store, rank=0, world_size=self.size,
+                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        except Exception as exc:  # a follower died or hung before joining (DistStoreError, gloo's)
+            raise self.failure(exc, "joining the process group") from exc
+        self.joined = True
 
     def _await(self, state: str) -> None:
         """Wait until every follower has said ``state``."""
@@ -318,6 +352,7 @@ def _parser() -> argparse.ArgumentParser:
                        ("--replies", str), ("--model", str), ("--dtype", str), ("--weight-format", str),
                        ("--device", str), ("--cores", str), ("--parent-pid", int), ("--worker", str)):
         parser.add_argument(name, type=kind, required=True)
+    parser.add_argument("--part", choices=PARTS, default="language")
     return parser
 
 
@@ -337,8 +372,7 @@ def follow(argv: list[str] | None = None) -> int:
     replies.connect(args.replies)
     try:
         try:
-            model, _ = load_language_model(args.model, DTYPES[args.dtype], args.weight_format, device,
-                                           TPRank(args.rank, args.size))
+            model = _load_part(args, device)
         except Exception as exc:
             replies.send(M.encode_reply(args.rank, "error", str(exc)))
             return 2
@@ -357,7 +391,15 @@ def follow(argv: list[str] | None = None) -> int:
         ctx.destroy(linger=1000)
 
 
-def _serve_calls(model: LlamaModel, control: zmq.Socket, replies: zmq.Socket, args, device: str) -> int:
+def _load_part(args, device: str) -> LlamaModel | VisionEncoder:
+    """This follower's shard of ``args.part`` (:data:`PARTS`)."""
+    tp = TPRank(args.rank, args.size)
+    if args.part == "vision":
+        return VisionEncoder.load(args.model, DTYPES[args.dtype], device, tp)
+    return load_language_model(args.model, DTYPES[args.dtype], args.weight_format, device, tp)[0]
+
+
+def _serve_calls(model: LlamaModel | VisionEncoder, control: zmq.Socket, replies: zmq.Socket, args, device: str) -> int:
     """Run rank 0's calls on this rank's shard until ``stop`` (0), rank 0's end or a failed
     call (1)."""
     name = f"{args.worker} rank {args.rank}/{args.size}"
@@ -392,14 +434,17 @@ def _kv_cache(model: LlamaModel, init: dict, rank: int) -> torch.Tensor:
     return shm.map_part(init["pool"], tuple(init["shape"]), model.dtype, init["split"], rank)
 
 
-def _call(model: LlamaModel, kv_cache: torch.Tensor | None, header: dict, tensors: list[torch.Tensor],
-          device: str) -> None:
+def _call(model: LlamaModel | VisionEncoder, kv_cache: torch.Tensor | None, header: dict,
+          tensors: list[torch.Tensor], device: str) -> None:
     """Run one forward-pass call of rank 0's on this rank's shard (its outputs are rank 0's
     business: every rank computes the same).
 
     Raises:
-        MessageError: an unknown op, or a call before ``init``.
+        MessageError: an unknown op, or a language model's call before ``init``.
     """
+    if header["op"] == "encode":
+        model.encode(tensors[0])
+        return
     if kv_cache is None:
         raise M.MessageError(f"{header['op']} before init")
     if header["op"] in M.STEP_OPS:

@@ -21,6 +21,7 @@ from epdserve.engine.engine import DTYPES, EngineConfig, LLMEngine
 from epdserve.model import linear, quant, tensor_parallel
 from epdserve.model.config import ModelConfig
 from epdserve.model.loader import ModelInfo, auto_dtype, resolve_model
+from epdserve.model.vision import VisionConfig, read_config, vision_shard
 from epdserve.serving import auth, flags
 from epdserve.serving.deployment import ROLES
 from epdserve.serving.worker.ranks import Ranks, split_cores
@@ -116,39 +117,30 @@ def weight_format(config: WorkerConfig, info: ModelInfo) -> str:
     return linear.resolve(config.weight_format, DTYPES[config.dtype], has_blocks, prefill, decode).name
 
 
-def rank_cores(size: int, role: str, elastic: bool, cores: list[int]) -> list[list[int]]:
-    """Each rank's cores of a worker of ``role`` with ``size`` tensor-parallel ranks on
-    ``cores`` (``ranks.split_cores``: contiguous, as even as possible; ``[cores]`` for one
-    rank). ``serve`` checks its workers with it before it starts any.
-
-    Raises:
-        ValueError: ``size`` above 1 on an encode worker (its vision tower is not split),
-            or fewer cores than ranks.
-    """
-    if size > 1 and role == "encode":
-        raise ValueError(f"--tensor-parallel-size {size} on an encode worker: its vision tower is not split "
-                         "over ranks (give prefill and decode workers their sizes instead)")
-    return split_cores(cores, size)
-
-
 def check_model_split(config: WorkerConfig, info: ModelInfo) -> None:
-    """Whether ``info``'s language model splits over ``config.tensor_parallel_size`` ranks
-    in ``config.weight_format`` (as given) on ``config.device``; nothing to check for one rank.
+    """Whether what ``config.role`` runs of ``info`` splits over ``config.tensor_parallel_size``
+    ranks: the vision tower of an encode worker, else the language model in
+    ``config.weight_format`` (as given); on ``config.device``. Nothing to check for one rank.
 
     Raises:
-        ValueError: more ranks than the model's KV heads (``tensor_parallel.shard_ranges``),
-            a format with GGUF blocks (``tensor_parallel.check_dense``), or on CUDA fewer
-            GPUs from the worker's than ranks, or a worker that hands KV over (rank 0
-            reaches the other ranks' KV through /dev/shm only).
+        ValueError: more ranks than the vision tower's attention heads
+            (``vision.vision_shard``) or the language model's KV heads
+            (``tensor_parallel.shard_ranges``), a format with GGUF blocks
+            (``tensor_parallel.check_dense``), or on CUDA fewer GPUs from the worker's than
+            ranks, or a worker that hands KV over (rank 0 reaches the other ranks' KV through
+            /dev/shm only).
     """
     size = config.tensor_parallel_size
     if size == 1:
         return
-    tensor_parallel.shard_ranges(ModelConfig.from_dir(info.path), 0, size)
-    if config.weight_format != "auto":
-        tensor_parallel.check_dense(linear.parse(config.weight_format))
+    if config.role == "encode":
+        vision_shard(VisionConfig.from_dict(read_config(info.path)), 0, size)
+    else:
+        tensor_parallel.shard_ranges(ModelConfig.from_dir(info.path), 0, size)
+        if config.weight_format != "auto":
+            tensor_parallel.check_dense(linear.parse(config.weight_format))
     if config.device.startswith("cuda"):
-        if config.elastic or config.role != "colocated":
+        if config.elastic or config.role not in ("colocated", "encode"):
             raise ValueError(f"--tensor-parallel-size {size} on a {'elastic' if config.elastic else config.role} "
                              f"worker on {config.device}: the KV hand-off of tensor-parallel ranks runs on the CPU "
                              "only so far (rank 0 reaches the other ranks' KV through /dev/shm)")
@@ -196,7 +188,7 @@ def load(config: WorkerConfig):
     """Pin the cores and load what the role runs: ``(cores, model info, encode engine or
     None, engine and its shared KV pool or None, None for an encode worker, the other
     tensor-parallel ranks or None)``. With ``--tensor-parallel-size`` N > 1, this process is
-    rank 0, pinned to its share of the cores (:func:`rank_cores`), and the followers are
+    rank 0, pinned to its share of the cores (``ranks.split_cores``), and the followers are
     started on theirs (:class:`~epdserve.serving.worker.ranks.Ranks`; the caller closes them).
 
     Raises:
@@ -209,43 +201,47 @@ def load(config: WorkerConfig):
         torch.set_num_threads(max(1, int(os.environ["EPDSERVE_NUM_THREADS"])))
     info = resolve_model(config.model)
     check_model_split(config, info)
-    shares = rank_cores(config.tensor_parallel_size, config.role, config.elastic, cores)
+    shares = split_cores(cores, config.tensor_parallel_size)
     if config.dtype is None:  # bfloat16 on CUDA (as vLLM), float32 on the CPU (as before the GPU path)
         config = replace(config, dtype="bfloat16" if config.device.startswith("cuda") else "float32")
     elif config.dtype == "auto":
         config = replace(config, dtype=auto_dtype(info.path, config.weight_format, config.device))
         log.info("%s: --dtype auto: %s on %s", config.worker_id, config.dtype, config.device)
     config = replace(config, weight_format=weight_format(config, info))
-    encoder = engine = kv_pool = ranks = None
-    if encode_role or (info.multimodal and (config.role in ("colocated", "prefill") or config.elastic)):
-        encoder = EncodeEngine(info.path, DTYPES[config.dtype], device=config.device)
-        if info.synthetic_vision:
-            log.warning("%s: the vision tower of %s has SYNTHETIC (seeded random) weights: image outputs "
-                        "carry no meaning", config.worker_id, info.name)
-    if not encode_role:
-        # A prefill worker keeps its KV cache where a same-host decode worker can read it, so a
-        # hand-off copies it once: /dev/shm on the CPU, a CUDA-IPC-shared pool on a GPU
-        # (docs/gpu-handoff.md). Converted or layer-pipelined KV is staged as a frame instead.
-        exports = config.role == "prefill" or config.elastic  # an elastic worker may become a prefill worker
-        shared = exports and config.kv_transfer_dtype == "none" and not config.kv_layer_pipeline
-        ranks = _start_ranks(config, info, shares)
-        try:
+    encoder = engine = kv_pool = None
+    ranks = _start_ranks(config, info, shares)
+    try:
+        if encode_role or (info.multimodal and (config.role in ("colocated", "prefill") or config.elastic)):
+            # The ranks split an encode worker's vision tower; an engine worker's split its
+            # language model, and the vision encoder it may hold runs whole on rank 0.
+            encoder = EncodeEngine(info.path, DTYPES[config.dtype], device=config.device,
+                                   tp=ranks if encode_role else None)
+            if info.synthetic_vision:
+                log.warning("%s: the vision tower of %s has SYNTHETIC (seeded random) weights: image outputs "
+                            "carry no meaning", config.worker_id, info.name)
+        if not encode_role:
+            # A prefill worker keeps its KV cache where a same-host decode worker can read it, so a
+            # hand-off copies it once: /dev/shm on the CPU, a CUDA-IPC-shared pool on a GPU
+            # (docs/gpu-handoff.md). Converted or layer-pipelined KV is staged as a frame instead.
+            exports = config.role == "prefill" or config.elastic  # an elastic worker may become a prefill worker
+            shared = exports and config.kv_transfer_dtype == "none" and not config.kv_layer_pipeline
             engine, kv_pool = new_engine(str(info.path), engine_config(config), shared, tp=ranks)
-        except BaseException:
-            if ranks is not None:
-                ranks.close()
-            raise
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
     return cores, info, encoder, engine, kv_pool, ranks
 
 
 def _start_ranks(config: WorkerConfig, info: ModelInfo, shares: list[list[int]]) -> Ranks | None:
     """Pin this process, rank 0, to its share of the cores and start the follower ranks on
-    theirs; None for one rank."""
+    theirs (with the vision tower's shards in an encode worker); None for one rank."""
     if config.tensor_parallel_size == 1:
         return None
     pin_to_cores(",".join(map(str, shares[0])))
     return Ranks.start(config.tensor_parallel_size, config.worker_id, str(info.path), config.dtype,
-                       config.weight_format, config.device, shares)
+                       config.weight_format, config.device, shares,
+                       part="vision" if config.role == "encode" else "language")
 
 
 def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_backend: cuda_ipc.IpcBackend | None = None,
