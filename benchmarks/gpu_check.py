@@ -14,7 +14,8 @@ measured; ``--budget-s`` skips what would start after it):
 * ``tensor_parallel``: that Llama in our engine at TP=2 vs TP=1 (:mod:`gpu_check_tp`): greedy
   tokens (equal is the goal) and max |logit difference| of a batched prefill and decode steps;
   ms in the collectives a step, and all-reduces of ``[T, hidden]`` timed in a loop. NCCL, rank r
-  on ``cuda:r``, with 2+ GPUs; skipped with one; gloo on the CPU with ``--device cpu``.
+  on ``cuda:r``, with 2+ GPUs; gloo with both ranks on the one GPU with one (parity only); gloo
+  on the CPU with ``--device cpu``.
 * ``throughput``: a Llama-3.1-8B-shaped model (:data:`gpu_check_serve.LLAMA_8B`) with
   random bf16 weights in our engine: prefill tokens/s on 2,048-token prompts as a fraction
   of the matrix peak (FLOPs = 2 x matmul parameters per token + causal attention), and

@@ -10,9 +10,10 @@ tokens equal TP=1's; the max |logit difference| is reported (the all-reduces add
 partial sums in another order: ~1e-5, not whole units).
 
 Backend and devices: with ``--device cuda`` and 2 or more GPUs, NCCL with rank r on
-``cuda:r`` (TP=1 on ``cuda:0``); with ``--device cpu`` (``--smoke``), gloo on the CPU over
-127.0.0.1, one thread a rank; with one GPU the section is skipped (NCCL needs a GPU a rank),
-and says so. The JSON names the backend and the devices.
+``cuda:r`` (TP=1 on ``cuda:0``); with one GPU, both ranks on it over gloo (NCCL needs a GPU
+a rank; gloo all-reduces CUDA tensors through host memory): the CUDA code path's parity,
+not NCCL's speed; with ``--device cpu`` (``--smoke``), gloo on the CPU over 127.0.0.1, one
+thread a rank. The JSON names the backend and the devices.
 
 The all-reduce cost, two ways: the time inside the collectives of each step (every
 all-reduce and the logits gather, waits for the other rank included; on CUDA the device is
@@ -132,7 +133,7 @@ def rank_main(rank: int, backend: str, devices: list[str], port: int, model_dir:
         if backend == "gloo":
             torch.set_num_threads(1)
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        else:
+        if devices[rank].startswith("cuda"):
             torch.cuda.set_device(devices[rank])
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(devices),
                                 timeout=GROUP_TIMEOUT)
@@ -231,10 +232,12 @@ def summary(whole: dict, ranks: list[dict], loops: list[dict]) -> dict:
 def tensor_parallel(device: str, shape: dict, config: dict, workdir: Path) -> dict:
     """The section (see the module doc); ``config`` is the throughput section's shape."""
     cuda = device.startswith("cuda")
-    if cuda and torch.cuda.device_count() < SIZE:
-        return {"skipped": f"needs {SIZE} GPUs (NCCL, rank r on cuda:r); this host has {torch.cuda.device_count()}",
-                "backend": None, "devices": []}
-    backend, devices = ("nccl", [f"cuda:{r}" for r in range(SIZE)]) if cuda else ("gloo", ["cpu"] * SIZE)
+    if not cuda:
+        backend, devices = "gloo", ["cpu"] * SIZE
+    elif torch.cuda.device_count() < SIZE:
+        backend, devices = "gloo", ["cuda:0"] * SIZE
+    else:
+        backend, devices = "nccl", [f"cuda:{r}" for r in range(SIZE)]
     model_dir = workdir / "tp-llama"
     S.parity_llama(model_dir)
     prompts, tokens = S.parity_prompts(), shape["parity_tokens"]
@@ -244,8 +247,9 @@ def tensor_parallel(device: str, shape: dict, config: dict, workdir: Path) -> di
     out = {"backend": backend, "devices": devices, "tp1_device": devices[0], "size": SIZE, "dtype": "float32",
            "prompt_lens": [len(p) for p in prompts], "tokens_per_prompt": tokens, "decode_steps": tokens - 1,
            **summary(whole, ranks, loops)}
-    if not cuda:
-        out["note"] = "gloo on the CPU (127.0.0.1, one thread a rank): the parity check; not a GPU's collectives"
+    if backend == "gloo":
+        out["note"] = (f"gloo on {devices[0]} (127.0.0.1; every rank on it): the parity check; not NCCL's "
+                       "collectives, whose times these are not")
     tqdm.write(f"  TP={SIZE} ({backend} on {', '.join(devices)}) greedy tokens equal TP=1's: {out['tokens_equal']} "
                f"({out['tokens_equal_count']}/{out['tokens']}); max |logit diff| {out['max_abs_logit_diff']:.2e}")
     tqdm.write(f"  TP={SIZE} decode step {out['tp2_ms']['decode']:.2f} ms (collectives "

@@ -86,9 +86,8 @@ def test_role_tensor_parallel_flags_are_serves_alone_and_declared_once():
     uses = _declarations()
     for flag in flags.ROLE_TP_FLAGS:
         assert [(path, action.flag) for path, action in uses[flag.name]] == [("serve", flag)]
-        assert flag.kwargs["default"] is None  # not given: --tensor-parallel-size's value
-    assert [f.name for f in flags.ROLE_TP_FLAGS] == ["--prefill-tp", "--decode-tp"]
-    assert "--encode-tp" not in uses  # an encode worker's vision tower is not split
+        assert flag.kwargs["default"] is None  # not given: --tensor-parallel-size's value (encode: 1)
+    assert [f.name for f in flags.ROLE_TP_FLAGS] == ["--prefill-tp", "--decode-tp", "--encode-tp"]
 
 
 def test_other_meanings_are_still_shared_names():
