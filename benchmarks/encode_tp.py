@@ -8,8 +8,8 @@ answers) per repetition, through the encode engine:
   an encode worker of one rank runs);
 * ``one process, 1 thread``: the whole tower on one core;
 * ``TP=N``: this process rank 0 and N-1 follower processes (``serving/worker/ranks.py``),
-  one thread each, the followers pinned to the next cores (round-robin), gloo over 127.0.0.1 (two all-reduces of ``[tiles, 1024,
-  768]`` a layer).
+  one thread each, the followers pinned to the next cores (round-robin), gloo over
+  127.0.0.1 (two all-reduces of ``[tiles, 1024, 768]`` a layer).
 
 The rows run round-robin, so that load from other processes hits each alike. Per row: ms per
 tile (median over ``--reps``), the ratio to the baseline's (above 1: slower) and the GFLOP/s

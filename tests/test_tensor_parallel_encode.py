@@ -60,7 +60,7 @@ def test_the_tower_splits_by_whole_heads_and_mlp_features(config):
 
 @pytest.fixture(scope="module")
 def images():
-    return [image(1, (300, 200)), image(2, (900, 700))]  # one batch of 2 tiles (the default VLM's tiles are whole images)
+    return [image(1, (300, 200)), image(2, (900, 700))]  # one batch of 2 tiles (the default VLM does not split)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,8 @@ def serve_error(*argv: str) -> str | None:
 
 def test_serve_takes_encode_ranks_in_epd_only():
     assert serve_error("--mode", "epd", "--encode-tp", "2") is None
-    assert serve_error("--mode", "pd", "--encode-tp", "2") == "--encode-tp applies to epd mode; pd has no encode workers"
+    assert serve_error("--mode", "pd", "--encode-tp", "2") == ("--encode-tp applies to epd mode; pd has no encode "
+                                                               "workers")
     assert serve_error("--encode-tp", "2") == ("--encode-tp applies to pd and epd modes; colocated workers take "
                                                "--tensor-parallel-size")
     assert serve_error("--mode", "epd", "--encode-tp", "3") == ("--encode-tp 3 needs 3 cores, one a rank; serve has 2 "

@@ -60,7 +60,8 @@ ENGINE_ROLES: tuple[str, ...] = get_args(EngineRole)
 MODES: tuple[str, ...] = get_args(Mode)
 # The roles a mode's deployment needs a live worker of, and the tensor-parallel sizes it has.
 MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode"), "epd": ("encode", "prefill", "decode")}
-MODE_TP_FIELDS = {"colocated": ("tp",), "pd": ("prefill_tp", "decode_tp"), "epd": ("encode_tp", "prefill_tp", "decode_tp")}
+MODE_TP_FIELDS = {"colocated": ("tp",), "pd": ("prefill_tp", "decode_tp"),
+                  "epd": ("encode_tp", "prefill_tp", "decode_tp")}
 
 # The SLOs an elastic server's controller steers by (``serve --slo``); compare judges by more.
 ELASTIC_SLO_KEYS = ("ttft", "tpot")

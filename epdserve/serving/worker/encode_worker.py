@@ -142,9 +142,9 @@ class EncodeWorker:
         try:
             results = self.encoder.encode([image for _, _, images in requests for image in images])
         except RankFailure as exc:
+            why = f"the encode worker's tensor-parallel ranks failed ({exc}); it is restarting"
             for msg, _, _ in requests:
-                self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id, status=500,
-                                  message=f"the encode worker's tensor-parallel ranks failed ({exc}); it is restarting"))
+                self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id, message=why, status=500))
             raise
         k = 0
         for msg, arrival, images in requests:

@@ -17,10 +17,11 @@ a collective, so an idle worker never meets a gloo timeout; it leaves on ``stop`
 Start-up (:meth:`Ranks.start`, then :meth:`Ranks.drive` from the engine, or
 :meth:`Ranks.drive_vision`): rank 0 starts the followers, which load their shards while it
 loads its own, and say ``loaded`` (or their error); then every rank joins the process group
-(a TCP store on 127.0.0.1 that rank 0 holds); for a language model, rank 0 creates the ranks' KV pool (on the CPU one /dev/shm file, one part per rank, so that
-rank 0 reads and writes every KV head of a hand-off: ``engine/kv_parts.py``) and sends
-``init`` with the block count and the pool, and each follower maps its part (on CUDA
-allocates its cache) and says ``ready``.
+(a TCP store on 127.0.0.1 that rank 0 holds). For a language model, rank 0 then creates the
+ranks' KV pool (on the CPU one /dev/shm file, one part per rank, so that rank 0 reads and
+writes every KV head of a hand-off: ``engine/kv_parts.py``) and sends ``init`` with the
+block count and the pool, and each follower maps its part (on CUDA allocates its cache) and
+says ``ready``.
 
 Failure: a follower that dies makes rank 0's next collective raise (the closed connection)
 or its next send fail; :class:`DrivenModel` turns either into :class:`RankFailure`, and so
