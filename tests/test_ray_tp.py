@@ -188,6 +188,9 @@ def test_tp_with_a_spread_placement_is_refused():
     with pytest.raises(ValueError, match=r"^--worker-placement SPREAD with --tensor-parallel-size 2 on Ray: each worker "
                                          r"is a placement group of its own \(2 bundles, STRICT_PACK: its ranks on one"):
         ray_ranks.check_options(args)
+    args = argparse.Namespace(tensor_parallel_size=1, encode_tp=2, mode="epd", elastic=False, worker_placement="SPREAD")
+    with pytest.raises(ValueError, match=r"^--worker-placement SPREAD with --encode-tp 2 on Ray: each worker is a "):
+        ray_ranks.check_options(args)
     for mode, elastic in (("colocated", False), ("pd", False), ("colocated", True)):
         ray_ranks.check_options(argparse.Namespace(tensor_parallel_size=2, mode=mode, elastic=elastic,
                                                    worker_placement="PACK"))

@@ -60,9 +60,10 @@ def check_options(args: Options) -> None:
     """
     if not ranked(args):
         return
-    tp = max(serve_tp_sizes(args).values())
+    role, tp = max(serve_tp_sizes(args).items(), key=lambda item: item[1])
+    flag = f"--{role}-tp" if getattr(args, f"{role}_tp", None) else "--tensor-parallel-size"
     if args.worker_placement != "PACK":
-        raise ValueError(f"--worker-placement {args.worker_placement} with --tensor-parallel-size {tp} on Ray: each "
+        raise ValueError(f"--worker-placement {args.worker_placement} with {flag} {tp} on Ray: each "
                          f"worker is a placement group of its own ({tp} bundles, {STRATEGY}: its ranks on one node) "
                          "and Ray places the groups; leave --worker-placement at PACK")
 
