@@ -125,6 +125,7 @@ def test_bad_names_give_one_message_listing_every_form(name):
     ("1p1d-tp2/0", "-tp2/0: a tensor-parallel size must be >= 1"),
     ("colocated-tp2/1", "-tp2/1: colocated workers have one size (-tpS), not -tpP/D"),
     ("2p1d-tp2/1/1", "-tp2/1/1: only XeYpZd has encode workers (-tpE/P/D)"),
+    ("colocated-tp2/1/1", "-tp2/1/1: colocated workers have one size (-tpS), not -tpE/P/D"),
     ("elastic-tp2", "-tp2: elastic deployments take no tensor-parallel suffix: their workers change role"),
     ("colocated-chunked-tp2", "-tp2: colocated-chunked and pd-localN take no tensor-parallel suffix"),
     ("1p1d-noprefix-tp2", "-noprefix comes after the tensor-parallel suffix (-tp2)"),

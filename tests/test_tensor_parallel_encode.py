@@ -96,10 +96,12 @@ def serve_error(*argv: str) -> str | None:
 
 def test_serve_takes_encode_ranks_in_epd_only():
     assert serve_error("--mode", "epd", "--encode-tp", "2") is None
-    assert serve_error("--mode", "pd", "--encode-tp", "2") == ("--encode-tp applies to epd mode; pd has no encode "
-                                                               "workers")
-    assert serve_error("--encode-tp", "2") == ("--encode-tp applies to pd and epd modes; colocated workers take "
-                                               "--tensor-parallel-size")
+    assert serve_error("--mode", "pd", "--encode-tp", "2") == ("--encode-tp applies to epd mode; a pd deployment has "
+                                                               "no encode workers")
+    assert serve_error("--encode-tp", "2") == ("--encode-tp applies to epd mode; a colocated deployment has no "
+                                               "encode workers")
+    assert serve_error("--elastic", "--workers", "2", "--encode-tp", "2") == ("--encode-tp applies to epd mode; an "
+                                                                           "elastic deployment has no encode workers")
     assert serve_error("--mode", "epd", "--encode-tp", "3") == ("--encode-tp 3 needs 3 cores, one a rank; serve has 2 "
                                                                 "(0,1): give it more --cores or use fewer ranks")
 

@@ -109,7 +109,7 @@ CONFIGS_FLAG = Flag(
          "XpYd (X prefill, Y decode workers), XeYpZd (EPD: X encode, Y prefill, Z decode workers), pd-localN, "
          "elastic (2 workers that change role live, steering by the SLOs), elastic-N (N >= 2 such workers); "
          "NAME-tpS: every engine worker S tensor-parallel ranks, NAME-tpP/D: prefill workers P, decode D (as plan "
-         "names them; not elastic, colocated-chunked, pd-localN); NAME-noprefix: prefix caching off. compare runs them (default colocated,pd unless --deployments is "
+         "names them; not elastic, colocated-chunked, pd-localN), XeYpZd-tpE/P/D: encode workers E too; NAME-noprefix: prefix caching off. compare runs them (default colocated,pd unless --deployments is "
          "given; the first is the baseline of the ratio column); plan simulates them as compare's launcher "
          "places them on the --devices, with their scheduler settings (--max-num-seqs etc. do not apply), "
          "instead of every candidate")

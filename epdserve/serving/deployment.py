@@ -221,7 +221,8 @@ class DeploymentSpec:
             raise ValueError(f"{suffix}: colocated-chunked and pd-localN take no tensor-parallel suffix")
         if spec.mode == "colocated":
             if len(sizes) > 1:
-                raise ValueError(f"{suffix}: colocated workers have one size (-tpS), not -tpP/D")
+                raise ValueError(f"{suffix}: colocated workers have one size (-tpS), not "
+                                 f"{'-tpP/D' if len(sizes) == 2 else '-tpE/P/D'}")
             return replace(spec, tp=sizes[0])
         if len(sizes) == 3:
             if spec.mode != "epd":

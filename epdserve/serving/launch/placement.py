@@ -64,12 +64,13 @@ def check_tp_sizes(args: Options, cores: list[int]) -> None:
         ValueError: one line naming the flag.
     """
     given = [flag.name for flag in flags.ROLE_TP_FLAGS if getattr(args, flag.dest, None) is not None]
+    if "--encode-tp" in given and (args.mode != "epd" or args.elastic):
+        raise ValueError(f"--encode-tp applies to epd mode; {'an elastic' if args.elastic else 'a ' + args.mode} deployment "
+                         "has no encode workers")
     if given and args.elastic:
         raise ValueError(f"{given[0]}: an elastic worker changes role, so every worker takes --tensor-parallel-size")
     if given and args.mode == "colocated":
         raise ValueError(f"{given[0]} applies to pd and epd modes; colocated workers take --tensor-parallel-size")
-    if "--encode-tp" in given and args.mode != "epd":
-        raise ValueError(f"--encode-tp applies to epd mode; {args.mode} has no encode workers")
     sizes = serve_tp_sizes(args)
     for role in MODE_ROLES[args.mode] if args.cluster != "ray" else ():
         flag = f"--{role}-tp" if f"--{role}-tp" in given else "--tensor-parallel-size"

@@ -409,7 +409,8 @@ class EncodeFlow(DisaggregatedFlow):
         critical path), ``embedding_bytes`` summed.
 
         Raises:
-            WorkerFailed: an encode worker rejected the images (400), died (503) or went silent (504).
+            WorkerFailed: an encode worker rejected the images (400), failed (500), died (503) or
+                went silent (504).
         """
         waiting = dict(self.encoders)
         timeout = self.config.request_timeout_s
@@ -428,7 +429,7 @@ class EncodeFlow(DisaggregatedFlow):
                 continue
             worker, indices = waiting.pop(event.worker_id)
             if isinstance(event, WorkerError):
-                raise WorkerFailed(f"encode worker {worker.worker_id} rejected the images: {event.msg.message}",
-                                   event.msg.status)
+                what = "rejected the images" if event.msg.status < 500 else "failed"
+                raise WorkerFailed(f"encode worker {worker.worker_id} {what}: {event.msg.message}", event.msg.status)
             self.embeddings.append(P.EmbeddingRef(images=indices, frame=event.msg.frame))
             self.record.add("encode", event.msg.timings)
