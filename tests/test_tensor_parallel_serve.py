@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,7 @@ from epdserve.model.loader import resolve_model
 from epdserve.model.tokenizer import chat_prompt_ids
 from epdserve.serving.launch import launcher
 from epdserve.serving.worker import engine_worker, rank_messages
-from epdserve.serving.worker.ranks import Ranks, split_cores
+from epdserve.serving.worker.ranks import Ranks, remove_stale_dirs, split_cores
 
 from conftest import _stop, generate, start_deployment
 from test_serving_cleanup import stream_and_leave, wait_all_free
@@ -227,6 +228,17 @@ def test_serve_stops_when_its_worker_refuses_gguf_blocks_with_ranks():
 
 
 # ---- the control channel and a vision-language model ----------------------------------------
+
+def test_a_killed_rank_0s_socket_directory_goes_at_the_next_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for name in (f"epdserve-tp-{dead.pid}-a_1", f"epdserve-tp-{os.getpid()}-b2", "epdserve-tp-x", "other"):
+        (tmp_path / name).mkdir()
+    assert remove_stale_dirs() == [f"epdserve-tp-{dead.pid}-a_1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"epdserve-tp-{os.getpid()}-b2", "epdserve-tp-x",
+                                                                "other"])
+
 
 def test_control_messages_round_trip_without_pickle():
     from epdserve.model.llama import AttentionMetadata, PrefillSeq

@@ -27,7 +27,9 @@ Failure: a follower that dies makes rank 0's next collective raise (the closed c
 or its next send fail; :class:`DrivenModel` turns either into :class:`RankFailure`, and so
 does any error of a forward pass (the ranks are then out of step). The worker fails the
 step's requests with its message and exits (``engine_worker``), and ``serve`` restarts it
-whole, followers included.
+whole, followers included. The ranks' socket directory (named by rank 0's pid) goes at
+:meth:`Ranks.close`, or, after a SIGKILL of rank 0, at the next start of a worker's ranks
+(:func:`remove_stale_dirs`).
 
 Placement: the worker's cores are split among its ranks, contiguous and as even as possible
 (:func:`split_cores`); each rank pins itself to its share and runs that many torch threads.
@@ -39,6 +41,7 @@ import argparse
 import ctypes
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +49,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -70,6 +74,7 @@ POLL_S = 0.1  # a follower's wait for its next message before checking on rank 0
 STOP_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1
 PARTS = ("language", "vision")  # what a follower loads: the language model or the vision tower
+_SOCKETS_DIR = re.compile(r"epdserve-tp-([0-9]{1,10})-\w+")  # the ranks' ipc directory, by rank 0's pid
 
 
 class RankFailure(RuntimeError):
@@ -161,7 +166,8 @@ class Ranks:
         self.size, self.worker_id, self.device = size, worker_id, device
         # gloo's connections on the loopback only (the followers inherit it): the ranks share a host.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        self.dir = tempfile.mkdtemp(prefix="epdserve-tp-")  # mode 0700: only we reach the sockets
+        remove_stale_dirs()
+        self.dir = tempfile.mkdtemp(prefix=f"epdserve-tp-{os.getpid()}-")  # mode 0700: only we reach the sockets
         self.ctx = zmq.Context()
         self.replies = self.ctx.socket(zmq.PULL)
         self.replies.bind(f"ipc://{self.dir}/replies")
@@ -332,6 +338,23 @@ class Ranks:
         shutil.rmtree(self.dir, ignore_errors=True)
         if self.pool is not None:
             self.pool.close()
+
+
+def remove_stale_dirs() -> list[str]:
+    """Delete this user's ranks' socket directories whose rank 0 is gone (a SIGKILL skips
+    :meth:`Ranks.close`); returns their names. (A pid reused by another process keeps its
+    directory until that one exits.)"""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob("epdserve-tp-*"):
+        match = _SOCKETS_DIR.fullmatch(path.name)
+        try:
+            mine = path.stat().st_uid == os.getuid()
+        except OSError:  # removed meanwhile
+            continue
+        if match and mine and not shm.pid_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
 
 
 def _die_with_parent(parent_pid: int) -> None:
