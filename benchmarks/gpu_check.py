@@ -13,7 +13,8 @@ measured; ``--budget-s`` skips what would start after it):
   against transformers one at a time (float32 on both: exact equality is the goal).
 * ``tensor_parallel``: that Llama in our engine at TP=2 vs TP=1 (:mod:`gpu_check_tp`): greedy
   tokens (equal is the goal) and max |logit difference| of a batched prefill and decode steps;
-  ms in the collectives a step, and all-reduces of ``[T, hidden]`` timed in a loop. NCCL, rank r
+  ms in the collectives a step, all-reduces of ``[T, hidden]`` timed in a loop, and the KV
+  hand-off TP=2 -> TP=1 and back through the real exporter and importer. NCCL, rank r
   on ``cuda:r``, with 2+ GPUs; gloo with both ranks on the one GPU with one (parity only); gloo
   on the CPU with ``--device cpu``.
 * ``throughput``: a Llama-3.1-8B-shaped model (:data:`gpu_check_serve.LLAMA_8B`) with
@@ -84,6 +85,7 @@ GOALS = [  # (name, JSON path, comparison, target): the GPU path's goals on one 
     ("ipc_ms_2048", ("ipc_copy", "2048", "ipc_ms"), "<=", 2.0),
     ("parity_exact", ("parity", "exact"), "==", True),
     ("tp2_tokens_equal", ("tensor_parallel", "tokens_equal"), "==", True),
+    ("tp_handoff_tokens_equal", ("tensor_parallel", "handoff", "tokens_equal"), "==", True),
 ]
 
 

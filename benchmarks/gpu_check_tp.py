@@ -22,6 +22,13 @@ synchronized around each, so that the time is the collective's, not its launch),
 ``2 x layers + 1`` of them), for this model's steps and for the 8B shape's hidden size
 (bf16 on CUDA) at the throughput section's batch sizes and prefill length.
 
+The KV hand-off across TP sizes (``handoff`` in the JSON): a TP=2 engine (this process its
+rank 0, a follower process started by the product's ``Ranks``, on the same backend and
+devices) prefills each prompt and hands its KV over to a TP=1 engine through the real
+exporter and importer (a staged frame in /dev/shm: on CUDA each rank's KV part lies on its
+GPU, which rank 0 opens by CUDA IPC), and the other way; the greedy tokens and frame bytes of
+each, against TP=1 → TP=1's.
+
 A rank that fails, dies or overruns :data:`RANKS_TIMEOUT_S` fails the section; the rank
 processes are killed whatever happens.
 """
@@ -44,6 +51,7 @@ from tqdm import tqdm
 import gpu_check_serve as S  # (the benchmarks folder is on sys.path: gpu_check.py's, or the spawner's)
 
 from epdserve.engine import runner
+from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams, Sequence
 from epdserve.engine.scheduler import ScheduledBatch
 from epdserve.model.llama import LlamaModel
@@ -229,6 +237,46 @@ def summary(whole: dict, ranks: list[dict], loops: list[dict]) -> dict:
             "all_reduce": loops}
 
 
+def hand_offs(devices: list[str], model_dir: Path, prompts: list[list[int]], tokens: int) -> dict:
+    """The prompts handed over TP=1 → TP=1, TP=2 → TP=1 and TP=1 → TP=2 (see the module doc):
+    ``tokens_equal`` (both = TP=1 → TP=1's), ``kv_bytes_equal`` and each way's tokens,
+    ``kv_bytes`` and mean ``kv_export_ms`` / ``kv_import_ms``."""
+    import zmq
+
+    from epdserve.serving.worker.ranks import Ranks
+    from epdserve.transfer.handoff import Exporter, Importer
+    from epdserve.transfer.loopback import generate_pd
+
+    config = EngineConfig(kv_cache_memory_mb=64, weight_format="f32", dtype="float32", device=devices[0],
+                          cuda_graph=False, enable_prefix_caching=False)
+    sampling = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    cores = sorted(os.sched_getaffinity(0))
+    ranks = Ranks.start(SIZE, "gpu-check-tp2", str(model_dir), "float32", "f32", devices[0],
+                        [[cores[r % len(cores)]] for r in range(SIZE)], devices=devices)
+    ctx = zmq.Context()
+    try:
+        one, other, two = (LLMEngine(str(model_dir), config), LLMEngine(str(model_dir), config),
+                           LLMEngine(str(model_dir), config, tp=ranks))
+        ways = {}
+        for name, prefill, decode in (("tp1_to_tp1", one, other), ("tp2_to_tp1", two, one), ("tp1_to_tp2", one, two)):
+            exporter, importer = Exporter(prefill, 60, ctx, None), Importer(ctx, "shm", 30)
+            try:
+                runs = [generate_pd(prefill, decode, exporter, importer, f"{name}-{i}", p, sampling)
+                        for i, p in enumerate(prompts)]
+            finally:
+                exporter.close()
+                importer.close()
+            ways[name] = {"tokens": [t for t, _ in runs], "kv_bytes": [int(s.kv_bytes) for _, s in runs],
+                          "kv_export_ms": float(np.mean([s.kv_export_ms for _, s in runs])),
+                          "kv_import_ms": float(np.mean([s.kv_import_ms for _, s in runs]))}
+    finally:
+        ranks.close()
+        ctx.destroy(linger=0)
+    base = ways["tp1_to_tp1"]
+    return {"tokens_equal": all(w["tokens"] == base["tokens"] for w in ways.values()),
+            "kv_bytes_equal": all(w["kv_bytes"] == base["kv_bytes"] for w in ways.values()), **ways}
+
+
 def tensor_parallel(device: str, shape: dict, config: dict, workdir: Path) -> dict:
     """The section (see the module doc); ``config`` is the throughput section's shape."""
     cuda = device.startswith("cuda")
@@ -246,12 +294,15 @@ def tensor_parallel(device: str, shape: dict, config: dict, workdir: Path) -> di
     ranks = run_ranks(backend, devices, str(model_dir), prompts, tokens, loops)
     out = {"backend": backend, "devices": devices, "tp1_device": devices[0], "size": SIZE, "dtype": "float32",
            "prompt_lens": [len(p) for p in prompts], "tokens_per_prompt": tokens, "decode_steps": tokens - 1,
-           **summary(whole, ranks, loops)}
+           **summary(whole, ranks, loops), "handoff": hand_offs(devices, model_dir, prompts, tokens)}
     if backend == "gloo":
         out["note"] = (f"gloo on {devices[0]} (127.0.0.1; every rank on it): the parity check; not NCCL's "
                        "collectives, whose times these are not")
     tqdm.write(f"  TP={SIZE} ({backend} on {', '.join(devices)}) greedy tokens equal TP=1's: {out['tokens_equal']} "
                f"({out['tokens_equal_count']}/{out['tokens']}); max |logit diff| {out['max_abs_logit_diff']:.2e}")
+    h = out["handoff"]
+    tqdm.write(f"  KV hand-off TP=2 -> TP=1 and TP=1 -> TP=2: tokens = TP=1 -> TP=1's: {h['tokens_equal']}, "
+               f"frame bytes equal: {h['kv_bytes_equal']}")
     tqdm.write(f"  TP={SIZE} decode step {out['tp2_ms']['decode']:.2f} ms (collectives "
                f"{out['tp2_collective_ms']['decode']:.2f} ms) vs TP=1 {out['tp1_ms']['decode']:.2f} ms")
     for row in loops:

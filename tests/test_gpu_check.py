@@ -55,6 +55,10 @@ def test_gpu_check_smoke_writes_every_section(tmp_path):
     assert 0 <= tp["max_abs_logit_diff"] < 1e-3 and tp["tp2_collective_ms"]["decode"] > 0
     assert [(row["rows"], row["per_step"]) for row in tp["all_reduce"]] == [(4, 7), (119, 7), (1, 5), (4, 5), (64, 5)]
     assert all(row["ms"] > 0 for row in tp["all_reduce"])
+    # The KV hand-off across TP sizes through the real exporter and importer: TP=1 -> TP=1's tokens and bytes.
+    handoff = tp["handoff"]
+    assert handoff["tokens_equal"] is True and handoff["kv_bytes_equal"] is True
+    assert [len(t) for t in handoff["tp2_to_tp1"]["tokens"]] == [8] * 4 and min(handoff["tp1_to_tp2"]["kv_bytes"]) > 0
 
     prefill = r["throughput"]["prefill"]
     assert (prefill["prompts"], prefill["prompt_len"]) == (2, 64) and prefill["vs_matmul_peak"] > 0
@@ -82,5 +86,5 @@ def test_gpu_check_smoke_writes_every_section(tmp_path):
 
     goals = {g["goal"]: g for g in r["goals"]}
     assert goals["parity_exact"]["met"] is True and goals["ipc_ms_2048"]["value"] is None
-    assert goals["tp2_tokens_equal"]["met"] is True
+    assert goals["tp2_tokens_equal"]["met"] is True and goals["tp_handoff_tokens_equal"]["met"] is True
     assert "goal parity_exact" in proc.stdout and "ceiling" in proc.stdout

@@ -79,7 +79,7 @@ def follower_pids(worker_pid: int) -> list[int]:
     for task in Path(f"/proc/{worker_pid}/task").iterdir():
         for pid in (task / "children").read_text().split():
             try:
-                if b"epdserve.serving.worker.ranks" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if b"epdserve.serving.worker.follower" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     pids.append(int(pid))
             except FileNotFoundError:
                 continue

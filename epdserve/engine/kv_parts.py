@@ -23,10 +23,11 @@ HEADS_AXIS = 4  # the KV-head axis of a part (and of a block tensor)
 
 class KVParts:
     """The parts of one KV cache (or block tensor), in KV-head order; see the module doc.
+    The parts may lie on different devices (on CUDA, each rank's on its own GPU).
 
     Raises (constructor):
-        ValueError: no parts, or parts that differ in anything but their KV heads
-            (layers, blocks, block size, head size, dtype, device).
+        ValueError: no parts, or parts that differ in anything but their KV heads and
+            devices (layers, blocks, block size, head size, dtype).
     """
 
     def __init__(self, parts: list[torch.Tensor]):
@@ -35,9 +36,9 @@ class KVParts:
         first = parts[0]
         for p in parts[1:]:
             if (p.shape[:HEADS_AXIS] != first.shape[:HEADS_AXIS] or p.shape[HEADS_AXIS + 1:] != first.shape[HEADS_AXIS + 1:]
-                    or p.dtype != first.dtype or p.device != first.device):
-                raise ValueError(f"KV parts {tuple(first.shape)} {first.dtype} on {first.device} and "
-                                 f"{tuple(p.shape)} {p.dtype} on {p.device} differ in more than their KV heads")
+                    or p.dtype != first.dtype):
+                raise ValueError(f"KV parts {tuple(first.shape)} {first.dtype} and {tuple(p.shape)} {p.dtype} "
+                                 "differ in more than their KV heads")
         self.parts = list(parts)
         self.heads = [p.shape[HEADS_AXIS] for p in parts]
         self.starts = list(itertools.accumulate(self.heads, initial=0))[:-1]

@@ -48,11 +48,13 @@ def parse_device(text: str) -> str:
     return f"cuda:{int(match[2])}"
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (CUDA only; nothing on the CPU, where every
-    operator has finished when it returns), so that a timed stage includes it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def synchronize(*devices: torch.device) -> None:
+    """Wait for the work this process queued on each of ``devices`` (CUDA only; nothing on
+    the CPU, where every operator has finished when it returns), so that a timed stage
+    includes it."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ order) and the op's own fields:
 * ``init``: ``num_blocks``, ``block_size``, ``shape`` (the whole worker's KV cache,
   every KV head), ``split`` (each rank's KV heads) and ``pool``: the /dev/shm pool whose
   part of this rank's index is its KV cache (``transfer.shm.map_part``), or None to
-  allocate its own (CUDA) (no tensors);
+  allocate its own (CUDA), shared with rank 0 by the ``ready``'s handle (no tensors);
 * ``hidden_states`` / ``forward``: one step, with the arguments of
   ``LlamaModel.hidden_states``: ``prefills`` (``[[start, q_len, ctx_len], ...]``) and
   ``embeds`` (bool); tensors ``input_ids``, ``positions``, ``slot_mapping``,
@@ -21,7 +21,9 @@ order) and the op's own fields:
 * ``stop``: leave (no tensors).
 
 A follower → rank 0 (one PUSH socket each, into rank 0's PULL): one msgpack frame
-``{"rank": r, "state": "loaded" | "ready" | "error", "error": text}``.
+``{"rank": r, "state": "loaded" | "ready" | "error", "error": text, "handle": bytes}``;
+``handle``: on CUDA, the ``ready`` of a follower whose KV cache rank 0 opens by CUDA IPC
+(``transfer.cuda_ipc.pack_handle``, checked by ``unpack_handle``), else empty.
 
 A tensor travels as its bytes in row-major order (bfloat16 as a ``uint8`` view, which
 NumPy lacks), on the host: a GPU rank's tensors are copied out and back.
@@ -120,13 +122,13 @@ def decode_step(header: dict, tensors: list[torch.Tensor]) -> Step:
     return input_ids, AttentionMetadata(prefills=seqs, **fields), (tuple(rest[-2:]) if embeds else None)
 
 
-def encode_reply(rank: int, state: str, error: str = "") -> bytes:
+def encode_reply(rank: int, state: str, error: str = "", handle: bytes = b"") -> bytes:
     """A follower's answer (see the module doc)."""
-    return msgpack.packb({"rank": rank, "state": state, "error": error})
+    return msgpack.packb({"rank": rank, "state": state, "error": error, "handle": handle})
 
 
 def decode_reply(frame: bytes) -> dict:
-    """A follower's answer as a dict with ``rank``, ``state`` and ``error``.
+    """A follower's answer as a dict with ``rank``, ``state``, ``error`` and ``handle``.
 
     Raises:
         MessageError: not one.
@@ -135,6 +137,8 @@ def decode_reply(frame: bytes) -> dict:
         reply = msgpack.unpackb(frame)
     except (ValueError, msgpack.UnpackException) as exc:
         raise MessageError(f"not a rank reply: {exc}") from None
-    if not isinstance(reply, dict) or not {"rank", "state", "error"} <= reply.keys():
-        raise MessageError("not a rank reply: no rank, state or error")
+    if not isinstance(reply, dict) or not {"rank", "state", "error", "handle"} <= reply.keys():
+        raise MessageError("not a rank reply: no rank, state, error or handle")
+    if not isinstance(reply["handle"], bytes):
+        raise MessageError(f"a rank reply's handle is {type(reply['handle']).__name__}, not bytes")
     return reply

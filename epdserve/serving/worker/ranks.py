@@ -1,5 +1,6 @@
 """The ranks of a tensor-parallel worker (``--tensor-parallel-size N``): rank 0 is the worker
-process itself, ranks 1..N-1 are follower processes it starts, each holding its shard of the
+process itself, ranks 1..N-1 are follower processes it starts
+(:mod:`~epdserve.serving.worker.follower`), each holding its shard of the
 model (``model/tensor_parallel.py``) and a KV cache of the same block count as rank 0's; or,
 in an encode worker, its shard of the vision tower (``model/vision.py``; the ``vision`` part),
 whose :class:`DrivenVision` sends each ``encode`` call's pixel values the same way.
@@ -20,8 +21,9 @@ loads its own, and say ``loaded`` (or their error); then every rank joins the pr
 (a TCP store on 127.0.0.1 that rank 0 holds). For a language model, rank 0 then creates the
 ranks' KV pool (on the CPU one /dev/shm file, one part per rank, so that rank 0 reads and
 writes every KV head of a hand-off: ``engine/kv_parts.py``) and sends ``init`` with the
-block count and the pool, and each follower maps its part (on CUDA allocates its cache) and
-says ``ready``.
+block count and the pool, and each follower maps its part and says ``ready``; on CUDA each
+follower allocates its part on its GPU and shares it in its ``ready`` by CUDA IPC, which rank 0
+opens. So rank 0 addresses every rank's KV cache on either device.
 
 Failure: a follower that dies makes rank 0's next collective raise (the closed connection)
 or its next send fail; :class:`DrivenModel` turns either into :class:`RankFailure`, and so
@@ -32,12 +34,13 @@ whole, followers included. The ranks' socket directory (named by rank 0's pid) g
 (:func:`remove_stale_dirs`).
 
 Placement: the worker's cores are split among its ranks, contiguous and as even as possible
-(:func:`split_cores`); each rank pins itself to its share and runs that many torch threads.
+(:func:`split_cores`); each rank pins itself to its share and runs that many torch threads. On
+CUDA rank r runs on the r-th GPU from the worker's (:func:`rank_device`), NCCL between them
+(:func:`tp_backend`).
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import os
@@ -55,14 +58,11 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from epdserve.engine import runner
-from epdserve.engine.engine import DTYPES
 from epdserve.model.llama import AttentionMetadata, LlamaModel
-from epdserve.model.loader import load_language_model
 from epdserve.model.tensor_parallel import TPRank, even_range
 from epdserve.model.vision import VisionEncoder
 from epdserve.serving.worker import rank_messages as M
-from epdserve.transfer import shm
+from epdserve.transfer import cuda_ipc, shm
 
 log = logging.getLogger("epdserve.worker")
 
@@ -103,8 +103,12 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{int(device.partition(':')[2] or 0) + rank}"
 
 
-def _backend(device: str) -> str:
-    return "nccl" if device.startswith("cuda") else "gloo"
+def tp_backend(devices: list[str]) -> str:
+    """The collectives' backend of ranks on ``devices`` (one a rank): NCCL when each rank has
+    a GPU of its own, else gloo (on the CPU, or ranks sharing a GPU, whose CUDA tensors gloo
+    moves through host memory: how a one-GPU host checks the CUDA code path)."""
+    cuda = all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices)
+    return "nccl" if cuda else "gloo"
 
 
 class _Driven:
@@ -161,9 +165,10 @@ class Ranks:
     ``model.tensor_parallel.RankDriver``; build with :meth:`start`, end with :meth:`close`
     (idempotent; the followers also leave when this process ends)."""
 
-    def __init__(self, size: int, worker_id: str, device: str):
+    def __init__(self, size: int, worker_id: str, devices: list[str]):
         self.rank = TPRank(0, size)
-        self.size, self.worker_id, self.device = size, worker_id, device
+        self.size, self.worker_id, self.devices, self.device = size, worker_id, devices, devices[0]
+        self.backend = tp_backend(devices)
         # gloo's connections on the loopback only (the followers inherit it): the ranks share a host.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         remove_stale_dirs()
@@ -177,15 +182,17 @@ class Ranks:
                                    wait_for_workers=False)
         self.joined = self.closed = False
         self.pool: shm.KVPool | None = None
+        self.opened = cuda_ipc.IpcImporter() if self.device.startswith("cuda") else None  # followers' GPU parts
 
     @classmethod
     def start(cls, size: int, worker_id: str, model_dir: str, dtype: str, weight_format: str, device: str,
-              cores: list[list[int]], part: str = "language") -> Ranks:
+              cores: list[list[int]], part: str = "language", devices: list[str] | None = None) -> Ranks:
         """Start followers 1..``size``-1 of a worker on ``device``, follower r pinned to
         ``cores[r]``, loading ``part`` (:data:`PARTS`) of ``model_dir`` in ``dtype`` and
-        ``weight_format`` (a concrete, dense one; the vision tower is always dense).
+        ``weight_format`` (a concrete, dense one; the vision tower is always dense), on
+        :func:`rank_device`'s device (``devices``: each rank's, to place them otherwise).
         Returns at once: :meth:`drive` or :meth:`drive_vision` waits for them."""
-        ranks = cls(size, worker_id, device)
+        ranks = cls(size, worker_id, devices or [rank_device(device, r) for r in range(size)])
         try:
             for r in range(1, size):
                 ranks._spawn(r, model_dir, dtype, weight_format, cores[r], part)
@@ -200,9 +207,10 @@ class Ranks:
         address = f"ipc://{self.dir}/control-{rank}"
         sock.bind(address)
         self.controls.append(sock)
-        argv = [sys.executable, "-m", "epdserve.serving.worker.ranks", "--rank", str(rank), "--size", str(self.size),
+        argv = [sys.executable, "-m", "epdserve.serving.worker.follower", "--rank", str(rank), "--size", str(self.size),
                 "--store-port", str(self.store.port), "--control", address, "--replies", f"ipc://{self.dir}/replies",
-                "--model", model_dir, "--dtype", dtype, "--weight-format", weight_format, "--device", self.device,
+                "--model", model_dir, "--dtype", dtype, "--weight-format", weight_format, "--device", self.devices[rank],
+                "--backend", self.backend,
                 "--cores", ",".join(map(str, cores)), "--parent-pid", str(os.getpid()), "--worker", self.worker_id,
                 "--part", part]
         parent = os.getpid()
@@ -213,10 +221,11 @@ class Ranks:
     def drive(self, model: LlamaModel, num_blocks: int, block_size: int) -> tuple[DrivenModel, list[torch.Tensor]]:
         """Wait for every follower's shard, join the process group, give every rank its KV
         cache of ``num_blocks`` blocks of ``block_size`` tokens, and return ``model`` driven
-        and the caches this process addresses: on the CPU every rank's, the parts of one
-        /dev/shm pool (:attr:`pool`, a :class:`~epdserve.transfer.shm.KVPool`) that each
-        follower maps its own part of, so that rank 0 reads and writes every KV head of a
-        hand-off; on CUDA rank 0's only (the followers allocate theirs on their GPUs).
+        and every rank's cache, so that rank 0 reads and writes every KV head of a hand-off:
+        on the CPU the parts of one /dev/shm pool (:attr:`pool`, a
+        :class:`~epdserve.transfer.shm.KVPool`) that each follower maps its own part of; on
+        CUDA rank 0's own, then each follower's, allocated on its GPU and opened here by CUDA
+        IPC (``transfer.cuda_ipc.DevicePool``; a follower shares it in its ``ready``).
 
         Raises:
             ValueError: a follower could not load its shard (its error).
@@ -226,17 +235,24 @@ class Ranks:
         self._join()
         c = model.config
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, sum(model.kv_head_split), c.head_dim)
-        if self.device.startswith("cuda"):
-            parts = [model.allocate_kv_cache(num_blocks, block_size)]
-        else:
+        if self.opened is None:
             self.pool = shm.KVPool(shape, model.dtype, model.kv_head_split)
             parts = self.pool.parts
+        else:
+            parts = [model.allocate_kv_cache(num_blocks, block_size)]
         self.send(M.encode("init", num_blocks=num_blocks, block_size=block_size, shape=list(shape),
                            split=model.kv_head_split, pool=self.pool.name if self.pool else None))
-        self._await("ready")
+        replies = self._await("ready")
+        if self.opened is not None:
+            parts += [self._open_part(replies[r]["handle"], shape, model.kv_head_split[r]) for r in range(1, self.size)]
         log.info("%s: %d tensor-parallel ranks ready (%s), %d KV blocks each", self.worker_id, self.size,
-                 _backend(self.device), num_blocks)
+                 self.backend, num_blocks)
         return DrivenModel(model, self), parts
+
+    def _open_part(self, handle: bytes, shape: tuple[int, ...], heads: int) -> torch.Tensor:
+        """A follower's KV cache (``heads`` of the worker's ``shape``) by its CUDA IPC handle."""
+        layout = {"num_layers": shape[0], "block_size": shape[3], "num_kv_heads": heads, "head_dim": shape[5]}
+        return self.opened.open(cuda_ipc.unpack_handle(handle), layout)[0]
 
     def drive_vision(self, vision: VisionEncoder) -> DrivenVision:
         """Wait for every follower's shard of the vision tower, join the process group and
@@ -247,7 +263,7 @@ class Ranks:
         """
         self._join()
         log.info("%s: %d tensor-parallel ranks of the vision tower ready (%s)", self.worker_id, self.size,
-                 _backend(self.device))
+                 self.backend)
         return DrivenVision(vision, self)
 
     def _join(self) -> None:
@@ -256,15 +272,15 @@ class Ranks:
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
         try:
-            dist.init_process_group(_backend(self.device), store=self.store, rank=0, world_size=self.size,
+            dist.init_process_group(self.backend, store=self.store, rank=0, world_size=self.size,
                                     timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         except Exception as exc:  # a follower died or hung before joining (DistStoreError, gloo's)
             raise self.failure(exc, "joining the process group") from exc
         self.joined = True
 
-    def _await(self, state: str) -> None:
-        """Wait until every follower has said ``state``."""
-        waiting = set(range(1, self.size))
+    def _await(self, state: str) -> dict[int, dict]:
+        """Wait until every follower has said ``state``; returns each one's reply by rank."""
+        waiting, got = set(range(1, self.size)), {}
         deadline = time.monotonic() + START_TIMEOUT_S
         while waiting:
             if not self.replies.poll(POLL_S * 1000):  # (a follower's error comes before its exit)
@@ -278,6 +294,8 @@ class Ranks:
                 raise ValueError(f"tensor-parallel rank {reply['rank']}: {reply['error']}")
             if reply["state"] == state:
                 waiting.discard(reply["rank"])
+                got[reply["rank"]] = reply
+        return got
 
     def send(self, frames: list) -> None:
         """Send one message to every follower, without blocking.
@@ -332,6 +350,8 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.opened is not None:
+            self.opened.close()
         if self.joined:
             dist.destroy_process_group()
         self.ctx.destroy(linger=0)
@@ -365,120 +385,3 @@ def _die_with_parent(parent_pid: int) -> None:
         pass  # not Linux: the follower's parent pid check remains
     if os.getppid() != parent_pid:
         os._exit(1)
-
-
-# ---- a follower's process ------------------------------------------------------------------
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epdserve tensor-parallel rank",
-                                     description="a follower rank of a tensor-parallel worker (started by rank 0)")
-    for name, kind in (("--rank", int), ("--size", int), ("--store-port", int), ("--control", str),
-                       ("--replies", str), ("--model", str), ("--dtype", str), ("--weight-format", str),
-                       ("--device", str), ("--cores", str), ("--parent-pid", int), ("--worker", str)):
-        parser.add_argument(name, type=kind, required=True)
-    parser.add_argument("--part", choices=PARTS, default="language")
-    return parser
-
-
-def follow(argv: list[str] | None = None) -> int:
-    """A follower's process (see the module doc): returns 0 after ``stop``, 1 when rank 0
-    is gone or a call failed, 2 when its shard cannot be loaded."""
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to act on
-    cores = [int(c) for c in args.cores.split(",")]
-    os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores))
-    device = rank_device(args.device, args.rank)
-    ctx = zmq.Context()
-    control, replies = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    control.connect(args.control)
-    replies.connect(args.replies)
-    try:
-        try:
-            model = _load_part(args, device)
-        except Exception as exc:
-            replies.send(M.encode_reply(args.rank, "error", str(exc)))
-            return 2
-        replies.send(M.encode_reply(args.rank, "loaded"))
-        if device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(device))
-        store = dist.TCPStore("127.0.0.1", args.store_port, args.size, False,
-                              timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        dist.init_process_group(_backend(device), store=store, rank=args.rank, world_size=args.size,
-                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        try:
-            return _serve_calls(model, control, replies, args, device)
-        finally:
-            dist.destroy_process_group()
-    finally:
-        ctx.destroy(linger=1000)
-
-
-def _load_part(args, device: str) -> LlamaModel | VisionEncoder:
-    """This follower's shard of ``args.part`` (:data:`PARTS`)."""
-    tp = TPRank(args.rank, args.size)
-    if args.part == "vision":
-        return VisionEncoder.load(args.model, DTYPES[args.dtype], device, tp)
-    return load_language_model(args.model, DTYPES[args.dtype], args.weight_format, device, tp)[0]
-
-
-def _serve_calls(model: LlamaModel | VisionEncoder, control: zmq.Socket, replies: zmq.Socket, args, device: str) -> int:
-    """Run rank 0's calls on this rank's shard until ``stop`` (0), rank 0's end or a failed
-    call (1)."""
-    name = f"{args.worker} rank {args.rank}/{args.size}"
-    kv_cache = None
-    while True:
-        if not control.poll(POLL_S * 1000):
-            if os.getppid() != args.parent_pid:
-                log.error("%s: rank 0 is gone; leaving", name)
-                return 1
-            continue
-        header, tensors = M.decode(control.recv_multipart())
-        op = header["op"]
-        if op == "stop":
-            return 0
-        try:
-            if op == "init":
-                kv_cache = _kv_cache(model, header, args.rank)
-                replies.send(M.encode_reply(args.rank, "ready"))
-                log.info("%s: cores %s, device %s, %d KV blocks", name, args.cores, device, header["num_blocks"])
-            else:
-                _call(model, kv_cache, header, tensors, device)
-        except Exception:
-            log.exception("%s: %s failed; leaving (rank 0's step fails with it)", name, op)
-            return 1
-
-
-def _kv_cache(model: LlamaModel, init: dict, rank: int) -> torch.Tensor:
-    """This rank's KV cache of an ``init`` message: its part of rank 0's pool, or (no pool,
-    on CUDA) its own allocation."""
-    if init["pool"] is None:
-        return model.allocate_kv_cache(init["num_blocks"], init["block_size"])
-    return shm.map_part(init["pool"], tuple(init["shape"]), model.dtype, init["split"], rank)
-
-
-def _call(model: LlamaModel | VisionEncoder, kv_cache: torch.Tensor | None, header: dict,
-          tensors: list[torch.Tensor], device: str) -> None:
-    """Run one forward-pass call of rank 0's on this rank's shard (its outputs are rank 0's
-    business: every rank computes the same).
-
-    Raises:
-        MessageError: an unknown op, or a language model's call before ``init``.
-    """
-    if header["op"] == "encode":
-        model.encode(tensors[0])
-        return
-    if kv_cache is None:
-        raise M.MessageError(f"{header['op']} before init")
-    if header["op"] in M.STEP_OPS:
-        input_ids, meta, embeds = runner.on_device(*M.decode_step(header, tensors), torch.device(device))
-        getattr(model, header["op"])(input_ids, meta, kv_cache, embeds)
-    elif header["op"] == "logits":
-        model.logits(tensors[0].to(device))
-    else:
-        raise M.MessageError(f"unknown op {header['op']!r}")
-
-
-if __name__ == "__main__":
-    sys.exit(follow())

@@ -127,8 +127,7 @@ def check_model_split(config: WorkerConfig, info: ModelInfo) -> None:
             (``vision.vision_shard``) or the language model's KV heads
             (``tensor_parallel.shard_ranges``), a format with GGUF blocks
             (``tensor_parallel.check_dense``), or on CUDA fewer GPUs from the worker's than
-            ranks, or a worker that hands KV over (rank 0 reaches the other ranks' KV through
-            /dev/shm only).
+            ranks, or ``--kv-layer-pipeline`` on a worker that may prefill for another.
     """
     size = config.tensor_parallel_size
     if size == 1:
@@ -140,10 +139,10 @@ def check_model_split(config: WorkerConfig, info: ModelInfo) -> None:
         if config.weight_format != "auto":
             tensor_parallel.check_dense(linear.parse(config.weight_format))
     if config.device.startswith("cuda"):
-        if config.elastic or config.role not in ("colocated", "encode"):
-            raise ValueError(f"--tensor-parallel-size {size} on a {'elastic' if config.elastic else config.role} "
-                             f"worker on {config.device}: the KV hand-off of tensor-parallel ranks runs on the CPU "
-                             "only so far (rank 0 reaches the other ranks' KV through /dev/shm)")
+        if config.kv_layer_pipeline and (config.elastic or config.role == "prefill"):
+            # Rank 0 would copy a layer off the other ranks' GPUs while they may still be writing it.
+            raise ValueError(f"--kv-layer-pipeline with --tensor-parallel-size {size} on {config.device}: the "
+                             "tensor-parallel ranks hand their KV over after the prefill step (leave the flag out)")
         first, count = int(config.device.partition(":")[2] or 0), torch.cuda.device_count()
         if first + size > count:
             raise ValueError(f"--tensor-parallel-size {size} on {config.device} needs GPUs "
@@ -254,7 +253,8 @@ def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_back
     pool's file is deleted by :meth:`Exporter.close` or, failing that, at interpreter exit.
 
     With ``tp`` (a tensor-parallel worker's ranks), the ranks' pool holds the cache
-    (:meth:`Ranks.drive`: one part per rank, in /dev/shm on the CPU) and is the one shared.
+    (:meth:`Ranks.drive`: one part per rank, in /dev/shm on the CPU) and is the one shared;
+    on CUDA there is none (each rank's part is on its GPU): the KV leaves as staged frames.
 
     Raises:
         as :class:`LLMEngine`; ``OSError`` when /dev/shm cannot hold the pool (or its
