@@ -65,8 +65,8 @@ def check_tp_sizes(args: Options, cores: list[int]) -> None:
     """
     given = [flag.name for flag in flags.ROLE_TP_FLAGS if getattr(args, flag.dest, None) is not None]
     if "--encode-tp" in given and (args.mode != "epd" or args.elastic):
-        raise ValueError(f"--encode-tp applies to epd mode; {'an elastic' if args.elastic else 'a ' + args.mode} deployment "
-                         "has no encode workers")
+        which = "an elastic" if args.elastic else f"a {args.mode}"
+        raise ValueError(f"--encode-tp applies to epd mode; {which} deployment has no encode workers")
     if given and args.elastic:
         raise ValueError(f"{given[0]}: an elastic worker changes role, so every worker takes --tensor-parallel-size")
     if given and args.mode == "colocated":

@@ -31,3 +31,12 @@ def handle_control(worker, msg) -> None:
         worker.send(worker.hello)
     else:
         log.warning("%s: unexpected %s message", worker.worker_id, msg.type)
+
+
+def stop_for_failed_ranks(worker, exc: Exception) -> None:
+    """A tensor-parallel rank of ``worker`` failed (``exc`` says which, or the failed call):
+    the ranks are out of step, so the loop stops with exit status 1 and ``serve`` restarts
+    the worker, its ranks included (its requests are the caller's to fail first)."""
+    log.error("%s: %s; stopping this worker (exit status 1) so that it is restarted with all its ranks",
+              worker.worker_id, exc)
+    worker.running, worker.exit_code = False, 1

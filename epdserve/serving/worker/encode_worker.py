@@ -28,7 +28,7 @@ from epdserve.engine.encoder import EncodeEngine
 from epdserve.model.image_processor import ImageError
 from epdserve.serving import protocol as P
 from epdserve.model.image_processor import ImageInput
-from epdserve.serving.worker.control import handle_control
+from epdserve.serving.worker.control import handle_control, stop_for_failed_ranks
 from epdserve.serving.worker.ranks import RankFailure, Ranks
 from epdserve.transfer import embedding, shm, tcp
 from epdserve.transfer.exports import ExportTable
@@ -111,9 +111,7 @@ class EncodeWorker:
                 elif self.ranks is not None:  # a follower that died while idle
                     self.ranks.check()
             except RankFailure as exc:
-                log.error("%s: %s; stopping this worker (exit status 1) so that it is restarted with all its "
-                          "ranks", self.worker_id, exc)
-                self.running, self.exit_code = False, 1
+                stop_for_failed_ranks(self, exc)
                 continue
             self.report_stats()
             self.expire()

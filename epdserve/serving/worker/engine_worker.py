@@ -62,7 +62,7 @@ from epdserve.model.loader import ModelLoadError
 from epdserve.serving import auth
 from epdserve.serving import protocol as P
 from epdserve.serving.handshake import auth_tag, model_fingerprint
-from epdserve.serving.worker.control import handle_control
+from epdserve.serving.worker.control import handle_control, stop_for_failed_ranks
 from epdserve.serving.worker.encode_worker import EncodeWorker, image_inputs
 from epdserve.serving.worker.fetch import Fetch, Fetcher
 from epdserve.serving.worker.grammar_prep import GrammarPrep, Prepared
@@ -386,10 +386,8 @@ class Worker:
         """A tensor-parallel rank failed (``exc`` says which, or the failed call): the ranks
         are out of step, so fail the engine's requests and stop (exit status 1: ``serve``
         restarts the worker, its ranks included)."""
-        log.error("%s: %s; stopping this worker (exit status 1) so that it is restarted with all its ranks",
-                  self.worker_id, exc)
         self.fail_engine_requests(f"the worker's tensor-parallel ranks failed ({exc}); it is restarting")
-        self.running, self.exit_code = False, 1
+        stop_for_failed_ranks(self, exc)
 
     def export(self, out: StepOutput) -> P.KVDescriptor:
         return self.exporter.export(out)

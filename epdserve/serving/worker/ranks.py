@@ -209,8 +209,8 @@ class Ranks:
         self.controls.append(sock)
         argv = [sys.executable, "-m", "epdserve.serving.worker.follower", "--rank", str(rank), "--size", str(self.size),
                 "--store-port", str(self.store.port), "--control", address, "--replies", f"ipc://{self.dir}/replies",
-                "--model", model_dir, "--dtype", dtype, "--weight-format", weight_format, "--device", self.devices[rank],
-                "--backend", self.backend,
+                "--model", model_dir, "--dtype", dtype, "--weight-format", weight_format,
+                "--device", self.devices[rank], "--backend", self.backend,
                 "--cores", ",".join(map(str, cores)), "--parent-pid", str(os.getpid()), "--worker", self.worker_id,
                 "--part", part]
         parent = os.getpid()
