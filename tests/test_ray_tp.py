@@ -9,8 +9,10 @@ start --head`` in a session of its own, stopped by the module on every outcome):
   the same group; after Ctrl-C the group is gone and the CPUs are free;
 * ``-tp 3`` (3 CPUs on one node) stops ``serve`` at once with one line naming the worker
   and what it needed, and leaves no group behind;
-* ``--mode pd --prefill-tp 2`` (a node of 3 CPUs): a group per worker, 2 bundles and 1,
-  and the answer of one process through a KV hand-off;
+* ``--mode pd --prefill-tp 2`` (a node of 3 CPUs and 3 GPUs as Ray counts them, none
+  real): a group per worker, 2 bundles and 1 of ``CPU=1,GPU=1``, the prefill worker's
+  ranks both seeing its bundles' 2 GPUs (``CUDA_VISIBLE_DEVICES``), and the answer of one
+  process through a KV hand-off;
 * a spread placement of TP workers is refused before anything starts.
 """
 
@@ -20,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +39,7 @@ from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
 from epdserve.model.tokenizer import chat_prompt_ids
 from epdserve.serving.launch import ray_ranks
+from epdserve.serving.launch.ray_cluster import role_resources
 
 pytestmark = pytest.mark.cluster
 
@@ -126,23 +130,37 @@ def kill_rank0_and_wait(dep, follower: int, group_id: str, address: str) -> None
     check_ranks(dep)
 
 
+def visible_gpus(pid: int) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` of process ``pid`` (its environment), as a list."""
+    env = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
+    return env["CUDA_VISIBLE_DEVICES"].split(",")
+
+
 def test_pd_with_a_tp2_prefill_worker_is_a_group_per_worker_and_hands_kv_over(tmp_path, model_info, tokenizer):
-    """``--mode pd --prefill-tp 2`` on a node of 3 CPUs (first in the module: before the
-    module's 2-CPU cluster starts): a group of 2 bundles for the prefill worker, one of 1
-    for the decode worker, both STRICT_PACK; the answer of one float32 process, through a
-    KV hand-off."""
+    """``--mode pd --prefill-tp 2`` on a node of 3 CPUs and 3 GPUs as Ray counts them (first
+    in the module: before the module's 2-CPU cluster starts; the workers run on the CPU): a
+    group of 2 bundles for the prefill worker, one of 1 for the decode worker, both
+    STRICT_PACK; both prefill ranks see the GPUs of its 2 bundles, two distinct ones; the
+    answer of one float32 process, through a KV hand-off."""
     want = reference_tokens(model_info, tokenizer)
-    with contextlib.contextmanager(one_node)(3) as address:
-        dep = ray_deployment("pd", tmp_path, address, "--prefill-tp", "2", "--weight-format", "f32")
+    with contextlib.contextmanager(one_node)(3, "--num-gpus", "3") as address:
+        dep = ray_deployment("pd", tmp_path, address, "--prefill-tp", "2", "--weight-format", "f32",
+                             "--prefill-resources", "CPU=1,GPU=1", "--decode-resources", "CPU=1,GPU=1")
         try:
             log = dep.log_tail(10**6)
-            assert ("prefill-0 on Ray (2 ranks of CPU=1, STRICT_PACK), decode-0 on Ray (1 rank of CPU=1, "
-                    "STRICT_PACK)" in log), log[-2000:]
+            assert ("prefill-0 on Ray (2 ranks of CPU=1,GPU=1, STRICT_PACK), decode-0 on Ray (1 rank of "
+                    "CPU=1,GPU=1, STRICT_PACK)" in log), log[-2000:]
             groups = cluster_groups(address)["groups"]
             assert sorted(len(g["bundles"]) for g in groups) == [1, 2]
             assert all(g["strategy"] == "STRICT_PACK" for g in groups)
-            assert (worker(dep, "prefill-0")["tensor_parallel_size"], worker(dep, "decode-0")["tensor_parallel_size"]) \
-                == (2, 1)
+            prefill, decode = worker(dep, "prefill-0"), worker(dep, "decode-0")
+            assert (prefill["tensor_parallel_size"], decode["tensor_parallel_size"]) == (2, 1)
+            assert (prefill["resources"], decode["resources"]) == ({"CPU": 2.0, "GPU": 2.0}, {"CPU": 1.0, "GPU": 1.0})
+            # Rank 0 sets them in its own process (not in /proc/PID/environ); its follower
+            # starts with them.
+            (gpus,) = re.findall(r"started worker prefill-0 as a Ray actor \(2 ranks of CPU=1,GPU=1; GPUs (\S+)\)", log)
+            (follower,) = follower_pids(prefill["pid"])
+            assert visible_gpus(follower) == gpus.split(",") and len(set(gpus.split(","))) == 2, (gpus, log[-2000:])
             assert ask(dep.url, "chat", CHAT, MAX_TOKENS) == want
             one = dep.generate("completion", "The history of the printing press", stream=False, max_tokens=4,
                                temperature=0)
@@ -194,3 +212,15 @@ def test_tp_with_a_spread_placement_is_refused():
     for mode, elastic in (("colocated", False), ("pd", False), ("colocated", True)):
         ray_ranks.check_options(argparse.Namespace(tensor_parallel_size=2, mode=mode, elastic=elastic,
                                                    worker_placement="PACK"))
+
+
+@pytest.mark.parametrize("gpus", ["0.5", "2"])
+def test_a_rank_takes_one_whole_gpu_or_none(gpus):
+    args = argparse.Namespace(tensor_parallel_size=1, prefill_tp=2, mode="pd", elastic=False, worker_placement="PACK",
+                              worker_resources="CPU=1", prefill_resources=f"CPU=1,GPU={gpus}",
+                              decode_resources=f"GPU={gpus}", encode_resources="CPU=1")
+    with pytest.raises(ValueError, match=rf"^--prefill-resources GPU={gpus} with 2 tensor-parallel ranks on Ray: each "
+                                         r"rank runs on one whole GPU of its own bundle \(give GPU=1, or no GPU"):
+        role_resources(args)
+    args.prefill_tp = 1  # one rank a worker: any share of a GPU, as before
+    assert role_resources(args)["decode"] == {"GPU": float(gpus), "CPU": 1.0}

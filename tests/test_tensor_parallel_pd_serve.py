@@ -60,29 +60,38 @@ def served(dep, tokenizer, reference, transport: str):
     return dep.trace(one.id)["kv_bytes"]
 
 
+@pytest.fixture(scope="module")
+def tp1_bytes(tmp_path_factory, tokenizer, reference) -> int:
+    """The KV bytes of one TP=1 -> TP=1 hand-off over TCP (``served``'s last completion)."""
+    dep = start_deployment("pd", tmp_path_factory.mktemp("tp1"), "--kv-transport", "tcp", *F32)
+    try:
+        return served(dep, tokenizer, reference, "tcp")
+    finally:
+        _stop(dep.proc)
+
+
 @pytest.mark.parametrize("sizes", [("2", "1"), ("1", "2")], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_pd_across_tp_sizes_gives_one_process_tokens_and_tp1_bytes(tmp_path, tokenizer, reference, sizes):
+def test_pd_across_tp_sizes_gives_one_process_tokens_and_tp1_bytes(tmp_path, tokenizer, reference, tp1_bytes,
+                                                                   sizes):
     got_bytes = {}
-    for prefill_tp, decode_tp in (sizes, ("1", "1")):
-        for transport in ("shm", "tcp"):
-            dep = start_deployment("pd", tmp_path, "--prefill-tp", prefill_tp, "--decode-tp", decode_tp,
-                                   "--kv-transport", transport, *F32)
-            try:
-                w = workers(dep)
-                assert (w["prefill"]["tensor_parallel_size"], w["decode"]["tensor_parallel_size"]) == \
-                    (int(prefill_tp), int(decode_tp))
-                got_bytes[(prefill_tp, decode_tp, transport)] = served(dep, tokenizer, reference, transport)
-                if transport == "shm" and (prefill_tp, decode_tp) == sizes:  # a client leaving frees every block
-                    body = {"prompt": "Write a long story.", "max_tokens": 500, "temperature": 0, "ignore_eos": True}
-                    stream_and_leave(dep.url + "/v1/completions", body, 3)
-                    wait_all_free(dep.url)
-                    assert all(w["blocks_in_use"] == 0 for w in workers(dep).values())
-            finally:
-                _stop(dep.proc)
-        if (prefill_tp, decode_tp) == ("1", "1"):
-            break
-    print(f"\nKV bytes of one hand-off: {got_bytes}")
-    assert got_bytes[(*sizes, "tcp")] == got_bytes[("1", "1", "tcp")] > 0
+    prefill_tp, decode_tp = sizes
+    for transport in ("shm", "tcp"):
+        dep = start_deployment("pd", tmp_path, "--prefill-tp", prefill_tp, "--decode-tp", decode_tp,
+                               "--kv-transport", transport, *F32)
+        try:
+            w = workers(dep)
+            assert (w["prefill"]["tensor_parallel_size"], w["decode"]["tensor_parallel_size"]) == \
+                (int(prefill_tp), int(decode_tp))
+            got_bytes[transport] = served(dep, tokenizer, reference, transport)
+            if transport == "shm":  # a client leaving frees every block
+                body = {"prompt": "Write a long story.", "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+                stream_and_leave(dep.url + "/v1/completions", body, 3)
+                wait_all_free(dep.url)
+                assert all(w["blocks_in_use"] == 0 for w in workers(dep).values())
+        finally:
+            _stop(dep.proc)
+    print(f"\nKV bytes of one hand-off: {got_bytes}, TP=1 -> TP=1: {tp1_bytes}")
+    assert got_bytes["tcp"] == tp1_bytes > 0
 
 
 def test_epd_with_a_tp2_prefill_or_encode_worker_gives_the_colocated_answer(tmp_path):

@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -43,6 +44,9 @@ def vllm_venv(monkeypatch_module) -> Path:
     if not (venv / "bin" / "vllm").exists():
         pytest.skip(f"vLLM's CPU build is not installed in {venv}: run make vllm")
     monkeypatch_module.setenv("EPDSERVE_VLLM_VENV", str(venv))
+    # vLLM without torch.compile: a start takes ~40 s instead of ~2 minutes here, the
+    # answers are the same model's (the tests compare greedy tokens, never speed).
+    monkeypatch_module.setenv("EPDSERVE_VLLM_OPTIMIZATION_LEVEL", "0")
     return venv
 
 
@@ -230,23 +234,26 @@ def test_vllm_1p1d_hands_the_kv_over_nixl(vllm_server, tokenizer, tmp_path):
     compare's stages read the hand-off: one transfer per request, the bytes of the prompt's
     KV blocks (vLLM's blocks: 128 tokens, 30 layers, K and V of 3 heads x 64 float32)."""
     (dep,) = deployments.load([VLLM_TOML.with_name("vllm-cpu-1p1d.toml")])
-    prompts = [_ids(tokenizer, 40), _long_document(60), "The capital of France is"]
+    # A token-id prompt of one vLLM block and a text one of several.
+    prompts = [_ids(tokenizer, 40), _long_document(60)]
+    bodies = [{"prompt": prompt, "max_tokens": 12, "temperature": 0} for prompt in prompts]
+    want = [httpx.post(vllm_server.client_url + "/v1/completions", timeout=300,
+                       json={**body, "model": vllm_server.model}).json()["choices"][0]["text"] for body in bodies]
     with processes.launched(dep, tmp_path, processes.LaunchOptions(), say=lambda line: None) as pd:
         decode_metrics = pd.metrics_urls[1]
         before = {url: server_metrics.scrape(url) for url in pd.metrics_urls}
-        for prompt in prompts:
-            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        for body, text in zip(bodies, want):
+            t0 = time.monotonic()
             got = httpx.post(pd.client_url + "/v1/completions", timeout=300,
                              json={**body, "model": pd.model}).json()
-            want = httpx.post(vllm_server.client_url + "/v1/completions", timeout=300,
-                              json={**body, "model": vllm_server.model}).json()
-            assert got["choices"][0]["text"] == want["choices"][0]["text"], prompt
+            print(f"\nvLLM 1P1D: a request in {time.monotonic() - t0:.1f} s")
+            assert got["choices"][0]["text"] == text, body["prompt"]
         after = {url: server_metrics.scrape(url) for url in pd.metrics_urls}
         sources = _decode_sources(decode_metrics)
     assert sources.get("local_compute", 0) == 0 and sources["external_kv_transfer"] > 0, sources
     stages = server_metrics.stages_between(before, after)["stages"]
     lengths = [len(p) if isinstance(p, list) else len(tokenizer(p).input_ids) for p in prompts]
-    assert stages["kv_transfer"]["count"] == 3 and stages["kv_transfer"]["mean_ms"] > 0
+    assert stages["kv_transfer"]["count"] == len(prompts) and stages["kv_transfer"]["mean_ms"] > 0
     block_bytes = 2 * 128 * 3 * 64 * 4 * 30
     assert stages["kv_bytes"]["total_bytes"] == sum(-(-n // 128) for n in lengths) * block_bytes
     for port in (8301, 8302, 8303):

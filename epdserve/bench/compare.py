@@ -178,7 +178,8 @@ def preflight(args: Options, available_bytes: int | None,
     """Check every epdserve deployment of ``deployments`` (default: ``args.configs``)
     before any runs, with the options and the check ``epdserve serve`` itself applies when
     it starts (``launcher.checked_plan``: the placement and each worker's tensor-parallel
-    ranks; :func:`epdserve.serving.launch.launcher.check_capacity`; ``available_bytes``: the
+    ranks; the mode against the model, ``router.app.mode_error``;
+    :func:`epdserve.serving.launch.launcher.check_capacity`; ``available_bytes``: the
     host's available memory, None: not checked). Returns ``(warnings, errors)``, one line
     each, prefixed with the deployment's name; an error is a deployment serve would refuse,
     or ``args`` serve does not take.
@@ -187,6 +188,7 @@ def preflight(args: Options, available_bytes: int | None,
         ModelLoadError: a model cannot be found or read.
     """
     from epdserve.serving.launch import launcher  # torch and the router: only here, not in the client
+    from epdserve.serving.router.app import mode_error
 
     parser = _Parser()
     launcher.add_arguments(parser)
@@ -215,8 +217,10 @@ def preflight(args: Options, available_bytes: int | None,
         except ValueError as exc:
             errors.append(f"[{dep.name}] {exc}")
             continue
-        found, error = launcher.check_capacity(opts, plan, resolve_model(opts.model).path, available_bytes)
+        info = resolve_model(opts.model)
+        found, error = launcher.check_capacity(opts, plan, info.path, available_bytes)
         warnings += [f"[{dep.name}] {w}" for w in found]
+        error = mode_error(opts, info) or (error and f"{error}; --allow-oversubscription starts it anyway")
         if error:
             errors.append(f"[{dep.name}] {error}")
     return warnings, errors
@@ -287,9 +291,7 @@ def run(args: Options) -> int:
     if errors:
         for line in errors:
             print(f"epdserve compare: error: {line}", file=sys.stderr)
-        print("epdserve compare: nothing run; drop those deployments from --configs or the "
-              "--deployments files"
-              + ("" if args.allow_oversubscription else " or pass --allow-oversubscription"),
+        print("epdserve compare: nothing run; drop those deployments from --configs or the --deployments files",
               file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)

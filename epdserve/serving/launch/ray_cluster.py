@@ -121,11 +121,15 @@ def role_resources(args: Options) -> dict[str, dict[str, float]]:
 
     Raises:
         ValueError: a bad ``--*-resources`` value, or a tensor-parallel size Ray cannot
-            place so (``ray_ranks.check_options``).
+            place so (``ray_ranks.check_options``, ``ray_ranks.check_gpus``).
     """
     ray_ranks.check_options(args)
-    return {role: parse_resources(getattr(args, f"{opt}_resources"), f"--{opt}-resources")
-            for role, opt in ROLE_OPTION.items()}
+    sizes = serve_tp_sizes(args)
+    out = {}
+    for role, opt in ROLE_OPTION.items():
+        out[role] = parse_resources(getattr(args, f"{opt}_resources"), f"--{opt}-resources")
+        ray_ranks.check_gpus(out[role], sizes[role], f"--{opt}-resources")
+    return out
 
 
 class WorkerActor:
@@ -137,10 +141,13 @@ class WorkerActor:
     its group (one rank's resources): it claims ``ranks x num_threads`` cores of this node
     for the worker's ``--cores`` (:func:`~epdserve.serving.launch.ray_ranks.claim_cores`,
     held while this process lives), so that each rank runs ``num_threads`` threads on
-    its share, and its Hello names the resources of all its bundles. Created by
+    its share, and its Hello names the resources of all its bundles; ``gpus``: the GPU ids
+    of its bundles in rank order (``ray_ranks.bundle_gpus``), set as ``CUDA_VISIBLE_DEVICES``
+    for all its ranks. Created by
     :class:`RayWorkers` with ``ray.remote``."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], num_threads: int, ranks: int = 1):
+    def __init__(self, argv: list[str], env: dict[str, str], num_threads: int, ranks: int = 1,
+                 gpus: list[str] | None = None):
         import ray
 
         _die_with_raylet()
@@ -154,6 +161,8 @@ class WorkerActor:
         os.environ.update(env, EPDSERVE_NODE_ID=context.get_node_id(), EPDSERVE_NODE_IP=ip,
                           EPDSERVE_NODE_RESOURCES=json.dumps(resources), EPDSERVE_NUM_THREADS=str(num_threads),
                           PYTHONUNBUFFERED="1")
+        if gpus:  # a GPU worker's ranks: each bundle's GPU, before anything initializes CUDA
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         host = f"[{ip}]" if ":" in ip else ip
         self.argv = [*argv, "--bind", f"tcp://{host}:0", "--kv-bind", f"tcp://{host}:0"]
 
@@ -295,12 +304,13 @@ class RayWorkers:
             ray_ranks.wait_placed(groups, res, tp, self.args.startup_timeout)
         for groups, res, tp in placed:
             for wid, group in groups.items():
-                self._start_actor(wid, group, 0, argv[wid], res, ranks=tp)
+                gpus = ray_ranks.bundle_gpus(group, tp) if res.get("GPU") and tp > 1 else None
+                self._start_actor(wid, group, 0, argv[wid], res, ranks=tp, gpus=gpus)
 
     def _start_actor(self, wid: str, group, index: int, argv: list[str], res: dict[str, float],
-                     ranks: int = 1) -> None:
-        """Start worker ``wid`` (of ``ranks`` tensor-parallel ranks) as an actor on bundle
-        ``index`` of placement group ``group``."""
+                     ranks: int = 1, gpus: list[str] | None = None) -> None:
+        """Start worker ``wid`` (of ``ranks`` tensor-parallel ranks, on GPUs ``gpus``) as an
+        actor on bundle ``index`` of placement group ``group``."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -311,15 +321,16 @@ class RayWorkers:
             num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), resources=custom, max_restarts=-1,
             max_task_retries=-1, max_concurrency=1,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-        ).remote(argv, self.env, max(1, int(res["CPU"])), ranks)
+        ).remote(argv, self.env, max(1, int(res["CPU"])), ranks, gpus)
         self.actors[wid] = actor
         self.runs[wid] = actor.run.remote()
-        log.info("started worker %s as a Ray actor (%s%s)", wid, f"{ranks} ranks of " if ranks > 1 else "",
-                 _format(res))
+        log.info("started worker %s as a Ray actor (%s%s%s)", wid, f"{ranks} ranks of " if ranks > 1 else "",
+                 _format(res), f"; GPUs {','.join(gpus)}" if gpus else "")
 
     def add(self, role: str) -> str:
         """Elastic: start ``worker-K`` (K: the next index never used) of ``role`` as an actor in
-        a placement group of its own (one bundle of ``--worker-resources``, ``--worker-placement``),
+        a placement group of its own (one bundle of ``--worker-resources``, ``--worker-placement``;
+        a tensor-parallel worker's: one a rank, ``ray_ranks.create_groups``),
         in the background: the actor starts once Ray has placed the group (the router gives
         the worker up if it is not up within ``--startup-timeout`` and calls :meth:`remove`).
         Call from the router's event loop.
@@ -333,22 +344,24 @@ class RayWorkers:
             raise RuntimeError("workers are added only by an elastic serve")
         wid = f"worker-{self.next_index}"
         self.next_index += 1
-        res = self.resources["colocated"]
-        group = placement_group([dict(res)], strategy=self.args.worker_placement)
+        res, tp = self.resources["colocated"], serve_tp_sizes(self.args)["colocated"]
+        group = (ray_ranks.create_groups([wid], res, tp)[wid] if tp > 1
+                 else placement_group([dict(res)], strategy=self.args.worker_placement))
         self.own_groups[wid] = group
         self.pending[wid] = asyncio.get_running_loop().create_task(
-            self._start_when_placed(wid, group, self.command(role, wid), res))
+            self._start_when_placed(wid, group, self.command(role, wid), res, tp))
         log.info("adding worker %s (%s) as a Ray actor (%s): waiting for its placement", wid, role, _format(res))
         return wid
 
-    async def _start_when_placed(self, wid: str, group, argv: list[str], res: dict[str, float]) -> None:
+    async def _start_when_placed(self, wid: str, group, argv: list[str], res: dict[str, float], tp: int) -> None:
         import ray
 
         ready = group.ready()
         while not ray.wait([ready], timeout=0)[0]:
             await asyncio.sleep(0.5)
+        gpus = await asyncio.to_thread(ray_ranks.bundle_gpus, group, tp) if res.get("GPU") and tp > 1 else None
         self.pending.pop(wid, None)
-        self._start_actor(wid, group, 0, argv, res)
+        self._start_actor(wid, group, 0, argv, res, ranks=tp, gpus=gpus)
 
     def remove(self, worker_id: str) -> None:
         """Elastic: stop ``worker_id`` for good (it was told to shut down): stop watching its

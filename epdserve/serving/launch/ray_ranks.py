@@ -8,11 +8,17 @@ over 127.0.0.1 and a private ipc directory, :mod:`epdserve.serving.worker.ranks`
 actor, rank 0, runs in bundle 0; ranks 1..N-1 are processes it starts on the same node,
 outside Ray, and bundles 1..N-1 hold their resources so that Ray places nothing else on
 them. Ray restarts a dead actor in bundle 0 of the same group, and the new rank 0 starts
-new followers. (A CUDA worker is not built yet: Ray shows the actor only bundle 0's GPU, so
-the worker refuses its ``-tp`` at start-up.) A group no node of the cluster can hold now is refused at once; one that
+new followers. A group no node of the cluster can hold now is refused at once; one that
 could be held but is not placed within ``--startup-timeout`` (other work holds the
 resources) is refused then: :class:`PlacementError`, one line naming the worker and what
 it needed.
+
+GPUs: a rank of a GPU worker holds ``GPU=1`` of its bundle. Ray shows an actor only its own
+bundle's GPU (``CUDA_VISIBLE_DEVICES``), and the followers are not actors; so before the
+actor starts, a probe task in each bundle reads the GPU Ray reserved for it
+(:func:`bundle_gpus`: a bundle's GPU is fixed when the group is placed), and the actor sets
+``CUDA_VISIBLE_DEVICES`` to all of them in rank order, which its followers inherit: rank r
+then runs on ``cuda:r``.
 
 Cores: Ray counts CPUs but does not say which cores an actor may use, and a rank pins
 itself to its share of its worker's cores (``--cores``, split by ``ranks.split_cores``).
@@ -66,6 +72,40 @@ def check_options(args: Options) -> None:
         raise ValueError(f"--worker-placement {args.worker_placement} with {flag} {tp} on Ray: each "
                          f"worker is a placement group of its own ({tp} bundles, {STRATEGY}: its ranks on one node) "
                          "and Ray places the groups; leave --worker-placement at PACK")
+
+
+def check_gpus(res: dict[str, float], tp: int, option: str) -> None:
+    """A rank's ``GPU`` amount in ``option`` (a role's ``--*-resources``) for a worker of
+    ``tp`` ranks: none or one whole GPU a rank (a rank runs on one device).
+
+    Raises:
+        ValueError: ``tp`` > 1 and ``GPU`` is neither 0 nor 1, naming the option.
+    """
+    gpus = res.get("GPU", 0.0)
+    if tp > 1 and gpus not in (0.0, 1.0):
+        raise ValueError(f"{option} GPU={gpus:g} with {tp} tensor-parallel ranks on Ray: each rank runs on one "
+                         "whole GPU of its own bundle (give GPU=1, or no GPU for a CPU worker)")
+
+
+def bundle_gpus(group, tp: int) -> list[str]:
+    """The GPU ids Ray reserved for bundles 0..tp-1 of placement group ``group`` (one a
+    bundle, as Ray numbers the node's GPUs), in bundle order: what a GPU worker's actor
+    sets as ``CUDA_VISIBLE_DEVICES`` for all its ranks. A task of ``GPU=1`` and no CPU runs
+    in each bundle and returns ``ray.get_gpu_ids()``."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    probe = ray.remote(num_cpus=0, num_gpus=1)(_gpu_ids)
+    refs = [probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i))
+            .remote() for i in range(tp)]
+    return [gid for ids in ray.get(refs) for gid in ids]
+
+
+def _gpu_ids() -> list[str]:
+    """The GPU ids Ray gives the task running this (its bundle's)."""
+    import ray
+
+    return [str(gid) for gid in ray.get_gpu_ids()]
 
 
 def format_resources(resources: dict) -> str:

@@ -232,10 +232,9 @@ def build_router(args: Options, events_addr: str) -> Router:
     """
     policy = elastic_policy(args)
     model = served_model(args)
-    if args.elastic and args.mode == "epd":
-        raise ModelLoadError("--elastic switches colocated, prefill and decode workers: use --mode colocated or pd")
-    if args.mode == "epd" and not model.multimodal:
-        raise ModelLoadError(f"--mode epd needs a vision-language model (e.g. --model vlm), not {model.name}")
+    error = mode_error(args, model)
+    if error:
+        raise ModelLoadError(error)
     media = MediaOptions(max_images=args.limit_images_per_prompt, allowed_local_dir=args.allowed_local_media_path,
                          allow_remote=args.allow_remote_images)
     try:
@@ -274,6 +273,16 @@ def elastic_policy(args: Options) -> PolicyConfig:
         return PolicyConfig(**slos, window_s=window_s, min_dwell_s=min_dwell_s)
     except ValueError as exc:  # what the flags' types let through and the policy refuses
         raise ModelLoadError(f"--slo / --elastic-*: {exc}") from None
+
+
+def mode_error(args: Options, model) -> str | None:
+    """What is wrong with ``--mode`` (and ``--elastic``) for ``model`` (a ``ModelInfo``):
+    EPD needs a vision-language model and cannot be elastic. None when nothing is."""
+    if args.elastic and args.mode == "epd":
+        return "--elastic switches colocated, prefill and decode workers: use --mode colocated or pd"
+    if args.mode == "epd" and not model.multimodal:
+        return f"--mode epd needs a vision-language model (e.g. --model vlm), not {model.name}"
+    return None
 
 
 def served_model(args: Options):
