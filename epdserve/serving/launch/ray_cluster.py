@@ -304,7 +304,7 @@ class RayWorkers:
             ray_ranks.wait_placed(groups, res, tp, self.args.startup_timeout)
         for groups, res, tp in placed:
             for wid, group in groups.items():
-                gpus = ray_ranks.bundle_gpus(group, tp) if res.get("GPU") and tp > 1 else None
+                gpus = ray_ranks.bundle_gpus(group, tp, res)
                 self._start_actor(wid, group, 0, argv[wid], res, ranks=tp, gpus=gpus)
 
     def _start_actor(self, wid: str, group, index: int, argv: list[str], res: dict[str, float],
@@ -359,7 +359,7 @@ class RayWorkers:
         ready = group.ready()
         while not ray.wait([ready], timeout=0)[0]:
             await asyncio.sleep(0.5)
-        gpus = await asyncio.to_thread(ray_ranks.bundle_gpus, group, tp) if res.get("GPU") and tp > 1 else None
+        gpus = await asyncio.to_thread(ray_ranks.bundle_gpus, group, tp, res)
         self.pending.pop(wid, None)
         self._start_actor(wid, group, 0, argv, res, ranks=tp, gpus=gpus)
 

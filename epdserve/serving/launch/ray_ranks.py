@@ -87,11 +87,14 @@ def check_gpus(res: dict[str, float], tp: int, option: str) -> None:
                          "whole GPU of its own bundle (give GPU=1, or no GPU for a CPU worker)")
 
 
-def bundle_gpus(group, tp: int) -> list[str]:
+def bundle_gpus(group, tp: int, res: dict[str, float]) -> list[str] | None:
     """The GPU ids Ray reserved for bundles 0..tp-1 of placement group ``group`` (one a
     bundle, as Ray numbers the node's GPUs), in bundle order: what a GPU worker's actor
     sets as ``CUDA_VISIBLE_DEVICES`` for all its ranks. A task of ``GPU=1`` and no CPU runs
-    in each bundle and returns ``ray.get_gpu_ids()``."""
+    in each bundle and returns ``ray.get_gpu_ids()``. None without a ``GPU`` in a rank's
+    ``res`` or for one rank (Ray's own ``CUDA_VISIBLE_DEVICES`` is then the worker's)."""
+    if not res.get("GPU") or tp == 1:
+        return None
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
