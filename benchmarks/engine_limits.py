@@ -48,7 +48,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import struct
 import sys
 import time
@@ -306,6 +305,13 @@ def cpu_flags() -> set[str]:
     return flags()
 
 
+def cpu_model() -> str:
+    """This CPU's model name (``/proc/cpuinfo``)."""
+    from epdserve.model.kernels import cpu_model as model
+
+    return model()
+
+
 def default_threads() -> int:
     """The cores this process may use (``os.sched_getaffinity``): what an epdserve worker
     started here gets (``serving/worker/setup.pin_to_cores``)."""
@@ -358,8 +364,8 @@ def measure(threads: int | None = None, model_dir: str | Path | None = None,
                        "floor_ms": floor_ms(nbytes, memory["copy_gbs"]),
                        "floor_ms_read": floor_ms(nbytes, memory["read_gbs"])})
     return {"threads": threads, "cores": sorted(os.sched_getaffinity(0)),
-            "machine": platform.processor() or platform.machine(),
-            "cpu_flags": sorted(flags & {"avx2", "fma", "avx512f", *BF16_FLAGS}),
+            "machine": cpu_model(),
+            "cpu_flags": sorted(flags & {"avx2", "fma", "avx512f", "amx_tile", *BF16_FLAGS}),
             "model": {"dir": str(model_dir), **cfg},
             "gemm": result_gemm,
             "bf16": {"measured": bool(bf16_flags),

@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": ("epdserve.bench.run", "send a seeded workload to an OpenAI-compatible server"),
     "compare": ("epdserve.bench.compare", "run the same trace against each deployment"),
     "plan": ("epdserve.plan.run", "predict which deployment meets the SLOs at the lowest cost"),
+    "tune": ("epdserve.model.tune", "measure this machine's kernel choices again and show them"),
 }
 
 # The commands that take --config FILE (vLLM's serve has it; compare and plan have --configs).

@@ -138,8 +138,10 @@ def outside_warning(share: float, steal: float, num_cores: int) -> str | None:
             f"throughput understate this deployment; rerun on a quiet machine")
 
 
-def _shares(before: dict, after: dict, own_s: float) -> tuple[float, float, float, float]:
-    """(busy s, outside s, outside share, steal share) between two :func:`cpu_ticks`."""
+def cpu_shares(before: dict, after: dict, own_s: float) -> tuple[float, float, float, float]:
+    """(busy s, outside s, outside share, steal share) between two :func:`cpu_ticks` of the
+    same cores, of which our own processes used ``own_s`` CPU seconds: outside = busy - own,
+    the shares of the cores' whole time (0-1)."""
     total = max(1, after["total"] - before["total"])
     busy_s = (after["busy"] - before["busy"]) / CLK_TCK
     outside_s = max(0.0, busy_s - own_s)
@@ -152,7 +154,7 @@ def quiet_check(cores: list[int], window_s: float = 1.0) -> dict:
     average still holds the previous run's load for about a minute; the shares do not."""
     t0, own0, c0 = time.monotonic(), time.process_time(), cpu_ticks(cores)
     time.sleep(window_s)
-    _, _, share, steal = _shares(c0, cpu_ticks(cores), time.process_time() - own0)
+    _, _, share, steal = cpu_shares(c0, cpu_ticks(cores), time.process_time() - own0)
     return {"window_s": round(time.monotonic() - t0, 3), "loadavg_1m": loadavg_1m(),
             "outside_share": round(share, 4), "steal_share": round(steal, 4)}
 
@@ -205,7 +207,7 @@ class LoadMonitor:
         self._sample()
         client_s = time.process_time() - self.own0
         deployment_s = sum(t - self.first[k] for k, t in self.last.items()) / CLK_TCK
-        busy_s, outside_s, share, steal = _shares(self.cpu0, cpu_ticks(self.cores), deployment_s + client_s)
+        busy_s, outside_s, share, steal = cpu_shares(self.cpu0, cpu_ticks(self.cores), deployment_s + client_s)
         r = lambda x: None if x is None else round(x, 4)  # noqa: E731
         return {"wall_s": r(time.monotonic() - self.t0),
                 "loadavg_1m_mean": r(sum(self.loads) / len(self.loads)) if self.loads else None,

@@ -166,3 +166,32 @@ def test_compare_checks_tensor_parallel_names_as_serve_does():
     warnings, errors = compare.preflight(parser.parse_args(["--configs", "colocated-tp4096,1p1d-tp1/4096"]), None)
     assert [e.split(", one a rank")[0] for e in errors] == [
         "[colocated-tp4096] --tensor-parallel-size 4096 needs 4096 cores", "[1p1d-tp1/4096] --decode-tp 4096 needs 4096 cores"]
+
+
+def test_the_routers_connections_send_without_nagle_delay():
+    """serve's listening socket names IPPROTO_TCP, so asyncio sets TCP_NODELAY on every
+    connection it accepts: with Nagle's algorithm on, a response's second write waited for
+    the client's delayed ACK, 40 ms on each request of a kept-alive connection."""
+    import asyncio
+    import socket
+
+    async def accepted_nodelay() -> int:
+        sock = launcher.listen_socket("127.0.0.1", 0)
+        got = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                s = transport.get_extra_info("socket")
+                got.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            value = await asyncio.wait_for(got, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0

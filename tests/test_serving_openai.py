@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 
+from epdserve.model.cutover import ROWS as CUTOVER_ROWS
 from epdserve.model.tokenizer import chat_prompt_ids
 
 
@@ -55,6 +56,14 @@ def test_models_health_metrics(server, model_info):
     # decode, both where one worker runs both phases.
     formats = {w["role"]: w["weight_format"] for w in health.json()["workers"]}
     assert formats == ({"prefill": "f32", "decode": "q4_1"} if server.mode == "pd" else {"colocated": "q4_1+f32"})
+    # The block kernel / BLAS cut-over each worker with blocks measured (or read) on this machine.
+    tuned = {w["role"]: w["tuned"] for w in health.json()["workers"]}
+    for role, fmt in formats.items():
+        if "q4_1" not in fmt:
+            assert tuned[role] == {}
+            continue
+        cutover = tuned[role]["kernel_rows"]
+        assert cutover["value"] in (0, *CUTOVER_ROWS) and cutover["source"] in ("cache", "measured", "disturbed")
     metrics = httpx.get(server.url + "/metrics")
     assert metrics.status_code == 200
     for w in health.json()["workers"]:

@@ -5,7 +5,6 @@ Greedy parity of the float32 formats with transformers: tests/test_engine.py."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
-from epdserve.model import cutover, kernels, linear, quant
+from epdserve.model import kernels, linear, quant
 
 from conftest import generate
 
@@ -72,30 +71,6 @@ def test_steps_run_on_the_blocks_or_the_dense_copy_by_rows(model_info):
     blocks_bytes = linear.Linear(b, None).nbytes()
     assert blocks_bytes == w.numel() * 24 // 32  # Q4_1 here: 16 bytes of quants + float32 d and m per 32
     assert both.nbytes() == blocks_bytes + w.numel() * 4 and dense16.nbytes() == w.numel() * 2
-
-
-def test_the_cutover_is_where_the_blas_stays_faster():
-    assert cutover.kernel_rows_for({1: (1, 2), 8: (2, 3), 32: (5, 4), 64: (9, 6)}) == 8
-    assert cutover.kernel_rows_for({1: (1, 2), 8: (4, 3), 32: (5, 6), 64: (9, 6)}) == 32  # not yet at 8
-    assert cutover.kernel_rows_for({1: (1, 2), 64: (5, 6)}) == 64  # the kernel throughout
-    assert cutover.kernel_rows_for({1: (3, 2), 64: (9, 6)}) == 0  # the BLAS throughout
-
-
-def test_the_cutover_is_measured_once_per_machine_and_key(tmp_path, monkeypatch):
-    monkeypatch.setenv("EPDSERVE_CACHE", str(tmp_path))
-    measured = []
-
-    def measure(kernel, blas):  # the BLAS overtakes the kernel at 20 rows
-        measured.append((kernel, blas))
-        return {m: (m * 2e-5, 2e-4 + m * 1e-5) for m in cutover.ROWS}
-
-    monkeypatch.setattr(cutover, "measure", measure)
-    assert cutover.kernel_rows(None, None, ["layer A"]) == 16
-    assert cutover.kernel_rows(None, None, ["layer A"]) == 16 and len(measured) == 1  # from the cache
-    assert cutover.kernel_rows(None, None, ["layer B"]) == 16 and len(measured) == 2
-    kept = [json.loads(f.read_text()) for f in (tmp_path / "cutover").glob("*.json")]
-    assert sorted(k["key"][-1] for k in kept) == ["layer A", "layer B"]
-    assert all(k["kernel_rows"] == 16 and set(k["times_ms"]) == {str(m) for m in cutover.ROWS} for k in kept)
 
 
 def test_bf16_weights_part_from_float32_only_where_its_top_two_are_close(model_info, tokenizer):

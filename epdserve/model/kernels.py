@@ -51,6 +51,13 @@ def cpuinfo(*keys: str) -> str | None:
                  if ":" in line and line.split(":", 1)[0].strip() in keys), None)
 
 
+def cpu_model() -> str:
+    """This CPU's model name (``/proc/cpuinfo``), else the platform's processor string."""
+    import platform
+
+    return cpuinfo("model name") or platform.processor() or platform.machine()
+
+
 def cpu_flags() -> set[str]:
     """This CPU's feature flags: ``/proc/cpuinfo``'s ``flags`` line (x86) or ``Features``
     line (Arm); empty elsewhere."""

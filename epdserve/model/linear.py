@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from epdserve.model import cutover, quant
+from epdserve.model import cutover, quant, tuning
 
 WEIGHT_FORMATS = ("auto", "f32", "bf16", "q4_1", "q4_1+f32", "q4_1+bf16")
 DENSE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -174,10 +174,10 @@ def projection(weights: dict[str, torch.Tensor], blocks: dict[str, quant.Blocks]
     return Linear(joined, dense)
 
 
-def measured_kernel_rows(layers: list[list[Linear]]) -> int:
+def measured_kernel_rows(layers: list[list[Linear]], force: bool = False) -> tuning.Tuned:
     """The kernel / BLAS cut-over (:attr:`Linear.kernel_rows`) for the decoder layers'
     projections (``layers[i]``: layer i's, each with blocks), measured on this machine or
-    read from its cache (``cutover.kernel_rows``). Each timing runs every layer once, as a
+    read from its cache (``cutover.kernel_rows``; ``force``: measured again). Each timing runs every layer once, as a
     step reads them: one layer timed alone stays in the CPU's cache and flatters the dense
     copy (SmolLM2-135M at 32 rows: one layer 1.17 ms on the blocks, 0.93 dense; a whole
     decode step 82 ms on the blocks, 92 dense)."""
@@ -192,4 +192,4 @@ def measured_kernel_rows(layers: list[list[Linear]]) -> int:
 
     key = [len(layers), *([list(p.blocks.qs.shape), str(p.blocks.qs.dtype), None if p.dense is None else
                             str(p.dense.dtype)] for p in layers[0])]
-    return cutover.kernel_rows(kernel, blas, key)
+    return cutover.kernel_rows(kernel, blas, key, force)

@@ -96,7 +96,9 @@ class LlamaModel:
 
     ``weight_format``: which copies the linear layers hold (``model/linear.py``; default:
     ``blocks`` when given, else dense in ``dtype``); with blocks, the layers are timed
-    for the kernel/BLAS cut-over (``kernel_rows``, cached per machine: ``model/cutover.py``).
+    for the kernel/BLAS cut-over (``kernel_rows``, kept per machine: ``model/cutover.py``;
+    ``retune``: measured again). ``tuned`` maps each measured choice's name to its
+    ``tuning.Tuned`` (value and source), for the worker's /health.
 
     ``tp``: this process's rank of a tensor-parallel group (``model/tensor_parallel.py``), or
     None (the whole model in this process). With it, ``config`` and ``weights`` are the full
@@ -112,7 +114,8 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  blocks: dict[str, quant.Blocks] | None = None, device: str | torch.device = "cpu",
-                 weight_format: linear.WeightFormat | None = None, tp: tensor_parallel.TPRank | None = None):
+                 weight_format: linear.WeightFormat | None = None, tp: tensor_parallel.TPRank | None = None,
+                 retune: bool = False):
         self.dtype = dtype
         self.device = torch.device(device)
         if blocks and self.device.type != "cpu":
@@ -156,7 +159,7 @@ class LlamaModel:
                 "down": project([p + "mlp.down_proj.weight"]),
             }
             self.layers.append(layer)
-        self._set_kernel_rows()
+        self._set_kernel_rows(retune)
         if tp is not None:  # (all-reduces run between a layer's matmuls: no one-call layers)
             for layer in self.layers:
                 layer["kernel"] = layer["kernel_large"] = None
@@ -168,7 +171,7 @@ class LlamaModel:
         self.cos = emb.cos().to(self.device, dtype)
         self.sin = emb.sin().to(self.device, dtype)
 
-    def _set_kernel_rows(self) -> None:
+    def _set_kernel_rows(self, retune: bool) -> None:
         """Measure where the block kernel yields to the BLAS (``linear.measured_kernel_rows``
         over every layer) and set it on every linear layer with blocks; then give each
         layer its weights as the fused decode-layer kernel takes them: ``kernel`` for steps
@@ -177,7 +180,8 @@ class LlamaModel:
         without them: the per-layer code runs those steps). ``kernel_rows`` is None
         without blocks."""
         probe = [[layer[k] for k in PROJECTIONS if layer[k].blocks is not None] for layer in self.layers]
-        self.kernel_rows = linear.measured_kernel_rows(probe) if probe[0] else None
+        self.tuned = {"kernel_rows": linear.measured_kernel_rows(probe, retune)} if probe[0] else {}
+        self.kernel_rows = self.tuned["kernel_rows"].value if probe[0] else None
         for lin in [self.lm_head, *(layer[k] for layer in self.layers for k in PROJECTIONS)]:
             lin.kernel_rows = self.kernel_rows or 0
         large = self.kernel_rows is not None and self.weight_format.dense is not None
@@ -193,11 +197,12 @@ class LlamaModel:
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, weight_format: str = "auto",
-             device: str | torch.device = "cpu", tp: tensor_parallel.TPRank | None = None) -> "LlamaModel":
+             device: str | torch.device = "cpu", tp: tensor_parallel.TPRank | None = None,
+             retune: bool = False) -> "LlamaModel":
         """Load ``model_dir`` (Hugging Face layout) into ``dtype`` tensors on ``device``, its
         linear layers in ``weight_format`` (``model/linear.py``; ``auto`` as for a worker
         that prefills and decodes): the Q4_1 / Q8_0 blocks a GGUF conversion stored (see
-        ``model/quant.py``), a dense copy, or both. With ``tp`` (see the class doc), the
+        ``model/quant.py``), a dense copy, or both (``retune``: see the class doc). With ``tp`` (see the class doc), the
         rank's shard, in a dense format (``auto``: the dense copy in ``dtype``); the full
         weights are read on the host and freed once sharded.
 
@@ -229,7 +234,7 @@ class LlamaModel:
             weights = {k: v if k.endswith(("proj.weight", "lm_head.weight")) else v.clone() for k, v in weights.items()}
         blocks = quant.load_blocks(model_dir) if fmt.blocks else None
         try:
-            return cls(config, weights, dtype, blocks, device, fmt, tp)
+            return cls(config, weights, dtype, blocks, device, fmt, tp, retune)
         except KeyError as exc:
             raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
 

@@ -50,8 +50,8 @@ from epdserve.serving.deployment import EngineRole, Role
 # carrying the engine's steps (``num_steps``, ``last_step_tokens``); 4: KV descriptors of
 # kind ``cuda_ipc`` with their ``ipc`` handle bytes (a GPU prefill worker's pool); 5: live
 # role switches (:class:`SetRole`, :class:`RoleSwitched`); 6: stage timings
-# ``first_decode_ms`` and ``recomputed_tokens``.
-PROTOCOL_VERSION = 6
+# ``first_decode_ms`` and ``recomputed_tokens``; 7: ``Hello.tuned`` (measured choices).
+PROTOCOL_VERSION = 7
 
 
 # A count a worker reports (blocks, requests, tokens): what the router and the Prometheus
@@ -86,6 +86,15 @@ class EmbeddingRef(_Msg):
     frame: "KVDescriptor"
 
 
+class TunedChoice(_Msg):
+    """A choice a worker's engine measured on its machine (``model/tuning.py``): ``value``
+    (the cut-over's rows, ...) and ``source``: read from the machine's cache, measured now,
+    or measured now on a busy machine and not kept."""
+
+    value: int | str
+    source: Literal["cache", "measured", "disturbed"]
+
+
 class Hello(_Msg):
     """A worker's first message (and its answer to :class:`Reset`). ``fingerprint``
     identifies its weights and ``auth`` is the HMAC of ``worker_id`` under the deployment's
@@ -97,7 +106,8 @@ class Hello(_Msg):
     ``weight_format`` the ``--weight-format`` its engine holds (``model/linear.py``: ``q4_1``,
     ``f32``, ``q4_1+f32``, ...; "" for an encode worker or an older worker);
     ``tensor_parallel_size`` its ``--tensor-parallel-size``: the ranks (processes) its engine
-    runs on (1 for an older worker)."""
+    runs on (1 for an older worker); ``tuned`` its engine's measured choices by name
+    (``kernel_rows``: the block kernel / BLAS cut-over; none without GGUF blocks)."""
 
     type: Literal["hello"] = "hello"
     worker_id: str
@@ -117,6 +127,7 @@ class Hello(_Msg):
     pid: int = Field(default=0, ge=0)  # its process id on its node (0: not given)
     weight_format: str = Field(default="", max_length=32)
     tensor_parallel_size: int = Field(default=1, ge=1, le=1024)
+    tuned: dict[str, TunedChoice] = Field(default_factory=dict, max_length=16)
 
 
 class Heartbeat(_Msg):

@@ -191,7 +191,12 @@ def listen_socket(host_name: str, port: int) -> socket.socket:
         OSError: the address is in use, not local, or the host name unknown.
         OverflowError: a port outside 0..65535.
     """
-    sock = socket.socket(socket.AF_INET6 if ":" in host_name else socket.AF_INET)
+    # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections whose socket
+    # says so (``base_events._set_nodelay``). Without it Nagle's algorithm held each response's
+    # second write for the client's delayed ACK: +40 ms on every request of a kept-alive
+    # connection (each bench client's, OpenAI's), TTFT included.
+    sock = socket.socket(socket.AF_INET6 if ":" in host_name else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host_name, port))

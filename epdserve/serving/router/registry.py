@@ -120,6 +120,7 @@ class WorkerState:
     pid: int = 0  # its process on its node
     weight_format: str = ""  # its Hello's: what its engine's linear layers hold
     tensor_parallel_size: int = 1  # its Hello's: the ranks its engine runs on
+    tuned: dict[str, dict] = field(default_factory=dict)  # its Hello's: its engine's measured choices
     announced: str = ""  # the role it last announced (Hello, RoleSwitched); ``role`` routes
     switch_id: str | None = None  # a SetRole it has not answered yet
     switch_reason: str | None = None  # why that SetRole was sent, for the switch's trace line
@@ -132,7 +133,8 @@ class WorkerState:
                 "switching": self.switch_id is not None, "addr": self.addr, "cores": self.cores,
                 "state": "down" if self.dead else "retiring" if self.retiring else "up", "reason": self.dead,
                 "kv_dtype": self.kv_layout.get("dtype"), "weight_format": self.weight_format,
-                "tensor_parallel_size": self.tensor_parallel_size, "blocks_in_use": self.blocks_in_use,
+                "tensor_parallel_size": self.tensor_parallel_size, "tuned": self.tuned,
+                "blocks_in_use": self.blocks_in_use,
                 "blocks_total": self.blocks_total, "num_running": self.num_running, "num_waiting": self.num_waiting,
                 "outstanding": len(self.outstanding),
                 "outstanding_tokens": sum(self.outstanding.values()),
@@ -458,7 +460,8 @@ class Registry:
                                                   heard=self.clock, node_id=msg.node_id, node_ip=msg.node_ip,
                                                   resources=dict(msg.resources), pid=msg.pid,
                                                   weight_format=msg.weight_format,
-                                                  tensor_parallel_size=msg.tensor_parallel_size, announced=msg.role)
+                                                  tensor_parallel_size=msg.tensor_parallel_size, announced=msg.role,
+                                                  tuned={k: v.model_dump() for k, v in msg.tuned.items()})
         self.metrics.set_worker_node(msg.worker_id, msg.role, msg.node_id, msg.node_ip)
         self.metrics.set_role(msg.worker_id, msg.role)
         self.metrics.set_worker(msg.worker_id, msg.role, blocks_in_use=0, blocks_total=msg.blocks_total,
@@ -482,6 +485,7 @@ class Registry:
                                            "kv_dtype": msg.kv_layout.get("dtype"),
                                            "weight_format": msg.weight_format,
                                            "tensor_parallel_size": msg.tensor_parallel_size,
+                                           "tuned": {k: v.model_dump() for k, v in msg.tuned.items()},
                                            "blocks_in_use": 0, "blocks_total": 0, "num_running": 0,
                                            "num_waiting": 0, "outstanding": 0, "outstanding_tokens": 0,
                                            "node_id": msg.node_id, "node_ip": msg.node_ip,

@@ -1,0 +1,74 @@
+"""``epdserve tune``: measure this machine's choices again and show what workers will use.
+
+A worker measures its choices (``tuning.py``: the block kernel / BLAS cut-over of a weight
+format with GGUF blocks) at its first start on a machine and keeps them; this command
+measures them again, as a worker of each thread count and weight format would, replaces
+what was kept, and prints one line each with the CPU model and flags. Run it after a first
+start on a busy machine, or when ``/health`` shows a choice's ``source`` as ``disturbed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from epdserve.argtypes import Options
+from epdserve.model import kernels, linear
+from epdserve.model.llama import LlamaModel
+from epdserve.model.loader import BF16_CPU_FLAGS, resolve_model
+
+
+def default_threads() -> list[int]:
+    """1 (a worker on one core, as each worker of a 2-core PD deployment) and every core
+    this process may use (a colocated worker on all of them)."""
+    return sorted({1, len(os.sched_getaffinity(0))})
+
+
+def default_formats() -> list[str]:
+    """The weight formats with GGUF blocks (the ones with a cut-over); ``q4_1+bf16`` only
+    where the CPU computes bfloat16 natively."""
+    formats = ["q4_1", "q4_1+f32"]
+    return formats + (["q4_1+bf16"] if BF16_CPU_FLAGS & kernels.cpu_flags() else [])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, metavar="GGUF|DIR",
+                        help="the model whose layers are timed (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--threads", type=int, nargs="+", default=None, metavar="N",
+                        help="the engine thread counts to measure at, one per worker size "
+                             f"(default: {' '.join(map(str, default_threads()))}: one core, and all of this process's)")
+    parser.add_argument("--weight-formats", nargs="+", default=None, choices=linear.WEIGHT_FORMATS[1:],
+                        metavar="FORMAT", help=f"(default: {' '.join(default_formats())}: those with GGUF blocks)")
+
+
+def run(args: Options) -> int:
+    threads, formats = args.threads or default_threads(), args.weight_formats or default_formats()
+    bad = [n for n in threads if not 1 <= n <= len(os.sched_getaffinity(0))]
+    if bad:
+        print(f"epdserve tune: error: --threads {bad[0]}: between 1 and the {len(os.sched_getaffinity(0))} "
+              "cores this process may use", file=sys.stderr)
+        return 2
+    if not kernels.available():
+        print("epdserve tune: nothing to measure: the C++ kernels did not build (they need AVX2 and FMA), "
+              "so no worker has a cut-over", file=sys.stderr)
+        return 1
+    info = resolve_model(args.model)
+    flags = sorted(kernels.cpu_flags() & {"avx2", "fma", "avx512f", "amx_tile", *BF16_CPU_FLAGS})
+    print(f"{kernels.cpu_model()}, flags: {' '.join(flags)}, torch {torch.__version__}; model {info.name}")
+    for n in threads:
+        torch.set_num_threads(n)
+        for fmt in formats:
+            try:
+                model = LlamaModel.load(info.path, weight_format=fmt, retune=True)
+            except ValueError as exc:
+                print(f"epdserve tune: error: --weight-formats {fmt}: {exc}", file=sys.stderr)
+                return 2
+            for name, t in model.tuned.items():
+                print(f"  {n} thread{'s' if n > 1 else ' '}  {fmt:<10} {name} {t.value:<4} ({t.source}; {t.path})",
+                      flush=True)
+            if not model.tuned:
+                print(f"  {n} thread{'s' if n > 1 else ' '}  {fmt:<10} nothing measured (no GGUF blocks)")
+    return 0

@@ -1,0 +1,131 @@
+"""Measured choices (model/tuning.py) and the block kernel / BLAS cut-over (model/cutover.py):
+the cut-over's rule, an entry kept per machine and key, a disturbed measurement measured again
+or used unkept, stale entries replaced, and a real disturbance (processes spinning on this
+process's cores) detected and never kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epdserve.model import cutover, tuning
+
+SPIN = "import os, time\nos.sched_setaffinity(0, {%d})\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass\n"
+
+
+def test_the_cutover_is_where_the_blas_stays_faster():
+    assert cutover.kernel_rows_for({1: (1, 2), 8: (2, 3), 32: (5, 4), 64: (9, 6)}) == 8
+    assert cutover.kernel_rows_for({1: (1, 2), 8: (4, 3), 32: (5, 6), 64: (9, 6)}) == 32  # not yet at 8
+    assert cutover.kernel_rows_for({1: (1, 2), 64: (5, 6)}) == 64  # the kernel throughout
+    assert cutover.kernel_rows_for({1: (3, 2), 64: (9, 6)}) == 0  # the BLAS throughout
+
+
+def times(overtake: int, noisy: bool = False) -> dict[str, list[float]]:
+    """Three rounds of cut-over times in which the BLAS overtakes the kernel at ``overtake``
+    rows; ``noisy``: one slow round of the BLAS at 16 and more rows makes the medians put the
+    cut-over elsewhere than the bests do."""
+    out = {}
+    for m in cutover.ROWS:
+        kernel, blas = m * 1e-5, (overtake + m) * 0.5e-5
+        out[cutover.candidate("kernel", m)] = [kernel] * 3
+        out[cutover.candidate("blas", m)] = [blas, blas * (3 if noisy and m >= 16 else 1), blas * (3 if noisy and m >= 16 else 1)]
+    return out
+
+
+class Measurements:
+    """A fake ``measure`` returning the given attempts in turn, counting the calls."""
+
+    def __init__(self, *attempts: tuning.Attempt):
+        self.attempts, self.calls = list(attempts), 0
+
+    def __call__(self) -> tuning.Attempt:
+        self.calls += 1
+        return self.attempts[min(self.calls, len(self.attempts)) - 1]
+
+
+CLEAN = tuning.Attempt(times(20), 0.01, 0.0)  # the BLAS faster from 24 rows: 16 on the kernel
+NOISY = tuning.Attempt(times(20, noisy=True), 0.01, 0.0)
+LOADED = tuning.Attempt(times(20), 0.4, 0.0)  # others took 40 % of the cores
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPDSERVE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def kept(cache) -> list[dict]:
+    return [json.loads(f.read_text()) for f in (cache / "tuning" / "cutover").glob("*.json")]
+
+
+def test_a_clean_measurement_is_kept_per_machine_and_key(cache):
+    assert cutover.decide(NOISY.median()) != cutover.decide(NOISY.best()) == 16
+    m = Measurements(CLEAN)
+    first = tuning.choose("cutover", ["layer A"], m, cutover.decide)
+    assert (first.value, first.source, m.calls) == (16, tuning.MEASURED, 1)
+    again = tuning.choose("cutover", ["layer A"], m, cutover.decide)
+    assert (again.value, again.source, m.calls) == (16, tuning.CACHE, 1)
+    assert tuning.choose("cutover", ["layer B"], m, cutover.decide).source == tuning.MEASURED and m.calls == 2
+    entries = kept(cache)
+    assert sorted(e["key"][0] for e in entries) == ["layer A", "layer B"]
+    e = entries[0]
+    assert e["value"] == 16 and e["disturbed"] is False and e["machine"] == tuning.machine()
+    assert set(e["best_ms"]) == set(e["median_ms"]) == set(CLEAN.times) and e["outside_share"] == 0.01
+
+
+@pytest.mark.parametrize("disturbed", [NOISY, LOADED], ids=["repeats-disagree", "outside-load"])
+def test_a_disturbed_measurement_is_measured_again(cache, disturbed):
+    m = Measurements(disturbed, CLEAN)
+    got = tuning.choose("cutover", ["layer"], m, cutover.decide)
+    assert (got.value, got.source, m.calls) == (16, tuning.MEASURED, 2)
+    assert kept(cache)[0]["attempts"] == 2
+
+
+def test_a_choice_from_disturbed_measurements_only_is_used_but_not_kept(cache):
+    m = Measurements(LOADED, NOISY)
+    got = tuning.choose("cutover", ["layer"], m, cutover.decide)
+    assert (got.value, got.source, m.calls) == (16, tuning.DISTURBED, tuning.ATTEMPTS)
+    assert kept(cache) == [] and not got.path.exists()
+    assert got.as_json() == {"value": 16, "source": "disturbed"}
+    m.attempts = [CLEAN]  # the next start, on a quiet machine
+    assert tuning.choose("cutover", ["layer"], m, cutover.decide).source == tuning.MEASURED
+
+
+def test_stale_entries_are_replaced_and_force_measures_again(cache):
+    m = Measurements(CLEAN)
+    path = tuning.choose("cutover", ["layer"], m, cutover.decide).path
+    entry = json.loads(path.read_text())
+    for stale in ({**entry, "version": tuning.VERSION - 1}, {**entry, "disturbed": True}, "not json {"):
+        path.write_text(stale if isinstance(stale, str) else json.dumps(stale))
+        before = m.calls
+        assert tuning.choose("cutover", ["layer"], m, cutover.decide).source == tuning.MEASURED
+        assert m.calls == before + 1 and json.loads(path.read_text()) != stale
+    before = m.calls
+    assert tuning.choose("cutover", ["layer"], m, cutover.decide, force=True).source == tuning.MEASURED
+    assert m.calls == before + 1
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc/stat")
+def test_processes_spinning_on_our_cores_are_seen_and_their_choice_is_not_kept(cache):
+    """Real load: one spinning process per core of this process while a real cut-over-like
+    choice (two matmul sizes) is timed: the attempt sees the outside load, every attempt is
+    disturbed, nothing is kept."""
+    a, b = torch.randn(256, 576), torch.randn(576, 576)
+    candidates = {cutover.candidate(w, m): (lambda m=m: a[:m] @ b) for m in cutover.ROWS for w in cutover.WAYS}
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN % core]) for core in sorted(os.sched_getaffinity(0))]
+    try:
+        got = tuning.choose("cutover", ["spun"], lambda: tuning.time_rounds(candidates), cutover.decide)
+        loaded = tuning.time_rounds(candidates)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait(timeout=10)
+    assert loaded.outside_share >= tuning.host.OUTSIDE_SHARE_WARN and loaded.loaded()
+    assert got.source == tuning.DISTURBED and kept(cache) == []
+    quiet = tuning.time_rounds(candidates)  # the spinners gone
+    assert quiet.outside_share < loaded.outside_share
