@@ -28,7 +28,7 @@ a share of the served TTFT, with the CPU model and flags, and the GEMMs' GFLOP/s
 ``engine_limits``'s float32 (or bfloat16) GEMM at the prompt's length.
 
     .venv/bin/python benchmarks/prefill_profile.py [--input-len 256] [--reps 8]
-        [--weight-format auto] [--threads N] [--no-server] [--output results/prefill-profile]
+        [--weight-format auto] [--dtype float32] [--threads N] [--no-server] [--output results/prefill-profile]
 
 With ``--output DIR``: ``DIR/prefill_profile.json`` and ``DIR/prefill_profile.png`` (one bar of
 stacked parts per source: in-process, served).
@@ -46,17 +46,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts
-
-import engine_limits  # noqa: E402
-import speed_engines  # noqa: E402
-from epdserve.engine import engine as engine_module  # noqa: E402
-from epdserve.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from epdserve.engine.request import SamplingParams  # noqa: E402
-from epdserve.model import layer_ops, linear  # noqa: E402
-from epdserve.model.llama import LlamaModel  # noqa: E402
-from epdserve.model.loader import resolve_model  # noqa: E402
-from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer  # noqa: E402
+import engine_limits  # benchmarks/
+import speed_engines
+from epdserve.engine import engine as engine_module
+from epdserve.engine.engine import EngineConfig, LLMEngine
+from epdserve.engine.request import SamplingParams
+from epdserve.model import layer_ops, linear
+from epdserve.model.llama import LlamaModel
+from epdserve.model.loader import resolve_model
+from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
 
 PARTS = ("GEMMs", "attention", "RMSNorm", "RoPE + KV write", "SiLU x up, residuals, embedding", "LM head",
          "sampling", "engine")
@@ -69,6 +67,7 @@ class Timer:
     def __init__(self):
         self.ms: dict[str, float] = defaultdict(float)
         self.stack: list[list] = []  # [part, start, time of nested calls]
+        self.wrapped: list[tuple] = []  # (owner, name, the function wrapped)
 
     def wrap(self, owner, name: str, part) -> None:
         """Wrap ``owner.name`` (a function of a module or class); ``part``: a part name, or
@@ -88,7 +87,14 @@ class Timer:
                 if self.stack:
                     self.stack[-1][2] += took
 
+        self.wrapped.append((owner, name, fn))
         setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        """Put every wrapped function back."""
+        for owner, name, fn in reversed(self.wrapped):
+            setattr(owner, name, fn)
+        self.wrapped.clear()
 
 
 def instrument(timer: Timer) -> None:
@@ -105,39 +111,65 @@ def instrument(timer: Timer) -> None:
     timer.wrap(layer_ops, "rope_write_kv", "RoPE + KV write")
 
 
-def in_process(model_dir: str, prompts: list[list[int]], weight_format: str) -> dict:
-    """Prefill each of ``prompts`` (token ids) alone, the first token sampled: per part,
-    ``{"median_ms", "best_ms"}`` over the prompts, the step's as ``"step"``, after one
-    untimed warm-up prefill of the first; and ``weight_format``/``kernel_rows`` as the engine
+def in_process(model_dir: str, prompts: list[list[int]], weight_format: str, dtype: str) -> dict:
+    """Prefill each of ``prompts[1:]`` (token ids) alone, the first token sampled, after an
+    untimed warm-up prefill of ``prompts[0]``: per part, ``{"median_ms", "best_ms"}`` over
+    them, the step's as ``"step"``; and ``weight_format``/``kernel_rows`` as the engine
     resolved them."""
-    engine = LLMEngine(model_dir, EngineConfig(weight_format=weight_format))
+    engine = LLMEngine(model_dir, EngineConfig(weight_format=weight_format, dtype=dtype))
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     timer = Timer()
     instrument(timer)
     per_rep: list[dict[str, float]] = []
-    for i, prompt in enumerate([prompts[0], *prompts]):
-        engine.add_request(f"r{i}", prompt, params)
-        timer.ms.clear()
-        t0 = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-        per_rep.append({"step": (time.perf_counter() - t0) * 1e3, **timer.ms})
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+            timer.ms.clear()
+            t0 = time.perf_counter()
+            while engine.has_unfinished():
+                engine.step()
+            per_rep.append({"step": (time.perf_counter() - t0) * 1e3, **timer.ms})
+    finally:
+        timer.restore()
     per_rep = per_rep[1:]  # the warm-up
     parts = {p: {"median_ms": statistics.median(r.get(p, 0.0) for r in per_rep),
                  "best_ms": min(r.get(p, 0.0) for r in per_rep)} for p in (*PARTS, "step")}
     return {"parts": parts, "weight_format": engine.model.weight_format.name,
-            "kernel_rows": engine.model.kernel_rows, "prompt_tokens": statistics.mean(map(len, prompts))}
+            "kernel_rows": engine.model.kernel_rows, "prompt_tokens": statistics.mean(map(len, prompts[1:]))}
 
 
-def served(requests, port: int, out_dir: Path, weight_format: str) -> dict:
-    """``epdserve serve`` colocated (this run's cores), ``requests`` one at a time: the bench
-    result's TTFT p50 (ms) and what ``/health`` said of the worker."""
+def served(requests, port: int, out_dir: Path, weight_format: str, dtype: str) -> dict:
+    """``epdserve serve`` colocated (this run's cores), ``requests`` one at a time, its
+    per-request trace in ``out_dir/epdserve.server.jsonl``: the client's TTFT p50 (ms), the
+    medians of the trace's ``ttft_ms`` (the router's, from the request's arrival) and
+    ``prefill_ms`` (the worker's, from scheduling to the first token), and what ``/health``
+    said of the worker."""
     got = {}
-    extra = [] if weight_format == "auto" else ["--weight-format", weight_format]
+    trace = (out_dir / "epdserve.server.jsonl").resolve()
+    trace.unlink(missing_ok=True)
+    extra = ["--trace-file", str(trace), "--dtype", dtype, "--weight-format", weight_format]
     health = speed_engines.run_server_engine(
         "epdserve", speed_engines.epdserve_command(port, None, extra), port, {1: requests}, out_dir, 300.0,
         lambda name, c, result: got.update(result))
-    return {"ttft_p50_ms": got["median_ttft_ms"], "health": health}
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    records = [r for r in records if r.get("prompt_tokens", 0) > 100]  # not the bench client's warm-up
+    return {"ttft_p50_ms": got["median_ttft_ms"], "router_ttft_p50_ms": statistics.median(r["ttft_ms"] for r in records),
+            "worker_prefill_p50_ms": statistics.median(r["prefill_ms"] for r in records), "health": health}
+
+
+def serving_parts(result: dict) -> dict[str, float]:
+    """The served prefill's time outside the in-process step, ms (medians): in the worker
+    (its trace's ``prefill_ms`` less the step: the worker's other threads, the router on the
+    same cores), the router (its ``ttft_ms`` less ``prefill_ms``: tokenization, dispatch, the
+    first token's way back) and HTTP (the client's TTFT less the router's); none without a
+    served run."""
+    srv = result.get("served")
+    if not srv:
+        return {}
+    step = result["in_process"]["parts"]["step"]["median_ms"]
+    return {"worker, beyond the step": srv["worker_prefill_p50_ms"] - step,
+            "router": srv["router_ttft_p50_ms"] - srv["worker_prefill_p50_ms"],
+            "HTTP and client": srv["ttft_p50_ms"] - srv["router_ttft_p50_ms"]}
 
 
 def report(result: dict) -> list[str]:
@@ -151,9 +183,8 @@ def report(result: dict) -> list[str]:
              + (f"; served TTFT p50 {ttft:.1f} ms" if ttft else ""),
              f"  {'part':<32}{'ms':>9}{'[best]':>10}{'of TTFT':>10}"]
     rows = [(p, inp["parts"][p]) for p in PARTS]
-    if srv:
-        rows.append(("serving path (TTFT - step)", {"median_ms": ttft - inp["parts"]["step"]["median_ms"],
-                                                   "best_ms": None}))
+    for name, ms in serving_parts(result).items():
+        rows.append((name, {"median_ms": ms, "best_ms": None}))
     for name, v in rows + [("in-process step", inp["parts"]["step"])]:
         best = "" if v["best_ms"] is None else f"[{v['best_ms']:.1f}]"
         share = f"{v['median_ms'] / ttft:.0%}" if ttft else ""
@@ -171,11 +202,9 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    inp, srv = result["in_process"], result.get("served")
-    parts = list(PARTS) + (["serving path"] if srv else [])
-    values = [inp["parts"][p]["median_ms"] for p in PARTS]
-    if srv:
-        values.append(srv["ttft_p50_ms"] - inp["parts"]["step"]["median_ms"])
+    inp, serving = result["in_process"], serving_parts(result)
+    parts = list(PARTS) + list(serving)
+    values = [inp["parts"][p]["median_ms"] for p in PARTS] + list(serving.values())
     fig, ax = plt.subplots(figsize=(9, 3.2))
     left = 0.0
     for name, v in zip(parts, values):
@@ -194,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=engine_limits.positive_int, default=256, metavar="T")
     p.add_argument("--reps", type=engine_limits.positive_int, default=8, metavar="N")
     p.add_argument("--weight-format", default="auto", choices=linear.WEIGHT_FORMATS)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the model's dtype (serve's --dtype; bfloat16: activations and KV cache too)")
     p.add_argument("--threads", type=engine_limits.positive_int, default=engine_limits.default_threads(), metavar="N")
     p.add_argument("--port", type=engine_limits.positive_int, default=8310)
     p.add_argument("--no-server", action="store_true", help="the in-process profile only")
@@ -202,19 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     info = resolve_model(None)
     tokenizer = load_tokenizer(info.path)
-    traces = speed_engines.level_traces([1], 2 * args.reps, args.input_len, 2, 0, tokenizer)[1]
-    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": r.prompt}]) for r in traces[:args.reps]]
-    limits = engine_limits.measure(args.threads, info.path, tokens=(round(statistics.mean(map(len, prompts))),))
+    traces = speed_engines.level_traces([1], args.reps + 1, args.input_len, 2, 0, tokenizer)[1]
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": r.prompt}]) for r in traces[:args.reps + 1]]
+    limits = engine_limits.measure(args.threads, info.path, tokens=(round(statistics.mean(map(len, prompts[1:]))),))
     print("\n".join(engine_limits.table(limits)), flush=True)
     result = {"cpu": limits["machine"], "cpu_flags": limits["cpu_flags"], "threads": args.threads,
               "torch": torch.__version__, "reps": args.reps, "input_len": args.input_len,
-              "in_process": in_process(str(info.path), prompts, args.weight_format)}
+              "in_process": in_process(str(info.path), prompts, args.weight_format, args.dtype)}
     if not args.no_server:
         out_dir = args.output or Path("results/prefill-profile")
         out_dir.mkdir(parents=True, exist_ok=True)
-        result["served"] = served(traces[args.reps:], args.port, out_dir, args.weight_format)
+        result["served"] = served(traces[1:args.reps + 1], args.port, out_dir, args.weight_format, args.dtype)
     inp = result["in_process"]
-    dtype = "bfloat16" if "bf16" in inp["weight_format"] else "float32"
+    dtype = "bfloat16" if "bf16" in inp["weight_format"] or args.dtype == "bfloat16" else "float32"
     tokens, ceiling = engine_limits.prefill_ceiling(limits, inp["prompt_tokens"], dtype)
     gflop = engine_limits.forward_flops(engine_limits.model_config(info.path), inp["prompt_tokens"]) / 1e9
     gflops = gflop / (inp["parts"]["GEMMs"]["median_ms"] / 1e3)

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import signal
 import subprocess
@@ -141,6 +140,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     v = p.add_argument_group("vllm")
     v.add_argument("--vllm", type=Path, default=engines.VLLM_VENV / "bin" / "vllm", metavar="PATH",
                    help="the vllm command (default: .venv-vllm/bin/vllm, from `make vllm`)")
+    v.add_argument("--vllm-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="vllm serve --dtype (default %(default)s: the same arithmetic as epdserve's default; "
+                        "bfloat16 where the CPU has it natively, against epdserve's --weight-format q4_1+bf16 or "
+                        "--dtype bfloat16 in --epdserve-args)")
     v.add_argument("--vllm-bind", type=parse_bind, default=engines.default_vllm_bind(), metavar="CPUS|auto",
                    help="VLLM_CPU_OMP_THREADS_BIND (default %(default)s: every core of this run; auto: "
                         "vLLM's default, a core left to its front end)")
@@ -177,7 +180,7 @@ def settings_of(args, info, traces: dict, concurrency: list[int], binary: Path |
                 "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
                 "temperature": 0.0, "ignore_eos": True, "model_gguf": info.source,
                 "model_hf_dir": str(info.path), "cpus": os.cpu_count(),
-                "machine": platform.processor() or platform.machine(), "engines": args.engines,
+                "machine": engine_limits.cpu_model(), "engines": args.engines,
                 "epdserve_args": args.epdserve_args}
     if binary is not None:
         version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
@@ -186,7 +189,8 @@ def settings_of(args, info, traces: dict, concurrency: list[int], binary: Path |
                                     "ctx_size": engines.LLAMA_PARALLEL * slot,
                                     "version": (version.stdout + version.stderr).strip()[-200:]}
     if "vllm" in args.engines:
-        settings["vllm"] = {"command": engines.vllm_command(args.vllm, info.path, info.name, args.port + 2),
+        settings["vllm"] = {"command": engines.vllm_command(args.vllm, info.path, info.name, args.port + 2,
+                                                            args.vllm_dtype),
                             "env": engines.vllm_env(args.vllm_bind, args.vllm_preload)}
     return settings
 
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": lambda: run_transformers(info.path, traces, args.threads, record),
         "vllm": lambda: engines.run_vllm(args.vllm, info.path, info.name, args.port + 2,
                                          engines.vllm_env(args.vllm_bind, args.vllm_preload),
-                                         traces, out_dir, args.vllm_startup_timeout, record),
+                                         traces, out_dir, args.vllm_startup_timeout, record, args.vllm_dtype),
     }
     try:
         for name in args.engines:
@@ -285,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
     formats = {"epdserve": w["weight_format"] for w in settings.get("epdserve_workers", []) if w.get("weight_format")}
+    formats["vllm"] = {"float32": "f32", "bfloat16": "bf16"}[args.vllm_dtype]
     found = speed_ceilings.shares(limits, results, args.output_len, info.path, info.source, formats)
     lines, agree = report_lines(args, concurrency, results, failures, limits, found)
     print("\n".join(lines))

@@ -150,9 +150,9 @@ def vllm_bind(text: str) -> str:
     return text
 
 
-def vllm_command(binary: Path, model_dir: Path, served_name: str, port: int) -> list[str]:
-    """``vllm serve`` on the float32 Hugging Face directory epdserve serves, in float32."""
-    return [str(binary), "serve", str(model_dir), "--dtype", "float32",
+def vllm_command(binary: Path, model_dir: Path, served_name: str, port: int, dtype: str = "float32") -> list[str]:
+    """``vllm serve`` on the float32 Hugging Face directory epdserve serves, in ``dtype``."""
+    return [str(binary), "serve", str(model_dir), "--dtype", dtype,
             "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--served-model-name", served_name,
             "--host", "127.0.0.1", "--port", str(port)]
 
@@ -165,7 +165,7 @@ def vllm_env(bind: str, preload: list[str] = (), kv_gib: int = VLLM_KV_GIB) -> d
 
 
 def run_vllm(binary: Path, model_dir: Path, served_name: str, port: int, env: dict[str, str], traces: dict,
-             out_dir: Path, startup_timeout_s: float, record) -> None:
+             out_dir: Path, startup_timeout_s: float, record, dtype: str = "float32") -> None:
     """:func:`run_server_engine` for ``vllm serve`` with ``env`` (:func:`vllm_env`; its
     ``/health`` answers 200 with an empty body once the engine is up).
 
@@ -175,5 +175,5 @@ def run_vllm(binary: Path, model_dir: Path, served_name: str, port: int, env: di
     if not os.access(binary, os.X_OK):
         raise ServerError(f"vllm: {binary} is not an executable file; run `make vllm` "
                           f"(or pass --vllm PATH)")
-    run_server_engine("vllm", vllm_command(binary, model_dir, served_name, port), port, traces,
+    run_server_engine("vllm", vllm_command(binary, model_dir, served_name, port, dtype), port, traces,
                       out_dir, startup_timeout_s, record, env=env, health_workers=0)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -167,3 +168,25 @@ def test_speed_shares_from_canned_results(limits, model_dir):
         assert d["bytes"] == pytest.approx(nbytes)
         assert d["share"] == pytest.approx(nbytes / limits["memory"]["copy_gbs"] / 1e6 / 40.0)
     assert speed_ceilings.lines(limits, found)
+
+
+def test_prefill_profile_splits_a_prefill_into_its_parts(model_dir):
+    """benchmarks/prefill_profile.py's in-process split: every part is timed, the parts add
+    up to no more than the step, the GEMMs and attention are most of it, and the functions it
+    wrapped are back afterwards."""
+    from epdserve.model import linear
+    from epdserve.model.llama import LlamaModel
+
+    load_script("llama_build")
+    load_script("speed_engines")
+    profile = load_script("prefill_profile")
+    before = (LlamaModel._attention, linear.Linear.__call__)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (100, 120, 140)]
+    got = profile.in_process(str(model_dir), prompts, "auto", "float32")
+    parts = got["parts"]
+    assert set(parts) == {*profile.PARTS, "step"} and got["prompt_tokens"] == 130
+    assert all(parts[p]["median_ms"] > 0 for p in ("GEMMs", "attention", "RMSNorm", "RoPE + KV write", "LM head"))
+    assert sum(parts[p]["median_ms"] for p in profile.PARTS) <= parts["step"]["median_ms"] * 1.05
+    assert parts["GEMMs"]["median_ms"] + parts["attention"]["median_ms"] > parts["step"]["median_ms"] / 2
+    assert (LlamaModel._attention, linear.Linear.__call__) == before

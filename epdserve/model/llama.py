@@ -97,7 +97,8 @@ class LlamaModel:
     ``weight_format``: which copies the linear layers hold (``model/linear.py``; default:
     ``blocks`` when given, else dense in ``dtype``); with blocks, the layers are timed
     for the kernel/BLAS cut-over (``kernel_rows``, kept per machine: ``model/cutover.py``;
-    ``retune``: measured again). ``tuned`` maps each measured choice's name to its
+    ``retune``: measured again); a bfloat16 dense copy on a float32 model runs the prefill
+    attention's matmuls in bfloat16 too (``prefill_attention_dtype``). ``tuned`` maps each measured choice's name to its
     ``tuning.Tuned`` (value and source), for the worker's /health.
 
     ``tp``: this process's rank of a tensor-parallel group (``model/tensor_parallel.py``), or
@@ -160,6 +161,10 @@ class LlamaModel:
             }
             self.layers.append(layer)
         self._set_kernel_rows(retune)
+        # A bfloat16 dense copy on a float32 model: its prefill attention's two matmuls run in
+        # bfloat16 too (SDPA accumulates in float32; the KV cache and decode stay float32).
+        bf16_gemms = fmt.dense == torch.bfloat16 and dtype == torch.float32 and self.device.type == "cpu"
+        self.prefill_attention_dtype = torch.bfloat16 if bf16_gemms else dtype
         if tp is not None:  # (all-reduces run between a layer's matmuls: no one-call layers)
             for layer in self.layers:
                 layer["kernel"] = layer["kernel_large"] = None
@@ -363,10 +368,11 @@ class LlamaModel:
             if not meta.prefills:  # every row is a decode row, in order
                 return decode
         out = torch.empty_like(q)
+        at = self.prefill_attention_dtype
         for seq in meta.prefills:
             rows = slice(seq.start, seq.start + seq.q_len)
             if seq.ctx_len == seq.q_len:  # nothing cached: this step's own K/V, fused causal SDPA
-                qs, ks, vs = (t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, q_len, D]
+                qs, ks, vs = (t[rows].transpose(0, 1).unsqueeze(0).to(at) for t in (q, k, v))  # [1, H, q_len, D]
                 out[rows] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
             elif q.is_cuda:  # read the cached prefix from the pool in place, no gather
                 from epdserve.model import triton_attention  # CUDA builds of torch only: see layer_ops
@@ -375,14 +381,14 @@ class LlamaModel:
                     q[rows], layer_cache[0].flatten(0, 1), layer_cache[1].flatten(0, 1), seq.block_table,
                     seq.ctx_len, block_size)
             else:
-                out[rows] = gathered_prefill_attention(q[rows], layer_cache, seq.block_table, seq.ctx_len)
+                out[rows] = gathered_prefill_attention(q[rows], layer_cache, seq.block_table, seq.ctx_len, at)
         if decode is not None:
             out[meta.decode_rows] = decode
         return out
 
 
 def gathered_prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_table: torch.Tensor,
-                               ctx_len: int) -> torch.Tensor:
+                               ctx_len: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Causal attention of a sequence's ``q_len`` new tokens behind cached ones, over its
     ``ctx_len`` positions gathered from the pool into one contiguous copy, then SDPA (the
     CPU's way; on CUDA ``triton_attention.paged_prefill_attention`` reads the pool in
@@ -392,13 +398,15 @@ def gathered_prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, block
         q: ``[q_len, heads, head_dim]``, ``q_len < ctx_len``.
         layer_cache: one layer's ``[2, num_blocks, block_size, kv_heads, head_dim]``.
         block_table: ``[n_blocks]`` int64 covering ``ctx_len`` positions.
+        dtype: the dtype SDPA computes in (None: ``q``'s; the result is in its SDPA dtype).
     Returns:
         ``[q_len, heads, head_dim]``.
     """
     q_len = q.shape[0]
     cached = ctx_len - q_len
-    qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-    ks, vs = (layer_ops.gather_blocks(layer_cache[j], block_table)[:ctx_len] for j in (0, 1))
+    dtype = dtype or q.dtype
+    qs = q.transpose(0, 1).unsqueeze(0).to(dtype)  # [1, H, q_len, D]
+    ks, vs = (layer_ops.gather_blocks(layer_cache[j], block_table)[:ctx_len].to(dtype) for j in (0, 1))
     if cached < q_len:
         # Causal over the whole context behind `cached` zero queries, whose rows are
         # dropped: the causal kernel skips the masked half of the scores, which an
