@@ -153,7 +153,8 @@ def served(requests, port: int, out_dir: Path, weight_format: str, dtype: str) -
         lambda name, c, result: got.update(result))
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     records = [r for r in records if r.get("prompt_tokens", 0) > 100]  # not the bench client's warm-up
-    return {"ttft_p50_ms": got["median_ttft_ms"], "router_ttft_p50_ms": statistics.median(r["ttft_ms"] for r in records),
+    return {"ttft_p50_ms": got["median_ttft_ms"],
+            "router_ttft_p50_ms": statistics.median(r["ttft_ms"] for r in records),
             "worker_prefill_p50_ms": statistics.median(r["prefill_ms"] for r in records), "health": health}
 
 
@@ -212,7 +213,8 @@ def plot(result: dict, path: Path) -> None:
         left += v
     ax.set_yticks([])
     ax.set_xlabel("ms (median per prefill)")
-    ax.set_title(f"Prefill of {inp['prompt_tokens']:.0f} tokens, {result['cpu']}, {result['threads']} threads", fontsize=9)
+    ax.set_title(f"Prefill of {inp['prompt_tokens']:.0f} tokens, {result['cpu']}, {result['threads']} threads",
+                 fontsize=9)
     ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -15,7 +15,8 @@ import torch
 
 from epdserve.model import cutover, tuning
 
-SPIN = "import os, time\nos.sched_setaffinity(0, {%d})\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass\n"
+SPIN = ("import os, time\nos.sched_setaffinity(0, {%d})\nend = time.monotonic() + 60\n"
+        "while time.monotonic() < end: pass\n")
 
 
 def test_the_cutover_is_where_the_blas_stays_faster():
@@ -33,7 +34,8 @@ def times(overtake: int, noisy: bool = False) -> dict[str, list[float]]:
     for m in cutover.ROWS:
         kernel, blas = m * 1e-5, (overtake + m) * 0.5e-5
         out[cutover.candidate("kernel", m)] = [kernel] * 3
-        out[cutover.candidate("blas", m)] = [blas, blas * (3 if noisy and m >= 16 else 1), blas * (3 if noisy and m >= 16 else 1)]
+        slow = blas * (3 if noisy and m >= 16 else 1)
+        out[cutover.candidate("blas", m)] = [blas, slow, slow]
     return out
 
 

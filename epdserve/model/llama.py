@@ -161,10 +161,8 @@ class LlamaModel:
             }
             self.layers.append(layer)
         self._set_kernel_rows(retune)
-        # A bfloat16 dense copy on a float32 model: its prefill attention's two matmuls run in
-        # bfloat16 too (SDPA accumulates in float32; the KV cache and decode stay float32).
-        bf16_gemms = fmt.dense == torch.bfloat16 and dtype == torch.float32 and self.device.type == "cpu"
-        self.prefill_attention_dtype = torch.bfloat16 if bf16_gemms else dtype
+        # bfloat16 GEMMs on a float32 model: prefill attention's too (the KV cache stays float32).
+        self.prefill_attention_dtype = torch.bfloat16 if fmt.dense == torch.bfloat16 else dtype
         if tp is not None:  # (all-reduces run between a layer's matmuls: no one-call layers)
             for layer in self.layers:
                 layer["kernel"] = layer["kernel_large"] = None
@@ -372,7 +370,7 @@ class LlamaModel:
         for seq in meta.prefills:
             rows = slice(seq.start, seq.start + seq.q_len)
             if seq.ctx_len == seq.q_len:  # nothing cached: this step's own K/V, fused causal SDPA
-                qs, ks, vs = (t[rows].transpose(0, 1).unsqueeze(0).to(at) for t in (q, k, v))  # [1, H, q_len, D]
+                qs, ks, vs = (t[rows].transpose(0, 1).unsqueeze(0).to(at) for t in (q, k, v))  # [1, H, q, D]
                 out[rows] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
             elif q.is_cuda:  # read the cached prefix from the pool in place, no gather
                 from epdserve.model import triton_attention  # CUDA builds of torch only: see layer_ops

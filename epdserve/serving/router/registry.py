@@ -134,10 +134,9 @@ class WorkerState:
                 "state": "down" if self.dead else "retiring" if self.retiring else "up", "reason": self.dead,
                 "kv_dtype": self.kv_layout.get("dtype"), "weight_format": self.weight_format,
                 "tensor_parallel_size": self.tensor_parallel_size, "tuned": self.tuned,
-                "blocks_in_use": self.blocks_in_use,
-                "blocks_total": self.blocks_total, "num_running": self.num_running, "num_waiting": self.num_waiting,
-                "outstanding": len(self.outstanding),
-                "outstanding_tokens": sum(self.outstanding.values()),
+                "blocks_in_use": self.blocks_in_use, "blocks_total": self.blocks_total,
+                "num_running": self.num_running, "num_waiting": self.num_waiting,
+                "outstanding": len(self.outstanding), "outstanding_tokens": sum(self.outstanding.values()),
                 "last_seen_s_ago": round(now - self.last_seen, 3),
                 "node_id": self.node_id, "node_ip": self.node_ip, "resources": self.resources,
                 "pid": self.pid}
@@ -459,9 +458,8 @@ class Registry:
                                                   blocks_total=msg.blocks_total, incarnation=msg.incarnation,
                                                   heard=self.clock, node_id=msg.node_id, node_ip=msg.node_ip,
                                                   resources=dict(msg.resources), pid=msg.pid,
-                                                  weight_format=msg.weight_format,
-                                                  tensor_parallel_size=msg.tensor_parallel_size, announced=msg.role,
-                                                  tuned={k: v.model_dump() for k, v in msg.tuned.items()})
+                                                  weight_format=msg.weight_format, tuned=msg.model_dump()["tuned"],
+                                                  tensor_parallel_size=msg.tensor_parallel_size, announced=msg.role)
         self.metrics.set_worker_node(msg.worker_id, msg.role, msg.node_id, msg.node_ip)
         self.metrics.set_role(msg.worker_id, msg.role)
         self.metrics.set_worker(msg.worker_id, msg.role, blocks_in_use=0, blocks_total=msg.blocks_total,
@@ -482,11 +480,9 @@ class Registry:
             self.refused.pop(msg.worker_id, None)
             self.refused[msg.worker_id] = {"worker_id": msg.worker_id, "role": msg.role, "addr": msg.addr,
                                            "cores": msg.cores, "state": "refused", "reason": reason,
-                                           "kv_dtype": msg.kv_layout.get("dtype"),
-                                           "weight_format": msg.weight_format,
-                                           "tensor_parallel_size": msg.tensor_parallel_size,
-                                           "tuned": {k: v.model_dump() for k, v in msg.tuned.items()},
-                                           "blocks_in_use": 0, "blocks_total": 0, "num_running": 0,
+                                           "kv_dtype": msg.kv_layout.get("dtype"), "weight_format": msg.weight_format,
+                                           "tuned": msg.model_dump()["tuned"], "blocks_in_use": 0, "blocks_total": 0,
+                                           "tensor_parallel_size": msg.tensor_parallel_size, "num_running": 0,
                                            "num_waiting": 0, "outstanding": 0, "outstanding_tokens": 0,
                                            "node_id": msg.node_id, "node_ip": msg.node_ip,
                                            "resources": dict(msg.resources)}

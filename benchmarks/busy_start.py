@@ -1,0 +1,133 @@
+"""A first start on a busy machine: what the block kernel / BLAS cut-over measures then, what
+it keeps, and what keeping a busy answer would cost.
+
+With ``EPDSERVE_CACHE`` pointed at a fresh temporary directory (the machine's own cache is
+left alone), on ``--threads`` torch threads (default: every core of the run):
+
+1. one process spins on each core of the run while the model loads with ``--weight-format``
+   (default ``q4_1+f32``); first one measurement alone (``cutover.measure``: what a start
+   decided and kept when one measurement was all it took), then the model's own choice
+   (``tuning.choose``: measured again while disturbed, used unkept);
+2. the spinners stopped, the model loads again: the choice measured on a quiet machine, and
+   whether it was kept;
+3. a decode step's projections (every layer, as ``Linear`` dispatches them) at ``--batches``
+   rows, timed with the busy single measurement's cut-over and with the quiet one (best of
+   ``--reps`` each): what keeping the busy answer costs each step of that size.
+
+    .venv/bin/python benchmarks/busy_start.py [--weight-format q4_1+f32] [--batches 16 32 64 128 256]
+        [--output DIR]
+
+Prints the CPU model and flags; ``--output DIR`` writes ``busy_start.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import engine_limits  # benchmarks/
+from epdserve.model import cutover, kernels, linear, quant
+from epdserve.model.llama import PROJECTIONS, LlamaModel
+from epdserve.model.loader import resolve_model
+
+SPIN = ("import os, time\nos.sched_setaffinity(0, {%d})\nend = time.monotonic() + 600\n"
+        "while time.monotonic() < end: pass\n")
+
+
+def spinners() -> list[subprocess.Popen]:
+    """One busy process per core of this process (each stops by itself after 10 minutes)."""
+    return [subprocess.Popen([sys.executable, "-c", SPIN % core]) for core in sorted(os.sched_getaffinity(0))]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait(timeout=10)
+
+
+def single_measurement(model: LlamaModel) -> dict:
+    """One attempt of the cut-over's measurement on ``model``'s layers, as a start once kept
+    it: its choice from the best times, from the medians, and the outside load."""
+    layers = [[layer[k] for k in PROJECTIONS] for layer in model.layers]
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(max(cutover.ROWS), p.blocks.qs.shape[1] * quant.BLOCK, generator=gen) for p in layers[0]]
+    attempt = cutover.measure(lambda m: [p.on_kernel(x[:m]) for layer in layers for p, x in zip(layer, xs)],
+                              lambda m: [p.on_blas(x[:m]) for layer in layers for p, x in zip(layer, xs)])
+    return {"best": cutover.decide(attempt.best()), "median": cutover.decide(attempt.median()),
+            "outside_share": attempt.outside_share}
+
+
+def step_ms(model: LlamaModel, rows: int, kernel_rows: int, reps: int) -> float:
+    """Best ms of every layer's projections at ``rows`` rows with the cut-over ``kernel_rows``."""
+    lins = [layer[k] for layer in model.layers for k in PROJECTIONS]
+    xs = {id(p): torch.randn(rows, p.blocks.qs.shape[1] * quant.BLOCK) for p in lins}
+    saved = [p.kernel_rows for p in lins]
+    try:
+        for p in lins:
+            p.kernel_rows = kernel_rows
+        best = float("inf")
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            for p in lins:
+                p(xs[id(p)])
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        for p, k in zip(lins, saved):
+            p.kernel_rows = k
+    return best * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--weight-format", default="q4_1+f32", choices=[f for f in linear.WEIGHT_FORMATS if "q4_1" in f])
+    p.add_argument("--threads", type=engine_limits.positive_int, default=engine_limits.default_threads())
+    p.add_argument("--batches", type=engine_limits.positive_int, nargs="+", default=[16, 32, 64, 128, 256])
+    p.add_argument("--reps", type=engine_limits.positive_int, default=5)
+    p.add_argument("--output", type=Path, default=None, metavar="DIR")
+    args = p.parse_args(argv)
+    if not kernels.available():
+        raise SystemExit("busy_start: the C++ kernels did not build (they need AVX2 and FMA): no cut-over")
+    torch.set_num_threads(args.threads)
+    os.environ["EPDSERVE_CACHE"] = tempfile.mkdtemp(prefix="epdserve-busy-start-")
+    model_dir = resolve_model(None).path
+    print(f"{engine_limits.cpu_model()}, {args.threads} threads, flags: "
+          f"{' '.join(sorted(engine_limits.cpu_flags() & {'avx2', 'avx512f', 'amx_tile', 'avx512_bf16'}))}; "
+          f"{args.weight_format}; cache {os.environ['EPDSERVE_CACHE']}", flush=True)
+    busy = spinners()
+    try:
+        model = LlamaModel.load(model_dir, weight_format=args.weight_format, retune=True)
+        disturbed = model.tuned["kernel_rows"]
+        single = single_measurement(model)
+    finally:
+        stop(busy)
+    print(f"busy: one measurement decides {single['best']} rows (its medians {single['median']}; others took "
+          f"{single['outside_share']:.0%} of the cores); the model's choice: {disturbed.value} ({disturbed.source}, "
+          f"kept: {disturbed.path.exists()})", flush=True)
+    quiet = LlamaModel.load(model_dir, weight_format=args.weight_format).tuned["kernel_rows"]
+    print(f"quiet: {quiet.value} ({quiet.source}, kept: {quiet.path.exists()})", flush=True)
+    steps = {m: {"busy_single": step_ms(model, m, single["best"], args.reps),
+                 "quiet": step_ms(model, m, quiet.value, args.reps)} for m in args.batches}
+    print(f"a decode step's projections (ms, best of {args.reps}) with the cut-over at {single['best']} (one busy "
+          f"measurement) and at {quiet.value} (quiet):")
+    for m, t in steps.items():
+        print(f"  {m:>4} rows: {t['busy_single']:8.2f}  {t['quiet']:8.2f}  ({t['busy_single'] / t['quiet']:.2f}x)")
+    if args.output:
+        args.output.mkdir(parents=True, exist_ok=True)
+        result = {"cpu": engine_limits.cpu_model(), "threads": args.threads, "weight_format": args.weight_format,
+                  "busy_single": single, "busy_choice": disturbed.as_json(), "busy_kept": disturbed.path.exists(),
+                  "quiet_choice": quiet.as_json(), "quiet_kept": quiet.path.exists(), "steps_ms": steps}
+        (args.output / "busy_start.json").write_text(json.dumps(result, indent=1))
+        print(f"written: {args.output / 'busy_start.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
