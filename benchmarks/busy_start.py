@@ -4,18 +4,18 @@ it keeps, and what keeping a busy answer would cost.
 With ``EPDSERVE_CACHE`` pointed at a fresh temporary directory (the machine's own cache is
 left alone), on ``--threads`` torch threads (default: every core of the run):
 
-1. one process spins on each core of the run while the model loads with ``--weight-format``
-   (default ``q4_1+f32``); first one measurement alone (``cutover.measure``: what a start
+1. one process per core of the run is busy on and off (``--busy-ms``, ``--idle-ms``) while the
+   model loads with ``--weight-format`` (default ``q4_1+f32``); first one measurement alone (``cutover.measure``: what a start
    decided and kept when one measurement was all it took), then the model's own choice
    (``tuning.choose``: measured again while disturbed, used unkept);
 2. the spinners stopped, the model loads again: the choice measured on a quiet machine, and
    whether it was kept;
 3. a decode step's projections (every layer, as ``Linear`` dispatches them) at ``--batches``
-   rows, timed with the busy single measurement's cut-over and with the quiet one (best of
-   ``--reps`` each): what keeping the busy answer costs each step of that size.
+   rows, timed with each of the three cut-overs (best of ``--reps`` each): what a busy
+   answer costs each step of that size, had it been kept.
 
     .venv/bin/python benchmarks/busy_start.py [--weight-format q4_1+f32] [--batches 16 32 64 128 256]
-        [--output DIR]
+        [--busy-ms 50] [--idle-ms 50] [--output DIR]
 
 Prints the CPU model and flags; ``--output DIR`` writes ``busy_start.json``.
 """
@@ -38,13 +38,20 @@ from epdserve.model import cutover, kernels, linear, quant
 from epdserve.model.llama import PROJECTIONS, LlamaModel
 from epdserve.model.loader import resolve_model
 
-SPIN = ("import os, time\nos.sched_setaffinity(0, {%d})\nend = time.monotonic() + 600\n"
-        "while time.monotonic() < end: pass\n")
+# Busy for a random 0-2x ON_MS, idle for OFF_MS, for at most 10 minutes: load that comes and
+# goes, as an install or a build beside the first start gives.
+SPIN = ("import os, random, time\nos.sched_setaffinity(0, {%d})\nend = time.monotonic() + 600\n"
+        "while time.monotonic() < end:\n"
+        "    t = time.monotonic() + random.uniform(0, 2 * %g) / 1e3\n"
+        "    while time.monotonic() < t: pass\n"
+        "    time.sleep(%g / 1e3)\n")
 
 
-def spinners() -> list[subprocess.Popen]:
-    """One busy process per core of this process (each stops by itself after 10 minutes)."""
-    return [subprocess.Popen([sys.executable, "-c", SPIN % core]) for core in sorted(os.sched_getaffinity(0))]
+def spinners(on_ms: float, off_ms: float) -> list[subprocess.Popen]:
+    """One process per core of this process, busy for a random 0 to 2 ``on_ms`` then idle for
+    ``off_ms``, over and over (each stops by itself after 10 minutes)."""
+    return [subprocess.Popen([sys.executable, "-c", SPIN % (core, on_ms, off_ms)])
+            for core in sorted(os.sched_getaffinity(0))]
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -91,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=engine_limits.positive_int, default=engine_limits.default_threads())
     p.add_argument("--batches", type=engine_limits.positive_int, nargs="+", default=[16, 32, 64, 128, 256])
     p.add_argument("--reps", type=engine_limits.positive_int, default=5)
+    p.add_argument("--busy-ms", type=float, default=50.0, metavar="MS",
+                   help="each spinner is busy for a random 0 to 2x MS at a time (default %(default)g)")
+    p.add_argument("--idle-ms", type=float, default=50.0, metavar="MS",
+                   help="then idle for MS (default %(default)g; 0: busy throughout)")
     p.add_argument("--output", type=Path, default=None, metavar="DIR")
     args = p.parse_args(argv)
     if not kernels.available():
@@ -101,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{engine_limits.cpu_model()}, {args.threads} threads, flags: "
           f"{' '.join(sorted(engine_limits.cpu_flags() & {'avx2', 'avx512f', 'amx_tile', 'avx512_bf16'}))}; "
           f"{args.weight_format}; cache {os.environ['EPDSERVE_CACHE']}", flush=True)
-    busy = spinners()
+    busy = spinners(args.busy_ms, args.idle_ms)
     try:
         model = LlamaModel.load(model_dir, weight_format=args.weight_format, retune=True)
         disturbed = model.tuned["kernel_rows"]
@@ -113,12 +124,13 @@ def main(argv: list[str] | None = None) -> int:
           f"kept: {disturbed.path.exists()})", flush=True)
     quiet = LlamaModel.load(model_dir, weight_format=args.weight_format).tuned["kernel_rows"]
     print(f"quiet: {quiet.value} ({quiet.source}, kept: {quiet.path.exists()})", flush=True)
-    steps = {m: {"busy_single": step_ms(model, m, single["best"], args.reps),
-                 "quiet": step_ms(model, m, quiet.value, args.reps)} for m in args.batches}
-    print(f"a decode step's projections (ms, best of {args.reps}) with the cut-over at {single['best']} (one busy "
-          f"measurement) and at {quiet.value} (quiet):")
+    cuts = {"busy, one measurement": single["best"], "busy, used unkept": disturbed.value, "quiet, kept": quiet.value}
+    steps = {m: {name: step_ms(model, m, rows, args.reps) for name, rows in cuts.items()} for m in args.batches}
+    print(f"a decode step's projections, ms (best of {args.reps}) and x of the quiet choice's, with each cut-over:")
+    print("  rows " + "".join(f"{f'{name} ({rows})':>28}" for name, rows in cuts.items()))
     for m, t in steps.items():
-        print(f"  {m:>4} rows: {t['busy_single']:8.2f}  {t['quiet']:8.2f}  ({t['busy_single'] / t['quiet']:.2f}x)")
+        base = t["quiet, kept"]
+        print(f"  {m:>4} " + "".join(f"{f'{ms:.2f} ({ms / base:.2f}x)':>28}" for ms in t.values()))
     if args.output:
         args.output.mkdir(parents=True, exist_ok=True)
         result = {"cpu": engine_limits.cpu_model(), "threads": args.threads, "weight_format": args.weight_format,
