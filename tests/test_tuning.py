@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from epdserve.model import cutover, tuning
+from epdserve.model import cutover, kernels, tuning
 
 SPIN = ("import os, time\nos.sched_setaffinity(0, {%d})\nend = time.monotonic() + 60\n"
         "while time.monotonic() < end: pass\n")
@@ -131,3 +131,30 @@ def test_processes_spinning_on_our_cores_are_seen_and_their_choice_is_not_kept(c
     assert got.source == tuning.DISTURBED and kept(cache) == []
     quiet = tuning.time_rounds(candidates)  # the spinners gone
     assert quiet.outside_share < loaded.outside_share
+
+
+def run_tune(*args: str, cache) -> subprocess.CompletedProcess:
+    env = {**os.environ, "EPDSERVE_CACHE": str(cache)}
+    return subprocess.run([sys.executable, "-m", "epdserve", "tune", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_tune_refuses_a_thread_count_it_cannot_run(tmp_path):
+    got = run_tune("--threads", "999", cache=tmp_path)
+    assert got.returncode == 2 and "--threads 999: between 1 and the" in got.stderr
+    got = run_tune("--weight-formats", "q5_0", cache=tmp_path)
+    assert got.returncode == 2 and "invalid choice: 'q5_0'" in got.stderr
+
+
+@pytest.mark.skipif(not kernels.cpu_supported(), reason="the GGUF block kernels need AVX2 and FMA")
+def test_tune_measures_again_and_keeps_it(tmp_path):
+    """``epdserve tune`` on the real model: a line per thread count and format with the CPU
+    model, the entry kept where a worker reads it (that it measures again rather than read
+    the cache: ``force``, above)."""
+    threads = str(len(os.sched_getaffinity(0)))
+    first = run_tune("--threads", threads, "--weight-formats", "q4_1", cache=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines()[0].startswith(kernels.cpu_model())
+    assert "q4_1" in first.stdout and "kernel_rows" in first.stdout and "(measured;" in first.stdout
+    entries = kept(tmp_path)
+    assert len(entries) == 1 and entries[0]["machine"]["threads"] == int(threads)
