@@ -28,7 +28,11 @@ a share of the served TTFT, with the CPU model and flags, and the GEMMs' GFLOP/s
 ``engine_limits``'s float32 (or bfloat16) GEMM at the prompt's length.
 
     .venv/bin/python benchmarks/prefill_profile.py [--input-len 256] [--reps 8]
-        [--weight-format auto] [--dtype float32] [--threads N] [--no-server] [--output results/prefill-profile]
+        [--weight-format auto] [--dtype float32] [--threads N] [--no-server] [--vllm]
+        [--output results/prefill-profile]
+
+``--vllm`` adds vLLM's split of the same prompts, from its own torch profiler
+(``vllm_profile.py``).
 
 With ``--output DIR``: ``DIR/prefill_profile.json`` and ``DIR/prefill_profile.png`` (one bar of
 stacked parts per source: in-process, served).
@@ -48,6 +52,7 @@ import torch
 
 import engine_limits  # benchmarks/
 import speed_engines
+import vllm_profile
 from epdserve.engine import engine as engine_module
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
@@ -191,6 +196,12 @@ def report(result: dict) -> list[str]:
         share = f"{v['median_ms'] / ttft:.0%}" if ttft else ""
         lines.append(f"  {name:<32}{v['median_ms']:>9.1f}{best:>10}{share:>10}")
     g = result["gemm"]
+    if "vllm" in result:
+        v = result["vllm"]
+        lines.append(f"vLLM, the same prompts one at a time (max_tokens 1; {v['request_ms_mean']:.1f} ms a request), "
+                     "operators' self time from its torch profiler, ms per request:")
+        lines += [f"  {part:<32}{ms:>9.1f}" for part, ms in sorted(v["parts"].items(), key=lambda kv: -kv[1])]
+        lines += [f"    {name[:60]:<62}{part:<26}{ms:>8.2f}" for name, part, ms in v["top"]]
     lines.append(f"GEMMs: {g['gflop']:.1f} GFLOP in {inp['parts']['GEMMs']['median_ms']:.1f} ms = "
                  f"{g['gflops']:.0f} GFLOP/s, {g['share_of_ceiling']:.0%} of the {g['dtype']} GEMM ceiling "
                  f"({g['ceiling_gflops']:.0f} GFLOP/s at T={g['ceiling_tokens']}, benchmarks/engine_limits.py)")
@@ -230,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=engine_limits.positive_int, default=engine_limits.default_threads(), metavar="N")
     p.add_argument("--port", type=engine_limits.positive_int, default=8310)
     p.add_argument("--no-server", action="store_true", help="the in-process profile only")
+    p.add_argument("--vllm", action="store_true",
+                   help="also vLLM's split of the same prompts, from its torch profiler (benchmarks/vllm_profile.py; "
+                        "make vllm)")
     p.add_argument("--output", type=Path, default=None, metavar="DIR")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -246,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = args.output or Path("results/prefill-profile")
         out_dir.mkdir(parents=True, exist_ok=True)
         result["served"] = served(traces[1:args.reps + 1], args.port, out_dir, args.weight_format, args.dtype)
+    if args.vllm:
+        out_dir = args.output or Path("results/prefill-profile")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        result["vllm"] = vllm_profile.run([r.prompt for r in traces[1:args.reps + 1]], info.path, info.name,
+                                          args.port + 2, out_dir, speed_engines.default_vllm_bind())
     inp = result["in_process"]
     dtype = "bfloat16" if "bf16" in inp["weight_format"] or args.dtype == "bfloat16" else "float32"
     tokens, ceiling = engine_limits.prefill_ceiling(limits, inp["prompt_tokens"], dtype)

@@ -179,6 +179,7 @@ def test_prefill_profile_splits_a_prefill_into_its_parts(model_dir):
 
     load_script("llama_build")
     load_script("speed_engines")
+    load_script("vllm_profile")
     profile = load_script("prefill_profile")
     before = (LlamaModel._attention, linear.Linear.__call__)
     gen = torch.Generator().manual_seed(0)
@@ -190,3 +191,33 @@ def test_prefill_profile_splits_a_prefill_into_its_parts(model_dir):
     assert sum(parts[p]["median_ms"] for p in profile.PARTS) <= parts["step"]["median_ms"] * 1.05
     assert parts["GEMMs"]["median_ms"] + parts["attention"]["median_ms"] > parts["step"]["median_ms"] / 2
     assert (LlamaModel._attention, linear.Linear.__call__) == before
+
+
+def test_vllm_profile_reads_self_times_per_part_from_a_chrome_trace(tmp_path):
+    """benchmarks/vllm_profile.py: an operator's self time is its duration less its direct
+    children's, per thread; parts by vLLM's operator names; per request."""
+    import gzip
+
+    load_script("llama_build")
+    load_script("speed_engines")
+    vp = load_script("vllm_profile")
+    def op(name, tid, ts, dur):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+    events = [  # one thread: a compiled graph around a GEMM and an attention call; another thread's GEMM
+        op("## Call CompiledFxGraph None ##", 1, 0, 100), op("_C::onednn_mm", 1, 10, 50),
+        op("_C::cpu_attention_with_kv_cache", 1, 70, 20), op("_C::onednn_mm", 2, 5, 40),
+        {"ph": "i", "cat": "cpu_op", "name": "marker", "pid": 1, "tid": 1, "ts": 3},
+    ]
+    assert vp.self_times(events) == {"## Call CompiledFxGraph None ##": 30, "_C::onednn_mm": 90,
+                                     "_C::cpu_attention_with_kv_cache": 20}
+    names = ("_C::onednn_mm", "_C::cpu_attention_with_kv_cache", "_C::cpu_attn_reshape_and_cache",
+             "_C::rms_norm", "_C::rotary_embedding", "## Call CompiledFxGraph None ##", "aten::item")
+    assert [vp.part_of(n) for n in names] == ["GEMMs", "attention", "KV write", "RMSNorm", "RoPE",
+                                              "compiled graph (fused small operators)", "other"]
+    (tmp_path / "rank0").mkdir()
+    with gzip.open(tmp_path / "rank0" / "trace.pt.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = vp.split(tmp_path, requests=2)
+    assert got["parts"]["GEMMs"] == pytest.approx(0.045) and got["parts"]["attention"] == pytest.approx(0.010)
+    assert got["top"][0] == ("_C::onednn_mm", "GEMMs", pytest.approx(0.045))
