@@ -7,9 +7,9 @@ left alone), on ``--threads`` torch threads (default: every core of the run):
 1. one process per core of the run is busy on and off (``--busy-ms``, ``--idle-ms``) while the
    model loads with ``--weight-format`` (default ``q4_1+f32``); first one measurement alone (``cutover.measure``: what a start
    decided and kept when one measurement was all it took), then the model's own choice
-   (``tuning.choose``: measured again while disturbed, used unkept);
-2. the spinners stopped, the model loads again: the choice measured on a quiet machine, and
-   whether it was kept;
+   (``tuning.choose``: measured again while disturbed, kept marked disturbed);
+2. the spinners stopped, the model loads again: the disturbed entry is measured again, on a
+   quiet machine, and replaced;
 3. a decode step's projections (every layer, as ``Linear`` dispatches them) at ``--batches``
    rows, timed with each of the three cut-overs (best of ``--reps`` each): what a busy
    answer costs each step of that size, had it been kept.
@@ -119,12 +119,15 @@ def main(argv: list[str] | None = None) -> int:
         single = single_measurement(model)
     finally:
         stop(busy)
+    busy_entry = json.loads(disturbed.path.read_text())
     print(f"busy: one measurement decides {single['best']} rows (its medians {single['median']}; others took "
-          f"{single['outside_share']:.0%} of the cores); the model's choice: {disturbed.value} ({disturbed.source}, "
-          f"kept: {disturbed.path.exists()})", flush=True)
+          f"{single['outside_share']:.0%} of the cores); the model's choice: {disturbed.value} ({disturbed.source}; "
+          f"kept marked disturbed: {busy_entry['disturbed']})", flush=True)
     quiet = LlamaModel.load(model_dir, weight_format=args.weight_format).tuned["kernel_rows"]
-    print(f"quiet: {quiet.value} ({quiet.source}, kept: {quiet.path.exists()})", flush=True)
-    cuts = {"busy, one measurement": single["best"], "busy, used unkept": disturbed.value, "quiet, kept": quiet.value}
+    quiet_entry = json.loads(quiet.path.read_text())
+    print(f"quiet: {quiet.value} ({quiet.source}; kept marked disturbed: {quiet_entry['disturbed']})", flush=True)
+    cuts = {"busy, one measurement": single["best"], "busy, kept disturbed": disturbed.value,
+            "quiet, kept": quiet.value}
     steps = {m: {name: step_ms(model, m, rows, args.reps) for name, rows in cuts.items()} for m in args.batches}
     print(f"a decode step's projections, ms (best of {args.reps}) and x of the quiet choice's, with each cut-over:")
     print("  rows " + "".join(f"{f'{name} ({rows})':>28}" for name, rows in cuts.items()))
@@ -134,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         args.output.mkdir(parents=True, exist_ok=True)
         result = {"cpu": engine_limits.cpu_model(), "threads": args.threads, "weight_format": args.weight_format,
-                  "busy_single": single, "busy_choice": disturbed.as_json(), "busy_kept": disturbed.path.exists(),
-                  "quiet_choice": quiet.as_json(), "quiet_kept": quiet.path.exists(), "steps_ms": steps}
+                  "busy_single": single, "busy_choice": disturbed.as_json(), "busy_entry": busy_entry,
+                  "quiet_choice": quiet.as_json(), "quiet_entry": quiet_entry, "steps_ms": steps}
         (args.output / "busy_start.json").write_text(json.dumps(result, indent=1))
         print(f"written: {args.output / 'busy_start.json'}")
     return 0

@@ -1,6 +1,6 @@
 """How many rows a step may have and still run a linear layer on the GGUF block kernel rather
 than the BLAS: measured on this machine, on the engine's threads, and kept (``tuning.py``:
-a measurement disturbed by other processes is measured again, or used unkept).
+a measurement disturbed by other processes is measured again, or kept marked disturbed).
 
 The answer depends on the CPU far more than on the model. On a 2-core AVX-512 + AMX Xeon,
 a step's projections of SmolLM2-135M (all 30 layers) ran faster on a resident float32 copy

@@ -15,12 +15,15 @@ is *disturbed* when
 A disturbed attempt is measured again, up to :data:`ATTEMPTS` attempts. The first clean one
 decides and is kept in ``<cache>/tuning/<name>/<key>.json`` (its times, medians, load and the
 machine it ran on); later processes read it. When every attempt was disturbed the choice is
-made from each candidate's best time over all of them, used by this process alone and not
-kept: the next start measures again. An entry is keyed by the machine (CPU model and feature
-flags, torch's version, the kernels' build, the engine's thread count) and the choice's own
-key (the layers' shapes and formats); an unreadable one, one of another format version, or
-one marked disturbed is measured again and replaced, and so is any with ``force``
-(``epdserve tune``). Processes starting together measure once: the others wait on a lock.
+made from each candidate's best time over all of them and kept *marked disturbed*: each later
+start measures once more (one attempt, not :data:`ATTEMPTS`: a busy machine pays little at
+every start), pools its best times with the kept ones, and replaces the entry with a clean
+measurement as soon as it gets one. So a busy answer is never taken as final, and it gets
+better with every start. An entry is keyed by the machine (CPU model and feature flags,
+torch's version, the kernels' build, the engine's thread count) and the choice's own key
+(the layers' shapes and formats); an unreadable one or one of another format version is
+measured again and replaced, and so is any with ``force`` (``epdserve tune``). Processes
+starting together measure once: the others wait on a lock.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from epdserve.model.base import cache_root
 log = logging.getLogger(__name__)
 
 ROUNDS = 3  # timed rounds per attempt, after one untimed
-ATTEMPTS = 3  # attempts before a choice is used unkept
+ATTEMPTS = 3  # attempts at a first start before a choice is kept marked disturbed
 VERSION = 2  # of the entries' format: entries of another version are measured again
 
 # Where a choice came from (its /health "source").
@@ -56,7 +59,7 @@ CACHE, MEASURED, DISTURBED = "cache", "measured", "disturbed"
 class Tuned:
     """A measured choice: ``value``; ``source``: :data:`CACHE` (a clean measurement kept
     earlier), :data:`MEASURED` (measured now, clean, kept) or :data:`DISTURBED` (measured
-    now, every attempt disturbed, not kept); ``path``: its cache file."""
+    now and disturbed, as every one before it: kept marked so); ``path``: its cache file."""
 
     value: int | str
     source: str
@@ -123,8 +126,9 @@ def time_rounds(candidates: Mapping[Callable[[], object]], rounds: int = ROUNDS)
 def choose(name: str, key: Sequence, measure: Callable[[], Attempt],
            decide: Callable[[Mapping[float]], int | str], force: bool = False) -> Tuned:
     """The choice ``name`` for ``key`` on this machine: ``decide(seconds per candidate)`` of a
-    clean attempt of ``measure()`` (see the module doc), read from the cache when a clean one
-    was kept before (unless ``force``)."""
+    clean attempt of ``measure()``, read from the cache when a clean one was kept before
+    (unless ``force``); else from the best times of every disturbed attempt so far (see the
+    module doc)."""
     parts = {"machine": machine(), "key": list(key)}
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = cache_root() / "tuning" / name / f"{digest}.json"
@@ -132,42 +136,47 @@ def choose(name: str, key: Sequence, measure: Callable[[], Attempt],
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         kept = None if force else _read(path)
-        if kept is not None:
+        if kept is not None and not kept["disturbed"]:
             return Tuned(kept["value"], CACHE, path)
-        attempts = []
-        for _ in range(ATTEMPTS):
-            attempts.append(measure())
-            a = attempts[-1]
+        # Disturbed before: one more attempt a start, pooled with the best times kept.
+        pooled = {c: ms / 1e3 for c, ms in kept["best_ms"].items()} if kept else {}
+        for attempt in range(1, (1 if kept else ATTEMPTS) + 1):
+            a = measure()
             value = decide(a.best())
             if not a.loaded() and decide(a.median()) == value:
-                _write(path, parts, value, a, len(attempts))
+                _write(path, parts, value, a.best(), a, attempt, disturbed=False)
                 log.info("%s: %s (measured on %d threads, attempt %d; kept in %s)", name, value,
-                         torch.get_num_threads(), len(attempts), path)
+                         torch.get_num_threads(), attempt, path)
                 return Tuned(value, MEASURED, path)
-        pooled = {c: min(a.best()[c] for a in attempts) for c in attempts[0].times}
+            pooled = {c: min(t, pooled.get(c, t)) for c, t in a.best().items()}
         value = decide(pooled)
-        log.warning("%s: %s, from %d disturbed measurements (other processes took up to %s of the cores, or the "
-                    "repeats disagreed): used by this process, not kept; the next start measures again",
-                    name, value, len(attempts), f"{max(a.outside_share or 0 for a in attempts):.0%}")
+        _write(path, parts, value, pooled, a, attempt + (kept["attempts"] if kept else 0), disturbed=True)
+        log.warning("%s: %s, from the best times of %d disturbed measurements (other processes took %s of the "
+                    "cores in the last, or the repeats disagreed): kept as disturbed, measured again at the next "
+                    "start until a quiet one replaces it", name, value, attempt + (kept["attempts"] if kept else 0),
+                    f"{a.outside_share or 0:.0%}")
         return Tuned(value, DISTURBED, path)
 
 
 def _read(path: Path) -> dict | None:
-    """A kept entry at ``path``, or None: missing, unreadable, of another version, or disturbed."""
+    """The entry at ``path``, or None: missing, unreadable, or of another version."""
     try:
         entry = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(entry, dict) or entry.get("version") != VERSION or entry.get("disturbed", True):
+    if not isinstance(entry, dict) or entry.get("version") != VERSION or not isinstance(entry.get("disturbed"), bool):
         return None
     return entry
 
 
-def _write(path: Path, parts: dict, value: int | str, attempt: Attempt, attempts: int) -> None:
-    entry = {"version": VERSION, **parts, "value": value, "disturbed": False, "attempts": attempts,
-             "outside_share": attempt.outside_share, "steal_share": attempt.steal_share,
-             "best_ms": {c: t * 1e3 for c, t in attempt.best().items()},
-             "median_ms": {c: t * 1e3 for c, t in attempt.median().items()},
+def _write(path: Path, parts: dict, value: int | str, best: Mapping[str, float], last: Attempt, attempts: int,
+           disturbed: bool) -> None:
+    """Keep ``value`` with the ``best`` seconds per candidate it was decided from and the last
+    attempt's medians and load."""
+    entry = {"version": VERSION, **parts, "value": value, "disturbed": disturbed, "attempts": attempts,
+             "outside_share": last.outside_share, "steal_share": last.steal_share,
+             "best_ms": {c: t * 1e3 for c, t in best.items()},
+             "median_ms": {c: t * 1e3 for c, t in last.median().items()},
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(entry, indent=1))
