@@ -1,8 +1,8 @@
 """A first start on a busy machine: what the block kernel / BLAS cut-over measures then, what
 it keeps, and what keeping a busy answer would cost.
 
-With ``EPDSERVE_CACHE`` pointed at a fresh temporary directory (the machine's own cache is
-left alone), on ``--threads`` torch threads (default: every core of the run):
+With ``EPDSERVE_CACHE`` pointed at a fresh temporary directory for the measured choices (the
+machine's own are left alone; the directory is removed at the end), on ``--threads`` torch threads (default: every core of the run):
 
 1. one process per core of the run is busy on and off (``--busy-ms``, ``--idle-ms``) while the
    model loads with ``--weight-format`` (default ``q4_1+f32``); first one measurement alone (``cutover.measure``: what a start
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -106,12 +107,23 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not kernels.available():
         raise SystemExit("busy_start: the C++ kernels did not build (they need AVX2 and FMA): no cut-over")
+    if args.threads > engine_limits.default_threads():
+        p.error(f"--threads {args.threads}: more than the {engine_limits.default_threads()} cores of this run")
     torch.set_num_threads(args.threads)
-    os.environ["EPDSERVE_CACHE"] = tempfile.mkdtemp(prefix="epdserve-busy-start-")
-    model_dir = resolve_model(None).path
-    print(f"{engine_limits.cpu_model()}, {args.threads} threads, flags: "
-          f"{' '.join(sorted(engine_limits.cpu_flags() & {'avx2', 'avx512f', 'amx_tile', 'avx512_bf16'}))}; "
-          f"{args.weight_format}; cache {os.environ['EPDSERVE_CACHE']}", flush=True)
+    model_dir = resolve_model(None).path  # (converted, and the kernels built, in the user's cache)
+    tmp = tempfile.mkdtemp(prefix="epdserve-busy-start-")
+    os.environ["EPDSERVE_CACHE"] = tmp  # the measured choices only: the machine's own stay as they are
+    try:
+        return run(args, model_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, model_dir: Path) -> int:
+    """Steps 1-3 of the module doc, with the choices kept in ``$EPDSERVE_CACHE``."""
+    flags = engine_limits.cpu_flags() & {"avx2", "fma", "avx512f", "amx_tile", *engine_limits.BF16_FLAGS}
+    print(f"{engine_limits.cpu_model()}, {args.threads} threads, flags: {' '.join(sorted(flags))}; "
+          f"{args.weight_format}; choices kept in {os.environ['EPDSERVE_CACHE']} (removed at the end)", flush=True)
     busy = spinners(args.busy_ms, args.idle_ms)
     try:
         model = LlamaModel.load(model_dir, weight_format=args.weight_format, retune=True)

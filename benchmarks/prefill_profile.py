@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                         "make vllm)")
     p.add_argument("--output", type=Path, default=None, metavar="DIR")
     args = p.parse_args(argv)
+    if args.threads > engine_limits.default_threads():
+        p.error(f"--threads {args.threads}: more than the {engine_limits.default_threads()} cores of this run")
     torch.set_num_threads(args.threads)
     info = resolve_model(None)
     tokenizer = load_tokenizer(info.path)
@@ -255,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(engine_limits.table(limits)), flush=True)
     result = {"cpu": limits["machine"], "cpu_flags": limits["cpu_flags"], "threads": args.threads,
               "torch": torch.__version__, "reps": args.reps, "input_len": args.input_len,
-              "in_process": in_process(str(info.path), prompts, args.weight_format, args.dtype)}
+              "in_process": None}
+    try:
+        result["in_process"] = in_process(str(info.path), prompts, args.weight_format, args.dtype)
+    except ValueError as exc:  # a weight format the dtype cannot hold (linear.resolve)
+        p.error(str(exc))
     if not args.no_server:
         out_dir = args.output or Path("results/prefill-profile")
         out_dir.mkdir(parents=True, exist_ok=True)

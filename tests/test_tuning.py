@@ -69,11 +69,12 @@ def kept(cache) -> list[dict]:
 def test_a_clean_measurement_is_kept_per_machine_and_key(cache):
     assert cutover.decide(NOISY.median()) != cutover.decide(NOISY.best()) == 16
     m = Measurements(CLEAN)
-    first = tuning.choose("cutover", ["layer A"], m, cutover.decide)
+    first = tuning.choose("cutover", ["layer A"], m, cutover.decide, cutover.valid)
     assert (first.value, first.source, m.calls) == (16, tuning.MEASURED, 1)
-    again = tuning.choose("cutover", ["layer A"], m, cutover.decide)
+    again = tuning.choose("cutover", ["layer A"], m, cutover.decide, cutover.valid)
     assert (again.value, again.source, m.calls) == (16, tuning.CACHE, 1)
-    assert tuning.choose("cutover", ["layer B"], m, cutover.decide).source == tuning.MEASURED and m.calls == 2
+    other = tuning.choose("cutover", ["layer B"], m, cutover.decide, cutover.valid)
+    assert other.source == tuning.MEASURED and m.calls == 2
     entries = kept(cache)
     assert sorted(e["key"][0] for e in entries) == ["layer A", "layer B"]
     e = entries[0]
@@ -84,50 +85,54 @@ def test_a_clean_measurement_is_kept_per_machine_and_key(cache):
 @pytest.mark.parametrize("disturbed", [NOISY, LOADED], ids=["repeats-disagree", "outside-load"])
 def test_a_disturbed_measurement_is_measured_again(cache, disturbed):
     m = Measurements(disturbed, CLEAN)
-    got = tuning.choose("cutover", ["layer"], m, cutover.decide)
+    got = tuning.choose("cutover", ["layer"], m, cutover.decide, cutover.valid)
     assert (got.value, got.source, m.calls) == (16, tuning.MEASURED, 2)
     assert kept(cache)[0]["attempts"] == 2
 
 
 def test_a_choice_from_disturbed_measurements_is_kept_marked_and_measured_again(cache):
     m = Measurements(LOADED, NOISY)
-    got = tuning.choose("cutover", ["layer"], m, cutover.decide)
+    got = tuning.choose("cutover", ["layer"], m, cutover.decide, cutover.valid)
     assert (got.value, got.source, m.calls) == (16, tuning.DISTURBED, tuning.ATTEMPTS)
     assert got.as_json() == {"value": 16, "source": "disturbed"}
     entry = kept(cache)[0]
     assert entry["disturbed"] is True and entry["attempts"] == tuning.ATTEMPTS and entry["value"] == 16
     # The next start, still busy: one attempt more, pooled with the kept best times.
-    again = tuning.choose("cutover", ["layer"], m, cutover.decide)
+    again = tuning.choose("cutover", ["layer"], m, cutover.decide, cutover.valid)
     assert (again.source, m.calls, kept(cache)[0]["attempts"]) == (tuning.DISTURBED, tuning.ATTEMPTS + 1,
                                                                    tuning.ATTEMPTS + 1)
     m.attempts = [CLEAN]  # a start on a quiet machine replaces it
-    assert tuning.choose("cutover", ["layer"], m, cutover.decide).source == tuning.MEASURED
+    assert tuning.choose("cutover", ["layer"], m, cutover.decide, cutover.valid).source == tuning.MEASURED
     assert kept(cache)[0]["disturbed"] is False
-    assert tuning.choose("cutover", ["layer"], m, cutover.decide).source == tuning.CACHE
+    assert tuning.choose("cutover", ["layer"], m, cutover.decide, cutover.valid).source == tuning.CACHE
 
 
 def test_a_later_start_pools_its_best_times_with_the_kept_ones(cache):
     """Each candidate's best over every disturbed attempt decides: a candidate slowed in one
     attempt is judged by its time in another."""
     slow_blas = {c: [t * (5 if c.startswith("blas") else 1) for t in ts] for c, ts in times(20).items()}
-    first = tuning.choose("cutover", ["layer"], Measurements(tuning.Attempt(slow_blas, 0.5, 0.0)), cutover.decide)
+    first = tuning.choose("cutover", ["layer"], Measurements(tuning.Attempt(slow_blas, 0.5, 0.0)), cutover.decide,
+                          cutover.valid)
     assert first.value == max(cutover.ROWS)  # the BLAS looked slow everywhere
     slow_kernel = {c: [t * (5 if c.startswith("kernel") else 1) for t in ts] for c, ts in times(20).items()}
-    second = tuning.choose("cutover", ["layer"], Measurements(tuning.Attempt(slow_kernel, 0.5, 0.0)), cutover.decide)
+    second = tuning.choose("cutover", ["layer"], Measurements(tuning.Attempt(slow_kernel, 0.5, 0.0)),
+                           cutover.decide, cutover.valid)
     assert (second.value, second.source) == (16, tuning.DISTURBED)  # each way at its best: as a quiet run
 
 
 def test_stale_entries_are_replaced_and_force_measures_again(cache):
     m = Measurements(CLEAN)
-    path = tuning.choose("cutover", ["layer"], m, cutover.decide).path
+    path = tuning.choose("cutover", ["layer"], m, cutover.decide, cutover.valid).path
     entry = json.loads(path.read_text())
-    for stale in ({**entry, "version": tuning.VERSION - 1}, {**entry, "disturbed": True}, "not json {"):
+    for stale in ({**entry, "version": tuning.VERSION - 1}, {**entry, "disturbed": True}, "not json {", "[]",
+                  {**entry, "value": "abc"}, {**entry, "value": -7}, {**entry, "value": 17},
+                  {**entry, "best_ms": {"kernel@1": "fast"}}):
         path.write_text(stale if isinstance(stale, str) else json.dumps(stale))
         before = m.calls
-        assert tuning.choose("cutover", ["layer"], m, cutover.decide).source == tuning.MEASURED
+        assert tuning.choose("cutover", ["layer"], m, cutover.decide, cutover.valid).source == tuning.MEASURED
         assert m.calls == before + 1 and json.loads(path.read_text()) != stale
     before = m.calls
-    assert tuning.choose("cutover", ["layer"], m, cutover.decide, force=True).source == tuning.MEASURED
+    assert tuning.choose("cutover", ["layer"], m, cutover.decide, cutover.valid, force=True).source == tuning.MEASURED
     assert m.calls == before + 1
 
 
@@ -140,7 +145,8 @@ def test_processes_spinning_on_our_cores_are_seen_and_their_choice_is_not_kept(c
     candidates = {cutover.candidate(w, m): (lambda m=m: a[:m] @ b) for m in cutover.ROWS for w in cutover.WAYS}
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN % core]) for core in sorted(os.sched_getaffinity(0))]
     try:
-        got = tuning.choose("cutover", ["spun"], lambda: tuning.time_rounds(candidates), cutover.decide)
+        got = tuning.choose("cutover", ["spun"], lambda: tuning.time_rounds(candidates), cutover.decide,
+                            cutover.valid)
         loaded = tuning.time_rounds(candidates)
     finally:
         for p in spinners:

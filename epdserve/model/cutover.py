@@ -59,4 +59,9 @@ def kernel_rows(kernel: Callable[[int], object], blas: Callable[[int], object], 
     """The cut-over for layers of ``key`` (their shapes and formats), whose steps of ``rows``
     rows ``kernel(rows)`` and ``blas(rows)`` run each way: :func:`decide` of :func:`measure`,
     through ``tuning.choose`` (kept per machine; ``force``: measured again)."""
-    return tuning.choose("cutover", key, lambda: measure(kernel, blas), decide, force)
+    return tuning.choose("cutover", key, lambda: measure(kernel, blas), decide, valid, force)
+
+
+def valid(value: object) -> bool:
+    """Whether ``value`` is a cut-over :func:`decide` can give (0 or one of :data:`ROWS`)."""
+    return type(value) is int and value in (0, *ROWS)

@@ -18,7 +18,9 @@ import torch
 from epdserve.argtypes import Options
 from epdserve.model import kernels, linear
 from epdserve.model.llama import LlamaModel
-from epdserve.model.loader import BF16_CPU_FLAGS, resolve_model
+from epdserve.model.loader import BF16_CPU_FLAGS, ModelLoadError, resolve_model
+
+BLOCK_FORMATS = tuple(f for f in linear.WEIGHT_FORMATS if f.startswith("q4_1"))  # the formats with a cut-over
 
 
 def default_threads() -> list[int]:
@@ -40,22 +42,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=None, metavar="N",
                         help="the engine thread counts to measure at, one per worker size "
                              f"(default: {' '.join(map(str, default_threads()))}: one core, and all of this process's)")
-    parser.add_argument("--weight-formats", nargs="+", default=None, choices=linear.WEIGHT_FORMATS[1:],
-                        metavar="FORMAT", help=f"(default: {' '.join(default_formats())}: those with GGUF blocks)")
+    parser.add_argument("--weight-formats", nargs="+", default=None, choices=BLOCK_FORMATS, metavar="FORMAT",
+                        help=f"the formats with GGUF blocks to measure, of {', '.join(BLOCK_FORMATS)} "
+                             f"(default: {' '.join(default_formats())})")
+
+
+def error(text: str) -> int:
+    print(f"epdserve tune: error: {text}", file=sys.stderr)
+    return 2
 
 
 def run(args: Options) -> int:
-    threads, formats = args.threads or default_threads(), args.weight_formats or default_formats()
+    threads = sorted(set(args.threads or default_threads()))
+    formats = list(dict.fromkeys(args.weight_formats or default_formats()))
     bad = [n for n in threads if not 1 <= n <= len(os.sched_getaffinity(0))]
     if bad:
-        print(f"epdserve tune: error: --threads {bad[0]}: between 1 and the {len(os.sched_getaffinity(0))} "
-              "cores this process may use", file=sys.stderr)
-        return 2
+        return error(f"--threads {bad[0]}: between 1 and the {len(os.sched_getaffinity(0))} cores this process may use")
     if not kernels.available():
         print("epdserve tune: nothing to measure: the C++ kernels did not build (they need AVX2 and FMA), "
               "so no worker has a cut-over", file=sys.stderr)
         return 1
-    info = resolve_model(args.model)
+    try:
+        info = resolve_model(args.model)
+    except ModelLoadError as exc:
+        return error(f"--model {args.model}: {exc}")
+    if info.multimodal:
+        return error(f"--model {args.model}: a vision-language model's language model holds no GGUF blocks "
+                     "(its workers run dense weights): nothing to measure")
     flags = sorted(kernels.cpu_flags() & {"avx2", "fma", "avx512f", "amx_tile", *BF16_CPU_FLAGS})
     print(f"{kernels.cpu_model()}, flags: {' '.join(flags)}, torch {torch.__version__}; model {info.name}")
     for n in threads:
@@ -63,12 +76,9 @@ def run(args: Options) -> int:
         for fmt in formats:
             try:
                 model = LlamaModel.load(info.path, weight_format=fmt, retune=True)
-            except ValueError as exc:
-                print(f"epdserve tune: error: --weight-formats {fmt}: {exc}", file=sys.stderr)
-                return 2
+            except (ValueError, ModelLoadError) as exc:
+                return error(f"--weight-formats {fmt}: {exc}")
             for name, t in model.tuned.items():
                 print(f"  {n} thread{'s' if n > 1 else ' '}  {fmt:<10} {name} {t.value:<4} ({t.source}; {t.path})",
                       flush=True)
-            if not model.tuned:
-                print(f"  {n} thread{'s' if n > 1 else ' '}  {fmt:<10} nothing measured (no GGUF blocks)")
     return 0

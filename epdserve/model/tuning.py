@@ -124,18 +124,20 @@ def time_rounds(candidates: Mapping[Callable[[], object]], rounds: int = ROUNDS)
 
 
 def choose(name: str, key: Sequence, measure: Callable[[], Attempt],
-           decide: Callable[[Mapping[float]], int | str], force: bool = False) -> Tuned:
+           decide: Callable[[Mapping[float]], int | str], valid: Callable[[object], bool],
+           force: bool = False) -> Tuned:
     """The choice ``name`` for ``key`` on this machine: ``decide(seconds per candidate)`` of a
     clean attempt of ``measure()``, read from the cache when a clean one was kept before
     (unless ``force``); else from the best times of every disturbed attempt so far (see the
-    module doc)."""
+    module doc). ``valid(value)``: whether a kept value is one ``decide`` can give (an entry
+    with another is measured again and replaced, as an unreadable one)."""
     parts = {"machine": machine(), "key": list(key)}
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = cache_root() / "tuning" / name / f"{digest}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        kept = None if force else _read(path)
+        kept = None if force else _read(path, valid)
         if kept is not None and not kept["disturbed"]:
             return Tuned(kept["value"], CACHE, path)
         # Disturbed before: one more attempt a start, pooled with the best times kept.
@@ -158,13 +160,22 @@ def choose(name: str, key: Sequence, measure: Callable[[], Attempt],
         return Tuned(value, DISTURBED, path)
 
 
-def _read(path: Path) -> dict | None:
-    """The entry at ``path``, or None: missing, unreadable, or of another version."""
+def _read(path: Path, valid: Callable[[object], bool]) -> dict | None:
+    """The entry at ``path``, or None: missing, or (with a log line) unreadable, of another
+    version, or holding a value that is not ``valid`` or best times that are not numbers."""
     try:
         entry = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return None
-    if not isinstance(entry, dict) or entry.get("version") != VERSION or not isinstance(entry.get("disturbed"), bool):
+    except (OSError, ValueError) as exc:
+        log.warning("%s: unreadable (%s); measuring again", path, exc)
+        return None
+    ok = (isinstance(entry, dict) and entry.get("version") == VERSION and isinstance(entry.get("disturbed"), bool)
+          and valid(entry.get("value")) and isinstance(entry.get("attempts"), int)
+          and isinstance(entry.get("best_ms"), dict)
+          and all(isinstance(t, (int, float)) and t >= 0 for t in entry["best_ms"].values()))
+    if not ok:
+        log.warning("%s: not an entry of this version with a valid value; measuring again", path)
         return None
     return entry
 
