@@ -187,7 +187,7 @@ def report(result: dict) -> list[str]:
              f"prefill of {inp['prompt_tokens']:.0f} tokens (weights {inp['weight_format']}, cut-over "
              f"{inp['kernel_rows']} rows), median over {result['reps']} prompts [best]"
              + (f"; served TTFT p50 {ttft:.1f} ms" if ttft else ""),
-             f"  {'part':<32}{'ms':>9}{'[best]':>10}{'of TTFT':>10}"]
+             f"  {'part':<32}{'ms':>9}{'[best]':>10}{'of TTFT' if ttft else '':>10}"]
     rows = [(p, inp["parts"][p]) for p in PARTS]
     for name, ms in serving_parts(result).items():
         rows.append((name, {"median_ms": ms, "best_ms": None}))

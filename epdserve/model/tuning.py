@@ -76,14 +76,14 @@ class Attempt:
     time that other processes (``outside_share``) and the hypervisor (``steal_share``) took
     while it ran (None where ``/proc/stat`` cannot be read)."""
 
-    times: dict[list[float]]
+    times: dict[str, list[float]]
     outside_share: float | None
     steal_share: float | None
 
-    def best(self) -> dict[float]:
+    def best(self) -> dict[str, float]:
         return {c: min(ts) for c, ts in self.times.items()}
 
-    def median(self) -> dict[float]:
+    def median(self) -> dict[str, float]:
         return {c: statistics.median(ts) for c, ts in self.times.items()}
 
     def loaded(self) -> bool:
@@ -100,7 +100,7 @@ def machine() -> dict:
             "kernels": kernels.digest(), "threads": torch.get_num_threads()}
 
 
-def time_rounds(candidates: Mapping[Callable[[], object]], rounds: int = ROUNDS) -> Attempt:
+def time_rounds(candidates: Mapping[str, Callable[[], object]], rounds: int = ROUNDS) -> Attempt:
     """Time each of ``candidates`` once per round, in turn, over ``rounds`` rounds after an
     untimed one; with the outside load on this process's cores over the timed rounds."""
     for fn in candidates.values():
@@ -111,7 +111,7 @@ def time_rounds(candidates: Mapping[Callable[[], object]], rounds: int = ROUNDS)
     except OSError:
         before = None
     own0 = time.process_time()
-    times: dict[list[float]] = {c: [] for c in candidates}
+    times: dict[str, list[float]] = {c: [] for c in candidates}
     for _ in range(rounds):
         for c, fn in candidates.items():
             t0 = time.perf_counter()
@@ -124,7 +124,7 @@ def time_rounds(candidates: Mapping[Callable[[], object]], rounds: int = ROUNDS)
 
 
 def choose(name: str, key: Sequence, measure: Callable[[], Attempt],
-           decide: Callable[[Mapping[float]], int | str], valid: Callable[[object], bool],
+           decide: Callable[[Mapping[str, float]], int | str], valid: Callable[[object], bool],
            force: bool = False) -> Tuned:
     """The choice ``name`` for ``key`` on this machine: ``decide(seconds per candidate)`` of a
     clean attempt of ``measure()``, read from the cache when a clean one was kept before
