@@ -2,12 +2,14 @@
 it keeps, and what keeping a busy answer would cost.
 
 With ``EPDSERVE_CACHE`` pointed at a fresh temporary directory for the measured choices (the
-machine's own are left alone; the directory is removed at the end), on ``--threads`` torch threads (default: every core of the run):
+machine's own are left alone; the directory is removed at the end), on ``--threads`` torch
+threads (default: every core of the run):
 
 1. one process per core of the run is busy on and off (``--busy-ms``, ``--idle-ms``) while the
-   model loads with ``--weight-format`` (default ``q4_1+f32``); first one measurement alone (``cutover.measure``: what a start
-   decided and kept when one measurement was all it took), then the model's own choice
-   (``tuning.choose``: measured again while disturbed, kept marked disturbed);
+   model loads with ``--weight-format`` (default ``q4_1+f32``); first one measurement alone
+   (``cutover.measure``: what a start decided and kept when one measurement was all it took),
+   then the model's own choice (``tuning.choose``: measured again while disturbed, kept
+   marked disturbed);
 2. the spinners stopped, the model loads again: the disturbed entry is measured again, on a
    quiet machine, and replaced;
 3. a decode step's projections (every layer, as ``Linear`` dispatches them) at ``--batches``
@@ -121,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, model_dir: Path) -> int:
     """Steps 1-3 of the module doc, with the choices kept in ``$EPDSERVE_CACHE``."""
-    flags = engine_limits.cpu_flags() & {"avx2", "fma", "avx512f", "amx_tile", *engine_limits.BF16_FLAGS}
-    print(f"{engine_limits.cpu_model()}, {args.threads} threads, flags: {' '.join(sorted(flags))}; "
+    print(f"{engine_limits.cpu_model()}, {args.threads} threads, flags: {' '.join(engine_limits.speed_flags())}; "
           f"{args.weight_format}; choices kept in {os.environ['EPDSERVE_CACHE']} (removed at the end)", flush=True)
     busy = spinners(args.busy_ms, args.idle_ms)
     try:

@@ -312,6 +312,13 @@ def cpu_model() -> str:
     return model()
 
 
+def speed_flags() -> list[str]:
+    """This CPU's flags that decide the kernels' speed (``kernels.SPEED_FLAGS``)."""
+    from epdserve.model.kernels import speed_flags as flags
+
+    return flags()
+
+
 def default_threads() -> int:
     """The cores this process may use (``os.sched_getaffinity``): what an epdserve worker
     started here gets (``serving/worker/setup.pin_to_cores``)."""
@@ -365,7 +372,7 @@ def measure(threads: int | None = None, model_dir: str | Path | None = None,
                        "floor_ms_read": floor_ms(nbytes, memory["read_gbs"])})
     return {"threads": threads, "cores": sorted(os.sched_getaffinity(0)),
             "machine": cpu_model(),
-            "cpu_flags": sorted(flags & {"avx2", "fma", "avx512f", "amx_tile", *BF16_FLAGS}),
+            "cpu_flags": speed_flags(),
             "model": {"dir": str(model_dir), **cfg},
             "gemm": result_gemm,
             "bf16": {"measured": bool(bf16_flags),

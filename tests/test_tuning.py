@@ -16,8 +16,8 @@ import torch
 
 from epdserve.model import cutover, kernels, tuning
 
-SPIN = ("import os, time\nos.sched_setaffinity(0, {%d})\nend = time.monotonic() + 60\n"
-        "while time.monotonic() < end: pass\n")
+SPIN = ("import os, time\nos.sched_setaffinity(0, {%d})\nprint('spinning', flush=True)\n"
+        "end = time.monotonic() + 60\nwhile time.monotonic() < end: pass\n")
 
 
 def test_the_cutover_is_where_the_blas_stays_faster():
@@ -141,10 +141,14 @@ def test_processes_spinning_on_our_cores_are_seen_and_their_choice_is_not_kept(c
     """Real load: one spinning process per core of this process while a real cut-over-like
     choice (matmuls of 1-256 rows) is timed: the attempt sees the outside load, every attempt
     is disturbed, the entry is kept marked disturbed."""
-    a, b = torch.randn(256, 576), torch.randn(576, 576)
+    # Matmuls long enough (~0.3 s an attempt) for /proc/stat's 10 ms ticks to count the load.
+    a, b = torch.randn(256, 2048), torch.randn(2048, 2048)
     candidates = {cutover.candidate(w, m): (lambda m=m: a[:m] @ b) for m in cutover.ROWS for w in cutover.WAYS}
-    spinners = [subprocess.Popen([sys.executable, "-c", SPIN % core]) for core in sorted(os.sched_getaffinity(0))]
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN % core], stdout=subprocess.PIPE, text=True)
+                for core in sorted(os.sched_getaffinity(0))]
     try:
+        for p in spinners:  # each is spinning before anything is timed
+            assert p.stdout.readline().strip() == "spinning"
         got = tuning.choose("cutover", ["spun"], lambda: tuning.time_rounds(candidates), cutover.decide,
                             cutover.valid)
         loaded = tuning.time_rounds(candidates)

@@ -58,6 +58,15 @@ def cpu_model() -> str:
     return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
+# The flags that decide which kernels run fastest here: printed beside every measured choice.
+SPEED_FLAGS = frozenset({"avx2", "fma", "avx512f", "amx_tile", "avx512_bf16", "amx_bf16", "bf16"})
+
+
+def speed_flags() -> list[str]:
+    """This CPU's :data:`SPEED_FLAGS`, sorted."""
+    return sorted(cpu_flags() & SPEED_FLAGS)
+
+
 def cpu_flags() -> set[str]:
     """This CPU's feature flags: ``/proc/cpuinfo``'s ``flags`` line (x86) or ``Features``
     line (Arm); empty elsewhere."""

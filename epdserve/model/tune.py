@@ -69,8 +69,8 @@ def run(args: Options) -> int:
     if info.multimodal:
         return error(f"--model {args.model}: a vision-language model's language model holds no GGUF blocks "
                      "(its workers run dense weights): nothing to measure")
-    flags = sorted(kernels.cpu_flags() & {"avx2", "fma", "avx512f", "amx_tile", *BF16_CPU_FLAGS})
-    print(f"{kernels.cpu_model()}, flags: {' '.join(flags)}, torch {torch.__version__}; model {info.name}")
+    print(f"{kernels.cpu_model()}, flags: {' '.join(kernels.speed_flags())}, torch {torch.__version__}; "
+          f"model {info.name}")
     for n in threads:
         torch.set_num_threads(n)
         for fmt in formats:

@@ -151,12 +151,11 @@ def choose(name: str, key: Sequence, measure: Callable[[], Attempt],
                          torch.get_num_threads(), attempt, path)
                 return Tuned(value, MEASURED, path)
             pooled = {c: min(t, pooled.get(c, t)) for c, t in a.best().items()}
-        value = decide(pooled)
-        _write(path, parts, value, pooled, a, attempt + (kept["attempts"] if kept else 0), disturbed=True)
+        value, attempts = decide(pooled), attempt + (kept["attempts"] if kept else 0)
+        _write(path, parts, value, pooled, a, attempts, disturbed=True)
         log.warning("%s: %s, from the best times of %d disturbed measurements (other processes took %s of the "
                     "cores in the last, or the repeats disagreed): kept as disturbed, measured again at the next "
-                    "start until a quiet one replaces it", name, value, attempt + (kept["attempts"] if kept else 0),
-                    f"{a.outside_share or 0:.0%}")
+                    "start until a quiet one replaces it", name, value, attempts, f"{a.outside_share or 0:.0%}")
         return Tuned(value, DISTURBED, path)
 
 
