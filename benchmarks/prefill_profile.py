@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm", action="store_true",
                    help="also vLLM's split of the same prompts, from its torch profiler (benchmarks/vllm_profile.py; "
                         "make vllm)")
+    p.add_argument("--vllm-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="vllm serve --dtype for --vllm (bfloat16: against --weight-format q4_1+bf16 or --dtype bfloat16)")
     p.add_argument("--output", type=Path, default=None, metavar="DIR")
     args = p.parse_args(argv)
     if args.threads > engine_limits.default_threads():
@@ -270,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = args.output or Path("results/prefill-profile")
         out_dir.mkdir(parents=True, exist_ok=True)
         result["vllm"] = vllm_profile.run([r.prompt for r in traces[1:args.reps + 1]], info.path, info.name,
-                                          args.port + 2, out_dir, speed_engines.default_vllm_bind())
+                                          args.port + 2, out_dir, speed_engines.default_vllm_bind(),
+                                          dtype=args.vllm_dtype)
     inp = result["in_process"]
     dtype = "bfloat16" if "bf16" in inp["weight_format"] or args.dtype == "bfloat16" else "float32"
     tokens, ceiling = engine_limits.prefill_ceiling(limits, inp["prompt_tokens"], dtype)

@@ -43,17 +43,20 @@ def _mean_prompt(result: dict) -> float:
 
 
 def shares(limits: dict, results: dict[str, dict[int, dict]], output_len: int, model_dir: Path,
-           gguf: str | None, weight_formats: dict[str, str] | None = None) -> dict:
+           gguf: str | None, weight_formats: dict[str, str] | None = None,
+           kv_dtypes: dict[str, str] | None = None) -> dict:
     """``{engine: {"prefill": {...} (C=1 only), "decode": {str(C): {...}}}}``, see the
     module doc; ``weight_formats``: engine -> its workers' ``--weight-format`` as /health
-    named it (epdserve). An engine whose weight format cannot be read here is left out of
-    decode."""
+    named it (epdserve); ``kv_dtypes``: engine -> its KV cache's dtype where it is not
+    :data:`ENGINE_FORMATS`' (epdserve's /health ``kv_dtype``, vLLM's ``--dtype``). An engine
+    whose weight format cannot be read here is left out of decode."""
     cfg = limits["model"]
     gbs = limits["memory"]["copy_gbs"]
     weights: dict[str, dict | None] = {}
     out = {}
     for name, per_c in results.items():
         fmt, kv_elem = ENGINE_FORMATS.get(name, ("float32", 4))
+        kv_elem = {"bfloat16": 2, "float32": 4}.get((kv_dtypes or {}).get(name, ""), kv_elem)
         served = (weight_formats or {}).get(name, "")
         if served and "q4_1" not in served:
             fmt = "float32"  # a dense copy only (a bf16 one still counted at 4 bytes: an upper bound)

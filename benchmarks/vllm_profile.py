@@ -86,15 +86,15 @@ def split(trace_dir: Path, requests: int) -> dict:
 
 
 def run(prompts: list[str], model_dir: Path, served_name: str, port: int, out_dir: Path, bind: str,
-        startup_timeout_s: float = speed_engines.VLLM_STARTUP_TIMEOUT_S) -> dict:
-    """Start vLLM with its torch profiler, send ``prompts`` (chat messages' text) one at a time
+        startup_timeout_s: float = speed_engines.VLLM_STARTUP_TIMEOUT_S, dtype: str = "float32") -> dict:
+    """Start vLLM (``--dtype dtype``) with its torch profiler, send ``prompts`` (chat messages' text) one at a time
     with ``max_tokens`` 1 while profiling, stop it: :func:`split` of its trace, with the
     requests' mean wall time (ms)."""
     binary = speed_engines.VLLM_VENV / "bin" / "vllm"
     if not port_is_free(port):
         raise RuntimeError(f"vllm: port {port} on 127.0.0.1 is in use; pass --port")
     trace_dir = (out_dir / "vllm-trace").resolve()
-    cmd = speed_engines.vllm_command(binary, model_dir, served_name, port) + [
+    cmd = speed_engines.vllm_command(binary, model_dir, served_name, port, dtype) + [
         "--profiler-config.profiler", "torch", "--profiler-config.torch_profiler_dir", str(trace_dir)]
     server = ServerProcess("vllm", cmd, out_dir / "vllm-profile.log", f"http://127.0.0.1:{port}",
                            env=speed_engines.vllm_env(bind))

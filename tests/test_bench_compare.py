@@ -190,6 +190,7 @@ def test_resources_lists_each_workers_cores(pd_server, tmp_path):
     assert roles["prefill"] and roles["decode"]
     assert res["cores"] == sorted(roles["prefill"] | roles["decode"])
     assert res["num_cores"] == len(res["cores"])
+    assert {w["kv_dtype"] for w in res["workers"]} == {"float32"}  # the model's: --kv-cache-dtype auto
 
 
 def client_result(ttfts_s, itls_s, ids, errors=None):

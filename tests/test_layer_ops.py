@@ -24,23 +24,72 @@ def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def test_rms_norm_matches_transformers_order():
-    x, w = randn(7, 576) * 3, randn(576, seed=1)
-    got = torch.ops.epdserve.rms_norm(x, w, 1e-5)
-    torch.testing.assert_close(got, layer_ops.rms_norm_torch(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+BF16 = torch.bfloat16
 
 
-def test_rope_and_kv_write_are_bit_identical():
+@pytest.mark.parametrize("dtype, out", [(torch.float32, None), (torch.float32, BF16), (BF16, None)])
+def test_rms_norm_matches_transformers_order(dtype, out):
+    """Float32 within summation noise (a bfloat16 result within its rounding of that noise);
+    a bfloat16 model's norm bit-identical to transformers' (its rounding steps mirrored)."""
+    x, w = (randn(7, 576) * 3).to(dtype), randn(576, seed=1).to(dtype)
+    got = layer_ops.rms_norm(x, w, 1e-5, out)
+    expected = layer_ops.rms_norm_torch(x, w, 1e-5).to(out or dtype)
+    assert got.dtype == (out or dtype)
+    if dtype == BF16:
+        assert torch.equal(got, expected)
+    else:
+        tol = 8e-3 if out == BF16 else 1e-5
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype, out", [(torch.float32, None), (torch.float32, BF16), (BF16, None)])
+def test_silu_mul_matches_pytorch(dtype, out):
+    """silu(gate) * up: float32 within an ulp-level difference of PyTorch's exp; bfloat16
+    bit-identical (PyTorch's float32 arithmetic and roundings)."""
+    gate_up = (randn(5, 2 * 1536) * 4).to(dtype)
+    got = layer_ops.silu_mul(gate_up, out)
+    expected = layer_ops.silu_mul_torch(gate_up.clone()).to(out or dtype)
+    assert got.shape == (5, 1536) and got.dtype == (out or dtype)
+    if dtype == BF16:
+        assert torch.equal(got, expected)
+    else:
+        tol = 8e-3 if out == BF16 else 1e-5
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+def rope_case(dtype):
     positions, slots = torch.tensor([0, 5, 17, 3, 100, 2, 9]), torch.tensor([3, 9, 1, 40, 63, 0, 7])
-    qkv = randn(7, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
-    cos, sin = randn(200, HEAD_DIM, seed=1), randn(200, HEAD_DIM, seed=2)
-    caches = [torch.zeros(64, KV_HEADS, HEAD_DIM) for _ in range(4)]
+    qkv = randn(7, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
+    cos, sin = randn(200, HEAD_DIM, seed=1).to(dtype), randn(200, HEAD_DIM, seed=2).to(dtype)
+    return qkv, positions, slots, cos, sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_rope_and_kv_write_are_bit_identical(dtype):
+    """In the model's dtype throughout (float32, or a bfloat16 model's rounding of each product)."""
+    qkv, positions, slots, cos, sin = rope_case(dtype)
+    caches = [torch.zeros(64, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(4)]
     expected = qkv.clone()
-    torch.ops.epdserve.rope_write_kv(qkv, positions, cos, sin, caches[0], caches[1], slots, HEADS)
+    layer_ops.rope_write_kv(qkv, positions, cos, sin, caches[0], caches[1], slots, HEADS)
     layer_ops.rope_write_kv_torch(expected, positions, cos, sin, caches[2], caches[3], slots, HEADS)
     assert torch.equal(qkv, expected)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0][slots].abs().sum() > 0 and caches[0][10:40].abs().sum() == 0  # only the given slots
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, BF16])
+def test_rope_on_bfloat16_gemm_output_computes_in_float32(cache_dtype):
+    """A float32 model's bfloat16 GEMM output: RoPE in float32 (as on its float32 cast), Q
+    rounded once into qkv, K and V written to the cache from the float32 values."""
+    qkv, positions, slots, cos, sin = rope_case(torch.float32)
+    qkv = qkv.to(BF16)
+    reference = qkv.float()
+    caches = [torch.zeros(64, KV_HEADS, HEAD_DIM) for _ in range(2)]
+    layer_ops.rope_write_kv_torch(reference, positions, cos, sin, caches[0], caches[1], slots, HEADS)
+    got = [torch.zeros(64, KV_HEADS, HEAD_DIM, dtype=cache_dtype) for _ in range(2)]
+    layer_ops.rope_write_kv(qkv, positions, cos, sin, got[0], got[1], slots, HEADS)
+    assert torch.equal(qkv, reference.to(BF16))
+    assert torch.equal(got[0], caches[0].to(cache_dtype)) and torch.equal(got[1], caches[1].to(cache_dtype))
 
 
 @pytest.mark.parametrize("ctx_lens", [[1, 16, 17, 250], [37, 3]])
@@ -60,6 +109,19 @@ def test_paged_decode_attention_matches_sdpa(ctx_lens):
     lens = torch.tensor(ctx_lens)
     got = layer_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, BLOCK)
     expected = layer_ops.paged_decode_attention_torch(q, k_cache, v_cache, tables, lens, BLOCK)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
+
+
+def test_paged_decode_attention_reads_a_bfloat16_cache():
+    """A bfloat16 KV cache (--kv-cache-dtype) read as float32: the PyTorch version on the
+    same rounded values, within float32 summation noise."""
+    k_cache = randn(8 * BLOCK, KV_HEADS, HEAD_DIM, seed=1).to(BF16)
+    v_cache = randn(8 * BLOCK, KV_HEADS, HEAD_DIM, seed=2).to(BF16)
+    tables, lens = torch.tensor([[3, 1, 6], [0, 2, 2]]), torch.tensor([40, 20])
+    q = randn(2, HEADS, HEAD_DIM, seed=4) * 4
+    got = layer_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, BLOCK)
+    expected = layer_ops.paged_decode_attention_torch(q, k_cache, v_cache, tables, lens, BLOCK)
+    assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
 
 
@@ -105,6 +167,7 @@ def test_model_with_kernels_matches_pytorch_operators(model_info, monkeypatch):
 
     fused_tokens, fused_logits = greedy()
     monkeypatch.setattr(layer_ops, "fused", lambda x: False)
+    monkeypatch.setattr(layer_ops, "fused_any", lambda *tensors: False)
     torch_tokens, torch_logits = greedy()
     assert fused_tokens == torch_tokens
     torch.testing.assert_close(fused_logits, torch_logits, rtol=1e-4, atol=1e-3)

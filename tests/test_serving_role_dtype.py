@@ -1,11 +1,14 @@
 """Per-role precision: ``serve --prefill-dtype bfloat16`` runs bf16 prefill workers next to
-float32 decode workers (the decode worker converts the imported KV), the router accepts the
+float32 decode workers (the decode worker converts the imported KV), as does
+``--prefill-kv-cache-dtype bfloat16`` (a float32 model, its KV cache bfloat16), the router accepts the
 pair, and its greedy answer starts as float32's; any other KV layout difference between the
 roles is still refused."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+
+import pytest
 
 from conftest import _stop, start_deployment
 from epdserve.serving.handshake import refusal
@@ -27,8 +30,11 @@ def test_handshake_accepts_a_dtype_difference_only():
     assert "'block_size': 32" in reason and "prefill-0" in reason
 
 
-def test_bf16_prefill_float32_decode_serves(tmp_path, colocated_server):
-    dep = start_deployment("pd", tmp_path, "--prefill-dtype", "bfloat16")
+@pytest.mark.parametrize("flags", [["--prefill-dtype", "bfloat16"], ["--prefill-kv-cache-dtype", "bfloat16"]])
+def test_bf16_prefill_float32_decode_serves(tmp_path, colocated_server, flags):
+    """A bfloat16 prefill model, or a float32 one with a bfloat16 KV cache, hands its KV to a
+    float32 decode worker."""
+    dep = start_deployment("pd", tmp_path, *flags)
     try:
         workers = {w["worker_id"]: w for w in dep.health()["workers"]}
         assert {w["state"] for w in workers.values()} == {"up"}

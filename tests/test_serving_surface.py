@@ -242,6 +242,11 @@ def test_serve_passes_worker_flags_as_the_worker_parses_them():
     # --decode-dtype is the decode workers' --dtype.
     argv = launcher.worker_command(serve.parse_args(["--decode-dtype", "bfloat16"]), "decode", "d-0", [1], "e", "c")
     assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    # --decode-kv-cache-dtype is the decode workers' --kv-cache-dtype, not the prefill workers'.
+    args = serve.parse_args(["--decode-kv-cache-dtype", "bfloat16"])
+    argv = launcher.worker_command(args, "decode", "d-0", [1], "e", "c")
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "bfloat16"
+    assert "--kv-cache-dtype" not in launcher.worker_command(args, "prefill", "p-0", [0], "e", "c")
 
 
 def test_vllm_flag_names_and_bad_numbers(capsys):

@@ -68,6 +68,10 @@ def test_steps_run_on_the_blocks_or_the_dense_copy_by_rows(model_info):
     dense16 = linear.Linear(None, w.to(BF16))
     y = dense16(large)
     assert y.dtype == F32 and torch.equal(y, F.linear(large.to(BF16), w.to(BF16)).float())
+    packed = linear.Linear(None, linear.pack(w.to(BF16)))  # oneDNN's layout: the same products
+    assert packed.dense.is_mkldnn == torch.backends.mkldnn.is_available() and packed.dense.shape == w.shape
+    assert torch.equal(packed(large), y) and torch.equal(packed(large.to(BF16)), y.to(BF16))
+    assert packed.nbytes() == w.numel() * 2
     blocks_bytes = linear.Linear(b, None).nbytes()
     assert blocks_bytes == w.numel() * 24 // 32  # Q4_1 here: 16 bytes of quants + float32 d and m per 32
     assert both.nbytes() == blocks_bytes + w.numel() * 4 and dense16.nbytes() == w.numel() * 2

@@ -132,9 +132,9 @@ class ServerProcess:
         return wait_ready(self.base_url + "/health", [self], timeout_s, workers=workers)
 
     def resources(self) -> dict:
-        """``{"workers": [{"worker_id", "role", "cores", "weight_format"}], "cores": [...],
-        "num_cores": n}`` from ``/health`` (the CPU cores the launcher pinned each worker to,
-        the weight format its engine holds); ``num_cores`` is None when no worker lists its
+        """``{"workers": [{"worker_id", "role", "cores", "weight_format", "kv_dtype"}], "cores":
+        [...], "num_cores": n}`` from ``/health`` (the CPU cores the launcher pinned each worker
+        to, the weight format its engine holds, its KV cache's dtype); ``num_cores`` is None when no worker lists its
         cores (e.g. a server that is not epdserve's)."""
         try:
             with httpx.Client(timeout=5.0, trust_env=False) as http:
@@ -143,7 +143,7 @@ class ServerProcess:
             body = {}
         if not isinstance(body, dict):
             body = {}
-        workers = [{k: w.get(k) for k in ("worker_id", "role", "cores", "weight_format")}
+        workers = [{k: w.get(k) for k in ("worker_id", "role", "cores", "weight_format", "kv_dtype")}
                    for w in body.get("workers", []) if isinstance(w, dict)]
         cores = sorted({c for w in workers for c in (w["cores"] or [])})
         return {"workers": workers, "cores": cores, "num_cores": len(cores) or None}

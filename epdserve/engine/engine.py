@@ -31,6 +31,7 @@ from epdserve.engine.prompt_logprobs import PromptLogprob, PromptLogprobsCollect
 from epdserve.engine.request import PromptImages, SamplingParams, Sequence
 from epdserve.engine.sampler import TokenLogprobs, sample
 from epdserve.engine.scheduler import Scheduler, SchedulerConfig
+from epdserve.model import kv_cache_dtype
 from epdserve.model.cuda_graphs import DecodeGraphs
 from epdserve.model.device import parse_device, synchronize
 from epdserve.model.loader import load_language_model
@@ -48,16 +49,15 @@ class EngineConfig:
     """Engine settings. ``kv_cache_memory_mb`` sizes the block pool (MiB) unless
     ``num_kv_blocks`` fixes the block count (as vLLM's ``num_gpu_blocks_override``);
     ``enable_chunked_prefill``, ``max_num_batched_tokens`` as vLLM's (on; None: 2,048 tokens
-    a step chunked, else the context window);
-    ``enable_prefix_caching`` as vLLM's (on by default, see ``engine/prefix_cache.py``);
-    ``weight_format``: which copies of the linear weights the model holds and computes from
-    (``model/linear.py``'s ``--weight-format``: GGUF blocks, a dense float32 or bfloat16
-    copy, or both; ``auto`` as for an engine that prefills and decodes). ``device``: ``cpu``, ``cuda`` or ``cuda:N`` (``model/device.py``):
-    where the weights, the KV cache, the activations and the sampler live; each step
-    moves its metadata there once and brings back only token ids (and logprobs).
-    ``cuda_graph``: on CUDA, decode-only steps replay CUDA graphs captured per batch-size
-    bucket at start-up (``model/cuda_graphs.py``; vLLM's default, the inverse of its
-    ``--enforce-eager``); ignored on the CPU."""
+    a step chunked, else the context window); ``enable_prefix_caching`` as vLLM's (on,
+    ``engine/prefix_cache.py``); ``weight_format``: the copies of the linear weights the
+    model holds (``model/linear.py``; ``auto`` as for an engine that prefills and decodes);
+    ``kv_cache_dtype``: ``auto`` (the model's) or ``bfloat16`` (``model/kv_cache_dtype.py``).
+    ``device``: ``cpu``, ``cuda`` or ``cuda:N`` (``model/device.py``): where the weights, the
+    KV cache, the activations and the sampler live; each step moves its metadata there once
+    and brings back only token ids (and logprobs). ``cuda_graph``: on CUDA, decode-only steps
+    replay CUDA graphs captured per batch-size bucket at start-up (``model/cuda_graphs.py``;
+    vLLM's default, the inverse of its ``--enforce-eager``); ignored on the CPU."""
 
     block_size: int = 16
     kv_cache_memory_mb: int = 1024
@@ -68,6 +68,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     dtype: str = "float32"
     weight_format: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     cuda_graph: bool = False
 
@@ -83,8 +84,7 @@ class StepOutput:
     not be sampled; other requests go on).
     ``kv_block_ids``: for a request that asked to ``hold_kv`` (finished False), the handle of
     the hold: the blocks holding the prompt's KV; they stay allocated until
-    :meth:`LLMEngine.release_kv`. ``timings``: ms,
-    on the request's last output.
+    :meth:`LLMEngine.release_kv`. ``timings``: ms, on the request's last output.
     ``num_cached_tokens``: prompt tokens found in the prefix cache when the request was
     first admitted (OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
     ``logprobs``: one :data:`~epdserve.engine.sampler.TokenLogprobs` per token of
@@ -116,11 +116,11 @@ class LLMEngine:
     ``kv_parts`` holds every rank's cache where this process can address them (imports and
     exports move every KV head; ``kv_cache`` is rank 0's part).
 
-    Raises (constructor): ``ValueError`` for an unknown dtype, a weight format the model
-    cannot hold, a device that is not one
-    or is not here (``parse_device``), a budget too small for one block, or a
-    ``kv_allocator`` whose tensor does not fit the cache (or with ``tp``, any); ``ModelLoadError`` for a model that cannot
-    be loaded; with ``tp``, whatever ``tp.drive`` raises (another rank failed to start).
+    Raises (constructor): ``ValueError`` for an unknown dtype, a weight format or KV cache
+    dtype the model cannot hold, a device that is not one or is not here (``parse_device``),
+    a budget too small for one block, or a ``kv_allocator`` whose tensor does not fit the
+    cache (or with ``tp``, any); ``ModelLoadError`` for a model that cannot be loaded; with
+    ``tp``, whatever ``tp.drive`` raises (another rank failed to start).
     """
 
     def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), kv_allocator=None,
@@ -135,20 +135,20 @@ class LLMEngine:
                                                               device, tp.rank if tp else None)
         mc = self.model.config
         self.max_model_len = mc.max_position_embeddings
-        block_bytes = config.block_size * mc.kv_bytes_per_token(DTYPES[config.dtype].itemsize)
+        self.kv_dtype = kv_cache_dtype.resolve(config.kv_cache_dtype, self.model.dtype, device)
+        block_bytes = config.block_size * mc.kv_bytes_per_token(self.kv_dtype.itemsize)
         num_blocks = config.num_kv_blocks or config.kv_cache_memory_mb * 2**20 // block_bytes
         self.pool = BlockPool(num_blocks, config.block_size)
         if tp is None:  # kv_allocator(shape, dtype, device): a prefill worker's shared KV pool (/dev/shm or CUDA IPC)
-            parts = [self.model.allocate_kv_cache(num_blocks, config.block_size, kv_allocator)]
+            parts = [self.model.allocate_kv_cache(num_blocks, config.block_size, kv_allocator, self.kv_dtype)]
         elif kv_allocator is not None:
             raise ValueError("a tensor-parallel engine's KV cache is its ranks' (tp.drive), not a kv_allocator's")
         else:
-            self.model, parts = tp.drive(self.model, num_blocks, config.block_size)
+            self.model, parts = tp.drive(self.model, num_blocks, config.block_size, self.kv_dtype)
         self.kv_cache = parts[0]  # what this process's forward pass reads and writes
         # Every rank's part, for imports and exports (None where the other ranks' caches are not addressable here).
         self.kv_parts = KVParts(parts) if len(parts) == len(self.model.kv_head_split) else None
-        # Captured before any request holds a block: the capture's warm-up writes slot 0.
-        self.graphs = None
+        self.graphs = None  # captured before any request holds a block: the capture's warm-up writes slot 0
         if config.cuda_graph and self.device.type == "cuda" and tp is None:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
                                        -(-self.max_model_len // config.block_size))
@@ -174,7 +174,7 @@ class LLMEngine:
         mc = self.model.config
         return {"num_layers": mc.num_hidden_layers, "num_kv_heads": sum(self.model.kv_head_split),
                 "head_dim": mc.head_dim, "block_size": self.config.block_size,
-                "dtype": self.config.dtype}
+                "dtype": kv_cache_dtype.name_of(self.kv_dtype)}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     kv: KVSource | None = None, first_token: int | None = None,
@@ -329,9 +329,9 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Block and queue counts (what a worker reports to the router). ``blocks_in_use``
-        counts referenced blocks (cached-but-free ones are not in use); the prefix-cache
-        counters are cumulative tokens (see :class:`~epdserve.engine.prefix_cache.PrefixCache`);
-        ``num_steps`` counts forward passes, ``last_step_tokens`` the tokens the last one computed."""
+        counts referenced blocks (cached-but-free ones are not in use); the prefix-cache counters
+        are cumulative tokens (:class:`~epdserve.engine.prefix_cache.PrefixCache`); ``num_steps``
+        counts forward passes, ``last_step_tokens`` the tokens the last one computed."""
         return {"blocks_total": self.pool.num_blocks, "blocks_in_use": self.pool.num_in_use,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions,

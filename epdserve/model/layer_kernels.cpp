@@ -3,16 +3,19 @@
 // At decode batch 1 a step of SmolLM2-135M is ~50% weight matmuls and ~50% the ~150 small
 // PyTorch operators per layer around them (RMSNorm's 7, RoPE's 14, the block gathers, the
 // attention mask, SDPA's set-up), each costing a few microseconds of dispatch for a few
-// hundred flops. These three operators replace them:
+// hundred flops. These operators replace them:
 //   rms_norm            transformers' LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps))
+//   silu_mul            SwiGLU's silu(gate) * up
 //   rope_write_kv       rotate-half RoPE on Q and K in place, then K and V into their slots
 //   paged_decode_attention
 //                       one query token per sequence against its blocks of the paged cache
-//   decode_layer        a whole layer of a decode-only step on the three above
-// Float32 only. The RoPE arithmetic is the same two products and one sum as the PyTorch
-// code (compiled with -ffp-contract=off, so no FMA contraction), hence bit-identical;
-// the reductions (RMSNorm's mean, attention's dot products and softmax) sum in another
-// order than PyTorch's and differ in the last bits.
+//   decode_layer        a whole layer of a decode-only step on the ones above
+// Arithmetic in float32; storage float32 or bfloat16 (a float32 model's bfloat16 GEMM inputs
+// and outputs, a bfloat16 model, a bfloat16 KV cache), rounded as PyTorch rounds. The RoPE
+// arithmetic is the same two products and one sum as the PyTorch code (compiled with
+// -ffp-contract=off, so no FMA contraction), hence bit-identical; the reductions (RMSNorm's
+// mean, attention's dot products and softmax) sum in another order than PyTorch's, and
+// SiLU's exp is another polynomial: they differ in the last bits.
 // Built with quant_kernels.cpp into one library by epdserve/model/kernels.py.
 
 #include <ATen/ATen.h>
@@ -22,6 +25,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -33,20 +37,52 @@ float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// sum_i a[i] * b[i] for n a multiple of 8.
-float dot(const float* a, const float* b, int64_t n) {
+// Float32 or bfloat16 storage, float32 arithmetic: 8 lanes loaded as float32, stored with
+// PyTorch's rounding to bfloat16 (to nearest even, NaN to 0x7FC0).
+__m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// v's lanes rounded to bfloat16, each in the upper 16 bits of its 32 (lower bits zero).
+__m256i bf16_bits(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return r;
+}
+
+void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i r = bf16_bits(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+// v rounded to bfloat16 and back when `bf16` (a bfloat16 model's PyTorch operators round
+// each intermediate result), else v.
+__m256 round_if(__m256 v, bool bf16) {
+  return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)) : v;
+}
+
+// sum_i a[i] * b[i] for n a multiple of 8 (b float32 or bfloat16).
+template <typename B>
+float dot(const float* a, const B* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
   return hsum8(acc);
 }
 
 // out[j] = dot(q, base + rows[j]) * scale for j < 4: four independent FMA chains, where one
 // dot product at a time waits on its single accumulator's latency.
-void dot4(const float* q, const float* base, const int64_t* rows, int64_t n, float scale, float* out) {
+template <typename B>
+void dot4(const float* q, const B* base, const int64_t* rows, int64_t n, float scale, float* out) {
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t i = 0; i < n; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(base + rows[j] + i), acc[j]);
+    for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(base + rows[j] + i), acc[j]);
   }
   for (int j = 0; j < 4; ++j) out[j] = hsum8(acc[j]) * scale;
 }
@@ -54,20 +90,21 @@ void dot4(const float* q, const float* base, const int64_t* rows, int64_t n, flo
 // out[0..D) = sum_p w[p] * base[rows[p] + 0..D), D a multiple of 8. Each 32-float slice of
 // out stays in 4 registers across all positions: accumulating in memory instead made every
 // position wait on a store and a reload (~8x slower at 256 positions).
-void weighted_sum(const float* w, const float* base, const int64_t* rows, int64_t n, int64_t D, float* out) {
+template <typename B>
+void weighted_sum(const float* w, const B* base, const int64_t* rows, int64_t n, int64_t D, float* out) {
   int64_t i = 0;
   for (; i + 32 <= D; i += 32) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t p = 0; p < n; ++p) {
       const __m256 wp = _mm256_broadcast_ss(w + p);
-      const float* v = base + rows[p] + i;
-      for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(wp, _mm256_loadu_ps(v + 8 * j), acc[j]);
+      const B* v = base + rows[p] + i;
+      for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(wp, load8(v + 8 * j), acc[j]);
     }
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + i + 8 * j, acc[j]);
   }
   for (; i < D; i += 8) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t p = 0; p < n; ++p) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(w + p), _mm256_loadu_ps(base + rows[p] + i), acc);
+    for (int64_t p = 0; p < n; ++p) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(w + p), load8(base + rows[p] + i), acc);
     _mm256_storeu_ps(out + i, acc);
   }
 }
@@ -115,107 +152,161 @@ void check_long(const at::Tensor& t, const char* name, int64_t dim) {
               " must be a contiguous int64 tensor of ", dim, " dims");
 }
 
-// x [T, H] -> w * (x * rsqrt(mean(x^2, -1) + eps)), w [H]; H a multiple of 8.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_float(x, "x", 2);
-  check_float(weight, "weight", 1);
+// f(T{}) with T the C++ type of `t`'s dtype: float32 or bfloat16, else an error naming `name`.
+template <typename F>
+void with_type(const at::Tensor& t, const char* name, F f) {
+  if (t.scalar_type() == at::kFloat) return f(float{});
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16, not ", t.scalar_type());
+  f(c10::BFloat16{});
+}
+
+template <typename In, typename Out>
+void rms_norm_rows(const In* xp, const In* wp, Out* op, int64_t T, int64_t H, float eps) {
+  const bool bf16 = std::is_same<In, c10::BFloat16>::value;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const In* row = xp + t * H;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < H; i += 8) acc = _mm256_fmadd_ps(load8(row + i), load8(row + i), acc);
+      const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(hsum8(acc) / static_cast<float>(H) + eps));
+      for (int64_t i = 0; i < H; i += 8)  // weight * (x * r), x * r in the model's dtype
+        store8(op + t * H + i, _mm256_mul_ps(load8(wp + i), round_if(_mm256_mul_ps(load8(row + i), r), bf16)));
+    }
+  });
+}
+
+// x [T, H] -> w * (x * rsqrt(mean(x^2, -1) + eps)), w [H] in x's dtype, H a multiple of 8;
+// the result in out_dtype (default x's): a float32 model's norm can feed bfloat16 GEMMs
+// without a cast of its own. A bfloat16 x follows transformers' LlamaRMSNorm: float32
+// statistics, x * rsqrt rounded to bfloat16, then the weight's product rounded.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.scalar_type() == x.scalar_type(),
+              "x must be [T, H] and weight [H] of x's dtype");
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(weight.size(0) == H && H % 8 == 0, "weight must be [H] with H (", H, ") a multiple of 8");
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor out = at::empty({T, H}, x.options());
-  const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = xp + t * H;
-      const float r = 1.0f / std::sqrt(dot(row, row, H) / static_cast<float>(H) + static_cast<float>(eps));
-      for (int64_t i = 0; i < H; ++i) op[t * H + i] = wp[i] * (row[i] * r);
-    }
+  at::Tensor out = at::empty({T, H}, x.options().dtype(out_dtype.value_or(x.scalar_type())));
+  with_type(xc, "x", [&](auto in) {
+    using In = decltype(in);
+    with_type(out, "out_dtype", [&](auto o) {
+      rms_norm_rows(xc.data_ptr<In>(), wc.data_ptr<In>(), out.data_ptr<decltype(o)>(), T, H, static_cast<float>(eps));
+    });
   });
   return out;
 }
 
-// qkv [T, (Hq + 2 Hkv) D] (rows of Q heads, K heads, V heads): RoPE with the rows
-// positions[t] of cos, sin [P, D] on the Q and K heads in place; then each row's K and V
-// heads into slot slot_mapping[t] of k_cache, v_cache [slots, Hkv, D].
-void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-                   at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t num_heads) {
-  check_float(qkv, "qkv", 2);
-  check_float(cos, "cos", 2);
-  check_float(sin, "sin", 2);
-  check_float(k_cache, "k_cache", 3);
-  check_float(v_cache, "v_cache", 3);
-  check_long(positions, "positions", 1);
-  check_long(slot_mapping, "slot_mapping", 1);
-  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous()
-              && v_cache.is_contiguous(), "qkv, cos, sin and the caches must be contiguous");
-  const int64_t T = qkv.size(0), slots = k_cache.size(0), kv_heads = k_cache.size(1), D = k_cache.size(2);
-  const int64_t P = cos.size(0), half = D / 2, width = qkv.size(1);
-  TORCH_CHECK(width == (num_heads + 2 * kv_heads) * D, "qkv has ", width, " columns, not (", num_heads,
-              " + 2 x ", kv_heads, ") x ", D);
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == D && v_cache.sizes() == k_cache.sizes(),
-              "cos, sin must be [P, D] and the caches equal in shape");
-  TORCH_CHECK(positions.size(0) == T && slot_mapping.size(0) == T, "positions and slot_mapping need T entries");
-  float* base = qkv.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  const int64_t *pos = positions.data_ptr<int64_t>(), *slot = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < P && slot[t] >= 0 && slot[t] < slots, "row ", t, ": position ", pos[t],
-                " or slot ", slot[t], " out of range");
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+// silu(gate) * up for gate_up [T, 2I] (gate the first I columns, up the last), I a multiple
+// of 8, into [T, I] of out_dtype (default gate_up's). silu(g) = g * sigmoid(g), sigmoid by
+// exp_nonpositive of -|g| (an ulp-level difference from PyTorch's, as RMSNorm's sum has);
+// a bfloat16 gate_up rounds silu's result before the product, as PyTorch's bfloat16 ops do.
+template <typename In, typename Out>
+void silu_mul_rows(const In* gp, Out* op, int64_t T, int64_t I) {
+  const bool bf16 = std::is_same<In, c10::BFloat16>::value;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      float* row = base + t * width;
-      const float *c = cp + pos[t] * D, *s = sp + pos[t] * D;
-      for (int64_t h = 0; h < num_heads + kv_heads; ++h) {
-        float* x = row + h * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x[i], b = x[i + half];
-          // x * cos + cat(-x2, x1) * sin, product by product as PyTorch evaluates it.
-          x[i] = a * c[i] - b * s[i];
-          x[i + half] = b * c[i + half] + a * s[i + half];
-        }
+      const In* row = gp + t * 2 * I;
+      for (int64_t i = 0; i < I; i += 8) {
+        const __m256 g = load8(row + i);
+        const __m256 e = exp_nonpositive(_mm256_or_ps(g, sign));  // e^-|g|
+        // g / (1 + e^-g) as PyTorch's silu for g >= 0; g e^g / (1 + e^g) below, e^g <= 1 not overflowing.
+        const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+        const __m256 silu = _mm256_div_ps(num, _mm256_add_ps(one, e));
+        store8(op + t * I + i, _mm256_mul_ps(round_if(silu, bf16), load8(row + I + i)));
       }
-      const int64_t n = kv_heads * D;
-      std::copy(row + num_heads * D, row + num_heads * D + n, kc + slot[t] * n);
-      std::copy(row + num_heads * D + n, row + num_heads * D + 2 * n, vc + slot[t] * n);
     }
   });
 }
 
-// q [B, Hq, D] (last dim contiguous), k_cache, v_cache [slots, Hkv, D], block_tables
-// [B, max_blocks] and ctx_lens [B] (int64): softmax(q k^T * scale) v over the first
-// ctx_lens[b] positions of sequence b, position p at slot block_tables[b, p / block_size]
-// * block_size + p % block_size; query head h reads KV head h / (Hq / Hkv). -> [B, Hq, D].
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& ctx_lens, int64_t block_size,
-                                  double scale) {
-  check_float(q, "q", 3);
-  check_float(k_cache, "k_cache", 3);
-  check_float(v_cache, "v_cache", 3);
-  check_long(block_tables, "block_tables", 2);
-  check_long(ctx_lens, "ctx_lens", 1);
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
-              "the caches must be contiguous and equal in shape");
-  TORCH_CHECK(q.stride(2) == 1, "q's last dim must be contiguous");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t slots = k_cache.size(0), Hkv = k_cache.size(1), max_blocks = block_tables.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && D % 8 == 0 && Hkv > 0 && Hq % Hkv == 0,
-              "head dims differ, D is not a multiple of 8, or Hq is not a multiple of Hkv");
-  TORCH_CHECK(block_tables.size(0) == B && ctx_lens.size(0) == B && block_size > 0, "one table and length per row");
-  const int64_t *tables = block_tables.data_ptr<int64_t>(), *lens = ctx_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] > 0 && lens[b] <= max_blocks * block_size, "row ", b, ": context ", lens[b],
-                " outside its block table");
-    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j)
-      TORCH_CHECK(tables[b * max_blocks + j] >= 0 && (tables[b * max_blocks + j] + 1) * block_size <= slots,
-                  "row ", b, ": block ", tables[b * max_blocks + j], " outside the cache");
-  }
-  at::Tensor out = at::empty({B, Hq, D}, q.options());
-  const float *qp = q.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t group = Hq / Hkv, qs0 = q.stride(0), qs1 = q.stride(1);
-  const float sc = static_cast<float>(scale);
+at::Tensor silu_mul(const at::Tensor& gate_up, c10::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 16 == 0, "gate_up must be [T, 2I] with I a multiple of 8");
+  const at::Tensor gc = gate_up.contiguous();
+  const int64_t T = gc.size(0), I = gc.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gc.options().dtype(out_dtype.value_or(gc.scalar_type())));
+  with_type(gc, "gate_up", [&](auto in) {
+    with_type(out, "out_dtype", [&](auto o) { silu_mul_rows(gc.data_ptr<decltype(in)>(), out.data_ptr<decltype(o)>(), T, I); });
+  });
+  return out;
+}
+
+template <typename S, typename A, typename C>
+void rope_rows(S* base, const int64_t* pos, const int64_t* slot, const A* cp, const A* sp, C* kc, C* vc,
+               int64_t T, int64_t width, int64_t num_heads, int64_t kv_heads, int64_t D) {
+  const bool bf16 = std::is_same<A, c10::BFloat16>::value;
+  const int64_t half = D / 2;
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(D);
+    for (int64_t t = begin; t < end; ++t) {
+      S* row = base + t * width;
+      const A *c = cp + pos[t] * D, *s = sp + pos[t] * D;
+      for (int64_t h = 0; h < num_heads + 2 * kv_heads; ++h) {
+        S* x = row + h * D;
+        float* y = rotated.data();
+        if (h < num_heads + kv_heads) {
+          // x * cos + cat(-x2, x1) * sin, product by product as PyTorch evaluates it.
+          for (int64_t i = 0; i < half; i += 8) {
+            const __m256 a = load8(x + i), b = load8(x + half + i);
+            store8(y + i, round_if(_mm256_sub_ps(round_if(_mm256_mul_ps(a, load8(c + i)), bf16),
+                                                 round_if(_mm256_mul_ps(b, load8(s + i)), bf16)), bf16));
+            store8(y + half + i, round_if(_mm256_add_ps(round_if(_mm256_mul_ps(b, load8(c + half + i)), bf16),
+                                                        round_if(_mm256_mul_ps(a, load8(s + half + i)), bf16)), bf16));
+          }
+          for (int64_t i = 0; i < D; i += 8) store8(x + i, load8(y + i));
+        } else {
+          for (int64_t i = 0; i < D; i += 8) store8(y + i, load8(x + i));
+        }
+        if (h >= num_heads) {  // K and V heads, from their float32 values, into the cache's dtype
+          const bool key = h < num_heads + kv_heads;
+          C* dst = (key ? kc : vc) + (slot[t] * kv_heads + (key ? h - num_heads : h - num_heads - kv_heads)) * D;
+          for (int64_t i = 0; i < D; i += 8) store8(dst + i, load8(y + i));
+        }
+      }
+    }
+  });
+}
+
+// qkv [T, (Hq + 2 Hkv) D] (rows of Q heads, K heads, V heads): RoPE with the rows
+// positions[t] of cos, sin [P, D] on the Q and K heads in place; then each row's K and V
+// heads into slot slot_mapping[t] of k_cache, v_cache [slots, Hkv, D]. D a multiple of 16;
+// each of qkv, cos / sin (the model's dtype: a bfloat16 one rounds each product and sum)
+// and the caches float32 or bfloat16.
+void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                   at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t num_heads) {
+  check_long(positions, "positions", 1);
+  check_long(slot_mapping, "slot_mapping", 1);
+  TORCH_CHECK(qkv.dim() == 2 && cos.dim() == 2 && k_cache.dim() == 3, "qkv, cos must be 2-D and the caches 3-D");
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous()
+              && v_cache.is_contiguous(), "qkv, cos, sin and the caches must be contiguous");
+  const int64_t T = qkv.size(0), slots = k_cache.size(0), kv_heads = k_cache.size(1), D = k_cache.size(2);
+  const int64_t P = cos.size(0), width = qkv.size(1);
+  TORCH_CHECK(width == (num_heads + 2 * kv_heads) * D, "qkv has ", width, " columns, not (", num_heads,
+              " + 2 x ", kv_heads, ") x ", D);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.scalar_type() == sin.scalar_type() && cos.size(1) == D && D % 16 == 0
+              && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "cos, sin must be [P, D] of one dtype, D a multiple of 16, and the caches equal in shape and dtype");
+  TORCH_CHECK(positions.size(0) == T && slot_mapping.size(0) == T, "positions and slot_mapping need T entries");
+  const int64_t *pos = positions.data_ptr<int64_t>(), *slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < P && slot[t] >= 0 && slot[t] < slots, "row ", t, ": position ", pos[t],
+                " or slot ", slot[t], " out of range");
+  with_type(qkv, "qkv", [&](auto s) {
+    with_type(cos, "cos", [&](auto a) {
+      with_type(k_cache, "k_cache", [&](auto c) {
+        using S = decltype(s);
+        using A = decltype(a);
+        using C = decltype(c);
+        rope_rows(qkv.data_ptr<S>(), pos, slot, cos.data_ptr<A>(), sin.data_ptr<A>(), k_cache.data_ptr<C>(),
+                  v_cache.data_ptr<C>(), T, width, num_heads, kv_heads, D);
+      });
+    });
+  });
+}
+
+template <typename C>
+void decode_attention_rows(const float* qp, const C* kc, const C* vc, float* op, const int64_t* tables,
+                           const int64_t* lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t max_blocks,
+                           int64_t block_size, int64_t qs0, int64_t qs1, float sc) {
+  const int64_t group = Hq / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> rows;
@@ -239,13 +330,58 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         weighted_sum(scores.data() + g * n, vc, rows.data(), n, D, op + (b * Hq + hk * group + g) * D);
     }
   });
+}
+
+// q [B, Hq, D] (last dim contiguous), k_cache, v_cache [slots, Hkv, D], block_tables
+// [B, max_blocks] and ctx_lens [B] (int64): softmax(q k^T * scale) v over the first
+// ctx_lens[b] positions of sequence b, position p at slot block_tables[b, p / block_size]
+// * block_size + p % block_size; query head h reads KV head h / (Hq / Hkv). -> [B, Hq, D].
+// The caches float32 or bfloat16 (--kv-cache-dtype), read as float32; q and the result float32.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& ctx_lens, int64_t block_size,
+                                  double scale) {
+  check_float(q, "q", 3);
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache, v_cache must be [slots, Hkv, D] of one dtype");
+  check_long(block_tables, "block_tables", 2);
+  check_long(ctx_lens, "ctx_lens", 1);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
+              "the caches must be contiguous and equal in shape");
+  TORCH_CHECK(q.stride(2) == 1, "q's last dim must be contiguous");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t slots = k_cache.size(0), Hkv = k_cache.size(1), max_blocks = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && D % 8 == 0 && Hkv > 0 && Hq % Hkv == 0,
+              "head dims differ, D is not a multiple of 8, or Hq is not a multiple of Hkv");
+  TORCH_CHECK(block_tables.size(0) == B && ctx_lens.size(0) == B && block_size > 0, "one table and length per row");
+  const int64_t *tables = block_tables.data_ptr<int64_t>(), *lens = ctx_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] > 0 && lens[b] <= max_blocks * block_size, "row ", b, ": context ", lens[b],
+                " outside its block table");
+    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(tables[b * max_blocks + j] >= 0 && (tables[b * max_blocks + j] + 1) * block_size <= slots,
+                  "row ", b, ": block ", tables[b * max_blocks + j], " outside the cache");
+  }
+  at::Tensor out = at::empty({B, Hq, D}, q.options());
+  with_type(k_cache, "k_cache", [&](auto c) {
+    decode_attention_rows(q.data_ptr<float>(), k_cache.data_ptr<decltype(c)>(), v_cache.data_ptr<decltype(c)>(),
+                          out.data_ptr<float>(), tables, lens, B, Hq, Hkv, D, max_blocks, block_size, q.stride(0),
+                          q.stride(1), static_cast<float>(scale));
+  });
   return out;
 }
 
 // x [M, K] @ W^T for a projection given as its tensors: [W [N, K]] (float32, or bfloat16:
-// x cast to it and the result back) or the GGUF blocks [qs, scales] (Q8_0) / [qs, scales,
-// mins] (Q4_1) of quant_kernels.cpp's quant_mm.
+// x cast to it and the result back; a bfloat16 W in oneDNN's packed layout by oneDNN, as
+// linear.py packs it) or the GGUF blocks [qs, scales] (Q8_0) / [qs, scales, mins] (Q4_1) of
+// quant_kernels.cpp's quant_mm.
 at::Tensor project(const at::Tensor& x, at::TensorList w) {
+  if (w.size() == 1 && w[0].is_mkldnn()) {
+    static const auto packed_mm = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
+                          c10::List<c10::optional<at::Scalar>>, c10::optional<c10::string_view>)>();
+    return packed_mm.call(x.to(w[0].scalar_type()), w[0], c10::nullopt, "none", c10::List<c10::optional<at::Scalar>>(),
+                          c10::nullopt).to(x.scalar_type());
+  }
   if (w.size() == 1 && w[0].scalar_type() == x.scalar_type()) return at::linear(x, w[0]);
   if (w.size() == 1) return at::linear(x.to(w[0].scalar_type()), w[0]).to(x.scalar_type());
   static const auto quant_mm = c10::Dispatcher::singleton().findSchemaOrThrow("epdserve::quant_mm", "")
@@ -262,10 +398,10 @@ void decode_layer(at::Tensor x, const at::Tensor& input_norm, const at::Tensor& 
                   at::TensorList down_w, const at::Tensor& layer_cache, const at::Tensor& positions,
                   const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                   const at::Tensor& block_tables, const at::Tensor& ctx_lens, int64_t num_heads, double eps) {
-  check_float(layer_cache, "layer_cache", 5);
-  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
+  check_float(x, "x", 2);
+  TORCH_CHECK(layer_cache.dim() == 5 && x.is_contiguous(), "layer_cache must be 5-D and x contiguous");
   const int64_t B = x.size(0), block_size = layer_cache.size(2), kv_heads = layer_cache.size(3), D = layer_cache.size(4);
-  at::Tensor qkv = project(rms_norm(x, input_norm, eps), qkv_w);
+  at::Tensor qkv = project(rms_norm(x, input_norm, eps, c10::nullopt), qkv_w);
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   const at::Tensor k_cache = layer_cache[0].view({-1, kv_heads, D}), v_cache = layer_cache[1].view({-1, kv_heads, D});
   rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads);
@@ -273,16 +409,16 @@ void decode_layer(at::Tensor x, const at::Tensor& input_norm, const at::Tensor& 
   const at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size,
                                                  1.0 / std::sqrt(static_cast<double>(D)));
   x.add_(project(attn.view({B, num_heads * D}), o_w));
-  const at::Tensor gate_up = project(rms_norm(x, post_norm, eps), gate_up_w);
-  const int64_t inner = gate_up.size(1) / 2;
-  x.add_(project(at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner)), down_w));
+  x.add_(project(silu_mul(project(rms_norm(x, post_norm, eps, c10::nullopt), gate_up_w), c10::nullopt), down_w));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(epdserve, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, ScalarType? out_dtype=None) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("silu_mul(Tensor gate_up, ScalarType? out_dtype=None) -> Tensor");
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
   m.def("rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads) -> ()");
   m.impl("rope_write_kv", c10::DispatchKey::CPU, TORCH_FN(rope_write_kv));
@@ -293,4 +429,6 @@ TORCH_LIBRARY_FRAGMENT(epdserve, m) {
         "Tensor[] o, Tensor[] gate_up, Tensor[] down, Tensor(b!) layer_cache, Tensor positions, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor ctx_lens, int num_heads, float eps) -> ()");
   m.impl("decode_layer", c10::DispatchKey::CPU, TORCH_FN(decode_layer));
+  // (weights in oneDNN's packed layout make the dispatcher pick the MkldnnCPU key)
+  m.impl("decode_layer", c10::DispatchKey::MkldnnCPU, TORCH_FN(decode_layer));
 }

@@ -1,12 +1,14 @@
-"""The small operators of a decoder layer: RMSNorm, RoPE with the KV cache write, and
-attention of decode tokens over the paged KV cache.
+"""The small operators of a decoder layer: RMSNorm, SiLU x up, RoPE with the KV cache
+write, and attention of decode tokens over the paged KV cache.
 
-Each runs the fused C++ kernel (``layer_kernels.cpp``) for float32 tensors on the CPU when
-the kernels are built (``kernels.available()``), else its PyTorch version (``*_torch``: the
-fallback for other dtypes and CPUs without AVX2, and the tests' reference); on CUDA, decode
+Each runs the fused C++ kernel (``layer_kernels.cpp``) on the CPU when the kernels are built
+(``kernels.available()``): RMSNorm, SiLU x up and RoPE for float32 and bfloat16 tensors
+(their results in either: a float32 model's norm feeds bfloat16 GEMMs without a cast),
+decode attention for float32; else its PyTorch version (``*_torch``: the fallback for
+other dtypes and CPUs without AVX2, and the tests' reference); on CUDA, decode
 attention runs the Triton kernel of ``triton_attention`` and the rest the PyTorch versions. At decode
 batch 1 the PyTorch versions cost SmolLM2-135M about as much time as its weight matmuls
-(~150 operators per layer, a few microseconds of dispatch each); the kernels are three.
+(~150 operators per layer, a few microseconds of dispatch each); the kernels are four.
 The maths follows transformers' ``modeling_llama``.
 """
 
@@ -25,6 +27,13 @@ def fused(x: torch.Tensor) -> bool:
     else the PyTorch versions do, and :func:`decode_layer` must not be called. (The device
     is checked first: a CUDA worker never builds the CPU kernels.)"""
     return x.dtype == torch.float32 and x.device.type == "cpu" and kernels.available()
+
+
+def fused_any(*tensors: torch.Tensor) -> bool:
+    """Whether the float32-or-bfloat16 kernels (RMSNorm, SiLU x up, RoPE) run for ``tensors``:
+    each float32 or bfloat16 on the CPU, kernels built."""
+    return (all(t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu" for t in tensors)
+            and kernels.available())
 
 
 def decode_layer(x: torch.Tensor, weights: tuple, layer_cache: torch.Tensor, positions: torch.Tensor,
@@ -47,12 +56,28 @@ def decode_layer(x: torch.Tensor, weights: tuple, layer_cache: torch.Tensor, pos
                                     ctx_lens, num_heads, eps)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x², -1) + eps))`` for ``x [T, H]``, ``weight [H]``
-    (transformers' ``LlamaRMSNorm``; Zhang & Sennrich, 2019)."""
-    if fused(x):
-        return torch.ops.epdserve.rms_norm(x, weight, eps)
-    return rms_norm_torch(x, weight, eps)
+    (transformers' ``LlamaRMSNorm``; Zhang & Sennrich, 2019), in ``dtype`` (default
+    ``x``'s: the kernel writes it directly, the PyTorch version casts)."""
+    if fused_any(x) and x.shape[-1] % 8 == 0:
+        return torch.ops.epdserve.rms_norm(x, weight, eps, dtype)
+    return rms_norm_torch(x, weight, eps).to(dtype or x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate the first ``I`` columns),
+    ``[T, I]`` in ``dtype`` (default ``gate_up``'s). The kernel's sigmoid differs from
+    PyTorch's in the last bits, as RMSNorm's sum does."""
+    if fused_any(gate_up) and gate_up.shape[-1] % 16 == 0:
+        return torch.ops.epdserve.silu_mul(gate_up, dtype)
+    return silu_mul_torch(gate_up).to(dtype or gate_up.dtype)
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_mul` in PyTorch."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,15 +96,16 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
     Args:
         qkv: ``[T, (num_heads + 2 kv_heads) × head_dim]``, contiguous: each row's query,
-            key and value heads, in that order.
+            key and value heads, in that order (float32 or bfloat16: the kernel computes in
+            float32 and writes the caches from those values).
         positions: ``[T]`` int64 token positions, rows of ``cos`` / ``sin``
-            (``[max_positions, head_dim]``).
-        k_cache, v_cache: one layer's ``[slots, kv_heads, head_dim]``.
+            (``[max_positions, head_dim]``, the model's dtype).
+        k_cache, v_cache: one layer's ``[slots, kv_heads, head_dim]``, float32 or bfloat16.
         slot_mapping: ``[T]`` int64 slot of each row's K/V.
     Raises:
         RuntimeError: shapes disagree, or a position or slot is out of range.
     """
-    if fused(qkv):
+    if fused_any(qkv, cos, k_cache) and k_cache.shape[-1] % 16 == 0:
         torch.ops.epdserve.rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
     else:
         rope_write_kv_torch(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
@@ -93,8 +119,8 @@ def rope_write_kv_torch(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping
     for x in (q, k):
         rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
         x.copy_(x * c + rotated * s)
-    k_cache[slot_mapping] = k
-    v_cache[slot_mapping] = v
+    k_cache[slot_mapping] = k.to(k_cache.dtype)
+    v_cache[slot_mapping] = v.to(v_cache.dtype)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -110,7 +136,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Args:
         q: ``[B, heads, head_dim]``.
         k_cache, v_cache: one layer's ``[slots, kv_heads, head_dim]``; slot = block id ×
-            ``block_size`` + offset.
+            ``block_size`` + offset; float32 or bfloat16 (``--kv-cache-dtype``), read as
+            ``q``'s dtype.
         block_tables: ``[B, max_blocks]`` int64, padded with any valid block id.
         ctx_lens: ``[B]`` int64 positions attended (the new token's included).
     Returns:
@@ -133,7 +160,7 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, ctx_lens, bl
     """:func:`paged_decode_attention` in PyTorch: gather the blocks, mask, SDPA."""
     batch, max_ctx = block_tables.shape[0], block_tables.shape[1] * block_size
     ks, vs = (gather_blocks(cache.view(-1, block_size, *cache.shape[1:]), block_tables.flatten())
-              .view(batch, max_ctx, *cache.shape[1:]) for cache in (k_cache, v_cache))  # [B, ctx, Hkv, D]
+              .view(batch, max_ctx, *cache.shape[1:]).to(q.dtype) for cache in (k_cache, v_cache))  # [B, ctx, Hkv, D]
     mask = torch.arange(max_ctx, device=ctx_lens.device).unsqueeze(0) < ctx_lens.unsqueeze(1)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2),
                                        attn_mask=mask[:, None, None, :], enable_gqa=True)

@@ -241,9 +241,11 @@ class LlamaModel:
         except KeyError as exc:
             raise ModelLoadError(f"{model_dir}: missing tensor {exc}") from None
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, allocator=None) -> torch.Tensor:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, allocator=None,
+                          dtype: torch.dtype | None = None) -> torch.Tensor:
         """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (with
-        ``tp``, the rank's KV heads) in the model's dtype on the model's device, from
+        ``tp``, the rank's KV heads) in ``dtype`` (default: the model's;
+        ``model/kv_cache_dtype.py``) on the model's device, from
         ``allocator(shape, dtype, device)`` when given (a pool other processes map or open: a
         /dev/shm ``KVPool`` for a CPU model, a CUDA-IPC-shared ``DevicePool`` for a GPU one;
         see ``serving/worker/setup.new_engine``), else ``torch.zeros``.
@@ -253,13 +255,14 @@ class LlamaModel:
         """
         c = self.config
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        dtype = dtype or self.dtype
         if allocator is None:
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        kv = allocator(shape, self.dtype, self.device)
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        kv = allocator(shape, dtype, self.device)
         on_device = kv.device.type == self.device.type and self.device.index in (None, kv.device.index)
-        if tuple(kv.shape) != shape or kv.dtype != self.dtype or not on_device:
+        if tuple(kv.shape) != shape or kv.dtype != dtype or not on_device:
             raise ValueError(f"the KV cache allocator gave {tuple(kv.shape)} {kv.dtype} on {kv.device}, "
-                             f"not {shape} {self.dtype} on {self.device}")
+                             f"not {shape} {dtype} on {self.device}")
         return kv
 
     @torch.inference_mode()
@@ -327,11 +330,14 @@ class LlamaModel:
 
     def _layer(self, i: int, layer: dict, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                kv_written: Callable[[int], None] | None = None) -> None:
-        """Decoder layer ``i`` on hidden states ``x [T, hidden]``, updated in place."""
+        """Decoder layer ``i`` on hidden states ``x [T, hidden]``, updated in place. The
+        matmuls' inputs come in their weights' dtype (:meth:`_matmul_dtype`) straight from
+        the norms, SiLU x up and attention; their outputs stay in it, and are added to the
+        residual ``x`` in the model's dtype."""
         c = self.config
         n_q, n_kv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        h = layer_ops.rms_norm(x, layer["input_norm"], eps)
-        qkv = layer["qkv"](h, layer["qkv_bias"])
+        mm = self._matmul_dtype(layer, len(x))
+        qkv = layer["qkv"](layer_ops.rms_norm(x, layer["input_norm"], eps, mm), layer["qkv_bias"])
         k_cache = kv_cache[i, 0].view(-1, n_kv, d)
         v_cache = kv_cache[i, 1].view(-1, n_kv, d)
         layer_ops.rope_write_kv(qkv, meta.positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, n_q)
@@ -339,17 +345,23 @@ class LlamaModel:
             kv_written(i)
         q, k, v = (part.view(len(qkv), -1, d) for part in qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1))
         attn = self._attention(q, k, v, kv_cache[i], meta)
-        out = layer["o"](attn.reshape(-1, n_q * d))
+        out = layer["o"](attn.reshape(-1, n_q * d).to(mm))
         if self.tp is not None:
-            x.add_(self.tp.all_reduce(out))  # the ranks' partial sums
+            x.add_(self.tp.all_reduce(out.to(x.dtype)))  # the ranks' partial sums, in the model's dtype
             if kv_written is not None:  # every rank is past its K/V write of layer i only now
                 kv_written(i)
         else:
             x.add_(out)
-        h = layer_ops.rms_norm(x, layer["post_norm"], eps)
-        gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-        out = layer["down"](F.silu(gate).mul_(up))  # in place: one [T, intermediate] buffer less
-        x.add_(out if self.tp is None else self.tp.all_reduce(out))
+        gate_up = layer["gate_up"](layer_ops.rms_norm(x, layer["post_norm"], eps, mm))
+        out = layer["down"](layer_ops.silu_mul(gate_up))
+        x.add_(out if self.tp is None else self.tp.all_reduce(out.to(x.dtype)))
+
+    def _matmul_dtype(self, layer: dict, rows: int) -> torch.dtype:
+        """The dtype a step of ``rows`` rows feeds layer's matmuls: the dense copy's (a
+        bfloat16 copy on a float32 model: bfloat16) when the step runs on it, else the
+        model's (the block kernels take float32)."""
+        lin = layer["qkv"]
+        return self.dtype if lin.dense is None or lin.on_blocks(rows) else lin.dense.dtype
 
     def _attention(self, q, k, v, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output ``[T, heads, head_dim]`` for every row of the batch: decode rows
@@ -361,12 +373,12 @@ class LlamaModel:
         decode = None
         if len(meta.decode_rows):
             decode = layer_ops.paged_decode_attention(
-                q[meta.decode_rows], layer_cache[0].flatten(0, 1), layer_cache[1].flatten(0, 1),
+                q[meta.decode_rows].to(self.dtype), layer_cache[0].flatten(0, 1), layer_cache[1].flatten(0, 1),
                 meta.decode_block_tables, meta.decode_ctx_lens, block_size)
             if not meta.prefills:  # every row is a decode row, in order
                 return decode
-        out = torch.empty_like(q)
         at = self.prefill_attention_dtype
+        out = q.new_empty(q.shape, dtype=at)
         for seq in meta.prefills:
             rows = slice(seq.start, seq.start + seq.q_len)
             if seq.ctx_len == seq.q_len:  # nothing cached: this step's own K/V, fused causal SDPA
@@ -381,7 +393,7 @@ class LlamaModel:
             else:
                 out[rows] = gathered_prefill_attention(q[rows], layer_cache, seq.block_table, seq.ctx_len, at)
         if decode is not None:
-            out[meta.decode_rows] = decode
+            out[meta.decode_rows] = decode.to(out.dtype)
         return out
 
 

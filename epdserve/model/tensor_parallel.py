@@ -85,7 +85,7 @@ class RankDriver(Protocol):
     """How rank 0 of a tensor-parallel worker runs the other ranks, as the engine of rank 0
     sees them (``serving/worker/ranks.py`` implements it: the ranks are processes).
     ``rank`` is rank 0's :class:`TPRank` (its shard is loaded with it). :meth:`drive` gives
-    every rank its KV cache of ``num_blocks`` blocks of ``block_size`` tokens (the same
+    every rank its KV cache of ``num_blocks`` blocks of ``block_size`` tokens in ``kv_dtype`` (the same
     block count on every rank: a block id is the same slot everywhere) and returns the
     model rank 0's engine then calls instead of ``model`` (each forward-pass call,
     ``hidden_states``, ``forward``, ``logits``, is first sent to every other rank with its
@@ -96,8 +96,8 @@ class RankDriver(Protocol):
 
     rank: TPRank
 
-    def drive(self, model: "LlamaModel", num_blocks: int,
-              block_size: int) -> tuple["LlamaModel", list[torch.Tensor]]: ...
+    def drive(self, model: "LlamaModel", num_blocks: int, block_size: int,
+              kv_dtype: torch.dtype) -> tuple["LlamaModel", list[torch.Tensor]]: ...
 
 
 class VisionDriver(Protocol):

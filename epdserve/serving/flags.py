@@ -33,6 +33,7 @@ from epdserve.argtypes import Flag, Options, float_above, int_at_least, tokens_a
 from epdserve.engine.engine import DTYPES
 from epdserve.model.device import parse_device
 from epdserve.model.linear import WEIGHT_FORMATS
+from epdserve.model.kv_cache_dtype import KV_CACHE_DTYPES
 from epdserve.serving.deployment import ELASTIC_INTERVAL_S, ELASTIC_MIN_DWELL_S, ELASTIC_WINDOW_S
 from epdserve.transfer import handoff, kv_codec
 
@@ -84,6 +85,10 @@ WORKER_FLAGS = (
               "Q4_1 blocks (fast decode, 0.75 byte a weight), a dense f32 or bf16 copy (fast prefill GEMMs), or "
               "both (q4_1+f32: steps of few rows on the blocks, larger ones on the copy); auto: prefill workers "
               "f32, decode workers q4_1, colocated and elastic q4_1+f32 (a model without GGUF blocks: dense)"),
+    Flag("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+         help="the KV cache's dtype (vLLM's flag): auto, the model's (exact parity); bfloat16, half the KV bytes of a "
+              "float32 model (memory, decode reads, hand-offs; its bound on the tokens: docs/serving.md); fp8 is "
+              "refused (no scaled fp8 kernels)"),
     Flag("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1,
          help="ranks of one engine worker (vLLM's flag), each a process with its share of the model's heads, MLP "
               "columns and vocabulary and of the KV cache; the worker's cores are split among them and its steps "

@@ -79,6 +79,7 @@ import uvicorn
 
 from epdserve import extras, host
 from epdserve.argtypes import Options, float_above, int_at_least, with_values
+from epdserve.model.kv_cache_dtype import KV_CACHE_DTYPES
 from epdserve.model.loader import ModelLoadError
 from epdserve.model.linear import WEIGHT_FORMATS, auto_format
 from epdserve.serving import auth, flags
@@ -115,6 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{role}-weight-format", choices=WEIGHT_FORMATS, default=None,
                             help=f"pd: the weight format of the {role} workers (default: --weight-format; "
                                  f"its auto already gives them {auto_format(role == 'prefill', role == 'decode')})")
+        parser.add_argument(f"--{role}-kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                            help=f"pd: the KV cache dtype of the {role} workers (default: --kv-cache-dtype; a "
+                                 "hand-off converts between the two)")
     for role in ROLE_DEVICES:
         parser.add_argument(f"--{role}-device", type=flags.device_type, default=None, metavar=flags.DEVICE_METAVAR,
                             help=f"pd, epd: the device of the {role} workers (default: --device; docs/gpu.md)")
@@ -217,7 +221,8 @@ def worker_flags(args: Options, role: str, worker_id: str, events: str) -> list[
     """The flags of worker ``worker_id`` wherever it runs: its role and id, where it
     reports, and the worker flags given to serve (``--prefill-dtype`` / ``--decode-dtype``
     as its ``--dtype``, ``--prefill-weight-format`` / ``--decode-weight-format`` as its
-    ``--weight-format`` and ``--prefill-device`` / ``--decode-device`` / ``--encode-device``
+    ``--weight-format``, ``--prefill-kv-cache-dtype`` / ``--decode-kv-cache-dtype`` as its
+    ``--kv-cache-dtype`` and ``--prefill-device`` / ``--decode-device`` / ``--encode-device``
     as its ``--device`` for those roles, and its role's tensor-parallel size as its
     ``--tensor-parallel-size`` when above 1: ``serve_tp_sizes``)."""
     def own(name: str):
@@ -226,6 +231,7 @@ def worker_flags(args: Options, role: str, worker_id: str, events: str) -> list[
     ranks = serve_tp_sizes(args)[role]
     return ["--role", role, "--router", events, "--worker-id", worker_id, *(["--elastic"] if args.elastic else []),
             *flags.worker_argv(args, dtype=own("dtype"), weight_format=own("weight_format"),
+                               kv_cache_dtype=own("kv_cache_dtype"),
                                device=role_device(args, role), tensor_parallel_size=ranks if ranks > 1 else None)]
 
 

@@ -118,13 +118,13 @@ def _kv_cache(model: LlamaModel, init: dict, rank: int, shared: list) -> torch.T
     on CUDA) its own, in a ``cuda_ipc.DevicePool`` appended to ``shared``, whose handle
     rank 0 opens. The pool's tag file goes at this process's exit."""
     if init["pool"] is not None:
-        return shm.map_part(init["pool"], tuple(init["shape"]), model.dtype, init["split"], rank)
+        return shm.map_part(init["pool"], tuple(init["shape"]), DTYPES[init["dtype"]], init["split"], rank)
 
     def share(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         shared.append(cuda_ipc.DevicePool(shape, dtype, device))
         return shared[-1].kv
 
-    return model.allocate_kv_cache(init["num_blocks"], init["block_size"], share)
+    return model.allocate_kv_cache(init["num_blocks"], init["block_size"], share, DTYPES[init["dtype"]])
 
 
 def _call(model: LlamaModel | VisionEncoder, kv_cache: torch.Tensor | None, header: dict,

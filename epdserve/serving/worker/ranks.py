@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from epdserve.model import kv_cache_dtype
 from epdserve.model.llama import AttentionMetadata, LlamaModel
 from epdserve.model.tensor_parallel import TPRank, even_range
 from epdserve.model.vision import VisionEncoder
@@ -218,9 +219,10 @@ class Ranks:
         log.info("%s: started tensor-parallel rank %d (pid %d) on cores %s", self.worker_id, rank,
                  self.procs[-1].pid, cores)
 
-    def drive(self, model: LlamaModel, num_blocks: int, block_size: int) -> tuple[DrivenModel, list[torch.Tensor]]:
+    def drive(self, model: LlamaModel, num_blocks: int, block_size: int,
+              kv_dtype: torch.dtype) -> tuple[DrivenModel, list[torch.Tensor]]:
         """Wait for every follower's shard, join the process group, give every rank its KV
-        cache of ``num_blocks`` blocks of ``block_size`` tokens, and return ``model`` driven
+        cache of ``num_blocks`` blocks of ``block_size`` tokens in ``kv_dtype``, and return ``model`` driven
         and every rank's cache, so that rank 0 reads and writes every KV head of a hand-off:
         on the CPU the parts of one /dev/shm pool (:attr:`pool`, a
         :class:`~epdserve.transfer.shm.KVPool`) that each follower maps its own part of; on
@@ -236,11 +238,12 @@ class Ranks:
         c = model.config
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, sum(model.kv_head_split), c.head_dim)
         if self.opened is None:
-            self.pool = shm.KVPool(shape, model.dtype, model.kv_head_split)
+            self.pool = shm.KVPool(shape, kv_dtype, model.kv_head_split)
             parts = self.pool.parts
         else:
-            parts = [model.allocate_kv_cache(num_blocks, block_size)]
+            parts = [model.allocate_kv_cache(num_blocks, block_size, dtype=kv_dtype)]
         self.send(M.encode("init", num_blocks=num_blocks, block_size=block_size, shape=list(shape),
+                           dtype=kv_cache_dtype.name_of(kv_dtype),
                            split=model.kv_head_split, pool=self.pool.name if self.pool else None))
         replies = self._await("ready")
         if self.opened is not None:

@@ -72,6 +72,7 @@ class WorkerConfig:
     enforce_eager: bool
     dtype: str | None
     weight_format: str
+    kv_cache_dtype: str
     tensor_parallel_size: int
     kv_transport: str
     kv_transfer_dtype: str
@@ -95,7 +96,8 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
                         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                         enable_chunked_prefill=config.enable_chunked_prefill,
                         enable_prefix_caching=config.enable_prefix_caching, dtype=config.dtype,
-                        weight_format=config.weight_format, device=config.device,
+                        weight_format=config.weight_format, kv_cache_dtype=config.kv_cache_dtype,
+                        device=config.device,
                         cuda_graph=not config.enforce_eager)
 
 
