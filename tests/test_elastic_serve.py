@@ -215,7 +215,8 @@ def _try(fn) -> None:
      "--slo, --elastic-window: the elastic controller's settings apply only with --elastic"),
     (["--elastic", "--workers", "2", "--slo", "ttft:100", "ttft:5000"], "--slo: ttft given more than once"),
     (["--elastic", "--mode", "pd", "--prefill-dtype", "bfloat16"],
-     "--prefill-dtype: an elastic worker changes role, so every worker takes --dtype and --device"),
+     "--prefill-dtype: an elastic worker changes role, so every worker takes --dtype, --device and "
+     "--kv-cache-dtype"),
 ])
 def test_elastic_flags_refused_where_they_cannot_apply(extra, message):
     proc = subprocess.run([sys.executable, "-m", "epdserve", "serve", "--port", "0", *extra], capture_output=True,

@@ -91,6 +91,20 @@ def test_per_role_tensor_parallel_flags_are_refused_where_they_do_not_apply(argv
     assert launcher._check_options(serve_args(*argv))[2].startswith(error)
 
 
+@pytest.mark.parametrize("argv, error", [
+    (("--prefill-kv-cache-dtype", "bfloat16"),
+     "--prefill-kv-cache-dtype applies to pd and epd modes; colocated workers take --kv-cache-dtype"),
+    (("--decode-weight-format", "q4_1"),
+     "--decode-weight-format applies to pd and epd modes; colocated workers take --weight-format"),
+    (("--decode-dtype", "bfloat16"), "--decode-dtype applies to pd and epd modes; colocated workers take --dtype"),
+    (("--elastic", "--workers", "2", "--decode-kv-cache-dtype", "bfloat16"),
+     "--decode-kv-cache-dtype: an elastic worker changes role"),
+])
+def test_per_role_precision_flags_are_refused_where_no_worker_takes_them(argv, error):
+    assert launcher._check_options(serve_args(*argv))[2].startswith(error)
+    assert launcher._check_options(serve_args("--mode", "pd", *argv[-2:]))[2] is None
+
+
 def test_serve_stops_on_a_role_size_it_does_not_take(capsys):
     assert launcher.run(serve_args("--prefill-tp", "2", "--log-level", "error")) == 2
     assert capsys.readouterr().err.strip() == ("epdserve serve: error: --prefill-tp applies to pd and epd modes; "

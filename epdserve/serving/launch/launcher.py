@@ -378,14 +378,21 @@ def _check_elastic(args: Options, starting: int) -> int:
 
     Raises:
         ValueError: ``--max-workers`` given without ``--elastic``, below the starting count,
-            or above it without ``--cluster ray``; a role's dtype or device with ``--elastic``.
+            or above it without ``--cluster ray``; a role's dtype, KV cache dtype or device
+            with ``--elastic``; a PD role's dtype, weight format or KV cache dtype in colocated
+            mode (no such workers: the flag would be ignored).
     """
+    per_role = [(role, what.replace("_", "-")) for role in ("prefill", "decode")
+                for what in ("dtype", "weight_format", "kv_cache_dtype") if getattr(args, f"{role}_{what}", None)]
+    if per_role and args.mode == "colocated" and not args.elastic:
+        role, what = per_role[0]
+        raise ValueError(f"--{role}-{what} applies to pd and epd modes; colocated workers take --{what}")
     if args.elastic:
-        tied = [f"--{role}-{what}" for role in ROLE_DEVICES for what in ("dtype", "device")
-                if getattr(args, f"{role}_{what}", None) is not None]
+        tied = [f"--{role}-{what}" for role in ROLE_DEVICES for what in ("dtype", "device", "kv-cache-dtype")
+                if getattr(args, f"{role}_{what.replace('-', '_')}", None) is not None]
         if tied:
             raise ValueError(f"{', '.join(tied)}: an elastic worker changes role, so every worker takes "
-                             "--dtype and --device")
+                             "--dtype, --device and --kv-cache-dtype")
     if args.max_workers is None:
         return starting
     if not args.elastic:
