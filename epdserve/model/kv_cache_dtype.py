@@ -38,9 +38,8 @@ def resolve(name: str, dtype: torch.dtype, device: str | torch.device) -> torch.
                          "kernels do not have); use auto or bfloat16")
     kv = _DTYPES[name]
     if kv != dtype and torch.device(device).type != "cpu":
-        runs_in = str(dtype).removeprefix("torch.")
-        raise ValueError(f"--kv-cache-dtype {name} on {device} needs --dtype {name} (this model runs in {runs_in}; "
-                         "the Triton kernels read the cache in the model's dtype)")
+        raise ValueError(f"--kv-cache-dtype {name} on {device} needs --dtype {name} (this model runs in "
+                         f"{name_of(dtype)}; the Triton kernels read the cache in the model's dtype)")
     return kv
 
 

@@ -357,33 +357,27 @@ void decode_attention_rows(const float* qp, const C* kc, const C* vc, float* op,
                            const int64_t* lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t max_blocks,
                            int64_t block_size, int64_t qs0, int64_t qs1, float sc) {
   const int64_t group = Hq / Hkv;
-  // One task per sequence (its rows [Hkv, D] read by one thread, head after head); a batch
-  // too small to keep the threads busy splits by KV head too.
-  const int64_t heads_per_task = B >= 2 * at::get_num_threads() ? Hkv : 1;
-  at::parallel_for(0, B * (Hkv / heads_per_task), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qbuf(3 * D);
     std::vector<int64_t> rows;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (Hkv / heads_per_task), first = task % (Hkv / heads_per_task) * heads_per_task;
-      const int64_t n = lens[b], *table = tables + b * max_blocks;
-      rows.resize(n);  // offset of position p's K (and V) head 0 in the caches
+      const int64_t b = task / Hkv, hk = task % Hkv, n = lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      rows.resize(n);  // offset of position p's K (and V) head hk in the caches
       for (int64_t j = 0, p = 0; p < n; ++j)
         for (int64_t slot = table[j] * block_size; slot < (table[j] + 1) * block_size && p < n; ++slot, ++p)
-          rows[p] = slot * Hkv * D;
+          rows[p] = (slot * Hkv + hk) * D;
       scores.resize(3 * n);
-      for (int64_t hk = first; hk < first + heads_per_task; ++hk) {
-        const C *kh = kc + hk * D, *vh = vc + hk * D;
-        for (int64_t g0 = 0; g0 < group; g0 += 3) {  // up to 3 query heads of this KV head at a time
-          const int nq = static_cast<int>(std::min<int64_t>(3, group - g0));
-          for (int g = 0; g < nq; ++g) {
-            const float* src = qp + b * qs0 + (hk * group + g0 + g) * qs1;
-            std::copy(src, src + D, qbuf.begin() + g * D);
-          }
-          float* o = op + (b * Hq + hk * group + g0) * D;
-          if (nq == 3) attend<3>(qbuf.data(), kh, vh, rows.data(), n, D, sc, scores.data(), o);
-          else if (nq == 2) attend<2>(qbuf.data(), kh, vh, rows.data(), n, D, sc, scores.data(), o);
-          else attend<1>(qbuf.data(), kh, vh, rows.data(), n, D, sc, scores.data(), o);
+      for (int64_t g0 = 0; g0 < group; g0 += 3) {  // up to 3 query heads of this KV head at a time
+        const int nq = static_cast<int>(std::min<int64_t>(3, group - g0));
+        for (int g = 0; g < nq; ++g) {
+          const float* src = qp + b * qs0 + (hk * group + g0 + g) * qs1;
+          std::copy(src, src + D, qbuf.begin() + g * D);
         }
+        float* o = op + (b * Hq + hk * group + g0) * D;
+        if (nq == 3) attend<3>(qbuf.data(), kc, vc, rows.data(), n, D, sc, scores.data(), o);
+        else if (nq == 2) attend<2>(qbuf.data(), kc, vc, rows.data(), n, D, sc, scores.data(), o);
+        else attend<1>(qbuf.data(), kc, vc, rows.data(), n, D, sc, scores.data(), o);
       }
     }
   });

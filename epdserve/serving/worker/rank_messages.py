@@ -7,9 +7,10 @@ Rank 0 → a follower (a PUSH socket of rank 0's per follower). The header is a 
 order) and the op's own fields:
 
 * ``init``: ``num_blocks``, ``block_size``, ``shape`` (the whole worker's KV cache,
-  every KV head), ``dtype`` (the cache's: ``float32`` or ``bfloat16``), ``split`` (each rank's KV heads) and ``pool``: the /dev/shm pool whose
-  part of this rank's index is its KV cache (``transfer.shm.map_part``), or None to
-  allocate its own (CUDA), shared with rank 0 by the ``ready``'s handle (no tensors);
+  every KV head), ``dtype`` (the cache's: ``float32`` or ``bfloat16``), ``split`` (each
+  rank's KV heads) and ``pool``: the /dev/shm pool whose part of this rank's index is its
+  KV cache (``transfer.shm.map_part``), or None to allocate its own (CUDA), shared with
+  rank 0 by the ``ready``'s handle (no tensors);
 * ``hidden_states`` / ``forward``: one step, with the arguments of
   ``LlamaModel.hidden_states``: ``prefills`` (``[[start, q_len, ctx_len], ...]``) and
   ``embeds`` (bool); tensors ``input_ids``, ``positions``, ``slot_mapping``,
