@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 
 triton_attention = pytest.importorskip("epdserve.model.triton_attention", reason="needs triton")
 from epdserve.model import layer_ops  # noqa: E402
-from epdserve.model.llama import gathered_prefill_attention  # noqa: E402
+from epdserve.model.prefill_attention import gathered_prefill_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 16

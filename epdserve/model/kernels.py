@@ -22,7 +22,7 @@ from epdserve.model.base import cache_root, cached_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("quant_kernels.cpp", "layer_kernels.cpp")
+SOURCES = ("quant_kernels.cpp", "layer_kernels.cpp", "prefill_attention.cpp")
 # -fopenmp compiles at::parallel_for to torch's OpenMP thread pool (its libgomp comes in
 # through libtorch_cpu); without it the loops run on one thread. -ffp-contract=off keeps
 # a * b + c as two roundings where the kernels mirror PyTorch's arithmetic.

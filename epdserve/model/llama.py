@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from epdserve.model import layer_ops, linear, quant, tensor_parallel
+from epdserve.model import layer_ops, linear, prefill_attention, quant, tensor_parallel
 from epdserve.model.base import ModelLoadError
 from epdserve.model.config import ModelConfig
 
@@ -161,8 +160,7 @@ class LlamaModel:
             }
             self.layers.append(layer)
         self._set_kernel_rows(retune)
-        # bfloat16 GEMMs on a float32 model: prefill attention's too (the KV cache stays float32).
-        self.prefill_attention_dtype = torch.bfloat16 if fmt.dense == torch.bfloat16 else dtype
+        self._set_prefill_way(retune)
         if tp is not None:  # (all-reduces run between a layer's matmuls: no one-call layers)
             for layer in self.layers:
                 layer["kernel"] = layer["kernel_large"] = None
@@ -191,6 +189,20 @@ class LlamaModel:
         for layer in self.layers:
             layer["kernel"] = self._kernel_weights(layer, 1) if self.kernel_rows != 0 else None
             layer["kernel_large"] = self._kernel_weights(layer, self.kernel_rows + 1) if large else None
+
+    def _set_prefill_way(self, retune: bool) -> None:
+        """Set the dtype prefill attention computes in (``prefill_attention_dtype``: bfloat16
+        GEMMs on a float32 model make it bfloat16 too; the KV cache stays float32) and the
+        way it runs fastest here (``prefill_way``: measured by ``prefill_attention``, a
+        choice in ``tuned`` where there is one; SDPA on CUDA)."""
+        c = self.config
+        self.prefill_attention_dtype = torch.bfloat16 if self.weight_format.dense == torch.bfloat16 else self.dtype
+        way = (prefill_attention.measured_way(self.prefill_attention_dtype, c.num_attention_heads,
+                                              c.num_key_value_heads, c.head_dim, retune)
+               if self.device.type == "cpu" else None)
+        self.prefill_way = prefill_attention.SDPA if way is None else way.value
+        if way is not None:
+            self.tuned["prefill_attention"] = way
 
     @staticmethod
     def _kernel_weights(layer: dict, rows: int) -> tuple:
@@ -365,10 +377,9 @@ class LlamaModel:
 
     def _attention(self, q, k, v, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output ``[T, heads, head_dim]`` for every row of the batch: decode rows
-        over the paged pool (``layer_ops.paged_decode_attention``), a prefill without cached
-        tokens by causal SDPA over its own K/V, one behind cached tokens over the pool (on
-        CUDA by ``triton_attention.paged_prefill_attention``, in place; elsewhere its blocks
-        gathered, then SDPA)."""
+        over the paged pool (``layer_ops.paged_decode_attention``), a prefill's new tokens
+        by ``prefill_attention.attend`` the way measured faster here (``prefill_way``), except
+        behind cached tokens on CUDA: ``triton_attention.paged_prefill_attention``."""
         block_size = layer_cache.shape[2]
         decode = None
         if len(meta.decode_rows):
@@ -381,51 +392,15 @@ class LlamaModel:
         out = q.new_empty(q.shape, dtype=at)
         for seq in meta.prefills:
             rows = slice(seq.start, seq.start + seq.q_len)
-            if seq.ctx_len == seq.q_len:  # nothing cached: this step's own K/V, fused causal SDPA
-                qs, ks, vs = (t[rows].transpose(0, 1).unsqueeze(0).to(at) for t in (q, k, v))  # [1, H, q, D]
-                out[rows] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-            elif q.is_cuda:  # read the cached prefix from the pool in place, no gather
+            if q.is_cuda and seq.ctx_len > seq.q_len:  # read the cached prefix from the pool in place, no gather
                 from epdserve.model import triton_attention  # CUDA builds of torch only: see layer_ops
 
                 out[rows] = triton_attention.paged_prefill_attention(
                     q[rows], layer_cache[0].flatten(0, 1), layer_cache[1].flatten(0, 1), seq.block_table,
                     seq.ctx_len, block_size)
             else:
-                out[rows] = gathered_prefill_attention(q[rows], layer_cache, seq.block_table, seq.ctx_len, at)
+                out[rows] = prefill_attention.attend(self.prefill_way, q[rows], k[rows], v[rows], layer_cache,
+                                                     seq.block_table, seq.ctx_len, at)
         if decode is not None:
             out[meta.decode_rows] = decode.to(out.dtype)
         return out
-
-
-def gathered_prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_table: torch.Tensor,
-                               ctx_len: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Causal attention of a sequence's ``q_len`` new tokens behind cached ones, over its
-    ``ctx_len`` positions gathered from the pool into one contiguous copy, then SDPA (the
-    CPU's way; on CUDA ``triton_attention.paged_prefill_attention`` reads the pool in
-    place). Query token i sees positions ``<= ctx_len - q_len + i``.
-
-    Args:
-        q: ``[q_len, heads, head_dim]``, ``q_len < ctx_len``.
-        layer_cache: one layer's ``[2, num_blocks, block_size, kv_heads, head_dim]``.
-        block_table: ``[n_blocks]`` int64 covering ``ctx_len`` positions.
-        dtype: the dtype SDPA computes in (None: ``q``'s; the result is in its SDPA dtype).
-    Returns:
-        ``[q_len, heads, head_dim]``.
-    """
-    q_len = q.shape[0]
-    cached = ctx_len - q_len
-    dtype = dtype or q.dtype
-    qs = q.transpose(0, 1).unsqueeze(0).to(dtype)  # [1, H, q_len, D]
-    ks, vs = (layer_ops.gather_blocks(layer_cache[j], block_table)[:ctx_len].to(dtype) for j in (0, 1))
-    if cached < q_len:
-        # Causal over the whole context behind `cached` zero queries, whose rows are
-        # dropped: the causal kernel skips the masked half of the scores, which an
-        # explicit mask computes (1.5-1.9x the attention time for a chat prompt
-        # whose template block hits the prefix cache).
-        qs, mask = torch.cat([qs.new_zeros(1, qs.shape[1], cached, qs.shape[3]), qs], dim=2), None
-    else:
-        q_pos = torch.arange(q_len, device=q.device).unsqueeze(1) + cached
-        mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= q_pos
-    o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                                       attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-    return o[0, :, -q_len:].transpose(0, 1)

@@ -341,12 +341,12 @@ def benchmark_prefill_attention(q_len: int, ctx: int, heads: int, kv_heads: int,
                                 block_size: int = 16, iters: int = 10, seed: int = 0) -> dict:
     """Time one sequence's prefill of ``q_len`` tokens behind ``ctx - q_len`` cached ones,
     :func:`paged_prefill_attention` (the pool read in place) against gathering the blocks,
-    then SDPA (``llama.gathered_prefill_attention``, the CPU's way), as
+    then SDPA (``prefill_attention.gathered_prefill_attention``, the CPU's way), as
     :func:`benchmark_decode_attention` times them. Returns its keys (``kv_bytes``: the
     context's K/V once) plus ``q_len`` and ``tflops`` of each (the causal half of
     ``4 × q_len × ctx × heads × head_dim`` flops). Raises ValueError for ``q_len >= ctx``.
     """
-    from epdserve.model.llama import gathered_prefill_attention  # (llama imports this module lazily)
+    from epdserve.model.prefill_attention import gathered_prefill_attention
 
     if not 0 < q_len < ctx:
         raise ValueError(f"q_len {q_len} must be in [1, ctx {ctx}): a prefill behind cached tokens")
