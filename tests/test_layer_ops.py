@@ -57,6 +57,30 @@ def test_silu_mul_matches_pytorch(dtype, out):
         torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype, delta_dtype", [(torch.float32, torch.float32), (torch.float32, BF16), (BF16, BF16)])
+def test_rms_norm_with_delta_is_the_add_then_the_norm(dtype, delta_dtype):
+    """The residual add fused into the norm: x updated in place bit for bit as ``add_``
+    updates it, and the norm the kernel gives the updated x alone."""
+    x, w = (randn(9, 576) * 3).to(dtype), randn(576, seed=1).to(dtype)
+    delta = randn(9, 576, seed=2).to(delta_dtype)
+    added = x.clone().add_(delta)
+    got = layer_ops.rms_norm(x, w, 1e-5, BF16, delta)
+    assert torch.equal(x, added)
+    assert torch.equal(got, layer_ops.rms_norm(added, w, 1e-5, BF16))
+
+
+@pytest.mark.parametrize("dtype, out", [(torch.float32, torch.float32), (torch.float32, BF16), (BF16, BF16),
+                                        (BF16, torch.float32)])
+def test_silu_mul_is_the_same_on_every_width(dtype, out):
+    """The AVX-512 variant (I a multiple of 16, where the CPU has it) gives the AVX2 code's
+    results bit for bit: the same rows with I = 1,544 (a multiple of 8 only) run the AVX2 code."""
+    gate, up = (randn(7, 1536) * 6).to(dtype), (randn(7, 1536, seed=1) * 2).to(dtype)
+    pad = torch.zeros(7, 8, dtype=dtype)
+    wide = layer_ops.silu_mul(torch.cat([gate, up], 1), out)
+    narrow = layer_ops.silu_mul(torch.cat([gate, pad, up, pad], 1), out)[:, :1536]
+    assert torch.equal(wide, narrow)
+
+
 def rope_case(dtype):
     positions, slots = torch.tensor([0, 5, 17, 3, 100, 2, 9]), torch.tensor([3, 9, 1, 40, 63, 0, 7])
     qkv = randn(7, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)

@@ -2,7 +2,10 @@
 
 ``quant_kernels.cpp`` (matmuls on GGUF weight blocks, see ``quant.py``) and
 ``layer_kernels.cpp`` (fused RMSNorm, RoPE + KV write, paged decode attention, see
-``layer_ops.py``) need AVX2 and FMA. They are compiled together with
+``layer_ops.py``) need AVX2 and FMA; ``layer_kernels_avx512.cpp`` and
+``prefill_attention.cpp`` are compiled for AVX-512 (and AMX) by their own target pragmas and
+run only where the CPU has it (``layer_kernels.cpp`` checks; ``prefill_attention.ways``
+reads :func:`cpu_flags`). They are compiled together with
 ``torch.utils.cpp_extension`` (~30 s) into ``<cache>/torch_extensions``, one directory per
 sources, flags and torch version, and register their operators as ``torch.ops.epdserve.*``.
 Without AVX2/FMA, or when the build fails, :func:`available` logs one line and returns
@@ -22,7 +25,8 @@ from epdserve.model.base import cache_root, cached_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("quant_kernels.cpp", "layer_kernels.cpp", "prefill_attention.cpp")
+SOURCES = ("quant_kernels.cpp", "layer_kernels.cpp", "layer_kernels_avx512.cpp", "prefill_attention.cpp")
+HEADERS = ("avx512.h",)  # included by the sources: part of the build's digest
 # -fopenmp compiles at::parallel_for to torch's OpenMP thread pool (its libgomp comes in
 # through libtorch_cpu); without it the loops run on one thread. -ffp-contract=off keeps
 # a * b + c as two roundings where the kernels mirror PyTorch's arithmetic.
@@ -80,7 +84,7 @@ def cpu_supported() -> bool:
 
 def digest() -> str:
     """12 hex digits naming this build: the sources, the flags and torch's version."""
-    h = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes() for name in SOURCES))
+    h = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes() for name in SOURCES + HEADERS))
     h.update(" ".join(FLAGS + (torch.__version__,)).encode())
     return h.hexdigest()[:12]
 

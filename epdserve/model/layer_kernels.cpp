@@ -16,6 +16,7 @@
 // -ffp-contract=off, so no FMA contraction), hence bit-identical; the reductions (RMSNorm's
 // mean, attention's dot products and softmax) sum in another order than PyTorch's, and
 // SiLU's exp is another polynomial: they differ in the last bits.
+// silu_mul runs layer_kernels_avx512.cpp's variant on CPUs with AVX-512.
 // Built with quant_kernels.cpp into one library by epdserve/model/kernels.py.
 
 #include <ATen/ATen.h>
@@ -28,7 +29,18 @@
 #include <type_traits>
 #include <vector>
 
+namespace epdserve_avx512 {
+void silu_mul(const at::Tensor& gate_up, const at::Tensor& out);  // layer_kernels_avx512.cpp
+}
+
 namespace {
+
+// Whether this CPU runs the AVX-512 variants (layer_kernels_avx512.cpp).
+bool avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
 
 float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -210,12 +222,16 @@ void with_type(const at::Tensor& t, const char* name, F f) {
   f(c10::BFloat16{});
 }
 
-template <typename In, typename Out>
-void rms_norm_rows(const In* xp, const In* wp, Out* op, int64_t T, int64_t H, float eps) {
+// Each row of x: first x += delta when delta is given (in x's dtype, as PyTorch's add_),
+// then the norm of the row into op.
+template <typename In, typename Delta, typename Out>
+void rms_norm_rows(In* xp, const Delta* dp, const In* wp, Out* op, int64_t T, int64_t H, float eps) {
   const bool bf16 = std::is_same<In, c10::BFloat16>::value;
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const In* row = xp + t * H;
+      In* row = xp + t * H;
+      if (dp != nullptr)
+        for (int64_t i = 0; i < H; i += 8) store8(row + i, _mm256_add_ps(load8(row + i), load8(dp + t * H + i)));
       __m256 acc = _mm256_setzero_ps();
       for (int64_t i = 0; i < H; i += 8) acc = _mm256_fmadd_ps(load8(row + i), load8(row + i), acc);
       const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(hsum8(acc) / static_cast<float>(H) + eps));
@@ -228,18 +244,30 @@ void rms_norm_rows(const In* xp, const In* wp, Out* op, int64_t T, int64_t H, fl
 // x [T, H] -> w * (x * rsqrt(mean(x^2, -1) + eps)), w [H] in x's dtype, H a multiple of 8;
 // the result in out_dtype (default x's): a float32 model's norm can feed bfloat16 GEMMs
 // without a cast of its own. A bfloat16 x follows transformers' LlamaRMSNorm: float32
-// statistics, x * rsqrt rounded to bfloat16, then the weight's product rounded.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::optional<at::ScalarType> out_dtype) {
+// statistics, x * rsqrt rounded to bfloat16, then the weight's product rounded. With
+// delta [T, H] (float32 or bfloat16), x (contiguous) is first updated in place to x + delta:
+// a residual add and the next norm in one pass (vLLM's fused_add_rms_norm).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::optional<at::ScalarType> out_dtype,
+                    const c10::optional<at::Tensor>& delta) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.scalar_type() == x.scalar_type(),
               "x must be [T, H] and weight [H] of x's dtype");
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(weight.size(0) == H && H % 8 == 0, "weight must be [H] with H (", H, ") a multiple of 8");
+  TORCH_CHECK(!delta || (delta->sizes() == x.sizes() && x.is_contiguous()),
+              "delta must be x's shape, and x contiguous (it is updated in place)");
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const at::Tensor dc = delta ? delta->contiguous() : at::Tensor();
   at::Tensor out = at::empty({T, H}, x.options().dtype(out_dtype.value_or(x.scalar_type())));
   with_type(xc, "x", [&](auto in) {
     using In = decltype(in);
     with_type(out, "out_dtype", [&](auto o) {
-      rms_norm_rows(xc.data_ptr<In>(), wc.data_ptr<In>(), out.data_ptr<decltype(o)>(), T, H, static_cast<float>(eps));
+      using Out = decltype(o);
+      if (!delta) return rms_norm_rows(xc.data_ptr<In>(), static_cast<const float*>(nullptr), wc.data_ptr<In>(),
+                                       out.data_ptr<Out>(), T, H, static_cast<float>(eps));
+      with_type(dc, "delta", [&](auto d) {
+        rms_norm_rows(xc.data_ptr<In>(), dc.data_ptr<decltype(d)>(), wc.data_ptr<In>(), out.data_ptr<Out>(), T, H,
+                      static_cast<float>(eps));
+      });
     });
   });
   return out;
@@ -273,6 +301,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up, c10::optional<at::ScalarType> out
   const at::Tensor gc = gate_up.contiguous();
   const int64_t T = gc.size(0), I = gc.size(1) / 2;
   at::Tensor out = at::empty({T, I}, gc.options().dtype(out_dtype.value_or(gc.scalar_type())));
+  if (avx512() && I % 16 == 0) {  // the same results, 16 lanes at a time
+    with_type(gc, "gate_up", [](auto) {});  // (the dtype checks)
+    with_type(out, "out_dtype", [](auto) {});
+    epdserve_avx512::silu_mul(gc, out);
+    return out;
+  }
   with_type(gc, "gate_up", [&](auto in) {
     with_type(out, "out_dtype", [&](auto o) { silu_mul_rows(gc.data_ptr<decltype(in)>(), out.data_ptr<decltype(o)>(), T, I); });
   });
@@ -452,21 +486,21 @@ void decode_layer(at::Tensor x, const at::Tensor& input_norm, const at::Tensor& 
   check_float(x, "x", 2);
   TORCH_CHECK(layer_cache.dim() == 5 && x.is_contiguous(), "layer_cache must be 5-D and x contiguous");
   const int64_t B = x.size(0), block_size = layer_cache.size(2), kv_heads = layer_cache.size(3), D = layer_cache.size(4);
-  at::Tensor qkv = project(rms_norm(x, input_norm, eps, c10::nullopt), qkv_w);
+  at::Tensor qkv = project(rms_norm(x, input_norm, eps, c10::nullopt, c10::nullopt), qkv_w);
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   const at::Tensor k_cache = layer_cache[0].view({-1, kv_heads, D}), v_cache = layer_cache[1].view({-1, kv_heads, D});
   rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads);
   const at::Tensor q = qkv.narrow(1, 0, num_heads * D).view({B, num_heads, D});
   const at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, block_size,
                                                  1.0 / std::sqrt(static_cast<double>(D)));
-  x.add_(project(attn.view({B, num_heads * D}), o_w));
-  x.add_(project(silu_mul(project(rms_norm(x, post_norm, eps, c10::nullopt), gate_up_w), c10::nullopt), down_w));
+  const at::Tensor h = rms_norm(x, post_norm, eps, c10::nullopt, project(attn.view({B, num_heads * D}), o_w));
+  x.add_(project(silu_mul(project(h, gate_up_w), c10::nullopt), down_w));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(epdserve, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, ScalarType? out_dtype=None) -> Tensor");
+  m.def("rms_norm(Tensor(a!) x, Tensor weight, float eps, ScalarType? out_dtype=None, Tensor? delta=None) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("silu_mul(Tensor gate_up, ScalarType? out_dtype=None) -> Tensor");
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));

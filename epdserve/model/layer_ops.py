@@ -56,12 +56,17 @@ def decode_layer(x: torch.Tensor, weights: tuple, layer_cache: torch.Tensor, pos
                                     ctx_lens, num_heads, eps)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None,
+             delta: torch.Tensor | None = None) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x², -1) + eps))`` for ``x [T, H]``, ``weight [H]``
     (transformers' ``LlamaRMSNorm``; Zhang & Sennrich, 2019), in ``dtype`` (default
-    ``x``'s: the kernel writes it directly, the PyTorch version casts)."""
-    if fused_any(x) and x.shape[-1] % 8 == 0:
-        return torch.ops.epdserve.rms_norm(x, weight, eps, dtype)
+    ``x``'s: the kernel writes it directly, the PyTorch version casts). With ``delta [T, H]``
+    (a residual branch's output), ``x`` is first updated in place to ``x + delta`` (in its
+    dtype, as ``add_``): the kernel does both in one pass over the rows."""
+    if fused_any(x, *([] if delta is None else [delta])) and x.shape[-1] % 8 == 0:
+        return torch.ops.epdserve.rms_norm(x, weight, eps, dtype, delta)
+    if delta is not None:
+        x.add_(delta)
     return rms_norm_torch(x, weight, eps).to(dtype or x.dtype)
 
 

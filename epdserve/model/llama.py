@@ -323,14 +323,15 @@ class LlamaModel:
         # during prefills) needs the per-layer code.
         kernel = "kernel" if self.kernel_rows is None or len(x) <= self.kernel_rows else "kernel_large"
         fused = not meta.prefills and kv_written is None and layer_ops.fused(x) and self.layers[0][kernel] is not None
+        residual = None  # the last layer's MLP output, added to x by the next layer's norm
         for i, layer in enumerate(self.layers):
             if fused:
                 layer_ops.decode_layer(x, layer[kernel], kv_cache[i], meta.positions, self.cos, self.sin,
                                        meta.slot_mapping, meta.decode_block_tables, meta.decode_ctx_lens,
                                        c.num_attention_heads, c.rms_norm_eps)
             else:
-                self._layer(i, layer, x, meta, kv_cache, kv_written)
-        return x
+                residual = self._layer(i, layer, x, residual, meta, kv_cache, kv_written)
+        return x if residual is None else x.add_(residual)
 
     def _embed_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, hidden]`` from the ranks' vocabulary rows: each rank looks
@@ -340,16 +341,18 @@ class LlamaModel:
         x = self.embed[local.masked_fill(outside, 0)]
         return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(1), 0))
 
-    def _layer(self, i: int, layer: dict, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
-               kv_written: Callable[[int], None] | None = None) -> None:
-        """Decoder layer ``i`` on hidden states ``x [T, hidden]``, updated in place. The
-        matmuls' inputs come in their weights' dtype (:meth:`_matmul_dtype`) straight from
-        the norms, SiLU x up and attention; their outputs stay in it, and are added to the
-        residual ``x`` in the model's dtype."""
+    def _layer(self, i: int, layer: dict, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+               kv_cache: torch.Tensor, kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Decoder layer ``i`` on hidden states ``x [T, hidden]`` plus ``residual`` (the last
+        layer's MLP output, or None), updated in place but for this layer's MLP output,
+        which it returns: each is added by the norm that reads it next
+        (``layer_ops.rms_norm``'s ``delta``). The matmuls' inputs come in their weights'
+        dtype (:meth:`_matmul_dtype`) straight from the norms, SiLU x up and attention;
+        their outputs stay in it, and are added to ``x`` in the model's dtype."""
         c = self.config
         n_q, n_kv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         mm = self._matmul_dtype(layer, len(x))
-        qkv = layer["qkv"](layer_ops.rms_norm(x, layer["input_norm"], eps, mm), layer["qkv_bias"])
+        qkv = layer["qkv"](layer_ops.rms_norm(x, layer["input_norm"], eps, mm, residual), layer["qkv_bias"])
         k_cache = kv_cache[i, 0].view(-1, n_kv, d)
         v_cache = kv_cache[i, 1].view(-1, n_kv, d)
         layer_ops.rope_write_kv(qkv, meta.positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping, n_q)
@@ -359,14 +362,12 @@ class LlamaModel:
         attn = self._attention(q, k, v, kv_cache[i], meta)
         out = layer["o"](attn.reshape(-1, n_q * d).to(mm))
         if self.tp is not None:
-            x.add_(self.tp.all_reduce(out.to(x.dtype)))  # the ranks' partial sums, in the model's dtype
+            out = self.tp.all_reduce(out.to(x.dtype))  # the ranks' partial sums, in the model's dtype
             if kv_written is not None:  # every rank is past its K/V write of layer i only now
                 kv_written(i)
-        else:
-            x.add_(out)
-        gate_up = layer["gate_up"](layer_ops.rms_norm(x, layer["post_norm"], eps, mm))
+        gate_up = layer["gate_up"](layer_ops.rms_norm(x, layer["post_norm"], eps, mm, out))
         out = layer["down"](layer_ops.silu_mul(gate_up))
-        x.add_(out if self.tp is None else self.tp.all_reduce(out.to(x.dtype)))
+        return out if self.tp is None else self.tp.all_reduce(out.to(x.dtype))
 
     def _matmul_dtype(self, layer: dict, rows: int) -> torch.dtype:
         """The dtype a step of ``rows`` rows feeds layer's matmuls: the dense copy's (a
@@ -389,6 +390,9 @@ class LlamaModel:
             if not meta.prefills:  # every row is a decode row, in order
                 return decode
         at = self.prefill_attention_dtype
+        if decode is None and len(meta.prefills) == 1 and meta.prefills[0].q_len == len(q) and not q.is_cuda:
+            seq = meta.prefills[0]  # a step of one prompt: its attention is the output, no copy
+            return prefill_attention.attend(self.prefill_way, q, k, v, layer_cache, seq.block_table, seq.ctx_len, at)
         out = q.new_empty(q.shape, dtype=at)
         for seq in meta.prefills:
             rows = slice(seq.start, seq.start + seq.q_len)
