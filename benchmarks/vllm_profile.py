@@ -19,6 +19,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -94,6 +95,7 @@ def run(prompts: list[str], model_dir: Path, served_name: str, port: int, out_di
     if not port_is_free(port):
         raise RuntimeError(f"vllm: port {port} on 127.0.0.1 is in use; pass --port")
     trace_dir = (out_dir / "vllm-trace").resolve()
+    shutil.rmtree(trace_dir, ignore_errors=True)  # (split reads every trace in it: an earlier run's too)
     cmd = speed_engines.vllm_command(binary, model_dir, served_name, port, dtype) + [
         "--profiler-config.profiler", "torch", "--profiler-config.torch_profiler_dir", str(trace_dir)]
     server = ServerProcess("vllm", cmd, out_dir / "vllm-profile.log", f"http://127.0.0.1:{port}",

@@ -1,9 +1,12 @@
 """The engine against Hugging Face transformers on the same float32 weights (in each weight
 format whose arithmetic is float32: the GGUF's blocks, a dense copy, both), PD hand-off
 inside one process (a dense prefill engine to a blocks-only decode one too), chunked
-prefill against whole prefill, and preemption under a tiny block pool."""
+prefill against whole prefill, and preemption under a tiny block pool; float32 on either
+GEMM library."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ import torch
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.kv_source import TensorKV
 from epdserve.engine.request import SamplingParams
-from epdserve.model import kernels
+from epdserve.model import kernels, linear, tuning
 from epdserve.model.loader import resolve_model
 from epdserve.model.tokenizer import load_tokenizer
 
@@ -71,6 +74,18 @@ def test_greedy_matches_transformers_batched(model_dir, prompts, reference, weig
     assert engine.model.weight_format.name == {"auto": auto}.get(weight_format, weight_format)
     assert generate(engine, prompts, GREEDY) == reference
     assert engine.stats()["blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("gemm", linear.F32_GEMMS)
+def test_greedy_matches_transformers_on_either_float32_gemm(model_dir, prompts, reference, gemm, monkeypatch):
+    """Whichever float32 GEMM library a machine measured faster (MKL's sgemm on the plain
+    weights, oneDNN on weights packed once), the greedy tokens are transformers'."""
+    chosen = tuning.Tuned(gemm, tuning.CACHE, Path("forced-by-the-test"))
+    monkeypatch.setattr(linear, "measured_f32_gemm", lambda layers, force=False: chosen)
+    engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=256, weight_format="f32"))
+    assert engine.model.layers[0]["qkv"].dense.is_mkldnn == (gemm == "onednn")
+    assert engine.model.tuned["f32_gemm"] is chosen
+    assert generate(engine, prompts, GREEDY) == reference
 
 
 @pytest.mark.parametrize("prefill_format, decode_format",

@@ -2,7 +2,8 @@
 and which matmul a step runs on them.
 
 Prefill is compute-bound: its GEMMs run fastest on dense weights through the BLAS (MKL's
-sgemm in float32; oneDNN's AVX512-BF16 / AMX kernels in bfloat16). Decode at a small batch
+sgemm or oneDNN in float32, whichever measured faster here: :func:`measured_f32_gemm`;
+oneDNN's AVX512-BF16 / AMX kernels in bfloat16). Decode at a small batch
 is memory-bound: it runs fastest on the GGUF's blocks, 0.75 byte per Q4_1 weight against 4
 (``quant.py``). So each role holds what its steps need (``--weight-format``):
 
@@ -174,20 +175,49 @@ def projection(weights: dict[str, torch.Tensor], blocks: dict[str, quant.Blocks]
     dense = None
     if joined is None or fmt.dense is not None:
         dense = weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names])
-        dense = pack(dense.to(fmt.dense or dense.dtype))
+        dense = dense.to(fmt.dense or dense.dtype)
+        dense = pack(dense) if dense.dtype == torch.bfloat16 else dense  # (float32: by measurement, later)
     return Linear(joined, dense)
 
 
 def pack(dense: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 weight ``[N, K]`` on the CPU in oneDNN's packed layout for its AMX /
-    AVX512-BF16 kernels (an opaque ``is_mkldnn`` tensor of the same shape and dtype), when
-    PyTorch has oneDNN; else ``dense`` as it is. ``F.linear`` on the plain layout re-packs
-    the weight on every call: SmolLM2-135M's 30 layers at 286 rows take 45-47 ms packed
-    against 56-58 (Xeon with AMX), with bit-identical results. Float32 stays on MKL, whose
-    rounding the greedy parity with transformers is measured on."""
-    if dense.dtype == torch.bfloat16 and dense.device.type == "cpu" and torch.backends.mkldnn.is_available():
+    """A weight ``[N, K]`` on the CPU in oneDNN's packed layout (an opaque ``is_mkldnn``
+    tensor of the same shape and dtype), when PyTorch has oneDNN; else ``dense`` as it is.
+    ``F.linear`` on the plain layout re-packs a bfloat16 weight on every call: SmolLM2-135M's
+    30 layers at 286 rows take 45-47 ms packed against 56-58 (Xeon with AMX), with
+    bit-identical results. A float32 weight is packed where oneDNN measured faster than MKL
+    (:func:`measured_f32_gemm`)."""
+    if dense.device.type == "cpu" and torch.backends.mkldnn.is_available():
         return torch.ops.mkldnn._reorder_linear_weight(dense)
     return dense
+
+
+F32_GEMMS = ("mkl", "onednn")  # float32 dense weights: plain for MKL's sgemm, or packed for oneDNN
+F32_GEMM_ROWS = 256  # the step the float32 GEMM library is timed on: a prompt's prefill
+
+
+def measured_f32_gemm(layers: list[list[Linear]], force: bool = False) -> tuning.Tuned:
+    """Whether the float32 dense copies of ``layers`` (``layers[i]``: layer i's projections,
+    each with a plain float32 ``dense``) run a prefill faster on MKL's sgemm as they are or
+    on oneDNN packed once (:func:`pack`): every layer's projections timed both ways at
+    :data:`F32_GEMM_ROWS` rows (packed copies made for the timing), through
+    ``tuning.choose`` (kept per machine; ``force``: measured again). On a 2-core Xeon with
+    AMX, SmolLM2-135M's 30 layers at 286 rows: 235-255 ms packed against 249-277 on MKL, the
+    same at 1,024 rows; the two round differently (~5e-6 on a 576-wide product)."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(F32_GEMM_ROWS, p.dense.shape[1], generator=gen) for p in layers[0]]
+    plain = [[p.dense for p in layer] for layer in layers]
+
+    def measure() -> tuning.Attempt:
+        packed = [[pack(w) for w in layer] for layer in plain]
+        run = {"mkl": lambda: [F.linear(x, w) for layer in plain for w, x in zip(layer, xs)],
+               "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                  for layer in packed for w, x in zip(layer, xs)]}
+        return tuning.time_rounds(run)
+
+    key = [len(layers), *(list(w.shape) for w in plain[0])]
+    return tuning.choose("f32_gemm", key, measure, lambda seconds: min(F32_GEMMS, key=seconds.__getitem__),
+                         F32_GEMMS.__contains__, force)
 
 
 def measured_kernel_rows(layers: list[list[Linear]], force: bool = False) -> tuning.Tuned:
@@ -207,5 +237,5 @@ def measured_kernel_rows(layers: list[list[Linear]], force: bool = False) -> tun
         return [p.on_blas(x[:rows]) for layer in layers for p, x in zip(layer, xs)]
 
     key = [len(layers), *([list(p.blocks.qs.shape), str(p.blocks.qs.dtype), None if p.dense is None else
-                            str(p.dense.dtype)] for p in layers[0])]
+                            str(p.dense.dtype) + (" packed" if p.dense.is_mkldnn else "")] for p in layers[0])]
     return cutover.kernel_rows(kernel, blas, key, force)

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from epdserve.model import layer_ops, linear, prefill_attention, quant, tensor_parallel
+from epdserve.model import layer_ops, linear, prefill_attention, quant, tensor_parallel, tuning
 from epdserve.model.base import ModelLoadError
 from epdserve.model.config import ModelConfig
 
@@ -94,11 +94,13 @@ class LlamaModel:
     the PyTorch operators run (``layer_ops.fused`` is False).
 
     ``weight_format``: which copies the linear layers hold (``model/linear.py``; default:
-    ``blocks`` when given, else dense in ``dtype``); with blocks, the layers are timed
-    for the kernel/BLAS cut-over (``kernel_rows``, kept per machine: ``model/cutover.py``;
-    ``retune``: measured again); a bfloat16 dense copy on a float32 model runs the prefill
-    attention's matmuls in bfloat16 too (``prefill_attention_dtype``). ``tuned`` maps each measured choice's name to its
-    ``tuning.Tuned`` (value and source), for the worker's /health.
+    ``blocks`` when given, else dense in ``dtype``); a bfloat16 dense copy on a float32 model
+    runs the prefill attention's matmuls in bfloat16 too (``prefill_attention_dtype``). On
+    the CPU the model times its choices on this machine and keeps them (``retune``: measured
+    again; :meth:`_tune`): a float32 dense copy's GEMM library, with blocks the kernel/BLAS
+    cut-over (``kernel_rows``, ``model/cutover.py``), the prefill attention's way.
+    ``tuned`` maps each measured choice's name to its ``tuning.Tuned`` (value and source),
+    for the worker's /health.
 
     ``tp``: this process's rank of a tensor-parallel group (``model/tensor_parallel.py``), or
     None (the whole model in this process). With it, ``config`` and ``weights`` are the full
@@ -159,8 +161,7 @@ class LlamaModel:
                 "down": project([p + "mlp.down_proj.weight"]),
             }
             self.layers.append(layer)
-        self._set_kernel_rows(retune)
-        self._set_prefill_way(retune)
+        self._tune(retune)
         if tp is not None:  # (all-reduces run between a layer's matmuls: no one-call layers)
             for layer in self.layers:
                 layer["kernel"] = layer["kernel_large"] = None
@@ -172,6 +173,26 @@ class LlamaModel:
         self.cos = emb.cos().to(self.device, dtype)
         self.sin = emb.sin().to(self.device, dtype)
 
+    def _tune(self, retune: bool) -> None:
+        """Make the choices measured on this machine (kept per machine; ``retune``: measured
+        again), each in ``tuned`` with its source: the float32 GEMM library, the block kernel
+        / BLAS cut-over, the prefill attention's way."""
+        self.tuned: dict[str, tuning.Tuned] = {}
+        self._set_f32_gemm(retune)
+        self._set_kernel_rows(retune)
+        self._set_prefill_way(retune)
+
+    def _set_f32_gemm(self, retune: bool) -> None:
+        """On the CPU, pack the decoder layers' float32 dense copies for oneDNN where it ran a
+        prefill's GEMMs faster than MKL (``linear.measured_f32_gemm``)."""
+        if self.device.type != "cpu" or self.weight_format.dense != torch.float32:
+            return
+        projections = [[layer[k] for k in PROJECTIONS] for layer in self.layers]
+        self.tuned["f32_gemm"] = linear.measured_f32_gemm(projections, retune)
+        if self.tuned["f32_gemm"].value == "onednn":
+            for lin in (p for layer in projections for p in layer):
+                lin.dense = linear.pack(lin.dense)
+
     def _set_kernel_rows(self, retune: bool) -> None:
         """Measure where the block kernel yields to the BLAS (``linear.measured_kernel_rows``
         over every layer) and set it on every linear layer with blocks; then give each
@@ -181,7 +202,8 @@ class LlamaModel:
         without them: the per-layer code runs those steps). ``kernel_rows`` is None
         without blocks."""
         probe = [[layer[k] for k in PROJECTIONS if layer[k].blocks is not None] for layer in self.layers]
-        self.tuned = {"kernel_rows": linear.measured_kernel_rows(probe, retune)} if probe[0] else {}
+        if probe[0]:
+            self.tuned["kernel_rows"] = linear.measured_kernel_rows(probe, retune)
         self.kernel_rows = self.tuned["kernel_rows"].value if probe[0] else None
         for lin in [self.lm_head, *(layer[k] for layer in self.layers for k in PROJECTIONS)]:
             lin.kernel_rows = self.kernel_rows or 0

@@ -1,7 +1,8 @@
 """``epdserve tune``: measure this machine's choices again and show what workers will use.
 
-A worker measures its choices (``tuning.py``: the block kernel / BLAS cut-over of a weight
-format with GGUF blocks) at its first start on a machine and keeps them; this command
+A worker measures its choices (``tuning.py``: the float32 GEMM library, the block kernel /
+BLAS cut-over of a weight format with GGUF blocks, the prefill attention's way) at its first
+start on a machine and keeps them; this command
 measures them again, as a worker of each thread count and weight format would, replaces
 what was kept, and prints one line each with the CPU model and flags. Run it after a first
 start on a busy machine, or when ``/health`` shows a choice's ``source`` as ``disturbed``.
