@@ -116,9 +116,21 @@ def test_rope_on_bfloat16_gemm_output_computes_in_float32(cache_dtype):
     assert torch.equal(got[0], caches[0].to(cache_dtype)) and torch.equal(got[1], caches[1].to(cache_dtype))
 
 
-@pytest.mark.parametrize("ctx_lens", [[1, 16, 17, 250], [37, 3]])
-def test_paged_decode_attention_matches_sdpa(ctx_lens):
-    num_blocks = 64
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("ctx_lens", [[1, 16, 17, 250], [37, 3], [1000], [130, 600]])
+def test_paged_decode_attention_matches_sdpa(ctx_lens, threads):
+    """A step of few rows splits each row's positions over the threads and merges the
+    parts: a row alone on 1-4 threads, two rows on 4, against the whole softmax."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_decode_attention(ctx_lens)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def check_decode_attention(ctx_lens):
+    num_blocks = 64 + 64
     k_cache, v_cache = randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, seed=1), randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, seed=2)
     width = max(-(-n // BLOCK) for n in ctx_lens)
     # Scattered, non-contiguous blocks, padded with block 0 as the runner pads.

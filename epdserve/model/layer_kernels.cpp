@@ -4,11 +4,13 @@
 // PyTorch operators per layer around them (RMSNorm's 7, RoPE's 14, the block gathers, the
 // attention mask, SDPA's set-up), each costing a few microseconds of dispatch for a few
 // hundred flops. These operators replace them:
-//   rms_norm            transformers' LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps))
+//   rms_norm            transformers' LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)), after
+//                       the residual add it takes (vLLM's fused_add_rms_norm)
 //   silu_mul            SwiGLU's silu(gate) * up
 //   rope_write_kv       rotate-half RoPE on Q and K in place, then K and V into their slots
 //   paged_decode_attention
 //                       one query token per sequence against its blocks of the paged cache
+//                       (a few rows: each row's positions split over the threads, merged)
 //   decode_layer        a whole layer of a decode-only step on the ones above
 // Arithmetic in float32; storage float32 or bfloat16 (a float32 model's bfloat16 GEMM inputs
 // and outputs, a bfloat16 model, a bfloat16 KV cache), rounded as PyTorch rounds. The RoPE
@@ -26,6 +28,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -103,8 +106,9 @@ __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
-// s[0..n) <- softmax(s), subtracting the max first as every stable softmax does.
-void softmax(float* s, int64_t n) {
+// s[0..n) <- e^(s - max s), the max subtracted as every stable softmax does; returns the
+// max, and their sum in *sum (the softmax is s / sum).
+float exp_scores(float* s, int64_t n, float* sum) {
   float top = s[0];
   for (int64_t p = 1; p < n; ++p) top = std::max(top, s[p]);
   const __m256 vtop = _mm256_set1_ps(top);
@@ -115,10 +119,9 @@ void softmax(float* s, int64_t n) {
     _mm256_storeu_ps(s + p, e);
     vsum = _mm256_add_ps(vsum, e);
   }
-  float sum = hsum8(vsum);
-  for (; p < n; ++p) sum += (s[p] = std::exp(s[p] - top));
-  const float inv = 1.0f / sum;
-  for (p = 0; p < n; ++p) s[p] *= inv;
+  *sum = hsum8(vsum);
+  for (; p < n; ++p) *sum += (s[p] = std::exp(s[p] - top));
+  return top;
 }
 
 // {hsum8(a[0]), ..., hsum8(a[3])}: one reduction tree for four accumulators.
@@ -187,11 +190,13 @@ void prefetch_row(const B* row, int64_t D) {
     _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T0);
 }
 
-// Attention of NQ query heads (q: NQ x D floats, contiguous) over one KV head's n positions
-// (rows: their offsets in the caches), into out (NQ x D); scores: NQ x n scratch.
+// Attention of NQ query heads (q: NQ x D floats, contiguous) over n positions of one KV
+// head (rows: their offsets in the caches), unnormalized: out (NQ x D) = sum_p e^(s_p - top)
+// v_p, with top[g] the largest score and total[g] = sum_p e^(s_p - top); scores: NQ x n
+// scratch. (The attention is out / total; parts over several ranges of positions merge.)
 template <int NQ, typename B>
 void attend(const float* q, const B* kc, const B* vc, const int64_t* rows, int64_t n, int64_t D, float scale,
-            float* scores, float* out) {
+            float* scores, float* out, float* top, float* total) {
   int64_t p = 0;
   for (; p + 4 <= n; p += 4) {
     // Keys 16 positions ahead, and these positions' values, which the weighted sums read next.
@@ -201,7 +206,7 @@ void attend(const float* q, const B* kc, const B* vc, const int64_t* rows, int64
   }
   for (; p < n; ++p)
     for (int g = 0; g < NQ; ++g) scores[g * n + p] = dot(q + g * D, kc + rows[p], D) * scale;
-  for (int g = 0; g < NQ; ++g) softmax(scores + g * n, n);
+  for (int g = 0; g < NQ; ++g) top[g] = exp_scores(scores + g * n, n, total + g);
   weighted_sums<NQ>(scores, vc, rows, n, D, out);
 }
 
@@ -386,21 +391,32 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
   });
 }
 
+// Each (row, KV head) of a decode step is a task; where they are too few to give every
+// thread two, each one's positions are split into `splits` ranges, attended separately and
+// merged (flash decoding: Dao et al., 2023). At batch 1, SmolLM2-135M's 3 KV heads on 2
+// threads left one thread a third idle.
 template <typename C>
 void decode_attention_rows(const float* qp, const C* kc, const C* vc, float* op, const int64_t* tables,
                            const int64_t* lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t max_blocks,
                            int64_t block_size, int64_t qs0, int64_t qs1, float sc) {
-  const int64_t group = Hq / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qbuf(3 * D);
+  const int64_t group = Hq / Hkv, threads = at::get_num_threads();
+  int64_t shortest = lens[0];
+  for (int64_t b = 1; b < B; ++b) shortest = std::min(shortest, lens[b]);
+  const int64_t splits = std::max<int64_t>(1, std::min((2 * threads + B * Hkv - 1) / (B * Hkv), shortest / 64));
+  // Each query head's part per range: its unnormalized output, largest score and sum.
+  const int64_t kept = splits > 1 ? B * Hq * splits : 0;
+  std::vector<float> parts(kept * D), tops(kept), totals(kept);
+  at::parallel_for(0, B * Hkv * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qbuf(3 * D), top(3), total(3), out(3 * D);
     std::vector<int64_t> rows;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, hk = task % Hkv, n = lens[b];
+      const int64_t b = task / (Hkv * splits), hk = task / splits % Hkv, part = task % splits;
+      const int64_t chunk = (lens[b] + splits - 1) / splits, p0 = part * chunk;
+      const int64_t n = std::max<int64_t>(0, std::min(lens[b], p0 + chunk) - p0);
       const int64_t* table = tables + b * max_blocks;
-      rows.resize(n);  // offset of position p's K (and V) head hk in the caches
-      for (int64_t j = 0, p = 0; p < n; ++j)
-        for (int64_t slot = table[j] * block_size; slot < (table[j] + 1) * block_size && p < n; ++slot, ++p)
-          rows[p] = (slot * Hkv + hk) * D;
+      rows.resize(n);  // offset of position p0 + i's K (and V) head hk in the caches
+      for (int64_t i = 0; i < n; ++i)
+        rows[i] = ((table[(p0 + i) / block_size] * block_size + (p0 + i) % block_size) * Hkv + hk) * D;
       scores.resize(3 * n);
       for (int64_t g0 = 0; g0 < group; g0 += 3) {  // up to 3 query heads of this KV head at a time
         const int nq = static_cast<int>(std::min<int64_t>(3, group - g0));
@@ -408,13 +424,43 @@ void decode_attention_rows(const float* qp, const C* kc, const C* vc, float* op,
           const float* src = qp + b * qs0 + (hk * group + g0 + g) * qs1;
           std::copy(src, src + D, qbuf.begin() + g * D);
         }
-        float* o = op + (b * Hq + hk * group + g0) * D;
-        if (nq == 3) attend<3>(qbuf.data(), kc, vc, rows.data(), n, D, sc, scores.data(), o);
-        else if (nq == 2) attend<2>(qbuf.data(), kc, vc, rows.data(), n, D, sc, scores.data(), o);
-        else attend<1>(qbuf.data(), kc, vc, rows.data(), n, D, sc, scores.data(), o);
+        if (n == 0) {  // (a range past a shorter row's end)
+          std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
+          std::fill(total.begin(), total.end(), 0.0f);
+          std::fill(out.begin(), out.end(), 0.0f);
+        } else if (nq == 3) {
+          attend<3>(qbuf.data(), kc, vc, rows.data(), n, D, sc, scores.data(), out.data(), top.data(), total.data());
+        } else if (nq == 2) {
+          attend<2>(qbuf.data(), kc, vc, rows.data(), n, D, sc, scores.data(), out.data(), top.data(), total.data());
+        } else {
+          attend<1>(qbuf.data(), kc, vc, rows.data(), n, D, sc, scores.data(), out.data(), top.data(), total.data());
+        }
+        for (int g = 0; g < nq; ++g) {
+          const int64_t at = (b * Hq + hk * group + g0 + g) * splits + part;
+          if (splits == 1) {  // the whole attention: normalized into its place
+            for (int64_t i = 0; i < D; ++i) op[at * D + i] = out[g * D + i] / total[g];
+            continue;
+          }
+          std::copy(out.begin() + g * D, out.begin() + (g + 1) * D, parts.begin() + at * D);
+          tops[at] = top[g];
+          totals[at] = total[g];
+        }
       }
     }
   });
+  for (int64_t bh = 0; bh < (splits > 1 ? B * Hq : 0); ++bh) {  // out = sum_r e^(top_r - top) part_r / sum_r e^(top_r - top) total_r
+    float top = -std::numeric_limits<float>::infinity(), total = 0.0f;
+    for (int64_t r = 0; r < splits; ++r) top = std::max(top, tops[bh * splits + r]);
+    float* o = op + bh * D;
+    std::fill(o, o + D, 0.0f);
+    for (int64_t r = 0; r < splits; ++r) {
+      const float w = std::exp(tops[bh * splits + r] - top);
+      total += w * totals[bh * splits + r];
+      const float* part = parts.data() + (bh * splits + r) * D;
+      for (int64_t i = 0; i < D; ++i) o[i] += w * part[i];
+    }
+    for (int64_t i = 0; i < D; ++i) o[i] /= total;
+  }
 }
 
 // q [B, Hq, D] (last dim contiguous), k_cache, v_cache [slots, Hkv, D], block_tables
