@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import httpx
+import torch
 
+from epdserve.model import linear, prefill_attention
 from epdserve.model.cutover import ROWS as CUTOVER_ROWS
 from epdserve.model.tokenizer import chat_prompt_ids
 
@@ -56,14 +58,18 @@ def test_models_health_metrics(server, model_info):
     # decode, both where one worker runs both phases.
     formats = {w["role"]: w["weight_format"] for w in health.json()["workers"]}
     assert formats == ({"prefill": "f32", "decode": "q4_1"} if server.mode == "pd" else {"colocated": "q4_1+f32"})
-    # The block kernel / BLAS cut-over each worker with blocks measured (or read) on this machine.
+    # The choices each worker measured (or read) on this machine: the block kernel / BLAS
+    # cut-over with blocks, the float32 GEMM library with a float32 dense copy, the prefill
+    # attention's way where the CPU offers more than SDPA.
     tuned = {w["role"]: w["tuned"] for w in health.json()["workers"]}
+    ways = prefill_attention.ways(torch.float32, 9, 3, 64)
     for role, fmt in formats.items():
-        if "q4_1" not in fmt:
-            assert tuned[role] == {}
-            continue
-        cutover = tuned[role]["kernel_rows"]
-        assert cutover["value"] in (0, *CUTOVER_ROWS) and cutover["source"] in ("cache", "measured", "disturbed")
+        assert ("kernel_rows" in tuned[role]) == ("q4_1" in fmt)
+        assert ("f32_gemm" in tuned[role]) == ("f32" in fmt)
+        assert ("prefill_attention" in tuned[role]) == (ways != ["sdpa"])
+        valid = {"kernel_rows": (0, *CUTOVER_ROWS), "f32_gemm": linear.F32_GEMMS, "prefill_attention": ways}
+        for name, choice in tuned[role].items():
+            assert choice["value"] in valid[name] and choice["source"] in ("cache", "measured", "disturbed")
     metrics = httpx.get(server.url + "/metrics")
     assert metrics.status_code == 200
     for w in health.json()["workers"]:
