@@ -10,9 +10,9 @@ a part nested in another counts only in itself; ~1 µs per call of overhead, ~30
 prefill):
 
 * GEMMs: the decoder layers' projections (``linear.Linear``: QKV, O, gate+up, down);
-* attention: ``LlamaModel._attention`` (causal SDPA over the prompt);
-* RMSNorm, RoPE + KV write: ``layer_ops.rms_norm`` (the final norm included),
-  ``layer_ops.rope_write_kv``;
+* attention: ``LlamaModel._attention`` (the way ``prefill_attention`` measured fastest);
+* RMSNorm, RoPE + KV write: ``layer_ops.rms_norm`` (the final norm included, and the
+  residual adds the norms carry), ``layer_ops.rope_write_kv``;
 * SiLU x up, residuals, embedding: what the layers do besides the above
   (``LlamaModel._layer`` and ``hidden_states`` exclusive);
 * LM head: the final row's logits (``LlamaModel.logits`` with its projection);
