@@ -96,6 +96,15 @@ def test_ways_fall_back_to_sdpa_where_the_kernel_cannot_run():
 
 
 @needs_kernel
+def test_a_way_the_kernel_refuses_is_not_offered(caplog):
+    """A way whose CPU feature the OS withholds (AMX's tiles without Linux's permission) is
+    refused by the kernel: it is probed once, logged, and left out of the measurement."""
+    assert not prefill_attention._runs("sse")
+    assert "the kernel's sse way does not run here" in caplog.text
+    assert all(prefill_attention._runs(w) for w in FLOAT32_WAYS + BFLOAT16_WAYS)
+
+
+@needs_kernel
 def test_the_measured_way_is_kept_and_read_back(tmp_path, monkeypatch):
     kernels.available()  # (built under the real cache before it moves)
     monkeypatch.setenv("EPDSERVE_CACHE", str(tmp_path))

@@ -18,10 +18,15 @@ against 9.8 (softmax, not the products, bounds the kernel).
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from epdserve.model import kernels, layer_ops, tuning
+
+log = logging.getLogger(__name__)
 
 SDPA = "sdpa"
 # What each of the kernel's ways needs (/proc/cpuinfo's names), per compute dtype.
@@ -36,7 +41,22 @@ def ways(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> list[s
     """The ways a prefill computed in ``dtype`` can run here for this head layout, :data:`SDPA` last."""
     fits = head_dim in (64, 128) and heads % kv_heads == 0 and heads // kv_heads <= 8
     isas = [isa for isa, needs in ISA.get(dtype, {}).items() if needs <= kernels.cpu_flags()]
-    return (isas if fits and isas and kernels.available() else []) + [SDPA]
+    return [isa for isa in isas if fits and kernels.available() and _runs(isa)] + [SDPA]
+
+
+@functools.cache
+def _runs(isa: str) -> bool:
+    """Whether the kernel's ``isa`` way runs in this process: the CPU's flags can name a
+    feature whose state the OS does not hand out (AMX's tiles need Linux's permission), and
+    the kernel refuses it then. Logs one line when it cannot."""
+    try:
+        cache = torch.zeros(2, 1, 16, 1, 64)
+        attend(isa, torch.zeros(1, 1, 64), None, None, cache, torch.zeros(1, dtype=torch.long), 1, torch.float32)
+    except RuntimeError as exc:
+        log.warning("prefill attention: the kernel's %s way does not run here (%s); measuring the others", isa,
+                    str(exc).splitlines()[0])
+        return False
+    return True
 
 
 def measured_way(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
