@@ -130,7 +130,7 @@ def test_paged_decode_attention_matches_sdpa(ctx_lens, threads):
 
 
 def check_decode_attention(ctx_lens):
-    num_blocks = 64 + 64
+    num_blocks = 128
     k_cache, v_cache = randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, seed=1), randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, seed=2)
     width = max(-(-n // BLOCK) for n in ctx_lens)
     # Scattered, non-contiguous blocks, padded with block 0 as the runner pads.

@@ -37,7 +37,13 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")
 
+#include "avx512.h"
+
 namespace {
+
+using epdserve_avx512::exp16;
+using epdserve_avx512::load16;
+using epdserve_avx512::store16;
 
 // How the products run: float32 FMAs, AVX512_BF16 pair dot products, or AMX tiles.
 enum class Isa { F32, BF16, AMX };
@@ -46,31 +52,6 @@ constexpr int64_t BQ = 32;  // query positions per task
 constexpr int64_t BK = 64;  // key positions per block: 4 vectors of 16
 constexpr int64_t KV = BK / 16;
 const float NEG_INF = -std::numeric_limits<float>::infinity();
-
-// e^x for x <= 0 (16 lanes): 2^k e^r, k = round(x / ln 2), e^r by its degree-6 Taylor
-// polynomial (relative error < 2e-7); ~0 (1.6e-38) below -87.
-__m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x);  // ln 2 split in two
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, k);
-}
-
-
-__m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-__m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-void store16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
 
 // Where one KV head's packed blocks sit: BK positions each, zero past the context.
 // float32: keys [D][BK], values [BK][D]. bfloat16 (as uint16): keys [D/2][BK][2] (two
