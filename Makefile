@@ -76,7 +76,7 @@ demo: $(STAMP)
 # `pytestmark` names its suite, tests/conftest.py adds `cluster` (and `server`) from the
 # fixtures a test uses. Each target's recipe runs `pytest -m "$(MARK_<target>)"`; every
 # test is in exactly one of them (tests/test_markers.py checks these lines) and .ci/run
-# runs them all. `make test` is what no suite below takes, under 20 minutes.
+# runs them all. `make test` is what no suite below takes, under 15 minutes.
 MARK_test := not (cluster or elastic or plan or faults or fuzz or interop or epd or api or clients or tp)
 # Real Ray clusters started and stopped by the tests themselves (`ray start` in a session of
 # their own; the two-node tests put a node in a network namespace and skip, saying why, where
@@ -105,9 +105,11 @@ MARK_epd := epd
 # The OpenAI surface beyond the basics: structured output, tool calling, echo/prompt
 # logprobs/best_of/batches (server tests of colocated and PD; ~2 minutes).
 MARK_api := api
-# Tensor-parallel workers served in PD and EPD: prefill TP2 -> decode TP1 and back against one
-# float32 engine, the hand-off's bytes against TP1 -> TP1, a TP2 prefill worker in EPD, a killed
-# rank (~6 minutes: every deployment loads its ranks).
+# Tensor-parallel workers: a TP2 worker served colocated (its start-up refusals, a follower
+# killed mid-stream), in PD and EPD; the hand-off between TP sizes in one process (prefill TP2 ->
+# decode TP1 and back against one float32 engine, the bytes against TP1 -> TP1), a TP2 prefill
+# worker in EPD, a killed rank (~8 minutes: every deployment loads its ranks). The ranks'
+# arithmetic against the whole model stays in `make test`.
 MARK_tp := tp
 # AIPerf, GuideLLM, lm-evaluation-harness run from .venv-clients against real deployments
 # (~3 minutes after a 2.5-minute install).

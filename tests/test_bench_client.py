@@ -338,8 +338,9 @@ def test_replayed_trace_sends_identical_requests_at_the_same_offsets(stub, tmp_p
         log = sorted(stub.log(), key=lambda x: x["t"])
         assert log[0]["body"]["messages"][0]["content"] == client.WARMUP_PROMPT
         runs.append(log[1:])  # the warm-up request is not part of the trace
-    # The replay's bound: the two replays send each request at the same offset within 5 ms ...
-    assert max(abs(a - b) for a, b in zip(*sends)) < 0.005, sends
+    # The replay's bound: the two replays send each request at the same offset, apart by no
+    # more than one run's lateness bound (a busy CI machine delays a send by several ms) ...
+    assert max(abs(a - b) for a, b in zip(*sends)) < TOLERANCE_S, sends
     # ... and the server sees the same bodies at the same offsets, run after run.
     first, second = runs
     assert [x["body"] for x in first] == [x["body"] for x in second]

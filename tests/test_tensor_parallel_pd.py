@@ -28,6 +28,8 @@ from epdserve.transfer.wire import WireError
 
 from conftest import generate
 
+pytestmark = pytest.mark.tp
+
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as "

@@ -37,6 +37,8 @@ from epdserve.serving.worker.ranks import Ranks, remove_stale_dirs, split_cores
 from conftest import _stop, generate, start_deployment
 from test_serving_cleanup import stream_and_leave, wait_all_free
 
+pytestmark = pytest.mark.tp
+
 MAX_TOKENS = 16
 KILL_ERROR_S = 5.0  # a killed rank's request must end with an error this soon
 RESTART_TIMEOUT_S = 120
