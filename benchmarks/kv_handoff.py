@@ -47,7 +47,8 @@ import numpy as np
 import torch
 import zmq
 
-from epdserve.engine.engine import EngineConfig, LLMEngine, StepOutput
+from epdserve.engine.engine import EngineConfig, LLMEngine
+from epdserve.engine.outputs import StepOutput
 from epdserve.engine.request import SamplingParams
 from epdserve.model.loader import resolve_model
 from epdserve.serving.worker.ranks import Ranks

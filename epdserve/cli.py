@@ -20,6 +20,7 @@ COMMANDS = {
     "router": ("epdserve.serving.router.app", "run the OpenAI-compatible router alone"),
     "bench": ("epdserve.bench.run", "send a seeded workload to an OpenAI-compatible server"),
     "compare": ("epdserve.bench.compare", "run the same trace against each deployment"),
+    "report": ("epdserve.bench.saved_report", "judge a saved compare run again against other SLOs, without running it"),
     "plan": ("epdserve.plan.run", "predict which deployment meets the SLOs at the lowest cost"),
     "tune": ("epdserve.model.tune", "measure this machine's kernel choices again and show them"),
 }

@@ -142,6 +142,9 @@ def test_the_model_variables_name_what_epdserve_serves(model_info, tmp_path):
      'deployment "x": openai_base_url: required with processes'),
     ('[[deployment]]\nname = "x"\nepdserve = "pd"\nopenai_base_url = "http://h:1"\n',
      'deployment "x": openai_base_url: not for an epdserve entry'),
+    ('[[deployment]]\nname = "x"\nepdserve = "pd"\nengine = "vLLM"\n',
+     'deployment "x": engine: not for an epdserve entry'),
+    ('[[deployment]]\nname = "x"\nbase_url = "http://h:1"\nengine = ""\n', 'deployment "x": engine: '),
     ('[[deployment]]\nname = "x"\nbase_url = "http://h:1"\nargs = ["--x"]\n',
      'deployment "x": args: only for an epdserve entry'),
     ('[[deployment]]\nname = "x"\nbase_url = "http://h:1"\nsetup = "make vllm"\n',
@@ -260,10 +263,12 @@ def test_a_deployment_that_never_gets_ready_leaves_the_others_running(tmp_path, 
 
 def test_repeats_auto_stops_when_the_paired_verdict_is_clear(tmp_path):
     """The default, --repeats auto, against two identical OpenAI stubs (real processes, one
-    marked as a PD split): every request meets the SLOs in both, so the paired interval is
-    [0, 0], a tie, after one round; the simpler wins and the report says why it stopped."""
+    marked as a PD split, both of one engine): every request meets the SLOs in both, so the
+    paired interval is [0, 0], a tie, after one round; the simpler wins and the report says
+    why it stopped."""
     ports = free_port(), free_port()
-    entries = "\n".join(stub_entry(name, port).replace("\nopenai_base_url", f'\nmode = "{mode}"\nopenai_base_url')
+    entries = "\n".join(stub_entry(name, port).replace(
+        "\nopenai_base_url", f'\nmode = "{mode}"\nengine = "stub"\nopenai_base_url')
                         for name, mode, port in (("one", "colocated", ports[0]), ("split", "pd", ports[1])))
     path = write(tmp_path / "d.toml", entries)
     trace = saved_trace(tmp_path / "t.jsonl", [req(0.1 * i, f"count to {i}", 4) for i in range(6)])

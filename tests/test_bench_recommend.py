@@ -312,3 +312,26 @@ def test_a_disturbed_measurement_qualifies_the_recommendation():
     assert md.startswith("## Recommendation\n\n**Use colocated** (no prefill/decode split). **But other processes "
                          f"loaded the cores during 1 run(s)** ({warning}): measure again on a quiet machine"), md
     assert "quiet machine" not in report.recommendation_markdown(rec)
+
+
+def engine_entry(e: dict, engine: str | None) -> dict:
+    """``e`` as a deployments-file entry that starts processes (another engine)."""
+    return {**e, "deployment": {"name": e["name"], "source": "f.toml", **({"engine": engine} if engine else {})}}
+
+
+def test_engines_are_judged_as_engines_and_named_as_what_they_are():
+    """epdserve's colocated against vLLM's, colocated too: never "the only kind measured", and
+    the words name each deployment's engine, kind and cores."""
+    colocated, pd = frozen_colocated_and_slow_pd()
+    vllm = engine_entry({**pd, "name": "vllm-cpu", "mode": "colocated"}, "vLLM")
+    rec = recommend([colocated, vllm])
+    assert rec["choice"] == "vllm-cpu" and rec["verdict"] == "better"
+    assert rec["headline"].startswith("**Use vllm-cpu** (vLLM, colocated, 2 cores): goodput req/s per core +")
+    assert rec["reasons"][0].startswith("Engines: vllm-cpu (vLLM, colocated, 2 cores) vs colocated "
+                                        "(epdserve, colocated, 2 cores): ")
+    # A tie between engines is said as a tie, decided by latency (rule 3), not by "the simpler".
+    same = engine_entry({**colocated, "name": "other"}, None)  # an engine not named: its own name
+    rec = recommend([same, colocated])
+    assert rec["verdict"] == "tie" and "(the simpler" not in rec["headline"]
+    assert "(other, colocated, 2 cores)" in rec["headline"] or "(epdserve, colocated, 2 cores)" in rec["headline"]
+    assert rec["reasons"][0].startswith("Engines: ")

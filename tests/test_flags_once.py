@@ -27,6 +27,8 @@ OTHER_MEANING = {
     "--workload": "compare's default is the demo workload (long-prompt bursts, where splitting shows); "
                   "bench's vLLM's synthetic random lengths",
     "--dataset-name": "vLLM's name for --workload",
+    "--goodput": "report judges a saved run again by it; without it, by the SLOs that run was judged by (bench "
+                 "and compare: the default SLOs)",
 }
 
 

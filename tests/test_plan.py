@@ -92,12 +92,14 @@ def test_decode_cost_follows_the_longest_context():
 
 
 def test_a_long_prefill_stalls_colocated_decode_but_not_pd():
-    # A 1,000-token prompt at 1 ms/token arrives while a chat request decodes.
+    # A 1,000-token prompt at 1 ms/token arrives while a chat request decodes, in a step that
+    # holds all of it (2,048 tokens; the machine's default here would be 512: the next test).
     platform = Platform("tokens", step=lambda n: LinearStep((10.0, 0.0, 1.0, 0.0, 0.0)), worker_sizes=(1,),
                         kv_bytes_per_token=10, kv_link=Link(1e9, 1.0), price_per_device_hour=1.0)
     reqs = [req(0.0, 10, 40), req(0.1, 1000, 2, kind="long")]
-    colocated, _ = simulate(COLOCATED, platform, reqs)
-    pd, _ = simulate(PD, platform, reqs)
+    whole_steps = EngineLimits(max_num_batched_tokens=2048)
+    colocated, _ = simulate(COLOCATED, platform, reqs, whole_steps)
+    pd, _ = simulate(PD, platform, reqs, whole_steps)
     assert max(colocated[0].itls_s) > 1.0   # the decode waited for the whole prefill
     assert max(pd[0].itls_s) < 0.02          # its own worker kept decoding
 
@@ -110,6 +112,9 @@ def test_chunked_prefill_bounds_the_stall():
                                                                    enable_chunked_prefill=True))
     assert max(chunked[0].itls_s) == pytest.approx(0.010 + 0.128, abs=1e-6)
     assert chunked[1].output_tokens == 2
+    # serve's default, as the engine sets it: what the worker prefills in half a second (512 here).
+    default, _ = simulate(COLOCATED, platform, reqs)
+    assert max(default[0].itls_s) == pytest.approx(0.010 + 0.512, abs=1e-6)
 
 
 def test_a_full_kv_cache_queues_requests():

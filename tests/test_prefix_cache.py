@@ -47,7 +47,9 @@ def prefixed() -> tuple[list[int], list[int]]:
 
 
 def engine(model_dir: str, **kw) -> LLMEngine:
-    return LLMEngine(model_dir, EngineConfig(block_size=BLOCK, **{"num_kv_blocks": 128, **kw}))
+    """An engine that prefills each of these prompts in one step (the steps counted below)."""
+    return LLMEngine(model_dir, EngineConfig(block_size=BLOCK, **{"num_kv_blocks": 128, "max_num_batched_tokens": 2048,
+                                                                  **kw}))
 
 
 def run(engine: LLMEngine, request_id: str, prompt: list[int], params=GREEDY) -> tuple[list[int], int, list[int]]:
@@ -148,8 +150,8 @@ def test_overlapping_held_hand_offs_stay_valid(model_dir, prefixed):
     a, b = prefixed
     colocated = engine(model_dir, enable_prefix_caching=False)
     expected = {rid: run(colocated, rid, p)[0] for rid, p in (("a", a), ("b", b))}
-    prefill, pool = new_engine(model_dir, EngineConfig(block_size=BLOCK,
-                                                               num_kv_blocks=128), True)
+    prefill, pool = new_engine(model_dir, EngineConfig(block_size=BLOCK, num_kv_blocks=128,
+                                                       max_num_batched_tokens=2048), True)
     decode = engine(model_dir)
     ctx = zmq.Context()
     exporter = handoff.Exporter(prefill, 60, ctx, None, "none", pool)

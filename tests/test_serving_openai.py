@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import torch
 
-from epdserve.model import linear, prefill_attention
+from epdserve.model import linear, prefill_attention, step_budget
 from epdserve.model.cutover import ROWS as CUTOVER_ROWS
 from epdserve.model.tokenizer import chat_prompt_ids
 
@@ -60,14 +60,16 @@ def test_models_health_metrics(server, model_info):
     assert formats == ({"prefill": "f32", "decode": "q4_1"} if server.mode == "pd" else {"colocated": "q4_1+f32"})
     # The choices each worker measured (or read) on this machine: the block kernel / BLAS
     # cut-over with blocks, the float32 GEMM library with a float32 dense copy, the prefill
-    # attention's way where the CPU offers more than SDPA.
+    # attention's way where the CPU offers more than SDPA, the tokens a step computes.
     tuned = {w["role"]: w["tuned"] for w in health.json()["workers"]}
     ways = prefill_attention.ways(torch.float32, 9, 3, 64)
     for role, fmt in formats.items():
         assert ("kernel_rows" in tuned[role]) == ("q4_1" in fmt)
         assert ("f32_gemm" in tuned[role]) == ("f32" in fmt)
         assert ("prefill_attention" in tuned[role]) == (ways != ["sdpa"])
-        valid = {"kernel_rows": (0, *CUTOVER_ROWS), "f32_gemm": linear.F32_GEMMS, "prefill_attention": ways}
+        assert step_budget.valid(tuned[role]["max_num_batched_tokens"]["value"])
+        valid = {"kernel_rows": (0, *CUTOVER_ROWS), "f32_gemm": linear.F32_GEMMS, "prefill_attention": ways,
+                 "max_num_batched_tokens": [tuned[role]["max_num_batched_tokens"]["value"]]}
         for name, choice in tuned[role].items():
             assert choice["value"] in valid[name] and choice["source"] in ("cache", "measured", "disturbed")
     metrics = httpx.get(server.url + "/metrics")

@@ -188,5 +188,7 @@ def test_tune_measures_again_and_keeps_it(tmp_path):
     assert first.returncode == 0, first.stderr
     assert first.stdout.splitlines()[0].startswith(kernels.cpu_model())
     assert "q4_1" in first.stdout and "kernel_rows" in first.stdout and "(measured;" in first.stdout
+    assert "max_num_batched_tokens" in first.stdout  # the step budget, measured again too
+    assert len(list((tmp_path / "tuning" / "max_num_batched_tokens").glob("*.json"))) == 1
     entries = kept(tmp_path)
     assert len(entries) == 1 and entries[0]["machine"]["threads"] == int(threads)

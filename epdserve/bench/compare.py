@@ -63,7 +63,7 @@ from pathlib import Path
 
 from epdserve import host
 from epdserve.argtypes import Flag, Options, float_above, with_values
-from epdserve.bench import client, plots, recommend, repeats, report, rounds, server_metrics, sweep, workload
+from epdserve.bench import client, plots, recommend, repeats, report, rounds, server_metrics, slo_map, sweep, workload
 from epdserve.bench.deployment_run import run_config
 from epdserve.bench.deployments import Deployment, DeploymentFileError, ModelVariables, from_config, load
 from epdserve.bench.processes import ServerError, server_command
@@ -74,6 +74,11 @@ from epdserve.bench.traces import describe
 from epdserve.serving import flags
 
 DEFAULT_CONFIGS = ["colocated", "pd"]  # without --configs and --deployments
+
+
+# Of compare.json's layout: 2 keeps every SLO's per-request value in each run's outcomes
+# (per_run), what `epdserve report` judges again; a directory without it is refused there.
+VERSION = 2
 
 
 def parse_configs(text: str) -> list[str]:
@@ -146,6 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=float_above(0), default=None, metavar="MIN",
                         help="with --repeats auto: start no round that would end after MIN "
                              f"minutes (the first always runs; default {rounds.DEFAULT_BUDGET_MIN:g})")
+    slo_map.SLO_GRID_FLAG.add(parser)
     s = parser.add_argument_group("goodput sweep (needs --goodput)")
     s.add_argument("--sweep-rates", type=parse_rates, default=None, metavar="LO:HI",
                    help="also find each configuration's highest request rate (req/s) within "
@@ -373,7 +379,8 @@ def settings(args: Options) -> dict:
             "ignore_eos": args.ignore_eos, "warmup": args.warmup, "repeats": args.repeats,
             "budget_min": (getattr(args, "budget", None) or rounds.DEFAULT_BUDGET_MIN)
             if args.repeats == rounds.AUTO else None,
-            "goodput": dict(args.goodput) if args.goodput else None, "model": args.model}
+            "goodput": dict(args.goodput) if args.goodput else None, "model": args.model,
+            "slo_grid": args.slo_grid}
 
 
 def write_outputs(entries: list[dict], requests: list[workload.Request], spec: dict,
@@ -387,13 +394,14 @@ def write_outputs(entries: list[dict], requests: list[workload.Request], spec: d
     if not trace.is_file():
         workload.save_trace(requests, trace)
     rec = rec or recommend.recommend(entries)
+    the_map, section, map_png = slo_map.for_outputs(entries, rec["slos_ms"], (sampling or {}).get("slo_grid"), out_dir)
     write_json({"trace": {**spec, "file": str(trace), "num_requests": len(requests),
                           "sha256": hashlib.sha256(trace.read_bytes()).hexdigest()},
-                "sampling": sampling or {}, "configs": entries, "recommendation": rec},
-               out_dir / "compare.json")
+                "sampling": sampling or {}, "configs": entries, "recommendation": rec, "slo_map": the_map,
+                "version": VERSION}, out_dir / "compare.json")
     md = report.markdown_report(entries, spec, describe(requests), sampling or {}, rec)
-    (out_dir / "compare.md").write_text(md)
+    (out_dir / "compare.md").write_text(md + "\n" + section)
     long_offsets = [r.offset_s for r in requests if r.kind == "long"]
     phase_starts = (spec.get("phase_windows") or {}).get("start_s", [])  # --workload shift
     pngs = plots.plot_all([e for e in entries if "result" in e], long_offsets, out_dir, phase_starts)
-    return [out_dir / "compare.json", out_dir / "compare.md", *pngs]
+    return [out_dir / "compare.json", out_dir / "compare.md", *pngs, *map_png]

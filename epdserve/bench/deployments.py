@@ -37,7 +37,9 @@ the name sent in requests, default the first id of ``GET /v1/models``); ``metric
 ``resources = {cpu_cores = N} | {gpus = N}`` with an optional ``price_per_hour`` (USD;
 epdserve entries read their cores from ``/health`` and take only the price); ``mode``
 (processes and base_url: ``colocated``, ``pd`` or ``epd``, so that the recommendation
-knows a split deployment; derived for epdserve).
+knows a split deployment; derived for epdserve); ``engine`` (processes and base_url: the
+engine it runs, e.g. "vLLM", as verdicts name it; default the entry's name: deployments of
+different engines are compared as engines, :func:`epdserve.bench.rules.engine`).
 
 A malformed file is one :class:`DeploymentFileError` line naming the file, the entry and
 the key (``deployments.toml: deployment "vllm-pd": ready.timeout_s: must be > 0 (got
@@ -151,6 +153,7 @@ class Deployment(_Strict):
     metrics_urls: list[Url] | None = None
     resources: Resources | None = None
     mode: Mode | None = None
+    engine: str | None = Field(None, min_length=1, max_length=64)
     cluster: Literal[CLUSTERS] | None = None
     ray_address: str | None = Field(None, min_length=1)
     ray_resources: dict[RayRole, str] | None = None
@@ -180,7 +183,7 @@ class Deployment(_Strict):
                 raise ValueError("openai_base_url: required with processes (the URL "
                                  "their OpenAI server answers on)")
             return self
-        derived = [k for k in ("ready", "openai_base_url", "mode") if getattr(self, k)]
+        derived = [k for k in ("ready", "openai_base_url", "mode", "engine") if getattr(self, k)]
         if self.resources and (self.resources.cpu_cores or self.resources.gpus):
             derived.append("resources.cpu_cores/gpus")
         if derived:

@@ -42,7 +42,9 @@ CONFIDENCE = 0.95
 TIE_BAND = 0.10
 RESAMPLES = 4000
 SEED = 0
-PER_REQUEST = ("good", "ttft_ms", "max_itl_ms", "e2el_ms")  # the arrays of outcomes()
+PER_REQUEST = ("good", "ttft_ms", "max_itl_ms", "e2el_ms")  # the arrays compare() pairs
+# outcomes()'s value of each SLO key (metrics.SLO_METRICS), what a re-judging reads (rejudge.py).
+SLO_VALUES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms", "itl": "max_itl_ms", "itl_p99": "itl_p99_ms"}
 
 
 def outcomes(result: dict) -> dict:
@@ -50,26 +52,22 @@ def outcomes(result: dict) -> dict:
     trace order, judged against the SLOs of :func:`metrics.judged_goodput`:
 
     ``{"good": [bool] (completed and within every SLO), "ttft_ms", "max_itl_ms" (the
-    request's longest ITL gap, 0 without one), "e2el_ms": [float | None] (None for a failed
-    request), "duration_s": the run's duration, "slos_ms"}``.
+    request's longest ITL gap, 0 without one), "e2el_ms", "tpot_ms" (0 for a one-token
+    answer), "itl_p99_ms" (its gaps' p99): [float | None] (None for a failed request),
+    "duration_s": the run's duration, "slos_ms"}``: every value an SLO bounds
+    (:data:`SLO_VALUES`), so the run can be judged again against other SLOs.
 
     Raises:
         KeyError: the result has no per-request arrays.
     """
     slos = metrics.judged_goodput(result)["goodput_slos_ms"] or metrics.DEFAULT_SLOS_MS
-    out = {k: [] for k in PER_REQUEST}
+    out = {k: [] for k in ("good", *SLO_VALUES.values())}
     for ttft, e2el, n, itls, error in zip(result["ttfts"], result["e2els"], result["output_lens"],
                                           result["itls"], result["errors"]):
-        if error:
-            out["good"].append(False)
-            for k in PER_REQUEST[1:]:
-                out[k].append(None)
-            continue
-        values = metrics.slo_values_ms(ttft, e2el, n, itls, set(slos) | {"itl"})
-        out["good"].append(all(values[k] <= v for k, v in slos.items()))
-        out["ttft_ms"].append(values["ttft"])
-        out["max_itl_ms"].append(values["itl"])
-        out["e2el_ms"].append(values["e2el"])
+        values = {} if error else metrics.slo_values_ms(ttft, e2el, n, itls)
+        out["good"].append(not error and all(values[k] <= v for k, v in slos.items()))
+        for key, name in SLO_VALUES.items():
+            out[name].append(values.get(key))
     return {**out, "duration_s": result["duration"], "slos_ms": dict(slos)}
 
 

@@ -168,6 +168,8 @@ def _headline(win: dict, rival: dict | None, c: paired.Comparison | None, out: d
     kind = (" (a PD split)." if out["split"] else " (no prefill/decode split).") if switches is None else \
         f" (elastic: {switches} role switch{'' if switches == 1 else 'es'} during the run)."
     name, simpler = win["name"], " (the simpler: no prefill/decode split)."
+    if rival is not None and rules.engine(rival) != rules.engine(win):  # engines: named as what they are
+        kind = simpler = f" ({rules.what(win)})."
     if out["overloaded"]:
         return {"verdict": "overloaded",
                 "headline": f"**Overloaded: no configuration serves most requests within the SLOs; "
@@ -266,16 +268,24 @@ def _evidence(cands: list[dict], basis: str, unit: str) -> str:
 
 def _verdict(win: dict, rival: dict | None, split: bool, basis: str, unit: str,
              c: paired.Comparison | None) -> str:
-    """The winner against the best of the other kind (split vs not), in numbers."""
+    """The winner against its rival (``rules.rival_of``: another engine, else the other
+    kind), in numbers."""
     if rival is None:
         kind = "elastic" if win.get("mode") == "elastic" else "PD" if split else "colocated"
         return f"Use {win['name']} (the only kind measured: {kind})."
+    if rules.engine(rival) != rules.engine(win):
+        return (f"Engines: {win['name']} ({rules.what(win)}) vs {rival['name']} ({rules.what(rival)}): "
+                f"{_why(win, rival, basis, unit, c)}{_per_request_text(c)}; {_latencies(win, rival)}.")
     verdict = (f"{win['name']} vs {rival['name']} {_devices_text(win, rival)}: "
-               f"{_why(win, rival, basis, unit, c)}{_per_request_text(c)}; ITL p50 "
-               f"{_ms(rules.value(win, 'median_itl_ms'))} vs {_ms(rules.value(rival, 'median_itl_ms'))} ms, ITL p95 "
-               f"{_ms(rules.value(win, 'p95_itl_ms'))} vs {_ms(rules.value(rival, 'p95_itl_ms'))} ms, TTFT "
-               f"p95 {_ms(rules.value(win, 'p95_ttft_ms'))} vs {_ms(rules.value(rival, 'p95_ttft_ms'))} ms")
+               f"{_why(win, rival, basis, unit, c)}{_per_request_text(c)}; {_latencies(win, rival)}")
     return f"Split prefill and decode: {verdict}." if split else f"Do not split at this load: {verdict}."
+
+
+def _latencies(win: dict, rival: dict) -> str:
+    """"ITL p50 20 vs 40 ms, ITL p95 ..., TTFT p95 ...": what differs besides goodput."""
+    return (f"ITL p50 {_ms(rules.value(win, 'median_itl_ms'))} vs {_ms(rules.value(rival, 'median_itl_ms'))} ms, "
+            f"ITL p95 {_ms(rules.value(win, 'p95_itl_ms'))} vs {_ms(rules.value(rival, 'p95_itl_ms'))} ms, TTFT "
+            f"p95 {_ms(rules.value(win, 'p95_ttft_ms'))} vs {_ms(rules.value(rival, 'p95_ttft_ms'))} ms")
 
 
 def _per_request_text(c: paired.Comparison | None) -> str:

@@ -43,7 +43,10 @@ recommendation says which. In order:
 
 A split (PD) is worth it when the winner is a PD or EPD configuration (both split prefill
 from decode); the recommendation compares it with the best configuration of the other kind
-chosen by the same rules (:func:`rival_of`).
+chosen by the same rules (:func:`rival_of`). Deployments of several engines (epdserve, and
+vLLM or others from a deployments file: :func:`engine`) are compared as engines: the rival is
+the best of another engine, and "the simpler" never decides between engines (a tie between
+them goes to rule 3).
 
 :func:`figures` is the one place per-device and per-dollar figures are computed; the
 report's table reads them from there.
@@ -74,6 +77,22 @@ def devices(entry: dict) -> tuple[str, int | None]:
     kind = res.get("device_kind") or "core"
     n = res.get("num_devices") or (res.get("num_cores") if kind == "core" else None)
     return kind, n
+
+
+def engine(entry: dict) -> str:
+    """The engine a deployment runs: "epdserve" for its own (``--configs``, a deployments-file
+    ``epdserve`` entry, an entry that does not say), else the file entry's ``engine`` (e.g.
+    "vLLM"), else its name (an engine not named is its own)."""
+    dep = entry.get("deployment") or {}
+    if not dep or dep.get("epdserve"):
+        return "epdserve"
+    return dep.get("engine") or entry["name"]
+
+
+def what(entry: dict) -> str:
+    """"vLLM, colocated, 2 cores": its engine, kind and devices, as a verdict names it."""
+    kind, n = devices(entry)
+    return f"{engine(entry)}, {entry.get('mode') or 'kind unknown'}, {n or '?'} {kind}{'s' if n != 1 else ''}"
 
 
 def figures(entry: dict) -> dict:
@@ -239,7 +258,9 @@ def choose(cands: list[dict], basis: str = "device") -> tuple[dict, list[dict]]:
         if score(leader, basis) <= 0:
             return _by_latency(cands), []
         tied = [e for e in cands if e is leader or cannot_tell_apart(e, leader, basis)]
-    simple = [e for e in tied if e.get("mode") not in SPLIT_MODES]
+    # The simpler wins among kinds of one engine; between engines only the interval decides.
+    one_engine = len({engine(e) for e in tied}) == 1
+    simple = [e for e in tied if e.get("mode") not in SPLIT_MODES] if one_engine else []
     return _by_latency(simple or tied), tied if len(tied) > 1 else []
 
 
@@ -269,9 +290,12 @@ def _failures(e: dict) -> str:
 
 
 def rival_of(win: dict, cands: list[dict], basis: str) -> dict | None:
-    """The best candidate of the other kind than ``win`` (split vs not), by the same rules;
-    None when only one kind was measured."""
-    others = [e for e in cands if (e.get("mode") in SPLIT_MODES) != (win.get("mode") in SPLIT_MODES)]
+    """The best candidate of another engine than ``win``'s, where several engines ran; else
+    of the other kind (split vs not); by the same rules. None when only one kind of one
+    engine was measured."""
+    others = [e for e in cands if engine(e) != engine(win)]
+    if not others:
+        others = [e for e in cands if (e.get("mode") in SPLIT_MODES) != (win.get("mode") in SPLIT_MODES)]
     return choose(others, basis)[0] if others else None
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -27,11 +27,12 @@ from epdserve.engine import runner
 from epdserve.engine.block_pool import BlockPool
 from epdserve.engine.kv_parts import KVParts, copy_blocks
 from epdserve.engine.kv_source import KVSource, LayerSink
-from epdserve.engine.prompt_logprobs import PromptLogprob, PromptLogprobsCollector
+from epdserve.engine.outputs import StepOutput
+from epdserve.engine.prompt_logprobs import PromptLogprobsCollector
 from epdserve.engine.request import PromptImages, SamplingParams, Sequence
 from epdserve.engine.sampler import TokenLogprobs, sample
 from epdserve.engine.scheduler import Scheduler, SchedulerConfig
-from epdserve.model import kv_cache_dtype
+from epdserve.model import kv_cache_dtype, step_budget
 from epdserve.model.cuda_graphs import DecodeGraphs
 from epdserve.model.device import parse_device, synchronize
 from epdserve.model.loader import load_language_model
@@ -48,8 +49,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class EngineConfig:
     """Engine settings. ``kv_cache_memory_mb`` sizes the block pool (MiB) unless
     ``num_kv_blocks`` fixes the block count (as vLLM's ``num_gpu_blocks_override``);
-    ``enable_chunked_prefill``, ``max_num_batched_tokens`` as vLLM's (on; None: 2,048 tokens
-    a step chunked, else the context window); ``enable_prefix_caching`` as vLLM's (on,
+    ``enable_chunked_prefill``, ``max_num_batched_tokens`` as vLLM's (on; None: chunked, what
+    this machine prefills in half a second on the CPU, else the context window); ``enable_prefix_caching`` as vLLM's (on,
     ``engine/prefix_cache.py``); ``weight_format``: the copies of the linear weights the
     model holds (``model/linear.py``; ``auto`` as for an engine that prefills and decodes);
     ``kv_cache_dtype``: ``auto`` (the model's) or ``bfloat16`` (``model/kv_cache_dtype.py``).
@@ -71,39 +72,6 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     device: str = "cpu"
     cuda_graph: bool = False
-
-
-@dataclass
-class StepOutput:
-    """One request's result of a step.
-
-    ``token_ids``: tokens generated this step (one, or none for an abort).
-    ``finished``/``finish_reason``: "stop" (EOS, a stop token, or the end of a guided
-    request's grammar), "length" (max_tokens or the context window), "abort", "error"
-    (then ``error`` says why: the request's imported KV was void, or its next token could
-    not be sampled; other requests go on).
-    ``kv_block_ids``: for a request that asked to ``hold_kv`` (finished False), the handle of
-    the hold: the blocks holding the prompt's KV; they stay allocated until
-    :meth:`LLMEngine.release_kv`. ``timings``: ms, on the request's last output.
-    ``num_cached_tokens``: prompt tokens found in the prefix cache when the request was
-    first admitted (OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
-    ``logprobs``: one :data:`~epdserve.engine.sampler.TokenLogprobs` per token of
-    ``token_ids`` if the request asked for logprobs, else None.
-    ``prompt_logprobs``: on the first token's output of a request that asked for them
-    (``SamplingParams.prompt_logprobs``) and prefilled its prompt here, one
-    :data:`~epdserve.engine.prompt_logprobs.PromptLogprob` per prompt token but the first.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    kv_block_ids: list[int] | None = None
-    timings: StageTimings = field(default_factory=StageTimings)
-    error: str | None = None
-    num_cached_tokens: int = 0
-    logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class LLMEngine:
@@ -153,10 +121,9 @@ class LLMEngine:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
                                        -(-self.max_model_len // config.block_size))
             self.graphs.capture()
+        self.tuned = dict(self.model.tuned)  # the choices measured on this machine (model/tuning.py), by name
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens or (
-                SchedulerConfig.max_num_batched_tokens if config.enable_chunked_prefill else self.max_model_len),
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=self._step_budget(config, tp is not None),
             enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching), self.pool)
         self.seqs: dict[str, Sequence] = {}
@@ -167,6 +134,17 @@ class LLMEngine:
         self.prompt_logprobs = PromptLogprobsCollector(self.model.logits)
         # Forward passes run, and the tokens the last one computed (vLLM's iteration_tokens_total).
         self.num_steps = self.last_step_tokens = 0
+
+    def _step_budget(self, config: EngineConfig, ranks: bool) -> int:
+        """``config.max_num_batched_tokens``; unset, the context window without chunked prefill,
+        else what this machine prefills in half a second (``model/step_budget.py``, in
+        ``tuned``) on the CPU, vLLM's 2,048 on a GPU or with tensor-parallel ranks."""
+        if config.max_num_batched_tokens or not config.enable_chunked_prefill:
+            return config.max_num_batched_tokens or self.max_model_len
+        if self.device.type != "cpu" or ranks:
+            return SchedulerConfig.max_num_batched_tokens
+        self.tuned["max_num_batched_tokens"] = step_budget.measured(self.model, self.kv_dtype)
+        return self.tuned["max_num_batched_tokens"].value
 
     def kv_layout(self) -> dict:
         """What a peer must match to exchange KV blocks with this engine (every KV head of

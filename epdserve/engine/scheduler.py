@@ -23,7 +23,8 @@ class SchedulerConfig:
     """``max_num_batched_tokens``: tokens per step; with ``enable_chunked_prefill`` (the
     default, as vLLM's) a prompt longer than what a step has left is prefilled over several
     steps, without it whole, so the budget must then be at least the context window. The
-    defaults are vLLM's for its OpenAI server on the CPU (2,048 tokens a step, chunked).
+    defaults are vLLM's for its OpenAI server on the CPU (2,048 tokens a step, chunked); an
+    engine on the CPU sets its own budget (``model/step_budget.py``).
     ``enable_prefix_caching``: reuse cached full blocks (vLLM v1's default, on)."""
 
     max_num_seqs: int = 64

@@ -1,8 +1,8 @@
 """``epdserve tune``: measure this machine's choices again and show what workers will use.
 
 A worker measures its choices (``tuning.py``: the float32 GEMM library, the block kernel /
-BLAS cut-over of a weight format with GGUF blocks, the prefill attention's way) at its first
-start on a machine and keeps them; this command
+BLAS cut-over of a weight format with GGUF blocks, the prefill attention's way, the tokens a
+step computes) at its first start on a machine and keeps them; this command
 measures them again, as a worker of each thread count and weight format would, replaces
 what was kept, and prints one line each with the CPU model and flags. Run it after a first
 start on a busy machine, or when ``/health`` shows a choice's ``source`` as ``disturbed``.
@@ -17,7 +17,7 @@ import sys
 import torch
 
 from epdserve.argtypes import Options
-from epdserve.model import kernels, linear
+from epdserve.model import kernels, linear, step_budget
 from epdserve.model.llama import LlamaModel
 from epdserve.model.loader import BF16_CPU_FLAGS, ModelLoadError, resolve_model
 
@@ -79,7 +79,9 @@ def run(args: Options) -> int:
                 model = LlamaModel.load(info.path, weight_format=fmt, retune=True)
             except (ValueError, ModelLoadError) as exc:
                 return error(f"--weight-formats {fmt}: {exc}")
-            for name, t in model.tuned.items():
+            # The step budget of an engine with the model's own KV cache dtype (the default).
+            budget = step_budget.measured(model, model.dtype, force=True)
+            for name, t in {**model.tuned, "max_num_batched_tokens": budget}.items():
                 print(f"  {n} thread{'s' if n > 1 else ' '}  {fmt:<10} {name} {t.value:<4} ({t.source}; {t.path})",
                       flush=True)
     return 0

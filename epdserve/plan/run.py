@@ -207,8 +207,7 @@ def _deployments(args, platform: Platform, requests: list[workload.Request]) -> 
         return [(compare_deployment(name, args.devices, elastic), compare_limits(name)) for name in args.configs]
     # Without --max-num-batched-tokens a worker's step holds serve's default budget with
     # chunked prefill, else its context window: here the default model's.
-    budget = args.max_num_batched_tokens or (EngineLimits.max_num_batched_tokens if args.enable_chunked_prefill
-                                             else DEFAULT_CONTEXT_WINDOW)
+    budget = args.max_num_batched_tokens or (None if args.enable_chunked_prefill else DEFAULT_CONTEXT_WINDOW)
     limits = EngineLimits(args.max_num_seqs, budget, args.enable_chunked_prefill)
     return [(d, limits) for d in search.candidates(platform, args.devices, images=any(r.images for r in requests))]
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import simpy
 
 from epdserve.bench.workload import Request
+from epdserve.engine.scheduler import SchedulerConfig
+from epdserve.model import step_budget
 from epdserve.plan.costmodel import StepModel
 
 if TYPE_CHECKING:  # for annotations only: simulate imports this module
@@ -159,6 +161,7 @@ class Worker:
         capacity = sim.platform.kv_capacity_tokens
         # KV blocks not reserved by a request here (None: unbounded)
         self.free_blocks = None if capacity is None else capacity(spec.devices) // sim.limits.block_size
+        self.budget = sim.limits.max_num_batched_tokens or self._step_budget()
         self.import_bytes = 0.0          # KV to copy in during the next step
         self.prefix_cached = False       # the template's full blocks are in its prefix cache
         self.texts: dict[str, list[str]] = {}  # texts prefilled here (sorted), by their first TEXT_KEY_CHARS
@@ -227,9 +230,17 @@ class Worker:
             yield self.devices.run(ms + extra_ms)
             self._finish_step(k, chunks)
 
+    def _step_budget(self) -> int:
+        """serve's default tokens a step (``model/step_budget.py``): what this worker prefills
+        in half a second by its step model; 2,048 with tensor-parallel ranks."""
+        if self.tp > 1:
+            return SchedulerConfig.max_num_batched_tokens
+        seconds = self.step_model.step_ms([(step_budget.PROBE_TOKENS, 0)]) / 1e3
+        return step_budget.from_rate(step_budget.PROBE_TOKENS / seconds)
+
     def _schedule(self, limits: EngineLimits) -> tuple[list[tuple[Seq, int]], list[Seq]]:
         """Prefill chunks ``(seq, tokens)`` and the decode-role arrivals joining this step."""
-        budget = limits.max_num_batched_tokens - self.num_decode
+        budget = self.budget - self.num_decode
         chunks: list[tuple[Seq, int]] = []
         for s in self.prefilling:
             if budget <= 0:

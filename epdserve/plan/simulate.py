@@ -124,10 +124,11 @@ class Deployment:
 @dataclass(frozen=True)
 class EngineLimits:
     """Scheduler settings of every simulated worker (as ``epdserve serve`` takes them, with
-    serve's defaults: ``engine/scheduler.py``'s)."""
+    serve's defaults: ``engine/scheduler.py``'s). ``max_num_batched_tokens`` None: each
+    worker's own, as an engine sets it (``model/step_budget.py``, from its step model)."""
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     block_size: int = 16
@@ -318,7 +319,7 @@ def check(deployment: Deployment, platform: Platform, requests: list[Request], l
                              f"(a text-only model, or a calibration without encode timings)")
         if r.prompt_tokens < 1 or r.max_tokens < 1:
             raise ValueError(f"request {i}: prompt_tokens and max_tokens must be >= 1")
-        if prompt_tokens(platform, r) > limits.max_num_batched_tokens and not limits.enable_chunked_prefill:
+        if not limits.enable_chunked_prefill and prompt_tokens(platform, r) > limits.max_num_batched_tokens:
             raise ValueError(f"request {i}: a {prompt_tokens(platform, r)}-token prompt exceeds "
                              f"max_num_batched_tokens={limits.max_num_batched_tokens} "
                              f"without chunked prefill")

@@ -4,8 +4,8 @@ placement ``epdserve serve`` applies to a deployment on a set of CPU cores.
 
 Names (:data:`NAME_FORMS`):
 
-* ``colocated`` — one colocated worker (serve's defaults: chunked prefill, 2,048 tokens
-  a step);
+* ``colocated`` — one colocated worker (serve's defaults: chunked prefill, as many tokens a
+  step as the machine prefills in half a second);
 * ``colocated-N`` — N colocated replicas (N >= 1);
 * ``colocated-chunked`` — one colocated worker whose chunked prefill takes at most
   :data:`CHUNKED_BATCHED_TOKENS` tokens per step;
@@ -74,8 +74,8 @@ ELASTIC_WINDOW_S = 20.0
 ELASTIC_INTERVAL_S = 2.0
 ELASTIC_MIN_DWELL_S = 30.0
 
-# colocated-chunked's token budget per step, an eighth of serve's default: a long prompt
-# then stalls the decodes batched with it by one 256-token step at a time.
+# colocated-chunked's token budget per step, serve's smallest default (a machine's own is 256 to
+# 2,048): a long prompt then stalls the decodes batched with it by one 256-token step at a time.
 CHUNKED_BATCHED_TOKENS = 256
 
 NOPREFIX = "-noprefix"

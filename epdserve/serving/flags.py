@@ -61,8 +61,9 @@ WORKER_FLAGS = (
     Flag("--block-size", type=int_at_least(1), default=16, help="tokens per KV block"),
     Flag("--max-num-seqs", type=int_at_least(1), default=64, help="most requests a worker runs at once"),
     Flag("--max-num-batched-tokens", type=int_at_least(1), default=None,
-         help="most tokens in one engine step (default: 2048 with chunked prefill, vLLM's on the CPU; the context "
-              "window without)"),
+         help="most tokens in one engine step (default with chunked prefill: what this machine prefills in half a "
+              "second, a power of two from 256 to 2048, measured once per machine and shown in /health's tuned; "
+              "2048, vLLM's, on a GPU or with tensor-parallel ranks; the context window without chunked prefill)"),
     Flag("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
          help="split prompts over steps of --max-num-batched-tokens tokens, batched with the running decodes "
               "(vLLM's default: on); --no-enable-chunked-prefill prefills each prompt in one step"),

@@ -57,7 +57,8 @@ from pathlib import Path
 import torch
 import zmq
 
-from epdserve.engine.engine import LLMEngine, StepOutput
+from epdserve.engine.engine import LLMEngine
+from epdserve.engine.outputs import StepOutput
 from epdserve.engine.kv_parts import KVParts
 from epdserve.engine.kv_source import KVSource, TensorKV, block_runs
 from epdserve.transfer import cuda_ipc, kv_codec, shm, tcp, wire

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import time
 
-from epdserve.engine.engine import LLMEngine, StepOutput
+from epdserve.engine.engine import LLMEngine
+from epdserve.engine.outputs import StepOutput
 from epdserve.engine.request import SamplingParams
 from epdserve.transfer.handoff import Exporter, Importer
 from epdserve.transfer.wire import WireError

@@ -55,7 +55,8 @@ import zmq
 
 from epdserve.argtypes import Options
 from epdserve.engine.encoder import EncodeEngine
-from epdserve.engine.engine import LLMEngine, StepOutput
+from epdserve.engine.engine import LLMEngine
+from epdserve.engine.outputs import StepOutput
 from epdserve.engine.kv_source import KVSource
 from epdserve.model.image_processor import ImageError
 from epdserve.model.loader import ModelLoadError
@@ -467,7 +468,7 @@ def _serve_loaded(config: WorkerConfig, keyring: auth.Keyring, serves_tcp: bool,
                            blocks_total=blocks_total, cores=cores, auth=auth_tag(config.auth_token, config.worker_id),
                            incarnation=incarnation, protocol=P.PROTOCOL_VERSION,
                            weight_format=engine.model.weight_format.name if engine else "",
-                           tuned={name: t.as_json() for name, t in engine.model.tuned.items()} if engine else {},
+                           tuned={name: t.as_json() for name, t in engine.tuned.items()} if engine else {},
                            tensor_parallel_size=config.tensor_parallel_size, **node_identity())
     worker.send(worker.hello)
     ranks_note = f" over {config.tensor_parallel_size} tensor-parallel ranks" if ranks is not None else ""

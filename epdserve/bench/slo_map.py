@@ -1,0 +1,201 @@
+"""Who wins at which SLOs: one measurement judged on a grid of TTFT and longest-ITL-gap SLOs.
+
+The same requests answer different SLOs differently: a split deployment that keeps every
+decode's gaps short but adds a hand-off to each TTFT wins where the gap SLO is strict and
+the TTFT SLO relaxed, and loses where TTFT is tight (TaiChi, arXiv 2508.01989, draws this
+map from simulation). Each cell judges the saved per-request outcomes against its SLOs
+(:mod:`epdserve.bench.rejudge`; the other SLOs as given) and applies the recommendation's
+rules (:func:`epdserve.bench.rules.choose`): the winner, and the paired interval of the
+goodput leader against the best other deployment (:mod:`epdserve.bench.paired`) — "better",
+"tie" (within the tie band), "unresolved" (no difference shown) — or "overloaded" (every
+deployment serves under half its requests within the cell's SLOs: goodput does not rank
+them there) or "none" (no request of any deployment within them).
+
+The default grid spans a quarter to four times the user's TTFT and gap SLOs (the default
+SLOs without ``--goodput``); ``--slo-grid ttft:500,1000,2000 itl:250,500,1000`` sets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+from epdserve import extras
+from epdserve.argtypes import Flag
+from epdserve.bench import metrics, paired, rejudge, rules
+
+AXES = ("ttft", "itl")  # rows, columns
+FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)  # the default grid: these times the user's SLO
+MAX_VALUES = 8  # per axis
+PNG = "slo_map.png"
+
+
+def parse_axis(text: str) -> tuple[str, list[float]]:
+    """``"ttft:500,1000,2000"`` -> ``("ttft", [500.0, 1000.0, 2000.0])``.
+
+    Raises:
+        argparse.ArgumentTypeError: another key than :data:`AXES`, a value that is not a
+            number above 0, a repeated value, none, or more than :data:`MAX_VALUES`; the
+            message names the text.
+    """
+    key, sep, values = text.partition(":")
+    if key not in AXES or not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY:MS,MS,... with KEY one of {', '.join(AXES)}")
+    try:
+        ms = [float(v) for v in values.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {values!r} is not a comma list of milliseconds") from None
+    if not all(v > 0 for v in ms):
+        raise argparse.ArgumentTypeError(f"{text!r}: an SLO must be above 0 ms")
+    if len(set(ms)) != len(ms) or not 1 <= len(ms) <= MAX_VALUES:
+        raise argparse.ArgumentTypeError(f"{text!r}: 1 to {MAX_VALUES} distinct values")
+    return key, sorted(ms)
+
+
+SLO_GRID_FLAG = Flag(
+    "--slo-grid", nargs="+", type=parse_axis, default=None, metavar="KEY:MS,MS",
+    help="the SLOs the map of who wins is drawn over (slo_map.png, the report's table): ttft:MS,... and "
+         "itl:MS,... (longest gap), up to 8 values each (default: a quarter to four times the --goodput or "
+         "default SLO of each)")
+
+
+def grid(slos_ms: dict[str, float], given: list[tuple[str, list[float]]] | None = None) -> dict[str, list[float]]:
+    """The SLOs of each axis: ``given`` (:func:`parse_axis` results) where set, else
+    :data:`FACTORS` times the axis's SLO in ``slos_ms`` (or in the default SLOs)."""
+    out = {key: [f * slos_ms.get(key, metrics.DEFAULT_SLOS_MS[key]) for f in FACTORS] for key in AXES}
+    out.update(dict(given or ()))
+    return out
+
+
+def cell(entries: list[dict], slos_ms: dict[str, float]) -> dict:
+    """The verdict at one point: ``{"slos_ms", "winner" (None: no deployment completed a
+    request), "verdict", "leader", "rival", "relative", "relative_ci", "attainment": {name:
+    share}}`` (module doc for the verdicts; ``relative``: the leader's goodput over the
+    rival's minus 1, None where the rival's is 0)."""
+    cands, _ = rules.candidates(rejudge.judge(entries, slos_ms))
+    out = {"slos_ms": dict(slos_ms), "winner": None, "verdict": "none", "leader": None, "rival": None,
+           "relative": None, "relative_ci": None,
+           "attainment": {e["name"]: rules.figures(e)["slo_attainment"] for e in cands}}
+    if not cands:
+        return out
+    basis = rules.basis_of(cands)
+    out["winner"] = rules.choose(cands, basis)[0]["name"]
+    if not any(e["result"]["request_goodput"] for e in cands):
+        return out
+    if rules.overloaded(cands):
+        return {**out, "verdict": "overloaded"}
+    leader, *others = sorted(cands, key=lambda e: -rules.score(e, basis))
+    out.update(leader=leader["name"], verdict="only")
+    if not others:
+        return out
+    c = rules.comparison(leader, others[0], basis)
+    if c is None:
+        return {**out, "rival": others[0]["name"], "verdict": "no interval"}
+    return {**out, "rival": c.b, "verdict": c.verdict, "relative": c.relative, "relative_ci": c.relative_ci}
+
+
+def slo_map(entries: list[dict], slos_ms: dict[str, float], axes: dict[str, list[float]]) -> dict:
+    """``{"axes": {key: [ms]}, "slos_ms": the SLOs the other keys hold, "cells":
+    [[cell] per column value] per row value}`` (:func:`cell`).
+
+    Raises:
+        SavedRunError, ValueError: as :func:`epdserve.bench.rejudge.check`.
+    """
+    rejudge.check(entries, {**slos_ms, **{k: v[0] for k, v in axes.items()}})
+    rows, columns = (axes[k] for k in AXES)
+    cells = [[cell(entries, {**slos_ms, AXES[0]: r, AXES[1]: c}) for c in columns] for r in rows]
+    return {"axes": {k: list(axes[k]) for k in AXES}, "slos_ms": dict(slos_ms), "cells": cells}
+
+
+def describe(c: dict) -> str:
+    """A cell in a few words: "pd +16 % (CI +3.2..+29 %)", "colocated (60% vs 0% within)"
+    (the rival served none within), "tie: colocated", "colocated? (no difference shown)",
+    "overloaded: colocated", "none within"."""
+    if c["verdict"] == "better":
+        ci, share = c["relative_ci"], c["attainment"]
+        if ci is None:  # the rival served none within: no ratio
+            return f"{c['winner']} ({share[c['leader']]:.0%} vs {share[c['rival']]:.0%} within)"
+        return f"{c['winner']} {paired.percent(c['relative'])} (CI {paired.percent(ci[0])}..{paired.percent(ci[1])})"
+    words = {"tie": "tie: {w}", "unresolved": "{w}? (no difference shown)", "overloaded": "overloaded: {w}",
+             "only": "{w} (alone within)", "no interval": "{w} (no interval)"}
+    return words.get(c["verdict"], "none within").format(w=c["winner"])
+
+
+def _ms(v: float) -> str:
+    return f"{v:,.0f} ms"
+
+
+def markdown(m: dict) -> str:
+    """The map as a markdown table: a row per TTFT SLO, a column per gap SLO."""
+    rows, columns = (m["axes"][k] for k in AXES)
+    head = "| TTFT \\ longest gap | " + " | ".join(f"≤ {_ms(c)}" for c in columns) + " |"
+    lines = [head, "|---" * (len(columns) + 1) + "|"]
+    for r, row in zip(rows, m["cells"]):
+        lines.append(f"| ≤ {_ms(r)} | " + " | ".join(describe(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def region(m: dict, slos_ms: dict[str, float]) -> str:
+    """Where the user's SLOs sit: the cell at them (or the nearest), then for each
+    deployment shown better somewhere else, the nearest cell where it is."""
+    rows, columns = (m["axes"][k] for k in AXES)
+    i = min(range(len(rows)), key=lambda k: abs(rows[k] - slos_ms.get(AXES[0], rows[k])))
+    j = min(range(len(columns)), key=lambda k: abs(columns[k] - slos_ms.get(AXES[1], columns[k])))
+    text = [f"at TTFT ≤ {_ms(rows[i])} and gaps ≤ {_ms(columns[j])}: {describe(m['cells'][i][j])}"]
+    nearest = sorted(itertools.product(range(len(rows)), range(len(columns))),
+                     key=lambda p: (abs(p[0] - i) + abs(p[1] - j), p))
+    shown: set[str] = set()
+    for a, b in nearest:
+        c = m["cells"][a][b]
+        if c["verdict"] == "better" and c["winner"] not in shown and (a, b) != (i, j):
+            shown.add(c["winner"])
+            text.append(f"{describe(c)} at TTFT ≤ {_ms(rows[a])} and gaps ≤ {_ms(columns[b])}")
+    return "; ".join(text)
+
+
+def plot(m: dict, path: str | Path) -> None:
+    """A heat map: a colour per winner, light where not shown better (tie, no difference,
+    overload), each cell annotated with :func:`describe`."""
+    plt = extras.pyplot()
+    rows, columns = (m["axes"][k] for k in AXES)
+    names = sorted({c["winner"] for row in m["cells"] for c in row if c["winner"]})
+    colours = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(2.2 * len(columns) + 1.5, 0.9 * len(rows) + 1.5))
+    for (a, row), b in itertools.product(enumerate(m["cells"]), range(len(columns))):
+        c = row[b]
+        colour = colours(names.index(c["winner"]) % 10) if c["winner"] else (0.9, 0.9, 0.9)
+        ax.add_patch(plt.Rectangle((b, a), 1, 1, color=colour, alpha=0.85 if c["verdict"] == "better" else 0.3))
+        ax.text(b + 0.5, a + 0.5, describe(c).replace(" (", "\n("), ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, len(columns))
+    ax.set_ylim(0, len(rows))
+    ax.set_xticks([b + 0.5 for b in range(len(columns))], [f"≤ {_ms(c)}" for c in columns])
+    ax.set_yticks([a + 0.5 for a in range(len(rows))], [f"≤ {_ms(r)}" for r in rows])
+    ax.set_xlabel("longest ITL gap SLO")
+    ax.set_ylabel("TTFT SLO")
+    ax.set_title("Who serves more within the SLOs (goodput per device; strong colour: shown better, 95 % CI)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def for_outputs(entries: list[dict], slos_ms: dict[str, float], given: list | None,
+                out_dir: Path) -> tuple[dict, str, list[Path]]:
+    """The map of saved compare ``entries`` around ``slos_ms`` (the recommendation's), its
+    markdown section and the PNGs drawn (``out_dir/slo_map.png``; none, after one warning
+    line, without matplotlib): ``(map or {"error": why not}, section, pngs)``. Entries
+    without the per-request values the map judges give the error, not an exception."""
+    title = "## Who wins at which SLOs\n\n"
+    try:
+        m = slo_map(entries, slos_ms, grid(slos_ms, given))
+    except ValueError as exc:
+        return {"error": str(exc)}, f"{title}No map: {exc}.\n", []
+    section = (f"{title}The same requests judged on a grid of SLOs (the others as given), each cell by the "
+               f"recommendation's rules and paired interval: {region(m, slos_ms)}.\n\n{markdown(m)}\n")
+    try:
+        plot(m, Path(out_dir) / PNG)
+    except extras.MissingExtra as exc:
+        extras.warn_skipped(exc)
+        return m, section, []
+    return m, section + f"\n![SLO map]({PNG})\n", [Path(out_dir) / PNG]
