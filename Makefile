@@ -70,7 +70,7 @@ $(VLLM_STAMP): Makefile benchmarks/vllm_venv.py
 vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/epdserve compare --workload demo --output results/demo --budget 6
+	$(VENV)/bin/epdserve compare --workload demo --output results/demo --budget 8
 
 # Which tests each target runs, by marker (pyproject.toml lists the markers): a test file's
 # `pytestmark` names its suite, tests/conftest.py adds `cluster` (and `server`) from the

@@ -264,8 +264,8 @@ def test_a_deployment_that_never_gets_ready_leaves_the_others_running(tmp_path, 
 def test_repeats_auto_stops_when_the_paired_verdict_is_clear(tmp_path):
     """The default, --repeats auto, against two identical OpenAI stubs (real processes, one
     marked as a PD split, both of one engine): every request meets the SLOs in both, so the
-    paired interval is [0, 0], a tie, after one round; the simpler wins and the report says
-    why it stopped."""
+    paired interval is [0, 0], a tie, after one round, and a second puts the machine's drift
+    in it; the simpler wins and the report says why it stopped."""
     ports = free_port(), free_port()
     entries = "\n".join(stub_entry(name, port).replace(
         "\nopenai_base_url", f'\nmode = "{mode}"\nengine = "stub"\nopenai_base_url')
@@ -277,8 +277,8 @@ def test_repeats_auto_stops_when_the_paired_verdict_is_clear(tmp_path):
                                     str(out), "--warmup", "0", "--repeats", "auto")) == 0
     rec = json.loads((out / "compare.json").read_text())["recommendation"]
     assert rec["choice"] == "one" and rec["verdict"] == "tie" and rec["settled"]
-    assert rec["comparison"]["counts"] == {"both": 6, "a_only": 0, "b_only": 0, "neither": 0}
-    assert rec["stopped"] == "--repeats auto stopped after 1 round: the verdict is clear (tie)."
+    assert rec["comparison"]["counts"] == {"both": 12, "a_only": 0, "b_only": 0, "neither": 0}
+    assert rec["stopped"] == "--repeats auto stopped after 2 rounds: the verdict is clear (tie)."
     md = (out / "compare.md").read_text()
     assert "**one and split tie by goodput (within ±10%" in md and rec["stopped"] in md
     assert all(processes.port_is_free(p) for p in ports)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.elastic
 SLOS = {"ttft": 10000.0, "tpot": 250.0}
 BLOCK = 16
 KV_TOKENS = 64 * 1024  # per worker: room for every request below, so none waits for blocks
-LIMITS = EngineLimits(block_size=BLOCK)
+LIMITS = EngineLimits(block_size=BLOCK, max_num_batched_tokens=2048)  # a step holds a whole prompt: the stalls below
 
 
 def platform() -> Platform:

@@ -126,6 +126,7 @@ def test_report_judges_a_saved_run_again_for_each_slo(entries, tmp_path):
     saved = json.loads((tmp_path / "run" / "compare.json").read_text())
     assert saved["version"] == compare.VERSION and saved["slo_map"]["axes"]["ttft"][2] == 2000
     assert "## Who wins at which SLOs" in (tmp_path / "run" / "compare.md").read_text()
+    assert saved["recommendation"]["region"].startswith("at TTFT ≤ 2,000 ms and gaps ≤ 1,000 ms: tie: colocated; ")
     tight = report(tmp_path / "run", "--goodput", "ttft:500", "itl:1000", "--output", tmp_path / "tight")
     strict = report(tmp_path / "run", "--goodput", "ttft:2000", "itl:500", "--slo-grid", "ttft:500,2000",
                     "itl:500,1000", "--output", tmp_path / "strict")

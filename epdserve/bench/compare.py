@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import signal
 import sys
 from pathlib import Path
@@ -313,6 +314,14 @@ def run(args: Options) -> int:
 
     rec = {**recommend.recommend(entries), "stopped": stopped}
     files = write_outputs(entries, requests, spec, out_dir, settings(args), rec)
+    print_summary(entries, rec, out_dir, files)
+    return status
+
+
+def print_summary(entries: list[dict], rec: dict, out_dir: Path, files: list[Path]) -> None:
+    """What compare (and ``epdserve report``) prints once the outputs are written: the table,
+    the server's stages, the recommendation, the map of who wins (from ``out_dir``'s
+    compare.json), the load warnings and the files."""
     print()
     print(report.text_table(entries))
     print()
@@ -323,10 +332,13 @@ def run(args: Options) -> int:
         print()
     disturbed = report.load_warnings(entries)
     print(report.recommendation_markdown(rec, disturbed))
+    the_map = json.loads((out_dir / "compare.json").read_text())["slo_map"]
+    if "cells" in the_map:
+        print(f"\nWho wins at which SLOs (rows TTFT, columns longest gap; {out_dir / slo_map.PNG}):")
+        print(slo_map.markdown(the_map))
     for line in disturbed:
         print(f"\nwarning: {line}")
     print(f"\nwritten: {', '.join(map(str, files))}")
-    return status
 
 
 def _run_all(chosen: list[Deployment], requests: list[workload.Request],
@@ -395,6 +407,8 @@ def write_outputs(entries: list[dict], requests: list[workload.Request], spec: d
         workload.save_trace(requests, trace)
     rec = rec or recommend.recommend(entries)
     the_map, section, map_png = slo_map.for_outputs(entries, rec["slos_ms"], (sampling or {}).get("slo_grid"), out_dir)
+    if "cells" in the_map:  # the recommendation says where its SLOs sit (printed and in compare.md)
+        rec["region"] = slo_map.region(the_map, rec["slos_ms"])
     write_json({"trace": {**spec, "file": str(trace), "num_requests": len(requests),
                           "sha256": hashlib.sha256(trace.read_bytes()).hexdigest()},
                 "sampling": sampling or {}, "configs": entries, "recommendation": rec, "slo_map": the_map,

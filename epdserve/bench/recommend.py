@@ -260,6 +260,9 @@ def _evidence(cands: list[dict], basis: str, unit: str) -> str:
     out = (f"n = {n} requests per run, {runs} run{'s' if runs > 1 else ''} per configuration, "
            f"paired request by request ({paired.CONFIDENCE:.0%} intervals by a paired bootstrap "
            f"over the requests{' and runs' if runs > 1 else ''}).")
+    if runs < 2:
+        out += (" With one run the interval covers the requests only, not a drift of the machine between "
+                "runs: a verdict to act on wants two or more rounds (--repeats 2, or a larger --budget).")
     left = [f"{e['name']} {len(e['flagged_runs'])}" for e in cands if e.get("flagged_runs")]
     if left:
         out += " Runs the load check flagged, left out of the verdict: " + ", ".join(left) + "."

@@ -214,13 +214,15 @@ def recommendation_markdown(rec: dict, disturbed: Sequence[str] = ()) -> str:
     """The "## Recommendation" section from :func:`epdserve.bench.recommend.recommend`:
     the headline (qualified when ``disturbed``, the :func:`load_warnings` of the runs, is
     not empty), then what it was judged by (the SLOs) and on how much (n, runs, interval),
-    the reasons, the rule."""
+    where the SLOs sit on the map of who wins (``region``, when compare drew one), the
+    reasons, the rule."""
     head = rec["headline"]
     if disturbed and rec["choice"]:
         head += (f" **But other processes loaded the cores during {len(disturbed)} run(s)** "
                  f"({disturbed[0]}): measure again on a quiet machine before acting on it.")
     basis = " ".join(x for x in (rec.get("slos"), rec.get("evidence"), rec.get("stopped")) if x)
-    return "\n".join(["## Recommendation", "", head, "", *([basis, ""] if basis else []),
+    region = [f"Who wins at other SLOs (the map below, slo_map.png): {rec['region']}.", ""] if rec.get("region") else []
+    return "\n".join(["## Recommendation", "", head, "", *([basis, ""] if basis else []), *region,
                       *[f"- {r}" for r in rec["reasons"]], "",
                       f"Rule: {rec['rule']} (epdserve/bench/rules.py)."])
 

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from epdserve.argtypes import Options
-from epdserve.bench import compare, recommend, rejudge, report, slo_map, workload
+from epdserve.bench import compare, recommend, rejudge, slo_map, workload
 from epdserve.bench.run import parse_goodput
 
 
@@ -104,6 +104,5 @@ def run(args: Options) -> int:
     rec = {**recommend.recommend(judged), "stopped": stopped, "judged_again_from": [str(d) for d in dirs]}
     sampling = {**first.get("sampling", {}), "slo_grid": args.slo_grid}
     files = compare.write_outputs(judged, first["requests"], spec, out_dir, sampling, rec)
-    print(report.recommendation_markdown(rec, report.load_warnings(judged)))
-    print(f"\nwritten: {', '.join(map(str, files))}")
+    compare.print_summary(judged, rec, out_dir, files)
     return 0

@@ -192,7 +192,7 @@ def for_outputs(entries: list[dict], slos_ms: dict[str, float], given: list | No
     except ValueError as exc:
         return {"error": str(exc)}, f"{title}No map: {exc}.\n", []
     section = (f"{title}The same requests judged on a grid of SLOs (the others as given), each cell by the "
-               f"recommendation's rules and paired interval: {region(m, slos_ms)}.\n\n{markdown(m)}\n")
+               f"recommendation's rules and paired interval.\n\n{markdown(m)}\n")
     try:
         plot(m, Path(out_dir) / PNG)
     except extras.MissingExtra as exc:
