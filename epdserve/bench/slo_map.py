@@ -116,7 +116,8 @@ def describe(c: dict) -> str:
         ci, share = c["relative_ci"], c["attainment"]
         if ci is None:  # the rival served none within: no ratio
             return f"{c['winner']} ({share[c['leader']]:.0%} vs {share[c['rival']]:.0%} within)"
-        return f"{c['winner']} {paired.percent(c['relative'])} (CI {paired.percent(ci[0])}..{paired.percent(ci[1])})"
+        low = paired.percent(ci[0]).removesuffix(" %")
+        return f"{c['winner']} {paired.percent(c['relative'])} (CI {low}..{paired.percent(ci[1])})"
     words = {"tie": "tie: {w}", "unresolved": "{w}? (no difference shown)", "overloaded": "overloaded: {w}",
              "only": "{w} (alone within)", "no interval": "{w} (no interval)"}
     return words.get(c["verdict"], "none within").format(w=c["winner"])
