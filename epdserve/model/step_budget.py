@@ -10,7 +10,10 @@ sooner, keeps the running decodes' gaps under half the default longest-gap SLO (
 starts their decodes earlier, so later steps batch more of them. On a 2-core Xeon with AMX
 (float32, ``benchmarks/speed.py --concurrency 16 32``) 512 tokens a step gave a C=16 mean
 TTFT of 1,988 ms against 3,431 at 2,048, 162 against 144 output tok/s, and at C=32 181
-against 140 tok/s with an ITL p99 of 582 against 2,337 ms.
+against 140 tok/s with an ITL p99 of 582 against 2,337 ms. What it costs a lone long prompt
+there (in-process, one 1,500-token prefill): 1,680 ms in 512-token steps on 2 threads against
+1,597 in one 2,048-token step (+5 %; 256-token steps +21 %), and nothing on 1 thread (256:
+3,223 against 3,283 ms).
 """
 
 from __future__ import annotations
