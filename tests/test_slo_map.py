@@ -92,7 +92,7 @@ def test_the_default_grid_spans_a_quarter_to_four_times_the_slos():
 
 
 @pytest.mark.parametrize("text, words", [
-    ("tpot:100", "KEY one of ttft, itl"), ("ttft:a,b", "is not a comma list"), ("ttft:0,100", "above 0 ms"),
+    ("tpot:100", "KEY one of ttft, itl"), ("ttft:a,b", "not a comma list"), ("ttft:0,100", "above 0 ms"),
     ("itl:5,5", "distinct"), ("itl:" + ",".join(map(str, range(1, 11))), "1 to 8"),
 ])
 def test_a_bad_grid_names_the_value(text, words):
@@ -151,13 +151,31 @@ def test_report_pools_runs_of_one_trace_and_refuses_bad_input(entries, tmp_path)
     assert [len(e["per_run"]) for e in got["configs"]] == [4, 4] and got["recommendation"]["runs"] == 4
     save(entries, tmp_path / "other", seed=1)
     (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "compare.json").write_text(json.dumps({**json.loads(
-        (tmp_path / "a" / "compare.json").read_text()), "version": None}))
+    old = json.loads((tmp_path / "a" / "compare.json").read_text())
+    del old["version"]  # compare.json before the layout was versioned
+    (tmp_path / "old" / "compare.json").write_text(json.dumps(old))
+    (tmp_path / "edited").mkdir()
+    (tmp_path / "edited" / "compare.json").write_text((tmp_path / "a" / "compare.json").read_text())
+    (tmp_path / "edited" / "trace.jsonl").write_text((tmp_path / "other" / "trace.jsonl").read_text())
+    (tmp_path / "twins").mkdir()
+    twins = json.loads((tmp_path / "a" / "compare.json").read_text())
+    twins["configs"][1]["name"] = "colocated"
+    (tmp_path / "twins" / "compare.json").write_text(json.dumps(twins))
+    (tmp_path / "twins" / "trace.jsonl").write_text((tmp_path / "a" / "trace.jsonl").read_text())
+    (tmp_path / "a-file").write_text("")
     cases = [((tmp_path / "a", tmp_path / "other"), "another trace than"),
+             ((tmp_path / "edited",), "not the trace compare ran"),
+             ((tmp_path / "twins",), "configuration names repeat"),
+             ((tmp_path / "a", tmp_path / "a"), "given twice (its runs would count twice)"),
+             ((tmp_path / "a", "--slo-grid", "ttft:500", "ttft:900"), "--slo-grid: ttft given twice"),
+             ((tmp_path / "a", "--slo-grid", "itl:inf"), "a finite number above 0 ms"),
+             ((tmp_path / "a", "--goodput", "ttft:500", "ttft:900"), "--goodput: ttft given twice"),
              ((tmp_path / "nothing",), "not a saved comparison"),
              ((tmp_path / "old",), "saved by an older epdserve"),
              ((tmp_path / "a", "--goodput", "ttft:0"), "ttft:0: an SLO must be above 0 ms"),
              ((tmp_path / "a", "--slo-grid", "gap:100"), "argument --slo-grid: 'gap:100': expected KEY:MS,MS")]
+    got = report(tmp_path / "a", "--output", tmp_path / "a-file")
+    assert got.returncode == 2 and "not a directory" in got.stderr
     for args, words in cases:
         got = report(*args, "--output", tmp_path / "refused")
         lines = [x for x in got.stderr.strip().splitlines() if x.startswith("epdserve report: error: ")]

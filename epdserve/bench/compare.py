@@ -267,7 +267,7 @@ def _options_error(args: Options) -> str | None:
         return f"--budget is for --repeats auto, not --repeats {args.repeats}"
     if args.sweep_rates and not args.goodput:
         return "--sweep-rates needs SLOs: pass --goodput, e.g. --goodput ttft:2000 tpot:300"
-    return None
+    return slo_map.check_given(args.slo_grid)
 
 
 def run(args: Options) -> int:

@@ -9,21 +9,31 @@ the map of who wins at which SLOs (``--slo-grid``, :mod:`epdserve.bench.slo_map`
 compare writes them. With the SLOs the run had, the verdict is compare's.
 
 Refused, with one line naming the file or value and exit status 2, before anything is
-written: a directory without ``compare.json`` or its trace, one saved by an older layout
-(:data:`epdserve.bench.compare.VERSION`), directories of different traces, an entry without
-the per-request values an SLO needs, an SLO of 0 ms or below, a bad ``--slo-grid``.
+written: a directory without ``compare.json`` or its trace, one of another layout
+(:data:`epdserve.bench.compare.VERSION`) or malformed (configurations named twice,
+per-request lists of different lengths, runs of different request counts), a trace.jsonl
+changed since compare wrote it, directories of different traces or one given twice, an
+entry without the per-request values an SLO needs, an SLO of 0 ms or below, a key or axis
+given twice, a bad ``--slo-grid``, an ``--output`` that is a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from epdserve.argtypes import Options
-from epdserve.bench import compare, recommend, rejudge, slo_map, workload
+from epdserve.bench import compare, paired, recommend, rejudge, slo_map, workload
 from epdserve.bench.run import parse_goodput
+
+
+FiniteMs = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class Refused(ValueError):
@@ -39,24 +49,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the report goes (default: the first DIR's report/)")
 
 
+class _Outcomes(BaseModel):
+    """One run's per-request outcomes as compare saves them (``paired.outcomes``)."""
+
+    model_config = ConfigDict(extra="allow")
+    good: list[bool]
+    ttft_ms: list[FiniteMs | None]
+    tpot_ms: list[FiniteMs | None]
+    e2el_ms: list[FiniteMs | None]
+    max_itl_ms: list[FiniteMs | None]
+    itl_p99_ms: list[FiniteMs | None]
+    duration_s: float = Field(ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "_Outcomes":
+        if len({len(getattr(self, k)) for k in ("good", *paired.SLO_VALUES.values())}) != 1:
+            raise ValueError("its per-request lists differ in length")
+        return self
+
+
+class _Entry(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    per_run: list[_Outcomes] | None = None
+    result: dict | None = None
+
+
+class _Saved(BaseModel):
+    """What report reads of a compare.json: its trace's hash and the configurations, with
+    unique names and every run of one trace (the same request count)."""
+
+    model_config = ConfigDict(extra="allow")
+    trace: dict[str, object]
+    configs: list[_Entry] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "_Saved":
+        names = [e.name for e in self.configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"configuration names repeat: {names}")
+        counts = {len(r.good) for e in self.configs for r in e.per_run or ()}
+        if len(counts) > 1:
+            raise ValueError(f"runs of different request counts {sorted(counts)}: not one trace")
+        if not isinstance(self.trace.get("sha256"), str):
+            raise ValueError("trace.sha256: missing")
+        return self
+
+
 def load(directory: Path) -> dict:
     """One saved comparison: compare.json, with ``requests`` (its trace).
 
     Raises:
-        Refused: no compare.json or trace, unreadable, or of another layout.
+        Refused: no compare.json or trace, unreadable, of another layout, malformed, or a
+            trace.jsonl changed since compare wrote it.
     """
     path = directory / "compare.json"
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise Refused(f"{path}: not a saved comparison ({exc})") from None
-    if saved.get("version") != compare.VERSION:
-        raise Refused(f"{path}: saved by an older epdserve (layout {saved.get('version', 1)}; this one reads "
-                      f"{compare.VERSION}, with every SLO's per-request values): run compare again")
+    version = saved.get("version", 1) if isinstance(saved, dict) else None
+    if type(version) is not int:
+        raise Refused(f"{path}: not a saved comparison (no layout version)")
+    if version != compare.VERSION:
+        age = "an older" if version < compare.VERSION else "a newer"
+        raise Refused(f"{path}: saved by {age} epdserve (layout {version}; this one reads {compare.VERSION}, with "
+                      "every SLO's per-request values): run compare again")
     try:
-        saved["requests"] = workload.load_trace(directory / "trace.jsonl")
+        _Saved.model_validate(saved)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise Refused(f"{path}: {where + ': ' if where else ''}{first['msg']}") from None
+    trace = directory / "trace.jsonl"
+    try:
+        saved["requests"] = workload.load_trace(trace)
     except workload.TraceError as exc:
         raise Refused(str(exc)) from None
+    if hashlib.sha256(trace.read_bytes()).hexdigest() != saved["trace"]["sha256"]:
+        raise Refused(f"{trace}: not the trace compare ran (its sha256 differs from compare.json's)")
     return saved
 
 
@@ -85,8 +156,25 @@ def pooled(saved: list[dict], dirs: list[Path]) -> list[dict]:
     return list(entries.values())
 
 
+def _options_error(args: Options, dirs: list[Path]) -> str | None:
+    """What is wrong with the options themselves, or None."""
+    twice = [d for i, d in enumerate(dirs) if d.resolve() in [x.resolve() for x in dirs[:i]]]
+    if twice:
+        return f"{twice[0]}: given twice (its runs would count twice)"
+    keys = [k for k, _ in args.goodput or ()]
+    if len(set(keys)) != len(keys):
+        return f"--goodput: {sorted(k for k in set(keys) if keys.count(k) > 1)[0]} given twice"
+    if args.output and Path(args.output).exists() and not Path(args.output).is_dir():
+        return f"--output {args.output}: not a directory"
+    return slo_map.check_given(args.slo_grid)
+
+
 def run(args: Options) -> int:
     dirs = [Path(d) for d in args.dirs]
+    error = _options_error(args, dirs)
+    if error:
+        print(f"epdserve report: error: {error}", file=sys.stderr)
+        return 2
     try:
         saved = [load(d) for d in dirs]
         entries = pooled(saved, dirs)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 from pathlib import Path
 
 from epdserve import extras
@@ -40,16 +41,17 @@ def parse_axis(text: str) -> tuple[str, list[float]]:
             message names the text.
     """
     key, sep, values = text.partition(":")
+    shown = repr(text if len(text) <= 60 else text[:57] + "...")
     if key not in AXES or not sep:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY:MS,MS,... with KEY one of {', '.join(AXES)}")
+        raise argparse.ArgumentTypeError(f"{shown}: expected KEY:MS,MS,... with KEY one of {', '.join(AXES)}")
     try:
         ms = [float(v) for v in values.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: {values!r} is not a comma list of milliseconds") from None
-    if not all(v > 0 for v in ms):
-        raise argparse.ArgumentTypeError(f"{text!r}: an SLO must be above 0 ms")
+        raise argparse.ArgumentTypeError(f"{shown}: not a comma list of milliseconds") from None
+    if not all(math.isfinite(v) and v > 0 for v in ms):
+        raise argparse.ArgumentTypeError(f"{shown}: an SLO must be a finite number above 0 ms")
     if len(set(ms)) != len(ms) or not 1 <= len(ms) <= MAX_VALUES:
-        raise argparse.ArgumentTypeError(f"{text!r}: 1 to {MAX_VALUES} distinct values")
+        raise argparse.ArgumentTypeError(f"{shown}: 1 to {MAX_VALUES} distinct values")
     return key, sorted(ms)
 
 
@@ -58,6 +60,14 @@ SLO_GRID_FLAG = Flag(
     help="the SLOs the map of who wins is drawn over (slo_map.png, the report's table): ttft:MS,... and "
          "itl:MS,... (longest gap), up to 8 values each (default: a quarter to four times the --goodput or "
          "default SLO of each)")
+
+
+def check_given(given: list[tuple[str, list[float]]] | None) -> str | None:
+    """Why ``--slo-grid``'s axes (:func:`parse_axis` results) cannot be used together (an axis
+    given twice), or None."""
+    keys = [k for k, _ in given or ()]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    return f"--slo-grid: {twice[0]} given twice" if twice else None
 
 
 def grid(slos_ms: dict[str, float], given: list[tuple[str, list[float]]] | None = None) -> dict[str, list[float]]:
