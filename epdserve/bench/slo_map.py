@@ -83,7 +83,7 @@ def cell(entries: list[dict], slos_ms: dict[str, float]) -> dict:
     request), "verdict", "leader", "rival", "relative", "relative_ci", "attainment": {name:
     share}}`` (module doc for the verdicts; ``relative``: the leader's goodput over the
     rival's minus 1, None where the rival's is 0)."""
-    cands, _ = rules.candidates(rejudge.judge(entries, slos_ms))
+    cands, _ = rules.candidates([rejudge.judge_entry(e, slos_ms) for e in entries])  # checked once, by slo_map
     out = {"slos_ms": dict(slos_ms), "winner": None, "verdict": "none", "leader": None, "rival": None,
            "relative": None, "relative_ci": None,
            "attainment": {e["name"]: rules.figures(e)["slo_attainment"] for e in cands}}
