@@ -30,7 +30,7 @@ measured; ``--budget-s`` skips what would start after it):
   read, against the copy bandwidth) and a 2,048-token prefill behind 2,048 cached tokens.
 * ``ipc_copy`` (CUDA only): the 8B shape's KV of 512 and 2,048-token prompts copied from
   another process's pool by CUDA IPC vs a device-to-device copy of the same bytes
-  (:func:`epdserve.transfer.ipc_bench.ipc_copy_benchmark`).
+  (:func:`ipc_bench.ipc_copy_benchmark`, ``benchmarks/ipc_bench.py``).
 * ``handoff_1p1d``: ``epdserve serve --mode pd`` (router, one prefill and one decode worker
   process, both on ``--device``) of the 8B-shaped model: per prompt size, the trace's KV
   bytes, hand-off ms (export + router hop + fetch + import) and GB/s (bytes / fetch +
@@ -258,7 +258,7 @@ def throughput(device: str, shape: dict, model_dir: Path, config: dict, ceiling:
     engine = LLMEngine(str(model_dir), EngineConfig(
         device=device, dtype=dtype, kv_cache_memory_mb=shape["kv_mb"], max_num_seqs=max(shape["decode_batches"]),
         enable_prefix_caching=False, max_num_batched_tokens=max(16384, shape["prefill_len"] * shape["prefill_batch"]),
-        cuda_graph=device.startswith("cuda")))
+        enforce_eager=not device.startswith("cuda")))
 
     def decode() -> dict:
         return {str(b): decode_rate(engine, config, shape, b, device, ceiling["bandwidth_gbps"])
@@ -281,7 +281,7 @@ def throughput(device: str, shape: dict, model_dir: Path, config: dict, ceiling:
 
 def attention(device: str, config: dict, bandwidth: float) -> dict:
     """The Triton kernels vs the gathering PyTorch path on the model's heads."""
-    from epdserve.model.triton_attention import benchmark_decode_attention, benchmark_prefill_attention
+    from triton_attention_bench import benchmark_decode_attention, benchmark_prefill_attention
 
     heads, kv_heads, head_dim = (config[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
     out = {"bandwidth_gbps": bandwidth, "decode": {}}
@@ -304,7 +304,7 @@ def free(device: str) -> None:
 
 def ipc_copy(device: str, shape: dict) -> dict:
     """The 8B shape's KV copied by CUDA IPC from another process vs a device copy."""
-    from epdserve.transfer import ipc_bench
+    import ipc_bench
 
     out, gpu = {}, device if ":" in device else "cuda:0"
     for n in shape["handoff_sizes"]:

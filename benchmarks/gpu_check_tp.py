@@ -248,7 +248,7 @@ def hand_offs(devices: list[str], model_dir: Path, prompts: list[list[int]], tok
     from epdserve.transfer.loopback import generate_pd
 
     config = EngineConfig(kv_cache_memory_mb=64, weight_format="f32", dtype="float32", device=devices[0],
-                          cuda_graph=False, enable_prefix_caching=False)
+                          enforce_eager=True, enable_prefix_caching=False)
     sampling = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     cores = sorted(os.sched_getaffinity(0))
     ranks = Ranks.start(SIZE, "gpu-check-tp2", str(model_dir), "float32", "f32", devices[0],

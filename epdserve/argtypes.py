@@ -52,6 +52,46 @@ class Flag:
         return [self.name, str(value)]
 
 
+def setting(help: str, **kwargs) -> dict:
+    """The ``metadata`` of a config dataclass field that is also a flag (:func:`flags_of`):
+    its ``help`` and any other ``argparse.add_argument`` keyword (``type``, ``choices``,
+    ``metavar``); the flag's name and default are the field's."""
+    return {"flag": dict(help=help, **kwargs)}
+
+
+def flags_of(config_class) -> tuple[Flag, ...]:
+    """The flags a config dataclass declares (:func:`setting` fields, in field order):
+    ``--field-name`` with the field's default; a ``bool`` field is ``--x`` / ``--no-x``."""
+    out = []
+    for f in dataclasses.fields(config_class):
+        if "flag" not in f.metadata:
+            continue
+        kwargs = dict(f.metadata["flag"], default=f.default)
+        if f.type in (bool, "bool"):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        out.append(Flag("--" + f.name.replace("_", "-"), **kwargs))
+    return tuple(out)
+
+
+def config_from(config_class, args: Any):
+    """A config dataclass of the flags it declares (:func:`flags_of`), read from parsed
+    ``args`` by their dests; the other fields keep their defaults."""
+    return config_class(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_class)
+                           if "flag" in f.metadata})
+
+
+def from_check(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type: the message of the ``ValueError`` it raises is the
+    error argparse prints (exit status 2), naming the value."""
+    def checked(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    checked.__qualname__ = f"from_check({getattr(parse, '__qualname__', parse)})"
+    return checked
+
+
 # A command's parsed options: the frozen dataclass frozen_options makes of them (a test may pass
 # a plain Namespace). Read by attribute, never assigned.
 Options = Any

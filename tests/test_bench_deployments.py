@@ -9,7 +9,6 @@ nothing it started is left running (process groups gone, ports free)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -25,6 +24,7 @@ from epdserve import host
 from epdserve.bench import compare, deployments, processes, report, workload
 from epdserve.bench.deployments import Deployment, DeploymentFileError
 from test_bench_client import req
+from scripts import load_script
 from test_bench_compare import free_port, group_alive
 
 pytestmark = pytest.mark.interop
@@ -441,9 +441,7 @@ def llama_server() -> argparse.Namespace:
     ~/.cache/epdserve; the first build takes many minutes on 2 cores), and the
     ``runtime_flags`` this CPU needs; the tests using it are skipped, with the reason, when
     it cannot be built here."""
-    spec = importlib.util.spec_from_file_location("llama_build", ROOT / "benchmarks" / "llama_build.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
+    build = load_script("llama_build")
     version = build.LLAMA_CPP_PYTHON_VERSION
     try:
         binary = build.build_llama_server(version, build.default_cache_dir(version))

@@ -14,6 +14,7 @@ import msgpack
 import pytest
 import torch
 
+from scripts import load_script
 from test_transfer_handoff import PROMPTS, SAMPLING, pd_engines
 
 from epdserve.engine.kv_parts import KVParts
@@ -285,7 +286,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def test_two_processes_share_kv_by_cuda_ipc():
     """A real export in one process, import in another on the same GPU: the copied blocks
     are bit-equal, a copy after the exporter's release is refused, the handle is closed."""
-    from epdserve.transfer import ipc_bench
+    ipc_bench = load_script("ipc_bench")
 
     assert ipc_bench.two_process_check("cuda:0") == {"bit_equal": True, "refused_after_release": True,
                                                      "closed": True}
@@ -296,7 +297,7 @@ def test_two_processes_share_kv_by_cuda_ipc():
 @pytest.mark.cuda
 @cuda
 def test_the_copy_benchmark_runs():
-    from epdserve.transfer import ipc_bench
+    ipc_bench = load_script("ipc_bench")
 
     result = ipc_bench.ipc_copy_benchmark(64, repeats=3)
     assert result["kv_bytes"] == 64 * 128 * 1024 and result["ipc_ms"] > 0 and result["d2d_gbps"] > 0

@@ -15,7 +15,6 @@ router's, tested with it.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import struct
 import sys
@@ -26,11 +25,11 @@ from pathlib import Path
 import pytest
 
 from epdserve.bench import compare, metrics, plots, processes, report, server_trace
+from scripts import load_script
 
 pytestmark = pytest.mark.elastic
 
 HERE = Path(__file__).resolve().parent
-SCRIPT = HERE.parent / "benchmarks" / "elastic.py"
 ELASTIC_STUB = [sys.executable, str(Path(__file__).resolve())]
 
 
@@ -216,10 +215,7 @@ def test_itl_plot_marks_each_phase_of_a_shifting_workload(tmp_path, monkeypatch)
 
 @pytest.fixture(scope="module")
 def bench_script():
-    spec = importlib.util.spec_from_file_location("elastic_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("elastic")
 
 
 def entry(name: str, goodput: float, cores: int = 2) -> dict:

@@ -5,7 +5,6 @@ turns canned results into the shares speed.py prints. No speed is asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import struct
@@ -15,18 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def load_script(name: str):
-    """``benchmarks/NAME.py`` as module NAME (registered, so that a script importing it
-    gets this one), without putting ``benchmarks/`` on sys.path for the other tests."""
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
+from scripts import load_script
 
 engine_limits = load_script("engine_limits")
 speed_ceilings = load_script("speed_ceilings")

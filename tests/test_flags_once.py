@@ -99,15 +99,23 @@ def test_other_meanings_are_still_shared_names():
 
 
 def test_every_worker_flag_has_its_config_field():
-    """A flag parsed and left out of the config would be accepted and ignored."""
+    """A flag parsed and left out of the config would be accepted and ignored; the engine's
+    flags are its config's fields, declared there once, and reach the engine's config."""
     from dataclasses import fields
 
+    from epdserve.engine.config import EngineConfig
     from epdserve.serving.worker.setup import WorkerConfig, add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     dests = {a.dest for a in parser._actions if a.dest != "help"}
-    assert dests == {f.name for f in fields(WorkerConfig)}
+    engine = {f.name for f in fields(EngineConfig) if "flag" in f.metadata}
+    assert dests == {f.name for f in fields(WorkerConfig)} - {"engine"} | engine
+    args = parser.parse_args(["--role", "decode", "--router", "ipc://r", "--bind", "ipc://b", "--worker-id", "w",
+                              "--block-size", "32", "--no-enforce-eager", "--dtype", "bfloat16"])
+    config = WorkerConfig.from_args(args)
+    assert (config.engine.block_size, config.engine.enforce_eager, config.engine.dtype) == (32, False, "bfloat16")
+    assert config.engine.max_num_seqs == EngineConfig().max_num_seqs  # each default declared once
 
 
 def test_parsed_options_are_frozen_and_copied_with_new_values():

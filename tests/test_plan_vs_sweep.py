@@ -3,22 +3,17 @@ compare sweep (the served end-to-end run is the integrator's, on a quiet machine
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from scripts import load_script
 
 pytestmark = pytest.mark.plan
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "plan_vs_sweep.py"
 
 
 @pytest.fixture(scope="module")
 def pvs():
-    spec = importlib.util.spec_from_file_location("plan_vs_sweep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("plan_vs_sweep")
 
 
 def test_workload_options_go_to_compare(pvs):

@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
 triton_attention = pytest.importorskip("epdserve.model.triton_attention", reason="needs triton")
 from epdserve.model import layer_ops  # noqa: E402
 from epdserve.model.prefill_attention import gathered_prefill_attention  # noqa: E402
+from scripts import load_script  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 16
@@ -192,19 +193,20 @@ def test_bad_shapes_are_named():
         triton_attention.paged_prefill_attention(randn(8, 4, HEAD_DIM), k_cache, v_cache, tables([16])[0], 40, BLOCK)
 
 
-def test_benchmark_hook_reports_both_paths():
-    result = triton_attention.benchmark_decode_attention(2, 40, 4, 2, HEAD_DIM, torch.float32, DEVICE, iters=1)
+def test_benchmark_reports_both_paths():
+    result = load_script("triton_attention_bench").benchmark_decode_attention(2, 40, 4, 2, HEAD_DIM, torch.float32, DEVICE, iters=1)
     assert result["kv_bytes"] == 2 * 2 * 40 * 2 * HEAD_DIM * 4
     assert result["triton_ms"] > 0 and result["torch_ms"] > 0 and result["triton_gbps"] > 0
     assert result["max_abs_diff"] < 1e-5 and result["splits"] == 1
 
 
-def test_prefill_benchmark_hook_compares_with_the_gathering_path():
-    result = triton_attention.benchmark_prefill_attention(20, 50, 4, 2, HEAD_DIM, torch.float32, DEVICE, iters=1)
+def test_prefill_benchmark_compares_with_the_gathering_path():
+    bench = load_script("triton_attention_bench")
+    result = bench.benchmark_prefill_attention(20, 50, 4, 2, HEAD_DIM, torch.float32, DEVICE, iters=1)
     assert result["kv_bytes"] == 2 * 50 * 2 * HEAD_DIM * 4 and result["q_len"] == 20
     assert result["triton_tflops"] > 0 and result["torch_ms"] > 0 and result["max_abs_diff"] < 1e-5
     with pytest.raises(ValueError, match="q_len 50"):
-        triton_attention.benchmark_prefill_attention(50, 50, 4, 2, HEAD_DIM, torch.float32, DEVICE)
+        bench.benchmark_prefill_attention(50, 50, 4, 2, HEAD_DIM, torch.float32, DEVICE)
 
 
 def test_cuda_graph_buckets_are_vllms(tmp_path):

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from epdserve.engine import runner
 from epdserve.engine.block_pool import BlockPool
+from epdserve.engine.config import DTYPES, EngineConfig, default_dtype
 from epdserve.engine.kv_parts import KVParts, copy_blocks
 from epdserve.engine.kv_source import KVSource, LayerSink
 from epdserve.engine.outputs import StepOutput
@@ -41,38 +41,6 @@ from epdserve.model.tokenizer import load_tokenizer
 from epdserve.trace import StageTimings
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine settings. ``kv_cache_memory_mb`` sizes the block pool (MiB) unless
-    ``num_kv_blocks`` fixes the block count (as vLLM's ``num_gpu_blocks_override``);
-    ``enable_chunked_prefill``, ``max_num_batched_tokens`` as vLLM's (on; None: chunked, what
-    this machine prefills in half a second on the CPU, else the context window); ``enable_prefix_caching`` as vLLM's (on,
-    ``engine/prefix_cache.py``); ``weight_format``: the copies of the linear weights the
-    model holds (``model/linear.py``; ``auto`` as for an engine that prefills and decodes);
-    ``kv_cache_dtype``: ``auto`` (the model's) or ``bfloat16`` (``model/kv_cache_dtype.py``).
-    ``device``: ``cpu``, ``cuda`` or ``cuda:N`` (``model/device.py``): where the weights, the
-    KV cache, the activations and the sampler live; each step moves its metadata there once
-    and brings back only token ids (and logprobs). ``cuda_graph``: on CUDA, decode-only steps
-    replay CUDA graphs captured per batch-size bucket at start-up (``model/cuda_graphs.py``;
-    vLLM's default, the inverse of its ``--enforce-eager``); ignored on the CPU."""
-
-    block_size: int = 16
-    kv_cache_memory_mb: int = 1024
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    dtype: str = "float32"
-    weight_format: str = "auto"
-    kv_cache_dtype: str = "auto"
-    device: str = "cpu"
-    cuda_graph: bool = False
-
 
 class LLMEngine:
     """A paged-KV engine over one :class:`~epdserve.model.llama.LlamaModel`.
@@ -93,13 +61,14 @@ class LLMEngine:
 
     def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), kv_allocator=None,
                  tp: RankDriver | None = None):
-        if config.dtype not in DTYPES:
+        dtype = config.dtype or default_dtype(config.device)
+        if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {config.dtype!r} (choose from {', '.join(DTYPES)})")
         self.config = config
         self.model_dir = model_dir
         device = parse_device(config.device)
         self.device = torch.device(device)
-        self.model, self.image_token_id = load_language_model(model_dir, DTYPES[config.dtype], config.weight_format,
+        self.model, self.image_token_id = load_language_model(model_dir, DTYPES[dtype], config.weight_format,
                                                               device, tp.rank if tp else None)
         mc = self.model.config
         self.max_model_len = mc.max_position_embeddings
@@ -117,7 +86,7 @@ class LLMEngine:
         # Every rank's part, for imports and exports (None where the other ranks' caches are not addressable here).
         self.kv_parts = KVParts(parts) if len(parts) == len(self.model.kv_head_split) else None
         self.graphs = None  # captured before any request holds a block: the capture's warm-up writes slot 0
-        if config.cuda_graph and self.device.type == "cuda" and tp is None:
+        if not config.enforce_eager and self.device.type == "cuda" and tp is None:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
                                        -(-self.max_model_len // config.block_size))
             self.graphs.capture()

@@ -2,7 +2,8 @@
 and help, so that ``epdserve serve`` refuses a bad value (exit 2, naming it) before it
 starts any worker, exactly as ``epdserve worker`` would.
 
-* :data:`WORKER_FLAGS`: the engine worker's flags. ``epdserve worker`` takes them with
+* :data:`WORKER_FLAGS`: the engine worker's flags, the engine's declared by its config's
+  fields (``engine/config.py``), then the worker's own. ``epdserve worker`` takes them with
   their defaults; ``epdserve serve`` takes the same flags with default None ("not given")
   and passes to each worker only those given (:func:`worker_argv`), so that the worker's
   own default holds otherwise.
@@ -29,67 +30,26 @@ from __future__ import annotations
 
 import argparse
 
-from epdserve.argtypes import Flag, Options, float_above, int_at_least, tokens_at_least, zero_or_at_least
-from epdserve.engine.engine import DTYPES
+from epdserve.argtypes import (Flag, Options, flags_of, float_above, from_check, int_at_least, tokens_at_least,
+                               zero_or_at_least)
+from epdserve.engine.config import EngineConfig
 from epdserve.model.device import parse_device
-from epdserve.model.linear import WEIGHT_FORMATS
-from epdserve.model.kv_cache_dtype import KV_CACHE_DTYPES
 from epdserve.serving.deployment import ELASTIC_INTERVAL_S, ELASTIC_MIN_DWELL_S, ELASTIC_WINDOW_S
 from epdserve.transfer import handoff, kv_codec
 
-DTYPE_CHOICES = ("auto", *DTYPES)
-DEVICE_METAVAR = "cpu|cuda|cuda:N"
-
-
-def device_type(text: str) -> str:
-    """The argparse type of every device flag (``--device``, serve's ``--prefill-device``
-    ...): :func:`~epdserve.model.device.parse_device`, whose error (naming the value: not a
-    device, no CUDA in this torch or on this host, no such GPU) argparse prints with exit
-    status 2, before anything loads."""
-    try:
-        return parse_device(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+# The argparse type of every device flag (``--device``, serve's ``--prefill-device`` ...): its
+# error (naming the value: not a device, no CUDA in this torch or on this host, no such GPU) is
+# printed with exit status 2, before anything loads.
+device_type = from_check(parse_device)
 
 
 MODEL_FLAG = Flag("--model", default=None,
                   help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct); 'vlm': the default "
                        "vision-language model (SmolLM2-135M with a SmolVLM vision tower of SYNTHETIC weights)")
 
+# The engine's settings are EngineConfig's fields (engine/config.py); the worker's own follow.
 WORKER_FLAGS = (
-    Flag("--kv-cache-memory-mb", type=int_at_least(1), default=1024, help="KV cache budget per worker (MiB)"),
-    Flag("--block-size", type=int_at_least(1), default=16, help="tokens per KV block"),
-    Flag("--max-num-seqs", type=int_at_least(1), default=64, help="most requests a worker runs at once"),
-    Flag("--max-num-batched-tokens", type=int_at_least(1), default=None,
-         help="most tokens in one engine step (default with chunked prefill: what this machine prefills in half a "
-              "second, a power of two from 256 to 2048, measured once per machine and shown in /health's tuned; "
-              "2048, vLLM's, on a GPU or with tensor-parallel ranks; the context window without chunked prefill)"),
-    Flag("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-         help="split prompts over steps of --max-num-batched-tokens tokens, batched with the running decodes "
-              "(vLLM's default: on); --no-enable-chunked-prefill prefills each prompt in one step"),
-    Flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-         help="reuse the KV blocks of cached prompt prefixes (vLLM's default: on)"),
-    Flag("--device", type=device_type, default="cpu", metavar=DEVICE_METAVAR,
-         help="where the weights, KV cache, activations and sampler live: the CPU, or a CUDA GPU "
-              "(docs/gpu.md)"),
-    Flag("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-         help="CUDA workers: run every step eagerly (vLLM's flag; here on by default until CUDA graphs are "
-              "measured faster); --no-enforce-eager replays decode steps as CUDA graphs, one per batch-size "
-              "bucket (model/cuda_graphs.py, docs/gpu.md). Ignored on the CPU"),
-    Flag("--dtype", choices=DTYPE_CHOICES, default=None,
-         help="weights and KV cache dtype (default: bfloat16 on CUDA, float32 on the CPU); auto: bfloat16 on "
-              "CUDA; on the CPU as vLLM's CPU backend, bfloat16 "
-              "where the CPU computes it natively, else float32, and float32 for a quantized GGUF (its kernels "
-              "compute in float32) unless --weight-format bf16"),
-    Flag("--weight-format", choices=WEIGHT_FORMATS, default="auto",
-         help="which copies of the linear weights a worker holds and computes from (model/linear.py): the GGUF's "
-              "Q4_1 blocks (fast decode, 0.75 byte a weight), a dense f32 or bf16 copy (fast prefill GEMMs), or "
-              "both (q4_1+f32: steps of few rows on the blocks, larger ones on the copy); auto: prefill workers "
-              "f32, decode workers q4_1, colocated and elastic q4_1+f32 (a model without GGUF blocks: dense)"),
-    Flag("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-         help="the KV cache's dtype (vLLM's flag): auto, the model's (exact parity); bfloat16, half the KV bytes of a "
-              "float32 model (memory, decode reads, hand-offs; its bound on the tokens: docs/serving.md); fp8 is "
-              "refused (no scaled fp8 kernels)"),
+    *flags_of(EngineConfig),
     Flag("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1,
          help="ranks of one engine worker (vLLM's flag), each a process with its share of the model's heads, MLP "
               "columns and vocabulary and of the KV cache; the worker's cores are split among them and its steps "

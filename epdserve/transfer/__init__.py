@@ -2,5 +2,5 @@
 table of live exports, the layer pipeline, the KV hand-off and frame sealing.
 """
 
-__all__ = ["cuda_ipc", "descriptor", "embedding", "exports", "handoff", "ipc_bench", "kv_codec",
+__all__ = ["cuda_ipc", "descriptor", "embedding", "exports", "handoff", "kv_codec",
            "loopback", "pipeline", "pooled", "sealing", "shm", "tcp", "wire"]

@@ -82,6 +82,7 @@ from epdserve.argtypes import Options, float_above, int_at_least, with_values
 from epdserve.model.kv_cache_dtype import KV_CACHE_DTYPES
 from epdserve.model.loader import ModelLoadError
 from epdserve.model.linear import WEIGHT_FORMATS, auto_format
+from epdserve.engine.config import DEVICE_METAVAR, DTYPE_CHOICES
 from epdserve.serving import auth, flags
 from epdserve.serving.launch import ray_cluster
 from epdserve.serving.launch.children import Children
@@ -107,9 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_worker_flags(parser, passed=True)
     for flag in flags.ROLE_TP_FLAGS:
         flag.add(parser)
-    parser.add_argument("--prefill-dtype", choices=flags.DTYPE_CHOICES, default=None,
+    parser.add_argument("--prefill-dtype", choices=DTYPE_CHOICES, default=None,
                         help="pd: weights and KV cache dtype of the prefill workers (default: --dtype)")
-    parser.add_argument("--decode-dtype", choices=flags.DTYPE_CHOICES, default=None,
+    parser.add_argument("--decode-dtype", choices=DTYPE_CHOICES, default=None,
                         help="pd: weights and KV cache dtype of the decode workers, which convert "
                              "imported KV to it (default: --dtype)")
     for role in ("prefill", "decode"):
@@ -120,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"pd: the KV cache dtype of the {role} workers (default: --kv-cache-dtype; a "
                                  "hand-off converts between the two)")
     for role in ROLE_DEVICES:
-        parser.add_argument(f"--{role}-device", type=flags.device_type, default=None, metavar=flags.DEVICE_METAVAR,
+        parser.add_argument(f"--{role}-device", type=flags.device_type, default=None, metavar=DEVICE_METAVAR,
                             help=f"pd, epd: the device of the {role} workers (default: --device; docs/gpu.md)")
     parser.add_argument("--startup-timeout", type=float_above(0), default=900.0,
                         help="seconds to wait for every worker's hello")

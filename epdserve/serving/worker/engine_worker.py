@@ -48,15 +48,12 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-
 import torch
 import zmq
 
 from epdserve.argtypes import Options
 from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import LLMEngine
-from epdserve.engine.outputs import StepOutput
 from epdserve.engine.kv_source import KVSource
 from epdserve.model.image_processor import ImageError
 from epdserve.model.loader import ModelLoadError
@@ -68,33 +65,21 @@ from epdserve.serving.worker.encode_worker import EncodeWorker, image_inputs
 from epdserve.serving.worker.fetch import Fetch, Fetcher
 from epdserve.serving.worker.grammar_prep import GrammarPrep, Prepared
 from epdserve.serving.worker.ranks import RankFailure, Ranks
+from epdserve.serving.worker.role_switch import Roles
 # add_arguments is the `epdserve worker` command's (epdserve/cli.py): its options live with the set-up.
 from epdserve.serving.worker.setup import WorkerConfig, add_arguments, load, node_identity
 from epdserve.serving.worker.threads import IDLE_WAIT_S, serve
 from epdserve.transfer import handoff, tcp
 from epdserve.trace import StageTimings
 from epdserve.transfer.sealing import NO_AUTH, Sealer
-from epdserve.serving.deployment import ENGINE_ROLES
 
 log = logging.getLogger("epdserve.worker")
 STATS_INTERVAL_S = 0.5
 
 
-@dataclass
-class Switch:
-    """A role switch being drained: from ``previous``, asked by SetRole ``switch_id``
-    received at ``arrival`` (``time.perf_counter()``); ``held``: the request ids the worker
-    held then, all of ``previous``'s work."""
-
-    previous: str
-    switch_id: str
-    arrival: float
-    held: set[str]
-
-
 class Worker:
     """The command/step/publish loop around one :class:`LLMEngine` of a worker of ``role``
-    (one of :data:`~epdserve.serving.deployment.ENGINE_ROLES`); commands come from ``inbox`` as ``(message, arrival)`` pairs
+    (its :class:`~epdserve.serving.worker.role_switch.Roles`); commands come from ``inbox`` as ``(message, arrival)`` pairs
     put there by :func:`receive_commands`, finished fetches as ``(Fetch, time)`` pairs
     put there by the fetch threads (:class:`~epdserve.serving.worker.fetch.Fetcher`), and guided
     requests whose grammar is compiled as ``(Prepared, time)`` (:class:`GrammarPrep`). The
@@ -111,12 +96,10 @@ class Worker:
     def __init__(self, engine: LLMEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
                  exporter: handoff.Exporter, importer: handoff.Importer, encoder: EncodeEngine | None = None,
                  role: str = "colocated"):
-        if role not in ENGINE_ROLES:
-            raise ValueError(f"unknown role {role!r} (choose from {', '.join(ENGINE_ROLES)})")
+        self.roles = Roles(role)  # raises ValueError for an unknown role
         self.engine = engine
         self.encoder = encoder  # for prompts with images that come with their bytes
         self.worker_id = worker_id
-        self.role = role
         self.inbox = inbox
         self.events = events
         self.exporter = exporter
@@ -127,9 +110,15 @@ class Worker:
         self.exit_code = 0
         self.fetcher = Fetcher(importer, inbox, worker_id)
         self.grammars = GrammarPrep(engine, inbox)  # guided requests' compiles, off the loop
-        self.switch: Switch | None = None  # a role switch being drained (elastic)
-        # The role a request compiling or fetching was taken in (a switch may come meanwhile).
-        self.taken_as: dict[str, str] = {}
+
+    @property
+    def role(self) -> str:
+        return self.roles.role
+
+    @property
+    def switch(self):
+        """The role switch being drained (elastic), or None."""
+        return self.roles.switch
 
     @property
     def fetching(self) -> dict[str, Fetch]:
@@ -144,7 +133,7 @@ class Worker:
         failed or moved them all); returns what was dropped, for the log."""
         requests, exports = self.requests(), self.exporter.table.ids()
         self.grammars.pending.clear()
-        self.taken_as.clear()
+        self.roles.forget()
         self.fetcher.cancel_all()
         for request_id in requests:
             self.engine.abort(request_id)
@@ -168,7 +157,7 @@ class Worker:
                     self.ranks_failed(exc)
             self.report_stats()
             self.expire_exports()
-            if self.switch is not None:
+            if self.roles.switch is not None:
                 self.finish_switch()
         self.stop_fetches()
         self.grammars.close()
@@ -200,7 +189,7 @@ class Worker:
         elif isinstance(msg, P.Abort):
             self.fetcher.cancel(msg.request_id)  # its result is dropped when it comes (see fetched)
             self.grammars.cancel(msg.request_id)  # the same (see prepared)
-            self.taken_as.pop(msg.request_id, None)
+            self.roles.forget(msg.request_id)
             self.engine.abort(msg.request_id)
             self.release(msg.request_id)
         elif isinstance(msg, P.ReleaseKV):
@@ -223,10 +212,10 @@ class Worker:
         if msg.request_id in self.fetching or msg.request_id in self.grammars.pending:
             self.fail(msg.request_id, f"duplicate request id {msg.request_id!r}")
         elif msg.sampling.guided is not None and not compiled:
-            self.taken_as.setdefault(msg.request_id, self.role)
+            self.roles.take(msg.request_id)
             self.grammars.start(msg, arrival)
         elif msg.kv is not None or (msg.images and msg.embeddings):
-            self.taken_as.setdefault(msg.request_id, self.role)
+            self.roles.take(msg.request_id)
             cache = self.engine.kv_cache
             self.fetcher.start(Fetch(msg, arrival, self.engine.kv_layout(), cache.dtype,
                                      self.engine.model.config.hidden_size, cache.device))
@@ -271,12 +260,12 @@ class Worker:
     def enqueue(self, msg: P.AddRequest, arrival: float, timings: StageTimings,
                 kv: KVSource | None = None, embeddings: torch.Tensor | None = None) -> None:
         """Add ``msg`` to the engine, asking it for what the role it was taken in needs
-        (``taken_as``, else this worker's role): a prefill worker's requests hold their
+        (:meth:`Roles.role_of`): a prefill worker's requests hold their
         prompt's KV for :meth:`export` (written layer by layer into the exporter's layer
         sink with ``--kv-layer-pipeline``); a decode worker's (or, elastic, a colocated
         worker's, which then decodes it) bring KV. Raises ``ValueError`` as
         ``LLMEngine.add_request``, or for KV sent to a prefill worker."""
-        role = self.taken_as.pop(msg.request_id, self.role)
+        role = self.roles.role_of(msg.request_id)
         if kv is not None and msg.first_token is not None and role == "prefill":
             raise ValueError("a prefill worker takes no kv or first_token")
         prefill = role == "prefill"
@@ -298,22 +287,18 @@ class Worker:
         """Take ``msg.role``'s work from now on and drain the old role's (see the module's
         docstring); :meth:`finish_switch` announces it. A second SetRole while one drains
         redirects it: the work of both older roles drains."""
-        previous = self.switch.previous if self.switch else self.role
-        held = self.holding() | (self.switch.held if self.switch else set())
-        log.info("%s: switching role %s -> %s (%d requests to drain)", self.worker_id, self.role, msg.role,
-                 len(held))
-        self.role = msg.role
-        self.switch = Switch(previous, msg.switch_id, arrival, held)
+        previous = self.role
+        self.roles.begin(msg.role, msg.switch_id, arrival, self.holding())
+        log.info("%s: switching role %s -> %s (%d requests to drain)", self.worker_id, previous, msg.role,
+                 len(self.roles.switch.held))
         self.finish_switch()
 
     def finish_switch(self) -> None:
         """Announce the switch being drained once nothing of the old role is left."""
-        switch = self.switch
-        switch.held &= self.holding()
-        if switch.held:
+        switch = self.roles.drained(self.holding())
+        if switch is None:
             return
-        self.switch = None
-        drain_ms = (time.perf_counter() - switch.arrival) * 1e3
+        drain_ms = switch.drain_ms
         self.hello = self.hello.model_copy(update={"role": self.role}) if self.hello else None
         log.info("%s: now %s (was %s; drained in %.0f ms)", self.worker_id, self.role, switch.previous, drain_ms)
         self.send(P.RoleSwitched(worker_id=self.worker_id, role=self.role, previous=switch.previous,
@@ -321,7 +306,7 @@ class Worker:
 
     def fail(self, request_id: str, message: str, status: int = 400) -> None:
         """Tell the router the request ended with an error (see :class:`~epdserve.serving.protocol.Error`)."""
-        self.taken_as.pop(request_id, None)
+        self.roles.forget(request_id)
         self.send(P.Error(worker_id=self.worker_id, request_id=request_id, message=message, status=status))
 
     def stop_fetches(self) -> None:
@@ -367,11 +352,11 @@ class Worker:
             self.fail_engine_requests("internal error in the engine step")
             return
         for out in outputs:
-            if out.error is not None:  # the engine failed this request alone (see StepOutput)
+            if out.error is not None:  # the engine failed this request alone (see engine/outputs.py)
                 self.send(P.Error(worker_id=self.worker_id, request_id=out.request_id, message=out.error,
                                   status=500))
                 continue
-            kv = self.export(out) if out.kv_block_ids is not None else None
+            kv = self.exporter.export(out) if out.kv_block_ids is not None else None
             self.send(P.Output(worker_id=self.worker_id, request_id=out.request_id, token_ids=out.token_ids,
                                finished=out.finished, finish_reason=out.finish_reason, kv=kv,
                                timings=out.timings, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
@@ -389,9 +374,6 @@ class Worker:
         restarts the worker, its ranks included)."""
         self.fail_engine_requests(f"the worker's tensor-parallel ranks failed ({exc}); it is restarting")
         stop_for_failed_ranks(self, exc)
-
-    def export(self, out: StepOutput) -> P.KVDescriptor:
-        return self.exporter.export(out)
 
     def report_stats(self) -> None:
         stats = self.engine.stats()
@@ -473,7 +455,7 @@ def _serve_loaded(config: WorkerConfig, keyring: auth.Keyring, serves_tcp: bool,
     worker.send(worker.hello)
     ranks_note = f" over {config.tensor_parallel_size} tensor-parallel ranks" if ranks is not None else ""
     log.info("%s: %s worker on cores %s%s, device %s, weights %s, %d KV blocks, listening on %s%s", config.worker_id,
-             config.role, cores, ranks_note, config.device, worker.hello.weight_format or "-", blocks_total, addr,
+             config.role, cores, ranks_note, config.engine.device, worker.hello.weight_format or "-", blocks_total, addr,
              " (CURVE on TCP)" if keyring.curve else "")
     serve(worker, ctx, cmd, inbox, config.router, config.worker_id, keyring, incarnation)
     ctx.destroy(linger=1000)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import zmq
 
 from epdserve.engine import runner
-from epdserve.engine.engine import DTYPES
+from epdserve.engine.config import DTYPES
 from epdserve.model.llama import LlamaModel
 from epdserve.model.loader import load_language_model
 from epdserve.model.tensor_parallel import TPRank

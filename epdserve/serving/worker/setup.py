@@ -15,9 +15,10 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from epdserve.argtypes import Options, float_above
+from epdserve.argtypes import Options, config_from, float_above
 from epdserve.engine.encoder import EncodeEngine
-from epdserve.engine.engine import DTYPES, EngineConfig, LLMEngine
+from epdserve.engine.config import DTYPES, EngineConfig, default_dtype
+from epdserve.engine.engine import LLMEngine
 from epdserve.model import linear, quant, tensor_parallel
 from epdserve.model.config import ModelConfig
 from epdserve.model.loader import ModelInfo, auto_dtype, resolve_model
@@ -53,26 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """``epdserve worker``'s options, one field per flag of :func:`add_arguments` (a test
-    checks that every flag has its field: none is parsed and then ignored). Units as the
-    flags': MiB, tokens, seconds."""
+    """``epdserve worker``'s options: the engine's (``engine``, the flags its fields declare)
+    and one field per other flag of :func:`add_arguments` (a test checks that every flag has
+    its field: none is parsed and then ignored). Units as the flags': MiB, tokens, seconds."""
     role: str
     router: str
     bind: str
     worker_id: str
     model: str | None
     cores: str | None
-    kv_cache_memory_mb: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int | None
-    enable_chunked_prefill: bool
-    enable_prefix_caching: bool
-    device: str
-    enforce_eager: bool
-    dtype: str | None
-    weight_format: str
-    kv_cache_dtype: str
+    engine: EngineConfig
     tensor_parallel_size: int
     kv_transport: str
     kv_transfer_dtype: str
@@ -87,18 +78,8 @@ class WorkerConfig:
 
     @classmethod
     def from_args(cls, args: Options) -> WorkerConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-
-def engine_config(config: WorkerConfig) -> EngineConfig:
-    """The engine settings of a worker's options (``--dtype`` resolved first, see :func:`load`)."""
-    return EngineConfig(block_size=config.block_size, kv_cache_memory_mb=config.kv_cache_memory_mb,
-                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                        enable_chunked_prefill=config.enable_chunked_prefill,
-                        enable_prefix_caching=config.enable_prefix_caching, dtype=config.dtype,
-                        weight_format=config.weight_format, kv_cache_dtype=config.kv_cache_dtype,
-                        device=config.device,
-                        cuda_graph=not config.enforce_eager)
+        return cls(engine=config_from(EngineConfig, args),
+                   **{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "engine"})
 
 
 def weight_format(config: WorkerConfig, info: ModelInfo) -> str:
@@ -110,19 +91,20 @@ def weight_format(config: WorkerConfig, info: ModelInfo) -> str:
     Raises:
         ValueError: a format the model, dtype or device cannot hold.
     """
+    engine = config.engine
     if config.role == "encode":
-        return config.weight_format
+        return engine.weight_format
     prefill = config.elastic or config.role in ("colocated", "prefill")
     decode = config.elastic or config.role in ("colocated", "decode")
-    has_blocks = (config.device == "cpu" and not info.multimodal and config.tensor_parallel_size == 1
+    has_blocks = (engine.device == "cpu" and not info.multimodal and config.tensor_parallel_size == 1
                   and quant.usable(info.path))
-    return linear.resolve(config.weight_format, DTYPES[config.dtype], has_blocks, prefill, decode).name
+    return linear.resolve(engine.weight_format, DTYPES[engine.dtype], has_blocks, prefill, decode).name
 
 
 def check_model_split(config: WorkerConfig, info: ModelInfo) -> None:
     """Whether what ``config.role`` runs of ``info`` splits over ``config.tensor_parallel_size``
     ranks: the vision tower of an encode worker, else the language model in
-    ``config.weight_format`` (as given); on ``config.device``. Nothing to check for one rank.
+    ``config.engine.weight_format`` (as given); on ``config.engine.device``. Nothing to check for one rank.
 
     Raises:
         ValueError: more ranks than the vision tower's attention heads
@@ -131,23 +113,23 @@ def check_model_split(config: WorkerConfig, info: ModelInfo) -> None:
             (``tensor_parallel.check_dense``), or on CUDA fewer GPUs from the worker's than
             ranks, or ``--kv-layer-pipeline`` on a worker that may prefill for another.
     """
-    size = config.tensor_parallel_size
+    size, device, weights = config.tensor_parallel_size, config.engine.device, config.engine.weight_format
     if size == 1:
         return
     if config.role == "encode":
         vision_shard(VisionConfig.from_dict(read_config(info.path)), 0, size)
     else:
         tensor_parallel.shard_ranges(ModelConfig.from_dir(info.path), 0, size)
-        if config.weight_format != "auto":
-            tensor_parallel.check_dense(linear.parse(config.weight_format))
-    if config.device.startswith("cuda"):
+        if weights != "auto":
+            tensor_parallel.check_dense(linear.parse(weights))
+    if device.startswith("cuda"):
         if config.kv_layer_pipeline and (config.elastic or config.role == "prefill"):
             # Rank 0 would copy a layer off the other ranks' GPUs while they may still be writing it.
-            raise ValueError(f"--kv-layer-pipeline with --tensor-parallel-size {size} on {config.device}: the "
+            raise ValueError(f"--kv-layer-pipeline with --tensor-parallel-size {size} on {device}: the "
                              "tensor-parallel ranks hand their KV over after the prefill step (leave the flag out)")
-        first, count = int(config.device.partition(":")[2] or 0), torch.cuda.device_count()
+        first, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
         if first + size > count:
-            raise ValueError(f"--tensor-parallel-size {size} on {config.device} needs GPUs "
+            raise ValueError(f"--tensor-parallel-size {size} on {device} needs GPUs "
                              f"{first}..{first + size - 1}, one a rank; this host has {count}")
 
 
@@ -203,19 +185,22 @@ def load(config: WorkerConfig):
     info = resolve_model(config.model)
     check_model_split(config, info)
     shares = split_cores(cores, config.tensor_parallel_size)
-    if config.dtype is None:  # bfloat16 on CUDA (as vLLM), float32 on the CPU (as before the GPU path)
-        config = replace(config, dtype="bfloat16" if config.device.startswith("cuda") else "float32")
-    elif config.dtype == "auto":
-        config = replace(config, dtype=auto_dtype(info.path, config.weight_format, config.device))
-        log.info("%s: --dtype auto: %s on %s", config.worker_id, config.dtype, config.device)
-    config = replace(config, weight_format=weight_format(config, info))
+    engine_settings = config.engine
+    if engine_settings.dtype is None:
+        engine_settings = replace(engine_settings, dtype=default_dtype(engine_settings.device))
+    elif engine_settings.dtype == "auto":
+        engine_settings = replace(engine_settings, dtype=auto_dtype(info.path, engine_settings.weight_format,
+                                                                    engine_settings.device))
+        log.info("%s: --dtype auto: %s on %s", config.worker_id, engine_settings.dtype, engine_settings.device)
+    config = replace(config, engine=engine_settings)
+    config = replace(config, engine=replace(engine_settings, weight_format=weight_format(config, info)))
     encoder = engine = kv_pool = None
     ranks = _start_ranks(config, info, shares)
     try:
         if encode_role or (info.multimodal and (config.role in ("colocated", "prefill") or config.elastic)):
             # The ranks split an encode worker's vision tower; an engine worker's split its
             # language model, and the vision encoder it may hold runs whole on rank 0.
-            encoder = EncodeEngine(info.path, DTYPES[config.dtype], device=config.device,
+            encoder = EncodeEngine(info.path, DTYPES[config.engine.dtype], device=config.engine.device,
                                    tp=ranks if encode_role else None)
             if info.synthetic_vision:
                 log.warning("%s: the vision tower of %s has SYNTHETIC (seeded random) weights: image outputs "
@@ -226,7 +211,7 @@ def load(config: WorkerConfig):
             # (docs/gpu-handoff.md). Converted or layer-pipelined KV is staged as a frame instead.
             exports = config.role == "prefill" or config.elastic  # an elastic worker may become a prefill worker
             shared = exports and config.kv_transfer_dtype == "none" and not config.kv_layer_pipeline
-            engine, kv_pool = new_engine(str(info.path), engine_config(config), shared, tp=ranks)
+            engine, kv_pool = new_engine(str(info.path), config.engine, shared, tp=ranks)
     except BaseException:
         if ranks is not None:
             ranks.close()
@@ -240,8 +225,8 @@ def _start_ranks(config: WorkerConfig, info: ModelInfo, shares: list[list[int]])
     if config.tensor_parallel_size == 1:
         return None
     pin_to_cores(",".join(map(str, shares[0])))
-    return Ranks.start(config.tensor_parallel_size, config.worker_id, str(info.path), config.dtype,
-                       config.weight_format, config.device, shares,
+    return Ranks.start(config.tensor_parallel_size, config.worker_id, str(info.path), config.engine.dtype,
+                       config.engine.weight_format, config.engine.device, shares,
                        part="vision" if config.role == "encode" else "language")
 
 

@@ -1,5 +1,7 @@
 """GPU-only checks of the CUDA IPC hand-off (:mod:`epdserve.transfer.cuda_ipc`), for a
-session with a GPU (``tests/test_cuda_ipc.py``'s ``cuda`` tests, ``benchmarks/gpu_check.py``):
+session with a GPU (``tests/test_cuda_ipc.py``'s ``cuda`` tests, ``benchmarks/gpu_check.py``).
+The exporter runs in a spawned process that imports this module by name, so importing it
+puts ``benchmarks/`` on ``sys.path`` (the spawned child gets the parent's).
 
 * :func:`exporter_process`: a prefill side in a process of its own (spawned, as CUDA
   requires) that shares a :class:`~epdserve.transfer.cuda_ipc.DevicePool` and sends its
@@ -21,7 +23,9 @@ import functools
 import gc
 import multiprocessing as mp
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -30,6 +34,9 @@ from epdserve.engine.kv_parts import KVParts
 from epdserve.transfer import cuda_ipc
 from epdserve.transfer.pooled import PooledKV, wait_for_copies
 from epdserve.transfer.wire import WireError
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Llama-3.1-8B's KV blocks (32 layers, 8 KV heads of 128, bf16) in 16-token blocks: 128 KiB per token.
 LLAMA_8B_LAYOUT = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16, "dtype": "bfloat16"}
