@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 # Warn when other processes (and the hypervisor, as steal) took at least this share of the
 # deployment's cores during a run. The engine is CPU-bound, so a share taken from it costs
 # about as much throughput and latency, and configurations compare measures often differ by
@@ -103,29 +104,34 @@ def cpu_ticks(cores: list[int], stat: str | Path = "/proc/stat") -> dict[str, in
     return {"busy": busy, "steal": steal, "total": total}
 
 
-def tree_ticks(root_pid: int, proc: str | Path = "/proc") -> dict[tuple[int, int], int]:
-    """User + system CPU time (clock ticks) of ``root_pid`` and every live descendant, keyed
-    by ``(pid, start time)`` so that a reused pid is another process. Found by parent pid
-    over all of ``/proc``: the launcher's workers leave its process group, and their own
-    children (e.g. a compiler building a kernel) count too."""
-    parent, ticks = {}, {}
+def tree_stats(root_pid: int, proc: str | Path = "/proc") -> dict[tuple[int, int], tuple[int, int]]:
+    """(user + system CPU time in clock ticks, resident memory in bytes) of ``root_pid`` and
+    every live descendant, keyed by ``(pid, start time)`` so that a reused pid is another
+    process. Found by parent pid over all of ``/proc``: the launcher's workers leave its
+    process group, and their own children (e.g. a compiler building a kernel) count too."""
+    parent, stats = {}, {}
     for entry in Path(proc).iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            # after "(comm)": state ppid ... utime(12th) stime(13th) ... starttime(20th)
+            # after "(comm)": state ppid ... utime(12th) stime(13th) ... starttime(20th) vsize rss(22nd)
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # exited while we looked
         pid = int(entry.name)
         parent[pid] = int(fields[1])
-        ticks[(pid, int(fields[19]))] = int(fields[11]) + int(fields[12])
+        stats[(pid, int(fields[19]))] = (int(fields[11]) + int(fields[12]), int(fields[21]) * PAGE_BYTES)
     tree, grew = {root_pid}, True
     while grew:
         more = {p for p, pp in parent.items() if pp in tree} - tree
         tree |= more
         grew = bool(more)
-    return {k: v for k, v in ticks.items() if k[0] in tree}
+    return {k: v for k, v in stats.items() if k[0] in tree}
+
+
+def tree_ticks(root_pid: int, proc: str | Path = "/proc") -> dict[tuple[int, int], int]:
+    """The CPU time (clock ticks) of each process of :func:`tree_stats`."""
+    return {k: ticks for k, (ticks, _) in tree_stats(root_pid, proc).items()}
 
 
 def outside_warning(share: float, steal: float, num_cores: int) -> str | None:
@@ -173,6 +179,7 @@ class LoadMonitor:
         self.loads: list[float] = []
         self.first: dict[tuple[int, int], int] = {}  # process -> its ticks at start (0 if born later)
         self.last: dict[tuple[int, int], int] = {}   # process -> ticks when last seen
+        self.peak_rss = 0  # bytes: the most the trees held resident at one sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="epdserve-loadmonitor", daemon=True)
 
@@ -180,12 +187,14 @@ class LoadMonitor:
         load = loadavg_1m()
         if load is not None:
             self.loads.append(load)
-        for key, ticks in self._ticks().items():
+        stats = self._stats()
+        for key, (ticks, _) in stats.items():
             self.first.setdefault(key, 0)  # born during the run: all its CPU time is the run's
             self.last[key] = ticks
+        self.peak_rss = max(self.peak_rss, sum(rss for _, rss in stats.values()))
 
-    def _ticks(self) -> dict[tuple[int, int], int]:
-        return {k: v for pid in self.root_pids for k, v in tree_ticks(pid).items()}
+    def _stats(self) -> dict[tuple[int, int], tuple[int, int]]:
+        return {k: v for pid in self.root_pids for k, v in tree_stats(pid).items()}
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -193,7 +202,7 @@ class LoadMonitor:
 
     def start(self) -> "LoadMonitor":
         self.t0, self.own0, self.cpu0 = time.monotonic(), time.process_time(), cpu_ticks(self.cores)
-        self.first = self._ticks()  # what the processes had used before the run
+        self.first = {k: ticks for k, (ticks, _) in self._stats().items()}  # used before the run
         self._sample()
         self._thread.start()
         return self
@@ -201,7 +210,8 @@ class LoadMonitor:
     def stop(self) -> dict:
         """Stop sampling; returns ``{"wall_s", "loadavg_1m_mean", "loadavg_1m_max",
         "busy_cpu_s", "deployment_cpu_s", "client_cpu_s", "outside_cpu_s" (CPU seconds on
-        the cores), "outside_share", "steal_share" (of the cores' time, 0-1)}``."""
+        the cores), "outside_share", "steal_share" (of the cores' time, 0-1),
+        "deployment_rss_peak_bytes" (the deployment's resident memory at its highest sample)}``."""
         self._stop.set()
         self._thread.join()
         self._sample()
@@ -213,7 +223,8 @@ class LoadMonitor:
                 "loadavg_1m_mean": r(sum(self.loads) / len(self.loads)) if self.loads else None,
                 "loadavg_1m_max": max(self.loads, default=None),
                 "busy_cpu_s": r(busy_s), "deployment_cpu_s": r(deployment_s), "client_cpu_s": r(client_s),
-                "outside_cpu_s": r(outside_s), "outside_share": r(share), "steal_share": r(steal)}
+                "outside_cpu_s": r(outside_s), "outside_share": r(share), "steal_share": r(steal),
+                "deployment_rss_peak_bytes": self.peak_rss}
 
 
 def autogroup_nice(pid: int | str = "self", proc: str | Path = "/proc") -> int | None:

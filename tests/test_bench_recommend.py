@@ -330,8 +330,11 @@ def test_engines_are_judged_as_engines_and_named_as_what_they_are():
     assert rec["reasons"][0].startswith("Engines: vllm-cpu (vLLM, colocated, 2 cores) vs colocated "
                                         "(epdserve, colocated, 2 cores): ")
     # A tie between engines is said as a tie, decided by latency (rule 3), not by "the simpler".
-    same = engine_entry({**colocated, "name": "other"}, None)  # an engine not named: its own name
-    rec = recommend([same, colocated])
+    same = engine_entry({**colocated, "name": "other", "memory_peak_bytes": 3 * 2**30}, None)  # its own name
+    rec = recommend([same, {**colocated, "memory_peak_bytes": 2**29}])
     assert rec["verdict"] == "tie" and "(the simpler" not in rec["headline"]
+    # ... and says what differs besides goodput, memory included.
+    assert "What differs: ITL p50 " in rec["headline"] and rec["headline"].endswith(" GiB.")
+    assert "peak memory 0.50 vs 3.00 GiB" in rec["headline"] or "peak memory 3.00 vs 0.50 GiB" in rec["headline"]
     assert "(other, colocated, 2 cores)" in rec["headline"] or "(epdserve, colocated, 2 cores)" in rec["headline"]
     assert rec["reasons"][0].startswith("Engines: ")

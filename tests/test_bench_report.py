@@ -39,9 +39,10 @@ def by_label(entries):
 
 
 def test_rows_say_their_better_direction_and_unit_and_ratios_say_of_what():
-    entries = [run("colocated", "colocated", 0.5, 0.05),
-               run("pd", "pd", 0.75, 0.04, kv=16_220_352)]
+    entries = [{**run("colocated", "colocated", 0.5, 0.05), "memory_peak_bytes": 2**30},
+               {**run("pd", "pd", 0.75, 0.04, kv=16_220_352), "memory_peak_bytes": 3 * 2**29}]
     header, rows = by_label(entries)
+    assert rows["Peak memory (GiB, resident)"] == ["lower", "1.00", "1.50", "1.50x"]
     assert header == ["Metric", "Better", "colocated", "pd", "pd (x of colocated)"]
     assert rows["TTFT p50 (ms)"] == ["lower", "500.0", "750.0", "1.50x"]
     assert rows["ITL p50 (ms)"] == ["lower", "50.0", "40.0", "0.80x"]
@@ -109,9 +110,10 @@ def test_breakdown_and_recommendation_are_labelled():
 
 
 def test_combine_takes_medians_ranges_and_the_first_runs_arrays(tmp_path):
-    runs = [run("pd", "pd", t, 0.05, outside=o, kv=kv)
-            for t, o, kv in ((0.5, 0.0, 100.0), (0.9, 0.3, 300.0), (0.6, 0.1, 200.0))]
+    runs = [{**run("pd", "pd", t, 0.05, outside=o, kv=kv), "memory_peak_bytes": m}
+            for t, o, kv, m in ((0.5, 0.0, 100.0, 5), (0.9, 0.3, 300.0, 7), (0.6, 0.1, 200.0, 6))]
     e = combine(runs)
+    assert e["memory_peak_bytes"] == 7  # the highest run's
     r = e["result"]
     assert r["median_ttft_ms"] == pytest.approx(600.0)
     assert e["spread"]["median_ttft_ms"] == [pytest.approx(500.0), pytest.approx(900.0)]

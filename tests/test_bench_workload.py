@@ -48,8 +48,8 @@ def test_demo_defaults_long_prompts_arrive_during_the_chat_stream(tok):
     trace = datasets.demo(tok)
     chat = [r for r in trace if r.kind == "chat"]
     long = [r for r in trace if r.kind == "long"]
-    assert len(chat) == 24 and len(long) == 3
-    assert all(50 <= r.prompt_tokens <= 250 and 32 <= r.max_tokens <= 64 for r in chat)
+    assert len(chat) == 24 and len(long) == 6
+    assert all(50 <= r.prompt_tokens <= 250 and 128 <= r.max_tokens <= 256 for r in chat)
     assert all(r.prompt_tokens >= 1500 and r.max_tokens == 16 for r in long)
     assert all(count_tokens(tok, r.prompt) == r.prompt_tokens for r in trace)
     # Each long prompt lands strictly inside the chat arrival window, with chat requests

@@ -195,9 +195,10 @@ def test_proc_parsers_on_fixed_text(tmp_path):
     for pid, ppid, utime, stime in ((10, 1, 5, 1), (11, 10, 7, 2), (12, 11, 3, 0), (13, 1, 50, 50)):
         (proc / str(pid)).mkdir(parents=True)
         fields = ["S", str(ppid)] + ["0"] * 9 + [str(utime), str(stime)] + ["0"] * 6 + [str(pid * 100)]
-        (proc / str(pid) / "stat").write_text(f"{pid} (a) b) {' '.join(fields)} 0 0\n")
+        (proc / str(pid) / "stat").write_text(f"{pid} (a) b) {' '.join(fields)} 0 {pid + 1}\n")  # vsize, rss pages
     (proc / "self").mkdir()
     assert host.tree_ticks(10, proc) == {(10, 1000): 6, (11, 1100): 9, (12, 1200): 3}
+    assert host.tree_stats(10, proc)[(12, 1200)] == (3, 13 * host.PAGE_BYTES)
 
 
 def test_outside_warning_threshold():
@@ -231,6 +232,7 @@ def test_load_monitor_tells_the_deployment_from_other_processes():
     assert load["busy_cpu_s"] >= load["deployment_cpu_s"] + load["outside_cpu_s"] - 0.05
     assert 0 < load["outside_share"] <= 1 and 0 <= load["steal_share"] <= 1
     assert load["client_cpu_s"] >= 0 and load["loadavg_1m_max"] is not None
+    assert load["deployment_rss_peak_bytes"] > 4e6  # a shell and a Python interpreter, resident
     before = host.quiet_check(cores, 0.2)
     assert set(before) == {"window_s", "loadavg_1m", "outside_share", "steal_share"}
 

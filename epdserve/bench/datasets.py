@@ -125,20 +125,23 @@ def shared_prefix(tokenizer, num_prompts: int = 50, prefix_count: int = 4,
     return requests
 
 
-# Defaults of `make demo`, sized for a 2-core CPU running SmolLM2-135M in float32
-# (measured: prefill ~240 tok/s per core, a decode step ~75 ms at batch 1 and ~150 ms at
-# batch 8 on one core; a 2-thread engine sharing its cores with the router and client is
-# slower still): 24 chat requests at 0.25 req/s arrive over ~95 s, asking for ~90 prompt
-# tokens/s in all, below either deployment's prefill capacity; the 3 long prompts (~4 s of
-# prefill on two cores, ~7 s on one) land at 1/4, 1/2 and 3/4 of the chat arrival window,
-# while chat requests decode.
-DEMO_DEFAULTS = dict(num_chat=24, chat_input_len=(50, 250), chat_output_len=(32, 64),
-                     chat_rate=0.25, num_long=3, long_input_len=1600, long_output_len=16)
+# Defaults of `make demo`, sized for a 2-core CPU running SmolLM2-135M: 24 chat requests at
+# 0.25 req/s arrive over ~95 s and decode 128-256 tokens each (2-5 s of decoding), and 6
+# long prompts (~2 s of prefill on two cores, ~4 s on one) land evenly among them, so that
+# most long prompts arrive while a chat decodes. A colocated engine then prefills them in
+# steps of its budget between the chats' tokens (gaps of ~0.3-0.5 s), a PD decode worker
+# keeps decoding (gaps under 0.1 s) and its prefill worker, on one core, answers the long
+# prompts later: measured, the split wins at strict gap SLOs with a relaxed TTFT and
+# colocated at tight TTFT SLOs (docs/comparing.md).
+DEMO_DEFAULTS = dict(num_chat=24, chat_input_len=(50, 250), chat_output_len=(128, 256),
+                     chat_rate=0.25, num_long=6, long_input_len=1600, long_output_len=16)
+_D = DEMO_DEFAULTS
 
 
-def demo(tokenizer, num_chat: int = 24, chat_input_len: tuple[int, int] = (50, 250),
-         chat_output_len: tuple[int, int] = (32, 64), chat_rate: float = 0.25,
-         num_long: int = 3, long_input_len: int = 1600, long_output_len: int = 16,
+def demo(tokenizer, num_chat: int = _D["num_chat"], chat_input_len: tuple[int, int] = _D["chat_input_len"],
+         chat_output_len: tuple[int, int] = _D["chat_output_len"], chat_rate: float = _D["chat_rate"],
+         num_long: int = _D["num_long"], long_input_len: int = _D["long_input_len"],
+         long_output_len: int = _D["long_output_len"],
          seed: int = 0, long_burst: int = 1, length_dist: str = "uniform",
          burstiness: float = 1.0, ramp: tuple[float, float] | None = None) -> list[Request]:
     """Chat requests mixed with bursts of long prompts: ``num_chat`` chat requests (as

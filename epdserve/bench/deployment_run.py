@@ -25,22 +25,21 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
     it is ready, run the trace (and the goodput sweep when ``args.sweep_rates`` is set),
     read its resources, stop it; return the compare.json entry:
 
-    ``{"name", "mode" ("colocated", "pd", "epd" or None), "deployment": <the entry as
-    parsed>, "metrics_urls", "result": <bench result>, "server": <trace summary, {}
-    without an epdserve trace>, "resources": {"workers", "cores", "num_cores",
-    "device_kind", "num_devices", "price_per_hour"}, "itl_stalls": gaps > plots.STALL_MS,
+    ``{"name", "mode" ("colocated", "pd", "epd" or None), "deployment": <the entry as parsed>, "metrics_urls",
+    "result": <bench result>, "server": <trace summary, {} without an epdserve trace>, "resources": {"workers",
+    "cores", "num_cores", "device_kind", "num_devices", "price_per_hour"}, "itl_stalls": gaps > plots.STALL_MS,
     "breakdown": <server_trace.breakdown, {} without a trace>, "server_metrics":
-    <server_metrics.MetricsWatcher.stop over the measured requests, {} without metrics
-    URLs>, "sweep": <sweep result> (with --sweep-rates: :func:`_sweep`; "sweep_error"
-    instead when a start or run of the sweep failed), "host_load": {"cores", "before": <host.quiet_check>, "during":
-    <host.LoadMonitor.stop>, "priority": <host.match_cpu_priority>, "warning": <its warnings
-    "; "-joined, or None>} (None for a base_url deployment: its CPU time cannot be told from
-    others'), "client": <:func:`_client_delay`: the bench client's own delay>, "died": <see
-    :class:`~epdserve.bench.processes.Running`> (only when a process died), "run_start_unix",
-    "run_end_unix": <time.time() when the trace's first request was due (the origin of
-    ``start_offsets``, up to the few ms it takes to start the first send) and when its
-    last request ended>, "roles_timeline": <server_trace.role_timeline's "workers">,
-    "role_switches": <its "switches"> (both ``{}`` but for an elastic deployment)}``.
+    <server_metrics.MetricsWatcher.stop over the measured requests, {} without metrics URLs>, "sweep": <sweep
+    result> (with --sweep-rates: :func:`_sweep`; "sweep_error" instead when a start or run of the sweep failed),
+    "host_load": {"cores", "before": <host.quiet_check>, "during": <host.LoadMonitor.stop>, "priority":
+    <host.match_cpu_priority>, "warning": <its warnings "; "-joined, or None>} (None for a base_url deployment:
+    its CPU time cannot be told from others'), "client": <:func:`_client_delay`: the bench client's own delay>,
+    "died": <see :class:`~epdserve.bench.processes.Running`> (only when a process died), "run_start_unix",
+    "run_end_unix": <time.time() when the trace's first request was due (the origin of ``start_offsets``, up to
+    the few ms it takes to start the first send) and when its last request ended>, "memory_peak_bytes": <its
+    processes' peak resident memory (None for a base_url deployment)>, "roles_timeline":
+    <server_trace.role_timeline's "workers">, "role_switches": <its "switches"> (both ``{}`` but for an elastic
+    deployment)}``.
     ``serve``: the command epdserve deployments start with; ``progress`` prefixes the log
     lines (e.g. "2/4").
 
@@ -72,6 +71,7 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
         print(f"{tag} error: {running.died_reason()}; last lines of its log:\n"
               f"{running.died['log_tail']}", flush=True)
     entry["host_load"] = _host_load(cores, before, during, tag, priority, entry.get("client"))
+    entry["memory_peak_bytes"] = during and during["deployment_rss_peak_bytes"]
     _add_summaries(entry, running.trace_file, _is_elastic(dep))
     result = entry["result"]
     print(f"{tag} done: {result['completed']} completed, {result['failed']} failed, "

@@ -168,8 +168,10 @@ def _headline(win: dict, rival: dict | None, c: paired.Comparison | None, out: d
     kind = (" (a PD split)." if out["split"] else " (no prefill/decode split).") if switches is None else \
         f" (elastic: {switches} role switch{'' if switches == 1 else 'es'} during the run)."
     name, simpler = win["name"], " (the simpler: no prefill/decode split)."
+    differs = ""  # between engines, a verdict that is not "better" says what differs besides goodput
     if rival is not None and rules.engine(rival) != rules.engine(win):  # engines: named as what they are
         kind = simpler = f" ({rules.what(win)})."
+        differs = f" What differs: {_latencies(win, rival)}."
     if out["overloaded"]:
         return {"verdict": "overloaded",
                 "headline": f"**Overloaded: no configuration serves most requests within the SLOs; "
@@ -180,7 +182,7 @@ def _headline(win: dict, rival: dict | None, c: paired.Comparison | None, out: d
         tied = out["cannot_tell_apart"]
         head = (f"**Cannot tell {_names(tied)} apart by goodput; use {name}**"
                 + (simpler if not out["split"] else kind)) if tied else f"**Use {name}**{kind}"
-        return {"verdict": "no interval" if c is None else "tie", "headline": head}
+        return {"verdict": "no interval" if c is None else "tie", "headline": head + differs}
     if c.verdict == "better":
         return {"verdict": "better", "headline": (
             f"**Use {name}**{kind[:-1]}: goodput {rules.goodput_unit(unit)} {_size(c)} over "
@@ -189,11 +191,11 @@ def _headline(win: dict, rival: dict | None, c: paired.Comparison | None, out: d
     if c.verdict == "tie":
         return {"verdict": "tie", "headline": (
             f"**{name} and {rival['name']} tie by goodput (within ±{c.band:.0%}, {c.confidence:.0%} "
-            f"CI {_ci_text(c)}); use {name}**{ending}")}
+            f"CI {_ci_text(c)}); use {name}**{ending}{differs}")}
     return {"verdict": "no difference shown", "headline": (
         f"**No difference shown between {name} and {rival['name']} at n = {c.n} requests × "
         f"{c.runs} run{'s' if c.runs > 1 else ''} (goodput {_size(c)}, "
-        f"{c.confidence:.0%} CI {_ci_text(c)}); use {name}**{ending}")}
+        f"{c.confidence:.0%} CI {_ci_text(c)}); use {name}**{ending}{differs}")}
 
 
 def _size(c: paired.Comparison) -> str:
@@ -285,10 +287,13 @@ def _verdict(win: dict, rival: dict | None, split: bool, basis: str, unit: str,
 
 
 def _latencies(win: dict, rival: dict) -> str:
-    """"ITL p50 20 vs 40 ms, ITL p95 ..., TTFT p95 ...": what differs besides goodput."""
+    """"ITL p50 20 vs 40 ms, ITL p95 ..., TTFT p95 ..., peak memory 1.20 vs 3.50 GiB": what
+    differs besides goodput (memory where both deployments' was measured)."""
+    memory = [e.get("memory_peak_bytes") for e in (win, rival)]
     return (f"ITL p50 {_ms(rules.value(win, 'median_itl_ms'))} vs {_ms(rules.value(rival, 'median_itl_ms'))} ms, "
             f"ITL p95 {_ms(rules.value(win, 'p95_itl_ms'))} vs {_ms(rules.value(rival, 'p95_itl_ms'))} ms, TTFT "
-            f"p95 {_ms(rules.value(win, 'p95_ttft_ms'))} vs {_ms(rules.value(rival, 'p95_ttft_ms'))} ms")
+            f"p95 {_ms(rules.value(win, 'p95_ttft_ms'))} vs {_ms(rules.value(rival, 'p95_ttft_ms'))} ms"
+            + (f", peak memory {memory[0] / 2**30:.2f} vs {memory[1] / 2**30:.2f} GiB" if all(memory) else ""))
 
 
 def _per_request_text(c: paired.Comparison | None) -> str:

@@ -77,7 +77,8 @@ def combine(runs: list[dict]) -> dict:
       over the runs, and of the per-request arrays only :data:`PLOT_ARRAYS` of the first
       run (for the plots and the first error);
     * ``itl_stalls``: the median count; ``server``: the median of each number of the
-      server-trace summary; ``host_load``: the most disturbed run's; ``breakdown`` and
+      server-trace summary; ``memory_peak_bytes``: the highest of the runs'; ``host_load``: the
+      most disturbed run's; ``breakdown`` and
       ``sweep``: the first run's;
     * ``runs``: each completed run's scalar results (:func:`scalars`);
     * ``spread``: ``{metric: [min, max]}`` over the completed runs for each number of
@@ -139,6 +140,8 @@ def _fold(done: list[dict]) -> dict:
                                        for r in done), Counter()).most_common())
     stalls, stalls_spread = medians([{"itl_stalls": r.get("itl_stalls")} for r in done])
     spread.update(stalls_spread)
+    peaks = [r["memory_peak_bytes"] for r in done if r.get("memory_peak_bytes")]
     return {**done[0], "result": result, "itl_stalls": stalls["itl_stalls"],
+            "memory_peak_bytes": max(peaks, default=None),
             "server": medians([r.get("server") or {} for r in done])[0],
             "host_load": _most_disturbed(done), "runs": per_run, "spread": spread}

@@ -41,6 +41,7 @@ ROWS = [
     ("SLO attainment (% of requests)", "higher", "figures", "slo_attainment", "{:.0%}", 1),
     ("ITL stalls (gaps > 1 s)", "lower", "entry", "itl_stalls", "{:d}", 1),
     ("Failed requests", "lower", "result", "failed", "{:d}", 1),
+    ("Peak memory (GiB, resident)", "lower", "entry", "memory_peak_bytes", "{:.2f}", 2 ** -30),
     ("Cores", "", "devices", "core", "{:d}", 1),
     ("GPUs", "", "devices", "GPU", "{:d}", 1),
     ("Output tok/s {unit}", "higher", "figures", "output_per_device", "{:.2f}", 1),
@@ -280,7 +281,10 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
     parts = ["# epdserve compare", "", caption(ran), "", markdown_table(ran), "",
              "Latencies are measured from the request's send. KV, encode and embedding rows "
              "come from the server trace (mean per request; encode and embedding rows over "
-             "the requests with images, embedding size and transfer 0 unless EPD); cores "
+             "the requests with images, embedding size and transfer 0 unless EPD); peak memory is "
+             "the resident memory of the deployment's processes (router, workers and their children) "
+             "at the highest of the load monitor's 1-s samples during the run (the highest run's "
+             "with repeats; unknown for a deployment compare did not start); cores "
              "are the CPU cores the workers were pinned to (from /health), GPUs and prices "
              "those a deployments file gives. Prefix caching is on unless a configuration's "
              "name ends in -noprefix.", ""]

@@ -169,23 +169,32 @@ def plot(m: dict, path: str | Path) -> None:
     """A heat map: a colour per winner, light where not shown better (tie, no difference,
     overload), each cell annotated with :func:`describe`."""
     plt = extras.pyplot()
-    rows, columns = (m["axes"][k] for k in AXES)
     names = sorted({c["winner"] for row in m["cells"] for c in row if c["winner"]})
     colours = plt.get_cmap("tab10")
+    cells = [[(colours(names.index(c["winner"]) % 10) if c["winner"] else (0.9, 0.9, 0.9),
+               0.85 if c["verdict"] == "better" else 0.3, describe(c).replace(" (", "\n(")) for c in row]
+             for row in m["cells"]]
+    draw(m["axes"], cells, "Who serves more within the SLOs (goodput per device; strong colour: shown better, "
+                           "95 % CI)", path)
+
+
+def draw(axes: dict[str, list[float]], cells: list[list[tuple]], title: str, path: str | Path) -> None:
+    """A grid of TTFT (rows) and gap (columns) SLOs ``axes``, each cell filled with its
+    ``(colour, alpha, text)`` of ``cells`` (a row per TTFT SLO), saved to ``path``."""
+    plt = extras.pyplot()
+    rows, columns = (axes[k] for k in AXES)
     fig, ax = plt.subplots(figsize=(2.2 * len(columns) + 1.5, 0.9 * len(rows) + 1.5))
-    for (a, row), b in itertools.product(enumerate(m["cells"]), range(len(columns))):
-        c = row[b]
-        colour = colours(names.index(c["winner"]) % 10) if c["winner"] else (0.9, 0.9, 0.9)
-        ax.add_patch(plt.Rectangle((b, a), 1, 1, color=colour, alpha=0.85 if c["verdict"] == "better" else 0.3))
-        ax.text(b + 0.5, a + 0.5, describe(c).replace(" (", "\n("), ha="center", va="center", fontsize=7)
+    for (a, row), b in itertools.product(enumerate(cells), range(len(columns))):
+        colour, alpha, text = row[b]
+        ax.add_patch(plt.Rectangle((b, a), 1, 1, color=colour, alpha=alpha))
+        ax.text(b + 0.5, a + 0.5, text, ha="center", va="center", fontsize=7)
     ax.set_xlim(0, len(columns))
     ax.set_ylim(0, len(rows))
     ax.set_xticks([b + 0.5 for b in range(len(columns))], [f"≤ {_ms(c)}" for c in columns])
     ax.set_yticks([a + 0.5 for a in range(len(rows))], [f"≤ {_ms(r)}" for r in rows])
     ax.set_xlabel("longest ITL gap SLO")
     ax.set_ylabel("TTFT SLO")
-    ax.set_title("Who serves more within the SLOs (goodput per device; strong colour: shown better, 95 % CI)",
-                 fontsize=9)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
