@@ -100,11 +100,11 @@ def _compare_dir(path: Path, reqs: list[Request]) -> Path:
 
 def test_validate_predicts_a_tp_configuration_or_says_why_not(tmp_path, capsys):
     run = _compare_dir(tmp_path / "run", [req(0.1 * i, 5, 4) for i in range(4)])
-    rows = {r["name"]: r for r in validate([run], calibrate.platform_from(calibration()))}
+    rows = {r["name"]: r for r in validate([run], calibrate.platform_from(calibration()))[0]}
     assert set(rows) == {"1p1d", "1p1d-tp2/1"}
     assert rows["1p1d-tp2/1"]["p95_ttft_ms"]["predicted"] == pytest.approx(33.0)
-    rows = validate([run], calibrate.platform_from(calibration(tp=False)))
-    assert [r["name"] for r in rows] == ["1p1d"]
+    rows, predicted = validate([run], calibrate.platform_from(calibration(tp=False)))
+    assert [r["name"] for r in rows] == [e["name"] for e in predicted] == ["1p1d"]
     assert "skipped 1p1d-tp2/1: " in capsys.readouterr().err
 
 

@@ -126,6 +126,13 @@ BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (
     ModelSpec("Qwen3-32B", 64, 5120, 25600, 64, 8, 128, 151936),
     # meta-llama/Llama-3.1-8B config.json.
     ModelSpec("Llama-3.1-8B", 32, 4096, 14336, 32, 8, 128, 128256),
+    # meta-llama/Llama-2-70b-hf config.json (Mooncake's experiments use its architecture).
+    ModelSpec("Llama-2-70B", 80, 8192, 28672, 64, 8, 128, 32000),
+    # meta-llama/Llama-3.1-70B config.json (also the shape of DeepSeek-R1-Distill-Llama-70B).
+    ModelSpec("Llama-3.1-70B", 80, 8192, 28672, 64, 8, 128, 128256),
+    # bigscience/bloom config.json: 70 layers, 14336 hidden, 112 heads (no GQA); a plain
+    # 4 x hidden GELU MLP.
+    ModelSpec("BLOOM-176B", 70, 14336, 4 * 14336, 112, 112, 128, 250880, mlp_matrices=2),
     ModelSpec("SmolVLM-256M", 30, 576, 1536, 9, 3, 64, 49280, vision=_SIGLIP_B16_512,
               processor=ImageProcessor(longest_edge=2048, max_image_size=512, image_seq_len=64)),
     ModelSpec("Idefics3-8B", 32, 4096, 14336, 32, 8, 128, 128259, vision=_SIGLIP_SO400M_364,

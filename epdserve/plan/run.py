@@ -24,12 +24,12 @@ import numpy as np
 from tqdm import tqdm
 
 from epdserve.argtypes import Options, float_above, int_at_least, with_values
-from epdserve.bench import metrics, production, production_formats, workload
+from epdserve.bench import metrics, production, production_formats, slo_map, workload
 from epdserve.bench.compare import CONFIGS_FLAG
 from epdserve.bench.datasets import with_images
 from epdserve.bench.run import parse_goodput
 from epdserve.model.loader import DEFAULT_VLM, ModelLoadError, resolve_model
-from epdserve.plan import calibrate, elastic_replay, hardware, replay, report, search, sim_elastic
+from epdserve.plan import at_rate, calibrate, elastic_replay, hardware, replay, report, search, sim_elastic
 from epdserve.plan.costmodel import FEATURES, NoStepModel, Platform, roofline_platform
 from epdserve.plan.model_spec import BUILTIN, ModelSpec
 from epdserve.plan.simulate import Deployment, EngineLimits, KVCapacityError
@@ -71,7 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "request), itl_p99, e.g. ttft:300 tpot:10 itl:100 (default compare's: "
                              + " ".join(f"{k}:{v:g}" for k, v in metrics.DEFAULT_SLOS_MS.items()) + ")")
     parser.add_argument("--target", type=float, default=0.9,
-                        help="share of requests that must meet every SLO (default 0.9)")
+                        help="capacity: share of requests that must meet every SLO (default 0.9)")
+    parser.add_argument("--question", choices=at_rate.QUESTIONS, default="capacity",
+                        help="capacity (default): the highest rate at which --target of the requests meet the "
+                             "SLOs; goodput: requests/s within the SLOs at the --trace's own arrivals, judged "
+                             "and mapped as `epdserve compare` judges a run (plan.md's map, slo_map.png)")
+    slo_map.SLO_GRID_FLAG.add(parser)
     for flag in flags.WORKER_FLAGS:  # the engine limits the simulated workers run with, as serve's
         if flag.dest in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"):
             flag.add(parser)
@@ -226,6 +231,8 @@ def run_search(args) -> int:
     if not args.trace:  # the synthetic trace's lengths and size, resolved once (also for the report)
         args = with_values(args, **{k: v for k, v in SYNTHETIC_DEFAULTS.items() if getattr(args, k) is None})
     requests, slos = _requests(args), dict(args.slo)
+    if args.question == "goodput":
+        return run_goodput(args, platform, requests, slos)
     seeds = arrival_seeds(args, requests)
     if args.seeds and len(seeds) < args.seeds:  # asked for, and not the default
         print(f"--seeds {args.seeds}: the trace has arrivals of its own, one sequence: each deployment is "
@@ -267,6 +274,16 @@ def run_search(args) -> int:
     return 0
 
 
+def run_goodput(args, platform: Platform, requests: list[workload.Request], slos: dict[str, float]) -> int:
+    """``--question goodput`` (:func:`epdserve.plan.at_rate.plan`)."""
+    kind = "core" if args.hardware.lower() == "cpu" else "GPU"
+    text, written = at_rate.plan(_deployments(args, platform, requests), platform, requests, slos, kind,
+                                 args.slo_grid, Path(args.output), _workload(args, requests), args.devices)
+    print(text)
+    print(f"written: {', '.join(map(str, written))}")
+    return 0
+
+
 def _workload(args, requests: list[workload.Request]) -> str:
     """What was planned for, in words."""
     source = f"trace {args.trace}" if args.trace else (
@@ -288,7 +305,7 @@ def run_validate(args) -> int:
             print(f"epdserve plan validate: error: {d} has no compare.json and trace.jsonl", file=sys.stderr)
             return 2
     platform = calibrate.platform_from(cal, vlm=has_images(compare_dirs[0]))
-    rows = validate(compare_dirs, platform)
+    rows, predicted = validate(compare_dirs, platform)
     if not rows:
         print("epdserve plan validate: error: no configuration could be simulated", file=sys.stderr)
         return 1
@@ -312,6 +329,7 @@ def run_validate(args) -> int:
           "[band]: none; fit the serving slowdown on 2 or more runs for one (`plan calibrate --from-compare`)")
     print(_serving_line(platform)
           + ("" if "serving" in cal else " (not fitted: run `epdserve plan calibrate --from-compare DIR...`)"))
+    print("\n" + at_rate.side_by_side(compare_dirs, predicted, args.slo_grid, Path(args.output)))
     # One entry per workload (trace): validating it again replaces its entry.
     trace = hashlib.sha256((compare_dirs[0] / "trace.jsonl").read_bytes()).hexdigest()[:16]
     cal.setdefault("validations", {})[trace] = {
@@ -426,6 +444,17 @@ def run_elastic_replay(args) -> int:
 def run(args: Options) -> int:
     if not 0 < args.target <= 1:
         print(f"epdserve plan: error: --target {args.target}: must be in (0, 1]", file=sys.stderr)
+        return 2
+    if why := slo_map.check_given(args.slo_grid):
+        print(f"epdserve plan: error: {why}", file=sys.stderr)
+        return 2
+    if args.question == "goodput" and args.action != "search":
+        print(f"epdserve plan: error: --question goodput is for `epdserve plan` (search), not {args.action}",
+              file=sys.stderr)
+        return 2
+    if args.slo_grid and not (args.action == "validate" or args.question == "goodput"):
+        print("epdserve plan: error: --slo-grid draws the map of --question goodput (and of validate)",
+              file=sys.stderr)
         return 2
     for option, action in (("compare_dir", "validate"), ("from_compare", "calibrate")):
         if getattr(args, option) and args.action != action:

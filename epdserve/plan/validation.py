@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from epdserve.bench import metrics, workload
+from epdserve.plan import at_rate
 from epdserve.plan.costmodel import Platform
 from epdserve.plan.search import measure_rate
 from epdserve.plan.sim_elastic import ElasticConfig, elastic_config
@@ -85,7 +86,7 @@ def compare_limits(name: str) -> EngineLimits:
     return limits
 
 
-def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
+def validate(compare_dirs: list[Path], platform: Platform) -> tuple[list[dict], list[dict]]:
     """Predicted vs measured :data:`VALIDATED` metrics for each configuration of one or
     more compare runs of the same trace (repeats), on the cores it ran on. Per metric: ``runs`` (the measured value
     of each run that has the configuration), ``measured`` (their mean), ``error`` =
@@ -96,6 +97,8 @@ def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
     Near saturation a few % on step times moves p95s by tens of %: the band shows it. An
     elastic configuration's row also has ``elastic``, what its simulated controller did
     (:meth:`~epdserve.plan.sim_elastic.Controller.report`), steering by the run's SLOs.
+    Returns the rows and the predictions as compare entries (:func:`at_rate.as_entry`), for
+    the map of who wins at which SLOs.
 
     Raises:
         ValueError: the runs replayed different traces.
@@ -112,7 +115,7 @@ def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
             if "result" in entry:  # else the configuration failed to run
                 results.setdefault(entry["name"], []).append(entry["result"])
                 cores[entry["name"]] = entry_cores(entry)
-    rows = []
+    rows, entries = [], []
     elastic = elastic_config(compare_slos(compare_dirs[0]))
     for name, runs in results.items():
         try:
@@ -133,7 +136,8 @@ def validate(compare_dirs: list[Path], platform: Platform) -> list[dict]:
                         "error": (predicted[0][key] - mean) / mean if mean else None,
                         "spread": (max(values) - min(values)) / mean if mean else None}
         rows.append(row)
-    return rows
+        entries.append(at_rate.as_entry(dep, predicted[0], "core"))
+    return rows, entries
 
 
 def compare_slos(compare_dir: Path) -> dict[str, float]:
