@@ -866,3 +866,13 @@ def test_a_shared_document_is_prefilled_once_per_worker():
     assert [s.prefill_ms for s in stages] == pytest.approx([145.0, 33.0, 129.0])
     _, stages = simulate(COLOCATED, platform, reqs, EngineLimits(enable_prefix_caching=False))
     assert [s.prefill_ms for s in stages] == pytest.approx([145.0, 145.0, 145.0])
+
+
+def test_calibration_times_each_prefill_in_one_step():
+    """Whatever this machine's default step budget (512 tokens on 2 cores here), each prompt
+    length calibrated is one step: the step model is of a step's tokens."""
+    from epdserve.model.loader import resolve_model
+
+    steps = calibrate._prefill_steps(str(resolve_model(None).path), 1, np.random.default_rng(0), [])
+    assert [sum(s["prefill"][0]) for s in steps] == list(calibrate.PREFILL_LENS)
+    assert all(s["ms"] > 0 for s in steps)

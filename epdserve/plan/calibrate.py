@@ -52,6 +52,9 @@ from epdserve.transfer import handoff, loopback
 
 CACHE_DIR = Path.home() / ".cache" / "epdserve" / "calibration"
 PREFILL_LENS = (16, 64, 256, 768, 1536)
+# Each prefill timed in one step, whatever this machine's default step budget: the step model
+# is of a step's tokens, and the simulation cuts prompts into the budget's steps itself.
+WHOLE_PROMPT_STEPS = max(PREFILL_LENS)
 DECODE_BATCHES = (1, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 512)
 # Encode calls timed per worker size, after a one-image warm-up: images per call (the
@@ -89,7 +92,8 @@ def _prefill_steps(model_dir: str, reps: int, rng, prefix: list[int], engine: LL
     holds its full blocks and each step computes the rest over them (the attention over a
     cached context) as served prefills do. On ``engine`` if given (a tensor-parallel one),
     else on a new one."""
-    engine = engine or LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=256))
+    engine = engine or LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=256,
+                                                         max_num_batched_tokens=WHOLE_PROMPT_STEPS))
     vocab = engine.model.config.vocab_size
     out = []
     for n in PREFILL_LENS:
@@ -310,7 +314,8 @@ def _tp_fit(model_dir: Path, cores: list[int], fit_steps: Callable[..., dict]) -
                         [[c] for c in cores[:TP_SIZE]])
     try:
         engine = LLMEngine(str(model_dir), EngineConfig(kv_cache_memory_mb=TP_KV_MB, weight_format="f32",
-                                                        dtype="float32"), tp=ranks)
+                                                        dtype="float32", max_num_batched_tokens=WHOLE_PROMPT_STEPS),
+                           tp=ranks)
         return fit_steps(model_dir, engine=engine)
     finally:
         ranks.close()
