@@ -18,6 +18,9 @@ from epdserve.model.linear import WEIGHT_FORMATS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICE_METAVAR = "cpu|cuda|cuda:N"
+# The argparse type of every device flag (the worker's --device, serve's --prefill-device ...):
+# its error (not a device, no CUDA in this torch or on this host, no such GPU) names the value.
+device_type = from_check(parse_device)
 
 
 def default_dtype(device: str) -> str:
@@ -49,7 +52,7 @@ class EngineConfig:
         "reuse the KV blocks of cached prompt prefixes (vLLM's default: on)"))
     device: str = field(default="cpu", metadata=setting(
         "where the weights, KV cache, activations and sampler live: the CPU, or a CUDA GPU (docs/gpu.md)",
-        type=from_check(parse_device), metavar=DEVICE_METAVAR))
+        type=device_type, metavar=DEVICE_METAVAR))
     enforce_eager: bool = field(default=True, metadata=setting(
         "CUDA workers: run every step eagerly (vLLM's flag; here on by default until CUDA graphs are measured "
         "faster); --no-enforce-eager replays decode steps as CUDA graphs, one per batch-size bucket "

@@ -95,7 +95,7 @@ def row(e: dict) -> dict:
 def verdict(entries: list[dict], slos_ms: dict[str, float], given: list | None, out_dir: Path) -> dict:
     """The verdict at ``slos_ms`` (a :func:`slo_map.cell`, worded by :func:`slo_map.describe`),
     the map around them (``given``: ``--slo-grid``'s axes) and its markdown section, with the
-    PNG drawn into ``out_dir``: ``{"cell", "text", "region", "map", "section"}``."""
+    PNG drawn into ``out_dir``: ``{"cell", "text", "region", "map", "section", "pngs"}``."""
     c = slo_map.cell(entries, slos_ms)
     m, section, pngs = slo_map.for_outputs(entries, slos_ms, given, out_dir)
     return {"cell": c, "text": slo_map.describe(c), "map": m, "section": section, "pngs": pngs,

@@ -231,12 +231,12 @@ def run_search(args) -> int:
     if not args.trace:  # the synthetic trace's lengths and size, resolved once (also for the report)
         args = with_values(args, **{k: v for k, v in SYNTHETIC_DEFAULTS.items() if getattr(args, k) is None})
     requests, slos = _requests(args), dict(args.slo)
-    if args.question == "goodput":
-        return run_goodput(args, platform, requests, slos)
     seeds = arrival_seeds(args, requests)
     if args.seeds and len(seeds) < args.seeds:  # asked for, and not the default
         print(f"--seeds {args.seeds}: the trace has arrivals of its own, one sequence: each deployment is "
               f"simulated on it once, without a band over seeds", file=sys.stderr)
+    if args.question == "goodput":
+        return run_goodput(args, platform, requests, slos)
     steady = args.replay == "steady"
     rows, curves, skipped = [], {}, {}
     for dep, limits in tqdm(_deployments(args, platform, requests), desc="plan", unit="deployment"):

@@ -30,18 +30,10 @@ from __future__ import annotations
 
 import argparse
 
-from epdserve.argtypes import (Flag, Options, flags_of, float_above, from_check, int_at_least, tokens_at_least,
-                               zero_or_at_least)
+from epdserve.argtypes import Flag, Options, flags_of, float_above, int_at_least, tokens_at_least, zero_or_at_least
 from epdserve.engine.config import EngineConfig
-from epdserve.model.device import parse_device
 from epdserve.serving.deployment import ELASTIC_INTERVAL_S, ELASTIC_MIN_DWELL_S, ELASTIC_WINDOW_S
 from epdserve.transfer import handoff, kv_codec
-
-# The argparse type of every device flag (``--device``, serve's ``--prefill-device`` ...): its
-# error (naming the value: not a device, no CUDA in this torch or on this host, no such GPU) is
-# printed with exit status 2, before anything loads.
-device_type = from_check(parse_device)
-
 
 MODEL_FLAG = Flag("--model", default=None,
                   help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct); 'vlm': the default "

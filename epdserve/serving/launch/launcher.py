@@ -82,7 +82,7 @@ from epdserve.argtypes import Options, float_above, int_at_least, with_values
 from epdserve.model.kv_cache_dtype import KV_CACHE_DTYPES
 from epdserve.model.loader import ModelLoadError
 from epdserve.model.linear import WEIGHT_FORMATS, auto_format
-from epdserve.engine.config import DEVICE_METAVAR, DTYPE_CHOICES
+from epdserve.engine.config import DEVICE_METAVAR, DTYPE_CHOICES, device_type
 from epdserve.serving import auth, flags
 from epdserve.serving.launch import ray_cluster
 from epdserve.serving.launch.children import Children
@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"pd: the KV cache dtype of the {role} workers (default: --kv-cache-dtype; a "
                                  "hand-off converts between the two)")
     for role in ROLE_DEVICES:
-        parser.add_argument(f"--{role}-device", type=flags.device_type, default=None, metavar=DEVICE_METAVAR,
+        parser.add_argument(f"--{role}-device", type=device_type, default=None, metavar=DEVICE_METAVAR,
                             help=f"pd, epd: the device of the {role} workers (default: --device; docs/gpu.md)")
     parser.add_argument("--startup-timeout", type=float_above(0), default=900.0,
                         help="seconds to wait for every worker's hello")
