@@ -29,12 +29,22 @@ function again. The first request after start-up also walks lazy initialization 
 set-up on first use); ``--warmup`` sends one other request before the windows to leave that
 out. The profile hook slows every process (start-up most), not what is counted.
 
+``--stays`` also prints the router's stays: the order in which the request's work in the
+router process first enters each epdserve function, from the first call of ``--stays-from``
+(default ``Completions.serve``) to the end of the request window, its consecutive
+functions of one file forming one stay; a stay in a file an earlier stay left is a revisit.
+The request's work is that of the asyncio tasks and threads that ran epdserve code in the
+request window and not in the idle one (the events loop and heartbeats are left out).
+``--stream`` sends the chat completion streamed; ``--body JSON`` adds fields to it and
+``--serve-args`` options to ``serve`` (tools, guided output).
+
 ``--tree PATH`` puts PATH first on ``PYTHONPATH`` too, so that every process imports that
 checkout's ``epdserve`` (the editable install's finder comes after ``PYTHONPATH``); the
 deployment runs in a temporary working directory, since ``python -m`` puts the working
 directory first on ``sys.path``.
 
     python benchmarks/request_walk.py [--tree PATH] [--window 5] [--list] [--output DIR]
+        [--stays [--stays-from QUALNAME]] [--stream] [--body JSON] [--serve-args "ARGS"]
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -69,6 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="print the walk's functions grouped by file")
     p.add_argument("--output", type=Path, help="write walk.json (and the serve log) into this directory")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--stays", action="store_true", help="print the router's stays and revisits")
+    p.add_argument("--stays-from", default="Completions.serve", help="the stays start at this qualname's first call")
+    p.add_argument("--stream", action="store_true", help="send the measured chat completion streamed")
+    p.add_argument("--body", type=json.loads, default={}, help="JSON fields added to the measured request")
+    p.add_argument("--serve-args", type=shlex.split, default=[], help="more options for epdserve serve")
     return p.parse_args(argv)
 
 
@@ -93,11 +109,12 @@ def package_prefix(env: dict[str, str], tree: Path | None, cwd: Path) -> str:
     return out.rstrip(os.sep) + os.sep
 
 
-def start_serve(env: dict[str, str], cwd: Path, log_path: Path, timeout_s: float) -> tuple[subprocess.Popen, str]:
+def start_serve(env: dict[str, str], cwd: Path, log_path: Path, timeout_s: float,
+                extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     """``epdserve serve --mode pd`` on a free port, in its own session, in ``cwd`` (``python
     -m`` puts the working directory first on sys.path: it must hold no checkout); (process,
     URL) once its URL is printed and /health answers 200."""
-    argv = [sys.executable, "-m", "epdserve", "serve", "--mode", "pd", "--host", "127.0.0.1", "--port", "0"]
+    argv = [sys.executable, "-m", "epdserve", "serve", "--mode", "pd", "--host", "127.0.0.1", "--port", "0", *extra]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                 start_new_session=True)
@@ -145,9 +162,25 @@ def http_json(url: str, body: dict | None = None, timeout: float = 300) -> dict:
         return json.loads(r.read())
 
 
-def chat(url: str, model: str, prompt: str) -> dict:
-    return http_json(url + "/v1/chat/completions", {
-        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16, "temperature": 0})
+def chat(url: str, model: str, prompt: str, stream: bool = False, extra: dict | None = None) -> dict:
+    """The answer, or a streamed one's chunks as ``{"chunks": [...]}`` (``data: [DONE]`` left out)."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
+            "temperature": 0, **(extra or {}), **({"stream": True} if stream else {})}
+    if not stream:
+        return http_json(url + "/v1/chat/completions", body)
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    return {"chunks": [json.loads(e) for e in events if e != "[DONE]"]}
+
+
+def generated(reply: dict) -> bool:
+    """Whether the answer (or a streamed one's chunks) carries generated output."""
+    if "chunks" not in reply:
+        return reply["usage"]["completion_tokens"] > 0
+    return any(c["choices"] and any(v for k, v in c["choices"][0]["delta"].items() if k != "role")
+               for c in reply["chunks"])
 
 
 def role_of(argv: list[str]) -> str | None:
@@ -179,7 +212,8 @@ def deployment_pids(session: int) -> dict[int, str]:
 
 
 def snapshot(directory: Path, k: int, pids: dict[int, str], timeout_s: float = 60.0) -> dict[int, dict]:
-    """Ask every process for its counts (trigger ``snap-K``); pid -> {"FILE\\tQUALNAME\\tLINE": calls}."""
+    """Ask every process for its counts (trigger ``snap-K``); pid -> {"counts": {"FILE\\tQUALNAME\\tLINE": calls},
+    "order": ...} (see walk_sitecustomize.py)."""
     (directory / f"snap-{k}").touch()
     deadline = time.monotonic() + timeout_s
     paths = {pid: directory / f"{pid}-{k}.json" for pid in pids}
@@ -188,25 +222,27 @@ def snapshot(directory: Path, k: int, pids: dict[int, str], timeout_s: float = 6
             missing = [pid for pid, p in paths.items() if not p.exists()]
             raise RuntimeError(f"no counts from pids {missing} for snapshot {k}")
         time.sleep(0.05)
-    return {pid: json.loads(p.read_text())["counts"] for pid, p in paths.items()}
+    return {pid: json.loads(p.read_text()) for pid, p in paths.items()}
 
 
 def risen(before: dict, after: dict) -> set[str]:
     return {key for key, n in after.items() if n > before.get(key, 0)}
 
 
-def measure(directory: Path, url: str, model: str, pids: dict[int, str], window_s: float) -> tuple[list[dict], float]:
+def measure(directory: Path, url: str, model: str, pids: dict[int, str],
+            args: argparse.Namespace) -> tuple[list[dict], float]:
     """The three snapshots around an idle window and the request's window; (snapshots, the
     request's seconds)."""
+    window_s = args.window
     snaps = [snapshot(directory, 0, pids)]
     time.sleep(window_s)
     snaps.append(snapshot(directory, 1, pids))
     start = time.monotonic()
-    reply = chat(url, model, PROMPT)
+    reply = chat(url, model, PROMPT, args.stream, args.body)
     took = time.monotonic() - start
     if took > window_s:
         raise RuntimeError(f"the request took {took:.1f} s, longer than --window {window_s} s")
-    if reply["usage"]["completion_tokens"] < 1:
+    if not generated(reply):
         raise RuntimeError(f"no tokens generated: {reply}")
     time.sleep(window_s - took)
     snaps.append(snapshot(directory, 2, pids))
@@ -224,8 +260,8 @@ def walk(snaps: list[dict], pids: dict[int, str], prefix: str) -> dict:
     and the union of the walks."""
     roles: dict[str, dict] = {}
     for pid, role in sorted(pids.items(), key=lambda kv: ROLES.index(kv[1]) if kv[1] in ROLES else 9):
-        idle = risen(snaps[0][pid], snaps[1][pid])
-        busy = risen(snaps[1][pid], snaps[2][pid])
+        idle = risen(snaps[0][pid]["counts"], snaps[1][pid]["counts"])
+        busy = risen(snaps[1][pid]["counts"], snaps[2][pid]["counts"])
         name = role if role not in roles else f"{role}-{pid}"
         roles[name] = {"pid": pid,
                        "functions": sorted(split_key(k, prefix) for k in busy - idle),
@@ -233,6 +269,29 @@ def walk(snaps: list[dict], pids: dict[int, str], prefix: str) -> dict:
                        "idle": len(idle)}
     union = sorted({f for r in roles.values() for f in r["functions"]})
     return {"roles": roles, "functions": union, "files": sorted({f[0] for f in union})}
+
+
+def request_calls(snaps: list[dict], pid: int, prefix: str) -> list[tuple[str, str, int]]:
+    """The first calls, in order, of the functions the request's work ran in process ``pid``
+    (tasks and threads that ran none in the idle window), each function once."""
+    idle = {ctx for ctx, _ in snaps[1][pid]["order"]}
+    keys = [key for ctx, key in snaps[2][pid]["order"] if ctx not in idle]
+    return [split_key(key, prefix) for key in dict.fromkeys(keys)]
+
+
+def stays(calls: list[tuple[str, str, int]], start: str) -> list[dict]:
+    """The stays from ``start``'s first call (see the docstring): ``[{"file", "functions":
+    [qualname, ...], "revisit": bool}, ...]``."""
+    first = next((i for i, (_, qualname, _) in enumerate(calls) if qualname == start), None)
+    if first is None:
+        raise RuntimeError(f"no call of {start} in the router's request window")
+    out: list[dict] = []
+    for path, qualname, _ in calls[first:]:
+        if out and out[-1]["file"] == path:
+            out[-1]["functions"].append(qualname)
+        else:
+            out.append({"file": path, "functions": [qualname], "revisit": any(s["file"] == path for s in out)})
+    return out
 
 
 def report(result: dict, show_list: bool) -> None:
@@ -243,6 +302,8 @@ def report(result: dict, show_list: bool) -> None:
         files = {f[0] for f in r["functions"]}
         print(f"  {role:<8} (pid {r['pid']}): {len(files)} files, {len(r['functions'])} functions"
               f"  (also run while idle, left out: {len(r['also_idle'])}; run while idle: {r['idle']})")
+    if result.get("stays") is not None:
+        report_stays(result["stays"])
     if not show_list:
         return
     by_role = {role: set(r["functions"]) for role, r in result["roles"].items()}
@@ -252,6 +313,18 @@ def report(result: dict, show_list: bool) -> None:
         for f in funcs:
             where = ",".join(role for role, fs in by_role.items() if f in fs)
             print(f"    {f[1]}:{f[2]}  [{where}]")
+
+
+def report_stays(walked: list[dict]) -> None:
+    files = {s["file"] for s in walked}
+    again = [s for s in walked if s["revisit"]]
+    print(f"  router stays: {len(files)} files, {len(walked)} stays, {len(again)} revisits")
+    for k, s in enumerate(walked, 1):
+        mark = " (revisit)" if s["revisit"] else ""
+        print(f"    {k:>3} {s['file']}{mark}: {', '.join(s['functions'])}")
+    by_file = {f: sum(s["file"] == f for s in again) for f in files}
+    print("  revisits by file: " + (", ".join(f"{f} {n}" for f, n in sorted(by_file.items(), key=lambda kv: -kv[1])
+                                              if n) or "none"))
 
 
 def run(args: argparse.Namespace, work: Path) -> dict:
@@ -264,21 +337,28 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     env = walk_env(hooks, tree)
     prefix = package_prefix(env, tree, work)
     env.update(EPDSERVE_WALK_DIR=str(counts), EPDSERVE_WALK_PREFIX=prefix)
+    if args.stays:
+        env["EPDSERVE_WALK_ORDER"] = "serve"  # the router's process (see role_of)
     log_path = (args.output or work) / "serve.log"
-    proc, url = start_serve(env, work, log_path, args.startup_timeout)
+    proc, url = start_serve(env, work, log_path, args.startup_timeout, args.serve_args)
     try:
         model = http_json(url + "/v1/models")["data"][0]["id"]
         if args.warmup:
-            chat(url, model, WARMUP_PROMPT)
+            chat(url, model, WARMUP_PROMPT, args.stream, args.body)
         time.sleep(args.settle)
         pids = deployment_pids(proc.pid)
         if sorted(pids.values()) != sorted(ROLES):
             raise RuntimeError(f"expected one router, prefill and decode process, found {pids}")
-        snaps, took = measure(counts, url, model, pids, args.window)
+        snaps, took = measure(counts, url, model, pids, args)
     finally:
         stop_serve(proc)
     result = walk(snaps, pids, prefix)
-    result.update(tree=str(tree or Path(prefix).parent), window_s=args.window, request_s=took, warmup=args.warmup)
+    result.update(tree=str(tree or Path(prefix).parent), window_s=args.window, request_s=took, warmup=args.warmup,
+                  stream=args.stream, body=args.body)
+    if args.stays:
+        router = next(pid for pid, role in pids.items() if role == "router")
+        result["router_calls"] = request_calls(snaps, router, prefix)
+        result["stays"] = stays(result["router_calls"], args.stays_from)
     return result
 
 

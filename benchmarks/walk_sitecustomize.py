@@ -13,17 +13,29 @@ set; otherwise it only hands over to the next ``sitecustomize`` on the path, if 
 * Writing: a daemon thread polls for ``<dir>/snap-<k>`` (k = 0, 1, ...) and, once it
   appears, writes ``<dir>/<pid>-<k>.json``: ``{"argv": ..., "counts": {"FILE\\tQUALNAME\\tLINE":
   calls}}`` (written to a temporary name, then renamed).
+* Order (only in a process whose argv holds the word in ``EPDSERVE_WALK_ORDER``): the
+  snapshot also has ``"order": [[context, "FILE\\tQUALNAME\\tLINE"], ...]``, each function's
+  first call in each context since the last snapshot, in call order; a context is the
+  running asyncio task's name, else the thread's name.
 """
 
 import os
 import sys
 
 
-def _install(directory: str, prefix: str) -> None:
+def _install(directory: str, prefix: str, ordered: bool) -> None:
     import threading
 
     counts: dict[int, int] = {}   # id(code) -> calls
     codes: dict[int, object] = {}  # id(code) -> code, kept alive so that its id stays its own
+    order: list = [[], set()]  # [(context, id(code)) first calls, their set]; swapped by the writer
+    if ordered:
+        import asyncio
+
+    def context() -> str:
+        loop = asyncio._get_running_loop()
+        task = asyncio.current_task(loop) if loop is not None else None
+        return task.get_name() if task is not None else threading.current_thread().name
 
     def profile(frame, event, arg):
         if event != "call":
@@ -37,14 +49,19 @@ def _install(directory: str, prefix: str) -> None:
             codes[key] = code
             n = 0
         counts[key] = n + 1
+        if ordered:
+            seen = (context(), key)
+            if seen not in order[1]:
+                order[1].add(seen)
+                order[0].append(seen)
 
     # The writer starts before the hooks, so its own polling is never profiled.
-    threading.Thread(target=_writer, args=(directory, counts, codes), name="walk-writer", daemon=True).start()
+    threading.Thread(target=_writer, args=(directory, counts, codes, order), name="walk-writer", daemon=True).start()
     sys.setprofile(profile)
     threading.setprofile(profile)
 
 
-def _writer(directory: str, counts: dict, codes: dict) -> None:
+def _writer(directory: str, counts: dict, codes: dict, order: list) -> None:
     import json
     import time
 
@@ -54,12 +71,14 @@ def _writer(directory: str, counts: dict, codes: dict) -> None:
             time.sleep(0.05)
             continue
         now = dict(counts)  # one C-level copy: atomic under the GIL
+        firsts, order[:] = order[0], [[], set()]
         known = dict(codes)
-        table = {f"{c.co_filename}\t{c.co_qualname}\t{c.co_firstlineno}": n
-                 for key, n in now.items() if (c := known.get(key)) is not None}
+        name = {key: f"{c.co_filename}\t{c.co_qualname}\t{c.co_firstlineno}" for key, c in known.items()}
+        table = {name[key]: n for key, n in now.items() if key in name}
         path = os.path.join(directory, f"{os.getpid()}-{k}.json")
         with open(path + ".tmp", "w") as f:
-            json.dump({"argv": sys.orig_argv, "counts": table}, f)
+            json.dump({"argv": sys.orig_argv, "counts": table,
+                       "order": [[ctx, name[key]] for ctx, key in firsts if key in name]}, f)
         os.replace(path + ".tmp", path)
         k += 1
 
@@ -89,4 +108,5 @@ def _chain() -> None:
 
 _chain()
 if os.environ.get("EPDSERVE_WALK_DIR") and os.environ.get("EPDSERVE_WALK_PREFIX"):
-    _install(os.environ["EPDSERVE_WALK_DIR"], os.environ["EPDSERVE_WALK_PREFIX"])
+    _install(os.environ["EPDSERVE_WALK_DIR"], os.environ["EPDSERVE_WALK_PREFIX"],
+             os.environ.get("EPDSERVE_WALK_ORDER", "\0") in sys.orig_argv)

@@ -13,7 +13,8 @@ from epdserve.engine.prefix_cache import hash_block
 from epdserve.serving import protocol as P
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.router.app import add_router_options
-from epdserve.serving.router.flows import FlowConfig, new_flow
+from epdserve.serving.router.flows import FlowConfig
+from epdserve.serving.router.paths import new_flow
 from epdserve.serving.router.prefix_index import (BALANCE_ABS_THRESHOLD, PrefixAware, PromptBlocks, WorkerIndex,
                                                   make_policy)
 from epdserve.serving.router.registry import Compat, Registry

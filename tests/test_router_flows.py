@@ -12,8 +12,9 @@ import pytest
 
 from epdserve.serving import protocol as P
 from epdserve.serving.router.events import Tick, WorkerFailed
-from epdserve.serving.router.flows import (DisaggregatedFlow, EncodeFlow, FlowConfig, LocalPrefillFlow,
-                                           SingleWorkerFlow, new_flow)
+from epdserve.serving.router.epd_flow import EncodeFlow
+from epdserve.serving.router.flows import DisaggregatedFlow, FlowConfig, LocalPrefillFlow, SingleWorkerFlow
+from epdserve.serving.router.paths import new_flow
 from epdserve.serving.router.registry import RESET_RETRY_S, TAKEOVER_SILENCE_S, Compat, Registry
 from epdserve.serving.api.errors import APIError
 

@@ -17,11 +17,10 @@ from conftest import _stop, start_deployment
 from epdserve.model.tokenizer import chat_prompt_text, load_tokenizer, template_renders_tools
 from epdserve.serving.api.logprobs import LogprobsFormatter
 from epdserve.serving.api.openai import ChatCompletionRequest
-from epdserve.serving.router.choices import Choice
-from epdserve.serving.router.routes import chat_chunks
+from epdserve.serving.api.responses import StreamFramer
 from epdserve.serving.api.errors import APIError
 from epdserve.serving.api.tool_calls import NamedToolChoice, ToolDef, ToolPlan, ToolSettings, plan_tools, tool_chars
-from epdserve.serving.api.tool_parsers import NamedOutput
+from epdserve.serving.api.tool_parsers import NamedOutput, chat_deltas
 
 pytestmark = pytest.mark.api
 
@@ -152,11 +151,14 @@ def test_streamed_chunks_keep_the_logprobs_of_held_text():
     """While the parser holds text back (a possible call), its tokens' logprobs wait and
     come with the next chunk: every token's entry is sent once, in order; the last chunk
     carries finish_reason "tool_calls"."""
-    choice = Choice(0, None, None, LogprobsFormatter("chat", str), tools=AUTO.output())
+    tools, logprobs, framer = AUTO.output(), LogprobsFormatter("chat", str), StreamFramer("chatcmpl-1", "m", "chat",
+                                                                                          False, False)
+    framer.announced.add(0)  # no role chunk
     pieces = ["Hi ", "<tool", "_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>", ""]
-    chunks = [c for k, p in enumerate(pieces)
-              for c in chat_chunks("chatcmpl-1", "m", 0, choice, p, "stop" if k == len(pieces) - 1 else None,
-                                   [(k, -0.5, [])], False)]
+    steps = [chat_deltas(tools, p, "stop" if k == len(pieces) - 1 else None, [(k, -0.5, [])])
+             for k, p in enumerate(pieces)]
+    chunks = [json.loads(e.removeprefix("data: ")) for step in steps if step is not None
+              for e in framer.chat(0, step[0], step[1], logprobs(step[2]), None)]
     sent = [e["token"] for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
     assert sent == [str(k) for k in range(len(pieces))]
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"

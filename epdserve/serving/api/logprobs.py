@@ -1,9 +1,5 @@
-"""Log-probabilities in OpenAI's and vLLM's response shapes: those of generated tokens
-(chat ``logprobs.content``, completions' legacy ``logprobs`` object, also carrying an
-echoed prompt's), and vLLM's ``prompt_logprobs``.
-
-Logprobs are clamped at -9999.0 (vLLM) so that the JSON never holds -inf.
-"""
+"""Log-probabilities in OpenAI's and vLLM's response shapes, clamped at -9999.0 (vLLM: the
+JSON never holds -inf)."""
 
 from __future__ import annotations
 
@@ -18,17 +14,11 @@ def _clamp(logprob: float) -> float:
 
 
 class LogprobsFormatter:
-    """OpenAI ``logprobs`` objects of one choice, built chunk after chunk from
-    :data:`Entry` lists.
-
-    ``kind`` "chat": ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
-    "logprob", "bytes"}]}]}``, ``bytes`` being the token text's UTF-8 bytes. Otherwise
-    OpenAI's legacy completions object: ``{"tokens", "token_logprobs", "top_logprobs":
-    [{token: logprob}] (the top alternatives plus the chosen token, so up to logprobs + 1),
-    "text_offset"}``, offsets (characters) counted from the choice's start across chunks,
-    as vLLM does; an echoed prompt's first token has ``null`` logprob and top logprobs
-    (OpenAI, vLLM). ``token_text(id)`` gives a token's text.
-    """
+    """One choice's OpenAI ``logprobs`` objects, chunk after chunk. ``kind`` "chat":
+    ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``; else the legacy
+    ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}] (top + chosen),
+    "text_offset"}``, offsets in characters from the choice's start (vLLM); an echoed
+    prompt's first token has null logprobs."""
 
     def __init__(self, kind: str, token_text: Callable[[int], str]):
         self.kind = kind
@@ -54,6 +44,14 @@ class LogprobsFormatter:
                 "top_logprobs": [None if lp is None else {**{text(i): _clamp(v) for i, v in top}, tok: _clamp(lp)}
                                  for tok, (_, lp, top) in zip(tokens, entries)],
                 "text_offset": offsets}
+
+
+def token_texts(tokenizer, as_token_ids: bool = False) -> Callable[[int], str]:
+    """A token's text as logprobs show it: decoded alone (as vLLM), or as vLLM's
+    ``return_tokens_as_token_ids`` names it, ``token_id:<id>``."""
+    if as_token_ids:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: tokenizer.decode([token_id])
 
 
 def prompt_entries(prompt_ids: list[int], prompt_logprobs: list | None) -> list[Entry]:

@@ -1,41 +1,17 @@
-"""The OpenAI HTTP API as epdserve speaks it: request models, response builders, errors.
+"""The OpenAI API's requests as epdserve takes them: ``/v1/chat/completions`` and
+``/v1/completions`` (a prompt, token ids, or a batch of up to :data:`MAX_PROMPTS`), with
+OpenAI's and vLLM's sampling fields, structured output (:mod:`.structured_output`) and
+tools (:mod:`.tool_calls`); other fields: :mod:`.fields`; the answers: :mod:`.responses`.
 
-Only what the router serves: ``/v1/chat/completions`` (text messages) and
-``/v1/completions`` (a string prompt, a list of token ids, or a batch of up to
-:data:`MAX_PROMPTS` of either), with ``n`` choices (1 to :data:`MAX_N`) out of ``best_of``,
-``logprobs`` (completions: an int; chat: ``logprobs`` + ``top_logprobs``; at most
-:data:`~epdserve.engine.request.MAX_LOGPROBS`, as vLLM), ``echo`` and vLLM's
-``prompt_logprobs``, OpenAI's penalties and vLLM's extensions ``top_k``,
-``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
-``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``return_tokens_as_token_ids``,
-``add_special_tokens`` and (chat) ``add_generation_prompt``, ``continue_final_message``,
-``chat_template_kwargs``; ``logit_bias`` (OpenAI) and ``min_p`` (vLLM); structured output:
-OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guided_json`` /
-``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and ``structured_outputs`` (one
-constraint per request; see ``epdserve/serving/api/structured_output.py``); tools (chat: see
-``epdserve/serving/api/tool_calls.py``). Other fields: see :mod:`epdserve.serving.api.fields`
-(accepted without effect, refused with a 400 naming them, or logged as unknown).
-
-Every per-request cost has a bound, so that one request cannot hold the router: at most
-:data:`MAX_STOP_STRINGS` stop strings of :data:`MAX_STOP_CHARS` characters (SGLang bounds
-them too; OpenAI allows 4), :data:`MAX_MESSAGES` messages, ``n`` up to :data:`MAX_N` and
-``best_of`` no more than ``n``; integers that travel to the workers fit the engine's types
-(``seed`` in int64, as OpenAI and vLLM; ``top_k`` and ``stop_token_ids`` in int32). Text
-must be valid Unicode: a lone surrogate (JSON ``"\\ud800"``) is a 400, not a tokenizer crash.
-
-Errors have OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, also as
-the one ``data:`` event of a stream that fails after it started; ``code`` is a string as
-OpenAI sends it (``context_length_exceeded``, ``model_not_found``,
-``unsupported_parameter``, ...) or null, never the HTTP status. Every malformed request
-(bad JSON, failed validation, prompt too long) is an HTTP **400** with type
-``invalid_request_error``; an unknown model is a **404** with code ``model_not_found``, as
-OpenAI and vLLM answer it.
+Every per-request cost has a bound; integers that travel to the workers fit the engine's
+types (``seed`` int64, ``top_k`` and ``stop_token_ids`` int32); text must be valid Unicode
+(a lone surrogate is a 400, not a tokenizer crash). A malformed request is a 400
+``invalid_request_error`` with OpenAI's error body (:mod:`.errors`).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -56,8 +32,6 @@ MAX_SEQUENCES = 1024  # engine requests of one HTTP request: prompts x best_of
 MAX_TEMPLATE_KWARGS_CHARS = 16384  # chat_template_kwargs, as JSON
 INT32_MAX = 2**31 - 1
 INT64 = (-2**63, 2**63 - 1)
-# ---------------------------------------------------------------------------- requests
-
 class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -127,7 +101,6 @@ class ChatMessage(ToolMessageFields, _Req):
 
     @property
     def text_chars(self) -> int:
-        """Characters of the message's text (its string, or its text parts)."""
         if isinstance(self.content, list):
             return sum(len(part.text) for part in self.content if isinstance(part, TextPart))
         return len(self.content or "")
@@ -141,9 +114,7 @@ class ChatMessage(ToolMessageFields, _Req):
         (image parts have no text: they are laid out by ``ImagePrompter``)."""
         content = self.content
         if isinstance(content, list):
-            # Only text parts: the router's length check calls this on every chat request,
-            # and an image part here (no .text) was an AttributeError, a 500 for any image
-            # (fuzz: a text part plus an image_url part to the text model).
+            # Only text parts: an image part has no .text (the length check calls this on every chat).
             content = "\n".join(part.text for part in content if isinstance(part, TextPart))
         out = {"role": self.role, "content": content or ""}
         if self.name is not None:
@@ -152,14 +123,8 @@ class ChatMessage(ToolMessageFields, _Req):
 
 
 class _SamplingFields(GuidedFields, _Request):
-    """Fields shared by chat and completions. ``max_tokens`` None = the endpoint's default.
-    ``best_of`` (default ``n``) choices are generated per prompt and the ``n`` with the
-    highest mean token logprob returned (OpenAI); ``echo`` (completions: the prompt before
-    the completion; chat: the last message's text before the answer when it is the
-    assistant's, as vLLM); ``prompt_logprobs`` (vLLM): the prompt tokens' logprobs with
-    the top k (not with ``stream``, as vLLM); ``truncate_prompt_tokens`` (vLLM): keep the
-    prompt's last k tokens; ``return_tokens_as_token_ids`` (vLLM): logprobs name tokens
-    ``token_id:<id>``."""
+    """Chat's and completions' fields. ``max_tokens`` None: the endpoint's default; ``echo``
+    (chat, vLLM): the last message's text before the answer when it is the assistant's."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -242,12 +207,10 @@ class _SamplingFields(GuidedFields, _Request):
 
     @property
     def continuous_usage(self) -> bool:
-        """Usage on every chunk (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
         return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def candidates(self) -> int:
-        """Choices generated per prompt: ``best_of``, else ``n``."""
         return self.best_of or self.n
 
     @property
@@ -343,7 +306,6 @@ class CompletionRequest(_SamplingFields):
 
     @property
     def prompts(self) -> list[str | list[int]]:
-        """The request's prompts: one, or the batch's."""
         p = self.prompt
         return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
@@ -364,84 +326,3 @@ class CompletionRequest(_SamplingFields):
         """OpenAI's legacy default for completions is 16 tokens."""
         return 16 if self.max_tokens is None else self.max_tokens
 
-
-# --------------------------------------------------------------------------- responses
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens served
-    from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
-                message: dict | None = None) -> dict:
-    """A chat choice: ``message`` if given (with tool calls: see tool_parsers.ToolOutput), else ``text``'s."""
-    return {"index": index, "message": message or {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def chat_completion(request_id: str, model: str, created: int, choices: list[dict],
-                    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """A whole ``chat.completion`` object; ``choices`` from :func:`chat_choice`;
-    ``completion_tokens`` summed over the choices (OpenAI)."""
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
-
-
-def _chunk(request_id: str, model: str, created: int, obj: str, content: dict,
-           finish_reason: str | None, include_usage: bool, index: int, logprobs: dict | None) -> dict:
-    # usage is null on every chunk when the client asked for it (OpenAI's shape); the
-    # numbers come in usage_chunk at the end.
-    chunk = {"id": request_id, "object": obj, "created": created, "model": model,
-             "choices": [{"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}]}
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def chat_chunk(request_id: str, model: str, created: int, delta: dict,
-               finish_reason: str | None = None, include_usage: bool = False,
-               index: int = 0, logprobs: dict | None = None) -> dict:
-    """One ``chat.completion.chunk`` carrying ``delta`` for choice ``index``."""
-    return _chunk(request_id, model, created, "chat.completion.chunk", {"delta": delta},
-                  finish_reason, include_usage, index, logprobs)
-
-
-def text_completion(request_id: str, model: str, created: int, choices: list[dict],
-                    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """A whole ``text_completion`` object; ``choices`` from :func:`completion_choice`."""
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
-
-
-def completion_chunk(request_id: str, model: str, created: int, text: str,
-                     finish_reason: str | None = None, include_usage: bool = False,
-                     index: int = 0, logprobs: dict | None = None) -> dict:
-    """One streamed ``text_completion`` chunk carrying ``text`` for choice ``index``."""
-    return _chunk(request_id, model, created, "text_completion", {"text": text},
-                  finish_reason, include_usage, index, logprobs)
-
-
-def usage_chunk(request_id: str, model: str, created: int, obj: str,
-                prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
-
-
-def sse(obj: Any) -> str:
-    """One server-sent event: ``data: <json>`` and a blank line."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def now_s() -> int:
-    return int(time.time())

@@ -1,20 +1,14 @@
-"""Tool calls out of a choice's text: OpenAI chat ``delta`` dicts, streamed or merged.
-
-Each parser (:class:`HermesOutput` for "auto", :class:`RequiredOutput`,
-:class:`NamedOutput`; :meth:`epdserve.serving.api.tool_calls.ToolPlan.output` picks one) turns
-the text, piece by piece, into ``{"content"}`` and ``{"tool_calls": [{"index", ...}]}``
-deltas and a final ``finish_reason`` ("tool_calls" when the model chose to call and
-stopped by itself); a non-streamed message is those deltas merged
-(:meth:`ToolOutput.message`), so both always agree. A call streams as OpenAI streams one:
-a first delta with ``id`` (``call_`` + 24 characters), ``type`` and ``function.name``,
-then ``function.arguments`` pieces.
-"""
+"""Tool calls out of a choice's text, the answer's stage after the choice: OpenAI chat
+``delta`` dicts, streamed (:func:`chat_deltas`) or merged into a message
+(:meth:`ToolOutput.message`), so both agree. A call streams as OpenAI streams one: a delta
+with ``id`` (``call_`` + 24 characters), ``type`` and ``function.name``, then its
+``function.arguments``."""
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import jsonschema
@@ -37,29 +31,49 @@ def conforms(value, schema: dict) -> bool:
 
 
 def new_call_id() -> str:
-    """A tool call id in OpenAI's form, ``call_`` and 24 characters."""
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _call_deltas(index: int, name: str, arguments: str) -> list[dict]:
-    """A whole call as stream deltas: the first names it (id, type, name), the next
-    carries the arguments, as OpenAI streams them."""
     head = {"index": index, "id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
     return [{"tool_calls": [head]}, {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]}]
 
 
+def chat_deltas(tools: ToolOutput | None, text: str, finish: str | None,
+                entries: list) -> tuple[list[dict], str | None, list] | None:
+    """A streamed chat choice's new ``text`` as ``(deltas, finish reason, logprob entries)``:
+    one content delta without ``tools``, else see :meth:`ToolOutput.stream`."""
+    if tools is None:
+        return ([{"content": text}] if text else []), finish, entries
+    return tools.stream(text, finish, entries)
+
+
+@dataclass
 class ToolOutput:
-    """One choice's output to OpenAI deltas: :meth:`feed` each new piece of text,
-    :meth:`finish` once with the engine's finish reason."""
+    """One choice's parser (:meth:`~epdserve.serving.api.tool_calls.ToolPlan.output` picks it):
+    :meth:`feed` each piece of text, :meth:`finish` once."""
 
     calls = 0
+    held_entries: list = field(default_factory=list, kw_only=True)  # logprobs of text held back
+
+    def stream(self, text: str, finish: str | None, entries: list) -> tuple[list[dict], str | None, list] | None:
+        """``(deltas, finish reason, logprob entries)`` of a streamed piece; None while the
+        text is held back, its ``entries`` then waiting for the next piece's."""
+        deltas = self.feed(text)
+        if finish is not None:
+            more, finish = self.finish(finish)
+            deltas += more
+        if not deltas and finish is None:
+            self.held_entries += entries
+            return None
+        entries, self.held_entries = self.held_entries + entries, []
+        return deltas, finish, entries
 
     def feed(self, text: str) -> list[dict]:
-        """Deltas for the new ``text`` (possibly none: text held until it is understood)."""
+        """Possibly none: text held until it is understood."""
         raise NotImplementedError
 
     def flush(self) -> list[dict]:
-        """Deltas for what is still held when the output has ended."""
         return []
 
     def finish(self, reason: str) -> tuple[list[dict], str]:
@@ -92,14 +106,11 @@ class ToolOutput:
 class HermesOutput(ToolOutput):
     """Hermes tool calls in free text (``tool_choice`` "auto", vLLM's ``hermes`` parser).
 
-    Text outside ``<tool_call>...</tool_call>`` is content, streamed as it comes, but never
-    any part of the markers (a piece that may begin one is held until it is clear);
-    whitespace next to a call is dropped. A block is held until it closes (or the output
-    ends, as vLLM takes an unclosed last block too) and becomes a call when it is a JSON
-    object with a ``name`` among the tools and an object ``arguments`` (for a ``strict``
-    tool, arguments valid against its parameters); any other block stays content, markers
-    and all, as vLLM leaves what it cannot parse. With ``parallel_tool_calls`` false, calls
-    after the first are dropped.
+    Text outside the markers is content (a piece that may begin one is held); whitespace
+    next to a call is dropped. A block (closed, or the output's last) is a call when it is a
+    JSON object with a tool's ``name`` and an object ``arguments`` (``strict``: valid against
+    its parameters), else content, markers and all (vLLM). Without ``parallel_tool_calls``,
+    calls after the first are dropped.
     """
 
     functions: dict[str, FunctionDef]  # the request's tools, by name

@@ -1,26 +1,12 @@
-"""The OpenAI front: from a request body to prompt ids, images, sampling settings and flows,
-and from the flows' tokens back to text.
-
-Preprocessing (chat template, tokenization, reading and decoding images) runs on a thread
-pool of its own, never on the event loop. A chat request with images (served by a
-vision-language model) is laid out here: the images are checked and decoded
-(:func:`~epdserve.serving.api.multimodal.parse_chat_images`), each ``<image>`` placeholder
-expanded to its tile tokens, and the image bytes travel to the worker that encodes them.
-A request runs as one flow per choice generated: ``best_of`` (default ``n``) per prompt, for
-each prompt of a completions batch (ids ``<id>-<i>``, one trace line each); their texts are
-merged (:func:`~epdserve.serving.router.choices.merged`). With ``best_of`` over ``n``, the
-``n`` choices of a prompt with the highest mean token logprob are answered
-(:func:`~epdserve.serving.router.choices.best_choices`). A structured-output constraint is
-checked by :mod:`~epdserve.serving.router.grammar_check`.
-"""
+"""The OpenAI front: a request body to prompt ids, images, sampling settings and one
+flow per choice generated (``best_of``, default ``n``, per prompt; ids ``<id>-<i>`` when
+there are several). Preprocessing runs on a thread pool of its own, never on the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import inspect
-import json
-import logging
 from dataclasses import dataclass, field
 
 import pydantic
@@ -31,36 +17,31 @@ from epdserve.model.tokenizer import chat_prompt_ids
 from epdserve.serving.api import fields
 from epdserve.serving.api import openai as api
 from epdserve.serving import protocol as P
-from epdserve.serving.api.logprobs import LogprobsFormatter
+from epdserve.serving.api.logprobs import LogprobsFormatter, token_texts
 from epdserve.serving.api.detokenizer import TextStream
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.api.multimodal import ImagePrompter
 from epdserve.serving.api.tool_calls import ToolPlan, ToolSettings, plan_tools, tool_chars
 from epdserve.serving.router.choices import Choice
-from epdserve.serving.router.flows import Flow, FlowConfig, new_flow
+from epdserve.serving.router.flows import FlowConfig
 from epdserve.serving.router.grammar_check import GrammarCheck
+from epdserve.serving.router.paths import new_flow
 from epdserve.serving.router.registry import Registry
+from epdserve.serving.router.request_log import RequestLog
 from epdserve.serving.api.errors import APIError
 
-log = logging.getLogger("epdserve.router")
-
-# Tokenizers and Pillow release the GIL while they work, so these threads keep requests'
-# preprocessing going beside the event loop. Four, not two (the cores): a request with big
-# images may wait in its thread for the process-wide decode budget (multimodal.py), and
-# text requests must not queue behind it. The queue bound caps the request bodies held
-# waiting for the threads.
+# Tokenizers and Pillow release the GIL. Four, not two (the cores): a request with big
+# images may wait for the process-wide decode budget, and text must not queue behind it.
 PREPROCESS_THREADS = 4
 MAX_PREPROCESS_QUEUE = 256
-# Names chat_template_kwargs may not use: the renderer's own (transformers passes its
-# special tokens to the template too); the arguments of apply_chat_template are added.
+# The renderer's own names, not for chat_template_kwargs (nor apply_chat_template's arguments).
 TEMPLATE_NAMES = {"messages", "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                   "mask_token", "additional_special_tokens"}
 
 
 @dataclass
 class Prompt:
-    """One prompt of a request: its token ids, images (with their bytes) and, with
-    ``echo``, the text echoed before its choices' output."""
+    """``images``: with their bytes; ``echo``: text put before its choices' output."""
 
     ids: list[int]
     images: list[P.ImageRef] = field(default_factory=list)
@@ -68,13 +49,8 @@ class Prompt:
 
 
 def sampling_params(body, max_tokens: int, i: int, guided: GuidedSpec | None = None) -> P.SamplingParams:
-    """Choice ``i``'s sampling settings, ``guided`` its structured-output constraint (see
-    :meth:`Front.guided_spec`). As vLLM's parallel sampling, choice i of a
-    seeded request draws with seed + i (wrapped into int64), so choices differ but repeat.
-
-    Raises:
-        APIError: 400, a value the engine refuses (its message names the field).
-    """
+    """Choice ``i`` of a seeded request draws with seed + i, wrapped into int64 (vLLM).
+    Raises APIError 400: a value the engine refuses (naming the field)."""
     seed = None if body.seed is None else (body.seed + i + 2**63) % 2**64 - 2**63
     try:
         return P.SamplingParams(
@@ -90,10 +66,8 @@ def sampling_params(body, max_tokens: int, i: int, guided: GuidedSpec | None = N
 
 
 class Front:
-    """Requests in, flows out. ``model``: a :class:`~epdserve.model.loader.ModelInfo`;
-    ``images``: the model's :class:`ImagePrompter` (None: a text model, images get 400);
-    ``trace_file``: where each finished request's trace line is appended (None: nowhere);
-    ``tools``: the tool-calling options (``--enable-auto-tool-choice``, the template's format)."""
+    """``model``: a ModelInfo; ``images``: None for a text model (images get 400);
+    ``trace_file``: None, no trace lines."""
 
     def __init__(self, model, tokenizer, registry: Registry, config: FlowConfig, *,
                  images: ImagePrompter | None = None, metrics: RouterMetrics | None = None,
@@ -101,15 +75,16 @@ class Front:
                  sampling_defaults: dict | None = None):
         self.model = model
         self.tools = tools
-        self.sampling_defaults = sampling_defaults or {}  # see with_defaults
+        self.sampling_defaults = sampling_defaults or {}
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.registry = registry
         self.config = config
         self.images = images
         self.metrics = metrics or registry.metrics
-        self.trace_file = trace_file
-        self.max_token_chars = max(map(len, tokenizer.get_vocab()))  # see check_text_length
+        self.request_log = RequestLog(self.metrics, trace_file)
+        self.token_text = token_texts(tokenizer)
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()))
         self.template_names = (TEMPLATE_NAMES | set(tokenizer.special_tokens_map) |
                                set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"})
         self._preprocess = concurrent.futures.ThreadPoolExecutor(PREPROCESS_THREADS,
@@ -118,27 +93,18 @@ class Front:
         self.grammars = GrammarCheck(tokenizer)
 
     def close(self) -> None:
-        """Drop the preprocessing queue (requests waiting there get cancelled)."""
         self._preprocess.shutdown(wait=False, cancel_futures=True)
         self.grammars.close()
 
-    # -- checks
     def check_model(self, model: str | None) -> None:
-        """Check that a request's ``model`` (None: any) names the served one (one of
-        ``--served-model-name``'s names; without it, the model's name, file or directory).
-
-        Raises:
-            APIError: 404 ``model_not_found``, OpenAI's status and code.
-        """
+        """Raises APIError 404 ``model_not_found`` (OpenAI's) unless None or a served name."""
         if model is not None and not self.model.accepts(model):
             raise APIError(f"The model `{model}` does not exist (this server serves "
                                f"`{self.model.name}`).", status=404, param="model", code="model_not_found")
 
     def with_defaults(self, body):
-        """``body`` with ``sampling_defaults`` (``--generation-config``) in the fields it
-        did not set (pydantic's ``model_fields_set``: a value the client sent, even the
-        field's own default, is kept); ``max_tokens`` is not filled in where a chat
-        request set ``max_completion_tokens``."""
+        """``--generation-config``'s values in the fields the client did not send
+        (``model_fields_set``); no ``max_tokens`` beside ``max_completion_tokens``."""
         unset = {k: v for k, v in self.sampling_defaults.items() if k not in body.model_fields_set
                  and k in type(body).model_fields}
         if "max_completion_tokens" in body.model_fields_set:
@@ -146,15 +112,9 @@ class Front:
         return body.model_copy(update=unset) if unset else body
 
     def check_text_length(self, body) -> None:
-        """Refuse, without tokenizing it, a prompt whose text alone is too long: no token
-        covers more than ``max_token_chars`` characters (the longest vocabulary entry; a
-        byte-level entry's characters are bytes, and a character is at least one byte), so
-        N characters are at least N / max_token_chars tokens. Assumes the chat template
-        keeps every message's text, as templates do.
-
-        Raises:
-            APIError: 400 ``context_length_exceeded`` when that bound is over ``max_model_len``.
-        """
+        """Before tokenizing: N characters are at least N / ``max_token_chars`` tokens (the
+        longest vocabulary entry), the template keeping every message's text. Raises
+        APIError 400 ``context_length_exceeded`` when that is over ``max_model_len``."""
         if isinstance(body, api.ChatCompletionRequest):
             lengths, param = [sum(m.text_chars for m in body.messages) + tool_chars(body)], "messages"
         else:  # token ids: max_tokens() checks their number
@@ -169,17 +129,12 @@ class Front:
                                "the length of the input.", param=param, code="context_length_exceeded")
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        """Raises APIError 400 naming ``param`` if a token id is outside the vocabulary."""
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(f"{param}: token id {bad} is out of range [0, {self.vocab_size})", param=param)
 
     def max_tokens(self, body, n_prompt: int) -> int:
-        """``max_tokens`` checked against the context window (default: what is left of it).
-
-        Raises:
-            APIError: 400 when the prompt plus max_tokens exceed ``max_model_len``.
-        """
+        """Default: what is left of the context window. Raises APIError 400 past it."""
         limit = self.model.max_model_len
         requested = body.requested_max_tokens()
         if requested is None:
@@ -195,21 +150,13 @@ class Front:
                                f"prompt or completion.", param="max_tokens", code="context_length_exceeded")
         return requested
 
-    # -- prompts
     async def prompts(self, body) -> list[Prompt]:
-        """The prompts of a chat request (one) or a completion request (one or a batch).
-
-        The work runs on :data:`PREPROCESS_THREADS` threads of its own, never on the event
-        loop: a 10 MB prompt takes seconds to tokenize, and the loop also streams every
-        other request's tokens and reads the workers' heartbeats. At most
-        :data:`MAX_PREPROCESS_QUEUE` requests wait for those threads; more get 503. A text
-        too long for the context window by its length alone is refused before any of it
-        (:meth:`check_text_length`).
+        """One for chat, one or a batch for completions; off the event loop (a 10 MB
+        prompt takes seconds), at most :data:`MAX_PREPROCESS_QUEUE` waiting.
 
         Raises:
-            APIError: 400, as :meth:`prompt_ids`, images sent to a text model, or bad images
-                (see :func:`~epdserve.serving.api.multimodal.parse_chat_images`); 503 when the
-                preprocessing queue is full.
+            APIError: 400, as :meth:`prompt_ids`, images to a text model, bad images; 503,
+                the queue is full.
         """
         self.check_text_length(body)
         if self._preprocess_queued >= MAX_PREPROCESS_QUEUE:
@@ -241,13 +188,8 @@ class Front:
         return [Prompt(self.truncated(body, ids), images, echo)]
 
     def prompt_ids(self, body, prompt: str | list[int] | None = None) -> list[int]:
-        """Token ids of a chat request without images, or of ``prompt``, one prompt of a
-        completion request; truncated to the last ``truncate_prompt_tokens``.
-
-        Raises:
-            APIError: 400, empty prompt, bad token ids, a chat template failure or
-                ``chat_template_kwargs`` that use the renderer's own names.
-        """
+        """Of a chat request without images, or of one completion ``prompt``. Raises APIError
+        400: empty, bad token ids, the template failed or ``chat_template_kwargs`` clash."""
         if isinstance(body, api.ChatCompletionRequest):
             plan = self.tool_plan(body)
             try:
@@ -268,16 +210,11 @@ class Front:
 
     @staticmethod
     def truncated(body, ids: list[int]) -> list[int]:
-        """``ids`` cut to their last ``truncate_prompt_tokens`` (vLLM's left truncation)."""
+        """vLLM's left truncation."""
         return ids if body.truncate_prompt_tokens is None else ids[-body.truncate_prompt_tokens:]
 
     def template_options(self, body: api.ChatCompletionRequest, plan: ToolPlan | None = None) -> dict:
-        """The chat template's arguments and variables of ``body`` (with ``plan``: its tools).
-
-        Raises:
-            APIError: 400, ``chat_template_kwargs`` naming an argument or variable of the
-                renderer itself (``add_generation_prompt``, ``tools``, ``bos_token``, ...).
-        """
+        """Raises APIError 400: ``chat_template_kwargs`` naming one of the renderer's own."""
         extra = body.chat_template_kwargs or {}
         clash = sorted(set(extra) & self.template_names)
         if clash:
@@ -291,12 +228,8 @@ class Front:
         return options
 
     def tool_plan(self, body) -> ToolPlan | None:
-        """How a chat request uses its tools (see :func:`plan_tools`); None: it has none.
-
-        Raises:
-            APIError: 400, as :func:`plan_tools`; tool calls or results in ``messages`` while
-                the chat template has no tool format; tools with a vision-language model.
-        """
+        """None: no tools. Raises APIError 400, as :func:`plan_tools`; tool messages with a
+        template without a tool format; tools with a vision-language model."""
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tools)
         if any(m.tool_calls or m.role == "tool" for m in body.messages):
             if not self.tools.template_tools:
@@ -308,23 +241,8 @@ class Front:
                                param="tools")
         return plan
 
-    def token_text(self, token_id: int) -> str:
-        """One token's text on its own, as logprobs show it (vLLM decodes it alone too)."""
-        return self.tokenizer.decode([token_id])
-
-    @staticmethod
-    def token_id_text(token_id: int) -> str:
-        """A token as vLLM's ``return_tokens_as_token_ids`` names it in logprobs."""
-        return f"token_id:{token_id}"
-
-    # -- requests
     async def admit(self, body, kind: str, request_id: str, t_arrival: float) -> list[Choice]:
-        """Check and prepare ``body`` (``kind`` "chat" or "completion"): its choices, not started.
-
-        Raises:
-            APIError: 400 (see the checks above, ``min_tokens`` over ``max_tokens``, a
-                ``logit_bias`` token outside the vocabulary, and :meth:`guided_spec`), 503.
-        """
+        """``body``'s choices, not started. Raises APIError 400 (the checks above), 503."""
         self.check_model(body.model)
         body = self.with_defaults(body)
         fields.check(body)
@@ -357,27 +275,15 @@ class Front:
                                       self.logprobs_formatter(body, kind), p, prompt.echo,
                                       echo_logprobs=kind != "chat" and body.num_logprobs is not None,
                                       shown=max_tokens > 0, tools=plan.output() if plan else None))
-        self.metrics.admitted(request_id, len(choices))  # once they exist (sampling_params may refuse one)
+        self.metrics.admitted(request_id, len(choices))
         return choices
 
     def logprobs_formatter(self, body, kind: str) -> LogprobsFormatter | None:
-        """A choice's logprobs formatter, None if the client asked for no logprobs."""
         if body.num_logprobs is None:
             return None
-        return LogprobsFormatter(kind, self.token_id_text if body.return_tokens_as_token_ids else self.token_text)
-
-    def finish(self, flow: Flow) -> None:
-        """Close a request that has ended and record it: metrics and the trace line."""
-        flow.close()
-        rec = flow.trace()
-        self.metrics.ended(rec, None if flow.error is not None else flow.itls_s)
-        self.write_trace(rec.as_json())
+        return LogprobsFormatter(kind, token_texts(self.tokenizer, True) if body.return_tokens_as_token_ids
+                                 else self.token_text)
 
     def write_trace(self, line: dict) -> None:
-        """Append ``line`` to the trace file as one JSON line (nothing without one)."""
-        if self.trace_file:
-            try:
-                with open(self.trace_file, "a") as f:
-                    f.write(json.dumps(line) + "\n")
-            except OSError as exc:
-                log.warning("cannot write trace %s: %s", self.trace_file, exc)
+        """The registry's and controller's event lines."""
+        self.request_log.write(line)
