@@ -149,7 +149,7 @@ def test_switch_while_prefilling_a_long_prompt(engines, tokenizer):
         assert first.kv is not None and first.token_ids == expected[:1]
         assert not any(_switched(m) for m in events), "announced while its export was still held"
         time.sleep(0.5)
-        assert h.worker.switch is not None, "the switch must wait for the export's release"
+        assert h.worker.roles.switch is not None, "the switch must wait for the export's release"
         # The decode side (engine b) imports the KV, then the router releases the export.
         importer = handoff.Importer(ctx, "shm", 30.0)
         source, _ = importer.take("long", first.kv, b.kv_layout(), b.kv_cache.dtype)

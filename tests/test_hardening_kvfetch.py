@@ -92,7 +92,7 @@ class Harness:
             self.thread.join(timeout_s)
             assert not self.thread.is_alive(), f"the worker loop did not stop within {timeout_s} s"
         else:  # what the loop does when it ends
-            self.worker.stop_fetches()
+            self.worker.fetcher.stop()
         self.worker.events.close()
         self.events.close()
         return time.monotonic() - start
@@ -234,7 +234,7 @@ def test_fetches_complete_off_the_loop_and_aborts_drop_them(engines, tokenizer, 
                 assert [t for o in outputs[request_id] for t in o.token_ids] == reference[1:]
                 timings = outputs[request_id][-1].timings
                 assert timings.kv_fetch_ms > 0 and timings.queue_ms >= 0
-            assert decode.pool.num_in_use == 0 and not h.worker.fetching
+            assert decode.pool.num_in_use == 0 and not h.worker.fetcher.fetching
     finally:
         h.stop()
 

@@ -10,11 +10,9 @@ log = logging.getLogger("epdserve.worker")
 
 
 def handle_control(worker, msg) -> None:
-    """What every worker loop does with Shutdown (stop), Refused (stop with exit code 2),
-    Reset (``worker.reset()``, then say Hello again) and any message it does not expect
-    (log it); ``worker`` has ``running``, ``exit_code``, ``worker_id``, ``incarnation``,
-    ``hello``, ``reset()`` and ``send()``. A Refused or Reset for another incarnation is
-    ignored: it answers a Hello of another process that named this worker's address."""
+    """``worker`` has ``running``, ``exit_code``, ``worker_id``, ``incarnation``, ``hello``,
+    ``reset()`` and ``send()``. A Refused or Reset for another incarnation answers a Hello of
+    another process that named this worker's address: it is ignored."""
     if isinstance(msg, P.Shutdown):
         worker.running = False
     elif isinstance(msg, (P.Refused, P.Reset)) and msg.incarnation != worker.incarnation:
@@ -32,11 +30,3 @@ def handle_control(worker, msg) -> None:
     else:
         log.warning("%s: unexpected %s message", worker.worker_id, msg.type)
 
-
-def stop_for_failed_ranks(worker, exc: Exception) -> None:
-    """A tensor-parallel rank of ``worker`` failed (``exc`` says which, or the failed call):
-    the ranks are out of step, so the loop stops with exit status 1 and ``serve`` restarts
-    the worker, its ranks included (its requests are the caller's to fail first)."""
-    log.error("%s: %s; stopping this worker (exit status 1) so that it is restarted with all its ranks",
-              worker.worker_id, exc)
-    worker.running, worker.exit_code = False, 1

@@ -1,20 +1,7 @@
-"""The encode worker of EPD (``epdserve worker --role encode``): images in, embeddings out.
-
-Same sockets, threads and handshake as an engine worker (:mod:`epdserve.serving.worker.engine_worker`),
-but its loop serves :class:`~epdserve.serving.protocol.Encode` commands with an
-:class:`~epdserve.engine.encoder.EncodeEngine`: every step takes all the requests that
-have arrived and encodes their images together (one vision batch, cached images
-answered from the embedding cache), writes each request's embeddings as one frame to a
-/dev/shm segment (:mod:`epdserve.transfer.embedding`) and answers
-:class:`~epdserve.serving.protocol.Encoded` with its descriptor. A prefill worker on the
-same host maps and unlinks the segment; one on another host fetches it from this
-worker's TCP server. A frame nobody reads is deleted on ``ReleaseKV`` (the router sends
-it when the request ends) or after ``--kv-ttl`` seconds.
-
-With ``--tensor-parallel-size`` N the vision tower is split over N rank processes
-(:mod:`~epdserve.serving.worker.ranks`); when one fails, the batch's requests fail with its
-message and the worker exits (status 1) so that ``serve`` restarts it with all its ranks.
-"""
+"""The encode worker of EPD (``epdserve worker --role encode``): each step encodes the images of
+every request that has arrived in one vision batch and answers each with
+:class:`~epdserve.serving.protocol.Encoded`: one frame (:mod:`epdserve.transfer.embedding`) in a
+/dev/shm segment, also served over TCP, deleted on ``ReleaseKV`` or after ``--kv-ttl`` seconds."""
 
 from __future__ import annotations
 
@@ -27,9 +14,12 @@ import zmq
 from epdserve.engine.encoder import EncodeEngine
 from epdserve.model.image_processor import ImageError
 from epdserve.serving import protocol as P
-from epdserve.model.image_processor import ImageInput
-from epdserve.serving.worker.control import handle_control, stop_for_failed_ranks
-from epdserve.serving.worker.ranks import RankFailure, Ranks
+from epdserve.serving.worker.control import handle_control
+from epdserve.serving.worker.image_encoder import cache_stats, image_inputs
+from epdserve.serving.worker.rank_watch import RankWatch
+from epdserve.serving.worker.ranks import RankFailure
+from epdserve.serving.worker.stats_report import StatsReport
+from epdserve.serving.worker.threads import IDLE_WAIT_S
 from epdserve.transfer import embedding, shm, tcp
 from epdserve.transfer.exports import ExportTable
 from epdserve.transfer.handoff import host_id
@@ -38,39 +28,16 @@ from epdserve.trace import StageTimings
 from epdserve.transfer.sealing import NO_AUTH, Sealer
 
 log = logging.getLogger("epdserve.encode_worker")
-STATS_INTERVAL_S = 0.5
-IDLE_WAIT_S = 0.1
-
-
-def image_inputs(images: list[P.ImageRef]) -> list[ImageInput]:
-    """The images of a command, their bytes checked against their hashes (a wrong hash
-    would poison the embedding cache).
-
-    Raises:
-        ValueError: an image without bytes, or whose bytes do not hash to its ``hash``.
-    """
-    out = []
-    for i, ref in enumerate(images):
-        if ref.data is None:
-            raise ValueError(f"image {i} came without its bytes")
-        image = ImageInput.from_bytes(ref.data, "request", decode=False)
-        if image.content_hash != ref.hash:
-            raise ValueError(f"image {i}: its bytes hash to {image.content_hash[:12]}, not {ref.hash[:12]}")
-        out.append(image)
-    return out
 
 
 class EncodeWorker:
-    """The command/encode/publish loop around one :class:`EncodeEngine`. ``kv_bind``: the
-    TCP address to serve frames on (None: shared memory only); ``ttl_s``: how long an
-    unread frame is kept. ``run`` sets ``sealer`` (seals events), ``incarnation`` and
-    ``hello`` (what a Reset is answered with), and ``ranks``: the other ranks of a
-    tensor-parallel vision tower, whose failure stops the worker."""
+    """``kv_bind``: the TCP address to serve frames on (None: shared memory only); ``ttl_s``:
+    seconds an unread frame is kept. ``run`` sets ``sealer``, ``incarnation``, ``hello`` and
+    ``rank_watch.ranks``."""
 
     sealer: Sealer = NO_AUTH.sealer("events")
     incarnation: str = ""
     hello: P.Hello | None = None
-    ranks: Ranks | None = None
 
     def __init__(self, encoder: EncodeEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
                  ctx: zmq.Context, kv_bind: str | None, ttl_s: float):
@@ -81,12 +48,11 @@ class EncodeWorker:
         self.host = host_id()
         self.server = tcp.KVServer(ctx, kv_bind, self._frame) if kv_bind else None
         self.pending: dict[str, tuple[P.Encode, float]] = {}
-        # The embedding frames held for prefill workers (segments only), with their lease.
-        self.frames = ExportTable(ttl_s, None, free_blocks=lambda request_id: None)
-        self.last_stats: tuple | None = None
-        self.last_stats_time = 0.0
+        self.frames = ExportTable(ttl_s, None, free_blocks=lambda request_id: None)  # segments only
         self.running = True
         self.exit_code = 0
+        self.rank_watch = RankWatch(self, "encode worker")
+        self.stats = StatsReport(worker_id, self.send)
 
     def kv_layout(self) -> dict:
         """What the router checks a prefill worker against: the embeddings' width and dtype."""
@@ -105,20 +71,17 @@ class EncodeWorker:
                     item = self.inbox.get_nowait()
             except queue.Empty:
                 pass
-            try:
-                if self.pending:
-                    self.encode_pending()
-                elif self.ranks is not None:  # a follower that died while idle
-                    self.ranks.check()
-            except RankFailure as exc:
-                stop_for_failed_ranks(self, exc)
+            if self.pending:
+                self.encode_pending()
+            else:
+                self.rank_watch.check()  # a follower that died while idle
+            if self.rank_watch.failure is not None:
                 continue
             self.report_stats()
             self.expire()
         self.close()
 
     def handle(self, msg, arrival: float) -> None:
-        """Act on one command; ``arrival`` is its ``time.perf_counter()`` on receipt."""
         if isinstance(msg, P.Encode):
             self.pending[msg.request_id] = (msg, arrival)
         elif isinstance(msg, (P.ReleaseKV, P.Abort)):
@@ -128,7 +91,6 @@ class EncodeWorker:
             handle_control(self, msg)
 
     def encode_pending(self) -> None:
-        """Encode the images of every pending request in one call and answer each."""
         batch, self.pending = list(self.pending.values()), {}
         requests = []  # (command, arrival, its images)
         for msg, arrival in batch:
@@ -140,10 +102,8 @@ class EncodeWorker:
         try:
             results = self.encoder.encode([image for _, _, images in requests for image in images])
         except RankFailure as exc:
-            why = f"the encode worker's tensor-parallel ranks failed ({exc}); it is restarting"
-            for msg, _, _ in requests:
-                self.send(P.Error(worker_id=self.worker_id, request_id=msg.request_id, message=why, status=500))
-            raise
+            self.rank_watch.failed(exc, [msg.request_id for msg, _, _ in requests])
+            return
         k = 0
         for msg, arrival, images in requests:
             mine, k = results[k:k + len(images)], k + len(images)
@@ -177,12 +137,11 @@ class EncodeWorker:
         return shm.open_segment(name)
 
     def reset(self) -> str:
-        """Drop every pending encoding and delete every frame held (see ``P.Reset``);
-        returns what was dropped, for the log."""
+        """``P.Reset``: returns what was dropped, for the log."""
         pending, frames = len(self.pending), len(self.frames)
         self.pending.clear()
         self.frames.close()
-        self.last_stats = None  # report the emptied state at once
+        self.stats.send_next()
         return f"{pending} pending encodings, {frames} frames"
 
     @property
@@ -198,17 +157,11 @@ class EncodeWorker:
                         self.ttl_s)
 
     def report_stats(self) -> None:
-        cache = self.encoder.cache
-        stats = (len(self.pending), cache.queries, cache.hits)
-        now = time.monotonic()
-        if stats != self.last_stats or now - self.last_stats_time > STATS_INTERVAL_S:
-            self.send(P.Stats(worker_id=self.worker_id, blocks_total=0, blocks_in_use=0, num_running=0,
-                              num_waiting=len(self.pending), num_preemptions=0,
-                              mm_cache_queries=cache.queries, mm_cache_hits=cache.hits))
-            self.last_stats, self.last_stats_time = stats, now
+        self.stats.report(dict(blocks_total=0, blocks_in_use=0, num_running=0, num_waiting=len(self.pending),
+                               num_preemptions=0, **cache_stats(self.encoder)))
 
     def close(self) -> None:
-        """Stop serving and delete every frame still held."""
+        """Delete every frame still held."""
         if self.server is not None:
             self.server.close()
         self.frames.close()

@@ -1,43 +1,5 @@
-"""One engine worker process (``epdserve worker``): colocated, prefill, decode or encode.
-
-It binds a PULL socket for the router's commands (a thread of its own receives them and
-stamps their arrival), connects a PUSH socket to the router's events address, says
-:class:`~epdserve.serving.protocol.Hello`, then loops: handle the received commands, run
-one engine step if there is work, publish the new tokens, report
-:class:`~epdserve.serving.protocol.Stats`. A prefill worker holds each hand-off's KV
-(by default its blocks, in the shared KV pool its cache lives in; a staged frame with
-``--kv-transfer-dtype`` or ``--kv-layer-pipeline``) until the router releases it, once the
-decode worker has imported it or on failure, or ``--kv-ttl`` passes
-(:mod:`epdserve.transfer.handoff`). A worker
-that prefills a prompt with images gets their embeddings from encode workers (EPD) or,
-given the image bytes, encodes them itself first (colocated, PD), blocking its loop as a
-vision encoder inside an engine does. A request's KV (decode) or image embeddings (EPD)
-held by a peer are fetched on a small thread pool, off the loop, so a slow or silent peer
-delays only that request (:mod:`epdserve.serving.worker.fetch`). The role is this layer's: the
-engine is role-free, and the worker asks it per request for what its role needs (a
-prefill worker's requests hold their prompt's KV for export; only a decode worker's
-requests bring KV). An encode worker runs
-:class:`~epdserve.serving.worker.encode_worker.EncodeWorker` instead. The same command runs
-alone on another host, so a launcher, Ray or Kubernetes can place it. With
-``--tensor-parallel-size`` N it is rank 0 of N processes (:mod:`~epdserve.serving.worker.ranks`);
-a rank that fails stops it (exit status 1) so that it is restarted whole.
-
-Every frame it sends is sealed, and every command it receives checked, with keys derived
-from ``--auth-token`` (:mod:`epdserve.serving.auth`); commands are sealed for this process
-alone (its random ``incarnation``). A TCP listener (``--bind``, or ``--kv-bind`` when it
-serves KV) needs a token unless ``--allow-unauthenticated``. On
-:class:`~epdserve.serving.protocol.Reset` (the router took it for down and hears it again)
-it drops every request and export it holds and says Hello again.
-
-Elastic (``--elastic``, docs/elastic.md): the router may change an engine worker's role
-with :class:`~epdserve.serving.protocol.SetRole`. Such a worker is built for every role
-from the start (its KV cache in the shared pool, its KV server up, the vision encoder
-loaded), so a switch reloads nothing. It takes the new role's work at once and drains
-the old one's: what it held when the switch came (queued, running, fetching or
-compiling requests, exports not yet released) finishes under the role it was taken in;
-once none is left it says :class:`~epdserve.serving.protocol.RoleSwitched`, and its Hello
-(said again after a Reset) names the new role.
-"""
+"""One engine worker process (``epdserve worker``): colocated, prefill or decode (encode:
+:mod:`.encode_worker`). Its loop: docs/architecture.md; elastic role switches: docs/elastic.md."""
 
 from __future__ import annotations
 
@@ -51,7 +13,6 @@ import traceback
 import torch
 import zmq
 
-from epdserve.argtypes import Options
 from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.engine import LLMEngine
 from epdserve.engine.kv_source import KVSource
@@ -60,12 +21,15 @@ from epdserve.model.loader import ModelLoadError
 from epdserve.serving import auth
 from epdserve.serving import protocol as P
 from epdserve.serving.handshake import auth_tag, model_fingerprint
-from epdserve.serving.worker.control import handle_control, stop_for_failed_ranks
-from epdserve.serving.worker.encode_worker import EncodeWorker, image_inputs
+from epdserve.serving.worker.control import handle_control
+from epdserve.serving.worker.encode_worker import EncodeWorker
 from epdserve.serving.worker.fetch import Fetch, Fetcher
 from epdserve.serving.worker.grammar_prep import GrammarPrep, Prepared
+from epdserve.serving.worker.image_encoder import ImageEncoder, cache_stats
+from epdserve.serving.worker.rank_watch import RankWatch
 from epdserve.serving.worker.ranks import RankFailure, Ranks
 from epdserve.serving.worker.role_switch import Roles
+from epdserve.serving.worker.stats_report import StatsReport
 # add_arguments is the `epdserve worker` command's (epdserve/cli.py): its options live with the set-up.
 from epdserve.serving.worker.setup import WorkerConfig, add_arguments, load, node_identity
 from epdserve.serving.worker.threads import IDLE_WAIT_S, serve
@@ -74,63 +38,40 @@ from epdserve.trace import StageTimings
 from epdserve.transfer.sealing import NO_AUTH, Sealer
 
 log = logging.getLogger("epdserve.worker")
-STATS_INTERVAL_S = 0.5
 
 
 class Worker:
-    """The command/step/publish loop around one :class:`LLMEngine` of a worker of ``role``
-    (its :class:`~epdserve.serving.worker.role_switch.Roles`); commands come from ``inbox`` as ``(message, arrival)`` pairs
-    put there by :func:`receive_commands`, finished fetches as ``(Fetch, time)`` pairs
-    put there by the fetch threads (:class:`~epdserve.serving.worker.fetch.Fetcher`), and guided
-    requests whose grammar is compiled as ``(Prepared, time)`` (:class:`GrammarPrep`). The
-    exporter's table (``exporter.table``) holds this worker's live exports. ``run`` sets ``sealer`` (seals events),
-    ``incarnation``, ``hello`` (what a Reset is answered with, see
-    ``control.handle_control``) and, for a tensor-parallel worker, ``ranks``: its follower
-    ranks, whose failure stops the worker (:meth:`ranks_failed`)."""
+    """``inbox``: ``(item, time.perf_counter() at receipt)`` of the router's commands, finished
+    fetches (:class:`Fetch`) and compiled grammars (:class:`Prepared`). ``run`` sets ``sealer``,
+    ``incarnation``, ``hello`` (what a Reset is answered with) and ``rank_watch.ranks``."""
 
     sealer: Sealer = NO_AUTH.sealer("events")
     incarnation: str = ""
     hello: P.Hello | None = None
-    ranks: Ranks | None = None
 
     def __init__(self, engine: LLMEngine, worker_id: str, inbox: queue.Queue, events: zmq.Socket,
                  exporter: handoff.Exporter, importer: handoff.Importer, encoder: EncodeEngine | None = None,
                  role: str = "colocated"):
-        self.roles = Roles(role)  # raises ValueError for an unknown role
+        self.roles = Roles(role)
         self.engine = engine
-        self.encoder = encoder  # for prompts with images that come with their bytes
         self.worker_id = worker_id
         self.inbox = inbox
         self.events = events
         self.exporter = exporter
         self.importer = importer
-        self.last_stats: dict | None = None
-        self.last_stats_time = 0.0
         self.running = True
         self.exit_code = 0
         self.fetcher = Fetcher(importer, inbox, worker_id)
-        self.grammars = GrammarPrep(engine, inbox)  # guided requests' compiles, off the loop
-
-    @property
-    def role(self) -> str:
-        return self.roles.role
-
-    @property
-    def switch(self):
-        """The role switch being drained (elastic), or None."""
-        return self.roles.switch
-
-    @property
-    def fetching(self) -> dict[str, Fetch]:
-        """Requests whose KV or embeddings are on the way, by id."""
-        return self.fetcher.fetching
+        self.grammars = GrammarPrep(engine, inbox)
+        self.images = ImageEncoder(encoder)
+        self.rank_watch = RankWatch(self, "worker")
+        self.stats = StatsReport(worker_id, self.send)
 
     def send(self, msg) -> None:
         self.events.send(self.sealer.seal(P.encode(msg)))
 
     def reset(self) -> str:
-        """Abort every request and release every export (see ``P.Reset``: the router has
-        failed or moved them all); returns what was dropped, for the log."""
+        """``P.Reset``: returns what was dropped, for the log."""
         requests, exports = self.requests(), self.exporter.table.ids()
         self.grammars.pending.clear()
         self.roles.forget()
@@ -140,32 +81,26 @@ class Worker:
         for request_id in exports:
             self.exporter.table.release(request_id)
         self.exporter.expire()  # layer-pipelined frames of the aborted requests
-        self.last_stats = None  # report the freed blocks at once
+        self.stats.send_next()
         return f"{len(requests)} requests, {len(exports)} exports"
 
     def loop(self) -> None:
         while self.running:
-            # Busy: take what has arrived and step at once; idle: sleep until a command
-            # comes (or 100 ms pass, for stats and KV expiry) without spinning.
             self.drain_commands(block_s=0.0 if self.engine.has_unfinished() else IDLE_WAIT_S)
             if self.engine.has_unfinished():
                 self.step()
-            elif self.ranks is not None:  # a follower that died while idle
-                try:
-                    self.ranks.check()
-                except RankFailure as exc:
-                    self.ranks_failed(exc)
-            self.report_stats()
+            else:
+                self.rank_watch.check()  # a follower that died while idle
+            self.stats.report(self.engine.stats() | cache_stats(self.images.encoder))
             self.expire_exports()
             if self.roles.switch is not None:
                 self.finish_switch()
-        self.stop_fetches()
+        self.fetcher.stop()
         self.grammars.close()
         self.exporter.close()
-        self.importer.close()  # GPU pools opened by CUDA IPC: their handles closed (host pools unmapped)
+        self.importer.close()
 
     def drain_commands(self, block_s: float) -> None:
-        """Handle every command in the inbox, waiting up to ``block_s`` seconds for the first."""
         try:
             item = self.inbox.get(timeout=block_s) if block_s > 0 else self.inbox.get_nowait()
         except queue.Empty:
@@ -178,8 +113,6 @@ class Worker:
                 return
 
     def handle(self, msg, arrival: float) -> None:
-        """Act on one command, or a finished fetch; ``arrival`` is its
-        ``time.perf_counter()`` on receipt."""
         if isinstance(msg, Fetch):
             self.fetched(msg)
         elif isinstance(msg, Prepared):
@@ -187,29 +120,23 @@ class Worker:
         elif isinstance(msg, P.AddRequest):
             self.add(msg, arrival)
         elif isinstance(msg, P.Abort):
-            self.fetcher.cancel(msg.request_id)  # its result is dropped when it comes (see fetched)
-            self.grammars.cancel(msg.request_id)  # the same (see prepared)
+            self.fetcher.cancel(msg.request_id)  # its result is dropped when it comes
+            self.grammars.cancel(msg.request_id)
             self.roles.forget(msg.request_id)
             self.engine.abort(msg.request_id)
-            self.release(msg.request_id)
+            self.exporter.table.release(msg.request_id)
         elif isinstance(msg, P.ReleaseKV):
-            # This worker's own export only. A fetch of the same id goes on: ReleaseKV does
-            # not end a request here (it did not before fetches left the loop either), and
-            # the router sends Abort to end one.
-            self.release(msg.request_id)
+            # This worker's export only: a fetch of the same id goes on (Abort ends a request).
+            self.exporter.table.release(msg.request_id)
         elif isinstance(msg, P.SetRole):
             self.set_role(msg, arrival)
         else:
             handle_control(self, msg)
 
     def add(self, msg: P.AddRequest, arrival: float, compiled: bool = False) -> None:
-        """Queue ``msg`` (received at ``arrival``, ``time.perf_counter()``) in the engine;
-        or, when its KV or its images' embeddings lie with a peer, start fetching them on a
-        fetch thread and return at once (:meth:`fetched` queues it when they are here).
-        A guided request's grammar is compiled first, off the loop, unless ``compiled``
-        (see :mod:`~epdserve.serving.worker.grammar_prep`). A request that cannot be queued gets
-        a ``P.Error``."""
-        if msg.request_id in self.fetching or msg.request_id in self.grammars.pending:
+        """Queue ``msg`` in the engine, compiling its grammar (unless ``compiled``) and fetching its KV or
+        image embeddings off the loop first, each back through the inbox; else a ``P.Error``."""
+        if msg.request_id in self.fetcher.fetching or msg.request_id in self.grammars.pending:
             self.fail(msg.request_id, f"duplicate request id {msg.request_id!r}")
         elif msg.sampling.guided is not None and not compiled:
             self.roles.take(msg.request_id)
@@ -223,15 +150,13 @@ class Worker:
             try:
                 timings, embeddings = StageTimings(), None
                 if msg.images:
-                    embeddings = self.image_embeddings(msg, arrival, timings)
+                    embeddings = self.images.embeddings(msg, arrival, timings)
                     arrival = time.perf_counter()  # encoding them is its own stage, not queue time
                 self.enqueue(msg, arrival, timings, embeddings=embeddings)
             except (ValueError, ImageError) as exc:
                 self.fail(msg.request_id, str(exc))
 
     def prepared(self, job: Prepared) -> None:
-        """The grammar thread is done with ``job``: go on with its request, or send its
-        error. One aborted meanwhile is dropped."""
         if not self.grammars.take(job):
             return
         if job.error is not None:
@@ -240,9 +165,6 @@ class Worker:
             self.add(job.msg, job.arrival, compiled=True)
 
     def fetched(self, fetch: Fetch) -> None:
-        """A fetch thread is done with ``fetch``: queue its request in the engine, or send
-        its error. One aborted meanwhile (no longer in ``fetching``) is dropped: no Output,
-        and its tensors (and the mapping or message they view) go with it."""
         request_id = fetch.msg.request_id
         if not self.fetcher.take(fetch):
             return
@@ -259,12 +181,8 @@ class Worker:
 
     def enqueue(self, msg: P.AddRequest, arrival: float, timings: StageTimings,
                 kv: KVSource | None = None, embeddings: torch.Tensor | None = None) -> None:
-        """Add ``msg`` to the engine, asking it for what the role it was taken in needs
-        (:meth:`Roles.role_of`): a prefill worker's requests hold their
-        prompt's KV for :meth:`export` (written layer by layer into the exporter's layer
-        sink with ``--kv-layer-pipeline``); a decode worker's (or, elastic, a colocated
-        worker's, which then decodes it) bring KV. Raises ``ValueError`` as
-        ``LLMEngine.add_request``, or for KV sent to a prefill worker."""
+        """As the role it was taken in needs: a prefill worker's requests hold their KV for export.
+        Raises ``ValueError`` as ``LLMEngine.add_request``, or for KV sent to a prefill worker."""
         role = self.roles.role_of(msg.request_id)
         if kv is not None and msg.first_token is not None and role == "prefill":
             raise ValueError("a prefill worker takes no kv or first_token")
@@ -275,81 +193,45 @@ class Worker:
                                 hold_kv=prefill, layer_sink=self.exporter.layer_sink if prefill else None)
 
     def requests(self) -> list[str]:
-        """The request ids queued or running in the engine, fetching, or compiling their grammar."""
-        return list(self.engine.seqs) + list(self.fetching) + list(self.grammars.pending)
+        """In the engine, fetching, or compiling their grammar."""
+        return list(self.engine.seqs) + list(self.fetcher.fetching) + list(self.grammars.pending)
 
     def holding(self) -> set[str]:
-        """The request ids this worker holds: :meth:`requests`, and those exported and not
-        yet released."""
+        """:meth:`requests`, and the exports not yet released."""
         return set(self.requests()) | set(self.exporter.table.ids())
 
     def set_role(self, msg: P.SetRole, arrival: float) -> None:
-        """Take ``msg.role``'s work from now on and drain the old role's (see the module's
-        docstring); :meth:`finish_switch` announces it. A second SetRole while one drains
-        redirects it: the work of both older roles drains."""
-        previous = self.role
+        previous = self.roles.role
         self.roles.begin(msg.role, msg.switch_id, arrival, self.holding())
         log.info("%s: switching role %s -> %s (%d requests to drain)", self.worker_id, previous, msg.role,
                  len(self.roles.switch.held))
         self.finish_switch()
 
     def finish_switch(self) -> None:
-        """Announce the switch being drained once nothing of the old role is left."""
         switch = self.roles.drained(self.holding())
         if switch is None:
             return
-        drain_ms = switch.drain_ms
-        self.hello = self.hello.model_copy(update={"role": self.role}) if self.hello else None
-        log.info("%s: now %s (was %s; drained in %.0f ms)", self.worker_id, self.role, switch.previous, drain_ms)
-        self.send(P.RoleSwitched(worker_id=self.worker_id, role=self.role, previous=switch.previous,
+        role, drain_ms = self.roles.role, switch.drain_ms
+        self.hello = self.hello.model_copy(update={"role": role}) if self.hello else None
+        log.info("%s: now %s (was %s; drained in %.0f ms)", self.worker_id, role, switch.previous, drain_ms)
+        self.send(P.RoleSwitched(worker_id=self.worker_id, role=role, previous=switch.previous,
                                  switch_id=switch.switch_id, drain_ms=drain_ms))
 
     def fail(self, request_id: str, message: str, status: int = 400) -> None:
-        """Tell the router the request ended with an error (see :class:`~epdserve.serving.protocol.Error`)."""
         self.roles.forget(request_id)
         self.send(P.Error(worker_id=self.worker_id, request_id=request_id, message=message, status=status))
-
-    def stop_fetches(self) -> None:
-        """Drop every fetch in flight and wait for the fetch threads to end (see
-        :meth:`Fetcher.stop`). Their requests get no Error: as those in the engine, they end
-        with the worker, and the router fails them when it sees it go."""
-        self.fetcher.stop()
-
-    def image_embeddings(self, msg: P.AddRequest, arrival: float, timings: StageTimings) -> torch.Tensor:
-        """``[image tokens, hidden]`` for ``msg``'s images, in prompt order, encoded here from
-        the bytes that came with the request (``encode_queue_ms`` from ``arrival``,
-        ``encode_ms``). Runs on the loop and blocks it while it encodes, by design: a
-        vision encoder inside an engine does (EPD moves it to encode workers, whose
-        embeddings are fetched off the loop by :func:`~epdserve.serving.worker.fetch.fetch_embeddings`).
-
-        Raises:
-            ValueError: images without bytes, or a model without a vision tower.
-            ImageError: bytes that do not decode to an image.
-        """
-        start = time.perf_counter()
-        if self.encoder is None:
-            raise ValueError("this worker has no vision encoder: its model takes no images")
-        results = self.encoder.encode(image_inputs(msg.images))
-        error = next((r for r in results if isinstance(r, ImageError)), None)
-        if error is not None:
-            raise error
-        timings.encode_queue_ms, timings.encode_ms = (start - arrival) * 1e3, (time.perf_counter() - start) * 1e3
-        return torch.cat([r.embeddings for r in results])
-
-    def release(self, request_id: str) -> None:
-        """End this worker's export of the request, if it holds one (ReleaseKV, Abort)."""
-        self.exporter.table.release(request_id)
 
     def step(self) -> None:
         try:
             outputs = self.engine.step()
         except RankFailure as exc:
-            self.ranks_failed(exc)
+            self.rank_watch.failed(exc, self.abort_engine_requests())
             return
         except Exception:
             # A bug must not hang clients: fail what is in flight, keep serving.
             log.error("%s: engine step failed:\n%s", self.worker_id, traceback.format_exc())
-            self.fail_engine_requests("internal error in the engine step")
+            for request_id in self.abort_engine_requests():
+                self.fail(request_id, "internal error in the engine step", status=500)
             return
         for out in outputs:
             if out.error is not None:  # the engine failed this request alone (see engine/outputs.py)
@@ -362,27 +244,12 @@ class Worker:
                                timings=out.timings, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
                                num_cached_tokens=out.num_cached_tokens))
 
-    def fail_engine_requests(self, message: str) -> None:
-        """End every request in the engine with a ``P.Error`` (status 500) of ``message``."""
-        for request_id in list(self.engine.seqs):
+    def abort_engine_requests(self) -> list[str]:
+        """Returns their ids."""
+        request_ids = list(self.engine.seqs)
+        for request_id in request_ids:
             self.engine.abort(request_id)
-            self.send(P.Error(worker_id=self.worker_id, request_id=request_id, message=message, status=500))
-
-    def ranks_failed(self, exc: RankFailure) -> None:
-        """A tensor-parallel rank failed (``exc`` says which, or the failed call): the ranks
-        are out of step, so fail the engine's requests and stop (exit status 1: ``serve``
-        restarts the worker, its ranks included)."""
-        self.fail_engine_requests(f"the worker's tensor-parallel ranks failed ({exc}); it is restarting")
-        stop_for_failed_ranks(self, exc)
-
-    def report_stats(self) -> None:
-        stats = self.engine.stats()
-        if self.encoder is not None:
-            stats.update(mm_cache_queries=self.encoder.cache.queries, mm_cache_hits=self.encoder.cache.hits)
-        now = time.monotonic()
-        if stats != self.last_stats or now - self.last_stats_time > STATS_INTERVAL_S:
-            self.send(P.Stats(worker_id=self.worker_id, **stats))
-            self.last_stats, self.last_stats_time = stats, now
+        return request_ids
 
     def expire_exports(self) -> None:
         for request_id in self.exporter.expire():
@@ -390,19 +257,21 @@ class Worker:
                         self.exporter.ttl_s)
 
 
-def run(args: Options) -> int:
+OPTIONS = WorkerConfig
+
+
+def run(config: WorkerConfig) -> int:
     """Start the worker; returns 0 on shutdown, 2 on a bad option or model (a TCP listener
     without a token, see ``auth.options_error``) or when the router refuses it, 1 when a
-    tensor-parallel rank fails (at start-up or later: ``Worker.ranks_failed``)."""
+    tensor-parallel rank fails (at start-up or later: :mod:`.rank_watch`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = WorkerConfig.from_args(args)
     serves_tcp = (config.role in ("prefill", "encode") or config.elastic) and config.kv_transport != "shm"
     listeners = [a for a in (config.bind, config.kv_bind if serves_tcp else "") if a.startswith("tcp://")]
-    error = auth.options_error(config, listeners)
+    error = auth.options_error(config.auth, listeners)
     if error is not None:
         print(f"epdserve worker: error: {error}", flush=True)
         return 2
-    keyring = auth.keyring_from(config)
+    keyring = auth.keyring_from(config.auth)
     if not keyring.enabled:
         log.warning("%s: no auth token: frames go unsealed, and a router with a token will not hear this worker",
                     config.worker_id)
@@ -442,12 +311,12 @@ def _serve_loaded(config: WorkerConfig, keyring: auth.Keyring, serves_tcp: bool,
         return 2
     if threading.current_thread() is threading.main_thread():  # a Ray actor may run us on another thread
         signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
-    worker.sealer, worker.incarnation, worker.ranks = keyring.sealer("events"), incarnation, ranks
+    worker.sealer, worker.incarnation, worker.rank_watch.ranks = keyring.sealer("events"), incarnation, ranks
     # The address bound, not the one asked for: "tcp://IP:0" (Ray actors) resolves to a free port.
     addr = cmd.getsockopt_string(zmq.LAST_ENDPOINT) if config.bind.startswith("tcp://") else config.bind
     worker.hello = P.Hello(worker_id=config.worker_id, role=config.role, addr=addr, model=info.name,
                            fingerprint=model_fingerprint(info.path), kv_layout=kv_layout,
-                           blocks_total=blocks_total, cores=cores, auth=auth_tag(config.auth_token, config.worker_id),
+                           blocks_total=blocks_total, cores=cores, auth=auth_tag(config.auth.auth_token, config.worker_id),
                            incarnation=incarnation, protocol=P.PROTOCOL_VERSION,
                            weight_format=engine.model.weight_format.name if engine else "",
                            tuned={name: t.as_json() for name, t in engine.tuned.items()} if engine else {},

@@ -1,13 +1,7 @@
-"""A worker's fetches from peers, off its loop: a request's KV (decode) or its images'
-embeddings (EPD) held by another worker are fetched on a small thread pool, so a slow or
-silent peer delays only that request.
-
-The loop starts a fetch (:meth:`Fetcher.start`) with what the thread needs to know of the
-engine, read up front: the thread never touches the engine or its KV cache (neither is
-thread-safe), only the :class:`~epdserve.transfer.handoff.Importer`. When the thread is
-done it puts the :class:`Fetch` back into the loop's inbox as ``(fetch, time)`` (so a
-fetch that ends wakes an idle loop at once), and the loop takes it (:meth:`Fetcher.take`).
-"""
+"""A worker's fetches of a request's KV (decode) or image embeddings (EPD) from the peer that holds
+them, on a thread pool off the loop, so that a slow or silent peer delays only that request. A
+fetch thread never touches the engine (not thread-safe), only the importer; a finished
+:class:`Fetch` goes back into the loop's inbox as ``(fetch, time.perf_counter())``."""
 
 from __future__ import annotations
 
@@ -28,22 +22,16 @@ from epdserve.transfer.wire import WireError
 from epdserve.trace import StageTimings
 
 log = logging.getLogger("epdserve.worker")
-# Threads fetching KV and image embeddings from peers. A fetch mostly waits (on a TCP peer,
-# or page faults of a /dev/shm mapping) with the GIL released, so threads beyond this
-# worker's cores cost it little; what bounds them is that each one holds a request's KV
-# until the loop takes it, and that a peer that never answers pins one thread for up to
-# --kv-transfer-timeout. 8 leave room for hand-offs from healthy peers while several are
-# stuck; more fetches than threads wait for one (counted in queue_ms).
+# A fetch mostly waits with the GIL released; each holds a request's KV until the loop takes it,
+# and a silent peer pins one for --kv-transfer-timeout: 8 leave room while several are stuck.
 FETCH_THREADS = 8
 
 
 @dataclass
 class Fetch:
-    """An AddRequest whose KV or image embeddings a fetch thread is getting from a peer,
-    with what the thread needs of the engine (``layout``, ``dtype``, ``hidden_size``, and
-    ``device``: its KV cache's, where a fetched frame is converted); the thread sets ``kv``
-    or ``embeddings`` and ``timings``, or ``error``. ``cancel``: set on Abort or shutdown,
-    ending a TCP wait early."""
+    """``layout``, ``dtype``, ``hidden_size``, ``device``: the engine's, read on the loop (a fetched
+    frame is converted on ``device``, its KV cache's). The thread sets ``kv`` or ``embeddings`` and
+    ``timings``, or ``error``. ``cancel``: set on Abort or shutdown, ending a TCP wait early."""
 
     msg: P.AddRequest
     arrival: float  # time.perf_counter() on receipt
@@ -59,8 +47,7 @@ class Fetch:
 
 
 class Fetcher:
-    """The fetches in flight of worker ``worker_id`` (``fetching``, by request id), run on
-    ``FETCH_THREADS`` threads with ``importer``; finished ones go into ``inbox``."""
+    """``fetching``: the fetches in flight, by request id."""
 
     def __init__(self, importer: handoff.Importer, inbox: queue.Queue, worker_id: str):
         self.importer = importer
@@ -74,10 +61,7 @@ class Fetcher:
         self.pool.submit(self.run, fetch)
 
     def run(self, fetch: Fetch) -> None:
-        """Thread body: get ``fetch``'s KV (``Importer.take``) or embeddings
-        (:func:`fetch_embeddings`) into it, or the error, then hand it to the loop through
-        the inbox."""
-        if fetch.cancel.is_set():  # aborted, or the worker stopping, while it waited for a thread
+        if fetch.cancel.is_set():  # aborted, or the worker stopping, while it waited
             return
         msg = fetch.msg
         try:
@@ -96,8 +80,7 @@ class Fetcher:
         self.inbox.put((fetch, time.perf_counter()))
 
     def take(self, fetch: Fetch) -> bool:
-        """The loop got ``fetch`` back: True (and it is no longer in flight) unless it was
-        dropped meanwhile (aborted: its result, tensors and all, is to be ignored)."""
+        """False if ``fetch`` was dropped meanwhile (aborted: its result is to be ignored)."""
         request_id = fetch.msg.request_id
         if self.fetching.get(request_id) is not fetch:
             return False
@@ -105,7 +88,6 @@ class Fetcher:
         return True
 
     def cancel(self, request_id: str) -> None:
-        """Drop the request's fetch, if one is in flight (its result is ignored when it comes)."""
         fetch = self.fetching.pop(request_id, None)
         if fetch is not None:
             fetch.cancel.set()
@@ -116,23 +98,18 @@ class Fetcher:
         self.fetching.clear()
 
     def stop(self) -> None:
-        """Drop every fetch in flight and wait for the threads to end, briefly: a TCP fetch
-        sees its cancel within ``tcp.POLL_MS``, a shared-memory one only maps and checks."""
+        """Drop every fetch and wait for the threads: a TCP fetch sees its cancel within
+        ``tcp.POLL_MS``."""
         self.cancel_all()
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def fetch_embeddings(importer: handoff.Importer, msg: P.AddRequest, hidden_size: int, timings: StageTimings,
                      cancel: threading.Event | None = None) -> torch.Tensor:
-    """``[image tokens, hidden_size]`` for ``msg``'s images, in prompt order, read from the
-    encode workers' frames ``msg.embeddings``; adds ``embedding_fetch_ms`` to ``timings``.
-    Runs on a fetch thread: waits up to the importer's timeout per frame over TCP (or
-    until ``cancel`` is set).
-
-    Raises:
-        ValueError: some of the images have no embeddings.
-        WireError: a frame that is gone, unreachable or not these images' embeddings.
-    """
+    """``[image tokens, hidden_size]`` of ``msg``'s images, in prompt order, from the encode
+    workers' frames (over TCP each waits up to the importer's timeout, or until ``cancel``); sets
+    ``timings.embedding_fetch_ms``. Raises ValueError: some images have no embeddings; WireError: a
+    frame gone, unreachable or not these images' embeddings."""
     start = time.perf_counter()
     parts: list[torch.Tensor | None] = [None] * len(msg.images)
     for ref in msg.embeddings:

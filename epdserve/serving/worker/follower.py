@@ -1,10 +1,5 @@
-"""A follower rank's process of a tensor-parallel worker (``python -m
-epdserve.serving.worker.follower``, started by rank 0's :class:`~epdserve.serving.worker.ranks.Ranks`):
-it loads its shard (of the language model, or of an encode worker's vision tower), joins the
-process group, and runs each forward-pass call rank 0 sends it until ``stop``, rank 0's end or
-a failed call (the protocol: :mod:`epdserve.serving.worker.ranks` and
-:mod:`~epdserve.serving.worker.rank_messages`).
-"""
+"""A follower rank's process of a tensor-parallel worker (``python -m epdserve.serving.worker.follower``,
+started by :class:`~epdserve.serving.worker.ranks.Ranks`)."""
 
 from __future__ import annotations
 
@@ -44,8 +39,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def follow(argv: list[str] | None = None) -> int:
-    """A follower's process (see the module doc): returns 0 after ``stop``, 1 when rank 0
-    is gone or a call failed, 2 when its shard cannot be loaded."""
+    """Returns 0 after ``stop``, 1 when rank 0 is gone or a call failed, 2 when its shard cannot be loaded."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to act on
@@ -79,7 +73,6 @@ def follow(argv: list[str] | None = None) -> int:
 
 
 def _load_part(args, device: str) -> LlamaModel | VisionEncoder:
-    """This follower's shard of ``args.part`` (:data:`PARTS`)."""
     tp = TPRank(args.rank, args.size)
     if args.part == "vision":
         return VisionEncoder.load(args.model, DTYPES[args.dtype], device, tp)
@@ -87,8 +80,7 @@ def _load_part(args, device: str) -> LlamaModel | VisionEncoder:
 
 
 def _serve_calls(model: LlamaModel | VisionEncoder, control: zmq.Socket, replies: zmq.Socket, args, device: str) -> int:
-    """Run rank 0's calls on this rank's shard until ``stop`` (0), rank 0's end or a failed
-    call (1)."""
+    """Returns 0 after ``stop``, 1 when rank 0 is gone or a call failed."""
     name = f"{args.worker} rank {args.rank}/{args.size}"
     kv_cache, shared = None, []
     while True:
@@ -114,9 +106,8 @@ def _serve_calls(model: LlamaModel | VisionEncoder, control: zmq.Socket, replies
 
 
 def _kv_cache(model: LlamaModel, init: dict, rank: int, shared: list) -> torch.Tensor:
-    """This rank's KV cache of an ``init`` message: its part of rank 0's pool, or (no pool:
-    on CUDA) its own, in a ``cuda_ipc.DevicePool`` appended to ``shared``, whose handle
-    rank 0 opens. The pool's tag file goes at this process's exit."""
+    """Its part of rank 0's pool, or (no pool: on CUDA) its own in a ``cuda_ipc.DevicePool``
+    appended to ``shared``, whose handle rank 0 opens."""
     if init["pool"] is not None:
         return shm.map_part(init["pool"], tuple(init["shape"]), DTYPES[init["dtype"]], init["split"], rank)
 
@@ -129,12 +120,8 @@ def _kv_cache(model: LlamaModel, init: dict, rank: int, shared: list) -> torch.T
 
 def _call(model: LlamaModel | VisionEncoder, kv_cache: torch.Tensor | None, header: dict,
           tensors: list[torch.Tensor], device: str) -> None:
-    """Run one forward-pass call of rank 0's on this rank's shard (its outputs are rank 0's
-    business: every rank computes the same).
-
-    Raises:
-        MessageError: an unknown op, or a language model's call before ``init``.
-    """
+    """Its outputs are discarded: rank 0 computes the same. Raises MessageError: an unknown op, or a
+    language model's call before ``init``."""
     if header["op"] == "encode":
         model.encode(tensors[0])
         return

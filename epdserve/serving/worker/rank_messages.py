@@ -1,34 +1,18 @@
-"""The control messages between rank 0 of a tensor-parallel worker and its follower ranks
-(:mod:`epdserve.serving.worker.ranks`): ZeroMQ multipart messages of a msgpack header and one
-raw frame per tensor, never pickle.
+"""Rank 0 <-> follower messages of a tensor-parallel worker: ZeroMQ multipart, a msgpack header then
+one raw frame per tensor (row-major, on the host; bfloat16 as a ``uint8`` view), never pickle.
 
-Rank 0 → a follower (a PUSH socket of rank 0's per follower). The header is a map with
-``op``, ``tensors`` (``[[dtype name, shape], ...]``, one per frame after the header, in
-order) and the op's own fields:
+Rank 0 -> follower: header ``{"op", "tensors": [[dtype name, shape], ...], **fields}``:
 
-* ``init``: ``num_blocks``, ``block_size``, ``shape`` (the whole worker's KV cache,
-  every KV head), ``dtype`` (the cache's: ``float32`` or ``bfloat16``), ``split`` (each
-  rank's KV heads) and ``pool``: the /dev/shm pool whose part of this rank's index is its
-  KV cache (``transfer.shm.map_part``), or None to allocate its own (CUDA), shared with
-  rank 0 by the ``ready``'s handle (no tensors);
-* ``hidden_states`` / ``forward``: one step, with the arguments of
-  ``LlamaModel.hidden_states``: ``prefills`` (``[[start, q_len, ctx_len], ...]``) and
-  ``embeds`` (bool); tensors ``input_ids``, ``positions``, ``slot_mapping``,
-  ``decode_rows``, ``decode_block_tables``, ``decode_ctx_lens``, ``logits_rows``, each
-  prefill's ``block_table``, then, with ``embeds``, the embedding rows and values;
-* ``logits``: one tensor, the hidden rows ``[R, hidden]``;
-* ``encode`` (an encode worker's vision ranks): one tensor, the image tiles' pixel values
-  ``[N, 3, H, W]``;
-* ``stop``: leave (no tensors).
+* ``init``: ``num_blocks``, ``block_size``, ``shape`` (the worker's whole KV cache), ``dtype``,
+  ``split`` (each rank's KV heads), ``pool`` (the /dev/shm pool holding this rank's part, or
+  None: allocate it on the GPU and share it by the ``ready``'s handle);
+* ``hidden_states`` / ``forward``: ``prefills`` (``[[start, q_len, ctx_len], ...]``), ``embeds``
+  (bool); tensors ``input_ids``, :data:`META_FIELDS`, each prefill's ``block_table``, then with
+  ``embeds`` the embedding rows and values;
+* ``logits``: hidden rows ``[R, hidden]``; ``encode``: tiles ``[N, 3, H, W]``; ``stop``.
 
-A follower → rank 0 (one PUSH socket each, into rank 0's PULL): one msgpack frame
-``{"rank": r, "state": "loaded" | "ready" | "error", "error": text, "handle": bytes}``;
-``handle``: on CUDA, the ``ready`` of a follower whose KV cache rank 0 opens by CUDA IPC
-(``transfer.cuda_ipc.pack_handle``, checked by ``unpack_handle``), else empty.
-
-A tensor travels as its bytes in row-major order (bfloat16 as a ``uint8`` view, which
-NumPy lacks), on the host: a GPU rank's tensors are copied out and back.
-"""
+Follower -> rank 0: ``{"rank", "state": "loaded" | "ready" | "error", "error", "handle"}``;
+``handle``: a CUDA ``ready``'s KV cache (``transfer.cuda_ipc.pack_handle``), else empty."""
 
 from __future__ import annotations
 
@@ -37,7 +21,7 @@ import torch
 
 from epdserve.model.llama import AttentionMetadata, PrefillSeq
 
-# The dtypes a message may carry, by name (anything else is refused on decode).
+# Any other dtype is refused.
 DTYPES = {name: getattr(torch, name) for name in ("int64", "int32", "float32", "bfloat16", "float16", "uint8", "bool")}
 STEP_OPS = ("hidden_states", "forward")
 META_FIELDS = ("positions", "slot_mapping", "decode_rows", "decode_block_tables", "decode_ctx_lens", "logits_rows")
@@ -46,11 +30,11 @@ Step = tuple[torch.Tensor, AttentionMetadata, tuple[torch.Tensor, torch.Tensor] 
 
 
 class MessageError(ValueError):
-    """A control message that does not decode (a bug, or a frame from something else)."""
+    """A bug, or a frame from something else."""
 
 
 def _tensor_frame(t: torch.Tensor) -> tuple[list, bytes | memoryview]:
-    """``([dtype name, shape], raw bytes)`` of ``t`` (copied to the host first)."""
+    """``([dtype name, shape], raw bytes)``, copied to the host."""
     t = t.detach().to("cpu").contiguous()
     name = str(t.dtype).removeprefix("torch.")
     if name not in DTYPES:
@@ -60,7 +44,6 @@ def _tensor_frame(t: torch.Tensor) -> tuple[list, bytes | memoryview]:
 
 
 def _tensor(spec, frame: bytes) -> torch.Tensor:
-    """The tensor of a ``[dtype name, shape]`` spec and its frame's bytes."""
     name, shape = spec
     if name not in DTYPES:
         raise MessageError(f"unknown dtype {name!r} in a rank message")
@@ -74,19 +57,13 @@ def _tensor(spec, frame: bytes) -> torch.Tensor:
 
 
 def encode(op: str, tensors: list[torch.Tensor] = (), **fields) -> list:
-    """The frames of a message: its header (``op``, the tensors' specs, ``fields``), then
-    each tensor's bytes."""
     specs, data = zip(*(_tensor_frame(t) for t in tensors)) if tensors else ((), ())
     return [msgpack.packb({"op": op, "tensors": list(specs), **fields}), *data]
 
 
 def decode(frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
-    """``(header, tensors)`` of a message's frames.
-
-    Raises:
-        MessageError: a header that is not a msgpack map with ``op`` and ``tensors``, or
-            frames that do not match it.
-    """
+    """``(header, tensors)``. Raises MessageError: not a msgpack map with ``op`` and ``tensors``, or
+    frames that do not match it."""
     try:
         header = msgpack.unpackb(frames[0])
     except (ValueError, msgpack.UnpackException, IndexError) as exc:
@@ -100,7 +77,6 @@ def decode(frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
 
 def encode_step(op: str, input_ids: torch.Tensor, meta: AttentionMetadata,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None) -> list:
-    """The frames of a ``hidden_states`` or ``forward`` call (see the module doc)."""
     tensors = [input_ids, *(getattr(meta, name) for name in META_FIELDS), *(p.block_table for p in meta.prefills),
                *(embeds or ())]
     return encode(op, tensors, prefills=[[p.start, p.q_len, p.ctx_len] for p in meta.prefills],
@@ -108,11 +84,8 @@ def encode_step(op: str, input_ids: torch.Tensor, meta: AttentionMetadata,
 
 
 def decode_step(header: dict, tensors: list[torch.Tensor]) -> Step:
-    """``(input_ids, meta, embeds)`` of a decoded step message (on the host).
-
-    Raises:
-        MessageError: the tensors do not match the header's prefills and embeds.
-    """
+    """``(input_ids, meta, embeds)``, on the host. Raises MessageError: the tensors do not
+    match the header's prefills and embeds."""
     prefills, embeds = header.get("prefills"), header.get("embeds")
     if not isinstance(prefills, list) or len(tensors) != 1 + len(META_FIELDS) + len(prefills) + 2 * bool(embeds):
         raise MessageError(f"{header['op']}: {len(tensors)} tensors do not match its prefills and embeds")
@@ -124,16 +97,11 @@ def decode_step(header: dict, tensors: list[torch.Tensor]) -> Step:
 
 
 def encode_reply(rank: int, state: str, error: str = "", handle: bytes = b"") -> bytes:
-    """A follower's answer (see the module doc)."""
     return msgpack.packb({"rank": rank, "state": state, "error": error, "handle": handle})
 
 
 def decode_reply(frame: bytes) -> dict:
-    """A follower's answer as a dict with ``rank``, ``state``, ``error`` and ``handle``.
-
-    Raises:
-        MessageError: not one.
-    """
+    """Raises MessageError: not a reply."""
     try:
         reply = msgpack.unpackb(frame)
     except (ValueError, msgpack.UnpackException) as exc:

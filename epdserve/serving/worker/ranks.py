@@ -1,43 +1,8 @@
-"""The ranks of a tensor-parallel worker (``--tensor-parallel-size N``): rank 0 is the worker
-process itself, ranks 1..N-1 are follower processes it starts
-(:mod:`~epdserve.serving.worker.follower`), each holding its shard of the
-model (``model/tensor_parallel.py``) and a KV cache of the same block count as rank 0's; or,
-in an encode worker, its shard of the vision tower (``model/vision.py``; the ``vision`` part),
-whose :class:`DrivenVision` sends each ``encode`` call's pixel values the same way.
-
-Rank 0's engine schedules, samples and talks to the router as a single-process worker's
-does; it calls a :class:`DrivenModel`, which sends each forward-pass call (``hidden_states``,
-``forward``, ``logits``) with its input tensors to every follower, then runs it locally: the
-collectives inside (``torch.distributed``: gloo on the CPU, NCCL on CUDA) need every rank in
-the same call. The calls travel over ZeroMQ (one PUSH socket of rank 0's per follower, ipc in
-a private directory), encoded by :mod:`~epdserve.serving.worker.rank_messages` (msgpack and
-raw tensor bytes, never pickle). A follower waits on its socket with a timeout, never inside
-a collective, so an idle worker never meets a gloo timeout; it leaves on ``stop``, when rank
-0 is gone (``PR_SET_PDEATHSIG``, and its parent pid changing), or on any error.
-
-Start-up (:meth:`Ranks.start`, then :meth:`Ranks.drive` from the engine, or
-:meth:`Ranks.drive_vision`): rank 0 starts the followers, which load their shards while it
-loads its own, and say ``loaded`` (or their error); then every rank joins the process group
-(a TCP store on 127.0.0.1 that rank 0 holds). For a language model, rank 0 then creates the
-ranks' KV pool (on the CPU one /dev/shm file, one part per rank, so that rank 0 reads and
-writes every KV head of a hand-off: ``engine/kv_parts.py``) and sends ``init`` with the
-block count and the pool, and each follower maps its part and says ``ready``; on CUDA each
-follower allocates its part on its GPU and shares it in its ``ready`` by CUDA IPC, which rank 0
-opens. So rank 0 addresses every rank's KV cache on either device.
-
-Failure: a follower that dies makes rank 0's next collective raise (the closed connection)
-or its next send fail; :class:`DrivenModel` turns either into :class:`RankFailure`, and so
-does any error of a forward pass (the ranks are then out of step). The worker fails the
-step's requests with its message and exits (``engine_worker``), and ``serve`` restarts it
-whole, followers included. The ranks' socket directory (named by rank 0's pid) goes at
-:meth:`Ranks.close`, or, after a SIGKILL of rank 0, at the next start of a worker's ranks
-(:func:`remove_stale_dirs`).
-
-Placement: the worker's cores are split among its ranks, contiguous and as even as possible
-(:func:`split_cores`); each rank pins itself to its share and runs that many torch threads. On
-CUDA rank r runs on the r-th GPU from the worker's (:func:`rank_device`), NCCL between them
-(:func:`tp_backend`).
-"""
+"""The ranks of a tensor-parallel worker (``--tensor-parallel-size N``), seen from rank 0, the worker
+process: it starts the followers (:mod:`~epdserve.serving.worker.follower`), sends them each call
+of the model or vision tower (:mod:`~epdserve.serving.worker.rank_messages`), gives them their KV
+cache and sees them fail. Messages, start-up, KV pool, failure and placement:
+docs/tensor-parallel.md#a-tensor-parallel-worker."""
 
 from __future__ import annotations
 
@@ -68,8 +33,7 @@ from epdserve.transfer import cuda_ipc, shm
 log = logging.getLogger("epdserve.worker")
 
 START_TIMEOUT_S = 600.0  # a follower's load, and each later start-up reply
-# How long a rank waits inside one collective for the others (and to join the group). The
-# ranks run the same step, so waits are short; a follower that hangs holds rank 0 this long.
+# A rank's wait in one collective (and to join the group): a follower that hangs holds rank 0 this long.
 COLLECTIVE_TIMEOUT_S = 60.0
 POLL_S = 0.1  # a follower's wait for its next message before checking on rank 0
 STOP_GRACE_S = 5.0
@@ -79,17 +43,12 @@ _SOCKETS_DIR = re.compile(r"epdserve-tp-([0-9]{1,10})-\w+")  # the ranks' ipc di
 
 
 class RankFailure(RuntimeError):
-    """A rank of a tensor-parallel worker failed or left: the ranks are out of step, and the
-    worker cannot serve on (it exits, and is restarted whole)."""
+    """The ranks are out of step: the worker exits, to be restarted whole."""
 
 
 def split_cores(cores: list[int], size: int) -> list[list[int]]:
-    """Each of ``size`` ranks' share of a worker's ``cores``: contiguous and as even as
-    possible (the first ranks get the extra ones: 0,1,2 over 2 ranks is 0,1 and 2).
-
-    Raises:
-        ValueError: fewer cores than ranks.
-    """
+    """Contiguous and as even as possible, the extra cores to the first ranks (0,1,2 over 2
+    ranks: 0,1 and 2). Raises ValueError: fewer cores than ranks."""
     if len(cores) < size:
         raise ValueError(f"--tensor-parallel-size {size} needs {size} cores; this worker has {len(cores)}: "
                          "each rank needs one (give the worker more --cores or use fewer ranks)")
@@ -97,26 +56,22 @@ def split_cores(cores: list[int], size: int) -> list[list[int]]:
 
 
 def rank_device(device: str, rank: int) -> str:
-    """Rank ``rank``'s device of a worker on ``device``: the CPU, or the ``rank``-th GPU from
-    the worker's (``cuda:1`` with 2 ranks: ``cuda:1`` and ``cuda:2``)."""
+    """The CPU, or the ``rank``-th GPU from ``device`` (``cuda:1``, 2 ranks: ``cuda:1`` and ``cuda:2``)."""
     if not device.startswith("cuda"):
         return device
     return f"cuda:{int(device.partition(':')[2] or 0) + rank}"
 
 
 def tp_backend(devices: list[str]) -> str:
-    """The collectives' backend of ranks on ``devices`` (one a rank): NCCL when each rank has
-    a GPU of its own, else gloo (on the CPU, or ranks sharing a GPU, whose CUDA tensors gloo
-    moves through host memory: how a one-GPU host checks the CUDA code path)."""
+    """NCCL when each rank has a GPU of its own, else gloo (ranks sharing a GPU go through host
+    memory: how a one-GPU host checks the CUDA path)."""
     cuda = all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices)
     return "nccl" if cuda else "gloo"
 
 
 class _Driven:
-    """Rank 0's shard as its engine calls it: each forward-pass call is first sent to every
-    follower (:meth:`Ranks.send`), then run on rank 0's own ``model``; every other attribute
-    is that model's. Its calls raise :class:`RankFailure` when a follower is gone or the
-    call fails (see the module doc)."""
+    """Rank 0's shard ``model``: each forward-pass call goes to every follower first; raises
+    :class:`RankFailure` when one is gone or the call fails."""
 
     def __init__(self, model, ranks: Ranks):
         self.model, self.ranks = model, ranks
@@ -137,18 +92,18 @@ class DrivenModel(_Driven):
 
     def hidden_states(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                       embeds=None, kv_written=None) -> torch.Tensor:
-        """``LlamaModel.hidden_states`` on every rank (``kv_written`` is rank 0's alone)."""
+        """``kv_written`` is rank 0's alone."""
         return self._run(M.encode_step("hidden_states", input_ids, meta, embeds), self.model.hidden_states,
                          input_ids, meta, kv_cache, embeds, kv_written)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                 embeds=None, kv_written=None) -> torch.Tensor:
-        """``LlamaModel.forward`` on every rank: the full logits ``[S, vocab]``."""
+        """The full logits ``[S, vocab]``."""
         return self._run(M.encode_step("forward", input_ids, meta, embeds), self.model.forward,
                          input_ids, meta, kv_cache, embeds, kv_written)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``LlamaModel.logits`` of hidden rows ``[R, hidden]`` on every rank: ``[R, vocab]``."""
+        """``[R, hidden]`` -> ``[R, vocab]``."""
         return self._run(M.encode("logits", [hidden]), self.model.logits, hidden)
 
 
@@ -156,15 +111,13 @@ class DrivenVision(_Driven):
     """Rank 0's ``VisionEncoder`` in a tensor-parallel encode worker (see :class:`_Driven`)."""
 
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``VisionEncoder.encode`` of tiles ``[N, 3, H, W]`` on every rank: the embeddings."""
+        """Tiles ``[N, 3, H, W]``."""
         return self._run(M.encode("encode", [pixel_values]), self.model.encode, pixel_values)
 
 
 class Ranks:
-    """Rank 0's side of a tensor-parallel worker of ``size`` ranks: the followers' processes
-    and sockets, and the process group (see the module doc). Implements
-    ``model.tensor_parallel.RankDriver``; build with :meth:`start`, end with :meth:`close`
-    (idempotent; the followers also leave when this process ends)."""
+    """Implements ``model.tensor_parallel.RankDriver``; build with :meth:`start`, end with
+    :meth:`close` (idempotent; the followers also leave when this process ends)."""
 
     def __init__(self, size: int, worker_id: str, devices: list[str]):
         self.rank = TPRank(0, size)
@@ -188,11 +141,9 @@ class Ranks:
     @classmethod
     def start(cls, size: int, worker_id: str, model_dir: str, dtype: str, weight_format: str, device: str,
               cores: list[list[int]], part: str = "language", devices: list[str] | None = None) -> Ranks:
-        """Start followers 1..``size``-1 of a worker on ``device``, follower r pinned to
-        ``cores[r]``, loading ``part`` (:data:`PARTS`) of ``model_dir`` in ``dtype`` and
-        ``weight_format`` (a concrete, dense one; the vision tower is always dense), on
-        :func:`rank_device`'s device (``devices``: each rank's, to place them otherwise).
-        Returns at once: :meth:`drive` or :meth:`drive_vision` waits for them."""
+        """Follower r, pinned to ``cores[r]``, loads ``part`` (:data:`PARTS`) of ``model_dir`` on
+        ``devices[r]`` (default: :func:`rank_device`). Returns at once: :meth:`drive` or
+        :meth:`drive_vision` waits for them."""
         ranks = cls(size, worker_id, devices or [rank_device(device, r) for r in range(size)])
         try:
             for r in range(1, size):
@@ -221,19 +172,10 @@ class Ranks:
 
     def drive(self, model: LlamaModel, num_blocks: int, block_size: int,
               kv_dtype: torch.dtype) -> tuple[DrivenModel, list[torch.Tensor]]:
-        """Wait for every follower's shard, join the process group, give every rank its KV
-        cache of ``num_blocks`` blocks of ``block_size`` tokens in ``kv_dtype``, and return ``model`` driven
-        and every rank's cache, so that rank 0 reads and writes every KV head of a hand-off:
-        on the CPU the parts of one /dev/shm pool (:attr:`pool`, a
-        :class:`~epdserve.transfer.shm.KVPool`) that each follower maps its own part of; on
-        CUDA rank 0's own, then each follower's, allocated on its GPU and opened here by CUDA
-        IPC (``transfer.cuda_ipc.DevicePool``; a follower shares it in its ``ready``).
-
-        Raises:
-            ValueError: a follower could not load its shard (its error).
-            RankFailure: a follower died or did not answer within :data:`START_TIMEOUT_S`, or
-                the process group could not be formed within :data:`COLLECTIVE_TIMEOUT_S`.
-        """
+        """``model`` driven, and every rank's KV cache of ``num_blocks`` blocks, rank 0's first: on the
+        CPU the parts of one /dev/shm :attr:`pool`; on CUDA each follower's, opened by CUDA IPC. Raises
+        ValueError: a follower could not load its shard; RankFailure: a follower died or was silent for
+        :data:`START_TIMEOUT_S`, or the process group did not form within :data:`COLLECTIVE_TIMEOUT_S`."""
         self._join()
         c = model.config
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, sum(model.kv_head_split), c.head_dim)
@@ -258,19 +200,14 @@ class Ranks:
         return self.opened.open(cuda_ipc.unpack_handle(handle), layout)[0]
 
     def drive_vision(self, vision: VisionEncoder) -> DrivenVision:
-        """Wait for every follower's shard of the vision tower, join the process group and
-        return ``vision`` (rank 0's shard) driven.
-
-        Raises:
-            as :meth:`drive`.
-        """
+        """Raises as :meth:`drive`."""
         self._join()
         log.info("%s: %d tensor-parallel ranks of the vision tower ready (%s)", self.worker_id, self.size,
                  self.backend)
         return DrivenVision(vision, self)
 
     def _join(self) -> None:
-        """Wait for every follower's ``loaded``, then join the process group with them."""
+        """Wait for every follower's ``loaded``, then join the process group."""
         self._await("loaded")
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
@@ -282,7 +219,7 @@ class Ranks:
         self.joined = True
 
     def _await(self, state: str) -> dict[int, dict]:
-        """Wait until every follower has said ``state``; returns each one's reply by rank."""
+        """Every follower's reply ``state``, by rank."""
         waiting, got = set(range(1, self.size)), {}
         deadline = time.monotonic() + START_TIMEOUT_S
         while waiting:
@@ -301,11 +238,7 @@ class Ranks:
         return got
 
     def send(self, frames: list) -> None:
-        """Send one message to every follower, without blocking.
-
-        Raises:
-            RankFailure: a follower has exited or takes no more messages.
-        """
+        """Without blocking. Raises RankFailure: a follower has exited or takes no more messages."""
         self.check()
         for rank, sock in enumerate(self.controls, start=1):
             try:
@@ -321,9 +254,8 @@ class Ranks:
                                   f"code {proc.returncode}")
 
     def failure(self, exc: Exception, what: str = "a forward pass", wait_s: float = 1.0) -> RankFailure:
-        """The :class:`RankFailure` of ``what`` (a collective call of every rank) that raised
-        ``exc``: the follower that exited, if one does within ``wait_s`` (its closed
-        connection may be seen first), else ``exc`` itself."""
+        """The failure of ``what`` that raised ``exc``: the follower's exit if seen within ``wait_s``
+        (its closed connection may come first), else ``exc``."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -336,8 +268,7 @@ class Ranks:
             time.sleep(0.02)
 
     def close(self) -> None:
-        """Stop the followers (``stop``, then SIGKILL after :data:`STOP_GRACE_S`), leave the
-        process group and remove the sockets' directory."""
+        """``stop`` to each follower, SIGKILL after :data:`STOP_GRACE_S`."""
         if self.closed:
             return
         self.closed = True
@@ -364,9 +295,8 @@ class Ranks:
 
 
 def remove_stale_dirs() -> list[str]:
-    """Delete this user's ranks' socket directories whose rank 0 is gone (a SIGKILL skips
-    :meth:`Ranks.close`); returns their names. (A pid reused by another process keeps its
-    directory until that one exits.)"""
+    """Socket directories of this user's ranks whose rank 0 is gone (a SIGKILL skips
+    :meth:`Ranks.close`), deleted; returns their names."""
     removed = []
     for path in Path(tempfile.gettempdir()).glob("epdserve-tp-*"):
         match = _SOCKETS_DIR.fullmatch(path.name)

@@ -1,9 +1,6 @@
-"""An engine worker's role and, elastic (docs/elastic.md), the switch of role being drained.
-
-A worker takes a new role's work at once and finishes the old one's: each request keeps
-the role it was taken in (compiling its grammar or fetching its KV may outlast a switch),
-and the switch is over once the worker holds none of what it held when the switch came.
-"""
+"""An engine worker's role and, elastic (docs/elastic.md), the switch being drained: each request
+keeps the role it was taken in, and a switch is over once the worker holds none of what it held
+when the switch came."""
 
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ from epdserve.serving.deployment import ENGINE_ROLES
 
 @dataclass
 class Switch:
-    """A role switch being drained: from ``previous``, asked by SetRole ``switch_id``
-    received at ``arrival`` (``time.perf_counter()``); ``held``: the request ids the worker
+    """``arrival``: ``time.perf_counter()`` of the SetRole; ``held``: the request ids the worker
     held then, all of ``previous``'s work."""
 
     previous: str
@@ -30,10 +26,8 @@ class Switch:
 
 
 class Roles:
-    """The role a worker serves (one of :data:`ENGINE_ROLES`), the role each request still
-    on its way into the engine was taken in, and the switch being drained (None: none).
-
-    Raises (constructor): ValueError for an unknown role."""
+    """``role``: one of :data:`ENGINE_ROLES` (ValueError otherwise); ``switch``: the one being
+    drained, or None."""
 
     def __init__(self, role: str):
         if role not in ENGINE_ROLES:
@@ -43,32 +37,29 @@ class Roles:
         self._taken_as: dict[str, str] = {}
 
     def take(self, request_id: str) -> None:
-        """The request is taken now, in the current role, and reaches the engine later."""
+        """Taken now, in the current role; it reaches the engine later."""
         self._taken_as.setdefault(request_id, self.role)
 
     def role_of(self, request_id: str) -> str:
-        """The role the request was taken in (the current one for a request taken at once);
-        it reaches the engine now, so it is forgotten."""
+        """The role it was taken in (the current one if taken at once), forgotten: it reaches the engine now."""
         return self._taken_as.pop(request_id, self.role)
 
     def forget(self, request_id: str | None = None) -> None:
-        """Forget the request (aborted, failed), or every request."""
+        """The request, or every request."""
         if request_id is None:
             self._taken_as.clear()
         else:
             self._taken_as.pop(request_id, None)
 
     def begin(self, role: str, switch_id: str, arrival: float, holding: set[str]) -> None:
-        """Serve ``role`` from now on, draining what the worker holds (``holding``); a second
-        switch while one drains redirects it: the work of both older roles drains."""
+        """A second switch while one drains redirects it: the work of both older roles drains."""
         previous = self.switch.previous if self.switch else self.role
         held = holding | (self.switch.held if self.switch else set())
         self.role = role
         self.switch = Switch(previous, switch_id, arrival, held)
 
     def drained(self, holding: set[str]) -> Switch | None:
-        """The switch, once the worker holds (``holding``) none of the old role's work; else
-        None (and None without a switch)."""
+        """The switch, once ``holding`` has none of the old role's work; else None."""
         switch = self.switch
         if switch is None:
             return None

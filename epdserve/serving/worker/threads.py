@@ -1,5 +1,4 @@
-"""The threads around a worker's loop (engine or encode worker): one receives the router's
-commands into the loop's inbox, stamping their arrival; one sends heartbeats."""
+"""The threads around a worker's loop: one receives the router's commands, one sends heartbeats."""
 
 from __future__ import annotations
 
@@ -16,17 +15,14 @@ from epdserve.transfer.sealing import AuthError, DropLog, NO_AUTH, Opener
 
 log = logging.getLogger("epdserve.worker")
 HEARTBEAT_INTERVAL_S = 0.5
-IDLE_WAIT_S = 0.1  # how long an idle worker waits for a command before its housekeeping
+IDLE_WAIT_S = 0.1  # an idle worker's wait for a command before its housekeeping
 
 
 def receive_commands(cmd: zmq.Socket, inbox: queue.Queue, worker_id: str, stop: threading.Event,
                      opener: Opener | None = None) -> None:
-    """Thread body: move each command from ``cmd`` into ``inbox`` as ``(message,
-    time.perf_counter() at receipt)`` until ``stop`` is set. Stamping on a thread of its own
-    counts the time a request waits while the engine is in a long step as queue time, not
-    as an unexplained gap; the engine itself stays single-threaded. ``opener`` checks each
-    frame's tag first (``auth``; None: no token); frames that fail it or are not epdserve
-    messages are logged (rate-limited) and dropped."""
+    """Put each command into ``inbox`` as ``(message, time.perf_counter() at receipt)``, so that
+    the wait behind a long engine step counts as queue time, until ``stop``. Frames that fail
+    ``opener``'s check or do not decode are dropped (logged, rate-limited)."""
     opener = opener or NO_AUTH.opener("commands")
     drops = DropLog(log, f"{worker_id}: dropped a command frame")
     while not stop.is_set():
@@ -44,10 +40,8 @@ def receive_commands(cmd: zmq.Socket, inbox: queue.Queue, worker_id: str, stop: 
 
 def heartbeat(ctx: zmq.Context, router: str, worker_id: str, stop: threading.Event,
               keyring: auth.Keyring = NO_AUTH, incarnation: str = "0" * 16) -> None:
-    """Thread body: send Heartbeat every HEARTBEAT_INTERVAL_S until ``stop`` is set. Its own
-    socket (ZeroMQ sockets are not thread-safe), and torch releases the GIL in long engine
-    steps, so a worker busy for seconds still shows it is alive. Each beat is sealed anew
-    (``keyring``): its counter rises, so a recorded beat cannot be replayed."""
+    """A Heartbeat every HEARTBEAT_INTERVAL_S until ``stop``, on a socket of its own; each sealed
+    anew so that a recorded beat cannot be replayed."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 4)  # a router that is away gets a few, not a backlog
@@ -65,7 +59,6 @@ def heartbeat(ctx: zmq.Context, router: str, worker_id: str, stop: threading.Eve
 
 def serve(worker, ctx: zmq.Context, cmd: zmq.Socket, inbox: queue.Queue, router: str, worker_id: str,
           keyring: auth.Keyring, incarnation: str) -> None:
-    """Run ``worker``'s loop, with the heartbeat and command-receiving threads, until it stops."""
     stop = threading.Event()
     beat = threading.Thread(target=heartbeat, args=(ctx, router, worker_id, stop, keyring, incarnation),
                             name="epdserve-heartbeat", daemon=True)
