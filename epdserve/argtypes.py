@@ -1,6 +1,5 @@
-"""argparse value types shared by the sub-commands (each names the bad value), the one
-declaration of a flag that several commands take (:class:`Flag`), and ``--config FILE``,
-options read from YAML (:func:`config_argv`)."""
+"""argparse value types (errors name the bad value), :class:`Flag` for a flag several commands take, config
+dataclasses whose fields are flags (:func:`setting`), and ``--config FILE`` (YAML, as vLLM's)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ import yaml
 
 
 class Flag:
-    """One flag: its long name, any other names (``-tp``, as vLLM's) and
-    ``argparse.add_argument``'s keywords."""
 
     def __init__(self, name: str, *aliases: str, **kwargs):
         self.name, self.aliases, self.kwargs = name, aliases, kwargs
@@ -25,9 +22,8 @@ class Flag:
         return self.name.removeprefix("--").replace("-", "_")
 
     def add(self, parser: argparse.ArgumentParser, passed: bool = False, **overrides) -> argparse.Action:
-        """Add it to ``parser`` (or an argument group); ``passed``: as serve takes a worker
-        flag (default None or False, help naming the worker's default). The action it
-        returns carries this declaration as ``action.flag``."""
+        """``passed``: as serve takes a worker flag: default None (the worker keeps its own), help naming the
+        worker's default. The action returned carries this declaration as ``action.flag``."""
         kwargs = dict(self.kwargs, **overrides)
         if passed:
             if kwargs.get("action") != "store_true":
@@ -41,7 +37,7 @@ class Flag:
         return action
 
     def argv(self, value) -> list[str]:
-        """The worker command-line words that give it ``value`` (None: not given)."""
+        """Worker command-line words giving ``value``; None: not given."""
         action = self.kwargs.get("action")
         if value is None or value is False and action == "store_true":
             return []
@@ -52,37 +48,75 @@ class Flag:
         return [self.name, str(value)]
 
 
-def setting(help: str, **kwargs) -> dict:
-    """The ``metadata`` of a config dataclass field that is also a flag (:func:`flags_of`):
-    its ``help`` and any other ``argparse.add_argument`` keyword (``type``, ``choices``,
-    ``metavar``); the flag's name and default are the field's."""
-    return {"flag": dict(help=help, **kwargs)}
+def setting(help: str, *names: str, also: tuple[Flag, ...] = (), passed: bool = False, **kwargs) -> dict:
+    """``metadata`` of a config dataclass field that is also a flag: ``add_argument``'s keywords. The flag is
+    ``--field-name`` unless ``names`` (the first its name); ``also``: other flags that set the field; ``passed``: serve
+    passes it to each worker."""
+    return {"flag": dict(help=help, **kwargs), "names": names, "also": also, "passed": passed}
 
 
-def flags_of(config_class) -> tuple[Flag, ...]:
-    """The flags a config dataclass declares (:func:`setting` fields, in field order):
-    ``--field-name`` with the field's default; a ``bool`` field is ``--x`` / ``--no-x``."""
-    out = []
+def field_of(flag: Flag):
+    kwargs = dict(flag.kwargs)
+    default = kwargs.pop("default", None)
+    return dataclasses.field(default=default, metadata=setting(kwargs.pop("help", ""), flag.name, *flag.aliases,
+                                                               **kwargs))
+
+
+def nested(config_class, title: str | None = None, passed: bool = False):
+    """A field holding another config whose flags are its parent's; ``title``: their ``--help`` group."""
+    return dataclasses.field(default_factory=config_class,
+                             metadata={"nested": config_class, "title": title, "passed": passed})
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return None if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+def _field_flags(f: dataclasses.Field) -> tuple[Flag, ...]:
+    meta = f.metadata
+    kwargs = dict(meta["flag"], default=_default(f))
+    if f.type in (bool, "bool") and "action" not in kwargs:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    names = meta["names"] or ("--" + f.name.replace("_", "-"),)
+    return (Flag(*names, **kwargs), *meta["also"])
+
+
+def flags_of(config_class, passed: bool = False) -> tuple[Flag, ...]:
+    """In field order, nested ones included (``passed``: only those serve passes); a bool is ``--x``/``--no-x``."""
+    out: list[Flag] = []
     for f in dataclasses.fields(config_class):
-        if "flag" not in f.metadata:
-            continue
-        kwargs = dict(f.metadata["flag"], default=f.default)
-        if f.type in (bool, "bool"):
-            kwargs["action"] = argparse.BooleanOptionalAction
-        out.append(Flag("--" + f.name.replace("_", "-"), **kwargs))
+        if "nested" in f.metadata:
+            out += flags_of(f.metadata["nested"], passed and not f.metadata["passed"])
+        elif "flag" in f.metadata and (f.metadata["passed"] or not passed):
+            out += _field_flags(f)
     return tuple(out)
 
 
-def config_from(config_class, args: Any):
-    """A config dataclass of the flags it declares (:func:`flags_of`), read from parsed
-    ``args`` by their dests; the other fields keep their defaults."""
-    return config_class(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_class)
-                           if "flag" in f.metadata})
+def add_flags(parser, config_class, passed: bool = False) -> None:
+    for f in dataclasses.fields(config_class):
+        if "nested" in f.metadata:
+            title = f.metadata["title"]
+            add_flags(parser.add_argument_group(title) if title else parser, f.metadata["nested"], passed)
+        elif "flag" in f.metadata:
+            for flag in _field_flags(f):
+                flag.add(parser, passed)
+
+
+def config_from(config_class, args: argparse.Namespace):
+    """Fields that are not flags keep their defaults."""
+    values = {}
+    for f in dataclasses.fields(config_class):
+        if "nested" in f.metadata:
+            values[f.name] = config_from(f.metadata["nested"], args)
+        elif "flag" in f.metadata:
+            values[f.name] = getattr(args, f.name)
+    return config_class(**values)
 
 
 def from_check(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``parse`` as an argparse type: the message of the ``ValueError`` it raises is the
-    error argparse prints (exit status 2), naming the value."""
+    """``parse`` as an argparse type: its ValueError's message is the error argparse prints (exit 2)."""
     def checked(text: str):
         try:
             return parse(text)
@@ -92,32 +126,25 @@ def from_check(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return checked
 
 
-# A command's parsed options: the frozen dataclass frozen_options makes of them (a test may pass
-# a plain Namespace). Read by attribute, never assigned.
+# frozen_options' dataclass, or a test's Namespace: read by attribute, never assigned.
 Options = Any
 
 
 def frozen_options(command: str, args: argparse.Namespace):
-    """``args`` as an instance of a frozen dataclass named after the command
-    (``ServeOptions`` for serve), one field per option: what a command parsed cannot be
-    changed afterwards (assigning raises ``dataclasses.FrozenInstanceError``); a value it
-    resolves goes into a copy (:func:`with_values`)."""
+    """One frozen field per option (assigning raises FrozenInstanceError); resolved values go into a copy."""
     name = "".join(part.title() for part in command.split("-")) + "Options"
     cls = dataclasses.make_dataclass(name, [(dest, object) for dest in vars(args)], frozen=True)
     return cls(**vars(args))
 
 
 def with_values(args, **values):
-    """A copy of parsed options (:func:`frozen_options`, or a plain ``Namespace``) with
-    ``values`` (by dest) set: a command derives the options it resolves (a default that
-    depends on others, a generated token) without changing the ones it was given."""
+    """A copy with ``values`` set by dest, so that the options a command was given stay as given."""
     if dataclasses.is_dataclass(args):
         return dataclasses.replace(args, **values)
     return argparse.Namespace(**{**vars(args), **values})
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type accepting whole numbers >= ``minimum``."""
 
     def parse(text: str) -> int:
         try:
@@ -142,7 +169,6 @@ def _finite(text: str) -> float:
 
 
 def _bounded(ok: Callable[[float], bool], bound: str) -> Callable[[str], float]:
-    """An argparse type accepting finite numbers for which ``ok`` holds; ``bound`` says which."""
 
     def parse(text: str) -> float:
         value = _finite(text)
@@ -154,18 +180,65 @@ def _bounded(ok: Callable[[float], bool], bound: str) -> Callable[[str], float]:
 
 
 def float_at_least(minimum: float) -> Callable[[str], float]:
-    """An argparse type accepting finite numbers >= ``minimum``."""
     return _bounded(lambda v: v >= minimum, f"a finite number >= {minimum:g}")
 
 
 def float_above(minimum: float) -> Callable[[str], float]:
-    """An argparse type accepting finite numbers > ``minimum``."""
     return _bounded(lambda v: v > minimum, f"a finite number > {minimum:g}")
 
 
 def zero_or_at_least(minimum: float) -> Callable[[str], float]:
-    """An argparse type accepting 0 (an "off" switch) or finite numbers >= ``minimum``."""
     return _bounded(lambda v: v == 0 or v >= minimum, f"0 or a finite number >= {minimum:g}")
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """argparse type: ``MIN:MAX`` or ``N`` tokens, 1 <= MIN <= MAX."""
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MIN:MAX (integers)") from None
+    if lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def parse_rate(text: str) -> float:
+    """argparse type: req/s > 0, or ``inf``."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number (use inf for all at once)") from None
+    if not (rate > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0 (inf = all at once)")
+    return rate
+
+
+def parse_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 <= value <= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction in [0, 1], e.g. 0.5")
+    return value
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """argparse type: ``WxH`` pixels, both >= 1."""
+    w, sep, h = text.lower().partition("x")
+    try:
+        size = (int(w), int(h))
+    except ValueError:
+        size = (0, 0)
+    if not sep or min(size) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected WxH in pixels, e.g. 448x448")
+    return size
 
 
 # vLLM's modalities of --limit-mm-per-prompt; epdserve's models take images only.
@@ -173,10 +246,8 @@ MM_MODALITIES = ("image", "video", "audio")
 
 
 def mm_limit_images(text: str) -> int:
-    """An argparse type for vLLM's ``--limit-mm-per-prompt``: a JSON object (``{"image": 4}``)
-    or ``image=4,video=0`` (vLLM before 0.9), modality -> most items per prompt. Returns the
-    image count (0 when absent); a video or audio count other than 0 is refused, as
-    epdserve serves no such model, and so is an unknown modality or a bad count."""
+    """vLLM's ``--limit-mm-per-prompt``: ``{"image": 4}`` or ``image=4,video=0`` (vLLM < 0.9); returns the
+    image count. A video or audio count other than 0, an unknown modality or a bad count is refused."""
     try:
         items = json.loads(text) if text.lstrip().startswith("{") else {
             k.strip(): v for k, _, v in (part.partition("=") for part in text.split(","))}
@@ -197,9 +268,7 @@ def mm_limit_images(text: str) -> int:
 
 
 def slo_pair(keys: tuple[str, ...], positive: bool = False) -> Callable[[str], tuple[str, float]]:
-    """An argparse type for one SLO ``KEY:MS`` as vLLM ``bench serve --goodput`` writes it:
-    KEY one of ``keys``, MS a finite number >= 0 (ms), > 0 if ``positive`` (a controller
-    cannot steer to a target nothing meets); the error names the text."""
+    """One ``KEY:MS`` as vLLM ``bench serve --goodput`` writes it; MS > 0 if ``positive`` (no steering to 0)."""
 
     def parse(text: str) -> tuple[str, float]:
         key, sep, value = text.partition(":")
@@ -216,14 +285,12 @@ def slo_pair(keys: tuple[str, ...], positive: bool = False) -> Callable[[str], t
     return parse
 
 
-# vLLM's human-readable integers (``--max-model-len 32k``): lowercase suffixes are
-# decimal, uppercase binary.
+# vLLM's (--max-model-len 32k): lowercase decimal, uppercase binary.
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
 def tokens_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type accepting whole numbers >= ``minimum`` written plainly or as vLLM
-    writes them: ``32k`` (32,000), ``32K`` (32,768), ``25.6k`` (25,600)."""
+    """Plain, or as vLLM writes them: ``32k`` (32,000), ``32K`` (32,768), ``25.6k`` (25,600)."""
 
     def parse(text: str) -> int:
         number, scale = (text[:-1], _SUFFIXES[text[-1]]) if text[-1:] in _SUFFIXES else (text, 1)
@@ -239,14 +306,9 @@ def tokens_at_least(minimum: int) -> Callable[[str], int]:
 
 
 def config_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """``argv`` with the options of its ``--config FILE`` (YAML, as ``vllm serve --config``)
-    put first, so that options on the command line win. FILE maps option names, the long
-    flag without ``--`` and with ``-`` or ``_`` (``max-num-seqs`` or ``max_num_seqs``), to
-    values: a scalar, a list (an option taking several values), or a boolean (a switch:
-    true gives it, false gives ``--no-NAME`` where it has one, else nothing). The values go
-    through the option's own type and choices. Exits through ``parser.error`` (status 2,
-    naming the file and the key) on a file that cannot be read, that is not a mapping, or
-    that names an unknown option."""
+    """``argv`` with ``--config FILE``'s options first, so that the command line wins. FILE (YAML, as
+    ``vllm serve --config``) maps long option names (``-`` or ``_``) to a scalar, a list, or a boolean (true: the
+    switch; false: ``--no-NAME`` or nothing). ``parser.error`` (exit 2): unreadable, not a mapping, unknown option."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     path = pre.parse_known_args(argv)[0].config
@@ -271,9 +333,8 @@ def config_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
 
 
 def _config_words(parser: argparse.ArgumentParser, path: str, name: str, action, value) -> list[str]:
-    """The command-line words of ``name: value`` from a config file (see :func:`config_argv`)."""
     if isinstance(value, bool):
-        if action.nargs == 0:  # a switch
+        if action.nargs == 0:
             negative = "--no-" + name[2:]
             return [name] if value else [negative] if negative in action.option_strings else []
         value = str(value).lower()

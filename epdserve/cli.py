@@ -1,10 +1,5 @@
 """The ``epdserve`` command: one sub-command per job.
-
-Each sub-command lives in its own module, which provides ``add_arguments(parser)`` and
-``run(args) -> int``; this file only dispatches, importing just the chosen module so that
-a bench client never loads torch. Every role (router, worker, bench client) starts from
-this same entry point on any host.
-"""
+Only the chosen sub-command's module is imported, so that a bench client never loads torch."""
 
 from __future__ import annotations
 
@@ -12,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from epdserve.argtypes import config_argv, frozen_options
+from epdserve.argtypes import config_argv, config_from, frozen_options
 
 COMMANDS = {
     "serve": ("epdserve.serving.launch.launcher", "start a router and its workers (colocated, PD or EPD)"),
@@ -25,12 +20,12 @@ COMMANDS = {
     "tune": ("epdserve.model.tune", "measure this machine's kernel choices again and show them"),
 }
 
-# The commands that take --config FILE (vLLM's serve has it; compare and plan have --configs).
+# --config FILE, as vLLM's serve (compare and plan have --configs)
 CONFIG_COMMANDS = ("serve", "router", "worker")
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run ``epdserve COMMAND [options]``; exits with the command's status (2 on bad usage)."""
+    """Exits with the command's status (2 on bad usage)."""
     argv = sys.argv[1:] if argv is None else argv
     top = argparse.ArgumentParser(prog="epdserve", description=__doc__.splitlines()[0])
     top.add_argument("command", choices=list(COMMANDS), help="; ".join(
@@ -48,4 +43,6 @@ def main(argv: list[str] | None = None) -> None:
                             help="YAML file of options (as vllm serve's --config): keys are the long option names "
                                  "without '--' ('-' or '_'), e.g. 'max-num-seqs: 8'; the command line wins")
         args = config_argv(parser, args)
-    sys.exit(module.run(frozen_options(argv[0], parser.parse_args(args))))
+    parsed = parser.parse_args(args)
+    typed = getattr(module, "OPTIONS", None)
+    sys.exit(module.run(config_from(typed, parsed) if typed else frozen_options(argv[0], parsed)))

@@ -41,10 +41,11 @@ from epdserve.serving.api import fields
 from epdserve.serving.api import openai as api
 from epdserve.serving import protocol as P
 from epdserve.serving.api.logprobs import LogprobsFormatter, prompt_entries, vllm_prompt_logprobs
+from epdserve.serving.api.responses import SSE_DONE
 from epdserve.serving.router.events import WorkerFailed
-from epdserve.serving.router.flows import new_flow
-from epdserve.serving.router.choices import Choice, best_choices
-from epdserve.serving.router.routes import Completions
+from epdserve.serving.router.answer import Answer, best_choices
+from epdserve.serving.router.choices import Choice
+from epdserve.serving.router.paths import new_flow
 from epdserve.serving.api.errors import APIError
 
 pytestmark = pytest.mark.api
@@ -183,20 +184,18 @@ def test_pd_flow_keeps_the_prefill_workers_prompt_logprobs_and_spares_the_decode
 
 def test_concurrency_limit_503_has_the_error_body():
     """uvicorn's --limit-concurrency answer: 503 with OpenAI's body, not plain text."""
-    import argparse
     import socket
     import threading
 
     import uvicorn
     from fastapi import FastAPI
 
-    from epdserve.serving.router.http_guard import uvicorn_config
+    from epdserve.serving.router.http_guard import HttpLimits, uvicorn_config
 
     app = FastAPI()
     app.get("/ok")(lambda: {"ok": True})
-    args = argparse.Namespace(host="127.0.0.1", port=0, http_header_timeout=5.0, http_body_timeout=5.0,
-                              max_request_body_mb=1, limit_concurrency=2)
-    server = uvicorn.Server(uvicorn_config(app, args))
+    limits = HttpLimits(http_header_timeout=5.0, http_body_timeout=5.0, max_request_body_mb=1, limit_concurrency=2)
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, limits))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     try:
@@ -251,19 +250,22 @@ class _FailingFlow:
         yield [5], None, None
         raise WorkerFailed("worker w1 died (killed)", 503)
 
+    def fail(self, exc):
+        self.error = str(exc)
+
 
 def test_streamed_error_event_has_the_error_body(tokenizer):
     from epdserve.serving.api.detokenizer import TextStream
 
-    front = SimpleNamespace(model=SimpleNamespace(name="m"), finish=lambda flow: None)
+    request_log = SimpleNamespace(ended=lambda flow: None)
     choices = [Choice(0, _FailingFlow(), TextStream(tokenizer, [1], []), None)]
     body = api.CompletionRequest(prompt="x", stream=True)
 
     async def collect():
-        return [e async for e in Completions(front).stream_events("cmpl-1", choices, body, "completion")]
+        return [e async for e in Answer("cmpl-1", choices, body, "completion", "m", request_log, str).events()]
 
     events = asyncio.run(collect())
-    assert events[-1] == api.SSE_DONE
+    assert events[-1] == SSE_DONE
     error = json.loads(events[-2].removeprefix("data: "))
     assert error == {"error": {"message": "worker w1 died (killed)", "type": "service_unavailable",
                                "param": None, "code": None}}

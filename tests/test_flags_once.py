@@ -79,7 +79,7 @@ def test_serve_passes_worker_flags_with_the_workers_declaration():
     serve = {path: action for path, action in uses["--kv-cache-memory-mb"]}
     assert serve["serve"].default is None and serve["worker"].default == 1024
     assert serve["serve"].help.endswith("passed to each worker (default: 1024)")
-    assert serve["serve"].flag is serve["worker"].flag
+    assert _declared(serve["serve"]) == _declared(serve["worker"])  # the same field
 
 
 def test_role_tensor_parallel_flags_are_serves_alone_and_declared_once():
@@ -98,24 +98,32 @@ def test_other_meanings_are_still_shared_names():
     assert not stale, f"no longer in two commands, remove from OTHER_MEANING: {stale}"
 
 
-def test_every_worker_flag_has_its_config_field():
-    """A flag parsed and left out of the config would be accepted and ignored; the engine's
-    flags are its config's fields, declared there once, and reach the engine's config."""
-    from dataclasses import fields
-
+def test_every_worker_and_router_flag_is_its_config_field():
+    """A flag parsed and left out of the config would be accepted and ignored: the worker's
+    and the router's flags are their configs' fields, declared there once, and every one
+    reaches its config."""
+    from epdserve.argtypes import config_from, flags_of
     from epdserve.engine.config import EngineConfig
-    from epdserve.serving.worker.setup import WorkerConfig, add_arguments
+    from epdserve.serving.router.app import RouterCommand
+    from epdserve.serving.worker.setup import WORKER_FLAGS, WorkerConfig, add_arguments
 
+    for config_class, add in ((WorkerConfig, add_arguments), (RouterCommand, None)):
+        parser = argparse.ArgumentParser()
+        (add or importlib.import_module("epdserve.serving.router.app").add_arguments)(parser)
+        dests = {a.dest for a in parser._actions if a.dest != "help"}
+        assert dests == {flag.kwargs.get("dest", flag.dest) for flag in flags_of(config_class)}
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    dests = {a.dest for a in parser._actions if a.dest != "help"}
-    engine = {f.name for f in fields(EngineConfig) if "flag" in f.metadata}
-    assert dests == {f.name for f in fields(WorkerConfig)} - {"engine"} | engine
     args = parser.parse_args(["--role", "decode", "--router", "ipc://r", "--bind", "ipc://b", "--worker-id", "w",
-                              "--block-size", "32", "--no-enforce-eager", "--dtype", "bfloat16"])
-    config = WorkerConfig.from_args(args)
+                              "--block-size", "32", "--no-enforce-eager", "--dtype", "bfloat16", "-tp", "2"])
+    config = config_from(WorkerConfig, args)
     assert (config.engine.block_size, config.engine.enforce_eager, config.engine.dtype) == (32, False, "bfloat16")
+    assert config.tensor_parallel_size == 2 and config.auth.internal_encryption == "none"
     assert config.engine.max_num_seqs == EngineConfig().max_num_seqs  # each default declared once
+    # serve passes the engine's and the hand-off's flags, not the worker's own (--kv-ttl, --role).
+    passed = {flag.dest for flag in WORKER_FLAGS}
+    assert {f.dest for f in flags_of(EngineConfig)} <= passed and "tensor_parallel_size" in passed
+    assert not passed & {"kv_ttl", "role", "kv_bind", "auth_token"}
 
 
 def test_parsed_options_are_frozen_and_copied_with_new_values():

@@ -11,7 +11,6 @@ real uvicorn server in-process.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import socket
@@ -23,7 +22,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from epdserve.serving.router.http_guard import uvicorn_config
+from epdserve.serving.router.http_guard import HttpLimits, uvicorn_config
 from test_faults_workers import Stream, wait_for
 from epdserve.serving.api.errors import install_error_handlers
 
@@ -130,9 +129,8 @@ def guarded_server():
     async def boom():
         raise RuntimeError("secret detail /etc/epdserve/internal")
 
-    args = argparse.Namespace(host="127.0.0.1", port=0, http_header_timeout=1.0, http_body_timeout=1.0,
-                              max_request_body_mb=1, limit_concurrency=64)
-    server = uvicorn.Server(uvicorn_config(app, args))
+    limits = HttpLimits(http_header_timeout=1.0, http_body_timeout=1.0, max_request_body_mb=1, limit_concurrency=64)
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, limits))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     try:

@@ -32,6 +32,8 @@ from epdserve.serving.worker import engine_worker as worker
 from epdserve.serving.api.openai import CompletionRequest
 from epdserve.serving.router import surface
 from epdserve.serving.router.app import served_model
+from epdserve.serving.router.options import RouterOptions
+from epdserve.serving.worker.setup import WORKER_FLAGS
 
 KEY = "sk-test-surface"
 NAMES = ["alpha", "beta"]
@@ -234,7 +236,7 @@ def test_serve_passes_worker_flags_as_the_worker_parses_them():
              "--no-enable-prefix-caching", "--kv-transfer-dtype", "int8", "--kv-layer-pipeline", "--model", "m"]
     args = serve.parse_args(given)
     wargs = work.parse_args(launcher.worker_command(args, "prefill", "p-0", [0], "ipc://e", "ipc://c")[4:])
-    for flag in (flags.MODEL_FLAG, *flags.WORKER_FLAGS):
+    for flag in (flags.MODEL_FLAG, *WORKER_FLAGS):
         assert getattr(wargs, flag.dest) == getattr(work.parse_args(["--role", "decode", "--router", "e", "--bind",
                                                                      "c", "--worker-id", "w", *given]), flag.dest)
     # Nothing given: nothing passed, the worker's own defaults hold.
@@ -349,13 +351,10 @@ def test_dtype_auto(model_info, tmp_path, monkeypatch):
 
 
 def test_served_model_names_and_context(model_info):
-    args = argparse.Namespace(model=None, max_model_len=None, served_model_name=None)
-    model = served_model(args)
+    model = served_model(RouterOptions())
     assert model.accepts(model.name) and model.accepts(str(model.path)) and not model.accepts("other")
-    args = argparse.Namespace(model=None, max_model_len=100, served_model_name=["x", "y", "x"])
-    model = served_model(args)
+    model = served_model(RouterOptions(max_model_len=100, served_model_name=["x", "y", "x"]))
     assert (model.name, model.served_names, model.max_model_len) == ("x", ("x", "y"), 100)
     assert model.accepts("y") and not model.accepts(model_info.name)
     with pytest.raises(ModelLoadError, match="--max-model-len"):
-        served_model(argparse.Namespace(model=None, max_model_len=model_info.max_model_len + 1,
-                                        served_model_name=None))
+        served_model(RouterOptions(max_model_len=model_info.max_model_len + 1))

@@ -180,11 +180,13 @@ def test_the_router_option_sets_the_prefix_and_the_served_name(model_info, capsy
     labelled with the served model's name; another value is a CLI error naming it."""
     import argparse
 
-    from epdserve.serving.router.app import add_arguments, build_router
+    from epdserve.argtypes import config_from
+    from epdserve.serving.router.app import RouterCommand, add_arguments, build_router
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    router = build_router(parser.parse_args(["--metrics-prefix", "vllm"]), "ipc:///nonexistent/events")
+    options = config_from(RouterCommand, parser.parse_args(["--metrics-prefix", "vllm"])).router
+    router = build_router(options, "ipc:///nonexistent/events")
     try:
         text = router.metrics.render().decode()
     finally:

@@ -113,7 +113,7 @@ def test_an_encode_worker_refuses_more_ranks_than_heads(capsys):
                               "--bind", "ipc:///nowhere/cmd", "--worker-id", "e", "--allow-unauthenticated"])
     threads = torch.get_num_threads()
     try:
-        assert engine_worker.run(args) == 2
+        assert engine_worker.run(engine_worker.WorkerConfig.from_args(args)) == 2
     finally:
         torch.set_num_threads(threads)
     assert capsys.readouterr().out.strip() == ("epdserve worker: error: tensor parallel size 13 of the vision tower: "

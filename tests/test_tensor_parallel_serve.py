@@ -204,7 +204,7 @@ def run_worker(capsys, *argv: str) -> tuple[int, str]:
                               "ipc:///nowhere/cmd", "--worker-id", "w", "--allow-unauthenticated", *argv])
     threads = torch.get_num_threads()
     try:
-        rc = engine_worker.run(args)
+        rc = engine_worker.run(engine_worker.WorkerConfig.from_args(args))
     finally:
         torch.set_num_threads(threads)
     return rc, capsys.readouterr().out.strip()

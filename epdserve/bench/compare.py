@@ -1,57 +1,7 @@
-"""``epdserve compare``: run ONE trace against each deployment and put the numbers side by
-side.
-
-Deployments come from ``--configs`` (epdserve deployments by name) and ``--deployments FILE
-[FILE ...]`` (TOML files of epdserve deployments, processes to start, or base URLs of
-servers already running: :mod:`epdserve.bench.deployments`), the ``--configs`` ones first;
-the first is the baseline of the ratios. Before any runs, every file is validated (a
-malformed one stops compare, naming file, entry and key) and every epdserve deployment is
-checked as ``epdserve serve`` will check it (:func:`preflight`): one the host cannot hold
-(memory) stops compare, so that it never recommends the only survivor; workers sharing
-cores get a warning.
-
-For each deployment in turn (:func:`run_config`): start it (each process in its own process
-group, its output in ``DIR/NAME.server.log`` for epdserve, ``DIR/NAME.pI.log`` for process
-I of a processes entry), wait until it is ready (epdserve: ``/health`` 200 with all its
-workers up), check that it answers ``GET /v1/models`` as an OpenAI server, send the trace
-with the bench client, stop it (SIGTERM to each group, SIGKILL after a grace period; on
-every exit path: normal end, error, Ctrl-C or SIGTERM, a process that dies), and
-summarise epdserve's per-request trace. Around the run it records the load on the cores
-(:mod:`epdserve.host`): a second before the deployment starts, and during the trace the
-load average, CPU steal, and the CPU time of the deployment (each of its processes'
-trees), of the bench client (this process) and of every other process; a run in which others
-took :data:`~epdserve.host.OUTSIDE_SHARE_WARN` or more of the cores is flagged on stdout
-and in compare.md. Faults: a deployment that never gets ready, is not an OpenAI server,
-or whose process dies before the trace is an entry ``{"name", "mode", "deployment",
-"error", "log_tail"}`` and the others still run; one whose process dies during the trace
-keeps its result (the requests that failed are counted) with ``"died"``, and its other
-processes are stopped at once. From the end of the warm-up to the end of the trace, every
-metrics URL of the deployment is scraped (:mod:`epdserve.bench.server_metrics`: the
-server's own stages, for any engine). Deployments run in interleaved rounds (A B A B ...),
-``--repeats N`` of them, or by default (``auto``) until the paired verdict is clear or
-``--budget`` minutes end (:mod:`epdserve.bench.rounds`), and each deployment's runs are
-folded into one entry (:func:`epdserve.bench.repeats.combine`: medians and ranges, and the
-per-request outcomes the verdict pairs). Then write under ``--output DIR``:
-
-* ``trace.jsonl`` — the trace sent to every deployment;
-* ``compare.json`` — ``{"trace", "sampling", "configs": [<entry>], "recommendation"}``
-  (an entry: see :func:`run_config`);
-* ``compare.md`` — the comparison table, the TTFT breakdown, the workload (with a
-  production trace: how the replay differs from the original), the stages from /metrics
-  and the recommendation (:mod:`epdserve.bench.recommend`);
-* ``ttft_cdf.png``, ``itl_cdf.png``, ``itl_over_time.png``, ``stages.png`` and, with
-  ``--sweep-rates``, ``goodput_vs_rate.png``.
-
-Every deployment gets the same trace and sampling settings. epdserve deployments get the
-same model (a trace with images and no ``--model``: the default multimodal model, ``--model
-vlm``), and the launcher pins their workers to the same cores (all usable ones, split among
-workers), which ``/health`` lists and the entry records; other deployments' resources come
-from their entry.
-
-Exit status: 0 when every deployment ran, 1 when one failed to start, answer or stay up,
-2 for a bad option, a malformed deployments file or a configuration the host cannot hold,
-130 on Ctrl-C.
-"""
+"""``epdserve compare``: run one trace against each deployment, in interleaved rounds, and write
+compare.json, compare.md and plots under ``--output`` (docs/comparing.md).
+Exit status: 0 all ran, 1 one failed to start, answer or stay up, 2 bad input or a deployment
+the host cannot hold, 130 on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -63,7 +13,7 @@ import sys
 from pathlib import Path
 
 from epdserve import host
-from epdserve.argtypes import Flag, Options, float_above, with_values
+from epdserve.argtypes import Flag, Options, config_from, float_above, with_values
 from epdserve.bench import client, plots, recommend, repeats, report, rounds, server_metrics, slo_map, sweep, workload
 from epdserve.bench.deployment_run import run_config
 from epdserve.bench.deployments import Deployment, DeploymentFileError, ModelVariables, from_config, load
@@ -74,18 +24,15 @@ from epdserve.serving.deployment import NAME_HELP, DeploymentSpec
 from epdserve.bench.traces import describe
 from epdserve.serving import flags
 
-DEFAULT_CONFIGS = ["colocated", "pd"]  # without --configs and --deployments
+DEFAULT_CONFIGS = ["colocated", "pd"]
 
 
-# Of compare.json's layout: 2 keeps every SLO's per-request value in each run's outcomes
-# (per_run), what `epdserve report` judges again; a directory without it is refused there.
+# compare.json's layout; 2 keeps every SLO's per-request value per run, what `report` rejudges.
 VERSION = 2
 
 
 def parse_configs(text: str) -> list[str]:
-    """argparse type for ``--configs``: comma-separated unique deployment names
-    (:meth:`DeploymentSpec.parse <epdserve.serving.deployment.DeploymentSpec.parse>`),
-    returned in their canonical form."""
+    """argparse type: comma-separated unique deployment names, in canonical form."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise argparse.ArgumentTypeError(f"{text!r}: no configuration named; {NAME_HELP}")
@@ -108,7 +55,6 @@ def _port(text: str) -> int:
     return port
 
 
-# compare runs these deployments, plan simulates them (one declaration).
 CONFIGS_FLAG = Flag(
     "--configs", type=parse_configs, default=None, metavar="NAMES",
     help="epdserve deployments by name, in order: colocated, colocated-chunked, colocated-N (N replicas), pd, "
@@ -121,8 +67,6 @@ CONFIGS_FLAG = Flag(
          "instead of every candidate")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """compare's options: the workload and client options of ``epdserve bench``, the
-    deployments, output, ports and timeouts, and the goodput sweep."""
     workload.add_workload_arguments(parser, default="demo")
     add_client_arguments(parser)
     CONFIGS_FLAG.add(parser)
@@ -165,16 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def server_model(model: str | None, requests: list[workload.Request]) -> str | None:
-    """The ``--model`` the servers get: ``model`` when given; else, for a trace with
-    images, ``vlm`` (the default multimodal model: the default model has no vision tower);
-    else None (the default model)."""
+    """``model``, else ``vlm`` for a trace with images (the default model has no vision tower)."""
     if model is None and any(r.images for r in requests):
         return DEFAULT_VLM
     return model
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are exceptions, not an exit."""
+    """Errors raise instead of exiting."""
 
     def error(self, message: str):
         raise argparse.ArgumentError(None, message)
@@ -182,20 +124,14 @@ class _Parser(argparse.ArgumentParser):
 
 def preflight(args: Options, available_bytes: int | None,
               deployments: list[Deployment] | None = None) -> tuple[list[str], list[str]]:
-    """Check every epdserve deployment of ``deployments`` (default: ``args.configs``)
-    before any runs, with the options and the check ``epdserve serve`` itself applies when
-    it starts (``launcher.checked_plan``: the placement and each worker's tensor-parallel
-    ranks; the mode against the model, ``router.app.mode_error``;
-    :func:`epdserve.serving.launch.launcher.check_capacity`; ``available_bytes``: the
-    host's available memory, None: not checked). Returns ``(warnings, errors)``, one line
-    each, prefixed with the deployment's name; an error is a deployment serve would refuse,
-    or ``args`` serve does not take.
+    """``(warnings, errors)``, a line each, from the checks ``epdserve serve`` applies at start
+    (placement, ranks, mode against model, memory against ``available_bytes``; None: unchecked):
+    one the host cannot hold stops compare, so it never recommends the only survivor.
 
-    Raises:
-        ModelLoadError: a model cannot be found or read.
-    """
+    Raises ModelLoadError."""
     from epdserve.serving.launch import launcher  # torch and the router: only here, not in the client
     from epdserve.serving.router.app import mode_error
+    from epdserve.serving.router.options import RouterOptions
 
     parser = _Parser()
     launcher.add_arguments(parser)
@@ -227,15 +163,15 @@ def preflight(args: Options, available_bytes: int | None,
         info = resolve_model(opts.model)
         found, error = launcher.check_capacity(opts, plan, info.path, available_bytes)
         warnings += [f"[{dep.name}] {w}" for w in found]
-        error = mode_error(opts, info) or (error and f"{error}; --allow-oversubscription starts it anyway")
+        error = (mode_error(config_from(RouterOptions, opts), info)
+                 or (error and f"{error}; --allow-oversubscription starts it anyway"))
         if error:
             errors.append(f"[{dep.name}] {error}")
     return warnings, errors
 
 
 def slos(args: Options) -> dict[str, float] | None:
-    """The SLOs (ms) of ``--goodput`` (None without it), which elastic deployments get as
-    serve's ``--slo`` (:func:`~epdserve.bench.processes.server_command`)."""
+    """``--goodput`` (ms) or None; elastic deployments steer by it."""
     return dict(args.goodput) if getattr(args, "goodput", None) else None
 
 
@@ -244,12 +180,9 @@ def _raise_interrupt(signum, frame):
 
 
 def selected(args: Options) -> list[Deployment]:
-    """The deployments to run: ``--configs`` (default colocated,pd without
-    ``--deployments``), then every entry of the ``--deployments`` files.
+    """``--configs`` (default colocated,pd without ``--deployments``), then the files' entries.
 
-    Raises:
-        DeploymentFileError: a malformed file or a name used twice.
-    """
+    Raises DeploymentFileError: a malformed file or a name used twice."""
     names = args.configs if args.configs is not None else (
         [] if args.deployments else DEFAULT_CONFIGS)
     chosen = [from_config(n) for n in names]
@@ -262,7 +195,6 @@ def selected(args: Options) -> list[Deployment]:
 
 
 def _options_error(args: Options) -> str | None:
-    """What is wrong with a combination of options, None when nothing is."""
     if args.budget is not None and args.repeats != rounds.AUTO:
         return f"--budget is for --repeats auto, not --repeats {args.repeats}"
     if args.sweep_rates and not args.goodput:
@@ -271,7 +203,6 @@ def _options_error(args: Options) -> str | None:
 
 
 def run(args: Options) -> int:
-    """``epdserve compare`` with parsed options; returns the exit status (module doc)."""
     error = _options_error(args)
     if error:
         print(f"epdserve compare: error: {error}", file=sys.stderr)
@@ -319,9 +250,6 @@ def run(args: Options) -> int:
 
 
 def print_summary(entries: list[dict], rec: dict, out_dir: Path, files: list[Path]) -> None:
-    """What compare (and ``epdserve report``) prints once the outputs are written: the table,
-    the server's stages, the recommendation, the map of who wins (from ``out_dir``'s
-    compare.json), the load warnings and the files."""
     print()
     print(report.text_table(entries))
     print()
@@ -343,15 +271,9 @@ def print_summary(entries: list[dict], rec: dict, out_dir: Path, files: list[Pat
 
 def _run_all(chosen: list[Deployment], requests: list[workload.Request],
              args: Options, out_dir: Path) -> tuple[list[dict], int, str]:
-    """Run the deployments in interleaved rounds (:mod:`epdserve.bench.rounds`: ``--repeats``
-    N or auto, ``--budget``), each run from a fresh start; fold each deployment's runs into
-    one entry (:func:`repeats.combine`). SIGTERM counts as Ctrl-C: servers are stopped too.
-    Returns the entries, the exit status (1 when a run failed or a process died, else 0)
-    and why the rounds stopped.
+    """(entries, exit status, why the rounds stopped); each run from a fresh start.
 
-    Raises:
-        KeyboardInterrupt: Ctrl-C or SIGTERM; what it started is stopped by then.
-    """
+    Raises KeyboardInterrupt on Ctrl-C or SIGTERM, after stopping what it started."""
     status = 0
 
     def run_one(dep: Deployment, progress: str) -> dict:
@@ -375,7 +297,6 @@ def _run_all(chosen: list[Deployment], requests: list[workload.Request],
 
 
 def _failed_entry(dep: Deployment, exc: Exception) -> dict:
-    """The entry of a deployment that did not run; prints the error and its log tail."""
     reason = getattr(exc, "reason", None) or str(exc).splitlines()[0]
     tail = getattr(exc, "log_tail", "")
     print(f"epdserve compare: error: [{dep.name}] {reason}", file=sys.stderr)
@@ -386,7 +307,6 @@ def _failed_entry(dep: Deployment, exc: Exception) -> dict:
 
 
 def settings(args: Options) -> dict:
-    """The sampling and client settings every configuration ran with."""
     return {"endpoint": args.endpoint, "temperature": args.temperature,
             "ignore_eos": args.ignore_eos, "warmup": args.warmup, "repeats": args.repeats,
             "budget_min": (getattr(args, "budget", None) or rounds.DEFAULT_BUDGET_MIN)
@@ -397,17 +317,13 @@ def settings(args: Options) -> dict:
 
 def write_outputs(entries: list[dict], requests: list[workload.Request], spec: dict,
                   out_dir: Path, sampling: dict | None = None, rec: dict | None = None) -> list[Path]:
-    """Write compare.json, compare.md and the plots under ``out_dir``; return their paths.
-
-    ``entries``: :func:`run_config` entries and ``{"name", "error"}`` for configurations
-    that failed; ``sampling``: :func:`settings` (the same for every configuration); ``rec``:
-    the recommendation (default :func:`recommend.recommend` of ``entries``)."""
+    """Paths written; ``rec`` defaults to the recommendation of ``entries``."""
     trace = out_dir / "trace.jsonl"
     if not trace.is_file():
         workload.save_trace(requests, trace)
     rec = rec or recommend.recommend(entries)
     the_map, section, map_png = slo_map.for_outputs(entries, rec["slos_ms"], (sampling or {}).get("slo_grid"), out_dir)
-    if "cells" in the_map:  # the recommendation says where its SLOs sit (printed and in compare.md)
+    if "cells" in the_map:
         rec["region"] = slo_map.region(the_map, rec["slos_ms"])
     write_json({"trace": {**spec, "file": str(trace), "num_requests": len(requests),
                           "sha256": hashlib.sha256(trace.read_bytes()).hexdigest()},
@@ -416,6 +332,6 @@ def write_outputs(entries: list[dict], requests: list[workload.Request], spec: d
     md = report.markdown_report(entries, spec, describe(requests), sampling or {}, rec)
     (out_dir / "compare.md").write_text(md + "\n" + section)
     long_offsets = [r.offset_s for r in requests if r.kind == "long"]
-    phase_starts = (spec.get("phase_windows") or {}).get("start_s", [])  # --workload shift
+    phase_starts = (spec.get("phase_windows") or {}).get("start_s", [])
     pngs = plots.plot_all([e for e in entries if "result" in e], long_offsets, out_dir, phase_starts)
     return [out_dir / "compare.json", out_dir / "compare.md", *pngs, *map_png]

@@ -1,23 +1,5 @@
-"""Workloads of ``epdserve bench`` and ``epdserve compare``: the options that choose a
-trace (:func:`add_workload_arguments`) and the trace they ask for (:func:`build_from_args`).
-
-Every generator is seeded and deterministic: the same arguments and tokenizer give the
-same trace, byte for byte. The parts live in their own modules:
-
-* :mod:`epdserve.bench.traces` — :class:`Request`, :class:`TraceError`, traces saved and
-  loaded as JSON lines (:func:`save_trace`, :func:`load_trace`), :func:`describe`;
-* :mod:`epdserve.bench.arrivals` — send times (:func:`arrival_offsets`, vLLM ``bench
-  serve`` semantics) and :func:`retime` for another rate (the goodput sweep);
-* :mod:`epdserve.bench.prompts` — token lengths (:func:`draw_lengths`) and prompt text of
-  an exact token count (:func:`make_prompt`), the tokenizer that sizes them;
-* :mod:`epdserve.bench.datasets` — the generators: synthetic chat, shared prefixes, chat
-  with long-prompt bursts (the demo), a workload shifting in phases, ShareGPT files,
-  images added to a trace;
-* :mod:`epdserve.bench.production_formats` and :mod:`epdserve.bench.production` —
-  production traces (Mooncake JSON lines, Azure CSV) replayed with their arrivals, lengths
-  and prefix sharing, fitted to a small model and machine (:func:`add_production_arguments`,
-  :func:`production_requests`; ``epdserve plan`` can call both).
-"""
+"""Workload options of ``epdserve bench`` and ``compare`` and the trace they ask for; the same
+options and tokenizer give the same trace, byte for byte."""
 
 from __future__ import annotations
 
@@ -26,7 +8,8 @@ import math
 import sys
 from dataclasses import asdict
 
-from epdserve.argtypes import Flag, Options, int_at_least
+from epdserve.argtypes import (Flag, Options, float_above, float_at_least, int_at_least, parse_fraction, parse_range,
+                               parse_rate, parse_size)
 from epdserve.bench import datasets, production
 from epdserve.bench.production_formats import read_production
 from epdserve.bench.prompts import LENGTH_DISTRIBUTIONS, load_tokenizer_for
@@ -34,41 +17,7 @@ from epdserve.bench.traces import Request, TraceError, load_trace, save_trace
 from epdserve.model.loader import resolve_model
 
 
-# ---------------------------------------------------------------------------------------
-# Command-line arguments shared by `epdserve bench` and `epdserve compare`
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    """argparse type for ``MIN:MAX`` (or a single ``N``) token lengths, 1 <= MIN <= MAX."""
-    parts = text.split(":")
-    try:
-        if len(parts) == 1:
-            lo = hi = int(parts[0])
-        elif len(parts) == 2:
-            lo, hi = int(parts[0]), int(parts[1])
-        else:
-            raise ValueError
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected MIN:MAX (integers)") from None
-    if lo < 1 or hi < lo:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX")
-    return lo, hi
-
-
-def parse_rate(text: str) -> float:
-    """argparse type for a request rate in req/s: a number > 0, or ``inf``."""
-    try:
-        rate = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: not a number (use inf for all at once)") from None
-    if not (rate > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0 (inf = all at once)")
-    return rate
-
-
 def parse_shift_phases(text: str) -> list[datasets.Phase]:
-    """argparse type for ``--shift-phases``: :func:`datasets.parse_phases`, its TraceError
-    (naming the phase and part) as an argparse error."""
     try:
         return datasets.parse_phases(text)
     except TraceError as exc:
@@ -76,12 +25,7 @@ def parse_shift_phases(text: str) -> list[datasets.Phase]:
 
 
 def parse_workload(text: str) -> str:
-    """argparse type for ``--workload`` / ``--dataset-name``: one of :data:`WORKLOADS`, or
-    a vLLM dataset name of :data:`VLLM_DATASET_NAMES` (returned as its workload).
-
-    Raises:
-        argparse.ArgumentTypeError: naming the text and the names taken.
-    """
+    """argparse type: a workload, or a vLLM dataset name of :data:`VLLM_DATASET_NAMES`."""
     if text in WORKLOADS:
         return text
     if text in VLLM_DATASET_NAMES:
@@ -91,87 +35,36 @@ def parse_workload(text: str) -> str:
 
 
 def sends_ignore_eos(args: Options) -> bool:
-    """Whether requests carry ``ignore_eos``: when ``--ignore-eos`` asks for it, and, as
-    vLLM ``bench serve`` sets it for its random datasets and timed traces, for a workload of
-    :data:`IGNORE_EOS_WORKLOADS` or a replayed ``--trace``, whose output lengths are what is
-    being measured."""
+    """``--ignore-eos``, or a workload whose output lengths are measured (vLLM sets it for
+    its random datasets and timed traces)."""
     return bool(getattr(args, "ignore_eos", False) or args.trace or args.workload in IGNORE_EOS_WORKLOADS)
 
 
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
-
-
-def _finite_float(text: str, zero_ok: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
-    if not ((0 <= value if zero_ok else 0 < value) and value < math.inf):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number "
-                                         f"{'>=' if zero_ok else '>'} 0")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type for a finite number > 0."""
-    return _finite_float(text, zero_ok=False)
-
-
-def nonnegative_float(text: str) -> float:
-    """argparse type for a finite number >= 0."""
-    return _finite_float(text, zero_ok=True)
-
-
-def parse_fraction(text: str) -> float:
-    """argparse type for a fraction in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (0 <= value <= 1):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a fraction in [0, 1], e.g. 0.5")
-    return value
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    """argparse type for an image size ``WxH`` in pixels, both >= 1."""
-    w, sep, h = text.lower().partition("x")
-    try:
-        size = (int(w), int(h))
-    except ValueError:
-        size = (0, 0)
-    if not sep or min(size) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected WxH in pixels, e.g. 448x448")
-    return size
+positive_float = float_above(0)
+nonnegative_float = float_at_least(0)
 
 
 PRODUCTION_WORKLOADS = ("mooncake", "azure")
 WORKLOADS = ("synthetic", "prefix", "demo", "shift", "sharegpt", *PRODUCTION_WORKLOADS)
-# vLLM ``bench serve --dataset-name`` values that name one of these generators: random
-# (random tokens of the asked lengths) is synthetic; prefix_repetition (shared prefixes and
-# their own suffixes) is prefix. Other vLLM datasets (hf, custom, sonnet, burstgpt,
-# random-mm, ...) have no counterpart here and are refused.
+# vLLM --dataset-name values with a generator here; its other datasets are refused.
 VLLM_DATASET_NAMES = {"random": "synthetic", "prefix_repetition": "prefix"}
-# Workloads whose output lengths are the point, sent with ignore_eos as vLLM does: its
-# random datasets and its timed traces (here also the demo, a random mix of its own, and a
-# replayed --trace, and the shift workload, whose phases are output-length mixes); the others
-# (prefix, sharegpt) stop at EOS unless --ignore-eos.
+# Sent with ignore_eos as vLLM does for its random datasets and timed traces.
 IGNORE_EOS_WORKLOADS = ("synthetic", "demo", "shift", *PRODUCTION_WORKLOADS)
 DATASET_FORMATS = {"sharegpt": "ShareGPT-format JSON", "mooncake": "Mooncake JSON lines",
                    "azure": "Azure LLM inference trace CSV"}
-# (option, dest) of the production-trace options, for the checks of build_from_args.
 PRODUCTION_OPTIONS = (("--start", "start"), ("--duration", "duration"),
                       ("--time-scale", "time_scale"), ("--length-scale", "length_scale"),
                       ("--max-input-len", "max_input_len"), ("--max-output-len", "max_output_len"))
-# Generator options that a production trace replaces with its own arrivals and lengths.
+# Options a production trace replaces with its own arrivals and lengths.
 TRACE_SET_OPTIONS = (("--input-len", "input_len"), ("--output-len", "output_len"),
                      ("--request-rate", "request_rate"),
                      ("--ramp-up-start-rps", "ramp_up_start_rps"),
                      ("--ramp-up-end-rps", "ramp_up_end_rps"))
 
 
-# The workload flags plan takes too (one declaration each; plan's synthetic trace is uniform).
+# Flags plan takes too.
 INPUT_LEN_FLAG = Flag("--input-len", type=parse_range, default=None, metavar="MIN:MAX",
                       help="prompt tokens, MIN:MAX or N (default: synthetic and plan 100:400, demo 50:250; "
                            "plan: not with --trace)")
@@ -193,8 +86,6 @@ SEED_FLAG = Flag("--seed", type=int, default=0,
                       "arrivals of a trace sent all at once, re-timed to each rate; default 0)")
 
 def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "synthetic") -> None:
-    """Add the workload options (generator, lengths, arrivals, images, seed, --trace,
-    --save-trace)."""
     g = parser.add_argument_group("workload")
     _add_generator_arguments(g, default)
     _add_arrival_arguments(parser.add_argument_group("arrivals"))
@@ -210,7 +101,6 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "synt
 
 
 def _add_generator_arguments(g, default: str) -> None:
-    """Which generator, how many requests, their lengths."""
     g.add_argument("--workload", "--dataset-name", dest="workload", type=parse_workload, default=default,
                    metavar="{" + ",".join(WORKLOADS) + "}",
                    help=f"trace generator (default {default}); sharegpt, mooncake and azure "
@@ -228,7 +118,6 @@ def _add_generator_arguments(g, default: str) -> None:
 
 
 def _add_arrival_arguments(a) -> None:
-    """Rate (req/s), burstiness and linear ramp of the arrivals."""
     a.add_argument("--request-rate", type=parse_rate, default=None, metavar="R",
                    help="mean arrival rate in req/s, inf = all at once "
                         "(default inf, demo default 0.25)")
@@ -243,7 +132,6 @@ def _add_arrival_arguments(a) -> None:
 
 
 def _add_prefix_arguments(p) -> None:
-    """--workload prefix: shared prefixes and each request's own suffix (tokens)."""
     p.add_argument("--prefix-count", type=positive_int, default=4, metavar="K",
                    help="distinct prefixes (default %(default)s)")
     p.add_argument("--prefix-len", type=positive_int, default=256, metavar="P",
@@ -255,7 +143,6 @@ def _add_prefix_arguments(p) -> None:
 
 
 def _add_demo_arguments(d) -> None:
-    """--workload demo: the long prompts sent among the chat requests."""
     d.add_argument("--num-long", "--long-count", dest="num_long", type=nonnegative_int,
                    metavar="N",
                    default=datasets.DEMO_DEFAULTS["num_long"],
@@ -272,10 +159,7 @@ def _add_demo_arguments(d) -> None:
 
 
 def add_production_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options that fit a production trace to a small model and machine (a group
-    "production traces"): ``--start``, ``--duration``, ``--time-scale``, ``--length-scale``,
-    ``--max-input-len``, ``--max-output-len``; all default to None (= not given; see
-    :func:`fit_from_args` for what that means). ``--num-prompts`` is the workload option."""
+    """Options default to None (not given: see :func:`fit_from_args`)."""
     p = parser.add_argument_group("production traces (--workload mooncake|azure)")
     p.add_argument("--start", type=nonnegative_float, default=None, metavar="S",
                    help="replay from S seconds after the trace's first arrival (default 0)")
@@ -296,7 +180,6 @@ def add_production_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_source_arguments(g) -> None:
-    """The dataset file, images, seed, tokenizer, and a trace to replay or save."""
     g.add_argument("--dataset-path", default=None, metavar="FILE",
                    help="dataset file: " + "; ".join(f"{v} (--workload {k})"
                                                      for k, v in DATASET_FORMATS.items()))
@@ -326,15 +209,9 @@ def _arrivals_from_args(args: Options, default_rate: float) -> dict:
 
 def build_from_args(args: Options, tokenizer_path: str | None = None
                     ) -> tuple[list[Request], dict]:
-    """The trace the workload options ask for, and a dict describing how it was made
-    (``tokenizer``: the tokenizer that sized the prompts; absent for a replayed ``--trace``).
+    """(trace, how it was made); saved when ``--save-trace`` is given.
 
-    ``tokenizer_path`` is used when ``--tokenizer`` is not given. Saves the trace when
-    ``--save-trace`` is given.
-
-    Raises:
-        TraceError: a bad trace or dataset file or setting (the message names it).
-    """
+    Raises TraceError naming the bad trace, dataset file or setting."""
     _check_options(args)
     if args.trace:
         requests = load_trace(args.trace)
@@ -361,7 +238,7 @@ def _given(args: Options, options) -> list[str]:
 
 
 def _check_options(args: Options) -> None:
-    """TraceError for options given with a workload that does not take them."""
+    """Raises TraceError for options the workload does not take."""
     if getattr(args, "dataset_path", None) and args.workload not in DATASET_FORMATS:
         raise TraceError(f"--dataset-path is for --workload {'|'.join(DATASET_FORMATS)}, "
                          f"not {args.workload}")
@@ -383,9 +260,7 @@ def _check_options(args: Options) -> None:
 
 
 def fit_from_args(args: Options, num_prompts: int | None) -> production.Fit:
-    """The :class:`~epdserve.bench.production.Fit` of the production-trace options (None =
-    not given: start 0, to the end, all requests, scales 1, no caps) and ``num_prompts``,
-    the first N requests of the window."""
+    """Options not given: start 0, to the end, all requests, scales 1, no caps."""
     given = {"start_s": args.start, "duration_s": args.duration,
              "num_prompts": num_prompts, "time_scale": args.time_scale,
              "length_scale": args.length_scale, "max_input_len": args.max_input_len,
@@ -394,16 +269,8 @@ def fit_from_args(args: Options, num_prompts: int | None) -> production.Fit:
 
 
 def production_requests(args: Options, tokenizer) -> tuple[list[Request], dict]:
-    """The requests replaying ``--dataset-path`` in the format ``--workload`` (mooncake or
-    azure), fitted by the production-trace options (:func:`fit_from_args`), prompts built
-    with ``tokenizer`` (None: the planner's stand-in prompts, :func:`production.marker_prompt`), and
-    the spec: ``{"source", "dataset_path", the Fit's fields, "block_tokens", "seed",
-    "replay": the replay report}`` (:func:`epdserve.bench.production.replay_trace`).
-
-    Raises:
-        TraceError: no --dataset-path, a bad file, an empty window, or prompts that cannot
-            be built.
-    """
+    """Requests replaying ``--dataset-path``; ``tokenizer`` None gives the planner's
+    stand-in prompts. Raises TraceError: no file, a bad file, an empty window, unbuildable prompts."""
     if not args.dataset_path:
         raise TraceError(f"--workload {args.workload} needs --dataset-path FILE "
                          f"({DATASET_FORMATS[args.workload]})")
@@ -416,8 +283,6 @@ def production_requests(args: Options, tokenizer) -> tuple[list[Request], dict]:
 
 
 def _print_replay(spec: dict) -> None:
-    """Say on stderr how the replayed trace differs from the original (as sharegpt says
-    what it used)."""
     report = spec["replay"]
     print(f"trace {spec['dataset_path']} ({spec['source']}): {report['replayed']['count']} of "
           f"{report['original']['count']} requests replayed", file=sys.stderr)
@@ -425,10 +290,7 @@ def _print_replay(spec: dict) -> None:
 
 
 def _generate(args: Options, tok, model: str | None) -> tuple[list[Request], dict, dict]:
-    """``(requests, params, extra)`` of ``--workload``'s generator: the parameters it was
-    called with and what else it reported (sharegpt: its counts of conversations; shift:
-    its phase windows, :func:`datasets.shift`). ``model``: the model (path, None = the
-    default) whose context window every shift phase must fit."""
+    """(requests, params, extra); ``model``'s window must fit every shift phase."""
     dist = getattr(args, "length_dist", "uniform")
     if args.workload == "shift":
         phases = args.shift_phases or datasets.parse_phases(datasets.SHIFT_DEFAULT)
@@ -452,7 +314,6 @@ def _generate(args: Options, tok, model: str | None) -> tuple[list[Request], dic
 
 
 def _demo_params(args: Options, dist: str) -> dict:
-    """:func:`datasets.demo`'s arguments: the options given, else :data:`datasets.DEMO_DEFAULTS`."""
     d = datasets.DEMO_DEFAULTS
     params = dict(num_chat=args.num_prompts or d["num_chat"],
                   chat_input_len=args.input_len or d["chat_input_len"],
@@ -466,7 +327,6 @@ def _demo_params(args: Options, dist: str) -> dict:
 
 
 def _sharegpt(args: Options, tok) -> tuple[list[Request], dict, dict]:
-    """Requests of ``--dataset-path``; says on stderr how many conversations it used."""
     if not args.dataset_path:
         raise TraceError("--workload sharegpt needs --dataset-path FILE")
     params = dict(path=args.dataset_path, num_prompts=args.num_prompts or 50,
@@ -481,7 +341,6 @@ def _sharegpt(args: Options, tok) -> tuple[list[Request], dict, dict]:
 
 
 def _add_images(requests: list[Request], args: Options, params: dict) -> list[Request]:
-    """``requests`` with ``--images-per-request`` images each (recorded in ``params``)."""
     images = getattr(args, "images_per_request", 0)
     if not images:
         return requests

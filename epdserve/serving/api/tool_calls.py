@@ -19,7 +19,6 @@ The parsers of the output are in :mod:`epdserve.serving.api.tool_parsers`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from dataclasses import dataclass
@@ -28,7 +27,6 @@ from typing import Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from epdserve.argtypes import Options
 from epdserve.engine.request import MAX_GUIDED_CHARS, GuidedSpec
 from epdserve.serving.api.errors import APIError
 from epdserve.serving.api.tool_parsers import HermesOutput, NamedOutput, RequiredOutput, ToolOutput
@@ -291,24 +289,12 @@ def tool_chars(body) -> int:
     return tools + sum(len(f["name"]) + shortest(f["arguments"]) for f in calls)
 
 
-def add_tool_options(parser: argparse.ArgumentParser) -> None:
-    """vLLM's tool-calling flags: ``--chat-template``, ``--enable-auto-tool-choice``,
-    ``--tool-call-parser``."""
-    parser.add_argument("--chat-template", default=None, metavar="FILE",
-                        help="Jinja chat template (a file, or the template itself) to use instead of the model's; "
-                             "one with a tool format (e.g. examples/templates/hermes_tools.jinja) enables `tools`")
-    parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='let the model call tools by itself (tool_choice "auto"); needs --tool-call-parser')
-    parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
-                        help="format of the model's tool calls: hermes, <tool_call>{json}</tool_call> blocks")
-
-
-def tool_settings(args: Options, template_tools: bool) -> ToolSettings:
-    """The :class:`ToolSettings` of parsed options.
+def tool_settings(auto_tool_choice: bool, parser: str | None, template_tools: bool) -> ToolSettings:
+    """The :class:`ToolSettings` of ``--enable-auto-tool-choice`` and ``--tool-call-parser``.
 
     Raises:
         ValueError: ``--enable-auto-tool-choice`` without ``--tool-call-parser`` (vLLM's rule).
     """
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
+    if auto_tool_choice and not parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
-    return ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser, template_tools)
+    return ToolSettings(auto_tool_choice, parser, template_tools)

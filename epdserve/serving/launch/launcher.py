@@ -1,64 +1,5 @@
-"""``epdserve serve``: start a router and its workers on this host, and stop them together.
-
-Placement (:func:`epdserve.serving.deployment.plan_workers`), over the cores this process may use (or ``--cores``):
-
-* colocated, ``--workers N``: the cores are split among the N replicas;
-* pd, ``--prefill-workers X --decode-workers Y``: prefill workers get the first half of
-  the cores and decode workers the rest (on a one-core machine both share it), split
-  among the workers of each role;
-* epd, ``--encode-workers E`` too: placed as pd, then the prefill half is split again
-  between encode and prefill workers (on one core they share it): encoding and prefill
-  follow each other on a request's way, while decode keeps cores of its own.
-
-Splitting C cores among N workers: if N <= C, contiguous groups of near-equal size;
-if N > C, worker i gets core i mod C alone, so workers share cores round-robin. The
-placement is logged, printed with the URL, and shown per worker in ``/health``.
-
-Tensor-parallel workers (``--tensor-parallel-size S``; pd, epd: ``--prefill-tp P``,
-``--decode-tp D``; encode workers have one rank) need a core per rank, and each gets at
-least that many distinct cores:
-
-* every worker of one rank: as above;
-* cores enough for every rank: the roles' groups as above, each bound moved the least so
-  that a role's group has a core for each of its workers' ranks (``1p1d-tp3/1`` on 4
-  cores: prefill 0,1,2, decode 3), then split among its workers as above;
-* fewer cores than ranks: the workers, in placement order (encode, prefill, decode), each
-  take the next S cores in turn, wrapping around the cores, so each has S distinct cores
-  and every core about as many ranks (``1p1d-tp2/1`` on cores 0,1: prefill 0,1, decode 0;
-  ``colocated-2-tp2`` on 0,1: both on 0,1); serve warns that cores are shared;
-* a worker of more ranks than there are cores: refused at start-up, naming its flag.
-
-Workers are ``python -m epdserve worker ...`` subprocesses talking to the router over
-ZeroMQ ipc sockets in a private temporary directory (``--events`` may put the router's
-events socket on TCP instead, so that workers started by hand can join). Every frame is
-sealed with the auth token (``epdserve.serving.auth``): ``--auth-token`` /
-``$EPDSERVE_AUTH_TOKEN``, else a random one (not shown; give your own for workers started
-by hand), unless ``--allow-unauthenticated``; workers get it by environment. The router
-(uvicorn) runs in this process; the URL is printed (``epdserve serve: ready at
-http://HOST:PORT``) once every worker has said hello. Every worker is stopped when the
-launcher exits (normal exit, SIGTERM/SIGINT, atexit) and is killed by the kernel if the
-launcher dies abruptly (``PR_SET_PDEATHSIG``). A worker that dies is marked down in the
-router at once and restarted with the same id and address after a backoff (1 s, doubled
-while it keeps dying within a minute, at most 30 s), in its first role: an ``--elastic``
-worker (their roles change) is then switched back by the router to the role it last
-announced at its Hello (one killed while switching comes back in its old role, as under
-Ray); one that exits with status 2 (bad option, model, or refused by the router) is not
-restarted.
-
-With ``--cluster ray`` the workers are Ray actors on an existing Ray cluster instead
-(:mod:`epdserve.serving.launch.ray_cluster`: placement by per-role resources, restarts by Ray, the
-events socket on TCP at the driver's node IP); everything else here (options, router,
-readiness, stop on every exit path) is shared.
-
-Before any worker starts, ``serve`` checks every option it passes to the workers (the
-worker's own flags, defined once in :mod:`epdserve.serving.flags`), the model and the
-router's options (``--max-model-len``, ``--generation-config``), ``--cores``, each
-worker's ``--tensor-parallel-size`` against its cores (``worker.ranks.split_cores``), the HTTP
-port (bound at once) and
-whether the host can hold the workers (:func:`check_capacity`): workers that share a core
-get a warning, an estimated memory above ``MemAvailable`` is refused unless
-``--allow-oversubscription``.
-"""
+"""``epdserve serve``: the router in this process and its workers, started and stopped together.
+Placement, capacity checks and restarts: docs/serving.md; ``--cluster ray``: docs/ray.md."""
 
 from __future__ import annotations
 
@@ -78,7 +19,7 @@ import time
 import uvicorn
 
 from epdserve import extras, host
-from epdserve.argtypes import Options, float_above, int_at_least, with_values
+from epdserve.argtypes import Options, config_from, float_above, int_at_least, with_values
 from epdserve.model.kv_cache_dtype import KV_CACHE_DTYPES
 from epdserve.model.loader import ModelLoadError
 from epdserve.model.linear import WEIGHT_FORMATS, auto_format
@@ -88,7 +29,9 @@ from epdserve.serving.launch import ray_cluster
 from epdserve.serving.launch.children import Children
 from epdserve.serving.deployment import Placement, serve_tp_sizes
 from epdserve.serving.launch.placement import checked_plan, plan_for, usable_cores  # noqa: F401 (serve's API)
-from epdserve.serving.router.http_guard import uvicorn_config
+from epdserve.serving.router.http_guard import HttpLimits, uvicorn_config
+from epdserve.serving.router.options import RouterOptions
+from epdserve.serving.worker.setup import WORKER_FLAGS, worker_argv, worker_default
 from epdserve.serving.router import (SYNTHETIC_VISION_NOTE, Router, add_router_options, build_router, create_app,
                                      setup_logging)
 
@@ -98,14 +41,14 @@ ROLE_DEVICES = ("prefill", "decode", "encode")  # the roles with a --ROLE-device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """serve's options. Those passed to each worker are the worker's own flags, defined once
-    (:mod:`epdserve.serving.flags`), so a bad value stops serve at once (exit 2) instead of
-    every worker; given no value, a worker keeps its own default."""
+    """Worker flags are declared once (:mod:`epdserve.serving.flags`), so a bad value stops
+    serve (exit 2), not every worker; unset, a worker keeps its own default."""
     add_router_options(parser)
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model to serve, as in `vllm serve MODEL`: the same as --model")
     flags.CORES_FLAG.add(parser)
-    flags.add_worker_flags(parser, passed=True)
+    for flag in WORKER_FLAGS:
+        flag.add(parser, passed=True)
     for flag in flags.ROLE_TP_FLAGS:
         flag.add(parser)
     parser.add_argument("--prefill-dtype", choices=DTYPE_CHOICES, default=None,
@@ -142,23 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_capacity(args: Options, plan: Placement, model_dir: str,
                    available_bytes: int | None) -> tuple[list[str], str | None]:
-    """Whether this host can hold the workers of ``plan`` (:func:`plan_workers`):
-    ``(warnings, error)``, error None when they fit.
-
-    * Workers pinned to a shared core: a warning only. They take turns on it, slower but
-      correct, and that is sometimes wanted (tests run 2P2D on 2 cores).
-    * Estimated memory above ``available_bytes`` (``MemAvailable``; None: not checked): an
-      error, a warning with ``--allow-oversubscription``. Workers that do not fit get
-      killed by the OOM killer or swap the host to a halt, each after a slow start.
-      Estimate per worker: the model's weights (:func:`epdserve.host.weight_bytes`) plus,
-      for every role but encode, ``--kv-cache-memory-mb`` of KV cache per tensor-parallel
-      rank (rank 0's cache takes that budget; the others' shards are the same size or
-      smaller; the ranks' weight shards add up to about the weights), which a worker on
-      a GPU keeps in device memory instead (its weights pass through host memory as they
-      load); the launcher's own few hundred MB are not counted. Device memory is not
-      checked here: a GPU worker that does not fit fails its start with CUDA's
-      out-of-memory error.
-    """
+    """``(warnings, error)``, error None when ``plan`` fits in ``available_bytes``
+    (MemAvailable; None: not checked). The estimate: docs/serving.md, "Placement and capacity"."""
     warnings = []
     per_core: dict[int, int] = {}
     for _, _, cores in plan:
@@ -171,9 +99,9 @@ def check_capacity(args: Options, plan: Placement, model_dir: str,
                         f"cores avoid it)")
     if available_bytes is None:
         return warnings, None
-    kv_mb = args.kv_cache_memory_mb or flags.worker_default("kv_cache_memory_mb")
+    kv_mb = args.kv_cache_memory_mb or worker_default("kv_cache_memory_mb")
     weights = host.weight_bytes(model_dir)
-    ranks = serve_tp_sizes(args)  # each rank holds a KV cache of up to --kv-cache-memory-mb
+    ranks = serve_tp_sizes(args)
     host_kv = [(role != "encode" and (role_device(args, role) or "cpu") == "cpu") * ranks[role] for role, _, _ in plan]
     need = sum(weights + kv_mb * 2**20 * kv for kv in host_kv)
     if need <= available_bytes:
@@ -189,23 +117,20 @@ def check_capacity(args: Options, plan: Placement, model_dir: str,
 
 
 def listen_socket(host_name: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host_name:port`` (0: any free port) and listening, as uvicorn
-    would make it, so that a busy port stops serve before it loads a model or starts a worker.
+    """Bound and listening now, so that a busy port stops serve before it loads a model.
 
     Raises:
-        OSError: the address is in use, not local, or the host name unknown.
+        OSError: the address is in use, not local, or the host unknown.
         OverflowError: a port outside 0..65535.
     """
-    # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections whose socket
-    # says so (``base_events._set_nodelay``). Without it Nagle's algorithm held each response's
-    # second write for the client's delayed ACK: +40 ms on every request of a kept-alive
-    # connection (each bench client's, OpenAI's), TTFT included.
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only then; else Nagle's algorithm waits for the
+    # client's delayed ACK, +40 ms on each request of a kept-alive connection.
     sock = socket.socket(socket.AF_INET6 if ":" in host_name else socket.AF_INET, socket.SOCK_STREAM,
                          socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host_name, port))
-        sock.listen(2048)  # now, not when uvicorn starts: nothing can take the port meanwhile
+        sock.listen(2048)
     except BaseException:
         sock.close()
         raise
@@ -213,40 +138,31 @@ def listen_socket(host_name: str, port: int) -> socket.socket:
 
 
 def role_device(args: Options, role: str) -> str | None:
-    """The device given to serve for ``role``'s workers: its ``--ROLE-device``, else
-    ``--device``; None when neither was given (the worker's default, the CPU)."""
+    """``--ROLE-device``, else ``--device``; None: neither given (the worker's default, the CPU)."""
     return (getattr(args, f"{role}_device", None) if role in ROLE_DEVICES else None) or args.device
 
 
 def worker_flags(args: Options, role: str, worker_id: str, events: str) -> list[str]:
-    """The flags of worker ``worker_id`` wherever it runs: its role and id, where it
-    reports, and the worker flags given to serve (``--prefill-dtype`` / ``--decode-dtype``
-    as its ``--dtype``, ``--prefill-weight-format`` / ``--decode-weight-format`` as its
-    ``--weight-format``, ``--prefill-kv-cache-dtype`` / ``--decode-kv-cache-dtype`` as its
-    ``--kv-cache-dtype`` and ``--prefill-device`` / ``--decode-device`` / ``--encode-device``
-    as its ``--device`` for those roles, and its role's tensor-parallel size as its
-    ``--tensor-parallel-size`` when above 1: ``serve_tp_sizes``)."""
+    """serve's per-role flags (``--prefill-dtype``, ``--decode-device``, ``--prefill-tp``, ...) as
+    the worker's own (``--dtype``, ``--device``, ``--tensor-parallel-size``)."""
     def own(name: str):
         return (getattr(args, f"{role}_{name}", None) if role in ("prefill", "decode") else None) or getattr(args, name)
 
     ranks = serve_tp_sizes(args)[role]
     return ["--role", role, "--router", events, "--worker-id", worker_id, *(["--elastic"] if args.elastic else []),
-            *flags.worker_argv(args, dtype=own("dtype"), weight_format=own("weight_format"),
-                               kv_cache_dtype=own("kv_cache_dtype"),
-                               device=role_device(args, role), tensor_parallel_size=ranks if ranks > 1 else None)]
+            *worker_argv(dict(vars(args), dtype=own("dtype"), weight_format=own("weight_format"),
+                              kv_cache_dtype=own("kv_cache_dtype"), device=role_device(args, role),
+                              tensor_parallel_size=ranks if ranks > 1 else None))]
 
 
 def worker_command(args: Options, role: str, worker_id: str, cores: list[int],
                    events: str, cmd: str) -> list[str]:
-    """The command line of local worker ``worker_id``: :func:`worker_flags`, where it
-    listens (``cmd``) and its cores."""
     return [sys.executable, "-m", "epdserve", "worker", *worker_flags(args, role, worker_id, events),
             "--bind", cmd, "--cores", ",".join(map(str, cores))]
 
 
 def worker_env(args: Options) -> dict[str, str]:
-    """What workers get of the security options: by environment, not argv, which any local
-    user can read (the token), and which their own options default to."""
+    """The security options by environment: argv is readable by any local user."""
     env = {"EPDSERVE_INTERNAL_ENCRYPTION": args.internal_encryption,
            "EPDSERVE_ALLOW_UNAUTHENTICATED": "1" if args.allow_unauthenticated else "0"}
     if args.auth_token:
@@ -255,10 +171,7 @@ def worker_env(args: Options) -> dict[str, str]:
 
 
 async def _supervise(server, router: Router, children, args, placement: str, sock: socket.socket) -> int:
-    """Run uvicorn, announce the URL once every worker of ``children`` (:class:`Children` or
-    Ray's) said hello, mark dead workers down (they are restarted), and stop everything when
-    a worker exits fatally (EXIT_CONFIG) or the workers do not come up in time (returns 1),
-    or a signal arrives (returns 0)."""
+    """Returns 1 after a fatal worker exit (EXIT_CONFIG) or a startup timeout, 0 after a signal."""
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
     rc = 0
     announced = False
@@ -292,15 +205,13 @@ async def _supervise(server, router: Router, children, args, placement: str, soc
 
 
 def run(args: Options) -> int:
-    """``epdserve serve``: returns 0 after a clean stop, 1 if the HTTP port cannot be bound, a
-    worker exited with status 2 or the workers never came up, 2 on a bad option or model,
-    ``--cluster ray`` without Ray installed (the ``ray`` extra) or a deployment this host
-    cannot hold (:func:`check_capacity`)."""
+    """Exit status: 0 clean stop; 1 HTTP port not bindable, a fatal worker exit or workers never up;
+    2 a bad option or model, Ray not installed, or too little memory (:func:`check_capacity`)."""
     setup_logging(args.log_level)
     if args.cluster == "ray":
         try:
             extras.need("ray", "epdserve serve --cluster ray")
-        except extras.MissingExtra as exc:  # one line naming the extra, no traceback
+        except extras.MissingExtra as exc:
             print(exc, file=sys.stderr)
             return 2
     args, plan, error = _check_options(args)
@@ -309,7 +220,7 @@ def run(args: Options) -> int:
         return 2
     try:
         sock = listen_socket(args.host, args.port)
-    except (OSError, OverflowError) as exc:  # one line: uvicorn's own bind error came with a traceback
+    except (OSError, OverflowError) as exc:
         busy = getattr(exc, "errno", None) == errno.EADDRINUSE
         print(f"epdserve serve: error: cannot listen on {args.host}:{args.port}: "
               f"{getattr(exc, 'strerror', None) or str(exc).rstrip('.')}; "
@@ -340,9 +251,7 @@ def run(args: Options) -> int:
 
 
 def _check_options(args: Options) -> tuple[Options, Placement, str | None]:
-    """serve's options resolved (MODEL as ``--model``, ``--max-workers``' default, an auth
-    token made up when one is needed and none was given), the placement of its workers
-    (:func:`plan_for`) and an error, None when the options hold."""
+    """``(resolved args, placement, error or None)``; makes up an auth token when one is needed."""
     try:
         args = with_values(args, model=model_from_tag(args))
         plan = checked_plan(args)
@@ -352,19 +261,15 @@ def _check_options(args: Options) -> tuple[Options, Placement, str | None]:
     except ValueError as exc:
         return args, [], str(exc)
     if not args.auth_token and (not args.allow_unauthenticated or args.internal_encryption == "curve"):
-        # Even on ipc in our private directory (defence in depth), and CURVE derives its keys from it.
+        # on ipc too (defence in depth); CURVE derives its keys from it
         args = with_values(args, auth_token=secrets.token_urlsafe(32))
         if args.events:
             log.info("no --auth-token: generated one; workers started elsewhere cannot join (give your own)")
-    return args, plan, auth.options_error(args, [])  # CURVE support
+    return args, plan, auth.options_error(config_from(auth.AuthOptions, args), [])
 
 
 def model_from_tag(args: Options) -> str | None:
-    """The model to serve: ``serve MODEL`` (vLLM's positional) or ``--model``.
-
-    Raises:
-        ValueError: MODEL and ``--model`` name different models.
-    """
+    """Raises ValueError when MODEL and ``--model`` name different models."""
     tag = getattr(args, "model_tag", None)
     if tag is None:
         return args.model
@@ -374,14 +279,10 @@ def model_from_tag(args: Options) -> str | None:
 
 
 def _check_elastic(args: Options, starting: int) -> int:
-    """``--max-workers``, checked against the ``starting`` worker count; its default is the
-    starting count (no scaling). Also checks that no flag of one role comes with ``--elastic``.
+    """``--max-workers`` (default: ``starting``, no scaling).
 
     Raises:
-        ValueError: ``--max-workers`` given without ``--elastic``, below the starting count,
-            or above it without ``--cluster ray``; a role's dtype, KV cache dtype or device
-            with ``--elastic``; a PD role's dtype, weight format or KV cache dtype in colocated
-            mode (no such workers: the flag would be ignored).
+        ValueError: a per-role or scaling flag that does not fit ``--elastic``, the mode or the cluster.
     """
     per_role = [(role, what.replace("_", "-")) for role in ("prefill", "decode")
                 for what in ("dtype", "weight_format", "kv_cache_dtype") if getattr(args, f"{role}_{what}", None)]
@@ -407,13 +308,12 @@ def _check_elastic(args: Options, starting: int) -> int:
 
 
 def _load_router(args: Options, plan: Placement, events: str) -> tuple[Router | None, list[str], str | None]:
-    """``(router, warnings, error)``: the router with its model resolved (and converted)
-    once, before any worker starts, and whether this host can hold ``plan``."""
+    """``(router, warnings, error)``: the model is resolved (and converted) once, before any worker starts."""
     try:
-        router = build_router(args, events)
+        router = build_router(config_from(RouterOptions, args), events)
     except ModelLoadError as exc:
         return None, [], str(exc)
-    if args.cluster == "ray":  # the workers' memory and cores are on the cluster's nodes, Ray's to place
+    if args.cluster == "ray":
         return router, [], None
     warnings, error = check_capacity(args, plan, router.model.path, host.mem_available_bytes())
     if error:
@@ -423,9 +323,6 @@ def _load_router(args: Options, plan: Placement, events: str) -> tuple[Router | 
 
 def _serve(args: Options, router: Router, plan: Placement, tmp: str, events: str,
            sock: socket.socket, children) -> int:
-    """Start the workers of ``plan`` (``children``: :class:`Children`, or Ray's actors), serve
-    HTTP on ``sock`` until a signal or a fatal worker exit (:func:`_supervise`), then stop
-    the workers and remove ``tmp``."""
     stopped = False
 
     def cleanup() -> None:
@@ -438,14 +335,13 @@ def _serve(args: Options, router: Router, plan: Placement, tmp: str, events: str
             shutil.rmtree(tmp, ignore_errors=True)
 
     atexit.register(cleanup)
-    # Handlers of our own, so that uvicorn re-raising a captured SIGTERM after its graceful
-    # shutdown does not kill us before the workers are stopped.
+    # Our own handlers: uvicorn re-raises a captured SIGTERM after its shutdown, before the workers stop.
     server = None
 
     def on_signal(signum, frame):
         if server is not None:
             server.should_exit = True
-        elif args.cluster == "ray":  # still waiting for Ray to place the workers: give up now
+        elif args.cluster == "ray":  # still placing the workers
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -460,7 +356,7 @@ def _serve(args: Options, router: Router, plan: Placement, tmp: str, events: str
     try:
         try:
             children.launch(plan, commands)
-        except TimeoutError as exc:  # Ray could not place a role's workers: one line, no traceback
+        except TimeoutError as exc:
             print(f"epdserve serve: error: {exc}", file=sys.stderr, flush=True)
             return 1
         except KeyboardInterrupt:
@@ -472,7 +368,8 @@ def _serve(args: Options, router: Router, plan: Placement, tmp: str, events: str
                 scaler.command = lambda role, wid: worker_flags(args, role, wid, events)
             router.enable_scaling(scaler, len(plan), args.max_workers, args.startup_timeout)
         app = ray_cluster.before_router_stops(create_app(router), lambda: children.drain(router))
-        config = uvicorn_config(app, args, lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn_config(app, args.host, args.port, config_from(HttpLimits, args), lifespan="on",
+                                timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
         return asyncio.run(_supervise(server, router, children, args, placement, sock))
     finally:

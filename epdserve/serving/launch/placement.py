@@ -1,9 +1,4 @@
-"""Where ``epdserve serve`` puts its workers: the cores it may use (``--cores``), each
-worker's cores (:func:`plan_for`, by the rule in the module doc of
-:mod:`epdserve.serving.launch.launcher`), and the checks of its tensor-parallel options
-against the roles and cores (:func:`check_tp_sizes`, :func:`checked_plan`) before any worker
-starts.
-"""
+"""Where ``epdserve serve`` puts its workers (rule: docs/serving.md), checked before any starts."""
 
 from __future__ import annotations
 
@@ -16,11 +11,7 @@ from epdserve.serving.worker.ranks import split_cores
 
 
 def usable_cores(spec: str | None) -> list[int]:
-    """The cores of ``--cores`` ("0,1"), or every core this process may use.
-
-    Raises:
-        ValueError: a core that is not a number or that this process may not use.
-    """
+    """Raises ValueError: a core in ``spec`` ("0,1") that is not a number or not this process's."""
     allowed = sorted(os.sched_getaffinity(0))
     if spec is None:
         return allowed
@@ -34,17 +25,8 @@ def usable_cores(spec: str | None) -> list[int]:
 
 
 def plan_for(args: Options) -> Placement:
-    """Where serve's options (``--mode``, ``--cores``, worker counts, tensor-parallel sizes)
-    put each worker: :meth:`DeploymentSpec.place <epdserve.serving.deployment.DeploymentSpec.place>` of
-    :meth:`DeploymentSpec.from_serve_args <epdserve.serving.deployment.DeploymentSpec.from_serve_args>`
-    (``--cluster ray``: every worker as of one rank; Ray places the workers, the cores here only name them).
-
-    With ``--elastic`` the workers are named ``worker-N`` (in placement order): their role changes.
-
-    Raises:
-        ValueError: a bad ``--cores`` (:func:`usable_cores`) or worker count, or tensor-parallel
-            sizes serve does not take (:func:`check_tp_sizes`).
-    """
+    """``--cluster ray``: every worker as of one rank (Ray places them; the cores only name them);
+    ``--elastic``: workers named ``worker-N``. Raises ValueError as :func:`check_tp_sizes`, or a bad ``--cores``."""
     cores = usable_cores(args.cores)
     check_tp_sizes(args, cores)
     ray = args.cluster == "ray"
@@ -55,14 +37,8 @@ def plan_for(args: Options) -> Placement:
 
 
 def check_tp_sizes(args: Options, cores: list[int]) -> None:
-    """Whether serve takes its tensor-parallel options: ``--prefill-tp`` and ``--decode-tp``
-    only in pd and epd modes and ``--encode-tp`` only in epd, neither with ``--elastic`` (a
-    worker that changes role takes ``--tensor-parallel-size``), and (not ``--cluster ray``)
-    no worker of more ranks than ``cores``, each rank needing one.
-
-    Raises:
-        ValueError: one line naming the flag.
-    """
+    """Raises ValueError (naming the flag): a per-role ``--*-tp`` outside its modes or with
+    ``--elastic``, or (not on Ray) a worker of more ranks than ``cores``."""
     given = [flag.name for flag in flags.ROLE_TP_FLAGS if getattr(args, flag.dest, None) is not None]
     if "--encode-tp" in given and (args.mode != "epd" or args.elastic):
         which = "an elastic" if args.elastic else f"a {args.mode}"
@@ -80,13 +56,7 @@ def check_tp_sizes(args: Options, cores: list[int]) -> None:
 
 
 def checked_plan(args: Options) -> Placement:
-    """:func:`plan_for`, and (not ``--cluster ray``: a Ray actor's cores are Ray's to place,
-    the worker checks them) each worker's cores split among its ranks as the worker will
-    (``worker.ranks.split_cores``), before any starts.
-
-    Raises:
-        ValueError: as :func:`plan_for`, or a worker with fewer cores than ranks.
-    """
+    """:func:`plan_for`; not on Ray, also each worker's cores split among its ranks (ValueError: too few)."""
     plan = plan_for(args)
     if args.cluster != "ray":
         sizes = serve_tp_sizes(args)

@@ -1,42 +1,5 @@
-"""``epdserve serve --cluster ray``: the workers as Ray actors on an existing Ray cluster.
-
-The router runs in the driver (the ``serve`` process, connected with ``ray.init(address=
---ray-address)``); every worker is one Ray actor (:class:`WorkerActor`) that runs the same
-entry point as ``epdserve worker`` (:func:`epdserve.serving.worker.engine_worker.run`) in the actor's own
-process, so the actor's process dying is the worker dying. Per role, its workers'
-resources (``--prefill-resources CPU=1,prefill_node=1``; colocated: ``--worker-resources``)
-form the bundles of one Ray placement group with that role's strategy
-(``--prefill-placement PACK|SPREAD|STRICT_PACK|STRICT_SPREAD``, Ray's own), and each actor
-takes one bundle: custom resources given to a node at ``ray start --resources`` pick the
-node. ``CPU`` (default 1) also sets the worker's torch threads. Elastic workers (``serve
---elastic``) change role, so they all take ``--worker-resources`` and ``--worker-placement``
-whatever their starting role; a worker added later (``--max-workers``, :meth:`RayWorkers.add`)
-gets a placement group of its own (one bundle of ``--worker-resources``), removed with it.
-A tensor-parallel worker (``-tp N``, N > 1) is a placement group of its own instead, N
-bundles of ``--worker-resources`` (one a rank) packed on one node, its actor (rank 0) in
-bundle 0 and its cores claimed on that node (:mod:`~epdserve.serving.launch.ray_ranks`).
-
-Addresses: the router's events socket binds ``tcp://HEAD_IP:PORT`` (the driver's node IP as
-Ray knows it, a free port) unless ``--events`` names one; each worker binds its command
-socket and its KV (embedding) server on its own node's IP, port 0 (any free port), and says
-in its Hello where it is (node id, IP, the actor's resources). The auth token reaches the
-actors as an actor argument (Ray's object store), never in a command line.
-
-Supervision is Ray's: actors are created with ``max_restarts=-1`` and ``max_task_retries=-1``,
-so a worker process that dies is started again by Ray, with its actor's arguments (its
-first role: an elastic worker is switched back to the role it last announced by the router
-at its Hello) (on a node with the bundle's
-resources; a placement group's bundles on a lost node are rescheduled by Ray once a node
-with the resources is back) and its ``run`` task resubmitted; the router marks the dead one
-down when its command connection closes (within a second; by heartbeat silence, 5 s,
-when none closes) and takes the new process at its Hello. A worker whose
-``run`` returns (status 2: bad option or model, refused by the router) stops ``serve`` as
-under the local launcher. An actor dies with its node's raylet (``PR_SET_PDEATHSIG``), so a
-lost node's workers are gone, and marked down, within seconds.
-
-Stop (every exit path of ``serve``): the router asks the workers to shut down (they free
-their shared memory), the actors are killed (``no_restart``), the placement groups removed,
-and the driver disconnects; a cluster ``serve`` did not start is left running.
+"""``epdserve serve --cluster ray``: each worker a Ray actor on an existing cluster, the router in the driver.
+Resources, placement groups, addresses, supervision and stop: docs/ray.md.
 """
 
 from __future__ import annotations
@@ -52,7 +15,7 @@ import signal
 import socket
 import time
 
-from epdserve.argtypes import Options
+from epdserve.argtypes import Options, config_from
 from epdserve.serving.deployment import serve_tp_sizes
 from epdserve.serving.launch import ray_ranks
 from epdserve.serving.launch.ray_ranks import format_resources as _format
@@ -61,16 +24,13 @@ log = logging.getLogger("epdserve.ray")
 
 CLUSTERS = ("local", "ray")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
-# The option prefix of each role's resources and placement (colocated workers: "worker").
 ROLE_OPTION = {"colocated": "worker", "prefill": "prefill", "decode": "decode", "encode": "encode"}
 _RESOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]*")
 PR_SET_PDEATHSIG = 1  # prctl(2)
-STOP_GRACE_S = 5.0  # seconds the workers get to exit after Shutdown before their actors are killed
+STOP_GRACE_S = 5.0  # s from Shutdown to killing the actors
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``serve``'s cluster options: ``--cluster``, ``--ray-address`` and per role
-    ``--{worker,prefill,decode,encode}-resources`` and ``-placement``."""
     parser.add_argument("--cluster", choices=CLUSTERS, default="local",
                         help="local: workers are subprocesses on this host; ray: Ray actors on the Ray cluster "
                              "at --ray-address (see docs/ray.md)")
@@ -90,13 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_resources(text: str, option: str) -> dict[str, float]:
-    """``"CPU=1,GPU=0.5,prefill_node=1"`` as ``{"CPU": 1.0, "GPU": 0.5, "prefill_node": 1.0}``
-    (Ray resource amounts; ``CPU`` defaults to 1 when not given).
-
-    Raises:
-        ValueError: an empty item, a name that is not a resource name, a repeated name, or
-            an amount that is not a number >= 0, naming ``option`` and the bad item.
-    """
+    """``"CPU=1,node_a=1"`` as ``{"CPU": 1.0, "node_a": 1.0}`` (CPU default 1); ValueError names ``option``."""
     out: dict[str, float] = {}
     for item in text.split(","):
         name, eq, amount = item.strip().partition("=")
@@ -117,12 +71,7 @@ def parse_resources(text: str, option: str) -> dict[str, float]:
 
 
 def role_resources(args: Options) -> dict[str, dict[str, float]]:
-    """Each role's resources per worker from serve's options (:func:`parse_resources`).
-
-    Raises:
-        ValueError: a bad ``--*-resources`` value, or a tensor-parallel size Ray cannot
-            place so (``ray_ranks.check_options``, ``ray_ranks.check_gpus``).
-    """
+    """Raises ValueError: a bad ``--*-resources``, or tensor-parallel options Ray cannot place (:mod:`.ray_ranks`)."""
     ray_ranks.check_options(args)
     sizes = serve_tp_sizes(args)
     out = {}
@@ -133,18 +82,9 @@ def role_resources(args: Options) -> dict[str, dict[str, float]]:
 
 
 class WorkerActor:
-    """One worker as a Ray actor: :meth:`run` runs ``epdserve worker``'s entry point with
-    ``argv`` (its flags, less ``--bind``/``--kv-bind``, which are added on this node's IP)
-    in this actor's process. ``env`` (the auth token and security options) goes into this
-    process's environment, where the worker reads it; ``num_threads``: torch's threads (the
-    actor's CPUs). ``ranks`` > 1: a tensor-parallel worker whose actor holds bundle 0 of
-    its group (one rank's resources): it claims ``ranks x num_threads`` cores of this node
-    for the worker's ``--cores`` (:func:`~epdserve.serving.launch.ray_ranks.claim_cores`,
-    held while this process lives), so that each rank runs ``num_threads`` threads on
-    its share, and its Hello names the resources of all its bundles; ``gpus``: the GPU ids
-    of its bundles in rank order (``ray_ranks.bundle_gpus``), set as ``CUDA_VISIBLE_DEVICES``
-    for all its ranks. Created by
-    :class:`RayWorkers` with ``ray.remote``."""
+    """One worker as a Ray actor, running ``epdserve worker`` in its process. ``argv`` lacks ``--bind`` and
+    ``--kv-bind`` (this node's IP); ``num_threads``: torch threads (the actor's CPUs); ``ranks`` > 1: claims
+    ``ranks x num_threads`` cores of this node while it lives; ``gpus``: all its ranks' ``CUDA_VISIBLE_DEVICES``."""
 
     def __init__(self, argv: list[str], env: dict[str, str], num_threads: int, ranks: int = 1,
                  gpus: list[str] | None = None):
@@ -154,44 +94,39 @@ class WorkerActor:
         context = ray.get_runtime_context()
         ip = ray.util.get_node_ip_address()
         resources = {k: float(v) * ranks for k, v in context.get_assigned_resources().items()}
-        self.claims: list = []  # a tensor-parallel worker's cores, held open while it lives
+        self.claims: list = []  # held open while this process lives: its cores
         if ranks > 1:
             cores, self.claims = ray_ranks.claim_cores(ranks * num_threads)
             argv = [*argv, "--cores", ",".join(map(str, cores))]
         os.environ.update(env, EPDSERVE_NODE_ID=context.get_node_id(), EPDSERVE_NODE_IP=ip,
                           EPDSERVE_NODE_RESOURCES=json.dumps(resources), EPDSERVE_NUM_THREADS=str(num_threads),
                           PYTHONUNBUFFERED="1")
-        if gpus:  # a GPU worker's ranks: each bundle's GPU, before anything initializes CUDA
+        if gpus:  # before anything initializes CUDA
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         host = f"[{ip}]" if ":" in ip else ip
         self.argv = [*argv, "--bind", f"tcp://{host}:0", "--kv-bind", f"tcp://{host}:0"]
 
     def run(self) -> int:
-        """The worker's loop until it is told to shut down: its exit status (0; 2: a bad
-        option or model, or refused by the router)."""
+        """Exit status: 0, or 2 for a bad option or model or a refusal by the router."""
         from epdserve.serving.worker import engine_worker as worker
 
         parser = argparse.ArgumentParser(prog="epdserve worker")
         worker.add_arguments(parser)
-        return worker.run(parser.parse_args(self.argv))
+        return worker.run(config_from(worker.OPTIONS, parser.parse_args(self.argv)))
 
 
 def _die_with_raylet() -> None:
-    """Have the kernel SIGKILL this actor's process when its parent, the node's raylet, dies
-    (``PR_SET_PDEATHSIG``, as the local launcher does for its workers): a node whose raylet
-    is gone then loses its workers at once, and the router marks them down 5 s later,
-    instead of after the seconds Ray's own worker takes to notice (3-4 s measured here)."""
+    """SIGKILL this actor when its parent, the raylet, dies (``PR_SET_PDEATHSIG``): sooner than Ray's 3-4 s."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
-        return  # not Linux: Ray's own fate-sharing applies
+        return  # not Linux: Ray's fate-sharing applies
     if os.getppid() == 1:  # the raylet died before prctl took effect
         os._exit(1)
 
 
 def events_address() -> str:
-    """``tcp://IP:PORT`` for the router's events socket: the IP of this driver's Ray node
-    (``ray.util.get_node_ip_address()``, reachable by the cluster's nodes) and a free port."""
+    """``tcp://IP:PORT``: this driver's Ray node IP (reachable by the nodes) and a free port."""
     import ray
 
     ip = ray.util.get_node_ip_address()
@@ -202,14 +137,8 @@ def events_address() -> str:
 
 
 class RayWorkers:
-    """The workers of one ``serve`` as Ray actors (the local launcher's ``Children``
-    counterpart: :meth:`launch`, :meth:`ids`, :meth:`exits`, :meth:`stop`); elastic, also the
-    router's :class:`~epdserve.serving.router.elastic.Scaler` (:meth:`add`, :meth:`remove`),
-    once ``command`` is set (role, worker id -> the worker's flags).
-
-    Raises (:meth:`connect`):
-        ConnectionError: no Ray cluster at ``--ray-address``.
-    """
+    """The workers as Ray actors, as :class:`~.children.Children` runs them locally; elastic, also the
+    router's :class:`~epdserve.serving.router.elastic.Scaler` once ``command`` is set."""
 
     restart_note = "Ray restarts it"
 
@@ -218,18 +147,18 @@ class RayWorkers:
         self.env = env
         self.resources = role_resources(args)
         self.actors: dict[str, object] = {}
-        self.runs: dict[str, object] = {}  # worker id -> ObjectRef of its run()
+        self.runs: dict[str, object] = {}
         self.groups: list = []
         self.connected = False
         self.draining = False  # set by drain: runs that end now end on purpose
-        self.actor_cls = None  # WorkerActor as a Ray actor class, made once
+        self.actor_cls = None
         self.command = None  # elastic: (role, worker id) -> the flags of a worker to add
-        self.next_index = 0  # elastic: K of the next worker-K added (ids are never reused)
-        self.own_groups: dict[str, object] = {}  # added worker id -> its one-bundle placement group
-        self.pending: dict[str, asyncio.Task] = {}  # added worker id -> the task waiting for its placement
+        self.next_index = 0  # of the next worker-K added: ids are never reused
+        self.own_groups: dict[str, object] = {}
+        self.pending: dict[str, asyncio.Task] = {}
 
     def connect(self) -> None:
-        """Join the cluster (never start one: ``address`` is always given)."""
+        """Join the cluster, never start one. Raises ConnectionError: none at ``--ray-address``."""
         import ray
 
         _check_reachable(self.args.ray_address)
@@ -240,11 +169,9 @@ class RayWorkers:
         self.connected = True
 
     def _option_role(self, role: str) -> str:
-        """The role whose options place a ``role`` worker: colocated's for every elastic one."""
         return "colocated" if self.args.elastic else role
 
     def placement(self, plan) -> str:
-        """The placement line ``serve`` logs and prints."""
         if ray_ranks.ranked(self.args):
             sizes = serve_tp_sizes(self.args)
             return ", ".join(f"{wid} on Ray ({sizes[role]} rank{'s' if sizes[role] > 1 else ''} of "
@@ -255,16 +182,8 @@ class RayWorkers:
                          for role, wid, _ in plan)
 
     def launch(self, plan, argv: dict[str, list[str]]) -> None:
-        """Reserve a placement group per role and start an actor per worker of ``plan``
-        (``(role, worker id, cores)``; cores are the local launcher's and ignored here), each
-        running the worker with its flags ``argv[worker id]``.
-
-        Raises:
-            TimeoutError: a role's placement group is not placed within ``--startup-timeout``
-                (the cluster lacks the resources; the message lists what it has); a
-                tensor-parallel worker's group cannot be placed
-                (:class:`~epdserve.serving.launch.ray_ranks.PlacementError`).
-        """
+        """A placement group per role, an actor per bundle (``plan``'s cores are ignored). Raises
+        TimeoutError: a group not placed within ``--startup-timeout`` (tensor-parallel: PlacementError)."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -287,13 +206,7 @@ class RayWorkers:
                 self._start_actor(wid, group, index, argv[wid], res)
 
     def _launch_ranked(self, plan, argv: dict[str, list[str]]) -> None:
-        """:meth:`launch` of tensor-parallel workers: a placement group per worker (one bundle
-        a rank of its role's size and resources, ``ray_ranks.create_groups``), the actors on
-        bundle 0 once every group is placed.
-
-        Raises:
-            PlacementError: a group cannot be placed (``ray_ranks.wait_placed``).
-        """
+        """A group per worker (one bundle a rank), the actors on bundle 0 once every group is placed."""
         sizes, placed = serve_tp_sizes(self.args), []
         for role in dict.fromkeys(r for r, _, _ in plan):
             tp, res = sizes[role], self.resources[self._option_role(role)]
@@ -309,8 +222,6 @@ class RayWorkers:
 
     def _start_actor(self, wid: str, group, index: int, argv: list[str], res: dict[str, float],
                      ranks: int = 1, gpus: list[str] | None = None) -> None:
-        """Start worker ``wid`` (of ``ranks`` tensor-parallel ranks, on GPUs ``gpus``) as an
-        actor on bundle ``index`` of placement group ``group``."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -328,16 +239,8 @@ class RayWorkers:
                  _format(res), f"; GPUs {','.join(gpus)}" if gpus else "")
 
     def add(self, role: str) -> str:
-        """Elastic: start ``worker-K`` (K: the next index never used) of ``role`` as an actor in
-        a placement group of its own (one bundle of ``--worker-resources``, ``--worker-placement``;
-        a tensor-parallel worker's: one a rank, ``ray_ranks.create_groups``),
-        in the background: the actor starts once Ray has placed the group (the router gives
-        the worker up if it is not up within ``--startup-timeout`` and calls :meth:`remove`).
-        Call from the router's event loop.
-
-        Raises:
-            RuntimeError: ``command`` is not set (not an elastic ``serve``).
-        """
+        """Elastic: start ``worker-K`` (K never reused) in a placement group of its own, in the background.
+        Call from the router's event loop. Raises RuntimeError: ``command`` not set."""
         from ray.util.placement_group import placement_group
 
         if self.command is None:
@@ -364,9 +267,8 @@ class RayWorkers:
         self._start_actor(wid, group, 0, argv, res, ranks=tp, gpus=gpus)
 
     def remove(self, worker_id: str) -> None:
-        """Elastic: stop ``worker_id`` for good (it was told to shut down): stop watching its
-        run, then, once the run ended or :data:`STOP_GRACE_S` passed, kill its actor (no
-        restart) and remove the placement group of an added worker. Never raises."""
+        """Elastic: kill the actor once its run ended or after :data:`STOP_GRACE_S`, and remove an added
+        worker's group. Never raises."""
         task = self.pending.pop(worker_id, None)
         if task is not None:
             task.cancel()
@@ -392,14 +294,11 @@ class RayWorkers:
             log.warning("stopping worker %s's Ray actor: %s", worker_id, exc)
 
     def ids(self) -> list[str]:
-        """The worker ids started."""
         return list(self.actors)
 
     def exits(self) -> list[tuple[str, str, bool]]:
-        """Workers whose ``run`` ended since the last call: ``(id, why, fatal)``. A worker
-        that returns ended on purpose (status 2: its configuration is wrong), fatal; one
-        whose actor Ray gave up on, fatal too. A dead process Ray restarts is not reported
-        here (its run is retried); the router notices the silence."""
+        """Runs ended since the last call, all fatal; a process Ray restarts is not one (its run is
+        retried; the router notices the silence)."""
         import ray
 
         if self.draining or not self.runs:
@@ -415,9 +314,8 @@ class RayWorkers:
         return out
 
     def drain(self, router) -> None:
-        """Tell every worker to shut down through ``router`` (they free their shared memory
-        and their ``run`` returns) and wait up to :data:`STOP_GRACE_S` for them; called
-        before the router closes its sockets. Never raises."""
+        """Shut the workers down through ``router`` (they free their shared memory), waiting up to
+        :data:`STOP_GRACE_S`; before the router closes its sockets. Never raises."""
         import ray
 
         self.draining = True
@@ -429,9 +327,7 @@ class RayWorkers:
             log.warning("asking the Ray workers to shut down: %s", exc)
 
     def stop(self) -> None:
-        """Kill every actor, remove the placement groups and disconnect the driver (a
-        cluster it joined keeps running). Idempotent; never raises (it runs on every exit
-        path)."""
+        """Kill every actor, remove the groups, disconnect (the cluster keeps running). Idempotent; never raises."""
         import ray
 
         if not self.connected:
@@ -456,10 +352,8 @@ class RayWorkers:
 
 
 def before_router_stops(app, hook):
-    """``app`` (ASGI) calling ``hook()`` when the server's lifespan shutdown arrives: after
-    uvicorn's graceful wait for open requests and before the router closes its sockets,
-    so that Ray's workers can still be told to shut down through them (:meth:`RayWorkers.drain`;
-    a local launcher's workers get SIGTERM instead)."""
+    """``app`` calling ``hook()`` at lifespan shutdown: after uvicorn's graceful wait, before the
+    router closes its sockets (through which Ray's workers are told to shut down)."""
     async def wrapped(scope, receive, send):
         if scope["type"] != "lifespan":
             return await app(scope, receive, send)
@@ -474,12 +368,8 @@ def before_router_stops(app, hook):
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Fail fast on a ``HOST:PORT`` address where nothing listens: ``ray.init`` would retry
-    for minutes. ("auto" and ``ray://`` addresses are left to Ray.)
-
-    Raises:
-        ConnectionError: nothing accepts a TCP connection there within ``timeout_s``.
-    """
+    """Fail fast where nothing listens at ``HOST:PORT`` (``ray.init`` would retry for minutes); "auto"
+    and ``ray://`` are Ray's. Raises ConnectionError."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or "://" in address:
         return

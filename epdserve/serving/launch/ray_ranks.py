@@ -1,32 +1,5 @@
-"""A tensor-parallel worker on Ray (``serve --cluster ray -tp N``, N > 1): its placement
-group and its cores.
-
-Each such worker is a placement group of its own: N bundles, one a rank, each of the
-role's ``--worker-resources`` (what one rank needs: ``CPU=1`` by default, ``GPU=1``...),
-strategy ``STRICT_PACK``, so that every rank of the worker is on one node (the ranks talk
-over 127.0.0.1 and a private ipc directory, :mod:`epdserve.serving.worker.ranks`). The
-actor, rank 0, runs in bundle 0; ranks 1..N-1 are processes it starts on the same node,
-outside Ray, and bundles 1..N-1 hold their resources so that Ray places nothing else on
-them. Ray restarts a dead actor in bundle 0 of the same group, and the new rank 0 starts
-new followers. A group no node of the cluster can hold now is refused at once; one that
-could be held but is not placed within ``--startup-timeout`` (other work holds the
-resources) is refused then: :class:`PlacementError`, one line naming the worker and what
-it needed.
-
-GPUs: a rank of a GPU worker holds ``GPU=1`` of its bundle. Ray shows an actor only its own
-bundle's GPU (``CUDA_VISIBLE_DEVICES``), and the followers are not actors; so before the
-actor starts, a probe task in each bundle reads the GPU Ray reserved for it
-(:func:`bundle_gpus`: a bundle's GPU is fixed when the group is placed), and the actor sets
-``CUDA_VISIBLE_DEVICES`` to all of them in rank order, which its followers inherit: rank r
-then runs on ``cuda:r``.
-
-Cores: Ray counts CPUs but does not say which cores an actor may use, and a rank pins
-itself to its share of its worker's cores (``--cores``, split by ``ranks.split_cores``).
-So the actor claims ``N x CPU`` cores of its node (:func:`claim_cores`: an exclusive
-``flock`` on one file per core in a directory of the user's under the temporary
-directory, held until the actor's process ends, by kill -9 too) and gives them to the
-worker as ``--cores``; each rank then runs ``CPU`` torch threads pinned to its share. Cores
-claimed by another worker are shared only when too few are free.
+"""A tensor-parallel worker on Ray (``-tp N``, N > 1): a STRICT_PACK group of N bundles, one a rank, its actor
+(rank 0) in bundle 0, and the cores it claims on its node. Placement, GPU and core rules: docs/ray.md.
 """
 
 from __future__ import annotations
@@ -47,23 +20,15 @@ CLAIMS_DIR = Path(tempfile.gettempdir()) / f"epdserve-cores-{os.getuid()}"
 
 
 class PlacementError(TimeoutError):
-    """Ray cannot place a tensor-parallel worker's group (never, on the cluster's nodes
-    now, or not within ``--startup-timeout``). A ``TimeoutError``, as serve reports a
-    role's placement that timed out: one line, exit status 1."""
+    """Cannot place a tensor-parallel worker's group; a TimeoutError, so serve reports it as one line, exit 1."""
 
 
 def ranked(args: Options) -> bool:
-    """Whether any worker of serve's options has more than one rank (``serve_tp_sizes``)."""
     return max(serve_tp_sizes(args).values()) > 1
 
 
 def check_options(args: Options) -> None:
-    """serve's options against tensor-parallel workers on Ray, before any worker starts.
-
-    Raises:
-        ValueError: a worker of more than one rank with a ``--worker-placement`` other than
-            PACK (each worker is a STRICT_PACK group of its own; Ray places the groups).
-    """
+    """Raises ValueError: a worker of several ranks with a ``--worker-placement`` other than PACK."""
     if not ranked(args):
         return
     role, tp = max(serve_tp_sizes(args).items(), key=lambda item: item[1])
@@ -75,12 +40,7 @@ def check_options(args: Options) -> None:
 
 
 def check_gpus(res: dict[str, float], tp: int, option: str) -> None:
-    """A rank's ``GPU`` amount in ``option`` (a role's ``--*-resources``) for a worker of
-    ``tp`` ranks: none or one whole GPU a rank (a rank runs on one device).
-
-    Raises:
-        ValueError: ``tp`` > 1 and ``GPU`` is neither 0 nor 1, naming the option.
-    """
+    """Raises ValueError: ``tp`` > 1 with a ``GPU`` amount other than 0 or 1 (a rank runs on one whole GPU)."""
     gpus = res.get("GPU", 0.0)
     if tp > 1 and gpus not in (0.0, 1.0):
         raise ValueError(f"{option} GPU={gpus:g} with {tp} tensor-parallel ranks on Ray: each rank runs on one "
@@ -88,11 +48,8 @@ def check_gpus(res: dict[str, float], tp: int, option: str) -> None:
 
 
 def bundle_gpus(group, tp: int, res: dict[str, float]) -> list[str] | None:
-    """The GPU ids Ray reserved for bundles 0..tp-1 of placement group ``group`` (one a
-    bundle, as Ray numbers the node's GPUs), in bundle order: what a GPU worker's actor
-    sets as ``CUDA_VISIBLE_DEVICES`` for all its ranks. A task of ``GPU=1`` and no CPU runs
-    in each bundle and returns ``ray.get_gpu_ids()``. None without a ``GPU`` in a rank's
-    ``res`` or for one rank (Ray's own ``CUDA_VISIBLE_DEVICES`` is then the worker's)."""
+    """GPU ids Ray reserved for bundles 0..tp-1, read by a probe task in each (an actor sees only its own
+    bundle's); None without GPUs or for one rank."""
     if not res.get("GPU") or tp == 1:
         return None
     import ray
@@ -105,35 +62,26 @@ def bundle_gpus(group, tp: int, res: dict[str, float]) -> list[str] | None:
 
 
 def _gpu_ids() -> list[str]:
-    """The GPU ids Ray gives the task running this (its bundle's)."""
     import ray
 
     return [str(gid) for gid in ray.get_gpu_ids()]
 
 
 def format_resources(resources: dict) -> str:
-    """``CPU=1,node_a=1`` (sorted; Ray's own ``node:`` and ``bundle_group`` entries and zero
-    amounts left out); ``nothing`` when none is left."""
     return ",".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if not k.startswith("node:") and
                     not k.startswith("bundle_group") and v) or "nothing"
 
 
 def create_groups(ids: list[str], res: dict[str, float], tp: int) -> dict[str, object]:
-    """One placement group per worker id: ``tp`` bundles of ``res`` (one rank's), STRICT_PACK.
-    Returns at once (Ray places them in the background)."""
+    """Returns at once: Ray places the groups in the background."""
     from ray.util.placement_group import placement_group
 
     return {wid: placement_group([dict(res) for _ in range(tp)], strategy=STRATEGY) for wid in ids}
 
 
 def wait_placed(groups: dict[str, object], res: dict[str, float], tp: int, timeout_s: float) -> None:
-    """Wait until Ray has placed every group of :func:`create_groups` (worker id -> group).
-
-    Raises:
-        PlacementError: no live node holds ``tp`` x ``res`` (refused at once), or a group is
-            not placed within ``timeout_s`` seconds; the message names the worker, what it
-            needed and what the cluster's nodes have.
-    """
+    """Raises PlacementError: no live node can hold ``tp`` x ``res`` (at once), or a group is not placed
+    within ``timeout_s`` seconds."""
     import ray
 
     fmt = format_resources
@@ -157,12 +105,8 @@ def wait_placed(groups: dict[str, object], res: dict[str, float], tp: int, timeo
 
 
 def claim_cores(count: int, directory: Path = CLAIMS_DIR) -> tuple[list[int], list]:
-    """``count`` cores of this process's (``sched_getaffinity``) for a worker's ranks, and
-    the open lock files that hold them (keep them open while the worker runs: closing them,
-    or the process ending, frees the cores). Free cores first, in order; when fewer are
-    free, cores another worker holds make up the count (logged), and all of this process's
-    cores when it has fewer than ``count``. Never raises: a directory that cannot be used
-    claims nothing (logged), and the first ``count`` cores are returned."""
+    """``count`` cores (free first; held ones make up a shortfall, logged) and the ``flock``-ed files that hold
+    them until closed or this process ends. Never raises: an unusable ``directory`` claims nothing."""
     allowed = sorted(os.sched_getaffinity(0))
     held, taken = [], []
     try:

@@ -1,35 +1,18 @@
-"""HTTP limits that keep one client from holding the router: request head and body
-deadlines, a body size limit and a connection limit.
-
-uvicorn closes an idle keep-alive connection, but sets no deadline on a request that has
-started: a client that sends half its headers (slowloris) or half its body holds a
-connection, and an ASGI task waiting on ``receive()``, for as long as it likes. Here:
-
-* :class:`GuardedHttpProtocol` (uvicorn's httptools protocol) closes a connection whose
-  request head is not complete ``header_timeout_s`` seconds after the connection opened or
-  the request's first byte arrived;
-* :class:`RequestLimits` (ASGI middleware) answers **413** to a body over
-  ``max_body_bytes`` (from ``Content-Length`` before reading, else while reading) and
-  **408** to a body not complete ``body_timeout_s`` seconds after its head, both with an
-  OpenAI-style error body;
-* uvicorn's ``limit_concurrency`` answers 503 past that many connections or requests,
-  with an OpenAI-style error body too (:func:`_service_unavailable` replaces its plain text).
-
-:func:`uvicorn_config` builds the server configuration with all three for ``epdserve
-serve`` and ``epdserve router``.
-"""
+"""HTTP limits that keep one client from holding the router: uvicorn sets no deadline on a request that has
+started (slowloris). Head deadline: :class:`GuardedHttpProtocol`; body size and deadline: :class:`RequestLimits`;
+connections: uvicorn's ``limit_concurrency``, its 503 with an OpenAI error body."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
+from dataclasses import dataclass, field
 
 import uvicorn
 from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from epdserve.argtypes import Options, float_above, int_at_least
+from epdserve.argtypes import float_above, int_at_least, setting
 from epdserve.serving.api.errors import error_body
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -39,10 +22,8 @@ DEFAULT_LIMIT_CONCURRENCY = 1024
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline on each request head:
-    ``header_timeout_s`` (class attribute, set by :func:`uvicorn_config`) from the
-    connection's start or the request's first byte to the end of its headers; past it the
-    connection is closed (no response: the client has not finished asking)."""
+    """Closes a connection whose request head is not complete ``header_timeout_s`` seconds after it opened or
+    the request's first byte (no response: the client has not finished asking)."""
 
     header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
 
@@ -80,12 +61,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
 
 class RequestLimits:
-    """ASGI middleware: reads each request's body before the app sees the request, and
-    answers itself, with an OpenAI error body, **413** to a body of more than
-    ``max_body_bytes`` bytes (from ``Content-Length`` before reading anything, else as soon
-    as the bytes read pass it) and **408** to a body not complete ``body_timeout_s`` seconds
-    after the request head. The app then gets the body in one message; later reads (a
-    streaming response waiting for the client's disconnect) go to the connection untouched."""
+    """ASGI middleware: 413 to a body over ``max_body_bytes`` (by ``Content-Length`` before reading, else while
+    reading), 408 to one not complete ``body_timeout_s`` seconds after the head. The app gets the body in one
+    message; later reads (a stream awaiting the client's disconnect) go to the connection."""
 
     def __init__(self, app, max_body_bytes: int, body_timeout_s: float):
         self.app = app
@@ -123,7 +101,6 @@ class RequestLimits:
 
 
 def _replay(messages: list[dict], receive):
-    """A ``receive`` that returns ``messages`` first, then reads the connection."""
     async def replay():
         return messages.pop(0) if messages else await receive()
     return replay
@@ -138,33 +115,28 @@ async def _error(send, status: int, message: str, type: str = "invalid_request_e
 
 
 async def _service_unavailable(scope, receive, send) -> None:
-    """The ASGI app uvicorn answers a request with past ``limit_concurrency``: 503 with
-    OpenAI's error body (uvicorn's own says "Service Unavailable" in plain text)."""
+    """uvicorn's app past ``limit_concurrency``: 503 with OpenAI's error body, not its plain text."""
     await _error(send, 503, "the server has as many open connections and requests as it takes "
                             "(--limit-concurrency); retry later", type="service_unavailable")
 
 
-def add_http_options(parser: argparse.ArgumentParser) -> None:
-    """The HTTP limits' flags (``epdserve serve`` and ``epdserve router``)."""
-    parser.add_argument("--max-request-body-mb", type=int_at_least(1), default=DEFAULT_MAX_BODY_MB,
-                        help="largest request body in MiB; larger ones get 413")
-    parser.add_argument("--http-header-timeout", type=float_above(0), default=DEFAULT_HEADER_TIMEOUT_S,
-                        help="seconds a client may take to send a request's headers before the connection is closed")
-    parser.add_argument("--http-body-timeout", type=float_above(0), default=DEFAULT_BODY_TIMEOUT_S,
-                        help="seconds a client may take to send a request's body before it gets 408")
-    parser.add_argument("--limit-concurrency", type=int_at_least(1), default=DEFAULT_LIMIT_CONCURRENCY,
-                        help="most open connections and requests; more get 503 (uvicorn's --limit-concurrency)")
+@dataclass(frozen=True)
+class HttpLimits:
+    max_request_body_mb: int = field(default=DEFAULT_MAX_BODY_MB, metadata=setting(
+        "largest request body in MiB; larger ones get 413", type=int_at_least(1)))
+    http_header_timeout: float = field(default=DEFAULT_HEADER_TIMEOUT_S, metadata=setting(
+        "seconds a client may take to send a request's headers before the connection is closed",
+        type=float_above(0)))
+    http_body_timeout: float = field(default=DEFAULT_BODY_TIMEOUT_S, metadata=setting(
+        "seconds a client may take to send a request's body before it gets 408", type=float_above(0)))
+    limit_concurrency: int = field(default=DEFAULT_LIMIT_CONCURRENCY, metadata=setting(
+        "most open connections and requests; more get 503 (uvicorn's --limit-concurrency)", type=int_at_least(1)))
 
 
-def uvicorn_config(app, args: Options, **kw) -> uvicorn.Config:
-    """A uvicorn configuration serving ``app`` on ``args.host:args.port`` behind
-    :class:`RequestLimits` and :class:`GuardedHttpProtocol`, with ``args``' HTTP limits
-    (see :func:`add_http_options`); ``kw`` go to ``uvicorn.Config``."""
-    protocol = type("GuardedHttp", (GuardedHttpProtocol,), {"header_timeout_s": args.http_header_timeout})
-    guarded = RequestLimits(app, args.max_request_body_mb << 20, args.http_body_timeout)
-    # The httptools protocol looks its 503 app up by this module-level name for each request
-    # past limit_concurrency (uvicorn has no option for it); in the router's process every
-    # uvicorn server is this one. (tests/test_api_surface.py checks the body.)
+def uvicorn_config(app, host: str, port: int, limits: HttpLimits, **kw) -> uvicorn.Config:
+    protocol = type("GuardedHttp", (GuardedHttpProtocol,), {"header_timeout_s": limits.http_header_timeout})
+    guarded = RequestLimits(app, limits.max_request_body_mb << 20, limits.http_body_timeout)
+    # No uvicorn option for it: httptools looks this module-level name up per request (one for the process).
     httptools_impl.service_unavailable = _service_unavailable
-    return uvicorn.Config(guarded, host=args.host, port=args.port, log_level="warning", http=protocol,
-                          limit_concurrency=args.limit_concurrency, **kw)
+    return uvicorn.Config(guarded, host=host, port=port, log_level="warning", http=protocol,
+                          limit_concurrency=limits.limit_concurrency, **kw)

@@ -1,8 +1,5 @@
-"""An engine worker's process set-up (``epdserve worker``): its options, parsed once into a
-:class:`WorkerConfig`, the engine settings they give, the cores it is pinned to, where it runs (for its Hello), and what its role
-loads (the model, the vision encoder, the engine and its shared KV pool, the other
-tensor-parallel ranks: :mod:`epdserve.serving.worker.ranks`). The loop itself
-is :mod:`epdserve.serving.worker.engine_worker`."""
+"""An engine worker's process set-up (``epdserve worker``): its options (:class:`WorkerConfig`), its cores, and
+what its role loads; the loop is :mod:`epdserve.serving.worker.engine_worker`."""
 
 from __future__ import annotations
 
@@ -11,11 +8,11 @@ import json
 import logging
 import os
 import socket
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from epdserve.argtypes import Options, config_from, float_above
+from epdserve.argtypes import add_flags, config_from, field_of, flags_of, float_above, int_at_least, nested, setting
 from epdserve.engine.encoder import EncodeEngine
 from epdserve.engine.config import DTYPES, EngineConfig, default_dtype
 from epdserve.engine.engine import LLMEngine
@@ -26,71 +23,69 @@ from epdserve.model.vision import VisionConfig, read_config, vision_shard
 from epdserve.serving import auth, flags
 from epdserve.serving.deployment import ROLES
 from epdserve.serving.worker.ranks import Ranks, split_cores
-from epdserve.transfer import cuda_ipc, shm
+from epdserve.transfer import cuda_ipc, handoff, kv_codec, shm
 
 log = logging.getLogger("epdserve.worker")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``epdserve worker``'s options: its own, and the engine's shared with ``serve``
-    (:mod:`epdserve.serving.flags`, one definition)."""
-    parser.add_argument("--role", choices=ROLES, required=True)
-    parser.add_argument("--router", required=True, help="router events address, e.g. tcp://127.0.0.1:5555")
-    parser.add_argument("--bind", required=True, help="address for this worker's command socket")
-    parser.add_argument("--worker-id", required=True)
-    flags.MODEL_FLAG.add(parser)
-    flags.CORES_FLAG.add(parser)
-    flags.add_worker_flags(parser)
-    parser.add_argument("--kv-ttl", type=float_above(0), default=120.0,
-                        help="seconds a prefill worker keeps an exported KV segment nobody took")
-    parser.add_argument("--kv-bind", default="tcp://127.0.0.1:0",
-                        help="address a prefill (encode) worker serves KV (embeddings) on over TCP "
-                             "(port 0: any free port)")
-    parser.add_argument("--kv-transfer-timeout", type=float_above(0), default=30.0,
-                        help="seconds a decode worker waits for a KV fetch over TCP")
-    flags.ELASTIC_FLAG.add(parser)
-    auth.add_arguments(parser)
-
-
 @dataclass(frozen=True)
 class WorkerConfig:
-    """``epdserve worker``'s options: the engine's (``engine``, the flags its fields declare)
-    and one field per other flag of :func:`add_arguments` (a test checks that every flag has
-    its field: none is parsed and then ignored). Units as the flags': MiB, tokens, seconds."""
-    role: str
-    router: str
-    bind: str
-    worker_id: str
-    model: str | None
-    cores: str | None
-    engine: EngineConfig
-    tensor_parallel_size: int
-    kv_transport: str
-    kv_transfer_dtype: str
-    kv_layer_pipeline: bool
-    kv_ttl: float
-    kv_bind: str
-    kv_transfer_timeout: float
-    elastic: bool
-    auth_token: str | None
-    allow_unauthenticated: bool
-    internal_encryption: str
+    """Units as the flags': MiB, tokens, seconds. ``passed`` fields are those serve passes to each worker."""
+    role: str = field(metadata=setting("the worker's role", choices=ROLES, required=True))
+    router: str = field(metadata=setting("router events address, e.g. tcp://127.0.0.1:5555", required=True))
+    bind: str = field(metadata=setting("address for this worker's command socket", required=True))
+    worker_id: str = field(metadata=setting("the worker's name, unique in its deployment", required=True))
+    model: str | None = field_of(flags.MODEL_FLAG)
+    cores: str | None = field_of(flags.CORES_FLAG)
+    engine: EngineConfig = nested(EngineConfig, passed=True)
+    tensor_parallel_size: int = field(default=1, metadata=setting(
+        "ranks of one engine worker (vLLM's flag), each a process with its share of the model's heads, MLP "
+        "columns and vocabulary and of the KV cache; the worker's cores are split among them and its steps run on "
+        "all of them (docs/tensor-parallel.md); any engine role (KV handed over between any two sizes); an encode "
+        "worker (serve's --encode-tp) splits its vision tower; dense weights (auto: the dense copy)",
+        "--tensor-parallel-size", "-tp", type=int_at_least(1), passed=True))
+    kv_transport: str = field(default="auto", metadata=setting(
+        "KV hand-off: shared memory on the same host, TCP otherwise (auto), or one of them",
+        choices=handoff.TRANSPORTS, passed=True))
+    kv_transfer_dtype: str = field(default="none", metadata=setting(
+        "how a prefill worker sends KV: as cached, bf16, or int8 with per-token, per-head scales",
+        choices=kv_codec.TRANSFER_DTYPES, passed=True))
+    kv_layer_pipeline: bool = field(default=False, metadata=setting(
+        "a prefill worker writes each layer's KV into the outgoing frame as soon as the layer is computed (a "
+        "staged frame instead of its shared KV pool)", action="store_true", passed=True))
+    kv_ttl: float = field(default=120.0, metadata=setting(
+        "seconds a prefill worker keeps an exported KV segment nobody took", type=float_above(0)))
+    kv_bind: str = field(default="tcp://127.0.0.1:0", metadata=setting(
+        "address a prefill (encode) worker serves KV (embeddings) on over TCP (port 0: any free port)"))
+    kv_transfer_timeout: float = field(default=30.0, metadata=setting(
+        "seconds a decode worker waits for a KV fetch over TCP", type=float_above(0)))
+    elastic: bool = field_of(flags.ELASTIC_FLAG)
+    auth: auth.AuthOptions = nested(auth.AuthOptions)
 
     @classmethod
-    def from_args(cls, args: Options) -> WorkerConfig:
-        return cls(engine=config_from(EngineConfig, args),
-                   **{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "engine"})
+    def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
+        return config_from(cls, args)
+
+
+WORKER_FLAGS = flags_of(WorkerConfig, passed=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, WorkerConfig)
+
+
+def worker_argv(given: dict[str, object]) -> list[str]:
+    """Values by dest of :data:`WORKER_FLAGS` and ``--model`` (None or absent: not given) as worker argv words."""
+    return [word for flag in (flags.MODEL_FLAG, *WORKER_FLAGS) for word in flag.argv(given.get(flag.dest))]
+
+
+def worker_default(dest: str):
+    return next(f.kwargs.get("default") for f in WORKER_FLAGS if f.dest == dest)
 
 
 def weight_format(config: WorkerConfig, info: ModelInfo) -> str:
-    """``--weight-format`` resolved for this worker (``model/linear.resolve``, after
-    ``--dtype``): ``auto`` by what its role runs (an elastic worker may come to run either
-    phase), checked against the model; an encode worker holds no language model and keeps
-    the value as given.
-
-    Raises:
-        ValueError: a format the model, dtype or device cannot hold.
-    """
+    """``--weight-format`` resolved: ``auto`` by what the role runs (elastic: both phases); an encode worker
+    keeps it as given. Raises ValueError: a format the model, dtype or device cannot hold."""
     engine = config.engine
     if config.role == "encode":
         return engine.weight_format
@@ -102,17 +97,9 @@ def weight_format(config: WorkerConfig, info: ModelInfo) -> str:
 
 
 def check_model_split(config: WorkerConfig, info: ModelInfo) -> None:
-    """Whether what ``config.role`` runs of ``info`` splits over ``config.tensor_parallel_size``
-    ranks: the vision tower of an encode worker, else the language model in
-    ``config.engine.weight_format`` (as given); on ``config.engine.device``. Nothing to check for one rank.
-
-    Raises:
-        ValueError: more ranks than the vision tower's attention heads
-            (``vision.vision_shard``) or the language model's KV heads
-            (``tensor_parallel.shard_ranges``), a format with GGUF blocks
-            (``tensor_parallel.check_dense``), or on CUDA fewer GPUs from the worker's than
-            ranks, or ``--kv-layer-pipeline`` on a worker that may prefill for another.
-    """
+    """Whether the role's part (an encode worker's vision tower, else the language model) splits over the
+    ranks. Raises ValueError: more ranks than attention (KV) heads, a GGUF-block format, on CUDA fewer GPUs than
+    ranks, or ``--kv-layer-pipeline`` on a worker that may prefill for another."""
     size, device, weights = config.tensor_parallel_size, config.engine.device, config.engine.weight_format
     if size == 1:
         return
@@ -134,11 +121,7 @@ def check_model_split(config: WorkerConfig, info: ModelInfo) -> None:
 
 
 def pin_to_cores(spec: str | None) -> list[int]:
-    """Pin this process (and torch's thread pool) to ``spec`` ("0,1"); returns the cores.
-
-    Raises:
-        ValueError: a core that is not a number or not available to this process.
-    """
+    """Pins this process and torch's thread count to ``spec`` ("0,1"). Raises ValueError: a bad or unavailable core."""
     allowed = sorted(os.sched_getaffinity(0))
     if spec is None:
         cores = allowed
@@ -155,10 +138,8 @@ def pin_to_cores(spec: str | None) -> list[int]:
 
 
 def node_identity() -> dict:
-    """Where this worker runs, for its Hello: ``node_id``, ``node_ip`` and ``resources``
-    from ``$EPDSERVE_NODE_ID`` / ``$EPDSERVE_NODE_IP`` / ``$EPDSERVE_NODE_RESOURCES`` (JSON),
-    which a Ray actor sets (``epdserve.serving.launch.ray_cluster``); else the host name, "" and {};
-    and ``pid``, this process."""
+    """For the Hello: ``node_id``, ``node_ip``, ``resources`` from the ``$EPDSERVE_NODE_*`` a Ray actor sets
+    (else the host name, "" and {}), and ``pid``."""
     try:
         resources = json.loads(os.environ.get("EPDSERVE_NODE_RESOURCES") or "{}")
     except json.JSONDecodeError:
@@ -168,16 +149,9 @@ def node_identity() -> dict:
 
 
 def load(config: WorkerConfig):
-    """Pin the cores and load what the role runs: ``(cores, model info, encode engine or
-    None, engine and its shared KV pool or None, None for an encode worker, the other
-    tensor-parallel ranks or None)``. With ``--tensor-parallel-size`` N > 1, this process is
-    rank 0, pinned to its share of the cores (``ranks.split_cores``), and the followers are
-    started on theirs (:class:`~epdserve.serving.worker.ranks.Ranks`; the caller closes them).
-
-    Raises:
-        ValueError, ModelLoadError, OSError: a bad option, model, or /dev/shm.
-        RankFailure: a follower rank died or hung at start-up.
-    """
+    """``(cores, info, encoder, engine, KV pool, ranks)``, None where the role has none; the caller closes ``ranks``
+    (tensor-parallel: this process is rank 0). Raises ValueError, ModelLoadError, OSError (a bad option, model or
+    /dev/shm), RankFailure (a follower rank died or hung at start-up)."""
     encode_role = config.role == "encode"
     cores = pin_to_cores(config.cores)
     if os.environ.get("EPDSERVE_NUM_THREADS"):  # a Ray actor: its CPU count, not the node's
@@ -198,18 +172,16 @@ def load(config: WorkerConfig):
     ranks = _start_ranks(config, info, shares)
     try:
         if encode_role or (info.multimodal and (config.role in ("colocated", "prefill") or config.elastic)):
-            # The ranks split an encode worker's vision tower; an engine worker's split its
-            # language model, and the vision encoder it may hold runs whole on rank 0.
+            # an engine worker's vision encoder runs whole on rank 0
             encoder = EncodeEngine(info.path, DTYPES[config.engine.dtype], device=config.engine.device,
                                    tp=ranks if encode_role else None)
             if info.synthetic_vision:
                 log.warning("%s: the vision tower of %s has SYNTHETIC (seeded random) weights: image outputs "
                             "carry no meaning", config.worker_id, info.name)
         if not encode_role:
-            # A prefill worker keeps its KV cache where a same-host decode worker can read it, so a
-            # hand-off copies it once: /dev/shm on the CPU, a CUDA-IPC-shared pool on a GPU
-            # (docs/gpu-handoff.md). Converted or layer-pipelined KV is staged as a frame instead.
-            exports = config.role == "prefill" or config.elastic  # an elastic worker may become a prefill worker
+            # Shared so that a same-host hand-off copies it once (/dev/shm, or CUDA IPC: docs/gpu-handoff.md);
+            # converted or layer-pipelined KV goes as staged frames.
+            exports = config.role == "prefill" or config.elastic
             shared = exports and config.kv_transfer_dtype == "none" and not config.kv_layer_pipeline
             engine, kv_pool = new_engine(str(info.path), config.engine, shared, tp=ranks)
     except BaseException:
@@ -220,8 +192,6 @@ def load(config: WorkerConfig):
 
 
 def _start_ranks(config: WorkerConfig, info: ModelInfo, shares: list[list[int]]) -> Ranks | None:
-    """Pin this process, rank 0, to its share of the cores and start the follower ranks on
-    theirs (with the vision tower's shards in an encode worker); None for one rank."""
     if config.tensor_parallel_size == 1:
         return None
     pin_to_cores(",".join(map(str, shares[0])))
@@ -232,22 +202,10 @@ def _start_ranks(config: WorkerConfig, info: ModelInfo, shares: list[list[int]])
 
 def new_engine(model_dir: str, config: EngineConfig, shared_pool: bool, ipc_backend: cuda_ipc.IpcBackend | None = None,
                tp: Ranks | None = None) -> tuple[LLMEngine, shm.KVPool | cuda_ipc.DevicePool | None]:
-    """An engine and, with ``shared_pool``, the pool its KV cache lives in (for an
-    :class:`Exporter` that hands blocks over without copying them): a
-    :class:`~epdserve.transfer.shm.KVPool` for a cache in host memory, a
-    :class:`~epdserve.transfer.cuda_ipc.DevicePool` for one on a GPU (or on the CPU with a
-    test's ``ipc_backend``, e.g. :class:`~epdserve.transfer.cuda_ipc.FakeBackend`). The
-    pool's file is deleted by :meth:`Exporter.close` or, failing that, at interpreter exit.
-
-    With ``tp`` (a tensor-parallel worker's ranks), the ranks' pool holds the cache
-    (:meth:`Ranks.drive`: one part per rank, in /dev/shm on the CPU) and is the one shared;
-    on CUDA there is none (each rank's part is on its GPU): the KV leaves as staged frames.
-
-    Raises:
-        as :class:`LLMEngine`; ``OSError`` when /dev/shm cannot hold the pool (or its
-        tags); :class:`~epdserve.transfer.cuda_ipc.IpcError` when a GPU cache cannot be
-        shared.
-    """
+    """With ``shared_pool``, also the pool its KV cache lives in (handed over without a copy): ``shm.KVPool`` in
+    host memory, ``cuda_ipc.DevicePool`` on a GPU (or with a test's ``ipc_backend``); deleted by ``Exporter.close``
+    or at interpreter exit. With ``tp``, the ranks' pool (none on CUDA: staged frames). Raises as :class:`LLMEngine`;
+    OSError: /dev/shm cannot hold the pool; ``cuda_ipc.IpcError``: a GPU cache cannot be shared."""
     if tp is not None:
         engine = LLMEngine(model_dir, config, tp=tp)
         return engine, tp.pool if shared_pool else None
