@@ -1,6 +1,4 @@
-"""The optional extras (``pip install 'epdserve[ray]'``, ``'epdserve[plots]'``): their modules
-are imported only where a command uses them, and one that is missing becomes one line naming
-the extra to install (:class:`MissingExtra`), never a traceback."""
+"""Optional extras (``epdserve[ray]``, ``[plots]``): a missing one is one line naming it, never a traceback."""
 
 from __future__ import annotations
 
@@ -18,13 +16,7 @@ class MissingExtra(ImportError):
 
 
 def need(extra: str, what: str) -> ModuleType:
-    """Import and return ``extra``'s module (:data:`EXTRAS`) for ``what`` (the command or part
-    that needs it, e.g. ``"epdserve serve --cluster ray"``).
-
-    Raises:
-        MissingExtra: it does not import; the message is
-            ``"{what} needs {name}: pip install 'epdserve[{extra}]'"``.
-    """
+    """Raises MissingExtra: ``"{what} needs {name}: pip install 'epdserve[{extra}]'"``."""
     module, name = EXTRAS[extra]
     try:
         return importlib.import_module(module)
@@ -33,19 +25,14 @@ def need(extra: str, what: str) -> ModuleType:
 
 
 def pyplot() -> ModuleType:
-    """``matplotlib.pyplot`` on the Agg backend (PNG files, no display needed).
-
-    Raises:
-        MissingExtra: matplotlib (the ``plots`` extra) is not installed.
-    """
+    """On the Agg backend (PNG, no display). Raises MissingExtra."""
     matplotlib = need("plots", "drawing the PNG plots")
     matplotlib.use("Agg")
     return importlib.import_module("matplotlib.pyplot")
 
 
 def warn_skipped(exc: MissingExtra, extra: str = "plots") -> None:
-    """Print ``epdserve: warning: {exc}; writing the results without them`` to stderr, once
-    per process and extra: the command goes on without what the extra would have added."""
+    """Once per process and extra, to stderr; the command goes on without the extra's output."""
     if extra not in _warned:
         _warned.add(extra)
         print(f"epdserve: warning: {exc}; writing the results without them", file=sys.stderr, flush=True)

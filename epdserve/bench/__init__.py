@@ -1,6 +1,4 @@
-"""Measuring deployments: workloads and traces, the streaming client, metrics, the goodput
-sweep, ``epdserve compare`` with its rounds, paired verdict, report and plots.
-"""
+"""Measuring deployments: workloads, the streaming client, metrics, ``epdserve compare``."""
 
 __all__ = ["arrivals", "client", "compare", "datasets", "deployment_run", "deployments",
            "engine_metrics", "images", "metrics", "paired", "plots", "processes", "production",

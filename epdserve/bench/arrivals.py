@@ -1,11 +1,5 @@
-"""When requests are sent: arrival times of generated traces and re-timing of a trace.
-
-Arrivals (:func:`arrival_offsets`, vLLM ``bench serve`` semantics): gamma-distributed
-gaps with mean 1/rate and shape ``burstiness`` (1 = Poisson), optionally with the rate
-rising linearly from request to request (vLLM's linear ramp-up); rate ``inf`` sends
-everything at t = 0. A cap on requests in flight is the client's (``--max-concurrency``).
-:func:`retime` re-spaces a trace for another rate (the goodput sweep).
-"""
+"""Send times of generated traces (vLLM ``bench serve`` semantics), and re-timing a trace for
+another rate (the goodput sweep)."""
 
 from __future__ import annotations
 
@@ -19,18 +13,11 @@ from epdserve.bench.traces import Request, TraceError
 
 def arrival_offsets(num: int, rate: float, rng: np.random.Generator, burstiness: float = 1.0,
                     ramp: tuple[float, float] | None = None) -> list[float]:
-    """Send times (s) of ``num`` requests: the first at 0, then gaps drawn from a gamma
-    distribution with shape ``burstiness`` and scale 1/(rate·burstiness), so mean 1/rate
-    and coefficient of variation 1/sqrt(burstiness) — vLLM ``bench serve``'s definition:
-    burstiness 1 is a Poisson process (exponential gaps), < 1 burstier, > 1 steadier.
+    """Send times (s): the first at 0, then gamma gaps of shape ``burstiness`` and mean 1/rate
+    (CV 1/sqrt(burstiness): 1 is Poisson, < 1 burstier); ``ramp=(A, B)`` req/s rises linearly
+    over the requests instead (vLLM's ramp-up); rate inf: all at 0.
 
-    ``ramp=(A, B)`` (req/s) replaces ``rate``: the gap before request i is drawn at rate
-    A + (B − A)·i/(num − 1), rising linearly over the run (vLLM's linear ramp-up).
-    ``rate`` = inf (and no ramp): all at 0.
-
-    Raises:
-        TraceError: rate or a ramp end <= 0, or burstiness <= 0.
-    """
+    Raises TraceError: a rate or ramp end <= 0, or burstiness <= 0."""
     if not (burstiness > 0) or math.isinf(burstiness):
         raise TraceError(f"burstiness {burstiness}: must be a finite number > 0")
     if ramp is not None:
@@ -45,8 +32,7 @@ def arrival_offsets(num: int, rate: float, rng: np.random.Generator, burstiness:
     if num <= 0:
         return []
     if burstiness == 1.0:
-        # Gamma(1, s) is Exponential(s); drawing it as such keeps seeded Poisson traces
-        # identical to the ones made before gamma arrivals existed.
+        # Exponential, as Gamma(1, s) is: keeps seeded Poisson traces as they were before gammas.
         gaps = rng.exponential(1.0 / rates[1:])
     else:
         gaps = rng.gamma(burstiness, 1.0 / (rates[1:] * burstiness))
@@ -54,13 +40,8 @@ def arrival_offsets(num: int, rate: float, rng: np.random.Generator, burstiness:
 
 
 def retime(requests: list[Request], rate: float, seed: int = 0) -> list[Request]:
-    """The same requests re-spaced to a mean arrival rate of ``rate`` req/s: offsets scaled
-    by (current mean rate)/``rate``, keeping the pattern (bursts, long-prompt positions).
-    A trace sent all at t = 0 has no pattern to keep; it gets Poisson offsets (seeded).
-
-    Raises:
-        TraceError: ``rate`` is not a finite number > 0.
-    """
+    """Offsets scaled to a mean rate of ``rate`` req/s, keeping the pattern; a trace sent all
+    at 0 gets seeded Poisson offsets. Raises TraceError for a rate not finite and > 0."""
     if not (0 < rate < math.inf):
         raise TraceError(f"rate {rate}: must be a finite number > 0 req/s")
     if len(requests) < 2:
@@ -79,7 +60,7 @@ def retime(requests: list[Request], rate: float, seed: int = 0) -> list[Request]
 
 
 def check_rate(rate: float) -> float:
-    """``rate`` (req/s) if > 0 (inf allowed), else TraceError."""
+    """``rate`` (req/s) if > 0, inf allowed; else TraceError."""
     if not (rate > 0):  # also rejects NaN
         raise TraceError(f"request rate {rate}: must be > 0 (inf = all at once)")
     return rate

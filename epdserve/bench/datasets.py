@@ -1,19 +1,6 @@
-"""Trace generators: synthetic chat, shared prefixes, chat with long-prompt bursts
-(the demo), a workload shifting in phases (:func:`shift`: each phase its own length mix
-and rate, e.g. long documents, then long answers, then quiet), and ShareGPT-format JSON
-files given by the user. Every generator is seeded and deterministic; lengths come from
-:func:`epdserve.bench.prompts.draw_lengths`, send times from
-:func:`epdserve.bench.arrivals.arrival_offsets` (the shift phases draw theirs alike).
-
-ShareGPT: the format is the one vLLM's ``bench serve --dataset-name sharegpt`` reads, a
-JSON list of ``{"conversations": [{"from": "human" | "gpt", "value": TEXT}, ...], ...}``.
-A conversation gives one request: its first human turn is the prompt, and the gpt turn
-right after it says how long the answer is (its token count is ``max_tokens``, unless an
-output length is given). As in vLLM, conversations are shuffled with the seed and pairs
-are skipped when a side is shorter than 4 tokens (too short), or the prompt is longer
-than 1024 tokens or prompt + answer longer than 2048 (too long); the counts of skipped
-ones are returned so the caller can say them.
-"""
+"""Seeded, deterministic trace generators: synthetic chat, shared prefixes, the demo (chat with
+long-prompt bursts), ShareGPT files (vLLM's filters; docs/comparing.md) and a workload shifting
+in phases (docs/comparing.md, "A shifting workload")."""
 
 from __future__ import annotations
 
@@ -38,17 +25,9 @@ _SEPARATORS = re.compile(r"[\s,]*")
 
 def with_images(requests: list[Request], per_request: int, size: tuple[int, int],
                 repeat_share: float = 0.0, seed: int = 0) -> list[Request]:
-    """``requests`` with ``per_request`` images of ``size`` = (width, height) pixels each.
-
-    Images are numbered in trace order and the number is the picture's seed (so each is a
-    different picture), except that round(``repeat_share`` · N) of the N requests (never
-    the first; chosen with ``seed``) send the same images as a random earlier request: an
-    encode worker's embedding cache should then hit (vLLM and SGLang key theirs by image
-    content too).
-
-    Raises:
-        TraceError: ``repeat_share`` outside [0, 1].
-    """
+    """``per_request`` images of ``size`` (width, height px), each its own seeded picture,
+    except round(``repeat_share`` · N) requests (never the first) that repeat an earlier request's
+    images, so an embedding cache can hit. Raises TraceError for a share outside [0, 1]."""
     if not 0 <= repeat_share <= 1:
         raise TraceError(f"image repeat share {repeat_share}: must be in [0, 1]")
     if per_request == 0:
@@ -72,8 +51,6 @@ def synthetic(tokenizer, num_prompts: int = 50, input_len: tuple[int, int] = (10
               output_len: tuple[int, int] = (64, 128), request_rate: float = float("inf"),
               seed: int = 0, length_dist: str = "uniform", burstiness: float = 1.0,
               ramp: tuple[float, float] | None = None) -> list[Request]:
-    """``num_prompts`` chat requests: input/output token lengths from ``length_dist`` over
-    the inclusive ranges (:func:`draw_lengths`), arrivals from :func:`arrival_offsets`."""
     if num_prompts < 1:
         raise TraceError(f"num prompts {num_prompts}: must be >= 1")
     check_range("input length", input_len)
@@ -96,11 +73,8 @@ def shared_prefix(tokenizer, num_prompts: int = 50, prefix_count: int = 4,
                   seed: int = 0, order: str = "round-robin", length_dist: str = "uniform",
                   burstiness: float = 1.0, ramp: tuple[float, float] | None = None
                   ) -> list[Request]:
-    """``num_prompts`` chat requests, each one of ``prefix_count`` shared prefixes of
-    ``prefix_len`` tokens, a space, and its own suffix (lengths from ``suffix_len``).
-    Request i takes prefix i mod K (``order`` "round-robin") or a seeded random one
-    ("random"). ``prompt_tokens`` is the count of the whole text (a word boundary rarely
-    merges two tokens, so it can differ from prefix + suffix by one)."""
+    """Request i takes prefix i mod K ("round-robin") or a seeded random one; its
+    ``prompt_tokens`` counts the whole text (a word boundary may merge two tokens)."""
     if num_prompts < 1 or prefix_count < 1 or prefix_len < 1:
         raise TraceError(f"shared prefixes need >= 1 prompt, prefix and prefix token "
                          f"(got {num_prompts}, {prefix_count}, {prefix_len})")
@@ -125,14 +99,7 @@ def shared_prefix(tokenizer, num_prompts: int = 50, prefix_count: int = 4,
     return requests
 
 
-# Defaults of `make demo`, sized for a 2-core CPU running SmolLM2-135M: 24 chat requests at
-# 0.25 req/s arrive over ~95 s and decode 128-256 tokens each (2-5 s of decoding), and 6
-# long prompts (~2 s of prefill on two cores, ~4 s on one) land evenly among them, so that
-# most long prompts arrive while a chat decodes. A colocated engine then prefills them in
-# steps of its budget between the chats' tokens (gaps of ~0.3-0.5 s), a PD decode worker
-# keeps decoding (gaps under 0.1 s) and its prefill worker, on one core, answers the long
-# prompts later: measured, the split wins at strict gap SLOs with a relaxed TTFT and
-# colocated at tight TTFT SLOs (docs/comparing.md).
+# `make demo`'s defaults, sized for 2 CPU cores and SmolLM2-135M (docs/comparing.md).
 DEMO_DEFAULTS = dict(num_chat=24, chat_input_len=(50, 250), chat_output_len=(128, 256),
                      chat_rate=0.25, num_long=6, long_input_len=1600, long_output_len=16)
 _D = DEMO_DEFAULTS
@@ -144,12 +111,8 @@ def demo(tokenizer, num_chat: int = _D["num_chat"], chat_input_len: tuple[int, i
          long_output_len: int = _D["long_output_len"],
          seed: int = 0, long_burst: int = 1, length_dist: str = "uniform",
          burstiness: float = 1.0, ramp: tuple[float, float] | None = None) -> list[Request]:
-    """Chat requests mixed with bursts of long prompts: ``num_chat`` chat requests (as
-    :func:`synthetic`, arriving at ``chat_rate`` req/s) and ``num_long`` long prompts of
-    ``long_input_len`` tokens with ``long_output_len`` output tokens, in bursts of
-    ``long_burst`` sent at the same instant; burst k of B is sent at fraction k/(B+1) of
-    the chat arrival window (so they arrive while chat requests decode). Sorted by send
-    time."""
+    """``num_long`` long prompts in bursts of ``long_burst``; burst k of B is sent at fraction
+    k/(B+1) of the chat arrival window, so most arrive while chats decode."""
     if num_chat < 1 or num_long < 0 or long_burst < 1:
         raise TraceError(f"demo needs >= 1 chat request, >= 0 long ones and bursts of >= 1 "
                          f"(got {num_chat}, {num_long}, {long_burst})")
@@ -170,13 +133,10 @@ def demo(tokenizer, num_chat: int = _D["num_chat"], chat_input_len: tuple[int, i
 
 
 def read_sharegpt(path: str | Path) -> list[tuple[str, str | None]]:
-    """(first human turn, the gpt turn right after it or None) per conversation of a
-    ShareGPT JSON file, in file order; conversations without a human turn are left out.
+    """(first human turn, the gpt turn right after it or None) per conversation, in file order.
 
-    Raises:
-        TraceError: missing/unreadable file, invalid JSON (names file:line), or an entry
-            not of the ShareGPT shape (names file:line and the entry's index).
-    """
+    Raises TraceError for an unreadable file, invalid JSON or an entry not of ShareGPT's shape
+    (naming file:line)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -208,9 +168,8 @@ def read_sharegpt(path: str | Path) -> list[tuple[str, str | None]]:
 
 
 def _list_entries(text: str) -> list[tuple[int, object]] | None:
-    """(line where it starts, value) of each element of the JSON list ``text`` (already
-    checked to be valid JSON), or None when ``text`` is not a list. Decoding element by
-    element is what lets a schema error name its line."""
+    """(start line, value) per element of a JSON list (None if not a list): decoding one by
+    one lets a schema error name its line."""
     decoder = json.JSONDecoder()
     pos = _SEPARATORS.match(text).end()
     if not text.startswith("[", pos):
@@ -233,16 +192,10 @@ def sharegpt(tokenizer, path: str | Path, num_prompts: int = 50,
              output_len: tuple[int, int] | None = None, request_rate: float = float("inf"),
              seed: int = 0, burstiness: float = 1.0, ramp: tuple[float, float] | None = None
              ) -> tuple[list[Request], dict]:
-    """Up to ``num_prompts`` chat requests from the ShareGPT file ``path`` (see the module
-    doc), arrivals as :func:`epdserve.bench.arrivals.arrival_offsets`. ``output_len``:
-    draw ``max_tokens`` uniformly from this range instead of the answer's length.
+    """Returns (requests, stats: ``conversations``, ``used``, ``skipped_no_answer``,
+    ``skipped_too_short``, ``skipped_too_long``); ``output_len`` replaces the answer's length.
 
-    Returns (requests, stats): stats counts ``conversations`` read, ``used``, and
-    ``skipped_no_answer``, ``skipped_too_short``, ``skipped_too_long``.
-
-    Raises:
-        TraceError: a bad file (see :func:`read_sharegpt`), or no usable conversation.
-    """
+    Raises TraceError for a bad file or no usable conversation."""
     pairs = read_sharegpt(path)
     rng = np.random.default_rng(seed)
     stats = {"conversations": len(pairs), "used": 0, "skipped_no_answer": 0,
@@ -277,30 +230,18 @@ def sharegpt(tokenizer, path: str | Path, num_prompts: int = 50,
     return requests, stats
 
 
-# ---------------------------------------------------------------------------------------
-# The shifting workload (--workload shift): phases back to back, each its own mix and rate.
-
-# Sized for a 2-core CPU running SmolLM2-135M (2,048-token window), from the measurements
-# above DEMO_DEFAULTS (prefill ~240 tok/s per core, a decode step ~75 ms at batch 1 and
-# ~150 ms at batch 8): (1) long documents, short answers: 10 prompts of 1,200-1,700 tokens
-# at 0.12 req/s ask ~175 prompt tokens/s, about one core's prefill, so prefill capacity
-# decides TTFT (~85 s); (2) short questions, long answers: 24 requests of 200-400 output
-# tokens at 0.3 req/s keep ~13 sequences decoding (Little's law at ~45 s each), so decode
-# capacity decides ITL (~80 s); (3) quiet: 4 small requests at 0.05 req/s (~80 s), where a
-# split idles half its cores. About 4 minutes of arrivals in all.
+# Sized for 2 CPU cores and SmolLM2-135M (docs/comparing.md, "A shifting workload").
 SHIFT_DEFAULT = ("in=1200:1700,out=8:16,rate=0.12,n=10;"
                  "in=30:120,out=200:400,rate=0.3,n=24;"
                  "in=50:200,out=32:64,rate=0.05,n=4")
-# Tokens the server's chat template adds to a prompt: 30 for the default model (SmolLM2's
-# system turn and role markers), rounded up.
+# The default model's chat template adds 30 tokens to a prompt.
 TEMPLATE_TOKENS = 32
 _PHASE_KEYS = ("in", "out", "rate", "n")
 
 
 @dataclass(frozen=True)
 class Phase:
-    """One phase of a shifting workload: ``input_len`` and ``output_len`` inclusive token
-    ranges (MIN, MAX), ``rate`` (req/s, finite > 0) and ``num`` requests."""
+    """Inclusive token ranges, ``rate`` in req/s (finite > 0), ``num`` requests."""
 
     input_len: tuple[int, int]
     output_len: tuple[int, int]
@@ -309,16 +250,9 @@ class Phase:
 
 
 def parse_phases(text: str) -> list[Phase]:
-    """The phases of a ``--shift-phases`` SPEC: phases separated by ``;``, each
-    ``in=MIN:MAX,out=MIN:MAX,rate=R,n=N`` (all four keys, any order; ``in``/``out`` take a
-    single N for a fixed length), e.g. :data:`SHIFT_DEFAULT`. A phase is sized by its
-    request count ``n`` (not by seconds) so that the trace's length never depends on the
-    seed.
+    """Phases of a ``--shift-phases`` SPEC, e.g. :data:`SHIFT_DEFAULT`.
 
-    Raises:
-        TraceError: naming the phase (1-based) and the bad part: an empty list or phase, an
-            unknown, repeated or missing key, a bad range, a rate not finite and > 0, n < 1.
-    """
+    Raises TraceError naming the phase (1-based) and the bad part."""
     parts = [p.strip() for p in text.split(";")]
     if not any(parts):
         raise TraceError(f"shift phases {text!r}: empty phase list (expected "
@@ -375,15 +309,13 @@ def _phase_range(text: str, where: str) -> tuple[int, int]:
 
 
 def format_phases(phases: list[Phase]) -> str:
-    """The ``--shift-phases`` SPEC of ``phases`` (:func:`parse_phases` reads it back)."""
     return ";".join(f"in={p.input_len[0]}:{p.input_len[1]},out={p.output_len[0]}:{p.output_len[1]},"
                     f"rate={p.rate:g},n={p.num}" for p in phases)
 
 
 def check_window(phases: list[Phase], window: int, template_tokens: int = TEMPLATE_TOKENS) -> None:
-    """TraceError naming the first phase whose longest prompt + longest output + the chat
-    template's ``template_tokens`` exceed the model's ``window`` (tokens): its longest
-    request would be refused (400 context_length_exceeded)."""
+    """Raises TraceError for the first phase whose longest request (prompt + output +
+    chat template) exceeds ``window`` tokens: the server would refuse it."""
     for k, p in enumerate(phases, 1):
         need = p.input_len[1] + p.output_len[1] + template_tokens
         if need > window:
@@ -394,23 +326,10 @@ def check_window(phases: list[Phase], window: int, template_tokens: int = TEMPLA
 
 def shift(tokenizer, phases: list[Phase], seed: int = 0, length_dist: str = "uniform",
           burstiness: float = 1.0) -> tuple[list[Request], dict]:
-    """A trace in ``phases``, back to back: phase k's ``num`` chat requests, lengths from
-    ``length_dist`` over its ranges, each sent a gap after the previous request drawn at
-    phase k's rate (Poisson at ``burstiness`` 1, gamma gaps as :func:`arrival_offsets`
-    otherwise); the first request at 0.
+    """Phases back to back; each gap drawn at its request's phase rate (gamma at ``burstiness``).
 
-    Returns (requests in send order, phase windows): a table of one list per column, item
-    k for phase k: ``first`` (index of its first request; its requests are ``first ..
-    first + n - 1``), ``n``, ``start_s`` (the previous phase's last send, 0 for the first)
-    and ``end_s`` (its last send), in seconds. Columns, not rows, because the table goes
-    into the workload spec that ``compare.md`` prints one ``key=value`` per item.
-    :func:`epdserve.bench.arrivals.retime` scales every offset by one factor, so a
-    re-timed shift trace keeps its phases (indices unchanged, every phase's rate times the
-    same factor, its times divided by it).
-
-    Raises:
-        TraceError: no phase, a bad range or rate, or burstiness not finite and > 0.
-    """
+    Returns (requests, phase windows as columns ``first``, ``n``, ``start_s``, ``end_s``: columns
+    because compare.md prints one ``key=value`` each). Raises TraceError."""
     if not phases:
         raise TraceError("shift: no phase")
     if not (0 < burstiness < math.inf):
@@ -442,12 +361,7 @@ def shift(tokenizer, phases: list[Phase], seed: int = 0, length_dist: str = "uni
 
 
 def split_by_phase(requests: list, table: dict) -> list[list]:
-    """``requests`` (a shift trace, or anything in its order: one result per request) cut
-    into its phases by the phase windows of :func:`shift` (``first``, ``n``).
-
-    Raises:
-        TraceError: ``requests`` does not have the table's number of requests.
-    """
+    """Raises TraceError when ``requests`` does not match the table's count."""
     total = sum(table["n"])
     if len(requests) != total:
         raise TraceError(f"{len(requests)} requests, but the phase table has {total}")

@@ -1,6 +1,5 @@
-"""One deployment's run for ``epdserve compare``: start it, send the trace, sweep the
-request rate (each rate on a fresh start), read its resources and server-side numbers,
-stop it; the compare.json entry (:func:`run_config`)."""
+"""One deployment's run for ``epdserve compare``: start it, send the trace, sweep the rate (each
+rate on a fresh start), stop it, and build its compare.json entry."""
 
 from __future__ import annotations
 
@@ -21,34 +20,11 @@ from epdserve.bench.arrivals import retime
 def run_config(deployment: str | Deployment, requests: list[workload.Request],
                args: Options, out_dir: Path, serve: list[str] = SERVE,
                progress: str = "") -> dict:
-    """Start ``deployment`` (a ``--configs`` name or a deployments-file entry), wait until
-    it is ready, run the trace (and the goodput sweep when ``args.sweep_rates`` is set),
-    read its resources, stop it; return the compare.json entry:
+    """The compare.json entry (docs/comparing.md, "compare.json entries") of ``deployment``;
+    ``serve`` starts epdserve deployments, ``progress`` prefixes log lines.
 
-    ``{"name", "mode" ("colocated", "pd", "epd" or None), "deployment": <the entry as parsed>, "metrics_urls",
-    "result": <bench result>, "server": <trace summary, {} without an epdserve trace>, "resources": {"workers",
-    "cores", "num_cores", "device_kind", "num_devices", "price_per_hour"}, "itl_stalls": gaps > plots.STALL_MS,
-    "breakdown": <server_trace.breakdown, {} without a trace>, "server_metrics":
-    <server_metrics.MetricsWatcher.stop over the measured requests, {} without metrics URLs>, "sweep": <sweep
-    result> (with --sweep-rates: :func:`_sweep`; "sweep_error" instead when a start or run of the sweep failed),
-    "host_load": {"cores", "before": <host.quiet_check>, "during": <host.LoadMonitor.stop>, "priority":
-    <host.match_cpu_priority>, "warning": <its warnings "; "-joined, or None>} (None for a base_url deployment:
-    its CPU time cannot be told from others'), "client": <:func:`_client_delay`: the bench client's own delay>,
-    "died": <see :class:`~epdserve.bench.processes.Running`> (only when a process died), "run_start_unix",
-    "run_end_unix": <time.time() when the trace's first request was due (the origin of ``start_offsets``, up to
-    the few ms it takes to start the first send) and when its last request ended>, "memory_peak_bytes": <its
-    processes' peak resident memory (None for a base_url deployment)>, "roles_timeline":
-    <server_trace.role_timeline's "workers">, "role_switches": <its "switches"> (both ``{}`` but for an elastic
-    deployment)}``.
-    ``serve``: the command epdserve deployments start with; ``progress`` prefixes the log
-    lines (e.g. "2/4").
-
-    Raises:
-        ServerError: it did not get ready (a taken port, a process that exited, a timeout,
-            not an OpenAI server), or it died before the trace ran.
-        client.ClientError: it stopped answering before the run, or the warm-up failed.
-        sweep.SweepError: a sweep result without ``slo_attainment`` (no SLOs given).
-    """
+    Raises ServerError (not ready, or dead before the trace), client.ClientError (no answer before
+    the run, failed warm-up), sweep.SweepError (a sweep without SLOs)."""
     dep = from_config(deployment) if isinstance(deployment, str) else deployment
     tag = f"[{progress} {dep.name}]" if progress else f"[{dep.name}]"
     entry: dict = {"name": dep.name, "mode": dep.entry_mode, "deployment": dep.record()}
@@ -81,9 +57,7 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
 
 def _host_load(cores: list[int], before: dict | None, during: dict | None, tag: str,
                priority: dict | None = None, client_delay: dict | None = None) -> dict | None:
-    """``host_load`` of an entry (or of a sweep point: no ``before``, no ``client_delay``),
-    None without ``during`` (a base_url deployment); prints its warnings: other processes'
-    load (:func:`host.outside_warning`), a priority not matched, the client's own delay."""
+    """None without ``during`` (a base_url); prints its warnings."""
     warnings = [during and host.outside_warning(during["outside_share"], during["steal_share"], len(cores)),
                 (priority or {}).get("error"), (client_delay or {}).get("warning")]
     for line in filter(None, warnings):
@@ -95,11 +69,8 @@ def _host_load(cores: list[int], before: dict | None, during: dict | None, tag: 
 
 
 def _client_delay(result: dict, requests: list[workload.Request], loop: dict) -> dict:
-    """How much the bench client itself held the run up: ``{"loop": <client.LoopLag.summary>,
-    "late_sends", "num_sends", "max_send_late_s", "warning": <host.client_warning>}``. A
-    send is compared with its scheduled offset only without ``--max-concurrency`` (with it,
-    a send waits for a slot by design); the measured requests only (after
-    ``--warmup-requests``)."""
+    """Sends count as late only without ``--max-concurrency`` (with it a send waits for a
+    slot by design); the measured requests only."""
     skip = result.get("warmup_requests") or 0
     lates = [] if result.get("max_concurrency") else [
         max(0.0, sent - r.offset_s) for sent, r in zip(result["start_offsets"], requests[skip:])]
@@ -112,30 +83,22 @@ def _client_delay(result: dict, requests: list[workload.Request], loop: dict) ->
 
 def _run_trace(running: Running, requests: list[workload.Request], args: Options,
                entry: dict, cores: list[int], tag: str) -> tuple[dict | None, dict]:
-    """Give the ready deployment the client's CPU priority (:func:`host.match_cpu_priority`)
-    and send it the trace while measuring the load on ``cores`` and the client's own delay
-    (:func:`_client_delay`); puts ``result``, ``client``, ``server_metrics`` and
-    ``resources`` in ``entry`` and returns ``(load, priority)``: the load
-    (:meth:`host.LoadMonitor.stop`; None for a base_url deployment) and what
-    :func:`host.match_cpu_priority` returned.
-
-    Raises:
-        ServerError: a process died and the client could not even start the run.
-    """
-    # From here on, not from the start: loading the model is not what the run measures.
+    """Send the trace at the client's CPU priority, measuring the load and the client's delay;
+    fills ``entry``, returns (load, priority). Raises ServerError when a dead process kept the
+    run from starting."""
+    # From here on: loading the model is not what the run measures.
     pids = running.root_pids
     priority = host.match_cpu_priority(pids)
     print(f"{tag} sending {len(requests)} requests", flush=True)
     monitor = host.LoadMonitor(cores, pids).start() if pids else None
-    # The server's own view of the same requests: from after the warm-up to the run's end.
     watcher = server_metrics.MetricsWatcher(running.metrics_urls)
     lag = client.LoopLag()
 
-    def on_start() -> None:  # right before the first request is due: the trace's time 0
+    def on_start() -> None:  # the trace's time 0
         if watcher.urls:
             watcher.start()
         entry["run_start_unix"] = time.time()
-        lag.start()  # runs on the client's loop until the trace ends (asyncio.run cancels it)
+        lag.start()  # until the trace ends (asyncio.run cancels it)
 
     try:
         entry["result"] = bench(running.client_url, requests, args, model=running.model,
@@ -158,19 +121,9 @@ def _run_trace(running: Running, requests: list[workload.Request], args: Options
 
 def _sweep(dep: Deployment, requests: list[workload.Request], args: Options,
            out_dir: Path, opts: LaunchOptions, tag: str) -> dict:
-    """The goodput sweep (:func:`sweep.find_max_goodput_rate`) of ``dep``: the trace
-    re-timed to each rate, each rate on a fresh start of the deployment, its logs and
-    server trace under ``DIR/sweep/NAME-RATE/``, each point with its ``host_load``.
-
-    A fresh start because a server that served the trace holds its prompts in its prefix
-    cache: sent again, they are cache hits. Sweeping the running server, a synthetic trace
-    (100-300 prompt tokens, 2 cores) had prefills of 3.8 s median on its first pass and
-    61 ms on every later one, and so "passed" rates it could not serve. A base_url
-    deployment (not ours to restart) gets every rate on the same server, with a warning.
-
-    Raises:
-        ServerError, client.ClientError: a start or a run failed (the sweep ends there).
-    """
+    """Each rate on a fresh start: a server that served the trace holds its prompts in its prefix
+    cache (prefills of 3.8 s fell to 61 ms on a second pass, passing rates it could not serve).
+    A base_url gets every rate as it is, with a warning. Raises ServerError, client.ClientError."""
     if dep.kind == "base_url":
         print(f"{tag} warning: {dep.name} is a running server (base_url): every sweep rate is sent to it "
               "as it is, and from the second on its prefix cache may hold the trace's prompts", flush=True)
@@ -200,7 +153,6 @@ def _sweep(dep: Deployment, requests: list[workload.Request], args: Options,
 
 
 def _stop_watcher(watcher: server_metrics.MetricsWatcher, completed: int, tag: str) -> dict:
-    """The watcher's stages (``{}`` without metrics URLs); prints its warnings."""
     if not watcher.urls:
         return {}
     found = watcher.stop(completed_requests=completed)
@@ -210,15 +162,10 @@ def _stop_watcher(watcher: server_metrics.MetricsWatcher, completed: int, tag: s
 
 
 def _is_elastic(dep: Deployment) -> bool:
-    """Whether ``dep`` is an epdserve deployment whose workers may change role: an elastic
-    name, or ``--elastic`` among its extra serve ``args``."""
     return bool(dep.epdserve) and (DeploymentSpec.parse(dep.epdserve).elastic or "--elastic" in (dep.args or []))
 
 
 def _add_summaries(entry: dict, trace_file: Path | None, elastic: bool = False) -> None:
-    """What the server's trace (epdserve's; none for other deployments) and the bench
-    result say, into ``entry``: ``server``, ``breakdown``, ``itl_stalls``, and (of an
-    ``elastic`` deployment; else ``{}``) ``roles_timeline`` and ``role_switches``."""
     result = entry["result"]
     entry["itl_stalls"] = plots.itl_stalls(result)
     entry["roles_timeline"], entry["role_switches"] = {}, {}

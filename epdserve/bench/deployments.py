@@ -1,50 +1,6 @@
-"""Deployment files for ``epdserve compare --deployments FILE [FILE ...]``: what each
-deployment is, how it starts and how to tell it is ready (the schema, the loading with
-one-line errors, and variable expansion; :mod:`epdserve.bench.processes` starts and stops
-them).
-
-A file is TOML with one ``[[deployment]]`` table per deployment (names unique across every
-file and ``--configs``). Each entry is one of three kinds:
-
-* ``epdserve = "1p1d"`` — an epdserve deployment by the names ``--configs`` takes
-  (:class:`~epdserve.serving.deployment.DeploymentSpec`); optional ``model`` (serve's
-  ``--model``) and ``args = [...]`` (more ``epdserve serve`` flags). Started on compare's
-  ``--port``; ready when ``/health`` answers 200 with all its workers up. Where its
-  workers run: ``cluster = "local"`` (default: subprocesses of serve) or ``"ray"`` (Ray
-  actors, docs/ray.md), with ``ray_address`` (default ``auto``), ``ray_resources = {prefill
-  = "CPU=1,node_a=1", decode = "CPU=1,node_b=1"}`` and ``ray_placement = {decode =
-  "SPREAD"}`` per role (``worker`` for colocated): serve's ``--cluster``, ``--ray-address``,
-  ``--ROLE-resources`` and ``--ROLE-placement``, put before ``args``;
-* ``processes = [{command = [...], env = {...}, cwd = "...", ready = {...}}, ...]`` —
-  started in this order, each in its own process group with its log in
-  ``OUTPUT/NAME.pI.log``; a process's own ``ready`` is waited for before the next starts
-  (e.g. two ``vllm serve`` before their proxy). ``~`` and ``${VAR}`` (or
-  ``${VAR:-default}``) are expanded in ``command``, ``cwd`` and ``env`` values; ``env``
-  adds to the inherited environment. Two variables name the model compare serves
-  (``--model``, else the default one) unless set: ``EPDSERVE_MODEL_DIR``, its float32
-  Hugging Face directory, and ``EPDSERVE_GGUF``, the GGUF file it came from (when it came
-  from one); so another server loads the same weights. ``setup`` names the command that
-  installs what the processes run (e.g. ``make vllm``): an error starting them says it;
-* ``base_url = "http://host:port"`` — something already running: never started nor
-  stopped.
-
-Other keys: ``ready = {url, status = 200, timeout_s = 300}`` (processes and base_url;
-default: GET ``OPENAI_BASE_URL/v1/models``); ``openai_base_url`` (the root the client
-appends ``/v1/chat/completions`` to, with or without a trailing ``/v1``; required for
-processes, default ``base_url``, derived for epdserve); ``model`` (processes and base_url:
-the name sent in requests, default the first id of ``GET /v1/models``); ``metrics_urls``
-(Prometheus, one per process; default for epdserve its router's ``/metrics``, else none);
-``resources = {cpu_cores = N} | {gpus = N}`` with an optional ``price_per_hour`` (USD;
-epdserve entries read their cores from ``/health`` and take only the price); ``mode``
-(processes and base_url: ``colocated``, ``pd`` or ``epd``, so that the recommendation
-knows a split deployment; derived for epdserve); ``engine`` (processes and base_url: the
-engine it runs, e.g. "vLLM", as verdicts name it; default the entry's name: deployments of
-different engines are compared as engines, :func:`epdserve.bench.rules.engine`).
-
-A malformed file is one :class:`DeploymentFileError` line naming the file, the entry and
-the key (``deployments.toml: deployment "vllm-pd": ready.timeout_s: must be > 0 (got
--1)``; a TOML syntax error names ``file:line``), before anything starts.
-"""
+"""Deployment files for ``epdserve compare --deployments``: the TOML schema (one ``[[deployment]]``
+table each), loading with one-line errors, and ``${VAR}`` expansion; keys and examples in
+docs/comparing.md, "Deployment files"."""
 
 from __future__ import annotations
 
@@ -70,8 +26,7 @@ KINDS = ("epdserve", "processes", "base_url")  # how a deployment starts: exactl
 
 
 class DeploymentFileError(ValueError):
-    """A deployments file that cannot be used; the message is one line naming the file,
-    the entry and the key."""
+    """One line naming the file (``file:line`` for bad TOML), the entry and the key."""
 
 
 def _http_url(text: str) -> str:
@@ -85,25 +40,17 @@ Url = Annotated[str, AfterValidator(_http_url)]
 
 
 class _Strict(BaseModel):
-    # Unknown keys are errors (a misspelt key must not be silently ignored); no coercion
-    # of strings into numbers.
+    # Unknown keys are errors (a misspelt key must not be ignored); no str -> number coercion.
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ReadyCheck(_Strict):
-    """When a deployment (or one of its processes) is ready: ``url`` answers ``status``
-    within ``timeout_s`` seconds of its start."""
-
     url: Url
     status: int = Field(200, ge=100, le=599)
     timeout_s: float = Field(300.0, gt=0)
 
 
 class ProcessSpec(_Strict):
-    """One process of a deployment: ``command`` (program and arguments, no shell),
-    ``env`` (added to the inherited environment), ``cwd``, and an optional ``ready``
-    check waited for before the next process starts."""
-
     command: list[str] = Field(min_length=1)
     env: dict[str, str] = {}
     cwd: str | None = None
@@ -111,8 +58,7 @@ class ProcessSpec(_Strict):
 
 
 class Resources(_Strict):
-    """What a deployment uses, for the per-device and per-dollar figures: CPU cores or
-    GPUs (one of them), and its price in USD per hour."""
+    """One of CPU cores or GPUs, and the price in USD per hour."""
 
     cpu_cores: int | None = Field(None, gt=0)
     gpus: int | None = Field(None, gt=0)
@@ -128,19 +74,12 @@ class Resources(_Strict):
 RayRole = Literal["worker", "prefill", "decode", "encode"]  # serve's --ROLE-resources / --ROLE-placement
 
 
-# A deployment's name (it names files: file_stem): letters, digits, '.', '_', '-', and up to two
-# '/', each before a digit, as epdserve's per-role tensor-parallel sizes (1p1d-tp2/1,
-# 1e1p1d-tp2/1/1) have.
+# Up to two '/', each before a digit: epdserve's per-role TP sizes (1p1d-tp2/1).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:/[0-9][A-Za-z0-9._-]*){0,2}$"
 
 
 class Deployment(_Strict):
-    """One ``[[deployment]]`` entry (the keys: module doc). ``source`` is the file it came
-    from ("--configs" for a ``--configs`` name).
-
-    Raises:
-        pydantic.ValidationError: (on validation) a bad key or value; see :func:`load`.
-    """
+    """One ``[[deployment]]`` entry; raises pydantic.ValidationError on a bad key or value."""
 
     name: str = Field(pattern=NAME_PATTERN, max_length=64)
     epdserve: str | None = None
@@ -192,8 +131,7 @@ class Deployment(_Strict):
         return self
 
     def _cluster_args(self) -> None:
-        """Check the cluster keys and put their serve flags before ``args`` (so that the
-        entry starts as ``epdserve serve ... --cluster ray ...``; raises ValueError)."""
+        """Put the cluster keys' serve flags before ``args``; raises ValueError."""
         ray_keys = [k for k in ("ray_address", "ray_resources", "ray_placement") if getattr(self, k) is not None]
         if self.cluster is None and not ray_keys:
             return
@@ -220,33 +158,27 @@ class Deployment(_Strict):
 
     @property
     def kind(self) -> str:
-        """``epdserve``, ``processes`` or ``base_url``: how it starts."""
         return next(k for k in KINDS if getattr(self, k) is not None)
 
     @property
     def entry_mode(self) -> str | None:
-        """``colocated``, ``pd`` or ``epd`` (epdserve: from its name; ``elastic`` for an elastic
-        name, whose roles change), None if unknown."""
+        """``colocated``, ``pd``, ``epd``, ``elastic`` (roles change), or None if unknown."""
         if not self.epdserve:
             return self.mode
         spec = DeploymentSpec.parse(self.epdserve)
         return "elastic" if spec.elastic else spec.mode
 
     def where(self) -> str:
-        """``FILE: deployment "NAME"``, for messages."""
         return f'{self._source}: deployment "{self.name}"'
 
     def record(self) -> dict:
-        """The entry as parsed (JSON-able; variables not expanded), with its source."""
+        """JSON-able, variables not expanded (secrets from the environment stay out)."""
         return {**self.model_dump(mode="json", exclude_none=True), "source": self._source}
 
     def resolved_processes(self, env: typing.Mapping[str, str] | None = None) -> list[ProcessSpec]:
-        """``processes`` with ``~`` and ``${VAR}`` expanded in command, cwd and env values
-        (from ``env``, default ``os.environ``).
+        """``~`` and ``${VAR}`` expanded from ``env`` (default ``os.environ``).
 
-        Raises:
-            DeploymentFileError: a variable without a default is not set.
-        """
+        Raises DeploymentFileError for an unset variable without a default."""
         env = os.environ if env is None else env
         out = []
         for i, p in enumerate(self.processes or []):
@@ -260,14 +192,8 @@ class Deployment(_Strict):
 
 
 class ModelVariables(Mapping):
-    """The environment, plus ``EPDSERVE_MODEL_DIR`` and ``EPDSERVE_GGUF`` (module doc) for
-    ``model`` (a path, or None for the default model) where the environment has none. The
-    model is resolved on first use only: converting a GGUF takes seconds the first time.
-
-    Raises:
-        epdserve.model.loader.ModelLoadError: (on reading a model variable) the model
-            cannot be found or read.
-    """
+    """The environment plus ``EPDSERVE_MODEL_DIR`` and ``EPDSERVE_GGUF`` of ``model`` unless set,
+    resolved on first read (a GGUF takes seconds to convert); raises ModelLoadError."""
 
     NAMES = ("EPDSERVE_MODEL_DIR", "EPDSERVE_GGUF")
 
@@ -295,8 +221,6 @@ class ModelVariables(Mapping):
 
 
 class DeploymentsFile(_Strict):
-    """A whole file: one or more ``[[deployment]]`` tables."""
-
     deployment: list[Deployment] = Field(min_length=1)
 
 
@@ -304,8 +228,7 @@ _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 def _expand(text: str, env: typing.Mapping[str, str], dep: Deployment, key: str) -> str:
-    """``${VAR}`` / ``${VAR:-default}`` (default when unset or empty, as in sh), then a
-    leading ``~``."""
+    """``${VAR}`` / ``${VAR:-default}`` (default when unset or empty, as in sh), then ``~``."""
     def value(m: re.Match) -> str:
         found = env.get(m[1])
         if found:
@@ -320,24 +243,17 @@ def _expand(text: str, env: typing.Mapping[str, str], dep: Deployment, key: str)
 
 
 def file_stem(name: str) -> str:
-    """What stands for deployment ``name`` in the names of its files (logs, server trace,
-    sweep folders): the name, with each '/' (an epdserve name's ``-tpP/D``) written ``%2F``
-    (no name has a '%', so two names never share files)."""
+    """``name`` with '/' written ``%2F``: no name has a '%', so two never share files."""
     return name.replace("/", "%2F")
 
 
 def from_config(name: str) -> Deployment:
-    """The epdserve entry of a ``--configs`` name (raises ValueError for an unknown one)."""
+    """Raises ValueError for an unknown ``--configs`` name."""
     return Deployment(name=name, epdserve=name)
 
 
 def load(paths: list[str | Path]) -> list[Deployment]:
-    """Every deployment of ``paths``, in order.
-
-    Raises:
-        DeploymentFileError: a file cannot be read, is not TOML (``file:line``), does not
-            match the schema (file, entry and key), or names a deployment twice.
-    """
+    """Raises DeploymentFileError: unreadable, not TOML, off the schema, or a name used twice."""
     found: list[Deployment] = []
     for path in paths:
         for dep in load_file(path):
@@ -350,7 +266,6 @@ def load(paths: list[str | Path]) -> list[Deployment]:
 
 
 def load_file(path: str | Path) -> list[Deployment]:
-    """The deployments of one file (errors: :func:`load`)."""
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -372,7 +287,6 @@ def load_file(path: str | Path) -> list[Deployment]:
 
 
 def _describe(path: str | Path, data: dict, exc: ValidationError) -> str:
-    """One line for the first error of ``exc``: file, entry, key, what is wrong."""
     errors = exc.errors()
     err, loc = errors[0], errors[0]["loc"]
     who = ""
@@ -387,7 +301,6 @@ def _describe(path: str | Path, data: dict, exc: ValidationError) -> str:
 
 
 def _message(err: dict, loc: tuple) -> str:
-    """pydantic's error as this module's users read it."""
     kind, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
     if loc == ("deployment",) and kind in ("missing", "list_type"):
         return "expected one or more [[deployment]] tables"
@@ -408,7 +321,6 @@ def _message(err: dict, loc: tuple) -> str:
 
 
 def _fields_at(loc: tuple) -> list[str]:
-    """The keys the model at ``loc`` (from the file's top) accepts."""
     model: type[BaseModel] = DeploymentsFile
     for part in loc:
         if isinstance(part, str) and part in model.model_fields:
@@ -420,7 +332,6 @@ def _fields_at(loc: tuple) -> list[str]:
 
 
 def _model_in(annotation) -> type[BaseModel] | None:
-    """The pydantic model inside an annotation like ``list[X] | None``, if any."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     return next((m for a in typing.get_args(annotation) if (m := _model_in(a))), None)

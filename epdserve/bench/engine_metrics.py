@@ -1,8 +1,5 @@
-"""Which metric of which engine is which server-side stage: :data:`STAGES`, the one table
-mapping vLLM's ``vllm:*``, SGLang's ``sglang:*``, llama.cpp's ``llamacpp:*`` and epdserve's
-``epdserve:*`` series to queue, prefill and decode time, TTFT, inter-token latency (ITL), E2E
-latency, requests, KV cache usage, prefix-cache hit rate and the KV hand-off's time and size
-(:mod:`epdserve.bench.server_metrics` reads them)."""
+"""Which metric of which engine (vLLM, SGLang, llama.cpp, epdserve) is which server-side stage:
+:data:`STAGES`, with the sources each name was checked against."""
 
 from __future__ import annotations
 
@@ -14,12 +11,9 @@ ENGINES = {"vllm": "vllm:", "sglang": "sglang:", "llama.cpp": "llamacpp:", "epds
 
 @dataclass(frozen=True)
 class Source:
-    """Where an engine keeps a stage. ``kind``: "histogram" (seconds), "bytes" (a histogram
-    of sizes), "counter", "gauge",
-    "ratio" (Δ``metric`` / the sum of Δ``over``) or "seconds" (a counter of seconds, per
-    request and per token of Δ``over[0]``; with ``per_gap`` the mean is per gap between
-    tokens: tokens - requests, a request's first token having no gap before it).
-    ``exclude``: label values whose series are left out. ``note``: what the number is."""
+    """Where an engine keeps a stage. ``kind``: "histogram" (s), "bytes", "counter", "gauge",
+    "ratio" (Δ``metric`` / Σ Δ``over``) or "seconds" (a counter of s, per request and per token of
+    Δ``over[0]``; ``per_gap``: per gap, tokens - requests). ``exclude``: label values left out."""
 
     kind: str
     metric: str
@@ -29,7 +23,6 @@ class Source:
     per_gap: bool = False
 
     def present(self, samples: Mapping[str, object]) -> bool:
-        """Whether a scrape's ``samples`` (by sample name) hold this metric."""
         suffixes = {"histogram": ("_count",), "bytes": ("_count",), "gauge": ("",)}.get(self.kind, ("_total", ""))
         return any(self.metric + x in samples for x in suffixes)
 
@@ -38,7 +31,6 @@ def _h(metric: str, note: str, **kw) -> Source:
     return Source("histogram", metric, note, **kw)
 
 
-# stage -> (row label, unit)
 STAGE_INFO = {"queue": ("queue time", "ms"), "prefill": ("prefill time", "ms"),
               "decode": ("decode time", "ms"), "ttft": ("TTFT", "ms"),
               "itl": ("inter-token latency", "ms"), "e2e": ("E2E latency", "ms"),
@@ -46,22 +38,11 @@ STAGE_INFO = {"queue": ("queue time", "ms"), "prefill": ("prefill time", "ms"),
               "prefix_cache_hit_rate": ("prefix-cache hit rate", "share of prompt tokens"),
               "kv_transfer": ("KV hand-off time", "ms"), "kv_bytes": ("KV hand-off size", "MB")}
 
-# stage -> engine -> the places to look, first found wins (newer names first); an engine
-# missing from a stage's dict does not export it ("—").
-# vLLM V1: docs/design/metrics.md and vllm/v1/metrics/loggers.py (labels model_name, engine);
-# time_per_output_token_seconds is the per-token histogram's name before it became
-# inter_token_latency_seconds, gpu_cache_usage_perc / gpu_prefix_cache_* the older KV names.
-# SGLang: python/sglang/srt/metrics/collector.py (TokenizerMetricsCollector: TTFT, ITL, E2E,
-# num_requests; SchedulerMetricsCollector: queue_time_seconds, token_usage, cache_hit_rate)
-# and docs/references/production_metrics.md (older: time_per_output_token_seconds); no
-# prefill or decode time. llama.cpp: tools/server/server-task.cpp to_metrics() of the
-# llama.cpp vendored by llama-cpp-python 0.3.36 and tools/server/README.md "GET /metrics";
-# kv_cache_usage_ratio is in older READMEs only; no per-request histogram, no request counter.
-# epdserve: epdserve/serving/metrics.py: vLLM's names, buckets and meanings under epdserve: (with labels
-# model_name, engine, and worker/role or stage; engine is the worker's id on a per-worker series,
-# "router" on the rest); its vllm: names (--metrics-prefix vllm) read as vLLM's.
-# vLLM's KV hand-off: the NixlConnector's series (kv_connector/v1/nixl/stats.py), observed
-# on the instance that pulls the KV (decode), one per transfer.
+# stage -> engine -> places to look, first found wins; an engine missing does not export it.
+# vLLM V1: docs/design/metrics.md, vllm/v1/metrics/loggers.py; NIXL: kv_connector/v1/nixl/stats.py
+# (on the decode instance, per transfer). SGLang: python/sglang/srt/metrics/collector.py,
+# docs/references/production_metrics.md. llama.cpp: tools/server/server-task.cpp to_metrics()
+# (llama-cpp-python 0.3.36), tools/server/README.md. epdserve: epdserve/serving/metrics.py.
 _GAP = "gap between successive tokens"
 _HITS = "Δ hits ÷ Δ queries (prompt tokens)"
 _DONE, _ERRORS = "finished requests, all finish reasons but error", (("finished_reason", "error"),)

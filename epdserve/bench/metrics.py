@@ -1,45 +1,5 @@
-"""Benchmark metrics from the client's per-request records, defined here as vLLM's
-``bench serve`` computes them.
-
-Per request, with t0 = just before the HTTP request was sent:
-
-* TTFT = first text-carrying chunk − t0;
-* ITL = every gap between consecutive text-carrying chunks, pooled over requests
-  (a chunk that carries several tokens is one gap, as in vLLM ``bench serve``);
-* TPOT = (E2EL − TTFT) / (output_tokens − 1), only for output_tokens > 1;
-* E2EL = last chunk − t0.
-
-Run-wide: ``duration`` is first send → last completion (s); throughputs divide by it;
-goodput counts completed requests meeting every SLO given (ms; see :data:`SLO_METRICS`; a
-one-token request has TPOT 0 for this test, as in vLLM).
-
-SLOs: ``ttft``, ``tpot`` and ``e2el`` are the ones of vLLM ``bench serve --goodput`` and of
-DistServe (Zhong et al., OSDI 2024, which judges by TTFT and TPOT). TPOT is a per-request
-*mean*, so a stream that froze for 2 s among fast tokens still meets it: it hides the
-stutter that a long prefill causes in colocated decodes, exactly what splitting prefill
-from decode removes. Hence two per-request inter-token SLOs: ``itl`` (the request's
-longest gap between text-carrying chunks) and ``itl_p99`` (its p99 gap, ``numpy.percentile``
-linear); a request with one chunk or none has no gap and meets both.
-:data:`DEFAULT_SLOS_MS` are the SLOs a comparison is judged by when none are given.
-
-The result dict uses vLLM ``bench serve`` field names: aggregates in milliseconds
-(``mean_ttft_ms``, ``median_ttft_ms``, ``std_ttft_ms``, ``p90/p95/p99_ttft_ms`` and the same
-for tpot, itl, e2el, or the metrics and percentiles asked for, as ``bench serve
---percentile-metrics`` and ``--metric-percentiles`` choose them: ``p99.9_ttft_ms`` for 99.9;
-percentiles by ``numpy.percentile``, linear; std with ddof 0), and, as vLLM does, raw
-per-request arrays in trace order with times in **seconds**: ``ttfts``, ``itls`` (a list per
-request), ``latencies`` (E2EL; ``e2els`` holds the same, the name this project used first),
-``input_lens``, ``output_lens``,
-``generated_texts``, ``errors``, ``start_times`` (actual send time after the run's start,
-s; vLLM's are absolute ``perf_counter`` times, equal up to a constant), plus
-``request_ids``, ``start_offsets`` (the same as ``start_times``, the name this project
-used first) and ``kinds``. ``max_output_tokens_per_s`` and ``max_concurrent_requests`` are
-vLLM's peaks over 1-second buckets (:func:`peaks_per_second`). ``error_counts`` counts
-failed requests by kind of error (:func:`error_kind`); ``slo_attainment`` is the share of
-all requests meeting every SLO.
-A failed request has ``ttft``/``e2el`` 0 and output length 0 there, as in vLLM;
-an empty set of values gives 0.0 aggregates, also as in vLLM.
-"""
+"""Benchmark metrics from the client's records, computed as vLLM ``bench serve`` computes them
+(field names included); definitions in docs/architecture.md, "Client metrics"."""
 
 from __future__ import annotations
 
@@ -51,16 +11,12 @@ import numpy as np
 from epdserve.bench.client import RequestRecord
 
 PERCENTILES = (90, 95, 99)
-# The metrics whose mean, median, std and percentiles a result holds (vLLM's names).
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 SLO_METRICS = ("ttft", "tpot", "e2el", "itl", "itl_p99")
-# What each SLO bounds, in the words a report uses.
 SLO_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "e2el": "E2EL", "itl": "longest ITL gap",
               "itl_p99": "ITL p99 per request"}
-STALL_MS = 1000.0  # an ITL gap this long is a stall a user notices; a p99 can hide a few
-# The SLOs a comparison is judged by when none are given: loose chat SLOs (a first token
-# within 2 s, 5 tokens/s on average, about reading speed) that the default small model
-# meets on CPUs at a light load, and no gap over STALL_MS, the stall the mean (TPOT) hides.
+STALL_MS = 1000.0  # an ITL gap a user notices; a p99 can hide a few
+# Loose chat SLOs the default small model meets on CPUs at a light load.
 DEFAULT_SLOS_MS = {"ttft": 2000.0, "tpot": 200.0, "itl": STALL_MS}
 
 
@@ -73,15 +29,13 @@ def tpot_s(record: RequestRecord) -> float | None:
 
 
 def percentile_key(p: float, name: str) -> str:
-    """``p99_ttft_ms`` for (99, "ttft"), ``p99.9_ttft_ms`` for 99.9: vLLM's ``p{word}``
-    (the integer when the percentile is whole)."""
+    """``p99_ttft_ms`` for (99, "ttft"), ``p99.9_ttft_ms`` for 99.9, as vLLM names them."""
     word = str(int(p)) if int(p) == p else str(p)
     return f"p{word}_{name}_ms"
 
 
 def summarize(name: str, values_s: list[float], percentiles=PERCENTILES) -> dict:
-    """``mean/median/std_{name}_ms`` and one ``p{P}_{name}_ms`` per percentile (0-100)
-    of ``values_s`` (seconds in, ms out)."""
+    """Mean, median, std (ddof 0) and percentiles (0-100) of ``values_s``: seconds in, ms out."""
     ms = np.asarray(values_s, dtype=float) * 1000.0
     if ms.size == 0:
         ms = np.zeros(1)
@@ -95,10 +49,8 @@ def summarize(name: str, values_s: list[float], percentiles=PERCENTILES) -> dict
 
 def slo_values_ms(ttft_s: float, e2el_s: float, output_tokens: int, itls_s: list[float],
                   keys: Collection[str] = SLO_METRICS) -> dict[str, float]:
-    """The value each SLO in ``keys`` (of :data:`SLO_METRICS`) is checked against for one
-    completed request (ms): TTFT, TPOT (0 for a one-token request, as vLLM), E2EL, its
-    longest ITL gap and its p99 gap (both 0 without a gap). Only the asked keys are
-    computed: the planner checks thousands of simulated requests per rate."""
+    """Per-SLO values (ms) of one completed request; TPOT and gaps are 0 where undefined.
+    Only ``keys`` are computed: the planner checks thousands of simulated requests per rate."""
     values = {"ttft": ttft_s * 1000.0, "e2el": e2el_s * 1000.0}
     if "tpot" in keys:
         values["tpot"] = ((e2el_s - ttft_s) / (output_tokens - 1) * 1000.0
@@ -111,24 +63,17 @@ def slo_values_ms(ttft_s: float, e2el_s: float, output_tokens: int, itls_s: list
 
 
 def check_slos(slos_ms: dict[str, float]) -> None:
-    """Raises ValueError naming the keys of ``slos_ms`` not in :data:`SLO_METRICS`."""
+    """Raises ValueError naming the keys not in :data:`SLO_METRICS`."""
     unknown = set(slos_ms) - set(SLO_METRICS)
     if unknown:
         raise ValueError(f"unknown SLO metric(s) {sorted(unknown)}; use {SLO_METRICS}")
 
 
 def slo_goodput(result: dict, slos_ms: dict[str, float]) -> dict:
-    """``{"request_goodput": req/s, "slo_attainment": share}`` of a result dict against
-    ``slos_ms`` (ms), from its per-request arrays (``ttfts``, ``e2els``, ``output_lens``,
-    ``itls``, ``errors``) and ``duration``: requests without an error meeting every SLO,
-    per second of the run and as a share of all its requests (failed ones count as misses,
-    as DistServe's attainment is over all requests, so a server that drops requests cannot
-    look better than one that serves them). Works on results read back from disk.
+    """``request_goodput`` (req/s) and ``slo_attainment`` (share of all requests, failed ones
+    missing, as DistServe) of a result's per-request arrays against ``slos_ms`` (ms).
 
-    Raises:
-        ValueError: an SLO key not in :data:`SLO_METRICS`.
-        KeyError: the result has no per-request arrays.
-    """
+    Raises ValueError for an unknown SLO key, KeyError for a result without per-request arrays."""
     check_slos(slos_ms)
     good = 0
     for ttft, e2el, n, itls, error in zip(result["ttfts"], result["e2els"],
@@ -143,11 +88,8 @@ def slo_goodput(result: dict, slos_ms: dict[str, float]) -> dict:
 
 
 def judged_goodput(result: dict) -> dict:
-    """The goodput a comparison judges a result by: ``{"request_goodput", "slo_attainment",
-    "goodput_slos_ms", "goodput_slos_default"}`` — as measured when the run had SLOs,
-    else against :data:`DEFAULT_SLOS_MS` from the per-request arrays
-    (``goodput_slos_default`` True). All None for a result with neither (e.g. a combined
-    result, see :mod:`epdserve.bench.repeats`, whose runs had no SLOs: it stores these)."""
+    """Goodput as measured when the run had SLOs, else against :data:`DEFAULT_SLOS_MS`
+    (``goodput_slos_default`` True); all None for a result without per-request arrays."""
     if result.get("request_goodput") is not None:
         return {"request_goodput": result["request_goodput"],
                 "slo_attainment": result.get("slo_attainment"),
@@ -161,11 +103,9 @@ def judged_goodput(result: dict) -> dict:
 
 
 def describe_slos(slos_ms: dict[str, float]) -> str:
-    """``"TTFT ≤ 2000 ms, TPOT ≤ 200 ms, longest ITL gap ≤ 1000 ms"`` for ``slos_ms``."""
     return ", ".join(f"{SLO_LABELS.get(k, k)} ≤ {v:g} ms" for k, v in slos_ms.items())
 
 
-# Names for httpx exceptions an operator recognises; other exceptions keep their class name.
 _EXCEPTION_KINDS = {"ConnectError": "connection refused", "ReadError": "connection reset",
                     "RemoteProtocolError": "connection reset", "WriteError": "connection reset",
                     "ReadTimeout": "timeout", "WriteTimeout": "timeout",
@@ -173,19 +113,15 @@ _EXCEPTION_KINDS = {"ConnectError": "connection refused", "ReadError": "connecti
 
 
 def error_kind(error: str) -> str:
-    """A short class of a client error message (see :mod:`epdserve.bench.client`):
-    "HTTP 400", "error event", "connection reset", "timeout", "stream ended before
-    [DONE]", ...; the part before the first ": " otherwise."""
+    """"HTTP 400", "connection reset", "timeout", ...: the text before the first ": ",
+    with httpx exception names mapped."""
     head = error.split(": ", 1)[0]
     return _EXCEPTION_KINDS.get(head, head)
 
 
 def peaks_per_second(ok: list[RequestRecord]) -> tuple[float, int]:
-    """(most text chunks received in one second, most completed requests active in one
-    second), over 1-second buckets from the first send — vLLM ``bench serve``'s
-    ``max_output_tokens_per_s`` and ``max_concurrent_requests`` (a chunk counts as one
-    token there too; a request is active in every bucket from its send to its last chunk).
-    (0.0, 0) without completed requests."""
+    """vLLM's ``max_output_tokens_per_s`` and ``max_concurrent_requests``: peaks over
+    1-second buckets from the first send (a chunk counts as one token)."""
     if not ok:
         return 0.0, 0
     first = min(r.start_s for r in ok)
@@ -201,21 +137,9 @@ def peaks_per_second(ok: list[RequestRecord]) -> tuple[float, int]:
 
 def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = None,
             percentiles=PERCENTILES, selected=PERCENTILE_METRICS) -> dict:
-    """The result dict (see the module doc) for ``records``, in trace order.
+    """The result dict of ``records``, in trace order; goodput fields None without ``slos_ms``.
 
-    ``selected``: the metrics of :data:`PERCENTILE_METRICS` whose aggregates it holds;
-    ``percentiles``: which percentiles (0-100) of them.
-
-    ``slos_ms``: optional SLOs, keys among :data:`SLO_METRICS`, values in ms; when given,
-    ``request_goodput`` = completed requests meeting all of them / duration (req/s) and
-    ``slo_attainment`` = those requests / all requests of the run (failed ones miss),
-    both by :func:`slo_goodput`, and ``goodput_slos_ms`` = ``slos_ms``; else both are None
-    (:func:`judged_goodput` judges such a result by :data:`DEFAULT_SLOS_MS` later, from
-    the per-request arrays kept here).
-
-    Raises:
-        ValueError: an SLO key not in :data:`SLO_METRICS`.
-    """
+    Raises ValueError for an SLO key not in :data:`SLO_METRICS`."""
     ok = [r for r in records if r.success]
     if records:
         duration = max(r.end_s for r in records) - min(r.start_s for r in records)
@@ -251,7 +175,6 @@ def compute(records: list[RequestRecord], slos_ms: dict[str, float] | None = Non
 
 
 def _per_request(records: list[RequestRecord]) -> dict:
-    """The per-request arrays of the result dict (see the module doc), in trace order."""
     return {
         "input_lens": [r.prompt_tokens for r in records],
         "output_lens": [r.output_tokens if r.success else 0 for r in records],

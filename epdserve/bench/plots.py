@@ -1,12 +1,5 @@
-"""PNG plots of a comparison (matplotlib, Agg backend: no display needed).
-
-Each function takes the ``compare.json`` entries (``{"name", "result", ...}``) and reads
-only the raw per-request arrays of the bench result (seconds, see
-:mod:`epdserve.bench.metrics`), so they also work on results loaded from disk. matplotlib
-(the ``plots`` extra) is imported by the drawing functions only, so the rest (the ITL
-stall count of every result) works without it; without it :func:`plot_all` warns once and
-draws nothing.
-"""
+"""PNG plots of a comparison from compare.json entries' per-request arrays (s), so results read
+back from disk plot too; matplotlib (the ``plots`` extra) is imported only to draw."""
 
 from __future__ import annotations
 
@@ -21,35 +14,32 @@ from epdserve.bench.server_trace import PART_ORDER
 
 
 def __getattr__(name: str):
-    """``plots.plt``: ``matplotlib.pyplot``, imported at first use (:func:`epdserve.extras.pyplot`)."""
+    """``plots.plt``: ``matplotlib.pyplot``, imported at first use."""
     if name == "plt":
         return extras.pyplot()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _ok(result: dict) -> list[int]:
-    """Indices of completed requests (no error)."""
     return [i for i, e in enumerate(result["errors"]) if not e]
 
 
 def ttfts_ms(result: dict) -> np.ndarray:
-    """TTFT of every completed request (ms)."""
     return np.array([result["ttfts"][i] * 1000.0 for i in _ok(result)])
 
 
 def itls_ms(result: dict) -> np.ndarray:
-    """Every ITL gap of completed requests, pooled (ms)."""
     return np.array([g * 1000.0 for i in _ok(result) for g in result["itls"][i]])
 
 
 def itl_stalls(result: dict) -> int:
-    """Number of ITL gaps longer than :data:`STALL_MS` over completed requests."""
+    """ITL gaps longer than :data:`STALL_MS` over completed requests."""
     return int((itls_ms(result) > STALL_MS).sum())
 
 
 def itl_times(result: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(time since start in s at which each gap ended, gap in ms) over completed requests:
-    chunk k of a request arrives at start_offset + ttft + sum of its first k gaps."""
+    """(s since start when each gap ended, gap ms); chunk k arrives at start_offset + ttft +
+    the first k gaps."""
     times, gaps = [], []
     for i in _ok(result):
         t = result["start_offsets"][i] + result["ttfts"][i]
@@ -61,7 +51,6 @@ def itl_times(result: dict) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _cdf(ax, values: np.ndarray, label: str) -> None:
-    """Empirical CDF as a step function: F(x) = fraction of values <= x."""
     if values.size:
         x = np.sort(values)
         y = np.arange(1, x.size + 1) / x.size
@@ -69,7 +58,7 @@ def _cdf(ax, values: np.ndarray, label: str) -> None:
 
 
 def plot_cdf(entries: list[dict], which: str, path: str | Path) -> None:
-    """CDF of TTFT (``which`` = "ttft") or pooled ITL ("itl") per configuration."""
+    """``which``: "ttft" or "itl" (pooled)."""
     plt = extras.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     get = ttfts_ms if which == "ttft" else itls_ms
@@ -90,12 +79,8 @@ def plot_cdf(entries: list[dict], which: str, path: str | Path) -> None:
 
 def plot_itl_over_time(entries: list[dict], long_offsets_s: list[float],
                        path: str | Path, phase_starts_s: list[float] = ()) -> None:
-    """Each ITL gap at the time (s since start) it ended, one colour per configuration,
-    with the long-prompt send times as dashed vertical lines, a shifting workload's phase
-    starts (s, the first request of each phase sent) as dash-dotted ones named "phase k",
-    and the stall threshold as a dotted horizontal one; under it, for each entry with a
-    ``roles_timeline`` and a ``run_start_unix`` (an elastic deployment), a panel of its
-    workers' roles over the same time axis (:func:`plot_roles`)."""
+    """Long-prompt sends dashed, phase starts dash-dotted, the stall threshold dotted; an
+    elastic entry adds a panel of its workers' roles on the same time axis."""
     plt = extras.pyplot()
     elastic = [e for e in entries if e.get("roles_timeline") and e.get("run_start_unix") is not None]
     lanes = [len(e["roles_timeline"]) for e in elastic]
@@ -131,16 +116,12 @@ def plot_itl_over_time(entries: list[dict], long_offsets_s: list[float],
     plt.close(fig)
 
 
-# Role colours of the roles-over-time panels (a draining interval: its new role's colour,
-# hatched).
+# A draining interval takes its new role's colour, hatched.
 ROLE_COLOURS = {"colocated": "tab:green", "prefill": "tab:orange", "decode": "tab:blue"}
 
 
 def plot_roles(ax, timeline: dict[str, list], origin_unix: float, name: str) -> None:
-    """One bar lane per worker of ``timeline`` (:func:`epdserve.bench.server_trace.
-    role_timeline`'s ``workers``: ``[start, end, role, state]`` in unix s) on ``ax``, at
-    times since ``origin_unix`` (the run's start, the ITL plot's time 0, s), coloured by
-    role (:data:`ROLE_COLOURS`), hatched while draining."""
+    """A lane per worker, at s since ``origin_unix`` (the ITL plot's 0), hatched while draining."""
     plt = extras.pyplot()
     workers = sorted(timeline, reverse=True)  # the first worker on top
     for y, worker in enumerate(workers):
@@ -158,9 +139,7 @@ def plot_roles(ax, timeline: dict[str, list], origin_unix: float, name: str) -> 
 
 
 def plot_stages(entries: list[dict], path: str | Path) -> None:
-    """Stacked bars of the mean TTFT parts (ms) per configuration, and beside them the mean
-    parts of the PD hand-off gap (token 1 -> 2) for configurations that have one; parts
-    from each entry's ``breakdown`` (:func:`epdserve.bench.server_trace.breakdown`)."""
+    """Mean TTFT parts (ms) per configuration, beside the PD hand-off gap's where present."""
     plt = extras.pyplot()
     panels = [(w, t, [e for e in entries if (e.get("breakdown") or {}).get(w)])
               for w, t in (("ttft", "TTFT"), ("handoff", "PD hand-off gap (token 1 → 2)"))]
@@ -199,9 +178,6 @@ def plot_stages(entries: list[dict], path: str | Path) -> None:
 
 
 def plot_goodput_vs_rate(entries: list[dict], path: str | Path) -> None:
-    """Goodput (req/s within the SLOs) and SLO attainment against the offered request rate
-    (req/s), one line per configuration with a ``sweep``
-    (:func:`epdserve.bench.sweep.find_max_goodput_rate` result)."""
     plt = extras.pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     target = None
@@ -232,9 +208,7 @@ def plot_goodput_vs_rate(entries: list[dict], path: str | Path) -> None:
 
 def plot_all(entries: list[dict], long_offsets_s: list[float], out_dir: str | Path,
              phase_starts_s: list[float] = ()) -> list[Path]:
-    """Write ttft_cdf.png, itl_cdf.png, itl_over_time.png (see :func:`plot_itl_over_time`),
-    stages.png and, when an entry has a goodput sweep, goodput_vs_rate.png under
-    ``out_dir``; return their paths (none, after one warning line, without matplotlib)."""
+    """Paths written; none (after one warning line) without matplotlib."""
     try:
         extras.pyplot()
     except extras.MissingExtra as exc:

@@ -1,19 +1,6 @@
-"""Server processes that ``epdserve compare`` (and ``benchmarks/speed.py``) start, wait for
-and stop: each in its own process group (``start_new_session``) with its own log file, so
-that stopping it reaches every process it started (an ``epdserve serve`` launcher's workers,
-a shell's children), and so that a Ctrl-C typed at the terminal reaches only compare, which
-then stops them in order.
-
-Stopping is SIGTERM to the whole group, a grace period, then SIGKILL to whatever is left
-(:meth:`ServerProcess.stop`). Readiness is an HTTP check polled every 0.5 s while every
-process of the deployment is watched (:func:`wait_ready`): one that exits ends the wait at
-once with its status and the tail of its log.
-
-A whole deployment of a deployments file (:mod:`epdserve.bench.deployments`) is started,
-watched and stopped by :func:`launched` / :class:`Running`: its processes in order, its
-ready checks, the check that it is an OpenAI server, a watchdog that notices a process
-dying mid-run and stops the others, and the stop on every exit path.
-"""
+"""Server processes compare starts, waits for and stops, each in its own process group
+(``start_new_session``) and log file: stopping reaches every child it started, and a Ctrl-C
+at the terminal reaches only compare, which then stops them in order."""
 
 from __future__ import annotations
 
@@ -37,18 +24,15 @@ from epdserve.bench import client, metrics
 from epdserve.bench.deployments import Deployment, ModelVariables, Resources, file_stem
 from epdserve.serving.deployment import ELASTIC_SLO_KEYS, DeploymentSpec
 
-POLL_S = 0.5  # between two readiness checks
-WATCH_S = 0.2  # how often a running deployment's processes are checked for a death
-BASE_URL_WAIT_S = 30.0  # a base_url without a ready check: seconds for it to answer at all
+POLL_S = 0.5
+WATCH_S = 0.2
+BASE_URL_WAIT_S = 30.0  # a base_url without a ready check must answer within this
 SERVE = [sys.executable, "-m", "epdserve", "serve"]
 
 
 class ServerError(RuntimeError):
-    """A server that did not start, did not get ready, or died.
-
-    ``reason``: one line saying what happened; ``log_tail``: the last lines of its log(s)
-    ('' when there is none). ``str()`` gives both, the reason first.
-    """
+    """A server that did not start, get ready, or stay up; ``str()`` is ``reason`` then
+    ``log_tail`` (its log's last lines, '' when none)."""
 
     def __init__(self, reason: str, log_tail: str = ""):
         self.reason, self.log_tail = reason, log_tail
@@ -56,7 +40,6 @@ class ServerError(RuntimeError):
 
 
 def log_tail(path: Path, lines: int = 20) -> str:
-    """The last ``lines`` lines of a log file ('' if absent)."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -64,8 +47,7 @@ def log_tail(path: Path, lines: int = 20) -> str:
 
 
 def logs_tail(paths: list[Path], lines: int = 20) -> str:
-    """:func:`log_tail` of one log; of several, each under a ``--- NAME ---`` line (the
-    empty ones left out)."""
+    """One log's tail; of several, each under a ``--- NAME ---`` line, empty ones left out."""
     if len(paths) == 1:
         return log_tail(paths[0], lines)
     tails = [(p, log_tail(p, lines)) for p in paths]
@@ -73,7 +55,6 @@ def logs_tail(paths: list[Path], lines: int = 20) -> str:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True when nothing listens on host:port (we can bind it ourselves)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -84,18 +65,8 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 class ServerProcess:
-    """One server process in its own process group, its output (stdout and stderr) in
-    ``log_path``.
-
-    Args:
-        name: what messages call it (e.g. ``vllm-pd.p1``).
-        cmd: the program and its arguments (no shell).
-        log_path: its log file (truncated at start).
-        base_url: its root URL (for :meth:`wait_healthy` and :meth:`resources`; '' when
-            it has none of its own).
-        env: variables added to the inherited environment.
-        cwd: its working directory (None: this process's).
-    """
+    """One server process in its own process group, stdout and stderr in ``log_path``
+    (truncated at start); ``base_url`` '' when it has none of its own."""
 
     def __init__(self, name: str, cmd: list[str], log_path: Path, base_url: str = "",
                  env: dict[str, str] | None = None, cwd: str | None = None):
@@ -104,8 +75,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        """Start it. Raises ServerError when the program cannot be run (not found, not
-        executable, bad working directory)."""
+        """Raises ServerError when the program cannot be run."""
         env = {**os.environ, **self.env} if self.env else None
         with open(self.log_path, "wb") as log:
             try:
@@ -117,25 +87,16 @@ class ServerProcess:
                                   f"{exc.strerror or exc}") from None
 
     def poll(self) -> int | None:
-        """Its exit status, or None while it runs (or before it started)."""
         return self.proc.poll() if self.proc is not None else None
 
     def wait_healthy(self, timeout_s: float, workers: int = 1) -> float:
-        """Poll ``base_url/health`` until it answers 200 and, when its body lists workers
-        (epdserve's does), at least ``workers`` of them are up: the router answers 200 as
-        soon as one worker per role is up, and a run must not start before the others.
-        Returns the seconds it took.
-
-        Raises:
-            ServerError: the process exited, or ``timeout_s`` passed.
-        """
+        """Seconds until ``/health`` answers 200 with ``workers`` up: the router
+        answers 200 once one worker per role is up, too early for a run. Raises ServerError."""
         return wait_ready(self.base_url + "/health", [self], timeout_s, workers=workers)
 
     def resources(self) -> dict:
-        """``{"workers": [{"worker_id", "role", "cores", "weight_format", "kv_dtype"}], "cores":
-        [...], "num_cores": n}`` from ``/health`` (the CPU cores the launcher pinned each worker
-        to, the weight format its engine holds, its KV cache's dtype); ``num_cores`` is None when no worker lists its
-        cores (e.g. a server that is not epdserve's)."""
+        """``workers`` (id, role, pinned cores, weight format, KV dtype), ``cores`` and
+        ``num_cores`` from ``/health``; ``num_cores`` None when no worker lists cores."""
         try:
             with httpx.Client(timeout=5.0, trust_env=False) as http:
                 body = http.get(self.base_url + "/health").json()
@@ -149,8 +110,7 @@ class ServerProcess:
         return {"workers": workers, "cores": cores, "num_cores": len(cores) or None}
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the whole process group, wait up to ``grace_s``, then SIGKILL it.
-        Does nothing when it was never started or is already stopped."""
+        """SIGTERM the process group, wait up to ``grace_s``, then SIGKILL what is left."""
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
@@ -170,15 +130,10 @@ class ServerProcess:
 
 def wait_ready(url: str, processes: list[ServerProcess], timeout_s: float,
                status: int | None = 200, workers: int = 0) -> float:
-    """Poll ``url`` every :data:`POLL_S` until it answers ``status`` (None: any HTTP
-    answer) and, with ``workers`` > 0, its JSON body lists at least that many workers in
-    state "up", as epdserve's ``/health`` does (a body without a worker list passes).
-    Every process of ``processes`` must stay alive meanwhile. Returns the seconds it took.
+    """Seconds until ``url`` answers ``status`` (None: any answer) with ``workers`` "up" in
+    its JSON body (a body without a worker list passes), polled every :data:`POLL_S`.
 
-    Raises:
-        ServerError: a process exited (its status and log tail), or ``timeout_s`` passed
-            (the tail of every log).
-    """
+    Raises ServerError when a process exits (its status and log tail) or ``timeout_s`` passes."""
     start = time.monotonic()
     with httpx.Client(timeout=2.0, trust_env=False) as http:
         while True:
@@ -203,8 +158,7 @@ def wait_ready(url: str, processes: list[ServerProcess], timeout_s: float,
 
 
 def _workers_up(health: dict) -> float:
-    """Workers in state "up" in a /health body; infinite when it lists none (a server
-    that is not epdserve's: 200 is all it says)."""
+    """Infinite for a body without a worker list (not epdserve's: 200 is all it says)."""
     if not isinstance(health, dict) or not isinstance(health.get("workers"), list):
         return float("inf")
     return sum(1 for w in health["workers"] if isinstance(w, dict) and w.get("state") == "up")
@@ -218,7 +172,6 @@ def _killpg(pgid: int, sig: int) -> None:
 
 
 def group_alive(pgid: int) -> bool:
-    """True while any process of process group ``pgid`` exists."""
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
@@ -226,21 +179,12 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------------------------
-# A deployment's processes: starting, watching and stopping them
-
-
 def server_command(name: str, port: int, trace_file: Path, model: str | None,
                    serve: list[str] = SERVE, allow_oversubscription: bool = False,
                    slos_ms: dict[str, float] | None = None) -> list[str]:
-    """The ``epdserve serve`` command line of one configuration (``serve``: the program
-    and sub-command that take the serve options; any stand-in with the same options).
-
-    An elastic deployment also gets ``--slo KEY:MS ...``: the TTFT and TPOT of ``slos_ms``
-    (compare's ``--goodput``; the controller steers by those two,
-    :data:`~epdserve.serving.deployment.ELASTIC_SLO_KEYS`), or when None :data:`~epdserve.bench.metrics.DEFAULT_SLOS_MS`, the SLOs
-    compare judges goodput by without ``--goodput`` (:func:`metrics.judged_goodput`): its
-    controller then steers for the SLOs it is judged by."""
+    """``serve`` (or a stand-in taking its options) for one configuration. An elastic one
+    gets ``--slo`` with the TTFT and TPOT of ``slos_ms``, else of DEFAULT_SLOS_MS: its controller
+    steers for the SLOs compare judges it by."""
     spec = DeploymentSpec.parse(name)
     cmd = [*serve, *spec.serve_flags()]
     if spec.elastic:
@@ -256,11 +200,7 @@ def server_command(name: str, port: int, trace_file: Path, model: str | None,
 
 @dataclass
 class LaunchOptions:
-    """What starting an epdserve entry takes from compare's options: the router ``port``
-    on 127.0.0.1, the default ``model`` (None: the default model), the seconds to wait for
-    all its workers (``startup_timeout_s``), ``allow_oversubscription``, the ``serve``
-    command (a stand-in in tests), and the SLOs (ms) an elastic deployment steers for
-    (``slos_ms``, compare's ``--goodput``; None: :func:`server_command`'s default)."""
+    """``slos_ms``: compare's ``--goodput`` (ms), which an elastic deployment steers for."""
 
     port: int = 8100
     model: str | None = None
@@ -271,15 +211,9 @@ class LaunchOptions:
 
 
 class Running:
-    """A deployment being started, run, then stopped (use :func:`launched`).
-
-    After :meth:`start`: ``client_url`` (root URL for the bench client), ``model`` (the
-    name its requests carry), ``metrics_urls``, ``trace_file`` (epdserve's per-request
-    trace, else None), ``processes`` (empty for base_url), and ``died`` (None, or
-    ``{"process", "status", "log", "log_tail"}`` once one of its processes exited while
-    it ran; the others are then stopped at once, so that requests in flight fail now
-    instead of waiting out their timeouts).
-    """
+    """A deployment being started, run, then stopped (use :func:`launched`). ``died`` is set
+    once one of its processes exits mid-run; the others are then stopped at once, so requests in
+    flight fail now rather than at their timeouts."""
 
     def __init__(self, dep: Deployment, out_dir: Path, opts: LaunchOptions,
                  say: Callable[[str], None] = print):
@@ -307,17 +241,13 @@ class Running:
 
     @property
     def root_pids(self) -> list[int]:
-        """The pids of the processes started (none for base_url, or before start)."""
         return [p.proc.pid for p in self.processes if p.proc is not None]
 
     def start(self) -> None:
-        """Start its processes in order, wait until it is ready, check that it is an
-        OpenAI server and learn its model name, then watch its processes.
+        """Start the processes in order, wait until ready, check it is an OpenAI server.
 
-        Raises:
-            ServerError: a port it needs is taken, a process cannot run or exits, a ready
-                check times out, or the URL is not an OpenAI-compatible server.
-        """
+        Raises ServerError: a port taken, a process that cannot run or exits, a ready check timing
+        out, or a URL that is not an OpenAI server."""
         self._check_ports()
         if self.dep.epdserve:
             server = self.processes[0]
@@ -336,19 +266,15 @@ class Running:
         self._watchdog.start()
 
     def _ready(self) -> tuple[str, int | None, float]:
-        """Its ready check, ``(url, status, timeout_s)``: the entry's, else GET
-        ``/v1/models`` answering 200 within 300 s (its processes may be loading a model)
-        or, for a base_url, answering at all within :data:`BASE_URL_WAIT_S` (it already
-        runs; whether it is an OpenAI server is checked next, with a clearer message than
-        a timeout)."""
+        """``(url, status, timeout_s)``: the entry's check, else ``/v1/models`` answering 200
+        within 300 s, or for a base_url any answer within :data:`BASE_URL_WAIT_S`."""
         if self.dep.ready:
             return self.dep.ready.url, self.dep.ready.status, self.dep.ready.timeout_s
         url = self.client_url + "/v1/models"
         return (url, None, BASE_URL_WAIT_S) if self.dep.base_url else (url, 200, 300.0)
 
     def _check_ports(self) -> None:
-        """Refuse to start when something already listens where this deployment will:
-        its ready check would pass against that server instead."""
+        """A server already listening would pass this deployment's ready check."""
         urls = [] if self.dep.base_url else [self.client_url, self._ready()[0]] + [
             p.ready.url for p in self.dep.processes or [] if p.ready]
         for url in urls:
@@ -360,13 +286,8 @@ class Running:
                                                       else f" (needed by {url})"))
 
     def _start_processes(self) -> float:
-        """Start each process, waiting for its own ready check before the next; then the
-        deployment's. Returns the seconds from the first start to ready.
-
-        Raises:
-            ServerError: as :meth:`start`; the reason names the entry's ``setup`` command,
-                if any (a program missing or failing at start is often not installed).
-        """
+        """Seconds from first start to ready; a ServerError names the entry's
+        ``setup`` command (a program failing at start is often not installed)."""
         try:
             return self._start_in_order()
         except ServerError as exc:
@@ -388,8 +309,6 @@ class Running:
         return took + wait_ready(url, started, timeout_s, status)
 
     def _openai_model(self) -> str:
-        """``model``, or the first id of ``GET /v1/models``; the URL must answer it as an
-        OpenAI server does (the bench client asks it before every run)."""
         async def first_id() -> str:
             async with client.make_client(1) as http:
                 return await client.fetch_model_name(http, self.client_url)
@@ -410,7 +329,6 @@ class Running:
                 return
 
     def _found_death(self) -> bool:
-        """Record in :attr:`died` the first of its processes that has exited, if any."""
         for p in self.processes:
             rc = p.poll()
             if rc is not None:
@@ -420,15 +338,12 @@ class Running:
         return False
 
     def died_reason(self) -> str:
-        """One line on the death in :attr:`died` ('' if none)."""
         d = self.died
         return (f"{d['process']} exited with status {d['status']} during the run; its other "
                 f"processes were stopped (log: {d['log']})") if d else ""
 
     def resources(self) -> dict:
-        """``{"workers", "cores", "num_cores", "device_kind": "core" | "GPU",
-        "num_devices", "price_per_hour"}``: epdserve from ``/health`` (the cores its
-        workers are pinned to), others from the entry's ``resources`` (None: not given)."""
+        """epdserve's from ``/health``, others' from the entry's ``resources``."""
         res = self.dep.resources or Resources()
         if self.dep.epdserve:
             found = self.processes[0].resources()
@@ -444,7 +359,6 @@ class Running:
                 p.stop()
 
     def stop(self) -> None:
-        """Stop watching, then stop every process it started (none for base_url)."""
         self._stopping.set()
         if self._watchdog is not None:  # it ran: a process may have died since its last look
             self._watchdog.join()
@@ -456,8 +370,7 @@ class Running:
 @contextmanager
 def launched(dep: Deployment, out_dir: Path, opts: LaunchOptions,
              say: Callable[[str], None] = print) -> Iterator[Running]:
-    """Start ``dep`` (:meth:`Running.start`) and stop it when the block ends, whatever
-    ends it: normal end, an error, Ctrl-C or SIGTERM turned into KeyboardInterrupt."""
+    """Start ``dep`` and stop it however the block ends (Ctrl-C and SIGTERM included)."""
     running = Running(dep, out_dir, opts, say)
     try:
         running.start()

@@ -1,41 +1,7 @@
-"""Readers of public production traces: Mooncake's JSON lines and Azure's LLM inference CSV.
-
-Each reader returns a :class:`TraceFile`: the rows (:class:`TraceRow`: arrival time in
-seconds, input and output length in tokens, and the prompt's block hash ids when the format
-has them), sorted by arrival time, with the counts of what was repaired or is odd.
-
-**Mooncake** (`kvcache-ai/Mooncake <https://github.com/kvcache-ai/Mooncake>`_:
-``mooncake_trace.jsonl``, 23,608 rows over one hour, and ``FAST25-release/traces/``
-``conversation_trace.jsonl`` etc.): one JSON object per line,
-``{"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, ...]}``.
-``timestamp`` is the arrival in milliseconds since the start of the trace (integers in the
-released files; several rows may share one; the FAST'25 conversation trace steps in ~3 s),
-``hash_ids`` name the prompt's consecutive 512-token blocks. The ids are prefix-chained
-(remapped hashes of a block *and* everything before it, as a prefix cache keys blocks), so
-two prompts with the same id at block k share their first k + 1 blocks; in the FAST'25
-conversation trace every prompt starts with block 0 and later rows repeat the leading ids of
-earlier ones (later turns of a conversation). In the released rows checked (the first ~70 and the last
-~20 of ``conversation_trace.jsonl``) there are ceil(input_length / 512) ids; a row with
-another count is read as it is and counted (``hash_count_mismatches``): ids beyond the
-prompt cover nothing, tokens beyond the ids are the request's own. Other keys (e.g.
-``session_id`` of converted traces) are ignored; ``hash_ids`` may be absent (no sharing).
-
-**Azure** (`Azure/AzurePublicDataset <https://github.com/Azure/AzurePublicDataset>`_,
-``AzureLLMInferenceDataset2023.md``: ``data/AzureLLMInferenceTrace_conv.csv`` and
-``_code.csv``, the Splitwise traces): CSV with the header ``TIMESTAMP,ContextTokens,
-GeneratedTokens``. ``TIMESTAMP`` is a wall-clock time with 100 ns ticks, e.g.
-``2023-11-16 18:15:46.6805900`` (7 fractional digits, which ``datetime.fromisoformat``
-refuses before Python 3.11, so they are parsed here); an optional ``Z`` or ``+HH:MM`` offset
-is honoured, a time without one is taken as UTC. Prompts are not published (only sizes), so
-rows have no hash ids. Arrival times are seconds after the first row.
-
-Rows out of arrival order are sorted (stably, so equal times keep file order) and counted
-(``reordered``): a replay sends requests in time order. Blank lines are skipped.
-
-Raises :class:`~epdserve.bench.traces.TraceError` for a missing or empty file, a line that
-is not valid JSON, a missing CSV column, or a field of the wrong type or range, naming file,
-line and field: ``trace.jsonl:17: field 'input_length' must be an integer >= 1, got -3``.
-"""
+"""Readers of public production traces: Mooncake's JSON lines (github.com/kvcache-ai/Mooncake;
+``hash_ids`` of prefix-chained 512-token blocks) and Azure's LLM inference CSV
+(github.com/Azure/AzurePublicDataset, the Splitwise traces; sizes only, no sharing). Rows
+out of order are sorted stably and counted; errors are TraceError naming file:line and field."""
 
 from __future__ import annotations
 
@@ -53,22 +19,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from epdserve.bench.traces import TraceError
 
 FORMATS = ("mooncake", "azure")
-# Mooncake's block size: its rows have ceil(input_length / 512) ids; AIPerf's and Dynamo's
-# readers of the format use 512 too.
+# AIPerf's and Dynamo's readers of the format use 512 too.
 MOONCAKE_BLOCK_TOKENS = 512
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
 @dataclass(frozen=True)
 class TraceRow:
-    """One request of a production trace.
-
-    ``timestamp_s``: arrival time in seconds on the trace's clock (Mooncake: its
-    ``timestamp`` / 1000; Azure: seconds after the file's first row); ``input_len`` and
-    ``output_len``: prompt and generated tokens (of the model that served the trace);
-    ``hash_ids``: ids of the prompt's consecutive blocks (Mooncake: 512 tokens each; equal
-    id = equal content, see the module doc), None when the format has none.
-    """
+    """``timestamp_s``: arrival in s on the trace's clock (Mooncake ms / 1000; Azure: after the
+    first row); lengths in tokens; ``hash_ids`` None when the format has none."""
 
     timestamp_s: float
     input_len: int
@@ -78,9 +37,9 @@ class TraceRow:
 
 @dataclass(frozen=True)
 class TraceFile:
-    """A production trace as read: ``rows`` sorted by arrival, ``reordered`` rows that came
-    earlier than the row before them in the file, ``hash_count_mismatches`` rows whose
-    ``hash_ids`` count differs from ceil(input_len / 512)."""
+    """``reordered``: rows earlier than the row before them; ``hash_count_mismatches``: rows
+    whose id count is not ceil(input_len / 512) (read as they are: ids beyond the prompt cover
+    nothing, tokens beyond the ids are the request's own)."""
 
     path: str
     format: str
@@ -89,7 +48,6 @@ class TraceFile:
     hash_count_mismatches: int = 0
 
 
-# What each field must be, as the error message says it.
 _RULES = {"timestamp": "a finite number >= 0 (milliseconds)",
           "input_length": "an integer >= 1", "output_length": "an integer >= 0",
           "hash_ids": "a list of integers >= 0",
@@ -114,7 +72,6 @@ class _AzureRow(BaseModel):
 
 
 def _field_error(where: str, exc: ValidationError) -> TraceError:
-    """The first error of ``exc`` as ``where: field 'F' must be RULE, got VALUE``."""
     err = exc.errors()[0]
     name = str(err["loc"][0])
     if err["type"] == "missing":
@@ -125,8 +82,7 @@ def _field_error(where: str, exc: ValidationError) -> TraceError:
 
 
 def _open(path: Path):
-    """``path`` opened for reading text (bad bytes become U+FFFD, so they fail as a bad field
-    of their line)."""
+    """Bad bytes become U+FFFD, so they fail as a bad field of their line."""
     try:
         return path.open(encoding="utf-8-sig", errors="replace", newline="")
     except OSError as exc:
@@ -134,11 +90,7 @@ def _open(path: Path):
 
 
 def read_mooncake(path: str | Path) -> TraceFile:
-    """The rows of a Mooncake JSON-lines trace (see the module doc).
-
-    Raises:
-        TraceError: missing/unreadable/empty file, or a bad line (names file:line:field).
-    """
+    """Raises TraceError: missing, unreadable or empty file, or a bad line."""
     path = Path(path)
     with _open(path) as f:
         rows = [_mooncake_row(line, f"{path}:{num}") for num, line in enumerate(f, 1)
@@ -167,13 +119,10 @@ _TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2})(?:\.(\d{1,9})
 
 
 def parse_azure_timestamp(text: str) -> float:
-    """Seconds since the Unix epoch of an Azure trace ``TIMESTAMP`` such as
-    ``2023-11-16 18:15:46.6805900`` (up to 9 fractional digits; ``T`` or a space between
-    date and time; an optional ``Z`` or ``+HH:MM``, else UTC).
+    """Unix seconds of ``2023-11-16 18:15:46.6805900`` (up to 9 fractional digits, which
+    ``fromisoformat`` refuses before 3.11; optional ``Z`` or ``+HH:MM``, else UTC).
 
-    Raises:
-        ValueError: ``text`` is not such a time (or names no real date).
-    """
+    Raises ValueError for anything else."""
     m = _TIMESTAMP.fullmatch(text.strip())
     if m is None:
         raise ValueError(text)
@@ -184,13 +133,7 @@ def parse_azure_timestamp(text: str) -> float:
 
 
 def read_azure(path: str | Path) -> TraceFile:
-    """The rows of an Azure LLM inference trace CSV (see the module doc); extra columns
-    are ignored.
-
-    Raises:
-        TraceError: missing/unreadable/empty file, a missing column, or a bad cell (names
-            file:line:field).
-    """
+    """Raises TraceError: missing, unreadable or empty file, a missing column, or a bad cell."""
     path = Path(path)
     times: list[float] = []
     sizes: list[_AzureRow] = []
@@ -218,8 +161,7 @@ def read_azure(path: str | Path) -> TraceFile:
 
 
 def _trace_file(path: Path, fmt: str, rows: list[TraceRow]) -> TraceFile:
-    """``rows`` sorted by arrival (stable) in a TraceFile, with its counts; TraceError when
-    there are none."""
+    """Raises TraceError when there are no rows."""
     if not rows:
         raise TraceError(f"trace file {path}: no requests ({fmt} format)")
     reordered = sum(b.timestamp_s < a.timestamp_s for a, b in zip(rows, rows[1:]))
@@ -231,12 +173,7 @@ def _trace_file(path: Path, fmt: str, rows: list[TraceRow]) -> TraceFile:
 
 
 def read_production(path: str | Path, fmt: str) -> TraceFile:
-    """The trace ``path`` in format ``fmt`` ("mooncake" or "azure").
-
-    Raises:
-        TraceError: an unknown format, a file whose first line is of the other format, or a
-            bad file (see the readers).
-    """
+    """Raises TraceError: unknown format, a file of the other format, or a bad file."""
     if fmt not in FORMATS:
         raise TraceError(f"trace format {fmt!r}: use one of {', '.join(FORMATS)}")
     found = detect_format(path)
@@ -246,13 +183,8 @@ def read_production(path: str | Path, fmt: str) -> TraceFile:
 
 
 def detect_format(path: str | Path) -> str | None:
-    """"mooncake" or "azure" from the first non-blank line of ``path`` (a JSON object with
-    ``input_length``, or a CSV header with Azure's columns), else None (e.g. an epdserve
-    trace written by ``--save-trace``, whose objects have ``prompt_tokens``).
-
-    Raises:
-        TraceError: the file cannot be read.
-    """
+    """From the first non-blank line; None for neither (e.g. a ``--save-trace`` file).
+    Raises TraceError when unreadable."""
     with _open(Path(path)) as f:
         first = next((line for line in f if line.strip()), "")
     try:

@@ -1,9 +1,4 @@
-"""What requests ask: token lengths and prompt text of an exact token count.
-
-Lengths (:func:`draw_lengths`): uniform over an inclusive range, or a normal or
-lognormal clipped to it, or fixed. Prompts (:func:`make_prompt`): random common words of
-the model's vocabulary whose text tokenizes to exactly the asked number of tokens.
-"""
+"""Token lengths of requests, and prompt text of an exact token count."""
 
 from __future__ import annotations
 
@@ -19,11 +14,7 @@ LENGTH_DISTRIBUTIONS = ("uniform", "normal", "lognormal")
 
 
 def load_tokenizer_for(path: str | None):
-    """The tokenizer of a model directory or GGUF file (None: the default model).
-
-    Raises:
-        TraceError: the model cannot be found or read.
-    """
+    """None: the default model's. Raises TraceError when it cannot be read."""
     try:
         return load_tokenizer(resolve_model(path).path)
     except ModelLoadError as exc:
@@ -33,9 +24,8 @@ def load_tokenizer_for(path: str | None):
 
 
 def word_list(tokenizer, max_words: int = 5000) -> list[str]:
-    """Common lowercase words of ``tokenizer``'s vocabulary, in id order (for BPE
-    vocabularies, roughly most frequent first): tokens that decode to a space followed by
-    3–10 ascii letters, so that ``" ".join(words)`` is about one token per word."""
+    """Vocabulary tokens that decode to a space and 3-10 lowercase ascii letters, in id order
+    (BPE: roughly most frequent first): about one token per word when joined by spaces."""
     words: list[str] = []
     seen: set[str] = set()
     for token_id in range(len(tokenizer)):
@@ -53,19 +43,13 @@ def word_list(tokenizer, max_words: int = 5000) -> list[str]:
 
 
 def count_tokens(tokenizer, text: str) -> int:
-    """Tokens in ``text`` alone (no special tokens, no chat template)."""
+    """Tokens of ``text`` alone: no special tokens, no chat template."""
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def make_prompt(tokenizer, words: list[str], num_tokens: int, rng: np.random.Generator) -> str:
-    """Random words from ``words`` whose text tokenizes to exactly ``num_tokens`` tokens.
-
-    Draws ``num_tokens`` words, then drops or appends words until the count is exact
-    (a word occasionally merges or splits at a boundary).
-
-    Raises:
-        TraceError: no exact text was found (a tokenizer unlike any tried).
-    """
+    """Random words tokenizing to exactly ``num_tokens``, adjusted word by word (a boundary may
+    merge or split). Raises TraceError when no exact text is found."""
     if num_tokens < 1:
         raise TraceError(f"prompt length must be >= 1 token, got {num_tokens}")
     picks = list(rng.integers(0, len(words), size=num_tokens))
@@ -82,7 +66,6 @@ def make_prompt(tokenizer, words: list[str], num_tokens: int, rng: np.random.Gen
 
 
 def check_range(name: str, lo_hi: tuple[int, int]) -> tuple[int, int]:
-    """``lo_hi`` if 1 <= MIN <= MAX, else TraceError naming ``name``."""
     lo, hi = lo_hi
     if lo < 1 or hi < lo:
         raise TraceError(f"{name} {lo}:{hi}: need 1 <= MIN <= MAX")
@@ -91,16 +74,9 @@ def check_range(name: str, lo_hi: tuple[int, int]) -> tuple[int, int]:
 
 def draw_lengths(rng: np.random.Generator, num: int, lo_hi: tuple[int, int],
                  dist: str = "uniform") -> np.ndarray:
-    """``num`` token lengths in the inclusive range ``lo_hi`` (MIN = MAX: fixed).
-
-    ``dist``: "uniform" over the range; "normal" with mean at its middle and standard
-    deviation (MAX − MIN)/6 (so ±3σ spans it); "lognormal" with median sqrt(MIN·MAX) and
-    σ of the log ln(MAX/MIN)/6 (lengths of real prompts are skewed like this). Normal and
-    lognormal draws are rounded and clipped to the range.
-
-    Raises:
-        TraceError: an unknown ``dist``.
-    """
+    """``num`` lengths in the inclusive range: "uniform"; "normal", mean mid-range, σ =
+    range/6; "lognormal", median sqrt(MIN·MAX), σ of the log ln(MAX/MIN)/6 (real prompt lengths
+    skew so); rounded and clipped. Raises TraceError for another ``dist``."""
     lo, hi = lo_hi
     if dist == "uniform":
         return rng.integers(lo, hi + 1, size=num)

@@ -1,7 +1,5 @@
-"""Which configuration to use, and why in numbers: the rules of :mod:`epdserve.bench.rules`
-applied to the compare entries, and the words of the recommendation (its headline, the
-verdict against the best configuration of the other kind with its paired interval, where
-the time goes, the SLOs and the evidence: n, runs, what was left out)."""
+"""The words of the recommendation: :mod:`epdserve.bench.rules` applied to compare's entries,
+with the headline, the paired verdict against the rival, where the time goes and the evidence."""
 
 from __future__ import annotations
 
@@ -15,20 +13,17 @@ def _ms(v: float) -> str:
 
 
 def _num(v: float | None) -> str:
-    """A goodput or throughput figure with 3 significant digits ("—" when unknown)."""
     if v is None or math.isnan(v):
         return "—"
     return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
 
 
 def _span(e: dict, basis: str) -> str:
-    """"0.12" or, with repeats, "0.12 (0.1–0.14)": goodput per device or per USD."""
     r = rules.goodput_range(e, basis)
     return _num(rules.score(e, basis)) + (f" ({_num(r[0])}–{_num(r[1])})" if r else "")
 
 
 def _largest(parts: dict | None, total_label: str) -> str | None:
-    """'prefill is 71% of TTFT (mean 1,112 of 1,569 ms)' for a breakdown part summary."""
     if not parts:
         return None
     total = sum(parts["mean"].values())
@@ -48,9 +43,7 @@ def _devices_text(a: dict, b: dict) -> str:
 
 
 def _why(win: dict, rival: dict, basis: str, unit: str, c: paired.Comparison | None) -> str:
-    """What decided between two configurations, in numbers: the paired goodput comparison
-    ``c`` of ``win`` against ``rival`` (without one: their goodputs), under overload the
-    measure that ranked them, else latency."""
+    """Without a paired comparison ``c``, from the goodputs; under overload, the ranking measure."""
     if rules.overloaded([win, rival]):
         return _why_overload(win, rival)
     g_win, g_rival = rules.score(win, basis), rules.score(rival, basis)
@@ -75,7 +68,6 @@ def _why(win: dict, rival: dict, basis: str, unit: str, c: paired.Comparison | N
 
 
 def _why_overload(win: dict, rival: dict) -> str:
-    """What ranked two overloaded configurations, in numbers."""
     if rules.overload_measure([win, rival]) == "capacity":
         return (f"by capacity (the highest rate within the SLOs, per device): {win['name']} "
                 f"{rules.capacity(win):.3g}, {rival['name']} {rules.capacity(rival):.3g} req/s")
@@ -90,7 +82,7 @@ def _why_overload(win: dict, rival: dict) -> str:
 
 
 def _why_latency(win: dict, rival: dict) -> str:
-    """Rule 3 between two configurations, in numbers."""
+    """Rule 3."""
     t_win, t_rival = rules.value(win, "p95_ttft_ms"), rules.value(rival, "p95_ttft_ms")
     if t_rival > min(t_win, t_rival) * (1 + rules.TTFT_TOLERANCE):
         return (f"{rival['name']}'s TTFT p95 is {t_rival / t_win - 1:.0%} higher "
@@ -103,23 +95,10 @@ def _why_latency(win: dict, rival: dict) -> str:
 
 
 def recommend(entries: list[dict]) -> dict:
-    """Apply the module's rules to compare entries.
-
-    Returns ``{"choice": name | None, "split": bool | None, "rule": str, "meets_slos":
-    bool | None, "overloaded": bool, "elastic_switches": the winner's role switches when it
-    is elastic (else absent or None), "slos_ms": {metric: ms}, "slos_default": bool,
-    "basis": "per core" | "per GPU" | "per device" | "per USD", "n": requests per run,
-    "runs": runs per configuration, "cannot_tell_apart": [names] ([] when the leader stands
-    alone), "verdict": "better" | "tie" | "no difference shown" | "overloaded" | "only one
-    kind" | "no interval" | None, "comparison": the winner against the best of the other
-    kind (:meth:`paired.Comparison.as_json`, None without one), "headline": markdown,
-    "settled": bool (every candidate told apart from the leader or tied: more runs would not
-    change the verdict's kind), "unsettled": [names not yet told apart], "slos": str,
-    "evidence": str (n, runs, interval), "reasons": [str, ...], "not_considered": {name:
-    why}}``; ``choice`` (and ``meets_slos``) is None when no configuration completed a
-    request. Never raises on missing optional fields (breakdown, resources, server trace,
-    per-request outcomes).
-    """
+    """``{"choice", "split", "rule", "meets_slos", "overloaded", "elastic_switches", "slos_ms",
+    "slos_default", "basis", "n", "runs", "cannot_tell_apart", "verdict", "comparison",
+    "headline", "settled", "unsettled", "slos", "evidence", "reasons", "not_considered"}``;
+    ``choice`` None when nothing completed a request. Tolerates missing optional fields."""
     cands, not_considered = rules.candidates(entries)
     basis = rules.basis_of(cands) if cands else "device"
     unit = rules.unit_label(cands, basis)
@@ -163,7 +142,6 @@ def recommend(entries: list[dict]) -> dict:
 
 def _headline(win: dict, rival: dict | None, c: paired.Comparison | None, out: dict,
               unit: str) -> dict:
-    """``{"verdict", "headline"}``: the recommendation's first line (markdown) and its kind."""
     switches = out.get("elastic_switches")
     kind = (" (a PD split)." if out["split"] else " (no prefill/decode split).") if switches is None else \
         f" (elastic: {switches} role switch{'' if switches == 1 else 'es'} during the run)."
@@ -199,25 +177,22 @@ def _headline(win: dict, rival: dict | None, c: paired.Comparison | None, out: d
 
 
 def _size(c: paired.Comparison) -> str:
-    """"+35 %" (relative to the rival's goodput), or "+0.0525" when the rival's is 0."""
+    """Relative to the rival's goodput, absolute when that is 0."""
     return paired.percent(c.relative) if c.relative is not None else f"{c.delta:+.3g}"
 
 
 def _ci_text(c: paired.Comparison) -> str:
-    """"+12..+60 %" (relative to the rival's goodput), or the absolute interval of the
-    difference when the rival's goodput is 0."""
+    """Relative to the rival's goodput, absolute when that is 0."""
     if c.relative_ci is None:
         return f"{c.ci[0]:+.3g}..{c.ci[1]:+.3g}"
     return f"{paired.percent(c.relative_ci[0])}..{paired.percent(c.relative_ci[1])}".replace(" %", "") + " %"
 
 
 def _names(names: list[str]) -> str:
-    """"a and b", "a, b and c"."""
     return " and ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
 
 
 def _overload_reason(cands: list[dict]) -> str:
-    """What overload means here and what to do."""
     shares = ", ".join(f"{e['name']} {rules.figures(e)['slo_attainment'] or 0:.0%}" for e in cands)
     measure = rules.overload_measure(cands)
     by = ("capacity from the sweep (the highest rate within the SLOs, per device)"
@@ -240,7 +215,6 @@ def _rule(unit: str) -> str:
 
 
 def _slos_line(slos: dict, default: bool, unit: str) -> str:
-    """Which SLOs judged the goodput, and where they came from."""
     if default:
         return (f"Judged by goodput {unit} against the default SLOs: "
                 f"{metrics.describe_slos(slos)}; pass --goodput to set yours.")
@@ -248,9 +222,8 @@ def _slos_line(slos: dict, default: bool, unit: str) -> str:
 
 
 def _evidence(cands: list[dict], basis: str, unit: str) -> str:
-    """n, the runs used (and left out) and how the interval was found, to weigh the verdict by."""
     n, runs = rules.requests_per_run(cands), rules.runs_per_config(cands)
-    if not all(e.get("per_run") for e in cands):  # results without per-request outcomes
+    if not all(e.get("per_run") for e in cands):
         if runs < 2:
             return (f"n = {n} requests, 1 run per configuration, no per-request outcomes: the "
                     f"spread is unknown, so goodputs within {rules.TIE:.0%} count as a tie and "
@@ -273,8 +246,6 @@ def _evidence(cands: list[dict], basis: str, unit: str) -> str:
 
 def _verdict(win: dict, rival: dict | None, split: bool, basis: str, unit: str,
              c: paired.Comparison | None) -> str:
-    """The winner against its rival (``rules.rival_of``: another engine, else the other
-    kind), in numbers."""
     if rival is None:
         kind = "elastic" if win.get("mode") == "elastic" else "PD" if split else "colocated"
         return f"Use {win['name']} (the only kind measured: {kind})."
@@ -287,8 +258,6 @@ def _verdict(win: dict, rival: dict | None, split: bool, basis: str, unit: str,
 
 
 def _latencies(win: dict, rival: dict) -> str:
-    """"ITL p50 20 vs 40 ms, ITL p95 ..., TTFT p95 ..., peak memory 1.20 vs 3.50 GiB": what
-    differs besides goodput (memory where both deployments' was measured)."""
     memory = [e.get("memory_peak_bytes") for e in (win, rival)]
     return (f"ITL p50 {_ms(rules.value(win, 'median_itl_ms'))} vs {_ms(rules.value(rival, 'median_itl_ms'))} ms, "
             f"ITL p95 {_ms(rules.value(win, 'p95_itl_ms'))} vs {_ms(rules.value(rival, 'p95_itl_ms'))} ms, TTFT "
@@ -297,7 +266,6 @@ def _latencies(win: dict, rival: dict) -> str:
 
 
 def _per_request_text(c: paired.Comparison | None) -> str:
-    """"; per request (A - B, median): TTFT -120 ms (95 % CI ...), longest gap ..."."""
     if c is None or not c.ttft_ms:
         return ""
     parts = [f"{label} {_ms(d['median'])} ms ({_ms(d['ci'][0])}..{_ms(d['ci'][1])})"
@@ -306,7 +274,6 @@ def _per_request_text(c: paired.Comparison | None) -> str:
 
 
 def _where_time_goes(cands: list[dict]) -> list[str]:
-    """Each candidate's largest TTFT stage, and its PD hand-off gap when it has one."""
     reasons = []
     for e in cands:
         b = e.get("breakdown") or {}
@@ -319,7 +286,6 @@ def _where_time_goes(cands: list[dict]) -> list[str]:
 
 
 def _handoff_reason(e: dict, b: dict) -> str:
-    """The hand-off gap (token 1 -> 2) of one configuration against its TTFT and ITL."""
     h = b["handoff"]
     gap = sum(h["mean"].values())
     ttft = sum((b.get("ttft") or {}).get("mean", {}).values()) or rules.value(e, "mean_ttft_ms")
@@ -335,8 +301,6 @@ def _handoff_reason(e: dict, b: dict) -> str:
 
 
 def _overview(cands: list[dict], basis: str, not_considered: dict[str, str]) -> list[str]:
-    """Every candidate's ITL tail, goodput (per device, per USD given prices, with the
-    leader of each) and resources side by side; who was left out."""
     reasons = ["ITL p95 / p99 and stalls (gaps > 1 s): " + "; ".join(
         f"{e['name']} {_ms(rules.value(e, 'p95_itl_ms'))} / {_ms(rules.value(e, 'p99_itl_ms'))} ms, "
         f"{e.get('itl_stalls', 0)} stalls" for e in cands) + "."]

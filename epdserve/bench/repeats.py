@@ -1,14 +1,6 @@
 """Repeated runs of one deployment folded into one compare entry: the median of each figure
-and its range over the runs.
-
-One run of a few dozen requests is one sample: its p95 moves by tens of % from run to run
-on a busy machine, so a verdict needs the spread. ``epdserve compare --repeats N`` runs the
-deployments interleaved (A B A B ...: a drift of the machine hits every deployment alike)
-and hands each deployment's N entries to :func:`combine`. The median, not the mean, so
-that one disturbed run does not move the figure. The verdict does not read the medians: it
-pairs the runs' per-request outcomes (``per_run``) with the other deployments'
-(:mod:`epdserve.bench.paired`).
-"""
+(one disturbed run does not move it) and its [min, max]; the layout is in docs/comparing.md,
+"compare.json entries"."""
 
 from __future__ import annotations
 
@@ -18,7 +10,7 @@ import numpy as np
 
 from epdserve.bench import metrics, paired
 
-# The per-request arrays kept, from the first run: what the plots and the report read.
+# Per-request arrays kept from the first run, for the plots and the report.
 PLOT_ARRAYS = ("ttfts", "itls", "errors", "start_offsets", "kinds")
 
 
@@ -27,9 +19,7 @@ def _number(v) -> bool:
 
 
 def scalars(result: dict) -> dict:
-    """The scalar figures of one bench result (numbers and None; no per-request arrays,
-    settings or texts), with its goodput as the comparison judges it
-    (:func:`metrics.judged_goodput`: the default SLOs when the run had none)."""
+    """Numbers and None of a bench result, with goodput as the comparison judges it."""
     out = {k: v for k, v in result.items() if v is None or _number(v)}
     judged = metrics.judged_goodput(result)
     out.update(request_goodput=judged["request_goodput"],
@@ -38,9 +28,8 @@ def scalars(result: dict) -> dict:
 
 
 def medians(dicts: list[dict]) -> tuple[dict, dict[str, list]]:
-    """(median, [min, max]) of each numeric key over ``dicts`` (missing or None values left
-    out; a key with no number anywhere is None and has no range). A median of integers
-    that is a whole number stays an int (counts such as ``completed``)."""
+    """(median, [min, max]) per numeric key, None values left out; a whole median of ints
+    stays an int."""
     keys = dict.fromkeys(k for d in dicts for k in d)
     med, spread = {}, {}
     for k in keys:
@@ -55,45 +44,16 @@ def medians(dicts: list[dict]) -> tuple[dict, dict[str, list]]:
 
 
 def _most_disturbed(runs: list[dict]) -> dict | None:
-    """The host load of the run in which other processes took the largest share of the
-    cores (its warning, if any, is the one to show), or None without one."""
     loads = [r["host_load"] for r in runs if r.get("host_load")]
     return max(loads, key=lambda h: h["during"]["outside_share"], default=None)
 
 
 def combine(runs: list[dict]) -> dict:
-    """One compare entry from ``runs``: N entries of ONE deployment, each as
-    :func:`epdserve.bench.compare.run_config` returns it (or ``{"name", "mode", "error"}``
-    for a run that failed), in the order they ran.
+    """One entry from ``runs`` of ONE deployment (failed ones ``{"name", "mode", "error"}``), in
+    run order; flagged runs are left out when an unflagged one completed; all failed: the first
+    failure.
 
-    Runs the load check flagged (:func:`flagged_by_load`) are left out when another
-    run completed unflagged; ``flagged_runs`` then holds their warnings. The entry is the
-    first run used, with:
-
-    * ``result``: the median over the completed runs of each scalar of the bench result
-      (ms, req/s, tok/s, counts), the goodput as judged against the default SLOs when the
-      runs had none (:func:`metrics.judged_goodput`, ``goodput_slos_ms`` and
-      ``goodput_slos_default`` set), settings from the first run, ``error_counts`` summed
-      over the runs, and of the per-request arrays only :data:`PLOT_ARRAYS` of the first
-      run (for the plots and the first error);
-    * ``itl_stalls``: the median count; ``server``: the median of each number of the
-      server-trace summary; ``memory_peak_bytes``: the highest of the runs'; ``host_load``: the
-      most disturbed run's; ``breakdown`` and
-      ``sweep``: the first run's;
-    * ``runs``: each completed run's scalar results (:func:`scalars`);
-    * ``spread``: ``{metric: [min, max]}`` over the completed runs for each number of
-      ``result`` and ``itl_stalls``; None with one completed run (the spread is unknown);
-    * ``per_run``: each run's per-request outcomes (:func:`paired.outcomes`), in order: what
-      the verdict pairs with the other deployments' runs;
-    * ``failed_runs``: the error of each run that failed, when one did.
-
-    With one run used, the entry is that run as it is, plus ``runs`` and ``per_run`` of
-    it and ``spread`` None. ``per_run`` is absent when a result has no per-request arrays. When every run failed, the first failure (with several runs, its error says
-    that all failed).
-
-    Raises:
-        ValueError: ``runs`` is empty or holds entries of several deployments.
-    """
+    Raises ValueError: no runs, or runs of several deployments."""
     if not runs:
         raise ValueError("combine: no runs to combine")
     names = sorted({r["name"] for r in runs})
@@ -120,13 +80,10 @@ def combine(runs: list[dict]) -> dict:
 
 
 def flagged_by_load(run: dict) -> bool:
-    """True when the load check flagged a run (``host_load.warning``: other processes on the
-    cores, a priority not matched, a late client)."""
     return bool((run.get("host_load") or {}).get("warning"))
 
 
 def _fold(done: list[dict]) -> dict:
-    """:func:`combine` for two or more completed runs."""
     first = done[0]["result"]
     per_run = [scalars(r["result"]) for r in done]
     result, spread = medians(per_run)

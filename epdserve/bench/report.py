@@ -1,16 +1,6 @@
-"""Side-by-side comparison table of several configurations, as text and as markdown.
-
-Input: the entries of ``compare.json`` (see :func:`epdserve.bench.compare.run_config`, or
-:func:`epdserve.bench.repeats.combine` over repeated runs; at least ``{"name", "result":
-<bench result dict>, "server": <trace summary or {}>}``); entries with an ``error`` instead
-of a result (configurations that failed) get no column. Rows are the metrics of
-:data:`ROWS`, each with the direction that is better ("lower" or "higher") and its unit;
-columns are the configurations, then one "x of BASELINE" column per configuration after the
-first (its value / the first's; "—" where undefined). An entry with repeats shows "median
-(min–max)" over its runs. The table is preceded by :func:`caption`, which says what the
-cells are. Per-device and per-dollar figures come from :func:`epdserve.bench.rules.
-figures`, the one place they are computed.
-"""
+"""compare's side-by-side table (text and markdown) and compare.md, from compare.json's entries.
+Columns: the configurations ("median (min–max)" over repeats), then "x of BASELINE" ratios;
+entries with an ``error`` get no column."""
 
 from __future__ import annotations
 
@@ -20,11 +10,9 @@ from typing import Sequence
 from epdserve.bench import metrics, production, rules, server_metrics, tables
 from epdserve.bench.server_trace import FIELDS, sort_parts
 
-# (label, better, where, key, format, scale): better is "lower", "higher" or "" (no
-# direction); where is "result" (bench result), "server" (trace summary, means per
-# request), "figures" (rules.figures), "devices" (key: the device kind whose count
-# it is) or "entry" (the entry itself); the value is multiplied by scale before
-# formatting. "{unit}" in a label is "per core", "per GPU" or "per device".
+# (label, better, where, key, format, scale). where: "result", "server" (trace means per
+# request), "figures" (rules.figures), "devices" (key: the device kind) or "entry";
+# "{unit}" is "per core", "per GPU" or "per device".
 ROWS = [
     ("TTFT p50 (ms)", "lower", "result", "median_ttft_ms", "{:.1f}", 1),
     ("TTFT p95 (ms)", "lower", "result", "p95_ttft_ms", "{:.1f}", 1),
@@ -52,11 +40,11 @@ ROWS = [
     ("KV per request (MB, mean)", "lower", "server", "mean_kv_bytes", "{:.2f}", 1e-6),
     ("KV transfer per request (ms, mean)", "lower", "server", "mean_kv_transfer_ms",
      "{:.2f}", 1),
-    # the hand-offs between two nodes (over TCP; rows absent when every one stayed on its node)
+    # over TCP between two nodes; absent when every hand-off stayed on its node
     ("KV per cross-node request (MB, mean)", "lower", "server", "mean_kv_bytes_cross_node", "{:.2f}", 1e-6),
     ("KV transfer per cross-node request (ms, mean)", "lower", "server", "mean_kv_transfer_ms_cross_node",
      "{:.2f}", 1),
-    # over the requests with images (the trace's image keys; rows absent without images)
+    # over the requests with images
     ("Embeddings per request (MB, mean)", "lower", "server", "mean_embedding_bytes",
      "{:.3f}", 1e-6),
     ("Embedding transfer per request (ms, mean)", "lower", "server",
@@ -72,8 +60,7 @@ def _number(v) -> bool:
 
 
 def value(entry: dict, where: str, key: str) -> tuple[float | None, list | None]:
-    """(the number for one table cell or None when absent, its [min, max] over the runs
-    or None without repeats), unscaled."""
+    """(cell value or None, its [min, max] over runs or None), unscaled."""
     if where == "devices":
         kind, n = rules.devices(entry)
         return (n if kind == key else None), None
@@ -86,17 +73,14 @@ def value(entry: dict, where: str, key: str) -> tuple[float | None, list | None]
 
 
 def _cell(fmt: str, v: float) -> str:
-    """``fmt`` applied to ``v``; a median count that is not a whole number gets a decimal."""
+    """A median count that is not whole gets a decimal."""
     if fmt == "{:d}" and not float(v).is_integer():
         return f"{v:.1f}"
     return fmt.format(int(v) if fmt == "{:d}" else v)
 
 
 def table(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows (strings) of the comparison table: metric, the better direction,
-    one column per configuration ("median (min–max)" with repeats), and "NAME (x of
-    BASELINE)" ratio columns. Rows whose value is absent in every configuration (e.g.
-    prices when none are given) are left out."""
+    """Header and rows; rows absent in every configuration (e.g. prices) are left out."""
     entries = [e for e in entries if "result" in e]
     names = [e["name"] for e in entries]
     header = ["Metric", "Better", *names, *(f"{n} (x of {names[0]})" for n in names[1:])]
@@ -116,8 +100,6 @@ def table(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def caption(entries: list[dict]) -> str:
-    """What the table's cells are, to read before it: percentiles, the SLOs of goodput,
-    medians and ranges over repeats, ratios and the better direction."""
     ran = [e for e in entries if "result" in e]
     if not ran:
         return ""
@@ -140,26 +122,21 @@ def caption(entries: list[dict]) -> str:
 
 
 def text_table(entries: list[dict]) -> str:
-    """The caption (wrapped) and the comparison table as aligned plain text."""
     return "\n".join([*textwrap.wrap(caption(entries), 100), "",
                       tables.text(*table(entries), left=2)])
 
 
 def markdown_table(entries: list[dict]) -> str:
-    """The comparison table in GitHub markdown (without its caption)."""
     return tables.markdown(*table(entries), left=2)
 
 
 def workload_lines(spec: dict, summary: dict) -> list[str]:
-    """Markdown bullets describing the trace: how it was made (``spec``, from
-    :func:`epdserve.bench.workload.build_from_args`) and what it holds (``summary``, from
-    :func:`epdserve.bench.workload.describe`)."""
     fmt = lambda v: f"{v[0]}:{v[1]}" if isinstance(v, list) else str(v)  # noqa: E731  (ranges)
     params = ", ".join(f"{k}={fmt(v)}" for k, v in spec.items() if k not in ("source", "replay", "phase_windows"))
     lines = [f"- generator: {spec.get('source', '?')}" + (f" ({params})" if params else ""),
              f"- {summary['num_requests']} requests, sent over "
              f"{summary['duration_of_arrivals_s']:.1f} s"]
-    windows = spec.get("phase_windows")  # a shifting workload's phases (bench.datasets.shift)
+    windows = spec.get("phase_windows")
     for k, (first, n, start, end) in enumerate(zip(*(windows[c] for c in ("first", "n", "start_s", "end_s")))
                                                if windows else ()):
         lines.append(f"- phase {k + 1}: requests {first}–{first + n - 1}, sent {start:.1f}–{end:.1f} s")
@@ -178,17 +155,14 @@ def workload_lines(spec: dict, summary: dict) -> list[str]:
             lines.append(line)
     lines.append("- prompt token counts are of the message text; the server adds its chat "
                  "template")
-    if spec.get("replay"):  # a production trace: how the replay differs from the original
+    if spec.get("replay"):
         lines += ["", *production.replay_lines(spec["replay"])]
     return lines
 
 
 def breakdown_markdown(entries: list[dict], which: str) -> str:
-    """Mean and p95 (ms) of each part of TTFT (``which`` = "ttft") or of the PD hand-off
-    gap ("handoff") per configuration, from each entry's ``breakdown`` (see
-    :func:`epdserve.bench.server_trace.breakdown`; with repeats, the first run's), with a
-    last row for the sum of the means (= the client's mean TTFT or gap) and n, the
-    requests joined; '' when no entry has one."""
+    """Mean and p95 (ms) of each part of TTFT (``which`` "ttft") or of the PD hand-off gap
+    ("handoff"), the first run's with repeats, and the sum of means; '' without breakdowns."""
     have = [e for e in entries if ((e.get("breakdown") or {}).get(which))]
     if not have:
         return ""
@@ -212,11 +186,8 @@ def breakdown_markdown(entries: list[dict], which: str) -> str:
 
 
 def recommendation_markdown(rec: dict, disturbed: Sequence[str] = ()) -> str:
-    """The "## Recommendation" section from :func:`epdserve.bench.recommend.recommend`:
-    the headline (qualified when ``disturbed``, the :func:`load_warnings` of the runs, is
-    not empty), then what it was judged by (the SLOs) and on how much (n, runs, interval),
-    where the SLOs sit on the map of who wins (``region``, when compare drew one), the
-    reasons, the rule."""
+    """"## Recommendation": headline (qualified when ``disturbed`` runs had outside
+    load), SLOs and evidence, the SLO map's region, reasons, rule."""
     head = rec["headline"]
     if disturbed and rec["choice"]:
         head += (f" **But other processes loaded the cores during {len(disturbed)} run(s)** "
@@ -229,7 +200,6 @@ def recommendation_markdown(rec: dict, disturbed: Sequence[str] = ()) -> str:
 
 
 def sweep_markdown(entries: list[dict]) -> str:
-    """The goodput-vs-rate results (one line per configuration), or how to get them."""
     have = [e for e in entries if e.get("sweep")]
     stopped = [f"- {e['name']}: the sweep stopped: {e['sweep_error']}" for e in entries if e.get("sweep_error")]
     if not have and not stopped:
@@ -253,14 +223,11 @@ def sweep_markdown(entries: list[dict]) -> str:
 
 
 def load_warnings(entries: list[dict]) -> list[str]:
-    """``"NAME: warning"`` for each configuration during whose run other processes used a
-    noticeable share of the cores (``host_load.warning``, see :mod:`epdserve.host`)."""
     return [f"{e['name']}: {e['host_load']['warning']}" for e in entries
             if (e.get("host_load") or {}).get("warning")]
 
 
 def load_line(load: dict) -> str:
-    """One markdown bullet on the load around a run, from an entry's ``host_load``."""
     b, d = load["before"], load["during"]
     fmt = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731  (no /proc/loadavg)
     return (f"- host load on cores {load['cores']}: 1-min load average {fmt(b['loadavg_1m'])} "
@@ -273,10 +240,6 @@ def load_line(load: dict) -> str:
 
 def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dict,
                     sampling: dict | None = None, recommendation: dict | None = None) -> str:
-    """``compare.md``: the table, failures and outside-load warnings, the TTFT and hand-off
-    breakdowns, the workload and the settings, each configuration's run (with the load on
-    the host around it), goodput vs rate, and the recommendation (when given, from
-    :func:`epdserve.bench.recommend.recommend`)."""
     ran = [e for e in entries if "result" in e]
     parts = ["# epdserve compare", "", caption(ran), "", markdown_table(ran), "",
              "Latencies are measured from the request's send. KV, encode and embedding rows "
@@ -317,8 +280,6 @@ def markdown_report(entries: list[dict], workload_spec: dict, trace_summary: dic
 
 
 def _breakdown_sections(ran: list[dict]) -> list[str]:
-    """"Where TTFT goes" and the PD hand-off, each with what its parts mean (none without
-    a server trace)."""
     parts = []
     ttft = breakdown_markdown(ran, "ttft")
     first = (" With repeats: the first run's." if any(len(e.get("runs") or []) > 1 for e in ran)
@@ -350,8 +311,7 @@ def _breakdown_sections(ran: list[dict]) -> list[str]:
 
 
 def _run_section(e: dict) -> list[str]:
-    """One configuration's run(s): requests, each run with repeats, first error, workers,
-    server trace, host load (with repeats: of the most disturbed run)."""
+    """With repeats, the host load is the most disturbed run's."""
     parts = [f"## {e['name']}", ""]
     r = e["result"]
     runs = e.get("runs") or []
@@ -392,11 +352,7 @@ def _run_section(e: dict) -> list[str]:
 
 
 def role_switch_lines(e: dict) -> list[str]:
-    """An elastic deployment's role switches (its ``role_switches``:
-    :func:`epdserve.bench.server_trace.role_timeline`) as markdown list lines: how many
-    were done and asked, the drain time's p50 and max (ms), then each controller decision
-    (time since the run's start in s, or unix s without ``run_start_unix``; action;
-    reason). [] for a static deployment."""
+    """Decision times are s after the run's start (unix s without ``run_start_unix``)."""
     sw = e.get("role_switches") or {}
     if not sw:
         return []
@@ -413,8 +369,8 @@ def role_switch_lines(e: dict) -> list[str]:
 
 
 def server_table_markdown(entries: list[dict]) -> str:
-    """Mean and p95 of each server-trace field (ms, bytes or tokens per request) per configuration,
-    as markdown; '' when no configuration has a server trace."""
+    """Mean and p95 of each server-trace field (ms, bytes or tokens per request); ''
+    without a trace."""
     present = [f for f in FIELDS if any(f"mean_{f}" in (e.get("server") or {}) for e in entries)]
     if not present:
         return ""

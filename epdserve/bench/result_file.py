@@ -1,21 +1,6 @@
 """The result file of ``epdserve bench`` as ``vllm bench serve`` writes it
-(``vllm/benchmarks/serve.py``): its options, their checks and the file's name.
-
-* ``--label``: the result's ``label`` and the file name's prefix (default: the backend,
-  ``openai-chat`` or ``openai``);
-* ``--metadata KEY=VALUE ...``: stored as top-level fields of the result (vLLM lets them
-  overwrite its own fields; here a key the result already holds is refused);
-* ``--percentile-metrics ttft,tpot,itl,e2el`` and ``--metric-percentiles 25,50,99``: which
-  metrics get ``mean/median/std_<m>_ms`` and which ``p<P>_<m>_ms`` (vLLM's defaults
-  ``ttft,tpot,itl`` and ``99``);
-* ``--save-result`` writes ``{label}-{rate}qps[-concurrency{C}]-{model}-{date}.json``
-  (``{label}-ramp-up-linear-{A}qps-{B}qps...`` for a ramp), ``--result-filename`` names it
-  instead, ``--result-dir`` puts it in a directory; ``--result-file FILE`` (this
-  project's older option) writes it to FILE.
-
-Unlike vLLM, an option that would do nothing (``--result-dir`` without ``--save-result``) is
-an error, not ignored.
-"""
+(``vllm/benchmarks/serve.py``): options, checks and file name (docs/benchmarks.md). Unlike vLLM,
+an option that would do nothing is an error."""
 
 from __future__ import annotations
 
@@ -28,7 +13,6 @@ from epdserve.bench import metrics
 
 DEFAULT_PERCENTILE_METRICS = ("ttft", "tpot", "itl")  # vLLM's, for generative models
 DEFAULT_METRIC_PERCENTILES = (99.0,)
-# The run's settings a result holds, besides the metrics of metrics.compute().
 SETTING_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
                 "request_rate", "burstiness", "max_concurrency", "ramp_up_strategy", "ramp_up_start_rps",
                 "ramp_up_end_rps", "base_url", "endpoint", "temperature", "ignore_eos", "read_timeout",
@@ -36,11 +20,7 @@ SETTING_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokeni
 
 
 def parse_metadata(text: str) -> tuple[str, str]:
-    """argparse type for ``KEY=VALUE`` (vLLM's ``--metadata``; both stripped, KEY not empty).
-
-    Raises:
-        argparse.ArgumentTypeError: naming the text.
-    """
+    """argparse type: vLLM's ``--metadata KEY=VALUE``, stripped, KEY not empty."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. version=0.3.3")
@@ -48,11 +28,7 @@ def parse_metadata(text: str) -> tuple[str, str]:
 
 
 def parse_percentiles(text: str) -> tuple[float, ...]:
-    """argparse type for comma-separated percentiles, each in (0, 100], e.g. ``25,50,99``.
-
-    Raises:
-        argparse.ArgumentTypeError: naming the value that is not one.
-    """
+    """argparse type: comma-separated percentiles in (0, 100]."""
     out = []
     for part in text.split(","):
         try:
@@ -66,13 +42,8 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
 
 
 def parse_percentile_metrics(text: str) -> tuple[str, ...]:
-    """argparse type for comma-separated metric names of
-    :data:`~epdserve.bench.metrics.PERCENTILE_METRICS`, e.g. ``ttft,tpot,itl,e2el``.
-
-    Raises:
-        argparse.ArgumentTypeError: naming a metric this client does not measure (vLLM's
-            client_queue_time and e2el_including_client_queue among them).
-    """
+    """argparse type: names of :data:`~epdserve.bench.metrics.PERCENTILE_METRICS`
+    (vLLM's client_queue_time and e2el_including_client_queue are refused)."""
     names = tuple(part.strip() for part in text.split(","))
     for name in names:
         if name not in metrics.PERCENTILE_METRICS:
@@ -82,7 +53,6 @@ def parse_percentile_metrics(text: str) -> tuple[str, ...]:
 
 
 def add_result_arguments(parser: argparse.ArgumentParser) -> None:
-    """The result options of ``epdserve bench`` (see the module doc)."""
     g = parser.add_argument_group("result file (as vllm bench serve)")
     g.add_argument("--label", default=None, help="the result's label and the file name's prefix "
                                                  "(default: the backend, openai-chat or openai)")
@@ -105,9 +75,6 @@ def add_result_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_error(args: Options) -> str | None:
-    """What is wrong with the result options together, or None: ``--result-dir`` or
-    ``--result-filename`` without ``--save-result``, ``--save-result`` with ``--result-file``,
-    or a ``--metadata`` key that names a field of the result (or repeats)."""
     if not args.save_result:
         lonely = [flag for flag, value in (("--result-dir", args.result_dir),
                                            ("--result-filename", args.result_filename)) if value]
@@ -127,8 +94,8 @@ def options_error(args: Options) -> str | None:
 
 
 def file_name(args: Options, result: dict) -> Path | None:
-    """Where the result goes: ``--result-file``; with ``--save-result`` vLLM's name
-    (``--result-filename`` instead of it) under ``--result-dir``; None: nowhere."""
+    """``--result-file``, else with ``--save-result`` vLLM's name (or ``--result-filename``) in
+    ``--result-dir``; None: not written."""
     if args.result_file:
         return Path(args.result_file)
     if not args.save_result:
@@ -146,8 +113,7 @@ def file_name(args: Options, result: dict) -> Path | None:
 
 
 def _rate_word(asked: float | None, measured: float | str) -> str:
-    """The rate in the file name: as vLLM prints the asked one (``inf``, ``2.0``); a rate
-    derived from a trace (none asked) to 4 significant digits."""
+    """The asked rate as vLLM prints it (``inf``, ``2.0``), else the trace's to 4 digits."""
     if asked is not None:
         return "inf" if math.isinf(asked) else str(float(asked))
     return measured if isinstance(measured, str) else f"{measured:.4g}"

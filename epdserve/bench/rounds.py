@@ -1,19 +1,6 @@
-"""How many times compare runs each deployment: ``--repeats N``, or ``auto``: until the
-verdict is clear or the time budget ends.
-
-Runs are interleaved, one round at a time (A B, A B, ...: a drift of the machine hits every
-deployment alike), each from a fresh start of the deployment. After each round of
-``--repeats auto`` the deployments' runs are folded (:func:`repeats.combine`) and judged
-(:func:`epdserve.bench.recommend.recommend`: ``settled``): it stops when every configuration is told apart from the goodput
-leader or shown tied with it (the paired interval excludes zero, or lies within the tie
-band) over at least :data:`MIN_ROUNDS` rounds (one round's interval covers its requests,
-not a drift of the machine between runs), when every configuration is past its capacity
-(overload: more runs of this load do not rank by goodput), after :data:`MAX_ROUNDS`
-rounds, or when the next round would end after ``--budget`` minutes (estimated from the
-last round's duration; the first round always runs). A run the load check flags (other processes on the cores) is left out of the
-verdict (:func:`repeats.combine`); with ``auto``, a deployment whose every run was flagged
-runs again while the budget allows, even once the rest is settled.
-"""
+"""How many times compare runs each deployment, interleaved in rounds (A B, A B: a drift hits
+each alike): ``--repeats N``, or ``auto`` until the paired verdict is settled over
+:data:`MIN_ROUNDS`, overload, :data:`MAX_ROUNDS`, or ``--budget`` (docs/comparing.md)."""
 
 from __future__ import annotations
 
@@ -24,13 +11,12 @@ from collections.abc import Callable
 from epdserve.bench import recommend, repeats
 
 AUTO = "auto"
-MIN_ROUNDS = 2  # auto: the fewest rounds a clear verdict stops after, where the budget allows
-MAX_ROUNDS = 10  # auto: the most rounds, whatever the budget
+MIN_ROUNDS = 2  # one round's interval covers its requests, not the drift between runs
+MAX_ROUNDS = 10
 DEFAULT_BUDGET_MIN = 15.0
 
 
 def parse_repeats(text: str) -> int | str:
-    """argparse type for ``--repeats``: a positive integer or ``auto``."""
     if text == AUTO:
         return AUTO
     try:
@@ -44,9 +30,8 @@ def parse_repeats(text: str) -> int | str:
 
 def run_rounds(chosen: list, run_one: Callable[[object, str], dict], repeats_opt: int | str,
                budget_min: float) -> tuple[dict[str, list[dict]], str]:
-    """Run the deployments ``chosen`` (objects with a ``name``) in rounds; ``run_one(dep,
-    progress)`` runs one and returns its entry (or a failed entry). Returns (each
-    deployment's runs in order, why it stopped: one sentence for the report)."""
+    """``run_one(dep, progress)`` returns an entry; returns (each deployment's runs, why the
+    rounds stopped, one sentence)."""
     runs: dict[str, list[dict]] = {dep.name: [] for dep in chosen}
     rounds = MAX_ROUNDS if repeats_opt == AUTO else repeats_opt
     deadline = time.monotonic() + budget_min * 60
@@ -73,9 +58,8 @@ def run_rounds(chosen: list, run_one: Callable[[object, str], dict], repeats_opt
 
 
 def _next(chosen: list, entries: list[dict], runs: dict[str, list[dict]], done: int) -> tuple[str, list]:
-    """(the state of the verdict in words, the deployments to run next: all while the
-    verdict is unsettled or, for a paired verdict, fewer than :data:`MIN_ROUNDS` of ``done``
-    rounds ran, else those whose every run the load check flagged, else none)."""
+    """(the verdict's state in words, who runs next: all while unsettled or under
+    :data:`MIN_ROUNDS`, else those whose every run was flagged)."""
     rec = recommend.recommend(entries)
     all_flagged = [dep for dep in chosen if runs[dep.name]
                    and all(repeats.flagged_by_load(x) for x in runs[dep.name] if "result" in x)

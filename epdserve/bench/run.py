@@ -1,24 +1,6 @@
-"""``epdserve bench``: send a seeded workload to an OpenAI-compatible server, print a
-summary and write the result JSON as ``vllm bench serve`` does (its field names, see
-:mod:`epdserve.bench.metrics`; its options and file name, see :mod:`epdserve.bench.result_file`).
-
-Examples::
-
-    epdserve bench --base-url http://127.0.0.1:8000 --workload demo --result-file out.json
-    epdserve bench --base-url http://127.0.0.1:8000 --dataset-name random --num-prompts 100 \
-        --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --save-result --result-dir results
-    epdserve bench --base-url http://127.0.0.1:8000 --sweep --goodput ttft:2000 tpot:200 \
-        --sweep-rates 0.25:4 --sweep-iters 4 --result-file sweep/sweep.json
-
-``--sweep`` re-times the same trace (same prompts, offsets rescaled) at request rates
-chosen by bisection (:mod:`epdserve.bench.sweep`) and writes the points, the highest rate
-meeting the SLO target and ``goodput_vs_rate.png`` next to the result file.
-
-Exit status: 0 when the run finished (failed requests are counted in the result and
-summary, not in the status), 1 when the warm-up request fails or the server stops
-answering, 2 for a bad option, trace or dataset file, an unreachable server or a workload
-the client cannot send (images with ``--endpoint completions``), 130 on Ctrl-C.
-"""
+"""``epdserve bench``: send a seeded workload to an OpenAI-compatible server, print a summary and
+write the result JSON as ``vllm bench serve`` does (fields, options, file name); exit status in
+docs/comparing.md, "epdserve bench"."""
 
 from __future__ import annotations
 
@@ -37,28 +19,23 @@ from epdserve.bench.result_file import add_result_arguments, file_name, options_
 from epdserve.bench.arrivals import retime
 
 
-# argparse type for one SLO ``KEY:MS`` (KEY one of :data:`metrics.SLO_METRICS`: ttft, tpot,
-# e2el as vLLM ``bench serve --goodput``; itl, the request's longest inter-token gap, and
-# itl_p99, its p99 gap, because TPOT is a per-request mean that a frozen stream still
-# meets). Also ``epdserve plan --slo``'s type.
+# One ``KEY:MS`` SLO (metrics.SLO_METRICS); also ``epdserve plan --slo``'s type.
 parse_goodput = slo_pair(metrics.SLO_METRICS)
 
 
 def parse_base_url(text: str) -> str:
-    """argparse type for a server URL: ``http://HOST:PORT`` (or https), no trailing slash."""
     if not text.startswith(("http://", "https://")) or len(text.split("://", 1)[1]) == 0:
         raise argparse.ArgumentTypeError(f"{text!r}: expected http://HOST:PORT")
     return text.rstrip("/")
 
 
-# --endpoint's values: ours, and the request paths vLLM's `bench serve --endpoint` takes.
+# Ours, and the paths vLLM's `bench serve --endpoint` takes.
 ENDPOINTS = {"chat": "chat", "completions": "completions",
              "/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 def endpoint_arg(text: str) -> str:
-    """argparse type for ``--endpoint``: "chat" or "completions", also given as the path
-    (``/v1/chat/completions``, ``/v1/completions``, as vLLM's ``bench serve``)."""
+    """argparse type: "chat" or "completions", or vLLM's path form."""
     try:
         return ENDPOINTS[text.rstrip("/") if text.startswith("/") else text]
     except KeyError:
@@ -66,11 +43,8 @@ def endpoint_arg(text: str) -> str:
 
 
 def add_client_arguments(parser: argparse.ArgumentParser, replay: bool = True) -> None:
-    """Options of the client itself (shared with ``epdserve compare``). ``replay`` (compare):
-    requests carry ``ignore_eos`` unless ``--no-ignore-eos``, because a comparison replays
-    one trace on every deployment and must reproduce its output lengths on each; else
-    (``epdserve bench``) vLLM's ``--ignore-eos``, off unless the workload sets it
-    (:func:`epdserve.bench.workload.sends_ignore_eos`)."""
+    """``replay`` (compare): ``ignore_eos`` unless ``--no-ignore-eos``, so every deployment
+    generates the trace's output lengths; else vLLM's ``--ignore-eos``."""
     g = parser.add_argument_group("client")
     g.add_argument("--endpoint", type=endpoint_arg, default="chat", metavar="chat|completions|PATH",
                    help="POST /v1/chat/completions (chat, the default) or /v1/completions "
@@ -125,7 +99,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_share(text: str) -> float:
-    """argparse type for a share in (0, 1]."""
     try:
         value = float(text)
     except ValueError:
@@ -136,7 +109,7 @@ def parse_share(text: str) -> float:
 
 
 def parse_rates(text: str) -> tuple[float, float]:
-    """argparse type for ``LO:HI`` request rates, 0 < LO < HI, both finite (req/s)."""
+    """argparse type: ``LO:HI`` req/s, 0 < LO < HI < inf."""
     lo, sep, hi = text.partition(":")
     try:
         rates = (float(lo), float(hi))
@@ -148,8 +121,7 @@ def parse_rates(text: str) -> tuple[float, float]:
 
 
 def _rate_field(rate: float | None, requests: list[workload.Request]) -> float | str:
-    """vLLM's ``request_rate``: the asked rate, "inf" for all at once; when none was asked
-    (a replayed trace, the demo's default), the trace's mean arrival rate."""
+    """vLLM's ``request_rate``: the asked rate, "inf", or without one the trace's mean rate."""
     if rate is None:
         span = max(r.offset_s for r in requests) - min(r.offset_s for r in requests)
         rate = (len(requests) - 1) / span if span > 0 else math.inf
@@ -159,22 +131,11 @@ def _rate_field(rate: float | None, requests: list[workload.Request]) -> float |
 def bench(base_url: str, requests: list[workload.Request], args: Options,
           model: str | None = None, request_rate: float | None = None,
           on_start: Callable[[], None] | None = None, tokenizer_id: str | None = None) -> dict:
-    """Run ``requests`` against ``base_url`` with the client options in ``args`` and return
-    the result dict: metrics (:func:`epdserve.bench.metrics.compute`; the percentiles and
-    metrics of ``args.metric_percentiles`` / ``args.percentile_metrics`` when it has them,
-    else all) over every request but the first ``args.warmup_requests``, plus the run's
-    settings under vLLM's names (``label``, ``tokenizer_id`` (the tokenizer that sized the
-    prompts; None: none did), ``--metadata`` fields, ``request_rate``: ``request_rate`` if
-    given, else ``args.request_rate``, else the trace's mean rate; ``burstiness``,
-    ``max_concurrency``, ``ramp_up_*``). Requests carry ``ignore_eos`` as
-    ``args.ignore_eos`` says. ``on_start``: called after the warm-up, before the trace
-    (:func:`client.run_trace`).
+    """The result dict: metrics over all but the first ``args.warmup_requests`` requests, and
+    the run's settings under vLLM's names; ``on_start`` runs after the warm-up.
 
-    Raises:
-        client.ClientError: the server does not answer, the warm-up failed, or the trace
-            cannot be sent (images to the completions endpoint).
-        workload.TraceError: ``--warmup-requests`` leaves no request to measure.
-    """
+    Raises client.ClientError (no answer, failed warm-up, unsendable trace), and TraceError when
+    ``--warmup-requests`` leaves nothing to measure."""
     skip = getattr(args, "warmup_requests", 0)
     if skip >= len(requests):
         raise workload.TraceError(f"--warmup-requests {skip}: the trace has only "
@@ -215,7 +176,6 @@ def bench(base_url: str, requests: list[workload.Request], args: Options,
 
 
 def summary_lines(result: dict) -> list[str]:
-    """A short human-readable table of a result dict."""
     failed = f"{result['failed']}"
     if result.get("error_counts"):
         failed += " (" + ", ".join(f"{k} x{n}" for k, n in result["error_counts"].items()) + ")"
@@ -258,7 +218,6 @@ def write_json(data, path: str | Path) -> None:
 
 
 def sweep_table(result: dict) -> list[str]:
-    """One line per measured rate of a :func:`sweep.find_max_goodput_rate` result."""
     lines = [f"{'rate':>8} {'attain':>7} {'thru':>7} {'goodput':>8} {'p99 TTFT':>9} "
              f"{'p99 TPOT':>9} {'failed':>6}   (req/s, ms)"]
     for p in result["points"]:
@@ -276,7 +235,6 @@ def sweep_table(result: dict) -> list[str]:
 
 
 def run_sweep(args: Options, requests: list[workload.Request], spec: dict) -> dict:
-    """Bisect on rate with the trace re-timed at each rate; write JSON and plot."""
     def measure(rate: float) -> dict:
         return bench(args.base_url, retime(requests, rate, args.seed), args,
                      model=args.model, request_rate=rate)
@@ -290,7 +248,6 @@ def run_sweep(args: Options, requests: list[workload.Request], spec: dict) -> di
 
 
 def _options_error(args: Options) -> str | None:
-    """What is wrong with the options together (besides the workload's), or None."""
     if args.sweep and not (args.goodput and args.result_file):
         return "--sweep needs --goodput KEY:MS ... and --result-file"
     return options_error(args)
@@ -303,7 +260,6 @@ def run(args: Options) -> int:
         return 2
     try:
         requests, spec = workload.build_from_args(args)
-        # As vLLM: on for the workloads whose output lengths are the point (and when asked).
         args = with_values(args, ignore_eos=workload.sends_ignore_eos(args))
         if args.sweep:
             result = run_sweep(args, requests, spec)

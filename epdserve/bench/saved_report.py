@@ -1,21 +1,6 @@
-"""``epdserve report DIR [DIR ...]``: a saved comparison judged again, without running it.
-
-Reads the ``compare.json`` and ``trace.jsonl`` that ``epdserve compare`` wrote in each DIR
-(several DIRs: runs of the same trace, their rounds pooled per deployment name as more
-repeats), judges every request again against ``--goodput`` (default: the SLOs the run was
-judged by, :mod:`epdserve.bench.rejudge`) and writes the comparison table, the verdict and
-the map of who wins at which SLOs (``--slo-grid``, :mod:`epdserve.bench.slo_map`) under
-``--output`` (default ``DIR/report``): ``compare.json``, ``compare.md`` and the plots, as
-compare writes them. With the SLOs the run had, the verdict is compare's.
-
-Refused, with one line naming the file or value and exit status 2, before anything is
-written: a directory without ``compare.json`` or its trace, one of another layout
-(:data:`epdserve.bench.compare.VERSION`) or malformed (configurations named twice,
-per-request lists of different lengths, runs of different request counts), a trace.jsonl
-changed since compare wrote it, directories of different traces or one given twice, an
-entry without the per-request values an SLO needs, an SLO of 0 ms or below, a key or axis
-given twice, a bad ``--slo-grid``, an ``--output`` that is a file.
-"""
+"""``epdserve report DIR [DIR ...]``: saved comparisons of one trace judged again against other
+SLOs, without running them, written as compare writes them; refusals (exit 2, nothing
+written) are listed in docs/comparing.md, "Who wins at which SLOs"."""
 
 from __future__ import annotations
 
@@ -37,7 +22,7 @@ FiniteMs = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class Refused(ValueError):
-    """A saved directory that cannot be reported on (the message names it and why)."""
+    """The message names the directory or value and why."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class _Outcomes(BaseModel):
-    """One run's per-request outcomes as compare saves them (``paired.outcomes``)."""
-
     model_config = ConfigDict(extra="allow")
     good: list[bool]
     ttft_ms: list[FiniteMs | None]
@@ -76,8 +59,7 @@ class _Entry(BaseModel):
 
 
 class _Saved(BaseModel):
-    """What report reads of a compare.json: its trace's hash and the configurations, with
-    unique names and every run of one trace (the same request count)."""
+    """Unique names, and every run of one trace (the same request count)."""
 
     model_config = ConfigDict(extra="allow")
     trace: dict[str, object]
@@ -97,12 +79,8 @@ class _Saved(BaseModel):
 
 
 def load(directory: Path) -> dict:
-    """One saved comparison: compare.json, with ``requests`` (its trace).
-
-    Raises:
-        Refused: no compare.json or trace, unreadable, of another layout, malformed, or a
-            trace.jsonl changed since compare wrote it.
-    """
+    """compare.json with ``requests`` (its trace). Raises Refused: missing, unreadable, another
+    layout, malformed, or a trace.jsonl changed since compare wrote it."""
     path = directory / "compare.json"
     try:
         saved = json.loads(path.read_text())
@@ -132,13 +110,8 @@ def load(directory: Path) -> dict:
 
 
 def pooled(saved: list[dict], dirs: list[Path]) -> list[dict]:
-    """The entries of several saved comparisons of one trace, each deployment's runs
-    (``per_run``, ``runs``) pooled in the order given; an entry that failed in one directory
-    but ran in another keeps the runs.
-
-    Raises:
-        Refused: two directories of different traces.
-    """
+    """Each deployment's runs pooled in the order given; a failure in one directory yields to
+    runs in another. Raises Refused for different traces."""
     first = saved[0]["trace"]["sha256"]
     for s, d in zip(saved[1:], dirs[1:]):
         if s["trace"]["sha256"] != first:
@@ -157,7 +130,6 @@ def pooled(saved: list[dict], dirs: list[Path]) -> list[dict]:
 
 
 def _options_error(args: Options, dirs: list[Path]) -> str | None:
-    """What is wrong with the options themselves, or None."""
     twice = [d for i, d in enumerate(dirs) if d.resolve() in [x.resolve() for x in dirs[:i]]]
     if twice:
         return f"{twice[0]}: given twice (its runs would count twice)"

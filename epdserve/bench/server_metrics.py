@@ -1,26 +1,6 @@
-"""Server-side stages of any engine, from its Prometheus ``/metrics``, before and after a run.
-
-:class:`MetricsWatcher` scrapes every metrics URL of a deployment (one per process: a split
-deployment has several, each counting what it saw; ``per_url`` keeps them apart) before and
-after the run, samples the gauges in between, and turns the difference into the stages of
-:data:`~epdserve.bench.engine_metrics.STAGES` (which metric of which engine is which
-stage); a stage an engine does not export is None ("—"). From each kind:
-
-* a histogram (seconds): after - before of its ``_count``, ``_sum`` and cumulative
-  ``_bucket`` samples, summed over label sets and URLs (on the bounds every series has):
-  count, mean (ms), and p50 / p95 (ms) interpolated within a bucket as Prometheus's
-  ``histogram_quantile`` does (promql/quantile.go ``bucketQuantile``); a quantile in the
-  +Inf bucket is the highest finite bound, flagged "at least" ("≥");
-* a counter: after - before (one that went down restarted: its after value is the
-  increase, as Prometheus's ``increase()``); prometheus_client's parser names counter
-  ``x_total`` family ``x``, so names here go without ``_total`` and both spellings are
-  read; ``_created`` samples (timestamps) are skipped;
-* a gauge: sampled every ``interval_s`` and at both ends: the mean over samples of the mean
-  over series (workers, URLs), and the highest value any series had;
-* a histogram of bytes (a KV hand-off's size): count, mean and total bytes;
-* a counter of seconds (llama.cpp): per request (the server's request count, or the
-  client's where the engine counts none) and per token.
-"""
+"""Server-side stages of any engine (vLLM, SGLang, llama.cpp, epdserve) from its Prometheus
+``/metrics`` scraped before and after a run, as Prometheus's ``increase()`` and
+``histogram_quantile`` compute them; method in docs/comparing.md, "Server-side stages"."""
 
 from __future__ import annotations
 
@@ -40,24 +20,19 @@ SETTLE_POLL_S = 0.25
 
 
 class MetricsUnavailable(RuntimeError):
-    """A metrics URL that gave no Prometheus text; the message is one line naming the URL."""
+    """One line naming the URL."""
 
 
 @dataclass
 class Scrape:
-    """One parsed ``/metrics`` answer: ``samples`` maps each sample name (``x_total``,
-    ``x_bucket``, ``x_count``, ...) to its ``(labels, value)`` pairs."""
+    """``samples``: sample name (``x_total``, ``x_bucket``, ...) -> ``(labels, value)`` pairs."""
 
     url: str
     samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, url: str, text: str) -> Scrape:
-        """Parse a text exposition with prometheus_client's parser.
-
-        Raises:
-            MetricsUnavailable: the text is not Prometheus text (the parser's error).
-        """
+        """Raises MetricsUnavailable for text that is not Prometheus text."""
         scrape = cls(url)
         try:
             for family in text_string_to_metric_families(text):
@@ -69,19 +44,15 @@ class Scrape:
         return scrape
 
     def series(self, name: str, exclude: tuple[tuple[str, str], ...] = ()) -> list[tuple[dict, float]]:
-        """The ``(labels, value)`` of sample ``name`` whose labels match none of ``exclude``."""
         return [(lab, v) for lab, v in self.samples.get(name, [])
                 if not any(lab.get(k) == val for k, val in exclude)]
 
 
 def scrape(url: str, timeout_s: float = 5.0, http: httpx.Client | None = None) -> Scrape:
-    """GET ``url`` (a ``/metrics`` endpoint) on ``http`` (None: a new client, ~45 ms of CPU
-    to load the CA bundle: too much once a second in the bench client's process) and parse it.
+    """Reuse ``http``: a new client costs ~45 ms of CPU (the CA bundle), too much once a second.
 
-    Raises:
-        MetricsUnavailable: connection refused or failed, no answer within ``timeout_s``
-            seconds, an HTTP status other than 200, or not Prometheus text.
-    """
+    Raises MetricsUnavailable: no connection, no answer within ``timeout_s``, not 200, not
+    Prometheus text."""
     try:
         answer = http.get(url, timeout=timeout_s) if http else httpx.get(url, timeout=timeout_s, trust_env=False)
     except httpx.TimeoutException:
@@ -95,11 +66,8 @@ def scrape(url: str, timeout_s: float = 5.0, http: httpx.Client | None = None) -
 
 
 def detect_engine(scrapes: list[Scrape]) -> str | None:
-    """The engine whose name prefix (:data:`ENGINES`) most sample names carry; None: none.
-    epdserve's ``epdserve:`` TTFT histogram makes it "epdserve" (its ``vllm:`` names, if
-    exported too, lump the stages together); with ``--metrics-prefix vllm`` that one is
-    renamed and it reads as vLLM (its KV hand-off series keep their ``epdserve:`` names either
-    way, so they do not decide)."""
+    """The engine whose prefix most sample names carry (None: none); epdserve by its
+    ``epdserve:`` TTFT histogram (``vllm:`` names alone read as vLLM)."""
     if any(src.present(s.samples) for s in scrapes for src in STAGES_OF["epdserve"]["ttft"]):
         return "epdserve"
     seen = Counter(engine for s in scrapes for name in s.samples
@@ -107,10 +75,9 @@ def detect_engine(scrapes: list[Scrape]) -> str | None:
     return seen.most_common(1)[0][0] if seen else None
 
 
-# ------------------------------------------------------------------ deltas
 def _series_delta(before: Scrape, after: Scrape, name: str, exclude=()) -> dict[tuple, float]:
-    """After - before of each series of sample ``name``, by its sorted labels; a series
-    absent before counts from 0, one that went down restarted and counts from 0 too."""
+    """By sorted labels; a series absent before, or one that went down (a restart), counts
+    from 0."""
     prior = {tuple(sorted(lab.items())): v for lab, v in before.series(name, exclude)}
     out = {}
     for lab, v in after.series(name, exclude):
@@ -120,16 +87,13 @@ def _series_delta(before: Scrape, after: Scrape, name: str, exclude=()) -> dict[
 
 
 def counter_delta(before: Scrape, after: Scrape, metric: str, exclude=()) -> float:
-    """The increase of counter ``metric`` (``metric_total`` or ``metric``) over its series."""
     name = metric + "_total" if metric + "_total" in after.samples else metric
     return sum(_series_delta(before, after, name, exclude).values())
 
 
 def histogram_delta(pairs: list[tuple[Scrape, Scrape]], metric: str, exclude=()) -> dict:
-    """The observations of histogram ``metric`` between the (before, after) scrapes of
-    ``pairs`` (one per URL), over all their series: ``{"count", "sum", "buckets": [(upper
-    bound, cumulative count)]}``; buckets on the bounds every series has (adding cumulative
-    counts is only right on shared bounds)."""
+    """``{"count", "sum", "buckets": [(le, cumulative count)]}`` over every series of
+    ``pairs`` (one per URL); only bounds all series share, where adding cumulative counts is right."""
     per_series: dict[tuple, dict[float, float]] = {}
     for i, (before, after) in enumerate(pairs):
         for labels, v in _series_delta(before, after, metric + "_bucket", exclude).items():
@@ -142,11 +106,9 @@ def histogram_delta(pairs: list[tuple[Scrape, Scrape]], metric: str, exclude=())
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> tuple[float | None, bool]:
-    """The ``q``-quantile (0-1) of cumulative ``buckets`` [(upper bound, count)], as
-    Prometheus's ``histogram_quantile`` (promql/quantile.go ``bucketQuantile``): linear within
-    the bucket that holds rank q × total, from the bucket below's bound (0 for the first).
-    Returns ``(value, at_least)``: at_least when the rank falls in the +Inf bucket (the value
-    is the highest finite bound); ``(None, False)`` without observations or +Inf bucket."""
+    """(value, at_least) of the ``q``-quantile (0-1), as promql/quantile.go
+    ``bucketQuantile``; at_least when it falls in +Inf (value: the highest finite bound);
+    (None, False) without observations."""
     if len(buckets) < 2 or buckets[-1][0] != math.inf or buckets[-1][1] <= 0:
         return None, False
     rank = q * buckets[-1][1]
@@ -162,7 +124,7 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> tuple[fl
 
 
 def histogram_stage(h: dict) -> dict:
-    """Count, mean, p50, p95 (ms) of a :func:`histogram_delta` in seconds."""
+    """Count, mean, p50, p95 in ms from a histogram in seconds."""
     out = {"kind": "histogram", "count": int(round(h["count"])),
            "mean_ms": h["sum"] / h["count"] * 1000 if h["count"] > 0 else None}
     for q in (50, 95):
@@ -172,8 +134,7 @@ def histogram_stage(h: dict) -> dict:
 
 
 def gauge_stats(rounds: list[list[Scrape]], metric: str) -> dict | None:
-    """Mean over ``rounds`` (scrapes of all URLs at one time) of the mean over series of
-    gauge ``metric``, and the highest value any series had; None when never present."""
+    """Mean over rounds of the mean over series, and the highest value; None if never present."""
     means, highest = [], []
     for scrapes in rounds:
         values = [v for s in scrapes for _, v in s.series(metric)]
@@ -185,12 +146,9 @@ def gauge_stats(rounds: list[list[Scrape]], metric: str) -> dict | None:
     return {"kind": "gauge", "mean": sum(means) / len(means), "max": max(highest), "samples": len(means)}
 
 
-# ------------------------------------------------------------------ stages of a run
 def _stage(src: Source, pairs: dict[str, tuple[Scrape, Scrape]], rounds: list[list[Scrape]],
            requests: tuple[float | None, str | None]) -> dict | None:
-    """One stage from ``src`` (see :class:`Source`) over the (before, after) ``pairs`` of
-    each URL and the gauge ``rounds``; ``requests``: (count, "server" | "client") for the
-    "seconds" kind."""
+    """``requests``: (count, "server" | "client"), the divisor of the "seconds" kind."""
     if src.kind == "gauge":
         return gauge_stats(rounds, src.metric)
     if src.kind == "bytes":
@@ -219,12 +177,8 @@ def _stage(src: Source, pairs: dict[str, tuple[Scrape, Scrape]], rounds: list[li
 
 def stages_between(before: dict[str, Scrape], after: dict[str, Scrape], rounds: list[list[Scrape]] = (),
                    completed_requests: int | None = None) -> dict:
-    """The stages of a run from the scrapes of each URL before and after it (a URL missing
-    from either is left out) and the gauge sampling ``rounds`` (lists of scrapes taken at one
-    time; the before and after scrapes count as rounds too): ``{"engine", "stages": {stage:
-    dict | None}}``, see :meth:`MetricsWatcher.stop`. A stage is None when the engine lacks
-    it or its metric is absent. The "seconds" stages divide by the server's request count,
-    or else by ``completed_requests`` (the client's)."""
+    """``{"engine", "stages": {stage: dict | None}}``; before and after count as gauge rounds,
+    and "seconds" stages divide by the server's request count, else ``completed_requests``."""
     engine = detect_engine([*before.values(), *after.values()])
     pairs = {u: (before[u], after[u]) for u in after if u in before}
     rounds = [list(before.values()), *rounds, list(after.values())]
@@ -239,14 +193,9 @@ def stages_between(before: dict[str, Scrape], after: dict[str, Scrape], rounds: 
         for stage, src in found.items()}}
 
 
-# ------------------------------------------------------------------ the watcher
 class MetricsWatcher:
-    """Scrapes a deployment's metrics URLs around a run (see the module docstring).
-
-    ``urls``: one ``/metrics`` URL per process of the deployment; ``interval_s``: seconds
-    between gauge samples; ``timeout_s``: per scrape; ``settle_s``: the longest :meth:`stop`
-    waits for counters to stop moving. A URL that does not answer is a warning and its
-    stages are left out, never an exception."""
+    """Scrapes a deployment's ``/metrics`` URLs (one per process) around a run and samples
+    gauges every ``interval_s``; a URL that does not answer is a warning, never an exception."""
 
     def __init__(self, urls: list[str], interval_s: float = 1.0, timeout_s: float = 5.0,
                  settle_s: float = 2.0):
@@ -256,8 +205,8 @@ class MetricsWatcher:
         self._thread = threading.Thread(target=self._sample_loop, name="epdserve-metrics", daemon=True)
 
     def _scrape_all(self, urls, when: str | None = None) -> dict[str, Scrape]:
-        """Scrape ``urls``; one that does not answer is a warning when ``when`` names the end
-        of the run, else a failed sample."""
+        """A URL that does not answer is a warning when ``when`` is given, else a failed
+        sample."""
         out = {}
         for url in urls:
             try:
@@ -274,15 +223,13 @@ class MetricsWatcher:
             self.rounds.append(list(self._scrape_all(self.before).values()))
 
     def start(self) -> MetricsWatcher:
-        """Scrape every URL ("before") and start sampling the gauges."""
         self.before = self._scrape_all(self.urls, "before")
         self._thread.start()
         return self
 
     def _settled_after(self) -> dict[str, Scrape]:
-        """The "after" scrapes, taken again every :data:`SETTLE_POLL_S` until the sum of the
-        counters and histogram counts stops changing, or ``settle_s`` passes: a server records
-        a request after its last byte, so one the client saw end may not be counted yet."""
+        """Scraped again every :data:`SETTLE_POLL_S` until counters stop moving (at most
+        ``settle_s``): a server counts a request after its last byte."""
         def moved(scrapes: dict[str, Scrape]) -> float:
             return sum(v for s in scrapes.values() for name, vals in s.samples.items()
                        if name.endswith(("_total", "_count")) for _, v in vals)
@@ -296,19 +243,11 @@ class MetricsWatcher:
         return after
 
     def stop(self, completed_requests: int | None = None) -> dict:
-        """Stop sampling, scrape "after" and return the run's stages, JSON-serializable:
-        ``{"engine": "vllm" | "sglang" | "llama.cpp" | "epdserve" | None, "urls": [...],
-        "stages": {stage: {...} | None}, "warnings": [str]}``; a histogram stage is
-        ``{"kind": "histogram", "metric", "count", "mean_ms", "p50_ms", "p50_at_least",
-        "p95_ms", "p95_at_least", "per_url": {url: count}}``, a counter ``{"kind": "counter",
-        "delta", "per_url"}``, a gauge ``{"kind": "gauge", "mean", "max", "samples"}``, a
-        ratio ``{"kind": "ratio", "value", "numerator", "denominator"}``, a time counter
-        ``{"kind": "seconds", "total_s", "tokens", "per_token_ms", "requests",
-        "requests_from": "server" | "client", "mean_ms"}``.
-
-        ``completed_requests``: the client's count of completed requests, used only by an
-        engine that counts none itself (llama.cpp) for its per-request means.
-        """
+        """``{"engine", "urls", "stages": {stage: dict | None}, "warnings"}``, JSON-able. Stage
+        kinds: histogram (count, mean_ms, p50/p95_ms, p50/p95_at_least, per_url), counter (delta,
+        per_url), gauge (mean, max, samples), ratio (value, numerator, denominator), seconds (total_s,
+        tokens, per_token_ms, requests, requests_from, mean_ms). ``completed_requests`` is used only
+        by an engine that counts no requests (llama.cpp)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
@@ -324,7 +263,6 @@ class MetricsWatcher:
                 "warnings": self.warnings}
 
 
-# ------------------------------------------------------------------ report
 def _ms(v: float | None, at_least: bool = False) -> str:
     return "—" if v is None else ("≥" if at_least else "") + f"{v:,.1f}"
 
@@ -334,7 +272,6 @@ def _per_url(counts: dict) -> str:
 
 
 def stage_cell(stage: dict | None) -> str:
-    """One stage of one deployment as table text; "—" when None."""
     if stage is None:
         return "—"
     kind = stage["kind"]
@@ -364,8 +301,6 @@ UNIT_TEXT = {"ms": "mean (p50, p95) ms", "MB": "mean (Σ) MB"}
 
 
 def stages_table(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the stages table: a row per stage (label, unit), a column per
-    entry (``entry["name"]``, its stages in ``entry["server_metrics"]``)."""
     cell = lambda e, stage: stage_cell(((e.get("server_metrics") or {}).get("stages") or {}).get(stage))  # noqa: E731
     return ["Stage", *(e["name"] for e in entries)], [
         [f"{label}, {UNIT_TEXT.get(unit, unit)}", *(cell(e, stage) for e in entries)]
@@ -373,7 +308,6 @@ def stages_table(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def _notes(entries: list[dict]) -> list[str]:
-    """What each engine's number is (each metric used once), then the watchers' warnings."""
     seen: dict[tuple, str] = {}
     for e in entries:
         m = e.get("server_metrics") or {}
@@ -386,16 +320,13 @@ def _notes(entries: list[dict]) -> list[str]:
 
 
 def stages_markdown(entries: list[dict]) -> str:
-    """The server-side stages of each deployment as a markdown table ("—": the engine has no
-    such metric, or its metrics URL did not answer), then what each engine's number is and
-    the watchers' warnings; '' when no entry has ``server_metrics``."""
+    """"—": the engine lacks the metric or its URL did not answer; '' without server_metrics."""
     if not any(e.get("server_metrics") for e in entries):
         return ""
     return "\n".join([tables.markdown(*stages_table(entries)), "", *_notes(entries)])
 
 
 def stages_text(entries: list[dict]) -> str:
-    """:func:`stages_markdown` as aligned plain text for the terminal."""
     if not any(e.get("server_metrics") for e in entries):
         return ""
     return "\n".join([tables.text(*stages_table(entries)), "", *_notes(entries)])

@@ -1,19 +1,6 @@
-"""Who wins at which SLOs: one measurement judged on a grid of TTFT and longest-ITL-gap SLOs.
-
-The same requests answer different SLOs differently: a split deployment that keeps every
-decode's gaps short but adds a hand-off to each TTFT wins where the gap SLO is strict and
-the TTFT SLO relaxed, and loses where TTFT is tight (TaiChi, arXiv 2508.01989, draws this
-map from simulation). Each cell judges the saved per-request outcomes against its SLOs
-(:mod:`epdserve.bench.rejudge`; the other SLOs as given) and applies the recommendation's
-rules (:func:`epdserve.bench.rules.choose`): the winner, and the paired interval of the
-goodput leader against the best other deployment (:mod:`epdserve.bench.paired`) — "better",
-"tie" (within the tie band), "unresolved" (no difference shown) — or "overloaded" (every
-deployment serves under half its requests within the cell's SLOs: goodput does not rank
-them there) or "none" (no request of any deployment within them).
-
-The default grid spans a quarter to four times the user's TTFT and gap SLOs (the default
-SLOs without ``--goodput``); ``--slo-grid ttft:500,1000,2000 itl:250,500,1000`` sets it.
-"""
+"""Who wins at which SLOs: one measurement's saved per-request outcomes judged on a grid of TTFT
+and longest-gap SLOs, each cell by the recommendation's rules and paired interval (TaiChi,
+arXiv 2508.01989, draws this map from simulation); docs/comparing.md, "Who wins"."""
 
 from __future__ import annotations
 
@@ -27,7 +14,7 @@ from epdserve.argtypes import Flag
 from epdserve.bench import metrics, paired, rejudge, rules
 
 AXES = ("ttft", "itl")  # rows, columns
-FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)  # the default grid: these times the user's SLO
+FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)  # the default grid, times the user's SLO
 MAX_VALUES = 8  # per axis
 PNG = "slo_map.png"
 
@@ -35,11 +22,8 @@ PNG = "slo_map.png"
 def parse_axis(text: str) -> tuple[str, list[float]]:
     """``"ttft:500,1000,2000"`` -> ``("ttft", [500.0, 1000.0, 2000.0])``.
 
-    Raises:
-        argparse.ArgumentTypeError: another key than :data:`AXES`, a value that is not a
-            number above 0, a repeated value, none, or more than :data:`MAX_VALUES`; the
-            message names the text.
-    """
+    Raises argparse.ArgumentTypeError naming the text: a key not in :data:`AXES`, a value not
+    above 0, a repeat, none, or more than :data:`MAX_VALUES`."""
     key, sep, values = text.partition(":")
     shown = repr(text if len(text) <= 60 else text[:57] + "...")
     if key not in AXES or not sep:
@@ -63,27 +47,23 @@ SLO_GRID_FLAG = Flag(
 
 
 def check_given(given: list[tuple[str, list[float]]] | None) -> str | None:
-    """Why ``--slo-grid``'s axes (:func:`parse_axis` results) cannot be used together (an axis
-    given twice), or None."""
+    """Why the axes cannot be used together (one given twice), or None."""
     keys = [k for k, _ in given or ()]
     twice = sorted({k for k in keys if keys.count(k) > 1})
     return f"--slo-grid: {twice[0]} given twice" if twice else None
 
 
 def grid(slos_ms: dict[str, float], given: list[tuple[str, list[float]]] | None = None) -> dict[str, list[float]]:
-    """The SLOs of each axis: ``given`` (:func:`parse_axis` results) where set, else
-    :data:`FACTORS` times the axis's SLO in ``slos_ms`` (or in the default SLOs)."""
+    """``given`` axes, else :data:`FACTORS` times the axis's SLO (or the default one)."""
     out = {key: [f * slos_ms.get(key, metrics.DEFAULT_SLOS_MS[key]) for f in FACTORS] for key in AXES}
     out.update(dict(given or ()))
     return out
 
 
 def cell(entries: list[dict], slos_ms: dict[str, float]) -> dict:
-    """The verdict at one point: ``{"slos_ms", "winner" (None: no deployment completed a
-    request), "verdict", "leader", "rival", "relative", "relative_ci", "attainment": {name:
-    share}}`` (module doc for the verdicts; ``relative``: the leader's goodput over the
-    rival's minus 1, None where the rival's is 0)."""
-    cands, _ = rules.candidates([rejudge.judge_entry(e, slos_ms) for e in entries])  # checked once, by slo_map
+    """``{"slos_ms", "winner", "verdict", "leader", "rival", "relative", "relative_ci",
+    "attainment"}``; ``relative``: leader's goodput over the rival's minus 1, None when that is 0."""
+    cands, _ = rules.candidates([rejudge.judge_entry(e, slos_ms) for e in entries])
     out = {"slos_ms": dict(slos_ms), "winner": None, "verdict": "none", "leader": None, "rival": None,
            "relative": None, "relative_ci": None,
            "attainment": {e["name"]: rules.figures(e)["slo_attainment"] for e in cands}}
@@ -106,12 +86,8 @@ def cell(entries: list[dict], slos_ms: dict[str, float]) -> dict:
 
 
 def slo_map(entries: list[dict], slos_ms: dict[str, float], axes: dict[str, list[float]]) -> dict:
-    """``{"axes": {key: [ms]}, "slos_ms": the SLOs the other keys hold, "cells":
-    [[cell] per column value] per row value}`` (:func:`cell`).
-
-    Raises:
-        SavedRunError, ValueError: as :func:`epdserve.bench.rejudge.check`.
-    """
+    """``{"axes", "slos_ms", "cells": [[cell per column] per row]}``.
+    Raises SavedRunError or ValueError as :func:`rejudge.check`."""
     rejudge.check(entries, {**slos_ms, **{k: v[0] for k, v in axes.items()}})
     rows, columns = (axes[k] for k in AXES)
     cells = [[cell(entries, {**slos_ms, AXES[0]: r, AXES[1]: c}) for c in columns] for r in rows]
@@ -119,12 +95,10 @@ def slo_map(entries: list[dict], slos_ms: dict[str, float], axes: dict[str, list
 
 
 def describe(c: dict) -> str:
-    """A cell in a few words: "pd +16 % (CI +3.2..+29 %)", "colocated (60% vs 0% within)"
-    (the rival served none within), "tie: colocated", "colocated? (no difference shown)",
-    "overloaded: colocated", "none within"."""
+    """"pd +16 % (CI +3.2..+29 %)", "tie: colocated", "colocated? (no difference shown)", ..."""
     if c["verdict"] == "better":
         ci, share = c["relative_ci"], c["attainment"]
-        if ci is None:  # the rival served none within: no ratio
+        if ci is None:  # the rival served none within
             return f"{c['winner']} ({share[c['leader']]:.0%} vs {share[c['rival']]:.0%} within)"
         low = paired.percent(ci[0]).removesuffix(" %")
         return f"{c['winner']} {paired.percent(c['relative'])} (CI {low}..{paired.percent(ci[1])})"
@@ -138,7 +112,6 @@ def _ms(v: float) -> str:
 
 
 def markdown(m: dict) -> str:
-    """The map as a markdown table: a row per TTFT SLO, a column per gap SLO."""
     rows, columns = (m["axes"][k] for k in AXES)
     head = "| TTFT \\ longest gap | " + " | ".join(f"≤ {_ms(c)}" for c in columns) + " |"
     lines = [head, "|---" * (len(columns) + 1) + "|"]
@@ -148,8 +121,8 @@ def markdown(m: dict) -> str:
 
 
 def region(m: dict, slos_ms: dict[str, float]) -> str:
-    """Where the user's SLOs sit: the cell at them (or the nearest), then for each
-    deployment shown better somewhere else, the nearest cell where it is."""
+    """The cell at the user's SLOs (or nearest), then for each deployment shown better
+    elsewhere the nearest cell where it is."""
     rows, columns = (m["axes"][k] for k in AXES)
     i = min(range(len(rows)), key=lambda k: abs(rows[k] - slos_ms.get(AXES[0], rows[k])))
     j = min(range(len(columns)), key=lambda k: abs(columns[k] - slos_ms.get(AXES[1], columns[k])))
@@ -166,8 +139,6 @@ def region(m: dict, slos_ms: dict[str, float]) -> str:
 
 
 def plot(m: dict, path: str | Path) -> None:
-    """A heat map: a colour per winner, light where not shown better (tie, no difference,
-    overload), each cell annotated with :func:`describe`."""
     plt = extras.pyplot()
     names = sorted({c["winner"] for row in m["cells"] for c in row if c["winner"]})
     colours = plt.get_cmap("tab10")
@@ -179,8 +150,7 @@ def plot(m: dict, path: str | Path) -> None:
 
 
 def draw(axes: dict[str, list[float]], cells: list[list[tuple]], title: str, path: str | Path) -> None:
-    """A grid of TTFT (rows) and gap (columns) SLOs ``axes``, each cell filled with its
-    ``(colour, alpha, text)`` of ``cells`` (a row per TTFT SLO), saved to ``path``."""
+    """``cells``: ``(colour, alpha, text)``, a row per TTFT SLO."""
     plt = extras.pyplot()
     rows, columns = (axes[k] for k in AXES)
     fig, ax = plt.subplots(figsize=(2.2 * len(columns) + 1.5, 0.9 * len(rows) + 1.5))
@@ -202,10 +172,7 @@ def draw(axes: dict[str, list[float]], cells: list[list[tuple]], title: str, pat
 
 def for_outputs(entries: list[dict], slos_ms: dict[str, float], given: list | None,
                 out_dir: Path) -> tuple[dict, str, list[Path]]:
-    """The map of saved compare ``entries`` around ``slos_ms`` (the recommendation's), its
-    markdown section and the PNGs drawn (``out_dir/slo_map.png``; none, after one warning
-    line, without matplotlib): ``(map or {"error": why not}, section, pngs)``. Entries
-    without the per-request values the map judges give the error, not an exception."""
+    """(map or ``{"error": why}``, markdown section, PNGs drawn: none without matplotlib)."""
     title = "## Who wins at which SLOs\n\n"
     try:
         m = slo_map(entries, slos_ms, grid(slos_ms, given))

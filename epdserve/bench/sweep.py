@@ -1,17 +1,6 @@
-"""Goodput sweep: the highest request rate a server sustains within its SLOs.
-
-DistServe (Zhong et al., OSDI 2024, §2 and §5) defines a system's goodput as the highest
-request rate at which at least a target share (e.g. 90 %) of requests meet every SLO
-(TTFT, TPOT, ...), and finds it by searching over the rate. :func:`find_max_goodput_rate`
-does that search by bisection, given a ``measure(rate)`` callable that runs one benchmark
-at ``rate`` req/s and returns its result dict (:func:`epdserve.bench.run.bench` with SLOs
-set); the share meeting every SLO is the result's ``slo_attainment``
-(:func:`epdserve.bench.metrics.compute`).
-
-Bisection assumes attainment falls as the rate rises (a loaded server only gets slower);
-a noisy measurement can break that, which is why every measured point is returned, not
-just the answer.
-"""
+"""Goodput sweep: the highest request rate at which a target share of requests meets every SLO
+(DistServe, Zhong et al., OSDI 2024, §2 and §5), found by bisection on the rate. Bisection
+assumes attainment falls as the rate rises; noise can break that, so every point is returned."""
 
 from __future__ import annotations
 
@@ -25,11 +14,10 @@ from epdserve import extras
 
 
 class SweepError(ValueError):
-    """Bad sweep settings (rates, target, iterations); the message names the value."""
+    """Bad sweep settings; the message names the value."""
 
 
 def _point(rate: float, result: dict) -> dict:
-    """One bench result without its per-request arrays, plus ``rate``."""
     if "slo_attainment" not in result or result["slo_attainment"] is None:
         raise SweepError("measure(rate) must return a result computed with SLOs "
                          "(no 'slo_attainment' in it)")
@@ -41,26 +29,14 @@ def _point(rate: float, result: dict) -> dict:
 def find_max_goodput_rate(measure: Callable[[float], dict], target_share: float = 0.9,
                           lo: float = 0.5, hi: float = 8.0, iters: int = 5,
                           progress: bool = True) -> dict:
-    """Bisect on request rate (req/s) for the highest rate whose SLO attainment is at least
-    ``target_share``.
+    """``measure(rate)`` (req/s) returns a bench result with ``slo_attainment``; ``lo`` and
+    ``hi`` are measured, then ``iters`` midpoints: the answer is within (hi - lo) / 2**iters of
+    the crossing.
 
-    ``measure(rate)`` runs the workload at ``rate`` req/s and returns a bench result dict
-    holding ``slo_attainment`` (share of requests meeting every SLO, 0..1) and the usual
-    ``request_throughput`` / ``request_goodput`` (req/s). ``lo`` and ``hi`` are measured
-    first; then ``iters`` midpoints of the bracket [last passing rate, first failing rate].
-    So the answer is within (hi - lo) / 2**iters req/s of the true crossing, if
-    attainment falls monotonically with rate.
-
-    Returns ``{"max_rate": float | None, "target_share": ..., "bracket": [pass, fail],
-    "points": [...]}``: ``max_rate`` is the highest measured rate that met the target
-    (``hi`` when even ``hi`` meets it: the search range was too low; None when not even
-    ``lo`` does); ``points`` are all measured rates sorted by rate, each its result
-    without the per-request arrays, plus ``rate``.
-
-    Raises:
-        SweepError: 0 < lo < hi finite, 0 < target_share <= 1 and iters >= 0 are not met,
-            or a result has no ``slo_attainment``.
-    """
+    Returns ``{"max_rate", "target_share", "bracket": [pass, fail], "points"}``: ``max_rate``
+    is ``hi`` when even it passes (raise it), None when ``lo`` fails.
+    Raises SweepError: not 0 < lo < hi < inf, target not in (0, 1], iters < 0, or a result
+    without ``slo_attainment``."""
     if not (0 < lo < hi) or math.isinf(hi):
         raise SweepError(f"sweep rates {lo}:{hi}: need 0 < LO < HI, both finite (req/s)")
     if not (0 < target_share <= 1):
@@ -97,10 +73,8 @@ def find_max_goodput_rate(measure: Callable[[float], dict], target_share: float 
 
 
 def plot(sweep: dict, path: str | Path) -> Path | None:
-    """Draw request throughput and goodput (req/s, left axis) and SLO attainment (right
-    axis, with the target as a dashed line) against the offered rate; write a PNG to
-    ``path`` and return it (None, after one warning line, without matplotlib). ``sweep`` is
-    a :func:`find_max_goodput_rate` result."""
+    """Throughput and goodput (req/s) and attainment against the offered rate; the PNG's path,
+    None (after one warning line) without matplotlib."""
     try:
         plt = extras.pyplot()
     except extras.MissingExtra as exc:

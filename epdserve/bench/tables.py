@@ -1,6 +1,5 @@
-"""Tables of strings as aligned plain text (the terminal) and as GitHub markdown
-(compare.md; padded to line up as text too where a table is also printed). Every report of
-``epdserve.bench`` draws its tables here, so they look alike."""
+"""Tables of strings as aligned plain text and as GitHub markdown, so every bench report's
+tables look alike."""
 
 from __future__ import annotations
 
@@ -14,18 +13,14 @@ def _justify(row: list[str], widths: list[int], left: int) -> list[str]:
 
 
 def text(header: list[str], rows: list[list[str]], left: int = 1) -> str:
-    """``header`` and ``rows`` (lists of cells, all as long as ``header``) as plain text:
-    columns two spaces apart, the first ``left`` left-aligned, the others right-aligned,
-    a rule of dashes under the header."""
+    """Columns two spaces apart, the first ``left`` left-aligned, a dashed rule under the header."""
     widths = _widths(header, rows)
     lines = ["  ".join(_justify(r, widths, left)).rstrip() for r in [header, *rows]]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
 def markdown(header: list[str], rows: list[list[str]], left: int = 1, pad: bool = False) -> str:
-    """The same table in GitHub markdown: the first ``left`` columns left-aligned, the
-    others right-aligned (``---:``); with ``pad``, cells padded so that the source lines up
-    too (for a table also printed to a terminal)."""
+    """``pad``: cells padded so the source lines up too (for a table also printed)."""
     widths = _widths(header, rows) if pad else [0] * len(header)
     line = lambda r: "| " + " | ".join(_justify(r, widths, left)) + " |"  # noqa: E731
     rule = "|" + "|".join("-" * max(w + 2, 3) if i < left else "-" * max(w + 1, 3) + ":"

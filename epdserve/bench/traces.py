@@ -1,14 +1,5 @@
-"""Request traces: the :class:`Request` record, saving and loading traces as JSON lines
-(one request per line, so that a run can be replayed exactly) and their summary
-(:func:`describe`).
-
-A trace is a list of :class:`Request` — send time after the start of the run
-(``offset_s``, seconds), prompt text, ``max_tokens``, ``kind`` ("chat" or "long"), the
-prompt length in tokens it was built to have (``prompt_tokens``, counted on the text
-content alone with the model's tokenizer; the server adds its chat-template tokens on
-top), and the images it carries (``images``: size and picture seed, for EPD workloads;
-the client draws the pixels, :mod:`epdserve.bench.images`).
-"""
+"""Request traces: the :class:`Request` record and traces saved and loaded as JSON lines, one
+request a line, so a run can be replayed exactly."""
 
 from __future__ import annotations
 
@@ -26,16 +17,9 @@ class TraceError(ValueError):
 
 @dataclass(frozen=True)
 class Request:
-    """One request of a trace.
-
-    ``offset_s``: send time in seconds after the start of the run; ``prompt``: the user
-    message text; ``max_tokens``: tokens to generate; ``kind``: "chat" or "long";
-    ``prompt_tokens``: token count of ``prompt`` aimed for (text only, no template);
-    ``images``: one ``{"width": W, "height": H, "seed": S}`` per image sent with the
-    prompt (pixels; S >= 0 picks the picture, :func:`epdserve.bench.images.image_bytes`:
-    equal seed and size give equal bytes, so a repeated seed is a repeated image), empty
-    for text-only requests.
-    """
+    """``offset_s``: send time, s after the run's start; ``prompt_tokens``: the text's own count
+    (the server adds its chat template); ``images``: ``{"width", "height", "seed"}`` each (pixels;
+    equal seed and size give equal bytes), empty for text."""
 
     offset_s: float
     prompt: str
@@ -46,7 +30,6 @@ class Request:
 
 
 def save_trace(requests: list[Request], path: str | Path) -> None:
-    """Write ``requests`` to ``path`` as JSON lines (one request object per line)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
@@ -55,11 +38,7 @@ def save_trace(requests: list[Request], path: str | Path) -> None:
 
 
 def load_trace(path: str | Path) -> list[Request]:
-    """Read a JSON-lines trace written by :func:`save_trace` (blank lines skipped).
-
-    Raises:
-        TraceError: missing file, or a line that is not a valid request (names file:line).
-    """
+    """Raises TraceError for a missing file or a bad line (naming file:line)."""
     path = Path(path)
     try:
         lines = path.read_text().splitlines()
@@ -76,9 +55,8 @@ def load_trace(path: str | Path) -> list[Request]:
 
 
 def _parse_request(line: str, where: str, images_before: int = 0) -> Request:
-    """One trace line. An image without a ``seed`` (a trace written before seeds
-    existed) gets its number in the trace, ``images_before`` + its position, as
-    :func:`epdserve.bench.datasets.with_images` numbers images without repeats."""
+    """An image without ``seed`` (an older trace) gets its number in the trace, as
+    :func:`epdserve.bench.datasets.with_images` numbers them."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -122,9 +100,7 @@ def _is_image(x) -> bool:
 
 
 def describe(requests: list[Request]) -> dict:
-    """Summary of a trace: counts, token totals and ranges per kind, arrival window (s),
-    and, when any request carries an image, the number of images and of distinct ones
-    (size and seed)."""
+    """Counts, token totals and ranges per kind, arrival window (s), and image counts."""
     out: dict = {"num_requests": len(requests),
                  "duration_of_arrivals_s": round(max(r.offset_s for r in requests), 3)}
     num_images = sum(len(r.images) for r in requests)

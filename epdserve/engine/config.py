@@ -1,8 +1,5 @@
-"""The engine's settings, declared once: each field of :class:`EngineConfig` that is also a
-flag of ``epdserve worker`` (and so of ``serve``, which passes it to its workers) carries its
-help and argparse type in its metadata (:func:`epdserve.argtypes.setting`); the flags are
-derived from the fields (:func:`epdserve.argtypes.flags_of`, ``serving/flags.py``), the
-config from the parsed flags (:func:`epdserve.argtypes.config_from`)."""
+"""The engine's settings: each :class:`EngineConfig` field that is a worker flag carries its help and
+argparse type (:func:`epdserve.argtypes.setting`); flags and config derive from the fields."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ from epdserve.model.linear import WEIGHT_FORMATS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICE_METAVAR = "cpu|cuda|cuda:N"
-# The argparse type of every device flag (the worker's --device, serve's --prefill-device ...):
-# its error (not a device, no CUDA in this torch or on this host, no such GPU) names the value.
+# The type of every device flag; its error names the value.
 device_type = from_check(parse_device)
 
 
@@ -30,10 +26,8 @@ def default_dtype(device: str) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings (the flags' help says what each does). ``num_kv_blocks`` fixes the
-    block count instead of ``kv_cache_memory_mb`` (as vLLM's ``num_gpu_blocks_override``; no
-    flag). ``dtype``: None is :func:`default_dtype`; ``auto`` is resolved by the worker, which
-    knows the model file, before the engine sees it."""
+    """``num_kv_blocks`` overrides ``kv_cache_memory_mb`` (vLLM's ``num_gpu_blocks_override``; no flag).
+    ``dtype`` None: :func:`default_dtype`; ``auto`` is resolved by the worker."""
 
     kv_cache_memory_mb: int = field(default=1024, metadata=setting("KV cache budget per worker (MiB)",
                                                                    type=int_at_least(1)))

@@ -1,18 +1,6 @@
-"""The engine loop of one worker: requests in, one scheduled forward pass per step, tokens out.
-
-The engine knows no worker roles; each request says what it needs (the serving layer's
-roles are built from these, see docs/architecture.md):
-
-* by default it is prefilled and decoded here;
-* ``hold_kv``: it stops after the first token and its prompt's KV blocks stay held for
-  the caller (the output's ``kv_block_ids``) until :meth:`LLMEngine.release_kv`; with a
-  ``layer_sink`` the prefill step also hands each layer's K/V to it as soon as it is
-  computed (a layer-pipelined export);
-* with a ``kv`` source (:class:`~epdserve.engine.kv_source.KVSource`) and its first token,
-  the prompt's KV is imported instead of computed, and it generates the rest.
-
-The engine is synchronous and single-threaded; the worker process around it does the I/O.
-"""
+"""The engine loop of one worker: requests in, one forward pass per step, tokens out. A request may
+``hold_kv`` (its prompt's blocks held until :meth:`LLMEngine.release_kv`, each layer's K/V handed to a
+``layer_sink`` as computed) or bring a ``kv`` source and first token. Synchronous, single-threaded."""
 
 from __future__ import annotations
 
@@ -43,21 +31,10 @@ from epdserve.trace import StageTimings
 log = logging.getLogger(__name__)
 
 class LLMEngine:
-    """A paged-KV engine over one :class:`~epdserve.model.llama.LlamaModel`.
-
-    ``tp``: this engine is rank 0 of a tensor-parallel group (``model/tensor_parallel.py``'s
-    :class:`RankDriver`): it loads rank 0's shard, sizes the KV pool by that shard's KV
-    bytes (every rank gets the same block count) and calls the model ``tp.drive`` returns,
-    which runs every forward pass on all the ranks; decode steps run eagerly (no CUDA graphs).
-    ``kv_parts`` holds every rank's cache where this process can address them (imports and
-    exports move every KV head; ``kv_cache`` is rank 0's part).
-
-    Raises (constructor): ``ValueError`` for an unknown dtype, a weight format or KV cache
-    dtype the model cannot hold, a device that is not one or is not here (``parse_device``),
-    a budget too small for one block, or a ``kv_allocator`` whose tensor does not fit the
-    cache (or with ``tp``, any); ``ModelLoadError`` for a model that cannot be loaded; with
-    ``tp``, whatever ``tp.drive`` raises (another rank failed to start).
-    """
+    """A paged-KV engine over one :class:`~epdserve.model.llama.LlamaModel`. ``tp``: rank 0 of a
+    tensor-parallel group (same block count on every rank, eager decode; ``kv_parts``: every rank's cache
+    where addressable). Raises ValueError (bad dtype, weight format, KV dtype, device, budget or
+    ``kv_allocator``), ModelLoadError, and with ``tp`` whatever ``tp.drive`` raises."""
 
     def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), kv_allocator=None,
                  tp: RankDriver | None = None):
@@ -82,32 +59,27 @@ class LLMEngine:
             raise ValueError("a tensor-parallel engine's KV cache is its ranks' (tp.drive), not a kv_allocator's")
         else:
             self.model, parts = tp.drive(self.model, num_blocks, config.block_size, self.kv_dtype)
-        self.kv_cache = parts[0]  # what this process's forward pass reads and writes
-        # Every rank's part, for imports and exports (None where the other ranks' caches are not addressable here).
+        self.kv_cache = parts[0]
         self.kv_parts = KVParts(parts) if len(parts) == len(self.model.kv_head_split) else None
         self.graphs = None  # captured before any request holds a block: the capture's warm-up writes slot 0
         if not config.enforce_eager and self.device.type == "cuda" and tp is None:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
                                        -(-self.max_model_len // config.block_size))
             self.graphs.capture()
-        self.tuned = dict(self.model.tuned)  # the choices measured on this machine (model/tuning.py), by name
+        self.tuned = dict(self.model.tuned)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=self._step_budget(config, tp is not None),
             enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching), self.pool)
         self.seqs: dict[str, Sequence] = {}
-        # The prompt blocks of requests that asked to hold their KV, until release_kv.
         self.held: dict[str, list[int]] = {}
-        # Structured output (engine/guided.py), made at the first guided request.
         self.guided = None
         self.prompt_logprobs = PromptLogprobsCollector(self.model.logits)
         # Forward passes run, and the tokens the last one computed (vLLM's iteration_tokens_total).
         self.num_steps = self.last_step_tokens = 0
 
     def _step_budget(self, config: EngineConfig, ranks: bool) -> int:
-        """``config.max_num_batched_tokens``; unset, the context window without chunked prefill,
-        else what this machine prefills in half a second (``model/step_budget.py``, in
-        ``tuned``) on the CPU, vLLM's 2,048 on a GPU or with tensor-parallel ranks."""
+        """Unset: the context window unchunked, else what the CPU prefills in 0.5 s, or vLLM's 2,048 (GPU, ranks)."""
         if config.max_num_batched_tokens or not config.enable_chunked_prefill:
             return config.max_num_batched_tokens or self.max_model_len
         if self.device.type != "cpu" or ranks:
@@ -116,8 +88,7 @@ class LLMEngine:
         return self.tuned["max_num_batched_tokens"].value
 
     def kv_layout(self) -> dict:
-        """What a peer must match to exchange KV blocks with this engine (every KV head of
-        the model, whatever the ranks it is split over)."""
+        """What a peer must match to exchange KV blocks (every KV head, whatever the ranks)."""
         mc = self.model.config
         return {"num_layers": mc.num_hidden_layers, "num_kv_heads": sum(self.model.kv_head_split),
                 "head_dim": mc.head_dim, "block_size": self.config.block_size,
@@ -128,27 +99,13 @@ class LLMEngine:
                     timings: StageTimings | None = None, arrival: float | None = None,
                     images: list[tuple[str, int]] = (), image_embeddings: torch.Tensor | None = None,
                     hold_kv: bool = False, layer_sink: LayerSink | None = None) -> None:
-        """Queue a request. It may bring ``kv`` (the prompt's KV blocks ``[layers, 2,
-        n_blocks, block_size, kv_heads, head_dim]``, from any :class:`KVSource`) and
-        ``first_token``, or neither, and then prefills the prompt itself. ``hold_kv``: stop
-        after the first token and hold the prompt's blocks (see :class:`StepOutput`'s
-        ``kv_block_ids``); ``layer_sink``: gets each layer of the prompt's K/V during the
-        step that completes the prompt (see :class:`~epdserve.engine.kv_source.LayerSink`).
-        ``timings`` (e.g. the KV fetch's) are reported with the request's own;
-        ``arrival`` is the ``time.perf_counter()`` at which the request reached the worker
-        (default: now), the start of its ``queue_ms``. ``images``: ``(content hash,
-        <image> tokens)`` of each image of the prompt, in order, with
-        ``image_embeddings [sum of tokens, hidden]`` (needed unless ``kv`` comes too).
+        """``kv``: the prompt's KV ``[layers, 2, n_blocks, block_size, kv_heads, head_dim]``, with ``first_token``.
+        ``arrival``: ``time.perf_counter()`` at the worker (default now). ``images``: ``(content hash, <image>
+        tokens)`` each, with ``image_embeddings [sum of tokens, hidden]`` unless ``kv`` comes too.
 
-        Raises:
-            ValueError: duplicate id, empty or out-of-vocabulary prompt, a stop token id or
-                ``logit_bias`` token outside the vocabulary, prompt plus ``max_tokens`` over the
-                context window, the KV pool or (unchunked) a step's budget, KV of the wrong shape
-                or dtype, images for a text model, images whose tokens or embeddings do not match
-                the prompt, images without embeddings to prefill, prompt logprobs over
-                ``MAX_PROMPT_LOGPROB_ENTRIES``, or a ``guided`` grammar that does not compile or
-                that ``first_token`` breaks (``GuidedError``).
-        """
+        Raises ValueError for a request that cannot run here (duplicate id, tokens outside the vocabulary, too
+        long for the window, the pool or an unchunked step, mismatched KV or images, too many prompt logprobs)
+        and GuidedError (a ValueError) for a grammar that fails to compile or that ``first_token`` breaks."""
         if request_id in self.seqs or request_id in self.held:
             raise ValueError(f"duplicate request id {request_id!r}")
         n = len(prompt_token_ids)
@@ -170,12 +127,11 @@ class LLMEngine:
             seq.arrival = arrival
         if kv is not None:
             kv.validate(self.kv_block_shape(self.pool.blocks_for(n)), self.kv_cache.dtype)
-            seq.num_computed_tokens = seq.max_computed_tokens = n  # the prompt's K/V arrives with the request
+            seq.num_computed_tokens = seq.max_computed_tokens = n
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
     def _check_length(self, n: int, max_tokens: int) -> None:
-        """Raises ValueError for a request too long to run (see :meth:`add_request`)."""
         total = n + max_tokens
         what = f"prompt ({n} tokens) plus max_tokens ({max_tokens}) is {total} tokens"
         if total > self.max_model_len:
@@ -190,7 +146,6 @@ class LLMEngine:
                              f"{self.pool.num_blocks}")
 
     def _check_vocabulary(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Raises ValueError for a prompt, stop or ``logit_bias`` token outside the vocabulary."""
         vocab = self.model.config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
@@ -202,13 +157,9 @@ class LLMEngine:
             raise ValueError(f"logit_bias has token {bad_bias}, outside the vocabulary [0, {vocab})")
 
     def guided_decoder(self):
-        """This engine's :class:`~epdserve.engine.guided.GuidedDecoder` (grammar compiler
-        and cache), made at first use. Not thread-safe against itself: a worker calls it
-        from one thread, where it compiles requests' grammars off its loop before queueing
-        them here (``add_request`` then finds them compiled)."""
+        """Made at first use. Not thread-safe: a worker calls it from one thread only."""
         if self.guided is None:
-            # Imported at the first guided request: xgrammar brings transformers (~2 s of
-            # start-up, ~100 MB) that a worker serving none does not need.
+            # Lazy: xgrammar brings transformers (~2 s of start-up, ~100 MB).
             from epdserve.engine import guided
 
             mc = self.model.config
@@ -216,13 +167,7 @@ class LLMEngine:
         return self.guided
 
     def _guided_matcher(self, sampling: SamplingParams, first_token: int | None):
-        """A guided request's grammar matcher (None for another), advanced over
-        ``first_token`` when the request comes with it (the prefill worker sampled it under
-        the same grammar).
-
-        Raises:
-            GuidedError: (a ValueError) the grammar does not compile, or ``first_token`` breaks it.
-        """
+        """None unless guided; advanced over ``first_token``. Raises GuidedError (a ValueError)."""
         if sampling.guided is None:
             return None
         return self.guided_decoder().matcher(sampling.guided, [] if first_token is None else [first_token])
@@ -239,7 +184,7 @@ class LLMEngine:
                             self.model.config.hidden_size)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks (and any held ones). True if it existed."""
+        """Frees its blocks, held ones too. True if it existed."""
         found = self.release_kv(request_id)
         self.prompt_logprobs.take(request_id)
         seq = self.seqs.pop(request_id, None)
@@ -248,8 +193,7 @@ class LLMEngine:
         return found or seq is not None
 
     def release_kv(self, request_id: str) -> bool:
-        """End the hold of a ``hold_kv`` request: free its prompt's blocks (once they have
-        been copied out, or will not be). True if it held any."""
+        """Free a ``hold_kv`` request's prompt blocks. True if it held any."""
         blocks = self.held.pop(request_id, None)
         if blocks is not None:
             self.pool.free(blocks)
@@ -257,17 +201,12 @@ class LLMEngine:
 
     def read_kv(self, block_ids: list[int], out: torch.Tensor | None = None,
                 layer: int | None = None) -> torch.Tensor:
-        """Copy blocks out of the cache into ``out [layers, 2, len(block_ids), block_size,
-        kv_heads, head_dim]`` (any float dtype, any device: a frame in host memory; allocated
-        on the host in the cache's dtype when None) and return it; with ``layer``, only that
-        layer's: ``out [2, len(block_ids), ...]``. From a CUDA cache into host memory this
-        is the device-to-host staging of a hand-off; the copies are synchronous, so ``out``
-        holds the blocks when it returns."""
+        """Copy blocks into ``out [layers, 2, len(block_ids), block_size, kv_heads, head_dim]`` (any float dtype
+        and device; None: host, the cache's dtype), or with ``layer`` ``out [2, len(block_ids), ...]``. Synchronous."""
         cache = self._parts() if layer is None else self._parts().layer(layer)
         if out is None:
             out = torch.empty(self.kv_block_shape(len(block_ids))[layer is not None:], dtype=self.kv_cache.dtype)
-        # One strided copy per run of consecutive blocks and part: faster than index_select,
-        # whose threaded path stalls for seconds on a busy machine.
+        # Strided copies per run of blocks: index_select's threaded path stalls for seconds when busy.
         copy_blocks(cache, block_ids, KVParts([out if layer is None else out[None]]), list(range(len(block_ids))))
         return out
 
@@ -275,10 +214,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> dict:
-        """Block and queue counts (what a worker reports to the router). ``blocks_in_use``
-        counts referenced blocks (cached-but-free ones are not in use); the prefix-cache counters
-        are cumulative tokens (:class:`~epdserve.engine.prefix_cache.PrefixCache`); ``num_steps``
-        counts forward passes, ``last_step_tokens`` the tokens the last one computed."""
+        """Counts reported to the router; the prefix-cache counters are cumulative tokens."""
         return {"blocks_total": self.pool.num_blocks, "blocks_in_use": self.pool.num_in_use,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions,
@@ -287,11 +223,7 @@ class LLMEngine:
                 "num_steps": self.num_steps, "last_step_tokens": self.last_step_tokens}
 
     def step(self) -> list[StepOutput]:
-        """Schedule, run one forward pass, sample, and return the new tokens.
-
-        A request whose KV import or sampling fails ends with an "error" output and
-        leaves the engine; the others go on. Raises whatever the forward pass raises
-        (a failure there cannot be put down to one request)."""
+        """A request whose KV import or sampling fails gets an "error" output and leaves; the others go on."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -303,7 +235,7 @@ class LLMEngine:
             if seq.pending_kv is not None:
                 try:
                     self._import_kv(seq)
-                except Exception as exc:  # this request's KV is void (e.g. its hand-off expired)
+                except Exception as exc:
                     failed.append(self._fail(seq, str(exc), batch))
         if not batch:
             return failed
@@ -322,16 +254,13 @@ class LLMEngine:
         try:
             tokens, logprobs = sample(logits, seqs, eos)
         except Exception:
-            # One request's row broke the batch's sampling (sample() leaves ``logits``
-            # as it was): sample each row alone, and fail only the rows that still fail.
+            # sample() leaves ``logits`` intact: sample each row alone, failing only those that still fail.
             log.exception("sampling a batch of %d failed; sampling its rows one by one", len(seqs))
             return failed + [self._sample_alone(logits[i:i + 1], seq, eos) for i, seq in enumerate(seqs)]
         return failed + [self._append(seq, token, lp) for seq, token, lp in zip(seqs, tokens, logprobs)]
 
     def _layer_writer(self, batch) -> Callable[[int], None] | None:
-        """What the forward pass calls once each layer's K/V is written: every layer sink of
-        a request whose prompt this step completes gets that layer of the prompt's blocks
-        (one call per sink and layer, with all of its prompts). None: no such request."""
+        """Called per layer once its K/V is written: feeds the layer sinks of prompts this step completes."""
         sinks: dict[int, tuple[LayerSink, list[tuple[str, list[int]]]]] = {}
         for seq, n in zip(batch.seqs, batch.num_tokens):
             completes = seq.is_prefilling and seq.num_computed_tokens + n == seq.num_prompt_tokens
@@ -348,8 +277,6 @@ class LLMEngine:
         return kv_written
 
     def _sample_alone(self, logits: torch.Tensor, seq: Sequence, eos: tuple[int, ...]) -> StepOutput:
-        """``seq``'s output of this step from its ``logits [1, vocab]``, or an error output
-        (and ``seq`` leaves the engine, its blocks freed) if its sampling fails."""
         try:
             (token,), (lp,) = sample(logits, [seq], eos)
         except Exception:
@@ -358,8 +285,6 @@ class LLMEngine:
         return self._append(seq, token, lp)
 
     def _fail(self, seq: Sequence, message: str, batch=None) -> StepOutput:
-        """Take ``seq`` out of the engine, its blocks freed (and out of this step's
-        ``batch`` if given); its output carries ``message``."""
         if batch is not None:
             i = batch.seqs.index(seq)
             del batch.seqs[i], batch.num_tokens[i]
@@ -384,14 +309,11 @@ class LLMEngine:
         kv.copy_into(self._parts(), seq.block_table, seq.num_cached_blocks)
         synchronize(*{p.device for p in self.kv_parts.parts})  # the copy's time; TP ranks' GPU parts done
         seq.timings.kv_import_ms = (time.perf_counter() - start) * 1e3
-        # kv_import_ms is the copy alone: the source (and a /dev/shm mapping or TCP buffer
-        # it holds) is freed on return, which takes 3-17 ms for a 24-94 MB frame on this
-        # machine (benchmarks/kv_handoff.py sizes) and shows in a trace in first_decode_ms.
+        # kv_import_ms excludes freeing the source (3-17 ms for 24-94 MB frames): that shows in first_decode_ms.
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> StepOutput:
         if seq.guided is not None and not seq.guided.accept_token(token):
-            # Only when the masks left no token (e.g. the grammar allows only EOS and
-            # min_tokens masks it): the argmax then picks a refused one.
+            # Only when the masks left no token (e.g. the grammar allows only EOS and min_tokens masks it).
             return self._fail(seq, "no token satisfies both the request's grammar and its other settings")
         seq.token_ids.append(token)
         seq.num_output_tokens += 1
@@ -412,8 +334,7 @@ class LLMEngine:
                          prompt_logprobs=self.prompt_logprobs.take(seq.request_id))
         out.num_cached_tokens = seq.num_cached_tokens or 0
         if reason is None and seq.hold_kv:
-            # Keep the prompt's blocks (not the first token's, which has no K/V yet) until
-            # the caller releases them.
+            # Hold the prompt's blocks, not the first token's (no K/V yet).
             keep = self.pool.blocks_for(seq.num_prompt_tokens)
             out.kv_block_ids = seq.block_table[:keep]
             self.held[seq.request_id] = out.kv_block_ids
@@ -426,14 +347,9 @@ class LLMEngine:
         return out
 
     def _timings(self, seq: Sequence, now: float) -> StageTimings:
-        """``queue_ms`` (arrival at the worker to first scheduled, less a KV fetch made in
-        between), ``prefill_ms`` (first scheduled to first token; not for a request that
-        imported its KV) and ``decode_ms`` (to the last token, not for one that holds its
-        KV; for an import from first scheduled, so it includes ``kv_import_ms`` and
-        ``first_decode_ms``: its first step here, to the first token sampled, less the
-        import), and
-        ``recomputed_tokens`` (tokens computed again after a preemption; 0 if none), plus
-        ``seq.timings``; times in ms."""
+        """Times in ms. ``queue_ms``: arrival to first scheduled, less a KV fetch; ``prefill_ms``: to the first
+        token (not for a KV import); ``decode_ms``: to the last token (not for held KV; for an import, from first
+        scheduled, so including ``kv_import_ms``)."""
         t = seq.timings.model_copy()
         t.recomputed_tokens = seq.num_recomputed_tokens
         t.queue_ms = (seq.first_scheduled - seq.arrival) * 1e3 - (t.kv_fetch_ms or 0.0)

@@ -1,16 +1,5 @@
-"""What the engine needs of KV from elsewhere, and of a reader of its own KV as a prefill
-step writes it.
-
-* :class:`KVSource`: a prompt's KV blocks that arrive with a request (decode side),
-  whatever carried them: an in-memory tensor (:class:`TensorKV`: a frame mapped from
-  /dev/shm or fetched over TCP, converted), or blocks copied straight out of a peer's
-  shared pool (:class:`epdserve.transfer.handoff.PooledKV`). The engine checks it once at
-  :meth:`~epdserve.engine.engine.LLMEngine.add_request` (``validate``) and copies it into
-  its cache when the request is first scheduled (``copy_into``).
-* :class:`LayerSink`: a reader that copies each layer's K/V of the prompts a prefill step
-  completes out of the cache as soon as the forward pass has written that layer
-  (a layer-pipelined export, e.g. :class:`epdserve.transfer.pipeline.LayerPipeline`).
-"""
+"""The engine's interfaces to KV from elsewhere (:class:`KVSource`, decode side) and to a reader of
+its KV as a prefill step writes it (:class:`LayerSink`, a layer-pipelined export)."""
 
 from __future__ import annotations
 
@@ -25,22 +14,17 @@ class KVSource(Protocol):
     """A prompt's KV blocks ``[layers, 2, n_blocks, block_size, kv_heads, head_dim]``."""
 
     def validate(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Raises ``ValueError`` unless these are KV blocks of ``shape`` and ``dtype`` (the
-        prompt's blocks of the receiving cache)."""
+        """Raises ValueError unless blocks of ``shape`` and ``dtype``."""
 
     def copy_into(self, kv_cache: KVParts, block_table: list[int], first_block: int) -> None:
-        """Copy the blocks into ``kv_cache`` (every KV head, in however many parts the
-        receiving ranks hold them) at ``block_table`` (its leading entries), all but the
-        first ``first_block`` (the receiver's prefix cache holds them already). Raises
-        (e.g. ``WireError``) when the KV turns out void (its sender released it)."""
+        """Into ``block_table`` past its ``first_block`` prefix-cached entries. Raises (e.g. WireError) if released."""
 
 
 class LayerSink(Protocol):
     """Reads the KV of prompts a prefill step completes, layer by layer."""
 
     def write_layer(self, layer: int, prompts: list[tuple[str, list[int]]]) -> None:
-        """Layer ``layer`` of each ``(request id, prompt block ids)`` is now in the cache
-        (called for every layer, in order, during the step's forward pass)."""
+        """Layer ``layer`` of each ``(request id, prompt block ids)`` is written; called per layer, in order."""
 
 
 class TensorKV:
@@ -67,7 +51,6 @@ class TensorKV:
 
 def check_kv(shape: tuple[int, ...], dtype: torch.dtype,
              expected: tuple[int, ...], expected_dtype: torch.dtype) -> None:
-    """Raises ``ValueError`` unless ``shape`` and ``dtype`` are the expected ones."""
     if tuple(shape) != tuple(expected) or dtype != expected_dtype:
         raise ValueError(f"KV of shape {tuple(shape)} {dtype}, expected {tuple(expected)} {expected_dtype}")
 

@@ -11,24 +11,10 @@ from epdserve.trace import StageTimings
 
 @dataclass
 class StepOutput:
-    """One request's result of a step.
-
-    ``token_ids``: tokens generated this step (one, or none for an abort).
-    ``finished``/``finish_reason``: "stop" (EOS, a stop token, or the end of a guided
-    request's grammar), "length" (max_tokens or the context window), "abort", "error"
-    (then ``error`` says why: the request's imported KV was void, or its next token could
-    not be sampled; other requests go on).
-    ``kv_block_ids``: for a request that asked to ``hold_kv`` (finished False), the handle of
-    the hold: the blocks holding the prompt's KV; they stay allocated until
-    :meth:`LLMEngine.release_kv`. ``timings``: ms, on the request's last output.
-    ``num_cached_tokens``: prompt tokens found in the prefix cache when the request was
-    first admitted (OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
-    ``logprobs``: one :data:`~epdserve.engine.sampler.TokenLogprobs` per token of
-    ``token_ids`` if the request asked for logprobs, else None.
-    ``prompt_logprobs``: on the first token's output of a request that asked for them
-    (``SamplingParams.prompt_logprobs``) and prefilled its prompt here, one
-    :data:`~epdserve.engine.prompt_logprobs.PromptLogprob` per prompt token but the first.
-    """
+    """``finish_reason``: "stop" (EOS, stop token, grammar end), "length", "abort" or "error" (``error`` says
+    why). ``kv_block_ids``: with ``hold_kv``, the prompt's blocks, held until :meth:`LLMEngine.release_kv`.
+    ``timings``: ms, on the last output. ``num_cached_tokens``: prefix-cache hits at first admission (OpenAI's
+    ``cached_tokens``). ``prompt_logprobs``: on the first token's output, one per prompt token but the first."""
 
     request_id: str
     token_ids: list[int]

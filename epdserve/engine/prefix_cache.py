@@ -1,13 +1,5 @@
-"""Automatic prefix caching: full KV blocks found again by a hash of everything before them.
-
-As vLLM v1 (``vllm/v1/core/kv_cache_utils.py: hash_block_tokens``, ``KVCacheManager``):
-block ``i`` of a sequence is keyed by a hash chained over (hash of block ``i - 1``, the
-block's token ids, extra keys such as image hashes), so equal keys mean equal prefixes. A
-new sequence reuses the cached blocks of its longest cached run of leading full blocks and
-computes only the rest; a block is registered once all its tokens have K/V. The hash is
-SHA-256 over a msgpack encoding, the same in every process (Python's ``hash`` is salted per
-process), so routers and peers can compare keys.
-"""
+"""Automatic prefix caching as vLLM v1 (``hash_block_tokens``): block ``i``'s key chains block ``i - 1``'s,
+its token ids and image hashes; SHA-256, so keys match across processes (Python's ``hash`` is salted)."""
 
 from __future__ import annotations
 
@@ -20,16 +12,13 @@ from epdserve.engine.request import Sequence
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
-    """32-byte key of one full block: SHA-256 of msgpack ``[parent, token_ids, extra_keys]``;
-    ``parent`` is the previous block's key, None for a sequence's first block."""
+    """32 bytes: SHA-256 of msgpack ``[parent, token_ids, extra_keys]``; ``parent`` None for block 0."""
     return hashlib.sha256(msgpack.packb([parent, token_ids, list(extra_keys)], use_bin_type=True)).digest()
 
 
 class PrefixCache:
-    """Looks up and registers a sequence's full blocks in ``pool``; a no-op when not
-    ``enabled``. ``queries`` and ``hits`` count tokens, cumulatively (vLLM's
-    ``prefix_cache_queries``/``prefix_cache_hits``): the tokens each sequence asked for at
-    its first admission, and how many of them were found cached."""
+    """A no-op unless ``enabled``. ``queries``/``hits``: cumulative tokens (vLLM's ``prefix_cache_queries``
+    and ``_hits``) asked for and found at each sequence's first admission."""
 
     def __init__(self, pool: BlockPool, enabled: bool = True):
         self.pool = pool
@@ -38,7 +27,6 @@ class PrefixCache:
         self.hits = 0
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The keys of ``seq``'s first ``num_blocks`` blocks (all full), computed once each."""
         hashes, size = seq.block_hashes, self.pool.block_size
         for i in range(len(hashes), num_blocks):
             extra = seq.images.block_keys(i, size) if seq.images is not None else ()
@@ -46,12 +34,8 @@ class PrefixCache:
         return hashes[:num_blocks]
 
     def match(self, seq: Sequence) -> list[int]:
-        """The cached blocks holding ``seq``'s leading full blocks, not yet referenced. At
-        least the last token stays uncached so that its logits get computed (vLLM's rule);
-        a sequence whose prompt KV comes with it (decode role) may match all its prompt's
-        full blocks, as those need no computing, only a copy. A sequence that wants prompt
-        logprobs and has not had them (no token yet) matches nothing: every prompt position's
-        logits must be computed (vLLM recomputes them too)."""
+        """Unreferenced cached blocks of ``seq``'s leading full blocks. The last token stays uncached for its
+        logits (vLLM's rule) unless the prompt KV is imported; a request wanting prompt logprobs matches none."""
         if not self.enabled or (seq.sampling.prompt_logprobs is not None and seq.num_output_tokens == 0):
             return []
         imported = seq.pending_kv is not None
@@ -59,8 +43,6 @@ class PrefixCache:
         return self.pool.lookup(self._hashes(seq, limit // self.pool.block_size))
 
     def admitted(self, seq: Sequence, num_hit_blocks: int) -> None:
-        """Count ``seq``'s first admission, with ``num_hit_blocks`` leading blocks found, in
-        ``queries``/``hits`` and ``seq.num_cached_tokens``."""
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_hit_blocks * self.pool.block_size
             if self.enabled:
@@ -68,7 +50,6 @@ class PrefixCache:
                 self.hits += seq.num_cached_tokens
 
     def register(self, seq: Sequence) -> None:
-        """Cache ``seq``'s blocks that have become full of computed K/V since the last call."""
         num_full = seq.num_computed_tokens // self.pool.block_size
         if not self.enabled or num_full <= seq.num_cached_blocks:
             return

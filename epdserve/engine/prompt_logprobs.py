@@ -1,17 +1,5 @@
-"""Prompt log-probabilities: what vLLM's ``prompt_logprobs`` (and OpenAI's completions
-``echo`` with ``logprobs``, which lm-evaluation-harness scores log-likelihood tasks with)
-return for every prompt token but the first: its logprob given the tokens before it, its
-rank, and the top-k alternatives.
-
-They are the raw log-softmax of the model's logits (vLLM's default ``logprobs_mode``
-"raw_logprobs": no penalty, temperature or mask), computed only for the requests that ask,
-from the hidden states of the prefill step(s) that compute their prompt: the normal step
-keeps computing the logits of the sampled rows alone. A prompt of P tokens gives P - 1
-entries (the logits at position p score token p + 1; those at the last position score the
-first generated token, which is the sampled row's business). Chunked prefills add each
-chunk's entries; a request asking for them must compute every prompt position, so the
-prefix cache does not serve it (``PrefixCache.match``), as vLLM recomputes them too.
-"""
+"""Prompt logprobs as vLLM's ``prompt_logprobs`` (raw log-softmax): P - 1 entries for a P-token prompt
+(the logits at p score token p + 1); requests asking for them bypass the prefix cache (vLLM recomputes too)."""
 
 from __future__ import annotations
 
@@ -19,22 +7,17 @@ from typing import Callable
 
 import torch
 
-# (the token's logprob, its rank in the distribution (1: the most likely), [(token id,
-# logprob)] of the top k, best first)
+# (logprob, rank (1: most likely), [(token id, logprob)] of the top k, best first)
 PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 
-# Prompt tokens x (k + 1) entries one request may ask for: they travel in one worker
-# message (16 MiB frames; an entry packs into about 14 bytes) and one HTTP response. A
-# 8,192-token prompt with the top 20 fits (172,032).
+# Prompt tokens x (k + 1): one 16 MiB worker frame at ~14 bytes an entry; 8,192 tokens x top 20 fits.
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 18
-# Rows whose logits are materialised at once: a 8,192-token prompt's logits over a
-# 49,152-token vocabulary would take 1.6 GB; 128 rows take 24 MiB.
+# Logit rows materialised at once: 128 x a 49,152 vocabulary is 24 MiB (a 8,192-token prompt: 1.6 GB).
 CHUNK_ROWS = 128
 
 
 def check_size(num_prompt_tokens: int, k: int) -> None:
-    """Raises ``ValueError`` when a prompt of ``num_prompt_tokens`` tokens with the top
-    ``k`` alternatives exceeds :data:`MAX_PROMPT_LOGPROB_ENTRIES`."""
+    """Raises ValueError over :data:`MAX_PROMPT_LOGPROB_ENTRIES`."""
     entries = num_prompt_tokens * (k + 1)
     if entries > MAX_PROMPT_LOGPROB_ENTRIES:
         raise ValueError(f"prompt_logprobs: {num_prompt_tokens} prompt tokens x {k + 1} entries is {entries}, "
@@ -44,11 +27,7 @@ def check_size(num_prompt_tokens: int, k: int) -> None:
 @torch.inference_mode()
 def compute(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: list[int],
             k: int) -> list[PromptLogprob]:
-    """The :data:`PromptLogprob` of each row of ``hidden [R, hidden]`` (the final hidden
-    states of the positions before the ``targets``, R token ids; on any device, where the
-    logprobs are computed and from which only the entries come back); ``logits_of(hidden
-    rows)`` gives their logits ``[r, vocab]`` (``LlamaModel.logits``), :data:`CHUNK_ROWS`
-    rows at a time."""
+    """One per row of ``hidden [R, hidden]`` (any device), via ``logits_of``, :data:`CHUNK_ROWS` rows at a time."""
     out: list[PromptLogprob] = []
     target = torch.tensor(targets, dtype=torch.long, device=hidden.device)
     for lo in range(0, len(targets), CHUNK_ROWS):
@@ -63,24 +42,19 @@ def compute(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Ten
 
 
 class PromptLogprobsCollector:
-    """The prompt logprobs of an engine's requests that asked for them, collected over
-    their prefill step(s) until their first token (:meth:`take`). ``logits_of``: the
-    model's ``logits`` (final norm and LM head over hidden states)."""
+    """Collected over a request's prefill steps until :meth:`take`."""
 
     def __init__(self, logits_of: Callable[[torch.Tensor], torch.Tensor]):
         self.logits_of = logits_of
         self.pending: dict[str, list[PromptLogprob]] = {}
 
     def start(self, request_id: str, num_prompt_tokens: int, k: int) -> None:
-        """Collect for ``request_id`` (top ``k``). Raises ``ValueError`` as :func:`check_size`."""
+        """Raises ValueError as :func:`check_size`."""
         check_size(num_prompt_tokens, k)
         self.pending[request_id] = []
 
     def sink(self, batch) -> Callable[[torch.Tensor], None] | None:
-        """What the step's forward pass gives its hidden states ``[T, hidden]`` to (see
-        ``runner.run``), for ``batch`` (a ``ScheduledBatch`` whose sequences'
-        ``num_computed_tokens`` are those before the step); None when no sequence of the
-        batch collects, so that the step computes only its sampled rows' logits."""
+        """Takes the step's hidden states ``[T, hidden]``; None when no sequence of ``batch`` collects."""
         if not any(seq.request_id in self.pending for seq in batch.seqs):
             return None
 
@@ -100,6 +74,5 @@ class PromptLogprobsCollector:
         return collect
 
     def take(self, request_id: str) -> list[PromptLogprob] | None:
-        """The request's collected entries (one per prompt token but the first), once; None
-        if it did not ask or they were taken."""
+        """Once; None if not asked for or already taken."""
         return self.pending.pop(request_id, None)

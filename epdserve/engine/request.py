@@ -16,22 +16,15 @@ if TYPE_CHECKING:  # xgrammar is imported only by a worker that gets a guided re
     import xgrammar
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs limit
-# vLLM's _MAX_TEMP (vllm/sampling_params.py, SamplingParams.__post_init__): a temperature
-# in (0, 1e-2) is raised to it (vLLM also logs a warning), since dividing logits by a tinier
-# one overflows to inf, and one under 1e-45 is 0 in float32. 0 itself stays greedy.
+# vLLM's _MAX_TEMP: a temperature in (0, 1e-2) is raised to it (a tinier one overflows); 0 stays greedy.
 MIN_TEMPERATURE = 1e-2
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
-# At most this many stop_token_ids: every step checks each new token against the list and
-# the min_tokens mask indexes every id, and the list rides in the request's wire message,
-# so an unbounded one would slow the whole batch. Real uses need a handful.
+# Every step checks each new token against the list, and it rides every wire message: keep it bounded.
 MAX_STOP_TOKEN_IDS = 1024
-# A token id (no vocabulary comes near 2^31 tokens, nor a context near 2^31 positions,
-# which bounds top_k, max_tokens and min_tokens alike).
+# No vocabulary or context nears 2^31 (this bounds top_k, max_tokens and min_tokens too).
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-# A guided request's schema, regex, grammar or choice list, in characters. It rides in the
-# request's wire message to every worker that serves it and each compiles it (the compile's
-# cost follows the grammar's size); real JSON schemas, tool sets included, are a few KB.
+# Guided spec characters: it rides to and compiles on every worker; real schemas are a few KB.
 MAX_GUIDED_CHARS = 1 << 16
 # OpenAI's logit_bias: at most 300 tokens, each biased by -100 .. 100.
 MAX_LOGIT_BIAS = 300
@@ -39,13 +32,8 @@ LOGIT_BIAS_LIMIT = 100.0
 
 
 class GuidedSpec(BaseModel):
-    """A structured-output constraint (see :mod:`epdserve.engine.guided`): ``kind`` "json"
-    (``value``: a JSON schema's JSON text), "json_object" (any JSON object; ``value`` "",
-    unused), "regex" (a regular expression), "choice" (a JSON list of strings) or "grammar"
-    (an EBNF grammar in xgrammar's syntax), ``value`` at most 65,536 characters.
-
-    Raises (validation): ``pydantic.ValidationError`` for another kind or a longer value.
-    """
+    """``value``: a JSON schema's text ("json"), "" ("json_object"), a regex, a JSON list of strings
+    ("choice") or a GBNF grammar. Raises pydantic.ValidationError for another kind or a longer value."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -54,36 +42,9 @@ class GuidedSpec(BaseModel):
 
 
 class SamplingParams(BaseModel):
-    """Per-request sampling settings, with the OpenAI API's (and vLLM's) meanings.
-
-    ``max_tokens`` counts generated tokens; ``temperature`` = 0 is greedy; ``top_k`` = -1
-    disables top-k; ``seed`` makes sampling reproducible; ``ignore_eos`` keeps generating
-    past EOS; ``stop_token_ids`` end the request like EOS. ``presence_penalty`` and
-    ``frequency_penalty`` (OpenAI, -2..2) act on the output tokens, ``repetition_penalty``
-    (vLLM, > 0, 1 = none) on prompt and output tokens; ``min_tokens`` (vLLM) suppresses EOS
-    and ``stop_token_ids`` until that many tokens are generated; ``logprobs`` (None = none)
-    returns each generated token's logprob and the top ``logprobs`` alternatives, of the
-    model's raw distribution (vLLM's default ``logprobs_mode`` "raw_logprobs");
-    ``prompt_logprobs`` (vLLM, None = none) the same for every prompt token but the first,
-    with the top ``prompt_logprobs`` alternatives (``engine/prompt_logprobs.py``).
-    ``logit_bias`` (OpenAI) adds a bias in [-100, 100] to up to 300 tokens' logits;
-    ``min_p`` (vLLM, 0..1, 0 = none) drops tokens whose probability is under ``min_p``
-    times the most likely one's; ``guided`` constrains the output to a grammar
-    (:class:`GuidedSpec`). See ``epdserve.engine.sampler`` for the order they apply in.
-
-    Bounds (this is also the router -> worker wire type, so they hold on every path):
-    floats finite; ``temperature`` >= 0, a value in (0, 1e-2) raised to 1e-2 (vLLM's
-    ``_MAX_TEMP`` clamp; 0 stays greedy); ``seed`` in int64 (vLLM's and OpenAI's range,
-    and what msgpack packs); ``top_k`` -1 or 1 .. 2^31-1; ``stop_token_ids`` at most 1024
-    ids in [0, 2^31-1] (the engine also refuses ids outside its vocabulary);
-    ``max_tokens`` and ``min_tokens`` at most 2^31-1; ``repetition_penalty`` any finite
-    value > 0 (the sampler keeps the logits finite for all of them). ``logit_bias`` keys
-    are token ids (the engine refuses ids outside its vocabulary); on the wire they are
-    strings, as msgpack maps here take only string keys (and as OpenAI sends them).
-
-    Raises (validation): ``pydantic.ValidationError`` for a value out of range or
-    ``min_tokens`` > ``max_tokens``.
-    """
+    """OpenAI's and vLLM's meanings (order applied: ``engine.sampler``); ``top_k`` -1, ``min_p`` 0 and
+    ``repetition_penalty`` 1 are off. Also the router → worker wire type: ``logit_bias`` keys travel as strings
+    (msgpack). Raises pydantic.ValidationError out of the Field bounds or for ``min_tokens`` > ``max_tokens``."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -129,18 +90,9 @@ class SamplingParams(BaseModel):
 
 
 class PromptImages:
-    """The images of one prompt, as the engine needs them.
-
-    ``positions [R]`` (long): the prompt positions of the ``<image>`` tokens, in order;
-    ``spans``: per image ``(first position, last position + 1, content hash)`` in prompt
-    order (an image's tokens need not be contiguous: tile markers sit between tiles);
-    ``embeddings [R, hidden]``: what replaces the token embeddings at ``positions``, or
-    None on a decode worker that imports the prompt's KV (it only needs the hashes, for
-    its prefix cache keys).
-
-    Raises (constructor): ``ValueError`` when the prompt's ``<image>`` tokens do not add up
-    to the images' token counts, or the embeddings have another row count or width.
-    """
+    """``positions [R]`` (long): prompt positions of the ``<image>`` tokens; ``spans``: per image
+    ``(first, last + 1, content hash)`` (tile markers may sit inside); ``embeddings [R, hidden]``, None on a
+    decode worker that imports the KV. Raises ValueError when tokens or embeddings do not fit the images."""
 
     def __init__(self, prompt_token_ids: list[int], image_token_id: int, images: list[tuple[str, int]],
                  embeddings: torch.Tensor | None, hidden_size: int):
@@ -157,14 +109,12 @@ class PromptImages:
                       for chunk, (h, _) in zip(self.positions.split(counts), images)]
 
     def block_keys(self, block: int, block_size: int) -> tuple[str, ...]:
-        """Hashes of the images with a token in prompt block ``block``: the extra keys of
-        its prefix cache key (vLLM's mm hashes), so equal tokens with other images never match."""
+        """Block ``block``'s extra prefix-cache keys (vLLM's mm hashes): images with a token in it."""
         lo, hi = block * block_size, (block + 1) * block_size
         return tuple(h for first, end, h in self.spans if first < hi and end > lo)
 
     def rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """For prompt positions ``start .. start + n - 1``: ``(offsets [r] from start,
-        embeddings [r, hidden])`` of the image tokens among them."""
+        """``(offsets [r] from start, embeddings [r, hidden])`` of the image tokens in ``start .. start + n - 1``."""
         lo, hi = torch.searchsorted(self.positions, torch.tensor([start, start + n])).tolist()
         return self.positions[lo:hi] - start, self.embeddings[lo:hi]
 
@@ -176,16 +126,8 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    """One request's tokens and KV blocks.
-
-    ``token_ids`` = prompt + generated tokens; the first ``num_computed_tokens`` of them
-    have K/V in ``block_table``. A sequence whose KV is imported starts with the prompt's
-    KV blocks in ``pending_kv`` (an :class:`~epdserve.engine.kv_source.KVSource`) and its
-    first token already generated elsewhere. ``images``: its prompt's images, if any.
-    ``hold_kv`` / ``layer_sink``: see :meth:`~epdserve.engine.engine.LLMEngine.add_request`.
-    ``guided``: a guided request's grammar matcher, in the state after its output tokens
-    (it survives a preemption as the tokens do: recompute rebuilds KV, not tokens).
-    """
+    """``token_ids``: prompt + generated; the first ``num_computed_tokens`` have K/V in ``block_table``.
+    ``guided``: the grammar matcher after the output tokens (it survives a preemption, as the tokens do)."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  pending_kv: KVSource | None = None, first_token: int | None = None,
@@ -196,8 +138,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling = sampling
         self.block_table: list[int] = []
-        # Prefix cache (engine/prefix_cache.py): keys of its full blocks, how many leading
-        # blocks of block_table are cached, and the tokens found cached at first admission.
+        # Prefix cache: full-block keys, cached leading blocks, tokens found cached at first admission.
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
         self.num_cached_tokens: int | None = None
@@ -214,8 +155,7 @@ class Sequence:
         self.arrival = time.perf_counter()
         self.first_scheduled: float | None = None
         self.first_token_time: float | None = None
-        # Tokens that had K/V here at some point (computed, imported or found cached): what
-        # it computes again up to this mark after a preemption is num_recomputed_tokens.
+        # Tokens that ever had K/V here: what a preemption recomputes below it counts in num_recomputed_tokens.
         self.max_computed_tokens = 0
         self.num_recomputed_tokens = 0
         self.timings = StageTimings()

@@ -1,8 +1,4 @@
-"""Turn a scheduled batch into the model's input tensors and run it.
-
-The step's metadata is built on the host (Python lists of the scheduler's state), then
-moved to the model's device in one copy (:func:`on_device`; nothing moves on the CPU).
-"""
+"""A scheduled batch → the model's input tensors, built on the host, moved to the device in one copy."""
 
 from __future__ import annotations
 
@@ -19,13 +15,8 @@ from epdserve.model.llama import AttentionMetadata, LlamaModel, PrefillSeq
 
 def prepare(batch: ScheduledBatch, block_size: int
             ) -> tuple[torch.Tensor, AttentionMetadata, list[int], tuple[torch.Tensor, torch.Tensor] | None]:
-    """Flatten ``batch`` into ``input_ids [T]`` and its :class:`AttentionMetadata`.
-
-    Returns also the indices (into ``batch.seqs``) of the sequences that get a new token
-    this step: those whose every known token has K/V after the step (a prefill chunk
-    that is not the last one samples nothing), and the image embeddings of the prompt
-    positions in this step, ``(batch rows [R], embeddings [R, hidden])``, or None.
-    """
+    """Returns ``input_ids [T]``, the metadata, the indices of the sequences sampled this step (not a
+    non-final prefill chunk) and the step's image embeddings ``(rows [R], [R, hidden])`` or None."""
     input_ids, positions, slots, prefills, embed_rows, embed_values = [], [], [], [], [], []
     decode_rows, decode_tables, decode_lens, logits_rows, sampled = [], [], [], [], []
     row = 0
@@ -69,9 +60,7 @@ def prepare(batch: ScheduledBatch, block_size: int
 def on_device(input_ids: torch.Tensor, meta: AttentionMetadata, embeds: tuple[torch.Tensor, torch.Tensor] | None,
               device: torch.device
               ) -> tuple[torch.Tensor, AttentionMetadata, tuple[torch.Tensor, torch.Tensor] | None]:
-    """:func:`prepare`'s tensors on ``device``: every index tensor (ids, positions, slots,
-    rows, block tables, context lengths) in one host-to-device copy, the image embeddings
-    (rare) in a second. On the CPU they come back as they are."""
+    """Index tensors in one host-to-device copy, image embeddings in a second; unchanged on the CPU."""
     longs = [input_ids, meta.positions, meta.slot_mapping, meta.decode_rows, meta.decode_block_tables,
              meta.decode_ctx_lens, meta.logits_rows, *(p.block_table for p in meta.prefills),
              *(embeds[:1] if embeds is not None else ())]
@@ -91,13 +80,8 @@ def run(model: LlamaModel, batch: ScheduledBatch, kv_cache: torch.Tensor,
         kv_written: Callable[[int], None] | None = None,
         hidden_sink: Callable[[torch.Tensor], None] | None = None,
         graphs: DecodeGraphs | None = None) -> tuple[torch.Tensor, list[int]]:
-    """One forward pass: returns ``(logits [S, vocab], indices of sampled sequences)``.
-    ``kv_written``: see :meth:`LlamaModel.forward`. ``hidden_sink``, if given, gets the
-    final hidden states of every row of the batch ``[T, hidden]`` (batch order, each
-    sequence's new tokens in order) before the sampled rows' logits are taken from them
-    (prompt logprobs, ``engine/prompt_logprobs.py``). ``graphs``: a decode-only step
-    without either replays its batch-size bucket's CUDA graph when there is one
-    (``model/cuda_graphs.py``; its logits are valid until the next step)."""
+    """``(logits [S, vocab], indices of sampled sequences)``; ``hidden_sink`` gets the final hidden states
+    ``[T, hidden]``. A plain decode step replays a CUDA graph when one fits (logits valid until the next step)."""
     input_ids, meta, sampled, embeds = prepare(batch, kv_cache.shape[3])
     if graphs is not None and kv_written is None and hidden_sink is None and embeds is None:
         logits = graphs.replay(input_ids, meta)

@@ -1,27 +1,6 @@
-"""Next-token sampling: logit bias, min_tokens masking, penalties, grammar masks,
-greedy/temperature/min-p/top-k/top-p, per-request seeds, and logprobs.
-
-Order (vLLM's, but for the masks): logprobs are taken from the raw logits (vLLM's default
-``logprobs_mode`` "raw_logprobs": before any bias, penalty, mask or temperature); then
-``logit_bias`` is added, then the repetition penalty, then the frequency and presence
-penalties, then stop tokens are masked until ``min_tokens``, then the tokens a guided
-request's grammar does not allow next; then a greedy row takes the argmax, another row
-divides by its temperature, applies min-p, top-k and top-p and draws. (vLLM masks before
-the penalties; a masked logit is -inf either way, and masking last keeps the penalties'
-clamp from lifting it.)
-
-Everything runs on the logits' device (a CUDA worker's sampler is on its GPU); only the
-chosen token ids, and the logprobs asked for, come back to the host. A seeded row's
-generator is on that device too: a seeded request repeats its tokens on the same kind of
-device, but a GPU does not draw the CPU's tokens.
-
-Every value that ``SamplingParams`` allows gives a finite distribution with mass: see the
-guards in :func:`sample` and :func:`_apply_penalties`. A row can still fail if the model
-gave it NaN logits or its masks leave no token (every token a masked stop token, or a
-grammar that allows only EOS before ``min_tokens``); the engine then samples the rows one
-by one and fails only that one (a greedy row's argmax then picks a token its grammar
-refuses, which the engine fails the same way).
-"""
+"""Next-token sampling in vLLM's order, except that the grammar and ``min_tokens`` masks come last so a
+penalty's clamp cannot lift a masked logit. Logprobs are of the raw logits. Runs on the logits' device:
+seeded draws repeat on the same kind of device only."""
 
 from __future__ import annotations
 
@@ -40,29 +19,13 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 @torch.inference_mode()  # the model's logits are inference tensors; we edit a copy in place
 def sample(logits: torch.Tensor, seqs: list[Sequence],
            eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Pick one token per row of ``logits [S, vocab]`` (float32; not modified) for
-    ``seqs`` (one per row, their tokens so far in ``token_ids``; a guided one's grammar
-    matcher in ``seq.guided``).
-
-    Returns the tokens and, per row, its :data:`TokenLogprobs` if the request asked for
-    logprobs, else None. Greedy rows without penalties, ``logit_bias``, ``min_tokens``, a
-    grammar or logprobs cost one argmax; a batch with any of those in some row pays one
-    copy of ``logits``, and those rows are processed together (a batch without a guided
-    row allocates no bitmask). A seeded row draws with a generator seeded by (seed, number
-    of tokens generated so far), so it gives the same tokens in any batch, after a
-    preemption, and across a prefill → decode hand-off.
-
-    Raises:
-        RuntimeError: (torch's) a row has no distribution to draw from: NaN logits, or
-            every token masked. ``logits`` is left as it was, so the caller can sample
-            the rows again one by one to find which.
-    """
+    """One token per row of ``logits [S, vocab]`` (float32, not modified), and each row's :data:`TokenLogprobs`
+    or None. A seeded row's draw depends on (seed, tokens so far) alone. Raises RuntimeError (torch's) when a
+    row has nothing to draw from; ``logits`` is left intact for a row-by-row retry."""
     want = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
     raw = torch.log_softmax(logits[want], dim=-1) if want else None
     if any(_edits_logits(s) for s in seqs):
-        # Edit a copy: the penalties are not idempotent, and the engine samples the rows
-        # again from ``logits`` when the batch fails. (A copy costs about a tenth of the
-        # argmax below, and only batches with such rows pay it.)
+        # A copy: penalties are not idempotent and a failed batch is resampled from ``logits`` (~0.1 x argmax).
         logits = logits.clone()
         _apply_logit_bias(logits, seqs)
         _apply_penalties(logits, seqs)
@@ -85,17 +48,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
 
 
 def _draw(logits: torch.Tensor, seq: Sequence) -> int:
-    """A token drawn from one row's ``logits [vocab]`` at the row's temperature, after
-    ``min_p``, top-k and top-p (vLLM's order: min_p on the tempered distribution first)."""
+    """min_p (on the tempered distribution), then top-k and top-p: vLLM's order."""
     p = seq.sampling
-    # Shift the top logit to 0 (softmax does not change): dividing by the temperature
-    # then only moves values down, at worst to -inf (probability 0), never to +inf or
-    # NaN, though penalties may leave logits near float32's max and T may be 1e-2. A
-    # T over float32's max would be inf in float32, and -inf / inf is NaN.
+    # Top logit to 0, T capped: dividing then only moves values down, never to +inf or NaN.
     row_logits = (logits - logits.max()) / min(p.temperature, _FLOAT32_MAX)
     if p.min_p > 0:
-        # With the top logit at 0, a token's probability over the top one's is exp(logit):
-        # it is kept when that is at least min_p (the top token always is).
+        # With the top logit at 0, exp(logit) is a token's probability over the top one's.
         row_logits = row_logits.masked_fill(row_logits < math.log(p.min_p), float("-inf"))
     if 0 < p.top_k < row_logits.shape[-1]:
         kth = torch.topk(row_logits, p.top_k).values[-1]
@@ -103,9 +61,7 @@ def _draw(logits: torch.Tensor, seq: Sequence) -> int:
     probs = torch.softmax(row_logits, dim=-1)
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        # Keep a token while the mass before it is below top_p, and the first always
-        # (as vLLM keeps one): a top_p under float32's smallest value, e.g. 1e-300,
-        # compares as 0, and 0 >= 0 would drop every token.
+        # Always keep the first token (as vLLM): a tiny top_p (1e-300) is 0 in float32 and would drop all.
         drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
         drop[0] = False
         sorted_probs[drop] = 0.0
@@ -114,15 +70,12 @@ def _draw(logits: torch.Tensor, seq: Sequence) -> int:
 
 
 def _edits_logits(seq: Sequence) -> bool:
-    """Whether ``seq``'s row needs its logits edited before the argmax."""
     return (_has_penalty(seq) or seq.num_output_tokens < seq.sampling.min_tokens
             or bool(seq.sampling.logit_bias) or seq.guided is not None)
 
 
 def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """OpenAI's ``logit_bias``: each listed token's logit gets its bias added, before the
-    penalties (vLLM's order). Ids outside ``logits [S, vocab]`` are skipped (the engine
-    refuses them at ``add_request``)."""
+    """OpenAI's ``logit_bias``, added before the penalties (vLLM's order); ids outside the vocabulary skipped."""
     vocab = logits.shape[-1]
     for row, seq in enumerate(seqs):
         bias = {t: b for t, b in seq.sampling.logit_bias.items() if t < vocab}
@@ -131,25 +84,19 @@ def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def _mask_guided(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """-inf for the tokens each guided row's grammar does not allow next."""
     rows = [i for i, s in enumerate(seqs) if s.guided is not None]
     if rows:
-        # Imported here, not at the top: a sequence has a matcher only once the engine has
-        # loaded the grammar library for it (``LLMEngine.guided_decoder``), so this import
-        # is then free, and a worker that never serves a guided request never loads
-        # xgrammar and the transformers it brings (~2 s of start-up, ~100 MB).
+        # Lazy: only a worker serving a guided request loads xgrammar (~2 s, ~100 MB); by then it is free.
         from epdserve.engine.guided import mask_logits
 
         mask_logits(logits, rows, [seqs[i].guided for i in rows])
 
 
 def _generator(seq: Sequence, device: torch.device) -> torch.Generator | None:
-    """The seeded row's generator on ``device`` (None: unseeded, the device's default)."""
     seed = seq.sampling.seed
     if seed is None:
         return None
-    # One seed per (request seed, output position): the draw does not depend on what the
-    # generator drew before, so a decode worker continues a prefill worker's sequence.
+    # Seeded per (seed, output position): a decode worker continues a prefill worker's draws.
     return torch.Generator(device).manual_seed((seed * 0x9E3779B97F4A7C15 + seq.num_output_tokens) % 2**64)
 
 
@@ -159,11 +106,8 @@ def _has_penalty(seq: Sequence) -> bool:
 
 
 def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> None:
-    """Until a request has ``min_tokens`` output tokens its stop tokens (``stop_token_ids``,
-    and EOS unless ``ignore_eos``; vLLM's rule) get logit -inf in ``logits [S, vocab]``
-    (in place). Stop ids outside the vocabulary are skipped: the model can never produce
-    them (the engine refuses them at ``add_request``; this keeps any other caller from an
-    IndexError, or a negative id from masking a token counted from the end)."""
+    """Until ``min_tokens``: -inf for stop ids, and EOS unless ``ignore_eos`` (vLLM's rule); ids past the vocab
+    are skipped."""
     vocab = logits.shape[-1]
     rows, ids = [], []
     for row, seq in enumerate(seqs):
@@ -177,13 +121,9 @@ def _mask_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids:
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Repetition penalty (CTRL, Keskar et al. 2019, as Hugging Face and vLLM apply it: a
-    token seen in the prompt or the output has a positive logit divided by the penalty, a
-    negative one multiplied), then OpenAI's frequency and presence penalties over the
-    output tokens: ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
-    ``logits [S, vocab]`` is edited in place and stays finite. Only the (row, token)
-    entries that occur are touched, so the cost follows the sequences' lengths, not rows x
-    vocabulary."""
+    """In place, keeping ``logits [S, vocab]`` finite: repetition penalty (CTRL, Keskar et al. 2019, as HF and
+    vLLM: prompt and output, positive logits divided, negative multiplied), then OpenAI's ``logit -=
+    frequency_penalty * count + presence_penalty * (count > 0)`` over the output; only entries that occur."""
     rep_keys, out_keys = [], []
     vocab, device = logits.shape[-1], logits.device
     for row, seq in enumerate(seqs):
@@ -197,10 +137,7 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     flat = logits.view(-1)  # (row, token) -> row * vocab + token
     if rep_keys:
         keys = torch.cat(rep_keys).unique().to(device)
-        # In float64, where every allowed penalty (finite, > 0) stays finite and non-zero
-        # (in float32 1e-300 is 0 and 1e300 inf: x / 0 is inf and 0 * inf NaN); the result
-        # is clamped into float32's range, so a tiny penalty ties its favoured tokens at
-        # the top instead of making them inf.
+        # float64: every allowed penalty stays finite and non-zero; clamped back so a tiny one ties, not inf.
         rep = torch.tensor([s.sampling.repetition_penalty for s in seqs], dtype=torch.float64, device=device)[
             keys // vocab]
         values = flat[keys].double()

@@ -1,12 +1,5 @@
-"""Continuous batching: which sequences run in the next step, and with how many tokens.
-
-Each step first gives every running sequence its next tokens (one for a decode, the next
-chunk for a chunked prefill), preempting the newest running sequences by recompute when
-blocks run out, then admits waiting sequences while ``max_num_seqs``,
-``max_num_batched_tokens`` and free blocks allow (the policy of vLLM's v1 scheduler,
-without priorities). A sequence admitted with a prefix-cache hit starts with the hit
-blocks in its block table and computes only the rest.
-"""
+"""Continuous batching as vLLM's v1 scheduler (no priorities): running sequences first, preempting the
+newest by recompute when blocks run out, then waiting ones while seats, token budget and blocks allow."""
 
 from __future__ import annotations
 
@@ -20,12 +13,8 @@ from epdserve.engine.request import Sequence, Status
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """``max_num_batched_tokens``: tokens per step; with ``enable_chunked_prefill`` (the
-    default, as vLLM's) a prompt longer than what a step has left is prefilled over several
-    steps, without it whole, so the budget must then be at least the context window. The
-    defaults are vLLM's for its OpenAI server on the CPU (2,048 tokens a step, chunked); an
-    engine on the CPU sets its own budget (``model/step_budget.py``).
-    ``enable_prefix_caching``: reuse cached full blocks (vLLM v1's default, on)."""
+    """Defaults: vLLM's OpenAI server on the CPU (2,048 tokens a step, chunked prefill, prefix caching).
+    Without chunked prefill the budget must cover the context window."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -45,8 +34,6 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Owns the waiting queue and the running list; allocates blocks from ``pool`` and
-    finds cached ones through ``prefix_cache``."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool):
         self.config = config
@@ -63,7 +50,6 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop ``seq`` from the queues and free its blocks (finish or abort)."""
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
         elif seq.status == Status.WAITING:
@@ -74,7 +60,7 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def schedule(self) -> ScheduledBatch:
-        """Pick the next step's work; never raises for lack of blocks."""
+        """Never raises for lack of blocks."""
         batch = ScheduledBatch([], [])
         budget = self.config.max_num_batched_tokens
         preempted = False
@@ -114,7 +100,7 @@ class Scheduler:
         return batch
 
     def _grow(self, seq: Sequence, n: int) -> bool:
-        """Give ``seq`` blocks for ``n`` more tokens; False if too few are free."""
+        """False if too few blocks are free."""
         need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
         if need > self.pool.num_free:
             return False
@@ -123,8 +109,7 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
-        """Give a waiting ``seq`` the cached blocks ``hits`` and new blocks up to
-        ``num_tokens`` tokens; False (taking nothing) if too few are free."""
+        """False (taking nothing) if too few blocks are free."""
         need = self.pool.blocks_for(num_tokens) - len(hits)
         revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)  # free now, in use after
         if need + revived > self.pool.num_free:
@@ -135,9 +120,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        # Recompute policy: drop the KV, keep the tokens; the sequence re-enters prefill
-        # with prompt + generated tokens when blocks free up (its full blocks stay in the
-        # prefix cache until evicted, so the recompute may find them there).
+        # Recompute: drop the KV, keep the tokens; its full blocks stay in the prefix cache until evicted.
         self.running.remove(seq)
         self.pool.free(seq.block_table)
         seq.block_table = []

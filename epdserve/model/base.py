@@ -1,6 +1,5 @@
-"""What every model module shares: the error a model that cannot be loaded raises, the
-model types served, and the on-disk cache (``$EPDSERVE_CACHE`` or ``~/.cache/epdserve``)
-that converted models and built kernels live in."""
+"""Shared by the model modules: the load error, the served model types, and the on-disk cache
+(``$EPDSERVE_CACHE`` or ``~/.cache/epdserve``)."""
 
 from __future__ import annotations
 
@@ -21,10 +20,8 @@ def cache_root() -> Path:
 
 
 def cached_dir(out: Path, write) -> Path:
-    """``out``, built once by ``write(tmp_dir)`` if it is not complete yet. ``write`` fills a
-    private temporary directory that is renamed into place, so workers starting together
-    never read a half-written one; whatever ``write`` raises propagates (the temporary
-    directory is removed)."""
+    """Built once by ``write(tmp_dir)`` in a private directory renamed into place (concurrent starters never
+    read a half-written one); ``write``'s errors propagate."""
     if (out / "complete").exists():
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")

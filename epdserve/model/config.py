@@ -11,11 +11,8 @@ from epdserve.model.base import SUPPORTED_MODEL_TYPES, ModelLoadError
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family decoder hyper-parameters (Hugging Face field names and meanings).
-
-    ``rope_scaling`` is None or a dict with ``rope_type`` "linear" or "llama3" (the
-    conventions of transformers' ``modeling_rope_utils``).
-    """
+    """Hugging Face field names; ``rope_scaling``: None or ``rope_type`` "linear"/"llama3" (transformers'
+    ``modeling_rope_utils``)."""
 
     model_type: str
     vocab_size: int
@@ -34,24 +31,14 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        """Read ``model_dir/config.json``: the decoder's, or a vision-language model's
-        language model's (its ``text_config``).
-
-        Raises:
-            ModelLoadError: unsupported ``model_type`` or RoPE scaling type.
-        """
+        """The decoder's, or a VLM's ``text_config``. Raises ModelLoadError: unsupported model or RoPE type."""
         path = Path(model_dir) / "config.json"
         cfg = json.loads(path.read_text())
         return cls.from_dict(cfg.get("text_config", cfg), str(path))
 
     @classmethod
     def from_dict(cls, cfg: dict, path: str = "config") -> "ModelConfig":
-        """Build from a ``config.json`` dict (or a multimodal model's ``text_config``);
-        ``path`` names the source in errors.
-
-        Raises:
-            ModelLoadError: unsupported ``model_type`` or RoPE scaling type.
-        """
+        """``path`` names the source in errors. Raises ModelLoadError as :meth:`from_dir`."""
         if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(f"{path}: unsupported architecture {cfg.get('model_type')!r}")
         # transformers 5 writes "rope_parameters" (theta included); 4.x "rope_scaling".

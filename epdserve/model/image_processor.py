@@ -1,17 +1,5 @@
-"""Image bytes → checked Pillow image → SmolVLM / Idefics3 ``pixel_values`` and the
-prompt text that stands for the image.
-
-Preprocessing reproduces transformers' ``Idefics3ImageProcessorPil`` (the same as
-``SmolVLMImageProcessorPil``) with Pillow and numpy: convert to RGB (transparency
-composited onto white), resize so the longest edge is ``size["longest_edge"]`` (even
-short edge), round both sides up to multiples of ``max_image_size``, cut that into
-``rows × cols`` tiles of ``max_image_size`` pixels plus one global image resized to a
-single tile, rescale by 1/255 and normalise with the mean/std. The prompt expansion
-reproduces ``Idefics3Processor``: each ``<image>`` placeholder becomes, per tile,
-``<fake_token_around_image><row_r_col_c>`` + ``image_seq_len`` × ``<image>`` (a newline
-after each row), then ``\\n<fake_token_around_image><global-img>`` + ``image_seq_len`` ×
-``<image>`` + ``<fake_token_around_image>``.
-"""
+"""Image bytes → checked Pillow image → SmolVLM / Idefics3 ``pixel_values`` and prompt text, as transformers'
+``Idefics3ImageProcessorPil`` and ``Idefics3Processor``."""
 
 from __future__ import annotations
 
@@ -40,22 +28,12 @@ MAX_RESIZED_SIDE = 4096  # transformers' MAX_IMAGE_SIZE for Idefics3 / SmolVLM
 
 
 class ImageError(ValueError):
-    """An image that cannot be used: corrupt or truncated bytes, an unsupported
-    format, or one over a size limit. The message says which; the API answers 400."""
+    """Corrupt, unsupported or oversized; the message says which (the API answers 400)."""
 
 
 def open_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int | None = None) -> Image.Image:
-    """Read the header of ``data``: a Pillow image whose size, mode and format are known
-    and whose pixels are not decoded yet (:func:`load_pixels`).
-
-    ``max_bytes`` limits the encoded bytes; ``max_pixels`` (width × height) defaults to
-    Pillow's ``Image.MAX_IMAGE_PIXELS`` and is checked here, before any pixel is decoded
-    (decompression bombs).
-
-    Raises:
-        ImageError: more than ``max_bytes`` bytes, not an image, a format outside
-            ``SUPPORTED_FORMATS``, or over ``max_pixels``.
-    """
+    """Header only; ``max_pixels`` (default Pillow's ``MAX_IMAGE_PIXELS``) checked before decoding (bombs).
+    Raises ImageError: too many bytes or pixels, not an image, or a format outside ``SUPPORTED_FORMATS``."""
     if len(data) > max_bytes:
         raise ImageError(f"image is {len(data)} bytes, over the limit of {max_bytes} bytes")
     max_pixels = max_pixels or Image.MAX_IMAGE_PIXELS
@@ -77,11 +55,8 @@ def open_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int | 
 
 
 def decoded_bytes(image: Image.Image) -> int:
-    """Bytes Pillow needs to decode ``image`` at its current size and mode, known from the
-    header: width × height × bytes per pixel as Pillow stores them (1 for modes 1, L and
-    P, 2 for I;16, 4 for the others: RGB is stored as 4 bytes a pixel); four times that
-    for WebP, whose decoder holds libwebp's RGBA output and copies of it next to the
-    image (peak RSS of a 4000x4000 load: 4x; the other formats: 1x)."""
+    """Bytes Pillow needs to decode ``image``, from the header: width × height × (1 for modes 1/L/P, 2 for
+    I;16, else 4), x4 for WebP (libwebp's RGBA copies: a 4000x4000 load peaks at 4x)."""
     width, height = image.size
     mode = image.mode
     per_pixel = 1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4
@@ -89,37 +64,22 @@ def decoded_bytes(image: Image.Image) -> int:
 
 
 def reduce_for_check(image: Image.Image) -> None:
-    """Make :func:`load_pixels` decode ``image`` (from :func:`open_image`) at the smallest
-    size its format allows, for a caller that only checks that the bytes decode: JPEG
-    decodes at 1/8 scale (1/64 of the memory; every coefficient is still read, so corrupt
-    or truncated data is still found). Other formats have no reduced decode in Pillow
-    (``reduce``/``thumbnail`` work on decoded pixels, so save nothing here) and are left
-    as they are. ``image.size`` is the reduced size afterwards."""
+    """For a decode check: JPEG at 1/8 scale (1/64 memory, every coefficient still read); others unchanged."""
     if image.format == "JPEG":
         image.draft(None, (1, 1))  # the largest reduction libjpeg offers
 
 
 def load_pixels(image: Image.Image) -> None:
-    """Decode the pixels of ``image`` (from :func:`open_image`).
-
-    Raises:
-        ImageError: corrupt or truncated data.
-    """
+    """Raises ImageError for corrupt or truncated data."""
     try:
         image.load()
-    # Pillow's decoders raise many types for bad data (OSError for truncation,
-    # SyntaxError for broken chunks, ValueError, struct.error, ...); all mean "corrupt".
+    # Pillow raises many types for bad data (OSError, SyntaxError, struct.error, ...).
     except Exception as exc:
         raise ImageError(f"corrupt or truncated {image.format} image: {exc}") from None
 
 
 def load_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int | None = None) -> Image.Image:
-    """Decode ``data`` into a fully loaded Pillow image, under the limits of
-    :func:`open_image`.
-
-    Raises:
-        ImageError: as :func:`open_image`, or corrupt/truncated data.
-    """
+    """Under :func:`open_image`'s limits. Raises ImageError."""
     image = open_image(data, max_bytes, max_pixels)
     load_pixels(image)
     return image
@@ -127,21 +87,8 @@ def load_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int | 
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One image of a request.
-
-    ``content_hash`` is the sha256 hex digest of ``data``, the encoded file bytes (after
-    base64 decoding), not of the decoded pixels: it is known before any decoding, so an
-    encode worker can find cached embeddings without decoding, and equal bytes always
-    decode to equal pixels, so it never joins two different images (a hash of raw pixels
-    would also need the mode, size, palette and transparency to be safe). The price: the
-    same picture saved twice in different files is encoded twice.
-
-    ``image`` is the decoded Pillow image, or None where it was not kept (the router
-    only checks that the bytes decode) or only the bytes travelled (an encode worker
-    decodes on a cache miss). ``size`` is (width, height) in pixels, None where the bytes
-    were not decoded. ``source`` says where it came from, for logs (``data:image/png``,
-    ``file:/abs/path``, ``https://...``; never the bytes).
-    """
+    """``content_hash``: sha256 hex of the encoded bytes, not the pixels: known before decoding, and equal bytes
+    decode equal. ``image``/``size``: None where not decoded. ``source``: for logs, never the bytes."""
 
     content_hash: str
     data: bytes
@@ -152,21 +99,14 @@ class ImageInput:
     @classmethod
     def from_bytes(cls, data: bytes, source: str, *, decode: bool = True, max_bytes: int = MAX_IMAGE_BYTES,
                    max_pixels: int | None = None) -> "ImageInput":
-        """Hash ``data`` and, with ``decode``, decode it under the limits of
-        :func:`~epdserve.model.image_processor.load_image`.
-
-        Raises:
-            ImageError: as ``load_image`` (with ``decode``).
-        """
+        """Raises ImageError (with ``decode``) as :func:`load_image`."""
         image = load_image(data, max_bytes, max_pixels) if decode else None
         return cls(hashlib.sha256(data).hexdigest(), data, source, image, None if image is None else image.size)
 
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    """One image ready for the vision encoder: ``pixel_values [rows * cols + 1, 3, S, S]``
-    float32 (tiles row-major, then the global image; ``[1, 3, S, S]`` when the image
-    was not split, ``rows == cols == 0``)."""
+    """``pixel_values [rows * cols + 1, 3, S, S]`` float32: tiles row-major, then the global image."""
 
     pixel_values: torch.Tensor
     rows: int
@@ -175,9 +115,7 @@ class ProcessedImage:
 
 @dataclass(frozen=True)
 class ImageProcessor:
-    """SmolVLM / Idefics3 image preprocessing settings (``preprocessor_config.json`` field
-    meanings; ``longest_edge`` is ``size["longest_edge"]``, ``max_image_size`` the tile
-    side in pixels, ``image_seq_len`` the ``<image>`` tokens per tile)."""
+    """``preprocessor_config.json`` meanings; ``max_image_size``: tile side (px); ``image_seq_len``: tokens a tile."""
 
     longest_edge: int
     max_image_size: int
@@ -191,12 +129,7 @@ class ImageProcessor:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, image_seq_len: int) -> "ImageProcessor":
-        """Read ``preprocessor_config.json`` (or the ``image_processor`` entry of
-        transformers 5's ``processor_config.json``) in ``model_dir``.
-
-        Raises:
-            ModelLoadError: neither file exists or holds image processor settings.
-        """
+        """From ``preprocessor_config.json`` or transformers 5's ``processor_config.json``. Raises ModelLoadError."""
         model_dir = Path(model_dir)
         try:
             if (model_dir / "preprocessor_config.json").is_file():
@@ -230,9 +163,7 @@ class ImageProcessor:
         }
 
     def grid(self, size: tuple[int, int]) -> tuple[int, int]:
-        """``(rows, cols)`` of the tiles :meth:`process` cuts an image of ``size`` = (width,
-        height) pixels into ((0, 0): not split, one tile); known without decoding the image,
-        so a router can lay out the prompt (:meth:`num_tokens`) from the image's header."""
+        """``(rows, cols)`` for ``size`` = (width, height) px; (0, 0): not split. Needs only the header."""
         if self.do_resize:
             size = _longest_edge_size(size, self.longest_edge)
         if not self.do_image_splitting:
@@ -246,7 +177,6 @@ class ImageProcessor:
         return self.image_seq_len * (grid[0] * grid[1] + 1)
 
     def process(self, image: Image.Image) -> ProcessedImage:
-        """Tiles and global image of one loaded image (see the module docstring)."""
         image = _to_rgb(image)
         rows, cols = self.grid(image.size)
         if self.do_resize:
@@ -267,8 +197,7 @@ class ImageProcessor:
         return ProcessedImage(torch.from_numpy(np.stack(tiles)), rows, cols)
 
     def prompt(self, grid: tuple[int, int]) -> str:
-        """The text that replaces one ``<image>`` placeholder for an image of tile ``grid``
-        (rows, cols)."""
+        """The text replacing one ``<image>`` placeholder."""
         tile = IMAGE_TOKEN * self.image_seq_len
         rows, cols = grid
         text = ""
@@ -279,12 +208,7 @@ class ImageProcessor:
         return text + f"{FAKE_TOKEN}{GLOBAL_TOKEN}{tile}{FAKE_TOKEN}"
 
     def expand(self, text: str, grids: list[tuple[int, int]]) -> str:
-        """``text`` with its ``<image>`` placeholders replaced, in order, by the prompts of
-        images with tile ``grids`` (:meth:`grid`, or ``(p.rows, p.cols)`` of processed ones).
-
-        Raises:
-            ValueError: the number of placeholders differs from ``len(grids)``.
-        """
+        """Placeholders replaced in order. Raises ValueError unless there are ``len(grids)`` of them."""
         parts = text.split(IMAGE_TOKEN)
         if len(parts) - 1 != len(grids):
             raise ValueError(f"prompt has {len(parts) - 1} {IMAGE_TOKEN} placeholders for {len(grids)} images")
@@ -300,9 +224,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def _longest_edge_size(size: tuple[int, int], longest: int) -> tuple[int, int]:
-    """(width, height) with the longest edge ``longest`` and the other scaled, rounded
-    down then up to even, then capped at ``MAX_RESIZED_SIDE`` (transformers'
-    ``_resize_output_size_rescale_to_max_len`` then ``..._scale_below_upper_bound``)."""
+    """transformers' ``_resize_output_size_rescale_to_max_len`` then ``_scale_below_upper_bound``."""
     width, height = size
     aspect = width / height
     if width >= height:
@@ -321,8 +243,7 @@ def _longest_edge_size(size: tuple[int, int], longest: int) -> tuple[int, int]:
 
 
 def _tile_multiple_size(size: tuple[int, int], side: int) -> tuple[int, int]:
-    """(width, height) rounded up to multiples of ``side``, keeping the aspect ratio for
-    the short edge first (transformers' ``resize_for_vision_encoder``)."""
+    """transformers' ``resize_for_vision_encoder``."""
     width, height = size
     aspect = width / height
     if width >= height:

@@ -1,18 +1,6 @@
-"""The KV cache's dtype, ``--kv-cache-dtype`` (vLLM's flag and values where they apply).
-
-``auto`` keeps the model's dtype: exact parity with transformers (float32 on the CPU).
-``bfloat16`` halves the KV bytes of a float32 model: half the memory per token, half of
-what a decode step reads at large batches, half the hand-off. The new tokens' K/V are
-computed in float32 and rounded once, as written; attention reads them back as float32
-(``layer_kernels.cpp``). Its effect on the tokens is bounded in docs/serving.md and
-tests/test_kv_cache_dtype.py (top-1 agreement and the largest logprob gap over the parity
-prompts). A prefill's own tokens attend to each other unrounded; later steps read the
-rounded copies (vLLM's order too).
-
-vLLM's ``fp8`` values need per-tensor scales and kernels this engine does not have: they are
-refused at start-up with one line, as is a cache dtype other than the model's on CUDA (the
-Triton kernels read the cache in the model's dtype).
-"""
+"""``--kv-cache-dtype`` (vLLM's flag): ``auto`` keeps the model's dtype (exact parity); ``bfloat16`` halves
+a float32 model's KV bytes (K/V computed in float32, rounded once as written; its effect on tokens is
+bounded in docs/serving.md). fp8 is refused (no scaled kernels), as is a non-model dtype on CUDA."""
 
 from __future__ import annotations
 
@@ -23,12 +11,7 @@ _DTYPES = {"bfloat16": torch.bfloat16}
 
 
 def resolve(name: str, dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
-    """The cache dtype ``--kv-cache-dtype name`` gives a model in ``dtype`` on ``device``.
-
-    Raises:
-        ValueError: a name not in :data:`KV_CACHE_DTYPES`, an fp8 one, or a dtype other
-            than the model's off the CPU; the message names the flag and the value.
-    """
+    """Raises ValueError naming the flag: unknown, fp8, or other than the model's off the CPU."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {name}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     if name == "auto":
@@ -44,5 +27,5 @@ def resolve(name: str, dtype: torch.dtype, device: str | torch.device) -> torch.
 
 
 def name_of(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``bfloat16`` (the name a worker's ``kv_layout`` and /health give)."""
+    """``torch.bfloat16`` → ``bfloat16`` (the name in ``kv_layout`` and /health)."""
     return str(dtype).removeprefix("torch.")

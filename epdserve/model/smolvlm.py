@@ -1,17 +1,5 @@
-"""SmolVLM / Idefics3: a Hugging Face directory → vision encoder + Llama language model,
-and the default multimodal model.
-
-A directory is used as it is: ``config.json`` with ``model_type`` idefics3 or smolvlm,
-``vision_config``, ``text_config``, ``scale_factor`` and ``image_token_id``; safetensors
-named ``model.vision_model.*``, ``model.connector.*``, ``model.text_model.*`` and
-``lm_head.weight`` (absent when tied); tokenizer files with the image special tokens.
-
-No vision weights can be downloaded here, so the default multimodal model
-(:func:`default_multimodal_model`) is the real SmolLM2-135M-Instruct language model (the
-default GGUF) plus a SmolVLM-256M-shaped vision tower (SigLIP base patch16/512, pixel
-shuffle 4, 64 tokens per tile) with seeded synthetic weights; its ``config.json`` says
-``"synthetic_vision": true`` so that the serving layers can say so.
-"""
+"""SmolVLM / Idefics3 directories → vision encoder + Llama language model, and the default multimodal model:
+SmolLM2-135M-Instruct plus a SmolVLM-256M-shaped vision tower with SEEDED SYNTHETIC weights (``synthetic_vision``)."""
 
 from __future__ import annotations
 
@@ -39,19 +27,14 @@ SMOLVLM_256M_VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_l
                            num_attention_heads=12, image_size=512, patch_size=16, layer_norm_eps=1e-6,
                            num_channels=3, hidden_act="gelu_pytorch_tanh", model_type="idefics3_vision")
 SMOLVLM_256M_SCALE_FACTOR = 4
-# SmolVLM-256M resizes to a 2048-pixel longest edge (up to 16 tiles + 1); the default model
-# uses one 512-pixel tile per image (longest edge 512) so that encoding stays affordable on CPU.
+# SmolVLM-256M resizes to 2048 px (up to 17 tiles); one 512 px tile keeps CPU encoding affordable.
 DEFAULT_LONGEST_EDGE = 512
 DEFAULT_SEED = 0
 
 
 @dataclass
 class SmolVLM:
-    """A loaded vision-language model: ``vision`` (tiles → ``[N, tokens_per_image,
-    hidden]``), ``text`` (the language model over the paged KV cache), ``processor``
-    (image preprocessing and prompt expansion), the ``image_token_id`` whose positions
-    take image embeddings, and ``synthetic_vision`` (True: the vision weights are random,
-    image outputs carry no meaning)."""
+    """``synthetic_vision``: random vision weights, image outputs mean nothing."""
 
     path: Path
     vision: VisionEncoder
@@ -63,11 +46,7 @@ class SmolVLM:
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> "SmolVLM":
-        """Load a SmolVLM / Idefics3 Hugging Face directory, both towers on ``device``.
-
-        Raises:
-            ModelLoadError: wrong model type, unreadable or missing weights.
-        """
+        """Both towers on ``device``. Raises ModelLoadError: wrong model type, unreadable or missing weights."""
         cfg = read_config(model_dir)
         vision_config = VisionConfig.from_dict(cfg)
         weights = read_weights(model_dir)
@@ -80,13 +59,7 @@ class SmolVLM:
                    image_token_id=cfg["image_token_id"], synthetic_vision=bool(cfg.get("synthetic_vision")))
 
     def image_embeds(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Idefics3's ``inputs_merger`` as an override for :meth:`LlamaModel.forward`:
-        the rows of ``input_ids [T]`` holding ``image_token_id`` and the image embeddings
-        ``[N, tokens_per_image, hidden]`` flattened in order, ``(rows [R], values [R, hidden])``.
-
-        Raises:
-            ValueError: the number of image tokens differs from the number of embeddings.
-        """
+        """Idefics3's ``inputs_merger``: ``(rows [R], values [R, hidden])``. Raises ValueError if the counts differ."""
         rows = (input_ids == self.image_token_id).nonzero().flatten()
         values = embeddings.reshape(-1, embeddings.shape[-1])
         if len(rows) != len(values):
@@ -97,16 +70,7 @@ class SmolVLM:
 def load_text(model_dir: str | Path, dtype: torch.dtype = torch.float32,
               device: str | torch.device = "cpu", weight_format: str = "auto",
               tp: tensor_parallel.TPRank | None = None) -> tuple[LlamaModel, int]:
-    """The language model of a SmolVLM / Idefics3 directory alone (what prefill and decode
-    workers run; the vision tower stays unread), on ``device``, its linear layers dense in
-    ``weight_format`` (``model/linear.py``: there are no GGUF blocks), and its ``image_token_id``.
-    With ``tp``, the rank's shard (see ``LlamaModel``).
-
-    Raises:
-        ModelLoadError: as :meth:`SmolVLM.load`.
-        ValueError: a weight format with blocks (``linear.resolve``); with ``tp``, a TP size
-            the model cannot split.
-    """
+    """The language model alone (vision tower unread), dense, and ``image_token_id``. Raises as ``LlamaModel``."""
     fmt = linear.resolve(weight_format, dtype, has_blocks=False)
     cfg = read_config(model_dir)
     weights = read_weights(model_dir, keep=lambda name: not is_vision_weight(name))
@@ -129,13 +93,7 @@ def _text_model(model_dir: str | Path, cfg: dict, weights: dict[str, torch.Tenso
 
 
 def synthetic_vision_weights(config: VisionConfig, seed: int, projection_std: float) -> dict[str, torch.Tensor]:
-    """Seeded random SigLIP + connector weights (Hugging Face names) for ``config``.
-
-    Linear, conv and position weights are N(0, 0.02²) (SigLIP's initializer range),
-    biases 0, LayerNorms identity; the projection is N(0, ``projection_std``²) so that
-    image embeddings have a spread like the language model's token embeddings and
-    activations stay finite. Same ``seed`` → same tensors.
-    """
+    """N(0, 0.02²) weights (SigLIP's init), zero biases, identity norms; projection std ``projection_std``."""
     g = torch.Generator().manual_seed(seed)
     d, inter, c, p = config.hidden_size, config.intermediate_size, config.num_channels, config.patch_size
 
@@ -165,19 +123,8 @@ def synthetic_vision_weights(config: VisionConfig, seed: int, projection_std: fl
 
 
 def default_multimodal_model(seed: int = DEFAULT_SEED) -> Path:
-    """The default multimodal model's Hugging Face directory, written once under the
-    cache (``$EPDSERVE_CACHE`` or ``~/.cache/epdserve``) next to the default text model.
-
-    It is SmolLM2-135M-Instruct (weights untouched) plus a SmolVLM-256M-shaped vision
-    tower with SYNTHETIC weights from :func:`synthetic_vision_weights` (``seed``). The
-    tokenizer gains SmolVLM's image special tokens (``SPECIAL_TOKENS``) as added tokens,
-    and the embedding (and ``lm_head`` when untied) gains one SYNTHETIC row per new token:
-    the mean token embedding plus seeded noise of 1% of the embeddings' spread, so that
-    no new token outscores real ones and text-only outputs equal SmolLM2's.
-
-    Raises:
-        ModelLoadError: the default text model cannot be found or read.
-    """
+    """Written once under the cache; the tokenizer gains ``SPECIAL_TOKENS``, the embedding a row each (mean + 1%
+    seeded noise: text outputs equal SmolLM2's). Raises ModelLoadError."""
     base = default_text_dir()
     return cached_dir(cache_root() / f"{base.name}-smolvlm-synthetic-seed{seed}",
                       lambda tmp: _write_synthetic_dir(tmp, base, seed))

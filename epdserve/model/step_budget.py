@@ -1,20 +1,6 @@
-"""The tokens an engine step computes (``max_num_batched_tokens``) when the operator sets
-none: what this machine prefills in :data:`STEP_TARGET_S`, measured once per machine,
-model, weight format and dtypes (``tuning.py``: kept, measured again when disturbed).
-
-A step's outputs all come at its end. With a budget of 2,048 tokens (vLLM's on the CPU),
-sixteen 286-token prompts arriving together fill a float32 step seven at a time on 2 cores:
-the first seven wait ~2 s for the whole step and every running decode waits as long between
-two tokens. A step of what the machine prefills in half a second frees the first prompts
-sooner, keeps the running decodes' gaps under half the default longest-gap SLO (1 s), and
-starts their decodes earlier, so later steps batch more of them. On a 2-core Xeon with AMX
-(float32, ``benchmarks/speed.py --concurrency 16 32``) 512 tokens a step gave a C=16 mean
-TTFT of 1,988 ms against 3,431 at 2,048, 162 against 144 output tok/s, and at C=32 181
-against 140 tok/s with an ITL p99 of 582 against 2,337 ms. What it costs a lone long prompt
-there (in-process, one 1,500-token prefill): 1,680 ms in 512-token steps on 2 threads against
-1,597 in one 2,048-token step (+5 %; 256-token steps +21 %), and nothing on 1 thread (256:
-3,223 against 3,283 ms).
-"""
+"""Default ``max_num_batched_tokens``: what this machine prefills in :data:`STEP_TARGET_S` (``tuning.py``). On
+2 AMX cores, 512 tokens a step against 2,048: C=16 mean TTFT 1,988 vs 3,431 ms, C=32 ITL p99 582 vs 2,337 ms,
+a lone 1,500-token prefill +5 % (``benchmarks/speed.py``)."""
 
 from __future__ import annotations
 
@@ -31,20 +17,16 @@ PROBE_TOKENS = 256  # the prompt timed
 
 
 def from_rate(tokens_per_s: float) -> int:
-    """The budget for a prefill speed (prompt tokens per second): the tokens of
-    :data:`STEP_TARGET_S`, to the nearest power of two (a coarse grid, so that run-to-run
-    noise seldom moves the choice), within :data:`LIMITS`."""
+    """Tokens of :data:`STEP_TARGET_S` to a power of two (noise seldom moves it), within :data:`LIMITS`."""
     tokens = 2 ** round(math.log2(max(tokens_per_s * STEP_TARGET_S, 1.0)))
     return min(max(tokens, LIMITS[0]), LIMITS[1])
 
 
 def valid(value: object) -> bool:
-    """Whether ``value`` is a budget :func:`from_rate` gives."""
     return isinstance(value, int) and LIMITS[0] <= value <= LIMITS[1] and value & (value - 1) == 0
 
 
 def _probe(model: LlamaModel, kv_dtype: torch.dtype, block_size: int = 16):
-    """A forward pass of one :data:`PROBE_TOKENS`-token prompt into a KV cache of its own."""
     n = PROBE_TOKENS
     blocks = -(-n // block_size)
     kv_cache = model.allocate_kv_cache(blocks, block_size, dtype=kv_dtype)
@@ -59,9 +41,7 @@ def _probe(model: LlamaModel, kv_dtype: torch.dtype, block_size: int = 16):
 
 
 def measured(model: LlamaModel, kv_dtype: torch.dtype, force: bool = False) -> tuning.Tuned:
-    """This machine's budget for ``model`` (on the CPU, one process; its ``tuned`` choices
-    made) with a KV cache of ``kv_dtype``: :func:`from_rate` of the prefill speed of a
-    :data:`PROBE_TOKENS`-token prompt, through ``tuning.choose`` (``force``: measured again)."""
+    """On the CPU, one process, after the model's ``tuned`` choices (``force``: measure again)."""
     c = model.config
     key = [c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
            c.vocab_size, repr(model.weight_format), str(model.dtype), str(kv_dtype),

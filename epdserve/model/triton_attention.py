@@ -1,26 +1,7 @@
-"""Attention over the paged KV pool on CUDA, in Triton, reading K/V through the block table
-(no gathered copy): decode (one new token per sequence, split-K over the context for long
-contexts and small batches) and prefill behind a cached prefix (several query rows, causal).
-
-One kernel serves both (as vLLM's ``triton_unified_attention``): a program owns one KV head
-of one sequence and ``BLOCK_M`` query rows — (query token, query head of that KV head's
-group) pairs, so grouped-query heads share each K/V tile they load — and walks the context
-in tiles of ``BLOCK_N`` tokens with the online softmax of FlashAttention (Dao et al., 2022),
-in float32. Each token's slot is ``block_table[pos // block_size] * block_size + pos %
-block_size`` (PagedAttention, Kwon et al., SOSP 2023), the layout ``layer_ops`` documents.
-
-**Split-K** ("flash-decoding", Dao et al., 2023): decode has one program per (sequence, KV
-head), too few to fill a GPU when the batch is small, and each walks the whole context.
-:func:`decode_splits` chooses ``S`` from shapes known on the host (the block table's width,
-not the context lengths, which live on the device: a step never waits for the GPU, and a CUDA
-graph replays the same launch); each sequence's own context is then cut, on the device, into
-``S`` equal parts of whole ``BLOCK_N`` tiles, each a program that writes its unnormalized
-output with its running max and sum, and a second kernel merges the ``S`` parts.
-
-Triton ships with the CUDA build of PyTorch; this module imports it at import time, so only
-CUDA code paths import this module (``layer_ops`` does so lazily). With
-``TRITON_INTERPRET=1`` the kernels run on CPU tensors (Triton's interpreter; the tests).
-"""
+"""Paged attention on CUDA in Triton, K/V read in place through the block table: decode (split-K, Dao et
+al., 2023) and prefill behind a cached prefix, one kernel as vLLM's ``triton_unified_attention``, online
+softmax in float32. Split counts use host-known shapes only: no GPU wait, CUDA graphs replay. Import only
+on CUDA paths; ``TRITON_INTERPRET=1`` runs it on CPU tensors (the tests)."""
 
 from __future__ import annotations
 
@@ -34,24 +15,19 @@ import triton.language as tl
 
 # Context tokens per kernel tile; a multiple of any power-of-two block size up to it.
 BLOCK_N = 32
-# Decode programs below which the context is split: about one wave of a GPU's multiprocessors
-# (132 on an H100 / H200) when the device cannot be asked (the interpreter).
+# Decode programs below which the context is split: ~one wave of an H100's 132 SMs (device unknown).
 DEFAULT_PROGRAMS = 132
-# A split walks at least this many context tokens: shorter parts cost more in the merge
-# (S partial rows of head_dim float32 per head) than their parallelism returns.
+# Shorter splits cost more in the merge than their parallelism returns.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 # Query rows per prefill program (query tokens × heads of a group).
 PREFILL_BLOCK_M = 64
 LOG2E = 1.4426950408889634
-# Triton's interpreter (3.9) multiplies bfloat16 tiles in tl.dot as raw 16-bit integers (numpy has
-# no bfloat16), so under it bfloat16 tiles are widened to float32 before each dot; on a GPU the
-# dots take bfloat16 / float16 operands (float32 accumulation), as FlashAttention does.
+# Triton 3.9's interpreter multiplies bfloat16 tl.dot tiles as raw integers: widened to float32 there.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# A prefill's lengths change with every request: specializing on them (Triton does for a value
-# of 1 or a multiple of 16) would compile new variants, seconds each, in the serving path.
+# Lengths are not specialised on: new variants would compile (seconds each) in the serving path.
 @triton.jit(do_not_specialize=["q_len_arg", "ctx_len_arg"])
 def _paged_attention_kernel(  # long: one kernel, its arguments and its online-softmax loop
         Q, K, V, Out, BlockTables, CtxLens, PartAcc, PartM, PartL,
@@ -85,11 +61,11 @@ def _paged_attention_kernel(  # long: one kernel, its arguments and its online-s
         q = q.to(tl.float32)
     # Causal: query token i (of q_len) sees positions up to ctx_len - q_len + i.
     limit = ctx_len - q_len + q_idx
-    if DECODE:  # this sequence's context in equal parts of whole tiles, one per split
+    if DECODE:
         tokens_per_split = tl.cdiv(tl.cdiv(ctx_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         start = split * tokens_per_split
         end = tl.minimum(ctx_len, start + tokens_per_split)
-    else:  # no split; the tile's last query bounds the keys it needs
+    else:
         start = 0
         end = ctx_len - q_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -156,16 +132,9 @@ def _merge_splits_kernel(PartAcc, PartM, PartL, Out, num_splits,
 
 
 def decode_splits(batch: int, kv_heads: int, max_ctx: int, programs: int | None = None) -> int:
-    """How many parts decode attention cuts each context into (split-K).
-
-    1 when ``batch × kv_heads`` programs already fill ``programs`` (the device's
-    multiprocessor count; :data:`DEFAULT_PROGRAMS` where unknown) or ``max_ctx`` is
-    shorter than ``2 × MIN_SPLIT_TOKENS``; else enough parts to reach ``programs``, at
-    most ``max_ctx // MIN_SPLIT_TOKENS`` (the widest context's parts are at least
-    ``MIN_SPLIT_TOKENS`` long) and :data:`MAX_SPLITS`. ``max_ctx``: the longest context
-    the block table can hold (its width × block size, tokens). Each sequence splits its
-    own context into that many equal parts (shorter contexts, shorter parts).
-    """
+    """Split-K parts: 1 if ``batch × kv_heads`` fills ``programs`` (SMs) or ``max_ctx`` (tokens) is under ``2 ×
+    MIN_SPLIT_TOKENS``; else enough to fill ``programs``, at most ``max_ctx // MIN_SPLIT_TOKENS`` and
+    :data:`MAX_SPLITS`."""
     programs = programs or DEFAULT_PROGRAMS
     base = batch * kv_heads
     if base >= programs or max_ctx < 2 * MIN_SPLIT_TOKENS:
@@ -180,15 +149,14 @@ def _block_d(head_dim: int) -> int:
 
 @functools.cache
 def device_programs(device: torch.device) -> int | None:
-    """The device's multiprocessor count (asked once per device), None off CUDA."""
+    """Asked once per device; None off CUDA."""
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> tuple[int, int]:
-    """(kv_heads, group) of q ``[rows, heads, head_dim]`` over caches ``[slots, kv_heads,
-    head_dim]``; ValueError naming what disagrees."""
+    """``(kv_heads, group)``; ValueError naming what disagrees."""
     if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} must be [rows, heads, head_dim] and k/v caches "
                          f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} equal [slots, kv_heads, head_dim]")
@@ -226,24 +194,9 @@ def _launch(grid, q, k_cache, v_cache, out, block_table, ctx_lens, parts, q_len,
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_size: int,
                            num_splits: int | None = None) -> torch.Tensor:
-    """``layer_ops.paged_decode_attention`` in Triton: one new token per sequence over its
-    KV blocks, read in place; scale ``1/sqrt(head_dim)``, grouped-query heads (query head
-    h reads KV head ``h // (heads / kv_heads)``), float32 softmax and accumulation.
-
-    Args:
-        q: ``[B, heads, head_dim]`` float32, bfloat16 or float16 (head_dim contiguous).
-        k_cache, v_cache: one layer's ``[slots, kv_heads, head_dim]``, q's dtype and device;
-            slot = block id × ``block_size`` + offset.
-        block_tables: ``[B, max_blocks]`` int32/int64, padded with any value (never read
-            past a context).
-        ctx_lens: ``[B]`` positions attended (the new token's included), each ≥ 1 and ≤
-            ``max_blocks × block_size`` (not checked: that would wait for the device).
-        num_splits: parts of the context (split-K); default :func:`decode_splits`.
-    Returns:
-        ``[B, heads, head_dim]`` in q's dtype.
-    Raises:
-        ValueError: shapes, dtypes or ``block_size`` disagree (named in the message).
-    """
+    """``layer_ops.paged_decode_attention`` in Triton (float32/bfloat16/float16, head_dim contiguous);
+    ``ctx_lens [B]`` each in 1..max_blocks × block_size, unchecked (that would wait for the device). Raises
+    ValueError on a mismatch."""
     kv_heads, group = _check(q, k_cache, v_cache, block_size)
     batch = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or ctx_lens.shape != (batch,):
@@ -275,21 +228,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """Causal attention of one sequence's ``q_len`` new tokens over all ``ctx_len`` of its
-    positions (a cached prefix, then the new tokens, whose K/V are already written to the
-    pool), read through the block table in place; the maths of
-    :func:`paged_decode_attention`. Query token i sees positions ``≤ ctx_len - q_len + i``.
-
-    Args:
-        q: ``[q_len, heads, head_dim]``.
-        k_cache, v_cache: one layer's ``[slots, kv_heads, head_dim]``.
-        block_table: ``[n_blocks]`` int32/int64 covering ``ctx_len`` positions.
-        ctx_len: positions attended by the last query (host int, ≥ ``q_len``).
-    Returns:
-        ``[q_len, heads, head_dim]`` in q's dtype.
-    Raises:
-        ValueError: shapes, dtypes or lengths disagree (named in the message).
-    """
+    """Causal: query i of ``q [q_len, heads, head_dim]`` sees positions ``≤ ctx_len - q_len + i`` (``ctx_len``
+    a host int; new K/V already in the pool). Raises ValueError on a mismatch."""
     kv_heads, group = _check(q, k_cache, v_cache, block_size)
     q_len = q.shape[0]
     if block_table.dim() != 1 or not 1 <= q_len <= ctx_len <= block_table.shape[0] * block_size:

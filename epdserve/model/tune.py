@@ -1,12 +1,5 @@
-"""``epdserve tune``: measure this machine's choices again and show what workers will use.
-
-A worker measures its choices (``tuning.py``: the float32 GEMM library, the block kernel /
-BLAS cut-over of a weight format with GGUF blocks, the prefill attention's way, the tokens a
-step computes) at its first start on a machine and keeps them; this command
-measures them again, as a worker of each thread count and weight format would, replaces
-what was kept, and prints one line each with the CPU model and flags. Run it after a first
-start on a busy machine, or when ``/health`` shows a choice's ``source`` as ``disturbed``.
-"""
+"""``epdserve tune``: measure this machine's choices again (as a worker of each thread count and format),
+replace what was kept and print them; for after a busy first start or a ``disturbed`` source in ``/health``."""
 
 from __future__ import annotations
 
@@ -25,14 +18,12 @@ BLOCK_FORMATS = tuple(f for f in linear.WEIGHT_FORMATS if f.startswith("q4_1")) 
 
 
 def default_threads() -> list[int]:
-    """1 (a worker on one core, as each worker of a 2-core PD deployment) and every core
-    this process may use (a colocated worker on all of them)."""
+    """1 (a worker per core) and all of this process's cores (a colocated worker)."""
     return sorted({1, len(os.sched_getaffinity(0))})
 
 
 def default_formats() -> list[str]:
-    """The weight formats with GGUF blocks (the ones with a cut-over); ``q4_1+bf16`` only
-    where the CPU computes bfloat16 natively."""
+    """``q4_1+bf16`` only where the CPU computes bfloat16 natively."""
     formats = ["q4_1", "q4_1+f32"]
     return formats + (["q4_1+bf16"] if BF16_CPU_FLAGS & kernels.cpu_flags() else [])
 

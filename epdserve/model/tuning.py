@@ -1,30 +1,9 @@
-"""Choices the engine makes by timing alternatives on this machine (the block kernel / BLAS
-cut-over, ``cutover.py``), measured so that a busy moment does not decide them for good, and
-kept per machine.
-
-An attempt times every candidate once per round, the candidates in turn, over :data:`ROUNDS`
-rounds after an untimed one, so that load that comes and goes falls on all of them alike. It
-is *disturbed* when
-
-* other processes (or the hypervisor, as steal) took :data:`epdserve.host.OUTSIDE_SHARE_WARN`
-  or more of the time of this process's cores while it ran (``/proc/stat`` against this
-  process's CPU time: what ``compare`` checks for a run), or
-* the choice made from each candidate's median time differs from the one made from its
-  best: the repeats disagree about the answer.
-
-A disturbed attempt is measured again, up to :data:`ATTEMPTS` attempts. The first clean one
-decides and is kept in ``<cache>/tuning/<name>/<key>.json`` (its times, medians, load and the
-machine it ran on); later processes read it. When every attempt was disturbed the choice is
-made from each candidate's best time over all of them and kept *marked disturbed*: each later
-start measures once more (one attempt, not :data:`ATTEMPTS`: a busy machine pays little at
-every start), pools its best times with the kept ones, and replaces the entry with a clean
-measurement as soon as it gets one. So a busy answer is never taken as final, and it gets
-better with every start. An entry is keyed by the machine (CPU model and feature flags,
-torch's version, the kernels' build, the engine's thread count) and the choice's own key
-(the layers' shapes and formats); an unreadable one or one of another format version is
-measured again and replaced, and so is any with ``force`` (``epdserve tune``). Processes
-starting together measure once: the others wait on a lock.
-"""
+"""Choices made by timing alternatives on this machine, kept in ``<cache>/tuning/<name>/<key>.json``
+(keyed by CPU model and flags, torch, kernel build, threads and the choice's key; processes starting
+together wait on a lock). An attempt is :data:`ROUNDS` rounds after an untimed one; it is disturbed if
+outside load reached :data:`host.OUTSIDE_SHARE_WARN` or median and best times disagree. Up to
+:data:`ATTEMPTS` attempts; if all are disturbed the pooled best times decide and the entry is kept marked
+disturbed: each later start measures once more until a clean attempt replaces it. ``force``: measure again."""
 
 from __future__ import annotations
 
@@ -57,24 +36,19 @@ CACHE, MEASURED, DISTURBED = "cache", "measured", "disturbed"
 
 @dataclass(frozen=True)
 class Tuned:
-    """A measured choice: ``value``; ``source``: :data:`CACHE` (a clean measurement kept
-    earlier), :data:`MEASURED` (measured now, clean, kept) or :data:`DISTURBED` (measured
-    now and disturbed, as every one before it: kept marked so); ``path``: its cache file."""
+    """``source``: :data:`CACHE`, :data:`MEASURED` (now, clean) or :data:`DISTURBED`; ``path``: its cache file."""
 
     value: int | str
     source: str
     path: Path
 
     def as_json(self) -> dict:
-        """``{"value", "source"}`` (a worker's /health entry)."""
         return {"value": self.value, "source": self.source}
 
 
 @dataclass(frozen=True)
 class Attempt:
-    """One attempt's seconds per candidate and round (``times``), and the shares of its cores'
-    time that other processes (``outside_share``) and the hypervisor (``steal_share``) took
-    while it ran (None where ``/proc/stat`` cannot be read)."""
+    """Seconds per candidate and round; the load shares are None where ``/proc/stat`` is unreadable."""
 
     times: dict[str, list[float]]
     outside_share: float | None
@@ -87,13 +61,11 @@ class Attempt:
         return {c: statistics.median(ts) for c, ts in self.times.items()}
 
     def loaded(self) -> bool:
-        """Whether other processes or steal took :data:`host.OUTSIDE_SHARE_WARN` or more."""
         return (self.outside_share or 0.0) + (self.steal_share or 0.0) >= host.OUTSIDE_SHARE_WARN
 
 
 def machine() -> dict:
-    """What a measured choice depends on besides its own key: ``{"cpu", "flags" (a digest of
-    the sorted feature flags), "torch", "kernels" (their build digest), "threads"}``."""
+    """The cache key besides the choice's own (``flags``: a digest of the sorted CPU flags)."""
     flags = " ".join(sorted(kernels.cpu_flags())).encode()
     return {"cpu": kernels.cpu_model(),
             "flags": hashlib.sha256(flags).hexdigest()[:12], "torch": torch.__version__,
@@ -101,8 +73,6 @@ def machine() -> dict:
 
 
 def time_rounds(candidates: Mapping[str, Callable[[], object]], rounds: int = ROUNDS) -> Attempt:
-    """Time each of ``candidates`` once per round, in turn, over ``rounds`` rounds after an
-    untimed one; with the outside load on this process's cores over the timed rounds."""
     for fn in candidates.values():
         fn()
     cores = sorted(os.sched_getaffinity(0))
@@ -126,11 +96,7 @@ def time_rounds(candidates: Mapping[str, Callable[[], object]], rounds: int = RO
 def choose(name: str, key: Sequence, measure: Callable[[], Attempt],
            decide: Callable[[Mapping[str, float]], int | str], valid: Callable[[object], bool],
            force: bool = False) -> Tuned:
-    """The choice ``name`` for ``key`` on this machine: ``decide(seconds per candidate)`` of a
-    clean attempt of ``measure()``, read from the cache when a clean one was kept before
-    (unless ``force``); else from the best times of every disturbed attempt so far (see the
-    module doc). ``valid(value)``: whether a kept value is one ``decide`` can give (an entry
-    with another is measured again and replaced, as an unreadable one)."""
+    """``decide(seconds per candidate)`` as the module doc says; ``valid``: whether a kept value is acceptable."""
     parts = {"machine": machine(), "key": list(key)}
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = cache_root() / "tuning" / name / f"{digest}.json"
@@ -160,8 +126,7 @@ def choose(name: str, key: Sequence, measure: Callable[[], Attempt],
 
 
 def _read(path: Path, valid: Callable[[object], bool]) -> dict | None:
-    """The entry at ``path``, or None: missing, or (with a log line) unreadable, of another
-    version, or holding a value that is not ``valid`` or best times that are not numbers."""
+    """None if missing, unreadable, of another version or invalid (logged)."""
     try:
         entry = json.loads(path.read_text())
     except FileNotFoundError:
@@ -181,8 +146,6 @@ def _read(path: Path, valid: Callable[[object], bool]) -> dict | None:
 
 def _write(path: Path, parts: dict, value: int | str, best: Mapping[str, float], last: Attempt, attempts: int,
            disturbed: bool) -> None:
-    """Keep ``value`` with the ``best`` seconds per candidate it was decided from and the last
-    attempt's medians and load."""
     entry = {"version": VERSION, **parts, "value": value, "disturbed": disturbed, "attempts": attempts,
              "outside_share": last.outside_share, "steal_share": last.steal_share,
              "best_ms": {c: t * 1e3 for c, t in best.items()},

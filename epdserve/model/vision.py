@@ -1,21 +1,6 @@
-"""Idefics3 / SmolVLM vision side in plain PyTorch: the SigLIP vision transformer and the
-pixel-shuffle connector that turns each image tile into ``tokens_per_image`` embeddings
-in the language model's hidden size.
-
-The maths follows transformers' ``modeling_idefics3`` / ``modeling_smolvlm`` (Conv2d
-patch embedding, NaViT-style bucketed position ids, pre-LayerNorm encoder layers with
-bidirectional multi-head attention and a GELU-tanh MLP, post-LayerNorm, pixel shuffle,
-bias-free projection) so that embeddings match it to float rounding.
-
-Tensor parallelism (an encode worker of ``--encode-tp N``; Megatron-LM's scheme, as the
-language model's in :mod:`epdserve.model.tensor_parallel`): each rank holds a contiguous
-share of the attention heads (Q, K and V rows; the output projection's columns) and of the
-MLP's intermediate features (``fc1`` rows, ``fc2`` columns), as even as possible
-(SigLIP-base's 12 heads over 5 ranks: 3, 3, 2, 2, 2). The output projection and ``fc2``
-are row-parallel: their partial sums are added over the ranks, then the bias once; so a
-layer costs two all-reduces of ``[N, patches, hidden]``. The patch and position
-embeddings, the norms, the pixel shuffle and the connector are replicated.
-"""
+"""Idefics3 / SmolVLM vision side (SigLIP, pixel-shuffle connector) matching transformers'
+``modeling_idefics3``. Tensor parallel (``--encode-tp``, Megatron-LM): heads and MLP features split evenly,
+``out_proj``/``fc2`` row-parallel (two all-reduces a layer), the rest replicated."""
 
 from __future__ import annotations
 
@@ -35,17 +20,12 @@ CONNECTOR_WEIGHT = "model.connector.modality_projection.proj.weight"
 
 
 def is_vision_weight(name: str) -> bool:
-    """True for the Hugging Face tensor names of the vision tower and connector."""
     return name.startswith((VISION_PREFIX, "model.connector."))
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """SigLIP tower and connector shape (Hugging Face Idefics3 field names).
-
-    ``image_size`` and ``patch_size`` in pixels; ``scale_factor`` the pixel-shuffle
-    factor; ``text_hidden_size`` the language model's hidden size (the projection output).
-    """
+    """Hugging Face Idefics3 field names; sizes in pixels."""
 
     hidden_size: int
     intermediate_size: int
@@ -60,8 +40,6 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "VisionConfig":
-        """From a whole Idefics3/SmolVLM ``config.json`` dict (``vision_config``,
-        ``text_config`` and ``scale_factor``)."""
         v = cfg["vision_config"]
         return cls(
             hidden_size=v["hidden_size"],
@@ -82,8 +60,7 @@ class VisionConfig:
 
     @property
     def tokens_per_image(self) -> int:
-        """Embeddings per ``image_size`` tile after the pixel shuffle (Idefics3's
-        ``image_seq_len``: 64 for SmolVLM-256M's 512-pixel tiles, patch 16, factor 4)."""
+        """Idefics3's ``image_seq_len`` (SmolVLM-256M: 512 px tiles, patch 16, factor 4 → 64)."""
         return self.patches_per_side ** 2 // self.scale_factor ** 2
 
     @property
@@ -92,13 +69,7 @@ class VisionConfig:
 
 
 def vision_shard(config: VisionConfig, rank: int, size: int) -> tuple[range, range]:
-    """Rank ``rank``'s attention heads and MLP intermediate features of ``config``'s tower
-    split over ``size`` ranks (see the module doc).
-
-    Raises:
-        ValueError: ``size`` below 1 or above the tower's attention heads (each rank needs
-            one), or ``rank`` outside ``[0, size)``.
-    """
+    """Rank ``rank``'s heads and MLP features. Raises ValueError: ``size`` outside 1..heads, or a bad ``rank``."""
     heads = config.num_attention_heads
     if not 1 <= size <= heads:
         raise ValueError(f"tensor parallel size {size} of the vision tower: it must be between 1 and its "
@@ -109,24 +80,12 @@ def vision_shard(config: VisionConfig, rank: int, size: int) -> tuple[range, ran
 
 
 class VisionEncoder:
-    """SigLIP vision transformer + Idefics3 connector, or one rank's shard of it. Build
-    with :meth:`load` (a directory) or the constructor (a weights dict and a
-    :class:`VisionConfig`)."""
+    """SigLIP encoder + Idefics3 connector, or one rank's shard of it."""
 
     def __init__(self, config: VisionConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  tp: TPRank | None = None):
-        """``weights`` uses Hugging Face names (``model.vision_model.*`` and
-        ``model.connector.modality_projection.proj.weight``); extra names are ignored.
-        ``device``: where the weights live and :meth:`encode` computes. ``tp``: this
-        process's rank of a tensor-parallel encoder (it keeps its shard of ``weights``,
-        :func:`vision_shard`; its :meth:`encode` calls collectives, so every rank must call
-        it with the same tiles); None: the whole tower.
-
-        Raises:
-            KeyError: a tensor is missing.
-            ValueError: a ``tp`` size the tower cannot split over (:func:`vision_shard`).
-        """
+        """``tp``: this rank (every rank must :meth:`encode` the same tiles). Raises KeyError, ValueError."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -146,7 +105,6 @@ class VisionEncoder:
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = f"encoder.layers.{i}."
-            # One matmul for Q, K and V (this rank's heads of each).
             self.layers.append({
                 "ln1": (w(p + "layer_norm1.weight"), w(p + "layer_norm1.bias")),
                 "ln2": (w(p + "layer_norm2.weight"), w(p + "layer_norm2.bias")),
@@ -162,14 +120,7 @@ class VisionEncoder:
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu", tp: TPRank | None = None) -> "VisionEncoder":
-        """Load only the vision side of a SmolVLM / Idefics3 Hugging Face directory (an
-        encode worker needs no language model), or rank ``tp``'s shard of it. From a
-        weights dict, use the constructor.
-
-        Raises:
-            ModelLoadError: not a vision-language model, unreadable weights or a missing tensor.
-            ValueError: as the constructor.
-        """
+        """The vision side only. Raises ModelLoadError (not a VLM, unreadable or missing weights), ValueError."""
         config = VisionConfig.from_dict(read_config(model_dir))
         weights = read_weights(model_dir, is_vision_weight)
         try:
@@ -178,12 +129,8 @@ class VisionEncoder:
             raise ModelLoadError(f"{model_dir}: missing vision tensor {exc}") from None
 
     def position_ids(self, patches_h: int, patches_w: int) -> torch.Tensor:
-        """Position-embedding index ``[patches_h * patches_w]`` of each patch of an
-        unpadded image: fractional patch coordinates bucketed onto the
-        ``patches_per_side``² grid the embeddings were trained on (NaViT, as
-        transformers' ``Idefics3VisionEmbeddings``); the identity for a full
-        ``image_size`` tile. On the encoder's device, computed on the host: bucketing
-        compares floats at exact boundaries, so every device gets the CPU's buckets."""
+        """``[patches_h * patches_w]``: fractional patch coordinates bucketed onto the trained grid (NaViT, as
+        ``Idefics3VisionEmbeddings``), on the host so that every device gets the CPU's buckets."""
         side = self.config.patches_per_side
         boundaries = torch.arange(1 / side, 1.0, 1 / side)
 
@@ -196,18 +143,8 @@ class VisionEncoder:
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Embeddings of image tiles.
-
-        Args:
-            pixel_values: ``[N, 3, H, W]`` normalised tiles (see
-                :class:`epdserve.model.image_processor.ImageProcessor`), no padding;
-                ``H`` and ``W`` multiples of ``patch_size`` (normally both ``image_size``);
-                on any device (moved to the encoder's).
-        Returns:
-            ``[N, tokens_per_image, text_hidden_size]`` in ``self.dtype`` on the encoder's
-            device (not waited for on CUDA), one row per ``<image>`` token, in the order
-            Idefics3 scatters them into the prompt.
-        """
+        """``[N, 3, H, W]`` normalised tiles (any device) → ``[N, tokens_per_image, text_hidden_size]`` on the
+        encoder's device (not synchronised), in Idefics3's prompt order."""
         c = self.config
         n, _, height, width = pixel_values.shape
         x = F.conv2d(pixel_values.to(self.device, self.dtype), self.patch_weight, self.patch_bias,
@@ -228,19 +165,14 @@ class VisionEncoder:
         return F.linear(pixel_shuffle(x, c.scale_factor), self.projection)
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """A row-parallel linear layer: this rank's input features times its columns, summed
-        over the ranks, then the bias once."""
+        """Summed over the ranks, then the bias once."""
         if self.tp is None:
             return F.linear(x, weight, bias)
         return self.tp.all_reduce(F.linear(x, weight)) + bias
 
 
 def read_config(model_dir: str | Path) -> dict:
-    """The ``config.json`` dict of a SmolVLM / Idefics3 directory.
-
-    Raises:
-        ModelLoadError: missing or unreadable file, or not a multimodal ``model_type``.
-    """
+    """Raises ModelLoadError: unreadable, or not a multimodal ``model_type``."""
     path = Path(model_dir) / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -253,11 +185,7 @@ def read_config(model_dir: str | Path) -> dict:
 
 
 def read_weights(model_dir: str | Path, keep: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
-    """The tensors of every ``*.safetensors`` file in ``model_dir`` whose name passes ``keep``.
-
-    Raises:
-        ModelLoadError: no weight file, or a corrupt one.
-    """
+    """Raises ModelLoadError: no weight file, or a corrupt one."""
     from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -274,11 +202,8 @@ def read_weights(model_dir: str | Path, keep: Callable[[str], bool] = lambda nam
 
 
 def pixel_shuffle(x: torch.Tensor, factor: int) -> torch.Tensor:
-    """Idefics3's space-to-depth: ``[N, side², D]`` patch features (row-major grid)
-    become ``[N, side² / factor², D * factor²]``; each output token concatenates a
-    ``factor × factor`` block of neighbouring patches, in the element order of
-    transformers' ``Idefics3Connector.pixel_shuffle`` (which the projection weights
-    assume)."""
+    """Idefics3's space-to-depth: ``[N, side², D]`` → ``[N, side² / factor², D * factor²]``, in the element order
+    of transformers' ``Idefics3Connector.pixel_shuffle`` (the projection weights assume it)."""
     n, seq, dim = x.shape
     side = int(seq ** 0.5)
     x = x.reshape(n, side, side // factor, dim * factor)        # merge `factor` columns

@@ -1,6 +1,5 @@
-"""The planner (``epdserve plan``): profiles, the cost model, the SimPy simulation, the goodput
-search, calibration against compare runs and the report.
-"""
+"""The planner (``epdserve plan``): cost models, the SimPy simulation, the goodput search,
+calibration and validation."""
 
 __all__ = ["calibrate", "costmodel", "elastic_replay", "hardware", "model_spec", "replay",
            "report", "run", "search", "serving_fit", "sim_elastic", "sim_worker", "simulate",

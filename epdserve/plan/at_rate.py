@@ -1,14 +1,6 @@
-"""The plan's second question: what each deployment serves at the trace's own arrivals.
-
-``epdserve plan`` answers capacity by default (:mod:`epdserve.plan.search`: the highest rate
-at which ``--target`` of the requests meet the SLOs). ``--question goodput`` asks what
-``epdserve compare`` asks: the requests per second within the SLOs when the trace is sent
-as it is, each deployment simulated once on it. The simulated requests are judged as a
-compare run's are, by the same rules and paired interval (:mod:`epdserve.bench.rules`,
-:mod:`epdserve.bench.paired`: over the requests, one simulated run each) and drawn on the
-same SLO map (:mod:`epdserve.bench.slo_map`), so a predicted map and a measured one of the
-same trace can be laid side by side (:func:`agreement`, ``epdserve plan validate``).
-"""
+"""``plan --question goodput``: each deployment simulated once on the trace as sent, judged as a
+compare run is (same rules, paired interval over the requests, SLO map), so predicted and
+measured maps of one trace can be laid side by side."""
 
 from __future__ import annotations
 
@@ -29,19 +21,13 @@ QUESTIONS = ("capacity", "goodput")
 
 def entry(deployment: Deployment, platform: Platform, requests: list[workload.Request], limits: EngineLimits,
           slos_ms: dict[str, float], device_kind: str) -> dict:
-    """``deployment`` simulated on ``requests`` at their own offsets, as a compare entry:
-    ``{"name", "mode", "result" (:func:`metrics.compute` against ``slos_ms``), "per_run": [its
-    per-request outcomes], "resources": {"device_kind": "core" | "GPU", "num_devices"}}``.
-
-    Raises:
-        KVCapacityError, ValueError: as :func:`~epdserve.plan.simulate.simulate`.
-    """
+    """A compare entry: ``name``, ``mode``, ``result`` against ``slos_ms``, ``per_run``,
+    ``resources``. Raises KVCapacityError, ValueError as simulate."""
     sim = serve(deployment, platform, requests, limits)
     return as_entry(deployment, metrics.compute(sim.results(range(len(requests)))[0], slos_ms), device_kind)
 
 
 def as_entry(deployment: Deployment, result: dict, device_kind: str) -> dict:
-    """A simulated ``result`` (:func:`metrics.compute`) as :func:`entry` gives it."""
     return {"name": deployment.name, "mode": deployment.mode, "result": result,
             "per_run": [paired.outcomes(result)],
             "resources": {"device_kind": device_kind, "num_devices": deployment.devices}}
@@ -50,14 +36,9 @@ def as_entry(deployment: Deployment, result: dict, device_kind: str) -> dict:
 def plan(deployments: list[tuple[Deployment, EngineLimits]], platform: Platform,
          requests: list[workload.Request], slos_ms: dict[str, float], device_kind: str, given: list | None,
          out_dir: Path, workload_text: str, devices: int) -> tuple[str, list[Path]]:
-    """The goodput question for ``deployments``: each simulated once (:func:`entry`), judged
-    at ``slos_ms`` and mapped (``given``: ``--slo-grid``'s axes); writes ``plan.json``,
-    ``plan.md`` and the map's PNG into ``out_dir``. Returns plan.md's text and the files.
+    """Writes plan.json, plan.md and the map's PNG; returns plan.md's text and the files.
 
-    Raises:
-        ValueError: a trace sent all at once (it has no rate of its own), or every
-            deployment skipped (no step model of its workers, its KV does not fit).
-    """
+    Raises ValueError: a trace sent all at once (no rate of its own), or every deployment skipped."""
     if replay.sent_at_once(requests):
         raise ValueError("--question goodput: the trace is sent all at once and has no arrivals of its own; give a "
                          "--trace with them (a compare run's trace.jsonl, a production trace) or ask for capacity")
@@ -82,8 +63,7 @@ def plan(deployments: list[tuple[Deployment, EngineLimits]], platform: Platform,
 
 
 def row(e: dict) -> dict:
-    """The figures of a simulated entry a plan's table shows: goodput (req/s within the SLOs),
-    per device, attainment, TTFT and ITL p50/p95 (ms), output tok/s per device."""
+    """Goodput req/s (and per device), attainment, TTFT and ITL p50/p95 ms, output tok/s per device."""
     r, n = e["result"], e["resources"]["num_devices"]
     return {"name": e["name"], "devices": n, "goodput_rps": r["request_goodput"],
             "goodput_per_device": r["request_goodput"] / n, "slo_attainment": r["slo_attainment"],
@@ -93,9 +73,7 @@ def row(e: dict) -> dict:
 
 
 def verdict(entries: list[dict], slos_ms: dict[str, float], given: list | None, out_dir: Path) -> dict:
-    """The verdict at ``slos_ms`` (a :func:`slo_map.cell`, worded by :func:`slo_map.describe`),
-    the map around them (``given``: ``--slo-grid``'s axes) and its markdown section, with the
-    PNG drawn into ``out_dir``: ``{"cell", "text", "region", "map", "section", "pngs"}``."""
+    """``{"cell", "text", "region", "map", "section", "pngs"}`` at ``slos_ms``."""
     c = slo_map.cell(entries, slos_ms)
     m, section, pngs = slo_map.for_outputs(entries, slos_ms, given, out_dir)
     return {"cell": c, "text": slo_map.describe(c), "map": m, "section": section, "pngs": pngs,
@@ -103,14 +81,8 @@ def verdict(entries: list[dict], slos_ms: dict[str, float], given: list | None, 
 
 
 def agreement(predicted: dict, measured: dict) -> dict:
-    """How two maps of the same axes agree, cell by cell, counting only verdicts shown
-    better: ``{"same": cells where both show the same winner better, "opposite": both show
-    one better but not the same, "predicted_only", "measured_only": shown better in one map
-    and not in the other (a tie or no difference shown there), "neither", "cells"}``.
-
-    Raises:
-        ValueError: maps of different axes.
-    """
+    """Cell counts over verdicts shown better: ``same`` winner, ``opposite``, ``predicted_only``,
+    ``measured_only``, ``neither``, and ``cells``. Raises ValueError for maps of different axes."""
     if predicted["axes"] != measured["axes"]:
         raise ValueError(f"maps of different SLO grids: {predicted['axes']} vs {measured['axes']}")
     counts = dict.fromkeys(("same", "opposite", "predicted_only", "measured_only", "neither"), 0)
@@ -123,15 +95,12 @@ def agreement(predicted: dict, measured: dict) -> dict:
 
 
 def agreement_line(a: dict) -> str:
-    """:func:`agreement` in a sentence."""
     return (f"of {a['cells']} cells, {a['same']} show the same winner better in both maps and {a['opposite']} "
             f"opposite winners; {a['predicted_only']} are shown better only in the prediction, "
             f"{a['measured_only']} only in the measurement, {a['neither']} in neither (ties, no difference shown)")
 
 
 def markdown(doc: dict, section: str) -> str:
-    """``plan.md`` for the goodput question, from its ``plan.json`` document ``doc`` and the
-    map's markdown ``section``."""
     slos = " ".join(f"{k} ≤ {v:g} ms" for k, v in doc["slos_ms"].items())
     lines = [f"# Plan: {doc['platform']}, {doc['devices']} devices: goodput at the trace's own arrivals", "",
              f"Workload: {doc['workload']}. SLOs: {slos}. The question: requests per second within the SLOs "
@@ -153,16 +122,9 @@ def markdown(doc: dict, section: str) -> str:
 
 
 def side_by_side(compare_dirs: list[Path], predicted: list[dict], given: list | None, out_dir: Path) -> str:
-    """The measured map of saved compare runs of one trace (their runs pooled, judged at the
-    SLOs compare judged them by; ``given``: ``--slo-grid``'s axes) and the predicted map of
-    the same deployments (``predicted``: :func:`as_entry` entries simulated on that trace),
-    as markdown with their :func:`agreement`; both drawn into ``out_dir``
-    (``slo_map_measured.png``, ``slo_map_predicted.png``). A run saved by an older epdserve
-    (no per-request values to judge) gives one line saying so instead.
-
-    Raises:
-        ValueError: as :func:`agreement`.
-    """
+    """Measured map of saved runs (pooled, at compare's SLOs) beside the predicted one, with
+    their agreement, PNGs drawn into ``out_dir``; one line instead for runs without per-request
+    values. Raises ValueError as :func:`agreement`."""
     try:
         saved = [saved_report.load(d) for d in compare_dirs]
         names = {e["name"] for e in predicted}

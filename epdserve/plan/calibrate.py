@@ -1,22 +1,6 @@
-"""Calibration: measure this machine's engine steps and fit the planner's cost model.
-
-``epdserve plan calibrate`` runs a real :class:`~epdserve.engine.engine.LLMEngine` in this
-process, pinned to 1 and then 2 cores (the worker sizes the launcher uses here), times
-prefill steps of several prompt lengths and decode steps of several batch sizes and
-contexts, fits a :class:`~epdserve.plan.costmodel.LinearStep` per worker size, times
-:meth:`~epdserve.engine.encoder.EncodeEngine.encode` (the vision tower of the model, or for
-the default text model that of the default vision-language model, whose language model it
-is) per tile at each worker size, fits the steps of a worker of 2 tensor-parallel ranks
-(``tp_steps``: this process rank 0 on one core, a follower process on the next, as serve
-runs ``--tensor-parallel-size 2`` here), times a real shared-memory KV hand-off, and writes
-everything as JSON. ``epdserve plan validate``
-later stores the prediction errors it measures in the same file, so ``plan`` can state them.
-
-Served steps are slower than the engine alone; ``epdserve plan calibrate --from-compare
-DIR...`` learns by how much from ``compare`` runs (:mod:`epdserve.plan.serving_fit`, whose
-functions this module also exports, as ``plan``'s CLI calls them) and stores it in the
-calibration's ``serving`` section, which :func:`platform_from` applies.
-"""
+"""``epdserve plan calibrate``: time this machine's engine steps (workers of 1 and 2 cores, and of
+2 tensor-parallel ranks), the vision tower's encode per tile and a shared-memory KV hand-off,
+fit the cost model, and read the calibration back as a :class:`Platform` (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -52,33 +36,26 @@ from epdserve.transfer import handoff, loopback
 
 CACHE_DIR = Path.home() / ".cache" / "epdserve" / "calibration"
 PREFILL_LENS = (16, 64, 256, 768, 1536)
-# Each prefill timed in one step, whatever this machine's default step budget: the step model
-# is of a step's tokens, and the simulation cuts prompts into the budget's steps itself.
+# One step per prompt whatever the step budget: the simulation cuts prompts into steps itself.
 WHOLE_PROMPT_STEPS = max(PREFILL_LENS)
 DECODE_BATCHES = (1, 4, 8, 16, 32)
 DECODE_CONTEXTS = (64, 512)
-# Encode calls timed per worker size, after a one-image warm-up: images per call (the
-# bench's default image size). A 512-px tile takes 2-6 s on a (busy) core: ~30 s in all.
+# Images per timed encode call, after a one-image warm-up (a 512-px tile: 2-6 s on a core).
 ENCODE_CALLS = (2,)
 ENCODE_IMAGE_SIZE = (448, 448)
-# What tiles and image tokens per image follow from (ImageProcessor.grid / num_tokens).
 PROCESSOR_FIELDS = ("longest_edge", "max_image_size", "image_seq_len", "do_resize", "do_image_splitting")
-# Greedy, as `epdserve bench` and `compare` send by default: random sampling (temperature
-# 1, the API's default) adds ~1.8 ms per sequence to a step on this CPU, which served greedy
-# runs never pay.
+# Greedy, as bench and compare send: sampling at temperature 1 adds ~1.8 ms a sequence a step.
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-# The tensor-parallel worker timed (``tp_steps``): ranks, and each rank's KV budget (MiB;
-# the decode batches' largest, 32 sequences of up to 1,024 tokens, fit in rank 0's shard).
+# The TP worker timed: ranks, and each rank's KV budget (MiB; 32 sequences of 1,024 tokens fit).
 TP_SIZE = 2
 TP_KV_MB = 768
-# Indicative price of one CPU core-hour (USD), to rank candidates by cost like GPUs.
+# Indicative USD per CPU core-hour, to rank candidates by cost like GPUs.
 CPU_CORE_PRICE_PER_HOUR = 0.04
 
 
 def default_path(model: str | None) -> Path:
-    """Where ``epdserve plan calibrate --model MODEL`` keeps its calibration. The default
-    vision-language model shares the default text model's: its language model is that
-    model, untouched, and that calibration times its vision tower too."""
+    """The default VLM shares the default text model's: its language model is that model,
+    and that calibration times its vision tower too."""
     return CACHE_DIR / f"{resolve_model(None if model == DEFAULT_VLM else model).name}-cpu.json"
 
 
@@ -87,11 +64,8 @@ def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 
 
 def _prefill_steps(model_dir: str, reps: int, rng, prefix: list[int], engine: LLMEngine | None = None) -> list[dict]:
-    """Prefill steps of :data:`PREFILL_LENS`-token prompts that start with ``prefix`` (the
-    chat template's system turn), as served prompts do: after the first, the prefix cache
-    holds its full blocks and each step computes the rest over them (the attention over a
-    cached context) as served prefills do. On ``engine`` if given (a tensor-parallel one),
-    else on a new one."""
+    """Prompts start with ``prefix``, so after the first each step computes the rest over
+    cached blocks, as served prefills do."""
     engine = engine or LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=256,
                                                          max_num_batched_tokens=WHOLE_PROMPT_STEPS))
     vocab = engine.model.config.vocab_size
@@ -109,10 +83,7 @@ def _prefill_steps(model_dir: str, reps: int, rng, prefix: list[int], engine: LL
 
 
 def _decode_steps(model_dir: str, steps: int, rng, given: LLMEngine | None = None) -> list[dict]:
-    """Decode steps at each batch size, with every context equal (each of
-    :data:`DECODE_CONTEXTS`) and spread from 32 to 1,024 tokens (the padded attention gather
-    costs by the longest); each batch on a new engine, or on ``given`` (a tensor-parallel
-    one), whose requests are then aborted."""
+    """Contexts all equal, or spread 32-1,024 (the padded gather costs by the longest)."""
     out = []
     for batch in DECODE_BATCHES:
         shapes = [[ctx] * batch for ctx in DECODE_CONTEXTS] + [np.linspace(32, 1024, batch).astype(int).tolist()]
@@ -137,9 +108,7 @@ def _decode_steps(model_dir: str, steps: int, rng, given: LLMEngine | None = Non
 
 
 def _encode_ms_per_tile(model_dir: str) -> tuple[float, list[dict]]:
-    """Time :meth:`EncodeEngine.encode` calls of :data:`ENCODE_CALLS` distinct images
-    (embedding cache off) after one warm-up call; the ms per tile of all calls together
-    (preprocessing included: it is part of every call)."""
+    """(ms per tile, samples), embedding cache off, preprocessing included."""
     engine = EncodeEngine(model_dir, cache_bytes=0)
     w, h = ENCODE_IMAGE_SIZE
     rows, cols = engine.processor.grid((w, h))
@@ -154,8 +123,7 @@ def _encode_ms_per_tile(model_dir: str) -> tuple[float, list[dict]]:
 
 
 def _vision_dir(info) -> Path | None:
-    """The model whose vision tower to time: the model itself, or for the default text
-    model the default vision-language model; None for any other text model."""
+    """The model itself, or for the default text model the default VLM; else None."""
     if info.multimodal:
         return info.path
     return resolve_model(DEFAULT_VLM).path if info.name == resolve_model(None).name else None
@@ -171,9 +139,8 @@ def _fit(samples: list[dict]) -> tuple[LinearStep, float]:
 
 
 def _handoff_ms(model_dir: str, sizes: tuple[int, ...] = (16, 512)) -> Link:
-    """Time real prefill → decode hand-offs (in-process, from a shared-memory KV pool, as
-    a default same-host prefill worker makes them) of prompts of ``sizes`` tokens;
-    bandwidth from the difference, latency from the smallest."""
+    """In-process shm hand-offs of ``sizes``-token prompts, as a same-host prefill worker
+    makes them: bandwidth from the difference, latency from the smallest."""
     ctx = zmq.Context()
     prefill, pool = new_engine(model_dir, EngineConfig(kv_cache_memory_mb=256), True)
     decode = LLMEngine(model_dir, EngineConfig(kv_cache_memory_mb=256))
@@ -196,9 +163,7 @@ def _handoff_ms(model_dir: str, sizes: tuple[int, ...] = (16, 512)) -> Link:
 
 
 def _median_rounds(rounds: list[list[dict]]) -> tuple[list[dict], float]:
-    """The samples of repeated rounds of the same steps, each with the median of its ms over
-    the rounds, and how far the rounds' own fits differ: the mean over the steps of
-    (max − min) / median of their predictions (dimensionless)."""
+    """(samples at their median ms, the rounds' own fits' mean (max - min) / median)."""
     samples = [dict(s, ms=float(np.median([r[i]["ms"] for r in rounds]))) for i, s in enumerate(rounds[0])]
     fits = [_fit(r)[0] for r in rounds]
     spreads = []
@@ -211,17 +176,10 @@ def _median_rounds(rounds: list[list[dict]]) -> tuple[list[dict], float]:
 
 def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
               seed: int = 0, rounds: int = 3, progress: bool = True) -> dict:
-    """Measure and fit; returns the calibration dict (see :func:`platform_from`). Every
-    step is timed in ``rounds`` rounds, one after the other, and fitted on its median: a
-    busy minute on this machine moves one round, not the fit (a single round moved a 2-core
-    fit by ~20% between two calibrations); the rounds' own fits' difference is stored
-    (``round_spread``).
+    """The calibration dict. Each step is fitted on its median over ``rounds`` rounds: a busy
+    minute moves one round, not the fit (one round moved a 2-core fit ~20 %).
 
-    Raises:
-        ModelLoadError: the model cannot be loaded.
-        RuntimeError: this machine has fewer than 2 usable cores.
-        ValueError: ``rounds`` below 1.
-    """
+    Raises ModelLoadError, RuntimeError (fewer than 2 usable cores), ValueError (``rounds`` < 1)."""
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: must be at least 1")
     info = resolve_model(model)
@@ -230,7 +188,6 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
     if len(cores) < 2:
         raise RuntimeError("calibration needs 2 usable cores (workers of 1 and 2 cores)")
     template, prefix = _template_tokens(info.path)
-    # One unit: a round of every step of one model (the default VLM's language model too) on one worker size.
     bar = tqdm(total=2 * rounds * (1 + (vision_dir is not None)) + rounds, desc="calibrate", unit="round",
                disable=not progress)
     fit_steps = partial(_fit_steps, rounds=rounds, reps=reps, decode_steps=decode_steps,
@@ -251,8 +208,7 @@ def calibrate(model: str | None = None, reps: int = 2, decode_steps: int = 4,
 
 
 def _template_tokens(model_dir: Path) -> tuple[int, list[int]]:
-    """The chat template's tokens around an empty user message, and the tokens every chat
-    prompt starts with (the template's system turn: what two different messages share)."""
+    """(template tokens around an empty message, the tokens every chat prompt starts with)."""
     tokenizer = load_tokenizer(model_dir)
     template = len(chat_prompt_ids(tokenizer, [{"role": "user", "content": ""}]))
     a, b = (chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]) for text in ("yes", "no"))
@@ -262,9 +218,6 @@ def _template_tokens(model_dir: Path) -> tuple[int, list[int]]:
 
 def _fit_steps(model_dir: Path, rounds: int, reps: int, decode_steps: int, rng, prefix: list[int], bar,
                engine: LLMEngine | None = None) -> dict:
-    """Time ``rounds`` rounds of every prefill and decode step of one model here (on
-    ``engine`` if given) and fit the step model on their medians: the calibration's entry
-    for this worker size."""
     timed = []
     for _ in range(rounds):
         timed.append(_prefill_steps(str(model_dir), reps, rng, prefix, engine)
@@ -278,10 +231,7 @@ def _fit_steps(model_dir: Path, rounds: int, reps: int, decode_steps: int, rng, 
 
 def _measure(model_dir: Path, vision_dir: Path | None, cores: list[int],
              fit_steps: Callable[..., dict]) -> tuple[dict, dict, dict, dict, Link]:
-    """Step fits of the model (and of the VLM's language model) and encode timings per
-    worker size, pinned to 1 and then 2 of ``cores``, the model's step fit of a TP=2
-    worker (:func:`_tp_fit`), then the KV hand-off on one core; the process's cores and
-    threads are restored afterwards."""
+    """(fits, VLM fits, encode timings, TP fits, hand-off link); cores and threads restored."""
     saved_threads = torch.get_num_threads()
     fits, vlm_fits, encode = {}, {}, {}
     try:
@@ -290,8 +240,7 @@ def _measure(model_dir: Path, vision_dir: Path | None, cores: list[int],
             torch.set_num_threads(size)
             fits[str(size)] = fit_steps(model_dir)
             if vision_dir is not None:
-                # The VLM's language model loads dense (the quantized kernels need a GGUF):
-                # its steps are its own.
+                # Loaded dense (the quantized kernels need a GGUF): its steps are its own.
                 vlm_fits[str(size)] = fit_steps(vision_dir)
                 ms, calls = _encode_ms_per_tile(str(vision_dir))
                 encode[str(size)] = {"ms_per_tile": ms, "samples": calls}
@@ -306,10 +255,7 @@ def _measure(model_dir: Path, vision_dir: Path | None, cores: list[int],
 
 
 def _tp_fit(model_dir: Path, cores: list[int], fit_steps: Callable[..., dict]) -> dict:
-    """The step fit of a worker of :data:`TP_SIZE` tensor-parallel ranks as serve runs one
-    here (float32 weights, one core and one thread a rank): this process, pinned to
-    ``cores[0]`` with one thread by the caller, is rank 0, the followers run on the next
-    cores; the same steps as the other fits, on one engine."""
+    """As serve runs a TP worker here (float32, a core and thread a rank); this process is rank 0."""
     ranks = Ranks.start(TP_SIZE, f"calibrate-tp{TP_SIZE}", str(model_dir), "float32", "f32", "cpu",
                         [[c] for c in cores[:TP_SIZE]])
     try:
@@ -322,8 +268,6 @@ def _tp_fit(model_dir: Path, cores: list[int], fit_steps: Callable[..., dict]) -
 
 
 def _vision_section(name: str, vision_dir: Path, vlm_fits: dict, encode: dict) -> dict:
-    """The calibration's ``vision`` section: the VLM's step fits and encode timings, and
-    what image sizes, tiles and embedding bytes follow from."""
     spec = ModelSpec.from_dir(name, vision_dir, True)
     p = spec.processor
     return {"model": str(vision_dir), "steps": vlm_fits, "encode": encode, "hidden_size": spec.hidden_size,
@@ -339,11 +283,7 @@ def save(cal: dict, path: str | Path) -> Path:
 
 
 def load(path: str | Path) -> dict:
-    """Read a calibration file.
-
-    Raises:
-        ValueError: missing or not a calibration file (the message says how to make one).
-    """
+    """Raises ValueError for a missing file or one that is not a usable calibration."""
     path = Path(path)
     try:
         cal = json.loads(path.read_text())
@@ -369,24 +309,11 @@ def load(path: str | Path) -> dict:
 
 
 def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platform:
-    """The :class:`Platform` of a calibration: workers of 1 or 2 cores with the fitted
-    step models (``vlm``: those of the vision-language model's language model), KV (and
-    embeddings) over the measured shared-memory hand-off, encoding (``vlm``) at the
-    measured ms per tile,
-    decode steps slowed by the fitted ``serving.decode_slowdown`` and
-    ``serving.contended_slowdown``, prefill work by ``serving.prefill_slowdown`` of the
-    worker's size (1 without them: not fitted yet, or older calibrations)
-    and known to :func:`step_uncertainty`, the last validation of each workload, and each
-    worker's KV cache as ``epdserve serve`` sizes it (``--kv-cache-memory-mb`` default,
-    float32 KV, whatever its cores). A tensor-parallel worker (``Platform.tp_step``) steps
-    by the ``tp_steps`` fit of its ranks (the text model's only; :func:`tp_step_models`).
+    """Workers of 1 or 2 cores with the fitted steps (``vlm``: the VLM's language model's,
+    and its encode per tile), KV over the measured hand-off, the fitted serving slowdowns (1 when
+    not fitted), and each worker's KV as serve sizes it (``--kv-cache-memory-mb``, float32).
 
-    The text model's platform takes no images: those need ``vlm``.
-
-    Raises:
-        ValueError: ``vlm`` and a calibration without the VLM's step fits (older ones); a
-            negative step coefficient or serving factor.
-    """
+    Raises ValueError: ``vlm`` without VLM fits, or a negative coefficient or serving factor."""
     fitted = cal.get("vision", {}).get("steps") if vlm else cal["steps"]
     if not fitted:
         raise ValueError("this calibration has no step fits of the vision-language model's language "
@@ -427,11 +354,7 @@ def platform_from(cal: dict, router_ms: float = 3.0, vlm: bool = False) -> Platf
 
 
 def _tp_step(tp_steps: dict[int, LinearStep], vlm: bool, ranks: int) -> LinearStep:
-    """``Platform.tp_step`` of a calibration's :func:`tp_step_models`.
-
-    Raises:
-        NoStepModel: no fit of that many ranks (the message says why, and what to run).
-    """
+    """Raises NoStepModel, saying why and what to run."""
     if ranks in tp_steps:
         return tp_steps[ranks]
     if vlm:
@@ -445,11 +368,7 @@ def _tp_step(tp_steps: dict[int, LinearStep], vlm: bool, ranks: int) -> LinearSt
 
 
 def tp_step_models(cal: dict, vlm: bool = False) -> dict[int, LinearStep]:
-    """The step models of tensor-parallel workers in a calibration, by ranks: its
-    ``tp_steps`` fits (``{"2": fit}``, a fit as each of ``steps``': ``coef`` in
-    :data:`FEATURES` order, its samples, rounds and errors), timed by ``epdserve plan
-    calibrate`` on a worker of that many one-core, one-thread ranks (float32); none in
-    calibrations made before, nor for the vision-language model (``vlm``)."""
+    """``tp_steps`` fits by ranks; none for older calibrations or ``vlm``."""
     if vlm:
         return {}
     return {int(k): LinearStep(tuple(float(c) for c in v["coef"])) for k, v in cal.get("tp_steps", {}).items()}

@@ -1,21 +1,6 @@
-"""Replay of the elastic controller's policy on recorded signal samples.
-
-The router's controller writes every signal sample it takes to its ``--trace-file`` as an
-``{"event": "elastic_sample", "at": UNIX_S, "sample": {...}}`` line
-(:meth:`epdserve.serving.elastic.policy.Sample.as_json`). :func:`read_trace` reads them
-back and :func:`replay` runs :func:`epdserve.serving.elastic.policy.decide` over them as
-the controller would have with another :class:`PolicyConfig` (other SLOs, thresholds,
-window or dwell): what it would have decided, and why. The changes the policy did not
-decide, a switch by hand (``POST /roles``) or a worker added or retired, are taken as
-recorded: each restarted the controller's dwell, written as an ``{"event":
-"elastic_dwell", "t": S}`` line (:func:`read_trace`), and restarts the replay's.
-
-The replay is open loop: the recorded samples keep the roles and the signals the recording
-had, whatever the replayed decisions say (a what-if on the signals, not a simulation of
-the deployment's response: for that, ``epdserve plan --configs elastic`` runs the policy
-in the loop of the simulator, :mod:`epdserve.plan.sim_elastic`).
-``epdserve plan elastic-replay --elastic-trace FILE`` runs it from the command line.
-"""
+"""Open-loop replay of the elastic policy on the signal samples a router's ``--trace-file``
+recorded, with another :class:`PolicyConfig`: what it would have decided on the same signals
+(docs/elastic.md, "Replay"); changes by hand restart the dwell as recorded."""
 
 from __future__ import annotations
 
@@ -28,7 +13,6 @@ from epdserve.serving.elastic.policy import Decision, PolicyConfig, PolicyState,
 from epdserve.serving.elastic.samples import finite_number
 
 
-# What each event line of a router trace holds for a replay (module doc).
 _PARSERS: dict[str, Callable[[dict], object]] = {
     "elastic_sample": lambda obj: Sample.from_json(obj.get("sample")),
     "elastic_dwell": lambda obj: finite_number("elastic_dwell t", obj.get("t"), minimum=-math.inf),
@@ -37,18 +21,10 @@ _PARSERS: dict[str, Callable[[dict], object]] = {
 
 
 def read_trace(trace_file: str | Path) -> tuple[list[Sample], list[float], int]:
-    """What a router trace file holds for a replay, in one pass, in file order: the samples
-    of its ``elastic_sample`` lines, the times (the controller's clock, s, as the samples'
-    ``t``) of its ``elastic_dwell`` lines (the changes the policy did not decide, each of
-    which restarted its dwell), and how many role changes its controller decided
-    (``elastic_decision`` lines with ``roles``: a worker added or retired has none). Other
-    lines (request records, other events, blank lines) are ignored.
+    """(samples, dwell restarts in the controller's s, role changes the controller decided), in
+    file order; other lines are ignored.
 
-    Raises:
-        OSError: the file cannot be read.
-        ValueError: naming the file and line, for a line that is not JSON or one of these
-            events that is malformed.
-    """
+    Raises OSError, or ValueError naming file:line for bad JSON or a malformed event."""
     found: dict[str, list] = {event: [] for event in _PARSERS}
     for number, line in enumerate(Path(trace_file).read_text().splitlines(), start=1):
         if not line.strip():
@@ -64,26 +40,18 @@ def read_trace(trace_file: str | Path) -> tuple[list[Sample], list[float], int]:
 
 
 def read_samples(trace_file: str | Path) -> list[Sample]:
-    """The samples of :func:`read_trace`."""
     return read_trace(trace_file)[0]
 
 
 def read_dwell_restarts(trace_file: str | Path) -> list[float]:
-    """The dwell restarts (s) of :func:`read_trace`."""
     return read_trace(trace_file)[1]
 
 
 def replay(samples: list[Sample], config: PolicyConfig, dwell_restarts: Sequence[float] = ()) -> list[Decision]:
-    """One decision per sample: sample i is "now", its window the samples
-    :func:`~epdserve.serving.elastic.policy.window` keeps of those up to it, and the
-    policy's state carried from decision to decision (from :class:`PolicyState`'s start),
-    as the router's controller calls :func:`decide` every interval. A restart at ``t``
-    (``dwell_restarts``, s) restarts the state from ``t`` before the first decision on a
-    later sample, as the controller did.
+    """One decision per sample over the window up to it, the policy state carried as the
+    controller carries it; a restart at ``t`` resets the state before the next later sample.
 
-    Raises:
-        ValueError: for samples whose ``t`` goes backwards (naming the index).
-    """
+    Raises ValueError for samples whose ``t`` goes backwards."""
     decisions, state = [], PolicyState()
     restarts = sorted(dwell_restarts)
     for i, now in enumerate(samples):

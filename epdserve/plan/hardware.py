@@ -1,12 +1,7 @@
-"""Accelerator and link profiles for the roofline cost model.
-
-Numbers are the vendors' public datasheet peaks (dense BF16 tensor throughput, memory
-bandwidth, memory size) and per-direction link bandwidth; the efficiency factors are the
-share of a peak a serving engine typically reaches (roofline practice, as in the
-AIConfigurator and DistServe papers' analytic models) and are what calibration corrects.
-``price_per_hour`` is an indicative on-demand price in USD used only to rank candidates by
-cost; pass your own with ``epdserve plan --price-per-hour``.
-"""
+"""Accelerator profiles for the roofline: vendors' datasheet peaks (dense BF16, memory bandwidth
+and size, per-direction links); efficiencies are the share of a peak a serving engine reaches
+(as in AIConfigurator's and DistServe's analytic models); prices are indicative USD/h for
+ranking only (``--price-per-hour``)."""
 
 from __future__ import annotations
 
@@ -15,15 +10,9 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator (or one CPU core) as the cost model sees it.
-
-    ``peak_tflops``: dense BF16 (fp32 for CPUs) TFLOP/s; ``mem_bw_gbs``: memory bandwidth
-    GB/s (10^9 bytes/s); ``memory_gb``: GB for weights and KV cache; ``link_gbs`` /
-    ``link_latency_ms``: device-to-device link within a node, per direction (KV hand-off,
-    tensor-parallel all-reduce); ``net_gbs``: between nodes; ``compute_eff`` / ``bw_eff``:
-    reachable share of the peaks; ``step_overhead_ms``: fixed cost of one engine step
-    (scheduling, kernel launches); ``dtype_bytes``: bytes per weight and KV element.
-    """
+    """``peak_tflops`` dense BF16 (fp32 for CPUs); bandwidths in GB/s (10^9 B/s), link per
+    direction within a node, ``net_gbs`` between nodes; ``memory_gb`` for weights and KV;
+    ``step_overhead_ms``: scheduling and launches per step; ``dtype_bytes`` per weight and KV element."""
 
     name: str
     peak_tflops: float
@@ -59,13 +48,9 @@ PRECISIONS = ("bf16", "fp8")
 
 
 def device(name: str, precision: str = "bf16", **overrides) -> Device:
-    """The built-in profile ``name`` (case-insensitive) at ``precision`` with any field
-    overridden. FP8 weights and KV halve the bytes and double the dense tensor peak (as on
-    the Hopper and Blackwell datasheets; L40S and A100 likewise list 2x for 8-bit).
+    """Case-insensitive; FP8 halves the bytes and doubles the dense peak, as the datasheets list.
 
-    Raises:
-        ValueError: an unknown profile name or precision, naming the known ones.
-    """
+    Raises ValueError naming the known profiles or precisions."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
     for key, dev in PROFILES.items():

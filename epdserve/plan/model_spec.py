@@ -1,6 +1,5 @@
-"""A model's size as the cost model needs it: parameters, FLOPs and KV bytes per token,
-and for a vision-language model its vision tower's FLOPs per tile and its image
-preprocessing rules (tiles and prompt tokens per image)."""
+"""A model's size as the cost model needs it: parameters, FLOPs and KV bytes per token, and a
+vision-language model's tower FLOPs per tile and image preprocessing."""
 
 from __future__ import annotations
 
@@ -15,10 +14,8 @@ from epdserve.model.vision import VisionConfig
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Decoder shape (Hugging Face field meanings). ``mlp_matrices``: 3 for a gated MLP
-    (Llama, Qwen: gate, up, down), 2 for a plain one (OPT: fc1, fc2).
-    ``vision`` / ``processor``: the Idefics3 / SmolVLM vision tower and image
-    preprocessing of a vision-language model, None for a text-only model."""
+    """Decoder shape in Hugging Face's field meanings; ``mlp_matrices`` 3 for a gated MLP, 2 for
+    a plain one (OPT); ``vision``/``processor`` None for a text-only model."""
 
     name: str
     num_layers: int
@@ -39,13 +36,7 @@ class ModelSpec:
 
     @classmethod
     def from_dir(cls, name: str, model_dir: str | Path, multimodal: bool) -> "ModelSpec":
-        """From a Hugging Face directory: a Llama-family ``config.json``, or (``multimodal``)
-        an Idefics3 / SmolVLM one with its ``text_config``, ``vision_config`` and image
-        processor settings.
-
-        Raises:
-            ModelLoadError: an unsupported architecture or missing processor settings.
-        """
+        """Llama-family, or (``multimodal``) Idefics3 / SmolVLM. Raises ModelLoadError."""
         if not multimodal:
             return cls.from_config(name, ModelConfig.from_dir(model_dir))
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -56,7 +47,7 @@ class ModelSpec:
 
     @property
     def layer_params(self) -> int:
-        """Weights of all decoder layers (attention projections + MLP), not embeddings."""
+        """Decoder layers' weights, embeddings left out."""
         h, d = self.hidden_size, self.head_dim
         attention = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o; k, v
         return self.num_layers * (attention + self.mlp_matrices * h * self.intermediate_size)
@@ -66,25 +57,22 @@ class ModelSpec:
         return self.hidden_size * self.vocab_size
 
     def weight_bytes(self, dtype_bytes: int) -> int:
-        """Bytes of every weight at ``dtype_bytes`` per element: decoder layers, input
-        embedding and LM head counted apart (an upper bound for models that tie them: a few
-        % of the total) and the vision tower."""
+        """Embedding and LM head counted apart (a few % over for tied ones), vision tower
+        included."""
         return (self.layer_params + 2 * self.lm_head_params + self.vision_params) * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """layers × 2 (K and V) × KV heads × head dim × bytes per element."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def attention_flops(self, new_tokens: int, context: int) -> float:
-        """FLOPs of QK^T and PV for ``new_tokens`` queries after ``context`` cached tokens,
-        causal: 4 × layers × heads × head_dim × Σ keys seen (2 matmuls × 2 FLOPs/MAC)."""
+        """Causal QK^T and PV: 4 × layers × heads × head_dim × keys seen (2 matmuls × 2
+        FLOPs/MAC)."""
         keys = new_tokens * context + new_tokens * (new_tokens + 1) / 2
         return 4.0 * self.num_layers * self.num_heads * self.head_dim * keys
 
     @property
     def vision_params(self) -> int:
-        """Weights of the vision tower (patch embedding, encoder layers) and the connector's
-        projection; 0 for a text-only model."""
+        """Tower (patch embedding, layers) and connector projection; 0 for text-only."""
         v = self.vision
         if v is None:
             return 0
@@ -94,10 +82,8 @@ class ModelSpec:
         return patch + v.num_hidden_layers * layer + d * v.scale_factor ** 2 * v.text_hidden_size
 
     def vision_flops_per_tile(self) -> float:
-        """FLOPs of one tile through the vision tower and connector (2 per multiply-add):
-        the patch embedding and every linear layer over the tile's patches, bidirectional
-        attention (QK^T and PV over all patches: 4 × layers × patches² × hidden), and the
-        projection of the pixel-shuffled tokens into the language model's width."""
+        """2 FLOPs per MAC over the tile's patches, bidirectional attention (4 ×
+        layers × patches² × hidden), and the pixel-shuffled projection."""
         v = self.vision
         patches = v.patches_per_side ** 2
         linear = self.vision_params - v.hidden_size * v.scale_factor ** 2 * v.text_hidden_size
@@ -106,32 +92,26 @@ class ModelSpec:
         return 2.0 * patches * linear + attention + 2.0 * projection
 
 
-# SmolVLM-256M-Instruct (config.json, preprocessor_config.json): SigLIP base patch16/512,
-# pixel shuffle 4 -> 64 tokens per 512-px tile, images resized to a 2048-px longest edge
-# (up to 4 x 4 tiles + the global image); language model SmolLM2-135M.
+# SmolVLM-256M-Instruct: SigLIP base patch16/512, pixel shuffle 4 -> 64 tokens per 512-px tile,
+# 2048-px longest edge (up to 4 x 4 tiles + the global image).
 _SIGLIP_B16_512 = VisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                                num_attention_heads=12, image_size=512, patch_size=16, layer_norm_eps=1e-6,
                                scale_factor=4, text_hidden_size=576)
-# HuggingFaceM4/Idefics3-8B-Llama3: SigLIP so400m patch14/364 (27 layers, 1152 wide), pixel
-# shuffle 2 -> 169 tokens per 364-px tile, longest edge 4 x 364; Llama-3.1-8B language model.
+# Idefics3-8B-Llama3: SigLIP so400m patch14/364, pixel shuffle 2 -> 169 tokens per tile.
 _SIGLIP_SO400M_364 = VisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
                                   num_attention_heads=16, image_size=364, patch_size=14, layer_norm_eps=1e-6,
                                   scale_factor=2, text_hidden_size=4096)
 
-# Published architectures used to check the planner against published results.
+# Published architectures (each its config.json) to check the planner against published results.
 BUILTIN: dict[str, ModelSpec] = {s.name: s for s in (
-    # facebook/opt-13b config.json: 40 layers, 5120 hidden, 40 heads, ffn 20480, vocab 50272.
     ModelSpec("OPT-13B", 40, 5120, 20480, 40, 40, 128, 50272, mlp_matrices=2),
-    # Qwen/Qwen3-32B config.json: 64 layers, 5120 hidden, 64 q / 8 kv heads of 128, ffn 25600.
     ModelSpec("Qwen3-32B", 64, 5120, 25600, 64, 8, 128, 151936),
-    # meta-llama/Llama-3.1-8B config.json.
     ModelSpec("Llama-3.1-8B", 32, 4096, 14336, 32, 8, 128, 128256),
-    # meta-llama/Llama-2-70b-hf config.json (Mooncake's experiments use its architecture).
+    # Mooncake's experiments use its architecture.
     ModelSpec("Llama-2-70B", 80, 8192, 28672, 64, 8, 128, 32000),
-    # meta-llama/Llama-3.1-70B config.json (also the shape of DeepSeek-R1-Distill-Llama-70B).
+    # Also the shape of DeepSeek-R1-Distill-Llama-70B.
     ModelSpec("Llama-3.1-70B", 80, 8192, 28672, 64, 8, 128, 128256),
-    # bigscience/bloom config.json: 70 layers, 14336 hidden, 112 heads (no GQA); a plain
-    # 4 x hidden GELU MLP.
+    # BLOOM: no GQA, a plain 4 x hidden GELU MLP.
     ModelSpec("BLOOM-176B", 70, 14336, 4 * 14336, 112, 112, 128, 250880, mlp_matrices=2),
     ModelSpec("SmolVLM-256M", 30, 576, 1536, 9, 3, 64, 49280, vision=_SIGLIP_B16_512,
               processor=ImageProcessor(longest_edge=2048, max_image_size=512, image_seq_len=64)),

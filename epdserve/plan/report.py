@@ -10,12 +10,10 @@ from epdserve.plan.validation import VALIDATED
 
 
 def fmt(v, spec: str = ".3g") -> str:
-    """``v`` formatted with ``spec``; "—" for None (no value)."""
     return "—" if v is None else format(v, spec)
 
 
 def _validation_line(v: dict) -> str:
-    """One workload's validation (as ``epdserve plan validate`` stores it) in a sentence or three."""
     errs = ", ".join(f"{k} {v['max_abs_error'][k]:.0%}" for k in VALIDATED)
     dirs = v["compare_dirs"]
     line = f"- {', '.join(f'`{d}`' for d in dirs)} ({v['date']}, {len(v['rows'])} deployments): largest |error| {errs}."
@@ -29,8 +27,6 @@ def _validation_line(v: dict) -> str:
 
 
 def markdown(doc: dict) -> str:
-    """``plan.md``: the table of candidates, the recommendation and what qualifies them, from
-    the ``plan.json`` document ``doc``."""
     slos = " ".join(f"{k} ≤ {v:g} ms" for k, v in doc["slos_ms"].items())
     lines = [f"# Plan: {doc['platform']}, {doc['devices']} device{'s' if doc['devices'] > 1 else ''}", "",
              f"Workload: {doc['workload']}. SLOs: {slos} for {doc['target']:.0%} of requests (goodput as "
@@ -77,11 +73,8 @@ MAX_DECISION_LINES = 20
 
 
 def elastic_lines(rows: list[dict]) -> list[str]:
-    """The simulated controller of each elastic row (its ``elastic``: the
-    :meth:`~epdserve.plan.sim_elastic.Controller.report` at the goodput rate of a plan
-    row, on the run's own trace for a validate row): a line per
-    decision that changed roles (simulated seconds from the start, the new roles, the
-    reason and each switched worker's drain), then how often it held and why last."""
+    """A line per decision that changed roles (s from the start), then holds; of the plan
+    row's goodput rate, or a validate row's own trace."""
     lines = []
     for row in rows:
         rep = row.get("elastic")
@@ -108,14 +101,11 @@ def elastic_lines(rows: list[dict]) -> list[str]:
 
 
 def _seed_band(row: dict, key: str, spec: str = ".3g") -> str:
-    """`` [min–max]`` of ``key`` over the row's arrival seeds; "" with one seed or none."""
     band = (row.get("seed_band") or {}).get(key)
     return " [{}–{}]".format(*(fmt(v, spec) for v in band)) if band and len(row.get("seeds") or ()) > 1 else ""
 
 
 def seeds_note(doc: dict) -> str:
-    """What the seed bands of ``plan.md`` are (``doc``: the plan.json document, its
-    ``seeds`` the arrival seeds simulated and ``arrivals`` whose arrivals they are)."""
     seeds = doc["seeds"]
     if doc.get("arrivals") == "trace":
         return ("Arrivals: the trace's own, scaled to each rate: one arrival sequence, each deployment simulated on "
@@ -131,8 +121,6 @@ def seeds_note(doc: dict) -> str:
 
 
 def _replay_cell(row: dict) -> str:
-    """How the goodput rate was replayed (copies, steady or not) and why the next rate tried
-    above it failed."""
     copies = row.get("replay_copies")
     cell = "once" if copies is None else f"{copies} copies, {'steady' if row['steady_state'] else 'not steady'}"
     if row.get("above_rate_rps") is not None:
@@ -154,10 +142,8 @@ def _replay_note(mode: str) -> str:
 
 
 def plot(curves: dict[str, list[dict]], target: float, path: Path) -> bool:
-    """``goodput.png``: the share of requests meeting the SLOs against the rate, per deployment
-    (``curves``: each one's measured points, ``{"rate", "slo_attainment"}``, and
-    ``steady_state`` False where the queue kept growing: drawn as an x at 0). False, after one
-    warning line, without matplotlib (the ``plots`` extra)."""
+    """``curves``: points ``{"rate", "slo_attainment", "steady_state"}``, unsteady ones drawn as an x at
+    0. False (after one warning line) without matplotlib."""
     try:
         plt = extras.pyplot()  # only here: plotting is slow to import and only plan search draws
     except extras.MissingExtra as exc:

@@ -1,24 +1,6 @@
-"""Search: which deployment serves a workload within its SLOs at the lowest cost.
-
-For every candidate deployment that uses the whole device budget (colocated replicas,
-xPyD splits over the platform's worker sizes, and for a workload with images xEyPzD
-splits), the simulated goodput is found as
-DistServe defines it (Zhong et al., OSDI 2024): the highest request rate at which at
-least ``target`` of the requests meet every SLO, by doubling the rate until the target
-is missed and then bisecting (:func:`epdserve.bench.sweep.find_max_goodput_rate`). The
-trace is re-timed to each rate as ``bench --sweep`` does (:func:`epdserve.bench.workload.retime`:
-its arrival pattern scaled, or seeded Poisson arrivals for a trace sent all at once) and
-replayed back to back until the deployment's queue is steady
-(:mod:`epdserve.plan.replay`): a rate at which it keeps growing fails, however short the
-trace. Candidates are ranked by goodput per device.
-
-Arrival seeds. One seeded arrival sequence is one sample: another seed can swap the best
-split and the best colocated deployment. :func:`evaluate_seeds` finds each deployment's
-goodput for several arrival seeds of the same requests, :func:`seed_row` reports each
-figure as the median over them with its band (min–max over the seeds), and
-:func:`recommend` does not pick a split over colocated when their goodput bands overlap
-(:func:`split_vs_colocated`).
-"""
+"""Which deployment serves a workload within its SLOs at the lowest cost: each candidate's
+simulated goodput as DistServe defines it (Zhong et al., OSDI 2024), by doubling then bisecting
+the rate, each rate replayed to a steady queue, over several arrival seeds (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -33,27 +15,16 @@ from epdserve.plan import replay
 from epdserve.plan.costmodel import Platform
 from epdserve.plan.simulate import Deployment, EngineLimits, WorkerSpec, serve
 from epdserve.bench.arrivals import retime
-from epdserve.serving.deployment import tp_suffix  # the suffix of the names serve and compare parse
+from epdserve.serving.deployment import tp_suffix
 
 MAX_DOUBLINGS = 16
 
 
 def candidates(platform: Platform, budget: int, images: bool = False) -> list[Deployment]:
-    """Deployments using exactly ``budget`` devices: ``colocated`` (one worker of all
-    devices), ``colocated-N`` (N replicas), and ``XpYd`` with per-role worker sizes
-    (``-tpS`` when workers span S devices; ``-tpP/D`` when prefill and decode differ),
-    whose workers are tensor parallel (``WorkerSpec.tp``: one rank a device; ``colocated``'s
-    one worker is one process, as serve runs it: on the CPU the worker-size fit, not the TP fit).
-    With ``images``, also EPD: ``XeYpZd`` (encode workers of one device each, as vLLM's
-    encoder instances, beside xPyD on the rest) and ``XeXpYd-shared`` (each encode worker
-    on the devices of one prefill worker, as the launcher places 1e1p1d on 2 cores).
-    Every name but the ``-shared`` ones is a deployment name serve and compare take
-    (:meth:`DeploymentSpec.parse <epdserve.serving.deployment.DeploymentSpec.parse>`: why
-    not those, in its module doc).
-
-    Raises:
-        ValueError: a budget below 1.
-    """
+    """Deployments of exactly ``budget`` devices: ``colocated`` (one process), ``colocated-N``,
+    ``XpYd[-tpS|-tpP/D]`` (TP workers, one rank a device), and with ``images`` ``XeYpZd`` (1-device
+    encode workers) and ``XeXpYd-shared`` (encode on its prefill worker's devices, a name serve does
+    not take). Raises ValueError for a budget below 1."""
     if budget < 1:
         raise ValueError(f"device budget {budget}: must be at least 1")
     sizes = [s for s in platform.worker_sizes if s <= budget]
@@ -89,11 +60,9 @@ def candidates(platform: Platform, budget: int, images: bool = False) -> list[De
 
 @dataclass
 class Candidate:
-    """A deployment's predicted goodput and latencies at that rate (at the lowest rate
-    tried when it meets the SLOs at none); ``unbounded``: it met them at every rate tried,
-    with the whole trace in flight at once, so its goodput is beyond what the trace shows;
-    ``above``: the lowest rate tried above the goodput that failed, and its result (why it
-    failed: the queue grew, or too few requests met the SLOs)."""
+    """``max_rate`` req/s with its result (at the lowest rate tried when none passed);
+    ``unbounded``: passed every rate with the whole trace in flight; ``above``: the lowest failing
+    rate tried above it, and its result."""
 
     deployment: Deployment
     max_rate: float | None
@@ -103,7 +72,7 @@ class Candidate:
     above: tuple[float, dict] | None = None
 
     def row(self, platform: Platform) -> dict:
-        """The candidate as a table row; throughput and cost only where it meets the SLOs."""
+        """Throughput and cost only where it meets the SLOs."""
         d, r = self.deployment, self.result or {}
         devices = d.devices
         tok_s = r.get("output_throughput", 0.0) if self.max_rate else None
@@ -124,18 +93,9 @@ class Candidate:
 def measure_rate(deployment: Deployment, platform: Platform, requests: list[workload.Request],
                  slos_ms: dict[str, float], rate: float, limits: EngineLimits, steady: bool = True,
                  seed: int = 0) -> dict:
-    """The simulated result at ``rate`` req/s (:func:`epdserve.bench.metrics.compute`, with
-    ``slo_attainment``) and how it was replayed: with ``steady``, back to back until the
-    queue is steady (:func:`epdserve.plan.replay.replay`), measured on the steady copies,
-    with ``replay_copies``, ``steady_state`` and ``in_flight`` (the mean number of
-    requests in flight at the last copy's arrivals); a rate at which no steady state comes
-    has ``slo_attainment`` 0 (the deployment does not sustain it: its queue keeps growing)
-    and no latencies. Without ``steady``, the trace once, as
-    ``epdserve compare --sweep-rates`` sends it.
-
-    Raises:
-        KVCapacityError, ValueError: as :func:`~epdserve.plan.simulate.simulate`.
-    """
+    """The metrics at ``rate`` req/s: ``steady`` replays until the queue settles (``replay_copies``,
+    ``steady_state``, ``in_flight``; ``slo_attainment`` 0 when it never settles), else the trace
+    once as ``compare --sweep-rates`` sends it. Raises KVCapacityError, ValueError."""
     if not steady:
         retimed = retime(requests, rate, seed)
         sim = serve(deployment, platform, retimed, limits)
@@ -154,16 +114,9 @@ def measure_rate(deployment: Deployment, platform: Platform, requests: list[work
 def evaluate(deployment: Deployment, platform: Platform, requests: list[workload.Request],
              slos_ms: dict[str, float], target: float, limits: EngineLimits,
              iters: int = 6, steady: bool = True, seed: int = 0, hint: float | None = None) -> Candidate:
-    """Simulated goodput of one deployment (see the module doc), each rate measured by
-    :func:`measure_rate` (``steady``, ``seed``: as there).
-
-    The rates tried double from 0.01 req/s per device until one fails, then ``iters``
-    bisections of the last bracket. ``hint`` (req/s: the goodput found for another seed or
-    platform) starts the doubling at the highest rate of that same grid at or below half of
-    it instead, stepping down the grid while it fails: the low rates, the slowest to
-    simulate, are skipped, and where the share within the SLOs falls as the rate rises the
-    bracket, hence the goodput, is the one the search without a hint finds.
-    """
+    """Rates double from 0.01 req/s per device until one fails, then ``iters`` bisections.
+    ``hint`` (req/s, another seed's goodput) starts on the same grid at or below half of it and
+    steps down while failing: the slow low rates are skipped, the bracket unchanged."""
     cache: dict[float, dict] = {}
 
     def measure(rate: float) -> dict:
@@ -201,46 +154,27 @@ def evaluate(deployment: Deployment, platform: Platform, requests: list[workload
 def evaluate_seeds(deployment: Deployment, platform: Platform, requests: list[workload.Request],
                    slos_ms: dict[str, float], target: float, limits: EngineLimits, seeds: list[int],
                    steady: bool = True) -> list[Candidate]:
-    """:func:`evaluate` once per arrival seed of ``seeds`` (the seed of the Poisson arrivals
-    a trace sent all at once gets; a trace with arrivals of its own has one sequence, and one
-    seed is enough for it), in that order; the first seed's goodput is the ``hint`` of the
-    others.
-
-    Raises:
-        KVCapacityError, ValueError: as :func:`~epdserve.plan.simulate.simulate`.
-    """
+    """One :func:`evaluate` per seed (the Poisson seed of a trace sent all at once), the
+    first's goodput hinting the others. Raises KVCapacityError, ValueError."""
     first = evaluate(deployment, platform, requests, slos_ms, target, limits, steady=steady, seed=seeds[0])
     return [first] + [evaluate(deployment, platform, requests, slos_ms, target, limits, steady=steady, seed=s,
                                hint=first.max_rate) for s in seeds[1:]]
 
 
-# The figures of a row that seed_row gives as a median over the arrival seeds, with a band.
+# Figures seed_row gives as medians over the arrival seeds, with a band.
 HEADLINE = ("max_goodput_rps", "goodput_per_device", "p50_ttft_ms", "p95_ttft_ms", "p50_itl_ms", "p95_itl_ms",
             "p95_tpot_ms", "output_tok_s_per_device", "usd_per_m_output_tokens")
 
 
 def median_index(cands: list[Candidate]) -> int:
-    """The index of the candidate whose goodput is the (lower) median of those of ``cands``
-    (a candidate that meets the SLOs at no rate counts as 0 req/s); ties go to the earlier
-    seed."""
+    """The (lower) median goodput's index (none passing counts 0); ties to the earlier seed."""
     order = sorted(range(len(cands)), key=lambda i: (cands[i].max_rate or 0.0, i))
     return order[(len(cands) - 1) // 2]
 
 
 def seed_row(cands: list[Candidate], platform: Platform, seeds: list[int]) -> dict:
-    """One table row for a deployment simulated on several arrival seeds (``cands``: one
-    :class:`Candidate` per seed of ``seeds``, as :func:`evaluate_seeds` returns them).
-
-    Each :data:`HEADLINE` figure (goodput in req/s, latencies in ms, output tokens/s per
-    device, USD per million output tokens) is the median over the seeds of that seed's
-    figure at its own goodput rate, over the seeds that have it (a seed that meets the SLOs
-    at no rate has no latencies nor cost; its goodput counts as 0); ``per_seed`` holds each
-    figure's values in the order of ``seeds`` (None where a seed has none) and ``seed_band``
-    its [min, max] over them (None where no seed has it). ``median_seed``: the seed of the
-    (lower) median goodput, whose replay, rate above, curve and elastic controller the
-    row's other fields are. ``unbounded``: any seed met the SLOs at every rate tried (its
-    goodput is a lower bound). One seed gives a band of one value.
-    """
+    """Each :data:`HEADLINE` figure the median over seeds at each seed's own goodput, with
+    ``per_seed`` and ``seed_band`` ([min, max]); ``median_seed``'s replay fills the other fields."""
     rows = [c.row(platform) for c in cands]
     m = median_index(cands)
     row = dict(rows[m], seeds=list(seeds), median_seed=seeds[m], unbounded=any(r["unbounded"] for r in rows))
@@ -264,8 +198,7 @@ def _band(row: dict) -> str:
 
 
 def _overlap(a: dict, b: dict) -> bool:
-    """Whether the goodput-per-device bands of two rows (``goodput_band_rps``: the goodput
-    with step times ± the platform's uncertainty) overlap; False without bands."""
+    """Bands of goodput per device at step times ± the platform's uncertainty; False without."""
     x, y = _per_device_band(a), _per_device_band(b)
     return bool(x and y) and x[0] <= y[1] and y[0] <= x[1]
 
@@ -280,20 +213,14 @@ def _is_split(row: dict) -> bool:
 
 
 def _seed_band(row: dict) -> list[float] | None:
-    """The row's goodput per device over its arrival seeds, [min, max] (req/s per device);
-    None for a row without a band of two seeds or more."""
+    """[min, max] req/s per device over two or more seeds, else None."""
     band = (row.get("seed_band") or {}).get("goodput_per_device")
     return band if band and len(row.get("seeds") or ()) > 1 else None
 
 
 def split_vs_colocated(rows: list[dict]) -> dict | None:
-    """Whether the best split (PD/EPD) and the best colocated row, by median goodput per
-    device, can be told apart over the arrival seeds: ``colocated`` and ``split`` (their
-    names), ``bands`` (name: [min, max] goodput per device over the seeds, req/s per
-    device), ``seeds`` (how many), ``overlap`` (the two closed bands share a value) and
-    ``verdict`` ("cannot tell apart at this load" or "told apart"). None when either has no
-    feasible row (median goodput 0) or either row has no band of two seeds or more (one
-    seed, or a trace with arrivals of its own: one sample cannot say)."""
+    """Whether the best split and best colocated rows' seed bands overlap (closed
+    intervals); None without a feasible row of each or without bands of two seeds."""
     feasible = [r for r in rows if r["max_goodput_rps"] > 0]
     colo, split = [r for r in feasible if _is_colocated(r)], [r for r in feasible if _is_split(r)]
     if not colo or not split:
@@ -315,17 +242,9 @@ def _bands_text(v: dict) -> str:
 
 
 def recommend(rows: list[dict]) -> tuple[dict | None, str]:
-    """The best row and why: the highest goodput per device; among those within 5 % of
-    it a colocated one (one engine per worker: simpler to run) before a split, then the
-    cheapest per output token. Rows simulated on several arrival seeds are ranked by their
-    median, and when the goodput bands of the best split and the best colocated row
-    overlap (:func:`split_vs_colocated`) the two cannot be told apart at this load: the
-    best colocated row is picked over a split one, the simpler to run, and the reason says
-    so; when they do not, the pick is as above and the reason gives both bands.
-    None when no candidate meets the SLOs at any rate tried, or when several meet them at
-    every rate tried (``unbounded``: the trace is too short to rank them). When the best colocated and
-    the best split rows carry goodput bands of the step times (``goodput_band_rps``) that overlap, the reason
-    says the prediction cannot tell them apart."""
+    """(best row or None, why): the highest goodput per device; within 5 % a colocated one,
+    then the cheapest per output token; a split never over colocated when their seed bands overlap.
+    None when nothing passes, or several pass every rate tried (the trace is too short)."""
     feasible = [r for r in rows if r["max_goodput_rps"] > 0]
     if not feasible:
         return None, ("no deployment meets the SLOs for the target share of requests even at "

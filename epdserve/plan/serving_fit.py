@@ -1,22 +1,6 @@
-"""The serving slowdown: how much slower served steps are than the engine's alone.
-
-Served steps are slower than the engine alone: the router and the bench client share the
-cores with the workers and every step's outputs are encoded, routed, detokenized and
-streamed. ``epdserve plan calibrate --from-compare DIR...`` learns that from ``compare``
-runs (:func:`compare_runs`: the client's token times and the server's trace,
-:class:`~epdserve.trace.RequestTrace` records, as one :class:`ServedRun` per configuration).
-
-* Decode: :func:`decode_gaps` rebuilds every decode-only step of every worker and sets the
-  measured gap beside the step model's time for that batch; :func:`fit_serving` takes the
-  ratio of their 95th percentiles (steps with a core free) as ``serving.decode_slowdown``,
-  and how much slower steps were while every other core was busy as
-  ``serving.contended_slowdown``; :func:`step_uncertainty` says how far the runs agree.
-* Prefill: :func:`prefill_steps` takes every served prefill that no other prefill shared
-  a step with and sets its ``prefill_ms`` beside the step model's time for its new and
-  cached tokens (and the decodes batched with it); :func:`fit_prefill` gives, per worker
-  size, the median ratio as ``serving.prefill_slowdown``. 1-core workers need it most:
-  the router and the client take their time from the same two cores.
-"""
+"""The serving slowdown: how much slower served steps are than the engine alone, fitted on
+``compare`` runs' client token times and server traces (``plan calibrate --from-compare``;
+method in docs/planner.md, "Serving slowdown")."""
 
 from __future__ import annotations
 
@@ -34,28 +18,16 @@ from epdserve.plan.simulate import prompt_tokens
 from epdserve.serving.deployment import DeploymentSpec
 from epdserve.trace import RequestTrace
 
-# The percentile of inter-token latency that the serving slowdown is fitted at: the
-# planner's SLOs and its validation are p95.
+# The ITL percentile the slowdown is fitted at: the planner's SLOs and validation are p95.
 SERVING_PERCENTILE = 95
 
 
 def decode_gaps(seqs: list[dict], step: Callable[[str], StepModel],
                 contended: Callable[[str, float], bool] = lambda worker, t: False) -> list[tuple[float, float, bool]]:
-    """``(measured ms, step-model ms, contended)`` of every decode-only step that a served
-    run's token times show.
-
-    ``seqs``: one dict per request: ``worker`` (the id of the worker that decoded it),
-    ``prompt_tokens`` (its prompt as the engine saw it), ``token_times_s`` (when each of its
-    output tokens reached the client, s, ascending) and ``busy_s``: ``(start, end)`` in s
-    while its worker prefilled (and encoded) it, or None when another worker did (PD, EPD).
-    ``step(worker)``: that worker's step model. Each gap between a request's consecutive
-    tokens is one step of its worker. It counts unless some request's ``busy_s`` on the same
-    worker overlaps it (a prefill was in the step), or it is the first gap of a request
-    prefilled elsewhere (it spans the KV hand-off). The step's decodes are the requests of
-    that worker with a token before the middle of the gap and another after it, each with
-    its prompt + the tokens before the middle − 1 cached (the last one is this step's input).
-    ``contended(worker, t)``: whether every other core was busy at ``t`` s (at the middle).
-    """
+    """``(measured ms, model ms, contended)`` per decode-only step the token times show;
+    ``seqs``: ``worker``, ``prompt_tokens``, ``token_times_s`` and ``busy_s`` (its prefill on that
+    worker, None when prefilled elsewhere). Gaps overlapping a prefill or spanning a hand-off are
+    left out."""
     out = []
     for x in seqs:
         mates = [y for y in seqs if y["worker"] == x["worker"]]
@@ -74,20 +46,9 @@ def decode_gaps(seqs: list[dict], step: Callable[[str], StepModel],
 
 
 def prefill_steps(seqs: list[dict], step: Callable[[str], StepModel]) -> list[tuple[str, float, float, float]]:
-    """``(worker, measured ms, step-model ms of its prefill, step-model ms of the decodes
-    batched with it)`` of every served prefill that no other prefill shared a step with.
-
-    ``seqs``: as :class:`ServedRun` has them (``prefill``: ``(worker, start s, end s, new
-    tokens, cached tokens)`` or None: left out). A prefill counts unless another prefill on
-    the same worker overlaps it (they were batched, or it waited in a step of the other's);
-    the measured time is its ``prefill_ms`` (first scheduled to first token: one step, as
-    the engine does not chunk prompts by default). The decodes batched with it are the
-    requests that worker decoded with a token before the prefill's middle and another after
-    it, each with its prompt + the tokens before the middle − 1 cached, as in
-    :func:`decode_gaps`; the step model's split is ``step_ms(prefill, decodes) −
-    step_ms([], decodes)`` for the prefill (all of it without decodes) and the rest for the
-    decodes.
-    """
+    """``(worker, measured ms, model ms of the prefill, model ms of the decodes batched with
+    it)`` per served prefill no other prefill on its worker overlapped; measured is ``prefill_ms``
+    (one step: prompts are not chunked by default)."""
     prefills = [x["prefill"] for x in seqs if x["prefill"] is not None]
     out = []
     for i, (worker, start, end, new, cached) in enumerate(prefills):
@@ -105,12 +66,8 @@ def prefill_steps(seqs: list[dict], step: Callable[[str], StepModel]) -> list[tu
 
 def fit_prefill(runs: list[tuple[list[tuple[str, float, float, float]], dict[str, int]]],
                 decode_slowdown: float) -> dict[int, float]:
-    """``serving.prefill_slowdown``: per worker size (cores), how many times longer a
-    served prefill takes than the step model says (dimensionless), from each run's
-    :func:`prefill_steps` and its workers' sizes: per step, (measured − ``decode_slowdown``
-    × its decodes' model ms) / its prefill's model ms; the median per run and size, then
-    the median over the runs of each size (a size no run has is left out: 1, as
-    calibrated)."""
+    """Per worker size (cores), the median over runs of each run's median (measured -
+    ``decode_slowdown`` × decodes) / prefill model ms; sizes no run has are left out (1)."""
     per_size: dict[int, list[float]] = {}
     for steps, sizes in runs:
         by_size: dict[int, list[float]] = {}
@@ -123,9 +80,7 @@ def fit_prefill(runs: list[tuple[list[tuple[str, float, float, float]], dict[str
 
 
 def gap_percentiles(gaps: list[tuple[float, float, bool]]) -> tuple[float, float]:
-    """The :data:`SERVING_PERCENTILE` th percentile (``numpy.percentile``, linear, as the
-    bench's metrics) of the measured and of the step model's ms of the uncontended
-    :func:`decode_gaps` (nan, nan without any)."""
+    """p95 (numpy linear) of the measured and model ms of uncontended gaps; nan without any."""
     free = [g for g in gaps if not g[2]]
     if not free:
         return float("nan"), float("nan")
@@ -133,22 +88,17 @@ def gap_percentiles(gaps: list[tuple[float, float, bool]]) -> tuple[float, float
 
 
 def contention_ratio(gaps: list[tuple[float, float, bool]]) -> float | None:
-    """How many times slower a run's contended decode steps were than its uncontended ones,
-    each measured against the step model: the ratio of the medians of measured / model ms
-    (within one run, so what moves the whole run cancels). None without both kinds."""
+    """Median measured/model of contended over uncontended steps, within one run so what
+    moves the whole run cancels; None without both."""
     kinds = [[m / model for m, model, c in gaps if c == contended] for contended in (True, False)]
     return float(np.median(kinds[0]) / np.median(kinds[1])) if all(kinds) else None
 
 
 def fit_serving(runs: list[list[tuple[float, float, bool]]]) -> tuple[float, float]:
-    """``(decode_slowdown, contended_slowdown)`` (dimensionless) of served runs, each given
-    as its :func:`decode_gaps`: per run, the ratio of the :func:`gap_percentiles` (steps
-    with a core free) and the :func:`contention_ratio`; then the median of each over the
-    runs that have it, so that no one run's outliers decide (contended 1 without any).
+    """``(decode_slowdown, contended_slowdown)``: medians over runs of each run's p95 ratio and
+    contention ratio, so no one run's outliers decide (contended 1 without any).
 
-    Raises:
-        ValueError: no run has an uncontended decode-only step.
-    """
+    Raises ValueError when no run has an uncontended decode-only step."""
     ratios = [measured / model for measured, model in map(gap_percentiles, filter(None, runs))
               if not np.isnan(measured)]
     if not ratios:
@@ -158,11 +108,8 @@ def fit_serving(runs: list[list[tuple[float, float, bool]]]) -> tuple[float, flo
 
 
 def step_uncertainty(serving: dict) -> float:
-    """How far served step times are known (relative, dimensionless): half the spread
-    (max − min) of the per-run ratios that :func:`fit_serving` took the median of, over that
-    median; 0 with fewer than two runs (``serving``: a calibration's ``serving`` section).
-    Runs of one machine spread by 10–20% (busy cores, other tenants), so a prediction is a
-    band, not a point."""
+    """Half the spread of the per-run ratios over their median (relative); 0 with fewer than
+    two runs. Runs on one machine spread 10-20 %, so a prediction is a band."""
     ratios = list(serving.get("ratios", {}).values())
     if len(ratios) < 2:
         return 0.0
@@ -170,12 +117,7 @@ def step_uncertainty(serving: dict) -> float:
 
 
 def compare_configs(compare_dir: Path) -> list[dict]:
-    """The ``configs`` of an ``epdserve compare`` output's ``compare.json``: one dict per
-    configuration with its ``name``, ``resources`` and, if it ran, ``result``.
-
-    Raises:
-        ValueError: no such file, or not one that ``compare`` writes.
-    """
+    """Raises ValueError: no compare.json, or not one compare writes."""
     try:
         configs = json.loads((compare_dir / "compare.json").read_text())["configs"]
         if not all(isinstance(c["name"], str) and c["resources"]["workers"] for c in configs):
@@ -188,33 +130,22 @@ def compare_configs(compare_dir: Path) -> list[dict]:
 
 @dataclass
 class ServedRun:
-    """One configuration of a ``compare`` output, as the fits read it.
-
-    ``seqs``: one dict per served request as :func:`decode_gaps` takes them, with
-    ``prefill``: ``(worker, start s, end s, new tokens, cached tokens)`` of its prefill,
-    or None when its record does not say how many tokens were cached (traces of
-    epdserve before ``cached_tokens``); ``sizes``: each worker's cores; ``contended(worker,
-    t)``: whether every other core was busy at ``t`` s."""
+    """``seqs`` as :func:`decode_gaps` takes them, plus ``prefill``: (worker, start s, end s,
+    new, cached tokens), None in traces without ``cached_tokens``; ``sizes``: cores per worker."""
 
     seqs: list[dict]
     sizes: dict[str, int]
     contended: Callable[[str, float], bool]
 
     def step(self, platform: Platform) -> Callable[[str], StepModel]:
-        """Each worker's step model: ``platform``'s for that worker's cores."""
         return lambda worker: platform.step(self.sizes[worker])
 
 
 def compare_runs(compare_dir: str | Path, platform: Platform) -> dict[str, ServedRun]:
-    """Each configuration of an ``epdserve compare`` output (its ``compare.json``,
-    ``trace.jsonl`` and ``NAME.server.jsonl``) that ran, by name, elastic and
-    tensor-parallel ones left out (:func:`fitted_on`); requests without a server record,
-    failed or with fewer than two tokens are left out.
+    """Configurations that ran, by name, except :func:`fitted_on`'s exclusions; requests
+    without a record, failed, or of one token are left out.
 
-    Raises:
-        ValueError: ``compare_dir`` lacks those files, or its results merge several rounds
-            (``--repeats``), which keep no per-request times.
-    """
+    Raises ValueError: missing files, or results merging several rounds (no per-request times)."""
     compare_dir = Path(compare_dir)
     configs = compare_configs(compare_dir)
     merged = [e["name"] for e in configs if "result" in e and "request_ids" not in e["result"]]
@@ -234,11 +165,8 @@ def compare_runs(compare_dir: str | Path, platform: Platform) -> dict[str, Serve
 
 
 def fitted_on(entry: dict) -> bool:
-    """Whether the serving slowdowns are fitted on a configuration of a compare run (its
-    compare.json ``entry``): not on an elastic one (its workers change role: no fixed
-    placement to fit steps to) nor on one with tensor-parallel workers of any role (their
-    times are not those of the one-process fits these slowdowns are of: an engine worker's
-    steps are the TP fit's, ``tp_steps``)."""
+    """Not elastic (no fixed placement) and no tensor-parallel workers (their steps are the TP
+    fit's, not the one-process fits these slowdowns scale)."""
     if entry.get("mode") == "elastic":
         return False
     try:
@@ -249,21 +177,13 @@ def fitted_on(entry: dict) -> bool:
 
 
 def compare_gaps(compare_dir: str | Path, platform: Platform) -> dict[str, list[tuple[float, float, bool]]]:
-    """:func:`decode_gaps` of each configuration of an ``epdserve compare`` output
-    (:func:`compare_runs`), with the step models of ``platform`` for each worker's cores.
-
-    Raises:
-        ValueError: ``compare_dir`` lacks its files.
-    """
+    """Raises ValueError as :func:`compare_runs`."""
     return {name: decode_gaps(run.seqs, run.step(platform), run.contended)
             for name, run in compare_runs(compare_dir, platform).items()}
 
 
 def _served_run(entry: dict, requests: list[workload.Request], records: list[RequestTrace],
                 platform: Platform) -> ServedRun:
-    """One configuration of a ``compare`` output: ``entry`` (its ``compare.json`` entry:
-    the client's result and each worker's cores), the requests of the trace it served and
-    its server trace ``records``."""
     m = entry["result"]
     cores = {w["worker_id"]: tuple(w["cores"]) for w in entry["resources"]["workers"]}
     by_id = {r.request_id: r for r in records}
@@ -295,10 +215,8 @@ def _served_run(entry: dict, requests: list[workload.Request], records: list[Req
 
 
 def _busy_s(record: RequestTrace, first: float, last: float) -> list[tuple[str, float, float]]:
-    """``(worker, start s, end s)`` while the workers of one served request worked on it,
-    from its server trace record and its first and last token times: encoding and prefill
-    end where its first token came (the encode workers' end where its prefill queue
-    began), decoding spans the first to the last token."""
+    """``(worker, start s, end s)`` per worker that worked on the request: encode and prefill end
+    at the first token (encode workers' at the prefill queue), decode spans first to last token."""
     encode, prefill = (record.encode_ms or 0.0) / 1e3, record.prefill_ms / 1e3
     if record.decode_worker is None:
         return [(record.worker, first - prefill - encode, last)]

@@ -1,27 +1,6 @@
-"""Elastic deployments in the simulator (``serve --elastic``, docs/elastic.md).
-
-A simulated engine worker changes role between colocated, prefill and decode as a live one
-does ("A switch"): the router routes by its new role at once (:meth:`Simulation.pick`
-reads ``Worker.role``), and the worker takes the new role's work at once while every
-request it holds finishes under the role it was taken in (``Seq.role``: its drain); once
-none of those is left it announces the switch, and the drain time is recorded. A request's
-path is chosen by the roles live when it arrives (:meth:`Controller.path`, as the
-registry's ``serving_path``); its decode stage never goes back to the worker that prefilled
-it and goes to a colocated worker when no decode worker is live (``Simulation.pick``), as
-``serving/router/flows.py`` does.
-
-The controller is in the loop: every ``interval_s`` simulated seconds it builds a
-:class:`~epdserve.serving.elastic.policy.Sample` from the simulated state as
-``serving/router/elastic.py`` and ``serving/router/signals.py`` build one from the live
-router's (arrivals with their prompt tokens and ``max_tokens``; the TTFT and prefill queue
-time of each first token since the last sample; the gaps between a request's tokens; per
-worker its running, waiting and outstanding requests, KV usage and whether it is
-switching), calls the policy's :func:`~epdserve.serving.elastic.policy.decide` on the
-window and applies the roles it returns. The policy is imported, not copied. Differences
-from the live router, all of the simulator's own making: tokens reach the "router" when
-their step ends (no IPC, no batching of outputs), and KV usage counts the blocks a request
-reserves at admission (its prompt plus ``max_tokens``), not the blocks filled so far.
-"""
+"""Elastic deployments in the simulator (``serve --elastic``): workers that switch role live, and
+the controller in the loop calling the live policy (imported, not copied) on samples built as
+the router builds them; docs/planner.md, "Elastic deployments"."""
 
 from __future__ import annotations
 
@@ -36,21 +15,14 @@ from epdserve.serving.elastic.policy import Decision, PolicyConfig, PolicyState,
 from epdserve.serving.elastic.samples import WorkerSignal
 from epdserve.serving.deployment import ELASTIC_INTERVAL_S, ELASTIC_MIN_DWELL_S, ELASTIC_WINDOW_S
 
-if TYPE_CHECKING:  # for annotations only: simulate imports this module
+if TYPE_CHECKING:  # simulate imports this module
     from epdserve.plan.simulate import Simulation
-
 
 
 @dataclass(frozen=True)
 class ElasticConfig:
-    """The controller of a simulated elastic deployment: the policy's SLOs, window and
-    dwell (``serve --slo ttft:MS tpot:MS --elastic-window S --elastic-min-dwell S``) and the
-    sampling interval (``--elastic-interval``, s).
-
-    Raises:
-        ValueError: an interval that is not a finite number > 0 (the simulator needs a
-            controller that ticks; serve's 0, no controller, is a static deployment here).
-    """
+    """Raises ValueError for an ``interval_s`` not finite and > 0: the simulated controller
+    must tick (serve's 0 is a static deployment here)."""
     policy: PolicyConfig
     interval_s: float = ELASTIC_INTERVAL_S
 
@@ -61,36 +33,29 @@ class ElasticConfig:
 
 def elastic_config(slos_ms: dict[str, float], window_s: float = ELASTIC_WINDOW_S, min_dwell_s: float = ELASTIC_MIN_DWELL_S,
                    interval_s: float = ELASTIC_INTERVAL_S) -> ElasticConfig:
-    """The controller ``serve --elastic`` runs with these flags: the policy steers by the
-    ``ttft`` and ``tpot`` of ``slos_ms`` (ms; serve's ``--slo`` default, compare's default
-    SLOs, for a missing one), over ``window_s``, with ``min_dwell_s``, every ``interval_s``.
-
-    Raises:
-        ValueError: as :class:`PolicyConfig` and :class:`ElasticConfig`, naming the value.
-    """
+    """The controller ``serve --elastic`` runs with these flags; a missing ``ttft`` or ``tpot``
+    (ms) takes compare's default. Raises ValueError naming the value."""
     slos = {**{k: DEFAULT_SLOS_MS[k] for k in ELASTIC_SLO_KEYS}, **slos_ms}
     return ElasticConfig(PolicyConfig(slo_ttft_ms=slos["ttft"], slo_tpot_ms=slos["tpot"], window_s=window_s,
                                       min_dwell_s=min_dwell_s), interval_s)
 
 
 class ElasticWorker(Worker):
-    """A simulated worker that can switch role; ``worker_id`` as serve names them
-    (``worker-0``, ``worker-1``, ... in placement order)."""
+    """``worker_id`` as serve names them (``worker-0``, ... in placement order)."""
 
     def __init__(self, sim: Simulation, *args):
         super().__init__(sim, *args)
         self.worker_id = f"worker-{len(sim.workers)}"
-        self.holding: dict[int, str] = {}  # request index -> the role it was taken in, until released
-        self.switching_since: float | None = None  # when a switch was asked, until it is announced
-        self.previous = ""  # the role before the last switch
+        self.holding: dict[int, str] = {}  # request index -> the role it was taken in
+        self.switching_since: float | None = None
+        self.previous = ""
 
     def submit(self, seq: Seq, role: str = "") -> None:
         super().submit(seq, role)
         self.holding[seq.index] = seq.role
 
     def reserve(self, s: Seq, sign: int) -> None:
-        """As :meth:`Worker.reserve`; giving back is where a request leaves this worker
-        (finished, or its exported KV taken by the decode worker), which may end a drain."""
+        """Giving back is where a request leaves this worker, which may end a drain."""
         super().reserve(s, sign)
         if sign < 0:
             del self.holding[s.index]
@@ -101,7 +66,7 @@ class ElasticWorker(Worker):
         self.sim.controller.decoding(s, self)
 
     def switch(self, role: str) -> None:
-        """Route and take work as ``role`` from now on; what it holds drains under its old role."""
+        """Take work as ``role`` now; what it holds drains under its old role."""
         self.previous, self.role = self.role, role
         self.switching_since = self.sim.env.now
         self.sim.controller.role_event(self, "switching")
@@ -114,7 +79,8 @@ class ElasticWorker(Worker):
             self.sim.controller.role_event(self, "switched", drain_s * 1e3)
 
     def signal(self) -> WorkerSignal:
-        """This worker as the router's controller samples it (``serving/router/elastic.py``)."""
+        """As the router's controller samples a worker; KV usage counts blocks reserved at
+        admission, not those filled so far."""
         total = self.sim.platform.kv_capacity_tokens
         blocks = total(self.size) // self.sim.limits.block_size if total else 0
         return WorkerSignal(worker_id=self.worker_id, role=self.role, switching=self.switching_since is not None,
@@ -124,9 +90,8 @@ class ElasticWorker(Worker):
 
 
 class Controller:
-    """``serve --elastic``'s controller on the simulation's clock (see the module doc).
-    ``decisions``: every decision (holds included); ``events``: the role events, as the
-    router's trace writes them (``t`` in simulated s)."""
+    """``decisions``: every decision (holds included); ``events``: role events as the router's
+    trace writes them (``t`` in simulated s)."""
 
     def __init__(self, sim: Simulation, config: ElasticConfig):
         self.sim, self.config = sim, config
@@ -136,22 +101,17 @@ class Controller:
         self.events: list[dict] = [{"t": 0.0, "worker": w.worker_id, "role": w.role, "previous": None,
                                     "state": "up", "drain_ms": None, "reason": ""} for w in sim.workers]
         self._reason = ""
-        # The signals since the last sample (serving/router/signals.py's SignalRecorder).
+        # Signals since the last sample (serving/router/signals.py's SignalRecorder).
         self.arrivals: list[tuple[int, int]] = []
         self.live: dict[int, Seq] = {}            # arrived, tokens not all counted yet
-        self.counted: dict[int, int] = {}         # tokens of each counted so far
-        self.decoding_on: dict[int, Worker] = {}  # decoding now, and where
+        self.counted: dict[int, int] = {}
+        self.decoding_on: dict[int, Worker] = {}
         self.done: set[int] = set()
         sim.env.process(self.run())
 
     def path(self) -> str:
-        """The path a request arriving now takes (the registry's ``serving_path``): ``pd``
-        with a prefill worker and a decode or colocated one, else ``colocated``.
-
-        Raises:
-            ValueError: only decode workers are live (serve's "local" path, which no
-                decision of the policy leads to).
-        """
+        """``pd`` with a prefill worker and a decode or colocated one, else ``colocated``
+        (``serving_path``); ValueError with only decode workers."""
         roles = {w.role for w in self.sim.workers}
         if "prefill" in roles and roles & {"decode", "colocated"}:
             return "pd"
@@ -173,10 +133,8 @@ class Controller:
         self.done.add(s.index)
 
     def _token_events(self) -> tuple[list[float], list[float], list[float], list[int]]:
-        """The TTFTs, prefill queue times and computed prompt tokens (less the template's
-        cached blocks, the prefix-cache hit of nearly every prompt) of first tokens, and the
-        gaps between tokens, that came since the last call (ms). A decoding request's tokens so far are its
-        worker's step ends since it joined (``Worker._finish_step`` records them at the end)."""
+        """(TTFTs, prefill queue times, computed prompt tokens less the template's cached
+        blocks, ITL gaps) in ms since the last call; tokens reach the "router" when their step ends."""
         ttfts, queues, itls, computed = [], [], [], []
         for index, s in list(self.live.items()):
             w = self.decoding_on.get(index)
@@ -196,7 +154,6 @@ class Controller:
         return ttfts, queues, itls, computed
 
     def sample(self) -> Sample:
-        """The signals now, as ``serving/router/elastic.py``'s ``Controller.sample``."""
         ttfts, queues, itls, computed = self._token_events()
         arrivals, self.arrivals = tuple(self.arrivals), []
         return Sample(t=self.sim.env.now, workers=tuple(w.signal() for w in self.sim.workers), arrivals=arrivals,
@@ -204,7 +161,6 @@ class Controller:
                       prefill_tokens=tuple(computed))
 
     def tick(self) -> Decision:
-        """Sample, decide on the window, apply (``serving/router/elastic.py``'s ``tick``)."""
         sample = self.sample()
         self.samples.append(sample)
         kept = window(self.samples, self.config.policy)
@@ -225,16 +181,12 @@ class Controller:
             self.tick()
 
     def role_event(self, w: ElasticWorker, state: str, drain_ms: float | None = None) -> None:
-        """Record a switch of ``w`` asked (``switching``) or announced (``switched``, after
-        ``drain_ms``), with the reason of the decision that asked it."""
         self.events.append({"t": self.sim.env.now, "worker": w.worker_id, "role": w.role, "previous": w.previous,
                             "state": state, "drain_ms": drain_ms, "reason": self._reason})
 
     def report(self) -> dict:
-        """What the controller did (JSON): ``decisions`` that changed roles (``t`` in
-        simulated s, ``action``, ``roles``, ``reason``, ``signals``), ``role_events`` (each
-        switch asked and announced, with ``drain_ms``), the number of ``holds`` and the last
-        hold's reason, and the ``roles`` each worker had at the end."""
+        """JSON: ``decisions`` that changed roles (``t`` in simulated s), ``role_events`` with
+        ``drain_ms``, ``holds`` and ``last_hold``, and the final ``roles``."""
         holds = [d for d in self.decisions if d.roles is None]
         return {"decisions": [{"t": d.t, "action": d.action, "roles": d.roles, "reason": d.reason,
                                "signals": d.signals} for d in self.decisions if d.roles is not None],

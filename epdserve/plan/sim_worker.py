@@ -1,10 +1,7 @@
-"""The simulated workers of :mod:`epdserve.plan.simulate` (whose docstring says what they
-model): a request inside the simulation (:class:`Seq`), a worker's devices with processor
-sharing (:class:`Devices`), a prefill/decode/colocated worker's scheduler loop with its KV
-blocks and prefix cache (:class:`Worker`) and an EPD encode worker (:class:`EncodeWorker`).
-Times are simulated seconds; stages (``Seq.stages``) are ms, named as
-:class:`~epdserve.trace.RequestTrace` attributes.
-"""
+"""The simulated workers of :mod:`epdserve.plan.simulate`: a request in the simulation, devices
+with processor sharing, an engine worker's scheduler loop with KV blocks and prefix cache, and
+an EPD encode worker. Times are simulated seconds; ``Seq.stages`` are ms, named as
+:class:`~epdserve.trace.RequestTrace` attributes."""
 
 from __future__ import annotations
 
@@ -20,41 +17,37 @@ from epdserve.engine.scheduler import SchedulerConfig
 from epdserve.model import step_budget
 from epdserve.plan.costmodel import StepModel
 
-if TYPE_CHECKING:  # for annotations only: simulate imports this module
+if TYPE_CHECKING:  # simulate imports this module
     from epdserve.plan.simulate import EngineLimits, Simulation, WorkerSpec
 
 
 class Seq:
-    """A request inside the simulation; times are simulated seconds."""
-
     __slots__ = ("index", "req", "prompt", "computed", "tokens", "arrival", "enqueued",
                  "stages", "first_scheduled", "first_step", "ctx_base", "encoding", "encoded", "role", "path")
 
     def __init__(self, index: int, req: Request, prompt: int, arrival: float):
         self.index, self.req, self.prompt = index, req, prompt
         self.computed = 0
-        self.tokens: list[float] = []  # server time of each generated token
+        self.tokens: list[float] = []
         self.arrival = arrival
         self.enqueued = arrival
-        self.stages: dict[str, float] = {}  # RequestTrace stages, by attribute name
-        self.first_scheduled: float | None = None  # when its prefill was first scheduled
+        self.stages: dict[str, float] = {}
+        self.first_scheduled: float | None = None
         self.first_step = 0
         self.ctx_base = 0
         self.encoding = 0       # EPD: encode workers still holding some of its images
         self.encoded = False    # EPD: its embeddings wait in encode workers' frames
-        # The role its current worker took it in (elastic: the worker's role may change since,
-        # the request keeps this one: its drain), and its path: colocated, pd or epd.
+        # The role its worker took it in (elastic: kept through a switch's drain); its path.
         self.role = ""
         self.path = ""
 
 
-# Texts are looked up by their first characters: a shared start shorter than this is less
-# than a block of tokens, which the prefix cache would not hit anyway (~4 characters a token).
+# A shared start shorter than this is under a block of tokens (~4 characters a token).
 TEXT_KEY_CHARS = 32
 
 
 def common_start(a: str, b: str) -> int:
-    """Characters ``a`` and ``b`` share from the start (bisection on C-speed slice compares)."""
+    """Bisection on C-speed slice compares."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -66,41 +59,36 @@ def common_start(a: str, b: str) -> int:
 
 
 def longest_shared_start(text: str, texts: list[str]) -> int:
-    """Characters ``text`` shares from the start with the text of ``texts`` (sorted) that
-    shares the most: in sorted order that is one of its two neighbours, so a lookup costs
-    two comparisons however many texts there are."""
+    """``texts`` sorted: the best match is a neighbour, so two comparisons."""
     i = bisect.bisect_left(texts, text)
     return max((common_start(text, t) for t in texts[max(i - 1, 0):i + 1]), default=0)
 
 
 def request_kv_blocks(role: str, prompt: int, max_tokens: int, block_size: int) -> int:
-    """KV blocks a request holds on a worker of ``role``: its prompt on a prefill worker,
-    its prompt and ``max_tokens`` elsewhere (a prefix-cache hit's shared blocks counted as
-    its own)."""
+    """Prompt on a prefill worker, prompt + ``max_tokens`` elsewhere (a prefix hit's shared
+    blocks counted as its own)."""
     return -(-(prompt if role == "prefill" else prompt + max_tokens) // block_size)
 
 
 def image_key(image: dict) -> tuple[int, int, int]:
-    """Equal size and seed are equal bytes (bench/images.py): one embedding cache entry."""
+    """Equal size and seed are equal bytes: one embedding cache entry."""
     return image["width"], image["height"], image["seed"]
 
 
 class Devices:
-    """The devices of one worker, or of several (``shared``): a piece of work of ``ms``
-    takes ``ms`` alone and runs at 1/n speed while n pieces are in progress (processor
-    sharing)."""
+    """One worker's devices, or several workers' (``shared``): n pieces of work in progress each run
+    at 1/n speed (processor sharing)."""
 
     def __init__(self, env: simpy.Environment, shared: bool):
         self.env, self.shared = env, shared
-        self.left: dict[simpy.Event, float] = {}  # work in progress: its done event -> ms left
+        self.left: dict[simpy.Event, float] = {}  # done event -> ms left
         self.since = 0.0
         self.timer: simpy.Event | None = None
-        self.busy = 0  # pieces of work in progress
-        # Other workers' devices that partly share these cores (WorkerSpec.overlap).
+        self.busy = 0
+        # Devices of other workers that partly share these cores (WorkerSpec.overlap).
         self.overlaps: list[Devices] = []
 
     def run(self, ms: float) -> simpy.Event:
-        """An event that fires once ``ms`` of work is done here."""
         self.busy += 1
         if self.shared:
             self._advance()
@@ -113,7 +101,7 @@ class Devices:
         return done
 
     def overlapped(self) -> bool:
-        """Whether a worker that partly shares these cores is busy."""
+        """A worker that partly shares these cores is busy."""
         return any(d.busy for d in self.overlaps)
 
     def _release(self, done: simpy.Event) -> None:
@@ -146,7 +134,7 @@ class Worker:
     def __init__(self, sim: Simulation, spec: WorkerSpec, step: StepModel, devices: Devices):
         self.sim, self.role, self.step_model, self.devices = sim, spec.role, step, devices
         self.size, self.tp = spec.devices, spec.tp
-        self.images: set[tuple[int, int, int]] = set()  # encoded here (embedding cache)
+        self.images: set[tuple[int, int, int]] = set()  # embedding cache
         self.inbox: deque[Seq] = deque()
         self.waiting: deque[Seq] = deque()
         self.prefilling: list[Seq] = []
@@ -156,20 +144,20 @@ class Worker:
         self._gone: Counter = Counter()  # ... with lazy deletion of finished ones
         self.finish_at: dict[int, list[Seq]] = {}
         self.step_times: list[float] = []
-        self.held = 0                    # outstanding requests ...
-        self.outstanding = 0             # ... and their prompt + max_tokens
+        self.held = 0
+        self.outstanding = 0             # Σ prompt + max_tokens
         capacity = sim.platform.kv_capacity_tokens
-        # KV blocks not reserved by a request here (None: unbounded)
+        # KV blocks not reserved here (None: unbounded)
         self.free_blocks = None if capacity is None else capacity(spec.devices) // sim.limits.block_size
         self.budget = sim.limits.max_num_batched_tokens or self._step_budget()
         self.import_bytes = 0.0          # KV to copy in during the next step
-        self.prefix_cached = False       # the template's full blocks are in its prefix cache
-        self.texts: dict[str, list[str]] = {}  # texts prefilled here (sorted), by their first TEXT_KEY_CHARS
+        self.prefix_cached = False       # the template's full blocks
+        self.texts: dict[str, list[str]] = {}  # prefilled here, sorted, by first TEXT_KEY_CHARS
         self.wake = sim.env.event()
 
     def submit(self, seq: Seq, role: str = "") -> None:
-        """Take ``seq`` in as a request of ``role`` (default: this worker's role now; a
-        decode stage sent to a colocated worker is taken in as ``decode``)."""
+        """``role``: default this worker's role now (a decode stage sent to a colocated worker is
+        taken in as ``decode``)."""
         seq.role = role or self.role
         seq.enqueued = self.sim.env.now
         self.inbox.append(seq)
@@ -179,8 +167,7 @@ class Worker:
             self.wake.succeed()
 
     def _take_in(self, s: Seq):
-        """Before it can be scheduled, a request with images gets their embeddings: fetched
-        from the encode workers' frames (EPD) or encoded here (a prefill-capable worker)."""
+        """Embeddings first: fetched from encode workers (EPD) or encoded here."""
         images, platform = s.req.images, self.sim.platform
         if images and s.role != "decode" and s.encoded:
             nbytes = sum(platform.images.embedding_bytes((im["width"], im["height"])) for im in images)
@@ -200,7 +187,7 @@ class Worker:
     def run(self):
         env, limits = self.sim.env, self.sim.limits
         while True:
-            while self.inbox:  # every command that has arrived, before the next step
+            while self.inbox:  # every command arrived, before the next step
                 yield from self._take_in(self.inbox.popleft())
             if not (self.waiting or self.prefilling or self.num_decode):
                 self.wake = env.event()
@@ -208,7 +195,7 @@ class Worker:
                 continue
             k = len(self.step_times)
             chunks, joining = self._schedule(limits)
-            if not (chunks or joining or self.num_decode):  # waiting for KV blocks to come free
+            if not (chunks or joining or self.num_decode):  # waiting for KV blocks
                 self.wake = env.event()
                 yield self.wake
                 continue
@@ -231,15 +218,15 @@ class Worker:
             self._finish_step(k, chunks)
 
     def _step_budget(self) -> int:
-        """serve's default tokens a step (``model/step_budget.py``): what this worker prefills
-        in half a second by its step model; 2,048 with tensor-parallel ranks."""
+        """serve's default: what this worker prefills in half a second by its step model;
+        2,048 with TP ranks."""
         if self.tp > 1:
             return SchedulerConfig.max_num_batched_tokens
         seconds = self.step_model.step_ms([(step_budget.PROBE_TOKENS, 0)]) / 1e3
         return step_budget.from_rate(step_budget.PROBE_TOKENS / seconds)
 
     def _schedule(self, limits: EngineLimits) -> tuple[list[tuple[Seq, int]], list[Seq]]:
-        """Prefill chunks ``(seq, tokens)`` and the decode-role arrivals joining this step."""
+        """(prefill chunks ``(seq, tokens)``, decode-role arrivals joining this step)."""
         budget = self.budget - self.num_decode
         chunks: list[tuple[Seq, int]] = []
         for s in self.prefilling:
@@ -274,8 +261,7 @@ class Worker:
         return chunks, joining
 
     def _import(self, s: Seq) -> None:
-        """``s``'s KV is copied in during the next step (0 ms without ``kv_import_gbs``: the
-        copy is in the step time)."""
+        """0 ms without ``kv_import_gbs``: the copy is in the step time."""
         nbytes = s.prompt * self.sim.platform.kv_bytes_per_token
         self.import_bytes += nbytes
         gbs = self.sim.platform.kv_import_gbs
@@ -285,8 +271,7 @@ class Worker:
         return request_kv_blocks(s.role, s.prompt, s.req.max_tokens, self.sim.limits.block_size)
 
     def reserve(self, s: Seq, sign: int) -> None:
-        """Take (``sign`` 1) or give back (-1) the KV blocks of ``s``; giving back wakes
-        the loop, which may wait for them."""
+        """``sign`` 1 takes, -1 gives back (waking the loop, which may wait for them)."""
         if self.free_blocks is None:
             return
         self.free_blocks -= sign * self.kv_blocks(s)
@@ -294,10 +279,8 @@ class Worker:
             self.wake.succeed()
 
     def _prefix_hit(self, s: Seq) -> int:
-        """Tokens of ``s``'s prompt found in this worker's prefix cache at admission, in full
-        blocks: the template's once they are cached here, through the longest start its text
-        shares with a text prefilled here; never the last token (its logits must be
-        computed; engine/prefix_cache.py, vLLM's rule)."""
+        """In full blocks: the template's once cached here, through the longest start shared with a
+        text prefilled here; never the last token (its logits are computed; vLLM's rule)."""
         if not self.prefix_cached:
             return 0
         hit = self.sim.cached_prefix
@@ -310,13 +293,11 @@ class Worker:
         return min(hit // size * size, (s.prompt - 1) // size * size)
 
     def _max_context(self, k: int) -> int:
-        """The longest cached context among the decoding sequences at step ``k`` (0 if none)."""
         while self._bases and self._gone[-self._bases[0]]:
             self._gone[-heapq.heappop(self._bases)] -= 1
         return k - self._bases[0] if self._bases else 0
 
     def _start_decode(self, s: Seq, k: int, context: int) -> None:
-        """``s`` decodes from step ``k`` on with ``context`` cached tokens, until done."""
         remaining = s.req.max_tokens - len(s.tokens)
         s.first_step, s.ctx_base = k, context - k
         heapq.heappush(self._bases, -s.ctx_base)
@@ -365,13 +346,13 @@ class Worker:
 
 
 class EncodeWorker:
-    """An EPD encode worker: each call encodes every share of images pending here."""
+    """Each call encodes every share of images pending here."""
 
     def __init__(self, sim: Simulation, spec: WorkerSpec, devices: Devices):
         self.sim, self.role, self.devices, self.size = sim, spec.role, devices, spec.devices
-        self.images: set[tuple[int, int, int]] = set()  # encoded here (embedding cache)
-        self.pending: list[tuple[Seq, tuple[dict, ...], float]] = []  # with the time it came
-        self.outstanding = 0  # requests with images here
+        self.images: set[tuple[int, int, int]] = set()
+        self.pending: list[tuple[Seq, tuple[dict, ...], float]] = []  # with arrival time
+        self.outstanding = 0
         self.wake = sim.env.event()
 
     def submit(self, seq: Seq, images: tuple[dict, ...]) -> None:

@@ -1,61 +1,6 @@
-"""Discrete-event simulation of a deployment serving a trace (SimPy).
-
-The simulated engine follows epdserve's scheduler (engine/scheduler.py, vLLM v1 policy):
-each step gives every running sequence its next tokens (decodes one, a chunked prefill its
-next chunk), then admits waiting sequences while ``max_num_seqs`` and
-``max_num_batched_tokens`` allow; without chunked prefill a prompt is prefilled whole.
-A step lasts what the platform's step model says, its prefills and decodes slowed as
-served ones are, its decodes more so while every other device of the deployment is busy
-(``Platform.served_step_ms``). The router sends a request to the worker of the role with the fewest outstanding requests, then tokens (prompt +
-max_tokens), as serving/router/registry.py picks. In PD the first token is streamed when the
-prefill worker samples it; the KV then crosses ``kv_link`` and the decode worker copies
-it in during its next step (``kv_import_gbs``). KV memory (``Platform.kv_capacity_tokens``
-per worker, in blocks of ``block_size``): a request is admitted only while the blocks of its
-prompt plus ``max_tokens`` are free (a prefill worker: of its prompt, held until the KV has
-crossed), and waits in line otherwise; first come, first served. The engine allocates
-blocks as tokens come and preempts when out of them; reserving the peak at admission admits
-no more than it could finish without preemption (a bench trace's ``max_tokens`` is its
-output length: the peak is known).
-Prefix caching (on in ``epdserve serve``, as in vLLM v1): every chat prompt starts with the
-chat template's system turn (``Platform.template_prefix_tokens``), so once a worker has
-prefilled one prompt, the next ones find those full blocks cached and compute only the rest
-(a prefill chunk of prompt − hit new tokens over hit cached ones). A text-only prompt whose
-text starts as one this worker prefilled before (a shared document or system prompt) also
-finds that shared start: its characters in tokens at the request's own tokens per character,
-in full blocks. The cache is taken as never evicting.
-
-Images (serving/worker/engine_worker.py, serving/worker/encode_worker.py): a request's image tokens count in
-its prompt. In colocated and PD the worker that prefills encodes a request's images when it
-takes the request in, before its next step, blocking that step (so every running decode
-waits too). In EPD the router spreads a request's images over the encode workers (least
-outstanding requests first, image i to the i-th, round robin); an encode worker encodes
-everything pending in one call; once every share is done the prefill worker with the least
-outstanding work takes the request in, fetching the embeddings over ``kv_link`` (blocking its
-loop, as it maps the frames), then queues it for prefill. Every worker that encodes keeps
-the images it encoded (the embedding cache by content hash; its 256 MB default holds
-about 1,700 default-model images, so it is taken as unbounded): a repeated image costs
-nothing. Workers whose :class:`WorkerSpec` ``share`` tags match run on the same devices
-and split them while more than one is busy (processor sharing, as the OS time-slices
-processes pinned to the same cores: the launcher's EPD placement on 2 cores puts encode
-and prefill on core 0). A tensor-parallel worker (``WorkerSpec.tp``) steps by the platform's
-model of its ranks (``Platform.worker_step``: on a calibrated CPU its TP fit); workers whose
-``overlap`` tags match share some of their cores (the launcher's round-robin placement of more
-ranks than cores) and run on their own devices, every step slowed by ``contended_slowdown``
-while another of them is busy (docs/planner-validation.md, "Tensor-parallel configurations").
-
-Requests are :class:`~epdserve.bench.workload.Request` (a bench trace); the simulator
-reads their offsets, token counts and images, and their texts only for shared starts. Each request yields the
-client's view as a :class:`~epdserve.bench.client.RequestRecord`
-(so :func:`epdserve.bench.metrics.compute` gives TTFT/ITL/TPOT/E2EL and goodput exactly as
-for a measured run) and the server's view as a :class:`~epdserve.trace.RequestTrace` (the
-router's trace record, as :mod:`epdserve.trace` defines its stages): router queue
-(``router_ms``), worker queues, ``prefill_ms``, ``decode_ms``, image encoding, and the KV and
-embedding crossings as fetches (``kv_fetch_ms``, ``embedding_fetch_ms``: the simulation
-puts the whole crossing there) with the decode worker's copy-in as ``kv_import_ms``.
-The workers themselves are in :mod:`epdserve.plan.sim_worker`; an elastic deployment's
-(workers that change role live, with ``serve --elastic``'s controller in the loop) in
-:mod:`epdserve.plan.sim_elastic`.
-"""
+"""Discrete-event simulation (SimPy) of a deployment serving a trace, following epdserve's
+scheduler, router and KV hand-off; what it models is in docs/planner.md, "What it models".
+Workers are in :mod:`epdserve.plan.sim_worker`, elastic ones in :mod:`epdserve.plan.sim_elastic`."""
 
 from __future__ import annotations
 
@@ -72,16 +17,11 @@ from epdserve.trace import RequestTrace
 from epdserve.serving.deployment import ROLES
 
 
-
 @dataclass(frozen=True)
 class WorkerSpec:
-    """One worker: its role, how many devices (cores or GPUs) it has and in how many
-    tensor-parallel ranks (``tp``, processes of one device each: 1 is one process on all
-    of them; :meth:`Platform.worker_step <epdserve.plan.costmodel.Platform.worker_step>`);
-    workers with the same non-empty ``share`` tag run on the same devices; workers with the
-    same non-empty ``overlap`` tag partly share theirs (the launcher's round-robin placement
-    of more ranks than cores): each runs on its own, slowed by the platform's
-    ``contended_slowdown`` while another of them is busy."""
+    """``devices``: cores or GPUs; ``tp`` ranks of one device each (1: one process on all);
+    equal ``share`` tags run on the same devices, equal ``overlap`` tags partly share theirs
+    (round-robin placement), each slowed by ``contended_slowdown`` while another is busy."""
 
     role: str
     devices: int = 1
@@ -92,10 +32,8 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class Deployment:
-    """A named set of workers, e.g. ``2p1d`` = two prefill and one decode worker,
-    ``1e1p1d`` = one encode, one prefill and one decode worker. ``elastic``: the engine
-    workers change role live under the controller it configures (``serve --elastic``,
-    :mod:`epdserve.plan.sim_elastic`); ``workers`` are then their starting roles."""
+    """``elastic``: the engine workers change role live under that controller; ``workers``
+    are their starting roles."""
 
     name: str
     workers: tuple[WorkerSpec, ...]
@@ -103,8 +41,7 @@ class Deployment:
 
     @property
     def devices(self) -> int:
-        """Devices in use, shared ones counted once, those of workers that partly share
-        theirs as many as the largest of them has (round-robin placement wraps within them)."""
+        """Shared devices counted once; an overlap group as many as its largest worker has."""
         shared = {w.share: w.devices for w in self.workers if w.share}
         overlap: dict[str, int] = {}
         for w in self.workers:
@@ -123,9 +60,8 @@ class Deployment:
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """Scheduler settings of every simulated worker (as ``epdserve serve`` takes them, with
-    serve's defaults: ``engine/scheduler.py``'s). ``max_num_batched_tokens`` None: each
-    worker's own, as an engine sets it (``model/step_budget.py``, from its step model)."""
+    """serve's scheduler defaults; ``max_num_batched_tokens`` None: each worker's own step
+    budget, as an engine sets it."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -135,13 +71,12 @@ class EngineLimits:
 
 
 class Simulation:
-    """A deployment's workers on one SimPy clock: arrivals, the router's picks, the KV
-    hand-off, and the requests finished so far."""
+    """A deployment's workers on one SimPy clock."""
 
     def __init__(self, deployment: Deployment, platform: Platform, limits: EngineLimits):
         self.env = simpy.Environment()
         self.platform, self.limits, self.deployment = platform, limits, deployment
-        # The template tokens every prompt starts with, in full blocks: what a hit can reuse.
+        # The template's full blocks every prompt starts with: what a hit can reuse.
         self.cached_prefix = platform.template_prefix_tokens // limits.block_size * limits.block_size \
             if limits.enable_prefix_caching else 0
         shared: dict[str, Devices] = {}
@@ -162,44 +97,34 @@ class Simulation:
             for d in group:
                 d.overlaps = [o for o in group if o is not d]
         self.finished: list[Seq] = []
-        # Requests in flight (arrived, not finished) as each arrival found them, by index:
-        # how :mod:`epdserve.plan.replay` tells a queue that settles from one that grows.
+        # Requests in flight as each arrival found them: how replay tells a settling queue.
         self.in_flight_seen: dict[int, int] = {}
         self._awaited: set[int] = set()  # see until_finished
         self._all_finished: simpy.Event | None = None
         for w in self.workers + self.encoders:
             self.env.process(w.run())
-        # serve --elastic's controller: samples the simulated signals, switches roles.
         self.controller = Controller(self, deployment.elastic) if deployment.elastic else None
 
     def add(self, requests: list[Request], first_index: int = 0) -> None:
-        """Schedule the arrivals of ``requests`` (indices from ``first_index``) at their
-        ``offset_s``, counted from the start of the simulation; none may lie in its past."""
+        """Arrivals at ``offset_s`` from the simulation's start; none may lie in its past."""
         for i, req in enumerate(requests, first_index):
             self.env.process(self.arrive(i, req))
 
     def results(self, indices) -> tuple[list[RequestRecord | None], list[RequestTrace | None]]:
-        """The client record and server trace of each request of ``indices`` (None: not
-        finished yet)."""
+        """(client records, server traces) of ``indices``; None: not finished yet."""
         done = {s.index: s for s in self.finished}
         records = [_client_record(done[i]) if i in done else None for i in indices]
         traces = [_trace(done[i], self.platform.router_ms) if i in done else None for i in indices]
         return records, traces
 
     def contended(self, devices: Devices) -> bool:
-        """Whether every device of the deployment but ``devices`` is busy: no core is left
-        for the router and the client, which then take theirs from the workers."""
+        """Every other device busy: the router and client take their CPU from the workers."""
         others = [d for d in self.devices if d is not devices]
         return bool(others) and all(d.busy for d in others)
 
     def pick(self, role: str, exclude: Worker | None = None) -> Worker:
-        """The worker of ``role`` (never ``exclude``) with the fewest outstanding requests,
-        then tokens (serving/router/registry.py); elastic: a decode stage goes to a colocated
-        worker when no decode worker is live (the registry's ``ELASTIC_FALLBACK``).
-
-        Raises:
-            ValueError: no worker of ``role`` (nor of its fallback).
-        """
+        """Fewest outstanding requests, then tokens, as the router's registry; elastic: a decode
+        stage falls back to a colocated worker. Raises ValueError when no worker has ``role``."""
         candidates = [w for w in self.workers if w.role == role and w is not exclude]
         if not candidates and self.controller and role == "decode":
             candidates = [w for w in self.workers if w.role == "colocated" and w is not exclude]
@@ -208,8 +133,8 @@ class Simulation:
         return min(candidates, key=lambda w: (w.held, w.outstanding))
 
     def encode_ms(self, worker: "Worker | EncodeWorker", images: list[dict]) -> float:
-        """One encode call of ``images`` on ``worker``: the tiles of the distinct images
-        it has not encoded before, which it then has."""
+        """Only the images ``worker`` has not encoded before (its embedding cache, taken as
+        unbounded: 256 MB holds ~1,700 default-model images)."""
         cost = self.platform.images
         new = {image_key(im) for im in images} - worker.images
         worker.images |= new
@@ -225,7 +150,7 @@ class Simulation:
         if self.controller:
             self.controller.arrival(seq)
         if self.encoders and req.images:
-            # the router (serving/router/registry.py): least outstanding first, image i to the (i mod n)-th of them.
+            # least outstanding first, image i to the (i mod n)-th
             order = sorted(self.encoders, key=lambda w: w.outstanding)
             shares = [(w, req.images[i::len(order)]) for i, w in enumerate(order) if req.images[i::len(order)]]
             seq.encoding = len(shares)
@@ -236,8 +161,7 @@ class Simulation:
 
     def hand_off(self, s: Seq, source: Worker):
         ms = self.platform.kv_link.transfer_ms(s.prompt * self.platform.kv_bytes_per_token)
-        # The whole crossing comes after the first token: the trace's fetch (the simulated
-        # prefill worker exports nothing before its first token).
+        # The simulated prefill worker exports nothing before its first token: it is all fetch.
         s.stages.update(kv_bytes=float(s.prompt * self.platform.kv_bytes_per_token), kv_export_ms=0.0,
                         kv_fetch_ms=ms)
         yield self.env.timeout(ms / 1e3)
@@ -247,7 +171,6 @@ class Simulation:
         self.pick("decode", exclude=source).submit(s, "decode")
 
     def until_finished(self, indices: range) -> simpy.Event:
-        """An event that fires once every request of ``indices`` has finished."""
         self._awaited = set(indices) - {s.index for s in self.finished}
         self._all_finished = self.env.event()
         if not self._awaited:
@@ -265,14 +188,14 @@ class Simulation:
 
 
 def prompt_tokens(platform: Platform, req: Request) -> int:
-    """The prompt a request's text, the chat template and its images make."""
+    """Text, chat template and image tokens."""
     return req.prompt_tokens + platform.template_tokens + sum(
         platform.images.prompt_tokens((im["width"], im["height"])) for im in req.images)
 
 
 class KVCapacityError(ValueError):
-    """A worker of the deployment cannot hold a request's KV (or any KV: the weights fill
-    its memory); another deployment of the same devices may."""
+    """A worker cannot hold a request's KV (or any: the weights fill it); another
+    deployment of the same devices may."""
 
 
 def _check_kv_capacity(deployment: Deployment, platform: Platform, requests: list[Request],
@@ -291,11 +214,7 @@ def _check_kv_capacity(deployment: Deployment, platform: Platform, requests: lis
 
 
 def check(deployment: Deployment, platform: Platform, requests: list[Request], limits: EngineLimits) -> None:
-    """That ``deployment`` can serve ``requests`` on ``platform`` (the errors of :func:`simulate`).
-
-    Raises:
-        KVCapacityError, ValueError: as :func:`simulate`.
-    """
+    """Raises KVCapacityError, ValueError as :func:`simulate`."""
     roles = {w.role for w in deployment.workers}
     if deployment.elastic and (len(deployment.workers) < 2 or roles - {"colocated", "prefill", "decode"}):
         raise ValueError(f"deployment {deployment.name}: an elastic deployment needs 2 or more engine workers "
@@ -328,28 +247,18 @@ def check(deployment: Deployment, platform: Platform, requests: list[Request], l
 
 def simulate(deployment: Deployment, platform: Platform, requests: list[Request],
              limits: EngineLimits = EngineLimits()) -> tuple[list[RequestRecord], list[RequestTrace]]:
-    """Serve ``requests`` with ``deployment`` on ``platform``; return the client records
-    (trace order; times in seconds as the bench client measures them, ``router_ms`` added
-    on the way in) and the server's :class:`~epdserve.trace.RequestTrace` of each (ms;
-    ``kv_bytes`` and ``embedding_bytes`` in bytes; request ids are the trace indices).
+    """(client records in trace order, in s with ``router_ms`` added; server traces in ms and
+    bytes); request ids are trace indices.
 
-    Raises:
-        KVCapacityError: a worker whose KV cache cannot hold the largest request.
-        ValueError: a deployment without a complete set of roles or with devices shared
-            by workers of different sizes, an empty request, images for a platform that
-            takes none, or a prompt that can never be scheduled with these limits.
-    """
+    Raises KVCapacityError (a worker too small for the largest request) and ValueError (an
+    incomplete set of roles, shared devices of unequal sizes, an empty request, images on a
+    platform without an image model, a prompt these limits never schedule)."""
     return serve(deployment, platform, requests, limits).results(range(len(requests)))
 
 
 def serve(deployment: Deployment, platform: Platform, requests: list[Request],
           limits: EngineLimits = EngineLimits()) -> Simulation:
-    """The simulation of :func:`simulate`, run until every request of ``requests`` has
-    finished (its ``controller`` holds an elastic deployment's decisions).
-
-    Raises:
-        KVCapacityError, ValueError: as :func:`simulate`.
-    """
+    """Run until every request finished; ``controller`` holds an elastic deployment's decisions."""
     check(deployment, platform, requests, limits)
     sim = Simulation(deployment, platform, limits)
     sim.add(requests)
@@ -358,7 +267,6 @@ def serve(deployment: Deployment, platform: Platform, requests: list[Request],
 
 
 def _client_record(s: Seq) -> RequestRecord:
-    """What the bench client would have recorded of a finished request."""
     times = [t - s.arrival for t in s.tokens]
     return RequestRecord(
         index=s.index, kind=s.req.kind, offset_s=s.req.offset_s, max_tokens=s.req.max_tokens,
@@ -368,8 +276,7 @@ def _client_record(s: Seq) -> RequestRecord:
 
 
 def _trace(s: Seq, router_ms: float) -> RequestTrace:
-    """The router's trace of a finished request: its stages as the simulation timed them;
-    its mode is its path's (an elastic request's too, as the router writes it)."""
+    """Its mode is its path's, an elastic request's too, as the router writes it."""
     return RequestTrace(request_id=str(s.index), mode=s.path,
                         path="colocated" if s.path == "colocated" else "disaggregated",
                         prompt_tokens=s.prompt, output_tokens=len(s.tokens), max_tokens=s.req.max_tokens,

@@ -1,9 +1,6 @@
-"""Simulating ``epdserve compare`` configurations: the deployment and scheduler settings of
-a configuration name (:func:`compare_deployment`, :func:`compare_limits`), and the
-predicted against measured metrics of compare runs (:func:`validate`, behind ``epdserve
-plan validate``), and the simulated against measured SLO attainment at each rate of a
-goodput sweep (:func:`sweep_attainment`).
-"""
+"""Simulating ``epdserve compare`` configurations: a name's deployment and scheduler settings,
+predicted against measured metrics of compare runs (``plan validate``), and simulated against
+measured SLO attainment at each rate of a goodput sweep."""
 
 from __future__ import annotations
 
@@ -26,26 +23,17 @@ from epdserve.serving.deployment import ELASTIC_SLO_KEYS, DeploymentSpec
 from epdserve.plan.serving_fit import compare_configs
 
 VALIDATED = ("p95_ttft_ms", "p95_itl_ms", "output_throughput")
-# Those whose band is counted: below saturation throughput follows the arrivals, whatever the
-# step times, so its band is a hair wide and says nothing.
+# Below saturation throughput follows the arrivals whatever the step times: its band says nothing.
 BANDED = ("p95_ttft_ms", "p95_itl_ms")
 
 
 def compare_deployment(name: str, cores: int, elastic: ElasticConfig | None = None) -> Deployment:
-    """The simulated :class:`Deployment` of an ``epdserve compare`` configuration name on
-    ``cores`` cores, placed by the launcher's rule (:meth:`DeploymentSpec.place`), each
-    worker with its role's tensor-parallel ranks (:meth:`DeploymentSpec.role_tp`); workers
-    placed on the same cores share them (EPD on 2 cores: encode and prefill on core 0);
-    workers whose cores overlap in part (more ranks than cores: ``1p1d-tp2/1`` on 2 cores is
-    prefill 0,1 and decode 0) get one ``overlap`` tag a group (:class:`WorkerSpec`).
-    An elastic one (``elastic``, ``elastic-N``) starts colocated on ``colocated-N``'s cores,
-    its controller configured by ``elastic`` (default: serve's, :func:`elastic_config`).
+    """Placed by the launcher's rule, each worker with its role's TP ranks; workers on the
+    same cores share them, partly overlapping ones get an ``overlap`` tag; an elastic name starts
+    colocated on ``colocated-N``'s cores.
 
-    Raises:
-        ValueError: an unknown name (:meth:`DeploymentSpec.parse`) or a bad count
-            (``elastic-1``), local prefill (``pd-localN``), or a worker with more ranks
-            than ``cores``.
-    """
+    Raises ValueError: an unknown name or count, ``pd-localN`` (not simulated), or a worker with
+    more ranks than ``cores``."""
     spec = DeploymentSpec.parse(name)
     if spec.local_prefill_threshold is not None:
         raise ValueError(f"{name}: prefill of short prompts on the decode worker is not simulated")
@@ -60,9 +48,9 @@ def compare_deployment(name: str, cores: int, elastic: ElasticConfig | None = No
 
 
 def overlap_groups(placements: list[set[int]]) -> dict[tuple[int, ...], str]:
-    """The ``overlap`` tag of each distinct set of cores that shares some but not all of
-    its cores with another (the sorted cores of the group's union); the rest have none."""
-    groups: list[tuple[set[int], list[set[int]]]] = []  # (the union of its cores, its placements)
+    """An ``overlap`` tag (the group's sorted cores) per set of cores sharing some but not all
+    of its cores with another."""
+    groups: list[tuple[set[int], list[set[int]]]] = []  # (union of cores, placements)
     for p in placements:  # each joins, and so merges, every group its cores meet
         meeting = [g for g in groups if g[0] & p]
         groups = [g for g in groups if not g[0] & p]
@@ -71,9 +59,7 @@ def overlap_groups(placements: list[set[int]]) -> dict[tuple[int, ...], str]:
 
 
 def compare_limits(name: str) -> EngineLimits:
-    """The scheduler settings of an ``epdserve compare`` configuration name
-    (:class:`DeploymentSpec`): the step's token budget (colocated-chunked), prefix caching; the
-    serve defaults otherwise (an unknown name included)."""
+    """serve's defaults but the name's step budget and prefix caching (unknown names: defaults)."""
     try:
         spec = DeploymentSpec.parse(name)
     except ValueError:
@@ -87,32 +73,19 @@ def compare_limits(name: str) -> EngineLimits:
 
 
 def validate(compare_dirs: list[Path], platform: Platform) -> tuple[list[dict], list[dict]]:
-    """Predicted vs measured :data:`VALIDATED` metrics for each configuration of one or
-    more compare runs of the same trace (repeats), on the cores it ran on. Per metric: ``runs`` (the measured value
-    of each run that has the configuration), ``measured`` (their mean), ``error`` =
-    (predicted − measured) / measured, ``spread`` = (max − min) / measured of the runs
-    (0 for one run): how far the measurement itself moves between identical runs, and
-    ``band``: the lowest and highest prediction with every step and encode time scaled by
-    1 ± ``platform.step_uncertainty`` (and 1), ``in_band`` whether ``measured`` lies within.
-    Near saturation a few % on step times moves p95s by tens of %: the band shows it. An
-    elastic configuration's row also has ``elastic``, what its simulated controller did
-    (:meth:`~epdserve.plan.sim_elastic.Controller.report`), steering by the run's SLOs.
-    Returns the rows and the predictions as compare entries (:func:`at_rate.as_entry`), for
-    the map of who wins at which SLOs.
-
-    Raises:
-        ValueError: the runs replayed different traces.
-    """
+    """(rows, predictions as compare entries). Per :data:`VALIDATED` metric: ``measured`` (mean of
+    ``runs``), ``error`` and ``spread`` relative to it, ``band`` (predictions at 1 ± step
+    uncertainty) and ``in_band``. Raises ValueError when the runs replayed different traces."""
     requests = workload.load_trace(compare_dirs[0] / "trace.jsonl")
     for d in compare_dirs[1:]:
         if workload.load_trace(d / "trace.jsonl") != requests:
             raise ValueError(f"{d} replayed another trace than {compare_dirs[0]}; repeats of one "
                              f"workload are needed")
     results: dict[str, list[dict]] = {}
-    cores: dict[str, int] = {}  # that each configuration ran on
+    cores: dict[str, int] = {}
     for d in compare_dirs:
         for entry in compare_configs(d):
-            if "result" in entry:  # else the configuration failed to run
+            if "result" in entry:
                 results.setdefault(entry["name"], []).append(entry["result"])
                 cores[entry["name"]] = entry_cores(entry)
     rows, entries = [], []
@@ -141,23 +114,19 @@ def validate(compare_dirs: list[Path], platform: Platform) -> tuple[list[dict], 
 
 
 def compare_slos(compare_dir: Path) -> dict[str, float]:
-    """The SLOs (ms) a compare run judged by (its ``--goodput``), of which an elastic
-    configuration's server steered by the TTFT and TPOT; {} when it gave none (then
-    compare's defaults, as its servers had)."""
+    """The ``--goodput`` TTFT and TPOT (ms) an elastic server steered by; {} for compare's defaults."""
     doc = json.loads((compare_dir / "compare.json").read_text())
     return {k: float(v) for k, v in ((doc.get("sampling") or {}).get("goodput") or {}).items()
             if k in ELASTIC_SLO_KEYS}
 
 
 def entry_cores(entry: dict) -> int:
-    """The cores a configuration of a compare run (its compare.json entry) ran on."""
     return len({c for w in entry["resources"]["workers"] for c in w["cores"]})
 
 
 def wilson_interval(share: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval (Wilson, JASA 1927) of a share measured on ``n`` requests,
-    95 % for the default ``z``: where the share of a rerun of the same trace may fall by
-    chance alone (``(0, 1)`` for ``n`` 0)."""
+    """Wilson score interval (Wilson, JASA 1927), 95 % at the default ``z``, of a share of
+    ``n`` requests; (0, 1) for ``n`` 0."""
     if n <= 0:
         return 0.0, 1.0
     centre = (share + z * z / (2 * n)) / (1 + z * z / n)
@@ -167,18 +136,9 @@ def wilson_interval(share: float, n: int, z: float = 1.96) -> tuple[float, float
 
 def sweep_attainment(entry: dict, cores: int, platform: Platform, requests: list[workload.Request],
                      slos_ms: dict[str, float], seed: int) -> list[dict]:
-    """Per rate of one configuration's goodput sweep (``entry``: its compare.json entry):
-    the measured SLO attainment (share of the trace's requests within ``slos_ms``) with
-    its :func:`wilson_interval`, and the simulated attainment of the same arrivals (the
-    trace re-timed to the rate with ``seed``, sent once, as the sweep sent it), ``error``
-    = simulated − measured (shares) and ``in_interval``. Unlike the goodput rate, this does
-    not hinge on where a flat attainment curve crosses the target: near the target a few
-    points of attainment can be worth a third of the rate.
-
-    Raises:
-        ValueError: as :func:`compare_deployment`; ``NoStepModel`` (a ``ValueError``): a
-            tensor-parallel worker the platform has no step model of.
-    """
+    """Per sweep rate: measured attainment with its Wilson interval against the simulated
+    one of the same arrivals sent once; unlike a goodput rate, it does not hinge on where a flat
+    curve crosses the target. Raises ValueError or NoStepModel."""
     dep = compare_deployment(entry["name"], cores)
     rows = []
     for point in (entry.get("sweep") or {}).get("points", []):
@@ -192,11 +152,7 @@ def sweep_attainment(entry: dict, cores: int, platform: Platform, requests: list
 
 
 def distinct_dirs(dirs: list[str]) -> list[Path]:
-    """``dirs`` as paths; a directory named twice would count as a repeat of itself.
-
-    Raises:
-        ValueError: a directory named twice.
-    """
+    """Raises ValueError for a directory named twice (it would count as its own repeat)."""
     paths = [Path(d) for d in dirs]
     if len({p.resolve() for p in paths}) < len(paths):
         raise ValueError(f"a directory is named twice in {' '.join(dirs)}: repeats must be separate runs")
@@ -204,7 +160,6 @@ def distinct_dirs(dirs: list[str]) -> list[Path]:
 
 
 def has_images(compare_dir: Path) -> bool:
-    """Whether a compare run's trace sends images: it was served by a vision-language model
-    (False when it has no trace: :func:`compare_gaps` names the missing file)."""
+    """False without a trace (the fit then names the missing file)."""
     trace = compare_dir / "trace.jsonl"
     return trace.is_file() and any(r.images for r in workload.load_trace(trace))

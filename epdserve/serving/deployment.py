@@ -1,45 +1,6 @@
-"""Deployments by name: the one parser of the names ``epdserve compare --configs`` and
-``epdserve plan`` take, the ``epdserve serve`` flags each name means, and the worker
-placement ``epdserve serve`` applies to a deployment on a set of CPU cores.
-
-Names (:data:`NAME_FORMS`):
-
-* ``colocated`` — one colocated worker (serve's defaults: chunked prefill, as many tokens a
-  step as the machine prefills in half a second);
-* ``colocated-N`` — N colocated replicas (N >= 1);
-* ``colocated-chunked`` — one colocated worker whose chunked prefill takes at most
-  :data:`CHUNKED_BATCHED_TOKENS` tokens per step;
-* ``pd`` — prefill/decode disaggregation, one prefill and one decode worker;
-* ``XpYd`` — X prefill and Y decode workers (the field's xPyD notation; X, Y >= 1);
-* ``XeYpZd`` — EPD: X encode, Y prefill and Z decode workers (X, Y, Z >= 1);
-* ``pd-localN`` — ``pd`` whose prompts under N tokens are prefilled on the decode worker
-  (N >= 0);
-* ``elastic`` — two workers that change role live (``serve --elastic``), starting
-  colocated; ``elastic-N``: N such workers (N >= 2). Placed and given cores as
-  ``colocated-N`` (so ``elastic`` runs on the workers and cores of ``colocated-2``);
-* ``colocated``, ``colocated-N``, ``pd``, ``XpYd`` and ``XeYpZd`` with a tensor-parallel
-  suffix, as ``epdserve plan`` writes it (:func:`tp_suffix`): ``-tpS``, every engine worker
-  S ranks (serve's ``--tensor-parallel-size S``), or (``pd``, ``XpYd``, ``XeYpZd``)
-  ``-tpP/D``, prefill workers P ranks and decode workers D (``--prefill-tp P --decode-tp
-  D``), or (``XeYpZd``) ``-tpE/P/D``, encode workers E ranks too (``--encode-tp E``, their
-  vision tower split); S, P, D, E >= 1. Encode workers have one rank unless ``-tpE/P/D``
-  says otherwise. ``colocated-chunked``, ``pd-localN`` and elastic deployments take none;
-* any of them with the suffix ``-noprefix`` (once, after any ``-tp`` suffix): prefix caching
-  off (on by default, as in vLLM).
-
-``epdserve plan``'s EPD candidates ``XeXpYd[-tp...]-shared`` (each encode worker on its
-prefill worker's devices) are not names here: serve places encode workers on cores of their
-own where it has them, and has no option to put them on a prefill worker's; it does so only
-on a host too small to separate them (``1e1p1d`` on 2 cores), which ``1e1p1d`` names.
-
-On the CPU a worker of S cores in ``epdserve plan`` is one process of S threads (what its
-calibration measured), while ``-tpS`` here starts S rank processes of one core each (slower
-on a CPU: docs/tensor-parallel.md); on GPUs the planner's worker of S devices is S ranks,
-as here, but for its ``colocated`` (one worker of all N devices), which serve names
-``colocated-tpN`` there.
-
-This module imports nothing heavier than the standard library, so that light clients
-(``epdserve compare``, ``epdserve plan``) can use it without torch or the router.
+"""Deployments by name (``epdserve compare --configs``, ``epdserve plan``; the forms: docs/comparing.md), the
+``epdserve serve`` flags each means, and where serve places workers on CPU cores (docs/serving.md). Standard
+library only, so that ``compare`` and ``plan`` import it without torch.
 """
 
 from __future__ import annotations
@@ -50,38 +11,32 @@ from typing import Literal, get_args
 
 from epdserve.argtypes import Options
 
-# A worker's role. An engine worker's (every role but encode) is the one an elastic worker
-# switches between.
+# EngineRole: the roles an elastic worker switches between.
 Role = Literal["colocated", "prefill", "decode", "encode"]
 EngineRole = Literal["colocated", "prefill", "decode"]
 Mode = Literal["colocated", "pd", "epd"]
 ROLES: tuple[str, ...] = get_args(Role)
 ENGINE_ROLES: tuple[str, ...] = get_args(EngineRole)
 MODES: tuple[str, ...] = get_args(Mode)
-# The roles a mode's deployment needs a live worker of, and the tensor-parallel sizes it has.
+# The roles a mode needs a live worker of.
 MODE_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode"), "epd": ("encode", "prefill", "decode")}
 MODE_TP_FIELDS = {"colocated": ("tp",), "pd": ("prefill_tp", "decode_tp"),
                   "epd": ("encode_tp", "prefill_tp", "decode_tp")}
 
-# The SLOs an elastic server's controller steers by (``serve --slo``); compare judges by more.
 ELASTIC_SLO_KEYS = ("ttft", "tpot")
-# Those SLOs without --slo: compare's defaults (bench.metrics.DEFAULT_SLOS_MS).
+# without --slo: compare's defaults (bench.metrics.DEFAULT_SLOS_MS)
 ELASTIC_SLOS_MS = {"slo_ttft_ms": 2000.0, "slo_tpot_ms": 200.0}
-# The elastic controller's settings without their flags (s): the sliding window of signals a
-# decision reads, the time between decisions, and the least time between two changes. The
-# planner's simulated controller takes the same.
+# The elastic controller's defaults (s), also the planner's simulated controller's.
 ELASTIC_WINDOW_S = 20.0
 ELASTIC_INTERVAL_S = 2.0
 ELASTIC_MIN_DWELL_S = 30.0
 
-# colocated-chunked's token budget per step, serve's smallest default (a machine's own is 256 to
-# 2,048): a long prompt then stalls the decodes batched with it by one 256-token step at a time.
+# colocated-chunked's tokens per step: serve's smallest default (a machine's own: 256 to 2,048).
 CHUNKED_BATCHED_TOKENS = 256
 
 NOPREFIX = "-noprefix"
 NAME_FORMS = ("colocated", "colocated-N", "colocated-chunked", "pd", "XpYd", "XeYpZd", "pd-localN",
               "elastic", "elastic-N")
-# The tensor-parallel suffixes (tp_suffix writes them) and the forms that take each.
 TP_FORMS = {"-tpS": ("colocated", "colocated-N", "pd", "XpYd", "XeYpZd"), "-tpP/D": ("pd", "XpYd", "XeYpZd"),
             "-tpE/P/D": ("XeYpZd",)}
 NAME_HELP = (f"expected one of: {', '.join(NAME_FORMS)}; "
@@ -91,8 +46,7 @@ NAME_HELP = (f"expected one of: {', '.join(NAME_FORMS)}; "
              f"{NOPREFIX} suffix (X, Y, Z and colocated-N's N: worker counts >= 1; elastic-N's N: workers >= 2; "
              f"pd-localN's N: prompt tokens >= 0; e.g. colocated-2, 2p1d, 1e1p1d, pd-local64, elastic-3, "
              f"colocated-2-tp2, 1p1d-tp2/1-noprefix, 1e1p1d-tp2/1/1)")
-# An elastic deployment without a count: two workers, the fewest that can split prefill
-# from decode.
+# the fewest workers that can split prefill from decode
 ELASTIC_WORKERS = 2
 
 _COUNT = r"([1-9][0-9]*)"
@@ -108,35 +62,13 @@ Placement = list[tuple[str, str, list[int]]]  # (role, worker id, cores) of each
 
 @dataclass(frozen=True)
 class DeploymentSpec:
-    """One deployment: its mode, worker counts and the scheduler settings a name encodes.
-
-    A worker count of None means the name does not spell it out (``colocated``, ``pd``,
-    ``pd-localN``): serve's default of one worker per role applies. It is kept apart from
-    an explicit 1 so that ``colocated-1`` and ``1p1d`` keep their names and flags.
-
-    Attributes:
-        mode: ``colocated``, ``pd`` or ``epd`` (:data:`MODES`).
-        workers: colocated replicas (colocated only).
-        encode: encode workers (epd only).
-        prefill: prefill workers (pd, epd).
-        decode: decode workers (pd, epd).
-        chunked_prefill: :data:`CHUNKED_BATCHED_TOKENS` tokens per step (serve's chunked
-            prefill in smaller steps than its default).
-        local_prefill_threshold: pd, tokens: a prompt shorter than this is prefilled on the
-            decode worker (serve's ``--local-prefill-threshold``); None: not set (serve's 0).
-        prefix_caching: prefix caching on (serve's default) or off.
-        elastic: the workers change role live (serve's ``--elastic``); the mode and counts
-            are the starting roles. A colocated elastic deployment without ``workers`` has
-            :data:`ELASTIC_WORKERS`.
-        tp: tensor-parallel ranks (processes) of each colocated worker (colocated only).
-        prefill_tp: ranks of each prefill worker (pd, epd).
-        decode_tp: ranks of each decode worker (pd, epd).
-        encode_tp: ranks of each encode worker (epd).
+    """A None worker count is one the name leaves out (serve's default, 1), kept apart from an explicit 1
+    so that ``colocated-1`` and ``1p1d`` keep their names. ``tp``, ``*_tp``: ranks of each worker of the role;
+    ``local_prefill_threshold``: tokens (None: unset).
 
     Raises:
-        ValueError: (on construction) an unknown mode, a count or size below 1, a count or
-            size the mode has no workers for, a negative threshold, or an elastic
-            deployment in epd mode or of fewer than 2 workers.
+        ValueError: (on construction) a count or size below 1 or of a role the mode lacks, a negative threshold,
+            or an elastic deployment in epd mode or of fewer than 2 workers.
     """
 
     mode: str = "colocated"
@@ -179,12 +111,7 @@ class DeploymentSpec:
 
     @classmethod
     def parse(cls, name: str) -> DeploymentSpec:
-        """The deployment a name means (forms: module doc).
-
-        Raises:
-            ValueError: an unknown name or a bad count (``elastic-1``); the message names
-                it and lists every accepted form.
-        """
+        """Raises ValueError: an unknown name or a bad count, naming it and every accepted form."""
         base = name.removesuffix(NOPREFIX)
         try:
             spec = cls._parse_sized(base)
@@ -196,12 +123,7 @@ class DeploymentSpec:
 
     @classmethod
     def _parse_sized(cls, base: str) -> DeploymentSpec | None:
-        """A name without its ``-noprefix`` suffix, with any ``-tp`` suffix, or None when it
-        is not one.
-
-        Raises:
-            ValueError: a size below 1, or a ``-tp`` suffix its form does not take.
-        """
+        """None: not a name. Raises ValueError: a size below 1, or a ``-tp`` suffix its form does not take."""
         m = _TP.fullmatch(base)
         if m is None:
             return cls._parse_base(base)
@@ -232,7 +154,6 @@ class DeploymentSpec:
 
     @classmethod
     def _parse_base(cls, base: str) -> DeploymentSpec | None:
-        """A name without its ``-noprefix`` suffix, or None when it is not one."""
         if base in ("colocated", "pd"):
             return cls(base)
         if base == "colocated-chunked":
@@ -248,22 +169,13 @@ class DeploymentSpec:
         if base == "elastic":
             return cls("colocated", elastic=True)
         if m := _ELASTIC_N.fullmatch(base):
-            return cls("colocated", workers=int(m[1]), elastic=True)  # ValueError below 2
+            return cls("colocated", workers=int(m[1]), elastic=True)
         return None
 
     @classmethod
     def from_serve_args(cls, args: Options) -> DeploymentSpec:
-        """The deployment of parsed ``epdserve serve`` options: ``mode``, the worker counts
-        of the mode (``workers``; ``encode_workers``, ``prefill_workers``,
-        ``decode_workers``), ``local_prefill_threshold`` (0: None), ``enable_prefix_caching``
-        (None: on), ``elastic`` (absent: False) and the mode's tensor-parallel sizes
-        (:func:`serve_tp_sizes`): what places the workers. Such a deployment need not have a
-        name (:attr:`name`).
-
-        Raises:
-            ValueError: any worker count below 1 (those of other modes too), an unknown
-                mode, or an elastic deployment serve cannot switch (see the class doc).
-        """
+        """What parsed serve options place (it may have no :attr:`name`). Raises ValueError: a count
+        below 1, an unknown mode, or an elastic deployment serve cannot switch."""
         counts = {"workers": args.workers, "encode": args.encode_workers,
                   "prefill": args.prefill_workers, "decode": args.decode_workers}
         if min(counts.values()) < 1:
@@ -280,11 +192,7 @@ class DeploymentSpec:
 
     @property
     def name(self) -> str:
-        """The canonical name: ``DeploymentSpec.parse(spec.name) == spec``.
-
-        Raises:
-            ValueError: a deployment no name stands for (e.g. epd in 256-token steps).
-        """
+        """``DeploymentSpec.parse(spec.name) == spec``. Raises ValueError: no name stands for it."""
         if self.elastic and self.mode == "colocated":
             base = f"elastic-{self.workers}" if self.workers is not None else "elastic"
         elif self.mode == "colocated":
@@ -307,13 +215,10 @@ class DeploymentSpec:
 
     @property
     def max_num_batched_tokens(self) -> int | None:
-        """Tokens per engine step: :data:`CHUNKED_BATCHED_TOKENS` for ``colocated-chunked``,
-        else None (serve's default)."""
         return CHUNKED_BATCHED_TOKENS if self.chunked_prefill else None
 
     def counts(self) -> dict[str, int]:
-        """Workers per role (``colocated``, ``encode``, ``prefill``, ``decode``) that serve
-        starts, in that order; a count the name leaves out is serve's default, 1."""
+        """Workers per role serve starts, in ``ROLES`` order; a count the name leaves out is 1."""
         if self.mode == "colocated":
             return {"colocated": self.workers or (ELASTIC_WORKERS if self.elastic else 1)}
         roles = {"prefill": self.prefill or 1, "decode": self.decode or 1}
@@ -321,23 +226,14 @@ class DeploymentSpec:
 
     @property
     def num_workers(self) -> int:
-        """How many workers serve starts for this deployment."""
         return sum(self.counts().values())
 
     def role_tp(self, role: str) -> int:
-        """Tensor-parallel ranks of each worker of ``role`` (one of :data:`ROLES`)."""
         return {"colocated": self.tp, "prefill": self.prefill_tp, "decode": self.decode_tp,
                 "encode": self.encode_tp}[role]
 
     def serve_flags(self) -> list[str]:
-        """The ``epdserve serve`` options of this deployment: ``--mode``, the worker counts
-        the name spells out, the tensor-parallel sizes (``--tensor-parallel-size S`` when
-        every engine worker has S ranks, else ``--prefill-tp P`` / ``--decode-tp D``; and
-        ``--encode-tp E``), the
-        step's token budget, the local prefill threshold, ``--no-enable-prefix-caching``;
-        nothing for what is serve's default (one rank). An elastic deployment gets
-        ``--elastic`` and always its worker count (serve's default of 1 worker is not
-        elastic's); its SLOs (``--slo``) are the caller's to add."""
+        """Nothing for serve's defaults; an elastic one always gets its worker count; ``--slo`` is the caller's."""
         flags = ["--elastic"] if self.elastic else []
         flags += ["--mode", self.mode]
         workers = self.counts()["colocated"] if self.elastic and self.mode == "colocated" else self.workers
@@ -361,12 +257,7 @@ class DeploymentSpec:
         return flags
 
     def place(self, cores: list[int]) -> Placement:
-        """Where serve puts each worker of this deployment on ``cores`` (:func:`plan_workers`),
-        each worker on at least as many cores as it has ranks.
-
-        Raises:
-            ValueError: no cores, or a worker with more ranks than there are cores.
-        """
+        """Raises ValueError: no cores, or a worker with more ranks than cores."""
         counts = self.counts()
         return plan_workers(self.mode, cores, workers=counts.get("colocated", 1), prefill=counts.get("prefill", 1),
                             decode=counts.get("decode", 1), encode=counts.get("encode", 1), tp=self.tp,
@@ -374,10 +265,7 @@ class DeploymentSpec:
 
 
 def tp_suffix(prefill_tp: int, decode_tp: int, encode_tp: int = 1) -> str:
-    """The tensor-parallel suffix of a deployment name (``epdserve plan`` writes its names
-    with it): ``-tpE/P/D`` when encode workers have E > 1 ranks, else ``""`` for one rank
-    everywhere, ``-tpS`` when prefill and decode (or colocated) workers both have S ranks,
-    else ``-tpP/D``."""
+    """As ``epdserve plan`` writes names: ``-tpE/P/D`` when E > 1, else ``""``, ``-tpS`` or ``-tpP/D``."""
     if encode_tp != 1:
         return f"-tp{encode_tp}/{prefill_tp}/{decode_tp}"
     if prefill_tp == decode_tp:
@@ -386,12 +274,8 @@ def tp_suffix(prefill_tp: int, decode_tp: int, encode_tp: int = 1) -> str:
 
 
 def serve_tp_sizes(args: Options) -> dict[str, int]:
-    """Tensor-parallel ranks of each role's workers (``colocated``, ``encode``, ``prefill``,
-    ``decode``) that parsed ``epdserve serve`` options give: ``--tensor-parallel-size``
-    (``tensor_parallel_size``) for colocated workers and, unless ``--prefill-tp`` /
-    ``--decode-tp`` (``prefill_tp``, ``decode_tp``) say otherwise, for prefill and decode
-    workers; ``--encode-tp`` (``encode_tp``) for encode workers (``-tp`` does not apply: a
-    vision tower is small, and seldom worth splitting). An option not given (None or absent) is 1."""
+    """Ranks per role from parsed serve options: ``-tp`` for colocated, prefill and decode unless
+    ``--prefill-tp`` / ``--decode-tp``; ``--encode-tp`` (not ``-tp``) for encode; 1 when not given."""
     tp = getattr(args, "tensor_parallel_size", None) or 1
     return {"colocated": tp, "encode": getattr(args, "encode_tp", None) or 1,
             "prefill": getattr(args, "prefill_tp", None) or tp,
@@ -399,14 +283,12 @@ def serve_tp_sizes(args: Options) -> dict[str, int]:
 
 
 def natural_order(worker_id: str) -> list:
-    """Sort key of worker ids that puts worker-2 before worker-10 (digit runs compare as
-    numbers)."""
+    """worker-2 before worker-10."""
     return [int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", worker_id))]
 
 
 def split_cores(cores: list[int], n: int) -> list[list[int]]:
-    """Cores of each of ``n`` workers: contiguous near-equal groups if ``n <= len(cores)``,
-    else worker i gets ``cores[i % len(cores)]`` (round-robin sharing)."""
+    """Contiguous near-equal groups if ``n <= len(cores)``, else core ``i % len(cores)`` alone (round-robin)."""
     if n <= len(cores):
         size, extra = divmod(len(cores), n)
         starts = [i * size + min(i, extra) for i in range(n + 1)]
@@ -417,16 +299,9 @@ def split_cores(cores: list[int], n: int) -> list[list[int]]:
 def plan_workers(mode: str, cores: list[int], *, workers: int = 1, prefill: int = 1, decode: int = 1,
                  encode: int = 1, tp: int = 1, prefill_tp: int = 1, decode_tp: int = 1,
                  encode_tp: int = 1) -> Placement:
-    """``(role, worker_id, cores)`` for each worker of ``mode``: ``workers`` colocated
-    workers of ``tp`` ranks each, or ``encode`` encode workers of ``encode_tp``, ``prefill`` of
-    ``prefill_tp`` ranks and ``decode`` of ``decode_tp``, in that order. Placement rule: the
-    module doc of :mod:`epdserve.serving.launch.launcher`; every worker gets at least as many
-    distinct cores as it has ranks.
-
-    Raises:
-        ValueError: no cores, a worker count or size below 1, a worker with more ranks than
-            there are cores, or an unknown mode.
-    """
+    """``(role, worker_id, cores)`` per worker, encode, prefill, decode (rule: docs/serving.md), each on at
+    least as many distinct cores as ranks. Raises ValueError: no cores, a count or size below 1, more ranks
+    than cores, or an unknown mode."""
     if not cores:
         raise ValueError("no CPU cores to place workers on")
     if min(workers, prefill, decode, encode) < 1:
@@ -450,9 +325,6 @@ def plan_workers(mode: str, cores: list[int], *, workers: int = 1, prefill: int 
 
 
 def _by_halves(mode: str, cores: list[int], workers: int, prefill: int, decode: int, encode: int) -> Placement:
-    """One rank a worker: colocated workers split the cores; pd's prefill workers split the
-    first half and decode workers the rest (one core: both share it); epd splits the
-    prefill half again between encode and prefill workers."""
     if mode == "colocated":
         return [("colocated", f"colocated-{i}", c) for i, c in enumerate(split_cores(cores, workers))]
     half = max(1, len(cores) // 2)
@@ -466,11 +338,9 @@ def _by_halves(mode: str, cores: list[int], workers: int, prefill: int, decode: 
 
 
 def _by_ranks(groups: list[tuple[str, int, int]], cores: list[int]) -> Placement:
-    """Cores enough for every rank (``groups``: ``(role, workers, ranks each)`` in placement
-    order): each role's group of cores as :func:`_by_halves` cuts them, its bounds moved the
-    least so that it holds n x S cores, split among its workers (each gets S or more)."""
+    """Cores for every rank: :func:`_by_halves`' groups, each bound moved the least to hold n x S cores."""
     need = [n * size for _, n, size in groups]
-    bounds = [0, len(cores)]  # colocated: one group
+    bounds = [0, len(cores)]
     if len(groups) > 1:  # pd, epd: the decode workers' group starts near the middle
         head = _clamp(len(cores) // 2, sum(need[:-1]), len(cores) - need[-1])
         bounds = [0, head, len(cores)]
@@ -483,9 +353,7 @@ def _by_ranks(groups: list[tuple[str, int, int]], cores: list[int]) -> Placement
 
 
 def _round_robin(groups: list[tuple[str, int, int]], cores: list[int]) -> Placement:
-    """Fewer cores than ranks: the workers, in placement order, each take the next S cores of
-    ``cores`` in turn, wrapping around (so each has S distinct cores, listed in the order of
-    ``cores``, and no core has more than one rank above another)."""
+    """Fewer cores than ranks: each worker takes the next S cores in turn, wrapping around."""
     plan, taken = [], 0
     for role, n, size in groups:
         for i in range(n):

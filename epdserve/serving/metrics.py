@@ -1,29 +1,6 @@
-"""Prometheus metrics of the router, in a registry of its own (not the global default),
-so that several routers can live in one process (tests).
-
-Two views of the same measurements, chosen by ``--metrics-prefix`` (:data:`METRICS_PREFIXES`):
-
-* ``vllm:`` — the deployment seen as one vLLM server: vLLM V1's names, meanings, labels
-  and buckets (``vllm/v1/metrics/loggers.py``, ``docs/design/metrics.md``), so that vLLM's
-  Grafana dashboard and gateway scrapers (llm-d, the Gateway API inference extension) work
-  unmodified. Scheduler gauges are one series per deployment (a scraper takes one series
-  per endpoint): running and waiting requests summed over the live workers, KV-cache usage
-  as blocks in use over blocks of the live workers that hold KV. Counters of the workers
-  (preemptions, prefix-cache and embedding-cache tokens/images) are summed.
-* ``epdserve:`` — the same names per worker (labels ``worker``, ``role``) and per stage
-  (``stage``, ``role``), plus epdserve's own metrics that vLLM has no name for
-  (``worker_up``, KV blocks, KV transfer time and bytes, failed and bad requests), which
-  are always exported, whatever the prefix.
-
-Every series carries ``model_name``, the served model name, and ``engine``, as vLLM's do
-(vLLM's engine is its engine core's index, "0" for one engine): on a per-worker series (one
-with a ``worker`` label) the worker's id, the same value as ``worker``; on every series the
-router computes or sums over workers (all of ``vllm:``, the per-request and per-stage
-histograms, the KV transfer, failure and routing counters, the worker-state gauges)
-:data:`ROUTER_ENGINE`. Times are in seconds, sizes in bytes. The per-request histograms are
-observed from the request's trace record (:meth:`~epdserve.serving.router.flows.Flow.trace`)
-when it ends, so that /metrics and ``--trace-file`` agree.
-"""
+"""The router's Prometheus metrics, in a registry of its own (tests run several routers): ``vllm:`` (vLLM V1's
+names, labels, buckets: the deployment as one server) and ``epdserve:`` (per worker and stage, and our own);
+seconds and bytes. Every series, its labels and ``engine``: docs/architecture.md, "Prometheus"."""
 
 from __future__ import annotations
 
@@ -38,13 +15,11 @@ from epdserve.trace import RequestTrace
 METRICS_PREFIXES = ("both", "vllm", "epdserve")
 DEFAULT_METRICS_PREFIX = "both"
 
-# vLLM's buckets (vllm/v1/metrics/loggers.py).
+# vLLM's buckets (vllm/v1/metrics/loggers.py); E2E: its request_latency_buckets, TPOT: ITL and TPOT.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-# vLLM's request_latency_buckets: e2e, queue, prefill, decode and inference time.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-# vLLM's buckets for inter-token latency and per-request time per output token.
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -52,30 +27,23 @@ N_BUCKETS = (1, 2, 5, 10, 20)
 KV_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                       1.0, 2.5, 5.0, 10.0)
 KV_BYTES_BUCKETS = tuple(float(4 ** k * 1024) for k in range(0, 12))  # 1 KiB .. 4 GiB
-# A role switch's drain: ~0.5 ms with nothing held, seconds for a long decode (docs/elastic.md).
 DRAIN_BUCKETS = (0.001, 0.01, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-# The worker role that prefills / decodes a request, by its trace record's ``path``.
 PREFILL_ROLE = {"colocated": "colocated", "disaggregated": "prefill", "local": "decode"}
 DECODE_ROLE = {"colocated": "colocated", "disaggregated": "decode", "local": "decode"}
-# Worker totals that become counters, in the order :meth:`RouterMetrics.set_worker` keeps them.
 WORKER_TOTALS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "mm_cache_queries",
                  "mm_cache_hits")
-# Requests of n > 1 choices whose choices have not all ended, at most (the oldest is dropped
-# past it: a choice never ended is a leak elsewhere, which must not grow this too).
+# Open n > 1 requests kept (the oldest dropped): a choice that never ends must not grow this.
 MAX_OPEN_PARALLEL = 65536
-# The finished_reason values of request_success: vLLM's FinishReason (vllm/v1/engine/__init__.py);
-# abort: the client went away; error: a worker failed the request; repetition: never here.
+# vLLM's FinishReason (vllm/v1/engine/__init__.py); abort: the client went away; error: a worker failed it
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
-# The engine label of the series the router computes or sums over workers.
 ROUTER_ENGINE = "router"
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
-    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (inclusive): vLLM's token-count
-    buckets (``build_1_2_5_buckets`` of ``vllm/v1/metrics/loggers.py``), at least ``(1,)``."""
+    """1, 2, 5, 10, 20, ... up to ``max_value`` inclusive, at least ``(1,)``: vLLM's (loggers.py)."""
     out, scale = [], 1
-    while True:  # bounded: scale grows tenfold each pass until it passes max_value
+    while True:
         for m in (1, 2, 5):
             if m * scale > max_value:
                 return tuple(out) or (1,)
@@ -84,10 +52,8 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
 
 
 class _Series:
-    """One metric in ``metrics``' registry whose series carry ``model_name`` and ``engine``
-    before its own ``labels``; :meth:`labels` and :meth:`remove` take the values of its own
-    labels only. ``engine`` is the value of its ``worker`` label where it has one (a
-    per-worker series), else :data:`ROUTER_ENGINE`."""
+    """A metric whose series carry ``model_name`` and ``engine`` (its ``worker`` label, else
+    :data:`ROUTER_ENGINE`) before its own labels, the only ones its methods take."""
 
     def __init__(self, metrics: RouterMetrics, cls, name: str, doc: str, labels=(), **kw):
         self.metric = cls(name, doc, ["model_name", "engine", *labels], registry=metrics.registry, **kw)
@@ -98,18 +64,14 @@ class _Series:
         return (self.model, ROUTER_ENGINE if self.worker is None else values[self.worker], *values)
 
     def labels(self, *values):
-        """The series of these label values (created at 0 the first time)."""
         return self.metric.labels(*self._values(values))
 
     def remove(self, *values) -> None:
-        """Drop the series of these label values from the exposition."""
         self.metric.remove(*self._values(values))
 
 
 class _Named:
-    """One vLLM-named metric under each prefix enabled: ``vllm:NAME`` (labels
-    ``model_name``, ``engine`` + ``vllm_labels``) and ``epdserve:NAME`` (``model_name``,
-    ``engine`` + ``epd_labels``), each a :class:`_Series`."""
+    """One vLLM-named metric as ``vllm:NAME`` and ``epdserve:NAME``, of the prefixes enabled."""
 
     def __init__(self, metrics: RouterMetrics, cls, name: str, doc: str, vllm_labels=(), epd_labels=(), **kw):
         def make(prefix: str, labels) -> _Series | None:
@@ -119,15 +81,12 @@ class _Named:
 
         self.vllm = make("vllm", vllm_labels)
         self.epd = make("epdserve", epd_labels)
-        # Series without other labels exist from the start (at 0), as vLLM's: a dashboard
-        # or scraper finds every name before the first request.
+        # at 0 from the start, as vLLM's: a scraper finds every name before the first request
         for metric, labels in ((self.vllm, vllm_labels), (self.epd, epd_labels)):
             if metric is not None and not labels:
                 metric.labels()
 
     def children(self, vllm: tuple = (), epd: tuple = (), views: str = "both") -> list:
-        """The labelled series to update: the vllm one with ``vllm`` label values, the
-        epdserve one with ``epd``; ``views`` "vllm" or "epdserve" picks one."""
         out = []
         if self.vllm is not None and views in ("both", "vllm"):
             out.append(self.vllm.labels(*vllm))
@@ -149,16 +108,8 @@ class _Named:
 
 
 class RouterMetrics:
-    """All router metrics; :meth:`render` gives the Prometheus text exposition.
-
-    ``model_name``: the served model name (the ``model_name`` label, as vLLM's
-    ``--served-model-name``); ``prefix``: one of :data:`METRICS_PREFIXES` (``both``: the
-    vLLM-named metrics under ``vllm:`` and ``epdserve:``); ``max_model_len`` (tokens): the
-    top of the token-count buckets, as vLLM sizes them.
-
-    Raises:
-        ValueError: ``prefix`` is not one of :data:`METRICS_PREFIXES`.
-    """
+    """``max_model_len`` (tokens): the top of the token-count buckets, as vLLM sizes them. Raises
+    ValueError for a ``prefix`` not in :data:`METRICS_PREFIXES`."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -176,24 +127,20 @@ class RouterMetrics:
         self._worker_metrics()
         self._request_metrics()
         self._token_metrics(max_model_len)
-        for reason in FINISHED_REASONS:  # vLLM creates a series per finish reason up front
+        for reason in FINISHED_REASONS:  # up front, as vLLM
             self.request_success.children(vllm=(reason,), epd=(reason,))
         self._set_deployment_gauges()
 
     def _own_metrics(self) -> None:
-        """epdserve's metrics without a vLLM name, always under ``epdserve:``."""
         def series(cls, name: str, doc: str, labels=(), **kw) -> _Series:
             return _Series(self, cls, f"epdserve:{name}", doc, labels, **kw)
 
         wl = ("worker", "role")
         self._worker_up = series(Gauge, "worker_up", "1 if the worker is up, 0 if down or refused.", wl)
-        # Where each worker runs, as an info series (kube-state-metrics' *_info convention):
-        # join it on ``worker`` to split any per-worker series by node; the per-worker series
-        # keep their labels, so dashboards and scrapers built on them are unchanged.
+        # kube-state-metrics' *_info convention: join on ``worker``, other series keep their labels
         self._worker_node = series(Gauge, "worker_node_info", "1 per worker and the node it runs on "
                                    "(Ray node id or host name, and its IP).", (*wl, "node", "node_ip"))
         self._nodes: dict[tuple[str, str], tuple[str, str]] = {}  # (worker, role) -> its (node, node_ip)
-        # Elastic: each worker's routing role (1) among the engine roles (0), its switches and drains.
         self._worker_role = series(Gauge, "worker_role", "1 for the role the router routes to the worker by, "
                                    "0 for the other engine roles.", wl)
         self._roles: dict[str, str] = {}  # worker -> its role now
@@ -202,7 +149,6 @@ class RouterMetrics:
         self.role_switch_drain = series(Histogram, "role_switch_drain_seconds", "From a worker's receipt of a "
                                         "role switch to its announcement: the time its old role's work took to "
                                         "finish.", buckets=DRAIN_BUCKETS).labels()
-        # Elastic scaling (--max-workers): the engine workers by state, and the scale decisions.
         self._worker_states = series(Gauge, "workers", "Engine workers by state (elastic: live, starting, "
                                      "retiring).", ("state",))
         self._scale = series(Counter, "worker_scale", "Workers added (out) or retired (in), by the elastic "
@@ -212,8 +158,6 @@ class RouterMetrics:
         self.request_failure = series(Counter, "request_failure_total", "Requests that failed after admission "
                                       "(worker error, timeout, no worker).").labels()
         self.bad_request = series(Counter, "bad_request_total", "Requests answered with HTTP 400.").labels()
-        # Labels: policy (--routing); hit: the first worker found some of the prompt in its
-        # prefix cache; believed: the router expected it to ("none": least-loaded keeps no belief).
         self.routed = series(Counter, "routed_requests_total", "Requests routed to their first worker, by routing "
                              "policy, whether the worker's prefix cache hit, and whether the router believed it "
                              "would.", ("policy", "hit", "believed"))
@@ -223,17 +167,13 @@ class RouterMetrics:
                                         buckets=KV_BYTES_BUCKETS).labels()
 
     def _worker_metrics(self) -> None:
-        """vLLM's scheduler gauges and counters: per worker under ``epdserve:``, for the
-        deployment under ``vllm:``."""
         wl = ("worker", "role")
         self.num_requests_running = _Named(self, Gauge, "num_requests_running",
                                            "Requests in model execution batches.", epd_labels=wl)
         self.num_requests_waiting = _Named(self, Gauge, "num_requests_waiting",
                                            "Requests waiting to be processed.", epd_labels=wl)
-        # vLLM V1's kv_cache_usage_perc: a fraction, 1 = every block in use.
         self.kv_cache_usage = _Named(self, Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                                      epd_labels=wl)
-        # vLLM's name before 0.10 (still read by older gateways and dashboards); vllm: only.
         self.gpu_cache_usage = _Series(self, Gauge, "vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 "
                                        "percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.") \
             if "vllm" in self.prefixes else None
@@ -246,14 +186,12 @@ class RouterMetrics:
         self.iteration_tokens = _Named(self, Histogram, "iteration_tokens_total",
                                        "Histogram of number of tokens per engine_step.", epd_labels=wl,
                                        buckets=ITERATION_TOKENS_BUCKETS)
-        # vLLM exports LoRA state only with LoRA on; epdserve serves no adapters, and says so
-        # to gateways that read it (their LoRA affinity then has nothing to prefer).
+        # no adapters, said to gateways whose LoRA affinity reads it (vLLM: only with LoRA on)
         self.lora_info = _Series(self, Gauge, "vllm:lora_requests_info", "Running stats on lora requests.",
                                  ("max_lora", "running_lora_adapters", "waiting_lora_adapters")) \
             if "vllm" in self.prefixes else None
 
     def _request_metrics(self) -> None:
-        """The per-request counters and timing histograms."""
         self.request_success = _Named(self, Counter, "request_success",
                                       "Count of processed requests by finish reason (abort: the client went away; "
                                       "error: a worker failed it).",
@@ -283,7 +221,6 @@ class RouterMetrics:
                            buckets=TPOT_BUCKETS)
 
     def _token_metrics(self, max_model_len: int) -> None:
-        """vLLM's request-level token and parameter histograms."""
         tokens = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = _Named(self, Histogram, "request_prompt_tokens",
                                             "Number of prefill tokens processed.", buckets=tokens)
@@ -297,18 +234,12 @@ class RouterMetrics:
                                              "Histogram of maximum number of requested generation tokens.",
                                              buckets=tokens)
 
-    # -- workers
     def set_worker_up(self, worker: str, role: str, up: bool) -> None:
-        """Mark a worker up (after its Hello) or down (dead, refused, replaced); a down
-        worker leaves the deployment's ``vllm:`` gauges."""
         self._worker_up.labels(worker, role).set(1 if up else 0)
         if not up and self._workers.pop((worker, role), None) is not None:
             self._set_deployment_gauges()
 
     def set_role(self, worker: str, role: str) -> None:
-        """``worker`` is routed as ``role`` from now (its Hello, or a switch):
-        ``epdserve:worker_role`` is 1 for it and 0 for the other engine roles, and the
-        totals its Stats report carry on under the new role's series."""
         previous = self._roles.get(worker)
         if previous is not None and previous != role:
             self._leave_role(worker, previous, role)
@@ -317,10 +248,7 @@ class RouterMetrics:
             self._worker_role.labels(worker, r).set(1 if r == role else 0)
 
     def _leave_role(self, worker: str, previous: str, role: str) -> None:
-        """``worker``'s per-worker series move from ``previous`` to ``role``: its gauges under
-        ``previous`` go (their last values would read as blocks and requests held forever;
-        the next Stats sets them under ``role``), its node info and the totals its counters
-        count from carry over. Counters stay under ``previous``: what it did in that role."""
+        """Gauges under ``previous`` go (they would read as held forever); counters stay (what it did)."""
         old = (worker, previous)
         for gauge in (self.kv_blocks_in_use, self.kv_blocks_total):
             gauge.remove(*old)
@@ -334,23 +262,17 @@ class RouterMetrics:
             self.set_worker_node(worker, role, *node)
 
     def set_worker_states(self, live: int, starting: int, retiring: int) -> None:
-        """``epdserve:workers{state}``: how many engine workers are live (taking work),
-        starting (added, not up yet) and retiring (finishing what they hold)."""
         for state, n in (("live", live), ("starting", starting), ("retiring", retiring)):
             self._worker_states.labels(state).set(n)
 
     def scaled(self, direction: str) -> None:
-        """Count one worker added (``direction`` "out") or retired ("in")."""
         self._scale.labels(direction).inc()
 
     def role_switched(self, worker: str, previous: str, role: str, drain_s: float) -> None:
-        """``worker`` announced its switch from ``previous`` to ``role`` after draining ``drain_s`` seconds."""
         self.role_switches.labels(worker, previous, role).inc()
         self.role_switch_drain.observe(drain_s)
 
     def set_worker_node(self, worker: str, role: str, node: str, node_ip: str) -> None:
-        """Record where ``worker`` runs (from its Hello): ``epdserve:worker_node_info`` is 1
-        for its current node and the series of a node it left is removed."""
         old = self._nodes.get((worker, role))
         if old is not None and old != (node, node_ip):
             self._worker_node.remove(worker, role, *old)
@@ -361,11 +283,8 @@ class RouterMetrics:
                    num_running: int, num_waiting: int, num_preemptions: int = 0,
                    prefix_cache_queries: int = 0, prefix_cache_hits: int = 0, mm_cache_queries: int = 0,
                    mm_cache_hits: int = 0, num_steps: int = 0, last_step_tokens: int = 0) -> None:
-        """Update one worker's gauges and counters from its Stats, whose preemption,
-        prefix-cache and embedding-cache numbers are the worker's totals since it started
-        (a worker that restarted reports smaller totals: its counters go on from the new totals).
-        A new ``num_steps`` (the worker's forward passes) observes ``last_step_tokens``, the
-        tokens of its latest step, in vLLM's ``iteration_tokens_total``."""
+        """From its Stats: totals since the worker started (smaller after a restart: counted on from
+        there); a new ``num_steps`` observes ``last_step_tokens`` in ``iteration_tokens_total``."""
         epd = (worker, role)
         self.kv_blocks_in_use.labels(*epd).set(blocks_in_use)
         self.kv_blocks_total.labels(*epd).set(blocks_total)
@@ -388,8 +307,6 @@ class RouterMetrics:
         self._set_deployment_gauges()
 
     def _set_deployment_gauges(self) -> None:
-        """The ``vllm:`` scheduler gauges: sums over the live workers, KV usage over those
-        that hold KV (encode workers have no blocks), and the LoRA info's timestamp."""
         if "vllm" not in self.prefixes:
             return
         live = self._workers.values()
@@ -399,25 +316,20 @@ class RouterMetrics:
         usage = sum(w["blocks_in_use"] for w in live) / total if total else 0.0
         self.kv_cache_usage.set(usage, views="vllm")
         self.gpu_cache_usage.labels().set(usage)
-        # As vLLM: the value is when the state was last recorded (gateways take the newest).
+        # as vLLM: when last recorded (gateways take the newest)
         self.lora_info.labels("0", "", "").set(time.time())
 
-    # -- requests
     def admitted(self, request_id: str, n: int) -> None:
-        """A request of ``n`` choices (engine requests ``<request_id>-<i>`` when n > 1) was
-        admitted; once all have ended, its n and most generated tokens are observed (vLLM's
-        ``request_params_n`` and ``request_max_num_generation_tokens``, per parent request)."""
+        """n > 1: engine requests ``<request_id>-<i>``, observed in ``request_params_n`` and
+        ``request_max_num_generation_tokens`` once all have ended (per parent request, as vLLM)."""
         if n > 1:
             self._parallel[request_id] = [n, n, 0]
             if len(self._parallel) > MAX_OPEN_PARALLEL:
                 del self._parallel[next(iter(self._parallel))]
 
     def ended(self, rec: RequestTrace, itls_s: list[float] | None) -> None:
-        """Record one engine request that ended: finished (``itls_s``, the gaps between its
-        outputs reaching the router, in seconds) or failed (``itls_s`` None: counted in
-        ``epdserve:request_failure_total`` and, as vLLM, in ``request_success_total`` with
-        ``finished_reason="error"``). A request its first worker answered counts in
-        ``epdserve:routed_requests_total``."""
+        """One engine request: ``itls_s`` (s) its output gaps at the router, None if it failed
+        (``finished_reason="error"``, as vLLM, and ``request_failure_total``)."""
         if rec.routing is not None and rec.cached_tokens is not None:
             believed = "none" if rec.routing_believed_tokens is None else str(rec.routing_believed_tokens > 0).lower()
             self.routed.labels(rec.routing, str(rec.cached_tokens > 0).lower(), believed).inc()
@@ -441,12 +353,7 @@ class RouterMetrics:
         self.request_max_generation.observe(most)
 
     def finished(self, rec: RequestTrace, itls_s: list[float]) -> None:
-        """Record one request that ended without an error.
-
-        ``rec``: its trace record (ms; see :mod:`epdserve.trace`); ``itls_s``: the gaps
-        between its outputs (one token each) reaching the router, in seconds. TPOT is
-        their mean, as vLLM's (decode time / (output tokens - 1)).
-        """
+        """``rec`` in ms; TPOT: the mean of ``itls_s`` (s), as vLLM's decode time / (output tokens - 1)."""
         self.request_success.inc(vllm=(rec.finish_reason or "abort",), epd=(rec.finish_reason or "abort",))
         self.prompt_tokens.inc(rec.prompt_tokens)
         self.generation_tokens.inc(rec.output_tokens)
@@ -461,13 +368,12 @@ class RouterMetrics:
             self.itl.observe(gap)
         if itls_s:
             self.tpot.observe(sum(itls_s) / len(itls_s))
-        if rec.kv_transfer_ms:  # a hand-off happened (colocated records carry 0)
+        if rec.kv_transfer_ms:  # colocated records carry 0
             self.kv_transfer_seconds.observe(rec.kv_transfer_ms / 1000)
             self.kv_transfer_bytes.observe(rec.kv_bytes)
 
     def _stage_times(self, rec: RequestTrace) -> None:
-        """Queue, prefill, decode and inference time: under ``vllm:`` the request's worker
-        queues (vLLM's engine queue) and times, under ``epdserve:`` by stage / role."""
+        """``vllm:`` queue time: the worker queues (vLLM's engine queue); ``epdserve:``: by stage."""
         for ms, stage in ((rec.router_queue_ms, "router"), (rec.prefill_queue_ms, "prefill"),
                           (rec.decode_queue_ms, "decode"), (rec.colocated_queue_ms, "colocated")):
             if ms is not None:
@@ -482,12 +388,10 @@ class RouterMetrics:
             self.inference_time.observe((rec.prefill_ms + rec.decode_ms) / 1000)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
 
 
 def add_metrics_options(parser) -> None:
-    """``--metrics-prefix``, for ``epdserve router`` and ``epdserve serve``."""
     parser.add_argument("--metrics-prefix", choices=METRICS_PREFIXES, default=DEFAULT_METRICS_PREFIX,
                         help="names on /metrics: vllm (vLLM's vllm:* names, labels and meanings, the deployment "
                              "as one server: vLLM's Grafana dashboard and gateway scrapers read them), epdserve "

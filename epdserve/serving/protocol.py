@@ -1,33 +1,6 @@
-"""Typed messages between the router and its workers.
-
-Every message is one ZeroMQ frame holding a msgpack map with a ``type`` field, sealed by
-:mod:`epdserve.serving.auth` (an HMAC-SHA256 tag under a key derived from the
-deployment's token, checked before the frame is parsed; none without a token); it is
-validated by pydantic on receipt, so a frame that is not our wire format (a pickle,
-garbage, a wrong field) raises :class:`ProtocolError` and is never deserialised into
-code. Tensors never travel in these frames: KV blocks go through ``epdserve.transfer``
-and only their descriptor (a small map) rides here.
-
-Sockets (one direction each, so neither side blocks on the other):
-
-* the router binds one PULL socket (``events``); every worker connects a PUSH to it and
-  sends :class:`Hello` once, then :class:`Stats`, :class:`Output` and :class:`Error`
-  (a second PUSH of its heartbeat thread sends :class:`Heartbeat`);
-* every worker binds one PULL socket (``cmd``); the router connects a PUSH to it on
-  ``Hello`` and sends :class:`AddRequest`, :class:`Abort`, :class:`ReleaseKV`,
-  :class:`Shutdown`, :class:`Reset`, :class:`SetRole` (elastic), or only :class:`Refused`
-  if it turns the worker away (a worker answers SetRole with :class:`RoleSwitched` once
-  it has drained);
-  an encode worker gets :class:`Encode` instead of :class:`AddRequest` and answers
-  :class:`Encoded`.
-
-A worker process draws a random ``incarnation`` at start and sends it in its Hello and
-heartbeats: it tells the process that holds a worker id from another one claiming it
-(see ``Registry.on_hello`` in ``epdserve.serving.router.registry``), and commands are sealed for it alone.
-
-Times in ``timings`` are durations in milliseconds (``*_ms``) or byte counts
-(``*_bytes``) so that they stay meaningful across hosts.
-"""
+"""Typed router↔worker messages: one msgpack map with a ``type`` per ZeroMQ frame, validated by pydantic
+(unknown fields refused) so anything else raises :class:`ProtocolError` and is never deserialised into code.
+Sockets, sealing, the join and each version: docs/architecture.md, "Wire rules"."""
 
 from __future__ import annotations
 
@@ -37,25 +10,16 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from epdserve.engine.request import SamplingParams
-# KVDescriptor is re-exported (noqa: F401): it is part of this wire format, defined with the transfer it describes.
-from epdserve.transfer.descriptor import KVDescriptor  # noqa: F401
+from epdserve.transfer.descriptor import KVDescriptor  # noqa: F401 (re-exported: part of this wire format)
 from epdserve.trace import StageTimings
 from epdserve.serving.deployment import EngineRole, Role
 
 
-# The version of these messages. A router refuses a worker of another version (see
-# ``handshake.refusal``), which would otherwise send frames it cannot read. 1: before the
-# field existed; 2: typed stage timings (``epdserve.trace.StageTimings``); 3: prompt
-# logprobs (``SamplingParams.prompt_logprobs``, ``Output.prompt_logprobs``) and ``Stats``
-# carrying the engine's steps (``num_steps``, ``last_step_tokens``); 4: KV descriptors of
-# kind ``cuda_ipc`` with their ``ipc`` handle bytes (a GPU prefill worker's pool); 5: live
-# role switches (:class:`SetRole`, :class:`RoleSwitched`); 6: stage timings
-# ``first_decode_ms`` and ``recomputed_tokens``; 7: ``Hello.tuned`` (measured choices).
+# A router refuses a worker of another version; what each one changed: docs/architecture.md, "Handshake".
 PROTOCOL_VERSION = 7
 
 
-# A count a worker reports (blocks, requests, tokens): what the router and the Prometheus
-# counters take, never negative (a counter cannot go down) and within int64.
+# >= 0 (Prometheus counters cannot go down), within int64
 Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
 
@@ -68,9 +32,8 @@ class _Msg(BaseModel):
 
 
 class ImageRef(_Msg):
-    """One image of a request: ``hash`` (sha256 hex of its file bytes), ``tokens`` (its
-    ``<image>`` tokens in the prompt, = embedding rows) and ``data`` (the file bytes; only
-    to a worker that encodes it)."""
+    """``hash``: sha256 hex of the file bytes; ``tokens``: its ``<image>`` tokens (= embedding rows);
+    ``data``: the file bytes, only to a worker that encodes it."""
 
     hash: str
     tokens: int = Field(ge=1)
@@ -78,36 +41,25 @@ class ImageRef(_Msg):
 
 
 class EmbeddingRef(_Msg):
-    """Embeddings of some of a request's images, encoded by an encode worker: ``images``
-    (indices into ``AddRequest.images``, ascending) and the frame holding them
-    (``epdserve.transfer.embedding``), described as a staged KV frame is: ``kind`` "shm"."""
+    """``images``: indices into ``AddRequest.images``, ascending; ``frame``: an encode worker's staged
+    frame of their embeddings (``kind`` "shm", ``epdserve.transfer.embedding``)."""
 
     images: list[int]
     frame: "KVDescriptor"
 
 
 class TunedChoice(_Msg):
-    """A choice a worker's engine measured on its machine (``model/tuning.py``): ``value``
-    (the cut-over's rows, ...) and ``source``: read from the machine's cache, measured now,
-    or measured now on a busy machine and not kept."""
+    """Measured on the worker's machine (``model/tuning.py``); ``disturbed``: on a busy machine, not kept."""
 
     value: int | str
     source: Literal["cache", "measured", "disturbed"]
 
 
 class Hello(_Msg):
-    """A worker's first message (and its answer to :class:`Reset`). ``fingerprint``
-    identifies its weights and ``auth`` is the HMAC of ``worker_id`` under the deployment's
-    token (see ``epdserve.serving.handshake``); ``cores`` are the CPU cores it is pinned
-    to; ``incarnation``: the random id of this worker process. ``node_id``, ``node_ip``
-    and ``resources`` say where it runs: on Ray its node's id and IP and the resources
-    its actor holds (``{"CPU": 1.0, "prefill_node": 1.0}``); under the local launcher
-    (or by hand) the host name, "" and {}; ``pid`` its process on that node;
-    ``weight_format`` the ``--weight-format`` its engine holds (``model/linear.py``: ``q4_1``,
-    ``f32``, ``q4_1+f32``, ...; "" for an encode worker or an older worker);
-    ``tensor_parallel_size`` its ``--tensor-parallel-size``: the ranks (processes) its engine
-    runs on (1 for an older worker); ``tuned`` its engine's measured choices by name
-    (``kernel_rows``: the block kernel / BLAS cut-over; none without GGUF blocks)."""
+    """A worker's first message, and its answer to :class:`Reset`. ``auth``: HMAC of ``worker_id`` under
+    the token (:mod:`.handshake`); ``incarnation``: this process's random id; ``cores``: CPU cores pinned;
+    ``node_id``, ``node_ip``, ``resources``: its Ray node and actor resources (local: host name, "", {});
+    defaults: not given (an older worker; ``weight_format`` "": also an encode worker)."""
 
     type: Literal["hello"] = "hello"
     worker_id: str
@@ -120,19 +72,18 @@ class Hello(_Msg):
     cores: list[int] = []
     auth: str = ""
     incarnation: str = Field(min_length=8, max_length=64)
-    protocol: int = 1  # PROTOCOL_VERSION of the worker's code; absent (1) from older workers
+    protocol: int = 1  # absent (1) from older workers
     node_id: str = Field(default="", max_length=128)
     node_ip: str = Field(default="", max_length=64)
     resources: dict[str, float] = Field(default_factory=dict, max_length=64)
-    pid: int = Field(default=0, ge=0)  # its process id on its node (0: not given)
+    pid: int = Field(default=0, ge=0)
     weight_format: str = Field(default="", max_length=32)
     tensor_parallel_size: int = Field(default=1, ge=1, le=1024)
     tuned: dict[str, TunedChoice] = Field(default_factory=dict, max_length=16)
 
 
 class Heartbeat(_Msg):
-    """Sent every 0.5 s (``worker.HEARTBEAT_INTERVAL_S``) by a worker thread of its own, even while the
-    engine is busy in a long step, so that silence means the worker is gone."""
+    """Every 0.5 s from a thread of its own, even during a long step: silence means the worker is gone."""
 
     type: Literal["heartbeat"] = "heartbeat"
     worker_id: str
@@ -140,9 +91,8 @@ class Heartbeat(_Msg):
 
 
 class Stats(_Msg):
-    """A worker's block and queue counts (``LLMEngine.stats()``); the prefix-cache counters
-    are cumulative tokens: prompt tokens looked up, and found cached (vLLM's meaning). A
-    worker reports after every step, so each new ``num_steps`` comes with its step's tokens."""
+    """Sent after every step. Cache counters: cumulative prompt tokens (images) looked up and found
+    (vLLM's meaning); ``num_steps``: forward passes since start, ``last_step_tokens`` the last one's."""
 
     type: Literal["stats"] = "stats"
     worker_id: str
@@ -155,24 +105,15 @@ class Stats(_Msg):
     prefix_cache_hits: Count = 0
     mm_cache_queries: Count = 0
     mm_cache_hits: Count = 0
-    num_steps: Count = 0  # forward passes since the worker started
-    last_step_tokens: Count = 0  # tokens the last one computed
+    num_steps: Count = 0
+    last_step_tokens: Count = 0
 
 
 class Output(_Msg):
-    """New tokens of one request from one engine step.
-
-    A prefill worker sends exactly one: the first token, ``kv`` set unless the request
-    already finished. ``finish_reason`` is "stop" (EOS / stop token), "length"
-    (``max_tokens``) or "abort"; ``timings`` are filled on the last output of a worker.
-    ``num_cached_tokens``: prompt tokens this worker found in its prefix cache.
-    ``logprobs`` (if the request asked): per token of ``token_ids``, ``[its logprob,
-    [[token id, logprob], ...] of the top alternatives]`` (see ``engine.sampler``).
-    ``prompt_logprobs`` (on the first token's output of the worker that prefilled a request
-    asking ``SamplingParams.prompt_logprobs``): per prompt token but the first, ``[its
-    logprob, its rank, [[token id, logprob], ...] of the top alternatives]`` (see
-    ``engine.prompt_logprobs``; at most ``MAX_PROMPT_LOGPROB_ENTRIES`` entries).
-    """
+    """One engine step's tokens of a request; a prefill worker sends exactly one, with ``kv`` unless finished.
+    ``finish_reason``: "stop", "length" or "abort"; ``timings``: on a worker's last output. ``logprobs``: per
+    token ``[logprob, [[id, logprob], ...] top]``; ``prompt_logprobs`` (first output of the prefilling worker):
+    per prompt token but the first ``[logprob, rank, [[id, logprob], ...]]``, at most MAX_PROMPT_LOGPROB_ENTRIES."""
 
     type: Literal["output"] = "output"
     worker_id: str
@@ -188,9 +129,7 @@ class Output(_Msg):
 
 
 class Error(_Msg):
-    """A request that a worker could not serve: ``status`` 400 when the request itself is
-    wrong (validation, a bad image), 500 when the worker failed it (an engine step, a KV
-    hand-off); ``message`` is for the client and names no internals."""
+    """``status`` 400: the request is wrong; 500: the worker failed it. ``message``: for the client, no internals."""
 
     type: Literal["error"] = "error"
     worker_id: str
@@ -200,9 +139,8 @@ class Error(_Msg):
 
 
 class AddRequest(_Msg):
-    """Start a request. For a decode worker, ``kv`` and ``first_token`` are set.
-    ``images``: the prompt's images in order; a worker that prefills gets either their
-    ``data`` (it encodes them itself) or their ``embeddings`` from encode workers."""
+    """``kv`` and ``first_token``: to a decode worker; a prefilling worker gets the images' ``data`` or their
+    ``embeddings``."""
 
     type: Literal["add"] = "add"
     request_id: str
@@ -215,7 +153,7 @@ class AddRequest(_Msg):
 
 
 class Encode(_Msg):
-    """Encode ``images`` (with ``data``) of request ``request_id`` into one embedding frame."""
+    """``images`` with ``data``, into one embedding frame."""
 
     type: Literal["encode"] = "encode"
     request_id: str
@@ -223,9 +161,7 @@ class Encode(_Msg):
 
 
 class Encoded(_Msg):
-    """An encode worker's answer to :class:`Encode`: the frame with the images'
-    embeddings, held until ``ReleaseKV`` (or its TTL); ``timings``: ``encode_queue_ms``,
-    ``encode_ms``, ``embedding_export_ms``, ``embedding_bytes``."""
+    """``frame``: held until ``ReleaseKV`` or its TTL."""
 
     type: Literal["encoded"] = "encoded"
     worker_id: str
@@ -240,8 +176,7 @@ class Abort(_Msg):
 
 
 class ReleaseKV(_Msg):
-    """Tell a prefill worker that an exported KV cache will not be imported (an encode
-    worker: that the request's embedding frame will not be read, or its encoding is moot)."""
+    """The exported KV (an encode worker: the embedding frame, or the encoding) is no longer needed."""
 
     type: Literal["release_kv"] = "release_kv"
     request_id: str
@@ -252,9 +187,7 @@ class Shutdown(_Msg):
 
 
 class Refused(_Msg):
-    """The router will not use this worker (incompatible model or KV layout, its id held by
-    a live worker); the worker exits with status 2. ``incarnation``: the Hello's; a worker
-    process of another incarnation ignores it (the address a Hello names may be another's)."""
+    """The worker exits with status 2; one of another ``incarnation`` ignores it (an address may be reused)."""
 
     type: Literal["refused"] = "refused"
     reason: str
@@ -262,19 +195,15 @@ class Refused(_Msg):
 
 
 class Reset(_Msg):
-    """The router took this worker for down (it was silent) and hears it again: it has failed
-    or moved elsewhere every request the worker held. The worker aborts them all, releases
-    every export, and says Hello again (same ``incarnation``, which this must name)."""
+    """To a worker taken for down and heard again (its requests already failed or moved): it aborts them,
+    releases every export and says Hello again with the ``incarnation`` this names."""
 
     type: Literal["reset"] = "reset"
     incarnation: str
 
 
 class SetRole(_Msg):
-    """Change this engine worker's role to ``role`` (``serve --elastic``). It takes the new
-    role's work at once (the router routes by it from the moment it sends this), finishes
-    the work it holds of the old role (its queued and running requests, its fetches, its
-    exports until released) and then answers :class:`RoleSwitched` with ``switch_id``."""
+    """Take ``role``'s work at once, drain the old role's, then answer :class:`RoleSwitched` (docs/elastic.md)."""
 
     type: Literal["set_role"] = "set_role"
     role: EngineRole
@@ -282,8 +211,7 @@ class SetRole(_Msg):
 
 
 class RoleSwitched(_Msg):
-    """A worker has drained the work of its ``previous`` role and now holds only ``role``'s;
-    ``drain_ms``: from its receipt of :class:`SetRole` ``switch_id`` to now."""
+    """``drain_ms``: from its receipt of :class:`SetRole` ``switch_id``."""
 
     type: Literal["role_switched"] = "role_switched"
     worker_id: str
@@ -302,16 +230,11 @@ _adapter: TypeAdapter[Message] = TypeAdapter(Message)
 
 
 def encode(msg: _Msg) -> bytes:
-    """Serialise a message to one msgpack frame."""
     return msgpack.packb(msg.model_dump(exclude_defaults=False), use_bin_type=True)
 
 
 def decode(frame: bytes | memoryview) -> Message:
-    """Parse and validate one frame (its body, once :mod:`epdserve.serving.auth` opened it).
-
-    Raises:
-        ProtocolError: the bytes are not msgpack, or not a known, well-formed message.
-    """
+    """``frame``: the body :mod:`.auth` opened. Raises ProtocolError: not msgpack, or no valid message."""
     try:
         obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types

@@ -1,53 +1,6 @@
-"""KV hand-off from GPU to GPU on one host by CUDA IPC.
-
-A prefill worker whose KV cache lives on a GPU keeps it in a :class:`DevicePool`: the
-device tensor ``kv [layers, 2, num_blocks, block_size, kv_heads, head_dim]``, shared ONCE
-at start-up as one IPC handle of its allocation (:class:`IpcHandle`), and a /dev/shm tag
-file (:class:`~epdserve.transfer.shm.TagFile`, one int64 per block, its name the pool's
-id). Each hand-off's descriptor (``KVDescriptor(kind="cuda_ipc")``) carries the handle as
-bytes (:func:`pack_handle`: msgpack, inside the router's msgpack messages; nothing is
-pickled, no ``torch.multiprocessing`` reductions); a decode worker opens it once
-(:class:`IpcImporter`), maps the tags, and copies the request's blocks into its own cache
-on its own GPU (the same or another: a peer copy) with
-:class:`~epdserve.transfer.pooled.PooledKV`, which checks the tags and that the exporter
-still runs before the copy and after it has ended. The prefill side releases the blocks
-by the rules of every held export (:mod:`epdserve.transfer.exports`): ``ReleaseKV`` after
-the import, an abort, the TTL, or the router's view of a dead decode worker; a dead
-exporter (its pid gone, or its tag file deleted) voids every import from its pool.
-
-**Why the tags live in host shared memory next to the device pool.** They are written by
-the exporter's CPU at hold and release and read by the importer's CPU right before and
-after its copy; in host memory both are plain loads and stores, ordered with the
-exporter's ``release`` → free of the blocks without any stream, and a check costs no
-device synchronisation or kernel. Tags in device memory would need a device → host copy
-(a sync) for every check and stream ordering between the two processes' writes.
-
-**Which torch API opens the handle.** ``torch.UntypedStorage._share_cuda_()`` on the
-exporter and ``torch.UntypedStorage._new_shared_cuda(...)`` on the importer: the two calls
-``torch.multiprocessing.reductions`` (``reduce_tensor`` / ``rebuild_cuda_tensor``) makes,
-minus its pickling; here their fields travel in our own validated record. They are
-underscore names, but the least private route that works with torch 2.13's caching
-allocator: the cache tensor is a block inside a larger ``cudaMalloc`` segment, so the
-handle must be the segment's and carry the block's offset, which only the allocator knows;
-CUDA lets a process open a handle only once, and torch keeps the process-wide table of
-opened handles that ``_new_shared_cuda`` goes through (a ctypes ``cudaIpcOpenMemHandle``
-beside it would open the same segment twice); and torch versions its handle bytes (2.13
-bumped the version byte). The public CUDA runtime through ctypes plus
-``__cuda_array_interface__`` would bypass all three. Both calls sit in
-:class:`CudaBackend`, the one place to change if torch renames them.
-
-**Backends** (the narrow interface :class:`IpcBackend`: share at start-up; open a handle →
-copy blocks → close): :class:`CudaBackend`, and :class:`FakeBackend`, a CPU stand-in for
-tests that "shares" a CPU tensor by registering it under its pool id and "opens" it by
-looking it up, so the whole state machine runs without a GPU.
-
-**Across hosts** the same held blocks are served over TCP (:mod:`epdserve.transfer.tcp`),
-staged device → page-locked host buffer → frame (:func:`pinned_frame`). An RDMA/NIXL
-transport plugs in as another :class:`IpcBackend` (``share``: register the allocation with
-the agent; the handle: the agent's serialized metadata; ``open``: add the remote agent;
-the copy: a READ of the request's blocks) chosen where :meth:`Importer.take
-<epdserve.transfer.handoff.Importer.take>` picks between this path and TCP.
-"""
+"""KV hand-off GPU to GPU on one host by CUDA IPC: :class:`DevicePool` (prefill), :class:`IpcImporter`
+(decode), :func:`pinned_frame` (TCP staging). The handle's fields, why torch's ``_share_cuda_`` and
+``_new_shared_cuda``, why tags in host memory, and the release rules: docs/gpu-handoff.md."""
 
 from __future__ import annotations
 
@@ -68,8 +21,7 @@ from epdserve.transfer.wire import TensorHeader, WireError
 HANDLE_BYTES = 66  # torch's handle of a cudaMalloc block: version byte, b"c", cudaIpcMemHandle_t (64 bytes)
 EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
 MAX_PACKED_BYTES = 4096
-# torch's ref-counter file (at::NewProcessWideShmHandle: /torch_<pid>_<random>_<counter>) and its
-# slots (torch::CUDA_IPC_REF_COUNTER_FILE_SIZE): the importer decrements one slot when it closes.
+# torch's ref-counter file (at::NewProcessWideShmHandle) and its slots; the importer decrements one at close.
 _REF_COUNTER = re.compile(rb"/torch_([0-9]{1,10})_[0-9]{1,20}_[0-9]{1,20}")
 REF_COUNTER_SLOTS = 10000
 KV_DTYPES = {name: dtype for name, dtype in wire.DTYPES.items() if name != "int8"}
@@ -82,22 +34,8 @@ class IpcError(WireError):
 
 
 class IpcHandle(BaseModel):
-    """One prefill worker's KV cache on a GPU, as an importer opens it.
-
-    ``backend`` "cuda" or "fake"; ``pool_id``: the name of its /dev/shm tag file
-    (``epdserve-kvtags-<pid>-<hex>``); ``owner_pid``: the exporting process;
-    ``device_index`` / ``device_uuid``: the GPU as the exporter numbers it and its UUID
-    (the importer finds its own index by the UUID: CUDA_VISIBLE_DEVICES may differ);
-    ``handle``: torch's handle bytes (:data:`HANDLE_BYTES`); ``size_bytes`` /
-    ``offset_bytes``: the cache's size and its offset in the ``cudaMalloc`` allocation
-    (bytes); ``ref_counter`` / ``ref_counter_offset``: torch's ref-counter file and slot;
-    ``event_handle`` / ``event_sync``: the ``cudaIpcEventHandle_t`` the importer waits on
-    at open (the cache's zeroing done); ``dtype``: a :data:`KV_DTYPES` name; ``shape``:
-    ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``, contiguous.
-
-    Raises (validation): ``ValueError`` naming every bad field; :func:`make_handle` and
-    :func:`unpack_handle` turn it into :class:`IpcError`.
-    """
+    """What a descriptor's ``ipc`` carries (fields: docs/gpu-handoff.md); strict, never unpickled. Raises
+    ValueError naming every bad field (:class:`IpcError` from :func:`make_handle` and :func:`unpack_handle`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -133,7 +71,6 @@ class IpcHandle(BaseModel):
 
 
 def _problems(h: IpcHandle) -> list[str]:
-    """What is wrong with ``h``'s fields, one sentence each."""
     out = []
     if not shm.TAGS.fullmatch(h.pool_id):
         out.append(f"pool_id {h.pool_id!r} is not a KV tag file's name")
@@ -167,7 +104,6 @@ def _problems(h: IpcHandle) -> list[str]:
 
 
 def _explain(exc: ValidationError) -> str:
-    """pydantic's errors as one line: ``field: message; ...`` (cross-field ones unprefixed)."""
     parts = []
     for e in exc.errors(include_url=False):
         where = ".".join(map(str, e["loc"]))
@@ -176,11 +112,7 @@ def _explain(exc: ValidationError) -> str:
 
 
 def make_handle(**fields) -> IpcHandle:
-    """An :class:`IpcHandle` of ``fields``.
-
-    Raises:
-        IpcError: a missing or bad field (every problem named).
-    """
+    """Raises IpcError naming every problem."""
     try:
         return IpcHandle.model_validate(fields)
     except ValidationError as exc:
@@ -193,12 +125,8 @@ def pack_handle(handle: IpcHandle) -> bytes:
 
 
 def unpack_handle(data: bytes) -> IpcHandle:
-    """The :class:`IpcHandle` packed in ``data`` (from the network: never unpickled).
-
-    Raises:
-        IpcError: not bytes of at most :data:`MAX_PACKED_BYTES`, not a msgpack map, or a
-            handle that fails validation.
-    """
+    """From the network: msgpack, never unpickled. Raises IpcError: not 1..:data:`MAX_PACKED_BYTES` bytes, not a
+    msgpack map, or invalid."""
     if not isinstance(data, bytes) or not 0 < len(data) <= MAX_PACKED_BYTES:
         raise IpcError(f"a CUDA IPC handle is 1 to {MAX_PACKED_BYTES} bytes, not {type(data).__name__} "
                        f"of {len(data) if isinstance(data, bytes) else '?'}")
@@ -212,9 +140,7 @@ def unpack_handle(data: bytes) -> IpcHandle:
 
 
 def check_layout(handle: IpcHandle, layout: dict) -> None:
-    """Raises :class:`IpcError` naming each difference unless ``handle``'s cache has the
-    block layout ``layout`` (``LLMEngine.kv_layout()``; the dtype may differ: blocks are
-    converted as they are copied)."""
+    """Raises :class:`IpcError` naming each difference from ``layout`` (``LLMEngine.kv_layout()``; dtype aside)."""
     diff = [f"{key} {handle.shape[axis]} (theirs) vs {layout.get(key)!r} (ours)"
             for key, axis in _LAYOUT_AXES.items() if handle.shape[axis] != layout.get(key)]
     if diff:
@@ -222,8 +148,7 @@ def check_layout(handle: IpcHandle, layout: dict) -> None:
 
 
 def exporter_alive(handle: IpcHandle) -> bool:
-    """Whether the pool's exporter still runs and has not closed it (its tag file is there).
-    A reused pid reads as alive; the tag file then still tells."""
+    """And its tag file is still there (a reused pid reads as alive; the tag file still tells)."""
     return shm.pid_alive(handle.owner_pid) and shm.pool_exists(handle.pool_id)
 
 
@@ -236,13 +161,10 @@ class IpcBackend(Protocol):
         """The UUIDs of the GPUs this process sees, by its device index."""
 
     def share(self, kv: torch.Tensor, pool_id: str) -> dict:
-        """Share the whole contiguous ``kv`` (its own allocation): the :class:`IpcHandle`
-        fields from ``owner_pid`` to ``event_sync``. Raises ``ValueError`` for a tensor it
-        cannot share."""
+        """The :class:`IpcHandle` fields ``owner_pid`` .. ``event_sync`` of the whole contiguous ``kv``; ValueError."""
 
     def open(self, handle: IpcHandle, index: int) -> torch.Tensor:
-        """The exporter's cache, ``handle.shape`` of ``handle.dtype``, opened on this
-        process's GPU ``index``. Raises :class:`IpcError` (or torch's error) if it fails."""
+        """The exporter's cache on this process's GPU ``index``. Raises IpcError (or torch's error)."""
 
     def close(self, kv: torch.Tensor) -> None:
         """This process no longer uses ``kv`` (a tensor :meth:`open` returned)."""
@@ -274,8 +196,7 @@ class CudaBackend:
         whole = kv.is_contiguous() and not kv.storage_offset() and kv.untyped_storage().nbytes() == kv.nbytes
         if not kv.is_cuda or not whole:
             raise ValueError(f"only a whole contiguous CUDA tensor is shared by CUDA IPC, not a {kv.device} one")
-        # The exporter's storage stays alive as long as the pool (the worker's lifetime), so the
-        # ref counter torch keeps for it never has to reach zero.
+        # The exporter's storage lives as long as the pool, so torch's ref counter never reaches zero.
         device, handle, size, offset, ref_counter, ref_slot, event, sync = kv.untyped_storage()._share_cuda_()
         return {"owner_pid": os.getpid(), "device_index": int(device), "device_uuid": self.device_uuids()[device],
                 "handle": bytes(handle), "size_bytes": int(size), "offset_bytes": int(offset),
@@ -291,9 +212,7 @@ class CudaBackend:
         return view.set_(storage, 0, handle.shape, _contiguous_strides(handle.shape))
 
     def close(self, kv: torch.Tensor) -> None:
-        # Nothing to call: once the last tensor viewing the storage is freed, its deleter
-        # (set by _new_shared_cuda) waits for the stream, decrements the exporter's ref
-        # counter and releases the handle from torch's table (cudaIpcCloseMemHandle).
+        # Freeing the last view runs _new_shared_cuda's deleter: stream wait, ref counter, cudaIpcCloseMemHandle.
         del kv
 
 
@@ -307,10 +226,8 @@ def _fake_handle(pool_id: str) -> bytes:
 
 
 class FakeBackend:
-    """A CPU stand-in for :class:`CudaBackend` in tests: :meth:`share` registers the CPU
-    tensor under its pool id in this process; :meth:`open` looks it up (same process only).
-    ``uuids``: the "GPUs" this process sees; ``owner_pid``: the pid handles claim (default
-    this process's; a dead pid plays a dead exporter). ``open_count``: opens not closed."""
+    """A CPU stand-in for tests: :meth:`share` registers the tensor by pool id, :meth:`open` looks it up (same
+    process). ``owner_pid``: a dead pid plays a dead exporter; ``open_count``: opens not closed."""
 
     name = "fake"
 
@@ -344,17 +261,8 @@ class FakeBackend:
 
 
 class DevicePool:
-    """A prefill worker's KV cache on a GPU, shared by CUDA IPC: ``kv [layers, 2,
-    num_blocks, block_size, kv_heads, head_dim]`` (zeros) of ``dtype`` on ``device``, its
-    block tags ``tags [num_blocks]`` in a /dev/shm :class:`~epdserve.transfer.shm.TagFile`
-    whose name is the pool's ``name`` (its id), and :attr:`handle`, made once here.
-    ``kind``: the descriptor kind of its exports. ``backend``: default :class:`CudaBackend`.
-
-    Raises:
-        IpcError: the allocation cannot be shared (e.g. it lies in an expandable segment).
-        ValueError: ``device`` is not a GPU the backend shares from.
-        OSError: /dev/shm is missing, full or not writable.
-    """
+    """``kv`` (zeros) on ``device``, its tags in a /dev/shm ``TagFile`` named ``name`` (the pool id), :attr:`handle`
+    made once. Raises IpcError (not shareable, e.g. expandable segments), ValueError (device), OSError (/dev/shm)."""
 
     kind = "cuda_ipc"
 
@@ -385,16 +293,13 @@ class DevicePool:
         return [self.shape[4]]
 
     def close(self) -> None:
-        """Delete the tag file (idempotent): importers then drop the pool at their next
-        import and refuse its descriptors."""
+        """Idempotent; importers then drop the pool and refuse its descriptors."""
         self._tag_file.close()
 
 
 class IpcImporter:
-    """Decode side: the pools this process opened by CUDA IPC, by pool id, each opened once
-    and kept (CUDA opens a handle once per process) until its exporter is gone (checked at
-    every open) or :meth:`close`. Thread-safe: fetch threads import concurrently.
-    ``backend``: default :class:`CudaBackend`, made at first use."""
+    """Decode side: each pool opened once (CUDA allows one open per process), kept until its exporter is gone
+    or :meth:`close`. Thread-safe (fetch threads import concurrently)."""
 
     def __init__(self, backend: IpcBackend | None = None):
         self._backend = backend
@@ -412,15 +317,8 @@ class IpcImporter:
         return handle.backend == self.backend.name and handle.device_uuid in self.backend.device_uuids()
 
     def open(self, handle: IpcHandle, layout: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The exporter's cache (``handle.shape``, on its GPU) and its tags (host, int64 per
-        block): opened now, or the ones opened before.
-
-        Raises:
-            IpcError: a layout other than ``layout`` (each difference named), another
-                backend, a GPU this process does not see, a pool id opened before with
-                another handle, or an open that fails.
-            WireError: the tag file is gone or not that of ``handle``'s blocks.
-        """
+        """The exporter's cache and its host tags, opened once. Raises IpcError (layout, backend, an unseen GPU, a
+        pool id reused with another handle, a failed open) and WireError (tag file gone or not the handle's)."""
         check_layout(handle, layout)
         with self._lock:
             self._drop_dead()
@@ -443,13 +341,11 @@ class IpcImporter:
             return kv, tags
 
     def open_ids(self) -> list[str]:
-        """The pool ids open now."""
         with self._lock:
             return list(self._opened)
 
     def close(self, pool_id: str | None = None) -> None:
-        """Close the pool ``pool_id`` (None: every pool). The handle itself is released
-        once no tensor views it any more (an engine still holding an import keeps it)."""
+        """None: every pool. A handle is released once no tensor views it (an engine's import keeps it)."""
         with self._lock:
             for key in [pool_id] if pool_id is not None else list(self._opened):
                 self._close_locked(key)
@@ -465,10 +361,7 @@ class IpcImporter:
 
 
 def pinned_frame(header: TensorHeader, fill, pin: bool = True):
-    """A wire frame with ``header`` (see :func:`epdserve.transfer.wire.pack`) in a new host
-    buffer, page-locked with ``pin`` (needs CUDA): ``fill`` copies a GPU's blocks into it by
-    DMA at full link speed, not through the driver's pageable bounce buffer. Returns a
-    numpy array, which ZeroMQ sends without a copy and which keeps the buffer alive.
-    (torch's caching host allocator reuses freed pinned buffers of the same size.)"""
+    """A wire frame for ``header`` in a new host buffer, page-locked with ``pin`` (needs CUDA) so that ``fill``
+    copies GPU blocks by DMA at full speed; a numpy array ZeroMQ sends without a copy."""
     buffer = torch.empty(wire.frame_size(header), dtype=torch.uint8, pin_memory=pin).numpy()
     return wire.pack(header, fill, buffer)

@@ -1,15 +1,6 @@
-"""One request's image embeddings from an encode worker to a prefill worker, as one wire
-frame (:mod:`epdserve.transfer.wire`).
-
-The frame holds one tensor ``embeddings [tokens, hidden]`` (float32, bfloat16 or float16):
-the images' embeddings concatenated in prompt order, exactly the rows that fill the
-prompt's ``<image>`` tokens. Its header's ``num_tokens`` is ``tokens`` and its ``layout``
-is ``{"kind": "image_embeddings", "hidden_size": H, "images": [{"hash", "tokens", "rows",
-"cols", "encode_ms"}, ...]}``. The same frame travels every way KV frames do: in memory
-(:func:`pack`, ``wire.parse``), through a /dev/shm segment (:func:`write_segment`,
-``shm.read``) or over TCP (``tcp.KVServer`` serving :func:`pack`'s buffer,
-``tcp.fetch``); the receiver always checks it with :func:`unpack`.
-"""
+"""Image embeddings as one wire frame: ``embeddings [tokens, hidden]`` (a float dtype, prompt order),
+``num_tokens`` = tokens, ``layout`` = ``{"kind": "image_embeddings", "hidden_size", "images": [{"hash",
+"tokens", "rows", "cols", "encode_ms"}]}``; the receiver always checks it with :func:`unpack`."""
 
 from __future__ import annotations
 
@@ -45,12 +36,7 @@ class _Layout(BaseModel):
 
 
 def header(images: list[EncodedImage]) -> TensorHeader:
-    """The frame header for ``images`` (one request's, in prompt order).
-
-    Raises:
-        ValueError: no images, or images whose embeddings differ in dtype or width, or
-            are not 2-D float32/bfloat16/float16.
-    """
+    """One request's images, in prompt order. Raises ValueError: none, or not 2-D of one float dtype and width."""
     if not images:
         raise ValueError("an embedding frame needs at least one image")
     first = images[0].embeddings
@@ -79,28 +65,16 @@ def pack(images: list[EncodedImage]) -> bytearray:
 
 
 def write_segment(images: list[EncodedImage]) -> tuple[str, int]:
-    """``images`` as one frame in a new /dev/shm segment for a reader on this host, who
-    maps and unlinks it with ``shm.read`` (or, if it will never be read,
-    ``shm.remove``). Returns the segment's name and size in bytes.
-
-    Raises:
-        ValueError: as :func:`header`. OSError: /dev/shm is full or not writable.
-    """
+    """For a reader on this host (``shm.read``; never read: ``shm.remove``). Returns (name, bytes). Raises
+    ValueError as :func:`header`, OSError (/dev/shm)."""
     name = shm.new_name()
     return name, shm.write(name, header(images), _fill(images))
 
 
 def unpack(frame_header: TensorHeader, tensors: dict[str, torch.Tensor], hidden_size: int,
            hashes: list[str]) -> list[EncodedImage]:
-    """Check a parsed frame (from ``wire.parse``, ``shm.read`` or ``tcp.fetch``) against
-    what the receiver expects: embeddings ``hidden_size`` wide for the images ``hashes``,
-    in that order. Returns them as :class:`EncodedImage` whose ``embeddings`` view the
-    frame (no copy; they keep it alive), in the sender's dtype.
-
-    Raises:
-        WireError: not an embedding frame, another width or image list, a non-float
-            dtype, or a tensor shape that disagrees with the layout.
-    """
+    """Checked against ``hidden_size`` and ``hashes`` (in order); the embeddings view the frame (no copy), in the
+    sender's dtype. Raises WireError: not an embedding frame, or a width, image list, dtype or shape mismatch."""
     try:
         layout = _Layout.model_validate(frame_header.layout)
     except ValidationError as exc:

@@ -1,18 +1,6 @@
-"""The one table of a prefill worker's live exports: the KV it holds for decode workers,
-each under a lease (``ttl_s``).
-
-An export is a **segment** (a /dev/shm file holding a staged frame; released: the file is
-deleted) or **held blocks** of the shared pool (:class:`~epdserve.transfer.shm.KVPool`, or
-a GPU's :class:`~epdserve.transfer.cuda_ipc.DevicePool` whose tags lie in /dev/shm beside it;
-held: the blocks carry the export's tag in the pool's tag array, which a decode worker
-checks before and after it copies them; released: the tags are cleared first, then the
-blocks go back to the engine through ``free_blocks``, its ``release_kv``). The table is
-the only place exports are added, looked up, released and expired, so the pool's tags
-always name exactly the held exports.
-
-Lookups (:meth:`ExportTable.get`) may run on the KV server's thread: a dict lookup is
-atomic under the GIL; everything else runs on the worker's loop.
-"""
+"""The one table of a prefill worker's live exports under a lease (``ttl_s``): a /dev/shm segment, or held
+pool blocks (tagged while held; tags cleared before the blocks are freed). :meth:`ExportTable.get` may run
+on the KV server's thread (a GIL-atomic lookup); all else on the worker's loop."""
 
 from __future__ import annotations
 
@@ -29,9 +17,8 @@ from epdserve.transfer.wire import TensorHeader
 
 @dataclass
 class Export:
-    """A request's KV held for a decode worker: a segment ``name``, or ``blocks`` of the pool
-    ``name`` tagged ``tag`` (with the ``header`` of the frame a TCP fetch of them gets);
-    ``created``: ``time.monotonic()`` at export, the start of its lease."""
+    """``blocks`` None: a segment. ``header``: what a TCP fetch of the blocks gets; ``created``:
+    ``time.monotonic()``, the lease's start."""
 
     name: str
     created: float
@@ -41,10 +28,7 @@ class Export:
 
 
 class ExportTable:
-    """The live exports by request id. ``pool``: the shared pool whose blocks may be held
-    (its ``name`` and ``tags`` are used; None: segments only); ``free_blocks(request_id)``:
-    gives a held export's blocks back
-    to the engine."""
+    """``pool`` None: segments only; ``free_blocks(request_id)`` gives held blocks back to the engine."""
 
     def __init__(self, ttl_s: float, pool: shm.KVPool | cuda_ipc.DevicePool | None,
                  free_blocks: Callable[[str], object]):
@@ -67,9 +51,8 @@ class ExportTable:
         return self._exports.get(request_id)
 
     def can_hold(self, blocks: list[int]) -> bool:
-        """Whether ``blocks`` can be held for one more export: there is a pool and none of
-        them is held already (a block shared through the prefix cache may be held for
-        another hand-off; one tag per block cannot name two holders)."""
+        """None held already: a prefix-cache-shared block may be held for another hand-off, and one tag cannot name
+        two holders."""
         return self.pool is not None and not bool(self.pool.tags[torch.tensor(blocks)].any())
 
     def hold(self, request_id: str, blocks: list[int], header: TensorHeader) -> Export:
@@ -80,13 +63,11 @@ class ExportTable:
         return entry
 
     def add_segment(self, request_id: str, name: str) -> Export:
-        """Register the segment ``name`` (already written)."""
         entry = self._exports[request_id] = Export(name, time.monotonic())
         return entry
 
     def release(self, request_id: str) -> bool:
-        """Give up the request's export if it is still live (imported, abort, TTL): delete
-        its segment, or untag its blocks and free them. True if there was one."""
+        """Delete its segment, or untag and free its blocks. True if it was live (a repeat is a no-op)."""
         entry = self._exports.pop(request_id, None)
         if entry is None:
             return False
@@ -98,7 +79,7 @@ class ExportTable:
         return True
 
     def expire(self) -> list[str]:
-        """Release every export whose lease (``ttl_s``) has passed; returns their request ids."""
+        """Returns the released request ids."""
         now = time.monotonic()
         old = [rid for rid, entry in self._exports.items() if now - entry.created > self.ttl_s]
         for request_id in old:
@@ -106,6 +87,5 @@ class ExportTable:
         return old
 
     def close(self) -> None:
-        """Release every export still live."""
         for request_id in list(self._exports):
             self.release(request_id)

@@ -1,48 +1,6 @@
-"""One request's KV blocks from a prefill worker to a decode worker, end to end.
-
-The prefill side (:class:`Exporter`) hands KV over in one of these ways:
-
-* **held pool blocks** (``--kv-transfer-dtype none`` with the engine's cache in a shared
-  :class:`~epdserve.transfer.shm.KVPool`, the prefill worker's default): it copies
-  nothing; it keeps the prompt's blocks allocated and tagged, and its descriptor names the
-  pool, the blocks and the layout. A decode worker on the same host maps the pool once,
-  and its engine copies the blocks straight into its own cache when it imports them
-  (:class:`PooledKV`: one copy in all); one on another host fetches them over TCP as one
-  frame, built from the held blocks when asked. Should ``--kv-ttl`` pass before the decode
-  engine imports them (a decode worker queueing the request that long), the import finds
-  the tags gone and raises rather than use reused blocks.
-* **held GPU blocks** (the same, with the engine's cache on a GPU in a
-  :class:`~epdserve.transfer.cuda_ipc.DevicePool`): the descriptor carries the pool's CUDA
-  IPC handle; a decode worker on the same host that sees that GPU opens it once and its
-  engine copies the blocks GPU to GPU (same or another GPU); any other decode worker
-  fetches them over TCP, staged through page-locked host memory.
-* a **staged frame** (bf16/int8, ``--kv-layer-pipeline``, or no pool): it writes the
-  blocks, converted as ``--kv-transfer-dtype`` says (:mod:`epdserve.transfer.kv_codec`),
-  as one wire frame to a /dev/shm segment and frees them; with ``--kv-layer-pipeline``
-  each layer's blocks are written as soon as the forward pass has computed that layer
-  (the copy moves into the prefill step, the hand-off after it shrinks to closing the
-  frame). The decode side maps the segment (same host) or fetches it over TCP. From a
-  GPU cache the frame is written device → host, converted first on the GPU (int8:
-  :func:`~epdserve.transfer.pipeline.read_where_cached`; bf16: the casting copy).
-
-:class:`Importer` picks shared memory (or CUDA IPC, for a GPU pool it can open) when the
-KV lies on its own host and the transport allows it (transport ``auto``, the default), TCP
-otherwise (docs/gpu-handoff.md has the table), and converts the blocks to its
-own cache dtype, which may differ from the prefill side's.
-
-The prefill side holds a request's KV (blocks or segment) in its one table of live
-exports (:mod:`epdserve.transfer.exports`) until the router releases it (``ReleaseKV``,
-sent once the decode worker has imported it, and on every failure or abort), or its TTL
-passes; a mapped or served segment is unlinked at once.
-
-A request's KV, in order. Prefill side: ``LLMEngine.add_request(hold_kv=True[,
-layer_sink])`` → ``LLMEngine.step`` (``LayerPipeline.write_layer`` per layer, pipelined) →
-the first token's ``StepOutput.kv_block_ids`` (the engine's hold) → :meth:`Exporter.export`
-(``ExportTable.hold``, or a segment and ``LLMEngine.release_kv``) → ``ReleaseKV`` /
-TTL → ``ExportTable.release``. Decode side: :meth:`Importer.take` (a ``KVSource``) →
-``LLMEngine.add_request(kv=...)`` (``KVSource.validate``) → ``LLMEngine.step``
-(``KVSource.copy_into``).
-"""
+"""One request's KV from a prefill worker (:class:`Exporter`) to a decode worker (:class:`Importer`): held
+pool blocks (/dev/shm or CUDA IPC) or a staged /dev/shm frame, either fetched over TCP across hosts. Paths,
+ownership and release: docs/architecture.md (PD) and docs/gpu-handoff.md."""
 
 from __future__ import annotations
 
@@ -73,10 +31,8 @@ TRANSPORTS = ("auto", "shm", "tcp")
 
 
 def host_id() -> str:
-    """An id shared by exactly the processes that can map each other's /dev/shm files and
-    reach each other's 127.0.0.1: a hash of the machine id (or host name), the device and
-    inode of /dev/shm, and the network namespace's inode (separate namespaces on one
-    machine, as in containers, count as separate hosts)."""
+    """Shared by exactly the processes that can map each other's /dev/shm and reach each other's 127.0.0.1:
+    machine id (or host name), /dev/shm's device and inode, and the network namespace (containers differ)."""
     try:
         machine = Path("/etc/machine-id").read_text().strip()
     except OSError:
@@ -90,20 +46,9 @@ def host_id() -> str:
 
 
 class Exporter:
-    """Prefill side. ``bind``: the TCP address to serve KV on (``tcp://HOST:PORT``, port 0
-    = any free one), or None for shared memory only. ``ttl_s``: seconds KV nobody took is
-    kept. ``transfer_dtype``: one of ``kv_codec.TRANSFER_DTYPES``. ``pool``: the shared
-    pool holding ``engine.kv_cache`` (host or GPU, see :func:`new_engine`), or None.
-    ``layer_pipeline``: write staged frames layer by layer during the prefill step:
-    ``layer_sink`` (None without) is then the :class:`~epdserve.transfer.pipeline.LayerPipeline`
-    that requests to export pass to :meth:`LLMEngine.add_request` with ``hold_kv``.
-
-    The exporter's live exports are :attr:`table` (:class:`~epdserve.transfer.exports.ExportTable`):
-    :meth:`export` adds to it, :meth:`release` and :meth:`expire` go through it.
-
-    Raises (constructor): ``zmq.ZMQError`` if ``bind`` cannot be bound; ``ValueError``
-    for an unknown ``transfer_dtype`` or a ``pool`` that does not hold the engine's cache.
-    """
+    """``bind``: ``tcp://HOST:PORT`` (port 0: any) to serve KV on, or None. ``pool``: the shared pool holding
+    ``engine.kv_cache``, or None. With ``layer_pipeline``, requests to export pass ``layer_sink`` to ``add_request``.
+    Raises zmq.ZMQError (bind), ValueError (unknown ``transfer_dtype``, or a pool not holding the cache)."""
 
     def __init__(self, engine: LLMEngine, ttl_s: float, ctx: zmq.Context, bind: str | None,
                  transfer_dtype: str = "none", pool: shm.KVPool | cuda_ipc.DevicePool | None = None,
@@ -133,16 +78,8 @@ class Exporter:
                             layout=layout, num_tokens=num_blocks * layout["block_size"])
 
     def export(self, out: StepOutput) -> KVDescriptor:
-        """Hand over the held blocks ``out.kv_block_ids`` (the engine's hold of a ``hold_kv``
-        request): keep them held and tagged in the pool, or write them to a segment (or
-        close the segment the layers were written to) and end the engine's hold. Adds
-        ``kv_export_ms`` and ``kv_bytes`` (bytes a TCP fetch moves) to ``out.timings``, and
-        for a layer-pipelined frame ``kv_layer_copy_ms`` (the copies made during the
-        prefill step, part of its ``prefill_ms``).
-
-        Raises:
-            OSError: /dev/shm is full or not writable.
-        """
+        """Keep ``out.kv_block_ids`` held and tagged, or stage them (ending the engine's hold); adds ``kv_export_ms``,
+        ``kv_bytes`` and, pipelined, ``kv_layer_copy_ms`` to ``out.timings``. Raises OSError (/dev/shm)."""
         start = time.perf_counter()
         ids, request_id = out.kv_block_ids, out.request_id
         header = self._header(len(ids))
@@ -167,7 +104,6 @@ class Exporter:
         return desc
 
     def _stage(self, request_id: str, ids: list[int], header: TensorHeader, timings: StageTimings) -> str:
-        """The segment holding the blocks: the layer-pipelined one, closed, or a new one."""
         finished = self.layer_sink.finish(request_id) if self.layer_sink is not None else None
         if finished is not None:
             name, timings.kv_layer_copy_ms = finished
@@ -184,8 +120,7 @@ class Exporter:
         return name
 
     def _frame(self, request_id: str, name: str):
-        """KV server source (runs on its thread): the frame of a held request, built now,
-        or its segment's mapping (unlinking it)."""
+        """The KV server's source, on its thread: a held request's frame built now, or its segment (unlinked)."""
         entry = self.table.get(request_id)
         if entry is None or entry.name != name:
             raise WireError(f"no KV {name} for request {request_id}")
@@ -205,13 +140,11 @@ class Exporter:
         return frame
 
     def release(self, request_id: str) -> None:
-        """Give up the request's KV if it is still held (imported, abort, TTL): see
-        :meth:`ExportTable.release`."""
+        """If still held; see :meth:`ExportTable.release`."""
         self.table.release(request_id)
 
     def expire(self) -> list[str]:
-        """Release every export older than the TTL; returns their request ids. Also deletes
-        layer-pipelined frames of requests the engine no longer runs."""
+        """Returns the expired request ids; also deletes pipelined frames of requests no longer running."""
         if self.layer_sink is not None:
             self.layer_sink.drop_finished()
         return self.table.expire()
@@ -228,13 +161,8 @@ class Exporter:
 
 
 class Importer:
-    """Decode side. ``transport``: "auto" (the same host's shared memory or CUDA IPC, else
-    TCP), "shm" (same host only) or "tcp". ``timeout_s``: the longest a TCP fetch may take.
-    Keeps each prefill pool it maps mapped (one mapping per pool, dropped once the pool's
-    file is gone) and each GPU pool it opens open (:attr:`ipc`, an
-    :class:`~epdserve.transfer.cuda_ipc.IpcImporter` of ``ipc_backend``, default CUDA).
-    :meth:`take` and :meth:`fetch_frame` may run on several threads at once (a worker
-    fetches off its step loop); they never touch an engine."""
+    """``transport``: "auto" (same-host shared memory or CUDA IPC, else TCP), "shm" or "tcp". Pools stay mapped
+    until their file is gone. :meth:`take` and :meth:`fetch_frame` are thread-safe and never touch an engine."""
 
     def __init__(self, ctx: zmq.Context, transport: str, timeout_s: float,
                  ipc_backend: cuda_ipc.IpcBackend | None = None):
@@ -251,25 +179,10 @@ class Importer:
     def take(self, request_id: str, desc: KVDescriptor, layout: dict, dtype: torch.dtype,
              cancel: threading.Event | None = None,
              device: torch.device | str | None = None) -> tuple[KVSource, StageTimings]:
-        """Get the KV blocks ``desc`` describes as a :class:`~epdserve.engine.kv_source.KVSource`
-        of blocks ``[layers, 2, n_blocks, block_size, kv_heads, head_dim]`` in ``dtype``: a
-        :class:`~epdserve.engine.kv_source.TensorKV` of the frame's tensor (moved to
-        ``device`` first when given, so that int8 is dequantized there), or for blocks of a
-        same-host pool a :class:`~epdserve.transfer.pooled.PooledKV` (the engine copies
-        them straight into its cache on import; from a GPU pool by CUDA IPC when this
-        process sees that GPU, else, with "auto", over TCP); and timings ``kv_fetch_ms``
-        (ms: fetch, map or open, validation and conversion) and ``kv_tcp`` (1.0 if it came
-        over TCP, else 0.0). Blocks up to ``timeout_s`` on TCP, or until ``cancel`` is set.
-
-        Raises:
-            WireError: the KV is gone (expired, released), unreachable, malformed, on another
-                host while the transport is "shm", or without a TCP address while TCP is
-                needed; a pool descriptor whose name, blocks, tag or sizes do not check out;
-                a TCP fetch cancelled; (``IpcError``) a CUDA IPC handle that is malformed,
-                of another layout or a GPU this process does not see, or whose exporter is
-                gone.
-            ValueError: its KV layout differs from ``layout`` (in anything but the dtype).
-        """
+        """A ``KVSource`` of ``[layers, 2, n_blocks, block_size, kv_heads, head_dim]`` in ``dtype`` (frames moved to
+        ``device`` first, so int8 is dequantized there) and timings ``kv_fetch_ms``, ``kv_tcp`` (1.0 or 0.0). Blocks up
+        to ``timeout_s`` on TCP, or until ``cancel``. Raises WireError (KV gone, unreachable, malformed or refused;
+        IpcError: a bad CUDA IPC handle or a dead exporter) and ValueError (another KV layout, dtype aside)."""
         start = time.perf_counter()
         handle = cuda_ipc.unpack_handle(desc.ipc) if desc.kind == "cuda_ipc" else None
         if self._from_same_host_pool(desc, handle):
@@ -283,9 +196,7 @@ class Importer:
         return kv, StageTimings(kv_fetch_ms=(time.perf_counter() - start) * 1e3, kv_tcp=float(self._over_tcp(desc)))
 
     def _from_same_host_pool(self, desc: KVDescriptor, handle: cuda_ipc.IpcHandle | None) -> bool:
-        """Whether to copy ``desc``'s blocks straight out of its pool: it is one on this host
-        and the transport allows it; for a GPU pool this process cannot open, "auto" falls
-        back to TCP (staged by the prefill worker) when the worker serves it."""
+        """A same-host pool the transport allows; a GPU pool this process cannot open goes over TCP under "auto"."""
         if desc.kind == "shm" or self.uses_tcp(desc) or desc.host_id != self.host:
             return False
         return handle is None or self.transport != "auto" or desc.addr is None or self.ipc.can_open(handle)
@@ -295,20 +206,13 @@ class Importer:
         return self.transport == "tcp" or (self.transport == "auto" and desc.host_id != self.host)
 
     def _over_tcp(self, desc: KVDescriptor) -> bool:
-        """Whether a frame of ``desc`` is fetched over TCP: :meth:`uses_tcp`, or the blocks
-        of a GPU pool (a frame of them exists only as the prefill worker's TCP reply)."""
+        """Also a GPU pool's blocks: their frame exists only as the TCP reply."""
         return self.uses_tcp(desc) or desc.kind == "cuda_ipc"
 
     def fetch_frame(self, request_id: str, desc: KVDescriptor,
                     cancel: threading.Event | None = None) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
-        """The frame ``desc`` describes (a staged KV frame, or an encode worker's
-        embeddings; or a pool's blocks served as one frame over TCP): mapped and unlinked
-        from /dev/shm on this host, else fetched over TCP (up to ``timeout_s``, or until
-        ``cancel`` is set).
-
-        Raises:
-            WireError: as :meth:`take`.
-        """
+        """A staged frame, embeddings, or a pool's blocks as one frame: mapped and unlinked on this host, else over
+        TCP. Raises WireError as :meth:`take`."""
         if self._over_tcp(desc):
             if desc.addr is None:
                 raise WireError(f"{desc.name} lies on another host and its sender serves no TCP address")
@@ -360,8 +264,7 @@ class Importer:
 
 
 def _check_runs(request_id: str, desc: KVDescriptor, block_size: int, pool_blocks: int) -> None:
-    """Raises :class:`WireError` unless ``desc``'s block runs cover its tokens inside a pool
-    of ``pool_blocks`` blocks and it names a tag."""
+    """Raises WireError unless the runs cover the tokens inside the pool and a tag is named."""
     num_blocks = -(-desc.num_tokens // block_size)
     runs = desc.block_runs
     if (desc.num_tokens < 1 or desc.tag < 1 or sum(n for _, n in runs) != num_blocks
@@ -372,12 +275,7 @@ def _check_runs(request_id: str, desc: KVDescriptor, block_size: int, pool_block
 
 
 def _head_split(request_id: str, desc: KVDescriptor, layout: dict) -> list[int]:
-    """The KV heads of each part of ``desc``'s pool (one part per prefill rank; none
-    given: one part of every head).
-
-    Raises:
-        WireError: parts that do not add up to the layout's KV heads.
-    """
+    """The KV heads of each rank's part (none given: one part). Raises WireError if they do not add up."""
     split = desc.head_split or [layout["num_kv_heads"]]
     if sum(split) != layout["num_kv_heads"] or min(split) < 1:
         raise WireError(f"KV descriptor for {request_id} splits {layout['num_kv_heads']} KV heads as {split}")

@@ -1,13 +1,6 @@
-"""How KV blocks are stored in a wire frame: as the cache holds them, as bfloat16, or as
-int8 with scales (``--kv-transfer-dtype none|bf16|int8``).
-
-KV blocks are ``[layers, 2 (K, V), n_blocks, block_size, kv_heads, head_dim]``. A frame
-holds tensor ``kv`` of that shape, in the cache's dtype (none), in bfloat16 (bf16), or in
-int8 (int8) plus tensor ``scales [layers, 2, n_blocks, block_size, kv_heads]`` float32:
-symmetric quantization with one scale per (layer, K/V, token, kv head), i.e. per-token,
-per-head scales, ``scale = max|x| / 127`` over the head's ``head_dim`` values and
-``x ≈ q * scale`` (as in KIVI / vLLM's per-token KV quantization).
-"""
+"""KV blocks ``[layers, 2, n_blocks, block_size, kv_heads, head_dim]`` in a frame (``--kv-transfer-dtype``):
+tensor ``kv`` in the cache's dtype (none), bfloat16 (bf16), or int8 plus ``scales [layers, 2, n_blocks,
+block_size, kv_heads]`` float32 (symmetric per token and head, ``scale = max|x| / 127``, as KIVI / vLLM)."""
 
 from __future__ import annotations
 
@@ -21,11 +14,7 @@ _QMAX = 127.0
 
 
 def specs(shape: list[int], cache_dtype: torch.dtype, transfer_dtype: str) -> list[TensorSpec]:
-    """The tensors of a frame holding KV blocks of ``shape`` from a cache of ``cache_dtype``.
-
-    Raises:
-        ValueError: an unknown ``transfer_dtype``.
-    """
+    """Raises ValueError for an unknown ``transfer_dtype``."""
     if transfer_dtype == "none":
         return [TensorSpec(name="kv", dtype=_WIRE_NAMES[cache_dtype], shape=shape)]
     if transfer_dtype == "bf16":
@@ -37,8 +26,7 @@ def specs(shape: list[int], cache_dtype: torch.dtype, transfer_dtype: str) -> li
 
 
 def encode(blocks: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
-    """Write ``blocks`` (KV blocks, any float dtype) into a frame's tensors ``out`` as laid
-    out by :func:`specs`: a cast for none/bf16, quantization for int8."""
+    """A cast for none/bf16, quantization for int8."""
     if "scales" not in out:
         out["kv"].copy_(blocks)
         return
@@ -51,12 +39,7 @@ def encode(blocks: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
 
 
 def decode(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The KV blocks of a frame's ``tensors`` in ``dtype`` (no copy when the frame already
-    holds them in ``dtype``).
-
-    Raises:
-        WireError: tensors that are not one of the layouts of :func:`specs`.
-    """
+    """No copy when already in ``dtype``. Raises WireError for a layout not of :func:`specs`."""
     kv = tensors.get("kv")
     if kv is None or set(tensors) - {"kv", "scales"}:
         raise WireError(f"a KV frame holds 'kv' (and 'scales' for int8), not {sorted(tensors)}")

@@ -1,7 +1,5 @@
-"""PD in one process: a prefill engine and a decode engine joined by the real KV hand-off
-(:class:`~epdserve.transfer.handoff.Exporter` → descriptor → :class:`~epdserve.transfer.handoff.Importer`),
-without the router and worker processes. For benchmarks and tests of the transfer path.
-"""
+"""PD in one process (prefill and decode engines joined by the real KV hand-off, no router or workers),
+for benchmarks and tests."""
 
 from __future__ import annotations
 
@@ -25,15 +23,8 @@ def first_output(engine: LLMEngine, request_id: str) -> StepOutput:
 
 def generate_pd(prefill: LLMEngine, decode: LLMEngine, exporter: Exporter, importer: Importer,
                 request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> tuple[list[int], StageTimings]:
-    """Run one request through ``prefill`` (asked to hold the prompt's KV, which its
-    ``exporter`` hands over) and ``decode`` (whose ``importer`` takes it); the engines
-    must be idle.
-    Returns the generated token ids and the merged timings of both sides (ms, bytes).
-
-    Raises:
-        ValueError, WireError: as :meth:`LLMEngine.add_request` and :meth:`Importer.take`;
-            WireError also when the decode engine finds the KV void at its import.
-    """
+    """``prefill`` and ``decode`` must be idle. Returns the tokens and both sides' merged timings. Raises
+    ValueError, WireError (as ``add_request``/``take``, or KV void at import)."""
     prefill.add_request(request_id, prompt_ids, sampling, hold_kv=True, layer_sink=exporter.layer_sink)
     out = first_output(prefill, request_id)
     tokens = list(out.token_ids)
@@ -48,8 +39,7 @@ def generate_pd(prefill: LLMEngine, decode: LLMEngine, exporter: Exporter, impor
         del kv  # the engine holds it until the import; then the mapping can go
         while decode.has_unfinished():
             for step_out in decode.step():
-                # As the router: release the prefill side's copy once the decode side has
-                # imported it (its first output), or on any failure (finally).
+                # As the router: release after the first decode output, or on any failure (finally).
                 exporter.release(request_id)
                 if step_out.error is not None:
                     raise WireError(step_out.error)

@@ -1,10 +1,6 @@
-"""Sealing internal frames: the HMAC trailer every internal frame carries, the checks a
-receiver makes, the per-purpose keys (and CURVE key pairs) derived from the deployment's
-token, and a rate-limited log of dropped frames. The scheme, what it protects and what
-not: :mod:`epdserve.serving.auth`, which also turns the command-line options into a
-:class:`Keyring`. Here, below the transports (:mod:`epdserve.transfer.tcp` seals its KV
-requests with it) and the serving layer alike.
-"""
+"""Sealing of internal frames: the HMAC trailer (``body | stream 8 B | seq 8 B big-endian | tag 32 B``), its
+checks, per-purpose keys and CURVE pairs derived from the token, and a rate-limited drop log. The scheme
+and its limits: docs/architecture.md (Sealing) and ``serving/auth.py``."""
 
 from __future__ import annotations
 
@@ -32,9 +28,7 @@ class AuthError(ValueError):
 
 
 class Sealer:
-    """Seals the frames of one sending socket (one ``stream``, a counter of its own). With no
-    key, frames pass unchanged. ``seal`` may be called from one thread at a time per
-    socket, as the socket itself."""
+    """One sending socket (its own ``stream`` and counter); no key: frames unchanged. One thread at a time."""
 
     def __init__(self, key: bytes | None, bind: str = ""):
         self._key = key
@@ -53,9 +47,8 @@ class Sealer:
 
 
 class Opener:
-    """Checks the frames of one receiving socket. ``replay_check``: drop a frame whose
-    counter is not above the last one taken from its stream (off where every sender is a
-    fresh connection, as KV requests). With no key, frames pass unchanged."""
+    """``replay_check``: drop a counter not above its stream's last (off where each sender is a fresh
+    connection). No key: frames unchanged."""
 
     def __init__(self, key: bytes | None, bind: str = "", replay_check: bool = True):
         self._key = key
@@ -64,11 +57,7 @@ class Opener:
         self._streams: OrderedDict[bytes, int] = OrderedDict()
 
     def open(self, frame: bytes) -> memoryview | bytes:
-        """The body of ``frame`` (a view, no copy) once its tag verifies.
-
-        Raises:
-            AuthError: the frame is too short, its tag is wrong, or it is a replay.
-        """
+        """The body (a view) once its tag verifies in constant time. Raises AuthError: too short, bad tag, replay."""
         if self._key is None:
             return frame
         if len(frame) < OVERHEAD:
@@ -92,13 +81,8 @@ class Opener:
 
 
 class Keyring:
-    """Everything a process derives from the deployment's token: the per-purpose MAC keys
-    (``events``, ``commands``, ``kv-request``) and, with ``curve``, the CURVE key pairs.
-    ``token`` None or "": no authentication (frames pass unchanged).
-
-    Raises (constructor):
-        ValueError: ``curve`` without a token, or a libzmq built without CURVE.
-    """
+    """Per-purpose MAC keys and, with ``curve``, CURVE key pairs, from the token (None or "": no auth). Raises
+    ValueError: ``curve`` without a token or without libzmq CURVE support."""
 
     def __init__(self, token: str | None, curve: bool = False):
         if curve and not token:
@@ -113,7 +97,6 @@ class Keyring:
 
     @property
     def enabled(self) -> bool:
-        """True when frames are sealed and checked (there is a token)."""
         return self._root is not None
 
     def key(self, label: str) -> bytes | None:
@@ -134,13 +117,13 @@ class Keyring:
         return zmq.curve_public(secret), secret
 
     def secure_server(self, sock: zmq.Socket, addr: str) -> None:
-        """Make ``sock`` a CURVE server if encryption is on and it is to bind ``addr`` on TCP."""
+        """A CURVE server if encryption is on and ``addr`` is TCP."""
         if self.curve and addr.startswith("tcp://"):
             sock.curve_publickey, sock.curve_secretkey = self._server
             sock.curve_server = True
 
     def secure_client(self, sock: zmq.Socket, addr: str) -> None:
-        """Make ``sock`` a CURVE client if encryption is on and it is to connect to ``addr`` on TCP."""
+        """A CURVE client if encryption is on and ``addr`` is TCP."""
         if self.curve and addr.startswith("tcp://"):
             sock.curve_serverkey = self._server[0]
             sock.curve_publickey, sock.curve_secretkey = self._client
@@ -150,9 +133,7 @@ NO_AUTH = Keyring(None)
 
 
 class DropLog:
-    """Logs dropped frames without flooding: the first at once, then at most one line per
-    ``interval_s`` with how many were dropped since (a flood of forged frames must not
-    fill the disk or drown the log)."""
+    """The first drop at once, then at most one line per ``interval_s`` (a flood must not fill the disk)."""
 
     def __init__(self, logger: logging.Logger, what: str, interval_s: float = 10.0):
         self.logger, self.what, self.interval_s = logger, what, interval_s

@@ -1,26 +1,7 @@
-"""KV hand-off between workers on one host through POSIX shared memory (/dev/shm).
-
-Three kinds of files, all named ``epdserve-<kind>-<owner pid>-<32 hex digits>``:
-
-* a **pool** (``kvpool``): a prefill worker's whole KV cache, created once at start-up
-  (:class:`KVPool`); a tensor-parallel worker's holds one part per rank, each rank mapping
-  its own (:func:`map_part`). A same-host hand-off then copies nothing on the prefill
-  side: the decode worker maps the pool once (:func:`map_pool`) and copies the request's
-  blocks straight out of it. Behind the KV parts the file holds one int64 *tag* per block: the
-  prefill side writes a hand-off's tag into its blocks when it exports them and clears it
-  when it releases them, and the reader checks the tags before and after its copy, so a
-  late or forged descriptor yields a clear error, never another request's KV.
-* a **segment** (``kv``): one wire frame (:mod:`epdserve.transfer.wire`) holding one
-  request's blocks, for compressed KV (bf16, int8) and layer-pipelined hand-offs. The
-  reader maps it, unlinks it at once (the mapping keeps the memory) and copies from it.
-* a **tag file** (``kvtags``): only the tags, one int64 per block, of a prefill worker's KV
-  cache that lives on a GPU (:class:`TagFile`, used by :mod:`epdserve.transfer.cuda_ipc`):
-  the same tags with the same rules as a pool's, next to device memory a decode worker
-  opens by CUDA IPC. Its name is also the pool's id.
-
-The owner pid in the name lets :func:`remove_stale` delete the files of a worker that was
-killed (SIGKILL skips every cleanup handler).
-"""
+"""/dev/shm files ``epdserve-<kind>-<owner pid>-<32 hex>``: a prefill worker's KV cache (``kvpool``: one part
+per rank, each 64-byte aligned, then one int64 tag per block), a one-request frame (``kv``, unlinked by its
+reader on mapping), or a GPU cache's tags alone (``kvtags``, the pool id). Tags are set at export, cleared
+at release, checked by the reader before and after its copy; the pid lets :func:`remove_stale` clean up."""
 
 from __future__ import annotations
 
@@ -60,8 +41,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale() -> list[str]:
-    """Delete every epdserve segment, pool and tag file whose owner process is gone; returns their
-    names. (A pid reused by an unrelated process keeps its files until that one exits.)"""
+    """Returns their names. A reused pid keeps its files until that process exits."""
     removed = []
     for path in SHM_DIR.glob("epdserve-*"):
         match = _SEGMENT.fullmatch(path.name) or _POOL.fullmatch(path.name) or TAGS.fullmatch(path.name)
@@ -72,8 +52,7 @@ def remove_stale() -> list[str]:
 
 
 def _pool_layout(shape: tuple[int, ...], dtype: torch.dtype, head_split: list[int]) -> tuple[list[int], int, int]:
-    """Byte offset of each part (one per entry of ``head_split``, the KV heads it holds, each
-    64-byte aligned), of the tags (after the parts, aligned) and the file size."""
+    """Part offsets (one per ``head_split`` entry, 64-byte aligned), the tags' (aligned), and the file size."""
     per_head = dtype.itemsize * math.prod(shape[:4] + shape[5:])
     offsets, at = [], 0
     for heads in head_split:
@@ -84,7 +63,6 @@ def _pool_layout(shape: tuple[int, ...], dtype: torch.dtype, head_split: list[in
 
 
 def part_shapes(shape: tuple[int, ...], head_split: list[int]) -> list[tuple[int, ...]]:
-    """The shape of each part of a pool of ``shape`` (every KV head) split as ``head_split``."""
     return [tuple(shape[:4]) + (heads,) + tuple(shape[5:]) for heads in head_split]
 
 
@@ -102,18 +80,8 @@ def _views(buffer, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 class KVPool:
-    """A KV cache of ``shape [layers, 2, num_blocks, block_size, kv_heads, head_dim]`` in
-    ``dtype``, split by KV head into ``parts`` (``head_split``: the heads of each, in order;
-    default one part of every head), the parts of a tensor-parallel worker's ranks
-    (``engine/kv_parts.py``), and its block tags ``tags [num_blocks]`` (int64, 0 = not
-    exported) in a new /dev/shm file ``name``, mapped shared and pre-touched: every page is
-    written once here (zeros, as an engine's cache starts), because first writes into fresh
-    tmpfs pages fault and run at about 1 GB/s, far below memcpy. Deletes stale files first
-    (:func:`remove_stale`). Other ranks map their part with :func:`map_part`.
-
-    Raises:
-        OSError: /dev/shm is missing, full or not writable.
-    """
+    """Split by KV head into ``parts`` (``head_split``), tags int64 (0: not exported), mapped shared and pre-touched
+    (first writes to fresh tmpfs pages fault at ~1 GB/s). Raises OSError (/dev/shm)."""
 
     kind = "pool"  # the descriptor kind of its exports
 
@@ -128,15 +96,12 @@ class KVPool:
         self.tags.zero_()
 
     def close(self) -> None:
-        """Delete the file (idempotent). Mappings, ours and readers', stay valid until
-        dropped."""
+        """Idempotent; mappings, ours and readers', stay valid until dropped."""
         (SHM_DIR / self.name).unlink(missing_ok=True)
 
 
 def _create_owned(name: str, size: int, close) -> mmap.mmap:
-    """Create and map ``/dev/shm/name`` of ``size`` bytes for this process (deleting stale
-    files first), with ``close`` registered to delete it at interpreter exit (also on a bad
-    option or an error before the worker's loop)."""
+    """Deleted at interpreter exit too (also on an error before the worker's loop)."""
     remove_stale()
     fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -152,9 +117,7 @@ def _create_owned(name: str, size: int, close) -> mmap.mmap:
 
 
 def _map_readonly(name: str, size: int, what: str, expected: str) -> mmap.mmap:
-    """Map another process's ``/dev/shm/name`` read-only with its page tables filled
-    (MAP_POPULATE), checking it is ``size`` bytes; ``what`` names it in errors and
-    ``expected`` says what holds ``size`` bytes."""
+    """Read-only, MAP_POPULATE, checked to be ``size`` bytes."""
     try:
         fd = os.open(SHM_DIR / name, os.O_RDONLY)
     except FileNotFoundError:
@@ -169,15 +132,8 @@ def _map_readonly(name: str, size: int, what: str, expected: str) -> mmap.mmap:
 
 
 class TagFile:
-    """The block tags ``tags [num_blocks]`` (int64, 0 = not exported) of a KV cache that is
-    not in this file (a GPU's), in a new /dev/shm file ``name`` (``epdserve-kvtags-<pid>-<hex>``),
-    mapped shared: the same tags as a :class:`KVPool`'s, written and cleared by the
-    :class:`~epdserve.transfer.exports.ExportTable`, read by the decode side around its
-    copy.
-
-    Raises:
-        OSError: /dev/shm is missing, full or not writable.
-    """
+    """The tags of a GPU's KV cache (the rules of a :class:`KVPool`'s) in a new /dev/shm file ``name``.
+    Raises OSError (/dev/shm)."""
 
     def __init__(self, num_blocks: int):
         self.name = new_name("kvtags")
@@ -186,17 +142,12 @@ class TagFile:
         self.tags.zero_()
 
     def close(self) -> None:
-        """Delete the file (idempotent); mappings stay valid until dropped."""
+        """Idempotent; mappings stay valid until dropped."""
         (SHM_DIR / self.name).unlink(missing_ok=True)
 
 
 def map_tags(name: str, num_blocks: int) -> torch.Tensor:
-    """Map another process's :class:`TagFile` read-only; returns its ``tags [num_blocks]``.
-
-    Raises:
-        WireError: a name that is not a tag file's, a missing file, or one whose size is not
-            that of ``num_blocks`` tags.
-    """
+    """Read-only. Raises WireError: not a tag file's name, missing, or not ``num_blocks`` tags long."""
     if not TAGS.fullmatch(name):
         raise WireError(f"refusing KV tag file name {name!r}")
     mm = _map_readonly(name, 8 * num_blocks, "KV tag file", f"a tag file of {num_blocks} blocks")
@@ -207,14 +158,8 @@ def map_tags(name: str, num_blocks: int) -> torch.Tensor:
 
 def map_pool(name: str, shape: tuple[int, ...], dtype: torch.dtype,
              head_split: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Map another process's pool read-only; returns its ``parts`` and ``tags`` (see
-    :class:`KVPool`). The page tables are filled at once (MAP_POPULATE) so that copies
-    from the mapping run at memcpy speed from the first one.
-
-    Raises:
-        WireError: a name that is not a pool's, a missing file, or a file whose size is not
-            that of a pool of ``shape``, ``dtype`` and ``head_split``.
-    """
+    """Read-only; MAP_POPULATE so copies run at memcpy speed from the first. Raises WireError: not a pool's
+    name, missing, or the wrong size."""
     if not _POOL.fullmatch(name):
         raise WireError(f"refusing shared-memory pool name {name!r}")
     size = _pool_layout(shape, dtype, head_split)[2]
@@ -224,12 +169,7 @@ def map_pool(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 def map_part(name: str, shape: tuple[int, ...], dtype: torch.dtype, head_split: list[int],
              index: int) -> torch.Tensor:
-    """Map part ``index`` of a :class:`KVPool` of this host read-write (a follower rank's
-    KV cache, in the file rank 0 created).
-
-    Raises:
-        OSError: the file is missing or not the size of that pool.
-    """
+    """Read-write: a follower rank's KV cache in rank 0's file. Raises OSError (missing or wrong size)."""
     size = _pool_layout(shape, dtype, head_split)[2]
     fd = os.open(SHM_DIR / name, os.O_RDWR)
     try:
@@ -247,13 +187,7 @@ def pool_exists(name: str) -> bool:
 
 
 def create(name: str, header: TensorHeader) -> tuple[mmap.mmap, dict[str, torch.Tensor]]:
-    """Create ``/dev/shm/name`` holding a frame with ``header`` and return its mapping and
-    its tensors by name (views of the mapping, to be filled; drop them before closing the
-    mapping).
-
-    Raises:
-        OSError: /dev/shm is full or not writable.
-    """
+    """The mapping and its tensors to fill (drop them before closing it). Raises OSError (/dev/shm)."""
     prefix = header_bytes(header)
     size = frame_size(header)
     fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -267,9 +201,7 @@ def create(name: str, header: TensorHeader) -> tuple[mmap.mmap, dict[str, torch.
 
 
 def write(name: str, header: TensorHeader, fill) -> int:
-    """Create ``/dev/shm/name`` holding a frame with ``header``; ``fill(tensors)`` writes
-    the tensors (a dict by name of tensors viewing the file). Returns the file size in
-    bytes."""
+    """``fill(tensors)`` writes the tensors; returns the file size in bytes."""
     mm, views = create(name, header)
     with mm:
         fill(views)
@@ -278,11 +210,7 @@ def write(name: str, header: TensorHeader, fill) -> int:
 
 
 def open_segment(name: str) -> mmap.mmap:
-    """Map and unlink ``/dev/shm/name``; the mapping keeps the memory until it is freed.
-
-    Raises:
-        WireError: a name that is not a segment's, or a missing file.
-    """
+    """The mapping keeps the memory. Raises WireError: not a segment's name, or gone."""
     if not _SEGMENT.fullmatch(name):
         raise WireError(f"refusing shared-memory name {name!r}")
     path = SHM_DIR / name
@@ -300,12 +228,7 @@ def open_segment(name: str) -> mmap.mmap:
 
 
 def read(name: str) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
-    """Map and unlink ``/dev/shm/name``; return its header and tensors by name (views of
-    the mapping, freed when the last tensor is).
-
-    Raises:
-        WireError: a name that is not ours, a missing file, or a malformed frame.
-    """
+    """Header and tensors viewing the mapping. Raises WireError (as :func:`open_segment`, or a malformed frame)."""
     return parse(open_segment(name))
 
 

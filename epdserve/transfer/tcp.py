@@ -1,26 +1,6 @@
-"""KV hand-off across hosts over TCP (ZeroMQ): a prefill worker serves a request's KV, as
-one wire frame, to decode workers that cannot map its shared memory: a segment it wrote to
-/dev/shm (:mod:`epdserve.transfer.shm`), or a frame built on request from blocks it holds.
-
-Exchange (one per hand-off, nothing is ever unpickled):
-
-* the decode worker's DEALER sends one frame, msgpack ``{"request_id": str, "name": str}``
-  sealed with the deployment's ``kv-request`` key (:mod:`epdserve.transfer.sealing`, scheme in
-  :mod:`epdserve.serving.auth`);
-* the prefill worker's ROUTER checks the tag first and drops (unanswered, logged
-  rate-limited) a request that fails it; else it answers ``[b"ok", frame]`` (one wire
-  frame, sent without a further copy from a segment's mapping or a freshly built buffer)
-  or ``[b"error", utf-8 message]``. The reply is not sealed (why: ``auth``'s module doc);
-  with ``--internal-encryption curve`` both sockets use CURVE, which encrypts it.
-
-The receiver caps the reply at the size the descriptor announced and parses it with
-:func:`epdserve.transfer.wire.parse`, so a reply that is not our frame raises
-:class:`~epdserve.transfer.wire.WireError`.
-
-The keys come from a :class:`~epdserve.transfer.sealing.Keyring` passed in, or else the one a
-worker process installs with :func:`configure` at start (its exporter and importer make
-servers and fetches without naming one); none: no authentication, as before.
-"""
+"""KV over TCP (ZeroMQ) across hosts: a DEALER sends msgpack ``{"request_id", "name"}`` sealed with the
+``kv-request`` key; the ROUTER drops it unanswered if the tag fails, else replies ``[b"ok", frame]`` or
+``[b"error", message]``, unsealed (docs/architecture.md, Sealing). Keys default to :func:`configure`'s."""
 
 from __future__ import annotations
 
@@ -44,25 +24,14 @@ _keyring: Keyring = NO_AUTH  # this process's, see configure()
 
 
 def configure(keyring: Keyring) -> None:
-    """Use ``keyring`` for every later server and fetch of this process that names none
-    (a worker calls it once, before it makes any)."""
+    """Call once, before making any server or fetch."""
     global _keyring
     _keyring = keyring
 
 
 class KVServer:
-    """A thread with its own ROUTER socket bound at ``bind`` (``tcp://HOST:PORT``; port
-    ``*`` or 0 picks a free one, see :attr:`addr`) that sends a segment to whoever names
-    it: ``source(request_id, name)`` returns the frame to send (any buffer: bytes, mmap,
-    bytearray) or raises :class:`WireError`, whose message goes back as the error.
-    ``keyring``: whose sealed requests it answers (default: the process's, :func:`configure`).
-
-    A thread rather than the worker loop because a CPU prefill step of a long prompt takes
-    seconds and a fetch served between steps would wait that long; ``source`` only reads
-    (torch releases the GIL while the engine computes) and changes no engine state.
-
-    Raises (constructor): ``zmq.ZMQError`` if ``bind`` cannot be bound.
-    """
+    """Serves on its own thread (a CPU prefill step takes seconds); ``source(request_id, name)`` only reads and
+    returns a buffer or raises WireError (sent back). Port 0: a free one (:attr:`addr`). Raises zmq.ZMQError."""
 
     def __init__(self, ctx: zmq.Context, bind: str, source: Callable[[str, str], object],
                  keyring: Keyring | None = None):
@@ -84,7 +53,7 @@ class KVServer:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop serving and close the socket (within ``POLL_MS``)."""
+        """Within ``POLL_MS``."""
         self._stop.set()
         self._thread.join()
 
@@ -129,20 +98,8 @@ def _parse_request(body: bytes) -> tuple[str, str]:
 def fetch(ctx: zmq.Context, addr: str, request_id: str, name: str, nbytes: int, timeout_s: float,
           cancel: threading.Event | None = None,
           keyring: Keyring | None = None) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
-    """Fetch segment ``name`` of ``request_id`` (a frame of ``nbytes`` bytes) from the KV
-    server at ``addr``; returns its header and tensors by name (read-only views of the
-    received message, no copy). Blocks at most ``timeout_s`` seconds, or until ``cancel``
-    is set (checked every ``POLL_MS``). ``keyring``: seals the request (default: the
-    process's, :func:`configure`); a server that does not take its tag does not answer,
-    which reads as a timeout.
-
-    A fresh socket per fetch, so a late reply to an earlier, timed-out fetch can never be
-    taken for this one. Safe to call from any thread (the socket is its own).
-
-    Raises:
-        WireError: no complete reply within ``timeout_s``, ``cancel`` set, an error reply,
-            or a reply that is not a frame of ``nbytes`` bytes.
-    """
+    """Header and tensors (read-only views). A fresh socket per fetch, so a late reply to an earlier one is never
+    taken; a wrongly sealed request times out. Raises WireError: timeout, ``cancel``, error reply, wrong size."""
     keyring = keyring or _keyring
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -153,8 +110,7 @@ def fetch(ctx: zmq.Context, addr: str, request_id: str, name: str, nbytes: int, 
         request = msgpack.packb({"request_id": request_id, "name": name}, use_bin_type=True)
         sock.send(keyring.sealer("kv-request").seal(request))
         deadline = time.monotonic() + timeout_s
-        # Wait in slices so that an aborted request (or a stopping worker) frees the
-        # waiting thread within POLL_MS instead of after the whole timeout.
+        # Wait in slices: an abort or a stopping worker frees the thread within POLL_MS.
         while not sock.poll(max(0.0, min(POLL_MS, (deadline - time.monotonic()) * 1000))):
             if cancel is not None and cancel.is_set():
                 raise WireError(f"KV fetch for request {request_id} cancelled")

@@ -1,11 +1,6 @@
-"""The wire format for tensors between workers: a validated header, then raw bytes.
-
-A frame is ``MAGIC (4 bytes) | header length (uint32, little-endian) | msgpack header |``
-then each tensor the header lists, in order, each starting at a 64-byte boundary of the
-frame (zero padding between). The header names every tensor's dtype and shape and the KV
-layout they were cut from; nothing in a frame is ever unpickled, and a frame whose magic,
-header or size is wrong raises :class:`WireError`.
-"""
+"""Tensor frames between workers: ``MAGIC (b"EPDW") | header length (uint32 LE) | msgpack header``, then
+each tensor in order at a 64-byte boundary (zero padding). Never unpickled; a bad magic, header or size
+raises :class:`WireError`."""
 
 from __future__ import annotations
 
@@ -38,8 +33,7 @@ class TensorSpec(BaseModel):
 
 
 class TensorHeader(BaseModel):
-    """The frame's ``tensors`` (for KV see :mod:`epdserve.transfer.kv_codec`), the
-    ``num_tokens`` positions that are valid, and the ``layout`` of the sender's KV cache."""
+    """``num_tokens``: the valid positions; ``layout``: the sender's KV cache layout (KV tensors: ``kv_codec``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -83,18 +77,12 @@ def header_bytes(header: TensorHeader) -> bytes:
 
 
 def frame_size(header: TensorHeader) -> int:
-    """The size in bytes of a frame with ``header``."""
     return _offsets(header, len(header_bytes(header)))[1]
 
 
 def pack(header: TensorHeader, fill, buffer=None):
-    """A frame with ``header`` in ``buffer`` (any writable buffer of :func:`frame_size`
-    bytes, e.g. page-locked memory) or a new bytearray; ``fill(tensors)`` writes the
-    tensors (a dict by name of tensors viewing the buffer). Returns the buffer.
-
-    Raises:
-        WireError: a ``buffer`` of another size.
-    """
+    """Into ``buffer`` (writable, :func:`frame_size` bytes, e.g. page-locked) or a new bytearray, filled by
+    ``fill(tensors)``. Raises WireError for a buffer of another size."""
     prefix = header_bytes(header)
     size = frame_size(header)
     buffer = bytearray(size) if buffer is None else buffer
@@ -107,14 +95,8 @@ def pack(header: TensorHeader, fill, buffer=None):
 
 
 def parse(buffer) -> tuple[TensorHeader, dict[str, torch.Tensor]]:
-    """Validate a frame in ``buffer`` (bytes, mmap, memoryview) and return its header and
-    its tensors by name, each viewing ``buffer`` (no copy; they keep it alive; read-only
-    when ``buffer`` is).
-
-    Raises:
-        WireError: bad magic, header, dtype, duplicate names, or a size that does not
-            match the shapes.
-    """
+    """Header and tensors viewing ``buffer`` (no copy; read-only if it is). Raises WireError: bad magic, header
+    or dtype, duplicate names, or a size that does not match."""
     view = memoryview(buffer)
     if len(view) < _PREFIX.size:
         raise WireError(f"frame of {len(view)} bytes is too short")
@@ -141,8 +123,7 @@ def _tensor(buffer, spec: TensorSpec, offset: int) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(spec.shape, dtype=dtype)
     with warnings.catch_warnings():
-        # A received ZeroMQ message is read-only; the tensor is only ever read (copied into
-        # the KV cache), so torch's warning about non-writable buffers does not apply.
+        # Received ZeroMQ messages are read-only; the tensor is only ever read.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         tensor = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
     return tensor.view(spec.shape)

@@ -1,8 +1,5 @@
-"""The elastic controller's input: one :class:`Sample` of the router's signals,
-with its JSON form (the ``sample`` of a trace's ``elastic_sample`` line) checked field by
-field on the way back in, so a replayed trace is either read exactly or refused with the
-key and value at fault. The policy that reads them: :mod:`epdserve.serving.elastic.policy`.
-Stdlib only (and the role names of :mod:`epdserve.serving.deployment`)."""
+"""The elastic policies' input, one :class:`Sample` of the router's signals, and its JSON form
+(a trace's ``elastic_sample`` line), read back exactly or refused naming the key and value."""
 
 from __future__ import annotations
 
@@ -14,32 +11,28 @@ from epdserve.serving.deployment import ENGINE_ROLES
 
 @dataclass(frozen=True)
 class WorkerSignal:
-    """One engine worker at one sample, as the router sees it (the format in docs/comparing.md)."""
+    """One engine worker at one sample (format: docs/comparing.md)."""
     worker_id: str
-    role: str           # its routing role now, one of ENGINE_ROLES
-    switching: bool     # a switch was asked and the worker has not announced it yet
-    num_running: int    # the engine's running sequences (its last Stats)
-    num_waiting: int    # the engine's waiting (queued) sequences
-    outstanding: int    # requests the router has sent it that it has not finished
-    kv_usage: float     # blocks in use / blocks total, 0..1
+    role: str
+    switching: bool     # asked, not yet announced
+    num_running: int
+    num_waiting: int
+    outstanding: int    # requests the router sent it, not finished
+    kv_usage: float     # blocks in use / total, 0..1
 
 
 @dataclass(frozen=True)
 class Sample:
-    """The router's signals at one moment; "since" is since the previous sample."""
-    t: float                                # seconds, the router's monotonic clock
-    workers: tuple[WorkerSignal, ...]       # the live engine workers
-    arrivals: tuple[tuple[int, int], ...]   # (prompt tokens, max_tokens) of requests arrived since
-    ttfts_ms: tuple[float, ...]             # TTFT of each first token at the router since
-    prefill_queue_ms: tuple[float, ...]     # router + worker queue before prefill, same requests
-    itls_ms: tuple[float, ...]              # gaps between a request's outputs at the router, since
-    # Prompt tokens each of those first tokens' prefills computed (prompt - prefix-cache hit),
-    # same requests as ttfts_ms: with TTFT - queue, the prefill speed. Empty in samples
-    # recorded before it existed (the policy then cannot tell the prefill speed).
-    prefill_tokens: tuple[int, ...] = ()
+    """The router's signals; the tuples hold what happened since the previous sample."""
+    t: float                                # s, the router's monotonic clock
+    workers: tuple[WorkerSignal, ...]
+    arrivals: tuple[tuple[int, int], ...]   # (prompt tokens, max_tokens)
+    ttfts_ms: tuple[float, ...]
+    prefill_queue_ms: tuple[float, ...]     # router + worker queue, per first token
+    itls_ms: tuple[float, ...]              # gaps between a request's outputs at the router
+    prefill_tokens: tuple[int, ...] = ()    # computed per first token (prompt - cache hit); () in older traces
 
     def as_json(self) -> dict:
-        """The sample as a JSON object (the ``sample`` of a trace's ``elastic_sample`` line)."""
         return {"t": self.t, "workers": [asdict(w) for w in self.workers],
                 "arrivals": [list(a) for a in self.arrivals], "ttfts_ms": list(self.ttfts_ms),
                 "prefill_queue_ms": list(self.prefill_queue_ms), "itls_ms": list(self.itls_ms),
@@ -47,13 +40,8 @@ class Sample:
 
     @classmethod
     def from_json(cls, obj: dict) -> Sample:
-        """The sample :meth:`as_json` wrote.
-
-        Raises:
-            ValueError: naming the key and the bad value, for a missing or unknown key, a
-                wrong type, a negative or non-finite number, a role outside :data:`ENGINE_ROLES`,
-                or a ``kv_usage`` outside 0..1. ``prefill_tokens`` may be missing (older traces).
-        """
+        """Raises ValueError naming the key and value: a missing (but ``prefill_tokens``) or unknown
+        key, a wrong type, a negative or non-finite number, an unknown role, a kv_usage over 1."""
         _check_keys("sample", {"prefill_tokens": [], **obj} if isinstance(obj, dict) else obj,
                     {f.name for f in fields(cls)})
         workers, arrivals = obj["workers"], obj["arrivals"]
@@ -78,11 +66,7 @@ def _check_keys(what: str, obj, expected: set[str]) -> None:
 
 
 def finite_number(what: str, value, minimum: float = 0.0) -> float:
-    """``value`` of a JSON document as a float: a finite number >= ``minimum`` (not a bool).
-
-    Raises:
-        ValueError: naming ``what`` and the value.
-    """
+    """Raises ValueError naming ``what`` unless ``value`` is a finite number >= ``minimum``, not a bool."""
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or not math.isfinite(value) or value < minimum):
         bound = f" >= {minimum:g}" if minimum > -math.inf else ""

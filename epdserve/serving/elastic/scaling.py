@@ -1,28 +1,6 @@
-"""The elastic controller's scaling policy: whether to add an engine
-worker, retire one, or hold, within ``[min_workers, max_workers]`` (``serve --elastic
---max-workers N``; the starting workers are the minimum). A pure function of the signal
-samples, as :func:`epdserve.serving.elastic.policy.decide` (whose :class:`Sample` and
-:func:`measure` it reads): stdlib only, no clock and no router state, so recorded sample
-sequences drive it in tests (tests/test_elastic_scaling.py).
-
-* **Scale out** when the side under pressure is saturated on every worker, in every
-  settled sample: prefill (TTFT p90 > ``ttft_enter`` x the TTFT SLO while every
-  prefill-capable worker has >= ``waiting_enter`` requests waiting) or decode (ITL p90 >
-  ``itl_enter`` x the TPOT SLO while every decode-capable worker runs >= ``big_batch``
-  sequences or has requests waiting), and fewer than ``max_workers`` live. The new worker
-  takes that side's role (prefill or decode in xPyD; colocated when every worker is).
-  Only saturation everywhere justifies a new worker: one idle worker means the router can
-  still route there, and moving roles (the role policy) is cheaper than a new process.
-* **Scale in** when fewer than ``idle_enter`` requests are in flight per worker in every
-  settled sample and more than ``min_workers`` live: the worker retired is the last added
-  (highest id, natural order) whose role keeps another live worker (a split keeps x, y >= 1).
-* **Never flapping**: the two conditions are far apart (saturated, >= 1 waiting on every
-  worker, against < 0.25 in flight per worker); a minimum dwell after every change of roles
-  or of the worker count (as the Kubernetes HPA's stabilization window); a hold while any
-  worker switches, starts or retires; only samples after the last change count, and they
-  must span ``evidence_s`` (the whole window less one interval by default: a saturation or
-  a lull shorter than the window is noise).
-"""
+"""The elastic scaling policy: add an engine worker, retire one, or hold, within ``[min_workers,
+max_workers]`` (``serve --elastic --max-workers``); a pure function of the samples, as the role
+policy. Conditions and bands: docs/elastic.md, "Adding and removing workers"."""
 
 from __future__ import annotations
 
@@ -31,31 +9,28 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from epdserve.serving.deployment import ELASTIC_MIN_DWELL_S, ELASTIC_WINDOW_S, natural_order
-from epdserve.serving.elastic.policy import Sample, measure, settled
+from epdserve.serving.elastic.samples import Sample
+from epdserve.serving.elastic.windowed import measure, settled
 
 
 @dataclass(frozen=True)
 class ScalingConfig:
-    """Bounds (workers), SLOs (ms) and thresholds of :func:`decide_scale`.
-
-    Raises:
-        ValueError: naming the field: ``min_workers`` < 1, ``max_workers`` < ``min_workers``,
-            a non-positive SLO, window, threshold or an ``idle_enter`` not below
-            ``waiting_enter`` (the band between scale in and scale out).
-    """
+    """Bounds (workers), SLOs (ms) and thresholds. Raises ValueError naming the field: ``min_workers``
+    < 1, ``max_workers`` < ``min_workers``, a non-positive SLO, window or threshold, or ``idle_enter``
+    not below ``waiting_enter`` (the band between scale in and out)."""
     min_workers: int
     max_workers: int
     slo_ttft_ms: float
     slo_tpot_ms: float
-    window_s: float = ELASTIC_WINDOW_S      # the sliding window (s)
-    evidence_s: float = 18.0    # settled samples must span this long (s): the window less one interval
-    min_dwell_s: float = ELASTIC_MIN_DWELL_S   # no change within this long of the last one (roles or count)
+    window_s: float = ELASTIC_WINDOW_S
+    evidence_s: float = 18.0    # settled samples must span this long: the window less one interval
+    min_dwell_s: float = ELASTIC_MIN_DWELL_S   # since the last change of roles or count
     quantile: float = 0.9
-    ttft_enter: float = 1.0     # TTFT p90 > this x TTFT SLO: prefill pressure
-    itl_enter: float = 1.2      # ITL p90 > this x TPOT SLO: decode pressure
-    waiting_enter: float = 1.0  # requests waiting on a worker: it is saturated
-    big_batch: float = 4.0      # running sequences on a decode-capable worker: saturated
-    idle_enter: float = 0.25    # in flight per worker < this (every sample): scale in
+    ttft_enter: float = 1.0     # x the SLO (as itl_enter)
+    itl_enter: float = 1.2
+    waiting_enter: float = 1.0  # requests waiting on a worker: saturated; so is big_batch running (decode)
+    big_batch: float = 4.0
+    idle_enter: float = 0.25    # in flight per worker, in every sample
 
     def __post_init__(self):
         if self.min_workers < 1 or self.max_workers < self.min_workers:
@@ -72,16 +47,14 @@ class ScalingConfig:
 
 @dataclass(frozen=True)
 class ScalingState:
-    """What the policy remembers: ``last_change_t``, when it last changed the worker count
-    (the samples' clock, s)."""
+    """``last_change_t``: the last change of the worker count (s, the samples' clock)."""
     last_change_t: float = -math.inf
 
 
 @dataclass(frozen=True)
 class ScaleDecision:
-    """One decision at ``t`` (s). ``action``: ``hold``, ``scale-out`` (add a worker of
-    ``role``) or ``scale-in`` (retire ``worker_id``); ``reason``: one line with the numbers;
-    ``signals``: the windowed numbers (:meth:`Window.as_signals`) and the worker counts."""
+    """At ``t`` (s): ``action`` ``hold``, ``scale-out`` (add a ``role`` worker) or ``scale-in`` (retire
+    ``worker_id``)."""
     t: float
     action: str
     reason: str
@@ -91,8 +64,6 @@ class ScaleDecision:
 
 
 def _saturated(samples: Sequence[Sample], c: ScalingConfig) -> tuple[str | None, str]:
-    """The side saturated on every worker in every sample ("prefill" or "decode"), or None;
-    and the numbers that say so."""
     win = measure(samples, c.quantile)
 
     def every(role_of, busy) -> bool:
@@ -113,7 +84,7 @@ def _saturated(samples: Sequence[Sample], c: ScalingConfig) -> tuple[str | None,
 
 
 def _retiree(now: Sample) -> str | None:
-    """The worker to retire: the highest id whose role keeps another live worker."""
+    """The highest id whose role keeps another live worker."""
     count: dict[str, int] = {}
     for w in now.workers:
         count[w.role] = count.get(w.role, 0) + 1
@@ -137,17 +108,9 @@ def _guard(samples: Sequence[Sample], state: ScalingState, c: ScalingConfig, cha
 
 def decide_scale(samples: Sequence[Sample], state: ScalingState, config: ScalingConfig, *,
                  changing: int = 0, role_change_t: float = -math.inf) -> tuple[ScaleDecision, ScalingState]:
-    """Add a worker, retire one, or hold (module docstring), and the policy's next state.
-
-    ``samples``: every sample of the window, oldest first (the last is now), listing the live
-    engine workers that take work (not the retiring ones); ``changing``: workers starting or
-    retiring now; ``role_change_t``: when the roles last changed (the role policy's
-    ``last_switch_t``), which the dwell and the settled samples count from too. A change
-    sets ``last_change_t`` to the last sample's ``t``.
-
-    Raises:
-        ValueError: for no samples.
-    """
+    """``samples``: the window, oldest first, of the live workers that take work (not the retiring);
+    ``changing``: workers starting or retiring; ``role_change_t``: the role policy's ``last_switch_t``.
+    Raises ValueError for no samples."""
     if not samples:
         raise ValueError("decide_scale: no samples in the window (the last one is now)")
     now = samples[-1]
