@@ -57,7 +57,7 @@ def setting(help: str, *names: str, also: tuple[Flag, ...] = (), passed: bool = 
 
 def field_of(flag: Flag):
     kwargs = dict(flag.kwargs)
-    default = kwargs.pop("default", None)
+    default = kwargs.pop("default", False if kwargs.get("action") == "store_true" else None)
     return dataclasses.field(default=default, metadata=setting(kwargs.pop("help", ""), flag.name, *flag.aliases,
                                                                **kwargs))
 
@@ -66,6 +66,13 @@ def nested(config_class, title: str | None = None, passed: bool = False):
     """A field holding another config whose flags are its parent's; ``title``: their ``--help`` group."""
     return dataclasses.field(default_factory=config_class,
                              metadata={"nested": config_class, "title": title, "passed": passed})
+
+
+def passed_to_workers(flags: tuple[Flag, ...]):
+    """A config dataclass field holding the values given to ``flags`` by dest (those not
+    given are absent): serve takes a worker's flags with default None and passes on those
+    given (:meth:`Flag.add`'s ``passed``)."""
+    return dataclasses.field(default_factory=dict, metadata={"passed_flags": tuple(flags)})
 
 
 def _default(f: dataclasses.Field):
@@ -89,19 +96,24 @@ def flags_of(config_class, passed: bool = False) -> tuple[Flag, ...]:
     for f in dataclasses.fields(config_class):
         if "nested" in f.metadata:
             out += flags_of(f.metadata["nested"], passed and not f.metadata["passed"])
+        elif "passed_flags" in f.metadata and not passed:
+            out += f.metadata["passed_flags"]
         elif "flag" in f.metadata and (f.metadata["passed"] or not passed):
             out += _field_flags(f)
     return tuple(out)
 
 
-def add_flags(parser, config_class, passed: bool = False) -> None:
+def add_flags(parser, config_class) -> None:
     for f in dataclasses.fields(config_class):
         if "nested" in f.metadata:
             title = f.metadata["title"]
-            add_flags(parser.add_argument_group(title) if title else parser, f.metadata["nested"], passed)
+            add_flags(parser.add_argument_group(title) if title else parser, f.metadata["nested"])
+        elif "passed_flags" in f.metadata:
+            for flag in f.metadata["passed_flags"]:
+                flag.add(parser, passed=True)
         elif "flag" in f.metadata:
             for flag in _field_flags(f):
-                flag.add(parser, passed)
+                flag.add(parser)
 
 
 def config_from(config_class, args: argparse.Namespace):
@@ -110,6 +122,9 @@ def config_from(config_class, args: argparse.Namespace):
     for f in dataclasses.fields(config_class):
         if "nested" in f.metadata:
             values[f.name] = config_from(f.metadata["nested"], args)
+        elif "passed_flags" in f.metadata:
+            values[f.name] = {flag.dest: getattr(args, flag.dest) for flag in f.metadata["passed_flags"]
+                              if flag.argv(getattr(args, flag.dest))}
         elif "flag" in f.metadata:
             values[f.name] = getattr(args, f.name)
     return config_class(**values)

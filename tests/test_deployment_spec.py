@@ -10,6 +10,8 @@ import pytest
 from epdserve.plan import search
 from epdserve.plan.costmodel import LinearStep, Link, Platform
 from epdserve.serving.deployment import NAME_FORMS, TP_FORMS, DeploymentSpec, plan_workers, tp_suffix
+from epdserve.argtypes import add_flags, config_from
+from epdserve.serving.launch.options import ServeOptions
 
 NOPREFIX = ["--no-enable-prefix-caching"]
 
@@ -163,17 +165,11 @@ def test_bad_specs_are_refused_and_nameless_ones_say_so():
             spec.name
 
 
-def serve_args(*argv: str) -> argparse.Namespace:
-    """Parsed with the options DeploymentSpec.from_serve_args reads, serve's defaults."""
+def serve_args(*argv: str) -> ServeOptions:
+    """serve's options of ``argv``."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", default="colocated")
-    for opt in ("--workers", "--prefill-workers", "--decode-workers", "--encode-workers"):
-        parser.add_argument(opt, type=int, default=1)
-    parser.add_argument("--local-prefill-threshold", type=int, default=0)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    for opt in ("--tensor-parallel-size", "--prefill-tp", "--decode-tp", "--encode-tp"):
-        parser.add_argument(opt, type=int, default=None)
-    return parser.parse_args(list(argv))
+    add_flags(parser, ServeOptions)
+    return config_from(ServeOptions, parser.parse_args(list(argv)))
 
 
 @pytest.mark.parametrize("name", ["colocated-2", "2p1d", "1e2p3d", "colocated-1-noprefix", "colocated-2-tp2",
@@ -181,25 +177,25 @@ def serve_args(*argv: str) -> argparse.Namespace:
                                   "1e1p1d-tp2/1/1", "1e2p1d-tp3/2/1"])
 def test_serve_args_give_back_the_deployment_of_their_flags(name):
     spec = DeploymentSpec.parse(name)
-    assert DeploymentSpec.from_serve_args(serve_args(*spec.serve_flags())) == spec
+    assert serve_args(*spec.serve_flags()).deployment() == spec
 
 
 def test_serve_args_defaults_and_placement():
-    spec = DeploymentSpec.from_serve_args(serve_args("--mode", "pd", "--local-prefill-threshold", "16"))
+    spec = serve_args("--mode", "pd", "--local-prefill-threshold", "16").deployment()
     assert spec == DeploymentSpec("pd", prefill=1, decode=1, local_prefill_threshold=16)
-    assert DeploymentSpec.from_serve_args(serve_args("--mode", "pd")).local_prefill_threshold is None
+    assert serve_args("--mode", "pd").deployment().local_prefill_threshold is None
     with pytest.raises(ValueError, match="at least 1"):  # a count of another mode too, as serve checks it
-        DeploymentSpec.from_serve_args(serve_args("--mode", "colocated", "--decode-workers", "0"))
+        ServeOptions(decode_workers=0).deployment()
     assert DeploymentSpec.parse("2p1d").place([0, 1, 2, 3]) == plan_workers("pd", [0, 1, 2, 3], prefill=2)
     assert DeploymentSpec.parse("pd").place([0, 1]) == [("prefill", "prefill-0", [0]), ("decode", "decode-0", [1])]
     assert DeploymentSpec.parse("colocated").place([0, 1]) == [("colocated", "colocated-0", [0, 1])]
 
 
 def test_tensor_parallel_sizes_of_serve_options():
-    spec = DeploymentSpec.from_serve_args(serve_args("--mode", "epd", "--tensor-parallel-size", "2", "--decode-tp", "4"))
+    spec = serve_args("--mode", "epd", "--tensor-parallel-size", "2", "--decode-tp", "4").deployment()
     assert (spec.prefill_tp, spec.decode_tp, spec.role_tp("encode"), spec.name) == (2, 4, 1, "1e1p1d-tp2/4")
     # --prefill-tp and --decode-tp are pd's and epd's: colocated workers take --tensor-parallel-size alone.
-    assert DeploymentSpec.from_serve_args(serve_args("--tensor-parallel-size", "3")).name == "colocated-1-tp3"
+    assert serve_args("--tensor-parallel-size", "3").deployment().name == "colocated-1-tp3"
 
 
 # Placement: cores -> name -> each worker's cores. Every worker gets at least as many distinct cores as ranks.

@@ -12,6 +12,8 @@ import pytest
 
 from epdserve.bench import compare
 from epdserve.serving.deployment import NAME_FORMS, DeploymentSpec
+from epdserve.argtypes import add_flags, config_from
+from epdserve.serving.launch.options import ServeOptions
 
 pytestmark = pytest.mark.elastic
 
@@ -67,15 +69,15 @@ def test_elastic_specs_serve_cannot_switch_are_refused():
 
 def test_serve_args_with_elastic_give_back_the_deployment():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", default="colocated")
-    for opt in ("--workers", "--prefill-workers", "--decode-workers", "--encode-workers"):
-        parser.add_argument(opt, type=int, default=1)
-    parser.add_argument("--elastic", action="store_true")
-    spec = DeploymentSpec.from_serve_args(parser.parse_args(DeploymentSpec.parse("elastic-3").serve_flags()))
-    assert spec == DeploymentSpec.parse("elastic-3")
+    add_flags(parser, ServeOptions)
+
+    def deployment(argv: list[str]) -> DeploymentSpec:
+        return config_from(ServeOptions, parser.parse_args(argv)).deployment()
+
+    assert deployment(DeploymentSpec.parse("elastic-3").serve_flags()) == DeploymentSpec.parse("elastic-3")
     with pytest.raises(ValueError, match="at least 2"):  # serve --elastic with one worker
-        DeploymentSpec.from_serve_args(parser.parse_args(["--elastic"]))
-    assert not DeploymentSpec.from_serve_args(parser.parse_args([])).elastic
+        deployment(["--elastic"])
+    assert not deployment([]).elastic
 
 
 def test_compare_takes_elastic_and_refuses_a_bad_count():

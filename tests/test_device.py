@@ -30,6 +30,8 @@ from epdserve.serving.worker import engine_worker as worker
 
 from conftest import generate
 from epdserve.serving.deployment import plan_workers
+from epdserve.argtypes import config_from
+from epdserve.serving.launch.options import ServeOptions
 
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
@@ -133,7 +135,7 @@ def test_serve_refuses_a_gpu_this_host_lacks(fake_gpus, capsys):
 
 def test_serve_passes_each_role_its_device(fake_gpus):
     serve, work = parsers()
-    args = serve.parse_args(["--device", "cuda:0", "--prefill-device", "cuda:1", "--encode-device", "cpu"])
+    args = config_from(ServeOptions, serve.parse_args(["--device", "cuda:0", "--prefill-device", "cuda:1", "--encode-device", "cpu"]))
 
     def device_of(role: str) -> str:
         argv = launcher.worker_command(args, role, f"{role}-0", [0], "ipc://e", "ipc://c")
@@ -141,7 +143,7 @@ def test_serve_passes_each_role_its_device(fake_gpus):
 
     assert [device_of(r) for r in ("colocated", "prefill", "decode", "encode")] == ["cuda:0", "cuda:1", "cuda:0", "cpu"]
     # Nothing given: no --device passed, and the worker's own default, the CPU, holds.
-    argv = launcher.worker_command(serve.parse_args([]), "decode", "d-0", [0], "e", "c")
+    argv = launcher.worker_command(config_from(ServeOptions, serve.parse_args([])), "decode", "d-0", [0], "e", "c")
     assert "--device" not in argv and work.parse_args(argv[4:]).device == "cpu"
 
 
@@ -151,10 +153,11 @@ def test_capacity_leaves_a_gpu_workers_kv_out_of_host_memory(tmp_path, fake_gpus
     serve, _ = parsers()
     plan = plan_workers("pd", [0, 1], prefill=1, decode=1)
     # Both on the CPU: 2 x (0.5 + 1) GiB.
-    args = serve.parse_args(["--mode", "pd", "--kv-cache-memory-mb", "1024"])
+    args = config_from(ServeOptions, serve.parse_args(["--mode", "pd", "--kv-cache-memory-mb", "1024"]))
     assert "need about 3.0 GiB" in launcher.check_capacity(args, plan, tmp_path, 2 * GiB)[1]
     # The decode worker's KV cache on its GPU: its weights only pass through host memory.
-    args = serve.parse_args(["--mode", "pd", "--kv-cache-memory-mb", "1024", "--decode-device", "cuda:1"])
+    args = config_from(ServeOptions, serve.parse_args(["--mode", "pd", "--kv-cache-memory-mb", "1024",
+                                                      "--decode-device", "cuda:1"]))
     assert launcher.check_capacity(args, plan, tmp_path, 2 * GiB) == ([], None)
     error = launcher.check_capacity(args, plan, tmp_path, int(1.9 * GiB))[1]
     assert "need about 2.0 GiB" in error and "GPU workers: no KV cache in host memory" in error

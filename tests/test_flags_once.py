@@ -87,7 +87,7 @@ def test_role_tensor_parallel_flags_are_serves_alone_and_declared_once():
 
     uses = _declarations()
     for flag in flags.ROLE_TP_FLAGS:
-        assert [(path, action.flag) for path, action in uses[flag.name]] == [("serve", flag)]
+        assert [(path, action.flag.kwargs) for path, action in uses[flag.name]] == [("serve", flag.kwargs)]
         assert flag.kwargs["default"] is None  # not given: --tensor-parallel-size's value (encode: 1)
     assert [f.name for f in flags.ROLE_TP_FLAGS] == ["--prefill-tp", "--decode-tp", "--encode-tp"]
 

@@ -12,14 +12,17 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from epdserve import host
+from epdserve.argtypes import config_from
 from epdserve.serving.launch import launcher
 from epdserve.serving.worker import engine_worker as worker
 from epdserve.serving.deployment import plan_workers
+from epdserve.serving.launch.options import ServeOptions
 
 pytestmark = pytest.mark.faults
 
@@ -74,6 +77,7 @@ def test_serve_takes_the_worker_choices_and_refuses_numbers_below_one(capsys):
         assert bad[0] in capsys.readouterr().err.splitlines()[-1]
     args = serve.parse_args([])  # nothing given: nothing passed, the worker's defaults hold
     assert (args.dtype, args.kv_transport, args.kv_cache_memory_mb) == (None, None, None)
+    assert config_from(ServeOptions, args).worker == {}
 
 
 def test_serve_refuses_cores_it_may_not_use():
@@ -113,23 +117,24 @@ def test_capacity_warns_on_shared_cores_and_refuses_what_memory_cannot_hold(tmp_
     model = fake_model(tmp_path, 512)
     parser = serve_parser()
     # conftest's 2P2D fixture on 2 cores: shared cores are a warning, 4 x (0.5 + 0.125) GiB fits.
-    args = parser.parse_args(["--mode", "pd", "--prefill-workers", "2", "--decode-workers", "2",
-                              "--kv-cache-memory-mb", "128", "--cores", "0,1"])
+    args = config_from(ServeOptions, parser.parse_args(["--mode", "pd", "--prefill-workers", "2", "--decode-workers",
+                                                        "2", "--kv-cache-memory-mb", "128", "--cores", "0,1"]))
     warnings, error = launcher.check_capacity(args, plan_workers("pd", [0, 1], prefill=2, decode=2),
                                               model, 20 * GiB)
     assert error is None and len(warnings) == 1 and "cores 0,1" in warnings[0]
     # 9p9d with the worker's default KV cache (1024 MiB): 18 x 1.5 GiB = 27 GiB.
-    args = parser.parse_args(["--mode", "pd", "--prefill-workers", "9", "--decode-workers", "9"])
+    args = config_from(ServeOptions, parser.parse_args(["--mode", "pd", "--prefill-workers", "9", "--decode-workers",
+                                                        "9"]))
     plan = plan_workers("pd", [0, 1], prefill=9, decode=9)
     warnings, error = launcher.check_capacity(args, plan, model, 20 * GiB)
     assert "18 workers need about 27.0 GiB" in error and "20.0 GiB is available" in error
     assert launcher.check_capacity(args, plan, model, 28 * GiB)[1] is None
     assert launcher.check_capacity(args, plan, model, None)[1] is None  # no MemAvailable: unchecked
-    args.allow_oversubscription = True
+    args = replace(args, allow_oversubscription=True)
     warnings, error = launcher.check_capacity(args, plan, model, 20 * GiB)
     assert error is None and "--allow-oversubscription" in warnings[-1]
     # One worker per core, encode workers without KV cache: 3 x 0.5 + 2 x 1 = 3.5 GiB.
-    args = parser.parse_args(["--mode", "epd"])
+    args = config_from(ServeOptions, parser.parse_args(["--mode", "epd"]))
     plan = plan_workers("epd", [0, 1, 2, 3])
     assert launcher.check_capacity(args, plan, model, int(3.5 * GiB)) == ([], None)
     assert "3.5 GiB" in launcher.check_capacity(args, plan, model, 3 * GiB)[1]

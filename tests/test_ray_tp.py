@@ -18,7 +18,6 @@ start --head`` in a session of its own, stopped by the module on every outcome):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -27,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -39,7 +39,9 @@ from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
 from epdserve.model.tokenizer import chat_prompt_ids
 from epdserve.serving.launch import ray_ranks
+from epdserve.serving.launch.options import RayOptions, ServeOptions
 from epdserve.serving.launch.ray_cluster import role_resources
+from epdserve.serving.router.options import ElasticOptions, RouterOptions
 
 pytestmark = pytest.mark.cluster
 
@@ -202,25 +204,24 @@ def test_unplaceable_tp_stops_serve_at_once_naming_the_worker(ray_head):
 
 
 def test_tp_with_a_spread_placement_is_refused():
-    args = argparse.Namespace(tensor_parallel_size=2, mode="colocated", elastic=False, worker_placement="SPREAD")
+    args = ServeOptions(worker={"tensor_parallel_size": 2}, ray=RayOptions(worker_placement="SPREAD"))
     with pytest.raises(ValueError, match=r"^--worker-placement SPREAD with --tensor-parallel-size 2 on Ray: each worker "
                                          r"is a placement group of its own \(2 bundles, STRICT_PACK: its ranks on one"):
         ray_ranks.check_options(args)
-    args = argparse.Namespace(tensor_parallel_size=1, encode_tp=2, mode="epd", elastic=False, worker_placement="SPREAD")
+    args = ServeOptions(RouterOptions(mode="epd"), encode_tp=2, ray=RayOptions(worker_placement="SPREAD"))
     with pytest.raises(ValueError, match=r"^--worker-placement SPREAD with --encode-tp 2 on Ray: each worker is a "):
         ray_ranks.check_options(args)
     for mode, elastic in (("colocated", False), ("pd", False), ("colocated", True)):
-        ray_ranks.check_options(argparse.Namespace(tensor_parallel_size=2, mode=mode, elastic=elastic,
-                                                   worker_placement="PACK"))
+        ray_ranks.check_options(ServeOptions(RouterOptions(mode=mode, elastic=ElasticOptions(elastic)),
+                                             worker={"tensor_parallel_size": 2}))
 
 
 @pytest.mark.parametrize("gpus", ["0.5", "2"])
 def test_a_rank_takes_one_whole_gpu_or_none(gpus):
-    args = argparse.Namespace(tensor_parallel_size=1, prefill_tp=2, mode="pd", elastic=False, worker_placement="PACK",
-                              worker_resources="CPU=1", prefill_resources=f"CPU=1,GPU={gpus}",
-                              decode_resources=f"GPU={gpus}", encode_resources="CPU=1")
+    args = ServeOptions(RouterOptions(mode="pd"), prefill_tp=2, ray=RayOptions(
+        prefill_resources=f"CPU=1,GPU={gpus}", decode_resources=f"GPU={gpus}"))
     with pytest.raises(ValueError, match=rf"^--prefill-resources GPU={gpus} with 2 tensor-parallel ranks on Ray: each "
                                          r"rank runs on one whole GPU of its own bundle \(give GPU=1, or no GPU"):
         role_resources(args)
-    args.prefill_tp = 1  # one rank a worker: any share of a GPU, as before
+    args = replace(args, prefill_tp=1)  # one rank a worker: any share of a GPU, as before
     assert role_resources(args)["decode"] == {"GPU": float(gpus), "CPU": 1.0}

@@ -15,6 +15,8 @@ from conftest import _stop, start_deployment
 from epdserve.serving.deployment import plan_workers
 from epdserve.serving.launch import launcher, placement
 from epdserve.serving.worker import setup as worker_setup
+from epdserve.argtypes import config_from
+from epdserve.serving.launch.options import ServeOptions
 
 
 def children(pid: int) -> list[int]:
@@ -73,7 +75,7 @@ def test_plan_workers():
 def serve_args(*argv: str):
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)
-    return parser.parse_args([*argv, "--allow-unauthenticated"])
+    return config_from(ServeOptions, parser.parse_args([*argv, "--allow-unauthenticated"]))
 
 
 @pytest.mark.parametrize("argv, error", [

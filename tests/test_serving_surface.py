@@ -22,7 +22,8 @@ import pytest
 
 import epdserve
 from conftest import _stop, start_deployment
-from epdserve.argtypes import config_argv, tokens_at_least
+from epdserve.argtypes import config_argv, config_from, tokens_at_least
+from epdserve.serving.launch.options import ServeOptions
 from epdserve.model import loader
 from epdserve.model.loader import ModelLoadError, auto_dtype, generation_defaults
 from epdserve.model.tokenizer import chat_prompt_ids, load_tokenizer
@@ -235,17 +236,18 @@ def test_serve_passes_worker_flags_as_the_worker_parses_them():
     given = ["--dtype", "auto", "--block-size", "32", "--max-num-seqs", "3", "--enable-chunked-prefill",
              "--no-enable-prefix-caching", "--kv-transfer-dtype", "int8", "--kv-layer-pipeline", "--model", "m"]
     args = serve.parse_args(given)
-    wargs = work.parse_args(launcher.worker_command(args, "prefill", "p-0", [0], "ipc://e", "ipc://c")[4:])
+    wargs = work.parse_args(launcher.worker_command(config_from(ServeOptions, args), "prefill", "p-0", [0], "ipc://e", "ipc://c")[4:])
     for flag in (flags.MODEL_FLAG, *WORKER_FLAGS):
         assert getattr(wargs, flag.dest) == getattr(work.parse_args(["--role", "decode", "--router", "e", "--bind",
                                                                      "c", "--worker-id", "w", *given]), flag.dest)
     # Nothing given: nothing passed, the worker's own defaults hold.
-    assert launcher.worker_command(serve.parse_args([]), "colocated", "c-0", [0], "e", "c")[-2:] == ["--cores", "0"]
+    assert launcher.worker_command(config_from(ServeOptions, serve.parse_args([])), "colocated", "c-0", [0], "e", "c")[-2:] == ["--cores", "0"]
     # --decode-dtype is the decode workers' --dtype.
-    argv = launcher.worker_command(serve.parse_args(["--decode-dtype", "bfloat16"]), "decode", "d-0", [1], "e", "c")
+    argv = launcher.worker_command(config_from(ServeOptions, serve.parse_args(["--decode-dtype", "bfloat16"])), "decode",
+                                  "d-0", [1], "e", "c")
     assert argv[argv.index("--dtype") + 1] == "bfloat16"
     # --decode-kv-cache-dtype is the decode workers' --kv-cache-dtype, not the prefill workers'.
-    args = serve.parse_args(["--decode-kv-cache-dtype", "bfloat16"])
+    args = config_from(ServeOptions, serve.parse_args(["--decode-kv-cache-dtype", "bfloat16"]))
     argv = launcher.worker_command(args, "decode", "d-0", [1], "e", "c")
     assert argv[argv.index("--kv-cache-dtype") + 1] == "bfloat16"
     assert "--kv-cache-dtype" not in launcher.worker_command(args, "prefill", "p-0", [0], "e", "c")

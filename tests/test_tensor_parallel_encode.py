@@ -22,6 +22,8 @@ from epdserve.model.vision import VisionConfig, read_config, vision_shard
 from epdserve.serving.launch import launcher
 from epdserve.serving.worker import engine_worker
 from epdserve.serving.worker.ranks import Ranks
+from epdserve.argtypes import config_from
+from epdserve.serving.launch.options import ServeOptions
 
 # The ranks' embeddings against the whole tower's: float32 partial sums of the output
 # projection and fc2 added in another order move embeddings of magnitude ~0.6 by ~4e-7; a
@@ -91,7 +93,8 @@ def test_ranks_encode_what_the_whole_tower_does(vlm_dir, images, whole, size):
 def serve_error(*argv: str) -> str | None:
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)
-    return launcher._check_options(parser.parse_args([*argv, "--allow-unauthenticated", "--cores", "0,1"]))[2]
+    options = config_from(ServeOptions, parser.parse_args([*argv, "--allow-unauthenticated", "--cores", "0,1"]))
+    return launcher._check_options(options)[2]
 
 
 def test_serve_takes_encode_ranks_in_epd_only():

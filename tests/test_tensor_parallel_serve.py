@@ -33,6 +33,8 @@ from epdserve.model.tokenizer import chat_prompt_ids
 from epdserve.serving.launch import launcher
 from epdserve.serving.worker import engine_worker, rank_messages
 from epdserve.serving.worker.ranks import Ranks, remove_stale_dirs, split_cores
+from epdserve.argtypes import config_from
+from epdserve.serving.launch.options import ServeOptions
 
 from conftest import _stop, generate, start_deployment
 from test_serving_cleanup import stream_and_leave, wait_all_free
@@ -181,7 +183,7 @@ def test_a_follower_killed_mid_stream_fails_the_request_and_the_worker_comes_bac
 def serve_args(*argv: str):
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)
-    return parser.parse_args([*argv, "--allow-unauthenticated"])
+    return config_from(ServeOptions, parser.parse_args([*argv, "--allow-unauthenticated"]))
 
 
 def test_serve_takes_ranks_on_every_engine_role_and_refuses_them_beyond_the_cores():

@@ -10,6 +10,7 @@ import hashlib
 import json
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from epdserve import host
@@ -131,7 +132,7 @@ def preflight(args: Options, available_bytes: int | None,
     Raises ModelLoadError."""
     from epdserve.serving.launch import launcher  # torch and the router: only here, not in the client
     from epdserve.serving.router.app import mode_error
-    from epdserve.serving.router.options import RouterOptions
+    from epdserve.serving.launch.options import ServeOptions
 
     parser = _Parser()
     launcher.add_arguments(parser)
@@ -151,7 +152,8 @@ def preflight(args: Options, available_bytes: int | None,
             errors.append(f"[{dep.name}] args: not epdserve serve options: {' '.join(unknown)}")
             continue
         try:
-            opts = with_values(opts, model=launcher.model_from_tag(opts))  # a MODEL among the entry's args
+            opts = config_from(ServeOptions, opts)
+            opts = replace(opts, router=replace(opts.router, model=launcher.model_from_tag(opts)))  # a MODEL arg
         except ValueError as exc:
             errors.append(f"[{dep.name}] args: {exc}")
             continue
@@ -160,10 +162,10 @@ def preflight(args: Options, available_bytes: int | None,
         except ValueError as exc:
             errors.append(f"[{dep.name}] {exc}")
             continue
-        info = resolve_model(opts.model)
+        info = resolve_model(opts.router.model)
         found, error = launcher.check_capacity(opts, plan, info.path, available_bytes)
         warnings += [f"[{dep.name}] {w}" for w in found]
-        error = (mode_error(config_from(RouterOptions, opts), info)
+        error = (mode_error(opts.router, info)
                  or (error and f"{error}; --allow-oversubscription starts it anyway"))
         if error:
             errors.append(f"[{dep.name}] {error}")

@@ -9,7 +9,6 @@ import re
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from epdserve.argtypes import Options
 
 # EngineRole: the roles an elastic worker switches between.
 Role = Literal["colocated", "prefill", "decode", "encode"]
@@ -173,22 +172,21 @@ class DeploymentSpec:
         return None
 
     @classmethod
-    def from_serve_args(cls, args: Options) -> DeploymentSpec:
-        """What parsed serve options place (it may have no :attr:`name`). Raises ValueError: a count
-        below 1, an unknown mode, or an elastic deployment serve cannot switch."""
-        counts = {"workers": args.workers, "encode": args.encode_workers,
-                  "prefill": args.prefill_workers, "decode": args.decode_workers}
+    def placed(cls, mode: str, counts: dict[str, int], tp_sizes: dict[str, int], local_prefill_threshold: int,
+               prefix_caching: bool, elastic: bool) -> DeploymentSpec:
+        """What serve's options place (it may have no :attr:`name`): ``counts`` and
+        ``tp_sizes`` by role (``colocated``, ``encode``, ``prefill``, ``decode``), the mode's
+        used. Raises ValueError: a count below 1, an unknown mode, or an elastic deployment
+        serve cannot switch."""
         if min(counts.values()) < 1:
             raise ValueError("every worker count must be at least 1")
-        roles = {"colocated": ("workers",), "pd": ("prefill", "decode"),
-                 "epd": ("encode", "prefill", "decode")}.get(args.mode, ())
-        sizes = serve_tp_sizes(args)
-        tp = {field: sizes["colocated" if field == "tp" else field.removesuffix("_tp")]
-              for field in MODE_TP_FIELDS.get(args.mode, ())}
-        return cls(args.mode, **{k: counts[k] for k in roles},
-                   local_prefill_threshold=getattr(args, "local_prefill_threshold", 0) or None,
-                   prefix_caching=getattr(args, "enable_prefix_caching", None) is not False,
-                   elastic=bool(getattr(args, "elastic", False)), **tp)
+        roles = {"colocated": ("colocated",), "pd": ("prefill", "decode"),
+                 "epd": ("encode", "prefill", "decode")}.get(mode, ())
+        tp = {field: tp_sizes["colocated" if field == "tp" else field.removesuffix("_tp")]
+              for field in MODE_TP_FIELDS.get(mode, ())}
+        return cls(mode, **{"workers" if r == "colocated" else r: counts[r] for r in roles},
+                   local_prefill_threshold=local_prefill_threshold or None, prefix_caching=prefix_caching,
+                   elastic=elastic, **tp)
 
     @property
     def name(self) -> str:
@@ -271,15 +269,6 @@ def tp_suffix(prefill_tp: int, decode_tp: int, encode_tp: int = 1) -> str:
     if prefill_tp == decode_tp:
         return "" if prefill_tp == 1 else f"-tp{prefill_tp}"
     return f"-tp{prefill_tp}/{decode_tp}"
-
-
-def serve_tp_sizes(args: Options) -> dict[str, int]:
-    """Ranks per role from parsed serve options: ``-tp`` for colocated, prefill and decode unless
-    ``--prefill-tp`` / ``--decode-tp``; ``--encode-tp`` (not ``-tp``) for encode; 1 when not given."""
-    tp = getattr(args, "tensor_parallel_size", None) or 1
-    return {"colocated": tp, "encode": getattr(args, "encode_tp", None) or 1,
-            "prefill": getattr(args, "prefill_tp", None) or tp,
-            "decode": getattr(args, "decode_tp", None) or tp}
 
 
 def natural_order(worker_id: str) -> list:

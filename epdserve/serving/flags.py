@@ -29,10 +29,10 @@ EVENTS_FLAG = Flag("--events", default=None, metavar="ADDR",
                         "router, tcp://127.0.0.1:5557; serve, ipc in a private directory (--cluster ray: tcp:// on "
                         "this node's Ray IP, a free port); e.g. tcp://127.0.0.1:5557 lets other workers join")
 ALLOW_OVERSUBSCRIPTION_FLAG = Flag(
-    "--allow-oversubscription", action="store_true",
+    "--allow-oversubscription", action="store_true", default=False,
     help="start workers whose estimated memory (model weights + --kv-cache-memory-mb each) exceeds the host's "
          "available memory (compare: passed to each epdserve serve)")
-ELASTIC_FLAG = Flag("--elastic", action="store_true",
+ELASTIC_FLAG = Flag("--elastic", action="store_true", default=False,
                     help="workers switch role live (colocated, prefill, decode) as the load shifts (docs/elastic.md). "
                          "serve, router: colocated or pd, --mode and the worker counts give the starting roles "
                          "(--cluster ray: every elastic worker takes --worker-resources and --worker-placement); "

@@ -14,39 +14,25 @@ import re
 import signal
 import socket
 import time
+from typing import TYPE_CHECKING
 
-from epdserve.argtypes import Options, config_from
-from epdserve.serving.deployment import serve_tp_sizes
+from epdserve.argtypes import config_from
 from epdserve.serving.launch import ray_ranks
 from epdserve.serving.launch.ray_ranks import format_resources as _format
+
+if TYPE_CHECKING:
+    from epdserve.serving.launch.options import ServeOptions
 
 log = logging.getLogger("epdserve.ray")
 
 CLUSTERS = ("local", "ray")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
+# The option prefix of each role's Ray resources and placement (colocated workers: "worker").
 ROLE_OPTION = {"colocated": "worker", "prefill": "prefill", "decode": "decode", "encode": "encode"}
+
 _RESOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]*")
 PR_SET_PDEATHSIG = 1  # prctl(2)
 STOP_GRACE_S = 5.0  # s from Shutdown to killing the actors
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", choices=CLUSTERS, default="local",
-                        help="local: workers are subprocesses on this host; ray: Ray actors on the Ray cluster "
-                             "at --ray-address (see docs/ray.md)")
-    parser.add_argument("--ray-address", default="auto",
-                        help="--cluster ray: the cluster to join, as ray.init's address (default: auto, the "
-                             "cluster started on this host by `ray start`)")
-    for option, role in (("worker", "colocated"), ("prefill", "prefill"), ("decode", "decode"),
-                         ("encode", "encode")):
-        parser.add_argument(f"--{option}-resources", default="CPU=1", metavar="K=V,...",
-                            help=f"--cluster ray: Ray resources of each {role} worker, e.g. CPU=1,GPU=1,"
-                                 f"{role}_node=1 (custom resources name the nodes given them at ray start)"
-                                 + ("; every --elastic worker takes these, whatever its role" if role == "colocated"
-                                    else ""))
-        parser.add_argument(f"--{option}-placement", default="PACK", type=str.upper, choices=STRATEGIES,
-                            help=f"--cluster ray: Ray placement-group strategy of the {role} workers"
-                                 + ("; of every --elastic worker" if role == "colocated" else ""))
 
 
 def parse_resources(text: str, option: str) -> dict[str, float]:
@@ -70,14 +56,15 @@ def parse_resources(text: str, option: str) -> dict[str, float]:
     return out
 
 
-def role_resources(args: Options) -> dict[str, dict[str, float]]:
+def role_resources(options: ServeOptions) -> dict[str, dict[str, float]]:
     """Raises ValueError: a bad ``--*-resources``, or tensor-parallel options Ray cannot place (:mod:`.ray_ranks`)."""
-    ray_ranks.check_options(args)
-    sizes = serve_tp_sizes(args)
+    ray_ranks.check_options(options)
+    sizes = options.tp_sizes()
     out = {}
-    for role, opt in ROLE_OPTION.items():
-        out[role] = parse_resources(getattr(args, f"{opt}_resources"), f"--{opt}-resources")
-        ray_ranks.check_gpus(out[role], sizes[role], f"--{opt}-resources")
+    for role in ROLE_OPTION:
+        text, flag = options.ray.resources(role)
+        out[role] = parse_resources(text, flag)
+        ray_ranks.check_gpus(out[role], sizes[role], flag)
     return out
 
 
@@ -142,10 +129,10 @@ class RayWorkers:
 
     restart_note = "Ray restarts it"
 
-    def __init__(self, args: Options, env: dict[str, str]):
-        self.args = args
+    def __init__(self, options: ServeOptions, env: dict[str, str]):
+        self.options = options
         self.env = env
-        self.resources = role_resources(args)
+        self.resources = role_resources(options)
         self.actors: dict[str, object] = {}
         self.runs: dict[str, object] = {}
         self.groups: list = []
@@ -161,24 +148,25 @@ class RayWorkers:
         """Join the cluster, never start one. Raises ConnectionError: none at ``--ray-address``."""
         import ray
 
-        _check_reachable(self.args.ray_address)
+        address = self.options.ray.ray_address
+        _check_reachable(address)
         try:
-            ray.init(address=self.args.ray_address, log_to_driver=True, logging_level=logging.WARNING)
+            ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise ConnectionError(f"--ray-address {self.args.ray_address}: cannot join a Ray cluster: {exc}") from None
+            raise ConnectionError(f"--ray-address {address}: cannot join a Ray cluster: {exc}") from None
         self.connected = True
 
     def _option_role(self, role: str) -> str:
-        return "colocated" if self.args.elastic else role
+        return "colocated" if self.options.elastic else role
 
     def placement(self, plan) -> str:
-        if ray_ranks.ranked(self.args):
-            sizes = serve_tp_sizes(self.args)
+        if ray_ranks.ranked(self.options):
+            sizes = self.options.tp_sizes()
             return ", ".join(f"{wid} on Ray ({sizes[role]} rank{'s' if sizes[role] > 1 else ''} of "
                              f"{_format(self.resources[self._option_role(role)])}, {ray_ranks.STRATEGY})"
                              for role, wid, _ in plan)
         return ", ".join(f"{wid} on Ray ({_format(self.resources[self._option_role(role)])}, "
-                         f"{getattr(self.args, ROLE_OPTION[self._option_role(role)] + '_placement')})"
+                         f"{self.options.ray.placement(self._option_role(role))})"
                          for role, wid, _ in plan)
 
     def launch(self, plan, argv: dict[str, list[str]]) -> None:
@@ -188,18 +176,18 @@ class RayWorkers:
         from ray.util.placement_group import placement_group
 
         self.next_index = len(plan)
-        if ray_ranks.ranked(self.args):
+        if ray_ranks.ranked(self.options):
             return self._launch_ranked(plan, argv)
         for role in dict.fromkeys(self._option_role(r) for r, _, _ in plan):
             ids = [wid for r, wid, _ in plan if self._option_role(r) == role]
             res = self.resources[role]
-            strategy = getattr(self.args, f"{ROLE_OPTION[role]}_placement")
+            strategy = self.options.ray.placement(role)
             group = placement_group([dict(res) for _ in ids], strategy=strategy)
             self.groups.append(group)
-            ready, _ = ray.wait([group.ready()], timeout=self.args.startup_timeout)
+            ready, _ = ray.wait([group.ready()], timeout=self.options.startup_timeout)
             if not ready:
                 raise TimeoutError(f"Ray could not place {len(ids)} {role} worker(s) of {_format(res)} ({strategy}) "
-                                   f"within {self.args.startup_timeout:g} s; the cluster has "
+                                   f"within {self.options.startup_timeout:g} s; the cluster has "
                                    f"{_format(ray.cluster_resources())} (custom resources come from "
                                    f"`ray start --resources`)")
             for index, wid in enumerate(ids):
@@ -207,14 +195,14 @@ class RayWorkers:
 
     def _launch_ranked(self, plan, argv: dict[str, list[str]]) -> None:
         """A group per worker (one bundle a rank), the actors on bundle 0 once every group is placed."""
-        sizes, placed = serve_tp_sizes(self.args), []
+        sizes, placed = self.options.tp_sizes(), []
         for role in dict.fromkeys(r for r, _, _ in plan):
             tp, res = sizes[role], self.resources[self._option_role(role)]
             groups = ray_ranks.create_groups([wid for r, wid, _ in plan if r == role], res, tp)
             self.groups.extend(groups.values())  # before the wait: stop() removes them whatever happens
             placed.append((groups, res, tp))
         for groups, res, tp in placed:
-            ray_ranks.wait_placed(groups, res, tp, self.args.startup_timeout)
+            ray_ranks.wait_placed(groups, res, tp, self.options.startup_timeout)
         for groups, res, tp in placed:
             for wid, group in groups.items():
                 gpus = ray_ranks.bundle_gpus(group, tp, res)
@@ -247,9 +235,9 @@ class RayWorkers:
             raise RuntimeError("workers are added only by an elastic serve")
         wid = f"worker-{self.next_index}"
         self.next_index += 1
-        res, tp = self.resources["colocated"], serve_tp_sizes(self.args)["colocated"]
+        res, tp = self.resources["colocated"], self.options.tp_sizes()["colocated"]
         group = (ray_ranks.create_groups([wid], res, tp)[wid] if tp > 1
-                 else placement_group([dict(res)], strategy=self.args.worker_placement))
+                 else placement_group([dict(res)], strategy=self.options.ray.worker_placement))
         self.own_groups[wid] = group
         self.pending[wid] = asyncio.get_running_loop().create_task(
             self._start_when_placed(wid, group, self.command(role, wid), res, tp))

@@ -9,9 +9,10 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from epdserve.argtypes import Options
-from epdserve.serving.deployment import serve_tp_sizes
+if TYPE_CHECKING:
+    from epdserve.serving.launch.options import ServeOptions
 
 log = logging.getLogger("epdserve.ray")
 
@@ -23,18 +24,18 @@ class PlacementError(TimeoutError):
     """Cannot place a tensor-parallel worker's group; a TimeoutError, so serve reports it as one line, exit 1."""
 
 
-def ranked(args: Options) -> bool:
-    return max(serve_tp_sizes(args).values()) > 1
+def ranked(options: ServeOptions) -> bool:
+    return max(options.tp_sizes().values()) > 1
 
 
-def check_options(args: Options) -> None:
+def check_options(options: ServeOptions) -> None:
     """Raises ValueError: a worker of several ranks with a ``--worker-placement`` other than PACK."""
-    if not ranked(args):
+    if not ranked(options):
         return
-    role, tp = max(serve_tp_sizes(args).items(), key=lambda item: item[1])
-    flag = f"--{role}-tp" if getattr(args, f"{role}_tp", None) else "--tensor-parallel-size"
-    if args.worker_placement != "PACK":
-        raise ValueError(f"--worker-placement {args.worker_placement} with {flag} {tp} on Ray: each "
+    role, tp = max(options.tp_sizes().items(), key=lambda item: item[1])
+    flag = f"--{role}-tp" if options.role(role).tp else "--tensor-parallel-size"
+    if options.ray.worker_placement != "PACK":
+        raise ValueError(f"--worker-placement {options.ray.worker_placement} with {flag} {tp} on Ray: each "
                          f"worker is a placement group of its own ({tp} bundles, {STRATEGY}: its ranks on one node) "
                          "and Ray places the groups; leave --worker-placement at PACK")
 
