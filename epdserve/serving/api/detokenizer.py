@@ -1,18 +1,4 @@
-"""Turn a stream of generated token ids into a stream of text, and stop at stop strings.
-
-:class:`IncrementalDetokenizer` decodes as vLLM does: it decodes a short window of ids
-(the last few already-emitted ones as a prefix, plus the new ones) and emits only what
-the new ids add, holding text back while it ends in an incomplete UTF-8 character
-(``'\\ufffd'``). The window starts on the prompt's last tokens, so the first generated
-token gets its leading space right with SentencePiece-style tokenizers.
-
-:class:`StopMatcher` finds stop strings in that text: it truncates before the first
-match (the stop string itself is not emitted unless ``include_stop``: vLLM's
-``include_stop_str_in_output``) and holds back any tail that could still be the start
-of a stop string.
-
-:class:`TextStream` chains the two; the router feeds it each worker output.
-"""
+"""Generated token ids to a stream of text, cut at stop strings."""
 
 from __future__ import annotations
 
@@ -21,11 +7,8 @@ PROMPT_CONTEXT_TOKENS = 5  # as vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
 
 
 class IncrementalDetokenizer:
-    """Incremental decoding of generated ids with a Hugging Face tokenizer.
-
-    ``prompt_ids`` only provide decoding context; their text is never emitted.
-    Special tokens are skipped (vLLM's default).
-    """
+    """vLLM's scheme: decode a short window, emit what the new ids add, hold back a trailing
+    '\\ufffd'. ``prompt_ids`` give context only (a first token's leading space), never emitted."""
 
     def __init__(self, tokenizer, prompt_ids: list[int] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -47,24 +30,20 @@ class IncrementalDetokenizer:
         return ""
 
     def add(self, token_ids: list[int]) -> str:
-        """Append generated ids; return the text they complete (maybe "")."""
+        """The text they complete (maybe "")."""
         self.ids.extend(token_ids)
         return self._step(final=False) if token_ids else ""
 
     def flush(self) -> str:
-        """Return text still held back (an incomplete character decodes as '\\ufffd')."""
+        """Text still held back (an incomplete character decodes as '\\ufffd')."""
         if self.read_offset == len(self.ids):
             return ""
         return self._step(final=True)
 
 
 class StopMatcher:
-    """Stop-string matching over a text stream.
-
-    ``stops`` are the stop strings (empty ones are ignored). After a match, :attr:`stopped`
-    is True and nothing more is emitted; the text ends before the match, or after it with
-    ``include_stop``.
-    """
+    """Holds back a tail that may start a stop string; after a match nothing more is emitted, the
+    text ending before it (after it with ``include_stop``: vLLM's ``include_stop_str_in_output``)."""
 
     def __init__(self, stops: list[str], include_stop: bool = False):
         self.stops = [s for s in stops if s]
@@ -73,7 +52,7 @@ class StopMatcher:
         self.stopped = False
 
     def feed(self, text: str) -> str:
-        """Add text; return what is safe to emit now."""
+        """What is safe to emit now."""
         if self.stopped:
             return ""
         if not self.stops:
@@ -94,19 +73,13 @@ class StopMatcher:
         return buf[:len(buf) - hold]
 
     def flush(self) -> str:
-        """At the end of generation: the held-back text (it did not become a stop string)."""
+        """At the end: the held-back text (it did not become a stop string)."""
         out, self.pending = ("" if self.stopped else self.pending), ""
         return out
 
 
 class TextStream:
-    """Generated ids in, emitted text out, with stop strings applied.
-
-    ``add(ids)`` returns the new text; once :attr:`stopped` is True (a stop string was
-    found) the caller should end the request with finish reason "stop". ``finish()``
-    returns the held-back text when generation ends for another reason.
-    :attr:`text` is everything emitted so far. ``include_stop``: see :class:`StopMatcher`.
-    """
+    """Once :attr:`stopped`, end the request with finish reason "stop"; :attr:`text`: all emitted."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str], include_stop: bool = False):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)

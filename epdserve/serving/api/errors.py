@@ -1,10 +1,4 @@
-"""OpenAI's error body everywhere the router answers one: ``{"error": {"message", "type",
-"param", "code"}}``, with ``code`` a string as OpenAI sends it (e.g.
-"context_length_exceeded", "model_not_found", "unsupported_parameter") or null, never an
-HTTP status; validation errors and invalid JSON are 400 (not FastAPI's 422); bodies with
-too many JSON values 413 before they are parsed. A stream that fails after it started
-ends with one ``data:`` event holding the same body.
-"""
+"""OpenAI's error body everywhere the router answers one (docs/serving.md, Errors)."""
 
 from __future__ import annotations
 
@@ -20,23 +14,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("epdserve.api")
 
-# JSON values (counted by their separators) in one request body. Python's json builds an
-# object per value, on the event loop and holding the GIL: a 60 MB body of small ints
-# (within --max-request-body-mb) stalled every stream 14 s, a 60 MB token-id prompt 90 s.
-# The largest valid request (8,192 prompt ids, 1,024 stop ids, 4,096 messages of a few
-# parts) has well under a tenth of this.
+# Parsing holds the event loop: a 60 MB body of small ints stalled every stream 14 s. The
+# largest valid request has well under a tenth of this.
 MAX_JSON_VALUES = 1 << 18
 
 
 class APIError(Exception):
-    """An error answered to the client with an OpenAI-style body.
-
-    ``status`` is the HTTP status (400 for a request the client must fix, 500/503 for
-    ours); ``param`` names the offending request field, if one does; ``code`` is OpenAI's
-    error code string, or None.
-
-    Raises (constructor): ``TypeError`` for a ``code`` that is not a string or None.
-    """
+    """``param``: the offending request field; ``code``: OpenAI's error code string, or None.
+    Raises TypeError (constructor) for another ``code``."""
 
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
@@ -51,23 +36,17 @@ class APIError(Exception):
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``; ``code``
-    a string (OpenAI's, e.g. "context_length_exceeded") or None."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def field_error(param: str, message: str) -> PydanticCustomError:
-    """A validation error of a check across fields that names ``param`` (the 400's
-    ``param``; a model validator's own errors have no field)."""
+    """For a check across fields: names the 400's ``param`` (a model validator's errors name none)."""
     return PydanticCustomError("field_error", "{message}", {"param": param, "message": message})
 
 
 class BoundedJSONRoute(APIRoute):
-    """A route that refuses, with 413 before parsing it, a body with more than
-    :data:`MAX_JSON_VALUES` JSON values: every value but one follows a ``,`` or a ``:``,
-    and counting those bytes takes milliseconds where parsing them took seconds. (Commas
-    inside strings count too; a text too long to be refused by that is refused by its
-    length anyway.)"""
+    """413 before parsing past :data:`MAX_JSON_VALUES` values, counted as ``,`` and ``:`` bytes
+    (milliseconds, where parsing took seconds; those inside strings count too)."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
@@ -84,7 +63,6 @@ class BoundedJSONRoute(APIRoute):
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """A short, readable message for a pydantic/FastAPI validation error, and its param."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -105,9 +83,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI, on_bad_request=None) -> None:
-    """Make every error an OpenAI-style JSON body: validation errors and invalid JSON → 400
-    (not FastAPI's 422), :class:`APIError` → its status, HTTP errors (404 route, 405) →
-    their status, anything else → 500. ``on_bad_request()`` is called for each 400."""
+    """Validation errors and invalid JSON → 400 (not FastAPI's 422), anything unexpected → 500;
+    ``on_bad_request()`` is called for each 400."""
 
     def bad(status: int) -> None:
         if status == 400 and on_bad_request is not None:

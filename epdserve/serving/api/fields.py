@@ -1,20 +1,5 @@
-"""Request fields outside what epdserve implements: no field is silently dropped.
-
-A chat or completions request field that is not one of the request model's fields is
-one of three kinds (OpenAI's chat/completions reference and vLLM's
-``vllm/entrypoints/openai/protocol.py``):
-
-* :data:`INFORMATIONAL`: accepted, no effect on the output (end-user ids, storage and
-  billing hints, tracing ids); listed with why in ``docs/serving.md``;
-* :data:`REFUSED`: would change the output, and epdserve does not do it: a value other
-  than the field's neutral one (the one that changes nothing, e.g. ``use_beam_search:
-  false``) is a 400 naming the field, code ``unsupported_parameter`` (OpenAI's code for a
-  parameter a model does not take). A field another part of epdserve implements is a
-  request model field, and then this table does not apply to it;
-* anything else is unknown to both APIs: accepted, and logged once per name per process
-  (a WARNING naming it, as vLLM logs "The following fields were present in the request
-  but ignored"), at most :data:`MAX_LOGGED_NAMES` names, so that a client sending random
-  names cannot grow the set without limit.
+"""Request fields outside the request models, from OpenAI's reference and vLLM's
+``vllm/entrypoints/openai/protocol.py``: none is silently dropped (docs/serving.md, Request fields).
 """
 
 from __future__ import annotations
@@ -27,8 +12,8 @@ from epdserve.serving.api.errors import APIError
 
 log = logging.getLogger("epdserve.api")
 
-MAX_LOGGED_NAMES = 256
-_NAME_CHARS = 64  # of a name in the log line
+MAX_LOGGED_NAMES = 256  # bounds the set a client sending random names could grow
+_NAME_CHARS = 64
 
 INFORMATIONAL: dict[str, str] = {
     "user": "an end-user id (OpenAI: abuse monitoring)",
@@ -85,12 +70,7 @@ def _neutral(value, neutral: tuple) -> bool:
 
 
 def check(body: BaseModel) -> None:
-    """Refuse ``body``'s extra fields (those not in its model) that are :data:`REFUSED`
-    with a non-neutral value, and log the unknown ones (see the module's docstring).
-
-    Raises:
-        APIError: 400 ``unsupported_parameter``, ``param`` the field's name.
-    """
+    """Raises APIError 400 ``unsupported_parameter`` naming a :data:`REFUSED` field with a non-neutral value."""
     extra = body.model_extra or {}
     for name, value in extra.items():
         if name in REFUSED and not _neutral(value, REFUSED[name][0]):
@@ -102,9 +82,8 @@ def check(body: BaseModel) -> None:
 
 
 def log_unknown(name: str) -> None:
-    """Log ``name`` as an ignored request field, once per process, while fewer than
-    :data:`MAX_LOGGED_NAMES` names have been logged (then once that no more will be)."""
-    name = name[:_NAME_CHARS]  # what is kept, and logged, of a name of any length
+    """Once per name per process, as vLLM words it, for at most :data:`MAX_LOGGED_NAMES` names."""
+    name = name[:_NAME_CHARS]
     if name in _logged or len(_logged) > MAX_LOGGED_NAMES:
         return
     _logged.add(name)

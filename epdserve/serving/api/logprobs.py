@@ -14,11 +14,8 @@ def _clamp(logprob: float) -> float:
 
 
 class LogprobsFormatter:
-    """One choice's OpenAI ``logprobs`` objects, chunk after chunk. ``kind`` "chat":
-    ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``; else the legacy
-    ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}] (top + chosen),
-    "text_offset"}``, offsets in characters from the choice's start (vLLM); an echoed
-    prompt's first token has null logprobs."""
+    """One choice's, chunk after chunk: chat's ``content`` list, else the legacy shape, whose
+    ``top_logprobs`` hold top + chosen and ``text_offset`` counts characters from the choice's start (vLLM)."""
 
     def __init__(self, kind: str, token_text: Callable[[int], str]):
         self.kind = kind
@@ -47,17 +44,14 @@ class LogprobsFormatter:
 
 
 def token_texts(tokenizer, as_token_ids: bool = False) -> Callable[[int], str]:
-    """A token's text as logprobs show it: decoded alone (as vLLM), or as vLLM's
-    ``return_tokens_as_token_ids`` names it, ``token_id:<id>``."""
+    """Decoded alone (as vLLM), or ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``)."""
     if as_token_ids:
         return lambda token_id: f"token_id:{token_id}"
     return lambda token_id: tokenizer.decode([token_id])
 
 
 def prompt_entries(prompt_ids: list[int], prompt_logprobs: list | None) -> list[Entry]:
-    """The :data:`Entry` list of an echoed prompt from a worker's ``Output.prompt_logprobs``
-    (``[logprob, rank, top]`` per prompt token but the first); without them, the tokens
-    alone (None logprobs)."""
+    """``prompt_logprobs``: ``[logprob, rank, top]`` per prompt token but the first; None: tokens alone."""
     scored = prompt_logprobs or []
     return [(prompt_ids[0], None, None)] + [
         (t, *(scored[j][0::2] if j < len(scored) else (None, None))) for j, t in enumerate(prompt_ids[1:])]
@@ -65,10 +59,8 @@ def prompt_entries(prompt_ids: list[int], prompt_logprobs: list | None) -> list[
 
 def vllm_prompt_logprobs(prompt_ids: list[int], prompt_logprobs: list,
                          token_text: Callable[[int], str]) -> list[dict | None]:
-    """vLLM's ``prompt_logprobs`` response field: ``None`` for the first prompt token, then
-    per token ``{token id (a string key in JSON): {"logprob", "rank", "decoded_token"}}``
-    for the token itself (its rank in the distribution, 1 = the most likely) and the top
-    alternatives (ranks 1..k), as vLLM's ``Logprob``."""
+    """vLLM's: None first, then per token ``{str(token id): {"logprob", "rank", "decoded_token"}}`` for
+    itself and the top k (rank 1: the most likely)."""
     out: list[dict | None] = [None]
     for token, (logprob, rank, top) in zip(prompt_ids[1:], prompt_logprobs):
         entry = {str(token): {"logprob": _clamp(logprob), "rank": rank, "decoded_token": token_text(token)}}

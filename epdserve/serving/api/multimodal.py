@@ -1,30 +1,7 @@
-"""The images of an OpenAI chat request: content parts → checked image bytes, and the
-message text with an ``<image>`` placeholder where each image was.
-
-Accepted, as OpenAI and vLLM do: a content part ``{"type": "image_url", "image_url":
-{"url": URL, "detail": "auto"|"low"|"high"}}`` or vLLM's short form ``"image_url": URL``,
-where URL is
-
-* a ``data:image/<png|jpeg|webp|gif|bmp>;base64,...`` URL (strict base64);
-* a local file, ``file:///abs/path`` or ``/abs/path``, only inside
-  :attr:`MediaOptions.allowed_local_dir` (vLLM's ``--allowed-local-media-path``; default:
-  refused);
-* an ``http(s)://`` URL, only with :attr:`MediaOptions.allow_remote` (default: refused),
-  fetched with httpx under a time and byte limit. Enabling it lets clients make the
-  server fetch any address it can reach (internal ones included).
-
-The router needs of each image only its size (to lay out its tiles) and the knowledge
-that its bytes decode; the pixels are decoded again, in full, by the worker that encodes
-it. So the router reads every header first and refuses a request whose images would
-take more than :attr:`MediaOptions.max_request_decoded_bytes` decoded (413), then decodes
-the images one at a time, at reduced size where the format allows (JPEG), within a
-process-wide budget of decoded bytes in flight (:attr:`MediaOptions.max_decoding_bytes`;
-503 after waiting :attr:`MediaOptions.decode_wait_s` for it), drops each image's pixels
-as soon as it is checked, and hands freed memory back to the OS (glibc ``malloc_trim``).
-
-Every failure raises :class:`~epdserve.serving.api.openai.APIError` whose ``param`` names
-the offending field, e.g. ``messages[0].content[1].image_url``: 400 for a bad input, 413
-for a request over the decode budget, 503 when the process-wide budget stays full.
+"""The images of an OpenAI chat request: content parts → checked image bytes, and the message
+text with an ``<image>`` placeholder where each image was. The router needs only each image's
+size and that it decodes (the encoding worker decodes it again), so it checks one image at a
+time, keeping no pixels (accepted forms and limits: docs/serving.md Images, docs/security.md).
 """
 
 from __future__ import annotations
@@ -54,9 +31,7 @@ from epdserve.serving.api.errors import APIError
 DEFAULT_MAX_IMAGES = 8
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")
 DETAILS = ("auto", "low", "high")  # OpenAI's; accepted and ignored, as vLLM does
-# The tokens an image expands to. Typed by a client (in text, a role or a name) they
-# would be tokenized as image tokens: a stray <image> has no embedding (or takes another
-# image's), the layout tokens fake a tile grid.
+# Refused in client text: a stray <image> has no embedding (or takes another's), layout tokens fake a grid.
 IMAGE_TOKENS = re.compile("|".join(re.escape(t) for t in [IMAGE_TOKEN, FAKE_TOKEN, GLOBAL_TOKEN] + [
     f"<row_{r}_col_{c}>" for r in range(1, MAX_GRID + 1) for c in range(1, MAX_GRID + 1)]))
 TRIM_AFTER_BYTES = 16 * 1024 * 1024  # Pillow's block size: smaller decodes are not worth a malloc_trim
@@ -64,54 +39,31 @@ TRIM_AFTER_BYTES = 16 * 1024 * 1024  # Pillow's block size: smaller decodes are 
 
 @dataclass(frozen=True)
 class MediaOptions:
-    """What a server accepts. ``max_images``: images per request (vLLM's
-    ``--limit-mm-per-prompt``); ``max_image_bytes``: encoded bytes per image;
-    ``max_image_pixels``: width × height per image (None: Pillow's
-    ``Image.MAX_IMAGE_PIXELS``, 89.5 M); ``max_request_decoded_bytes``: the bytes all of a
-    request's images take decoded at full size (width × height × Pillow's bytes per
-    pixel, 4 for RGB), what the encoding workers will decode (default 1 GiB: eight 12 MP
-    photos take 384 MiB; the largest image ``max_image_pixels`` allows, 358 MB);
-    ``max_decoding_bytes``: decoded bytes held at once by the image checks in progress in
-    this process, all requests together (default 1 GiB; an image over it is still
-    decoded when it is alone); ``decode_wait_s``: how long a check waits for room in that
-    budget before the request gets 503, in seconds; ``allowed_local_dir``: the directory
-    local files may be read from (None: none); ``allow_remote``: fetch http(s) URLs;
-    ``fetch_timeout_s``: the whole fetch of one remote image, in seconds."""
+    """``max_request_decoded_bytes``: a request's images at full size (w x h x bytes per pixel: eight
+    12 MP photos take 384 MiB); ``max_decoding_bytes``: this process's checks at once, all requests
+    (an image over it decodes alone); past ``decode_wait_s`` waiting for it, 503."""
 
     max_images: int = DEFAULT_MAX_IMAGES
-    max_image_bytes: int = MAX_IMAGE_BYTES
-    max_image_pixels: int | None = None
+    max_image_bytes: int = MAX_IMAGE_BYTES  # encoded, per image
+    max_image_pixels: int | None = None  # w x h; None: Pillow's Image.MAX_IMAGE_PIXELS (89.5 M)
     max_request_decoded_bytes: int = 1 << 30
     max_decoding_bytes: int = 1 << 30
     decode_wait_s: float = 10.0
-    allowed_local_dir: str | Path | None = None
+    allowed_local_dir: str | Path | None = None  # None: local files refused
     allow_remote: bool = False
-    fetch_timeout_s: float = 10.0
+    fetch_timeout_s: float = 10.0  # the whole fetch of one image
 
 
 def parse_chat_images(messages: list[dict],
                       options: MediaOptions = MediaOptions()) -> tuple[list[dict], list[ImageInput]]:
-    """Take the images out of chat ``messages`` (request JSON: dicts with ``role`` and
-    ``content``, a string or a list of content parts).
+    """Messages with ``content`` a string (parts joined by newlines, an ``<image>`` per image), and
+    the images in prompt order, checked, not kept decoded. Blocking: call it in a thread.
 
-    Returns the messages with each ``content`` a string, ready for the chat template
-    (parts joined with newlines, as text parts are without images; each image part
-    becomes one ``<image>`` placeholder for ``ImageProcessor.expand``; other keys kept),
-    and the images in prompt order, checked to decode but not kept decoded (``image``
-    None, ``size`` set). Blocking (file reads, fetches, decoding, waiting for the decode
-    budget): an async server calls it in a thread.
-
-    Raises:
-        APIError: 400 with ``param``: a malformed message or part, text, a role or a name
-            containing an image token or a lone surrogate, more than ``max_images``
-            images, a refused or unreadable URL, an image over a limit, or bytes that are
-            not a supported image. 413: the images would take more than
-            ``max_request_decoded_bytes`` decoded. 503: no room in the process-wide
-            decode budget within ``decode_wait_s``.
+    Raises APIError with ``param``: 400 a bad message, part, URL, image or text (an image token,
+    a lone surrogate), over ``max_images``; 413 over ``max_request_decoded_bytes``; 503 no decode room.
     """
     parts = []  # (param, image_url value) of every image part, in order
     out = [_flat_message(i, message, parts) for i, message in enumerate(messages)]
-    # Counted before anything is read or decoded.
     if len(parts) > options.max_images:
         raise APIError(f"{len(parts)} images in the request, more than the limit of {options.max_images}",
                        param="messages")
@@ -128,11 +80,8 @@ def parse_chat_images(messages: list[dict],
 
 
 def _flat_message(i: int, message, parts: list) -> dict:
-    """Message ``i`` with its ``content`` a string; appends ``(param, image_url value)`` of
-    each of its image parts to ``parts``. Raises ``APIError`` as :func:`parse_chat_images`."""
     if not isinstance(message, dict):
         raise APIError("a message must be an object", param=f"messages[{i}]")
-    # The template renders role and name into the prompt text, as it does content.
     for key in ("role", "name"):
         if key in message and (key == "role" or message[key] is not None):
             if not isinstance(message[key], str):
@@ -173,8 +122,7 @@ def _check_text(text: str, param: str, what: str = "text") -> None:
 
 
 def _is_unicode(text: str) -> bool:
-    # JSON may carry lone surrogates ("\ud800"); they cannot be encoded to UTF-8, so the
-    # tokenizer, file names and the error response itself would fail on them.
+    # a JSON lone surrogate ("\ud800") cannot be UTF-8: the tokenizer and the error body would fail
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -183,7 +131,7 @@ def _is_unicode(text: str) -> bool:
 
 
 def _open(param: str, value, options: MediaOptions) -> tuple[bytes, str, Image.Image]:
-    """``(bytes, source, header-only Pillow image)`` of one ``image_url`` value."""
+    """``(bytes, source, header-only Pillow image)``."""
     if isinstance(value, dict):
         if value.get("detail", "auto") not in DETAILS:
             raise APIError(f"detail must be one of {', '.join(DETAILS)}, got {value['detail']!r}",
@@ -201,8 +149,7 @@ def _open(param: str, value, options: MediaOptions) -> tuple[bytes, str, Image.I
 
 
 def _checked(param: str, data: bytes, source: str, image: Image.Image, options: MediaOptions) -> ImageInput:
-    """The image of ``_open``, decoded (at reduced size where possible) within the
-    process-wide budget to check that it decodes, its pixels dropped again."""
+    """Decoded (reduced where the format allows) within the process-wide budget, then dropped."""
     size = image.size
     reduce_for_check(image)
     cost = decoded_bytes(image)  # at the reduced size: what this check holds
@@ -223,7 +170,6 @@ def _checked(param: str, data: bytes, source: str, image: Image.Image, options: 
 
 
 def _read(url: str, param: str, options: MediaOptions) -> tuple[bytes, str]:
-    """The bytes behind ``url`` and its short ``source`` name."""
     if url.startswith("data:"):
         return _data_url(url, param)
     if url.startswith(("http://", "https://")):
@@ -265,7 +211,6 @@ def _local_file(path: str, param: str, options: MediaOptions) -> bytes:
     if options.allowed_local_dir is None:
         raise APIError("local image files are disabled on this server (no allowed local media directory)",
                        param=param)
-    # The OS cannot take a NUL in a path (open() raises ValueError on it).
     if "\0" in path:
         raise APIError("image path contains a NUL byte", param=param)
     root = Path(options.allowed_local_dir).resolve()
@@ -300,7 +245,7 @@ def _fetch(url: str, param: str, options: MediaOptions) -> bytes:
                 if len(data) > options.max_image_bytes:
                     raise APIError(f"image at {url} is over the limit of {options.max_image_bytes} bytes",
                                    param=param)
-                # httpx's timeout is per read; a server dripping bytes must not hold us longer.
+                # httpx's timeout is per read: a server dripping bytes must not hold us longer
                 if time.monotonic() > deadline:
                     raise APIError(f"fetching {url} took over {options.fetch_timeout_s:g} s", param=param)
     except httpx.InvalidURL:  # not an HTTPError
@@ -312,18 +257,15 @@ def _fetch(url: str, param: str, options: MediaOptions) -> bytes:
 
 
 class _BytesInFlight:
-    """Decoded bytes held by the image checks in progress in this process: one count for
-    every thread and every request, each acquiring against its own limit."""
+    """Decoded bytes held by this process's image checks, all threads and requests."""
 
     def __init__(self):
         self.held = 0
         self._cond = threading.Condition()
 
     def acquire(self, n: int, limit: int, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` seconds until ``n`` more bytes fit under ``limit`` (or
-        nothing else is held: an image over the whole limit decodes alone) and count them;
-        False on timeout. A thread holds one image's bytes at a time, so waits cannot
-        deadlock."""
+        """False after ``timeout_s`` seconds without room (alone, any ``n`` fits). A thread holds one
+        image at a time, so waits cannot deadlock."""
         with self._cond:
             if not self._cond.wait_for(lambda: self.held == 0 or self.held + n <= limit, timeout_s):
                 return False
@@ -350,26 +292,15 @@ _malloc_trim = _load_malloc_trim()
 
 
 def _trim() -> None:
-    """Return freed heap memory to the OS (glibc only; a no-op elsewhere). Pillow
-    allocates pixels in 16 MiB blocks; after the first one is freed glibc raises its mmap
-    threshold and serves blocks from its per-thread heaps, which keep freed memory while
-    other allocations sit above it: the old path (every image held until the request was
-    laid out) left 0.3-1.2 GB in the router after two requests of the probe. Checking one
-    image at a time, glibc gave nearly all back by itself in ``benchmarks/image_memory.py``;
-    the trim (~0.1 ms) is kept for the patterns it did not try."""
+    """glibc's ``malloc_trim`` (~0.1 ms; no-op elsewhere): its per-thread heaps keep Pillow's freed
+    16 MiB blocks while other allocations sit above them (``benchmarks/image_memory.py``)."""
     if _malloc_trim is not None:
         _malloc_trim(0)
 
 
 class ImagePrompter:
-    """Lays out chat requests with images for the SmolVLM / Idefics3 model in
-    ``model_dir``: the chat template's text with each ``<image>`` placeholder expanded to
-    its tiles' tokens (the tile grid comes from the image size, as the encoder will cut
-    it), tokenized, and the images as :class:`~epdserve.serving.protocol.ImageRef` with
-    their bytes. ``embedding_shape``: what an encode worker's layout must match.
-
-    Raises (constructor): ``ModelLoadError``: no vision config or image processor settings.
-    """
+    """Chat prompts with images for a SmolVLM / Idefics3 model: each ``<image>`` expanded to its
+    tiles' tokens. Raises ``ModelLoadError`` (constructor): no vision config or processor settings."""
 
     def __init__(self, model_dir: str | Path, tokenizer, media: MediaOptions):
         config = VisionConfig.from_dict(read_config(model_dir))
@@ -379,15 +310,8 @@ class ImagePrompter:
         self.embedding_shape = {"kind": KIND, "hidden_size": config.text_hidden_size}
 
     def prompt(self, messages: list[dict], add_special_tokens: bool = False, **template) -> tuple[list[int], list]:
-        """``(prompt token ids, [ImageRef])`` of chat ``messages`` (request JSON). Blocking.
-        ``add_special_tokens`` and ``template``: see :func:`chat_prompt_ids`.
-
-        Raises:
-            APIError: as :func:`parse_chat_images` (400, 413, 503); 400 when the chat
-                template fails; 500 when the template's output holds other ``<image>``
-                placeholders than the images' (a template fault: client text cannot
-                contain them).
-        """
+        """Blocking. Raises APIError as :func:`parse_chat_images`; 400 the template failed; 500 its
+        output holds other ``<image>`` placeholders than the images' (client text cannot)."""
         messages, images = parse_chat_images(messages, self.media)
         grids = [self.processor.grid(image.size) for image in images]
         try:

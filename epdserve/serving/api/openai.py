@@ -1,13 +1,5 @@
-"""The OpenAI API's requests as epdserve takes them: ``/v1/chat/completions`` and
-``/v1/completions`` (a prompt, token ids, or a batch of up to :data:`MAX_PROMPTS`), with
-OpenAI's and vLLM's sampling fields, structured output (:mod:`.structured_output`) and
-tools (:mod:`.tool_calls`); other fields: :mod:`.fields`; the answers: :mod:`.responses`.
-
-Every per-request cost has a bound; integers that travel to the workers fit the engine's
-types (``seed`` int64, ``top_k`` and ``stop_token_ids`` int32); text must be valid Unicode
-(a lone surrogate is a 400, not a tokenizer crash). A malformed request is a 400
-``invalid_request_error`` with OpenAI's error body (:mod:`.errors`).
-"""
+"""The chat and completions requests as epdserve takes them (docs/serving.md, Request fields):
+every per-request cost bounded, integers sized for the engine's types, text valid Unicode."""
 
 from __future__ import annotations
 
@@ -21,12 +13,11 @@ from epdserve.serving.api.errors import field_error
 from epdserve.serving.api.structured_output import GuidedFields
 from epdserve.serving.api.tool_calls import ToolMessageFields, ToolRequestFields
 
-MAX_N = 16  # choices per request; the router runs each as its own engine request
+MAX_N = 16
 MAX_STOP_STRINGS = 64  # each is matched against every new piece of text of every choice
 MAX_STOP_CHARS = 1024
 MAX_MESSAGES = 4096
-# Prompts of one completions request (each runs as best_of engine requests); vLLM has no
-# bound, but every one holds router state and worker queue slots.
+# vLLM has no bound, but every prompt holds router state and worker queue slots
 MAX_PROMPTS = 256
 MAX_SEQUENCES = 1024  # engine requests of one HTTP request: prompts x best_of
 MAX_TEMPLATE_KWARGS_CHARS = 16384  # chat_template_kwargs, as JSON
@@ -37,22 +28,19 @@ class _Req(BaseModel):
 
 
 class _Request(_Req):
-    # A request's own fields outside its model are kept (model_extra) for
-    # api_fields.check: refused, informational or logged, never dropped unseen.
+    # extra fields are kept for fields.check: never dropped unseen
     model_config = ConfigDict(extra="allow")
 
 
 def _invalid_unicode(value, where: str) -> str | None:
-    """Where in ``value`` (request JSON: str, list, dict) a string holds a lone surrogate,
-    or None. Such a string cannot be encoded as UTF-8: the tokenizer and the JSON response
-    would fail on it."""
+    """Where a string holds a lone surrogate (no UTF-8: the tokenizer and response would fail), or None."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
             return where
     elif isinstance(value, list):
-        # Only containers and strings are looked into: no f-string per token id.
+        # no f-string per token id
         return next((w for i, v in enumerate(value) if isinstance(v, (str, list, dict))
                      and (w := _invalid_unicode(v, f"{where}[{i}]"))), None)
     elif isinstance(value, dict):
@@ -110,11 +98,9 @@ class ChatMessage(ToolMessageFields, _Req):
         return sum(isinstance(part, ImagePart) for part in self.content) if isinstance(self.content, list) else 0
 
     def as_template_dict(self) -> dict:
-        """The message as a chat template expects it: text parts joined with newlines
-        (image parts have no text: they are laid out by ``ImagePrompter``)."""
+        """Text parts joined with newlines; images are laid out by ``ImagePrompter``."""
         content = self.content
         if isinstance(content, list):
-            # Only text parts: an image part has no .text (the length check calls this on every chat).
             content = "\n".join(part.text for part in content if isinstance(part, TextPart))
         out = {"role": self.role, "content": content or ""}
         if self.name is not None:
@@ -215,8 +201,7 @@ class _SamplingFields(GuidedFields, _Request):
 
     @property
     def engine_logprobs(self) -> int | None:
-        """Top alternatives per generated token the engine returns: what the client asked,
-        or 0 when ``best_of`` must rank choices by their tokens' logprobs."""
+        """0 when the client asked none but ``best_of`` must rank choices by their logprobs."""
         return 0 if self.num_logprobs is None and self.candidates > self.n else self.num_logprobs
 
 
@@ -252,7 +237,6 @@ class ChatCompletionRequest(ToolRequestFields, _SamplingFields):
 
     @property
     def prompt_logprobs_k(self) -> int | None:
-        """Top alternatives per prompt token the engine returns (None: no prompt logprobs)."""
         return self.prompt_logprobs
 
     @field_validator("top_logprobs")
@@ -276,7 +260,6 @@ class ChatCompletionRequest(ToolRequestFields, _SamplingFields):
 
 
     def requested_max_tokens(self) -> int | None:
-        """``max_completion_tokens`` if given (OpenAI's newer name), else ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
@@ -316,13 +299,12 @@ class CompletionRequest(_SamplingFields):
 
     @property
     def prompt_logprobs_k(self) -> int | None:
-        """Top alternatives per prompt token the engine returns: ``prompt_logprobs``, else
-        ``logprobs`` with ``echo`` (vLLM); None: no prompt logprobs."""
+        """``prompt_logprobs``, else ``logprobs`` with ``echo`` (vLLM); None: none."""
         if self.prompt_logprobs is not None:
             return self.prompt_logprobs
         return self.logprobs if self.echo else None
 
     def requested_max_tokens(self) -> int:
-        """OpenAI's legacy default for completions is 16 tokens."""
+        """OpenAI's legacy default: 16 tokens."""
         return 16 if self.max_tokens is None else self.max_tokens
 

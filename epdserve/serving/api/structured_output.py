@@ -1,14 +1,5 @@
-"""The request fields of structured output, ``logit_bias`` and ``min_p``, shared by chat
-and completions (:class:`GuidedFields`), and their conversion to the engine's
-:class:`~epdserve.engine.request.GuidedSpec`.
-
-Structured output as OpenAI names it (``response_format``: ``json_object``,
-``json_schema``) and as vLLM does (``guided_json``, ``guided_regex``, ``guided_choice``,
-``guided_grammar``, and the newer ``structured_outputs`` object): at most one constraint
-per request. ``logit_bias`` as OpenAI's (token id strings → bias in [-100, 100], at most
-300), ``min_p`` as vLLM's (0..1). The router compiles the constraint before it accepts the
-request (``router/front.py``), so that a schema, regex or grammar the library cannot
-compile is a 400 naming its field.
+"""The request fields of structured output, ``logit_bias`` and ``min_p``, shared by chat and
+completions, and their conversion to the engine's ``GuidedSpec`` (docs/serving.md, Structured output).
 """
 
 from __future__ import annotations
@@ -64,11 +55,7 @@ class StructuredOutputs(BaseModel):
 
 
 def _schema_text(schema: str | dict | bool, param: str) -> str:
-    """A JSON schema given as an object or as its JSON text, as JSON text.
-
-    Raises:
-        APIError: naming ``param``, a string that is not JSON.
-    """
+    """Raises APIError naming ``param``: a string that is not JSON."""
     if not isinstance(schema, str):
         return json.dumps(schema, ensure_ascii=False)
     try:
@@ -87,7 +74,6 @@ class GuidedFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # vLLM's backend choice: only its backend here, xgrammar ("auto" picks it too).
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
     structured_outputs: StructuredOutputs | None = None
     logit_bias: dict[str, float] | None = None
@@ -109,18 +95,11 @@ class GuidedFields(BaseModel):
 
     @property
     def logit_bias_ids(self) -> dict[int, float]:
-        """``logit_bias`` keyed by token id."""
         return {int(k): b for k, b in (self.logit_bias or {}).items()}
 
     def guided_spec(self) -> tuple[str, GuidedSpec] | None:
-        """The request's structured-output constraint, as ``(the field that gave it, spec)``,
-        or None. A JSON schema is passed as JSON text, a choice list as a JSON list.
-
-        Raises:
-            APIError: naming the fields when more than one constraint is given, or
-                naming the field whose schema string is not JSON or whose value is over
-                :data:`~epdserve.engine.request.MAX_GUIDED_CHARS` characters.
-        """
+        """``(the field that gave it, spec)`` or None. Raises APIError naming the field: two constraints,
+        a schema string not JSON, a value over ``MAX_GUIDED_CHARS`` characters."""
         given: dict[str, tuple[str, str]] = {}
         rf = self.response_format
         if rf is not None and rf.type == "json_object":

@@ -1,20 +1,5 @@
-"""Tool calling: OpenAI's ``tools`` / ``tool_choice`` on chat completions, as vLLM serves them.
-
-The request side: :class:`ToolDef` (a function with a JSON-schema ``parameters``),
-``tool_choice`` "none" | "auto" | "required" | :class:`NamedToolChoice`, and the
-assistant's earlier :class:`ToolCallIn` in messages. :func:`plan_tools` checks a request
-against the server's :class:`ToolSettings` and gives the :class:`ToolPlan` that drives it:
-
-* "none": the tools are rendered into the prompt (vLLM does so too), the output is text;
-* "auto" (needs ``--enable-auto-tool-choice --tool-call-parser hermes``, as vLLM): the
-  model writes Hermes-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  blocks, which :class:`HermesOutput` turns into ``tool_calls``;
-* "required" and a named function: the output is forced with structured output, on
-  vLLM's schemas (:meth:`ToolPlan.guided_spec`): an array of ``{"name", "parameters"}``
-  (at least one) or the named function's ``parameters`` object, and becomes ``tool_calls``
-  directly (:class:`RequiredOutput`, :class:`NamedOutput`).
-
-The parsers of the output are in :mod:`epdserve.serving.api.tool_parsers`.
+"""Tool calling, the request side: OpenAI's ``tools`` / ``tool_choice`` on chat completions, as
+vLLM serves them (docs/serving.md, Tool calling); the output's parsers are in ``tool_parsers``.
 """
 
 from __future__ import annotations
@@ -31,15 +16,12 @@ from epdserve.engine.request import MAX_GUIDED_CHARS, GuidedSpec
 from epdserve.serving.api.errors import APIError
 from epdserve.serving.api.tool_parsers import HermesOutput, NamedOutput, RequiredOutput, ToolOutput
 
-MAX_TOOLS = 128  # OpenAI's limit on tools per request
-MAX_CALLS = 1024  # calls in one assistant message (each is rendered into the prompt)
-TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
-PARSERS = ("hermes",)  # --tool-call-parser values (vLLM's names)
-# Parameters of a function that declares none (vLLM uses the same for named tool_choice).
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_CALLS = 1024  # in one assistant message
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule
+PARSERS = ("hermes",)  # vLLM's names
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
-
-# ---------------------------------------------------------------------------- requests
 
 class FunctionDef(BaseModel):
     """A tool's function (OpenAI): ``name`` (``[a-zA-Z0-9_-]{1,64}``), ``description``,
@@ -75,7 +57,6 @@ class FunctionDef(BaseModel):
 
     @property
     def schema(self) -> dict:
-        """``parameters``, or an object of no properties when none were given."""
         return self.parameters if self.parameters is not None else NO_PARAMETERS
 
 
@@ -135,16 +116,14 @@ class ToolCallIn(BaseModel):
     function: FunctionCallIn
 
     def as_template_dict(self) -> dict:
-        """The call as chat templates read it (transformers' convention, as vLLM passes
-        it): ``arguments`` parsed into its JSON value."""
+        """``arguments`` parsed, as transformers' templates read it (and vLLM passes it)."""
         args = self.function.arguments
         return {"id": self.id, "type": "function",
                 "function": {"name": self.function.name, "arguments": json.loads(args) if isinstance(args, str) else args}}
 
 
 class ToolRequestFields(BaseModel):
-    """A chat request's tool fields (OpenAI's), checked against the server's template and
-    flags by :func:`plan_tools`."""
+    """A chat request's tool fields (OpenAI's)."""
 
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
@@ -167,7 +146,6 @@ class ToolMessageFields(BaseModel):
         return self
 
     def tool_template_fields(self) -> dict:
-        """These fields as the chat template gets them (only those given)."""
         out = {}
         if self.tool_calls:
             out["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
@@ -176,41 +154,26 @@ class ToolMessageFields(BaseModel):
         return out
 
 
-# ------------------------------------------------------------------------------- plans
-
 @dataclass(frozen=True)
 class ToolSettings:
-    """The server's tool options: ``auto`` (``--enable-auto-tool-choice``), ``parser``
-    (``--tool-call-parser``), ``template_tools`` (the chat template renders ``tools``)."""
-
-    auto: bool = False
+    auto: bool = False  # --enable-auto-tool-choice
     parser: str | None = None
-    template_tools: bool = False
+    template_tools: bool = False  # the chat template renders ``tools``
 
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """How one request uses its tools: ``mode`` "none", "auto", "required" or "named"
-    (``named``: the function's name); ``parallel``: False allows one call at most."""
-
-    mode: str
+    mode: str  # "none", "auto", "required" or "named"
     tools: list[ToolDef]
-    parallel: bool = True
+    parallel: bool = True  # False: one call at most
     named: str | None = None
 
     def template_tools(self) -> list[dict]:
-        """``tools`` as the chat template gets them (OpenAI's JSON, as transformers and vLLM pass it)."""
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def guided_spec(self) -> GuidedSpec | None:
-        """The structured-output constraint that forces the output, a JSON Schema as vLLM
-        builds it: for "required" an array (1 item at least; at most 1 without parallel
-        calls) of ``{"name": <a tool>, "parameters": <its schema>}`` (``anyOf`` over the
-        tools); for a named function its parameters object; None otherwise.
-
-        Raises:
-            APIError: ``tools``, a schema over the engine's ``MAX_GUIDED_CHARS``.
-        """
+        """The JSON Schema forcing "required" or a named function, as vLLM builds it; None otherwise.
+        Raises APIError (``tools``): a schema over ``MAX_GUIDED_CHARS``."""
         if self.mode == "named":
             schema = self.function(self.named).schema
         elif self.mode == "required":
@@ -227,11 +190,10 @@ class ToolPlan:
                            "characters; send fewer or smaller tools", param="tools") from None
 
     def function(self, name: str) -> FunctionDef | None:
-        """The tool function called ``name``, None if there is none."""
         return next((t.function for t in self.tools if t.function.name == name), None)
 
     def output(self) -> ToolOutput | None:
-        """A fresh parser of one choice's output; None: the output is plain text."""
+        """A fresh parser per choice; None: plain text."""
         functions = {t.function.name: t.function for t in self.tools}
         if self.mode == "auto":
             return HermesOutput(functions, self.parallel)
@@ -242,15 +204,7 @@ class ToolPlan:
 
 def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, parallel: bool | None,
                settings: ToolSettings) -> ToolPlan | None:
-    """The :class:`ToolPlan` of a request's ``tools``, ``tool_choice`` and
-    ``parallel_tool_calls``; None when it has no tools. ``tool_choice`` defaults to "auto"
-    with tools (OpenAI); "none" needs no tools (vLLM).
-
-    Raises:
-        APIError: ``tool_choice`` without ``tools``; a named function not among
-            them; two tools of one name; ``tools`` with a chat template that has no tool
-            format; "auto" without ``--enable-auto-tool-choice`` (vLLM's rule).
-    """
+    """None without tools. Raises APIError 400: as docs/serving.md lists (vLLM's rules)."""
     if not tools:
         if tool_choice is not None and tool_choice != "none":
             raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
@@ -277,10 +231,8 @@ def plan_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None, para
 
 
 def tool_chars(body) -> int:
-    """Characters a chat request's tools put in its prompt, at the least: each function's
-    name and parameters JSON (a tool format renders the signatures), and the earlier
-    calls' names and arguments. Counted with the messages' text by the router's length
-    check, which must stay a lower bound."""
+    """A lower bound, as the router's length check needs: names and the shortest JSON of the
+    functions' parameters and earlier calls' arguments."""
     def shortest(value) -> int:  # the fewest characters any JSON rendering of value takes
         return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
@@ -290,11 +242,7 @@ def tool_chars(body) -> int:
 
 
 def tool_settings(auto_tool_choice: bool, parser: str | None, template_tools: bool) -> ToolSettings:
-    """The :class:`ToolSettings` of ``--enable-auto-tool-choice`` and ``--tool-call-parser``.
-
-    Raises:
-        ValueError: ``--enable-auto-tool-choice`` without ``--tool-call-parser`` (vLLM's rule).
-    """
+    """Raises ValueError: ``--enable-auto-tool-choice`` without ``--tool-call-parser`` (vLLM's rule)."""
     if auto_tool_choice and not parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     return ToolSettings(auto_tool_choice, parser, template_tools)

@@ -1,8 +1,5 @@
-"""Tool calls out of a choice's text, the answer's stage after the choice: OpenAI chat
-``delta`` dicts, streamed (:func:`chat_deltas`) or merged into a message
-(:meth:`ToolOutput.message`), so both agree. A call streams as OpenAI streams one: a delta
-with ``id`` (``call_`` + 24 characters), ``type`` and ``function.name``, then its
-``function.arguments``."""
+"""Tool calls out of a choice's text as OpenAI chat ``delta`` dicts, streamed or merged into a
+message from the same deltas, so both agree (docs/serving.md, Tool calling)."""
 
 from __future__ import annotations
 
@@ -21,9 +18,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the Hermes format's markers
 
 
 def conforms(value, schema: dict) -> bool:
-    """Whether ``value`` is valid against ``schema``; False too when the schema cannot be
-    applied (a ``$ref`` it cannot resolve: no reference is fetched; too deep a nesting),
-    since then it is not known to conform."""
+    """False too when the schema cannot be applied (an unresolvable ``$ref``: none is fetched; too deep)."""
     try:
         return jsonschema.Draft202012Validator(schema).is_valid(value)
     except (jsonschema.SchemaError, referencing.exceptions.Unresolvable, RecursionError):
@@ -104,14 +99,8 @@ class ToolOutput:
 
 @dataclass
 class HermesOutput(ToolOutput):
-    """Hermes tool calls in free text (``tool_choice`` "auto", vLLM's ``hermes`` parser).
-
-    Text outside the markers is content (a piece that may begin one is held); whitespace
-    next to a call is dropped. A block (closed, or the output's last) is a call when it is a
-    JSON object with a tool's ``name`` and an object ``arguments`` (``strict``: valid against
-    its parameters), else content, markers and all (vLLM). Without ``parallel_tool_calls``,
-    calls after the first are dropped.
-    """
+    """vLLM's ``hermes`` parser ("auto"): a block that is no valid call stays content, markers and
+    all (vLLM); whitespace next to a call is dropped."""
 
     functions: dict[str, FunctionDef]  # the request's tools, by name
     parallel: bool = True
@@ -189,9 +178,7 @@ class HermesOutput(ToolOutput):
 
 @dataclass
 class NamedOutput(ToolOutput):
-    """The output is the named function's arguments (forced by the schema): one call,
-    its arguments streamed as they are generated. The finish reason stays the engine's
-    ("stop"), as OpenAI answers a forced function and vLLM follows."""
+    """Arguments streamed as generated; the finish reason stays the engine's ("stop": OpenAI, vLLM)."""
 
     name: str
     calls: int = 0
@@ -214,9 +201,8 @@ class NamedOutput(ToolOutput):
 
 @dataclass
 class RequiredOutput(ToolOutput):
-    """The output is vLLM's ``[{"name", "parameters"}, ...]`` (forced by the schema): each
-    element becomes a call as soon as it is complete. Text that does not parse (an output
-    cut by ``max_tokens``) is content."""
+    """vLLM's forced ``[{"name", "parameters"}, ...]``: a call per element once complete; what does
+    not parse (cut by ``max_tokens``) is content."""
 
     functions: dict[str, FunctionDef]
     held: str = ""

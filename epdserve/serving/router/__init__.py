@@ -1,7 +1,5 @@
-"""The router: an OpenAI-compatible HTTP front that drives colocated, PD or EPD workers.
-A request is admitted by :mod:`.front` (one flow per choice, :mod:`.paths`), driven
-through the workers by its flow (:mod:`.flows`, :mod:`.epd_flow`) and answered by
-:mod:`.answer`; :mod:`.registry` and :mod:`.zmq_port` keep the workers; :mod:`.app` wires it."""
+"""The router: an OpenAI-compatible HTTP front over colocated, PD or EPD workers
+(docs/architecture.md, The router)."""
 
 from epdserve.serving.router.app import (Router, add_arguments, add_router_options, build_router, run,
                                          setup_logging)

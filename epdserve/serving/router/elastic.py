@@ -1,17 +1,5 @@
-"""The elastic controller (``serve --elastic``): every ``--elastic-interval`` seconds it
-samples the signals the router has, asks the policy
-(:func:`~epdserve.serving.elastic.policy.decide`, a pure function of the samples of the
-last ``--elastic-window`` seconds) for the workers' roles, and switches the workers whose
-role differs (:meth:`Registry.set_role`). Every sample and every decision that changes
-roles goes to the trace file (``elastic_sample``, ``elastic_decision`` lines; the policy
-can be replayed from them, :mod:`epdserve.plan.elastic_replay`), and each decision to the
-log with the numbers that caused it (docs/elastic.md).
-
-With ``--max-workers`` above the starting count the controller also adds and retires
-workers (:func:`~epdserve.serving.elastic.scaling.decide_scale`, asked when the role policy
-holds) through a :class:`Workforce`, which ``POST /workers`` and ``DELETE /workers/{id}``
-use too; the launcher passes it a :class:`Scaler` (Ray's actors) to start and stop them.
-"""
+"""The elastic controller (``serve --elastic``) and the workforce that adds and retires
+workers; its trace lines replay in :mod:`epdserve.plan.elastic_replay` (docs/elastic.md)."""
 
 from __future__ import annotations
 
@@ -32,13 +20,12 @@ from epdserve.serving.elastic.samples import WorkerSignal
 log = logging.getLogger("epdserve.router")
 
 
-POLL_S = 0.25  # how often the workforce looks at its starting and retiring workers
+POLL_S = 0.25
 
 
 class ScaleRefused(Exception):
-    """A worker cannot be added or retired now; ``status``: the HTTP status that says why
-    (400 a bad role, 404 no such live worker, 409 at a bound or already retiring, 503 the
-    cluster could not start one)."""
+    """``status``: 400 a bad role, 404 no such live worker, 409 at a bound or already retiring,
+    503 the cluster could not start one."""
 
     def __init__(self, message: str, status: int):
         super().__init__(message)
@@ -46,24 +33,15 @@ class ScaleRefused(Exception):
 
 
 class Scaler(Protocol):
-    """How the workforce starts and stops workers (the launcher's: Ray actors)."""
-
     def add(self, role: str) -> str:
-        """Start a new worker of ``role`` (in the background: it says Hello when up); its id.
-
-        Raises:
-            RuntimeError: no worker can be started (the message says why).
-        """
+        """Returns at once (it says Hello when up). Raises RuntimeError: none can be started."""
 
     def remove(self, worker_id: str) -> None:
-        """Stop ``worker_id`` for good (after it was told to shut down) and free what it
-        holds on the cluster; never raises."""
+        """For good, freeing what it holds on the cluster; never raises."""
 
 
 class Periodic:
-    """A :meth:`step` every ``period_s`` seconds in the router's event loop, from
-    :meth:`start` until :meth:`stop`; a step that fails is logged, never fatal (it must not
-    take the router down)."""
+    """A :meth:`step` every ``period_s`` seconds; a failed step is logged, never fatal."""
 
     period_s: float
     task: asyncio.Task | None = None
@@ -89,11 +67,8 @@ class Periodic:
 
 
 def strands_decodes(registry: Registry, worker_id: str) -> str | None:
-    """Why ``worker_id`` may not stop decoding now (switch to prefill, retire), or None.
-    Prefill workers alone serve nothing, and the decode stage never returns to the worker
-    that prefilled: so another live worker must decode, and one besides each worker whose
-    prefills' KV has yet to be handed off (a prefill worker, or one that switched from
-    prefill and drains)."""
+    """Why ``worker_id`` may not stop decoding now, or None: decode never returns to the worker
+    that prefilled, so each holder of un-handed-off KV needs another decoder."""
     def decoder_besides(*ids: str) -> bool:
         return any(w.worker_id not in ids and registry.live(w) and not w.retiring
                    and w.role in ("colocated", "decode") for w in registry.workers.values())
@@ -108,12 +83,7 @@ def strands_decodes(registry: Registry, worker_id: str) -> str | None:
 
 
 class Workforce(Periodic):
-    """The elastic engine workers' number, within ``[min_workers, max_workers]``: adds
-    workers through ``scaler`` (None: none can be added) and retires them (no new work at
-    once, then :meth:`Registry.remove` and ``scaler.remove`` once it holds nothing: no
-    request in flight, no KV block in use, as a Stats received after its last request
-    says). A worker not up within ``startup_timeout_s`` is given up. ``write`` gets the
-    ``role`` trace lines of starting and given-up workers."""
+    """Keeps the engine workers within ``[min_workers, max_workers]``; ``scaler`` None: none can be added."""
 
     def __init__(self, registry: Registry, scaler: Scaler | None, min_workers: int, max_workers: int,
                  startup_timeout_s: float, write: Callable[[dict], None], clock: Callable[[], float] = time.monotonic):
@@ -124,21 +94,16 @@ class Workforce(Periodic):
         self.period_s = POLL_S
 
     def live(self) -> list[str]:
-        """The live engine workers that take work (not retiring)."""
+        """Not retiring."""
         return [w.worker_id for w in self.registry.workers.values()
                 if self.registry.live(w) and not w.retiring and w.role in ENGINE_ROLES]
 
     def changing(self) -> int:
-        """Workers starting or retiring now."""
         return len(self.starting) + len(self.retiring)
 
     def add(self, role: str, reason: str) -> str:
-        """Start a new worker of ``role``; its id.
-
-        Raises:
-            ScaleRefused: a role outside the engine roles (400), ``max_workers`` reached
-                counting those starting (409), the scaler failed (503).
-        """
+        """Raises ScaleRefused: not an engine role (400), ``max_workers`` reached counting those
+        starting (409), the scaler failed (503)."""
         if role not in ENGINE_ROLES:
             raise ScaleRefused(f"role {role!r}: expected one of {', '.join(ENGINE_ROLES)}", 400)
         count = len(self.live()) + len(self.starting)
@@ -155,12 +120,8 @@ class Workforce(Periodic):
         return worker_id
 
     def retire(self, worker_id: str, reason: str) -> None:
-        """Stop routing to ``worker_id`` now and remove it once it holds nothing.
-
-        Raises:
-            ScaleRefused: no such live worker (404), already retiring, at ``min_workers``,
-                or a worker whose decoding no other can take over (:func:`strands_decodes`) (409).
-        """
+        """Removed once it holds nothing. Raises ScaleRefused: no such live worker (404); already
+        retiring, at ``min_workers``, or :func:`strands_decodes` (409)."""
         w = self.registry.workers.get(worker_id)
         if w is None or not self.registry.live(w):
             raise ScaleRefused(f"no live worker {worker_id!r}", 404)
@@ -177,8 +138,6 @@ class Workforce(Periodic):
         self.registry.metrics.scaled("in")
 
     def poll(self) -> None:
-        """Admit the added workers that are up, give up those past ``startup_timeout_s``,
-        remove the retiring ones that hold nothing (or died); update ``epdserve:workers``."""
         now = self.clock()
         for worker_id, (role, since) in list(self.starting.items()):
             w = self.registry.workers.get(worker_id)
@@ -201,9 +160,8 @@ class Workforce(Periodic):
         self.registry.metrics.set_worker_states(len(self.live()), len(self.starting), len(self.retiring))
 
     def _drained(self, w) -> bool:
-        # A Stats received while it held no request came after its last request message
-        # (one worker's messages arrive in order), so it counts every block still held (a
-        # prefill's exported KV until the decode worker imported it).
+        # a worker's messages arrive in order: a Stats sent after its last request counts every
+        # block still held (exported KV included)
         if w.outstanding:
             self.retiring[w.worker_id] = None
             return False
@@ -222,10 +180,7 @@ class Workforce(Periodic):
 
 
 class Controller(Periodic):
-    """Samples ``registry`` and ``signals`` every ``interval_s`` seconds (``clock``:
-    monotonic seconds) and applies the policy's decisions; ``write`` gets each trace line.
-    With a ``workforce`` and ``scaling`` whose bounds differ, when the role policy holds
-    it asks :func:`decide_scale` too and adds or retires workers."""
+    """Every ``interval_s`` seconds; with a ``workforce`` and ``scaling``, scales when the role policy holds."""
 
     def __init__(self, registry: Registry, signals: SignalRecorder, config: PolicyConfig, interval_s: float,
                  write: Callable[[dict], None], clock: Callable[[], float] = time.monotonic):
@@ -239,21 +194,16 @@ class Controller(Periodic):
         self.scale_state = ScalingState()
 
     def switched_by_hand(self, what: str) -> None:
-        """A role switch asked by ``POST /roles`` (``what``: which, in words): the dwell
-        counts from it, as from the controller's own, so the next decision does not undo it
-        at once."""
+        """``POST /roles``: the dwell restarts, so the next decision does not undo it at once."""
         self._restart_dwell(self.clock(), what)
 
     def _restart_dwell(self, t: float, cause: str) -> None:
-        """Count the role policy's dwell (and its settled samples) from ``t`` (the
-        controller's clock, s) for a change the policy did not decide; the ``elastic_dwell``
-        trace line lets a replay restart it too (:mod:`epdserve.plan.elastic_replay`)."""
+        """``t``: the controller's clock (s); the ``elastic_dwell`` line lets a replay restart it too."""
         self.state = PolicyState(last_switch_t=t)
         self.write({"event": "elastic_dwell", "at": time.time(), "t": t, "cause": cause})
 
     def sample(self) -> Sample:
-        """The signals now: the live engine workers' numbers and the request events since
-        the last sample."""
+        """Request events since the last sample."""
         workers = tuple(WorkerSignal(worker_id=w.worker_id, role=w.role, switching=w.switch_id is not None,
                                      num_running=w.num_running, num_waiting=w.num_waiting,
                                      outstanding=len(w.outstanding),
@@ -265,7 +215,6 @@ class Controller(Periodic):
                       itls_ms=itls, prefill_tokens=computed)
 
     def tick(self) -> Decision:
-        """Take a sample, decide on the window, apply the decision; returns it."""
         sample = self.sample()
         self.samples.append(sample)
         kept = len(window(self.samples, self.config))
@@ -280,9 +229,7 @@ class Controller(Periodic):
         return decision
 
     def scale(self) -> ScaleDecision:
-        """Ask the scaling policy on the window and add or retire a worker; log and trace
-        every change (``elastic_decision`` with action ``scale-out`` / ``scale-in``)."""
-        # The last window_s seconds: the role policy's window may reach further back at low rates.
+        # the role policy's window may reach further back at low rates
         recent = [s for s in self.samples if s.t > self.samples[-1].t - self.scaling.window_s]
         decision, state = decide_scale(recent, self.scale_state, self.scaling,
                                        changing=self.workforce.changing(), role_change_t=self.state.last_switch_t)
@@ -305,7 +252,6 @@ class Controller(Periodic):
         return decision
 
     def apply(self, decision: Decision) -> None:
-        """Switch every worker whose role differs from ``decision.roles``; log and trace it."""
         log.info("elastic: %s: %s", decision.action, decision.reason)
         self.write({"event": "elastic_decision", "at": time.time(), "action": decision.action,
                     "roles": decision.roles, "reason": decision.reason, "signals": decision.signals})

@@ -1,6 +1,5 @@
-"""The router's check of a request's structured-output constraint: its grammar compiled
-once, off the event loop and bounded in time (a worker compiles an accepted grammar again,
-off its own loop: ``serving/worker/grammar_prep.py``)."""
+"""The router's check of a request's structured-output constraint: its grammar compiled once,
+off the event loop, bounded in time (docs/serving.md, Structured output)."""
 
 from __future__ import annotations
 
@@ -13,21 +12,13 @@ from epdserve.engine.request import GuidedSpec
 from epdserve.serving.api.tool_calls import ToolPlan
 from epdserve.serving.api.errors import APIError
 
-# A request's grammar must compile within this (s) on the router's grammar thread, or the
-# request gets 400. A thread cannot be stopped, so one that takes longer goes on (a large
-# grammar of overlapping alternatives took minutes here); it has a thread of its own so
-# that it holds up only other new grammars, never the prompts' preprocessing, and at most
-# MAX_COMPILE_QUEUE requests wait for it. Each worker compiles an accepted grammar again,
-# off its loop (serving/worker/grammar_prep.py). Grammars that compiled are remembered (up to
-# MAX_CHECKED_GRAMMARS, least recently used out) and not compiled here again.
+# A compile past the timeout cannot be stopped: its own thread keeps it from holding up preprocessing.
 GUIDED_COMPILE_TIMEOUT_S = 10.0
 MAX_COMPILE_QUEUE = 16
-MAX_CHECKED_GRAMMARS = 1024
+MAX_CHECKED_GRAMMARS = 1024  # compiled ones, LRU
 
 
 class GrammarCheck:
-    """Compiles requests' grammars with ``tokenizer``'s vocabulary to check them, on a
-    thread of its own; :meth:`spec` is the check."""
 
     def __init__(self, tokenizer):
         self.decoder = GuidedDecoder(tokenizer, len(tokenizer))
@@ -40,16 +31,8 @@ class GrammarCheck:
         self._compiler.shutdown(wait=False, cancel_futures=True)
 
     async def spec(self, body, tools: ToolPlan | None = None) -> GuidedSpec | None:
-        """The request's structured-output constraint (None: none), checked by compiling it
-        on the grammar thread (see :data:`GUIDED_COMPILE_TIMEOUT_S`) unless checked before; a
-        "required" or named ``tool_choice`` of plan ``tools`` brings its own (see
-        ``ToolPlan.guided_spec``).
-
-        Raises:
-            APIError: 400 naming the field: two constraints, a value the grammar library
-                cannot compile (with its message), or one not compiled in time; 503 when
-                :data:`MAX_COMPILE_QUEUE` requests already wait for the grammar thread.
-        """
+        """None: no constraint; a forcing ``tool_choice`` brings its own. Raises APIError 400 naming
+        the field (two constraints, not compilable, not in time), 503 (:data:`MAX_COMPILE_QUEUE` wait)."""
         found = body.guided_spec()
         forced = tools.guided_spec() if tools else None
         if forced is not None:

@@ -1,12 +1,6 @@
-"""What one request holds on workers, and the one place each holding is given back.
-
-A request's flow records here, as it goes, which worker has the request queued or
-running (the *holder*: it gets ``Abort`` if the flow ends first), which prefill worker
-has, or may have, exported the prompt's KV that no decode worker imported yet (it gets
-``ReleaseKV``) and which encode workers are encoding the request's images or hold their
-embedding frame (each gets ``ReleaseKV``). Every holding is cleared as its message goes
-out, so each is given back exactly once; a worker that went down is only forgotten (its
-Reset, or its restart, drops everything it held).
+"""What one request holds on workers: the holder gets ``Abort``, the KV's prefill worker and
+the encode workers ``ReleaseKV``. Each holding is cleared as its message goes out, so it is
+given back exactly once; a worker that went down is only forgotten (its Reset drops it all).
 """
 
 from __future__ import annotations
@@ -16,8 +10,7 @@ from epdserve.serving.router.registry import Registry, WorkerState
 
 
 class Holdings:
-    """The holdings of request ``request_id``; messages go out through ``registry``
-    (quietly: a full command queue is logged, never raised)."""
+    """Sends quietly: a full command queue is logged, never raised."""
 
     def __init__(self, registry: Registry, request_id: str):
         self.registry = registry
@@ -27,8 +20,7 @@ class Holdings:
         self.frames: list[WorkerState] = []
 
     def hold(self, worker: WorkerState, tokens: int, exports_kv: bool = False) -> None:
-        """``worker`` now has the request (``tokens``: prompt + max_tokens, its load);
-        ``exports_kv``: a prefill worker, which may export the KV any time from now."""
+        """``tokens``: prompt + max_tokens; ``exports_kv``: it may export the KV any time from now."""
         worker.outstanding[self.request_id] = tokens
         self.holder = worker
         if exports_kv:
@@ -38,20 +30,18 @@ class Holdings:
             worker.exports.add(self.request_id)
 
     def done(self, worker: WorkerState, failed: bool = False) -> None:
-        """``worker`` has no more work on the request (its last output, its KV exported,
-        or ``failed``: its Error, after which it keeps no export either)."""
+        """Its last output or KV export; ``failed``: its Error, after which it keeps no export either."""
         if self.holder is worker:
             self.holder = None
         if failed and self.kv is worker:
             self._forget_kv()
 
     def encoding(self, worker: WorkerState) -> None:
-        """``worker`` encodes (some of) the request's images into a frame it keeps."""
         worker.outstanding[self.request_id] = 0
         self.frames.append(worker)
 
     def lost(self, worker: WorkerState) -> None:
-        """``worker`` went down with whatever it held of the request: nothing to send it."""
+        """Nothing is sent to it."""
         if self.holder is worker:
             self.holder = None
         if self.kv is worker:
@@ -59,8 +49,6 @@ class Holdings:
         self.frames = [w for w in self.frames if w is not worker]
 
     def release_kv(self) -> None:
-        """The exported KV is no longer needed (imported by the decode worker, or the
-        prefill worker finished the request without a hand-off): ``ReleaseKV`` to it."""
         if self.kv is not None:
             worker = self.kv
             self._forget_kv()
@@ -71,9 +59,7 @@ class Holdings:
         self.kv = None
 
     def settle(self) -> list[tuple[str, str]]:
-        """The request has ended, however: give back everything still held (Abort to the
-        holder, ReleaseKV to the KV's prefill worker and to every encode worker). Returns
-        ``(worker id, message type)`` of what was sent, in order."""
+        """On any ending; returns ``(worker id, message type)`` of what was sent, in order."""
         sent = []
         if self.holder is not None:
             worker, self.holder = self.holder, None

@@ -1,33 +1,6 @@
-"""Prefix-aware routing: which worker of a role most likely holds a request's prompt prefix.
-
-The router cannot see the workers' prefix caches; as SGLang's cache-aware router (its
-approximate radix tree per worker), llm-d's approximate prefix-cache scorer (an LRU index
-of the prefix hashes recently sent to each pod) and Dynamo's KV router in approximation
-mode (``--no-kv-events``), it keeps a *belief*: per worker, the block keys of the prompts it
-routed there (:class:`WorkerIndex`), bounded by the worker's KV pool (``blocks_total``) with
-LRU eviction, and forgotten when the worker is replaced, restarted or reset (it then holds
-nothing).
-
-Keys (:class:`PromptBlocks`): the prompt's leading full blocks of ``block_size`` tokens (the
-workers' block size, from their Hello's ``kv_layout``), chained as the workers' own
-(:func:`~epdserve.engine.prefix_cache.hash_block`, vLLM's scheme), up to the blocks a worker
-could reuse (all but the last prompt token: vLLM's rule). A prompt with images mixes every
-image's content hash into every block's key: the router does not know where each image's
-tokens lie, so two prompts with the same placeholder tokens and other images never match
-(the price: a text prefix shared by prompts with different images is not believed cached).
-
-The rule (:meth:`PrefixAware.choose`) is SGLang's cache-aware one:
-
-1. Load = outstanding requests. If the role is imbalanced, ``max - min >
-   balance_abs_threshold`` and ``max > balance_rel_threshold * min``, the least loaded
-   worker takes the request (reason "balance"): one hot prefix cannot pile every request
-   onto one worker.
-2. Else the worker believed to hold the most leading blocks takes it, if that is at least
-   ``cache_threshold`` of the prompt's blocks (reason "prefix"; ties: least loaded).
-3. Else the least loaded worker, ties broken by the smaller index (SGLang: the smallest
-   tree, the one with the most room for a new prefix) (reason "spread").
-
-The chosen worker's index then takes the request's keys (it will cache those blocks).
+"""Prefix-aware routing by SGLang's cache-aware rule over a per-worker LRU belief of the block
+keys routed there (llm-d's kind of index); the rule, the keys and measurements are in
+docs/serving.md (Routing among workers).
 """
 
 from __future__ import annotations
@@ -40,51 +13,42 @@ from epdserve.engine.prefix_cache import hash_block
 
 POLICIES = ("least-loaded", "prefix-aware")
 DEFAULT_POLICY = "least-loaded"
-# SGLang's router defaults are 64 and 1.5 (a GPU worker batches hundreds of requests); a CPU
-# worker here runs a handful at once, so the absolute gap is scaled down to match.
+# SGLang's defaults are 64 and 1.5, sized for GPU batches of hundreds; a CPU worker runs a handful.
 BALANCE_ABS_THRESHOLD = 4
 BALANCE_REL_THRESHOLD = 1.5
 CACHE_THRESHOLD = 0.3  # SGLang's (and its model gateway's) --cache-threshold default
 
 
 class Candidate(Protocol):
-    """What the policy reads of a worker (a :class:`~epdserve.serving.router.registry.WorkerState`):
-    ``outstanding`` maps request ids to tokens; ``blocks_total``: its KV pool, in blocks;
-    ``kv_layout["block_size"]``: tokens per block."""
+    """A :class:`~epdserve.serving.router.registry.WorkerState` as the policy reads it."""
 
     worker_id: str
-    outstanding: dict[str, int]
-    blocks_total: int
+    outstanding: dict[str, int]  # request id -> tokens
+    blocks_total: int  # its KV pool, in blocks
     kv_layout: dict
 
 
 def load(w: Candidate) -> tuple[int, int]:
-    """Outstanding requests, then their tokens: the least-loaded order (lowest first)."""
+    """Outstanding requests, then their tokens (lowest first)."""
     return len(w.outstanding), sum(w.outstanding.values())
 
 
 @dataclass
 class Decision:
-    """How a request was routed: ``worker_id``; ``matched_blocks`` of ``block_size``
-    tokens the router believed that worker held; ``reason`` "prefix", "balance" or
-    "spread" (see the module docstring)."""
+    """``matched_blocks``: believed held by the chosen worker, of ``block_size`` tokens each."""
 
     worker_id: str
     matched_blocks: int
     block_size: int
-    reason: str
+    reason: str  # "prefix", "balance" or "spread"
 
     @property
     def believed_tokens(self) -> int:
-        """Prompt tokens believed cached on the chosen worker."""
         return self.matched_blocks * self.block_size
 
 
 class PromptBlocks:
-    """One request's prompt as the router keys it: ``token_ids`` and the content hashes of
-    its images (``image_hashes``, in prompt order, sha256 hex as
-    :class:`~epdserve.serving.protocol.ImageRef`'s). :meth:`hashes` keys it for a block size;
-    ``decision`` is set by :meth:`PrefixAware.choose` (None until routed by it)."""
+    """``image_hashes``: sha256 hex, in prompt order; every one is in every block's key."""
 
     def __init__(self, token_ids: list[int], image_hashes: tuple[str, ...] | list[str] = ()):
         self.token_ids = token_ids
@@ -93,13 +57,8 @@ class PromptBlocks:
         self._hashes: dict[int, list[bytes]] = {}
 
     def hashes(self, block_size: int) -> list[bytes]:
-        """The 32-byte keys of the prompt's leading full blocks a worker could reuse:
-        ``(len(token_ids) - 1) // block_size`` of them (the last prompt token is always
-        computed), each chained on the one before; computed once per block size.
-
-        Raises:
-            ValueError: ``block_size`` under 1.
-        """
+        """32-byte chained keys of the ``(len(token_ids) - 1) // block_size`` blocks a worker could
+        reuse (it always computes the last prompt token). Raises ValueError: ``block_size`` < 1."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         if block_size not in self._hashes:
@@ -112,8 +71,7 @@ class PromptBlocks:
 
 
 class WorkerIndex:
-    """The block keys believed held by one worker, least recently used first; ``owner`` is
-    the registration (the ``WorkerState`` object) it belongs to."""
+    """Least recently used first; ``owner``: the ``WorkerState`` object it belongs to."""
 
     def __init__(self, owner: object):
         self.owner = owner
@@ -123,8 +81,7 @@ class WorkerIndex:
         return len(self.keys)
 
     def match(self, hashes: list[bytes]) -> int:
-        """How many of ``hashes`` (a prompt's chained keys) lead the prompt unbroken in the
-        index; a chained key stands for its whole prefix, so the first miss ends the match."""
+        """Leading keys held; a chained key stands for its whole prefix, so the first miss ends it."""
         n = 0
         for key in hashes:
             if key not in self.keys:
@@ -133,10 +90,8 @@ class WorkerIndex:
         return n
 
     def insert(self, hashes: list[bytes], capacity: int) -> None:
-        """Record ``hashes`` as held, most recently used, keeping at most ``capacity`` keys
-        (the worker's ``blocks_total``). The leading block is touched last: as a worker
-        frees a sequence's blocks tail first (vLLM), a prefix's later blocks are evicted
-        before its first ones, and a match stays a leading run."""
+        """The leading block is touched last: workers free a sequence tail first (vLLM), so a match
+        stays a leading run."""
         for key in reversed(hashes):
             self.keys[key] = None
             self.keys.move_to_end(key)
@@ -145,14 +100,8 @@ class WorkerIndex:
 
 
 class PrefixAware:
-    """The prefix-aware policy: a :class:`WorkerIndex` per worker id and SGLang's rule
-    (module docstring). ``cache_threshold``: the least matched share of a prompt's blocks
-    that wins over load; ``balance_abs_threshold`` (requests) and ``balance_rel_threshold``
-    (ratio): past both, routing is least-loaded.
-
-    Raises (constructor):
-        ValueError: a threshold out of range (cache share outside [0, 1], a negative gap, a ratio under 1).
-    """
+    """``cache_threshold``: share of blocks, [0, 1]; ``balance_abs_threshold``: requests, >= 0;
+    ``balance_rel_threshold``: ratio, >= 1. Raises ValueError outside these."""
 
     name = "prefix-aware"
 
@@ -170,27 +119,20 @@ class PrefixAware:
         self.indexes: dict[str, WorkerIndex] = {}
 
     def index(self, w: Candidate) -> WorkerIndex:
-        """``w``'s index; a new, empty one when ``w`` is another registration than the one
-        indexed (the worker was replaced, restarted or reset, and holds nothing)."""
+        """A new, empty one for another registration (replaced, restarted or reset: holds nothing)."""
         idx = self.indexes.get(w.worker_id)
         if idx is None or idx.owner is not w:
             idx = self.indexes[w.worker_id] = WorkerIndex(w)
         return idx
 
     def imbalanced(self, candidates: list[Candidate]) -> bool:
-        """SGLang's test: the outstanding-request gap is over both thresholds."""
         loads = [len(w.outstanding) for w in candidates]
         lo, hi = min(loads), max(loads)
         return hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo
 
     def choose(self, candidates: list[Candidate], prompt: PromptBlocks) -> Candidate:
-        """The worker among ``candidates`` (live, of one role) for ``prompt``, by the rule of
-        the module docstring; records the keys in its index and the :class:`Decision` in
-        ``prompt.decision``.
-
-        Raises:
-            ValueError: no candidates.
-        """
+        """Records the keys in its index and the :class:`Decision` in ``prompt.decision``.
+        Raises ValueError: no candidates."""
         if not candidates:
             raise ValueError("no candidate workers")
         matched = {}
@@ -213,7 +155,7 @@ class PrefixAware:
 
 
 def _block_size(w: Candidate) -> int:
-    """Tokens per KV block of ``w`` (its Hello's ``kv_layout``). Raises ValueError if absent."""
+    """Raises ValueError if ``kv_layout`` has none."""
     size = w.kv_layout.get("block_size")
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"worker {w.worker_id} reports no block_size in its kv_layout ({w.kv_layout})")
@@ -221,12 +163,7 @@ def _block_size(w: Candidate) -> int:
 
 
 def make_policy(name: str) -> PrefixAware | None:
-    """The policy ``--routing NAME`` names: None for "least-loaded" (the registry's own
-    order), a :class:`PrefixAware` for "prefix-aware".
-
-    Raises:
-        ValueError: another name.
-    """
+    """None for "least-loaded" (the registry's own order). Raises ValueError: an unknown name."""
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r} (expected one of {', '.join(POLICIES)})")
     return PrefixAware() if name == "prefix-aware" else None

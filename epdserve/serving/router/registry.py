@@ -1,26 +1,5 @@
-"""The worker registry: who is up, who holds what, who gets the next request.
-
-Workers join with ``Hello`` (:meth:`Registry.on_hello`): accepted unless
-:func:`~epdserve.serving.handshake.refusal` finds it incompatible or its id is held by
-another live worker process (it then gets only ``Refused``). ``Stats`` update a worker's
-state and the Prometheus gauges; request messages become events on their request's queue.
-
-Elastic (``serve --elastic``): every engine role may join, and :meth:`Registry.set_role`
-changes a worker's role live: the router routes by the new role at once and the worker
-drains the old one's work, then says ``RoleSwitched``. Each role a worker is admitted in,
-asked for, and announces is handed to ``on_event`` as a ``role`` trace line (elastic only;
-docs/elastic.md).
-
-Worker states: "up"; "down" once :meth:`Registry.mark_dead` is called (by the launcher's
-process watch, or by :meth:`Registry.check_silence` after ``worker_timeout_s`` without any
-message, heartbeats included, on the read clock the events loop keeps); "refused". A down
-worker comes back up by saying Hello again: a restarted process at once; the same process
-(it was stopped, or cut off, and its heartbeats resume) after a
-:class:`~epdserve.serving.protocol.Reset` that makes it drop everything it held.
-
-The registry talks to workers only through a :class:`WorkerPort`, so that it (and the
-request flows) run without sockets in tests.
-"""
+"""The worker registry: who is up, who holds what, who gets the next request. Joining, going
+down and Reset: docs/architecture.md (Handshake; worker death); ``role`` trace lines: docs/elastic.md."""
 
 from __future__ import annotations
 
@@ -40,8 +19,7 @@ from epdserve.serving.api.errors import APIError
 
 log = logging.getLogger("epdserve.router")
 
-# Elastic: a stage with no worker of its role goes to one of these (a colocated worker
-# decodes an imported request as a decode worker does).
+# Elastic: a colocated worker decodes an imported request as a decode worker does.
 ELASTIC_FALLBACK = {"decode": "colocated"}
 TAKEOVER_SILENCE_S = 1.0  # 2 heartbeat intervals: a worker this silent may be replaced by another process
 RESET_RETRY_S = 2.0  # how often a down worker that is heard again is sent Reset until it says Hello
@@ -49,53 +27,34 @@ MAX_REFUSED = 64  # refused workers listed in /health (the oldest are forgotten)
 
 
 class WorkerPort(Protocol):
-    """How the registry reaches workers (ZeroMQ in production, a recorder in tests)."""
-
     def connect(self, worker_id: str, addr: str, incarnation: str) -> None:
-        """Open the command channel to ``worker_id`` at ``addr``, sealed for ``incarnation``
-        (replacing any channel of that id)."""
+        """Replaces any channel of that id; sealed for ``incarnation``."""
 
     def disconnect(self, worker_id: str) -> None:
-        """Close ``worker_id``'s command channel, if any."""
+        """No-op for an id without a channel."""
 
     def send(self, worker_id: str, msg) -> None:
-        """Queue ``msg`` for ``worker_id`` without blocking.
-
-        Raises:
-            WorkerFailed: its command queue is full (it stopped reading).
-        """
+        """Never blocks. Raises WorkerFailed: its command queue is full (it stopped reading)."""
 
     def send_refused(self, worker_id: str, addr: str, msg: P.Refused) -> None:
-        """Deliver ``msg`` once to the process at ``addr`` (calling itself ``worker_id``) (sealed for ``msg.incarnation``),
-        never blocking for long; a failure is logged, not raised."""
+        """Once, sealed for ``msg.incarnation``, never blocking for long; failures are logged, not raised."""
 
 
 class Inbox(Protocol):
-    """A request in flight, as the registry sees it: something events are delivered to."""
-
     def deliver(self, event) -> None:
-        """Queue ``event`` (see :mod:`~epdserve.serving.router.events`) for the request."""
+        """Queue an :mod:`~epdserve.serving.router.events` event for the request."""
 
 
 @dataclass
 class Compat:
-    """What a worker must match to join: the model's ``fingerprint``, its KV shape
-    (``kv_shape``), an encode worker's ``embedding_shape`` (None: no vision model), and
-    the deployment's ``auth_token`` (None: none)."""
-
     fingerprint: str
     kv_shape: dict
-    embedding_shape: dict | None = None
+    embedding_shape: dict | None = None  # None: no vision model
     auth_token: str | None = None
 
 
 @dataclass
 class WorkerState:
-    """What the router knows of one worker. ``outstanding`` maps request ids it holds to
-    their token count (prompt + max_tokens); ``last_seen`` is a ``time.monotonic()``,
-    ``heard`` the registry's read clock (see :meth:`Registry.advance`) at its last message;
-    ``incarnation`` names its process."""
-
     worker_id: str
     role: str
     addr: str
@@ -107,28 +66,28 @@ class WorkerState:
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # time.monotonic() of its last message
     dead: str | None = None  # why it is considered gone
-    outstanding: dict[str, int] = field(default_factory=dict)
-    exports: set[str] = field(default_factory=set)  # requests it prefills or prefilled, until their KV is released
+    outstanding: dict[str, int] = field(default_factory=dict)  # request id -> prompt + max_tokens
+    exports: set[str] = field(default_factory=set)  # until their KV is released
     incarnation: str = ""
-    heard: float = 0.0
+    heard: float = 0.0  # the read clock at its last message
     reset_sent: float = -float("inf")  # time.monotonic() of the last Reset
-    node_id: str = ""  # where it runs (its Hello's): the Ray node id, or the host name
+    node_id: str = ""  # the Ray node id, or the host name
     node_ip: str = ""
     resources: dict[str, float] = field(default_factory=dict)  # what its Ray actor holds
-    pid: int = 0  # its process on its node
-    weight_format: str = ""  # its Hello's: what its engine's linear layers hold
-    tensor_parallel_size: int = 1  # its Hello's: the ranks its engine runs on
-    tuned: dict[str, dict] = field(default_factory=dict)  # its Hello's: its engine's measured choices
-    announced: str = ""  # the role it last announced (Hello, RoleSwitched); ``role`` routes
+    pid: int = 0
+    weight_format: str = ""
+    tensor_parallel_size: int = 1
+    tuned: dict[str, dict] = field(default_factory=dict)
+    announced: str = ""  # last announced (Hello, RoleSwitched); ``role`` is what routes
     switch_id: str | None = None  # a SetRole it has not answered yet
-    switch_reason: str | None = None  # why that SetRole was sent, for the switch's trace line
-    retiring: bool = False  # elastic: being removed; no new work, it finishes what it holds
-    stats_seen: float = 0.0  # time.monotonic() of its last Stats
+    switch_reason: str | None = None
+    retiring: bool = False  # elastic: no new work, it finishes what it holds
+    stats_seen: float = 0.0  # time.monotonic()
 
     def as_json(self, now: float) -> dict:
-        """Its /health entry (``now``: a ``time.monotonic()``)."""
+        """Its /health entry (``now``: ``time.monotonic()``)."""
         return {"worker_id": self.worker_id, "role": self.role, "announced_role": self.announced,
                 "switching": self.switch_id is not None, "addr": self.addr, "cores": self.cores,
                 "state": "down" if self.dead else "retiring" if self.retiring else "up", "reason": self.dead,
@@ -143,15 +102,7 @@ class WorkerState:
 
 
 class Registry:
-    """Workers by id, refused workers, and the requests in flight (``requests``: id ->
-    :class:`Inbox`). ``mode``: "colocated", "pd" or "epd"; a worker silent for
-    ``worker_timeout_s`` seconds of read clock is marked down. ``elastic``: workers of any
-    engine role join and may switch (:meth:`set_role`); ``on_event`` gets each ``role``
-    trace line (a dict) as it happens.
-
-    Raises (constructor):
-        ValueError: an unknown mode, or elastic with epd.
-    """
+    """``worker_timeout_s``: read-clock seconds. Raises ValueError: an unknown mode, or elastic with epd."""
 
     def __init__(self, mode: str, port: WorkerPort, compat: Compat, *, worker_timeout_s: float = 5.0,
                  metrics: RouterMetrics | None = None, elastic: bool = False,
@@ -170,28 +121,22 @@ class Registry:
         self.workers: dict[str, WorkerState] = {}
         self.refused: dict[str, dict] = {}  # worker id -> its /health entry
         self.requests: dict[str, Inbox] = {}
-        self.clock = 0.0  # read clock: seconds the events loop has been able to read (see advance)
+        self.clock = 0.0  # read clock (s): see advance
 
-    # -- liveness
     def live(self, w: WorkerState) -> bool:
-        """True unless ``w`` is down."""
         return w.dead is None
 
     def ready(self) -> bool:
-        """True when every role the mode needs has a live worker (elastic: when a request
-        can be served, see :meth:`serving_path`)."""
+        """Every role the mode needs has a live worker (elastic: some :meth:`serving_path`)."""
         if self.elastic:
             return self.serving_path() is not None
         return all(self.has_live(role) for role in MODE_ROLES[self.mode])
 
     def has_live(self, role: str) -> bool:
-        """True when some live worker has ``role``."""
         return any(w.role == role and self.live(w) and not w.retiring for w in self.workers.values())
 
     def serving_path(self) -> str | None:
-        """Elastic: how a text request is served with the roles live now: "disaggregated"
-        (a prefill worker, and a decode or colocated worker to decode), "colocated", "local"
-        (decode workers only: they prefill themselves), or None (no way)."""
+        """Elastic: the path a text request takes with the roles live now, or None."""
         if self.has_live("prefill") and (self.has_live("decode") or self.has_live("colocated")):
             return "disaggregated"
         if self.has_live("colocated"):
@@ -199,20 +144,16 @@ class Registry:
         return "local" if self.has_live("decode") else None
 
     def advance(self, seconds: float) -> None:
-        """Move the read clock on by ``seconds`` the events loop could read (it decides how
-        much of a stall counts, so that the router never blames a worker for its own)."""
+        """Seconds the events loop could read: a router stall is never blamed on a worker."""
         self.clock += seconds
 
     def check_silence(self) -> None:
-        """Mark down every live worker unheard for more than ``worker_timeout_s`` of read clock."""
         for w in list(self.workers.values()):
             if not w.dead and self.clock - w.heard > self.worker_timeout_s:
                 self.mark_dead(w.worker_id, f"silent for {self.worker_timeout_s:g} s")
 
     def mark_dead(self, worker_id: str, reason: str) -> None:
-        """Declare a worker down until it says Hello again: it is not picked, and the
-        requests it holds get :class:`~epdserve.serving.router.events.WorkerDown` at once
-        (to fail, or before their first output to be retried elsewhere)."""
+        """Down until it says Hello again; its requests get ``WorkerDown`` at once."""
         w = self.workers.get(worker_id)
         if w is None or w.dead:
             return
@@ -225,17 +166,9 @@ class Registry:
                 inbox.deliver(WorkerDown(worker_id, reason))
         w.outstanding.clear()
 
-    # -- picking and sending
     def pick(self, role: str, prompt: PromptBlocks | None = None, policy: PrefixAware | None = None,
              exclude: WorkerState | None = None) -> WorkerState:
-        """The live worker of ``role`` (never ``exclude``) for a request: with ``policy`` and
-        ``prompt`` (the request's block keys), as :meth:`PrefixAware.choose` rules (the
-        decision lands in ``prompt.decision``); otherwise the one with the fewest
-        outstanding requests (then tokens).
-
-        Raises:
-            APIError: 503, no live worker of that role.
-        """
+        """By ``policy``, else fewest outstanding requests, then tokens. Raises APIError 503: none live."""
         def of(r: str) -> list[WorkerState]:
             return [w for w in self.workers.values()
                     if w.role == r and self.live(w) and not w.retiring and w is not exclude]
@@ -250,18 +183,16 @@ class Registry:
         return min(candidates, key=load)
 
     def encoders(self) -> list[WorkerState]:
-        """The live encode workers, least loaded (then by id) first."""
+        """Least loaded (then by id) first."""
         return sorted((w for w in self.workers.values() if w.role == "encode" and self.live(w)),
                       key=lambda w: (len(w.outstanding), w.worker_id))
 
     def send(self, w: WorkerState, msg) -> None:
-        """Queue ``msg`` for ``w``. Raises WorkerFailed if its command queue is full."""
+        """Raises WorkerFailed if its command queue is full."""
         self.port.send(w.worker_id, msg)
 
     def send_quietly(self, w: WorkerState, msg) -> None:
-        """As :meth:`send`, logging instead of raising (for what frees resources). Nothing
-        goes to a worker whose process was replaced since (``w`` is no longer registered):
-        the new one never held what ``msg`` is about."""
+        """Logs instead of raising; skips a worker replaced since (the new process never held it)."""
         if self.workers.get(w.worker_id) is not w:
             return
         try:
@@ -270,15 +201,8 @@ class Registry:
             log.warning("could not send %s to %s: %s", msg.type, w.worker_id, exc)
 
     def set_role(self, worker_id: str, role: str, reason: str = "") -> None:
-        """Elastic: make live worker ``worker_id`` a ``role`` worker. Requests are routed
-        by ``role`` from now on; what it holds finishes where it is (see
-        :mod:`~epdserve.serving.worker.engine_worker`) until it says ``RoleSwitched``.
-
-        Raises:
-            ValueError: not elastic, an unknown or down worker, or a role outside
-                :data:`ENGINE_ROLES`.
-            WorkerFailed: its command queue is full.
-        """
+        """Elastic: routed by ``role`` at once, it drains what it holds until ``RoleSwitched``. Raises
+        ValueError (not elastic, unknown or down worker, not an engine role), WorkerFailed (queue full)."""
         w = self.workers.get(worker_id)
         if not self.elastic or role not in ENGINE_ROLES or w is None or w.dead:
             raise ValueError(f"cannot switch worker {worker_id!r} to {role!r} (elastic: {self.elastic}, "
@@ -295,9 +219,7 @@ class Registry:
         self._role_event(w, "switching", previous, reason=reason or None)
 
     def retire(self, worker_id: str, reason: str) -> None:
-        """Elastic: route no new work to live worker ``worker_id`` from now on; it finishes
-        what it holds (the caller, :class:`~epdserve.serving.router.elastic.Workforce`,
-        then calls :meth:`remove`). Raises ValueError for a worker that is not live."""
+        """Elastic: no new work; it finishes what it holds. Raises ValueError if not live."""
         w = self.workers.get(worker_id)
         if w is None or w.dead or not self.elastic:
             raise ValueError(f"cannot retire worker {worker_id!r}: not a live elastic worker")
@@ -306,8 +228,6 @@ class Registry:
         self._role_event(w, "retiring", w.role, reason=reason)
 
     def remove(self, worker_id: str, reason: str) -> None:
-        """Forget ``worker_id`` (retired, or never up): ask it to shut down if it is up,
-        close its channel; its ``role`` line says ``removed``. Unknown ids: nothing."""
         w = self.workers.pop(worker_id, None)
         if w is None:
             return
@@ -323,7 +243,7 @@ class Registry:
 
     def _on_role_switched(self, w: WorkerState, msg: P.RoleSwitched) -> None:
         if msg.switch_id != w.switch_id:
-            return  # an answer to a SetRole that a later one replaced: that one's answer counts
+            return  # answers a SetRole that a later one replaced
         w.switch_id, w.announced = None, msg.role
         if msg.previous != msg.role:  # not asked back to its role while draining: a switch
             self.metrics.role_switched(w.worker_id, msg.previous, msg.role, msg.drain_ms / 1e3)
@@ -333,19 +253,16 @@ class Registry:
 
     def _role_event(self, w: WorkerState, state: str, previous: str | None, drain_ms: float | None = None,
                     reason: str | None = None) -> None:
-        if self.elastic:  # a static deployment's trace holds request lines only, as before
+        if self.elastic:  # a static deployment's trace holds request lines only
             self.on_event({"event": "role", "at": time.time(), "worker": w.worker_id, "role": w.role,
                            "previous": previous, "state": state, "drain_ms": drain_ms, "reason": reason})
 
     def shutdown_workers(self) -> None:
-        """Ask every live worker to exit (used by the launcher that owns them)."""
         for w in self.workers.values():
             if not w.dead:
                 self.send_quietly(w, P.Shutdown())
 
-    # -- worker messages
     def on_message(self, msg, now: float) -> None:
-        """Act on one worker message (``now``: its ``time.monotonic()`` arrival)."""
         if isinstance(msg, P.Hello):
             self.on_hello(msg)
             return
@@ -355,7 +272,7 @@ class Registry:
             return
         if isinstance(msg, P.Heartbeat):
             if msg.incarnation != w.incarnation:
-                return  # another process claiming this id (one that was replaced, or a token holder)
+                return  # another process claiming this id
             if w.dead:
                 self._reset(w, now)
         w.last_seen, w.heard = now, self.clock
@@ -379,20 +296,17 @@ class Registry:
                                 num_steps=msg.num_steps, last_step_tokens=msg.last_step_tokens)
 
     def _on_request_message(self, w: WorkerState, msg: P.Output | P.Error | P.Encoded) -> None:
-        # A worker's last word on a request (finished, KV exported, error, frame made): it
-        # no longer counts towards the worker's load.
         if not isinstance(msg, P.Output) or msg.finished or msg.kv is not None:
             w.outstanding.pop(msg.request_id, None)
         inbox = self.requests.get(msg.request_id)
         if inbox is not None:
             inbox.deliver(event_for(msg))
         elif isinstance(msg, P.Encoded) or (isinstance(msg, P.Output) and msg.kv is not None):
-            # Its client left before the KV (embeddings) arrived: no flow will release it.
+            # its client left before the KV or embeddings came: no flow will release them
             self.send_quietly(w, P.ReleaseKV(request_id=msg.request_id))
 
     def _reset(self, w: WorkerState, now: float) -> None:
-        """A down worker's own heartbeats resume (it was stopped or cut off, not restarted):
-        tell it to drop what it held and say Hello again (at most every RESET_RETRY_S)."""
+        """A down worker heard again drops what it held and says Hello (asked at most every RESET_RETRY_S)."""
         if now - w.reset_sent < RESET_RETRY_S:
             return
         w.reset_sent = now
@@ -401,15 +315,7 @@ class Registry:
         self.send_quietly(w, P.Reset(incarnation=w.incarnation))
 
     def on_hello(self, msg: P.Hello) -> None:
-        """Register a worker (new, restarted, or the same process after a Reset), or refuse it.
-
-        Identity: while a worker id is held by a live worker, a Hello for it is taken only
-        from the same process (same ``incarnation``: nothing to do) or once that worker has
-        been silent for more than ``TAKEOVER_SILENCE_S`` (it died and its successor came up
-        before anyone noticed); otherwise it is refused as held. With a token only a token
-        holder gets here (the frame's tag was checked). A refused Hello never touches the
-        state of the worker registered under its id.
-        """
+        """A live worker's id is taken over only after ``TAKEOVER_SILENCE_S``; a refusal leaves its state."""
         old = self.workers.get(msg.worker_id)
         if old is not None and not old.dead:
             if msg.incarnation == old.incarnation:
@@ -433,12 +339,10 @@ class Registry:
                 self.metrics.set_worker_up(msg.worker_id, old.role, False)
         self._admit(msg)
         if self.elastic and old is not None and old.announced and old.announced != msg.role:
-            # A restarted process comes up in its first role (its command line, or its Ray
-            # actor's arguments): it holds nothing, so it switches back at once.
+            # a restarted process comes up in its first role and holds nothing: switch back now
             self.set_role(msg.worker_id, old.announced, f"restarted: back to its last announced role {old.announced}")
 
     def _refusal(self, msg: P.Hello) -> str | None:
-        """Why ``msg``'s worker cannot serve with this deployment, or None."""
         roles = ENGINE_ROLES if self.elastic else MODE_ROLES[self.mode]
         if msg.role not in roles:
             kind = "an elastic" if self.elastic else f"a {self.mode}"
@@ -470,11 +374,7 @@ class Registry:
         self._role_event(self.workers[msg.worker_id], "up", None)
 
     def _refuse(self, msg: P.Hello, reason: str, held: bool) -> None:
-        """Turn ``msg``'s sender away. ``held``: its id names a registered worker, whose state
-        (and /health entry) stays as it is; else it is listed in /health as refused.
-        ``Refused`` goes to the Hello's address, sealed for the Hello's process alone; without
-        a token only when the id is not held (an unauthenticated Hello could name any
-        address, a live worker's included)."""
+        """No tokenless ``Refused`` to a held id: an unauthenticated Hello could name a live worker's address."""
         log.error("refused worker %s (%s) from %s: %s", msg.worker_id, msg.role, msg.addr, reason)
         if not held:
             self.refused.pop(msg.worker_id, None)
@@ -494,7 +394,6 @@ class Registry:
         self.port.send_refused(msg.worker_id, msg.addr, P.Refused(reason=reason, incarnation=msg.incarnation))
 
     def health(self, now: float) -> list[dict]:
-        """Every worker's /health entry in worker id order (``natural_order``: the order
-        they join in varies, on Ray above all), refused ones last (``now``: ``time.monotonic()``)."""
+        """In worker id order (join order varies, on Ray above all), refused last; ``now``: ``time.monotonic()``."""
         ids = sorted(self.workers, key=natural_order)
         return [self.workers[i].as_json(now) for i in ids] + list(self.refused.values())

@@ -1,23 +1,14 @@
-"""What the elastic controller reads of the requests (``serve --elastic``, docs/elastic.md).
-
-The flows report each request's arrival, its first token and every gap between two of its
-outputs reaching the router as they happen; :meth:`SignalRecorder.take` hands over and
-forgets what came since the last call, which the controller turns into one
-:class:`~epdserve.serving.elastic.policy.Sample` with the workers' own numbers.
-"""
+"""What the elastic controller reads of the requests (docs/elastic.md)."""
 
 from __future__ import annotations
 
 
 class SignalRecorder:
-    """Request events since the last :meth:`take`: ``arrivals`` as (prompt tokens,
-    max_tokens); ``ttfts_ms`` (arrival to first token at the router, ms) and, per the same
-    request, ``prefill_queue_ms`` (router queue + the prefilling worker's queue when its
-    first output says it, ms) and ``prefill_tokens`` (the prompt tokens its prefill computed:
-    not found in the prefix cache); ``itls_ms`` (gaps between two outputs of a request, ms)."""
+    """Since the last :meth:`take`, at the router: ``prefill_queue_ms`` is router + worker queue;
+    ``prefill_tokens`` those not found in the prefix cache."""
 
     def __init__(self) -> None:
-        self.arrivals: list[tuple[int, int]] = []
+        self.arrivals: list[tuple[int, int]] = []  # (prompt tokens, max_tokens)
         self.ttfts_ms: list[float] = []
         self.prefill_queue_ms: list[float] = []
         self.prefill_tokens: list[int] = []
@@ -35,8 +26,7 @@ class SignalRecorder:
         self.itls_ms.append(gap_ms)
 
     def take(self) -> tuple[tuple, tuple, tuple, tuple, tuple]:
-        """``(arrivals, ttfts_ms, prefill_queue_ms, itls_ms, prefill_tokens)`` since the last
-        call, as tuples."""
+        """``(arrivals, ttfts_ms, prefill_queue_ms, itls_ms, prefill_tokens)``; forgets them."""
         out = (tuple(self.arrivals), tuple(self.ttfts_ms), tuple(self.prefill_queue_ms), tuple(self.itls_ms),
                tuple(self.prefill_tokens))
         self.__init__()

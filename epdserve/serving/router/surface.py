@@ -1,27 +1,6 @@
-"""The parts of ``vllm serve``'s HTTP surface beyond the completions: ``POST /tokenize``,
-``POST /detokenize``, ``GET /version``, the ``--api-key`` check, and the request defaults
-of ``--generation-config``.
-
-* ``/tokenize`` takes vLLM's two forms: ``{"prompt", "add_special_tokens": true}``, or
-  ``{"messages", "add_generation_prompt": true, "continue_final_message": false,
-  "add_special_tokens": false}`` (the chat template applied as for a chat completion);
-  both take ``return_token_strs``. It answers ``{"count", "max_model_len", "tokens",
-  "token_strs"}``, counting a prompt of any length up to :data:`MAX_TOKENIZE_CHARS`
-  characters (as vLLM, no context check: clients use it to measure prompts). vLLM's
-  ``chat_template``, ``chat_template_kwargs``, ``tools`` and ``mm_processor_kwargs``, and
-  image parts, are refused (400 naming them), not ignored.
-* ``/detokenize``: ``{"tokens"}`` → ``{"prompt"}``; an id outside the vocabulary is a 400.
-* ``/version``: ``{"version": epdserve's version}``.
-* ``--api-key`` (or ``$EPDSERVE_API_KEY``, else ``$VLLM_API_KEY``, as vLLM reads it):
-  :class:`APIKeyGuard` requires ``Authorization: Bearer KEY`` on ``/v1/*``, ``/tokenize``,
-  ``/detokenize`` and ``/roles`` (elastic role switches), not on ``/health``, ``/metrics`` or ``/version``; a missing or
-  wrong key is a 401 with OpenAI's body (code ``invalid_api_key``). Keys are compared by
-  their SHA-256 digests with :func:`hmac.compare_digest` (time independent of where they
-  differ). This is the clients' key; the workers' frames are sealed by
-  :mod:`epdserve.serving.auth`, a different secret.
-
-Tokenizing runs on :data:`TOKENIZE_THREADS` threads of its own, not on the event loop that
-streams every other request's tokens; at most :data:`MAX_TOKENIZE_QUEUE` wait (more: 503).
+"""vLLM's HTTP surface beyond the completions: ``/tokenize``, ``/detokenize``, ``/version``,
+the ``--api-key`` check and ``--generation-config`` defaults (docs/serving.md, vLLM's flags
+and endpoints). The API key is the clients'; workers' frames are sealed by another secret.
 """
 
 from __future__ import annotations
@@ -55,11 +34,8 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/roles", "/workers")
 UNSUPPORTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
 
 
-# ---------------------------------------------------------------------------- api keys
-
 def api_keys(given: list[str] | None) -> tuple[str, ...]:
-    """The keys clients must present: ``--api-key``'s, else the first of :data:`API_KEY_ENV`
-    set (empty strings count as unset), else none (no check)."""
+    """``--api-key``'s, else the first of :data:`API_KEY_ENV` set and non-empty, else none (no check)."""
     if given:
         return tuple(given)
     return next(((os.environ[name],) for name in API_KEY_ENV if os.environ.get(name)), ())
@@ -70,16 +46,14 @@ def _digest(text: bytes) -> bytes:
 
 
 class APIKeyGuard:
-    """ASGI middleware: an HTTP request to a path under :data:`PROTECTED_PREFIXES` without
-    ``Authorization: Bearer K`` for one of ``keys`` gets 401 with OpenAI's error body and
-    ``WWW-Authenticate: Bearer`` (RFC 6750); everything else passes."""
+    """ASGI: 401 (OpenAI's body, ``WWW-Authenticate: Bearer``, RFC 6750) under :data:`PROTECTED_PREFIXES`."""
 
     def __init__(self, app, keys: tuple[str, ...]):
         self.app = app
         self.digests = [_digest(k.encode()) for k in keys]
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        """Whether ``headers`` carry a valid key; every key is compared, in constant time."""
+        """Every key is compared, in constant time (SHA-256 digests)."""
         value = next((v for k, v in headers if k.lower() == b"authorization"), b"")
         scheme, _, token = value.partition(b" ")
         presented = _digest(token.strip())
@@ -99,16 +73,9 @@ class APIKeyGuard:
         await send({"type": "http.response.body", "body": body})
 
 
-# --------------------------------------------------------------------- generation config
-
 def checked_defaults(defaults: dict, spec: str) -> dict:
-    """``defaults`` (:func:`epdserve.model.loader.generation_defaults`) checked as request
-    values, and as a request would carry them; those no request model has are dropped with
-    a warning, since they are the server's defaults and not a client's request.
-
-    Raises:
-        ModelLoadError: a value a request could not carry (e.g. temperature 5), naming it.
-    """
+    """As a request would carry them; keys no request has are dropped with a warning.
+    Raises ModelLoadError naming a value a request could not carry (e.g. temperature 5)."""
     fields = set(api.ChatCompletionRequest.model_fields) | set(api.CompletionRequest.model_fields)
     kept = {}
     for key, value in defaults.items():
@@ -123,8 +90,6 @@ def checked_defaults(defaults: dict, spec: str) -> dict:
                                  f"{exc.errors()[0]['msg']}") from None
     return kept
 
-
-# ----------------------------------------------------------------- tokenize, detokenize
 
 class TokenizeRequest(api._Req):
     """vLLM's ``TokenizeCompletionRequest`` (``prompt``) or ``TokenizeChatRequest``
@@ -144,12 +109,8 @@ class TokenizeRequest(api._Req):
     mm_processor_kwargs: Any = None
 
     def check(self) -> None:
-        """The checks across fields (pydantic checked each field's type and bound).
-
-        Raises:
-            APIError: 400 naming the field: neither or both forms, a chat field with a
-                prompt, a field not supported here, images, too much text, a lone surrogate.
-        """
+        """Raises APIError 400 naming the field: neither or both forms, a chat field with a prompt,
+        an unsupported field, images, too much text, a lone surrogate."""
         if (self.prompt is None) == (self.messages is None):
             raise APIError("give either prompt or messages", param="prompt")
         chat_only = ("add_generation_prompt", "continue_final_message", *UNSUPPORTED_CHAT_FIELDS)
@@ -179,11 +140,7 @@ class DetokenizeRequest(api._Req):
 
 
 def tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
-    """The token ids of ``body`` (see :class:`TokenizeRequest`).
-
-    Raises:
-        ValueError: the chat template cannot render the messages.
-    """
+    """Raises ValueError: the chat template cannot render the messages."""
     if body.prompt is not None:
         return tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False).input_ids
     messages = [m.as_template_dict() for m in body.messages]
@@ -198,15 +155,14 @@ def tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
 
 
 class Tokenizing:
-    """Runs tokenizer work for the two endpoints on threads of its own, at most
-    :data:`MAX_TOKENIZE_QUEUE` calls waiting (more: 503)."""
+    """Off the event loop that streams tokens; at most :data:`MAX_TOKENIZE_QUEUE` calls wait."""
 
     def __init__(self):
         self.pool = concurrent.futures.ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="epdserve-tokenize")
         self.queued = 0
 
     async def run(self, fn, *args):
-        """``fn(*args)`` on a thread. Raises APIError 503 when too many wait."""
+        """Raises APIError 503 when too many wait."""
         if self.queued >= MAX_TOKENIZE_QUEUE:
             raise APIError(f"the server is busy tokenizing {self.queued} requests; retry later",
                                status=503, type="service_unavailable")
@@ -218,8 +174,6 @@ class Tokenizing:
 
 
 def install(app: FastAPI, router) -> None:
-    """Add ``/tokenize``, ``/detokenize`` and ``/version`` to ``app``, and the API key
-    check when ``router.api_keys`` has keys (see the module's docstring)."""
     front, work = router.front, Tokenizing()
     if router.api_keys:
         app.add_middleware(APIKeyGuard, keys=router.api_keys)

@@ -1,14 +1,5 @@
-"""The router's ZeroMQ side: command sockets to the workers and the events socket.
-
-:class:`ZmqPort` is the production :class:`~epdserve.serving.router.registry.WorkerPort`:
-one PUSH socket per worker, every frame sealed (:mod:`epdserve.serving.auth`) for that
-worker's process, each watched by a ZeroMQ socket monitor so that a closed connection (the
-worker's process or its host gone) is known at once (:meth:`ZmqPort.lost`).
-:class:`EventsLoop` binds the PULL socket every worker pushes to, opens and parses each
-frame (one that fails is logged, rate-limited, and dropped) and hands the message to the
-registry; it also keeps the registry's read clock, its silence check, and marks down the
-workers whose connection closed.
-"""
+"""The router's ZeroMQ side: a sealed, monitored PUSH socket per worker (the production
+:class:`~epdserve.serving.router.registry.WorkerPort`) and the events socket's reading loop."""
 
 from __future__ import annotations
 
@@ -31,17 +22,14 @@ log = logging.getLogger("epdserve.router")
 
 MAX_EVENT_BYTES = 16 << 20  # a worker frame larger than this is dropped by ZeroMQ
 EVENTS_POLL_S = 0.5
-STALL_GRACE_S = 0.5  # of one events-loop turn beyond a poll, the most that counts as time it could read
-MAX_EVENTS_BATCH = 1000  # frames read in one go before the silence check
-SILENCE_CHECK_S = 1.0  # read-clock seconds between two silence checks
+STALL_GRACE_S = 0.5  # of one loop turn beyond a poll, the most that counts as read clock
+MAX_EVENTS_BATCH = 1000
+SILENCE_CHECK_S = 1.0  # read-clock seconds
 REFUSED_LINGER_MS = 2000  # deliver Refused, but never block the router for long
 
 
 class ZmqPort:
-    """Command sockets to the workers, by worker id (see :class:`~epdserve.serving.router.registry.WorkerPort`).
-
-    ``keyring``: the deployment's keys (seals commands, CURVE on TCP).
-    """
+    """``keyring`` seals commands and sets CURVE on TCP."""
 
     def __init__(self, keyring: auth.Keyring):
         self.keyring = keyring
@@ -50,7 +38,6 @@ class ZmqPort:
         self._monitors: dict[str, list] = {}  # worker id -> [its socket's monitor, connected yet]
 
     def connect(self, worker_id: str, addr: str, incarnation: str) -> None:
-        """Connect a PUSH to ``addr`` whose frames only process ``incarnation`` accepts."""
         self.disconnect(worker_id)
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
@@ -60,7 +47,7 @@ class ZmqPort:
         self._socks[worker_id] = (sock, self.keyring.sealer("commands", incarnation))
 
     def disconnect(self, worker_id: str) -> None:
-        """Close ``worker_id``'s socket, dropping what is still queued."""
+        """Drops what is still queued."""
         entry = self._socks.pop(worker_id, None)
         monitor = self._monitors.pop(worker_id, None)
         if entry is not None:
@@ -69,11 +56,8 @@ class ZmqPort:
             entry[0].close(linger=0)
 
     def lost(self) -> list[str]:
-        """The workers whose command connection closed since the last call, after it had
-        been made: their process died (the kernel closes its sockets: a kill -9 included)
-        or their host dropped it. ZeroMQ reconnects by itself, so a worker still alive is
-        heard again and re-admitted (:meth:`Registry.on_message`); one that is gone is
-        marked down now rather than after ``--worker-timeout`` of silence."""
+        """Workers whose established command connection closed since the last call (a dead process,
+        kill -9 included, or host); a live one reconnects by itself and is heard again."""
         gone = []
         for worker_id, entry in self._monitors.items():
             while True:
@@ -89,11 +73,7 @@ class ZmqPort:
         return gone
 
     def send(self, worker_id: str, msg) -> None:
-        """Queue one command without blocking.
-
-        Raises:
-            WorkerFailed: the worker's command queue is full (it stopped reading), or it has no socket.
-        """
+        """Never blocks. Raises WorkerFailed: its command queue is full, or it has no socket."""
         entry = self._socks.get(worker_id)
         if entry is None:
             raise WorkerFailed(f"worker {worker_id} is not connected")
@@ -104,7 +84,6 @@ class ZmqPort:
             raise WorkerFailed(f"worker {worker_id} is not accepting commands") from None
 
     def send_refused(self, worker_id: str, addr: str, msg: P.Refused) -> None:
-        """Send ``msg`` on a socket of its own to ``addr``, sealed for ``msg.incarnation``."""
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, REFUSED_LINGER_MS)
         self.keyring.secure_client(sock, addr)
@@ -118,17 +97,12 @@ class ZmqPort:
             sock.close()
 
     def close(self) -> None:
-        """Close every worker socket."""
         for worker_id in list(self._socks):
             self.disconnect(worker_id)
 
 
 class EventsLoop:
-    """The task reading the events socket ``addr`` into ``registry`` (and marking down the
-    workers whose connection on ``port`` closed, see :meth:`ZmqPort.lost`).
-
-    Raises (:meth:`bind`): zmq.ZMQError if the address is taken.
-    """
+    """Raises (:meth:`bind`): zmq.ZMQError if the address is taken."""
 
     def __init__(self, registry: Registry, keyring: auth.Keyring, addr: str, port: ZmqPort | None = None):
         self.registry = registry
@@ -142,7 +116,7 @@ class EventsLoop:
         self._task: asyncio.Task | None = None
 
     def bind(self) -> None:
-        """Bind the events socket (idempotent)."""
+        """Idempotent."""
         if self._pull is None:
             self._pull = self._actx.socket(zmq.PULL)
             self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
@@ -151,12 +125,10 @@ class EventsLoop:
             self._pull.bind(self.addr)
 
     async def start(self) -> None:
-        """Bind (see :meth:`bind`) and start the reading task."""
         self.bind()
         self._task = asyncio.create_task(self._run(), name="epdserve-router-events")
 
     async def stop(self) -> None:
-        """Cancel the reading task and close the socket."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -167,18 +139,8 @@ class EventsLoop:
             self._pull = None
 
     async def _run(self) -> None:
-        """Read the workers' frames, and have the registry mark down silent workers.
-
-        Silence is measured on a clock of the time this loop was able to read (the
-        registry's read clock), not the wall clock, so that the router never blames a
-        worker for its own stall: a turn of the loop lasts at most one poll
-        (``EVENTS_POLL_S``) plus the handling of what it read, and of a longer one (the
-        event loop held by a long synchronous call, the process stopped or starved) only
-        ``EVENTS_POLL_S + STALL_GRACE_S`` counts. And every frame queued (up to
-        ``MAX_EVENTS_BATCH``) is read before the check, so heartbeats that piled up during
-        a stall are heard first. A worker that really stopped is still found out after
-        ``worker_timeout_s`` of the router's own running time.
-        """
+        """Silence counts on the read clock, not the wall clock: a turn beyond ``EVENTS_POLL_S +
+        STALL_GRACE_S`` (a stalled loop) counts no more, and queued heartbeats are read first."""
         registry = self.registry
         last_turn = time.monotonic()
         last_check = registry.clock
@@ -196,14 +158,13 @@ class EventsLoop:
                 else:
                     drained = False  # more queued: read them before judging anyone silent
             if drained and registry.clock - last_check >= SILENCE_CHECK_S:
-                # With the silence check, not every turn (one per batch of worker frames).
                 last_check = registry.clock
                 for worker_id in self.port.lost() if self.port else ():
                     registry.mark_dead(worker_id, "its connection closed (its process or host is gone)")
                 registry.check_silence()
 
     def _on_frame(self, frame: bytes, now: float) -> None:
-        """Check one frame's tag, parse it and act on it; a frame that fails is dropped."""
+        """A frame that fails is dropped (logged, rate-limited)."""
         try:
             msg = P.decode(self._opener.open(frame))
         except AuthError as exc:
