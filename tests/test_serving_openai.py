@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import torch
 
+from epdserve.engine.config import EngineConfig
 from epdserve.model import linear, prefill_attention, step_budget
 from epdserve.model.cutover import ROWS as CUTOVER_ROWS
 from epdserve.model.tokenizer import chat_prompt_ids
@@ -54,6 +57,9 @@ def test_models_health_metrics(server, model_info):
     assert roles == (["decode", "prefill"] if server.mode == "pd" else ["colocated"])
     for w in health.json()["workers"]:
         assert w["state"] == "up" and w["cores"] and w["blocks_total"] > 0
+        # Every engine setting as the worker runs it: EngineConfig's fields, each declared once.
+        assert set(w["engine"]) == {f.name for f in dataclasses.fields(EngineConfig)}
+        assert (w["engine"]["block_size"], w["engine"]["device"]) == (16, "cpu")
     # --weight-format auto by role: dense float32 for prefill GEMMs, the GGUF's Q4_1 blocks for
     # decode, both where one worker runs both phases.
     formats = {w["role"]: w["weight_format"] for w in health.json()["workers"]}

@@ -16,7 +16,7 @@ from epdserve.serving.deployment import EngineRole, Role
 
 
 # A router refuses a worker of another version; what each one changed: docs/architecture.md, "Handshake".
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 # >= 0 (Prometheus counters cannot go down), within int64
@@ -80,6 +80,7 @@ class Hello(_Msg):
     weight_format: str = Field(default="", max_length=32)
     tensor_parallel_size: int = Field(default=1, ge=1, le=1024)
     tuned: dict[str, TunedChoice] = Field(default_factory=dict, max_length=16)
+    engine: dict[str, str | int | float | bool | None] = Field(default_factory=dict, max_length=32)
 
 
 class Heartbeat(_Msg):

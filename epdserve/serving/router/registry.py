@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from epdserve.serving import protocol as P
@@ -15,6 +15,7 @@ from epdserve.serving.handshake import KV_PEER_ROLES, refusal
 from epdserve.serving.metrics import RouterMetrics
 from epdserve.serving.router.events import WorkerDown, WorkerFailed, event_for
 from epdserve.serving.router.prefix_index import PrefixAware, PromptBlocks, load
+from epdserve.serving.router.worker_state import WorkerState
 from epdserve.serving.api.errors import APIError
 
 log = logging.getLogger("epdserve.router")
@@ -51,54 +52,6 @@ class Compat:
     kv_shape: dict
     embedding_shape: dict | None = None  # None: no vision model
     auth_token: str | None = None
-
-
-@dataclass
-class WorkerState:
-    worker_id: str
-    role: str
-    addr: str
-    model: str
-    kv_layout: dict = field(default_factory=dict)
-    cores: list[int] = field(default_factory=list)
-    blocks_total: int = 0
-    blocks_in_use: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions: int = 0
-    last_seen: float = field(default_factory=time.monotonic)  # time.monotonic() of its last message
-    dead: str | None = None  # why it is considered gone
-    outstanding: dict[str, int] = field(default_factory=dict)  # request id -> prompt + max_tokens
-    exports: set[str] = field(default_factory=set)  # until their KV is released
-    incarnation: str = ""
-    heard: float = 0.0  # the read clock at its last message
-    reset_sent: float = -float("inf")  # time.monotonic() of the last Reset
-    node_id: str = ""  # the Ray node id, or the host name
-    node_ip: str = ""
-    resources: dict[str, float] = field(default_factory=dict)  # what its Ray actor holds
-    pid: int = 0
-    weight_format: str = ""
-    tensor_parallel_size: int = 1
-    tuned: dict[str, dict] = field(default_factory=dict)
-    announced: str = ""  # last announced (Hello, RoleSwitched); ``role`` is what routes
-    switch_id: str | None = None  # a SetRole it has not answered yet
-    switch_reason: str | None = None
-    retiring: bool = False  # elastic: no new work, it finishes what it holds
-    stats_seen: float = 0.0  # time.monotonic()
-
-    def as_json(self, now: float) -> dict:
-        """Its /health entry (``now``: ``time.monotonic()``)."""
-        return {"worker_id": self.worker_id, "role": self.role, "announced_role": self.announced,
-                "switching": self.switch_id is not None, "addr": self.addr, "cores": self.cores,
-                "state": "down" if self.dead else "retiring" if self.retiring else "up", "reason": self.dead,
-                "kv_dtype": self.kv_layout.get("dtype"), "weight_format": self.weight_format,
-                "tensor_parallel_size": self.tensor_parallel_size, "tuned": self.tuned,
-                "blocks_in_use": self.blocks_in_use, "blocks_total": self.blocks_total,
-                "num_running": self.num_running, "num_waiting": self.num_waiting,
-                "outstanding": len(self.outstanding), "outstanding_tokens": sum(self.outstanding.values()),
-                "last_seen_s_ago": round(now - self.last_seen, 3),
-                "node_id": self.node_id, "node_ip": self.node_ip, "resources": self.resources,
-                "pid": self.pid}
 
 
 class Registry:
@@ -363,7 +316,8 @@ class Registry:
                                                   heard=self.clock, node_id=msg.node_id, node_ip=msg.node_ip,
                                                   resources=dict(msg.resources), pid=msg.pid,
                                                   weight_format=msg.weight_format, tuned=msg.model_dump()["tuned"],
-                                                  tensor_parallel_size=msg.tensor_parallel_size, announced=msg.role)
+                                                  tensor_parallel_size=msg.tensor_parallel_size, announced=msg.role,
+                                                  engine=dict(msg.engine))
         self.metrics.set_worker_node(msg.worker_id, msg.role, msg.node_id, msg.node_ip)
         self.metrics.set_role(msg.worker_id, msg.role)
         self.metrics.set_worker(msg.worker_id, msg.role, blocks_in_use=0, blocks_total=msg.blocks_total,
@@ -381,10 +335,10 @@ class Registry:
             self.refused[msg.worker_id] = {"worker_id": msg.worker_id, "role": msg.role, "addr": msg.addr,
                                            "cores": msg.cores, "state": "refused", "reason": reason,
                                            "kv_dtype": msg.kv_layout.get("dtype"), "weight_format": msg.weight_format,
-                                           "tuned": msg.model_dump()["tuned"], "blocks_in_use": 0, "blocks_total": 0,
-                                           "tensor_parallel_size": msg.tensor_parallel_size, "num_running": 0,
-                                           "num_waiting": 0, "outstanding": 0, "outstanding_tokens": 0,
-                                           "node_id": msg.node_id, "node_ip": msg.node_ip,
+                                           "tuned": msg.model_dump()["tuned"], "engine": dict(msg.engine),
+                                           "tensor_parallel_size": msg.tensor_parallel_size, "blocks_in_use": 0,
+                                           "blocks_total": 0, "num_running": 0, "num_waiting": 0, "outstanding": 0,
+                                           "outstanding_tokens": 0, "node_id": msg.node_id, "node_ip": msg.node_ip,
                                            "resources": dict(msg.resources)}
             while len(self.refused) > MAX_REFUSED:
                 self.refused.pop(next(iter(self.refused)))

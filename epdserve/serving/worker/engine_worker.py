@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import secrets
@@ -320,6 +321,7 @@ def _serve_loaded(config: WorkerConfig, keyring: auth.Keyring, serves_tcp: bool,
                            incarnation=incarnation, protocol=P.PROTOCOL_VERSION,
                            weight_format=engine.model.weight_format.name if engine else "",
                            tuned={name: t.as_json() for name, t in engine.tuned.items()} if engine else {},
+                           engine=dataclasses.asdict(engine.config) if engine else {},
                            tensor_parallel_size=config.tensor_parallel_size, **node_identity())
     worker.send(worker.hello)
     ranks_note = f" over {config.tensor_parallel_size} tensor-parallel ranks" if ranks is not None else ""
