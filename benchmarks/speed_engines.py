@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import os
 import re
-from argparse import Namespace
 from pathlib import Path
 
 from epdserve.bench import datasets, workload
 from epdserve.bench.processes import SERVE, ServerError, ServerProcess, port_is_free, wait_ready
-from epdserve.bench.run import bench
+from epdserve.bench.run import ClientOptions, bench
 from llama_build import runtime_flags  # benchmarks/
 
+ALL_AT_ONCE = workload.ArrivalOptions(request_rate=float("inf"))
 LLAMA_PARALLEL = 32  # llama-server slots: as many as the highest default concurrency
 LLAMA_THREADS = 2
 # Chat-template tokens around a user message (SmolLM2's template with its default system
@@ -48,13 +48,13 @@ def level_traces(concurrency: list[int], num_prompts: int | None, input_len: int
     return out
 
 
-def client_args(concurrency: int, timeout_s: float) -> Namespace:
+def client_args(concurrency: int, timeout_s: float) -> ClientOptions:
     """The options :func:`epdserve.bench.run.bench` reads, as ``epdserve bench`` would set
     them: chat endpoint, greedy, ignore_eos, one warm-up request, closed loop of C, a
     progress bar."""
-    return Namespace(endpoint="chat", temperature=0.0, ignore_eos=True, disable_tqdm=False,
-                     request_timeout=timeout_s, warmup=1, warmup_requests=0,
-                     max_concurrency=concurrency, goodput=None, request_rate=float("inf"))
+    return ClientOptions(endpoint="chat", temperature=0.0, ignore_eos=True, disable_tqdm=False,
+                         request_timeout=timeout_s, warmup=1, warmup_requests=0,
+                         max_concurrency=concurrency, goodput=None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def run_server_engine(name: str, cmd: list[str], port: int, traces: dict, out_di
         print(f"[{name}] healthy after {took:.1f} s", flush=True)
         resources = server.resources()
         for c, requests in traces.items():
-            record(name, c, bench(server.base_url, requests, client_args(c, 600.0)))
+            record(name, c, bench(server.base_url, requests, client_args(c, 600.0), arrivals=ALL_AT_ONCE))
         return resources
     finally:
         server.stop()

@@ -103,11 +103,13 @@ def flags_of(config_class, passed: bool = False) -> tuple[Flag, ...]:
     return tuple(out)
 
 
-def add_flags(parser, config_class) -> None:
+def add_flags(parser, config_class, root=None) -> None:
+    """``root``: the parser that holds the groups (argparse does not show a group inside a group)."""
+    root = root or parser
     for f in dataclasses.fields(config_class):
         if "nested" in f.metadata:
             title = f.metadata["title"]
-            add_flags(parser.add_argument_group(title) if title else parser, f.metadata["nested"])
+            add_flags(root.add_argument_group(title) if title else parser, f.metadata["nested"], root)
         elif "passed_flags" in f.metadata:
             for flag in f.metadata["passed_flags"]:
                 flag.add(parser, passed=True)
@@ -139,24 +141,6 @@ def from_check(parse: Callable[[str], Any]) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(str(exc)) from None
     checked.__qualname__ = f"from_check({getattr(parse, '__qualname__', parse)})"
     return checked
-
-
-# frozen_options' dataclass, or a test's Namespace: read by attribute, never assigned.
-Options = Any
-
-
-def frozen_options(command: str, args: argparse.Namespace):
-    """One frozen field per option (assigning raises FrozenInstanceError); resolved values go into a copy."""
-    name = "".join(part.title() for part in command.split("-")) + "Options"
-    cls = dataclasses.make_dataclass(name, [(dest, object) for dest in vars(args)], frozen=True)
-    return cls(**vars(args))
-
-
-def with_values(args, **values):
-    """A copy with ``values`` set by dest, so that the options a command was given stay as given."""
-    if dataclasses.is_dataclass(args):
-        return dataclasses.replace(args, **values)
-    return argparse.Namespace(**{**vars(args), **values})
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

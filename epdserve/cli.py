@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from epdserve.argtypes import config_argv, config_from, frozen_options
+from epdserve.argtypes import config_argv, config_from
 
 COMMANDS = {
     "serve": ("epdserve.serving.launch.launcher", "start a router and its workers (colocated, PD or EPD)"),
@@ -44,5 +44,4 @@ def main(argv: list[str] | None = None) -> None:
                                  "without '--' ('-' or '_'), e.g. 'max-num-seqs: 8'; the command line wins")
         args = config_argv(parser, args)
     parsed = parser.parse_args(args)
-    typed = getattr(module, "OPTIONS", None)
-    sys.exit(module.run(config_from(typed, parsed) if typed else frozen_options(argv[0], parsed)))
+    sys.exit(module.run(config_from(module.OPTIONS, parsed)))

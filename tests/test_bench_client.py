@@ -34,7 +34,8 @@ import numpy as np
 import pytest
 
 from epdserve.bench import client, datasets, workload
-from epdserve.bench.run import add_arguments, bench
+from epdserve.argtypes import config_from
+from epdserve.bench.run import BenchOptions, ClientOptions, add_arguments, bench
 from epdserve.trace import RequestTrace
 
 from conftest import cli_exit
@@ -252,10 +253,11 @@ def stub():
 # Helpers
 
 
-def bench_args(*extra: str) -> argparse.Namespace:
+def bench_args(*extra: str) -> ClientOptions:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return parser.parse_args(["--base-url", "http://unused", "--disable-tqdm", *extra])
+    args = parser.parse_args(["--base-url", "http://unused", "--disable-tqdm", *extra])
+    return config_from(BenchOptions, args).client
 
 
 def req(offset: float, prompt: str, max_tokens: int = 4, kind: str = "chat") -> workload.Request:

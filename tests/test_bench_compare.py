@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from epdserve import host
+from epdserve.argtypes import config_from
 from epdserve.bench import compare, processes, report, server_trace, workload
 from epdserve.serving.deployment import DeploymentSpec
 from epdserve.trace import RequestTrace
@@ -38,8 +39,8 @@ def compare_args(port: int, *extra: str):
 
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
-    return parser.parse_args(["--port", str(port), "--disable-tqdm", "--startup-timeout", "30",
-                              "--repeats", "1", *extra])
+    return config_from(compare.CompareOptions, parser.parse_args(
+        ["--port", str(port), "--disable-tqdm", "--startup-timeout", "30", "--repeats", "1", *extra]))
 
 
 def group_alive(pgid: int) -> bool:
@@ -410,7 +411,7 @@ def test_ctrl_c_during_a_run_stops_the_server(tmp_path):
         "from pathlib import Path\n"
         "from epdserve.bench import compare, workload\n"
         "p = argparse.ArgumentParser(); compare.add_arguments(p)\n"
-        f"args = p.parse_args(['--port', '{port}', '--disable-tqdm'])\n"
+        f"args = compare.config_from(compare.CompareOptions, p.parse_args(['--port', '{port}', '--disable-tqdm']))\n"
         "trace = [workload.Request(60.0, 'late', 4, 'chat', 1)]\n"
         f"compare.run_config('colocated', trace, args, Path({str(tmp_path)!r}),"
         f" serve={STUB!r})\n")
@@ -583,7 +584,7 @@ def test_repeats_run_interleaved_and_fold_into_one_entry_each(monkeypatch, tmp_p
                            "errors": [], "duration": 1.0}}
 
     monkeypatch.setattr(compare, "run_config", fake_run)
-    args = argparse.Namespace(repeats=3)
+    args = compare_args(free_port(), "--repeats", "3")
     chosen = [compare.from_config("colocated"), compare.from_config("pd")]
     entries, status, stopped = compare._run_all(chosen, [], args, tmp_path)
     assert stopped == "--repeats 3: 3 runs per configuration."

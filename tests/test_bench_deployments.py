@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from epdserve import host
+from epdserve.argtypes import config_from
 from epdserve.bench import compare, deployments, processes, report, workload
 from epdserve.bench.deployments import Deployment, DeploymentFileError
 from test_bench_client import req
@@ -40,10 +41,10 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
-def compare_args(*extra: str) -> argparse.Namespace:
+def compare_args(*extra: str) -> compare.CompareOptions:
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
-    return parser.parse_args(["--disable-tqdm", "--repeats", "1", *extra])
+    return config_from(compare.CompareOptions, parser.parse_args(["--disable-tqdm", "--repeats", "1", *extra]))
 
 
 def stub_entry(name: str, port: int) -> str:

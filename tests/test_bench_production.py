@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from epdserve.argtypes import config_from
 from epdserve.bench import production, run, workload
 from epdserve.bench.production import Fit, build_requests, describe_replay, fit_rows
 from epdserve.bench.production_formats import (TraceRow, detect_format, parse_azure_timestamp,
@@ -285,7 +286,7 @@ def test_a_thousand_prompts_of_400_tokens_build_in_seconds(tok):
 def _parse(*argv):
     parser = argparse.ArgumentParser()
     run.add_arguments(parser)
-    return parser.parse_args(["--base-url", "http://127.0.0.1:1", *argv])
+    return config_from(run.BenchOptions, parser.parse_args(["--base-url", "http://127.0.0.1:1", *argv])).workload
 
 
 def test_workload_mooncake_builds_the_fitted_trace_and_its_spec(mooncake_file, capsys):

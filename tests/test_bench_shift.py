@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from epdserve import cli
+from epdserve.argtypes import add_flags, config_from
 from epdserve.bench import datasets, report, workload
 from epdserve.bench.prompts import count_tokens
 from epdserve.bench.workload import TraceError
@@ -154,8 +155,8 @@ def test_a_phase_over_the_window_is_refused():
 
 def bench_args(*argv):
     parser = argparse.ArgumentParser()
-    workload.add_workload_arguments(parser)
-    return parser.parse_args(list(argv))
+    add_flags(parser, workload.WorkloadOptions)
+    return config_from(workload.WorkloadOptions, parser.parse_args(list(argv)))
 
 
 def test_build_records_the_phase_table_and_refuses_other_options(tmp_path):

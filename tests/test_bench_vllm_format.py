@@ -14,15 +14,21 @@ import sys
 import pytest
 
 from epdserve.bench import metrics, result_file, workload
-from epdserve.bench.run import add_arguments
+from epdserve.argtypes import config_from
+from epdserve.bench.run import BenchOptions, add_arguments
 
 from conftest import cli_exit
 
 
-def parse(*argv: str) -> argparse.Namespace:
+def parse(*argv: str) -> BenchOptions:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return parser.parse_args(["--base-url", "http://127.0.0.1:9", *argv])
+    return config_from(BenchOptions, parser.parse_args(["--base-url", "http://127.0.0.1:9", *argv]))
+
+
+def file_name(result: dict, *argv: str):
+    options = parse(*argv)
+    return result_file.file_name(options.result, result, options.workload.arrivals.request_rate)
 
 
 def run_cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -78,10 +84,10 @@ def test_bad_values_are_cli_errors_naming_them(capsys, argv, needle):
 
 
 def test_dataset_name_is_workload_with_vllms_names():
-    assert parse("--dataset-name", "prefix").workload == "prefix"
-    assert parse("--dataset-name", "random").workload == "synthetic"
-    assert parse("--dataset-name", "prefix_repetition").workload == "prefix"
-    assert parse("--workload", "sharegpt").workload == "sharegpt"
+    assert parse("--dataset-name", "prefix").workload.workload == "prefix"
+    assert parse("--dataset-name", "random").workload.workload == "synthetic"
+    assert parse("--dataset-name", "prefix_repetition").workload.workload == "prefix"
+    assert parse("--workload", "sharegpt").workload.workload == "sharegpt"
 
 
 @pytest.mark.parametrize("argv, sends", [
@@ -90,24 +96,25 @@ def test_dataset_name_is_workload_with_vllms_names():
     (["--trace", "t.jsonl", "--workload", "prefix"], True), (["--workload", "mooncake"], True),
 ])
 def test_ignore_eos_where_vllm_sets_it(argv, sends):
-    assert workload.sends_ignore_eos(parse(*argv)) is sends
+    options = parse(*argv)
+    assert workload.sends_ignore_eos(options.workload, options.client.ignore_eos) is sends
 
 
 def test_file_names_follow_vllms_pattern(tmp_path):
     result = {"backend": "openai", "label": None, "model_id": "org/Model-1B", "date": "20261201-120000",
               "max_concurrency": None, "request_rate": 0.2739726}
-    assert result_file.file_name(parse("--save-result", "--request-rate", "2"), result).name == \
+    assert file_name(result, "--save-result", "--request-rate", "2").name == \
         "openai-2.0qps-Model-1B-20261201-120000.json"
-    assert result_file.file_name(parse("--save-result"), result).name == \
+    assert file_name(result, "--save-result").name == \
         "openai-0.274qps-Model-1B-20261201-120000.json"  # a replayed trace's mean rate
     ramp = {**result, "label": "x", "max_concurrency": 4, "ramp_up_strategy": "linear", "ramp_up_start_rps": 1.0,
             "ramp_up_end_rps": 3.0}
-    assert result_file.file_name(parse("--save-result"), ramp).name == \
+    assert file_name(ramp, "--save-result").name == \
         "x-ramp-up-linear-1.0qps-3.0qps-concurrency4-Model-1B-20261201-120000.json"
-    named = parse("--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json")
-    assert result_file.file_name(named, result) == tmp_path / "r.json"
-    assert result_file.file_name(parse(), result) is None
-    assert str(result_file.file_name(parse("--result-file", "a/b.json"), result)) == "a/b.json"
+    assert file_name(result, "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json") == \
+        tmp_path / "r.json"
+    assert file_name(result) is None
+    assert str(file_name(result, "--result-file", "a/b.json")) == "a/b.json"
 
 
 def test_percentile_keys_are_vllms():

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from epdserve.argtypes import config_from
 from epdserve.bench import compare, metrics, plots, processes, report, server_trace
 from scripts import load_script
 
@@ -125,21 +126,21 @@ def test_elastic_gets_the_goodput_slos_or_the_default_ones():
     for static in ("colocated-2", "1p1d"):  # the SLOs are elastic's only
         assert "--slo" not in processes.server_command(static, 8100, Path("/t.jsonl"), None, serve=["serve"],
                                                        slos_ms={"ttft": 1.0})
-    args = argparse.Namespace(goodput=[("ttft", 3000.0), ("itl", 1000.0)])
-    assert compare.slos(args) == {"ttft": 3000.0, "itl": 1000.0}
-    assert compare.slos(argparse.Namespace(goodput=None)) is None
+    args = compare_args("--goodput", "ttft:3000", "itl:1000")
+    assert args.slos == {"ttft": 3000.0, "itl": 1000.0}
+    assert compare_args().slos is None
 
 
 # ------------------------------------------------------- end to end with the stub
 
 
-def compare_args(*extra: str) -> argparse.Namespace:
+def compare_args(*extra: str) -> compare.CompareOptions:
     from test_bench_compare import free_port
 
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
-    return parser.parse_args(["--port", str(free_port()), "--disable-tqdm", "--startup-timeout", "30",
-                              "--repeats", "1", *extra])
+    return config_from(compare.CompareOptions, parser.parse_args(
+        ["--port", str(free_port()), "--disable-tqdm", "--startup-timeout", "30", "--repeats", "1", *extra]))
 
 
 def test_elastic_entry_end_to_end_against_the_stub(tmp_path):

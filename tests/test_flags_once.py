@@ -131,11 +131,16 @@ def test_parsed_options_are_frozen_and_copied_with_new_values():
 
     import pytest
 
-    from epdserve.argtypes import frozen_options, with_values
+    from epdserve.argtypes import add_flags, config_from
+    from epdserve.model.tune import TuneOptions
 
-    options = frozen_options("serve", argparse.Namespace(model=None, port=8000))
-    assert type(options).__name__ == "ServeOptions"
+    for command, (module, _) in COMMANDS.items():
+        config_class = importlib.import_module(module).OPTIONS
+        assert dataclasses.is_dataclass(config_class) and config_class.__dataclass_params__.frozen, command
+    parser = argparse.ArgumentParser()
+    add_flags(parser, TuneOptions)
+    options = config_from(TuneOptions, parser.parse_args(["--threads", "1"]))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        options.port = 1
-    changed = with_values(options, model="vlm")
-    assert (changed.model, changed.port, options.model) == ("vlm", 8000, None)
+        options.model = "vlm"
+    changed = dataclasses.replace(options, model="vlm")
+    assert (changed.model, changed.threads, options.model) == ("vlm", [1], None)

@@ -6,6 +6,7 @@ processes put on the cores recorded around each compare run (``epdserve/host.py`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import socket
@@ -161,9 +162,9 @@ def test_compare_checks_every_configuration_before_running_any(tmp_path, monkeyp
     monkeypatch.setattr(host, "mem_available_bytes", lambda *a: 4 * GiB)
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
-    args = parser.parse_args(["--configs", "colocated,9p9d", "--workload", "synthetic",
-                              "--num-prompts", "2", "--output", str(tmp_path / "out"),
-                              "--disable-tqdm"])
+    args = config_from(compare.CompareOptions, parser.parse_args(
+        ["--configs", "colocated,9p9d", "--workload", "synthetic", "--num-prompts", "2", "--output",
+         str(tmp_path / "out"), "--disable-tqdm"]))
     assert compare.run(args) == 2
     out, err = capsys.readouterr()
     assert "error: [9p9d] 18 workers need about" in err and "[colocated]" not in err
@@ -171,12 +172,12 @@ def test_compare_checks_every_configuration_before_running_any(tmp_path, monkeyp
     assert "warning: [9p9d] 18 workers on" in out  # and they would share the cores
     assert not (tmp_path / "out").exists()
     # With the override the same check lets it through (as serve then will).
-    args.allow_oversubscription = True
-    warnings, errors = compare.preflight(args, 4 * GiB)
+    warnings, errors = compare.preflight(dataclasses.replace(args, allow_oversubscription=True), 4 * GiB)
     assert errors == [] and any("starting anyway" in w for w in warnings)
     assert "--allow-oversubscription" in compare.server_command("pd", 1, Path("t"), None, [], True)
     # EPD on the default (text) model: refused before any run, as serve refuses it.
-    warnings, errors = compare.preflight(parser.parse_args(["--configs", "1e1p1d"]), None)
+    epd = config_from(compare.CompareOptions, parser.parse_args(["--configs", "1e1p1d"]))
+    warnings, errors = compare.preflight(epd, None)
     assert errors == ["[1e1p1d] --mode epd needs a vision-language model (e.g. --model vlm), not "
                       "SmolLM2-135M-Instruct"], errors
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from epdserve.argtypes import config_from
 from epdserve.bench.workload import Request, save_trace
 from epdserve.plan import replay, search
 from epdserve.plan import run as plan_run
@@ -205,7 +206,8 @@ def test_plan_reads_mooncake_and_azure_traces_with_the_fitting_options(tmp_path)
     # (512 x 0.1), 4 characters a token in the stand-in prompts; the third block is its own.
     parser = argparse.ArgumentParser()
     plan_run.add_arguments(parser)
-    requests = plan_run._trace_requests(parser.parse_args(["--trace", str(mooncake), "--length-scale", "0.1"]))
+    args = config_from(plan_run.PlanOptions, parser.parse_args(["--trace", str(mooncake), "--length-scale", "0.1"]))
+    requests = plan_run._trace_requests(args.workload)
     assert [r.prompt_tokens for r in requests] == [150] * 12
     assert all(4 * 102 <= n < 4 * 103 for n in replay.shared_starts([r.prompt for r in requests]))
     bad = subprocess.run([*base[:-2], "--input-len", "10:20", "--trace", str(azure)], capture_output=True,

@@ -7,9 +7,9 @@ import os
 import time
 from pathlib import Path
 
-from epdserve.argtypes import Options
 from epdserve import host
 from epdserve.bench import client, plots, server_metrics, server_trace, sweep, workload
+from epdserve.bench.compare_options import CompareOptions
 from epdserve.bench.deployments import Deployment, file_stem, from_config
 from epdserve.bench.processes import SERVE, LaunchOptions, Running, ServerError, launched
 from epdserve.bench.run import bench
@@ -18,7 +18,7 @@ from epdserve.bench.arrivals import retime
 
 
 def run_config(deployment: str | Deployment, requests: list[workload.Request],
-               args: Options, out_dir: Path, serve: list[str] = SERVE,
+               options: CompareOptions, out_dir: Path, serve: list[str] = SERVE,
                progress: str = "") -> dict:
     """The compare.json entry (docs/comparing.md, "compare.json entries") of ``deployment``;
     ``serve`` starts epdserve deployments, ``progress`` prefixes log lines.
@@ -30,15 +30,14 @@ def run_config(deployment: str | Deployment, requests: list[workload.Request],
     entry: dict = {"name": dep.name, "mode": dep.entry_mode, "deployment": dep.record()}
     cores = sorted(os.sched_getaffinity(0))  # the launcher splits these among its workers
     before = host.quiet_check(cores)
-    opts = LaunchOptions(args.port, args.model, args.startup_timeout,
-                         args.allow_oversubscription, serve,
-                         dict(args.goodput) if getattr(args, "goodput", None) else None)
+    opts = LaunchOptions(options.port, options.model, options.startup_timeout,
+                         options.allow_oversubscription, serve, options.slos)
     with launched(dep, out_dir, opts, lambda line: print(f"{tag} {line}", flush=True)) as running:
         entry["metrics_urls"] = running.metrics_urls
-        during, priority = _run_trace(running, requests, args, entry, cores, tag)
-    if args.sweep_rates and not running.died:
+        during, priority = _run_trace(running, requests, options, entry, cores, tag)
+    if options.rate_sweep.sweep_rates and not running.died:
         try:
-            entry["sweep"] = _sweep(dep, requests, args, out_dir, opts, tag)
+            entry["sweep"] = _sweep(dep, requests, options, out_dir, opts, tag)
         except (ServerError, client.ClientError) as exc:  # the run's result stands
             entry["sweep_error"] = str(exc).splitlines()[0]
             print(f"{tag} error: the goodput sweep stopped: {entry['sweep_error']}", flush=True)
@@ -81,7 +80,7 @@ def _client_delay(result: dict, requests: list[workload.Request], loop: dict) ->
             "warning": host.client_warning(late, len(lates), max(lates, default=0.0), loop["stalled_s"], worst)}
 
 
-def _run_trace(running: Running, requests: list[workload.Request], args: Options,
+def _run_trace(running: Running, requests: list[workload.Request], options: CompareOptions,
                entry: dict, cores: list[int], tag: str) -> tuple[dict | None, dict]:
     """Send the trace at the client's CPU priority, measuring the load and the client's delay;
     fills ``entry``, returns (load, priority). Raises ServerError when a dead process kept the
@@ -101,8 +100,8 @@ def _run_trace(running: Running, requests: list[workload.Request], args: Options
         lag.start()  # until the trace ends (asyncio.run cancels it)
 
     try:
-        entry["result"] = bench(running.client_url, requests, args, model=running.model,
-                                on_start=on_start)
+        entry["result"] = bench(running.client_url, requests, options.client, model=running.model,
+                                on_start=on_start, arrivals=options.workload.arrivals)
         entry["run_end_unix"] = time.time()
         entry["client"] = _client_delay(entry["result"], requests, lag.summary())
         entry["server_metrics"] = _stop_watcher(watcher, entry["result"]["completed"], tag)
@@ -119,7 +118,7 @@ def _run_trace(running: Running, requests: list[workload.Request], args: Options
     return load, priority
 
 
-def _sweep(dep: Deployment, requests: list[workload.Request], args: Options,
+def _sweep(dep: Deployment, requests: list[workload.Request], options: CompareOptions,
            out_dir: Path, opts: LaunchOptions, tag: str) -> dict:
     """Each rate on a fresh start: a server that served the trace holds its prompts in its prefix
     cache (prefills of 3.8 s fell to 61 ms on a second pass, passing rates it could not serve).
@@ -127,7 +126,8 @@ def _sweep(dep: Deployment, requests: list[workload.Request], args: Options,
     if dep.kind == "base_url":
         print(f"{tag} warning: {dep.name} is a running server (base_url): every sweep rate is sent to it "
               "as it is, and from the second on its prefix cache may hold the trace's prompts", flush=True)
-    print(f"{tag} goodput sweep over {args.sweep_rates[0]}:{args.sweep_rates[1]} req/s, "
+    lo, hi = options.rate_sweep.sweep_rates
+    print(f"{tag} goodput sweep over {lo}:{hi} req/s, "
           "each rate on a fresh start", flush=True)
 
     def measure(rate: float) -> dict:
@@ -139,17 +139,17 @@ def _sweep(dep: Deployment, requests: list[workload.Request], args: Options,
             priority = host.match_cpu_priority(running.root_pids)
             monitor = host.LoadMonitor(cores, running.root_pids).start() if running.root_pids else None
             try:
-                result = bench(running.client_url, retime(requests, rate, args.seed), args,
-                               model=running.model)
+                result = bench(running.client_url, retime(requests, rate, options.workload.seed), options.client,
+                               model=running.model, arrivals=options.workload.arrivals)
             finally:
                 during = monitor.stop() if monitor else None
         if during:
             result["host_load"] = _host_load(cores, None, during, f"{tag} [{rate:g} req/s]", priority)
         return result
 
-    return sweep.find_max_goodput_rate(measure, target_share=args.goodput_target, lo=args.sweep_rates[0],
-                                       hi=args.sweep_rates[1], iters=args.sweep_iters,
-                                       progress=not args.disable_tqdm)
+    return sweep.find_max_goodput_rate(measure, target_share=options.rate_sweep.goodput_target, lo=lo, hi=hi,
+                                       iters=options.rate_sweep.sweep_iters,
+                                       progress=not options.client.disable_tqdm)
 
 
 def _stop_watcher(watcher: server_metrics.MetricsWatcher, completed: int, tag: str) -> dict:

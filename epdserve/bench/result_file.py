@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from epdserve.argtypes import Options
+from epdserve.argtypes import setting
 from epdserve.bench import metrics
 
 DEFAULT_PERCENTILE_METRICS = ("ttft", "tpot", "itl")  # vLLM's, for generative models
@@ -52,29 +53,33 @@ def parse_percentile_metrics(text: str) -> tuple[str, ...]:
     return names
 
 
-def add_result_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("result file (as vllm bench serve)")
-    g.add_argument("--label", default=None, help="the result's label and the file name's prefix "
-                                                 "(default: the backend, openai-chat or openai)")
-    g.add_argument("--metadata", nargs="+", type=parse_metadata, default=None, metavar="KEY=VALUE",
-                   help="fields stored in the result, e.g. --metadata version=0.3.3 tp=1")
-    g.add_argument("--percentile-metrics", type=parse_percentile_metrics, default=DEFAULT_PERCENTILE_METRICS,
-                   metavar="M,...", help="metrics with mean, median, std and percentiles in the result: "
-                                         "ttft, tpot, itl, e2el (default ttft,tpot,itl)")
-    g.add_argument("--metric-percentiles", type=parse_percentiles, default=DEFAULT_METRIC_PERCENTILES,
-                   metavar="P,...", help="their percentiles, e.g. 25,50,99 (default 99)")
-    g.add_argument("--save-result", action="store_true",
-                   help="write the result JSON to {label}-{rate}qps[-concurrency{C}]-{model}-{date}.json")
-    g.add_argument("--result-dir", default=None, metavar="DIR",
-                   help="with --save-result: the directory of the file (default: the current one)")
-    g.add_argument("--result-filename", default=None, metavar="NAME",
-                   help="with --save-result: the file's name instead of the pattern")
-    g.add_argument("--result-file", default=None, metavar="FILE",
-                   help="write the result JSON to FILE (default: not written; --sweep needs it or "
-                        "--save-result)")
+@dataclass(frozen=True)
+class ResultOptions:
+    label: str | None = field(default=None, metadata=setting(
+        "the result's label and the file name's prefix (default: the backend, openai-chat or openai)"))
+    metadata: list[tuple[str, str]] | None = field(default=None, metadata=setting(
+        "fields stored in the result, e.g. --metadata version=0.3.3 tp=1", nargs="+", type=parse_metadata,
+        metavar="KEY=VALUE"))
+    percentile_metrics: tuple[str, ...] = field(default=DEFAULT_PERCENTILE_METRICS, metadata=setting(
+        "metrics with mean, median, std and percentiles in the result: ttft, tpot, itl, e2el (default "
+        "ttft,tpot,itl)", type=parse_percentile_metrics, metavar="M,..."))
+    metric_percentiles: tuple[float, ...] = field(default=DEFAULT_METRIC_PERCENTILES, metadata=setting(
+        "their percentiles, e.g. 25,50,99 (default 99)", type=parse_percentiles, metavar="P,..."))
+    save_result: bool = field(default=False, metadata=setting(
+        "write the result JSON to {label}-{rate}qps[-concurrency{C}]-{model}-{date}.json", action="store_true"))
+    result_dir: str | None = field(default=None, metadata=setting(
+        "with --save-result: the directory of the file (default: the current one)", metavar="DIR"))
+    result_filename: str | None = field(default=None, metadata=setting(
+        "with --save-result: the file's name instead of the pattern", metavar="NAME"))
+    result_file: str | None = field(default=None, metadata=setting(
+        "write the result JSON to FILE (default: not written; --sweep needs it or --save-result)",
+        metavar="FILE"))
 
 
-def options_error(args: Options) -> str | None:
+RESULT_TITLE = "result file (as vllm bench serve)"
+
+
+def options_error(args: ResultOptions) -> str | None:
     if not args.save_result:
         lonely = [flag for flag, value in (("--result-dir", args.result_dir),
                                            ("--result-filename", args.result_filename)) if value]
@@ -93,9 +98,9 @@ def options_error(args: Options) -> str | None:
     return None
 
 
-def file_name(args: Options, result: dict) -> Path | None:
+def file_name(args: ResultOptions, result: dict, request_rate: float | None = None) -> Path | None:
     """``--result-file``, else with ``--save-result`` vLLM's name (or ``--result-filename``) in
-    ``--result-dir``; None: not written."""
+    ``--result-dir``; ``request_rate``: ``--request-rate``; None: not written."""
     if args.result_file:
         return Path(args.result_file)
     if not args.save_result:
@@ -107,7 +112,7 @@ def file_name(args: Options, result: dict) -> Path | None:
         rates = (f"ramp-up-{result['ramp_up_strategy']}-{result['ramp_up_start_rps']}qps-"
                  f"{result['ramp_up_end_rps']}qps")
     else:
-        rates = f"{_rate_word(getattr(args, 'request_rate', None), result['request_rate'])}qps"
+        rates = f"{_rate_word(request_rate, result['request_rate'])}qps"
     name = args.result_filename or f"{label}-{rates}{concurrency}-{model}-{result['date']}.json"
     return Path(args.result_dir or ".") / name
 

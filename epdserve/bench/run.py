@@ -10,12 +10,13 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
-from epdserve.argtypes import Options, float_above, float_at_least, slo_pair, with_values
+from epdserve.argtypes import Flag, add_flags, field_of, float_above, float_at_least, nested, setting, slo_pair
 from epdserve.bench import client, metrics, sweep, workload
-from epdserve.bench.result_file import add_result_arguments, file_name, options_error
+from epdserve.bench.result_file import RESULT_TITLE, ResultOptions, file_name, options_error
 from epdserve.bench.arrivals import retime
 
 
@@ -42,62 +43,6 @@ def endpoint_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(ENDPOINTS)}") from None
 
 
-def add_client_arguments(parser: argparse.ArgumentParser, replay: bool = True) -> None:
-    """``replay`` (compare): ``ignore_eos`` unless ``--no-ignore-eos``, so every deployment
-    generates the trace's output lengths; else vLLM's ``--ignore-eos``."""
-    g = parser.add_argument_group("client")
-    g.add_argument("--endpoint", type=endpoint_arg, default="chat", metavar="chat|completions|PATH",
-                   help="POST /v1/chat/completions (chat, the default) or /v1/completions "
-                        "(completions); vLLM's path form is taken too")
-    g.add_argument("--temperature", type=float_at_least(0), default=0.0, help="sampling temperature (default 0)")
-    if replay:
-        g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                       help="let the model stop at EOS (default: ignore_eos=true, so every deployment "
-                            "generates the trace's output lengths)")
-    else:
-        g.add_argument("--ignore-eos", action="store_true",
-                       help="send ignore_eos, so output lengths are as asked (as vLLM, always on for the "
-                            "synthetic (random), demo, mooncake and azure workloads and a --trace replay; "
-                            "off by default for prefix and sharegpt)")
-    g.add_argument("--goodput", nargs="+", type=parse_goodput, default=None, metavar="KEY:MS",
-                   help="SLOs for goodput in ms, e.g. ttft:2000 tpot:200 itl:1000: ttft, tpot "
-                        "(the request's mean gap, as vLLM), e2el, itl (the request's longest "
-                        "inter-token gap: a stall fails it, the mean hides it), itl_p99 (its "
-                        "p99 gap); compare judges by " + " ".join(
-                            f"{k}:{v:g}" for k, v in metrics.DEFAULT_SLOS_MS.items())
-                        + " when none are given")
-    g.add_argument("--request-timeout", type=float_above(0), default=600.0, metavar="S",
-                   help="per-read timeout of a request in seconds (default 600)")
-    g.add_argument("--warmup", type=workload.nonnegative_int, default=1, metavar="N",
-                   help="short unmeasured requests sent before the run (default 1)")
-    g.add_argument("--warmup-requests", type=workload.nonnegative_int, default=0, metavar="K",
-                   help="the first K requests of the trace are sent as scheduled but left "
-                        "out of the results (default 0)")
-    g.add_argument("--max-concurrency", type=workload.positive_int, default=None, metavar="C",
-                   help="at most C requests in flight; later ones wait for a slot (with "
-                        "--request-rate inf: a closed loop of C clients)")
-    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", required=True, type=parse_base_url, help="server URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--model", default=None,
-                        help="model name sent in requests (default: first id of GET /v1/models)")
-    workload.add_workload_arguments(parser)
-    add_client_arguments(parser, replay=False)
-    add_result_arguments(parser)
-    sw = parser.add_argument_group("goodput sweep")
-    sw.add_argument("--sweep", action="store_true",
-                    help="find the highest request rate meeting --goodput for a share "
-                         "--goodput-target of requests (bisection on rate)")
-    sw.add_argument("--goodput-target", type=parse_share, default=0.9, metavar="F",
-                    help="share of requests that must meet every SLO (default 0.9)")
-    sw.add_argument("--sweep-rates", type=parse_rates, default=(0.25, 4.0), metavar="LO:HI",
-                    help="request rates (req/s) bracketing the search (default 0.25:4)")
-    sw.add_argument("--sweep-iters", type=workload.nonnegative_int, default=4, metavar="N",
-                    help="bisection steps after LO and HI (default 4)")
-
-
 def parse_share(text: str) -> float:
     try:
         value = float(text)
@@ -120,6 +65,80 @@ def parse_rates(text: str) -> tuple[float, float]:
     return rates
 
 
+GOODPUT_TARGET_FLAG = Flag("--goodput-target", type=parse_share, default=0.9, metavar="F",
+                           help="share of requests that must meet every SLO (default 0.9)")
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """bench's: vLLM's ``--ignore-eos``."""
+    endpoint: str = field(default="chat", metadata=setting(
+        "POST /v1/chat/completions (chat, the default) or /v1/completions (completions); vLLM's path form is "
+        "taken too", type=endpoint_arg, metavar="chat|completions|PATH"))
+    temperature: float = field(default=0.0, metadata=setting("sampling temperature (default 0)",
+                                                             type=float_at_least(0)))
+    ignore_eos: bool = field(default=False, metadata=setting(
+        "send ignore_eos, so output lengths are as asked (as vLLM, always on for the synthetic (random), demo, "
+        "mooncake and azure workloads and a --trace replay; off by default for prefix and sharegpt)",
+        action="store_true"))
+    goodput: list[tuple[str, float]] | None = field(default=None, metadata=setting(
+        "SLOs for goodput in ms, e.g. ttft:2000 tpot:200 itl:1000: ttft, tpot (the request's mean gap, as vLLM), "
+        "e2el, itl (the request's longest inter-token gap: a stall fails it, the mean hides it), itl_p99 (its "
+        "p99 gap); compare judges by " + " ".join(f"{k}:{v:g}" for k, v in metrics.DEFAULT_SLOS_MS.items())
+        + " when none are given", nargs="+", type=parse_goodput, metavar="KEY:MS"))
+    request_timeout: float = field(default=600.0, metadata=setting(
+        "per-read timeout of a request in seconds (default 600)", type=float_above(0), metavar="S"))
+    warmup: int = field(default=1, metadata=setting(
+        "short unmeasured requests sent before the run (default 1)", type=workload.nonnegative_int, metavar="N"))
+    warmup_requests: int = field(default=0, metadata=setting(
+        "the first K requests of the trace are sent as scheduled but left out of the results (default 0)",
+        type=workload.nonnegative_int, metavar="K"))
+    max_concurrency: int | None = field(default=None, metadata=setting(
+        "at most C requests in flight; later ones wait for a slot (with --request-rate inf: a closed loop of C "
+        "clients)", type=workload.positive_int, metavar="C"))
+    disable_tqdm: bool = field(default=False, metadata=setting("no progress bar", action="store_true"))
+
+
+@dataclass(frozen=True)
+class ReplayClientOptions(ClientOptions):
+    """compare's: ``ignore_eos`` unless ``--no-ignore-eos``, so every deployment generates the trace's output
+    lengths."""
+    ignore_eos: bool = field(default=True, metadata=setting(
+        "let the model stop at EOS (default: ignore_eos=true, so every deployment generates the trace's output "
+        "lengths)", "--no-ignore-eos", dest="ignore_eos", action="store_false"))
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    sweep: bool = field(default=False, metadata=setting(
+        "find the highest request rate meeting --goodput for a share --goodput-target of requests (bisection on "
+        "rate)", action="store_true"))
+    goodput_target: float = field_of(GOODPUT_TARGET_FLAG)
+    sweep_rates: tuple[float, float] = field(default=(0.25, 4.0), metadata=setting(
+        "request rates (req/s) bracketing the search (default 0.25:4)", type=parse_rates, metavar="LO:HI"))
+    sweep_iters: int = field(default=4, metadata=setting(
+        "bisection steps after LO and HI (default 4)", type=workload.nonnegative_int, metavar="N"))
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    base_url: str = field(default=None, metadata=setting("server URL, e.g. http://127.0.0.1:8000",
+                                                         required=True, type=parse_base_url))
+    model: str | None = field(default=None, metadata=setting(
+        "model name sent in requests (default: first id of GET /v1/models)"))
+    workload: workload.WorkloadOptions = nested(workload.WorkloadOptions, "workload")
+    client: ClientOptions = nested(ClientOptions, "client")
+    result: ResultOptions = nested(ResultOptions, RESULT_TITLE)
+    rate_sweep: SweepOptions = nested(SweepOptions, "goodput sweep")
+
+
+OPTIONS = BenchOptions
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, BenchOptions)
+
+
 def _rate_field(rate: float | None, requests: list[workload.Request]) -> float | str:
     """vLLM's ``request_rate``: the asked rate, "inf", or without one the trace's mean rate."""
     if rate is None:
@@ -128,19 +147,22 @@ def _rate_field(rate: float | None, requests: list[workload.Request]) -> float |
     return "inf" if math.isinf(rate) else rate
 
 
-def bench(base_url: str, requests: list[workload.Request], args: Options,
+def bench(base_url: str, requests: list[workload.Request], options: ClientOptions,
           model: str | None = None, request_rate: float | None = None,
-          on_start: Callable[[], None] | None = None, tokenizer_id: str | None = None) -> dict:
-    """The result dict: metrics over all but the first ``args.warmup_requests`` requests, and
-    the run's settings under vLLM's names; ``on_start`` runs after the warm-up.
+          on_start: Callable[[], None] | None = None, tokenizer_id: str | None = None,
+          arrivals: workload.ArrivalOptions | None = None, result_options: ResultOptions | None = None) -> dict:
+    """The result dict: metrics over all but the first ``options.warmup_requests`` requests, and
+    the run's settings under vLLM's names; ``on_start`` runs after the warm-up. Without ``result_options``
+    (compare): every percentile metric at :data:`metrics.PERCENTILES`.
 
     Raises client.ClientError (no answer, failed warm-up, unsendable trace), and TraceError when
     ``--warmup-requests`` leaves nothing to measure."""
-    skip = getattr(args, "warmup_requests", 0)
+    skip = options.warmup_requests
     if skip >= len(requests):
         raise workload.TraceError(f"--warmup-requests {skip}: the trace has only "
                                   f"{len(requests)} requests, none would be measured")
-    concurrency = getattr(args, "max_concurrency", None)
+    concurrency = options.max_concurrency
+    arrivals = arrivals or workload.ArrivalOptions()
 
     async def go() -> tuple[str, list[client.RequestRecord]]:
         name = model
@@ -148,30 +170,31 @@ def bench(base_url: str, requests: list[workload.Request], args: Options,
             async with client.make_client(1) as c:
                 name = await client.fetch_model_name(c, base_url)
         records = await client.run_trace(
-            base_url, name, requests, endpoint=args.endpoint, temperature=args.temperature,
-            ignore_eos=args.ignore_eos, progress=not args.disable_tqdm,
-            timeout_s=args.request_timeout, warmup=args.warmup, max_concurrency=concurrency,
+            base_url, name, requests, endpoint=options.endpoint, temperature=options.temperature,
+            ignore_eos=options.ignore_eos, progress=not options.disable_tqdm,
+            timeout_s=options.request_timeout, warmup=options.warmup, max_concurrency=concurrency,
             on_start=on_start)
         return name, records
 
-    client.check_sendable(requests, args.endpoint)  # before any connection: the trace's fault
+    client.check_sendable(requests, options.endpoint)  # before any connection: the trace's fault
     name, records = asyncio.run(go())
-    ramp = (getattr(args, "ramp_up_start_rps", None), getattr(args, "ramp_up_end_rps", None))
-    backend = "openai-chat" if args.endpoint == "chat" else "openai"
+    ramp = (arrivals.ramp_up_start_rps, arrivals.ramp_up_end_rps)
+    backend = "openai-chat" if options.endpoint == "chat" else "openai"
+    kept = result_options or ResultOptions(percentile_metrics=metrics.PERCENTILE_METRICS,
+                                           metric_percentiles=metrics.PERCENTILES)
     # vLLM's order: setup, metadata, traffic, then the metrics.
     result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": backend, "backend": backend,
-              "label": getattr(args, "label", None), "model_id": name, "tokenizer_id": tokenizer_id,
-              "num_prompts": len(requests) - skip, **dict(getattr(args, "metadata", None) or ()),
-              "request_rate": _rate_field(request_rate or getattr(args, "request_rate", None), requests),
-              "burstiness": getattr(args, "burstiness", 1.0), "max_concurrency": concurrency}
+              "label": kept.label, "model_id": name, "tokenizer_id": tokenizer_id,
+              "num_prompts": len(requests) - skip, **dict(kept.metadata or ()),
+              "request_rate": _rate_field(request_rate or arrivals.request_rate, requests),
+              "burstiness": arrivals.burstiness, "max_concurrency": concurrency}
     if ramp[0] is not None and request_rate is None:
         result.update(ramp_up_strategy="linear", ramp_up_start_rps=ramp[0],
                       ramp_up_end_rps=ramp[1])
-    result.update(base_url=base_url, endpoint=args.endpoint, temperature=args.temperature,
-                  ignore_eos=args.ignore_eos, read_timeout=args.request_timeout, warmup_requests=skip)
-    result.update(metrics.compute(records[skip:], dict(args.goodput) if args.goodput else None,
-                                  getattr(args, "metric_percentiles", metrics.PERCENTILES),
-                                  getattr(args, "percentile_metrics", metrics.PERCENTILE_METRICS)))
+    result.update(base_url=base_url, endpoint=options.endpoint, temperature=options.temperature,
+                  ignore_eos=options.ignore_eos, read_timeout=options.request_timeout, warmup_requests=skip)
+    result.update(metrics.compute(records[skip:], dict(options.goodput) if options.goodput else None,
+                                  kept.metric_percentiles, kept.percentile_metrics))
     return result
 
 
@@ -234,37 +257,43 @@ def sweep_table(result: dict) -> list[str]:
     return lines
 
 
-def run_sweep(args: Options, requests: list[workload.Request], spec: dict) -> dict:
-    def measure(rate: float) -> dict:
-        return bench(args.base_url, retime(requests, rate, args.seed), args,
-                     model=args.model, request_rate=rate)
+def run_sweep(options: BenchOptions, requests: list[workload.Request], spec: dict) -> dict:
+    sweeping = options.rate_sweep
 
-    lo, hi = args.sweep_rates
-    result = sweep.find_max_goodput_rate(measure, args.goodput_target, lo, hi,
-                                         args.sweep_iters, progress=not args.disable_tqdm)
-    result.update(goodput_slos_ms=dict(args.goodput), workload=spec,
-                  sweep_rates=[lo, hi], sweep_iters=args.sweep_iters)
+    def measure(rate: float) -> dict:
+        return bench(options.base_url, retime(requests, rate, options.workload.seed), options.client,
+                     model=options.model, request_rate=rate, arrivals=options.workload.arrivals,
+                     result_options=options.result)
+
+    lo, hi = sweeping.sweep_rates
+    result = sweep.find_max_goodput_rate(measure, sweeping.goodput_target, lo, hi,
+                                         sweeping.sweep_iters, progress=not options.client.disable_tqdm)
+    result.update(goodput_slos_ms=dict(options.client.goodput), workload=spec,
+                  sweep_rates=[lo, hi], sweep_iters=sweeping.sweep_iters)
     return result
 
 
-def _options_error(args: Options) -> str | None:
-    if args.sweep and not (args.goodput and args.result_file):
+def _options_error(options: BenchOptions) -> str | None:
+    if options.rate_sweep.sweep and not (options.client.goodput and options.result.result_file):
         return "--sweep needs --goodput KEY:MS ... and --result-file"
-    return options_error(args)
+    return options_error(options.result)
 
 
-def run(args: Options) -> int:
-    error = _options_error(args)
+def run(options: BenchOptions) -> int:
+    error = _options_error(options)
     if error:
         print(f"epdserve bench: error: {error}", file=sys.stderr)
         return 2
     try:
-        requests, spec = workload.build_from_args(args)
-        args = with_values(args, ignore_eos=workload.sends_ignore_eos(args))
-        if args.sweep:
-            result = run_sweep(args, requests, spec)
+        requests, spec = workload.build_from_args(options.workload)
+        options = replace(options, client=replace(
+            options.client, ignore_eos=workload.sends_ignore_eos(options.workload, options.client.ignore_eos)))
+        if options.rate_sweep.sweep:
+            result = run_sweep(options, requests, spec)
         else:
-            result = bench(args.base_url, requests, args, model=args.model, tokenizer_id=spec.get("tokenizer"))
+            result = bench(options.base_url, requests, options.client, model=options.model,
+                           tokenizer_id=spec.get("tokenizer"), arrivals=options.workload.arrivals,
+                           result_options=options.result)
     except (workload.TraceError, client.UnsupportedWorkload, client.ServerUnreachable) as exc:
         print(f"epdserve bench: error: {exc}", file=sys.stderr)
         return 2
@@ -274,15 +303,16 @@ def run(args: Options) -> int:
     except KeyboardInterrupt:
         print("epdserve bench: interrupted", file=sys.stderr)
         return 130
-    if args.sweep:
+    result_file = options.result.result_file
+    if options.rate_sweep.sweep:
         print("\n".join(sweep_table(result)))
-        write_json(result, args.result_file)
-        png = sweep.plot(result, Path(args.result_file).with_name("goodput_vs_rate.png"))
-        print(f"result written to {args.result_file}" + (f", plot to {png}" if png else ""))
+        write_json(result, result_file)
+        png = sweep.plot(result, Path(result_file).with_name("goodput_vs_rate.png"))
+        print(f"result written to {result_file}" + (f", plot to {png}" if png else ""))
         return 0
     result["workload"] = spec
     print("\n".join(summary_lines(result)))
-    path = file_name(args, result)
+    path = file_name(options.result, result, options.workload.arrivals.request_rate)
     if path is not None:
         write_json(result, path)
         print(f"result written to {path}")

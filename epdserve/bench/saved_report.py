@@ -8,12 +8,13 @@ import argparse
 import hashlib
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from epdserve.argtypes import Options
+from epdserve.argtypes import add_flags, field_of, setting
 from epdserve.bench import compare, paired, recommend, rejudge, slo_map, workload
 from epdserve.bench.run import parse_goodput
 
@@ -25,13 +26,23 @@ class Refused(ValueError):
     """The message names the directory or value and why."""
 
 
+@dataclass(frozen=True)
+class ReportOptions:
+    dirs: list[str] = field(default_factory=list, metadata=setting(
+        "epdserve compare --output directories of one trace", "dirs", nargs="+", metavar="DIR"))
+    goodput: list[tuple[str, float]] | None = field(default=None, metadata=setting(
+        "the SLOs to judge by, as compare's --goodput (default: the ones the run was judged by)", nargs="+",
+        type=parse_goodput, metavar="KEY:MS"))
+    slo_grid: list | None = field_of(slo_map.SLO_GRID_FLAG)
+    output: str | None = field(default=None, metadata=setting(
+        "where the report goes (default: the first DIR's report/)", metavar="DIR"))
+
+
+OPTIONS = ReportOptions
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dirs", nargs="+", metavar="DIR", help="epdserve compare --output directories of one trace")
-    parser.add_argument("--goodput", nargs="+", type=parse_goodput, default=None, metavar="KEY:MS",
-                        help="the SLOs to judge by, as compare's --goodput (default: the ones the run was judged by)")
-    slo_map.SLO_GRID_FLAG.add(parser)
-    parser.add_argument("--output", default=None, metavar="DIR",
-                        help="where the report goes (default: the first DIR's report/)")
+    add_flags(parser, ReportOptions)
 
 
 class _Outcomes(BaseModel):
@@ -129,7 +140,7 @@ def pooled(saved: list[dict], dirs: list[Path]) -> list[dict]:
     return list(entries.values())
 
 
-def _options_error(args: Options, dirs: list[Path]) -> str | None:
+def _options_error(args: ReportOptions, dirs: list[Path]) -> str | None:
     twice = [d for i, d in enumerate(dirs) if d.resolve() in [x.resolve() for x in dirs[:i]]]
     if twice:
         return f"{twice[0]}: given twice (its runs would count twice)"
@@ -141,7 +152,7 @@ def _options_error(args: Options, dirs: list[Path]) -> str | None:
     return slo_map.check_given(args.slo_grid)
 
 
-def run(args: Options) -> int:
+def run(args: ReportOptions) -> int:
     dirs = [Path(d) for d in args.dirs]
     error = _options_error(args, dirs)
     if error:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass, field
 
 import torch
 
-from epdserve.argtypes import Options
+from epdserve.argtypes import add_flags, setting
 from epdserve.model import kernels, linear, step_budget
 from epdserve.model.llama import LlamaModel
 from epdserve.model.loader import BF16_CPU_FLAGS, ModelLoadError, resolve_model
@@ -28,15 +29,24 @@ def default_formats() -> list[str]:
     return formats + (["q4_1+bf16"] if BF16_CPU_FLAGS & kernels.cpu_flags() else [])
 
 
+@dataclass(frozen=True)
+class TuneOptions:
+    model: str | None = field(default=None, metadata=setting(
+        "the model whose layers are timed (default: SmolLM2-135M-Instruct)", metavar="GGUF|DIR"))
+    threads: list[int] | None = field(default=None, metadata=setting(
+        "the engine thread counts to measure at, one per worker size "
+        f"(default: {' '.join(map(str, default_threads()))}: one core, and all of this process's)", type=int,
+        nargs="+", metavar="N"))
+    weight_formats: list[str] | None = field(default=None, metadata=setting(
+        f"the formats with GGUF blocks to measure, of {', '.join(BLOCK_FORMATS)} "
+        f"(default: {' '.join(default_formats())})", nargs="+", choices=BLOCK_FORMATS, metavar="FORMAT"))
+
+
+OPTIONS = TuneOptions
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, metavar="GGUF|DIR",
-                        help="the model whose layers are timed (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--threads", type=int, nargs="+", default=None, metavar="N",
-                        help="the engine thread counts to measure at, one per worker size "
-                             f"(default: {' '.join(map(str, default_threads()))}: one core, and all of this process's)")
-    parser.add_argument("--weight-formats", nargs="+", default=None, choices=BLOCK_FORMATS, metavar="FORMAT",
-                        help=f"the formats with GGUF blocks to measure, of {', '.join(BLOCK_FORMATS)} "
-                             f"(default: {' '.join(default_formats())})")
+    add_flags(parser, TuneOptions)
 
 
 def error(text: str) -> int:
@@ -44,7 +54,7 @@ def error(text: str) -> int:
     return 2
 
 
-def run(args: Options) -> int:
+def run(args: TuneOptions) -> int:
     threads = sorted(set(args.threads or default_threads()))
     formats = list(dict.fromkeys(args.weight_formats or default_formats()))
     bad = [n for n in threads if not 1 <= n <= len(os.sched_getaffinity(0))]

@@ -10,22 +10,21 @@ from pathlib import Path
 
 import numpy as np
 
-from epdserve.argtypes import config_from
 from epdserve.bench import metrics
 from epdserve.plan import at_rate, calibrate, elastic_replay, report
 from epdserve.plan.costmodel import FEATURES, Platform
+from epdserve.plan.options import PlanOptions
 from epdserve.plan.serving_fit import (SERVING_PERCENTILE, compare_runs, contention_ratio, decode_gaps, fit_prefill,
                                        fit_serving, gap_percentiles, prefill_steps)
 from epdserve.plan.validation import BANDED, VALIDATED, distinct_dirs, has_images, validate
-from epdserve.serving import flags
 from epdserve.serving.elastic.policy import PolicyConfig
 
 
-def calibration_path(args) -> Path:
+def calibration_path(args: PlanOptions) -> Path:
     return Path(args.calibration) if args.calibration else calibrate.default_path(args.model)
 
 
-def run_validate(args) -> int:
+def run_validate(args: PlanOptions) -> int:
     if not args.compare_dir:
         print("epdserve plan validate: error: --compare-dir DIR is required", file=sys.stderr)
         return 2
@@ -75,7 +74,7 @@ def run_validate(args) -> int:
     return 0
 
 
-def run_fit_serving(args) -> int:
+def run_fit_serving(args: PlanOptions) -> int:
     """``plan calibrate --from-compare``: fit the serving slowdowns into the calibration."""
     path = calibration_path(args)
     cal = calibrate.load(path)
@@ -121,7 +120,7 @@ def _serving_line(platform: Platform) -> str:
             + (prefill or "as calibrated"))
 
 
-def run_calibrate(args) -> int:
+def run_calibrate(args: PlanOptions) -> int:
     if args.from_compare:
         return run_fit_serving(args)
     cal = calibrate.calibrate(args.model, rounds=args.rounds)
@@ -143,13 +142,13 @@ def run_calibrate(args) -> int:
     return 0
 
 
-def run_elastic_replay(args) -> int:
+def run_elastic_replay(args: PlanOptions) -> int:
     """Returns 2 without the file."""
     if not args.elastic_trace:
         print("epdserve plan elastic-replay: error: --elastic-trace FILE is required", file=sys.stderr)
         return 2
     slos = dict(args.slo)
-    timings = config_from(flags.ElasticTimings, args)
+    timings = args.timings
     window_s, min_dwell_s = timings.window_s, timings.min_dwell_s
     config = PolicyConfig(slo_ttft_ms=slos.get("ttft", metrics.DEFAULT_SLOS_MS["ttft"]),
                           slo_tpot_ms=slos.get("tpot", metrics.DEFAULT_SLOS_MS["tpot"]),
