@@ -179,7 +179,8 @@ def test_compare_checks_tensor_parallel_names_as_serve_does():
 
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
-    warnings, errors = compare.preflight(parser.parse_args(["--configs", "colocated-tp4096,1p1d-tp1/4096"]), None)
+    options = config_from(compare.OPTIONS, parser.parse_args(["--configs", "colocated-tp4096,1p1d-tp1/4096"]))
+    warnings, errors = compare.preflight(options, None)
     assert [e.split(", one a rank")[0] for e in errors] == [
         "[colocated-tp4096] --tensor-parallel-size 4096 needs 4096 cores", "[1p1d-tp1/4096] --decode-tp 4096 needs 4096 cores"]
 
