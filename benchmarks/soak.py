@@ -53,7 +53,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from epdserve.bench.compare import ServerProcess, port_is_free  # noqa: E402
+from epdserve.bench.processes import ServerProcess, port_is_free  # noqa: E402
 from epdserve.host import worker_pids  # noqa: E402
 
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
