@@ -81,13 +81,15 @@ def _default(f: dataclasses.Field):
     return None if f.default_factory is dataclasses.MISSING else f.default_factory()
 
 
+def _names(f: dataclasses.Field) -> tuple[str, ...]:
+    return f.metadata["names"] or ("--" + f.name.replace("_", "-"),)
+
+
 def _field_flags(f: dataclasses.Field) -> tuple[Flag, ...]:
-    meta = f.metadata
-    kwargs = dict(meta["flag"], default=_default(f))
+    kwargs = dict(f.metadata["flag"], default=_default(f))
     if f.type in (bool, "bool") and "action" not in kwargs:
         kwargs["action"] = argparse.BooleanOptionalAction
-    names = meta["names"] or ("--" + f.name.replace("_", "-"),)
-    return (Flag(*names, **kwargs), *meta["also"])
+    return (Flag(*_names(f), **kwargs), *f.metadata["also"])
 
 
 def flags_of(config_class, passed: bool = False) -> tuple[Flag, ...]:
@@ -116,6 +118,13 @@ def add_flags(parser, config_class, root=None) -> None:
         elif "flag" in f.metadata:
             for flag in _field_flags(f):
                 flag.add(parser)
+
+
+def given_flags(config) -> list[str]:
+    """The flags of ``config``'s own :func:`setting` fields whose value is not None (given), in
+    field order; for configs whose None means "not given"."""
+    return [_names(f)[0] for f in dataclasses.fields(config)
+            if "flag" in f.metadata and getattr(config, f.name) is not None]
 
 
 def config_from(config_class, args: argparse.Namespace):

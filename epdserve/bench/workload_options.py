@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from epdserve.argtypes import (Flag, field_of, float_above, float_at_least, int_at_least, nested, parse_fraction,
+from epdserve.argtypes import (Flag, field_of, given_flags, float_above, float_at_least, int_at_least, nested, parse_fraction,
                                parse_range, parse_rate, parse_size, setting)
 from epdserve.bench import datasets, production
 from epdserve.bench.prompts import LENGTH_DISTRIBUTIONS
@@ -144,11 +144,7 @@ class ProductionFit:
         "cap output tokens after scaling (default no cap)", type=positive_int, metavar="N"))
 
     def given(self) -> list[str]:
-        """The flags given, in declaration order."""
-        return [flag for flag, value in (
-            ("--start", self.start), ("--duration", self.duration), ("--time-scale", self.time_scale),
-            ("--length-scale", self.length_scale), ("--max-input-len", self.max_input_len),
-            ("--max-output-len", self.max_output_len)) if value is not None]
+        return given_flags(self)
 
     def fit(self, num_prompts: int | None) -> production.Fit:
         """Not given: start 0, to the end, all requests, scales 1, no caps."""

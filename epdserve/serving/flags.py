@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from epdserve.argtypes import Flag, float_above, int_at_least, setting, zero_or_at_least
+from epdserve.argtypes import Flag, float_above, given_flags, int_at_least, setting, zero_or_at_least
 from epdserve.serving.deployment import ELASTIC_INTERVAL_S, ELASTIC_MIN_DWELL_S, ELASTIC_WINDOW_S
 
 MODEL_FLAG = Flag("--model", default=None,
@@ -66,4 +66,4 @@ class ElasticTimings:
         return ELASTIC_MIN_DWELL_S if self.elastic_min_dwell is None else self.elastic_min_dwell
 
     def given(self) -> list[str]:
-        return [f"--{f.name.replace('_', '-')}" for f in fields(self) if getattr(self, f.name) is not None]
+        return given_flags(self)

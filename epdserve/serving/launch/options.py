@@ -3,7 +3,7 @@ counts, per-role settings, the Ray cluster's), each field its flag (``argtypes.s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from epdserve.argtypes import field_of, float_above, int_at_least, nested, passed_to_workers, setting
 from epdserve.engine.config import DEVICE_METAVAR, DTYPE_CHOICES, device_type
@@ -51,12 +51,10 @@ class RayOptions:
     def resources(self, role: str) -> tuple[str, str]:
         """``(--ROLE-resources value, its flag)`` of a role's workers."""
         option = ROLE_OPTION[role]
-        return {"worker": self.worker_resources, "prefill": self.prefill_resources,
-                "decode": self.decode_resources, "encode": self.encode_resources}[option], f"--{option}-resources"
+        return getattr(self, f"{option}_resources"), f"--{option}-resources"
 
     def placement(self, role: str) -> str:
-        return {"worker": self.worker_placement, "prefill": self.prefill_placement,
-                "decode": self.decode_placement, "encode": self.encode_placement}[ROLE_OPTION[role]]
+        return getattr(self, f"{ROLE_OPTION[role]}_placement")
 
 
 @dataclass(frozen=True)
@@ -141,11 +139,7 @@ class ServeOptions:
 
     def role(self, role: str) -> RoleSettings:
         """The ``--ROLE-*`` flags given for ``role``'s workers."""
-        return {"prefill": RoleSettings(self.prefill_tp, self.prefill_dtype, self.prefill_weight_format,
-                                        self.prefill_kv_cache_dtype, self.prefill_device),
-                "decode": RoleSettings(self.decode_tp, self.decode_dtype, self.decode_weight_format,
-                                       self.decode_kv_cache_dtype, self.decode_device),
-                "encode": RoleSettings(self.encode_tp, device=self.encode_device)}.get(role, RoleSettings())
+        return RoleSettings(**{f.name: getattr(self, f"{role}_{f.name}", None) for f in fields(RoleSettings)})
 
     def tp_sizes(self) -> dict[str, int]:
         """Tensor-parallel ranks of each role's workers: ``-tp`` (colocated, and prefill and
