@@ -2,8 +2,10 @@
 prefill or a decode step could reach here at best, so that an engine's figures can be read
 as a share of it.
 
-* **GEMM GFLOP/s**: ``torch.mm`` of ``[T, K] x [K, N]`` (the weight transposed, as
-  ``F.linear`` runs it) for ``T`` in ``--tokens`` (default 256 and 1024) and every weight
+* **GEMM GFLOP/s**: ``[T, K] x [K, N]`` (the weight transposed, as ``F.linear`` runs it)
+  by every GEMM library torch offers here, the best per shape: ``torch.mm`` (MKL's or
+  OpenBLAS's sgemm) and oneDNN on a weight packed once (``mkldnn._linear_pointwise``, what
+  the engine and vLLM's CPU backend run), for ``T`` in ``--tokens`` (default 256 and 1024) and every weight
   matmul of one decoder layer, fused as the engine runs them (``model/llama.py``): QKV
   (hidden -> (heads + 2 x KV heads) x head_dim), O (heads x head_dim -> hidden), gate/up
   (hidden -> 2 x intermediate) and down (intermediate -> hidden), shapes from the model's
@@ -27,7 +29,7 @@ as a share of it.
   floor ms = bytes / copy GB/s: no decode step can be faster while it reads those bytes
   at that rate.
 
-Every loop is bounded in count and in time (``--seconds`` per shape and dtype, default
+Every loop is bounded in count and in time (``--seconds`` per shape, dtype and library, default
 0.5 s, at most 48 repetitions, the shapes taking turns over 3 rounds so that a busy moment
 of a shared machine does not fall on all of one shape's; the bandwidths: at most 10
 repetitions or 3 s each). The best repetition is the ceiling; the median is printed too:
@@ -56,8 +58,8 @@ from pathlib import Path
 DEFAULT_TOKENS = (256, 1024)
 DEFAULT_BATCHES = (1, 8)
 DEFAULT_CONTEXT = 384  # speed.py's default: a 256-token prompt + template, halfway through 128 outputs
-GEMM_SECONDS = 0.5  # per shape and dtype
-GEMM_MAX_REPS = 48  # per shape and dtype, over all rounds
+GEMM_SECONDS = 0.5  # per shape, dtype and library
+GEMM_MAX_REPS = 48  # per shape, dtype and library, over all rounds
 GEMM_ROUNDS = 3  # the shapes take turns, one round after another
 MEM_MIB = 256
 MEM_SECONDS = 3.0
@@ -263,24 +265,39 @@ def gemm(cfg: dict, tokens: int, dtype, budget_s: float = GEMM_SECONDS, max_reps
     for name, (n, k) in matmul_shapes(cfg).items():
         x = torch.randn(tokens, k, generator=gen).to(dtype)
         w = torch.randn(n, k, generator=gen).to(dtype)
-        out = torch.empty(tokens, n, dtype=dtype)
-        calls[name] = lambda x=x, w=w, out=out: torch.mm(x, w.t(), out=out)
-        times[name] = []
+        for lib, fn in gemm_calls(x, w).items():
+            calls[name, lib], times[name, lib] = fn, []
     for _ in range(rounds):
-        for name, fn in calls.items():
-            times[name] += best_times(fn, budget_s / rounds, max(1, max_reps // rounds))
+        for key, fn in calls.items():
+            times[key] += best_times(fn, budget_s / rounds, max(1, max_reps // rounds))
     shapes, total_flops, total_s = {}, 0.0, 0.0
     for name, (n, k) in matmul_shapes(cfg).items():
-        ts = sorted(times[name])
         flops = 2.0 * tokens * n * k
-        shapes[name] = {"n": n, "k": k, "flops": flops, "best_ms": ts[0] * 1e3,
+        by_lib = {lib: sorted(ts) for (shape, lib), ts in times.items() if shape == name}
+        lib = min(by_lib, key=lambda b: by_lib[b][0])
+        ts = by_lib[lib]
+        shapes[name] = {"n": n, "k": k, "flops": flops, "library": lib, "best_ms": ts[0] * 1e3,
                         "median_ms": ts[len(ts) // 2] * 1e3, "reps": len(ts),
-                        "gflops": flops / ts[0] / 1e9, "gflops_median": flops / ts[len(ts) // 2] / 1e9}
+                        "gflops": flops / ts[0] / 1e9, "gflops_median": flops / ts[len(ts) // 2] / 1e9,
+                        "gflops_by_library": {b: flops / t[0] / 1e9 for b, t in by_lib.items()}}
         total_flops += flops
         total_s += ts[0]
     layers = cfg["num_hidden_layers"]
     return {"tokens": tokens, "shapes": shapes, "forward_flops": total_flops * layers,
             "forward_ms": total_s * layers * 1e3, "aggregate_gflops": total_flops / total_s / 1e9}
+
+
+def gemm_calls(x, w) -> dict:
+    """``x [T, K]`` times ``w [N, K]`` transposed, one call per library: ``blas`` (``torch.mm``) and, where torch
+    has oneDNN, ``onednn`` on ``w`` packed once."""
+    import torch
+
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    calls = {"blas": lambda: torch.mm(x, w.t(), out=out)}
+    if torch.backends.mkldnn.is_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        calls["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return calls
 
 
 def memory_bandwidth(mib: int = MEM_MIB, budget_s: float = MEM_SECONDS, max_reps: int = MEM_MAX_REPS) -> dict:
@@ -403,11 +420,12 @@ def table(limits: dict) -> list[str]:
              f"model {Path(m['dir']).name}: hidden {m['hidden_size']}, intermediate "
              f"{m['intermediate_size']}, {m['num_attention_heads']} heads, {m['num_key_value_heads']} "
              f"KV heads, head_dim {m['head_dim']}, {m['num_hidden_layers']} layers, vocab {m['vocab_size']}",
-             "", "GEMM (torch.mm, [T, K] x [K, N]), GFLOP/s of the best repetition (median)"]
+             "", "GEMM ([T, K] x [K, N], the best of torch.mm (blas) and packed oneDNN), GFLOP/s of the best "
+             "repetition (median) and its library"]
     for dtype, per_t in limits["gemm"].items():
         for t, g in per_t.items():
             lines.append(f"  {dtype:<9} T={t:<5}" + "".join(
-                f"  {name} {s['n']}x{s['k']}: {s['gflops']:.1f} ({s['gflops_median']:.1f})"
+                f"  {name} {s['n']}x{s['k']}: {s['gflops']:.1f} ({s['gflops_median']:.1f}) {s['library']}"
                 for name, s in g["shapes"].items()))
             lines.append(f"  {'':<9} {'':<7} aggregate (one forward's weight matmuls): "
                          f"{g['aggregate_gflops']:.1f} GFLOP/s, {g['forward_flops'] / 1e9:.2f} GFLOP "
@@ -449,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=positive_int, default=DEFAULT_CONTEXT, metavar="L",
                    help=f"tokens of context per sequence for the KV bytes (default {DEFAULT_CONTEXT})")
     p.add_argument("--seconds", type=float, default=GEMM_SECONDS, metavar="S",
-                   help=f"time budget per GEMM shape and dtype (default {GEMM_SECONDS})")
+                   help=f"time budget per GEMM shape, dtype and library (default {GEMM_SECONDS})")
     p.add_argument("--mem-mib", type=positive_int, default=MEM_MIB, metavar="MIB",
                    help=f"size of the copied tensor (default {MEM_MIB})")
     p.add_argument("--output", default=None, metavar="DIR", help="write DIR/engine_limits.json")

@@ -30,10 +30,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
+from epdserve.model import step_budget
 from epdserve.model.loader import resolve_model
 from epdserve.model.linear import WEIGHT_FORMATS
 from epdserve.serving import protocol as P
 
+KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M float32 (benchmarks/engine_limits.py); bfloat16 half
 PHASES = {"schedule": "schedule", "prepare": "prepare", "forward": "forward", "sample": "sample"}
 
 
@@ -44,14 +46,19 @@ def decode_ready_engine(model_dir: str, dtype: str, weight_format: str, batch: i
     Raises:
         ValueError: a weight format the model cannot hold (``linear.resolve``).
     """
-    engine = LLMEngine(model_dir, EngineConfig(dtype=dtype, kv_cache_memory_mb=512, weight_format=weight_format))
+    # The requests prefilled first decode while the others prefill (steps of at least the smallest default budget):
+    # enough tokens that all are still running when the timed steps start, and KV room for all (no preemption).
+    prefill_steps = -(-batch * prompt_len // max(step_budget.LIMITS[0] - batch, 1)) + 1
+    sampling = SamplingParams(max_tokens=steps + 2 + prefill_steps, temperature=0, ignore_eos=True)
+    kv_mb = max(512, 2 * batch * (prompt_len + sampling.max_tokens) * KV_BYTES_PER_TOKEN // 2**20)
+    engine = LLMEngine(model_dir, EngineConfig(dtype=dtype, kv_cache_memory_mb=kv_mb, weight_format=weight_format))
     gen = torch.Generator().manual_seed(0)
-    sampling = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     for i in range(batch):
         prompt = torch.randint(0, engine.model.config.vocab_size, (prompt_len,), generator=gen).tolist()
         engine.add_request(str(i), prompt, sampling)
     while any(seq.is_prefilling for seq in engine.seqs.values()):
         engine.step()
+    assert len(engine.scheduler.running) == batch, "a request finished or was preempted before the timed steps"
     return engine
 
 

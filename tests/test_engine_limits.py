@@ -60,6 +60,9 @@ def test_measure_keys_and_values(limits):
                 assert s["flops"] == 2 * int(t) * s["n"] * s["k"]
                 assert all(finite_positive(s[k]) for k in ("best_ms", "median_ms", "gflops", "gflops_median"))
                 assert 1 <= s["reps"] <= engine_limits.GEMM_MAX_REPS
+                # The ceiling is the best library's: torch.mm always, oneDNN where torch has it.
+                assert "blas" in s["gflops_by_library"] and s["library"] in s["gflops_by_library"]
+                assert s["gflops"] == max(s["gflops_by_library"].values())
             assert all(finite_positive(g[k]) for k in ("forward_flops", "forward_ms", "aggregate_gflops"))
             # The aggregate is FLOP-weighted: between the slowest and the fastest shape.
             rates = [s["gflops"] for s in g["shapes"].values()]
