@@ -150,9 +150,9 @@ class Front:
                                f"prompt or completion.", param="max_tokens", code="context_length_exceeded")
         return requested
 
-    async def prompts(self, body) -> list[Prompt]:
+    async def prompts(self, body, plan: ToolPlan | None = None) -> list[Prompt]:
         """One for chat, one or a batch for completions; off the event loop (a 10 MB
-        prompt takes seconds), at most :data:`MAX_PREPROCESS_QUEUE` waiting.
+        prompt takes seconds), at most :data:`MAX_PREPROCESS_QUEUE` waiting. ``plan``: the chat's tools.
 
         Raises:
             APIError: 400, as :meth:`prompt_ids`, images to a text model, bad images; 503,
@@ -164,11 +164,11 @@ class Front:
                                status=503, type="service_unavailable")
         self._preprocess_queued += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._preprocess, self._prompts, body)
+            return await asyncio.get_running_loop().run_in_executor(self._preprocess, self._prompts, body, plan)
         finally:
             self._preprocess_queued -= 1
 
-    def _prompts(self, body) -> list[Prompt]:
+    def _prompts(self, body, plan: ToolPlan | None) -> list[Prompt]:
         if not isinstance(body, api.ChatCompletionRequest):
             prompts = [Prompt(self.prompt_ids(body, p)) for p in body.prompts]
             if body.echo:  # the prompt as sent; token ids as their text
@@ -180,18 +180,17 @@ class Front:
         echo = last.as_template_dict()["content"] if body.echo and last.role == "assistant" else None
         if self.images is None:
             if not any(m.num_images for m in body.messages):
-                return [Prompt(self.prompt_ids(body), echo=echo)]
+                return [Prompt(self.prompt_ids(body, plan=plan), echo=echo)]
             raise APIError(f"the model `{self.model.name}` takes no images (serve a vision-language model, "
                                "e.g. --model vlm)", param="messages")
         ids, images = self.images.prompt([m.model_dump(exclude_none=True) for m in body.messages],
                                          body.add_special_tokens, **self.template_options(body))
         return [Prompt(self.truncated(body, ids), images, echo)]
 
-    def prompt_ids(self, body, prompt: str | list[int] | None = None) -> list[int]:
-        """Of a chat request without images, or of one completion ``prompt``. Raises APIError
-        400: empty, bad token ids, the template failed or ``chat_template_kwargs`` clash."""
+    def prompt_ids(self, body, prompt: str | list[int] | None = None, plan: ToolPlan | None = None) -> list[int]:
+        """Of a chat request without images (``plan``: its tools), or of one completion ``prompt``. Raises
+        APIError 400: empty, bad token ids, the template failed or ``chat_template_kwargs`` clash."""
         if isinstance(body, api.ChatCompletionRequest):
-            plan = self.tool_plan(body)
             try:
                 ids = chat_prompt_ids(self.tokenizer, [m.as_template_dict() for m in body.messages],
                                       body.add_special_tokens, **self.template_options(body, plan))
@@ -247,7 +246,7 @@ class Front:
         body = self.with_defaults(body)
         fields.check(body)
         plan = self.tool_plan(body) if kind == "chat" else None  # cheap 400s before the tokenizer's work
-        prompts = await self.prompts(body)
+        prompts = await self.prompts(body, plan)
         self.check_token_ids(body.stop_token_ids, "stop_token_ids")
         self.check_token_ids(list(body.logit_bias_ids), "logit_bias")
         guided = await self.grammars.spec(body, plan)
