@@ -84,6 +84,8 @@ class RequestTrace(WorkerStages):
     colocated_queue_ms: float | None = None
     prefill_queue_ms: float | None = None
     decode_queue_ms: float | None = None
+    # Each move to a live worker after its worker died mid-stream: {"from", "to", "recomputed_tokens"}.
+    migrations: list[dict] | None = None
 
     def add(self, role: str, timings: StageTimings) -> None:
         """Queue as ``<role>_queue_ms``; ``embedding_bytes`` of encode workers and ``recomputed_tokens`` add up."""

@@ -235,9 +235,10 @@ def colocated_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def xpyd_server(tmp_path_factory):
     """2 prefill + 2 decode workers sharing the 2 cores, small KV pools, events on TCP (so
-    tests can start extra workers and send frames to it), workers proven by AUTH_TOKEN."""
+    tests can start extra workers and send frames to it), workers proven by AUTH_TOKEN; a worker's
+    death fails its requests mid-stream (no migration: tests/test_faults_migration.py has it)."""
     dep = start_deployment("pd", tmp_path_factory.mktemp("serve-2p2d"), "--prefill-workers", "2",
-                           "--decode-workers", "2", "--kv-cache-memory-mb", "128",
+                           "--decode-workers", "2", "--kv-cache-memory-mb", "128", "--migration-limit", "0",
                            "--events", f"tcp://127.0.0.1:{free_port()}",
                            env={"EPDSERVE_AUTH_TOKEN": AUTH_TOKEN})
     try:

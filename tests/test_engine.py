@@ -181,6 +181,29 @@ def test_preemption_under_tiny_pool_completes_with_same_tokens(model_dir, prompt
     assert stats["blocks_in_use"] == 0
 
 
+def test_a_resumed_request_continues_as_if_never_moved(model_dir, prompts):
+    """A request moved to another worker after k tokens (``resume_ids``) makes the rest of the same greedy and
+    seeded output, its k tokens counted as output (max_tokens, min_tokens, penalties, the seeded draws);
+    resume_ids at max_tokens or beside KV are refused."""
+    engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kv_cache_memory_mb=64))
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=7, frequency_penalty=0.5, min_tokens=12)
+    for params in (SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), seeded):
+        whole = generate(engine, prompts[:3], params)
+        for k in (1, 5, 11):
+            for i, prompt in enumerate(prompts[:3]):
+                engine.add_request(f"moved-{k}-{i}", prompt, params, resume_ids=whole[i][:k])
+            rest = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    rest.setdefault(out.request_id, []).extend(out.token_ids)
+            assert [rest[f"moved-{k}-{i}"] for i in range(3)] == [w[k:] for w in whole], (params, k)
+    with pytest.raises(ValueError, match="resume_ids .12 tokens. come without kv and under max_tokens .12."):
+        engine.add_request("full", prompts[0], seeded, resume_ids=whole[0])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad", prompts[0], seeded, resume_ids=[10**6])
+    assert engine.stats()["blocks_in_use"] == 0
+
+
 def test_recomputed_tokens_and_first_decode_step_are_reported(model_dir, prompts):
     """A decode engine imports two prompts' KV into a pool too small for both to finish
     together: the one preempted reports the tokens it computed again, which are exactly

@@ -204,7 +204,7 @@ def cluster_status(address: str) -> str:
 
 
 def test_kill_decode_actor_mid_stream(ray_head, tmp_path):
-    dep = ray_deployment("pd", tmp_path, ray_head, "--decode-workers", "2")
+    dep = ray_deployment("pd", tmp_path, ray_head, "--decode-workers", "2", "--migration-limit", "0")
     try:
         wait_for(lambda: all(s == "up" for s in states(dep).values()), 60, "every worker up")
         victim, victim_stream, other_stream = streams_on_two_decoders(dep)

@@ -98,27 +98,33 @@ class LLMEngine:
                     kv: KVSource | None = None, first_token: int | None = None,
                     timings: StageTimings | None = None, arrival: float | None = None,
                     images: list[tuple[str, int]] = (), image_embeddings: torch.Tensor | None = None,
-                    hold_kv: bool = False, layer_sink: LayerSink | None = None) -> None:
+                    hold_kv: bool = False, layer_sink: LayerSink | None = None,
+                    resume_ids: list[int] = ()) -> None:
         """``kv``: the prompt's KV ``[layers, 2, n_blocks, block_size, kv_heads, head_dim]``, with ``first_token``.
         ``arrival``: ``time.perf_counter()`` at the worker (default now). ``images``: ``(content hash, <image>
         tokens)`` each, with ``image_embeddings [sum of tokens, hidden]`` unless ``kv`` comes too.
+        ``resume_ids``: a migrated request's output so far (``Sequence``), without ``kv``.
 
         Raises ValueError for a request that cannot run here (duplicate id, tokens outside the vocabulary, too
-        long for the window, the pool or an unchunked step, mismatched KV or images, too many prompt logprobs)
-        and GuidedError (a ValueError) for a grammar that fails to compile or that ``first_token`` breaks."""
+        long for the window, the pool or an unchunked step, mismatched KV or images, too many prompt logprobs,
+        max_tokens already reached) and GuidedError (a ValueError) for a grammar that fails to compile or that
+        ``first_token`` or ``resume_ids`` break."""
         if request_id in self.seqs or request_id in self.held:
             raise ValueError(f"duplicate request id {request_id!r}")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty")
-        self._check_vocabulary(prompt_token_ids, sampling)
+        self._check_vocabulary([*prompt_token_ids, *resume_ids], sampling)
         self._check_length(n, sampling.max_tokens)
         if (kv is None) != (first_token is None):
             raise ValueError("kv and first_token come together or not at all")
+        if resume_ids and (kv is not None or len(resume_ids) >= sampling.max_tokens):
+            raise ValueError(f"resume_ids ({len(resume_ids)} tokens) come without kv and under max_tokens "
+                             f"({sampling.max_tokens})")
         seq = Sequence(request_id, prompt_token_ids, sampling, kv, first_token,
-                       self._prompt_images(prompt_token_ids, images, image_embeddings, kv is not None))
+                       self._prompt_images(prompt_token_ids, images, image_embeddings, kv is not None), resume_ids)
         seq.hold_kv, seq.layer_sink = hold_kv, layer_sink
-        seq.guided = self._guided_matcher(sampling, first_token)
+        seq.guided = self._guided_matcher(sampling, seq.token_ids[n:])
         if sampling.prompt_logprobs is not None and kv is None:  # an imported prompt was scored where it was computed
             self.prompt_logprobs.start(request_id, n, sampling.prompt_logprobs)
         if timings is not None:
@@ -166,11 +172,11 @@ class LLMEngine:
             self.guided = guided.GuidedDecoder(load_tokenizer(self.model_dir), mc.vocab_size, mc.eos_token_ids)
         return self.guided
 
-    def _guided_matcher(self, sampling: SamplingParams, first_token: int | None):
-        """None unless guided; advanced over ``first_token``. Raises GuidedError (a ValueError)."""
+    def _guided_matcher(self, sampling: SamplingParams, output_ids: list[int]):
+        """None unless guided; advanced over the output made elsewhere. Raises GuidedError (a ValueError)."""
         if sampling.guided is None:
             return None
-        return self.guided_decoder().matcher(sampling.guided, [] if first_token is None else [first_token])
+        return self.guided_decoder().matcher(sampling.guided, output_ids)
 
     def _prompt_images(self, prompt_token_ids: list[int], images: list[tuple[str, int]],
                        embeddings: torch.Tensor | None, has_kv: bool) -> PromptImages | None:

@@ -127,11 +127,13 @@ class Status(enum.Enum):
 
 class Sequence:
     """``token_ids``: prompt + generated; the first ``num_computed_tokens`` have K/V in ``block_table``.
-    ``guided``: the grammar matcher after the output tokens (it survives a preemption, as the tokens do)."""
+    ``guided``: the grammar matcher after the output tokens (it survives a preemption, as the tokens do).
+    ``resume_ids``: output another worker made before it died; computed again with the prompt, as after a
+    preemption, and counted as output (max_tokens, min_tokens, penalties, the seeded draws)."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  pending_kv: KVSource | None = None, first_token: int | None = None,
-                 images: PromptImages | None = None):
+                 images: PromptImages | None = None, resume_ids: list[int] = ()):
         self.request_id = request_id
         self.images = images
         self.token_ids = list(prompt_token_ids)
@@ -148,10 +150,9 @@ class Sequence:
         self.hold_kv = False
         self.layer_sink: LayerSink | None = None
         self.guided: xgrammar.GrammarMatcher | None = None
-        self.num_output_tokens = 0
-        if first_token is not None:
-            self.token_ids.append(first_token)
-            self.num_output_tokens = 1
+        outputs = ([] if first_token is None else [first_token]) + list(resume_ids)
+        self.token_ids += outputs
+        self.num_output_tokens = len(outputs)
         self.arrival = time.perf_counter()
         self.first_scheduled: float | None = None
         self.first_token_time: float | None = None

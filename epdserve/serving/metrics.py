@@ -158,6 +158,8 @@ class RouterMetrics:
         self.request_failure = series(Counter, "request_failure_total", "Requests that failed after admission "
                                       "(worker error, timeout, no worker).").labels()
         self.bad_request = series(Counter, "bad_request_total", "Requests answered with HTTP 400.").labels()
+        self.migrations = series(Counter, "request_migrations_total", "Moves of a request whose worker died "
+                                 "mid-stream to a live worker (--migration-limit).").labels()
         self.routed = series(Counter, "routed_requests_total", "Requests routed to their first worker, by routing "
                              "policy, whether the worker's prefix cache hit, and whether the router believed it "
                              "would.", ("policy", "hit", "believed"))
@@ -333,6 +335,7 @@ class RouterMetrics:
         if rec.routing is not None and rec.cached_tokens is not None:
             believed = "none" if rec.routing_believed_tokens is None else str(rec.routing_believed_tokens > 0).lower()
             self.routed.labels(rec.routing, str(rec.cached_tokens > 0).lower(), believed).inc()
+        self.migrations.inc(len(rec.migrations or []))
         if itls_s is None:
             self.request_failure.inc()
             self.request_success.inc(vllm=("error",), epd=("error",))

@@ -16,7 +16,7 @@ from epdserve.serving.deployment import EngineRole, Role
 
 
 # A router refuses a worker of another version; what each one changed: docs/architecture.md, "Handshake".
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 # >= 0 (Prometheus counters cannot go down), within int64
@@ -141,7 +141,7 @@ class Error(_Msg):
 
 class AddRequest(_Msg):
     """``kv`` and ``first_token``: to a decode worker; a prefilling worker gets the images' ``data`` or their
-    ``embeddings``."""
+    ``embeddings``. ``resume_ids``: a migrated request's output so far, computed again with the prompt."""
 
     type: Literal["add"] = "add"
     request_id: str
@@ -151,6 +151,7 @@ class AddRequest(_Msg):
     first_token: int | None = None
     images: list[ImageRef] = []
     embeddings: list[EmbeddingRef] = []
+    resume_ids: list[int] = []
 
 
 class Encode(_Msg):

@@ -56,7 +56,7 @@ class Router:
                  tools: ToolSettings = ToolSettings(), sampling_defaults: dict | None = None,
                  api_keys: tuple[str, ...] = (), metrics_prefix: str = DEFAULT_METRICS_PREFIX,
                  routing: str = DEFAULT_POLICY, elastic: bool = False, elastic_interval_s: float = 0.0,
-                 elastic_policy: PolicyConfig | None = None):
+                 elastic_policy: PolicyConfig | None = None, migration_limit: int = 0):
         if mode not in MODE_ROLES:
             raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODE_ROLES)})")
         self.mode, self.model, self.events_addr, self.api_keys = mode, model, events_addr, api_keys
@@ -74,7 +74,8 @@ class Router:
         self.front = Front(model, tokenizer, self.registry,
                            FlowConfig(mode, request_timeout_s=request_timeout_s,
                                       local_prefill_threshold=local_prefill_threshold,
-                                      routing=make_policy(routing), elastic=elastic, signals=signals),
+                                      routing=make_policy(routing), elastic=elastic, signals=signals,
+                                      migration_limit=migration_limit),
                            images=images, metrics=self.metrics, trace_file=trace_file, tools=tools,
                            sampling_defaults=sampling_defaults)
         self.controller = None
@@ -178,7 +179,8 @@ def build_router(options: RouterOptions, events_addr: str) -> Router:
                   media=media, internal_encryption=options.auth.internal_encryption, tools=tool_calls,
                   sampling_defaults=defaults, api_keys=surface.api_keys(options.api_key),
                   metrics_prefix=options.metrics_prefix, routing=options.routing, elastic=options.elastic.elastic,
-                  elastic_interval_s=options.elastic.timings.interval_s, elastic_policy=policy)
+                  elastic_interval_s=options.elastic.timings.interval_s, elastic_policy=policy,
+                  migration_limit=options.migration_limit)
 
 
 def elastic_policy(options: ElasticOptions) -> PolicyConfig:

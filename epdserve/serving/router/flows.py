@@ -32,7 +32,8 @@ Tokens = tuple[list[int], list | None, str | None]
 class FlowConfig:
     """``local_prefill_threshold``: pd, tokens; ``clock``: seconds, monotonic; ``routing``: how
     the first worker is picked, None for least-loaded; ``signals``: elastic, told of every
-    arrival, first token and output gap."""
+    arrival, first token and output gap; ``migration_limit``: moves of a request whose worker
+    died mid-stream (:meth:`Flow._next_or_migrate`)."""
 
     mode: str
     request_timeout_s: float = 600.0
@@ -42,6 +43,7 @@ class FlowConfig:
     routing: PrefixAware | None = None
     elastic: bool = False
     signals: SignalRecorder | None = None
+    migration_limit: int = 0
 
 
 class Flow:
@@ -71,6 +73,7 @@ class Flow:
         self.t_sent: float | None = None  # the last AddRequest handed to the port
         self.t_end: float | None = None
         self.output_tokens = 0
+        self.output_ids: list[int] = []  # what reached the client: a migration computes them again
         self.cached_tokens = 0  # prompt tokens in its first worker's prefix cache
         self.prompt_logprobs: list | None = None
         self.finish_reason: str | None = None
@@ -109,6 +112,7 @@ class Flow:
                 self._note_itl(now - last)
             last = now
             self.output_tokens += len(ids)
+            self.output_ids += ids
             if finish is not None:
                 self.finish_reason = finish
             yield ids, logprobs, finish
@@ -138,8 +142,8 @@ class Flow:
         if self.images:
             kw.update(self._image_fields(role))
         sampling = self.sampling
-        if kw.get("kv") is not None and sampling.prompt_logprobs is not None:
-            # The prefill worker scored the prompt; an importing decode worker never needs to.
+        if (kw.get("kv") is not None or kw.get("resume_ids")) and sampling.prompt_logprobs is not None:
+            # The first worker scored the prompt; one importing its KV or resuming its output never needs to.
             sampling = sampling.model_copy(update={"prompt_logprobs": None})
         msg = P.AddRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=sampling, **kw)
         self.worker, self.worker_role = worker, role
@@ -223,12 +227,39 @@ class Flow:
     def _retry(self, worker: WorkerState, role: str) -> None:
         self._dispatch(worker, role)
 
+    async def _next_or_migrate(self) -> P.Output:
+        """:meth:`_next`; when its worker died, the request moves to a live worker of the same role with the
+        output the client has (:attr:`output_ids`), computed again there with the prompt, at most
+        ``config.migration_limit`` times a request. Not a decode worker's request with images (it would need
+        their embeddings). Raises as :meth:`_next`; WorkerFailed 503 at once with no live worker to move to."""
+        while True:
+            try:
+                return await self._next()
+            except WorkerFailed as exc:
+                dead, role = self.worker, self.worker_role
+                moves = self.record.migrations or []
+                if not dead.dead or (self.images and role == "decode"):
+                    raise
+                if len(moves) >= self.config.migration_limit:
+                    if not self.config.migration_limit:
+                        raise
+                    raise WorkerFailed(f"{exc}; moved {len(moves)} times already (--migration-limit)", 503) from None
+                try:
+                    worker = self._choose(role, exclude=dead)
+                except APIError:
+                    raise WorkerFailed(f"{exc}; no other live {role} worker to move it to", 503) from None
+                log.warning("%s: %s; moving it with its %d output tokens to %s", self.request_id, exc,
+                            len(self.output_ids), worker.worker_id)
+                self.record.migrations = [*moves, {"from": dead.worker_id, "to": worker.worker_id,
+                                                   "recomputed_tokens": len(self.prompt_ids) + len(self.output_ids)}]
+                self._dispatch(worker, role, resume_ids=list(self.output_ids))
+
     async def _stream(self, out: P.Output) -> AsyncIterator[Tokens]:
         while True:
             yield out.token_ids, out.logprobs, (out.finish_reason or "stop") if out.finished else None
             if out.finished:
                 return
-            out = await self._next()
+            out = await self._next_or_migrate()
 
     def close(self) -> list[tuple[str, str]]:
         """Give back its holdings; what was sent, as ``(worker id, message type)``."""
@@ -310,7 +341,7 @@ class DisaggregatedFlow(Flow):
         # holds the request, under the same id, until the KV is released.
         self._dispatch(self._pick("decode", exclude=prefill), "decode", kv=out.kv, first_token=out.token_ids[-1])
         self.record.router_hop_ms = (self.t_sent - self.t_first) * 1000
-        out = await self._next()
+        out = await self._next_or_migrate()
         self.record.handoff_gap_ms = (self.config.clock() - self.t_first) * 1000  # the second token is here
         # Imported before the decode worker's first step: the prefill worker's copy can go.
         self.holdings.release_kv()

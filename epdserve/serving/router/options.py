@@ -43,6 +43,9 @@ class ToolOptions:
         "format of the model's tool calls: hermes, <tool_call>{json}</tool_call> blocks", choices=PARSERS))
 
 
+DEFAULT_MIGRATION_LIMIT = 3
+
+
 @dataclass(frozen=True)
 class RouterOptions:
     """The OpenAI front's options. Units: seconds, tokens, MiB as each flag says."""
@@ -67,6 +70,11 @@ class RouterOptions:
         type=float_above(0)))
     request_timeout: float = field(default=600.0, metadata=setting(
         "seconds without output after which a request fails", type=float_above(0)))
+    migration_limit: int = field(default=DEFAULT_MIGRATION_LIMIT, metadata=setting(
+        "times a request whose worker dies mid-stream moves to a live worker of the role, its prompt and the tokens "
+        "already sent computed again there (Dynamo's flag; 0: such a request fails; one whose worker dies before its "
+        "first token is retried either way)",
+        type=int_at_least(0)))
     local_prefill_threshold: int = field(default=0, metadata=setting(
         "pd: prompts shorter than this many tokens are prefilled by a decode worker itself, without a KV hand-off "
         "(0: never)", type=int_at_least(0)))

@@ -191,7 +191,8 @@ class Worker:
         self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling, kv, msg.first_token,
                                 timings=timings, arrival=arrival,
                                 images=[(im.hash, im.tokens) for im in msg.images], image_embeddings=embeddings,
-                                hold_kv=prefill, layer_sink=self.exporter.layer_sink if prefill else None)
+                                hold_kv=prefill, layer_sink=self.exporter.layer_sink if prefill else None,
+                                resume_ids=msg.resume_ids)
 
     def requests(self) -> list[str]:
         """In the engine, fetching, or compiling their grammar."""
