@@ -28,6 +28,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import engine_limits  # benchmarks/
 from epdserve.engine.engine import EngineConfig, LLMEngine
 from epdserve.engine.request import SamplingParams
 from epdserve.model import step_budget
@@ -35,7 +36,6 @@ from epdserve.model.loader import resolve_model
 from epdserve.model.linear import WEIGHT_FORMATS
 from epdserve.serving import protocol as P
 
-KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M float32 (benchmarks/engine_limits.py); bfloat16 half
 PHASES = {"schedule": "schedule", "prepare": "prepare", "forward": "forward", "sample": "sample"}
 
 
@@ -50,7 +50,8 @@ def decode_ready_engine(model_dir: str, dtype: str, weight_format: str, batch: i
     # enough tokens that all are still running when the timed steps start, and KV room for all (no preemption).
     prefill_steps = -(-batch * prompt_len // max(step_budget.LIMITS[0] - batch, 1)) + 1
     sampling = SamplingParams(max_tokens=steps + 2 + prefill_steps, temperature=0, ignore_eos=True)
-    kv_mb = max(512, 2 * batch * (prompt_len + sampling.max_tokens) * KV_BYTES_PER_TOKEN // 2**20)
+    per_token = engine_limits.kv_bytes_per_token(engine_limits.model_config(model_dir), 4)  # float32: the most
+    kv_mb = max(512, 2 * batch * (prompt_len + sampling.max_tokens) * per_token // 2**20)
     engine = LLMEngine(model_dir, EngineConfig(dtype=dtype, kv_cache_memory_mb=kv_mb, weight_format=weight_format))
     gen = torch.Generator().manual_seed(0)
     for i in range(batch):

@@ -72,7 +72,6 @@ class Flow:
         self.t_first: float | None = None
         self.t_sent: float | None = None  # the last AddRequest handed to the port
         self.t_end: float | None = None
-        self.output_tokens = 0
         self.output_ids: list[int] = []  # what reached the client: a migration computes them again
         self.cached_tokens = 0  # prompt tokens in its first worker's prefix cache
         self.prompt_logprobs: list | None = None
@@ -111,11 +110,14 @@ class Flow:
             if last is not None:
                 self._note_itl(now - last)
             last = now
-            self.output_tokens += len(ids)
             self.output_ids += ids
             if finish is not None:
                 self.finish_reason = finish
             yield ids, logprobs, finish
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.output_ids)
 
     def _outputs(self) -> AsyncIterator[Tokens]:
         raise NotImplementedError
@@ -206,15 +208,11 @@ class Flow:
                 out = await self._next()
                 break
             except WorkerFailed as exc:
-                dead, role = self.worker, self.worker_role
-                if not dead.dead:
+                if not self.worker.dead:
                     raise
-                try:
-                    worker = self._choose(role)
-                except APIError:
-                    raise WorkerFailed(f"{exc}; no other live {role} worker to retry on", 503) from None
+                worker = self._replacement(exc, "retry on")
                 log.warning("%s: %s; retrying on %s", self.request_id, exc, worker.worker_id)
-                self._retry(worker, role)
+                self._retry(worker, self.worker_role)
         self.t_first = self.config.clock()
         if self.config.signals is not None:
             queue_ms = (self.t_dispatch - self.t_arrival + (out.timings.queue_ms or 0.0) / 1e3) * 1e3
@@ -227,6 +225,13 @@ class Flow:
     def _retry(self, worker: WorkerState, role: str) -> None:
         self._dispatch(worker, role)
 
+    def _replacement(self, exc: WorkerFailed, purpose: str) -> WorkerState:
+        """A live worker of the dead worker's role. Raises WorkerFailed 503 naming ``purpose``: none."""
+        try:
+            return self._choose(self.worker_role, exclude=self.worker)
+        except APIError:
+            raise WorkerFailed(f"{exc}; no other live {self.worker_role} worker to {purpose}", 503) from None
+
     async def _next_or_migrate(self) -> P.Output:
         """:meth:`_next`; when its worker died, the request moves to a live worker of the same role with the
         output the client has (:attr:`output_ids`), computed again there with the prompt, at most
@@ -238,16 +243,11 @@ class Flow:
             except WorkerFailed as exc:
                 dead, role = self.worker, self.worker_role
                 moves = self.record.migrations or []
-                if not dead.dead or (self.images and role == "decode"):
+                if not dead.dead or not self.config.migration_limit or (self.images and role == "decode"):
                     raise
                 if len(moves) >= self.config.migration_limit:
-                    if not self.config.migration_limit:
-                        raise
                     raise WorkerFailed(f"{exc}; moved {len(moves)} times already (--migration-limit)", 503) from None
-                try:
-                    worker = self._choose(role, exclude=dead)
-                except APIError:
-                    raise WorkerFailed(f"{exc}; no other live {role} worker to move it to", 503) from None
+                worker = self._replacement(exc, "move it to")
                 log.warning("%s: %s; moving it with its %d output tokens to %s", self.request_id, exc,
                             len(self.output_ids), worker.worker_id)
                 self.record.migrations = [*moves, {"from": dead.worker_id, "to": worker.worker_id,
