@@ -12,8 +12,8 @@ Goals:
   error event or a non-200 status fails; one whose error names the killed worker (the
   router's message says "worker decode-1 died ...") is counted apart. Requests on a
   prefill worker killed before their first token are retried elsewhere and must succeed.
-* **RSS growth < 5 %** after warm-up (the first 20 % of the run) for the router (the
-  launcher process) and every worker that was not killed: median of the last 10 % of the
+* **RSS growth < 5 %** after warm-up (the first 20 % of the run) for the router (its
+  own process under serve) and every worker that was not killed: median of the last 10 % of the
   samples over the median of the samples at the end of warm-up.
 * **no leak of private memory**: USS (private pages) growth < 2 % over the second half of
   the run (the median of the last 10 % over the median of the 15 s before the half). USS
@@ -54,7 +54,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from epdserve.bench.processes import ServerProcess, port_is_free  # noqa: E402
-from epdserve.host import worker_pids  # noqa: E402
+from epdserve.host import child_pids  # noqa: E402
 
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 KILLS = ((0.35, "prefill-0"), (0.65, "decode-1"))
@@ -118,13 +118,13 @@ async def load(url: str, duration_s: float, launcher_pid: int, t0: float) -> tup
                 tasks.append(asyncio.create_task(one_request(client, url, rng, t0)))
                 next_arrival = now + rng.expovariate(ARGS.rate)
             if now >= next_sample:
-                pids = {"router": launcher_pid, **worker_pids(launcher_pid)}
+                pids = {"serve": launcher_pid, **child_pids(launcher_pid)}
                 samples += [{"t_s": now, "process": name, "rss_mb": mb[0], "uss_mb": mb[1]}
                             for name, pid in pids.items() if (mb := memory_mb(pid)) is not None]
                 next_sample = now + 5.0
             if pending_kills and now >= pending_kills[0][0] * duration_s:
                 _, victim = pending_kills.pop(0)
-                os.kill(worker_pids(launcher_pid)[victim], signal.SIGKILL)
+                os.kill(child_pids(launcher_pid)[victim], signal.SIGKILL)
                 kills.append((now, victim))
                 print(f"[{now:6.1f} s] kill -9 {victim}", flush=True)
             if now >= next_report:
@@ -158,7 +158,7 @@ def leaks(url: str, launcher_pid: int, timeout_s: float = 60.0) -> dict:
         held = {"requests_in_flight": health["requests_in_flight"],
                 "blocks_in_use": {w["worker_id"]: w["blocks_in_use"] for w in health["workers"]},
                 "outstanding": {w["worker_id"]: w["outstanding"] for w in health["workers"]}}
-        pids = set(worker_pids(launcher_pid).values())
+        pids = set(child_pids(launcher_pid).values())
         held["kv_frames"] = [p.name for p in Path("/dev/shm").glob("epdserve-kv-*")
                              if int(p.name.split("-")[2]) in pids]
         clean = (not held["requests_in_flight"] and not any(held["blocks_in_use"].values())

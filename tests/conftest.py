@@ -85,9 +85,9 @@ class Deployment:
 
     def worker_pid(self, worker_id: str) -> int:
         """Pid of the launcher's child process running ``worker_id``."""
-        from epdserve.host import worker_pids
+        from epdserve.host import child_pids
 
-        pid = worker_pids(self.proc.pid).get(worker_id)
+        pid = child_pids(self.proc.pid).get(worker_id)
         if pid is None:
             raise LookupError(f"no process for worker {worker_id}")
         return pid

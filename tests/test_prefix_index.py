@@ -167,7 +167,7 @@ class RecordingPort:
     def send(self, worker_id, msg):
         self.sent.append((worker_id, msg))
 
-    def send_refused(self, worker_id, addr, msg):
+    def send_once(self, worker_id, addr, msg):
         pass
 
 

@@ -15,7 +15,7 @@ from epdserve.serving.router.events import Tick, WorkerFailed
 from epdserve.serving.router.epd_flow import EncodeFlow
 from epdserve.serving.router.flows import DisaggregatedFlow, FlowConfig, LocalPrefillFlow, SingleWorkerFlow
 from epdserve.serving.router.paths import new_flow
-from epdserve.serving.router.registry import RESET_RETRY_S, TAKEOVER_SILENCE_S, Compat, Registry
+from epdserve.serving.router.registry import JOIN_GRACE_S, RESET_RETRY_S, TAKEOVER_SILENCE_S, Compat, Registry
 from epdserve.serving.api.errors import APIError
 
 LAYOUT = {"num_layers": 2, "kind": "embeddings", "dtype": "float32"}
@@ -29,7 +29,7 @@ class FakePort:
     def __init__(self):
         self.sent: list[tuple[str, object]] = []
         self.connected: dict[str, tuple[str, str]] = {}
-        self.refused: list[tuple[str, str, P.Refused]] = []
+        self.once: list[tuple[str, str, object]] = []  # Refused and Reset to workers without a channel
         self.full: set[str] = set()
 
     def connect(self, worker_id, addr, incarnation):
@@ -43,8 +43,8 @@ class FakePort:
             raise WorkerFailed(f"worker {worker_id} is not accepting commands")
         self.sent.append((worker_id, msg))
 
-    def send_refused(self, worker_id, addr, msg):
-        self.refused.append((worker_id, addr, msg))
+    def send_once(self, worker_id, addr, msg):
+        self.once.append((worker_id, addr, msg))
 
     def frees(self) -> list[tuple[str, str]]:
         """``(worker id, type)`` of every Abort and ReleaseKV sent, in order."""
@@ -625,7 +625,7 @@ def test_hello_is_refused(msg, reason):
     assert msg.worker_id not in s.registry.workers
     entry = s.registry.refused[msg.worker_id]
     assert entry["state"] == "refused" and reason in entry["reason"]
-    [(wid, addr, refused)] = s.port.refused
+    [(wid, addr, refused)] = s.port.once
     assert (wid, addr, refused.incarnation) == (msg.worker_id, msg.addr, msg.incarnation)
     assert s.registry.health(0.0)[-1] is entry
 
@@ -641,13 +641,13 @@ def test_takeover_of_a_live_worker_id_only_after_its_silence(token):
 
     s.registry.on_message(hi("first-process"), 0.0)
     s.registry.on_message(hi("first-process"), 0.0)  # the same process again: nothing
-    assert s.port.refused == []
+    assert s.port.once == []
     s.registry.advance(TAKEOVER_SILENCE_S)
     s.registry.on_message(hi("second-process"), 0.0)
     assert s.registry.workers["colocated-0"].incarnation == "first-process"  # untouched
     assert "colocated-0" not in s.registry.refused
     # Without a token, Refused is not sent: the Hello's address could be anyone's.
-    assert [r.incarnation for _, _, r in s.port.refused] == ([] if token is None else ["second-process"])
+    assert [r.incarnation for _, _, r in s.port.once] == ([] if token is None else ["second-process"])
     s.registry.advance(0.1)  # first-process silent for more than TAKEOVER_SILENCE_S
     s.registry.on_message(hi("second-process"), 0.0)
     w = s.registry.workers["colocated-0"]
@@ -689,6 +689,24 @@ def test_heartbeat_of_a_down_worker_gets_reset_then_hello_readmits_it():
     reg.on_message(hello("colocated-0", "colocated"), 13.0)
     assert reg.live(reg.workers["colocated-0"])
 
+
+def test_a_restarted_router_resets_the_workers_that_beat_without_a_hello():
+    s = Setup("pd", "prefill-0")  # a new router process: decode-0 said hello to the one before
+    reg = s.registry
+    beat = P.Heartbeat(worker_id="decode-0", incarnation="decode-0-incarnation", addr="ipc:///tmp/decode-0")
+    reg.on_message(beat, 10.0)
+    assert s.port.once == []  # its Hello, queued while no router was bound, may come next
+    reg.on_message(beat, 10.0 + JOIN_GRACE_S)
+    reg.on_message(beat, 10.0 + JOIN_GRACE_S + RESET_RETRY_S / 2)  # at most one Reset every RESET_RETRY_S
+    assert [(w, a, m.type, m.incarnation) for w, a, m in s.port.once] == [
+        ("decode-0", "ipc:///tmp/decode-0", "reset", "decode-0-incarnation")]
+    reg.on_message(hello("decode-0", "decode"), 12.0)  # its answer to the Reset
+    assert reg.live(reg.workers["decode-0"]) and "decode-0-incarnation" not in reg.invited
+    reg.on_message(P.Heartbeat(worker_id="old-0", incarnation="old"), 20.0)  # an older worker: no address
+    reg.remove("decode-0", "retired")
+    reg.on_message(beat, 20.0)  # a removed worker's last beats: not invited back
+    reg.on_message(beat, 20.0 + JOIN_GRACE_S)
+    assert len(s.port.once) == 1
 
 def test_pick_prefers_fewest_requests_then_tokens_and_skips_the_dead():
     s = Setup("pd", "prefill-0", "prefill-1", "prefill-2", "decode-0")

@@ -16,7 +16,7 @@ from epdserve.serving.deployment import EngineRole, Role
 
 
 # A router refuses a worker of another version; what each one changed: docs/architecture.md, "Handshake".
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 # >= 0 (Prometheus counters cannot go down), within int64
@@ -84,11 +84,14 @@ class Hello(_Msg):
 
 
 class Heartbeat(_Msg):
-    """Every 0.5 s from a thread of its own, even during a long step: silence means the worker is gone."""
+    """Every 0.5 s from a thread of its own, even during a long step: silence means the worker is gone.
+    ``addr``: its command address, where a router that does not know it (one restarted since its
+    Hello) sends ``Reset``; empty: it cannot be asked."""
 
     type: Literal["heartbeat"] = "heartbeat"
     worker_id: str
     incarnation: str
+    addr: str = ""
 
 
 class Stats(_Msg):
@@ -197,8 +200,9 @@ class Refused(_Msg):
 
 
 class Reset(_Msg):
-    """To a worker taken for down and heard again (its requests already failed or moved): it aborts them,
-    releases every export and says Hello again with the ``incarnation`` this names."""
+    """To a worker taken for down and heard again (its requests already failed or moved), or heard by a
+    router it never said Hello to (a restarted one): it aborts its requests, releases every export and
+    says Hello again with the ``incarnation`` this names."""
 
     type: Literal["reset"] = "reset"
     incarnation: str

@@ -31,7 +31,8 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 class Children:
-    """Restarts an exited worker after a backoff (:data:`RESTART_BACKOFF_S`), never after EXIT_CONFIG."""
+    """Restarts an exited child (a worker, or serve's router) after a backoff (:data:`RESTART_BACKOFF_S`),
+    never after EXIT_CONFIG."""
 
     restart_note = "restarting it"
 
@@ -39,26 +40,37 @@ class Children:
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
         self.procs: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}
+        self.own: dict[str, tuple[dict[str, str], tuple[int, ...]]] = {}  # a child's own environment, fds kept
         self.started: dict[str, float] = {}
         self.backoff: dict[str, float] = {}  # last restart delay (s); -1: given up
         self.due: dict[str, float] = {}
 
-    def start(self, worker_id: str, argv: list[str]) -> None:
+    def start(self, worker_id: str, argv: list[str], env: dict[str, str] | None = None,
+              pass_fds: tuple[int, ...] = ()) -> None:
+        """``env``: added to the workers' environment; ``pass_fds``: inherited, as numbered here."""
         parent = os.getpid()
-        self.argv[worker_id] = argv
-        self.procs[worker_id] = subprocess.Popen(argv, env=self.env, preexec_fn=lambda: _die_with_parent(parent))
+        self.argv[worker_id], self.own[worker_id] = argv, (env or {}, pass_fds)
+        self.procs[worker_id] = subprocess.Popen(argv, env=dict(self.env, **(env or {})), pass_fds=pass_fds,
+                                                 preexec_fn=lambda: _die_with_parent(parent))
         self.started[worker_id] = time.monotonic()
-        log.info("started worker %s (pid %d): %s", worker_id, self.procs[worker_id].pid, " ".join(argv[3:]))
+        log.info("started %s (pid %d): %s", worker_id, self.procs[worker_id].pid, " ".join(argv[3:]))
 
     def launch(self, plan: Placement, commands: dict[str, list[str]]) -> None:
         for _, wid, _ in plan:
             self.start(wid, commands[wid])
 
+    def restart_env(self, worker_id: str, env: dict[str, str]) -> None:
+        """``env`` replaces the one ``worker_id`` was started with, from its next start on."""
+        self.own[worker_id] = (env, self.own[worker_id][1])
+
     def ids(self) -> list[str]:
         return list(self.procs)
 
+    def pid(self, worker_id: str) -> int:
+        return self.procs[worker_id].pid
+
     def exits(self) -> list[tuple[str, str, bool]]:
-        """``(worker id, why, fatal)``: fatal for EXIT_CONFIG."""
+        """``(child id, why, fatal)``: fatal for EXIT_CONFIG."""
         return [(wid, f"process exited with code {p.returncode}", p.returncode == EXIT_CONFIG)
                 for wid, p in self.watch()]
 
@@ -79,21 +91,28 @@ class Children:
         for wid, when in list(self.due.items()):
             if now >= when:
                 del self.due[wid]
-                self.start(wid, self.argv[wid])
+                self.start(wid, self.argv[wid], *self.own[wid])
         return exited
 
     def drain(self, router) -> None:
         """Nothing: :meth:`stop`'s SIGTERM lets the workers free their shared memory."""
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        for p in self.procs.values():
+    def stop(self, grace_s: float = 10.0, first: str | None = None) -> None:
+        """SIGTERM to every child, to ``first`` (serve's router) alone before the others, each then
+        given ``grace_s`` to exit before SIGKILL."""
+        self._stop([w for w in self.procs if w == first], grace_s)
+        self._stop([w for w in self.procs if w != first], grace_s)
+
+    def _stop(self, ids: list[str], grace_s: float) -> None:
+        procs = [(w, self.procs[w]) for w in ids]
+        for _, p in procs:
             if p.poll() is None:
                 p.terminate()
         deadline = time.monotonic() + grace_s
-        for wid, p in self.procs.items():
+        for wid, p in procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("worker %s (pid %d) ignored SIGTERM; killing it", wid, p.pid)
+                log.warning("%s (pid %d) ignored SIGTERM; killing it", wid, p.pid)
                 p.kill()
                 p.wait()

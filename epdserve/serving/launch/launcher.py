@@ -24,6 +24,7 @@ from epdserve.argtypes import add_flags
 from epdserve.model.loader import ModelLoadError
 from epdserve.serving import auth
 from epdserve.serving.launch import ray_cluster
+from epdserve.serving.launch import router_process
 from epdserve.serving.launch.children import Children
 from epdserve.serving.deployment import Placement
 from epdserve.serving.launch.options import ServeOptions
@@ -31,6 +32,7 @@ from epdserve.serving.launch.placement import checked_plan, plan_for, usable_cor
 from epdserve.serving.router.http_guard import uvicorn_config
 from epdserve.serving.worker.setup import worker_argv
 from epdserve.serving.router import SYNTHETIC_VISION_NOTE, Router, build_router, create_app, setup_logging
+from epdserve.serving.router.app import router_inputs
 
 log = logging.getLogger("epdserve.launcher")
 
@@ -133,19 +135,31 @@ def worker_env(options: auth.AuthOptions) -> dict[str, str]:
     return env
 
 
+def _announce(options: ServeOptions, sock: socket.socket, model, placement: str, again: bool = False) -> None:
+    port = sock.getsockname()[1]
+    print(f"epdserve serve: {'the router is back: ' if again else ''}ready at http://{options.router.host}:{port} "
+          f"(mode {options.router.mode}, model {model.name}; {placement})", flush=True)
+    if model.synthetic_vision and not again:
+        print(f"epdserve serve: note: {SYNTHETIC_VISION_NOTE}", flush=True)
+
+
+def _worker_exit(wid: str, why: str, fatal: bool, note: str) -> None:
+    msg = f"epdserve serve: worker {wid}: {why}; " + ("stopping (its configuration is wrong)" if fatal else note)
+    log.error(msg)
+    print(msg, file=sys.stderr, flush=True)
+
+
 async def _supervise(server, router: Router, children, options: ServeOptions, placement: str,
                      sock: socket.socket) -> int:
-    """Returns 1 after a fatal worker exit (EXIT_CONFIG) or a startup timeout, 0 after a signal."""
+    """``--cluster ray``, the router in this process. Returns 1 after a fatal worker exit (EXIT_CONFIG)
+    or a startup timeout, 0 after a signal."""
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
     rc = 0
     announced = False
     deadline = time.monotonic() + options.startup_timeout
     while not serve_task.done():
         for wid, why, fatal in children.exits():
-            msg = (f"epdserve serve: worker {wid}: {why}; "
-                   + ("stopping (its configuration is wrong)" if fatal else children.restart_note))
-            log.error(msg)
-            print(msg, file=sys.stderr, flush=True)
+            _worker_exit(wid, why, fatal, children.restart_note)
             router.mark_dead(wid, why)
             if fatal:
                 rc, server.should_exit = 1, True
@@ -153,11 +167,7 @@ async def _supervise(server, router: Router, children, options: ServeOptions, pl
             break
         if not announced and server.started and all(w in router.workers and router.live(router.workers[w])
                                                      for w in children.ids()):
-            port = server.servers[0].sockets[0].getsockname()[1]
-            print(f"epdserve serve: ready at http://{options.router.host}:{port} (mode {options.router.mode}, model "
-                  f"{router.model.name}; {placement})", flush=True)
-            if router.model.synthetic_vision:
-                print(f"epdserve serve: note: {SYNTHETIC_VISION_NOTE}", flush=True)
+            _announce(options, sock, router.model, placement)
             announced = True
         if not announced and time.monotonic() > deadline:
             log.error("workers did not all say hello within %.0f s; stopping", options.startup_timeout)
@@ -203,7 +213,7 @@ def run(options: ServeOptions) -> int:
             return 1
     tmp = tempfile.mkdtemp(prefix="epdserve-")  # mode 0700: only we can reach the sockets
     events = options.events or (ray_cluster.events_address() if options.on_ray else f"ipc://{tmp}/events")
-    router, warnings, error = _load_router(options, plan, events)
+    router, model, warnings, error = _load_router(options, plan, events)
     if error:
         print(f"epdserve serve: error: {error}", file=sys.stderr)
         sock.close()
@@ -212,7 +222,7 @@ def run(options: ServeOptions) -> int:
         return 2
     for text in warnings:
         print(f"epdserve serve: warning: {text}", file=sys.stderr, flush=True)
-    return _serve(options, router, plan, tmp, events, sock, workers)
+    return _serve(options, router, model, plan, tmp, events, sock, workers)
 
 
 def _check_options(options: ServeOptions) -> tuple[ServeOptions, Placement, str | None]:
@@ -279,21 +289,39 @@ def _check_elastic(options: ServeOptions, starting: int) -> int:
 
 
 def _load_router(options: ServeOptions, plan: Placement,
-                 events: str) -> tuple[Router | None, list[str], str | None]:
-    """``(router, warnings, error)``: the model is resolved (and converted) once, before any worker starts."""
+                 events: str) -> tuple[Router | None, object, list[str], str | None]:
+    """``(router, model, warnings, error)``: the model is resolved (and converted) once, before any worker
+    starts. Ray: the router is made here and runs in this process; local: router None, its options
+    checked here, the router made by its own process (:mod:`.router_process`)."""
     try:
-        router = build_router(options.router, events)
+        router = build_router(options.router, events) if options.on_ray else None
+        model = router.model if router else router_inputs(options.router).model
     except ModelLoadError as exc:
-        return None, [], str(exc)
+        return None, None, [], str(exc)
     if options.on_ray:
-        return router, [], None
-    warnings, error = check_capacity(options, plan, router.model.path, host.mem_available_bytes())
+        return router, model, [], None
+    warnings, error = check_capacity(options, plan, model.path, host.mem_available_bytes())
     if error:
         error += "; use fewer workers or a smaller --kv-cache-memory-mb, or pass --allow-oversubscription"
-    return router, warnings, error
+    return router, model, warnings, error
 
 
-def _serve(options: ServeOptions, router: Router, plan: Placement, tmp: str, events: str,
+class _Stop:
+    """Set by SIGTERM or SIGINT: ``server`` (the router in this process) told to exit; before it runs,
+    ``placing`` (Ray placing the workers) is interrupted."""
+
+    def __init__(self, placing: bool):
+        self.asked, self.server, self.placing = False, None, placing
+
+    def __call__(self, signum, frame) -> None:
+        self.asked = True
+        if self.server is not None:
+            self.server.should_exit = True
+        elif self.placing:
+            raise KeyboardInterrupt
+
+
+def _serve(options: ServeOptions, router: Router | None, model, plan: Placement, tmp: str, events: str,
            sock: socket.socket, children) -> int:
     stopped = False
 
@@ -301,23 +329,16 @@ def _serve(options: ServeOptions, router: Router, plan: Placement, tmp: str, eve
         nonlocal stopped
         if not stopped:
             stopped = True
-            log.info("stopping workers")
-            children.stop()
+            log.info("stopping the router and the workers")
+            children.stop() if router is not None else children.stop(first=router_process.ROUTER_ID)
             log.info("all workers stopped")
             shutil.rmtree(tmp, ignore_errors=True)
 
     atexit.register(cleanup)
     # Our own handlers: uvicorn re-raises a captured SIGTERM after its shutdown, before the workers stop.
-    server = None
-
-    def on_signal(signum, frame):
-        if server is not None:
-            server.should_exit = True
-        elif options.on_ray:  # still placing the workers
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = _Stop(placing=options.on_ray)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     if options.on_ray:
         placement = children.placement(plan)
         commands = {wid: worker_flags(options, role, wid, events) for role, wid, _ in plan}
@@ -327,6 +348,8 @@ def _serve(options: ServeOptions, router: Router, plan: Placement, tmp: str, eve
                     for role, wid, c in plan}
     log.info("placement: %s", placement)
     try:
+        if router is None:
+            return _serve_local(options, model, plan, events, sock, children, commands, placement, stop)
         try:
             children.launch(plan, commands)
         except TimeoutError as exc:
@@ -336,15 +359,51 @@ def _serve(options: ServeOptions, router: Router, plan: Placement, tmp: str, eve
             print("epdserve serve: stopped while Ray was placing the workers", file=sys.stderr, flush=True)
             return 1
         if options.elastic:
-            scaler = children if options.on_ray else None
-            if scaler is not None:
-                scaler.command = lambda role, wid: worker_flags(options, role, wid, events)
-            router.enable_scaling(scaler, len(plan), options.max_workers, options.startup_timeout)
+            children.command = lambda role, wid: worker_flags(options, role, wid, events)
+            router.enable_scaling(children, len(plan), options.max_workers, options.startup_timeout)
         app = ray_cluster.before_router_stops(create_app(router), lambda: children.drain(router))
         config = uvicorn_config(app, options.router.host, options.router.port, options.router.http, lifespan="on",
                                 timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)
-        return asyncio.run(_supervise(server, router, children, options, placement, sock))
+        stop.server = uvicorn.Server(config)
+        return asyncio.run(_supervise(stop.server, router, children, options, placement, sock))
     finally:
         cleanup()
 
+
+def _serve_local(options: ServeOptions, model, plan: Placement, events: str, sock: socket.socket,
+                 children: Children, commands: dict[str, list[str]], placement: str, stop: _Stop) -> int:
+    """The router in a process of its own, restarted when it dies (the workers keep running); a
+    worker's exit is told to it. Returns 1 after a fatal exit (EXIT_CONFIG; the router's: 2) or a
+    startup timeout, 0 after a signal."""
+    link, router_end = router_process.link_pair()
+    setup = router_process.RouterSetup(options.router, events, sock.fileno(), router_end.fileno(),
+                                       tuple(wid for _, wid, _ in plan), len(plan), options.max_workers,
+                                       options.startup_timeout)
+    argv, env = router_process.command(setup)
+    children.start(router_process.ROUTER_ID, argv, env, pass_fds=(sock.fileno(), router_end.fileno()))
+    children.restart_env(router_process.ROUTER_ID,
+                         router_process.command(replace(setup, rejoin_s=router_process.REJOIN_WAIT_S))[1])
+    children.launch(plan, commands)
+    announced, deadline = 0, time.monotonic() + options.startup_timeout
+    while not stop.asked:
+        for wid, why, fatal in children.exits():
+            if wid == router_process.ROUTER_ID:
+                note = "stopping" if fatal else "restarting it; the workers keep running and join it again"
+                log.error("the router: %s; %s", why, note)
+                print(f"epdserve serve: the router: {why}; {note}", file=sys.stderr, flush=True)
+                if fatal:
+                    return 2
+                continue
+            _worker_exit(wid, why, fatal, children.restart_note)
+            router_process.send(link, event="down", worker=wid, pid=children.pid(wid), why=why)
+            if fatal:
+                return 1
+        for message in router_process.received(link):
+            if message["event"] == "ready":
+                _announce(options, sock, model, placement, again=announced > 0)
+                announced += 1
+        if not announced and time.monotonic() > deadline:
+            log.error("workers did not all say hello within %.0f s; stopping", options.startup_timeout)
+            return 1
+        time.sleep(0.2)
+    return 0

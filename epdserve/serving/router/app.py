@@ -153,7 +153,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, RouterCommand)
 
 
-def build_router(options: RouterOptions, events_addr: str) -> Router:
+@dataclass(frozen=True)
+class RouterInputs:
+    """What :func:`build_router` makes a router of, each checked: the served model (``resolve_model``'s),
+    its tokenizer, and the settings read from files and flags."""
+    model: object
+    tokenizer: object
+    media: MediaOptions
+    tools: ToolSettings
+    sampling_defaults: dict
+    policy: PolicyConfig
+
+
+def router_inputs(options: RouterOptions) -> RouterInputs:
     """Raises ModelLoadError: the model cannot be found or read, or a bad ``--max-model-len``,
     ``--generation-config``, ``--chat-template`` or tool option."""
     policy = elastic_policy(options.elastic)
@@ -173,13 +185,19 @@ def build_router(options: RouterOptions, events_addr: str) -> Router:
         raise ModelLoadError(str(exc)) from None
     defaults = surface.checked_defaults(generation_defaults(options.generation_config, model.path),
                                         options.generation_config)
-    return Router(options.mode, model, tokenizer, events_addr, trace_file=options.trace_file,
+    return RouterInputs(model, tokenizer, media, tool_calls, defaults, policy)
+
+
+def build_router(options: RouterOptions, events_addr: str) -> Router:
+    """Raises ModelLoadError as :func:`router_inputs`."""
+    given = router_inputs(options)
+    return Router(options.mode, given.model, given.tokenizer, events_addr, trace_file=options.trace_file,
                   worker_timeout_s=options.worker_timeout, request_timeout_s=options.request_timeout,
                   auth_token=options.auth.auth_token, local_prefill_threshold=options.local_prefill_threshold,
-                  media=media, internal_encryption=options.auth.internal_encryption, tools=tool_calls,
-                  sampling_defaults=defaults, api_keys=surface.api_keys(options.api_key),
+                  media=given.media, internal_encryption=options.auth.internal_encryption, tools=given.tools,
+                  sampling_defaults=given.sampling_defaults, api_keys=surface.api_keys(options.api_key),
                   metrics_prefix=options.metrics_prefix, routing=options.routing, elastic=options.elastic.elastic,
-                  elastic_interval_s=options.elastic.timings.interval_s, elastic_policy=policy,
+                  elastic_interval_s=options.elastic.timings.interval_s, elastic_policy=given.policy,
                   migration_limit=options.migration_limit)
 
 

@@ -24,6 +24,7 @@ log = logging.getLogger("epdserve.router")
 ELASTIC_FALLBACK = {"decode": "colocated"}
 TAKEOVER_SILENCE_S = 1.0  # 2 heartbeat intervals: a worker this silent may be replaced by another process
 RESET_RETRY_S = 2.0  # how often a down worker that is heard again is sent Reset until it says Hello
+JOIN_GRACE_S = 1.0  # 2 heartbeat intervals: an unknown worker's Hello, queued while no router was bound, comes first
 MAX_REFUSED = 64  # refused workers listed in /health (the oldest are forgotten)
 
 
@@ -37,8 +38,9 @@ class WorkerPort(Protocol):
     def send(self, worker_id: str, msg) -> None:
         """Never blocks. Raises WorkerFailed: its command queue is full (it stopped reading)."""
 
-    def send_refused(self, worker_id: str, addr: str, msg: P.Refused) -> None:
-        """Once, sealed for ``msg.incarnation``, never blocking for long; failures are logged, not raised."""
+    def send_once(self, worker_id: str, addr: str, msg: P.Refused | P.Reset) -> None:
+        """To a worker without a channel: once, sealed for ``msg.incarnation``, never blocking for long;
+        failures are logged, not raised."""
 
 
 class Inbox(Protocol):
@@ -75,6 +77,9 @@ class Registry:
         self.refused: dict[str, dict] = {}  # worker id -> its /health entry
         self.requests: dict[str, Inbox] = {}
         self.clock = 0.0  # read clock (s): see advance
+        self.unknown: dict[str, float] = {}  # incarnation of an unknown worker -> when first heard
+        self.invited: dict[str, float] = {}  # incarnation of an unknown worker -> when last sent Reset
+        self.gone: set[str] = set()  # incarnations refused or removed: never invited back
 
     def live(self, w: WorkerState) -> bool:
         return w.dead is None
@@ -184,6 +189,7 @@ class Registry:
         w = self.workers.pop(worker_id, None)
         if w is None:
             return
+        self.gone.add(w.incarnation)
         if not w.dead:
             try:
                 self.port.send(worker_id, P.Shutdown())
@@ -221,7 +227,8 @@ class Registry:
             return
         w = self.workers.get(msg.worker_id)
         if w is None:
-            log.debug("message from unknown worker %s ignored", msg.worker_id)
+            if isinstance(msg, P.Heartbeat):
+                self._invite(msg, now)
             return
         if isinstance(msg, P.Heartbeat):
             if msg.incarnation != w.incarnation:
@@ -267,6 +274,20 @@ class Registry:
                     w.dead)
         self.send_quietly(w, P.Reset(incarnation=w.incarnation))
 
+    def _invite(self, msg: P.Heartbeat, now: float) -> None:
+        """A worker that beats but never said Hello to this router joined an earlier router process:
+        ``Reset`` makes it drop that router's requests and exports and say Hello here (asked once it beat
+        for JOIN_GRACE_S without a Hello, then at most every RESET_RETRY_S; never a refused or removed one)."""
+        if not msg.addr or msg.incarnation in self.gone:
+            return
+        first = self.unknown.setdefault(msg.incarnation, now)
+        if now - first < JOIN_GRACE_S or now - self.invited.get(msg.incarnation, -RESET_RETRY_S) < RESET_RETRY_S:
+            return
+        self.invited[msg.incarnation] = now
+        log.warning("worker %s beats but never said hello to this router (it joined an earlier one): resetting it",
+                    msg.worker_id)
+        self.port.send_once(msg.worker_id, msg.addr, P.Reset(incarnation=msg.incarnation))
+
     def on_hello(self, msg: P.Hello) -> None:
         """A live worker's id is taken over only after ``TAKEOVER_SILENCE_S``; a refusal leaves its state."""
         old = self.workers.get(msg.worker_id)
@@ -308,6 +329,8 @@ class Registry:
                        auth_token=self.compat.auth_token, peers=peers)
 
     def _admit(self, msg: P.Hello) -> None:
+        self.unknown.pop(msg.incarnation, None)
+        self.invited.pop(msg.incarnation, None)
         self.port.connect(msg.worker_id, msg.addr, msg.incarnation)
         self.refused.pop(msg.worker_id, None)
         self.workers[msg.worker_id] = WorkerState(worker_id=msg.worker_id, role=msg.role, addr=msg.addr,
@@ -330,6 +353,7 @@ class Registry:
     def _refuse(self, msg: P.Hello, reason: str, held: bool) -> None:
         """No tokenless ``Refused`` to a held id: an unauthenticated Hello could name a live worker's address."""
         log.error("refused worker %s (%s) from %s: %s", msg.worker_id, msg.role, msg.addr, reason)
+        self.gone.add(msg.incarnation)
         if not held:
             self.refused.pop(msg.worker_id, None)
             self.refused[msg.worker_id] = {"worker_id": msg.worker_id, "role": msg.role, "addr": msg.addr,
@@ -345,7 +369,7 @@ class Registry:
             self.metrics.set_worker_up(msg.worker_id, msg.role, False)
         if held and not self.compat.auth_token:
             return
-        self.port.send_refused(msg.worker_id, msg.addr, P.Refused(reason=reason, incarnation=msg.incarnation))
+        self.port.send_once(msg.worker_id, msg.addr, P.Refused(reason=reason, incarnation=msg.incarnation))
 
     def health(self, now: float) -> list[dict]:
         """In worker id order (join order varies, on Ray above all), refused last; ``now``: ``time.monotonic()``."""

@@ -25,7 +25,7 @@ EVENTS_POLL_S = 0.5
 STALL_GRACE_S = 0.5  # of one loop turn beyond a poll, the most that counts as read clock
 MAX_EVENTS_BATCH = 1000
 SILENCE_CHECK_S = 1.0  # read-clock seconds
-REFUSED_LINGER_MS = 2000  # deliver Refused, but never block the router for long
+ONCE_LINGER_MS = 2000  # deliver a Refused or Reset to a worker without a channel, never blocking for long
 
 
 class ZmqPort:
@@ -83,16 +83,16 @@ class ZmqPort:
         except zmq.Again:
             raise WorkerFailed(f"worker {worker_id} is not accepting commands") from None
 
-    def send_refused(self, worker_id: str, addr: str, msg: P.Refused) -> None:
+    def send_once(self, worker_id: str, addr: str, msg: P.Refused | P.Reset) -> None:
         sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, REFUSED_LINGER_MS)
+        sock.setsockopt(zmq.LINGER, ONCE_LINGER_MS)
         self.keyring.secure_client(sock, addr)
         frame = self.keyring.sealer("commands", msg.incarnation).seal(P.encode(msg))
         try:
             sock.connect(addr)
             sock.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # zmq.Again included
-            log.warning("could not send Refused to %s at %s: %s", worker_id, addr, exc)
+            log.warning("could not send %s to %s at %s: %s", msg.type, worker_id, addr, exc)
         finally:
             sock.close()
 

@@ -39,16 +39,16 @@ def receive_commands(cmd: zmq.Socket, inbox: queue.Queue, worker_id: str, stop: 
 
 
 def heartbeat(ctx: zmq.Context, router: str, worker_id: str, stop: threading.Event,
-              keyring: auth.Keyring = NO_AUTH, incarnation: str = "0" * 16) -> None:
+              keyring: auth.Keyring = NO_AUTH, incarnation: str = "0" * 16, addr: str = "") -> None:
     """A Heartbeat every HEARTBEAT_INTERVAL_S until ``stop``, on a socket of its own; each sealed
-    anew so that a recorded beat cannot be replayed."""
+    anew so that a recorded beat cannot be replayed. ``addr``: the worker's command address."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 4)  # a router that is away gets a few, not a backlog
     keyring.secure_client(sock, router)
     sock.connect(router)
     sealer = keyring.sealer("events")
-    body = P.encode(P.Heartbeat(worker_id=worker_id, incarnation=incarnation))
+    body = P.encode(P.Heartbeat(worker_id=worker_id, incarnation=incarnation, addr=addr))
     while not stop.wait(HEARTBEAT_INTERVAL_S):
         try:
             sock.send(sealer.seal(body), zmq.NOBLOCK)
@@ -60,8 +60,8 @@ def heartbeat(ctx: zmq.Context, router: str, worker_id: str, stop: threading.Eve
 def serve(worker, ctx: zmq.Context, cmd: zmq.Socket, inbox: queue.Queue, router: str, worker_id: str,
           keyring: auth.Keyring, incarnation: str) -> None:
     stop = threading.Event()
-    beat = threading.Thread(target=heartbeat, args=(ctx, router, worker_id, stop, keyring, incarnation),
-                            name="epdserve-heartbeat", daemon=True)
+    beat = threading.Thread(target=heartbeat, name="epdserve-heartbeat", daemon=True,
+                            args=(ctx, router, worker_id, stop, keyring, incarnation, worker.hello.addr))
     # Commands open only with this process's incarnation: none meant for another opens here.
     receiver = threading.Thread(target=receive_commands, name="epdserve-commands", daemon=True,
                                 args=(cmd, inbox, worker_id, stop, keyring.opener("commands", incarnation)))
