@@ -123,3 +123,61 @@ def test_a_decode_worker_s_image_request_is_not_moved():
         flow.close()
 
     run(go())
+
+
+def test_a_worker_whose_tensor_parallel_ranks_failed_gives_up_its_requests_to_another():
+    """Its Error with ``worker_lost``: the worker is down at once and the request moves (before its first
+    token: retried); with --migration-limit 0 the Error ends the request, as it always did."""
+    for limit in (2, 0):
+        s = migrating("colocated", "colocated-0", "colocated-1", limit=limit)
+        lost = "the worker's tensor-parallel ranks failed (tensor-parallel rank 1 exited); it is restarting"
+
+        async def go():
+            s.registry.workers["colocated-1"].outstanding["other"] = 1  # colocated-0 is picked first
+            flow = s.flow(max_tokens=4)
+            reader = Reader(flow)
+            await reader.step()
+            s.output("colocated-0", (7,))
+            await reader.drain()
+            s.registry.on_message(P.Error(worker_id="colocated-0", request_id="r1", message=lost, status=500,
+                                          worker_lost=True), s.clock())
+            await reader.drain()
+            if limit:
+                assert s.registry.workers["colocated-0"].dead == lost
+                (moved,) = s.port.of("colocated-1", P.AddRequest)
+                assert moved.resume_ids == [7]
+                s.output("colocated-1", (8, 9, 10), finished=True)
+                await reader.drain()
+                assert reader.error is None and [i[0] for i in reader.items] == [[7], [8, 9, 10]]
+            else:
+                assert str(reader.error) == f"worker colocated-0 failed the request: {lost}"
+                assert reader.error.status == 500 and not s.registry.workers["colocated-0"].dead
+            flow.close()
+
+        run(go())
+
+
+def test_an_encode_worker_lost_leaves_its_images_to_the_prefill_worker():
+    """With --migration-limit 0 it is a 503 (test_router_flows); above 0 the request goes on: its prefill
+    worker gets the image bytes, no frame, and encodes them; every encode worker's frame is released."""
+    s = migrating("epd", "encode-0", "encode-1", "prefill-0", "decode-0")
+    images = [P.ImageRef(hash=f"h{i}", tokens=3, data=b"png") for i in range(2)]
+
+    async def go():
+        flow = s.flow(prompt=(1, 5, 5, 5, 6, 6, 6, 2), images=images)
+        reader = Reader(flow)
+        await reader.step()
+        s.encoded("encode-1")
+        s.registry.mark_dead("encode-0", "gone")
+        await reader.step()
+        (sent,) = s.port.of("prefill-0", P.AddRequest)
+        assert sent.embeddings == [] and [im.data for im in sent.images] == [b"png", b"png"]
+        s.output("prefill-0", (9,), kv=KV)
+        await reader.drain()
+        s.output("decode-0", (10, 11), finished=True)
+        await reader.drain()
+        assert reader.error is None and [i[0] for i in reader.items] == [[9], [10, 11]]
+        assert flow.trace().migrations == [{"from": "encode-0", "to": "prefill-0", "recomputed_tokens": 6}]
+        assert ("encode-1", "release_kv") in flow.close()
+
+    run(go())

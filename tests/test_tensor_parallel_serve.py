@@ -3,7 +3,8 @@
 TP=1 engine on the dense float32 weights (chat and completions, concurrent, one prompt over
 300 tokens), frees every KV block after its requests and after a client that leaves
 mid-stream, shows its ranks in ``/health`` and pins each rank to its core; a follower killed
-mid-stream ends the stream with an error within 5 s and the worker comes back whole. The
+mid-stream ends the stream with an error within 5 s (no other worker to move it to) and the
+worker comes back whole, and with a second TP=2 worker the request moves to it instead. The
 start-up refusals (more ranks than cores or than KV heads, GGUF blocks) each end serve or
 the worker with one line; the control messages round-trip; a vision-language model's text
 model (image embeddings in the step) runs on 2 ranks too."""
@@ -176,6 +177,37 @@ def test_a_follower_killed_mid_stream_fails_the_request_and_the_worker_comes_bac
     assert len(follower_pids(worker_entry(tp_server)["pid"])) == 1
     assert "restarted with all its ranks" in tp_server.log_tail(10**6)
     wait_all_free(tp_server.url)
+
+
+def test_a_follower_killed_mid_stream_moves_the_request_to_the_other_tp_worker(tmp_path):
+    """Two TP=2 workers (their 4 ranks share the 2 cores): the request of the worker whose follower
+    died moves to the other with its output (``--migration-limit``) and ends with the fault-free text."""
+    dep = start_deployment("colocated", tmp_path, "--workers", "2", "--tensor-parallel-size", "2",
+                           "--kv-cache-memory-mb", "128")
+    try:
+        prompt, n = "Once upon a time, in a land far away,", 120
+        before = httpx.post(dep.url + "/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                               "ignore_eos": True}, timeout=120).json()
+        stream = Stream(dep.url, prompt, n)
+        stream.start()
+        wait_for(lambda: len(stream.events) >= 20, 60, "20 streamed tokens")
+        busy = next(w for w in dep.health()["workers"] if w["outstanding"])
+        (follower,) = follower_pids(busy["pid"])
+        os.kill(follower, signal.SIGKILL)
+        stream.join(60)
+        text = "".join(d["choices"][0]["text"] for _, d in stream.events if d.get("choices"))
+        rec = dep.trace(stream.events[0][1]["id"])
+
+        assert stream.failure is None and not any("error" in d for _, d in stream.events)
+        assert text == before["choices"][0]["text"]
+        (move,) = rec["migrations"]
+        assert move["from"] == busy["worker_id"] and move["to"] != busy["worker_id"]
+        assert "tensor-parallel rank 1" in dep.log_tail(10**6)
+        times = [t for t, _ in stream.events]
+        print(f"\nkill -9 of rank 1 of {busy['worker_id']}: moved to {move['to']}; the longest gap between tokens "
+              f"{max(b - a for a, b in zip(times, times[1:])):.2f} s")
+    finally:
+        _stop(dep.proc)
 
 
 # ---- start-up refusals -------------------------------------------------------------------

@@ -133,13 +133,16 @@ class Output(_Msg):
 
 
 class Error(_Msg):
-    """``status`` 400: the request is wrong; 500: the worker failed it. ``message``: for the client, no internals."""
+    """``status`` 400: the request is wrong; 500: the worker failed it. ``message``: for the client, no internals.
+    ``worker_lost``: the worker is stopping (its tensor-parallel ranks failed), so the request may move to
+    another worker as from a dead one (``--migration-limit``)."""
 
     type: Literal["error"] = "error"
     worker_id: str
     request_id: str
     message: str
     status: int = Field(400, ge=400, le=599)
+    worker_lost: bool = False
 
 
 class AddRequest(_Msg):

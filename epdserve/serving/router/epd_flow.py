@@ -4,6 +4,7 @@ disaggregated one, its prefill worker getting the frames instead of the image by
 
 from __future__ import annotations
 
+import logging
 from typing import AsyncIterator
 
 from epdserve.serving import protocol as P
@@ -12,6 +13,8 @@ from epdserve.serving.router.flows import DisaggregatedFlow, Tokens
 from epdserve.serving.router.registry import WorkerState
 from epdserve.trace import RequestTrace
 from epdserve.serving.api.errors import APIError
+
+log = logging.getLogger("epdserve.router")
 
 
 class EncodeFlow(DisaggregatedFlow):
@@ -36,8 +39,14 @@ class EncodeFlow(DisaggregatedFlow):
             self.registry.send(worker, P.Encode(request_id=self.request_id, images=[self.images[i] for i in indices]))
 
     async def _outputs(self) -> AsyncIterator[Tokens]:
-        await self._encoded()
-        self._dispatch(self._pick("prefill"), "prefill")
+        lost = await self._encoded()
+        prefill = self._pick("prefill")
+        if lost is not None:  # the prefill worker encodes every image, as for a retried prefill
+            self.record.migrations = [{"from": lost.worker_id, "to": prefill.worker_id,
+                                       "recomputed_tokens": sum(im.tokens for im in self.images)}]
+            log.warning("%s: encode worker %s died (%s); %s encodes the images", self.request_id, lost.worker_id,
+                        lost.dead, prefill.worker_id)
+        self._dispatch(prefill, "prefill")
         async for item in super()._outputs():
             yield item
 
@@ -52,9 +61,11 @@ class EncodeFlow(DisaggregatedFlow):
         self.embeddings = []
         self._dispatch(worker, role)
 
-    async def _encoded(self) -> None:
-        """Every encode worker's frame; timings of the last to answer (the critical path).
-        Raises WorkerFailed: rejected (400), failed (500), died (503), silent (504)."""
+    async def _encoded(self) -> WorkerState | None:
+        """Every encode worker's frame; timings of the last to answer (the critical path). An encode
+        worker that died: returned at once with no frames kept (``--migration-limit`` above 0), the
+        prefill worker to encode. Raises WorkerFailed: rejected (400), failed (500), died (503, with
+        ``--migration-limit 0``), silent (504)."""
         waiting = dict(self.encoders)
         timeout = self.config.request_timeout_s
         silent_since = self.config.clock()
@@ -64,7 +75,10 @@ class EncodeFlow(DisaggregatedFlow):
                 dead = next((w for w, _ in waiting.values() if w.dead), None)
                 if dead is not None:
                     self.holdings.lost(dead)
-                    raise WorkerFailed(f"encode worker {dead.worker_id} died ({dead.dead})", 503)
+                    if not self.config.migration_limit:
+                        raise WorkerFailed(f"encode worker {dead.worker_id} died ({dead.dead})", 503)
+                    self.embeddings = []
+                    return dead
                 if self.config.clock() - silent_since > timeout:
                     raise WorkerFailed(f"no embeddings within {timeout:.0f} s", 504)
                 continue
@@ -76,6 +90,7 @@ class EncodeFlow(DisaggregatedFlow):
                 raise WorkerFailed(f"encode worker {worker.worker_id} {what}: {event.msg.message}", event.msg.status)
             self.embeddings.append(P.EmbeddingRef(images=indices, frame=event.msg.frame))
             self.record.add("encode", event.msg.timings)
+        return None
 
     def trace(self) -> RequestTrace:
         rec = super().trace()

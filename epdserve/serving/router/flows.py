@@ -181,6 +181,10 @@ class Flow:
         silent_since = self.config.clock()
         while True:
             event = await self._poll()
+            if (isinstance(event, WorkerError) and event.msg.worker_lost and event.worker_id == worker.worker_id
+                    and self.config.migration_limit):
+                self.registry.mark_dead(worker.worker_id, event.msg.message)  # its requests move, this one too
+                event = WorkerDown(worker.worker_id, event.msg.message)
             if isinstance(event, (Tick, WorkerDown)):
                 if worker.dead:
                     self.holdings.lost(worker)

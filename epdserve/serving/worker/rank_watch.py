@@ -1,5 +1,6 @@
 """A tensor-parallel worker whose follower rank fails (:mod:`.ranks`): the ranks are out of step,
-so it fails the requests they ran and stops with exit status 1, to be restarted whole."""
+so it gives up the requests they ran (the router moves them, ``--migration-limit``, or fails
+them) and stops with exit status 1, to be restarted whole."""
 
 from __future__ import annotations
 
@@ -33,11 +34,11 @@ class RankWatch:
             self.failed(exc)
 
     def failed(self, exc: RankFailure, request_ids: Iterable[str] = ()) -> None:
-        """Each of ``request_ids`` gets an Error (status 500) naming ``exc``."""
+        """Each of ``request_ids`` gets an Error (status 500, ``worker_lost``) naming ``exc``."""
         message = f"the {self.what}'s tensor-parallel ranks failed ({exc}); it is restarting"
         for request_id in request_ids:
             self.worker.send(P.Error(worker_id=self.worker.worker_id, request_id=request_id, message=message,
-                                     status=500))
+                                     status=500, worker_lost=True))
         log.error("%s: %s; stopping this worker (exit status 1) so that it is restarted with all its ranks",
                   self.worker.worker_id, exc)
         self.failure = exc
