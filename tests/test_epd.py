@@ -272,3 +272,31 @@ def test_killed_prefill_worker_retries_encode_the_images_again(tmp_path):
         assert [r.text for r in results] == [ask(dep, image, max_tokens=6).text for image in images]
     finally:
         _stop(dep.proc)
+
+
+def test_an_encode_worker_killed_while_encoding_leaves_the_images_to_the_prefill_worker(epd_server):
+    """kill -9 of the encode worker holding a request's images (a large one: seconds of encoding): the
+    request goes on, its prefill worker encoding the image (``--migration-limit``), the trace names the
+    move, and the answer equals the one the deployment gives again afterwards."""
+    import os
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    image = picture(300, (1536, 1536))
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(ask, epd_server, image, max_tokens=6)
+        deadline = time.monotonic() + 120
+        while not (busy := [w["worker_id"] for w in epd_server.health()["workers"]
+                            if w["role"] == "encode" and w["outstanding"]]):
+            assert time.monotonic() < deadline and not future.done(), "no encode worker got the image"
+            time.sleep(0.02)
+        os.kill(epd_server.worker_pid(busy[0]), signal.SIGKILL)
+        result = future.result(timeout=300)
+    (move,) = epd_server.trace(result.id)["migrations"]
+    assert move["from"] == busy[0] and move["to"].startswith("prefill-") and move["recomputed_tokens"] > 0
+    assert f"encode worker {busy[0]} died" in epd_server.log_tail(10**6)
+    assert result.text == ask(epd_server, image, max_tokens=6).text
+    deadline = time.monotonic() + 120
+    while sum(w["role"] == "encode" and w["state"] == "up" for w in epd_server.health()["workers"]) < 2:
+        assert time.monotonic() < deadline, "the killed encode worker did not come back"
+        time.sleep(0.2)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import _stop, start_deployment
+from epdserve.host import child_pids
 from epdserve.serving.deployment import plan_workers
 from epdserve.serving.launch import launcher, placement
 from epdserve.serving.worker import setup as worker_setup
@@ -164,11 +165,12 @@ def _kill_leftovers(pids: list[int]) -> None:
 def test_no_orphans_after_launcher_sigkill(tmp_path):
     dep, workers = start_deployment("colocated", tmp_path), []
     try:
-        workers = children(dep.proc.pid)
-        assert len(workers) == 1 and alive(workers[0])
+        workers = children(dep.proc.pid)  # its worker and its router process
+        assert sorted(child_pids(dep.proc.pid)) == ["colocated-0", "router"] and len(workers) == 2
+        assert all(alive(p) for p in workers)
         os.kill(dep.proc.pid, signal.SIGKILL)
         dep.proc.wait(10)
-        assert wait_until(lambda: not any(alive(p) for p in workers), 15), "worker outlived its launcher"
+        assert wait_until(lambda: not any(alive(p) for p in workers), 15), "a child outlived its launcher"
     finally:
         _stop(dep.proc)
         _kill_leftovers(workers)
