@@ -94,7 +94,7 @@ MARK_cluster := cluster and not elastic
 # them, and `elastic` in compare: ~3 minutes.
 MARK_elastic := elastic
 # The planner (simulation, calibration, replay of traces, plan against compare runs):
-# ~3 minutes of simulations, no servers.
+# ~3 minutes of simulations, no servers, spread over the cores (pytest-xdist).
 MARK_test-plan := plan
 # Faults and hardening: killed, stopped and stalled workers, random aborts, bad channels,
 # peers and operator input against real deployments: ~3 minutes.
@@ -144,7 +144,7 @@ elastic: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"
 
 test-plan: $(STAMP)
-	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"
+	$(VENV)/bin/pytest -q -ra --durations=5 -n auto -m "$(MARK_$@)"
 
 epd: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=5 -m "$(MARK_$@)"

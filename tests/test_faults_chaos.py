@@ -24,8 +24,8 @@ from prometheus_scrape import installed  # noqa: E402
 
 @pytest.mark.skipif(installed() is None, reason="prometheus is not installed: make prometheus (Debian's package)")
 def test_a_short_chaos_run_loses_nothing_and_prometheus_reads_it(tmp_path):
-    argv = [sys.executable, str(BENCHMARKS / "chaos.py"), "--minutes", "1.5", "--rate", "0.8", "--prompts", "12",
-            "--kill-every", "30", "--stop-every", "45", "--stop-for", "8", "--prometheus", "--port", str(free_port()),
+    argv = [sys.executable, str(BENCHMARKS / "chaos.py"), "--minutes", "1", "--rate", "0.8", "--prompts", "8",
+            "--kill-every", "25", "--stop-every", "35", "--stop-for", "8", "--prometheus", "--port", str(free_port()),
             "--output", str(tmp_path)]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

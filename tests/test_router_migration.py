@@ -181,3 +181,22 @@ def test_an_encode_worker_lost_leaves_its_images_to_the_prefill_worker():
         assert ("encode-1", "release_kv") in flow.close()
 
     run(go())
+
+
+def test_an_encode_worker_whose_ranks_failed_leaves_its_images_to_the_prefill_worker():
+    s = migrating("epd", "encode-0", "prefill-0", "decode-0")
+    image = P.ImageRef(hash="h0", tokens=3, data=b"png")
+
+    async def go():
+        flow = s.flow(prompt=(1, 5, 5, 5, 2), images=[image])
+        reader = Reader(flow)
+        await reader.step()
+        s.registry.on_message(P.Error(worker_id="encode-0", request_id="r1", message="ranks failed", status=500,
+                                      worker_lost=True), s.clock())
+        await reader.step()
+        assert s.registry.workers["encode-0"].dead == "ranks failed"
+        (sent,) = s.port.of("prefill-0", P.AddRequest)
+        assert sent.embeddings == [] and sent.images[0].data == b"png"
+        flow.close()
+
+    run(go())

@@ -112,7 +112,10 @@ def test_epd_with_a_tp2_prefill_or_encode_worker_gives_the_colocated_answer(tmp_
 
 
 def test_an_encode_rank_killed_mid_encoding_fails_the_request_and_the_worker_comes_back(tmp_path):
-    dep = start_deployment("epd", tmp_path, "--model", "vlm", "--kv-cache-memory-mb", "64", "--encode-tp", "2")
+    # --migration-limit 0: the request fails as it always did (above 0 its prefill worker encodes the
+    # images instead: tests/test_router_migration.py)
+    dep = start_deployment("epd", tmp_path, "--model", "vlm", "--kv-cache-memory-mb", "64", "--encode-tp", "2",
+                           "--migration-limit", "0")
     try:
         before = ask_image(dep, picture(5)).text
         old = workers(dep)["encode"]

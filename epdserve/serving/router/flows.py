@@ -180,11 +180,7 @@ class Flow:
         worker, timeout = self.worker, self.config.request_timeout_s
         silent_since = self.config.clock()
         while True:
-            event = await self._poll()
-            if (isinstance(event, WorkerError) and event.msg.worker_lost and event.worker_id == worker.worker_id
-                    and self.config.migration_limit):
-                self.registry.mark_dead(worker.worker_id, event.msg.message)  # its requests move, this one too
-                event = WorkerDown(worker.worker_id, event.msg.message)
+            event = self._down_if_lost(await self._poll(), {worker.worker_id})
             if isinstance(event, (Tick, WorkerDown)):
                 if worker.dead:
                     self.holdings.lost(worker)
@@ -204,6 +200,16 @@ class Flow:
                     self.holdings.done(worker)
                 self.record.add(self.worker_role, event.msg.timings)
                 return event.msg
+
+    def _down_if_lost(self, event, worker_ids: set[str]):
+        """``event``, or the WorkerDown it means: an Error with ``worker_lost`` (its tensor-parallel ranks
+        failed) from one of ``worker_ids`` takes that worker for down at once when requests may move, so
+        that its requests, this one too, move as from a dead worker."""
+        if (isinstance(event, WorkerError) and event.msg.worker_lost and event.worker_id in worker_ids
+                and self.config.migration_limit):
+            self.registry.mark_dead(event.worker_id, event.msg.message)
+            return WorkerDown(event.worker_id, event.msg.message)
+        return event
 
     async def _first(self) -> P.Output:
         """A worker down before it is replaced (nothing reached the client). Raises as :meth:`_next`."""
