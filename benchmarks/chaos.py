@@ -13,7 +13,8 @@ is heard again). A victim is chosen only among live workers whose role keeps ano
 Reported: requests sent, completed, failed, moved (the trace's ``migrations``); each completed
 text against its fault-free text, and its token count against ``max_tokens`` (a repeated or
 missing token shows in both); KV blocks, requests and staged frames left; RSS and USS of every
-process over time; TTFT and ITL p99 of requests that met a fault against those that did not.
+process over time; TTFT and ITL p99 of requests that met a fault against those that did not; the
+cores' busy share over the run (how near its capacity the load ran).
 With ``--prometheus``, Debian's Prometheus server scrapes ``/metrics`` every second and the
 PromQL of vLLM's Grafana dashboard (every metric ``tests/data/vllm_grafana_metrics.txt`` lists,
 in the dashboard's forms: quantiles of histograms, means, rates) and the migration counter are
@@ -47,12 +48,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from epdserve.bench.processes import ServerProcess, port_is_free  # noqa: E402
-from epdserve.host import child_pids  # noqa: E402
+from epdserve.host import child_pids, cpu_ticks  # noqa: E402
 from epdserve.model.kernels import cpu_model  # noqa: E402
 from prometheus_scrape import Prometheus, dashboard_queries  # noqa: E402
 from soak import WORDS, growth, leaks, memory_mb  # noqa: E402
 
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+CORES = sorted(os.sched_getaffinity(0))
 JUDGED_MINUTES = 5.0  # shorter runs report memory but do not judge it
 
 
@@ -284,8 +286,10 @@ def main() -> int:
         refs = asyncio.run(references(server.base_url, pool))
         print(f"chaos on {cpu_model()}: {ARGS.minutes:g} min at {ARGS.rate:g} req/s; kill -9 every {ARGS.kill_every:g} s, "
               f"SIGSTOP for {ARGS.stop_for:g} s every {ARGS.stop_every:g} s", flush=True)
-        t0 = time.monotonic()
+        t0, ticks = time.monotonic(), cpu_ticks(CORES)
         records, samples, faults = asyncio.run(load(server.base_url, pool, server.proc.pid, t0))
+        after = cpu_ticks(CORES)
+        busy = (after["busy"] - ticks["busy"]) / max(1, after["total"] - ticks["total"])
         queries = prometheus.ask(dashboard_queries(server.base_url)) if prometheus else None
         held = leaks(server.base_url, server.proc.pid)
     finally:
@@ -293,6 +297,7 @@ def main() -> int:
             prometheus.stop()
         server.stop()
     result = verdicts(records, refs, pool, faults, samples, held, migrations(trace), ARGS.minutes * 60)
+    result["cores_busy"] = round(busy, 3)  # the load's share of the cores' time: how near capacity it ran
     if queries is not None:
         result["prometheus"] = queries
         result["pass"]["dashboard_queries_answered"] = all(q["series"] for q in queries)
