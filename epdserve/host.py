@@ -34,12 +34,9 @@ def weight_bytes(model_dir: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
-ROUTER_MODULE = "epdserve.serving.launch.router_process"  # serve's router process runs it
-
-
 def child_pids(launcher_pid: int, proc: str | Path = "/proc") -> dict[str, int]:
-    """Serve's children: each worker by its ``--worker-id``, the router process as "router"; children
-    exiting meanwhile are skipped."""
+    """Serve's children: each worker by its ``--worker-id``, its router process (forked from serve, so
+    with serve's command line) as "router"; children exiting meanwhile are skipped."""
     pids = {}
     for task in Path(proc, str(launcher_pid), "task").iterdir():
         for pid in (task / "children").read_text().split():
@@ -49,7 +46,7 @@ def child_pids(launcher_pid: int, proc: str | Path = "/proc") -> dict[str, int]:
                 continue
             if b"--worker-id" in argv:
                 pids[argv[argv.index(b"--worker-id") + 1].decode()] = int(pid)
-            elif ROUTER_MODULE.encode() in argv:
+            else:
                 pids["router"] = int(pid)
     return pids
 

@@ -7,7 +7,10 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
+import traceback
+from typing import Callable
 
 from epdserve.serving.deployment import Placement
 
@@ -30,6 +33,52 @@ def _die_with_parent(parent_pid: int) -> None:
     os.setpgid(0, 0)
 
 
+class Forked:
+    """A child forked from this process that runs ``target()`` and exits with its status (1 if it
+    raises): the part of ``subprocess.Popen`` :class:`Children` uses. Like a started worker it dies
+    with this process and has a process group of its own."""
+
+    def __init__(self, target: Callable[[], int]):
+        parent = os.getpid()
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                _die_with_parent(parent)
+                for signum in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(signum, signal.SIG_DFL)
+                code = target()
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)  # never this process's atexit handlers or its caller's stack
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Raises subprocess.TimeoutExpired."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def terminate(self) -> None:
+        os.kill(self.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+
 class Children:
     """Restarts an exited child (a worker, or serve's router) after a backoff (:data:`RESTART_BACKOFF_S`),
     never after EXIT_CONFIG."""
@@ -38,30 +87,32 @@ class Children:
 
     def __init__(self, env: dict[str, str]):
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.argv: dict[str, list[str]] = {}
-        self.own: dict[str, tuple[dict[str, str], tuple[int, ...]]] = {}  # a child's own environment, fds kept
+        self.procs: dict[str, subprocess.Popen | Forked] = {}
+        self.starts: dict[str, tuple[Callable[[bool], subprocess.Popen | Forked], str]] = {}  # how, and what
         self.started: dict[str, float] = {}
         self.backoff: dict[str, float] = {}  # last restart delay (s); -1: given up
         self.due: dict[str, float] = {}
 
-    def start(self, worker_id: str, argv: list[str], env: dict[str, str] | None = None,
-              pass_fds: tuple[int, ...] = ()) -> None:
-        """``env``: added to the workers' environment; ``pass_fds``: inherited, as numbered here."""
+    def start(self, worker_id: str, argv: list[str]) -> None:
         parent = os.getpid()
-        self.argv[worker_id], self.own[worker_id] = argv, (env or {}, pass_fds)
-        self.procs[worker_id] = subprocess.Popen(argv, env=dict(self.env, **(env or {})), pass_fds=pass_fds,
-                                                 preexec_fn=lambda: _die_with_parent(parent))
-        self.started[worker_id] = time.monotonic()
-        log.info("started %s (pid %d): %s", worker_id, self.procs[worker_id].pid, " ".join(argv[3:]))
+        self._start(worker_id, lambda restart: subprocess.Popen(argv, env=self.env,
+                                                                preexec_fn=lambda: _die_with_parent(parent)),
+                    " ".join(argv[3:]))
+
+    def fork(self, child_id: str, target: Callable[[bool], int]) -> None:
+        """A child forked from this process running ``target(restarted)``."""
+        self._start(child_id, lambda restart: Forked(lambda: target(restart)), "forked from serve")
+
+    def _start(self, child_id: str, make: Callable[[bool], subprocess.Popen | Forked], what: str) -> None:
+        restart = child_id in self.procs
+        self.starts[child_id] = (make, what)
+        self.procs[child_id] = make(restart)
+        self.started[child_id] = time.monotonic()
+        log.info("started %s (pid %d): %s", child_id, self.procs[child_id].pid, what)
 
     def launch(self, plan: Placement, commands: dict[str, list[str]]) -> None:
         for _, wid, _ in plan:
             self.start(wid, commands[wid])
-
-    def restart_env(self, worker_id: str, env: dict[str, str]) -> None:
-        """``env`` replaces the one ``worker_id`` was started with, from its next start on."""
-        self.own[worker_id] = (env, self.own[worker_id][1])
 
     def ids(self) -> list[str]:
         return list(self.procs)
@@ -91,7 +142,7 @@ class Children:
         for wid, when in list(self.due.items()):
             if now >= when:
                 del self.due[wid]
-                self.start(wid, self.argv[wid], *self.own[wid])
+                self._start(wid, *self.starts[wid])
         return exited
 
     def drain(self, router) -> None:

@@ -32,7 +32,7 @@ from epdserve.serving.launch.placement import checked_plan, plan_for, usable_cor
 from epdserve.serving.router.http_guard import uvicorn_config
 from epdserve.serving.worker.setup import worker_argv
 from epdserve.serving.router import SYNTHETIC_VISION_NOTE, Router, build_router, create_app, setup_logging
-from epdserve.serving.router.app import router_inputs
+from epdserve.serving.router.app import RouterInputs, router_inputs
 
 log = logging.getLogger("epdserve.launcher")
 
@@ -213,7 +213,7 @@ def run(options: ServeOptions) -> int:
             return 1
     tmp = tempfile.mkdtemp(prefix="epdserve-")  # mode 0700: only we can reach the sockets
     events = options.events or (ray_cluster.events_address() if options.on_ray else f"ipc://{tmp}/events")
-    router, model, warnings, error = _load_router(options, plan, events)
+    loaded, warnings, error = _load_router(options, plan, events)
     if error:
         print(f"epdserve serve: error: {error}", file=sys.stderr)
         sock.close()
@@ -222,7 +222,7 @@ def run(options: ServeOptions) -> int:
         return 2
     for text in warnings:
         print(f"epdserve serve: warning: {text}", file=sys.stderr, flush=True)
-    return _serve(options, router, model, plan, tmp, events, sock, workers)
+    return _serve(options, loaded, plan, tmp, events, sock, workers)
 
 
 def _check_options(options: ServeOptions) -> tuple[ServeOptions, Placement, str | None]:
@@ -289,21 +289,20 @@ def _check_elastic(options: ServeOptions, starting: int) -> int:
 
 
 def _load_router(options: ServeOptions, plan: Placement,
-                 events: str) -> tuple[Router | None, object, list[str], str | None]:
-    """``(router, model, warnings, error)``: the model is resolved (and converted) once, before any worker
-    starts. Ray: the router is made here and runs in this process; local: router None, its options
-    checked here, the router made by its own process (:mod:`.router_process`)."""
+                 events: str) -> tuple[Router | RouterInputs | None, list[str], str | None]:
+    """``(loaded, warnings, error)``: the model is resolved (and converted) once, before any worker
+    starts. Ray: the router, run in this process; local: its checked inputs, of which the router
+    process forked from this one makes it (:mod:`.router_process`)."""
     try:
-        router = build_router(options.router, events) if options.on_ray else None
-        model = router.model if router else router_inputs(options.router).model
+        loaded = build_router(options.router, events) if options.on_ray else router_inputs(options.router)
     except ModelLoadError as exc:
-        return None, None, [], str(exc)
+        return None, [], str(exc)
     if options.on_ray:
-        return router, model, [], None
-    warnings, error = check_capacity(options, plan, model.path, host.mem_available_bytes())
+        return loaded, [], None
+    warnings, error = check_capacity(options, plan, loaded.model.path, host.mem_available_bytes())
     if error:
         error += "; use fewer workers or a smaller --kv-cache-memory-mb, or pass --allow-oversubscription"
-    return router, model, warnings, error
+    return loaded, warnings, error
 
 
 class _Stop:
@@ -321,8 +320,9 @@ class _Stop:
             raise KeyboardInterrupt
 
 
-def _serve(options: ServeOptions, router: Router | None, model, plan: Placement, tmp: str, events: str,
+def _serve(options: ServeOptions, loaded: Router | RouterInputs, plan: Placement, tmp: str, events: str,
            sock: socket.socket, children) -> int:
+    router = loaded if isinstance(loaded, Router) else None
     stopped = False
 
     def cleanup() -> None:
@@ -349,7 +349,7 @@ def _serve(options: ServeOptions, router: Router | None, model, plan: Placement,
     log.info("placement: %s", placement)
     try:
         if router is None:
-            return _serve_local(options, model, plan, events, sock, children, commands, placement, stop)
+            return _serve_local(options, loaded, plan, events, sock, children, commands, placement, stop)
         try:
             children.launch(plan, commands)
         except TimeoutError as exc:
@@ -370,29 +370,24 @@ def _serve(options: ServeOptions, router: Router | None, model, plan: Placement,
         cleanup()
 
 
-def _serve_local(options: ServeOptions, model, plan: Placement, events: str, sock: socket.socket,
+def _serve_local(options: ServeOptions, inputs: RouterInputs, plan: Placement, events: str, sock: socket.socket,
                  children: Children, commands: dict[str, list[str]], placement: str, stop: _Stop) -> int:
-    """The router in a process of its own, restarted when it dies (the workers keep running); a
-    worker's exit is told to it. Returns 1 after a fatal exit (EXIT_CONFIG; the router's: 2) or a
-    startup timeout, 0 after a signal."""
+    """The router in a process forked from this one, restarted when it dies (the workers keep
+    running); a worker's exit is told to it. Returns 1 after a fatal worker exit (EXIT_CONFIG) or
+    a startup timeout, 0 after a signal."""
     link, router_end = router_process.link_pair()
-    setup = router_process.RouterSetup(options.router, events, sock.fileno(), router_end.fileno(),
+    setup = router_process.RouterSetup(options.router, inputs, events, sock, router_end,
                                        tuple(wid for _, wid, _ in plan), len(plan), options.max_workers,
                                        options.startup_timeout)
-    argv, env = router_process.command(setup)
-    children.start(router_process.ROUTER_ID, argv, env, pass_fds=(sock.fileno(), router_end.fileno()))
-    children.restart_env(router_process.ROUTER_ID,
-                         router_process.command(replace(setup, rejoin_s=router_process.REJOIN_WAIT_S))[1])
+    children.fork(router_process.ROUTER_ID, lambda restarted: router_process.run(setup, restarted))
     children.launch(plan, commands)
     announced, deadline = 0, time.monotonic() + options.startup_timeout
     while not stop.asked:
         for wid, why, fatal in children.exits():
             if wid == router_process.ROUTER_ID:
-                note = "stopping" if fatal else "restarting it; the workers keep running and join it again"
-                log.error("the router: %s; %s", why, note)
-                print(f"epdserve serve: the router: {why}; {note}", file=sys.stderr, flush=True)
-                if fatal:
-                    return 2
+                log.error("the router: %s; restarting it; the workers keep running and join it again", why)
+                print(f"epdserve serve: the router: {why}; restarting it; the workers keep running and join it "
+                      "again", file=sys.stderr, flush=True)
                 continue
             _worker_exit(wid, why, fatal, children.restart_note)
             router_process.send(link, event="down", worker=wid, pid=children.pid(wid), why=why)
@@ -400,7 +395,7 @@ def _serve_local(options: ServeOptions, model, plan: Placement, events: str, soc
                 return 1
         for message in router_process.received(link):
             if message["event"] == "ready":
-                _announce(options, sock, model, placement, again=announced > 0)
+                _announce(options, sock, inputs.model, placement, again=announced > 0)
                 announced += 1
         if not announced and time.monotonic() > deadline:
             log.error("workers did not all say hello within %.0f s; stopping", options.startup_timeout)

@@ -190,7 +190,10 @@ def router_inputs(options: RouterOptions) -> RouterInputs:
 
 def build_router(options: RouterOptions, events_addr: str) -> Router:
     """Raises ModelLoadError as :func:`router_inputs`."""
-    given = router_inputs(options)
+    return router_from(options, events_addr, router_inputs(options))
+
+
+def router_from(options: RouterOptions, events_addr: str, given: RouterInputs) -> Router:
     return Router(options.mode, given.model, given.tokenizer, events_addr, trace_file=options.trace_file,
                   worker_timeout_s=options.worker_timeout, request_timeout_s=options.request_timeout,
                   auth_token=options.auth.auth_token, local_prefill_threshold=options.local_prefill_threshold,
