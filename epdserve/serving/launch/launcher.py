@@ -374,7 +374,7 @@ def _serve_local(options: ServeOptions, inputs: RouterInputs, plan: Placement, e
                  children: Children, commands: dict[str, list[str]], placement: str, stop: _Stop) -> int:
     """The router in a process forked from this one, restarted when it dies (the workers keep
     running); a worker's exit is told to it. Returns 1 after a fatal worker exit (EXIT_CONFIG) or
-    a startup timeout, 0 after a signal."""
+    a startup timeout, 2 after the router's (a setting its ZeroMQ refused), 0 after a signal."""
     link, router_end = router_process.link_pair()
     setup = router_process.RouterSetup(options.router, inputs, events, sock, router_end,
                                        tuple(wid for _, wid, _ in plan), len(plan), options.max_workers,
@@ -385,9 +385,11 @@ def _serve_local(options: ServeOptions, inputs: RouterInputs, plan: Placement, e
     while not stop.asked:
         for wid, why, fatal in children.exits():
             if wid == router_process.ROUTER_ID:
-                log.error("the router: %s; restarting it; the workers keep running and join it again", why)
-                print(f"epdserve serve: the router: {why}; restarting it; the workers keep running and join it "
-                      "again", file=sys.stderr, flush=True)
+                note = "stopping" if fatal else "restarting it; the workers keep running and join it again"
+                log.error("the router: %s; %s", why, note)
+                print(f"epdserve serve: the router: {why}; {note}", file=sys.stderr, flush=True)
+                if fatal:
+                    return 2
                 continue
             _worker_exit(wid, why, fatal, children.restart_note)
             router_process.send(link, event="down", worker=wid, pid=children.pid(wid), why=why)

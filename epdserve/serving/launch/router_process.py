@@ -14,10 +14,12 @@ import json
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import uvicorn
 
+from epdserve.serving.launch.children import EXIT_CONFIG
 from epdserve.serving.router import Router, create_app
 from epdserve.serving.router.app import RouterInputs, router_from
 from epdserve.serving.router.http_guard import uvicorn_config
@@ -114,12 +116,17 @@ async def _serve(server: uvicorn.Server, router: Router, setup: RouterSetup) -> 
 
 
 def run(setup: RouterSetup, restarted: bool) -> int:
-    """The router process's life, in the child serve forked (exit status 0). ``restarted``: it
+    """The router process's life, in the child serve forked (exit status 0; EXIT_CONFIG when the
+    router refuses its settings). ``restarted``: it
     waits up to REJOIN_WAIT_S for the placement's workers, which are up, before it accepts
     connections (serve's socket holds them meanwhile); the first start accepts at once, so that
     ``/health`` answers while the workers load."""
     options = setup.options
-    router = router_from(options, setup.events, setup.inputs)
+    try:
+        router = router_from(options, setup.events, setup.inputs)
+    except ValueError as exc:  # CURVE without libzmq's support
+        print(f"epdserve serve: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     if options.elastic.elastic:
         router.enable_scaling(None, setup.min_workers, setup.max_workers, setup.startup_timeout)
     app = _accepting_after(create_app(router), router, setup.workers, REJOIN_WAIT_S if restarted else 0.0)
