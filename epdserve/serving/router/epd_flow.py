@@ -70,7 +70,7 @@ class EncodeFlow(DisaggregatedFlow):
         timeout = self.config.request_timeout_s
         silent_since = self.config.clock()
         while waiting:
-            event = self._down_if_lost(await self._poll(), set(waiting))
+            event = self._down_if_lost(await self._poll(), waiting)
             if isinstance(event, (Tick, WorkerDown)):
                 dead = next((w for w, _ in waiting.values() if w.dead), None)
                 if dead is not None:

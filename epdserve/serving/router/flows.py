@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Container
 
 from epdserve.serving import protocol as P
 from epdserve.serving.router.events import Tick, WorkerDown, WorkerError, WorkerFailed, WorkerOutput
@@ -178,9 +178,9 @@ class Flow:
     async def _next(self) -> P.Output:
         """Raises WorkerFailed: the worker's Error (its status), death (503), silence (504)."""
         worker, timeout = self.worker, self.config.request_timeout_s
-        silent_since = self.config.clock()
+        silent_since, mine = self.config.clock(), {worker.worker_id}
         while True:
-            event = self._down_if_lost(await self._poll(), {worker.worker_id})
+            event = self._down_if_lost(await self._poll(), mine)
             if isinstance(event, (Tick, WorkerDown)):
                 if worker.dead:
                     self.holdings.lost(worker)
@@ -201,7 +201,7 @@ class Flow:
                 self.record.add(self.worker_role, event.msg.timings)
                 return event.msg
 
-    def _down_if_lost(self, event, worker_ids: set[str]):
+    def _down_if_lost(self, event, worker_ids: Container[str]):
         """``event``, or the WorkerDown it means: an Error with ``worker_lost`` (its tensor-parallel ranks
         failed) from one of ``worker_ids`` takes that worker for down at once when requests may move, so
         that its requests, this one too, move as from a dead worker."""
