@@ -52,7 +52,7 @@ from epdserve.bench.processes import ServerProcess, port_is_free  # noqa: E402
 from epdserve.host import child_pids, cpu_ticks  # noqa: E402
 from epdserve.model.kernels import cpu_model  # noqa: E402
 from prometheus_scrape import Prometheus, dashboard_queries  # noqa: E402
-from soak import WARMUP_SHARE, WORDS, growth, leaks, memory_mb  # noqa: E402
+from soak import WARMUP_SHARE, WORDS, growth, leaks, memory_mb, report  # noqa: E402
 
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 CORES = sorted(os.sched_getaffinity(0))
@@ -312,15 +312,10 @@ def main() -> int:
     if queries is not None:
         result["prometheus"] = queries
         result["pass"]["dashboard_queries_answered"] = all(q["series"] for q in queries)
-    (out / "chaos.json").write_text(json.dumps({"cpu": cpu_model(), "settings": vars(ARGS), "verdicts": result,
-                                                "faults": faults.log, "requests": records, "memory": samples},
-                                               indent=1))
     plot(records, samples, faults.log, out / "chaos.png")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("failures", "differing", "prometheus")}, indent=1))
-    for error in result["failures"]:
-        print("failed:", error)
-    print(f"wrote {out / 'chaos.json'} and {out / 'chaos.png'}")
-    return 0 if all(result["pass"].values()) else 1
+    return report(out / "chaos.json", {"cpu": cpu_model(), "settings": vars(ARGS), "verdicts": result,
+                                       "faults": faults.log, "requests": records, "memory": samples},
+                  "failures", quiet=("differing", "prometheus"))
 
 
 def parse_args() -> argparse.Namespace:

@@ -232,14 +232,21 @@ def main() -> int:
     finally:
         server.stop()
     result = verdicts(records, samples, kills, held, duration)
-    (out / "soak.json").write_text(json.dumps({"settings": vars(ARGS), "verdicts": result, "kills": kills,
-                                               "requests": records, "rss": samples}, indent=1))
     plot(samples, kills, duration, out / "soak.png")
-    print(json.dumps({k: v for k, v in result.items() if k != "failures_otherwise"}, indent=1))
-    for error in result["failures_otherwise"]:
+    return report(out / "soak.json", {"settings": vars(ARGS), "verdicts": result, "kills": kills,
+                                      "requests": records, "rss": samples}, "failures_otherwise")
+
+
+def report(path: Path, document: dict, failures: str, quiet: tuple[str, ...] = ()) -> int:
+    """Write ``document`` to ``path`` (its PNG beside it), print its verdicts but ``quiet`` ones and
+    each error its ``failures`` verdict lists; the exit status: 0 when every ``pass`` verdict holds, else 1."""
+    verdicts = document["verdicts"]
+    path.write_text(json.dumps(document, indent=1))
+    print(json.dumps({k: v for k, v in verdicts.items() if k not in (failures, *quiet)}, indent=1))
+    for error in verdicts[failures]:
         print("failed:", error)
-    print(f"wrote {out / 'soak.json'} and {out / 'soak.png'}")
-    return 0 if all(result["pass"].values()) else 1
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0 if all(verdicts["pass"].values()) else 1
 
 
 def parse_args() -> argparse.Namespace:

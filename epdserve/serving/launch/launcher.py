@@ -330,7 +330,10 @@ def _serve(options: ServeOptions, loaded: Router | RouterInputs, plan: Placement
         if not stopped:
             stopped = True
             log.info("stopping the router and the workers")
-            children.stop() if router is not None else children.stop(first=router_process.ROUTER_ID)
+            if router is None:
+                children.stop(first=router_process.ROUTER_ID)  # its graceful end, then the workers'
+            else:
+                children.stop()
             log.info("all workers stopped")
             shutil.rmtree(tmp, ignore_errors=True)
 
