@@ -68,7 +68,7 @@ def single_measurement(model: LlamaModel) -> dict:
     it: its choice from the best times, from the medians, and the outside load."""
     layers = [[layer[k] for k in PROJECTIONS] for layer in model.layers]
     gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(max(cutover.ROWS), p.blocks.qs.shape[1] * quant.BLOCK, generator=gen) for p in layers[0]]
+    xs = [torch.randn(max(cutover.ROWS), p.blocks.shape[1], generator=gen) for p in layers[0]]
     attempt = cutover.measure(lambda m: [p.on_kernel(x[:m]) for layer in layers for p, x in zip(layer, xs)],
                               lambda m: [p.on_blas(x[:m]) for layer in layers for p, x in zip(layer, xs)])
     return {"best": cutover.decide(attempt.best()), "median": cutover.decide(attempt.median()),
@@ -78,7 +78,7 @@ def single_measurement(model: LlamaModel) -> dict:
 def step_ms(model: LlamaModel, rows: int, kernel_rows: int, reps: int) -> float:
     """Best ms of every layer's projections at ``rows`` rows with the cut-over ``kernel_rows``."""
     lins = [layer[k] for layer in model.layers for k in PROJECTIONS]
-    xs = {id(p): torch.randn(rows, p.blocks.qs.shape[1] * quant.BLOCK) for p in lins}
+    xs = {id(p): torch.randn(rows, p.blocks.shape[1]) for p in lins}
     saved = [p.kernel_rows for p in lins]
     try:
         for p in lins:

@@ -136,13 +136,16 @@ def _linear_groups(cfg: dict, names: set[str]) -> list[list[str]]:
     return groups + [[head]]
 
 
-def _block_groups(blocks: dict[str, dict]) -> dict[str, dict]:
-    """``weight name -> {"nbytes": its qs + scales (+ mins), "kind": (qs dtype, has mins)}``."""
+def _block_groups(blocks: dict[str, dict], q4_1_layout: str = "gguf") -> dict[str, dict]:
+    """``weight name -> {"nbytes": its qs + scales (+ mins), "kind": (qs dtype, has mins)}``; Q4_1's scales and
+    mins at half their stored bytes in ``planes`` (``quant.to_planes``: float16)."""
     out: dict[str, dict] = {}
+    q4_1 = {key.rsplit(".", 1)[0] for key in blocks if key.endswith(".mins")}
     for key, t in blocks.items():
         name, part = key.rsplit(".", 1)
         entry = out.setdefault(name, {"nbytes": 0, "qs": None, "mins": False})
-        entry["nbytes"] += t["nbytes"]
+        halved = q4_1_layout == "planes" and name in q4_1 and part in ("scales", "mins")
+        entry["nbytes"] += t["nbytes"] // 2 if halved else t["nbytes"]
         entry["qs"] = t["dtype"] if part == "qs" else entry["qs"]
         entry["mins"] = entry["mins"] or part == "mins"
     return out
@@ -158,13 +161,14 @@ def engine_holds_blocks(model_dir: str | Path) -> bool:
 
 
 def weight_read_bytes(model_dir: str | Path, fmt: str = "engine", elem_bytes: int = 4,
-                      gguf_path: str | Path | None = None) -> dict:
+                      gguf_path: str | Path | None = None, q4_1_layout: str = "gguf") -> dict:
     """The weight bytes one decode step reads, by part.
 
     ``fmt``: ``engine`` (as epdserve holds them: GGUF blocks where :func:`engine_holds_blocks`,
     else dense), ``float32`` (every weight dense at ``elem_bytes``: a ``--dtype float32``
     Hugging Face engine such as vLLM or transformers), ``gguf`` (the GGUF file's own
-    tensors as llama.cpp reads them, ``gguf_path``).
+    tensors as llama.cpp reads them, ``gguf_path``). ``q4_1_layout``: the engine's (its /health ``tuned``):
+    ``planes`` holds a Q4_1 block in 20 bytes, as the GGUF, the stored ``gguf`` one in 24.
 
     Returns ``{"format", "linear", "lm_head", "other", "embedding_row", "fixed"}``: bytes
     of the decoder layers' linear weights, of the LM head, of every other tensor read in
@@ -184,7 +188,7 @@ def weight_read_bytes(model_dir: str | Path, fmt: str = "engine", elem_bytes: in
         dense.update(safetensors_tensors(file))
     blocks = {}
     if fmt == "engine" and engine_holds_blocks(model_dir):
-        blocks = _block_groups(safetensors_tensors(model_dir / BLOCKS_FILE))
+        blocks = _block_groups(safetensors_tensors(model_dir / BLOCKS_FILE), q4_1_layout)
     numel = {name: math.prod(t["shape"]) for name, t in dense.items()}
     groups = _linear_groups(cfg, set(dense))
     part = {"linear": 0, "lm_head": 0}

@@ -292,7 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     formats["vllm"] = {"float32": "f32", "bfloat16": "bf16"}[args.vllm_dtype]
     kv_dtypes = {"epdserve": w["kv_dtype"] for w in settings.get("epdserve_workers", []) if w.get("kv_dtype")}
     kv_dtypes["vllm"] = args.vllm_dtype
-    found = speed_ceilings.shares(limits, results, args.output_len, info.path, info.source, formats, kv_dtypes)
+    layouts = {"epdserve": ((w.get("tuned") or {}).get("q4_1_layout") or {}).get("value", "gguf")
+               for w in settings.get("epdserve_workers", [])}
+    found = speed_ceilings.shares(limits, results, args.output_len, info.path, info.source, formats, kv_dtypes,
+                                  layouts)
     lines, agree = report_lines(args, concurrency, results, failures, limits, found)
     print("\n".join(lines))
     write_json({"settings": settings, "limits": limits, "results": results, "agreement": agree,

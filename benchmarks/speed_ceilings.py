@@ -44,15 +44,16 @@ def _mean_prompt(result: dict) -> float:
 
 def shares(limits: dict, results: dict[str, dict[int, dict]], output_len: int, model_dir: Path,
            gguf: str | None, weight_formats: dict[str, str] | None = None,
-           kv_dtypes: dict[str, str] | None = None) -> dict:
+           kv_dtypes: dict[str, str] | None = None, q4_1_layouts: dict[str, str] | None = None) -> dict:
     """``{engine: {"prefill": {...} (C=1 only), "decode": {str(C): {...}}}}``, see the
     module doc; ``weight_formats``: engine -> its workers' ``--weight-format`` as /health
     named it (epdserve); ``kv_dtypes``: engine -> its KV cache's dtype where it is not
-    :data:`ENGINE_FORMATS`' (epdserve's /health ``kv_dtype``, vLLM's ``--dtype``). An engine
+    :data:`ENGINE_FORMATS`' (epdserve's /health ``kv_dtype``, vLLM's ``--dtype``); ``q4_1_layouts``: engine ->
+    the layout its Q4_1 blocks were held in (epdserve's /health ``tuned``; ``gguf`` if absent). An engine
     whose weight format cannot be read here is left out of decode."""
     cfg = limits["model"]
     gbs = limits["memory"]["copy_gbs"]
-    weights: dict[str, dict | None] = {}
+    weights: dict[tuple[str, str], dict | None] = {}
     out = {}
     for name, per_c in results.items():
         fmt, kv_elem = ENGINE_FORMATS.get(name, ("float32", 4))
@@ -61,12 +62,15 @@ def shares(limits: dict, results: dict[str, dict[int, dict]], output_len: int, m
         if served and "q4_1" not in served:
             fmt = "float32"  # a dense copy only (a bf16 one still counted at 4 bytes: an upper bound)
         gemm_dtype = "bfloat16" if "bf16" in served and "bfloat16" in limits["gemm"] else "float32"
-        if fmt not in weights:
+        layout = (q4_1_layouts or {}).get(name, "gguf")
+        if (fmt, layout) not in weights:
             try:
-                weights[fmt] = engine_limits.weight_read_bytes(model_dir, fmt, gguf_path=gguf)
+                weights[fmt, layout] = engine_limits.weight_read_bytes(model_dir, fmt, gguf_path=gguf,
+                                                                       q4_1_layout=layout)
             except (OSError, ValueError, KeyError):
-                weights[fmt] = None
-        entry: dict = {"weights_format": served or (weights[fmt]["format"] if weights[fmt] else None),
+                weights[fmt, layout] = None
+        read = weights[fmt, layout]
+        entry: dict = {"weights_format": served or (read["format"] if read else None),
                        "kv_bytes_per_element": kv_elem, "decode": {}}
         one = per_c.get(1)
         if one and one["completed"] and one["median_ttft_ms"] > 0:
@@ -78,11 +82,11 @@ def shares(limits: dict, results: dict[str, dict[int, dict]], output_len: int, m
                                 "gflops": reached, "ceiling_tokens": t, "ceiling_gflops": ceiling,
                                 "ceiling_dtype": gemm_dtype, "share": reached / ceiling}
         for c, r in per_c.items():
-            if weights[fmt] is None or not r["completed"] or r["median_itl_ms"] <= 0:
+            if read is None or not r["completed"] or r["median_itl_ms"] <= 0:
                 continue
             context = _mean_prompt(r) + output_len / 2
             nbytes = engine_limits.decode_step_bytes(
-                weights[fmt], engine_limits.kv_bytes_per_token(cfg, kv_elem), c, context)
+                read, engine_limits.kv_bytes_per_token(cfg, kv_elem), c, context)
             floor = engine_limits.floor_ms(nbytes, gbs)
             entry["decode"][str(c)] = {"batch": c, "context": context, "bytes": nbytes, "copy_gbs": gbs,
                                        "floor_ms": floor, "itl_p50_ms": r["median_itl_ms"],

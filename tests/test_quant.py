@@ -50,6 +50,44 @@ def test_kernel_matches_dequantized_matmul(kernel, gguf_tensors, name, kind, row
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
 
 
+AVX512 = pytest.mark.skipif(not kernels.AVX512 <= kernels.cpu_flags(), reason="bit planes need AVX-512")
+
+
+@AVX512
+@pytest.mark.parametrize("name", ["blk.3.ffn_down.weight", "blk.0.attn_q.weight", "blk.5.ffn_gate.weight"])
+def test_bit_planes_hold_the_same_weights_and_products(kernel, gguf_tensors, name):
+    """``quant.to_planes``: the same weights bit for bit, and the kernel's products at every path (the subset
+    tables below 4 rows, the outer products above) within float32 rounding of float64's."""
+    import gguf
+
+    t = gguf_tensors[name]
+    w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(t.data.shape[0], -1))
+    b = quant.Blocks(**{k: torch.from_numpy(v) for k, v in quant.pack_gguf(t.data, t.tensor_type).items()})
+    planes = quant.to_planes(b)
+    assert planes.planes and planes.shape == b.shape == tuple(w.shape)
+    assert planes.qs.numel() * 4 + planes.scales.numel() * 4 == w.numel() * 20 // 32  # 20 bytes a block
+    assert torch.equal(torch.ops.epdserve.dequantize(planes.qs, planes.scales, planes.mins), w)
+    for rows in (1, 2, 3, 4, 9, 100):
+        x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+        y = kernel(x, planes.qs, planes.scales, planes.mins)
+        torch.testing.assert_close(y, (x.double() @ w.double().T).float(), rtol=1e-4, atol=1e-4)
+
+
+@AVX512
+def test_bit_planes_refuse_what_they_cannot_hold(kernel):
+    b = quant.Blocks(torch.zeros(24, 1, 16, dtype=torch.uint8), torch.ones(24, 1), torch.zeros(24, 1))
+    assert not quant.can_plane(b)  # 24 rows: not whole groups of 16
+    with pytest.raises(ValueError, match="float16"):
+        quant.to_planes(quant.Blocks(torch.zeros(16, 1, 16, dtype=torch.uint8), torch.full((16, 1), 0.1),
+                                     torch.zeros(16, 1)))
+    planes = quant.to_planes(quant.Blocks(torch.zeros(16, 1, 16, dtype=torch.uint8), torch.ones(16, 1),
+                                          torch.zeros(16, 1)))
+    with pytest.raises(RuntimeError, match="float16"):
+        kernel(torch.ones(1, 32), planes.qs, planes.scales.float(), planes.mins)
+    with pytest.raises(RuntimeError, match="columns"):
+        kernel(torch.ones(1, 64), planes.qs, planes.scales, planes.mins)
+
+
 def test_large_batches_run_on_the_dequantized_weight(kernel, gguf_tensors):
     import gguf
 

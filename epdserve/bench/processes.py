@@ -95,7 +95,7 @@ class ServerProcess:
         return wait_ready(self.base_url + "/health", [self], timeout_s, workers=workers)
 
     def resources(self) -> dict:
-        """``workers`` (id, role, pinned cores, weight format, KV dtype), ``cores`` and
+        """``workers`` (id, role, pinned cores, weight format, KV dtype, tuned choices), ``cores`` and
         ``num_cores`` from ``/health``; ``num_cores`` None when no worker lists cores."""
         try:
             with httpx.Client(timeout=5.0, trust_env=False) as http:
@@ -104,7 +104,7 @@ class ServerProcess:
             body = {}
         if not isinstance(body, dict):
             body = {}
-        workers = [{k: w.get(k) for k in ("worker_id", "role", "cores", "weight_format", "kv_dtype")}
+        workers = [{k: w.get(k) for k in ("worker_id", "role", "cores", "weight_format", "kv_dtype", "tuned")}
                    for w in body.get("workers", []) if isinstance(w, dict)]
         cores = sorted({c for w in workers for c in (w["cores"] or [])})
         return {"workers": workers, "cores": cores, "num_cores": len(cores) or None}

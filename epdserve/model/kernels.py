@@ -15,7 +15,7 @@ from epdserve.model.base import cache_root, cached_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("quant_kernels.cpp", "layer_kernels.cpp", "layer_kernels_avx512.cpp", "prefill_attention.cpp")
+SOURCES = ("quant_kernels.cpp", "quant_planes.cpp", "layer_kernels.cpp", "layer_kernels_avx512.cpp", "prefill_attention.cpp")
 HEADERS = ("avx512.h",)  # included by the sources: part of the build's digest
 # -fopenmp: torch's OpenMP pool (else one thread); -ffp-contract=off: a * b + c rounds twice, as PyTorch.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
@@ -58,6 +58,9 @@ def speed_flags() -> list[str]:
 def cpu_flags() -> set[str]:
     """``/proc/cpuinfo``'s ``flags`` (x86) or ``Features`` (Arm); empty elsewhere."""
     return set((cpuinfo("flags", "Features") or "").split())
+
+
+AVX512 = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})  # what the AVX-512 sources need
 
 
 def cpu_supported() -> bool:

@@ -135,6 +135,30 @@ def pack(dense: torch.Tensor) -> torch.Tensor:
     return dense
 
 
+Q4_1_LAYOUTS = ("gguf", "planes")  # quant.Blocks as the GGUF has them, or in bit planes (quant.to_planes)
+LAYOUT_STEPS = 4  # decode steps' GEMVs a timed round runs: one is ~5 ms on 2 threads, within the noise
+
+
+def measured_q4_layout(layers: list[list[Linear]], force: bool = False) -> tuning.Tuned:
+    """The layout whose kernel ran a decode step's GEMVs (one row through every layer's blocks) faster here:
+    the GGUF's (``quant_kernels.cpp``) or bit planes (``quant_planes.cpp``, AVX-512 only: callers check). On a
+    2-core Zen 4, SmolLM2-135M's 30 layers at one row: 5.2-7.1 ms gguf, 4.4-6.1 planes (20 bytes a block
+    against 24; 1.45x the weights per second in cache); at 2-48 rows 0.9-1.3x."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1, p.blocks.shape[1], generator=gen) for p in layers[0]]
+
+    def measure() -> tuning.Attempt:
+        ways = {"gguf": [[p.blocks for p in layer] for layer in layers],
+                "planes": [[quant.to_planes(p.blocks) for p in layer] for layer in layers]}
+        return tuning.time_rounds({way: lambda blocks=blocks: [
+            torch.ops.epdserve.quant_mm(x, b.qs, b.scales, b.mins)
+            for _ in range(LAYOUT_STEPS) for layer in blocks for b, x in zip(layer, xs)] for way, blocks in ways.items()})
+
+    key = [len(layers), *(list(p.blocks.qs.shape) for p in layers[0])]
+    return tuning.choose("q4_1_layout", key, measure, lambda seconds: min(Q4_1_LAYOUTS, key=seconds.__getitem__),
+                         Q4_1_LAYOUTS.__contains__, force)
+
+
 F32_GEMMS = ("mkl", "onednn")  # float32 dense weights: plain for MKL's sgemm, or packed for oneDNN
 F32_GEMM_ROWS = 256  # the step the float32 GEMM library is timed on: a prompt's prefill
 
@@ -162,7 +186,7 @@ def measured_kernel_rows(layers: list[list[Linear]], force: bool = False) -> tun
     """Timed over every layer: one layer alone stays in cache and flatters the dense copy (SmolLM2-135M, 32 rows:
     a layer 1.17 ms on blocks vs 0.93 dense; a whole step 82 vs 92)."""
     gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(max(cutover.ROWS), p.blocks.qs.shape[1] * quant.BLOCK, generator=gen) for p in layers[0]]
+    xs = [torch.randn(max(cutover.ROWS), p.blocks.shape[1], generator=gen) for p in layers[0]]
 
     def kernel(rows: int) -> list[torch.Tensor]:
         return [p.on_kernel(x[:rows]) for layer in layers for p, x in zip(layer, xs)]

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from epdserve.model import layer_ops, linear, prefill_attention, quant, tensor_parallel, tuning
+from epdserve.model import kernels, layer_ops, linear, prefill_attention, quant, tensor_parallel, tuning
 from epdserve.model.base import ModelLoadError
 from epdserve.model.config import ModelConfig
 
@@ -132,6 +132,7 @@ class LlamaModel:
     def _tune(self, retune: bool) -> None:
         self.tuned: dict[str, tuning.Tuned] = {}
         self._set_f32_gemm(retune)
+        self._set_q4_layout(retune)
         self._set_kernel_rows(retune)
         self._set_prefill_way(retune)
 
@@ -144,6 +145,17 @@ class LlamaModel:
         if self.tuned["f32_gemm"].value == "onednn":
             for lin in (p for layer in projections for p in layer):
                 lin.dense = linear.pack(lin.dense)
+
+    def _set_q4_layout(self, retune: bool) -> None:
+        """Q4_1 blocks in bit planes where that kernel beat the GGUF's layout here (``linear.measured_q4_layout``)."""
+        q4 = [[layer[k] for k in PROJECTIONS if layer[k].blocks is not None and quant.can_plane(layer[k].blocks)]
+              for layer in self.layers]
+        if not q4[0] or any(len(layer) != len(q4[0]) for layer in q4) or not kernels.AVX512 <= kernels.cpu_flags():
+            return
+        self.tuned["q4_1_layout"] = linear.measured_q4_layout(q4, retune)
+        if self.tuned["q4_1_layout"].value == "planes":
+            for lin in (p for layer in q4 for p in layer):
+                lin.blocks = quant.to_planes(lin.blocks)
 
     def _set_kernel_rows(self, retune: bool) -> None:
         """``kernel``: the fused decode-layer kernel's weights for steps up to ``kernel_rows`` rows (None if 0);

@@ -16,10 +16,9 @@ log = logging.getLogger(__name__)
 
 SDPA = "sdpa"
 # What each of the kernel's ways needs (/proc/cpuinfo's names), per compute dtype.
-AVX512 = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
-ISA = {torch.float32: {"avx512": AVX512},
-       torch.bfloat16: {"amx": AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"},
-                        "avx512_bf16": AVX512 | {"avx512_bf16"}}}
+ISA = {torch.float32: {"avx512": kernels.AVX512},
+       torch.bfloat16: {"amx": kernels.AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"},
+                        "avx512_bf16": kernels.AVX512 | {"avx512_bf16"}}}
 TIMED_TOKENS, TIMED_CALLS = 256, 10  # the measured prefill: a prompt's length, calls per round
 
 

@@ -1,5 +1,6 @@
 """GGUF weight blocks for ``quant_mm`` (``x @ W^T`` from the blocks): a Q4_1 block is 32 weights in 24 bytes
-here (float32 d and m; llama.cpp's fp16: 20); the loader's float32 weights are exactly ``d * q + m``."""
+as loaded (float32 d and m; llama.cpp's fp16: 20), 20 in bit planes (:func:`to_planes`); the loader's float32
+weights are exactly ``d * q + m``."""
 
 from __future__ import annotations
 
@@ -19,11 +20,55 @@ BLOCKS_FILE = Path("quantized") / "blocks.safetensors"  # inside a GGUF-converte
 class Blocks:
     """``W [N, K]`` in blocks of 32 along K. ``qs``: Q4_1 ``uint8 [N, K/32, 16]`` (byte j: q[j] low nibble,
     q[j+16] high, ggml's ``block_q4_1``; w = d * q + m) or Q8_0 ``int8 [N, K/32, 32]`` (w = d * q);
-    ``scales`` (d), ``mins`` (m, Q4_1 only): float32 ``[N, K/32]``."""
+    ``scales`` (d), ``mins`` (m, Q4_1 only): float32 ``[N, K/32]``. Or Q4_1 in bit planes (:func:`to_planes`):
+    ``qs`` ``int32 [N/16, K/32, 4, 16]``, ``scales`` and ``mins`` float16 ``[N/16, K/32, 16]``."""
 
     qs: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+
+
+    @property
+    def planes(self) -> bool:
+        return self.qs.dtype == torch.int32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)`` of the weight."""
+        if self.planes:
+            return self.qs.shape[0] * PLANE_ROWS, self.qs.shape[1] * BLOCK
+        return self.qs.shape[0], self.qs.shape[1] * BLOCK
+
+
+PLANE_ROWS = 16  # weight rows a group of the bit-plane layout: one per AVX-512 lane
+
+
+def can_plane(b: Blocks) -> bool:
+    """Q4_1 in the GGUF's layout with N a multiple of :data:`PLANE_ROWS`."""
+    return b.qs.dtype == torch.uint8 and b.qs.shape[0] % PLANE_ROWS == 0
+
+
+def to_planes(b: Blocks) -> Blocks:
+    """Q4_1 blocks (:func:`can_plane`) in bit planes for ``quant_planes.cpp``: per group of 16 rows and block,
+    row r's word j holds 8 nibbles, nibble ``4h + k`` bit plane k of the block's weights ``4g .. 4g + 3``
+    (g = 2j + h), its bit i bit k of q[4g + i]; d and m as the GGUF's float16 (exact: they came from it)."""
+    n, nb, _ = b.qs.shape
+    q = torch.cat([b.qs & 0xF, b.qs >> 4], dim=-1).to(torch.int64)  # [N, nb, 32] in weight order
+    q = q.view(n // PLANE_ROWS, PLANE_ROWS, nb, 4, 2, 4)  # [group, row, block, word j, h, weight i]
+    planes = (q.unsqueeze(-2) >> torch.arange(4).view(4, 1)) & 1  # [..., h, plane k, weight i]
+    nibbles = (planes << torch.arange(4)).sum(-1)  # [..., h, k]: 4-bit patterns
+    shifts = 16 * torch.arange(2).view(2, 1) + 4 * torch.arange(4)
+    words = (nibbles << shifts).sum((-2, -1))  # [group, row, block, word]: 32 bits in an int64
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    qs = words.permute(0, 2, 3, 1).contiguous()
+
+    def halves(t: torch.Tensor) -> torch.Tensor:
+        h = t.view(n // PLANE_ROWS, PLANE_ROWS, nb).transpose(1, 2).contiguous().to(torch.float16)
+        if not torch.equal(h.float().transpose(1, 2).reshape(n, nb), t):
+            raise ValueError("Q4_1 scales or mins not exact in float16: not from a GGUF")
+        return h
+
+    return Blocks(qs, halves(b.scales), halves(b.mins))
 
 
 def pack_gguf(data: np.ndarray, tensor_type) -> dict[str, np.ndarray] | None:

@@ -26,6 +26,12 @@
 #include <tuple>
 #include <vector>
 
+namespace epdserve_avx512 {  // quant_planes.cpp: Q4_1 in bit planes
+void planes_matmul(const float* x, int64_t M, int64_t K, const int32_t* qs, const at::Half* d, const at::Half* m,
+                   int64_t N, float* out);
+void planes_dequantize(const int32_t* qs, const at::Half* d, const at::Half* m, int64_t N, int64_t K, float* out);
+}  // namespace epdserve_avx512
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -261,11 +267,25 @@ void matmul(const float* x, int64_t M, int64_t K, const uint8_t* qs, const float
   });
 }
 
-// Checks the blocks' dtypes and shapes (see the top of the file); returns (N, K/32, Q4_1?).
-std::tuple<int64_t, int64_t, bool> check_blocks(const at::Tensor& qs, const at::Tensor& scales,
-                                                const c10::optional<at::Tensor>& mins) {
+enum class Layout { kQ8_0, kQ4_1, kPlanes };
+
+// Checks the blocks' dtypes and shapes (see the top of the file and quant_planes.cpp);
+// returns (N, K/32, layout).
+std::tuple<int64_t, int64_t, Layout> check_blocks(const at::Tensor& qs, const at::Tensor& scales,
+                                                  const c10::optional<at::Tensor>& mins) {
+  if (qs.scalar_type() == at::kInt) {
+    TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"),
+                "Q4_1 in bit planes needs AVX-512 F/BW/DQ/VL");
+    TORCH_CHECK(qs.dim() == 4 && qs.size(2) == 4 && qs.size(3) == 16, "planes qs must be int32 [N/16, K/32, 4, 16]");
+    const int64_t groups = qs.size(0), nb = qs.size(1);
+    TORCH_CHECK(mins.has_value() && scales.sizes() == at::IntArrayRef({groups, nb, 16}) &&
+                mins->sizes() == scales.sizes() && scales.scalar_type() == at::kHalf &&
+                mins->scalar_type() == at::kHalf, "planes scales and mins must be float16 [N/16, K/32, 16]");
+    return {groups * 16, nb, Layout::kPlanes};
+  }
   const bool q4 = qs.scalar_type() == at::kByte;
-  TORCH_CHECK(q4 || qs.scalar_type() == at::kChar, "qs must be uint8 (Q4_1) or int8 (Q8_0)");
+  TORCH_CHECK(q4 || qs.scalar_type() == at::kChar, "qs must be uint8 (Q4_1), int8 (Q8_0) or int32 (Q4_1 planes)");
   TORCH_CHECK(q4 == mins.has_value(), "Q4_1 needs mins, Q8_0 takes none");
   TORCH_CHECK(qs.dim() == 3 && qs.size(2) == (q4 ? 16 : 32), "qs has the wrong shape");
   const int64_t N = qs.size(0), nb = qs.size(1);
@@ -273,17 +293,23 @@ std::tuple<int64_t, int64_t, bool> check_blocks(const at::Tensor& qs, const at::
               "scales must be float32 [N, K/32]");
   if (q4) TORCH_CHECK(mins->sizes() == scales.sizes() && mins->scalar_type() == at::kFloat,
                       "mins must be float32 [N, K/32]");
-  return {N, nb, q4};
+  return {N, nb, q4 ? Layout::kQ4_1 : Layout::kQ8_0};
 }
 
 // The float32 weight [N, K] of the blocks, exactly as gguf.quants dequantizes them.
 at::Tensor dequantize(const at::Tensor& qs, const at::Tensor& scales, const c10::optional<at::Tensor>& mins) {
   int64_t N, nb;
-  bool q4;
-  std::tie(N, nb, q4) = check_blocks(qs, scales, mins);  // plain variables: lambdas capture them
+  Layout layout;
+  std::tie(N, nb, layout) = check_blocks(qs, scales, mins);  // plain variables: lambdas capture them
+  const bool q4 = layout == Layout::kQ4_1;
   const at::Tensor qc = qs.contiguous(), dc = scales.contiguous();
-  const at::Tensor mc = q4 ? mins->contiguous() : at::Tensor();
-  at::Tensor out = at::empty({N, nb * kBlock}, scales.options());
+  const at::Tensor mc = mins.has_value() ? mins->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({N, nb * kBlock}, scales.options().dtype(at::kFloat));
+  if (layout == Layout::kPlanes) {
+    epdserve_avx512::planes_dequantize(qc.data_ptr<int32_t>(), dc.data_ptr<at::Half>(), mc.data_ptr<at::Half>(), N,
+                                       nb * kBlock, out.data_ptr<float>());
+    return out;
+  }
   const uint8_t* qp = static_cast<const uint8_t*>(qc.data_ptr());
   const float* dp = dc.data_ptr<float>();
   const float* mp = q4 ? mc.data_ptr<float>() : nullptr;
@@ -303,18 +329,24 @@ at::Tensor dequantize(const at::Tensor& qs, const at::Tensor& scales, const c10:
 at::Tensor quant_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                     const c10::optional<at::Tensor>& mins) {
   int64_t N, nb;
-  bool q4;
-  std::tie(N, nb, q4) = check_blocks(qs, scales, mins);  // plain variables: lambdas capture them
+  Layout layout;
+  std::tie(N, nb, layout) = check_blocks(qs, scales, mins);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K == nb * kBlock, "x has ", K, " columns but the weight has ", nb * kBlock);
   const at::Tensor xc = x.contiguous(), qc = qs.contiguous(), dc = scales.contiguous();
-  const at::Tensor mc = q4 ? mins->contiguous() : at::Tensor();
+  const at::Tensor mc = mins.has_value() ? mins->contiguous() : at::Tensor();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
+  const float* xp = xc.data_ptr<float>();
+  if (layout == Layout::kPlanes) {
+    epdserve_avx512::planes_matmul(xp, M, K, qc.data_ptr<int32_t>(), dc.data_ptr<at::Half>(), mc.data_ptr<at::Half>(),
+                                   N, out.data_ptr<float>());
+    return out;
+  }
   const uint8_t* qp = static_cast<const uint8_t*>(qc.data_ptr());
-  if (q4) matmul<true>(xc.data_ptr<float>(), M, K, qp, dc.data_ptr<float>(), mc.data_ptr<float>(), N, out.data_ptr<float>());
-  else matmul<false>(xc.data_ptr<float>(), M, K, qp, dc.data_ptr<float>(), nullptr, N, out.data_ptr<float>());
+  if (layout == Layout::kQ4_1) matmul<true>(xp, M, K, qp, dc.data_ptr<float>(), mc.data_ptr<float>(), N, out.data_ptr<float>());
+  else matmul<false>(xp, M, K, qp, dc.data_ptr<float>(), nullptr, N, out.data_ptr<float>());
   return out;
 }
 
