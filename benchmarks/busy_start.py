@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 import engine_limits  # benchmarks/
-from epdserve.model import cutover, kernels, linear, quant
+from epdserve.model import cutover, kernels, linear
 from epdserve.model.llama import PROJECTIONS, LlamaModel
 from epdserve.model.loader import resolve_model
 

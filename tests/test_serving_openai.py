@@ -8,7 +8,7 @@ import httpx
 import torch
 
 from epdserve.engine.config import EngineConfig
-from epdserve.model import linear, prefill_attention, step_budget
+from epdserve.model import kernels, linear, prefill_attention, step_budget
 from epdserve.model.cutover import ROWS as CUTOVER_ROWS
 from epdserve.model.tokenizer import chat_prompt_ids
 
@@ -73,8 +73,10 @@ def test_models_health_metrics(server, model_info):
         assert ("kernel_rows" in tuned[role]) == ("q4_1" in fmt)
         assert ("f32_gemm" in tuned[role]) == ("f32" in fmt)
         assert ("prefill_attention" in tuned[role]) == (ways != ["sdpa"])
+        assert ("q4_1_layout" in tuned[role]) == ("q4_1" in fmt and kernels.AVX512 <= kernels.cpu_flags())
         assert step_budget.valid(tuned[role]["max_num_batched_tokens"]["value"])
         valid = {"kernel_rows": (0, *CUTOVER_ROWS), "f32_gemm": linear.F32_GEMMS, "prefill_attention": ways,
+                 "q4_1_layout": linear.Q4_1_LAYOUTS,
                  "max_num_batched_tokens": [tuned[role]["max_num_batched_tokens"]["value"]]}
         for name, choice in tuned[role].items():
             assert choice["value"] in valid[name] and choice["source"] in ("cache", "measured", "disturbed")

@@ -15,6 +15,8 @@
 // instead of 8 (compiled for "avx512f", chosen at run time): half the instructions per
 // weight, the same products summed in another order. (16-lane tiles measured slower than
 // the 8-lane ones at 4-256 rows on a 2-core Xeon, so the tiles stay AVX2.)
+// Q4_1 in bit planes (int32 qs: quant_planes.cpp, AVX-512) is dispatched from quant_mm and
+// dequantize by its dtype.
 // Built with layer_kernels.cpp into one library by epdserve/model/kernels.py.
 
 #include <ATen/ATen.h>
