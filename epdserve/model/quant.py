@@ -53,13 +53,13 @@ def to_planes(b: Blocks) -> Blocks:
     row r's word j holds 8 nibbles, nibble ``4h + k`` bit plane k of the block's weights ``4g .. 4g + 3``
     (g = 2j + h), its bit i bit k of q[4g + i]; d and m as the GGUF's float16 (exact: they came from it)."""
     n, nb, _ = b.qs.shape
-    q = torch.cat([b.qs & 0xF, b.qs >> 4], dim=-1).to(torch.int64)  # [N, nb, 32] in weight order
+    q = torch.cat([b.qs & 0xF, b.qs >> 4], dim=-1).to(torch.int32)  # [N, nb, 32] in weight order
     q = q.view(n // PLANE_ROWS, PLANE_ROWS, nb, 4, 2, 4)  # [group, row, block, word j, h, weight i]
-    planes = (q.unsqueeze(-2) >> torch.arange(4).view(4, 1)) & 1  # [..., h, plane k, weight i]
-    nibbles = (planes << torch.arange(4)).sum(-1)  # [..., h, k]: 4-bit patterns
-    shifts = 16 * torch.arange(2).view(2, 1) + 4 * torch.arange(4)
-    words = (nibbles << shifts).sum((-2, -1))  # [group, row, block, word]: 32 bits in an int64
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    words = torch.zeros(n // PLANE_ROWS, PLANE_ROWS, nb, 4, dtype=torch.int32)
+    for k in range(4):
+        for h in range(2):
+            for i in range(4):  # (bit 31 set by a shift: int32 wraps, the bits stay)
+                words |= ((q[..., h, i] >> k) & 1) << (16 * h + 4 * k + i)
     qs = words.permute(0, 2, 3, 1).contiguous()
 
     def halves(t: torch.Tensor) -> torch.Tensor:
