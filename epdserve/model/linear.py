@@ -5,6 +5,7 @@ oneDNN), or both (steps up to :attr:`Linear.kernel_rows`, measured per machine, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -139,17 +140,18 @@ Q4_1_LAYOUTS = ("gguf", "planes")  # quant.Blocks as the GGUF has them, or in bi
 LAYOUT_STEPS = 4  # decode steps' GEMVs a timed round runs: one is ~5 ms on 2 threads, within the noise
 
 
-def measured_q4_layout(layers: list[list[Linear]], force: bool = False) -> tuning.Tuned:
+def measured_q4_layout(layers: list[list[Linear]], planes: Callable[[], list[list[quant.Blocks]]],
+                       force: bool = False) -> tuning.Tuned:
     """The layout whose kernel ran a decode step's GEMVs (one row through every layer's blocks) faster here:
-    the GGUF's (``quant_kernels.cpp``) or bit planes (``quant_planes.cpp``, AVX-512 only: callers check). On a
-    2-core Zen 4, SmolLM2-135M's 30 layers at one row: 5.2-7.1 ms gguf, 4.4-6.1 planes (20 bytes a block
-    against 24; 1.45x the weights per second in cache); at 2-48 rows 0.9-1.3x."""
+    the GGUF's (``quant_kernels.cpp``) or bit planes (``quant_planes.cpp``, AVX-512 only: callers check);
+    ``planes()``: ``layers``' blocks in bit planes (called only to measure). On a 2-core Zen 4, SmolLM2-135M's
+    30 layers at one row: 5.2-7.1 ms gguf, 4.4-6.1 planes (20 bytes a block against 24; 1.45x the weights per
+    second in cache); at 2-48 rows 0.9-1.3x."""
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(1, p.blocks.shape[1], generator=gen) for p in layers[0]]
 
     def measure() -> tuning.Attempt:
-        ways = {"gguf": [[p.blocks for p in layer] for layer in layers],
-                "planes": [[quant.to_planes(p.blocks) for p in layer] for layer in layers]}
+        ways = {"gguf": [[p.blocks for p in layer] for layer in layers], "planes": planes()}
         return tuning.time_rounds({way: lambda blocks=blocks: [
             torch.ops.epdserve.quant_mm(x, b.qs, b.scales, b.mins)
             for _ in range(LAYOUT_STEPS) for layer in blocks for b, x in zip(layer, xs)] for way, blocks in ways.items()})

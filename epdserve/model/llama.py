@@ -3,6 +3,7 @@ the maths follows transformers' ``modeling_llama`` so that greedy tokens match i
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,10 +153,13 @@ class LlamaModel:
               for layer in self.layers]
         if not q4[0] or any(len(layer) != len(q4[0]) for layer in q4) or not kernels.AVX512 <= kernels.cpu_flags():
             return
-        self.tuned["q4_1_layout"] = linear.measured_q4_layout(q4, retune)
+        # Packed once: by the measurement (at a first start) and for the model alike.
+        planes = functools.cache(lambda: [[quant.to_planes(p.blocks) for p in layer] for layer in q4])
+        self.tuned["q4_1_layout"] = linear.measured_q4_layout(q4, planes, retune)
         if self.tuned["q4_1_layout"].value == "planes":
-            for lin in (p for layer in q4 for p in layer):
-                lin.blocks = quant.to_planes(lin.blocks)
+            for layer, packed in zip(q4, planes()):
+                for lin, blocks in zip(layer, packed):
+                    lin.blocks = blocks
 
     def _set_kernel_rows(self, retune: bool) -> None:
         """``kernel``: the fused decode-layer kernel's weights for steps up to ``kernel_rows`` rows (None if 0);

@@ -27,7 +27,6 @@ class Blocks:
     scales: torch.Tensor
     mins: torch.Tensor | None
 
-
     @property
     def planes(self) -> bool:
         return self.qs.dtype == torch.int32
