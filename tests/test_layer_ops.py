@@ -129,22 +129,31 @@ def test_paged_decode_attention_matches_sdpa(ctx_lens, threads):
         torch.set_num_threads(previous)
 
 
-def check_decode_attention(ctx_lens):
-    num_blocks = 128
-    k_cache, v_cache = randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, seed=1), randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, seed=2)
-    width = max(-(-n // BLOCK) for n in ctx_lens)
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 1), (4, 4)])
+def test_paged_decode_attention_other_blocks_and_groups(block_size, heads, kv_heads):
+    """Blocks of other sizes than 16 positions (steps within a block, or shorter than 16) and
+    other query heads per KV head (1 to 8), against the whole softmax."""
+    check_decode_attention([1, 15, 33, 300], block_size, heads, kv_heads)
+
+
+def check_decode_attention(ctx_lens, block_size=BLOCK, heads=HEADS, kv_heads=KV_HEADS):
+    num_blocks = 128 * BLOCK // block_size
+    k_cache = randn(num_blocks * block_size, kv_heads, HEAD_DIM, seed=1)
+    v_cache = randn(num_blocks * block_size, kv_heads, HEAD_DIM, seed=2)
+    width = max(-(-n // block_size) for n in ctx_lens)
     # Scattered, non-contiguous blocks, padded with block 0 as the runner pads.
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3))
     tables = torch.zeros(len(ctx_lens), width, dtype=torch.long)
     used = 0
     for b, n in enumerate(ctx_lens):
-        k = -(-n // BLOCK)
+        k = -(-n // block_size)
         tables[b, :k] = perm[used:used + k]
         used += k
-    q = randn(len(ctx_lens), HEADS, HEAD_DIM, seed=4) * 4  # peaky softmax
+    q = randn(len(ctx_lens), heads, HEAD_DIM, seed=4) * 4  # peaky softmax
     lens = torch.tensor(ctx_lens)
-    got = layer_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, BLOCK)
-    expected = layer_ops.paged_decode_attention_torch(q, k_cache, v_cache, tables, lens, BLOCK)
+    got = layer_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size)
+    expected = layer_ops.paged_decode_attention_torch(q, k_cache, v_cache, tables, lens, block_size)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
 
 
