@@ -36,7 +36,7 @@ namespace epdserve_avx512 {  // layer_kernels_avx512.cpp
 void silu_mul(const at::Tensor& gate_up, const at::Tensor& out);
 void attend_row(const float* q, int64_t qs1, const float* kc, const float* vc, const int64_t* table,
                 int64_t block_size, int64_t p0, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, float scale, float* out,
-                float* top, float* total);
+                float* top, float* total, float* scratch);
 }
 
 namespace {
@@ -397,8 +397,8 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
   });
 }
 
-// Attention of query heads h0 .. h0 + nq (nq <= 3) of one KV head over n positions (rows:
-// offsets of the head's rows), as `attend` computes it, into out/top/total at h0.
+// Attention of nq <= 3 query heads (qbuf) of one KV head over n positions (rows: offsets of
+// the head's rows from kc, vc), as `attend` computes it, into out, top, total.
 template <typename C>
 void attend_heads(int nq, const float* qbuf, const C* kc, const C* vc, const int64_t* rows, int64_t n, int64_t D,
                   float sc, float* scores, float* out, float* top, float* total) {
@@ -429,7 +429,7 @@ void decode_attention_rows(const float* qp, const C* kc, const C* vc, float* op,
   const int64_t kept = splits > 1 ? B * Hq * splits : 0;
   std::vector<float> parts(kept * D), tops(kept), totals(kept);
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qbuf(3 * D), top(Hq), total(Hq), out(Hq * D);
+    std::vector<float> scores, qbuf(3 * D), top(Hq), total(Hq), out(Hq * D), scratch(wide ? 16 * D : 0);
     std::vector<int64_t> rows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / splits, part = task % splits;
@@ -443,22 +443,22 @@ void decode_attention_rows(const float* qp, const C* kc, const C* vc, float* op,
       } else if (wide) {
         epdserve_avx512::attend_row(qp + b * qs0, qs1, reinterpret_cast<const float*>(kc),
                                     reinterpret_cast<const float*>(vc), table, block_size, p0, n, Hq, Hkv, D, sc,
-                                    out.data(), top.data(), total.data());
+                                    out.data(), top.data(), total.data(), scratch.data());
       } else {
         scores.resize(3 * n);
-        rows.resize(n);  // offset of position p0 + i's KV head hk in the caches
-        for (int64_t hk = 0; hk < Hkv; ++hk) {
-          for (int64_t i = 0, blk = p0 / block_size, at = p0 % block_size; i < n; ++i) {
-            rows[i] = ((table[blk] * block_size + at) * Hkv + hk) * D;
-            if (++at == block_size) at = 0, ++blk;
-          }
+        rows.resize(n);  // offset of position p0 + i's row [Hkv, D] in the caches
+        for (int64_t i = 0, blk = p0 / block_size, at = p0 % block_size; i < n; ++i) {
+          rows[i] = (table[blk] * block_size + at) * Hkv * D;
+          if (++at == block_size) at = 0, ++blk;
+        }
+        for (int64_t hk = 0; hk < Hkv; ++hk) {  // (KV head hk: its rows at kc + hk * D, vc + hk * D)
           for (int64_t g0 = 0; g0 < group; g0 += 3) {  // up to 3 query heads of this KV head at a time
             const int nq = static_cast<int>(std::min<int64_t>(3, group - g0));
             const int64_t h0 = hk * group + g0;
             for (int g = 0; g < nq; ++g)
               std::copy(qp + b * qs0 + (h0 + g) * qs1, qp + b * qs0 + (h0 + g) * qs1 + D, qbuf.begin() + g * D);
-            attend_heads(nq, qbuf.data(), kc, vc, rows.data(), n, D, sc, scores.data(), out.data() + h0 * D,
-                         top.data() + h0, total.data() + h0);
+            attend_heads(nq, qbuf.data(), kc + hk * D, vc + hk * D, rows.data(), n, D, sc, scores.data(),
+                         out.data() + h0 * D, top.data() + h0, total.data() + h0);
           }
         }
       }

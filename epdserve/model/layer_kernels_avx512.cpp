@@ -70,16 +70,15 @@ void prefetch_range(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T1);
 }
 
-// Lane j: (q . keys[j * stride ..]) * scale for j < m, -inf above (16 key rows of D floats;
-// those from m on are read, not used).
-__m512 chunk_scores(const float* q, const float* keys, int64_t stride, int m, int64_t D, float scale) {
+// Lane j: (q . keys[j * stride ..]) * scale for the lanes of `valid`, -inf in the others (16 key
+// rows of D floats; those of the other lanes are read, not used).
+__m512 chunk_scores(const float* q, const float* keys, int64_t stride, __mmask16 valid, int64_t D, float scale) {
   __m512 acc[kChunk];
   for (int j = 0; j < kChunk; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < D; i += 16) {
     const __m512 qv = _mm512_loadu_ps(q + i);
     for (int j = 0; j < kChunk; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys + j * stride + i), acc[j]);
   }
-  const __mmask16 valid = static_cast<__mmask16>((1u << m) - 1);
   return _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, sum_lanes(acc),
                             _mm512_set1_ps(scale));
 }
@@ -146,18 +145,18 @@ Chunk chunk_at(const int64_t* table, int64_t block_size, int64_t p, int64_t end)
 // total[h] = sum_p e^(s_p - top). One pass, up to 16 positions of a block a step with the
 // softmax kept online (Milakov and Gimelshein, 2018); a step's keys (and values) of every KV
 // head are one contiguous range, the next two steps' prefetched into L2 a KV head's share at
-// a time. D a multiple of 16.
+// a time. D a multiple of 16; scratch: 16 x D floats (a step of fewer than 16 positions' keys).
 void attend_row(const float* q, int64_t qs1, const float* kc, const float* vc, const int64_t* table,
                 int64_t block_size, int64_t p0, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, float scale, float* out,
-                float* top, float* total) {
+                float* top, float* total, float* scratch) {
   const int64_t group = Hq / Hkv, width = Hkv * D, end = p0 + n;
   std::fill(out, out + Hq * D, 0.0f);
   std::fill(top, top + Hq, -std::numeric_limits<float>::infinity());
   std::fill(total, total + Hq, 0.0f);
-  std::vector<float> tail(kChunk * D, 0.0f);  // a step of fewer than 16 positions' keys, the rest 0
   float p[4 * kChunk], alpha[4];
   for (int64_t pos = p0; pos < end;) {
     const Chunk c = chunk_at(table, block_size, pos, end);
+    const __mmask16 valid = static_cast<__mmask16>((1u << c.m) - 1);
     Chunk next[kAhead];
     int count = 0;
     for (int64_t ahead = pos + c.m; ahead < end && count < kAhead; ahead += next[count++].m)
@@ -172,17 +171,16 @@ void attend_row(const float* q, int64_t qs1, const float* kc, const float* vc, c
       const float* keys = kc + c.slot * width + hk * D;
       int64_t stride = width;
       if (c.m < kChunk) {  // (chunk_scores reads 16 rows: not past this block)
-        for (int j = 0; j < c.m; ++j) std::copy(keys + j * width, keys + j * width + D, tail.begin() + j * D);
-        keys = tail.data(), stride = D;
+        for (int j = 0; j < c.m; ++j) std::copy(keys + j * width, keys + j * width + D, scratch + j * D);
+        keys = scratch, stride = D;
       }
       for (int64_t g0 = 0; g0 < group; g0 += 4) {  // up to 4 query heads of this KV head at a time
         const int nq = static_cast<int>(std::min<int64_t>(4, group - g0));
         const int64_t h0 = hk * group + g0;
         for (int g = 0; g < nq; ++g) {
-          const __m512 s = chunk_scores(q + (h0 + g) * qs1, keys, stride, c.m, D, scale);
+          const __m512 s = chunk_scores(q + (h0 + g) * qs1, keys, stride, valid, D, scale);
           const float before = top[h0 + g], now = std::max(before, _mm512_reduce_max_ps(s));
-          const __m512 e = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << c.m) - 1),
-                                               exp16(_mm512_sub_ps(s, _mm512_set1_ps(now))));
+          const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(now))));
           // (~0 at the first step, where before is -inf and the sums are 0)
           alpha[g] = now == before ? 1.0f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(before - now)));
           top[h0 + g] = now;
